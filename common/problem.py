@@ -1,0 +1,144 @@
+"""Backend-neutral containers for one MoE expert-MLP backward problem and its gradients.
+
+Every backend (float64 reference, portable torch, NKI, CUDA) takes a :class:`MoEBackwardProblem`
+and returns :class:`MoEGrads`, so the command line and the tests compare them cell by cell.
+Dimension letters: see :mod:`common.shapes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from common.routing import RoutingPlan
+
+__all__ = ["ClampLimits", "MoEBackwardProblem", "MoEGrads"]
+
+
+@dataclass(frozen=True)
+class ClampLimits:
+    """Clamp limits of the SwiGLU pre-activations, with AWS nki-library's field names.
+
+    ``non_linear_*`` limits apply to the gate pre-activation g, ``linear_*`` limits to the up
+    pre-activation u (REFERENCE §2). ``None`` means no limit on that side. The forward clamps
+    the value; the backward masks the gradient to 0 where the stored (clamped) value is not
+    strictly inside (lower, upper).
+    """
+
+    linear_clamp_upper_limit: float | None = None
+    linear_clamp_lower_limit: float | None = None
+    non_linear_clamp_upper_limit: float | None = None
+    non_linear_clamp_lower_limit: float | None = None
+
+    def __post_init__(self) -> None:
+        for side in ("linear", "non_linear"):
+            lo = getattr(self, f"{side}_clamp_lower_limit")
+            hi = getattr(self, f"{side}_clamp_upper_limit")
+            for name, v in ((f"{side}_clamp_lower_limit", lo), (f"{side}_clamp_upper_limit", hi)):
+                if v is not None and not (isinstance(v, (int, float)) and v == v and abs(v) != float("inf")):
+                    raise ValueError(f"ClampLimits.{name} must be a finite number or None, got {v!r}")
+            if lo is not None and hi is not None and not lo < hi:
+                raise ValueError(
+                    f"ClampLimits: {side}_clamp_lower_limit ({lo}) must be < "
+                    f"{side}_clamp_upper_limit ({hi})"
+                )
+
+    @property
+    def is_active(self) -> bool:
+        return any(
+            v is not None
+            for v in (
+                self.linear_clamp_upper_limit,
+                self.linear_clamp_lower_limit,
+                self.non_linear_clamp_upper_limit,
+                self.non_linear_clamp_lower_limit,
+            )
+        )
+
+    def __repr__(self) -> str:  # AWS's compact repr, handy in test ids
+        return (
+            f"linear_{self.linear_clamp_lower_limit}_{self.linear_clamp_upper_limit}"
+            f"_non_linear_{self.non_linear_clamp_lower_limit}_{self.non_linear_clamp_upper_limit}"
+        )
+
+
+@dataclass
+class MoEBackwardProblem:
+    """Inputs of the expert-MLP backward for one MoE layer.
+
+    Args:
+        hidden_states_TH: [T, H] float (BF16 in training), the layer input X.
+        output_grad_TH: [T, H] float, dY, the gradient of the layer output.
+        w_gate_up_EH2I: [E, H, 2, I] float, gate (index 0) and up (index 1) projections.
+        w_down_EIH: [E, I, H] float, down projection.
+        plan: the :class:`~common.routing.RoutingPlan` of the router output.
+        act_checkpoint_R2I: [R, 2, I] float, the forward's clamped gate/up pre-activations of each
+            (token, expert) pair in the plan's pair order; rows of padding pairs (index >=
+            ``plan.num_pairs``) are arbitrary and may hold NaN.
+        b_gate_up_E2I: optional [E, 2, I] gate/up biases.
+        b_down_EH: optional [E, H] down bias.
+        clamp_limits: optional :class:`ClampLimits`.
+    """
+
+    hidden_states_TH: torch.Tensor
+    output_grad_TH: torch.Tensor
+    w_gate_up_EH2I: torch.Tensor
+    w_down_EIH: torch.Tensor
+    plan: RoutingPlan
+    act_checkpoint_R2I: torch.Tensor
+    b_gate_up_E2I: torch.Tensor | None = None
+    b_down_EH: torch.Tensor | None = None
+    clamp_limits: ClampLimits | None = None
+
+    @property
+    def has_bias(self) -> bool:
+        return self.b_gate_up_E2I is not None or self.b_down_EH is not None
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """The dimension legend of this problem: T, H, I, E, K."""
+        T, H = self.hidden_states_TH.shape
+        E, I, _ = self.w_down_EIH.shape
+        return {"T": T, "H": H, "I": I, "E": E, "K": self.plan.top_k}
+
+
+@dataclass
+class MoEGrads:
+    """Gradients of one MoE expert-MLP backward.
+
+    Attributes:
+        hidden_states_grad_TH: [T, H] dX.
+        affinity_grad_TE: [T, E] dA, dense (0 where a token is not routed to an expert); the
+            NKI layout's ``[T*E, 1]`` is ``affinity_grad_TE.reshape(-1, 1)``. Includes the
+            down-bias term ``<dY, b_down>`` when the problem has biases (REFERENCE §2).
+        w_gate_up_grad_EH2I: [E, H, 2, I].
+        w_down_grad_EIH: [E, I, H].
+        b_gate_up_grad_E2I: [E, 2, I] or None.
+        b_down_grad_EH: [E, H] or None.
+        info: backend-specific extras (e.g. modeled Trainium time per phase).
+    """
+
+    hidden_states_grad_TH: torch.Tensor
+    affinity_grad_TE: torch.Tensor
+    w_gate_up_grad_EH2I: torch.Tensor
+    w_down_grad_EIH: torch.Tensor
+    b_gate_up_grad_E2I: torch.Tensor | None = None
+    b_down_grad_EH: torch.Tensor | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """The gradients present, by their display names, in a fixed order."""
+        out = {
+            "dX [T,H]": self.hidden_states_grad_TH,
+            "dA [T,E]": self.affinity_grad_TE,
+            "dW_gate_up [E,H,2,I]": self.w_gate_up_grad_EH2I,
+            "dW_down [E,I,H]": self.w_down_grad_EIH,
+        }
+        if self.b_gate_up_grad_E2I is not None:
+            out["dB_gate_up [E,2,I]"] = self.b_gate_up_grad_E2I
+        if self.b_down_grad_EH is not None:
+            out["dB_down [E,H]"] = self.b_down_grad_EH
+        return out

@@ -1,0 +1,484 @@
+"""Router output -> the blocked layouts the MoE backward kernels consume.
+
+The router gives, per token ``t`` and slot ``k < top_k``, an expert id ``expert_index[t, k]``
+(``-1`` = dropped slot) and an affinity ``affinity[t, k]``. :func:`plan_routing` turns that into a
+:class:`RoutingPlan`: the routed (token, expert) *pairs* sorted by expert, then token. Two views of
+the plan feed the two kernel families:
+
+* :meth:`RoutingPlan.blockwise` -- AWS NKI's blockwise layout (REFERENCE §1.1):
+  ``token_position_to_id`` [N*B], ``block_to_expert`` [N, 1], ``expert_affinities_masked``
+  [T*E, 1]. Blocks are expert-contiguous in ascending expert order, tokens ascend inside an
+  expert, unused trailing blocks belong to the last expert and hold only padding.
+* :meth:`RoutingPlan.grouped` -- the cuDNN-style grouped layout (REFERENCE §1.2): ``offsets``
+  [E] (cumulative ends, each group a multiple of ``align``) and a row -> token gather index.
+
+Everything is vectorized torch on the input's device: no Python loop over tokens or experts.
+
+Host synchronisation on CUDA (the only points; each documented where it happens):
+
+* ``plan_routing(..., validate=True)`` reads the min/max expert id and checks affinities are
+  finite. Pass ``validate=False`` to skip (CUDA-graph capturable).
+* ``grouped(max_tokens_sum=None)`` reads the total row count to size the layout; pass an upper
+  bound ``max_tokens_sum`` (a multiple of ``align``) to avoid it. The extra rows are zero padding
+  owned by the last expert, as the blockwise layout's trailing blocks are.
+* ``blockwise(num_blocks=n)`` with ``n`` below the static bound reads the block count once to
+  check that ``n`` suffices; the default static ``N`` needs no read.
+
+Duplicate experts in one token's top-k are merged into one pair whose affinity is the sum
+(exact for the forward pass); ``slot_to_pair_TK`` keeps the slot -> pair map so per-slot affinity
+gradients can be returned (each duplicate slot gets the merged pair's gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.shapes import static_num_blocks
+
+__all__ = ["RoutingPlan", "BlockwiseLayout", "GroupedLayout", "plan_routing", "PADDING_MODES"]
+
+PADDING_MODES = ("skip", "zero_row")
+"""Blockwise padding conventions: ``skip`` marks padding slots -1 (the kernel skips them by
+out-of-bounds DMA); ``zero_row`` marks them T and the inputs get one extra all-zero row T."""
+
+
+def _round_up(x: torch.Tensor | int, m: int):
+    return (x + m - 1) // m * m
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+def _check_positive_int(name: str, value, what: str = ">= 1") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int {what}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class BlockwiseLayout:
+    """AWS NKI's blockwise layout of a routing plan (REFERENCE §1.1).
+
+    Attributes:
+        token_position_to_id: [N*B] int32, token id of slot j of block n at ``n*B + j``; padding
+            slots hold -1 (``padding="skip"``) or T (``padding="zero_row"``).
+        block_to_expert: [N, 1] int32, expert of each block; unused trailing blocks -> E-1.
+        expert_affinities_masked: [T*E, 1] (skip) or [(T+1)*E, 1] (zero_row), the dense
+            affinity matrix flattened token-major (element (t, e) at ``t*E + e``), affinity dtype.
+        position_to_pair: [N*B] int64, the plan's pair index of each slot, -1 for padding.
+        num_blocks: N.  block_size: B.  padding: "skip" or "zero_row".  num_tokens: T.
+    """
+
+    token_position_to_id: torch.Tensor
+    block_to_expert: torch.Tensor
+    expert_affinities_masked: torch.Tensor
+    position_to_pair: torch.Tensor
+    num_blocks: int
+    block_size: int
+    padding: str
+    num_tokens: int
+
+    def pad_token_rows(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """Append the all-zero row T for ``padding="zero_row"``; return ``x_TH`` unchanged for
+        ``"skip"``. x_TH: [T, ...] -> [T+1, ...] or [T, ...]."""
+        if x_TH.shape[0] != self.num_tokens:
+            raise ValueError(
+                f"pad_token_rows: x_TH has {x_TH.shape[0]} rows, the layout has T={self.num_tokens}"
+            )
+        if self.padding == "skip":
+            return x_TH
+        return torch.cat([x_TH, x_TH.new_zeros((1,) + tuple(x_TH.shape[1:]))], 0)
+
+    def checkpoint_from_pairs(self, act_R2I: torch.Tensor) -> torch.Tensor:
+        """Arrange per-pair activations into the kernel's checkpoint ``[N, 2, I, B]``.
+
+        Args:
+            act_R2I: [R, 2, I], row p = pair p of the plan (gate, up); padding pairs may hold NaN.
+        Returns:
+            [N, 2, I, B] contiguous, same dtype; padding slots are exactly 0 (selected, so NaN
+            in unused rows never leaks).
+        """
+        if act_R2I.dim() != 3 or act_R2I.shape[1] != 2:
+            raise ValueError(f"act_R2I must be [R, 2, I], got {tuple(act_R2I.shape)}")
+        N, B = self.num_blocks, self.block_size
+        I = act_R2I.shape[2]
+        valid = self.position_to_pair >= 0
+        if act_R2I.shape[0] == 0:
+            rows = act_R2I.new_zeros((N * B, 2, I))
+        else:
+            if act_R2I.shape[0] <= int(self.position_to_pair.max().clamp(min=0)):
+                raise ValueError("act_R2I has fewer rows than the plan has pairs")
+            rows = act_R2I[self.position_to_pair.clamp(min=0)]
+            rows = torch.where(valid[:, None, None], rows, rows.new_zeros(()))
+        return rows.reshape(N, B, 2, I).permute(0, 2, 3, 1).contiguous()
+
+
+@dataclass(frozen=True)
+class GroupedLayout:
+    """The cuDNN-style grouped layout of a routing plan (REFERENCE §1.2).
+
+    Attributes:
+        offsets_E: [E] int32, cumulative END row of each expert; every group size is a multiple
+            of ``align``; ``offsets_E[-1] == tokens_sum``; empty experts repeat the offset.
+        row_to_token_S: [S] int64, token id of each row, -1 for padding rows.
+        row_to_pair_S: [S] int64, plan pair index of each row, -1 for padding rows.
+        tokens_sum: S.  align: the group alignment.  num_tokens: T.
+    """
+
+    offsets_E: torch.Tensor
+    row_to_token_S: torch.Tensor
+    row_to_pair_S: torch.Tensor
+    tokens_sum: int
+    align: int
+    num_tokens: int
+
+    def gather_rows(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """Rows of ``x_TH`` [T, ...] in grouped order: [S, ...], padding rows exactly 0."""
+        if x_TH.shape[0] != self.num_tokens:
+            raise ValueError(
+                f"gather_rows: x_TH has {x_TH.shape[0]} rows, the layout has T={self.num_tokens}"
+            )
+        return _gather_masked(x_TH, self.row_to_token_S, self.tokens_sum)
+
+    def gather_pairs(self, per_pair_R: torch.Tensor) -> torch.Tensor:
+        """Per-pair rows [R, ...] in grouped order: [S, ...], padding rows exactly 0."""
+        return _gather_masked(per_pair_R, self.row_to_pair_S, self.tokens_sum)
+
+    def scatter_add_rows(self, rows_S: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+        """Sum grouped rows [S, ...] back onto their tokens: [T, ...].
+
+        Padding rows are dropped by a select, so NaN or garbage in them never reaches the result.
+        """
+        T = self.num_tokens if num_tokens is None else num_tokens
+        if rows_S.shape[0] != self.tokens_sum:
+            raise ValueError(
+                f"scatter_add_rows: rows_S has {rows_S.shape[0]} rows, layout has S={self.tokens_sum}"
+            )
+        valid = self.row_to_token_S >= 0
+        shape_tail = (1,) * (rows_S.dim() - 1)
+        clean = torch.where(valid.view(-1, *shape_tail), rows_S, rows_S.new_zeros(()))
+        dest = torch.where(valid, self.row_to_token_S, torch.full_like(self.row_to_token_S, T))
+        out = rows_S.new_zeros((T + 1,) + tuple(rows_S.shape[1:]))
+        out.index_add_(0, dest, clean)
+        return out[:T]
+
+
+def _gather_masked(src: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    tail = tuple(src.shape[1:])
+    if src.shape[0] == 0 or n == 0:
+        return src.new_zeros((n,) + tail)
+    valid = index >= 0
+    rows = src[index.clamp(min=0)]
+    return torch.where(valid.view(-1, *((1,) * len(tail))), rows, rows.new_zeros(()))
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Routed (token, expert) pairs, sorted by expert then token. Built by :func:`plan_routing`.
+
+    Attributes (R = T * top_k):
+        num_tokens: T.  num_experts: E.  top_k: K.
+        pair_token_R: [R] int64, token of each pair; -1 for the padding entries past the pairs.
+        pair_expert_R: [R] int64, expert of each pair; E for padding entries.
+        pair_affinity_R: [R] affinity dtype, merged affinity (duplicate slots summed); 0 for padding.
+        slot_to_pair_TK: [T, K] int64, pair index of each router slot, -1 for dropped slots.
+        tokens_per_expert_E: [E] int64, pairs routed to each expert.
+        num_pairs: 0-d int64 tensor, the number of real pairs (stays on the device).
+    """
+
+    num_tokens: int
+    num_experts: int
+    top_k: int
+    pair_token_R: torch.Tensor
+    pair_expert_R: torch.Tensor
+    pair_affinity_R: torch.Tensor
+    slot_to_pair_TK: torch.Tensor
+    tokens_per_expert_E: torch.Tensor
+    num_pairs: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.pair_token_R.device
+
+    @property
+    def pair_valid_R(self) -> torch.Tensor:
+        """[R] bool, True for real pairs."""
+        return self.pair_token_R >= 0
+
+    def _expert_start_E(self) -> torch.Tensor:
+        return _exclusive_cumsum(self.tokens_per_expert_E)
+
+    def _pair_rank_R(self) -> torch.Tensor:
+        """Position of each pair inside its expert (0 for padding entries)."""
+        R = self.pair_token_R.shape[0]
+        p = torch.arange(R, device=self.device)
+        start = self._expert_start_E()
+        e = self.pair_expert_R.clamp(max=self.num_experts - 1)
+        return torch.where(self.pair_valid_R, p - start[e], torch.zeros_like(p))
+
+    def affinity_dense_TE(self) -> torch.Tensor:
+        """[T, E] dense affinity matrix (merged duplicates; 0 where not routed)."""
+        T, E = self.num_tokens, self.num_experts
+        flat = self.pair_affinity_R.new_zeros(T * E + 1)
+        idx = torch.where(
+            self.pair_valid_R,
+            self.pair_token_R * E + self.pair_expert_R,
+            torch.full_like(self.pair_token_R, T * E),
+        )
+        flat.index_put_((idx,), torch.where(self.pair_valid_R, self.pair_affinity_R, 0.0))
+        return flat[: T * E].reshape(T, E)
+
+    def pair_values_from_dense(self, dense_TE: torch.Tensor) -> torch.Tensor:
+        """[R] the (token, expert) cell of ``dense_TE`` [T, E] for each pair (0 for padding)."""
+        if tuple(dense_TE.shape) != (self.num_tokens, self.num_experts):
+            raise ValueError(
+                f"dense_TE must be [T, E] = [{self.num_tokens}, {self.num_experts}], "
+                f"got {tuple(dense_TE.shape)}"
+            )
+        if self.num_tokens == 0:
+            return dense_TE.new_zeros(self.pair_token_R.shape[0])
+        vals = dense_TE[self.pair_token_R.clamp(min=0), self.pair_expert_R.clamp(max=self.num_experts - 1)]
+        return torch.where(self.pair_valid_R, vals, vals.new_zeros(()))
+
+    def slot_affinity_grad(self, d_affinity_TE: torch.Tensor) -> torch.Tensor:
+        """Per-router-slot affinity gradient [T, K] from the dense [T, E] gradient.
+
+        Each duplicate slot of a merged pair gets the merged cell's gradient (the forward is
+        linear in the summed affinity); dropped slots get 0.
+        """
+        per_pair = self.pair_values_from_dense(d_affinity_TE)
+        s2p = self.slot_to_pair_TK
+        if per_pair.numel() == 0:
+            return per_pair.new_zeros(s2p.shape)
+        vals = per_pair[s2p.clamp(min=0)]
+        return torch.where(s2p >= 0, vals, vals.new_zeros(()))
+
+    # ---------------------------------------------------------------------------------- views
+    def blockwise(
+        self, block_size: int, padding: str = "skip", num_blocks: int | None = None
+    ) -> BlockwiseLayout:
+        """The NKI blockwise layout (REFERENCE §1.1) for block size B.
+
+        Args:
+            block_size: B, token slots per block (any int >= 1; the NKI kernel itself accepts
+                128, 256, 512, 1024).
+            padding: "skip" (padding slots -1) or "zero_row" (padding slots T, affinities get
+                an extra zero row T).
+            num_blocks: N, default the static bound ``ceil((T*K - (E-1)) / B) + E - 1``. A
+                smaller N is accepted after a host read confirms the blocks fit.
+        Returns:
+            :class:`BlockwiseLayout`.
+        Raises:
+            ValueError: bad ``block_size``/``padding``/``num_blocks``, or ``num_blocks`` too small.
+        """
+        B = _check_positive_int("block_size", block_size)
+        if padding not in PADDING_MODES:
+            raise ValueError(f"padding must be one of {PADDING_MODES}, got {padding!r}")
+        T, E, K = self.num_tokens, self.num_experts, self.top_k
+        n_static = static_num_blocks(T, K, E, B)
+        blocks_E = (self.tokens_per_expert_E + B - 1) // B
+        if num_blocks is None:
+            N = n_static
+        else:
+            N = _check_positive_int("num_blocks", num_blocks)
+            if N < n_static:
+                needed = int(blocks_E.sum())  # host read: only for a caller-chosen smaller N
+                if N < needed:
+                    raise ValueError(
+                        f"num_blocks={N} is too small: the routing needs {needed} blocks of "
+                        f"block_size={B}"
+                    )
+        dev = self.device
+        block_end_E = torch.cumsum(blocks_E, 0)
+        block_start_E = block_end_E - blocks_E
+        R = self.pair_token_R.shape[0]
+        e = self.pair_expert_R.clamp(max=E - 1)
+        rank = self._pair_rank_R()
+        pos = block_start_E[e] * B + rank
+        dump = N * B
+        pos = torch.where(self.pair_valid_R, pos, torch.full_like(pos, dump))
+
+        pad_value = -1 if padding == "skip" else T
+        tpti = torch.full((N * B + 1,), pad_value, dtype=torch.int64, device=dev)
+        tpti.index_put_((pos,), self.pair_token_R)
+        pos_to_pair = torch.full((N * B + 1,), -1, dtype=torch.int64, device=dev)
+        pos_to_pair.index_put_((pos,), torch.arange(R, device=dev))
+        pos_to_pair = pos_to_pair[:dump]
+        tpti = torch.where(pos_to_pair >= 0, tpti[:dump], torch.full_like(tpti[:dump], pad_value))
+
+        n = torch.arange(N, device=dev)
+        b2e = torch.searchsorted(block_end_E, n, right=True).clamp(max=E - 1)
+
+        aff = self.affinity_dense_TE()
+        if padding == "zero_row":
+            aff = torch.cat([aff, aff.new_zeros(1, E)], 0)
+        return BlockwiseLayout(
+            token_position_to_id=tpti.to(torch.int32),
+            block_to_expert=b2e.to(torch.int32).reshape(N, 1),
+            expert_affinities_masked=aff.reshape(-1, 1).contiguous(),
+            position_to_pair=pos_to_pair,
+            num_blocks=N,
+            block_size=B,
+            padding=padding,
+            num_tokens=T,
+        )
+
+    def grouped(self, align: int = 256, max_tokens_sum: int | None = None) -> GroupedLayout:
+        """The grouped (cuDNN-style) layout (REFERENCE §1.2).
+
+        Args:
+            align: every expert's row count is padded up to a multiple of ``align`` (256 for
+                the SM100 BF16 contract; 1 = no padding).
+            max_tokens_sum: optional static row count S (a multiple of ``align``, at least the
+                padded total). Avoids the host read of the total on CUDA; the surplus rows are
+                zero padding owned by the last expert. Checked on the host only on CPU.
+        Returns:
+            :class:`GroupedLayout`.
+        Raises:
+            ValueError: bad ``align`` or ``max_tokens_sum``.
+        """
+        A = _check_positive_int("align", align)
+        E, T = self.num_experts, self.num_tokens
+        rows_E = _round_up(self.tokens_per_expert_E, A)
+        offsets = torch.cumsum(rows_E, 0)
+        if max_tokens_sum is None:
+            S = int(offsets[-1])  # host read (documented in the module docstring)
+        else:
+            if isinstance(max_tokens_sum, bool) or not isinstance(max_tokens_sum, int) or max_tokens_sum < 0:
+                raise ValueError(f"max_tokens_sum must be an int >= 0, got {max_tokens_sum!r}")
+            if max_tokens_sum % A:
+                raise ValueError(
+                    f"max_tokens_sum={max_tokens_sum} must be a multiple of align={A}"
+                )
+            S = max_tokens_sum
+            if self.device.type == "cpu" and int(offsets[-1]) > S:
+                raise ValueError(
+                    f"max_tokens_sum={S} is too small: the routing needs {int(offsets[-1])} rows"
+                )
+            offsets = offsets.clone()
+            offsets[-1] = S
+        row_start_E = _exclusive_cumsum(rows_E)
+        R = self.pair_token_R.shape[0]
+        dev = self.device
+        e = self.pair_expert_R.clamp(max=E - 1)
+        row = row_start_E[e] + self._pair_rank_R()
+        row = torch.where(self.pair_valid_R, row, torch.full_like(row, S))
+        r2t = torch.full((S + 1,), -1, dtype=torch.int64, device=dev)
+        r2t.index_put_((row,), self.pair_token_R)
+        r2p = torch.full((S + 1,), -1, dtype=torch.int64, device=dev)
+        r2p.index_put_((row,), torch.arange(R, device=dev))
+        r2p = r2p[:S]
+        r2t = torch.where(r2p >= 0, r2t[:S], torch.full_like(r2p, -1))
+        return GroupedLayout(
+            offsets_E=offsets.to(torch.int32),
+            row_to_token_S=r2t,
+            row_to_pair_S=r2p,
+            tokens_sum=S,
+            align=A,
+            num_tokens=T,
+        )
+
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def plan_routing(
+    expert_index: torch.Tensor,
+    affinity: torch.Tensor,
+    num_experts: int,
+    *,
+    validate: bool = True,
+) -> RoutingPlan:
+    """Sort router output into (token, expert) pairs, merging duplicate experts of a token.
+
+    Dimensions: T tokens, K top_k, E experts, R = T*K.
+
+    Args:
+        expert_index: [T, K] integer tensor, expert id of each slot, -1 = dropped slot.
+        affinity: [T, K] floating tensor on the same device, the slot's router weight.
+        num_experts: E >= 1.
+        validate: check id range and finite affinities (a host read on CUDA; pass False inside
+            CUDA-graph capture, then out-of-range ids give undefined layouts).
+    Returns:
+        :class:`RoutingPlan`.
+    Raises:
+        ValueError: non-tensor input, wrong rank or dtype, mismatched shapes or devices,
+            ``num_experts`` < 1, an id outside [-1, E), a non-finite affinity.
+    """
+    if not isinstance(expert_index, torch.Tensor):
+        raise ValueError(f"expert_index must be a torch.Tensor, got {type(expert_index).__name__}")
+    if not isinstance(affinity, torch.Tensor):
+        raise ValueError(f"affinity must be a torch.Tensor, got {type(affinity).__name__}")
+    if expert_index.dim() != 2:
+        raise ValueError(f"expert_index must be 2-D [T, top_k], got shape {tuple(expert_index.shape)}")
+    if expert_index.dtype not in _INT_DTYPES:
+        raise ValueError(f"expert_index must have an integer dtype, got {expert_index.dtype}")
+    if not affinity.is_floating_point():
+        raise ValueError(f"affinity must have a floating dtype, got {affinity.dtype}")
+    if affinity.shape != expert_index.shape:
+        raise ValueError(
+            f"affinity shape {tuple(affinity.shape)} must equal expert_index shape "
+            f"{tuple(expert_index.shape)}"
+        )
+    if affinity.device != expert_index.device:
+        raise ValueError(
+            f"expert_index ({expert_index.device}) and affinity ({affinity.device}) must be on one device"
+        )
+    E = _check_positive_int("num_experts", num_experts)
+    T, K = expert_index.shape
+    if K < 1:
+        raise ValueError("expert_index must have top_k >= 1 columns")
+    if validate and expert_index.numel():
+        lo, hi = int(expert_index.min()), int(expert_index.max())
+        if lo < -1 or hi >= E:
+            raise ValueError(
+                f"expert_index values must lie in [-1, num_experts={E}), found range [{lo}, {hi}]"
+            )
+        if not bool(torch.isfinite(affinity).all()):
+            raise ValueError("affinity must be finite (found NaN or inf)")
+
+    dev = expert_index.device
+    R = T * K
+    flat_e = expert_index.reshape(-1).to(torch.int64)
+    flat_a = affinity.reshape(-1)
+    token = torch.arange(R, device=dev) // K
+    valid = flat_e >= 0
+    sentinel = E * T
+    key = torch.where(valid, flat_e * T + token, torch.full_like(flat_e, sentinel))
+    sorted_key, order = torch.sort(key, stable=True)
+    sorted_valid = sorted_key < sentinel
+    is_first = sorted_valid.clone()
+    if R > 1:
+        is_first[1:] &= sorted_key[1:] != sorted_key[:-1]
+    pid = torch.cumsum(is_first.to(torch.int64), 0) - 1
+    dest = torch.where(sorted_valid, pid, torch.full_like(pid, R))
+
+    pair_token = torch.full((R + 1,), -1, dtype=torch.int64, device=dev)
+    pair_expert = torch.full((R + 1,), E, dtype=torch.int64, device=dev)
+    pair_token.index_put_((dest,), torch.where(sorted_valid, sorted_key % max(T, 1), -1))
+    pair_expert.index_put_((dest,), torch.where(sorted_valid, sorted_key // max(T, 1), E))
+    pair_aff = flat_a.new_zeros(R + 1)
+    pair_aff.index_add_(0, dest, torch.where(sorted_valid, flat_a[order], flat_a.new_zeros(())))
+    # The dump slot R collected all padding writes; slots past num_pairs were never written
+    # except as padding, so they already hold the padding values.
+    pair_token, pair_expert, pair_aff = pair_token[:R], pair_expert[:R], pair_aff[:R]
+
+    slot_to_pair = torch.full((R,), -1, dtype=torch.int64, device=dev)
+    slot_to_pair[order] = torch.where(sorted_valid, pid, torch.full_like(pid, -1))
+
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev)
+    counts.index_add_(0, pair_expert, torch.ones_like(pair_expert))
+    return RoutingPlan(
+        num_tokens=T,
+        num_experts=E,
+        top_k=K,
+        pair_token_R=pair_token,
+        pair_expert_R=pair_expert,
+        pair_affinity_R=pair_aff,
+        slot_to_pair_TK=slot_to_pair.reshape(T, K),
+        tokens_per_expert_E=counts[:E],
+        num_pairs=is_first.sum(),
+    )

@@ -1,0 +1,464 @@
+"""Float64 reference of the SwiGLU expert MLP forward and backward, and of the grouped wgrad.
+
+The twin every kernel is tested against. Math (REFERENCE §2), per routed pair (t, e) with
+affinity a = A[t, e], gate/up weights ``Wg, Wu = w_gate_up[e, :, 0], w_gate_up[e, :, 1]`` [H, I],
+down weight ``Wd = w_down[e]`` [I, H], optional biases ``bg, bu`` [I], ``bd`` [H]::
+
+    g = clamp_g(x Wg + bg);  u = clamp_u(x Wu + bu);  h = silu(g) * u
+    Y[t] += a * (h Wd + bd)
+
+    dh_raw  = dY Wd^T                          s = sigmoid(g)
+    dA[t,e] = <dh_raw, h> + <dY, bd>           (bias term only with biases)
+    dh      = a * dh_raw
+    dg      = dh * u * s * (1 + g (1 - s)) * mask_g        mask: stored value strictly inside
+    du      = dh * silu(g) * mask_u                         (lower, upper); no limit, no mask
+    dWd[e] += (a h)^T dY     dWg[e] += x^T dg    dWu[e] += x^T du
+    dX[t]  += dg Wg^T + du Wu^T                 (summed over the token's experts)
+    dbd[e] += a dY           dbg[e] += dg        dbu[e] += du
+
+``non_linear_*`` clamp limits apply to the gate g, ``linear_*`` to up u (AWS's names).
+AFFINITY_ON_I applies ``a`` to h before the down projection, AFFINITY_ON_H to the output after
+it; the two are equal in exact arithmetic and differ here only by float64 rounding order.
+
+All functions compute in float64 on the inputs' device and never read padding: padding slots
+and rows (token id -1 or T, rows past the last offset) are removed by selection, so NaN there
+cannot reach a result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
+from common.routing import RoutingPlan
+
+__all__ = [
+    "AFFINITY_ON_I",
+    "AFFINITY_ON_H",
+    "moe_forward_reference",
+    "moe_backward_reference",
+    "reference_forward",
+    "reference_backward",
+    "grouped_wgrad_reference",
+]
+
+AFFINITY_ON_I = "on_i"
+AFFINITY_ON_H = "on_h"
+_F64 = torch.float64
+
+
+def _clamp(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
+    if lo is not None or hi is not None:
+        v = v.clamp(min=lo, max=hi)
+    return v
+
+
+def _strict_mask(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
+    m = torch.ones_like(v, dtype=torch.bool)
+    if lo is not None:
+        m &= v > lo
+    if hi is not None:
+        m &= v < hi
+    return m
+
+
+def _check_affinity_option(affinity_option: str) -> None:
+    if affinity_option not in (AFFINITY_ON_I, AFFINITY_ON_H):
+        raise ValueError(
+            f"affinity_option must be {AFFINITY_ON_I!r} or {AFFINITY_ON_H!r}, got {affinity_option!r}"
+        )
+
+
+def _check_weights(
+    x_TH: torch.Tensor,
+    w_gate_up_EH2I: torch.Tensor,
+    w_down_EIH: torch.Tensor,
+    b_gate_up_E2I: torch.Tensor | None,
+    b_down_EH: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    if x_TH.dim() != 2:
+        raise ValueError(f"hidden_states must be [T, H], got shape {tuple(x_TH.shape)}")
+    H = x_TH.shape[1]
+    if w_gate_up_EH2I.dim() != 4 or w_gate_up_EH2I.shape[1] != H or w_gate_up_EH2I.shape[2] != 2:
+        raise ValueError(
+            f"w_gate_up must be [E, H={H}, 2, I], got shape {tuple(w_gate_up_EH2I.shape)}"
+        )
+    E, _, _, I = w_gate_up_EH2I.shape
+    if tuple(w_down_EIH.shape) != (E, I, H):
+        raise ValueError(f"w_down must be [E, I, H] = [{E}, {I}, {H}], got {tuple(w_down_EIH.shape)}")
+    if b_gate_up_E2I is not None and tuple(b_gate_up_E2I.shape) != (E, 2, I):
+        raise ValueError(f"b_gate_up must be [E, 2, I] = [{E}, 2, {I}], got {tuple(b_gate_up_E2I.shape)}")
+    if b_down_EH is not None and tuple(b_down_EH.shape) != (E, H):
+        raise ValueError(f"b_down must be [E, H] = [{E}, {H}], got {tuple(b_down_EH.shape)}")
+    for name, t in (("hidden_states", x_TH), ("w_gate_up", w_gate_up_EH2I), ("w_down", w_down_EIH)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+    return E, H, I
+
+
+# ------------------------------------------------------------------------------------- core
+def _pairs_forward(x_TH, w_gate_up_EH2I, w_down_EIH, tok_P, exp_P, aff_P, bg_E2I, bd_EH, clamp,
+                   affinity_option):
+    """Per-pair forward; returns (y_TH float64, act_P2I float64)."""
+    T, H = x_TH.shape
+    I = w_gate_up_EH2I.shape[3]
+    P = tok_P.shape[0]
+    y = torch.zeros(T, H, dtype=_F64, device=x_TH.device)
+    act = torch.zeros(P, 2, I, dtype=_F64, device=x_TH.device)
+    cl = clamp or ClampLimits()
+    for e in torch.unique(exp_P).tolist():
+        sel = (exp_P == e).nonzero().flatten()
+        tok = tok_P[sel]
+        x = x_TH[tok].to(_F64)
+        a = aff_P[sel].to(_F64)[:, None]
+        w = w_gate_up_EH2I[e].to(_F64)
+        g = x @ w[:, 0]
+        u = x @ w[:, 1]
+        if bg_E2I is not None:
+            g = g + bg_E2I[e, 0].to(_F64)
+            u = u + bg_E2I[e, 1].to(_F64)
+        g = _clamp(g, cl.non_linear_clamp_lower_limit, cl.non_linear_clamp_upper_limit)
+        u = _clamp(u, cl.linear_clamp_lower_limit, cl.linear_clamp_upper_limit)
+        h = torch.nn.functional.silu(g) * u
+        wd = w_down_EIH[e].to(_F64)
+        if affinity_option == AFFINITY_ON_I:
+            out = (a * h) @ wd
+            if bd_EH is not None:
+                out = out + a * bd_EH[e].to(_F64)
+        else:
+            out = h @ wd
+            if bd_EH is not None:
+                out = out + bd_EH[e].to(_F64)
+            out = a * out
+        y.index_add_(0, tok, out)
+        act[sel, 0] = g
+        act[sel, 1] = u
+    return y, act
+
+
+def _pairs_backward(x_TH, dy_TH, w_gate_up_EH2I, w_down_EIH, tok_P, exp_P, aff_P, act_P2I,
+                    bg_E2I, bd_EH, clamp, affinity_option):
+    """Per-pair backward. Returns (dX_TH, dA_P, dWgu_EH2I, dWd_EIH, dBgu_E2I, dBd_EH) float64."""
+    T, H = x_TH.shape
+    E, _, _, I = w_gate_up_EH2I.shape
+    dev = x_TH.device
+    dX = torch.zeros(T, H, dtype=_F64, device=dev)
+    dA = torch.zeros(tok_P.shape[0], dtype=_F64, device=dev)
+    dWgu = torch.zeros(E, H, 2, I, dtype=_F64, device=dev)
+    dWd = torch.zeros(E, I, H, dtype=_F64, device=dev)
+    dBgu = torch.zeros(E, 2, I, dtype=_F64, device=dev)
+    dBd = torch.zeros(E, H, dtype=_F64, device=dev)
+    cl = clamp or ClampLimits()
+    for e in torch.unique(exp_P).tolist():
+        sel = (exp_P == e).nonzero().flatten()
+        tok = tok_P[sel]
+        x = x_TH[tok].to(_F64)
+        dy = dy_TH[tok].to(_F64)
+        a = aff_P[sel].to(_F64)[:, None]
+        g = act_P2I[sel, 0].to(_F64)
+        u = act_P2I[sel, 1].to(_F64)
+        wg = w_gate_up_EH2I[e, :, 0].to(_F64)
+        wu = w_gate_up_EH2I[e, :, 1].to(_F64)
+        wd = w_down_EIH[e].to(_F64)
+        s = torch.sigmoid(g)
+        silu = g * s
+        h = silu * u
+        dh_raw = dy @ wd.T
+        da = (dh_raw * h).sum(-1)
+        if bd_EH is not None:
+            da = da + dy @ bd_EH[e].to(_F64)
+        dA[sel] = da
+        dh = a * dh_raw
+        mg = _strict_mask(g, cl.non_linear_clamp_lower_limit, cl.non_linear_clamp_upper_limit)
+        mu = _strict_mask(u, cl.linear_clamp_lower_limit, cl.linear_clamp_upper_limit)
+        dg = torch.where(mg, dh * u * s * (1 + g * (1 - s)), 0.0)
+        du = torch.where(mu, dh * silu, 0.0)
+        if affinity_option == AFFINITY_ON_I:
+            dWd[e] = (a * h).T @ dy
+        else:
+            dWd[e] = h.T @ (a * dy)
+        dWgu[e, :, 0] = x.T @ dg
+        dWgu[e, :, 1] = x.T @ du
+        dX.index_add_(0, tok, dg @ wg.T + du @ wu.T)
+        dBd[e] = (a * dy).sum(0)
+        dBgu[e, 0] = dg.sum(0)
+        dBgu[e, 1] = du.sum(0)
+    return dX, dA, dWgu, dWd, dBgu, dBd
+
+
+# ------------------------------------------------------------------------- blockwise-native
+def _blockwise_pairs(token_position_to_id, block_to_expert, expert_affinities_masked, block_size,
+                     num_tokens, num_experts):
+    """Real slots of a blockwise layout -> (position, token, expert, affinity)."""
+    B = block_size
+    tpti = token_position_to_id.reshape(-1).to(torch.int64)
+    if tpti.numel() % B:
+        raise ValueError(
+            f"token_position_to_id length {tpti.numel()} must be a multiple of block_size={B}"
+        )
+    N = tpti.numel() // B
+    b2e = block_to_expert.reshape(-1).to(torch.int64)
+    if b2e.numel() != N:
+        raise ValueError(f"block_to_expert must have N={N} entries, got {b2e.numel()}")
+    if N and (int(b2e.min()) < 0 or int(b2e.max()) >= num_experts):
+        raise ValueError(f"block_to_expert values must lie in [0, E={num_experts})")
+    pos = ((tpti >= 0) & (tpti < num_tokens)).nonzero().flatten()
+    tok = tpti[pos]
+    exp = b2e[pos // B]
+    aff = expert_affinities_masked.reshape(-1)[tok * num_experts + exp]
+    return pos, tok, exp, aff
+
+
+def moe_forward_reference(
+    hidden_states: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    token_position_to_id: torch.Tensor,
+    block_to_expert: torch.Tensor,
+    expert_affinities_masked: torch.Tensor,
+    block_size: int,
+    *,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    clamp_limits: ClampLimits | None = None,
+    affinity_option: str = AFFINITY_ON_I,
+    padding: str = "skip",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 SwiGLU expert-MLP forward on the NKI blockwise layout.
+
+    Dimensions: T tokens, H hidden, I intermediate, E experts, B block_size, N blocks.
+
+    Args:
+        hidden_states: [T, H] (or [T+1, H] with the zero padding row) float.
+        w_gate_up: [E, H, 2, I].  w_down: [E, I, H].
+        token_position_to_id: [N*B] int, token per slot; -1 or T = padding.
+        block_to_expert: [N, 1] int.
+        expert_affinities_masked: [T*E, 1] (or [(T+1)*E, 1]) float, dense affinities.
+        block_size: B.
+        b_gate_up: optional [E, 2, I].  b_down: optional [E, H].
+        clamp_limits: optional :class:`ClampLimits`.  affinity_option: "on_i" or "on_h".
+        padding: "skip" (padding slots are -1; any id outside [0, T) is skipped) or
+            "zero_row" (hidden_states and affinities carry the extra row T; slots holding T are
+            padding and row T is never read, so it may hold anything, NaN included).
+    Returns:
+        (y [T, H] float64, gate_up_proj_act_checkpoint_T [N, 2, I, B] float64): the output and
+        the clamped gate/up pre-activations per slot (padding slots 0), B contiguous.
+    Raises:
+        ValueError: inconsistent shapes, dtypes or ids.
+    """
+    _check_affinity_option(affinity_option)
+    E, H, I = _check_weights(hidden_states, w_gate_up, w_down, b_gate_up, b_down)
+    T = _num_tokens_of(padding, hidden_states, expert_affinities_masked, E)
+    pos, tok, exp, aff = _blockwise_pairs(
+        token_position_to_id, block_to_expert, expert_affinities_masked, block_size, T, E
+    )
+    y, act = _pairs_forward(
+        hidden_states[:T], w_gate_up, w_down, tok, exp, aff, b_gate_up, b_down, clamp_limits,
+        affinity_option,
+    )
+    B = block_size
+    N = token_position_to_id.numel() // B
+    ckpt = torch.zeros(N * B, 2, I, dtype=_F64, device=hidden_states.device)
+    ckpt[pos] = act
+    return y, ckpt.reshape(N, B, 2, I).permute(0, 2, 3, 1).contiguous()
+
+
+def _num_tokens_of(padding, hidden_states, expert_affinities_masked, E) -> int:
+    """T: rows of hidden_states, minus the zero padding row for ``padding="zero_row"``."""
+    if padding not in ("skip", "zero_row"):
+        raise ValueError(f"padding must be 'skip' or 'zero_row', got {padding!r}")
+    rows = hidden_states.shape[0]
+    aff_rows = expert_affinities_masked.numel()
+    if aff_rows != rows * E:
+        raise ValueError(
+            f"expert_affinities_masked must have (hidden_states rows) x E = {rows}*{E} elements, "
+            f"got {aff_rows}"
+        )
+    if padding == "zero_row":
+        if rows < 1:
+            raise ValueError('padding="zero_row" needs the extra zero row T in hidden_states')
+        return rows - 1
+    return rows
+
+
+def moe_backward_reference(
+    hidden_states: torch.Tensor,
+    output_hidden_states_grad: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    gate_up_proj_act_checkpoint_T: torch.Tensor,
+    token_position_to_id: torch.Tensor,
+    block_to_expert: torch.Tensor,
+    expert_affinities_masked: torch.Tensor,
+    block_size: int,
+    *,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    clamp_limits: ClampLimits | None = None,
+    affinity_option: str = AFFINITY_ON_I,
+    padding: str = "skip",
+) -> tuple[torch.Tensor, ...]:
+    """Float64 backward on the NKI blockwise layout: the twin of ``blockwise_mm_bwd_mxfp8``.
+
+    Args: as :func:`moe_forward_reference`, plus
+        output_hidden_states_grad: [T, H] (or [T+1, H]) dY.
+        gate_up_proj_act_checkpoint_T: [N, 2, I, B] clamped gate/up pre-activations.
+    Returns:
+        ``(dX, dA, dW_gate_up, dW_down)`` or, when a bias is given, ``(dX, dA, dW_gate_up,
+        dW_down, dB_gate_up, dB_down)``, float64, shaped like their inputs: dX like
+        ``hidden_states`` (the padding row T, if any, is 0), dA like
+        ``expert_affinities_masked`` ([T*E, 1]; includes ``<dY, b_down>`` when ``b_down`` is
+        given), dW_gate_up [E, H, 2, I], dW_down [E, I, H], dB_gate_up [E, 2, I], dB_down [E, H].
+    Raises:
+        ValueError: inconsistent shapes, dtypes or ids.
+    """
+    _check_affinity_option(affinity_option)
+    E, H, I = _check_weights(hidden_states, w_gate_up, w_down, b_gate_up, b_down)
+    if output_hidden_states_grad.shape != hidden_states.shape:
+        raise ValueError(
+            f"output_hidden_states_grad shape {tuple(output_hidden_states_grad.shape)} must equal "
+            f"hidden_states shape {tuple(hidden_states.shape)}"
+        )
+    T = _num_tokens_of(padding, hidden_states, expert_affinities_masked, E)
+    B = block_size
+    N = token_position_to_id.numel() // B
+    if tuple(gate_up_proj_act_checkpoint_T.shape) != (N, 2, I, B):
+        raise ValueError(
+            f"gate_up_proj_act_checkpoint_T must be [N, 2, I, B] = [{N}, 2, {I}, {B}], got "
+            f"{tuple(gate_up_proj_act_checkpoint_T.shape)}"
+        )
+    pos, tok, exp, aff = _blockwise_pairs(
+        token_position_to_id, block_to_expert, expert_affinities_masked, B, T, E
+    )
+    act = gate_up_proj_act_checkpoint_T.permute(0, 3, 1, 2).reshape(N * B, 2, I)[pos]
+    dX, dA_P, dWgu, dWd, dBgu, dBd = _pairs_backward(
+        hidden_states, output_hidden_states_grad, w_gate_up, w_down, tok, exp, aff, act,
+        b_gate_up, b_down, clamp_limits, affinity_option,
+    )
+    dA = torch.zeros(expert_affinities_masked.numel(), dtype=_F64, device=hidden_states.device)
+    dA[tok * E + exp] = dA_P
+    dX = torch.where(
+        (torch.arange(dX.shape[0], device=dX.device) < T)[:, None], dX, 0.0
+    )
+    out = (dX, dA.reshape(expert_affinities_masked.shape), dWgu, dWd)
+    if b_gate_up is not None or b_down is not None:
+        out = out + (dBgu, dBd)
+    return out
+
+
+# ------------------------------------------------------------------------------ plan-based
+def _plan_pairs(plan: RoutingPlan):
+    valid = plan.pair_valid_R
+    idx = valid.nonzero().flatten()
+    return idx, plan.pair_token_R[idx], plan.pair_expert_R[idx], plan.pair_affinity_R[idx]
+
+
+def reference_forward(
+    hidden_states_TH: torch.Tensor,
+    w_gate_up_EH2I: torch.Tensor,
+    w_down_EIH: torch.Tensor,
+    plan: RoutingPlan,
+    *,
+    b_gate_up_E2I: torch.Tensor | None = None,
+    b_down_EH: torch.Tensor | None = None,
+    clamp_limits: ClampLimits | None = None,
+    affinity_option: str = AFFINITY_ON_I,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 forward from a :class:`RoutingPlan`.
+
+    Returns:
+        (y_TH [T, H] float64, act_checkpoint_R2I [R, 2, I] float64 in the plan's pair order;
+        padding rows 0) -- the checkpoint a :class:`MoEBackwardProblem` carries.
+    """
+    _check_affinity_option(affinity_option)
+    E, H, I = _check_weights(hidden_states_TH, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH)
+    _check_plan(plan, hidden_states_TH, E)
+    idx, tok, exp, aff = _plan_pairs(plan)
+    y, act = _pairs_forward(
+        hidden_states_TH, w_gate_up_EH2I, w_down_EIH, tok, exp, aff, b_gate_up_E2I, b_down_EH,
+        clamp_limits, affinity_option,
+    )
+    R = plan.pair_token_R.shape[0]
+    act_R = torch.zeros(R, 2, I, dtype=_F64, device=hidden_states_TH.device)
+    act_R[idx] = act
+    return y, act_R
+
+
+def _check_plan(plan: RoutingPlan, x_TH: torch.Tensor, E: int) -> None:
+    if plan.num_tokens != x_TH.shape[0]:
+        raise ValueError(f"plan has T={plan.num_tokens} tokens, hidden_states has {x_TH.shape[0]} rows")
+    if plan.num_experts != E:
+        raise ValueError(f"plan has E={plan.num_experts} experts, the weights have {E}")
+
+
+def reference_backward(problem: MoEBackwardProblem, affinity_option: str = AFFINITY_ON_I) -> MoEGrads:
+    """Float64 backward of a :class:`MoEBackwardProblem` (any backend's twin).
+
+    Returns:
+        :class:`MoEGrads` in float64; ``affinity_grad_TE`` is dense [T, E] and includes the
+        down-bias term. Bias grads are present when the problem has biases.
+    """
+    _check_affinity_option(affinity_option)
+    p = problem
+    E, H, I = _check_weights(p.hidden_states_TH, p.w_gate_up_EH2I, p.w_down_EIH, p.b_gate_up_E2I, p.b_down_EH)
+    _check_plan(p.plan, p.hidden_states_TH, E)
+    R = p.plan.pair_token_R.shape[0]
+    if tuple(p.act_checkpoint_R2I.shape) != (R, 2, I):
+        raise ValueError(
+            f"act_checkpoint_R2I must be [R, 2, I] = [{R}, 2, {I}], got {tuple(p.act_checkpoint_R2I.shape)}"
+        )
+    if p.output_grad_TH.shape != p.hidden_states_TH.shape:
+        raise ValueError("output_grad_TH must have the shape of hidden_states_TH")
+    idx, tok, exp, aff = _plan_pairs(p.plan)
+    dX, dA_P, dWgu, dWd, dBgu, dBd = _pairs_backward(
+        p.hidden_states_TH, p.output_grad_TH, p.w_gate_up_EH2I, p.w_down_EIH, tok, exp, aff,
+        p.act_checkpoint_R2I[idx], p.b_gate_up_E2I, p.b_down_EH, p.clamp_limits, affinity_option,
+    )
+    T = p.plan.num_tokens
+    dA = torch.zeros(T * E, dtype=_F64, device=dX.device)
+    dA[tok * E + exp] = dA_P
+    has_bias = p.has_bias
+    return MoEGrads(
+        hidden_states_grad_TH=dX,
+        affinity_grad_TE=dA.reshape(T, E),
+        w_gate_up_grad_EH2I=dWgu,
+        w_down_grad_EIH=dWd,
+        b_gate_up_grad_E2I=dBgu if has_bias else None,
+        b_down_grad_EH=dBd if has_bias else None,
+    )
+
+
+# ------------------------------------------------------------------------------ grouped wgrad
+def grouped_wgrad_reference(a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Float64 twin of the grouped weight-gradient GEMM of the cuDNN-style API.
+
+    ``Wgrad[e] = a_HS[:, begin:end] @ b_SI[begin:end, :]`` with ``begin = offsets_E[e-1]`` (0 for
+    e = 0) and ``end = offsets_E[e]`` (seed ``grouped_gemm_wgrad_sm100.md``). Rows past the last
+    offset are never read. Empty experts give zeros.
+
+    Args:
+        a_HS: [H, S] float (any strides).  b_SI: [S, I] float.  offsets_E: [E] int, cumulative
+            ends, non-decreasing, ``offsets_E[-1] <= S``.
+    Returns:
+        [E, H, I] float64.
+    Raises:
+        ValueError: bad ranks, mismatched S, decreasing or out-of-range offsets.
+    """
+    if a_HS.dim() != 2 or b_SI.dim() != 2:
+        raise ValueError(f"a must be [H, S] and b [S, I]; got {tuple(a_HS.shape)} and {tuple(b_SI.shape)}")
+    if a_HS.shape[1] != b_SI.shape[0]:
+        raise ValueError(f"a is [H, S={a_HS.shape[1]}] but b is [S={b_SI.shape[0]}, I]")
+    if offsets_E.dim() != 1 or offsets_E.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offsets must be a 1-D int32/int64 tensor, got {offsets_E.dtype} {tuple(offsets_E.shape)}")
+    ends = offsets_E.to(torch.int64).cpu()
+    E = ends.numel()
+    begins = torch.cat([ends.new_zeros(1), ends[:-1]])
+    if E and (bool((ends < begins).any()) or int(ends[-1]) > a_HS.shape[1] or int(begins[0]) < 0):
+        raise ValueError("offsets must be non-decreasing cumulative ends with offsets[-1] <= tokens_sum")
+    H, I = a_HS.shape[0], b_SI.shape[1]
+    out = torch.zeros(E, H, I, dtype=_F64, device=a_HS.device)
+    for e in range(E):
+        s, t = int(begins[e]), int(ends[e])
+        if t > s:
+            out[e] = a_HS[:, s:t].to(_F64) @ b_SI[s:t].to(_F64)
+    return out

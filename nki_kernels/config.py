@@ -3,12 +3,13 @@
 The names, field order and defaults follow AWS nki-library (``nkilib.experimental``, commit
 ``e9ef98fc``; NKI_API.md §5): ``MatmulMxfp8KernelConfig`` from ``matmul_mxfp8.matmul_mxfp8_config``,
 ``SkipMode`` / ``ShardOption`` / ``AffinityOption`` / ``ActFnType`` / ``ClampLimits`` from
-``moe.bwd.moe_bwd_parameters`` and ``QuantScheme`` from ``mxfp_utils.mxfp8_utils.common_dataclasses``,
-so that code written against AWS's kernel reads the same here. ``ClampLimits`` is the project-wide
-type of :mod:`common.problem` (same field names as AWS's).
+``moe.bwd.moe_bwd_parameters`` and ``QuantScheme`` from
+``mxfp_utils.mxfp8_utils.common_dataclasses``, so that code written against AWS's kernel reads
+the same here. ``ClampLimits`` is the project-wide type of :mod:`common.problem` (same field names
+as AWS's).
 
 Per-phase GEMM shapes (M, K, N) of the backward (REFERENCE §3; AWS ``_resolve_phase_configs``),
-with ``S = 2`` cores under LNC2 (SHARD_ON_FREE shards the phase's free axis) and ``S = 1`` otherwise:
+with ``S = 2`` cores under LNC2 (SHARD_ON_FREE shards the phase's free axis), else ``S = 1``:
 
 =======  ======================  ========================================
 phase    (M, K, N)               contraction axis K (MX-quantized)
@@ -31,18 +32,18 @@ import functools
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 from common.problem import ClampLimits
 
 __all__ = [
+    "DEFAULT_COMPUTE_DTYPE",
+    "DEFAULT_FP8_X4_DTYPE",
+    "PHASE_NAMES",
     "ActFnType",
     "AffinityOption",
     "ClampLimits",
-    "DEFAULT_COMPUTE_DTYPE",
-    "DEFAULT_FP8_X4_DTYPE",
     "MatmulMxfp8KernelConfig",
-    "PHASE_NAMES",
     "QuantScheme",
     "ShardOption",
     "SkipMode",
@@ -90,7 +91,8 @@ class SkipMode(_NKIObject):
     def __post_init__(self) -> None:
         for name in ("skip_token", "skip_weight"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"SkipMode.{name} must be a bool, got {getattr(self, name)!r}")
+                msg = f"SkipMode.{name} must be a bool, got {getattr(self, name)!r}"
+                raise ValueError(msg)  # noqa: TRY004 - the project raises ValueError for bad input
 
 
 class ShardOption(enum.Enum):
@@ -172,28 +174,28 @@ class MatmulMxfp8KernelConfig(_NKIObject):
     M: int
     K: int
     N: int
-    tile_m: Optional[int] = None
-    tile_k: Optional[int] = None
-    tile_n: Optional[int] = None
-    TILES_IN_BLOCK_M: Optional[int] = None
-    TILES_IN_BLOCK_N: Optional[int] = None
-    TILES_IN_BLOCK_K: Optional[int] = None
-    TILES_IN_LOAD_M: Optional[int] = None
-    TILES_IN_LOAD_N: Optional[int] = None
+    tile_m: int | None = None
+    tile_k: int | None = None
+    tile_n: int | None = None
+    TILES_IN_BLOCK_M: int | None = None
+    TILES_IN_BLOCK_N: int | None = None
+    TILES_IN_BLOCK_K: int | None = None
+    TILES_IN_LOAD_M: int | None = None
+    TILES_IN_LOAD_N: int | None = None
     block_loop_order: str = "mnk"
     tile_loop_order: str = "mnk"
     float8_dtype: str = "float8_e4m3fn"
     enable_scale_packing: bool = False
     run_with_lnc2: bool = True
-    lnc_2_shard_rhs: Optional[bool] = None
+    lnc_2_shard_rhs: bool | None = None
     spill_reload: bool = False
     enable_psum_copy_in: bool = True
     lhs_is_swizzled: bool = True
     rhs_is_swizzled: bool = True
     load_with_PE_swizzle: bool = False
-    quant_scheme: Union[str, QuantScheme] = "wrapX"
-    output_dtype: Optional[object] = None
-    TILES_IN_LOAD_K: Optional[int] = None
+    quant_scheme: str | QuantScheme = "wrapX"
+    output_dtype: object | None = None
+    TILES_IN_LOAD_K: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.quant_scheme, str):
@@ -206,7 +208,7 @@ class MatmulMxfp8KernelConfig(_NKIObject):
                 ) from None
         self.validate()
 
-    def validate(self) -> "MatmulMxfp8KernelConfig":
+    def validate(self) -> MatmulMxfp8KernelConfig:
         """Check every field against its rule; return ``self``.
 
         Raises:
@@ -265,11 +267,13 @@ class MatmulMxfp8KernelConfig(_NKIObject):
             "load_with_PE_swizzle",
         ):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{cls}.{name} must be a bool, got {getattr(self, name)!r}")
+                msg = f"{cls}.{name} must be a bool, got {getattr(self, name)!r}"
+                raise ValueError(msg)  # noqa: TRY004
         if self.lnc_2_shard_rhs is not None and not isinstance(self.lnc_2_shard_rhs, bool):
             raise ValueError(f"{cls}.lnc_2_shard_rhs must be a bool or None")
         if not isinstance(self.quant_scheme, QuantScheme):
-            raise ValueError(f"{cls}.quant_scheme must be a QuantScheme, got {self.quant_scheme!r}")
+            msg = f"{cls}.quant_scheme must be a QuantScheme, got {self.quant_scheme!r}"
+            raise ValueError(msg)  # noqa: TRY004
         return self
 
     @property
@@ -293,7 +297,10 @@ class MatmulMxfp8KernelConfig(_NKIObject):
     def key(self) -> tuple:
         """A hashable snapshot of every field (the config is mutable, so it is not hashable)."""
         return tuple(
-            (f.name, getattr(self, f.name).value if f.name == "quant_scheme" else getattr(self, f.name))
+            (
+                f.name,
+                getattr(self, f.name).value if f.name == "quant_scheme" else getattr(self, f.name),
+            )
             for f in dataclasses.fields(self)
         )
 
@@ -323,9 +330,9 @@ def phase_shapes(H: int, I: int, B: int, lnc2: bool) -> tuple[tuple[int, int, in
 def _default_tile_sizes(M: int, K: int, N: int) -> dict[str, int]:
     """AWS ``mlp_mxfp8.common_utils.get_tile_sizes``: the largest default tile that fits."""
     return {
-        "tile_m": 128 if M >= 128 else M,
-        "tile_k": 512 if K >= 512 else K,
-        "tile_n": 512 if N >= 512 else N,
+        "tile_m": min(128, M),
+        "tile_k": min(512, K),
+        "tile_n": min(512, N),
     }
 
 
@@ -334,7 +341,7 @@ def default_phase_configs(
     I: int,
     B: int,
     lnc2: bool,
-    phase_configs: tuple[Optional[MatmulMxfp8KernelConfig], ...] = (None, None, None, None),
+    phase_configs: tuple[MatmulMxfp8KernelConfig | None, ...] = (None, None, None, None),
     *,
     spill_reload: bool = False,
     use_scale_packing: bool = True,
@@ -382,7 +389,8 @@ def default_phase_configs(
             cfg = dataclasses.replace(given)
         else:
             raise ValueError(
-                f"{name}_config must be a MatmulMxfp8KernelConfig or None, got {type(given).__name__}"
+                f"{name}_config must be a MatmulMxfp8KernelConfig or None, "
+                f"got {type(given).__name__}"
             )
         tiles = _default_tile_sizes(512, 512, 512) if H == 384 else _default_tile_sizes(M, K, N)
         updates: dict[str, Any] = {"M": M, "K": K, "N": N, "run_with_lnc2": bool(lnc2)}
@@ -434,7 +442,8 @@ def _read_tuned_tables(directory: str) -> dict[str, dict]:
             doc = yaml.safe_load(fh) or {}
         entries = doc.get("configs", {})
         if not isinstance(entries, dict):
-            raise ValueError(f"{path}: 'configs' must be a mapping of shape key -> phases")
+            msg = f"{path}: 'configs' must be a mapping of shape key -> phases"
+            raise ValueError(msg)  # noqa: TRY004
         for key, phases in entries.items():
             if key in table:
                 raise ValueError(f"{path}: tuned config key {key!r} defined twice")
@@ -443,8 +452,8 @@ def _read_tuned_tables(directory: str) -> dict[str, dict]:
 
 
 def load_tuned_phase_configs(
-    H: int, I: int, B: int, lnc2: bool, directory: Union[str, Path, None] = None
-) -> tuple[Optional[MatmulMxfp8KernelConfig], ...]:
+    H: int, I: int, B: int, lnc2: bool, directory: str | Path | None = None
+) -> tuple[MatmulMxfp8KernelConfig | None, ...]:
     """Tuned per-phase configs for one shape from ``configs/nki/*.yaml``, or 4 Nones.
 
     YAML layout::
@@ -470,7 +479,7 @@ def load_tuned_phase_configs(
     unknown_phases = set(phases) - set(PHASE_NAMES)
     if unknown_phases:
         raise ValueError(f"{entry['source']}: unknown phase names {sorted(unknown_phases)}")
-    out: list[Optional[MatmulMxfp8KernelConfig]] = []
+    out: list[MatmulMxfp8KernelConfig | None] = []
     for name in PHASE_NAMES:
         fields = phases.get(name)
         if fields is None:

@@ -21,7 +21,7 @@ tensors and real ``nl.ndarray`` (dtype names compared as strings, NKI_API.md §2
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from nki_kernels.config import (
     DEFAULT_COMPUTE_DTYPE,
@@ -109,7 +109,7 @@ class BlockwiseMmBwdArgs:
 
     T: int
     H: int
-    I: int  # noqa: E741 - the project's dimension letter
+    I: int
     E: int
     N: int
     B: int
@@ -119,7 +119,7 @@ class BlockwiseMmBwdArgs:
     phase_configs: tuple[MatmulMxfp8KernelConfig, ...]
     skip_dma: SkipMode
     clamp_limits: ClampLimits
-    accumulation_dtype: Optional[str]
+    accumulation_dtype: str | None
 
 
 def _require(cond: bool, msg: str, exc: type = ValueError) -> None:
@@ -153,7 +153,7 @@ def _validate_options(
     activation_type: Any,
     bias: Any,
     accumulation_dtype: Any,
-) -> Optional[str]:
+) -> str | None:
     for name, value in (
         ("gate_up_weight_is_swizzled", gate_up_weight_is_swizzled),
         ("down_weight_is_swizzled", down_weight_is_swizzled),
@@ -189,7 +189,7 @@ def _validate_options(
     )
     _unsupported(
         down_proj_act_checkpoint is None,
-        "down_proj_act_checkpoint must be None for AFFINITY_ON_I (it is used only by AFFINITY_ON_H)",
+        "down_proj_act_checkpoint must be None for AFFINITY_ON_I (only AFFINITY_ON_H uses it)",
     )
     _require(
         isinstance(shard_option, ShardOption),
@@ -252,10 +252,10 @@ def validate_blockwise_mm_bwd_args(
     gate_up_weight_is_swizzled: bool = False,
     down_weight_scales: Any = None,
     down_weight_is_swizzled: bool = False,
-    phase1_config: Optional[MatmulMxfp8KernelConfig] = None,
-    phase2_config: Optional[MatmulMxfp8KernelConfig] = None,
-    phase3_config: Optional[MatmulMxfp8KernelConfig] = None,
-    phase4_config: Optional[MatmulMxfp8KernelConfig] = None,
+    phase1_config: MatmulMxfp8KernelConfig | None = None,
+    phase2_config: MatmulMxfp8KernelConfig | None = None,
+    phase3_config: MatmulMxfp8KernelConfig | None = None,
+    phase4_config: MatmulMxfp8KernelConfig | None = None,
     fp8_x4_dtype: Any = DEFAULT_FP8_X4_DTYPE,
     spill_reload: bool = False,
     use_scale_packing: bool = True,
@@ -263,10 +263,10 @@ def validate_blockwise_mm_bwd_args(
     shard_option: ShardOption = ShardOption.SHARD_ON_FREE,
     affinity_option: AffinityOption = AffinityOption.AFFINITY_ON_I,
     compute_dtype: Any = DEFAULT_COMPUTE_DTYPE,
-    skip_dma: Optional[SkipMode] = None,
+    skip_dma: SkipMode | None = None,
     skip_grad_initialization: bool = False,
     is_tensor_update_accumulating: bool = True,
-    clamp_limits: Optional[ClampLimits] = None,
+    clamp_limits: ClampLimits | None = None,
     activation_type: ActFnType = ActFnType.SiLU,
     bias: bool = False,
     accumulation_dtype: Any = None,
@@ -404,7 +404,8 @@ def validate_blockwise_mm_bwd_args(
         )
         _require(
             dtype_name(gate_up_proj_weight.dtype) == "bfloat16",
-            f"gate_up_proj_weight dtype must be bfloat16, got {dtype_name(gate_up_proj_weight.dtype)}",
+            "gate_up_proj_weight dtype must be bfloat16, got "
+            f"{dtype_name(gate_up_proj_weight.dtype)}",
         )
     else:
         _require(
@@ -463,9 +464,7 @@ def validate_blockwise_mm_bwd_args(
         dt = dtype_name(tensor.dtype)
         _require(dt == ROUTING_DTYPE, f"{name} dtype must be int32, got {dt}")
     dt = dtype_name(gate_up_proj_act_checkpoint_T.dtype)
-    _require(
-        dt == "bfloat16", f"gate_up_proj_act_checkpoint_T dtype must be bfloat16, got {dt}"
-    )
+    _require(dt == "bfloat16", f"gate_up_proj_act_checkpoint_T dtype must be bfloat16, got {dt}")
 
     # LNC2 shards I_TP (SHARD_ON_FREE) and H; both are multiples of 128, so this always holds.
     num_shards = 2 if run_with_lnc2 else 1

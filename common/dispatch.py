@@ -1,0 +1,202 @@
+"""Backend registry and device-based backend selection.
+
+Backends register themselves by name with :func:`register_backend`. ``common`` imports no
+backend package: the built-in plugin modules below are imported lazily, by name, the first time
+the registry is consulted, and a plugin that fails to import only makes its backends unavailable.
+
+Selection (:func:`resolve_backend`):
+
+* ``"auto"`` (or ``None``): the ``MOE_BWD_BACKEND`` environment variable if set, else by device:
+  a Neuron/XLA device -> ``nki``; CUDA capability >= 10.0 -> ``cuda-sm100``; 9.x ->
+  ``cuda-sm90``; anything else -> ``torch``. An auto-selected backend that cannot run is skipped
+  in favour of ``torch``, and the reason is kept in ``Backend.fallback_reason``.
+* an explicit name: that backend, or a ``RuntimeError`` saying what is missing.
+
+Names: ``reference`` (float64), ``torch`` (portable: BF16 inputs, fp32 accumulation),
+``nki`` (real Neuron NKI), ``nki-sim`` (the NKI kernel on our CPU interpreter), ``cuda-sm90``,
+``cuda-sm100``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from common.problem import MoEBackwardProblem, MoEGrads
+
+__all__ = [
+    "Backend",
+    "BACKEND_NAMES",
+    "ENV_VAR",
+    "register_backend",
+    "registered_backends",
+    "detect_backend",
+    "resolve_backend",
+    "run_backward",
+]
+
+ENV_VAR = "MOE_BWD_BACKEND"
+BACKEND_NAMES = ("reference", "torch", "nki", "nki-sim", "cuda-sm90", "cuda-sm100")
+
+# Built-in plugin modules, imported lazily so that `common` never imports a backend package.
+_PLUGINS = {
+    "nki": "nki_kernels.backend",
+    "nki-sim": "nki_kernels.backend",
+    "cuda-sm90": "cuda_kernels.backend",
+    "cuda-sm100": "cuda_kernels.backend",
+}
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One registered backend.
+
+    Attributes:
+        name: registry name (one of :data:`BACKEND_NAMES` for the built-ins).
+        summary: one line for ``moe-bwd backends``.
+        check: returns None when the backend can run here, else the reason it cannot.
+        run: ``run(problem, **options) -> MoEGrads``.
+        fallback_reason: set on the ``torch`` backend returned by auto-selection when the
+            device's preferred backend could not run.
+    """
+
+    name: str
+    summary: str
+    check: Callable[[], str | None]
+    run: Callable[..., MoEGrads]
+    fallback_reason: str | None = None
+
+
+_REGISTRY: dict[str, Backend] = {}
+_PLUGIN_ERRORS: dict[str, str] = {}
+
+
+def register_backend(backend: Backend) -> None:
+    """Add or replace a backend in the registry.
+
+    Raises:
+        ValueError: ``backend`` is not a :class:`Backend` or its name is empty.
+    """
+    if not isinstance(backend, Backend) or not backend.name:
+        raise ValueError("register_backend needs a Backend with a non-empty name")
+    _REGISTRY[backend.name] = backend
+
+
+def _load_plugin(name: str) -> None:
+    module = _PLUGINS.get(name)
+    if module is None or name in _REGISTRY or module in _PLUGIN_ERRORS:
+        return
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # a broken or absent plugin makes its backends unavailable
+        _PLUGIN_ERRORS[module] = f"{module} failed to import: {type(exc).__name__}: {exc}"
+
+
+def registered_backends() -> dict[str, Backend]:
+    """All backends known after importing the built-in plugins (name -> Backend)."""
+    for name in _PLUGINS:
+        _load_plugin(name)
+    return dict(_REGISTRY)
+
+
+def detect_backend(device: torch.device | str | None = None) -> str:
+    """The backend name the device calls for (no availability check).
+
+    ``xla``/``neuron`` devices -> ``nki``; CUDA capability >= (10, 0) -> ``cuda-sm100``;
+    (9, x) -> ``cuda-sm90``; otherwise ``torch``. ``device=None`` means the current CUDA device
+    when CUDA is available, else the CPU.
+    """
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type in ("xla", "neuron"):
+        return "nki"
+    if device.type == "cuda" and torch.cuda.is_available():
+        major, _ = torch.cuda.get_device_capability(device)
+        if major >= 10:
+            return "cuda-sm100"
+        if major == 9:
+            return "cuda-sm90"
+    return "torch"
+
+
+def _unavailable_reason(name: str) -> str | None:
+    _load_plugin(name)
+    backend = _REGISTRY.get(name)
+    if backend is None:
+        module = _PLUGINS.get(name)
+        why = _PLUGIN_ERRORS.get(module or "", "no such backend is registered")
+        return why
+    return backend.check()
+
+
+def resolve_backend(requested: str | None = "auto", device: torch.device | str | None = None) -> Backend:
+    """Pick the backend to run.
+
+    Args:
+        requested: ``"auto"``/``None`` or a backend name. ``"auto"`` honours ``MOE_BWD_BACKEND``.
+        device: the device the problem lives on (for auto-selection).
+    Returns:
+        The :class:`Backend`.
+    Raises:
+        ValueError: an unknown backend name.
+        RuntimeError: an explicitly requested backend cannot run here (the message says why).
+    """
+    explicit = requested not in (None, "auto")
+    name = requested if explicit else os.environ.get(ENV_VAR, "").strip() or None
+    source = "requested" if explicit else f"set by {ENV_VAR}"
+    if name is not None:
+        known = set(BACKEND_NAMES) | set(_REGISTRY)
+        if name not in known:
+            raise ValueError(
+                f"backend {name!r} ({source}) is unknown; choose one of {sorted(known)} or 'auto'"
+            )
+        reason = _unavailable_reason(name)
+        if reason is not None:
+            raise RuntimeError(f"backend {name!r} ({source}) cannot run here: {reason}")
+        return _REGISTRY[name]
+    preferred = detect_backend(device)
+    reason = _unavailable_reason(preferred)
+    if reason is None:
+        return _REGISTRY[preferred]
+    torch_backend = _REGISTRY["torch"]
+    return replace(torch_backend, fallback_reason=f"{preferred} unavailable: {reason}")
+
+
+def run_backward(problem: MoEBackwardProblem, backend: str | None = "auto", **options) -> MoEGrads:
+    """Run the MoE expert-MLP backward on the selected backend (see :func:`resolve_backend`)."""
+    chosen = resolve_backend(backend, problem.hidden_states_TH.device)
+    grads = chosen.run(problem, **options)
+    grads.info.setdefault("backend", chosen.name)
+    if chosen.fallback_reason:
+        grads.info.setdefault("fallback_reason", chosen.fallback_reason)
+    return grads
+
+
+def _register_builtins() -> None:
+    from common.reference import reference_backward
+    from common.torch_backward import moe_backward_torch
+
+    register_backend(
+        Backend(
+            name="reference",
+            summary="float64 reference (common.reference), any device",
+            check=lambda: None,
+            run=lambda problem, **_: reference_backward(problem),
+        )
+    )
+    register_backend(
+        Backend(
+            name="torch",
+            summary="portable torch: BF16 inputs, fp32 accumulation, grouped wgrad via torch",
+            check=lambda: None,
+            run=lambda problem, **opts: moe_backward_torch(problem, **opts),
+        )
+    )
+
+
+_register_builtins()

@@ -1,0 +1,201 @@
+"""The portable ``torch`` backend: the MoE expert-MLP backward on the grouped layout.
+
+BF16 inputs, fp32 accumulation, any device. The math is REFERENCE §2 (see
+:mod:`common.reference`, its float64 twin). Steps, on the grouped layout of the plan (rows sorted
+by expert, each expert padded to ``ALIGN`` rows with zero rows, static row count so CUDA needs no
+host read):
+
+1. gather X, dY, the checkpoint and the affinities into grouped rows (padding rows are zero);
+2. ``dh_raw = dY Wd^T`` (grouped GEMM rows x per-expert weights);
+3. SwiGLU backward in fp32 with the strict clamp masks, ``dA`` per row;
+4. ``dX = [dg, du] [Wg, Wu]^T`` (grouped GEMM), scatter-added over each token's experts;
+5. weight gradients ``dW_gate_up[e] = X^T [dg, du]``, ``dW_down[e] = (a h)^T dY`` through
+   ``grouped_wgrad`` (default: ``torch._grouped_mm``; a CUDA backend passes its own kernel);
+6. bias gradients by segment sums.
+
+GEMM operands are BF16 (the products' inputs are rounded to BF16 exactly where a training
+stack would store them: ``[dg, du]`` and ``a h``); accumulation is fp32. On CPU the GEMMs run in
+fp32 on the BF16-valued operands (``torch._grouped_mm`` on CPU has no fp32 output for BF16
+inputs); on CUDA they run in BF16 with fp32 accumulation and BF16 output rounding, except the
+weight gradient when a ``grouped_wgrad`` kernel with fp32 output is given.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
+
+__all__ = ["ALIGN", "moe_backward_torch", "grouped_mm_rows", "grouped_wgrad_default"]
+
+ALIGN = 16
+"""Row alignment of each expert's group: 16 rows keep every BF16/fp32 operand stride a
+multiple of 16 bytes, which ``torch._grouped_mm`` requires."""
+
+GroupedWgrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _gemm_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.bfloat16 if t.is_cuda else torch.float32
+
+
+def _segments(offsets_E: torch.Tensor) -> list[tuple[int, int]]:
+    ends = offsets_E.to(torch.int64).tolist()  # host read: only on the loop fallback
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _fits_grouped_mm(*dims: int) -> bool:
+    return hasattr(torch, "_grouped_mm") and all(d % 8 == 0 and d > 0 for d in dims)
+
+
+def grouped_mm_rows(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Rows of expert e times that expert's matrix: ``out[s] = x_SK[s] @ w_EKN[e(s)]``.
+
+    Args:
+        x_SK: [S, K] BF16-valued rows in grouped order.  w_EKN: [E, K, N] (any strides).
+        offsets_E: [E] int32 cumulative ends.
+    Returns:
+        [S, N] fp32 (fp32 accumulation; on CUDA the product is rounded to BF16 first).
+    """
+    S, K = x_SK.shape
+    E, _, N = w_EKN.shape
+    dt = _gemm_dtype(x_SK)
+    if _fits_grouped_mm(K, N) and S % ALIGN == 0:
+        return torch._grouped_mm(x_SK.to(dt), w_EKN.to(dt), offs=offsets_E).float()
+    out = torch.zeros(S, N, dtype=torch.float32, device=x_SK.device)
+    for e, (s, t) in enumerate(_segments(offsets_E)):
+        if t > s:
+            out[s:t] = (x_SK[s:t].to(dt) @ w_EKN[e].to(dt)).float()
+    return out
+
+
+def grouped_wgrad_default(a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """``Wgrad[e] = a_HS[:, begin:end] @ b_SI[begin:end]`` with fp32 accumulation, [E, H, I] fp32.
+
+    ``torch._grouped_mm`` where shapes allow (BF16 output on CUDA, fp32 on CPU), else a
+    per-expert loop. Empty experts give zeros.
+    """
+    H, S = a_HS.shape
+    I = b_SI.shape[1]
+    E = offsets_E.shape[0]
+    dt = _gemm_dtype(a_HS)
+    if _fits_grouped_mm(H, I) and S % ALIGN == 0 and S > 0:
+        out = torch._grouped_mm(a_HS.to(dt), b_SI.to(dt), offs=offsets_E).float()
+        # torch._grouped_mm leaves an empty group's output unwritten on some builds: force zeros.
+        ends = offsets_E.to(torch.int64)
+        begins = torch.cat([ends.new_zeros(1), ends[:-1]])
+        return torch.where((ends > begins)[:, None, None], out, out.new_zeros(()))
+    out = torch.zeros(E, H, I, dtype=torch.float32, device=a_HS.device)
+    for e, (s, t) in enumerate(_segments(offsets_E)):
+        if t > s:
+            out[e] = (a_HS[:, s:t].to(dt) @ b_SI[s:t].to(dt)).float()
+    return out
+
+
+def _strict_mask(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
+    m = torch.ones_like(v, dtype=torch.bool)
+    if lo is not None:
+        m &= v > lo
+    if hi is not None:
+        m &= v < hi
+    return m
+
+
+def moe_backward_torch(
+    problem: MoEBackwardProblem,
+    *,
+    grouped_wgrad: GroupedWgrad | None = None,
+    compute_dtype: torch.dtype = torch.bfloat16,
+) -> MoEGrads:
+    """MoE expert-MLP backward in portable torch (BF16 operands, fp32 accumulation).
+
+    Args:
+        problem: the :class:`~common.problem.MoEBackwardProblem` (any device).
+        grouped_wgrad: ``fn(a_HS, b_SI, offsets_E) -> [E, H, I] fp32`` for the two weight
+            gradients; default :func:`grouped_wgrad_default`.
+        compute_dtype: storage dtype of GEMM operands (BF16).
+    Returns:
+        :class:`~common.problem.MoEGrads` in fp32 on the problem's device.
+    Raises:
+        ValueError: inconsistent problem shapes.
+    """
+    p = problem
+    plan = p.plan
+    x_TH, dy_TH = p.hidden_states_TH, p.output_grad_TH
+    T, H = x_TH.shape
+    E, _, _, I = p.w_gate_up_EH2I.shape
+    R = plan.pair_token_R.shape[0]
+    if tuple(p.w_down_EIH.shape) != (E, I, H) or dy_TH.shape != x_TH.shape or plan.num_tokens != T:
+        raise ValueError("moe_backward_torch: inconsistent shapes between weights, tokens and plan")
+    if tuple(p.act_checkpoint_R2I.shape) != (R, 2, I):
+        raise ValueError(f"act_checkpoint_R2I must be [R, 2, I] = [{R}, 2, {I}]")
+    wgrad = grouped_wgrad or grouped_wgrad_default
+    cd = compute_dtype
+    dev = x_TH.device
+    cl = p.clamp_limits or ClampLimits()
+
+    # Static row bound: every expert can waste at most ALIGN-1 rows (no host read on CUDA).
+    max_rows = ((R + E * (ALIGN - 1)) + ALIGN - 1) // ALIGN * ALIGN
+    layout = plan.grouped(align=ALIGN, max_tokens_sum=max_rows)
+    offs = layout.offsets_E
+    S = layout.tokens_sum
+    row_valid = layout.row_to_pair_S >= 0
+    row_expert = torch.where(
+        row_valid, plan.pair_expert_R[layout.row_to_pair_S.clamp(min=0)] if R else layout.row_to_pair_S,
+        torch.full_like(layout.row_to_pair_S, E - 1),
+    )
+
+    x_S = layout.gather_rows(x_TH.to(cd))
+    dy_S = layout.gather_rows(dy_TH.to(cd))
+    act_S = layout.gather_pairs(p.act_checkpoint_R2I).float()
+    alpha_S = layout.gather_pairs(plan.pair_affinity_R).float()[:, None]
+    g, u = act_S[:, 0], act_S[:, 1]
+
+    # 2. dh_raw = dY Wd^T
+    dh_raw = grouped_mm_rows(dy_S, p.w_down_EIH.to(cd).transpose(1, 2), offs)
+    # 3. SwiGLU backward (fp32)
+    s = torch.sigmoid(g)
+    silu = g * s
+    h = silu * u
+    dA_S = (dh_raw * h).sum(-1)
+    if p.b_down_EH is not None:
+        dA_S = dA_S + (dy_S.float() * p.b_down_EH.float()[row_expert]).sum(-1)
+    dh = alpha_S * dh_raw
+    mg = _strict_mask(g, cl.non_linear_clamp_lower_limit, cl.non_linear_clamp_upper_limit)
+    mu = _strict_mask(u, cl.linear_clamp_lower_limit, cl.linear_clamp_upper_limit)
+    dg = torch.where(mg & row_valid[:, None], dh * u * s * (1 + g * (1 - s)), 0.0)
+    du = torch.where(mu & row_valid[:, None], dh * silu, 0.0)
+    dgu_S = torch.cat([dg, du], 1).to(cd)  # [S, 2I]
+
+    # 4. dX = [dg, du] [Wg, Wu]^T, scattered back to tokens
+    w_gu_E2IH = p.w_gate_up_EH2I.to(cd).reshape(E, H, 2 * I).transpose(1, 2)
+    dX_S = grouped_mm_rows(dgu_S, w_gu_E2IH, offs)
+    dX = layout.scatter_add_rows(dX_S)
+
+    # 5. weight gradients
+    dWgu = wgrad(x_S.t(), dgu_S, offs).reshape(E, H, 2, I)
+    ah_S = (alpha_S * h).to(cd)
+    dWd = wgrad(ah_S.t(), dy_S, offs)
+
+    # dA dense [T, E]
+    flat = torch.zeros(T * E + 1, dtype=torch.float32, device=dev)
+    cell = torch.where(
+        row_valid, layout.row_to_token_S * E + row_expert, torch.full_like(row_expert, T * E)
+    )
+    flat.index_put_((cell,), torch.where(row_valid, dA_S, 0.0))
+    grads = MoEGrads(
+        hidden_states_grad_TH=dX,
+        affinity_grad_TE=flat[: T * E].reshape(T, E),
+        w_gate_up_grad_EH2I=dWgu,
+        w_down_grad_EIH=dWd,
+    )
+    if p.has_bias:
+        dBd = torch.zeros(E, H, dtype=torch.float32, device=dev)
+        dBd.index_add_(0, row_expert, alpha_S * dy_S.float())
+        dBgu = torch.zeros(E, 2 * I, dtype=torch.float32, device=dev)
+        dBgu.index_add_(0, row_expert, torch.cat([dg, du], 1))
+        grads.b_gate_up_grad_E2I = dBgu.reshape(E, 2, I)
+        grads.b_down_grad_EH = dBd
+    return grads

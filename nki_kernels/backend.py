@@ -1,0 +1,330 @@
+"""Backends ``nki`` (real AWS NKI on Trainium) and ``nki-sim`` (our CPU NKI interpreter).
+
+Registered with :mod:`common.dispatch` on import (the dispatcher imports this module lazily by
+name). Both run :func:`nki_kernels.blockwise_mm_bwd_mxfp8` on one
+:class:`~common.problem.MoEBackwardProblem`:
+
+1. routing plan -> AWS's blockwise layout (``plan.blockwise(block_size, padding)``): token ids
+   ``[N*B]`` int32, ``block_to_expert`` ``[N, 1]`` int32, affinities ``[T*E, 1]`` (``[(T+1)*E, 1]``
+   and a zero row T appended to X and dY with ``padding="zero_row"``);
+2. the per-pair checkpoint ``[R, 2, I]`` -> the kernel's ``[N, 2, I, B]``; activations, weights,
+   checkpoint and affinities cast to BF16 (the kernel's input dtypes);
+3. the kernel, through ``nki_kernels.interp.simulate`` (``nki-sim``) or ``nki.jit`` (``nki``);
+4. back to :class:`~common.problem.MoEGrads` in float32: the padding row sliced off, affinity
+   grad ``[T*E, 1]`` -> ``[T, E]`` plus the down-bias term ``<dY, b_down>`` on routed cells when
+   the problem has a down bias (the kernel has no bias values, REFERENCE §2), and with ``nki-sim``
+   the interpreter's per-phase modeled Trainium3 time and TensorE utilization in
+   ``info["nki_phases"]``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from common.dispatch import Backend, register_backend
+from common.problem import MoEBackwardProblem, MoEGrads
+from nki_kernels.config import PHASE_NAMES, SkipMode, load_tuned_phase_configs
+from nki_kernels.validation import dtype_name, validate_blockwise_mm_bwd_args
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "check_nki",
+    "check_nki_sim",
+    "prepare_blockwise_args",
+    "run_blockwise",
+]
+
+# 128: the smallest legal block; under the interpreter every slot of a non-empty block costs CPU
+# time, and MoE training shapes average ~64 slots per expert at 1k tokens (Qwen3-30B-A3B).
+DEFAULT_BLOCK_SIZE = 128
+RUN_OPTIONS = (
+    "block_size",
+    "padding",
+    "run_with_lnc2",
+    "accumulation_dtype",
+    "phase_configs",
+    "use_tuned_configs",
+    "is_tensor_update_accumulating",
+    "use_scale_packing",
+    "spill_reload",
+)
+
+
+def check_nki() -> str | None:
+    """None when the real AWS NKI toolchain imports (``import nki``), else the reason."""
+    try:
+        import nki  # type: ignore[import-not-found]
+        import nki.language  # type: ignore[import-not-found]  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        return (
+            f"the AWS Neuron 'nki' package does not import ({type(exc).__name__}: {exc}); it "
+            "ships with the Neuron SDK on Trainium hosts. Use backend 'nki-sim' to run the same "
+            "kernel on our CPU interpreter"
+        )
+    return None
+
+
+def check_nki_sim() -> str | None:
+    """None when the kernel and our interpreter import, else the reason."""
+    try:
+        from nki_kernels.interp import simulate  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return f"nki_kernels.interp (the CPU NKI interpreter) does not import: {exc}"
+    try:
+        from nki_kernels.blockwise_mm_bwd_mxfp8 import blockwise_mm_bwd_mxfp8  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return f"the kernel nki_kernels.blockwise_mm_bwd_mxfp8 does not import: {exc}"
+    return None
+
+
+def prepare_blockwise_args(
+    problem: MoEBackwardProblem,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    padding: str = "skip",
+) -> tuple[tuple, dict, Any]:
+    """The kernel's positional args, checkpoint/bias keywords and the layout, from a problem.
+
+    Args:
+        problem: the backend-neutral problem (any float dtypes; cast to BF16 here).
+        block_size: B, one of 128/256/512/1024.
+        padding: ``"skip"`` (padding ids -1, OOB-skipped by the kernel's DMA) or ``"zero_row"``
+            (padding ids T; X, dY and the affinities get an all-zero row T).
+
+    Returns:
+        ``(args, kwargs, layout)``: ``args`` = (hidden_states [T', H] bf16,
+        expert_affinities_masked [T'*E, 1] bf16, gate_up_proj_weight [E, H, 2, I] bf16,
+        down_proj_weight [E, I, H] bf16, token_position_to_id [N*B] int32, block_to_expert
+        [N, 1] int32, output_hidden_states_grad [T', H] bf16, block_size) with T' = T or T+1;
+        ``kwargs`` = gate_up_proj_act_checkpoint_T [N, 2, I, B] bf16, skip_dma, clamp_limits,
+        bias; ``layout`` = the :class:`~common.routing.BlockwiseLayout`.
+
+    Raises:
+        ValueError: bad ``block_size``/``padding`` (from the routing layer) or a problem whose
+            shapes disagree.
+    """
+    bf16 = torch.bfloat16
+    p = problem
+    T = p.hidden_states_TH.shape[0]
+    E = p.w_down_EIH.shape[0]
+    if p.plan.num_tokens != T or p.plan.num_experts != E:
+        raise ValueError(
+            f"problem.plan has T={p.plan.num_tokens}, E={p.plan.num_experts}; the tensors have "
+            f"T={T}, E={E}"
+        )
+    layout = p.plan.blockwise(block_size, padding)
+    x = layout.pad_token_rows(p.hidden_states_TH.to(bf16)).contiguous()
+    dy = layout.pad_token_rows(p.output_grad_TH.to(bf16)).contiguous()
+    ckpt = layout.checkpoint_from_pairs(p.act_checkpoint_R2I.to(bf16)).contiguous()
+    args = (
+        x,
+        layout.expert_affinities_masked.to(bf16).contiguous(),
+        p.w_gate_up_EH2I.to(bf16).contiguous(),
+        p.w_down_EIH.to(bf16).contiguous(),
+        layout.token_position_to_id.to(torch.int32).contiguous(),
+        layout.block_to_expert.to(torch.int32).contiguous(),
+        dy,
+        block_size,
+    )
+    kwargs = {
+        "gate_up_proj_act_checkpoint_T": ckpt,
+        "skip_dma": SkipMode(skip_token=padding == "skip", skip_weight=False),
+        "clamp_limits": p.clamp_limits,
+        "bias": p.has_bias,
+    }
+    return args, kwargs, layout
+
+
+def _routed_mask_TE(problem: MoEBackwardProblem) -> torch.Tensor:
+    plan = problem.plan
+    T, E = plan.num_tokens, plan.num_experts
+    mask = torch.zeros(T * E, dtype=torch.bool, device=problem.hidden_states_TH.device)
+    valid = plan.pair_valid_R
+    cells = plan.pair_token_R.clamp(min=0) * E + plan.pair_expert_R.clamp(max=E - 1)
+    mask[cells[valid]] = True
+    return mask.reshape(T, E)
+
+
+def _grads_from_outputs(problem: MoEBackwardProblem, outputs: tuple) -> MoEGrads:
+    p = problem
+    T, _ = p.hidden_states_TH.shape
+    E = p.w_down_EIH.shape[0]
+    has_bias = p.has_bias
+    expected = 6 if has_bias else 4
+    if not isinstance(outputs, (tuple, list)) or len(outputs) != expected:
+        raise RuntimeError(
+            f"blockwise_mm_bwd_mxfp8 returned {type(outputs).__name__} of length "
+            f"{len(outputs) if isinstance(outputs, (tuple, list)) else '?'}, expected {expected}"
+        )
+    outs = [torch.as_tensor(o).float() for o in outputs]
+    dx = outs[0][:T]
+    da = outs[1].reshape(-1, E)[:T].clone()
+    if p.b_down_EH is not None:
+        bias_term = p.output_grad_TH.float() @ p.b_down_EH.float().T
+        da = da + torch.where(_routed_mask_TE(p), bias_term, torch.zeros((), dtype=da.dtype))
+    return MoEGrads(
+        hidden_states_grad_TH=dx,
+        affinity_grad_TE=da,
+        w_gate_up_grad_EH2I=outs[2],
+        w_down_grad_EIH=outs[3],
+        b_gate_up_grad_E2I=outs[4] if has_bias else None,
+        b_down_grad_EH=outs[5] if has_bias else None,
+    )
+
+
+def _profile_rows(profile: Any) -> list[dict]:
+    if profile is None:
+        return []
+    rows = []
+    for name in PHASE_NAMES:
+        if name not in getattr(profile, "regions", PHASE_NAMES):
+            continue
+        rows.append(
+            {
+                "phase": name,
+                "modeled_us": float(profile.modeled_time_us(name)),
+                "tensor_e_util": float(profile.tensor_e_utilization(name)),
+            }
+        )
+    return rows
+
+
+def run_blockwise(
+    problem: MoEBackwardProblem,
+    *,
+    backend: str = "nki-sim",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    padding: str = "skip",
+    run_with_lnc2: bool = True,
+    accumulation_dtype: Any = None,
+    phase_configs: tuple | None = None,
+    use_tuned_configs: bool = True,
+    is_tensor_update_accumulating: bool = True,
+    use_scale_packing: bool = True,
+    spill_reload: bool = False,
+) -> MoEGrads:
+    """Run the NKI MXFP8 backward on ``problem`` and return float32 :class:`MoEGrads`.
+
+    Args:
+        problem: the :class:`~common.problem.MoEBackwardProblem`.
+        backend: ``"nki-sim"`` (our interpreter, CPU) or ``"nki"`` (real NKI, Trainium).
+        block_size: B in (128, 256, 512, 1024).
+        padding: ``"skip"`` (ids -1) or ``"zero_row"`` (ids T with a zero row).
+        run_with_lnc2: 2 program instances (LNC2) or 1.
+        accumulation_dtype: None (AWS: BF16 read-add-write across blocks) or float32.
+        phase_configs: 4 :class:`~nki_kernels.config.MatmulMxfp8KernelConfig` or None entries;
+            None with ``use_tuned_configs`` -> ``configs/nki/*.yaml`` for this shape, if any.
+        is_tensor_update_accumulating: scatter-add dX across top_k (True is always correct).
+        use_scale_packing, spill_reload: the kernel's wrapper defaults for omitted phases.
+
+    Returns:
+        :class:`~common.problem.MoEGrads` (float32) with ``info``: backend, block_size,
+        num_blocks, padding, run_with_lnc2, accumulation_dtype, wall_s and, for ``nki-sim``,
+        ``nki_phases`` = [{"phase", "modeled_us", "tensor_e_util"}, ...] and
+        ``nki_modeled_total_us``.
+
+    Raises:
+        ValueError: a bad option or problem (the kernel's validation runs before any work).
+        RuntimeError: the backend cannot run here (the reason from :func:`check_nki` /
+            :func:`check_nki_sim`).
+    """
+    if backend not in ("nki", "nki-sim"):
+        raise ValueError(f"backend must be 'nki' or 'nki-sim', got {backend!r}")
+    reason = check_nki() if backend == "nki" else check_nki_sim()
+    if reason is not None:
+        raise RuntimeError(f"backend {backend!r} cannot run here: {reason}")
+    if not isinstance(run_with_lnc2, bool):
+        msg = f"run_with_lnc2 must be a bool, got {run_with_lnc2!r}"
+        raise ValueError(msg)  # noqa: TRY004 - the project raises ValueError for bad input
+    args, kwargs, layout = prepare_blockwise_args(problem, block_size=block_size, padding=padding)
+    H = problem.hidden_states_TH.shape[1]
+    I = problem.w_down_EIH.shape[1]
+    if phase_configs is None:
+        phase_configs = (
+            load_tuned_phase_configs(H, I, block_size, run_with_lnc2)
+            if use_tuned_configs
+            else (None, None, None, None)
+        )
+    if not isinstance(phase_configs, (tuple, list)) or len(phase_configs) != 4:
+        raise ValueError(f"phase_configs must be 4 entries (phase1..phase4), got {phase_configs!r}")
+    kwargs.update(
+        phase1_config=phase_configs[0],
+        phase2_config=phase_configs[1],
+        phase3_config=phase_configs[2],
+        phase4_config=phase_configs[3],
+        run_with_lnc2=run_with_lnc2,
+        is_tensor_update_accumulating=is_tensor_update_accumulating,
+        use_scale_packing=use_scale_packing,
+        spill_reload=spill_reload,
+        accumulation_dtype=accumulation_dtype,
+    )
+    from nki_kernels.blockwise_mm_bwd_mxfp8 import blockwise_mm_bwd_mxfp8 as kernel
+
+    # Fail on bad input here, before any tensor moves or the interpreter starts.
+    validate_blockwise_mm_bwd_args(*args, **kwargs)
+
+    lnc = 2 if run_with_lnc2 else 1
+    profile = None
+    start = time.perf_counter()
+    if backend == "nki-sim":
+        from nki_kernels.interp import simulate
+
+        sim = simulate(kernel, lnc=lnc)
+        outputs = sim(*args, **kwargs)
+        profile = getattr(sim, "last_profile", None)
+    else:  # pragma: no cover - needs a Trainium host
+        import nki  # type: ignore[import-not-found]
+
+        outputs = nki.jit(kernel)[lnc](*args, **kwargs)
+    wall_s = time.perf_counter() - start
+
+    grads = _grads_from_outputs(problem, outputs)
+    acc = None if accumulation_dtype is None else dtype_name(accumulation_dtype)
+    grads.info.update(
+        backend=backend,
+        block_size=block_size,
+        num_blocks=layout.num_blocks,
+        padding=padding,
+        run_with_lnc2=run_with_lnc2,
+        accumulation_dtype=acc,
+        wall_s=wall_s,
+    )
+    if profile is not None:
+        grads.info["nki_phases"] = _profile_rows(profile)
+        grads.info["nki_modeled_total_us"] = float(profile.modeled_time_us(None))
+        grads.info["nki_profile"] = profile
+    return grads
+
+
+def _make_run(backend: str):
+    def run(problem: MoEBackwardProblem, **options: Any) -> MoEGrads:
+        unknown = set(options) - set(RUN_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"backend {backend!r}: unknown options {sorted(unknown)}; accepted: {RUN_OPTIONS}"
+            )
+        return run_blockwise(problem, backend=backend, **options)
+
+    return run
+
+
+register_backend(
+    Backend(
+        name="nki",
+        summary="AWS NKI blockwise MXFP8 backward on Trainium (needs the Neuron 'nki' package)",
+        check=check_nki,
+        run=_make_run("nki"),
+    )
+)
+register_backend(
+    Backend(
+        name="nki-sim",
+        summary="the NKI blockwise MXFP8 backward on our CPU NKI interpreter, with modeled "
+        "Trainium3 time per phase",
+        check=check_nki_sim,
+        run=_make_run("nki-sim"),
+    )
+)

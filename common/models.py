@@ -96,21 +96,21 @@ class MoEModelShape:
     def __post_init__(self) -> None:
         _validate_shape(self, where=self.yaml_path or f"MoEModelShape({self.name!r})")
 
-    # Letter aliases of the shape legend.
+    # Letter aliases of the shape legend (common/shapes.py).
     @property
-    def H(self) -> int:  # noqa: N802 - the legend's letter
+    def H(self) -> int:
         return self.hidden
 
     @property
-    def I(self) -> int:  # noqa: N802, E743 - the legend's letter
+    def I(self) -> int:
         return self.intermediate
 
     @property
-    def E(self) -> int:  # noqa: N802
+    def E(self) -> int:
         return self.experts
 
     @property
-    def K(self) -> int:  # noqa: N802
+    def K(self) -> int:
         return self.top_k
 
     def routed_rows(self, num_tokens: int) -> int:
@@ -143,8 +143,10 @@ class MoEModelShape:
     def weight_bytes(self, bytes_per_element: float = 2.0) -> int:
         """Bytes of the routed experts' weights at ``bytes_per_element`` (2 = BF16)."""
         if not (bytes_per_element > 0):
-            raise ValueError(f"weight_bytes: bytes_per_element must be > 0, got {bytes_per_element}")
-        return int(math.ceil(self.expert_params * bytes_per_element))
+            raise ValueError(
+                f"weight_bytes: bytes_per_element must be > 0, got {bytes_per_element}"
+            )
+        return math.ceil(self.expert_params * bytes_per_element)
 
     def is_aligned(self, multiple: int) -> bool:
         """True when both H and I are multiples of ``multiple`` (e.g. 32 for MX blocks, 128)."""
@@ -169,8 +171,9 @@ class MoEModelShape:
             "non_linear_clamp_lower_limit": None,
         }
 
-    def scaled(self, *, hidden: int | None = None, intermediate: int | None = None,
-               name: str | None = None) -> MoEModelShape:
+    def scaled(
+        self, *, hidden: int | None = None, intermediate: int | None = None, name: str | None = None
+    ) -> MoEModelShape:
         """Copy with another H and/or I (same E, top_k, router, activation), for tests.
 
         Raises:
@@ -180,8 +183,9 @@ class MoEModelShape:
         intermediate = self.intermediate if intermediate is None else intermediate
         if name is None:
             name = f"{self.name}@h{hidden}-i{intermediate}"
-        return dataclasses.replace(self, hidden=hidden, intermediate=intermediate, name=name,
-                                   yaml_path="")
+        return dataclasses.replace(
+            self, hidden=hidden, intermediate=intermediate, name=name, yaml_path=""
+        )
 
     def shrink(self, factor: int) -> MoEModelShape:
         """Copy with H and I divided by ``factor``, rounded to the nearest multiple of 128 (at
@@ -196,10 +200,13 @@ class MoEModelShape:
 
         def _round(n: int) -> int:
             m = _SHRINK_MULTIPLE
-            return max(m, int(math.floor(n / factor / m + 0.5)) * m)
+            return max(m, math.floor(n / factor / m + 0.5) * m)
 
-        return self.scaled(hidden=_round(self.hidden), intermediate=_round(self.intermediate),
-                           name=f"{self.name}/{factor}")
+        return self.scaled(
+            hidden=_round(self.hidden),
+            intermediate=_round(self.intermediate),
+            name=f"{self.name}/{factor}",
+        )
 
 
 def _check_tokens(num_tokens: int) -> None:
@@ -236,8 +243,11 @@ def _validate_shape(s: MoEModelShape, where: str) -> None:
         if not _is_int(v) or v < 0:
             raise bad(field, "must be an int >= 0", v)
     if (s.shared_experts == 0) != (s.shared_intermediate == 0):
-        raise bad("shared_intermediate", "must be > 0 exactly when shared_experts > 0",
-                  s.shared_intermediate)
+        raise bad(
+            "shared_intermediate",
+            "must be > 0 exactly when shared_experts > 0",
+            s.shared_intermediate,
+        )
     if s.router not in ROUTER_KINDS:
         raise bad("router", f"must be one of {ROUTER_KINDS}", s.router)
     for field in ("norm_topk_prob", "has_bias"):
@@ -253,8 +263,9 @@ def _validate_shape(s: MoEModelShape, where: str) -> None:
     else:
         for field in ("swiglu_limit", "swiglu_alpha"):
             if getattr(s, field) is not None:
-                raise bad(field, "is only allowed with activation swiglu_clamped",
-                          getattr(s, field))
+                raise bad(
+                    field, "is only allowed with activation swiglu_clamped", getattr(s, field)
+                )
     if not _is_real(s.routed_scaling_factor) or s.routed_scaling_factor <= 0:
         raise bad("routed_scaling_factor", "must be a number > 0", s.routed_scaling_factor)
     for field in ("n_group", "topk_group"):
@@ -279,10 +290,29 @@ def _validate_shape(s: MoEModelShape, where: str) -> None:
         raise bad("source.read", "must be an ISO date YYYY-MM-DD", s.source_read) from None
 
 
-_REQUIRED = ("name", "display_name", "hidden", "intermediate", "experts", "top_k",
-             "shared_experts", "router", "norm_topk_prob", "activation", "has_bias", "source")
-_OPTIONAL = ("routed_scaling_factor", "n_group", "topk_group", "shared_intermediate",
-             "swiglu_limit", "swiglu_alpha", "affinity_on")
+_REQUIRED = (
+    "name",
+    "display_name",
+    "hidden",
+    "intermediate",
+    "experts",
+    "top_k",
+    "shared_experts",
+    "router",
+    "norm_topk_prob",
+    "activation",
+    "has_bias",
+    "source",
+)
+_OPTIONAL = (
+    "routed_scaling_factor",
+    "n_group",
+    "topk_group",
+    "shared_intermediate",
+    "swiglu_limit",
+    "swiglu_alpha",
+    "affinity_on",
+)
 
 
 def load_model_file(path: str | Path) -> MoEModelShape:
@@ -310,19 +340,22 @@ def load_model_file(path: str | Path) -> MoEModelShape:
 
 def _shape_from_mapping(data: Any, where: str, stem: str | None = None) -> MoEModelShape:
     if not isinstance(data, dict):
-        raise ValueError(f"{where}: model YAML must be a mapping of fields, got "
-                         f"{type(data).__name__}")
+        msg = f"{where}: model YAML must be a mapping of fields, got {type(data).__name__}"
+        raise ValueError(msg)  # noqa: TRY004 - the project raises ValueError for bad input
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise ValueError(f"{where}: missing field(s) {missing}")
     unknown = sorted(set(data) - set(_REQUIRED) - set(_OPTIONAL))
     if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}; allowed: "
-                         f"{list(_REQUIRED) + list(_OPTIONAL)}")
+        raise ValueError(
+            f"{where}: unknown field(s) {unknown}; allowed: {list(_REQUIRED) + list(_OPTIONAL)}"
+        )
     source = data["source"]
     if not isinstance(source, dict) or set(source) != {"url", "read"}:
-        raise ValueError(f"{where}: field 'source' must be a mapping with exactly 'url' and "
-                         f"'read', got {source!r}")
+        raise ValueError(
+            f"{where}: field 'source' must be a mapping with exactly 'url' and "
+            f"'read', got {source!r}"
+        )
     read = source["read"]
     if isinstance(read, datetime.date):
         read = read.isoformat()
@@ -331,11 +364,13 @@ def _shape_from_mapping(data: Any, where: str, stem: str | None = None) -> MoEMo
     for k in ("routed_scaling_factor", "swiglu_limit", "swiglu_alpha"):
         if _is_int(kwargs.get(k)):
             kwargs[k] = float(kwargs[k])
-    shape = MoEModelShape(**kwargs, source_url=source["url"], source_read=str(read),
-                          yaml_path=where)
+    shape = MoEModelShape(
+        **kwargs, source_url=source["url"], source_read=str(read), yaml_path=where
+    )
     if stem is not None and shape.name != stem:
-        raise ValueError(f"{where}: field 'name' ({shape.name!r}) must equal the file name stem "
-                         f"({stem!r})")
+        raise ValueError(
+            f"{where}: field 'name' ({shape.name!r}) must equal the file name stem ({stem!r})"
+        )
     return shape
 
 
@@ -357,8 +392,10 @@ def _registry() -> dict[str, MoEModelShape]:
         shape = _shape_from_mapping(data, where, stem=entry.name[: -len(".yaml")])
         shapes[shape.name] = shape
     if not shapes:
-        raise RuntimeError("no model YAML files found in the installed configs/models/ package "
-                           "data (is the package installed with its package data?)")
+        raise RuntimeError(
+            "no model YAML files found in the installed configs/models/ package "
+            "data (is the package installed with its package data?)"
+        )
     return shapes
 
 
@@ -384,7 +421,8 @@ def load_model(name: str) -> MoEModelShape:
         ValueError: unknown name (the message lists the known names), or a malformed YAML file.
     """
     if not isinstance(name, str):
-        raise ValueError(f"load_model: name must be a str, got {type(name).__name__}")
+        msg = f"load_model: name must be a str, got {type(name).__name__}"
+        raise ValueError(msg)  # noqa: TRY004 - the project raises ValueError for bad input
     reg = _registry()
     key = name.strip().lower()
     if key not in reg:

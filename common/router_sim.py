@@ -49,7 +49,14 @@ import numbers
 
 import torch
 
-__all__ = ["ROUTER_KINDS", "SKEW_SCALE", "simulate_router", "simulate_model_routing", "load_stats"]
+__all__ = [
+    "ROUTER_KINDS",
+    "SKEW_SCALE",
+    "load_stats",
+    "route_logits",
+    "simulate_model_routing",
+    "simulate_router",
+]
 
 ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_topk", "topk_sigmoid")
 
@@ -58,25 +65,76 @@ ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_topk", "topk_sigmoid")
 SKEW_SCALE = 0.2
 
 
-def _check_int(name: str, value, minimum: int) -> int:
+def _check_int(name: str, value, minimum: int, caller: str = "simulate_router") -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"simulate_router: {name} must be an int, got {type(value).__name__}")
+        msg = f"{caller}: {name} must be an int, got {type(value).__name__}"
+        raise ValueError(msg)  # noqa: TRY004 - the project raises ValueError for bad input
     if value < minimum:
-        raise ValueError(f"simulate_router: {name} must be >= {minimum}, got {value}")
+        raise ValueError(f"{caller}: {name} must be >= {minimum}, got {value}")
     return int(value)
 
 
-def _check_float(name: str, value, *, minimum: float, maximum: float = math.inf,
-                 open_min: bool = False) -> float:
+def _check_float(
+    name: str,
+    value,
+    *,
+    minimum: float,
+    maximum: float = math.inf,
+    open_min: bool = False,
+    caller: str = "simulate_router",
+) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"simulate_router: {name} must be a real number, got {type(value).__name__}")
+        msg = f"{caller}: {name} must be a real number, got {type(value).__name__}"
+        raise ValueError(msg)  # noqa: TRY004
     value = float(value)
     too_low = value <= minimum if open_min else value < minimum
     if not math.isfinite(value) or too_low or value > maximum:
         bound = f"> {minimum}" if open_min else f">= {minimum}"
         upper = f" and <= {maximum}" if math.isfinite(maximum) else ""
-        raise ValueError(f"simulate_router: {name} must be finite, {bound}{upper}; got {value}")
+        raise ValueError(f"{caller}: {name} must be finite, {bound}{upper}; got {value}")
     return value
+
+
+def _check_routing_args(
+    num_experts, top_k, kind, norm_topk_prob, routed_scaling_factor, n_group, topk_group, caller
+):
+    """Validate the routing-function arguments shared by simulate_router and route_logits."""
+    top_k = _check_int("top_k", top_k, 1, caller)
+    if top_k > num_experts:
+        raise ValueError(
+            f"{caller}: top_k must be <= num_experts, got top_k={top_k}, num_experts={num_experts}"
+        )
+    _check_float(
+        "routed_scaling_factor", routed_scaling_factor, minimum=0.0, open_min=True, caller=caller
+    )
+    if kind not in ROUTER_KINDS:
+        raise ValueError(f"{caller}: kind must be one of {ROUTER_KINDS}, got {kind!r}")
+    if not isinstance(norm_topk_prob, bool):
+        msg = f"{caller}: norm_topk_prob must be a bool, got {norm_topk_prob!r}"
+        raise ValueError(msg)  # noqa: TRY004
+    n_group = _check_int("n_group", n_group, 1, caller)
+    topk_group = _check_int("topk_group", topk_group, 1, caller)
+    if kind != "sigmoid_topk" and (n_group != 1 or topk_group != 1):
+        raise ValueError(
+            f"{caller}: n_group/topk_group apply to kind='sigmoid_topk' only, "
+            f"got n_group={n_group}, topk_group={topk_group} for kind={kind!r}"
+        )
+    if num_experts % n_group != 0:
+        raise ValueError(
+            f"{caller}: n_group must divide num_experts, got n_group={n_group}, "
+            f"num_experts={num_experts}"
+        )
+    if topk_group > n_group:
+        raise ValueError(
+            f"{caller}: topk_group must be <= n_group, got "
+            f"topk_group={topk_group}, n_group={n_group}"
+        )
+    if top_k > topk_group * (num_experts // n_group):
+        raise ValueError(
+            f"{caller}: top_k={top_k} exceeds the experts eligible after group "
+            f"limiting (topk_group * num_experts / n_group = "
+            f"{topk_group * (num_experts // n_group)})"
+        )
 
 
 def simulate_router(
@@ -133,35 +191,22 @@ def simulate_router(
     """
     num_tokens = _check_int("num_tokens", num_tokens, 0)
     num_experts = _check_int("num_experts", num_experts, 1)
-    top_k = _check_int("top_k", top_k, 1)
-    if top_k > num_experts:
-        raise ValueError(f"simulate_router: top_k must be <= num_experts, got top_k={top_k}, "
-                         f"num_experts={num_experts}")
+    _check_routing_args(
+        num_experts,
+        top_k,
+        kind,
+        norm_topk_prob,
+        routed_scaling_factor,
+        n_group,
+        topk_group,
+        "simulate_router",
+    )
     seed = _check_int("seed", seed, 0)
     skew = _check_float("skew", skew, minimum=0.0)
-    routed_scaling_factor = _check_float("routed_scaling_factor", routed_scaling_factor,
-                                         minimum=0.0, open_min=True)
     logit_scale = _check_float("logit_scale", logit_scale, minimum=0.0, open_min=True)
     drop_fraction = _check_float("drop_fraction", drop_fraction, minimum=0.0, maximum=1.0)
-    if kind not in ROUTER_KINDS:
-        raise ValueError(f"simulate_router: kind must be one of {ROUTER_KINDS}, got {kind!r}")
-    if not isinstance(norm_topk_prob, bool):
-        raise ValueError(f"simulate_router: norm_topk_prob must be a bool, got {norm_topk_prob!r}")
-    n_group = _check_int("n_group", n_group, 1)
-    topk_group = _check_int("topk_group", topk_group, 1)
-    if kind != "sigmoid_topk" and (n_group != 1 or topk_group != 1):
-        raise ValueError(f"simulate_router: n_group/topk_group apply to kind='sigmoid_topk' only, "
-                         f"got n_group={n_group}, topk_group={topk_group} for kind={kind!r}")
-    if num_experts % n_group != 0:
-        raise ValueError(f"simulate_router: n_group must divide num_experts, got n_group={n_group},"
-                         f" num_experts={num_experts}")
-    if topk_group > n_group:
-        raise ValueError(f"simulate_router: topk_group must be <= n_group, got "
-                         f"topk_group={topk_group}, n_group={n_group}")
-    if top_k > topk_group * (num_experts // n_group):
-        raise ValueError(f"simulate_router: top_k={top_k} exceeds the experts eligible after group "
-                         f"limiting (topk_group * num_experts / n_group = "
-                         f"{topk_group * (num_experts // n_group)})")
+    top_k, n_group, topk_group = int(top_k), int(n_group), int(topk_group)
+    routed_scaling_factor = float(routed_scaling_factor)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"simulate_router: dtype must be a floating torch.dtype, got {dtype!r}")
     device = torch.device(device)
@@ -173,6 +218,82 @@ def simulate_router(
     z_TE = torch.randn(num_tokens, num_experts, generator=gen, device=device, dtype=f32)
     logit_TE = (z_TE + (SKEW_SCALE * skew) * bias_E) * logit_scale
 
+    expert_index_TK, affinity_TK = _route(
+        logit_TE,
+        top_k,
+        kind=kind,
+        norm_topk_prob=norm_topk_prob,
+        routed_scaling_factor=routed_scaling_factor,
+        n_group=n_group,
+        topk_group=topk_group,
+    )
+
+    num_slots = num_tokens * top_k
+    num_drop = round(drop_fraction * num_slots)
+    if num_drop > 0:
+        drop_R = torch.randperm(num_slots, generator=gen, device=device)[:num_drop]
+        expert_index_TK = (
+            expert_index_TK.reshape(-1).index_fill(0, drop_R, -1).view_as(expert_index_TK)
+        )
+        affinity_TK = affinity_TK.reshape(-1).index_fill(0, drop_R, 0.0).view_as(affinity_TK)
+    return expert_index_TK.to(torch.int64).contiguous(), affinity_TK.to(dtype).contiguous()
+
+
+def route_logits(
+    logit_TE: torch.Tensor,
+    top_k: int,
+    *,
+    kind: str = "softmax_topk",
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply a router's selection and affinity function to given logits (no randomness).
+
+    Args:
+        logit_TE: [T, E] floating router logits (any device).
+        top_k, kind, norm_topk_prob, routed_scaling_factor, n_group, topk_group: as
+            :func:`simulate_router`.
+
+    Returns:
+        expert_index_TK int64 [T, K], affinity_TK float32 [T, K] (on the logits' device).
+
+    Raises:
+        ValueError: a non-2-D / non-floating ``logit_TE`` or an argument out of range.
+    """
+    if (
+        not isinstance(logit_TE, torch.Tensor)
+        or logit_TE.dim() != 2
+        or not logit_TE.dtype.is_floating_point
+    ):
+        raise ValueError("route_logits: logit_TE must be a 2-D floating tensor [T, E]")
+    num_experts = logit_TE.shape[1]
+    _check_routing_args(
+        num_experts,
+        top_k,
+        kind,
+        norm_topk_prob,
+        routed_scaling_factor,
+        n_group,
+        topk_group,
+        "route_logits",
+    )
+    idx, aff = _route(
+        logit_TE.float(),
+        top_k,
+        kind=kind,
+        norm_topk_prob=norm_topk_prob,
+        routed_scaling_factor=float(routed_scaling_factor),
+        n_group=n_group,
+        topk_group=topk_group,
+    )
+    return idx.to(torch.int64), aff
+
+
+def _route(logit_TE, top_k, *, kind, norm_topk_prob, routed_scaling_factor, n_group, topk_group):
+    """The routing functions of the module docstring on float32 logits [T, E] (validated)."""
+    num_tokens, num_experts = logit_TE.shape
     if kind == "softmax_topk":
         prob_TE = torch.softmax(logit_TE, dim=-1)
         affinity_TK, expert_index_TK = prob_TE.topk(top_k, dim=-1)
@@ -199,21 +320,19 @@ def simulate_router(
         affinity_TK = score_TE.gather(1, expert_index_TK)
         if norm_topk_prob:
             affinity_TK = affinity_TK / affinity_TK.sum(dim=-1, keepdim=True)
-    affinity_TK = affinity_TK * routed_scaling_factor
-
-    num_slots = num_tokens * top_k
-    num_drop = int(round(drop_fraction * num_slots))
-    if num_drop > 0:
-        drop_R = torch.randperm(num_slots, generator=gen, device=device)[:num_drop]
-        expert_index_TK = expert_index_TK.reshape(-1).index_fill(0, drop_R, -1).view_as(
-            expert_index_TK)
-        affinity_TK = affinity_TK.reshape(-1).index_fill(0, drop_R, 0.0).view_as(affinity_TK)
-    return expert_index_TK.to(torch.int64).contiguous(), affinity_TK.to(dtype).contiguous()
+    return expert_index_TK, affinity_TK * routed_scaling_factor
 
 
-def simulate_model_routing(model, num_tokens: int, *, seed: int, skew: float = 1.0,
-                           drop_fraction: float = 0.0, device: str | torch.device = "cpu",
-                           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def simulate_model_routing(
+    model,
+    num_tokens: int,
+    *,
+    seed: int,
+    skew: float = 1.0,
+    drop_fraction: float = 0.0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`simulate_router` with the router of a model (a ``common.models.MoEModelShape``).
 
     Uses the model's E, top_k, router kind, norm_topk_prob, routed_scaling_factor and expert
@@ -223,10 +342,20 @@ def simulate_model_routing(model, num_tokens: int, *, seed: int, skew: float = 1
         ValueError: as :func:`simulate_router`.
     """
     return simulate_router(
-        num_tokens, model.experts, model.top_k, seed=seed, skew=skew, kind=model.router,
-        norm_topk_prob=model.norm_topk_prob, routed_scaling_factor=model.routed_scaling_factor,
-        n_group=model.n_group, topk_group=model.topk_group, drop_fraction=drop_fraction,
-        device=device, dtype=dtype)
+        num_tokens,
+        model.experts,
+        model.top_k,
+        seed=seed,
+        skew=skew,
+        kind=model.router,
+        norm_topk_prob=model.norm_topk_prob,
+        routed_scaling_factor=model.routed_scaling_factor,
+        n_group=model.n_group,
+        topk_group=model.topk_group,
+        drop_fraction=drop_fraction,
+        device=device,
+        dtype=dtype,
+    )
 
 
 def load_stats(expert_index_TK: torch.Tensor, num_experts: int) -> dict[str, float]:
@@ -244,8 +373,9 @@ def load_stats(expert_index_TK: torch.Tensor, num_experts: int) -> dict[str, flo
     Raises:
         ValueError: ids outside [-1, E).
     """
-    if expert_index_TK.numel() and (int(expert_index_TK.min()) < -1
-                                    or int(expert_index_TK.max()) >= num_experts):
+    if expert_index_TK.numel() and (
+        int(expert_index_TK.min()) < -1 or int(expert_index_TK.max()) >= num_experts
+    ):
         raise ValueError(f"load_stats: expert_index_TK must hold ids in [-1, {num_experts})")
     ids = expert_index_TK.reshape(-1)
     ids = ids[ids >= 0]

@@ -1,0 +1,237 @@
+"""Benchmark of the grouped weight gradient ``Wgrad[e] = A[:, begin:end] @ B[begin:end, :]`` on a GPU.
+
+Rows (REFERENCE §6 shapes, a skewed split with empty experts, FP32-accumulate cases), all measured
+in one process with ``triton.testing.do_bench`` (median, ms -> µs):
+
+- ours: the SM90 CuTe DSL kernel (cuda_kernels/grouped_wgrad/sm90_bf16.py) through its launcher;
+- torch._grouped_mm with the same offsets (K-grouped 2-D x 2-D form);
+- the per-expert loop of torch.mm into the output slices (host offsets precomputed);
+- a dense torch.mm of the same FLOPs, ``(M, S) @ (S, N)``.
+
+TFLOP/s counts ``2 * M * N * tokens_sum``. For FP32-accumulate rows the floor is
+``max(FLOPs / dense rate, bytes / copy bandwidth)`` with bytes = A + B read + out read and written,
+and the copy bandwidth measured here by a device-to-device copy (bytes read + written).
+
+Layouts: A M-major and B N-major (A = X_sorted^T, B = dY_sorted, both row-major token rows: what a
+MoE backward holds), out bf16 unless the row says fp32.
+
+Usage: ``python benchmarks/bench_grouped_wgrad.py [--quick] [--json out.json]``.
+"""
+
+import argparse
+import datetime
+import json
+import sys
+
+import torch
+
+
+def _counts_even(e, per):
+    return [per] * e
+
+
+def _counts_skewed(e, total, gen):
+    # Zipf-like weights with a quarter of the experts empty, summing to total
+    w = 1.0 / torch.arange(1, e + 1, dtype=torch.float64) ** 1.1
+    w = w[torch.randperm(e, generator=gen)]
+    w[torch.randperm(e, generator=gen)[: e // 4]] = 0
+    c = torch.floor(w / w.sum() * total).to(torch.int64)
+    c[int(torch.argmax(w))] += total - int(c.sum())
+    return c.tolist()
+
+
+def _counts_uneven_one_empty(e, total, gen):
+    w = torch.rand(e, generator=gen, dtype=torch.float64) + 0.2
+    w[3] = 0
+    c = torch.floor(w / w.sum() * total).to(torch.int64)
+    c[0] += total - int(c.sum())
+    return c.tolist()
+
+
+def shapes(quick=False):
+    gen = torch.Generator().manual_seed(0)
+    rows = [
+        ("8x4096x28672 even", 8, 4096, 28672, _counts_even(8, 4096), "bfloat16", False),
+        ("32x7168x4096 even", 32, 7168, 4096, _counts_even(32, 2048), "bfloat16", False),
+        ("32x2048x7168 even", 32, 2048, 7168, _counts_even(32, 2048), "bfloat16", False),
+        ("128x2048x1536 even", 128, 2048, 1536, _counts_even(128, 512), "bfloat16", False),
+        ("128x768x2048 even", 128, 768, 2048, _counts_even(128, 512), "bfloat16", False),
+        (
+            "128x2048x1536 skewed",
+            128, 2048, 1536, _counts_skewed(128, 49408, gen), "bfloat16", False,
+        ),
+        (
+            "16x4096x2048 uneven",
+            16, 4096, 2048, _counts_uneven_one_empty(16, 24829, gen), "bfloat16", False,
+        ),
+        ("128x2048x1536 fp32-acc", 128, 2048, 1536, _counts_even(128, 512), "float32", True),
+        ("32x7168x4096 fp32-acc", 32, 7168, 4096, _counts_even(32, 2048), "float32", True),
+    ]
+    return rows[3:4] + rows[7:8] if quick else rows
+
+
+def _ceilings(bench, dev):
+    """Device-to-device copy bandwidth (bytes/s, read + write) and 8192^3 bf16 mm rate (FLOP/s)."""
+    src = torch.randn(1024**3 // 2, device=dev).to(torch.bfloat16)  # 1 GiB of random bf16
+    dst = torch.empty_like(src)
+    t_copy = bench(lambda: dst.copy_(src))
+    copy_bw = 2 * src.numel() * 2 / (t_copy * 1e-6)
+    x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    t_mm = bench(lambda: torch.mm(x, y))
+    return copy_bw, 2 * 8192**3 / (t_mm * 1e-6)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="two shapes only")
+    p.add_argument("--json", default=None, help="write all rows as JSON here")
+    p.add_argument("--tile", default=None, help="override tile as M,N,K,stages")
+    args = p.parse_args(argv)
+
+    import triton.testing
+
+    from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median") * 1e3  # µs
+
+    copy_bw, mm_rate = _ceilings(bench, dev)
+    header = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "copy_TBps": copy_bw / 1e12,
+        "mm8192_TFLOPs": mm_rate / 1e12,
+    }
+    print(json.dumps(header), flush=True)
+
+    results = []
+    for name, e, m, n, counts, out_dtype, accumulate in shapes(args.quick):
+        s = int(sum(counts))
+        gen = torch.Generator(device=dev).manual_seed(1)
+        x_SM = torch.randn(s, m, device=dev, dtype=torch.bfloat16, generator=gen)
+        dy_SN = torch.randn(s, n, device=dev, dtype=torch.bfloat16, generator=gen)
+        a = x_SM.t()  # (M, S), M-major
+        b = dy_SN  # (S, N), N-major
+        offsets = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
+        odt = getattr(torch, out_dtype)
+        out = torch.zeros(e, m, n, device=dev, dtype=odt)
+        flops = 2.0 * m * n * s
+        row = {"shape": name, "E": e, "M": m, "N": n, "tokens_sum": s, "out": out_dtype,
+               "accumulate": accumulate}
+        if args.tile:
+            tm, tn, tk, st = (int(v) for v in args.tile.split(","))
+            tile = sm90.Sm90TileConfig(tm, tn, tk, st)
+        else:
+            tile = sm90.select_sm90_tile_config(m, n, e, s)
+        key = sm90.Sm90WgradKey(
+            m, n, e, a_major="m", b_major="n", out_dtype=out_dtype, accumulate=accumulate,
+            tile=tile,
+        )
+        row["tile"] = f"{tile.tile_m}x{tile.tile_n}x{tile.tile_k}s{tile.stages}"
+        launcher = sm90.compile_sm90_wgrad(key)
+        # correctness spot check against torch on two experts
+        launcher(a, b, offsets, out.zero_())
+        torch.cuda.synchronize()
+        begins = [0] + offsets.tolist()[:-1]
+        chk = []
+        for i in (max(range(e), key=lambda j: counts[j]), min(range(e), key=lambda j: counts[j])):
+            r = a[:, begins[i] : begins[i] + counts[i]].float() @ b[
+                begins[i] : begins[i] + counts[i]
+            ].float()
+            d = (out[i].float() - r).norm() / r.norm().clamp_min(1e-30)
+            chk.append(float(d) if counts[i] else float(out[i].abs().max()))
+        row["check_rel_err"] = max(chk)
+        t_ours = bench(lambda: launcher(a, b, offsets, out))
+        row["ours_us"] = t_ours
+        row["ours_TFLOPs"] = flops / (t_ours * 1e-6) / 1e12
+
+        # torch._grouped_mm (K-grouped); output fp32 accumulate is not offered -> out-of-place
+        gm = None
+        for aa, bb, tag in ((a, b, "M-major/N-major"), (a.contiguous(), b, "K-major A")):
+            try:
+                res = torch._grouped_mm(aa, bb, offs=offsets)
+                torch.cuda.synchronize()
+                gm = (aa, bb, tag)
+                break
+            except Exception as exc:  # noqa: BLE001 - record and try the next layout
+                row.setdefault("grouped_mm_errors", []).append(f"{tag}: {exc}"[:160])
+        if gm is not None:
+            aa, bb, tag = gm
+            if accumulate:
+                t_g = bench(lambda: out.add_(torch._grouped_mm(aa, bb, offs=offsets)))
+            else:
+                t_g = bench(lambda: torch._grouped_mm(aa, bb, offs=offsets))
+            row["grouped_mm_layout"] = tag
+            row["grouped_mm_us"] = t_g
+            row["grouped_mm_TFLOPs"] = flops / (t_g * 1e-6) / 1e12
+            row["ours_over_grouped_mm"] = t_g / t_ours
+
+        # per-expert loop
+        bl = list(zip(begins, counts))
+        out_bf = torch.empty(e, m, n, device=dev, dtype=torch.bfloat16 if not accumulate else odt)
+
+        def loop():
+            for i, (b0, c) in enumerate(bl):
+                if c:
+                    if accumulate:
+                        out_bf[i].addmm_(a[:, b0 : b0 + c], b[b0 : b0 + c])
+                    else:
+                        torch.mm(a[:, b0 : b0 + c], b[b0 : b0 + c], out=out_bf[i])
+                elif not accumulate:
+                    out_bf[i].zero_()
+
+        if accumulate:
+            # addmm_ needs matching dtypes: fp32 operands for an fp32 output
+            a32, b32 = a.float(), b.float()
+
+            def loop():
+                for i, (b0, c) in enumerate(bl):
+                    if c:
+                        out_bf[i].addmm_(a32[:, b0 : b0 + c], b32[b0 : b0 + c])
+
+        t_l = bench(loop)
+        row["loop_us"] = t_l
+        row["loop_TFLOPs"] = flops / (t_l * 1e-6) / 1e12
+        row["ours_over_loop"] = t_l / t_ours
+
+        # dense torch.mm of the same FLOPs
+        t_d = bench(lambda: torch.mm(a, b))
+        row["dense_us"] = t_d
+        row["dense_TFLOPs"] = flops / (t_d * 1e-6) / 1e12
+        row["ours_over_dense"] = t_d / t_ours
+        if accumulate:
+            nbytes = 2 * (m + n) * s + 2 * e * m * n * odt.itemsize
+            floor_us = max(flops / (row["dense_TFLOPs"] * 1e12), nbytes / copy_bw) * 1e6
+            row["floor_us"] = floor_us
+            row["ours_over_floor"] = floor_us / t_ours
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+
+    print()
+    print(f"{header['date']}  {header['gpu']}  copy {header['copy_TBps']:.2f} TB/s  "
+          f"mm8192 {header['mm8192_TFLOPs']:.0f} TFLOP/s")
+    print(f"{'shape':26s} {'tile':12s} {'ours':>6s} {'gmm':>6s} {'loop':>6s} {'dense':>6s} "
+          f"{'/gmm':>5s} {'/dense':>6s} {'/floor':>6s} {'err':>8s}")
+    for r in results:
+        print(
+            f"{r['shape']:26s} {r['tile']:12s} {r['ours_TFLOPs']:6.0f} "
+            f"{r.get('grouped_mm_TFLOPs', float('nan')):6.0f} {r['loop_TFLOPs']:6.0f} "
+            f"{r['dense_TFLOPs']:6.0f} {r.get('ours_over_grouped_mm', float('nan')):5.2f} "
+            f"{r['ours_over_dense']:6.2f} {r.get('ours_over_floor', float('nan')):6.2f} "
+            f"{r['check_rel_err']:8.1e}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "rows": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,746 @@
+"""Hopper (SM90) grouped weight-gradient kernel in CuTe DSL: ``Wgrad[e] = A[:, begin:end] @ B[begin:end, :]``.
+
+For expert ``e`` with token range ``[begin, end)`` (``begin = offsets[e-1]``, 0 for ``e = 0``,
+``end = offsets[e]``; REFERENCE §1.2, the cuDNN frontend's grouped-wgrad contract), the kernel
+computes the ``(M, N) = (hidden, intermediate)`` product of ``A[:, begin:end]`` (``(M, K_e)``) and
+``B[begin:end, :]`` (``(K_e, N)``) with fp32 accumulators, and writes (or adds into) the output in
+BF16, FP16 or FP32.
+
+Structure (one CTA per SM, persistent, warp-specialized):
+
+- warp group 0 is the producer: one warp issues TMA loads of ``(tile_m, tile_k)`` A tiles and
+  ``(tile_n, tile_k)`` B tiles into a ``stages``-deep shared-memory ring (mbarrier pipeline);
+- warp groups 1.. are consumers: each issues wgmma on a 64-row slab of the CTA tile and runs the
+  epilogue (fp32 registers -> output dtype -> global memory, optionally adding the old output);
+- the persistent scheduler walks the static list of ``E * ceil(M/tile_m) * ceil(N/tile_n)`` output
+  tiles in expert-major, m-fastest order with a grid stride, so every CTA gets a mix of experts and
+  uneven experts even out; each tile's token range is read from ``offsets`` on the device (no host
+  read, CUDA-graph capturable); the token dimension is dynamic, so new splits never recompile.
+- ragged K: the TMA box of the last K tile of an expert may straddle into the next expert's rows
+  (or past ``tokens_sum``, which TMA zero-fills). The consumer warp groups zero the rows past the
+  expert's end in shared memory (both operands: ``0 * NaN`` would still be NaN), fence the async
+  proxy and sync before the wgmma reads them, so neighbouring experts never leak into a gradient.
+- empty experts issue no loads and write zeros, or leave the output untouched when accumulating.
+
+Public names (docs/CONTRACTS.md): ``Sm90TileConfig``, ``Sm90WgradKey``, ``select_sm90_tile_config``,
+``compile_sm90_wgrad`` (cached; ``COMPILE_COUNT`` counts real compiles) and
+``compile_sm90_wgrad_offline`` (PTX text for ``sm_90a`` without a GPU). CuTe DSL is imported only
+inside the compile functions.
+"""
+
+
+
+import dataclasses
+import functools
+import pathlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "COMPILE_COUNT",
+    "Sm90TileConfig",
+    "Sm90WgradKey",
+    "compile_sm90_wgrad",
+    "compile_sm90_wgrad_offline",
+    "load_sm90_tile_rules",
+    "select_sm90_tile_config",
+]
+
+#: Number of real (uncached) compiles done by :func:`compile_sm90_wgrad` in this process.
+COMPILE_COUNT = 0
+
+_TILES_YAML = pathlib.Path(__file__).resolve().parents[2] / "configs" / "cuda" / "sm90_tiles.yaml"
+_OUT_DTYPES = ("bfloat16", "float16", "float32")
+_SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on H100/H200
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90TileConfig:
+    """One CTA tile of the SM90 kernel (a row of ``configs/cuda/sm90_tiles.yaml``).
+
+    Attributes:
+        tile_m: output rows (hidden) per CTA tile, 64 or 128 (= 64 x consumer warp groups).
+        tile_n: output columns (intermediate) per CTA tile, a multiple of 16 in [16, 256].
+        tile_k: tokens per pipeline stage, 64 (one 128-byte swizzle row of bf16).
+        stages: depth of the shared-memory ring of (A, B) tiles, >= 2.
+
+    Raises:
+        ValueError: a field outside the ranges above or stages that overflow shared memory.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    stages: int = 4
+
+    def __post_init__(self) -> None:
+        if self.tile_m not in (64, 128):
+            raise ValueError(f"Sm90TileConfig.tile_m must be 64 or 128, got {self.tile_m}")
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise ValueError(
+                f"Sm90TileConfig.tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}"
+            )
+        if self.tile_k != 64:
+            raise ValueError(f"Sm90TileConfig.tile_k must be 64, got {self.tile_k}")
+        if self.stages < 2:
+            raise ValueError(f"Sm90TileConfig.stages must be >= 2, got {self.stages}")
+        if self.stage_bytes * self.stages + 1024 > _SMEM_BYTES:
+            raise ValueError(
+                f"Sm90TileConfig: {self.stages} stages of {self.stage_bytes} bytes overflow the "
+                f"{_SMEM_BYTES}-byte shared memory of an SM90 CTA"
+            )
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes of one pipeline stage: a bf16 A tile plus a bf16 B tile."""
+        return 2 * self.tile_k * (self.tile_m + self.tile_n)
+
+    @property
+    def consumer_warp_groups(self) -> int:
+        """Consumer (wgmma) warp groups per CTA: one per 64-row slab."""
+        return self.tile_m // 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90WgradKey:
+    """Static contract of one compiled SM90 kernel (the compile-cache key).
+
+    The token dimension (``tokens_sum``) and the offsets values are dynamic and not part of it.
+
+    Attributes:
+        hidden: M, rows of each expert's Wgrad (and of A).
+        intermediate: N, columns of each expert's Wgrad (and of B).
+        num_experts: E.
+        a_major: ``"k"`` (A stride ``(tokens_sum, 1)``) or ``"m"`` (stride ``(1, hidden)``).
+        b_major: ``"k"`` (B stride ``(1, tokens_sum)``) or ``"n"`` (stride ``(intermediate, 1)``).
+        out_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+        output_mode: ``"dense"`` (one ``(E, M, N)`` tensor) or ``"discrete"`` (``(E,)`` int64
+            pointers to ``(M, N)`` row-major outputs, 16-byte aligned).
+        accumulate: add into the output instead of overwriting it.
+        input_order: ``"tensor2d"`` or ``"tensor_ragged"`` (see :func:`compile_sm90_wgrad`).
+        tile: the :class:`Sm90TileConfig`.
+
+    Raises:
+        ValueError: a field outside the values above, or hidden / intermediate that the tile does
+            not divide.
+    """
+
+    hidden: int
+    intermediate: int
+    num_experts: int
+    a_major: str = "k"
+    b_major: str = "n"
+    out_dtype: str = "bfloat16"
+    output_mode: str = "dense"
+    accumulate: bool = False
+    input_order: str = "tensor2d"
+    tile: Sm90TileConfig = Sm90TileConfig()
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "intermediate", "num_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Sm90WgradKey.{name} must be a positive int, got {value!r}")
+        if self.a_major not in ("k", "m"):
+            raise ValueError(f"Sm90WgradKey.a_major must be 'k' or 'm', got {self.a_major!r}")
+        if self.b_major not in ("k", "n"):
+            raise ValueError(f"Sm90WgradKey.b_major must be 'k' or 'n', got {self.b_major!r}")
+        if self.out_dtype not in _OUT_DTYPES:
+            raise ValueError(
+                f"Sm90WgradKey.out_dtype must be one of {_OUT_DTYPES}, got {self.out_dtype!r}"
+            )
+        if self.output_mode not in ("dense", "discrete"):
+            raise ValueError(
+                f"Sm90WgradKey.output_mode must be 'dense' or 'discrete', got {self.output_mode!r}"
+            )
+        if self.input_order not in ("tensor2d", "tensor_ragged"):
+            raise ValueError(
+                "Sm90WgradKey.input_order must be 'tensor2d' or 'tensor_ragged', "
+                f"got {self.input_order!r}"
+            )
+        if not isinstance(self.tile, Sm90TileConfig):
+            raise ValueError(f"Sm90WgradKey.tile must be a Sm90TileConfig, got {self.tile!r}")
+        if self.hidden % self.tile.tile_m:
+            raise ValueError(
+                f"Sm90WgradKey: hidden={self.hidden} must be a multiple of tile_m="
+                f"{self.tile.tile_m} (the SM90 kernel has no partial output tiles)"
+            )
+        if self.intermediate % self.tile.tile_n:
+            raise ValueError(
+                f"Sm90WgradKey: intermediate={self.intermediate} must be a multiple of tile_n="
+                f"{self.tile.tile_n} (the SM90 kernel has no partial output tiles)"
+            )
+
+    @property
+    def num_tiles(self) -> int:
+        """Output tiles of one launch: ``E * (M / tile_m) * (N / tile_n)``."""
+        return (
+            self.num_experts
+            * (self.hidden // self.tile.tile_m)
+            * (self.intermediate // self.tile.tile_n)
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def load_sm90_tile_rules() -> tuple[tuple[str, dict, Sm90TileConfig], ...]:
+    """Rules of ``configs/cuda/sm90_tiles.yaml`` as ``(name, conditions, config)`` in file order.
+
+    Raises:
+        RuntimeError: the file is missing or malformed.
+    """
+    import yaml
+
+    try:
+        data = yaml.safe_load(_TILES_YAML.read_text())
+        rules = []
+        for rule in data["rules"]:
+            cond = {k: v for k, v in rule.items() if k not in ("name", "config")}
+            rules.append((rule["name"], cond, Sm90TileConfig(**rule["config"])))
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise RuntimeError(f"cannot read SM90 tile configs from {_TILES_YAML}: {exc}") from exc
+    return tuple(rules)
+
+
+def select_sm90_tile_config(
+    hidden: int, intermediate: int, num_experts: int, tokens_hint: int | None = None
+) -> Sm90TileConfig:
+    """Pick the tile config for an ``(E, M, N)`` problem from ``configs/cuda/sm90_tiles.yaml``.
+
+    Args:
+        hidden: M (rows of Wgrad). intermediate: N (columns). num_experts: E.
+        tokens_hint: expected tokens_sum (unused by the current rules; kept for the contract).
+
+    Returns:
+        The first rule's :class:`Sm90TileConfig` whose divisibility conditions hold.
+
+    Raises:
+        ValueError: no rule fits (hidden and intermediate must be multiples of 64), or non-positive
+            sizes.
+    """
+    if hidden < 1 or intermediate < 1 or num_experts < 1:
+        raise ValueError(
+            f"select_sm90_tile_config: sizes must be positive, got hidden={hidden}, "
+            f"intermediate={intermediate}, num_experts={num_experts}"
+        )
+    for _name, cond, config in load_sm90_tile_rules():
+        if hidden % cond.get("hidden_multiple", 1):
+            continue
+        if intermediate % cond.get("intermediate_multiple", 1):
+            continue
+        if intermediate < cond.get("min_intermediate", 0):
+            continue
+        return config
+    raise ValueError(
+        f"select_sm90_tile_config: no SM90 tile fits hidden={hidden}, intermediate={intermediate}"
+        " (both must be multiples of 64)"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel (CuTe DSL imported lazily)
+# --------------------------------------------------------------------------------------------
+
+
+def _build_kernel_class():
+    import cutlass
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import cute, pipeline, utils
+
+    out_types = {
+        "bfloat16": cutlass.BFloat16,
+        "float16": cutlass.Float16,
+        "float32": cutlass.Float32,
+    }
+
+    class Sm90GroupedWgradKernel:
+        """CTA-persistent, warp-specialized grouped wgrad for one :class:`Sm90WgradKey`."""
+
+        def __init__(self, key: Sm90WgradKey):
+            self.key = key
+            t = key.tile
+            self.tile_m, self.tile_n, self.tile_k = t.tile_m, t.tile_n, t.tile_k
+            self.stages = t.stages
+            self.num_consumer_wgs = t.consumer_warp_groups
+            self.threads = 128 * (1 + self.num_consumer_wgs)
+            self.num_consumer_threads = 128 * self.num_consumer_wgs
+            self.m_tiles = key.hidden // self.tile_m
+            self.n_tiles = key.intermediate // self.tile_n
+            self.tiles_per_expert = self.m_tiles * self.n_tiles
+            self.num_tiles = key.num_tiles
+            self.out_dtype = out_types[key.out_dtype]
+            self.ab_dtype = cutlass.BFloat16
+            self.acc_dtype = cutlass.Float32
+            self.producer_regs = 40
+            self.consumer_regs = 232 if self.num_consumer_wgs == 2 else 160
+
+        @cute.jit
+        def __call__(
+            self,
+            mA: cute.Tensor,  # (M, S) bf16
+            mB: cute.Tensor,  # (N, S) bf16 (B transposed view)
+            mOffsets: cute.Tensor,  # (E,) int32
+            mOut: cute.Tensor,  # (E, M, N) dense or (E,) int64 pointers
+            num_ctas: cutlass.Int32,
+            stream,
+        ):
+            a_layout = utils.LayoutEnum.from_tensor(mA)
+            b_layout = utils.LayoutEnum.from_tensor(mB)
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                self.ab_dtype,
+                self.ab_dtype,
+                a_layout.sm90_mma_major_mode(),
+                b_layout.sm90_mma_major_mode(),
+                self.acc_dtype,
+                (self.num_consumer_wgs, 1, 1),
+                tiler_mn=(64, self.tile_n),
+            )
+            tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
+            a_smem_staged = sm90_utils.make_smem_layout_a(
+                a_layout, tile_mnk, self.ab_dtype, self.stages
+            )
+            b_smem_staged = sm90_utils.make_smem_layout_b(
+                b_layout, tile_mnk, self.ab_dtype, self.stages
+            )
+            a_smem_one = cute.slice_(a_smem_staged, (None, None, 0))
+            b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
+            tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                mA,
+                a_smem_one,
+                (self.tile_m, self.tile_k),
+            )
+            tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                mB,
+                b_smem_one,
+                (self.tile_n, self.tile_k),
+            )
+
+            @cute.struct
+            class SharedStorage:
+                mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+                sA: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], 1024
+                ]
+                sB: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], 1024
+                ]
+
+            self.shared_storage = SharedStorage
+            self.kernel(
+                tma_atom_a,
+                tma_a,
+                tma_atom_b,
+                tma_b,
+                mOffsets,
+                mOut,
+                tiled_mma,
+                a_smem_staged,
+                b_smem_staged,
+            ).launch(
+                grid=[num_ctas, 1, 1],
+                block=[self.threads, 1, 1],
+                smem=SharedStorage.size_in_bytes(),
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
+
+        @cute.kernel
+        def kernel(
+            self,
+            tma_atom_a: cute.CopyAtom,
+            tma_a: cute.Tensor,
+            tma_atom_b: cute.CopyAtom,
+            tma_b: cute.Tensor,
+            mOffsets: cute.Tensor,
+            mOut: cute.Tensor,
+            tiled_mma: cute.TiledMma,
+            a_smem_staged: cute.ComposedLayout,
+            b_smem_staged: cute.ComposedLayout,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+            if warp_idx == 0:
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+
+            a_smem_one = cute.slice_(a_smem_staged, (None, None, 0))
+            b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
+            tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + cute.size_in_bytes(
+                self.ab_dtype, b_smem_one
+            )
+
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            ab_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar.data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.num_consumer_wgs * 4
+                ),
+                tx_count=tx_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+            sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+            tiles_per_expert = self.tiles_per_expert
+            m_tiles = self.m_tiles
+            tk = self.tile_k
+
+            if wg_idx == 0:
+                # ---------------- producer warp group: TMA loads ----------------
+                cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+                if warp_idx == 0:
+                    prod_state = pipeline.make_pipeline_state(
+                        pipeline.PipelineUserType.Producer, self.stages
+                    )
+                    tile = bidx
+                    while tile < self.num_tiles:
+                        e = tile // tiles_per_expert
+                        rem = tile - e * tiles_per_expert
+                        n_idx = rem // m_tiles
+                        m_idx = rem - n_idx * m_tiles
+                        k_end = mOffsets[e]
+                        k_begin = cutlass.Int32(0)
+                        if e > 0:
+                            k_begin = mOffsets[e - 1]
+                        n_k = (k_end - k_begin + tk - 1) // tk
+                        gA = cute.local_tile(
+                            cute.domain_offset((0, k_begin), tma_a),
+                            (self.tile_m, tk),
+                            (m_idx, None),
+                        )
+                        gB = cute.local_tile(
+                            cute.domain_offset((0, k_begin), tma_b),
+                            (self.tile_n, tk),
+                            (n_idx, None),
+                        )
+                        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                            tma_atom_a,
+                            0,
+                            cute.make_layout(1),
+                            cute.group_modes(sA, 0, 2),
+                            cute.group_modes(gA, 0, 2),
+                        )
+                        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                            tma_atom_b,
+                            0,
+                            cute.make_layout(1),
+                            cute.group_modes(sB, 0, 2),
+                            cute.group_modes(gB, 0, 2),
+                        )
+                        for kt in cutlass.range(n_k, unroll=1):
+                            ab_pipe.producer_acquire(prod_state)
+                            bar = ab_pipe.producer_get_barrier(prod_state)
+                            cute.copy(
+                                tma_atom_a,
+                                tAgA[(None, kt)],
+                                tAsA[(None, prod_state.index)],
+                                tma_bar_ptr=bar,
+                            )
+                            cute.copy(
+                                tma_atom_b,
+                                tBgB[(None, kt)],
+                                tBsB[(None, prod_state.index)],
+                                tma_bar_ptr=bar,
+                            )
+                            ab_pipe.producer_commit(prod_state)
+                            prod_state.advance()
+                        tile += gdim
+                    ab_pipe.producer_tail(prod_state)
+            else:
+                # ---------------- consumer warp groups: wgmma + epilogue ----------------
+                cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+                ctid = tidx - 128
+                mask_barrier = pipeline.NamedBarrier(
+                    barrier_id=1, num_threads=self.num_consumer_threads
+                )
+                wg_layout = cute.make_layout(self.num_consumer_wgs, stride=128)
+                thr_mma = tiled_mma.get_slice(wg_layout(wg_idx - 1))
+                thr_mma_epi = tiled_mma.get_slice(ctid)
+                tCsA = thr_mma.partition_A(sA)
+                tCsB = thr_mma.partition_B(sB)
+                tCrA = tiled_mma.make_fragment_A(tCsA)
+                tCrB = tiled_mma.make_fragment_B(tCsB)
+                num_k_blocks = cute.size(tCrA, mode=[2])
+
+                # Accumulator fragment shaped like this thread's share of one output tile.
+                ref_tile = cute.make_identity_tensor((self.tile_m, self.tile_n))
+                acc_shape = thr_mma_epi.partition_C(ref_tile).shape
+                acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                r_out = cute.make_rmem_tensor(acc_shape, self.out_dtype)
+
+                read_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, self.stages
+                )
+                release_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, self.stages
+                )
+                tile = bidx
+                while tile < self.num_tiles:
+                    e = tile // tiles_per_expert
+                    rem = tile - e * tiles_per_expert
+                    n_idx = rem // m_tiles
+                    m_idx = rem - n_idx * m_tiles
+                    k_end = mOffsets[e]
+                    k_begin = cutlass.Int32(0)
+                    if e > 0:
+                        k_begin = mOffsets[e - 1]
+                    k_len = k_end - k_begin
+                    n_k = (k_len + tk - 1) // tk
+                    k_valid_last = k_len - (n_k - 1) * tk
+
+                    acc.fill(0.0)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.fence()
+                    for kt in cutlass.range(n_k, unroll=1):
+                        ab_pipe.consumer_wait(read_state)
+                        stage = read_state.index
+                        if kt == n_k - 1 and k_valid_last < tk:
+                            # Zero the rows past the expert's end in both operands.
+                            n_bad = tk - k_valid_last
+                            for i in cutlass.range(
+                                ctid, self.tile_m * n_bad, self.num_consumer_threads, unroll=1
+                            ):
+                                kk = k_valid_last + i // self.tile_m
+                                mm = i - (i // self.tile_m) * self.tile_m
+                                sA[(mm, kk, stage)] = self.ab_dtype(0.0)
+                            for i in cutlass.range(
+                                ctid, self.tile_n * n_bad, self.num_consumer_threads, unroll=1
+                            ):
+                                kk = k_valid_last + i // self.tile_n
+                                nn = i - (i // self.tile_n) * self.tile_n
+                                sB[(nn, kk, stage)] = self.ab_dtype(0.0)
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            mask_barrier.arrive_and_wait()
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            cute.gemm(
+                                tiled_mma,
+                                acc,
+                                tCrA[(None, None, kb, stage)],
+                                tCrB[(None, None, kb, stage)],
+                                acc,
+                            )
+                        cute.nvgpu.warpgroup.commit_group()
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        if kt > 0:
+                            ab_pipe.consumer_release(release_state)
+                            release_state.advance()
+                        read_state.advance()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    if n_k > 0:
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
+
+                    # ---------------- epilogue: registers -> global ----------------
+                    if cutlass.const_expr(self.key.output_mode == "dense"):
+                        mC = mOut[(e, None, None)]
+                    else:
+                        out_ptr = cute.make_ptr(
+                            self.out_dtype,
+                            mOut[e],
+                            cute.AddressSpace.gmem,
+                            assumed_align=16,
+                        )
+                        mC = cute.make_tensor(
+                            out_ptr,
+                            cute.make_layout(
+                                (self.key.hidden, self.key.intermediate),
+                                stride=(self.key.intermediate, 1),
+                            ),
+                        )
+                    gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_idx, n_idx))
+                    tCgC = thr_mma_epi.partition_C(gC)
+                    if cutlass.const_expr(self.key.accumulate):
+                        if n_k > 0:
+                            cute.autovec_copy(tCgC, r_out)
+                            acc.store(acc.load() + r_out.load().to(self.acc_dtype))
+                            r_out.store(acc.load().to(self.out_dtype))
+                            cute.autovec_copy(r_out, tCgC)
+                    else:
+                        r_out.store(acc.load().to(self.out_dtype))
+                        cute.autovec_copy(r_out, tCgC)
+                    tile += gdim
+
+    return Sm90GroupedWgradKernel
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_class():
+    return _build_kernel_class()
+
+
+def _fake_args(key: Sm90WgradKey):
+    """Fake (shape-only) tensors for an offline or cached compile of ``key``."""
+    import cutlass
+    from cutlass import cute
+
+    out_t = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
+    m, n, e = key.hidden, key.intermediate, key.num_experts
+    any_k_major = key.a_major == "k" or key.b_major == "k"
+    s = cute.sym_int32(divisibility=8 if any_k_major else 1, symbol="tokens_sum")
+    a = cute.runtime.make_fake_compact_tensor(
+        cutlass.BFloat16,
+        (m, s),
+        stride_order=(1, 0) if key.a_major == "k" else (0, 1),
+        assumed_align=16,
+    )
+    b = cute.runtime.make_fake_compact_tensor(
+        cutlass.BFloat16,
+        (n, s),
+        stride_order=(1, 0) if key.b_major == "k" else (0, 1),
+        assumed_align=16,
+    )
+    offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+    if key.output_mode == "dense":
+        out = cute.runtime.make_fake_compact_tensor(
+            out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
+        )
+    else:
+        out = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (e,), assumed_align=8)
+    return a, b, offsets, out
+
+
+def _compile(key: Sm90WgradKey, arch: str | None, dump_dir: str | None = None):
+    import cutlass
+    from cutlass import cute
+
+    # tensor_ragged with a K-major operand has a per-expert row stride (K_e), not one TMA
+    # descriptor: the launcher repacks such operands on the device first (see _ragged_to_2d), so
+    # the compiled kernel is the tensor2d one.
+    kernel = _kernel_class()(key)
+    a, b, offsets, out = _fake_args(key)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    opts = "--enable-tvm-ffi"
+    if arch is not None:
+        opts += f" --gpu-arch {arch}"
+    if dump_dir is not None:
+        opts += f" --keep-ptx --dump-dir {dump_dir}"
+    return cute.compile(kernel, a, b, offsets, out, cutlass.Int32(1), stream, options=opts)
+
+
+_LOCK = threading.Lock()
+
+
+@functools.cache
+def _compiled(key: Sm90WgradKey):
+    global COMPILE_COUNT
+    fn = _compile(key, None)
+    COMPILE_COUNT += 1
+    return fn
+
+
+def _ragged_to_2d(x_XS, offsets_E, k_major_rows: int):
+    """Repack a ``tensor_ragged`` K-major operand into the tensor2d ``(rows, S)`` layout, on device.
+
+    ``x_XS`` is the caller's ``(rows, S)`` view whose storage holds per-expert ``(rows, K_e)``
+    row-major blocks at element offset ``rows * begin_e``. No host read of ``offsets_E``.
+    """
+    import torch
+
+    rows, s = x_XS.shape
+    flat = torch.as_strided(x_XS, (rows * s,), (1,))
+    if s == 0:
+        return x_XS.new_empty((rows, 0)).as_strided((rows, 0), (0, 1))
+    ends = offsets_E.to(torch.int64)
+    begins = torch.cat([ends.new_zeros(1), ends[:-1]])
+    counts = ends - begins
+    col_expert = torch.repeat_interleave(
+        torch.arange(ends.numel(), device=x_XS.device), counts, output_size=s
+    )
+    col = torch.arange(s, device=x_XS.device)
+    local_k = col - begins[col_expert]  # (S,)
+    base = rows * begins[col_expert] + local_k  # (S,)
+    row = torch.arange(rows, device=x_XS.device)
+    idx = base[None, :] + row[:, None] * counts[col_expert][None, :]
+    return flat[idx]  # (rows, S) contiguous, K-major
+
+
+def compile_sm90_wgrad(key: Sm90WgradKey) -> Callable[..., None]:
+    """Compile (once per key, cached) the SM90 grouped wgrad kernel and return its launcher.
+
+    ``launcher(a, b, offsets, out, stream=None)`` runs on already-validated torch CUDA tensors:
+
+    - ``a``: ``(hidden, tokens_sum)`` bf16, K-major (stride ``(S, 1)``) or M-major (``(1, M)``);
+      ``tokens_sum`` a multiple of 8 when any operand is K-major (TMA 16-byte strides);
+    - ``b``: ``(tokens_sum, intermediate)`` bf16, K-major (``(1, S)``) or N-major (``(N, 1)``);
+    - ``offsets``: ``(E,)`` int32 cumulative expert ends on the device (never read on the host);
+    - ``out``: dense ``(E, M, N)`` contiguous tensor of ``key.out_dtype``, or for
+      ``output_mode="discrete"`` an ``(E,)`` int64 tensor of 16-byte aligned ``(M, N)`` row-major
+      output addresses;
+    - ``stream``: a ``torch.cuda.Stream`` (default: the current stream; capturable in a CUDA graph).
+
+    ``input_order="tensor_ragged"``: an operand whose unit-stride axis is M / N has the same memory
+    as tensor2d; a K-major ragged operand (per-expert ``(rows, K_e)`` blocks) is first repacked on
+    the device by torch ops (an extra pass over that operand; not graph-safe for data-dependent
+    sizes? it is: no host read, sizes come from shapes).
+
+    Raises:
+        RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.
+    """
+    try:
+        import cutlass  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError(
+            "compile_sm90_wgrad needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
+        ) from exc
+    with _LOCK:
+        fn = _compiled(key)
+    return functools.partial(_launch, key, fn)
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _launch(key: Sm90WgradKey, fn: Any, a, b, offsets, out, stream=None) -> None:
+    import torch
+
+    if key.input_order == "tensor_ragged":
+        if key.a_major == "k":
+            a = _ragged_to_2d(a, offsets, a.shape[0])
+        if key.b_major == "k":
+            b = _ragged_to_2d(b.t(), offsets, b.shape[1]).t()
+    num_ctas = max(1, min(key.num_tiles, _num_sms(a.device.index or 0)))
+    if stream is None:
+        fn(a, b.t(), offsets, out, num_ctas)
+    else:
+        with torch.cuda.stream(stream):
+            fn(a, b.t(), offsets, out, num_ctas)
+
+
+def compile_sm90_wgrad_offline(key: Sm90WgradKey, arch: str = "sm_90a") -> str:
+    """Compile ``key`` for ``arch`` without a GPU and return the generated PTX text (for CI).
+
+    Raises:
+        RuntimeError: CuTe DSL is not installed or produced no PTX.
+    """
+    try:
+        import cutlass  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(
+            "compile_sm90_wgrad_offline needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
+        ) from exc
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="sm90_wgrad_ptx_") as tmp:
+        fn = _compile(key, arch, dump_dir=tmp)
+        ptx = fn.__ptx__
+    if not ptx:
+        raise RuntimeError(f"CuTe DSL produced no PTX for {key} on {arch}")
+    return ptx

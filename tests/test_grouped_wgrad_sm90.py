@@ -1,0 +1,337 @@
+"""Tests of the SM90 (Hopper) CuTe DSL grouped wgrad kernel (cuda_kernels/grouped_wgrad/sm90_bf16.py).
+
+CPU part (CI): key / tile-config validation, the YAML tile rules, and an offline compile for
+``sm_90a`` whose PTX must contain wgmma and TMA bulk-tensor loads (skipped when nvidia-cutlass-dsl
+is not installed).
+
+GPU part (``gpu`` + ``sm90`` markers, skipped without an SM90 device): correctness against an fp32
+per-expert reference over a grid of layouts, output dtypes, output modes and accumulation, with
+uneven splits holding empty experts and outputs poisoned by NaN before each call; all experts
+empty; a NaN first row in the expert after a ragged K tile (no leakage across experts); FP32
+accumulation 256 + 1 == 257; CUDA graph capture and replay with new offsets values; no recompile
+for new splits. The GPU tests drive the kernel through ``compile_sm90_wgrad``'s launcher (the
+public API wraps the same launcher).
+"""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+from cuda_kernels.grouped_wgrad.sm90_bf16 import (
+    Sm90TileConfig,
+    Sm90WgradKey,
+    select_sm90_tile_config,
+)
+
+HAS_CUTE = importlib.util.find_spec("cutlass") is not None
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_cute = pytest.mark.skipif(not HAS_CUTE, reason="nvidia-cutlass-dsl (CuTe DSL) not installed")
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: keys, tile rules, offline compile
+# ------------------------------------------------------------------------------------------------
+
+
+def test_select_tile_config_rules():
+    assert select_sm90_tile_config(2048, 1536, 128) == Sm90TileConfig(128, 256, 64, 4)
+    assert select_sm90_tile_config(4096, 28672, 8).tile_n == 256
+    assert select_sm90_tile_config(768, 2048, 128).tile_m == 128
+    cfg = select_sm90_tile_config(256, 384, 4)  # 384 = 3 * 128, not a multiple of 256
+    assert (cfg.tile_m, cfg.tile_n) == (128, 128)
+    cfg = select_sm90_tile_config(192, 64, 2)
+    assert (cfg.tile_m, cfg.tile_n) == (64, 64)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        select_sm90_tile_config(100, 128, 2)
+    with pytest.raises(ValueError, match="positive"):
+        select_sm90_tile_config(0, 128, 2)
+
+
+def test_tile_config_validation():
+    with pytest.raises(ValueError, match="tile_m"):
+        Sm90TileConfig(tile_m=96)
+    with pytest.raises(ValueError, match="tile_n"):
+        Sm90TileConfig(tile_n=260)
+    with pytest.raises(ValueError, match="tile_k"):
+        Sm90TileConfig(tile_k=32)
+    with pytest.raises(ValueError, match="overflow"):
+        Sm90TileConfig(tile_m=128, tile_n=256, stages=5)
+    assert Sm90TileConfig().stage_bytes == 2 * 64 * (128 + 256)
+    assert Sm90TileConfig(tile_m=64).consumer_warp_groups == 1
+
+
+def test_key_validation_and_hashing():
+    tile = Sm90TileConfig()
+    key = Sm90WgradKey(256, 512, 4, tile=tile)
+    assert key == Sm90WgradKey(256, 512, 4, tile=Sm90TileConfig())
+    assert hash(key) == hash(Sm90WgradKey(256, 512, 4, tile=Sm90TileConfig()))
+    assert key.num_tiles == 4 * 2 * 2
+    for kwargs, word in [
+        (dict(a_major="n"), "a_major"),
+        (dict(b_major="m"), "b_major"),
+        (dict(out_dtype="float64"), "out_dtype"),
+        (dict(output_mode="sparse"), "output_mode"),
+        (dict(input_order="ragged"), "input_order"),
+    ]:
+        with pytest.raises(ValueError, match=word):
+            Sm90WgradKey(256, 512, 4, tile=tile, **kwargs)
+    with pytest.raises(ValueError, match="hidden"):
+        Sm90WgradKey(192, 512, 4, tile=tile)
+    with pytest.raises(ValueError, match="intermediate"):
+        Sm90WgradKey(256, 384, 4, tile=tile)
+    with pytest.raises(ValueError, match="num_experts"):
+        Sm90WgradKey(256, 512, 0, tile=tile)
+
+
+@needs_cute
+def test_offline_compile_sm90a_has_wgmma_and_tma():
+    key = Sm90WgradKey(
+        256, 256, 4, a_major="m", b_major="n", tile=select_sm90_tile_config(256, 256, 4)
+    )
+    ptx = sm90.compile_sm90_wgrad_offline(key, arch="sm_90a")
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx and ".bf16" in ptx
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads
+    assert "mbarrier" in ptx
+    assert "setmaxnreg" in ptx  # producer / consumer register split
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def _offsets_from_counts(counts, device):
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def _make_inputs(m, n, counts, a_major, b_major, gen, device="cuda"):
+    s = int(sum(counts))
+    x_SM = torch.randn(s, m, generator=gen).to(torch.bfloat16)
+    dy_SN = torch.randn(s, n, generator=gen).to(torch.bfloat16)
+    a = x_SM.t().contiguous() if a_major == "k" else x_SM.t()  # (M, S)
+    b = dy_SN if b_major == "n" else dy_SN.t().contiguous().t()  # (S, N)
+    return a.to(device), b.to(device)
+
+
+def _reference(a, b, counts):
+    """fp32 per-expert reference [E, M, N] (NaN propagates)."""
+    m, n = a.shape[0], b.shape[1]
+    ref = torch.zeros(len(counts), m, n, dtype=torch.float32, device=a.device)
+    begin = 0
+    for e, c in enumerate(counts):
+        if c:
+            ref[e] = a[:, begin : begin + c].float() @ b[begin : begin + c].float()
+        begin += c
+    return ref
+
+
+def _rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+_TOL = {"bfloat16": 1e-2, "float16": 3e-3, "float32": 1e-5}
+
+
+def _run(key, a, b, offsets, out_init=None):
+    """Run the kernel; returns the (E, M, N) result (dense view of discrete outputs too)."""
+    e, m, n = key.num_experts, key.hidden, key.intermediate
+    dt = _TORCH_DTYPES[key.out_dtype]
+    if out_init is None:
+        out = torch.full((e, m, n), float("nan"), dtype=dt, device=a.device)
+    else:
+        out = out_init.clone()
+    launcher = sm90.compile_sm90_wgrad(key)
+    if key.output_mode == "dense":
+        launcher(a, b, offsets, out)
+    else:
+        outs = [out[i].clone() for i in range(e)]  # one separate allocation per expert
+        ptrs = torch.tensor([t.data_ptr() for t in outs], dtype=torch.int64, device=a.device)
+        launcher(a, b, offsets, ptrs)
+        torch.cuda.synchronize()
+        out = torch.stack(outs)
+    torch.cuda.synchronize()
+    return out
+
+
+def _uneven_counts(num_experts, gen, mean, multiple=1):
+    counts = torch.randint(0, 2 * mean + 1, (num_experts,), generator=gen).tolist()
+    for i in range(0, num_experts, 3):
+        counts[i] = 0  # every third expert empty
+    if num_experts > 1:
+        counts[-1] = max(counts[-1], 1)
+    total = sum(counts)
+    counts[-1] += (-total) % multiple
+    return counts
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU correctness
+# ------------------------------------------------------------------------------------------------
+
+_GRID = [
+    # (E, M, N, mean tokens, a_major, b_major, out_dtype, mode, accumulate, input_order)
+    (4, 256, 256, 200, "k", "n", "bfloat16", "dense", False, "tensor2d"),
+    (4, 256, 256, 200, "m", "n", "bfloat16", "dense", False, "tensor2d"),
+    (4, 256, 256, 200, "k", "k", "bfloat16", "dense", False, "tensor2d"),
+    (4, 256, 256, 200, "m", "k", "bfloat16", "dense", False, "tensor2d"),
+    (4, 256, 512, 150, "m", "n", "float16", "dense", False, "tensor2d"),
+    (4, 256, 512, 150, "m", "n", "float32", "dense", False, "tensor2d"),
+    (4, 256, 512, 150, "k", "k", "float32", "discrete", False, "tensor2d"),
+    (4, 256, 512, 150, "m", "n", "bfloat16", "discrete", True, "tensor2d"),
+    (4, 256, 512, 150, "m", "n", "float32", "dense", True, "tensor2d"),
+    (4, 256, 512, 150, "k", "n", "float16", "dense", True, "tensor2d"),
+    (1, 128, 128, 300, "m", "n", "bfloat16", "dense", False, "tensor2d"),
+    (1, 7168, 256, 130, "m", "n", "bfloat16", "dense", False, "tensor2d"),
+    (4, 128, 7168, 70, "k", "k", "bfloat16", "dense", False, "tensor2d"),
+    (32, 512, 384, 90, "m", "n", "bfloat16", "dense", False, "tensor2d"),
+    (128, 256, 256, 20, "m", "n", "float32", "dense", False, "tensor2d"),
+    (128, 192, 64, 20, "k", "n", "bfloat16", "discrete", False, "tensor2d"),
+    (4, 256, 256, 200, "k", "k", "bfloat16", "dense", False, "tensor_ragged"),
+    (4, 256, 256, 200, "m", "n", "float32", "dense", False, "tensor_ragged"),
+]
+
+
+def _as_ragged(x_RS, counts):
+    """Rebuild a K-major (rows, S) operand as per-expert (rows, K_e) blocks (tensor_ragged)."""
+    rows = x_RS.shape[0]
+    blocks, begin = [], 0
+    for c in counts:
+        blocks.append(x_RS[:, begin : begin + c].contiguous().reshape(-1))
+        begin += c
+    flat = torch.cat(blocks) if blocks else x_RS.new_empty(0)
+    return torch.as_strided(flat, (rows, x_RS.shape[1]), (x_RS.shape[1], 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and CuTe DSL")
+@pytest.mark.parametrize("case", _GRID, ids=lambda c: "-".join(str(x) for x in c))
+def test_grid_matches_fp32_reference(case):
+    e, m, n, mean, a_major, b_major, out_dtype, mode, accumulate, order = case
+    gen = torch.Generator().manual_seed(_GRID.index(case))
+    multiple = 8 if "k" in (a_major, b_major) else 1
+    counts = _uneven_counts(e, gen, mean, multiple)
+    a, b = _make_inputs(m, n, counts, a_major, b_major, gen)
+    offsets = _offsets_from_counts(counts, "cuda")
+    key = Sm90WgradKey(
+        m, n, e, a_major=a_major, b_major=b_major, out_dtype=out_dtype, output_mode=mode,
+        accumulate=accumulate, input_order=order, tile=select_sm90_tile_config(m, n, e),
+    )
+    ref = _reference(a, b, counts)
+    a_in, b_in = a, b
+    if order == "tensor_ragged":
+        if a_major == "k":
+            a_in = _as_ragged(a, counts)
+        if b_major == "k":
+            b_in = _as_ragged(b.t(), counts).t()
+    init = None
+    if accumulate:
+        init = torch.randn(e, m, n, device="cuda").to(_TORCH_DTYPES[out_dtype])
+        ref = ref + init.float()
+    out = _run(key, a_in, b_in, offsets, init)
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) output elements remain"
+    for i, c in enumerate(counts):
+        if c == 0 and not accumulate:
+            assert (out[i] == 0).all(), f"empty expert {i} must be zeros"
+        if c == 0 and accumulate:
+            assert torch.equal(out[i], init[i]), f"empty expert {i} must be untouched"
+    assert _rel_err(out, ref) < _TOL[out_dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and CuTe DSL")
+def test_all_experts_empty_and_no_recompile():
+    m, n, e = 256, 256, 8
+    key = Sm90WgradKey(m, n, e, a_major="m", b_major="n", tile=select_sm90_tile_config(m, n, e))
+    gen = torch.Generator().manual_seed(1)
+    sm90.compile_sm90_wgrad(key)
+    before = sm90.COMPILE_COUNT
+    a, b = _make_inputs(m, n, [0] * e, "m", "n", gen)
+    out = _run(key, a, b, torch.zeros(e, dtype=torch.int32, device="cuda"))
+    assert (out == 0).all()
+    for counts in ([5, 0, 77, 1, 0, 64, 3, 130], [0] * 7 + [1000]):
+        a, b = _make_inputs(m, n, counts, "m", "n", gen)
+        out = _run(key, a, b, _offsets_from_counts(counts, "cuda"))
+        assert _rel_err(out, _reference(a, b, counts)) < 1e-2
+    assert sm90.COMPILE_COUNT == before, "a new split recompiled the kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and CuTe DSL")
+@pytest.mark.parametrize("a_major,b_major", [("k", "k"), ("m", "n")])
+def test_ragged_tile_does_not_read_next_expert(a_major, b_major):
+    m, n = 128, 256
+    counts = [70, 58, 0, 32]  # expert 0 ends mid-tile; its last TMA box covers expert 1's rows
+    gen = torch.Generator().manual_seed(2)
+    a, b = _make_inputs(m, n, counts, a_major, b_major, gen)
+    a[:, 70] = float("nan")  # first row of expert 1 (in both operands)
+    b[70, :] = float("nan")
+    key = Sm90WgradKey(
+        m, n, 4, a_major=a_major, b_major=b_major, out_dtype="float32",
+        tile=select_sm90_tile_config(m, n, 4),
+    )
+    out = _run(key, a, b, _offsets_from_counts(counts, "cuda"))
+    ref = _reference(a, b, counts)
+    assert out[1].isnan().all() and ref[1].isnan().all()
+    for i in (0, 2, 3):
+        assert torch.isfinite(out[i]).all(), f"NaN of expert 1 leaked into expert {i}"
+        assert _rel_err(out[i], ref[i]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and CuTe DSL")
+def test_fp32_accumulate_256_plus_1():
+    m, n = 128, 256
+    key = Sm90WgradKey(
+        m, n, 2, a_major="m", b_major="n", out_dtype="float32", accumulate=True,
+        tile=select_sm90_tile_config(m, n, 2),
+    )
+    counts = [1, 0]
+    a = torch.ones(m, 1, dtype=torch.bfloat16, device="cuda").t().contiguous().t()
+    b = torch.ones(1, n, dtype=torch.bfloat16, device="cuda")
+    out = torch.full((2, m, n), 256.0, device="cuda")
+    sm90.compile_sm90_wgrad(key)(a, b, _offsets_from_counts(counts, "cuda"), out)
+    torch.cuda.synchronize()
+    assert (out[0] == 257.0).all() and (out[1] == 256.0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and CuTe DSL")
+def test_cuda_graph_replay_with_new_offsets():
+    m, n, e = 256, 512, 4
+    key = Sm90WgradKey(
+        m, n, e, a_major="m", b_major="n", out_dtype="float32",
+        tile=select_sm90_tile_config(m, n, e),
+    )
+    gen = torch.Generator().manual_seed(3)
+    counts1, counts2 = [100, 0, 300, 112], [0, 256, 1, 255]
+    s = sum(counts1)
+    assert s == sum(counts2)
+    a, b = _make_inputs(m, n, counts1, "m", "n", gen)
+    offsets = _offsets_from_counts(counts1, "cuda")
+    out = torch.full((e, m, n), float("nan"), device="cuda")
+    launcher = sm90.compile_sm90_wgrad(key)
+    launcher(a, b, offsets, out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        launcher(a, b, offsets, out)
+    torch.cuda.synchronize()
+    for counts in (counts1, counts2):
+        offsets.copy_(_offsets_from_counts(counts, "cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel_err(out, _reference(a, b, counts)) < 1e-5
+    assert math.isfinite(out.sum().item())

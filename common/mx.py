@@ -375,7 +375,7 @@ def quantize_mx(
         raise ValueError(f"x: elem='e2m1' packs pairs along axis, so K must be even; got {k}")
 
     cdt = _compute_dtype(x.dtype)
-    xk = x.to(cdt).movedim(ax, -1)
+    xk = x.detach().to(cdt).movedim(ax, -1)
     perm = wrapx_permutation(k, x.device) if layout == "wrapx" else None
     if perm is not None:
         xk = xk[..., perm]
@@ -535,6 +535,9 @@ def quantize_nvfp4(
         ValueError: non-float x, bad axis, axis length not a multiple of 16, or a global_scale that
             is not a positive finite scalar.
 
+    torchao's ``nvfp4_quantize(x, 16, per_tensor_scale=None)`` is single-level (block scales alone,
+    no division by a global scale); ``global_scale=1.0`` here reproduces it bit for bit.
+
     A NaN anywhere in x (when global_scale is None) makes the global scale NaN; a NaN in a block
     makes that block's scale NaN. Its NaN elements are stored as +0.
     """
@@ -544,7 +547,7 @@ def quantize_nvfp4(
     ax = _norm_axis(axis, x.dim())
     k = x.shape[ax]
     _check_block(NVFP4_BLOCK_SIZE, "contiguous", k, "x")
-    xk = x.to(torch.float32).movedim(ax, -1)
+    xk = x.detach().to(torch.float32).movedim(ax, -1)
     if global_scale is None:
         amax = xk.abs().amax() if xk.numel() else torch.zeros((), device=x.device)
         g = amax / (448.0 * 6.0)

@@ -20,6 +20,7 @@ from .grouped_wgrad import (
     grouped_gemm_wgrad_wrapper_sm100,
     grouped_wgrad_fp32,
     grouped_wgrad_torch,
+    kernel_unsupported_reason,
     select_grouped_wgrad_backend,
 )
 
@@ -37,5 +38,6 @@ __all__ = [
     "grouped_gemm_wgrad_wrapper_sm100",
     "grouped_wgrad_fp32",
     "grouped_wgrad_torch",
+    "kernel_unsupported_reason",
     "select_grouped_wgrad_backend",
 ]

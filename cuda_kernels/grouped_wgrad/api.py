@@ -61,6 +61,7 @@ __all__ = [
     "grouped_gemm_wgrad_wrapper_sm90",
     "grouped_gemm_wgrad_wrapper_sm100",
     "grouped_wgrad_fp32",
+    "kernel_unsupported_reason",
     "select_grouped_wgrad_backend",
 ]
 
@@ -1392,27 +1393,69 @@ def _torch_path(
     return TupleDict(wgrad_tensor=wgrad_tensor)
 
 
+def kernel_unsupported_reason(
+    arch: str, a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor
+) -> str | None:
+    """Why the ``arch`` ("sm90" | "sm100") kernel's static contract does not cover this call.
+
+    Checks host metadata only (dtypes, layouts, alignment, tile fit), never offsets values nor the
+    device. Returns None when the call fits.
+    """
+    try:
+        _, _, inter, num_experts, a_majors, b_majors = _validate_operands(
+            arch, a_HS, b_SI, offsets_E, ("a_HS", "b_SI", "offsets_E")
+        )
+        _check_contract_fits(
+            WgradContract(
+                arch=arch, hidden=a_HS.shape[0], intermediate=inter, num_experts=num_experts,
+                a_major=a_majors[0], b_major=b_majors[0], out_dtype="float32",
+                output_mode="dense", accumulate=False, input_order="tensor2d",
+                mma_tiler_mn=(256, 256) if arch == "sm100" else None, cluster_shape_mn=None,
+            )
+        )
+    except (ValueError, RuntimeError) as exc:
+        return str(exc)
+    return None
+
+
 def grouped_wgrad_fp32(
-    a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor
+    a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor, *, stats: dict | None = None
 ) -> torch.Tensor:
     """The dispatcher's ``grouped_wgrad(a_HS, b_SI, offsets_E) -> [E, H, I] fp32`` on any device.
 
-    BF16 operands in a supported layout run the device's kernel (``grouped_gemm_wgrad``, no host
-    read: offsets come from ``common.routing``'s grouped layout); anything else (other dtypes,
-    layouts) runs ``grouped_wgrad_torch``.
+    Runs the device's kernel (``select_grouped_wgrad_backend``) when the call fits its static
+    contract (``kernel_unsupported_reason``), else ``grouped_wgrad_torch``. Offsets come from
+    ``common.routing``'s grouped layout, so their values are not host-validated
+    (``validate_offsets=False``: no sync, graph-capturable); that layout may end before S
+    (``offsets_E[-1] <= S``), which the kernels allow since they read only each expert's rows.
+
+    Args:
+        a_HS: [H, S], b_SI: [S, I] (BF16 for the kernels), offsets_E: [E] int32/int64.
+        stats: optional dict; counts ``"kernel"`` / ``"torch"`` calls and keeps the last
+            ``"torch_reason"``.
+
+    Returns:
+        [E, H, I] float32.
     """
-    supported = a_HS.dtype == torch.bfloat16 and b_SI.dtype == torch.bfloat16
-    if supported:
-        try:
-            _a_majors(a_HS, "a_HS")
-            _b_majors(b_SI, "b_SI")
-        except ValueError:
-            a_HS, b_SI = a_HS.contiguous(), b_SI.contiguous()
-        backend, _ = select_grouped_wgrad_backend(a_HS.device)
-        if backend != "torch":
-            offsets32 = offsets_E.to(torch.int32)
-            return grouped_gemm_wgrad(
-                a_HS, b_SI, offsets32, wgrad_dtype=torch.float32, backend=backend,
-                validate_offsets=False,
-            )["wgrad_tensor"]
-    return grouped_wgrad_torch(a_HS, b_SI, offsets_E, out_dtype=torch.float32)
+    backend, reason = select_grouped_wgrad_backend(a_HS.device)
+    offsets32 = offsets_E.to(torch.int32) if offsets_E.dtype != torch.int32 else offsets_E
+    if backend != "torch":
+        reason = kernel_unsupported_reason(backend, a_HS, b_SI, offsets32)
+    if backend != "torch" and reason is None:
+        wrapper = (
+            grouped_gemm_wgrad_wrapper_sm90 if backend == "sm90"
+            else grouped_gemm_wgrad_wrapper_sm100
+        )
+        out = wrapper(
+            a_HS, b_SI, None, None, offsets32, output_mode="dense", wgrad_dtype=torch.float32,
+            validate_offsets=False,
+        )["wgrad_tensor"]
+        key = "kernel"
+    else:
+        out = grouped_wgrad_torch(a_HS, b_SI, offsets_E, out_dtype=torch.float32)
+        key = "torch"
+        if stats is not None:
+            stats["torch_reason"] = reason
+    if stats is not None:
+        stats[key] = stats.get(key, 0) + 1
+    return out

@@ -437,3 +437,43 @@ def test_cuda_matches_cpu(elem, layout):
         yc = dequantize_mx(dc, sc, elem=elem, layout=layout)
         yg = dequantize_mx(dg, sg, elem=elem, layout=layout)
         assert torch.allclose(yg.cpu(), yc, rtol=0, atol=0, equal_nan=True)
+
+
+def _nearest_e4m3_oracle(v: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even onto the E4M3 grid by exhaustive search (independent of casts)."""
+    codes = np.arange(128, dtype=np.uint8)  # non-negative codes; 127 is NaN
+    grid = codes[:127].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    mag = np.minimum(np.abs(v), 448.0)[:, None]
+    dist = np.abs(grid[None, :] - mag)
+    best = dist.min(axis=1, keepdims=True)
+    cand = dist == best
+    # ties: prefer the even code (mantissa LSB 0)
+    even = cand & (codes[None, :127] % 2 == 0)
+    pick = np.where(even.any(axis=1), even.argmax(axis=1), cand.argmax(axis=1))
+    return np.sign(v) * grid[pick]
+
+
+def test_fp64_elements_against_exhaustive_oracle():
+    rng = np.random.default_rng(0)
+    grid = np.arange(127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    mids = (grid[1:] + grid[:-1]) / 2  # exact ties, then nudged by ±2^-40 relative
+    vals = np.concatenate(
+        [mids, mids * (1 + 2.0**-40), mids * (1 - 2.0**-40), rng.uniform(-400, 400, 129)]
+    )
+    vals = vals[: (len(vals) // 31) * 31].reshape(-1, 31)
+    x = np.concatenate([np.full((len(vals), 1), 300.0), vals], axis=1)  # amax 300 → ocp X = 1
+    x[:, 1::2] *= -1
+    data, scale = quantize_mx(torch.from_numpy(x))
+    assert (scale.view(torch.uint8) == 127).all()
+    got = data.double().numpy()
+    assert np.array_equal(got, _nearest_e4m3_oracle(x.ravel()).reshape(x.shape))
+
+
+def test_dequantize_range_of_output_dtype():
+    data = torch.full((1, 32), 448.0).to(torch.float8_e4m3fn)
+    scale = torch.full((1, 1), 254, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert dequantize_mx(data, scale).isinf().all()  # 448·2^127 overflows fp32
+    assert (dequantize_mx(data, scale, dtype=torch.float64) == 448.0 * 2.0**127).all()
+    tiny = torch.full((1, 32), 2.0**-9).to(torch.float8_e4m3fn)  # smallest E4M3 subnormal
+    zero_byte = torch.zeros((1, 1), dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert (dequantize_mx(tiny, zero_byte) == 2.0**-136).all()  # exact fp32 subnormal

@@ -30,7 +30,7 @@ scale byte 255; its FP8 elements are stored as NaN and its FP4 elements (E2M1 ha
 Where torchao 0.18 (``torchao.prototype.mx_formats.mx_tensor.to_mx``) differs (everything else,
 data and scale bits, matches for e4m3 / e5m2 / fp4 on fp32 and bf16 input; tests/test_mx.py):
 
-1. Byte-0 groups with nonzero elements (amax < 2^(emax-118) with "ocp", amax ≤ max·2^-127 with
+1. Byte-0 groups with nonzero elements (amax < 2^(emax-126) with "ocp", amax ≤ max·2^-127 with
    "rceil"): torchao ``FLOOR`` divides by 2^-126 (its ``F32_MIN_NORMAL`` clamp) and ``RCEIL``
    multiplies by 1.0; both store elements that do not decode to V under the byte-0 scale. We use
    the scale the byte encodes, 2^-127, as OCP's reference code does.

@@ -328,3 +328,79 @@ register_backend(
         run=_make_run("nki-sim"),
     )
 )
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning per-phase configs against the interpreter's modeled Trainium3 time
+
+
+def candidate_phase_overrides(M: int, K: int, N: int) -> list[dict[str, Any]]:
+    """A small family of per-phase config overrides to try for one phase shape (M, K, N).
+
+    AWS's defaults (one tile per block), then the whole K / N / M extent of a block kept
+    resident (each operand tile loaded and quantized once per block), all three together, and
+    that with ``spill_reload``. Only exact tile counts are used (tiles dividing the extent).
+    """
+    tiles = {
+        "tile_m": min(128, M),
+        "tile_k": min(512, K),
+        "tile_n": min(512, N),
+    }
+    nm = max(1, M // tiles["tile_m"]) if M % tiles["tile_m"] == 0 else 1
+    nk = max(1, K // tiles["tile_k"]) if K % tiles["tile_k"] == 0 else 1
+    nn = max(1, N // tiles["tile_n"]) if N % tiles["tile_n"] == 0 else 1
+    load_m = max(d for d in range(1, min(8, nm) + 1) if nm % d == 0)
+    whole_k = {"TILES_IN_BLOCK_K": nk}
+    whole_n = {"TILES_IN_BLOCK_N": nn, "TILES_IN_LOAD_N": nn}
+    whole_m = {"TILES_IN_BLOCK_M": nm, "TILES_IN_LOAD_M": load_m}
+    everything = {**whole_k, **whole_n, **whole_m}
+    out: list[dict[str, Any]] = []
+    for cand in ({}, whole_k, whole_n, whole_m, everything, {**everything, "spill_reload": True}):
+        if cand not in out:
+            out.append(cand)
+    return out
+
+
+def tune_phase_configs(
+    H: int, I: int, B: int, lnc2: bool, *, seed: int = 0
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Pick each phase's override with the lowest modeled Trainium3 time under ``nki-sim``.
+
+    Runs the kernel on one full block (T = B tokens, one expert, top_k 1; the phase costs are
+    per block, so one block ranks configs as a full run does) once per candidate index, every
+    phase taking its own i-th candidate (:func:`candidate_phase_overrides`), and keeps per phase
+    the fastest. Modeled time is the interpreter's model (REFERENCE §5 numbers, our per-
+    instruction cost assumptions), not a hardware measurement.
+
+    Returns:
+        ``(best, rows)``: best = {"phase1": overrides, ...} (the YAML entry for
+        :func:`~nki_kernels.config.tuned_config_key`); rows = one dict per (run, phase) with the
+        overrides tried and ``modeled_us``.
+
+    Raises:
+        RuntimeError: nki-sim cannot run here; ValueError: a shape the kernel rejects.
+    """
+    from common.routing import plan_routing
+    from nki_kernels.config import MatmulMxfp8KernelConfig, phase_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H, generator=g).bfloat16()
+    dy = torch.randn(B, H, generator=g).bfloat16()
+    wgu = (torch.randn(1, H, 2, I, generator=g) * H**-0.5).bfloat16()
+    wd = (torch.randn(1, I, H, generator=g) * I**-0.5).bfloat16()
+    plan = plan_routing(torch.zeros(B, 1, dtype=torch.long), torch.rand(B, 1, generator=g), 1)
+    act = torch.randn(B, 2, I, generator=g).bfloat16()
+    problem = MoEBackwardProblem(x, dy, wgu, wd, plan, act)
+    cands = [candidate_phase_overrides(*shape) for shape in phase_shapes(H, I, B, lnc2)]
+    rows: list[dict[str, Any]] = []
+    best: dict[str, tuple[float, dict[str, Any]]] = {}
+    for i in range(max(len(c) for c in cands)):
+        picked = [c[min(i, len(c) - 1)] for c in cands]
+        configs = tuple(MatmulMxfp8KernelConfig(M=0, K=0, N=0, **o) for o in picked)
+        grads = run_blockwise(problem, block_size=B, run_with_lnc2=lnc2, phase_configs=configs)
+        for row in grads.info["nki_phases"]:
+            p = PHASE_NAMES.index(row["phase"])
+            rows.append({"run": i, "phase": row["phase"], "overrides": picked[p], **row})
+            if row["phase"] not in best or row["modeled_us"] < best[row["phase"]][0]:
+                best[row["phase"]] = (row["modeled_us"], picked[p])
+    return {name: best[name][1] for name in PHASE_NAMES if name in best}, rows

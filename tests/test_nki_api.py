@@ -737,3 +737,17 @@ def test_nki_sim_backend_and_autograd_against_reference():
     assert sqnr_db(leaves[3].grad.double(), ref.w_down_grad_EIH) >= 24
     d_aff_ref = plan.slot_affinity_grad(ref.affinity_grad_TE)
     assert sqnr_db(leaves[1].grad.double(), d_aff_ref) >= 24
+
+
+def test_candidate_phase_overrides_are_valid_configs():
+    for shape in phase_shapes(2048, 768, 128, True) + phase_shapes(256, 128, 512, False):
+        cands = nki_backend.candidate_phase_overrides(*shape)
+        assert cands[0] == {} and len(cands) == len({tuple(sorted(c.items())) for c in cands})
+        for c in cands:
+            cfg = MatmulMxfp8KernelConfig(0, 0, 0, **c)  # every candidate passes the config rules
+            assert cfg.TILES_IN_BLOCK_M is None or cfg.TILES_IN_BLOCK_M % cfg.TILES_IN_LOAD_M == 0
+    # phase2 of Qwen3 under LNC2: (M, K, N) = (128, 1536, 1024): 3 K tiles of 512, 2 N tiles.
+    assert {"TILES_IN_BLOCK_K": 3} in nki_backend.candidate_phase_overrides(128, 1536, 1024)
+    assert {"TILES_IN_BLOCK_N": 2, "TILES_IN_LOAD_N": 2} in nki_backend.candidate_phase_overrides(
+        128, 1536, 1024
+    )

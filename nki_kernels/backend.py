@@ -175,6 +175,26 @@ def _grads_from_outputs(problem: MoEBackwardProblem, outputs: tuple) -> MoEGrads
     )
 
 
+def _zero_grads(problem: MoEBackwardProblem, backend: str) -> MoEGrads:
+    """Gradients of a problem with no tokens (nothing to launch): dW zeros, empty dX / dA."""
+    p = problem
+    H = p.hidden_states_TH.shape[1]
+    E, I, _ = p.w_down_EIH.shape
+
+    def z(*shape):
+        return torch.zeros(*shape, dtype=torch.float32, device=p.hidden_states_TH.device)
+
+    return MoEGrads(
+        hidden_states_grad_TH=z(0, H),
+        affinity_grad_TE=z(0, E),
+        w_gate_up_grad_EH2I=z(E, H, 2, I),
+        w_down_grad_EIH=z(E, I, H),
+        b_gate_up_grad_E2I=z(E, 2, I) if p.has_bias else None,
+        b_down_grad_EH=z(E, H) if p.has_bias else None,
+        info={"backend": backend, "note": "no tokens: the kernel is not launched"},
+    )
+
+
 def _profile_rows(profile: Any) -> list[dict]:
     if profile is None:
         return []
@@ -239,6 +259,8 @@ def run_blockwise(
     if not isinstance(run_with_lnc2, bool):
         msg = f"run_with_lnc2 must be a bool, got {run_with_lnc2!r}"
         raise ValueError(msg)  # noqa: TRY004 - the project raises ValueError for bad input
+    if problem.hidden_states_TH.shape[0] == 0:
+        return _zero_grads(problem, backend)
     args, kwargs, layout = prepare_blockwise_args(problem, block_size=block_size, padding=padding)
     H = problem.hidden_states_TH.shape[1]
     I = problem.w_down_EIH.shape[1]

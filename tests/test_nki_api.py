@@ -751,3 +751,21 @@ def test_candidate_phase_overrides_are_valid_configs():
     assert {"TILES_IN_BLOCK_N": 2, "TILES_IN_LOAD_N": 2} in nki_backend.candidate_phase_overrides(
         128, 1536, 1024
     )
+
+
+@needs_sim
+def test_zero_tokens_gives_zero_weight_grads_without_launch():
+    p = _problem(T=4)
+    empty = MoEBackwardProblem(
+        p.hidden_states_TH[:0],
+        p.output_grad_TH[:0],
+        p.w_gate_up_EH2I,
+        p.w_down_EIH,
+        plan_routing(torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), 3),
+        p.act_checkpoint_R2I[:0],
+    )
+    grads = resolve_backend("nki-sim").run(empty)
+    assert grads.hidden_states_grad_TH.shape == (0, 128)
+    assert grads.affinity_grad_TE.shape == (0, 3)
+    assert torch.count_nonzero(grads.w_gate_up_grad_EH2I) == 0
+    assert grads.w_down_grad_EIH.shape == (3, 128, 128)

@@ -98,12 +98,12 @@ def _check_weights(
 
 # ------------------------------------------------------------------------------------- core
 def _pairs_forward(x_TH, w_gate_up_EH2I, w_down_EIH, tok_P, exp_P, aff_P, bg_E2I, bd_EH, clamp,
-                   affinity_option):
-    """Per-pair forward; returns (y_TH float64, act_P2I float64)."""
+                   affinity_option, with_output=True):
+    """Per-pair forward; returns (y_TH float64 or None, act_P2I float64)."""
     T, H = x_TH.shape
     I = w_gate_up_EH2I.shape[3]
     P = tok_P.shape[0]
-    y = torch.zeros(T, H, dtype=_F64, device=x_TH.device)
+    y = torch.zeros(T, H, dtype=_F64, device=x_TH.device) if with_output else None
     act = torch.zeros(P, 2, I, dtype=_F64, device=x_TH.device)
     cl = clamp or ClampLimits()
     for e in torch.unique(exp_P).tolist():
@@ -119,6 +119,10 @@ def _pairs_forward(x_TH, w_gate_up_EH2I, w_down_EIH, tok_P, exp_P, aff_P, bg_E2I
             u = u + bg_E2I[e, 1].to(_F64)
         g = _clamp(g, cl.non_linear_clamp_lower_limit, cl.non_linear_clamp_upper_limit)
         u = _clamp(u, cl.linear_clamp_lower_limit, cl.linear_clamp_upper_limit)
+        act[sel, 0] = g
+        act[sel, 1] = u
+        if not with_output:
+            continue
         h = torch.nn.functional.silu(g) * u
         wd = w_down_EIH[e].to(_F64)
         if affinity_option == AFFINITY_ON_I:
@@ -131,9 +135,7 @@ def _pairs_forward(x_TH, w_gate_up_EH2I, w_down_EIH, tok_P, exp_P, aff_P, bg_E2I
                 out = out + bd_EH[e].to(_F64)
             out = a * out
         y.index_add_(0, tok, out)
-        act[sel, 0] = g
-        act[sel, 1] = u
-    return y, act
+    return (y if with_output else None), act
 
 
 def _pairs_backward(x_TH, dy_TH, w_gate_up_EH2I, w_down_EIH, tok_P, exp_P, aff_P, act_P2I,
@@ -363,8 +365,11 @@ def reference_forward(
     b_down_EH: torch.Tensor | None = None,
     clamp_limits: ClampLimits | None = None,
     affinity_option: str = AFFINITY_ON_I,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_output: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Float64 forward from a :class:`RoutingPlan`.
+
+    ``with_output=False`` skips the down projection (the checkpoint alone; y is None).
 
     Returns:
         (y_TH [T, H] float64, act_checkpoint_R2I [R, 2, I] float64 in the plan's pair order;
@@ -376,7 +381,7 @@ def reference_forward(
     idx, tok, exp, aff = _plan_pairs(plan)
     y, act = _pairs_forward(
         hidden_states_TH, w_gate_up_EH2I, w_down_EIH, tok, exp, aff, b_gate_up_E2I, b_down_EH,
-        clamp_limits, affinity_option,
+        clamp_limits, affinity_option, with_output,
     )
     R = plan.pair_token_R.shape[0]
     act_R = torch.zeros(R, 2, I, dtype=_F64, device=hidden_states_TH.device)

@@ -13,11 +13,10 @@ host read):
    ``grouped_wgrad`` (default: ``torch._grouped_mm``; a CUDA backend passes its own kernel);
 6. bias gradients by segment sums.
 
-GEMM operands are BF16 (the products' inputs are rounded to BF16 exactly where a training
-stack would store them: ``[dg, du]`` and ``a h``); accumulation is fp32. On CPU the GEMMs run in
-fp32 on the BF16-valued operands (``torch._grouped_mm`` on CPU has no fp32 output for BF16
-inputs); on CUDA they run in BF16 with fp32 accumulation and BF16 output rounding, except the
-weight gradient when a ``grouped_wgrad`` kernel with fp32 output is given.
+GEMM operands are BF16 (rounded exactly where a training stack stores them: ``[dg, du]`` and
+``a h``); every GEMM accumulates in fp32 and rounds its output to BF16 (``torch._grouped_mm``
+offers no fp32 output for BF16 inputs), except the weight gradients when a ``grouped_wgrad``
+kernel with fp32 output is given (the CUDA backends). The SwiGLU backward runs in fp32.
 """
 
 from __future__ import annotations
@@ -37,10 +36,6 @@ multiple of 16 bytes, which ``torch._grouped_mm`` requires."""
 GroupedWgrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _gemm_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.bfloat16 if t.is_cuda else torch.float32
-
-
 def _segments(offsets_E: torch.Tensor) -> list[tuple[int, int]]:
     ends = offsets_E.to(torch.int64).tolist()  # host read: only on the loop fallback
     return list(zip([0] + ends[:-1], ends))
@@ -57,11 +52,11 @@ def grouped_mm_rows(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Te
         x_SK: [S, K] BF16-valued rows in grouped order.  w_EKN: [E, K, N] (any strides).
         offsets_E: [E] int32 cumulative ends.
     Returns:
-        [S, N] fp32 (fp32 accumulation; on CUDA the product is rounded to BF16 first).
+        [S, N] fp32 (fp32 accumulation, product rounded to BF16).
     """
     S, K = x_SK.shape
     E, _, N = w_EKN.shape
-    dt = _gemm_dtype(x_SK)
+    dt = torch.bfloat16
     if _fits_grouped_mm(K, N) and S % ALIGN == 0:
         return torch._grouped_mm(x_SK.to(dt), w_EKN.to(dt), offs=offsets_E).float()
     out = torch.zeros(S, N, dtype=torch.float32, device=x_SK.device)
@@ -74,19 +69,19 @@ def grouped_mm_rows(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Te
 def grouped_wgrad_default(a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """``Wgrad[e] = a_HS[:, begin:end] @ b_SI[begin:end]`` with fp32 accumulation, [E, H, I] fp32.
 
-    ``torch._grouped_mm`` where shapes allow (BF16 output on CUDA, fp32 on CPU), else a
-    per-expert loop. Empty experts give zeros.
+    ``torch._grouped_mm`` where shapes allow, else a per-expert loop; BF16 operands, output
+    rounded to BF16 then widened. Empty experts give zeros.
     """
     H, S = a_HS.shape
     I = b_SI.shape[1]
     E = offsets_E.shape[0]
-    dt = _gemm_dtype(a_HS)
+    dt = torch.bfloat16
     if _fits_grouped_mm(H, I) and S % ALIGN == 0 and S > 0:
-        out = torch._grouped_mm(a_HS.to(dt), b_SI.to(dt), offs=offsets_E).float()
-        # torch._grouped_mm leaves an empty group's output unwritten on some builds: force zeros.
+        out = torch._grouped_mm(a_HS.to(dt), b_SI.to(dt), offs=offsets_E)
+        # An empty group's output must read 0 whatever the library leaves there (REFERENCE §7).
         ends = offsets_E.to(torch.int64)
         begins = torch.cat([ends.new_zeros(1), ends[:-1]])
-        return torch.where((ends > begins)[:, None, None], out, out.new_zeros(()))
+        return out.masked_fill_((ends == begins)[:, None, None], 0).float()
     out = torch.zeros(E, H, I, dtype=torch.float32, device=a_HS.device)
     for e, (s, t) in enumerate(_segments(offsets_E)):
         if t > s:

@@ -1,0 +1,167 @@
+"""``moe-bwd``: the package's command line.
+
+    moe-bwd run --model qwen3-30b-a3b --tokens 2048 [--backend auto|NAME] [--seed S]
+    moe-bwd models
+    moe-bwd backends
+
+``run`` builds one MoE layer's backward problem for a model's shape (seeded weights, a simulated
+router, the forward checkpoint), runs the backward on the selected backend, runs the float64
+reference on the same inputs, and prints one row per gradient: shape, SQNR (dB) and max
+relative error against float64, plus wall times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from common import dispatch
+from common.metrics import max_rel_err, sqnr_db
+from common.models import list_models, load_model
+
+__all__ = ["main"]
+
+
+def _cmd_models(args, console: Console) -> int:
+    table = Table(title="MoE model shapes (configs/models)")
+    for col in ("name", "model", "H", "I", "E", "top_k", "shared", "router", "activation", "bias"):
+        table.add_column(col, justify="right" if col in ("H", "I", "E", "top_k", "shared") else "left")
+    for m in list_models():
+        table.add_row(
+            m.name, m.display_name, str(m.hidden), str(m.intermediate), str(m.experts),
+            str(m.top_k), str(m.shared_experts), m.router, m.activation, "yes" if m.has_bias else "no",
+        )
+    console.print(table)
+    return 0
+
+
+def _cmd_backends(args, console: Console) -> int:
+    table = Table(title=f"Backends (auto on this machine: {dispatch.detect_backend()})")
+    table.add_column("name")
+    table.add_column("available")
+    table.add_column("summary / why not")
+    for name, b in sorted(dispatch.registered_backends().items()):
+        reason = b.check()
+        table.add_row(name, "yes" if reason is None else "no", b.summary if reason is None else reason)
+    console.print(table)
+    return 0
+
+
+def _cmd_run(args, console: Console) -> int:
+    from common.inputs import make_problem_for_model
+    from common.reference import reference_backward
+
+    try:
+        model = load_model(args.model)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    if args.tokens < 1:
+        console.print(f"[red]error:[/red] --tokens must be >= 1, got {args.tokens}")
+        return 2
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        backend = dispatch.resolve_backend(args.backend, device)
+    except (ValueError, RuntimeError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+
+    times: dict[str, float] = {}
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+        console=console, transient=True,
+    ) as progress:
+        task = progress.add_task("building inputs (weights, router, forward checkpoint)", total=3)
+        t0 = time.perf_counter()
+        problem = make_problem_for_model(model, args.tokens, seed=args.seed, device=device, skew=args.skew)
+        times["inputs"] = time.perf_counter() - t0
+        progress.update(task, advance=1, description=f"backward on {backend.name}")
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        grads = backend.run(problem)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times["backend"] = time.perf_counter() - t0
+        progress.update(task, advance=1, description="float64 reference backward")
+        t0 = time.perf_counter()
+        ref = reference_backward(problem)
+        times["reference"] = time.perf_counter() - t0
+        progress.update(task, advance=1)
+
+    d = problem.dims
+    flops = 12 * d["T"] * d["K"] * d["H"] * d["I"]
+    note = f" (auto fell back: {backend.fallback_reason})" if backend.fallback_reason else ""
+    console.print(
+        f"[bold]{model.display_name}[/bold]  T={d['T']} H={d['H']} I={d['I']} E={d['E']} "
+        f"top_k={d['K']}  backend=[bold]{backend.name}[/bold]{note}  device={device}"
+    )
+    if model.activation != "swiglu":
+        console.print(
+            f"note: {model.display_name} uses {model.activation}; the kernels implement SiLU "
+            "SwiGLU, so this run uses SiLU SwiGLU with the model's shape, biases and clamp limits."
+        )
+    table = Table(title="gradients vs float64 reference")
+    for col in ("gradient", "shape", "SQNR (dB)", "max rel err"):
+        table.add_column(col, justify="left" if col in ("gradient", "shape") else "right")
+    worst = float("inf")
+    for (name, out), (_, want) in zip(grads.named().items(), ref.named().items()):
+        s = sqnr_db(out, want)
+        worst = min(worst, s)
+        table.add_row(name, "x".join(map(str, out.shape)), f"{s:.1f}", f"{max_rel_err(out, want):.2e}")
+    console.print(table)
+    console.print(
+        f"wall time: backend {times['backend']:.2f} s ({flops / times['backend'] / 1e9:.1f} GFLOP/s "
+        f"of {flops / 1e9:.1f} GFLOP), float64 reference {times['reference']:.2f} s, "
+        f"inputs {times['inputs']:.2f} s"
+    )
+    phases = grads.info.get("nki_phases")
+    if phases:
+        pt = Table(title="NKI phases, modeled on Trainium3 (one NeuronCore)")
+        for col in ("phase", "modeled time (us)", "TensorE utilization"):
+            pt.add_column(col, justify="left" if col == "phase" else "right")
+        for row in phases:
+            pt.add_row(str(row["phase"]), f"{row['modeled_us']:.1f}", f"{100 * row['tensor_e_util']:.1f} %")
+        console.print(pt)
+    if worst != worst:  # NaN anywhere
+        console.print("[red]a gradient holds NaN or inf[/red]")
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-bwd", description="MoE expert-MLP backward kernels: run, compare, list."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run one MoE layer's backward and compare it with float64")
+    run.add_argument("--model", required=True, help="model shape name (see `moe-bwd models`)")
+    run.add_argument("--tokens", type=int, required=True, help="tokens T in the batch")
+    run.add_argument(
+        "--backend", default="auto",
+        help=f"auto (by device; env {dispatch.ENV_VAR} overrides) or one of {', '.join(dispatch.BACKEND_NAMES)}",
+    )
+    run.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and router")
+    run.add_argument("--skew", type=float, default=1.0, help="router load skew (0 = uniform)")
+    run.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
+    run.set_defaults(func=_cmd_run)
+    sub.add_parser("models", help="list the model shapes").set_defaults(func=_cmd_models)
+    sub.add_parser("backends", help="list the backends and whether they run here").set_defaults(
+        func=_cmd_backends
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args, Console())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Seeded synthetic inputs for one MoE layer's backward: weights, router output, checkpoint.
+
+Used by the ``moe-bwd`` command line, the tests and the benchmarks so that every backend sees
+the same problem. Scales keep every activation O(1): X ~ N(0, 1), gate/up weights ~ N(0, 1/H),
+down weights ~ N(0, 1/I), dY ~ N(0, 1), biases ~ N(0, 0.1^2). All tensors are rounded to the
+compute dtype (BF16) once; the checkpoint is the float64 forward's clamped gate/up
+pre-activations rounded to that dtype, as a BF16 training forward would store it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.models import MoEModelShape
+from common.problem import ClampLimits, MoEBackwardProblem
+from common.reference import reference_forward
+from common.router_sim import simulate_model_routing, simulate_router
+from common.routing import plan_routing
+
+__all__ = ["make_problem", "make_problem_for_model"]
+
+
+def make_problem(
+    num_tokens: int,
+    hidden: int,
+    intermediate: int,
+    num_experts: int,
+    top_k: int,
+    *,
+    seed: int = 0,
+    bias: bool = False,
+    clamp_limits: ClampLimits | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    expert_index: torch.Tensor | None = None,
+    affinity: torch.Tensor | None = None,
+    skew: float = 1.0,
+) -> MoEBackwardProblem:
+    """A seeded :class:`MoEBackwardProblem` of the given sizes.
+
+    Args:
+        num_tokens, hidden, intermediate, num_experts, top_k: T, H, I, E, K.
+        seed: seeds every draw (CPU generator; tensors are then moved to ``device``).
+        bias: draw gate/up and down biases.
+        clamp_limits: optional clamp of the pre-activations (forward and masks).
+        dtype: compute dtype of inputs, weights and checkpoint (BF16).
+        device: where the problem lives.
+        expert_index, affinity: optional router output [T, K]; default the seeded router
+            simulation (softmax top-k with load skew ``skew``).
+    Raises:
+        ValueError: bad sizes (from the router simulation / routing validation).
+    """
+    g = torch.Generator().manual_seed(seed)
+    T, H, I, E = num_tokens, hidden, intermediate, num_experts
+
+    def randn(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float32) * std).to(dtype)
+
+    if expert_index is None:
+        expert_index, affinity = simulate_router(T, E, top_k, seed=seed + 1, skew=skew)
+    x = randn(T, H)
+    dy = randn(T, H)
+    w_gate_up = randn(E, H, 2, I, std=H**-0.5)
+    w_down = randn(E, I, H, std=I**-0.5)
+    b_gate_up = randn(E, 2, I, std=0.1) if bias else None
+    b_down = randn(E, H, std=0.1) if bias else None
+    plan = plan_routing(expert_index, affinity.float(), E)
+    _, act = reference_forward(
+        x, w_gate_up, w_down, plan, b_gate_up_E2I=b_gate_up, b_down_EH=b_down,
+        clamp_limits=clamp_limits, with_output=False,
+    )
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        plan = plan_routing(expert_index.to(dev), affinity.float().to(dev), E)
+
+    def mv(t):
+        return None if t is None else t.to(dev)
+
+    return MoEBackwardProblem(
+        hidden_states_TH=mv(x),
+        output_grad_TH=mv(dy),
+        w_gate_up_EH2I=mv(w_gate_up),
+        w_down_EIH=mv(w_down),
+        plan=plan,
+        act_checkpoint_R2I=mv(act.to(dtype)),
+        b_gate_up_E2I=mv(b_gate_up),
+        b_down_EH=mv(b_down),
+        clamp_limits=clamp_limits,
+    )
+
+
+def make_problem_for_model(
+    model: MoEModelShape,
+    num_tokens: int,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    skew: float = 1.0,
+) -> MoEBackwardProblem:
+    """:func:`make_problem` with a model's shape, router kind, biases and clamp limits."""
+    expert_index, affinity = simulate_model_routing(model, num_tokens, seed=seed + 1, skew=skew)
+    limits = model.clamp_limits
+    return make_problem(
+        num_tokens,
+        model.hidden,
+        model.intermediate,
+        model.experts,
+        model.top_k,
+        seed=seed,
+        bias=model.has_bias,
+        clamp_limits=ClampLimits(**limits) if limits else None,
+        dtype=dtype,
+        device=device,
+        expert_index=expert_index,
+        affinity=affinity,
+    )

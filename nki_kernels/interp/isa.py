@@ -1,0 +1,1191 @@
+"""``nki.isa`` for the CPU interpreter: the instruction subset of NKI_API.md §3.
+
+Signatures (names, order, defaults) are those of the public stub ``nki/api/nki/isa/__init__.py``.
+Semantics common to all compute instructions: inputs are read as fp32, the math runs in fp32, and
+the result is rounded once (round-to-nearest-even) to ``dst.dtype``; float -> int conversions
+round to nearest even and saturate (NaN -> 0). Same-dtype copies are bit-exact. Each call checks
+Trainium's rules and raises :class:`~nki_kernels.interp.core.NkiError` (naming the instruction and
+the rule) before writing anything; each call adds its work to the current profile region.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import numpy as np
+
+from . import dtypes as _dt
+from . import mxops
+from .core import PMAX, IndirectAP, NkiError, NkiTensor, current, psum, sbuf
+from .ops import TOKENS, Op
+
+__all__ = [
+    "MATMUL_PRECISION",
+    "NkiInstruction",
+    "activation",
+    "activation_reduce",
+    "affine_select",
+    "core_barrier",
+    "dge_mode",
+    "dma_compute",
+    "dma_copy",
+    "dma_engine",
+    "dma_transpose",
+    "engine",
+    "get_nc_sub_version",
+    "get_nc_version",
+    "gpsimd_engine",
+    "iota",
+    "matmul_perf_mode",
+    "memset",
+    "nc_matmul",
+    "nc_matmul_mx",
+    "nc_stream_shuffle",
+    "nc_transpose",
+    "nc_version",
+    "oob_mode",
+    "quantize_mx",
+    "reduce_cmd",
+    "scalar_engine",
+    "sendrecv",
+    "tensor_copy",
+    "tensor_copy_predicated",
+    "tensor_engine",
+    "tensor_reduce",
+    "tensor_scalar",
+    "tensor_tensor",
+    "vector_engine",
+]
+
+
+class engine(enum.Enum):
+    unknown = 0
+    tensor = 1
+    scalar = 2
+    gpsimd = 3
+    dma = 4
+    vector = 5
+    sync = 6
+
+
+class dge_mode(enum.Enum):
+    unknown = 0
+    swdge = 1
+    hwdge = 2
+    none = 3
+
+
+class oob_mode(enum.Enum):
+    error = 0
+    skip = 1
+
+
+class reduce_cmd(enum.Enum):
+    idle = 0
+    reset = 1
+    reduce = 2
+    reset_reduce = 3
+    load_reduce = 4
+
+
+class matmul_perf_mode(enum.Enum):
+    none = 0
+    double_row = 1
+
+
+class nc_version(enum.Enum):
+    gen2 = 2
+    gen3 = 3
+    gen4 = 4
+
+
+class dma_engine(enum.Enum):
+    dma = 1
+    gpsimd_dma = 2
+
+
+scalar_engine = engine.scalar
+vector_engine = engine.vector
+gpsimd_engine = engine.gpsimd
+tensor_engine = engine.tensor
+
+# Accumulation width of nc_matmul / nc_matmul_mx inside one instruction. "float64" (default): the
+# products of bf16 / fp8 pairs and their sums of <= 512 terms are exact in float64, so the result is
+# the exact sum rounded once to fp32, independent of BLAS blocking and of how a kernel tiles N (LNC1
+# and LNC2 agree bit for bit). "float32": BLAS sgemm, ~4x faster, results depend on tile shapes.
+# AWS leaves TensorE's summation order undocumented (NKI_API.md §6).
+MATMUL_PRECISION = {"value": "float64"}
+
+ENGINE_FIXED = 64
+TENSOR_FIXED = 64
+
+
+class NkiInstruction:
+    """Handle returned by every ISA call; ``depends_on`` is accepted and ignored."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def depends_on(self, *producers):
+        return self
+
+
+def get_nc_version() -> nc_version:
+    return nc_version(current().spec["nc_version"])
+
+
+def get_nc_sub_version() -> int:
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _err(instr, msg):
+    return NkiError(f"nisa.{instr}: {msg}")
+
+
+def _tensor(instr, arg, t, allow_indirect=False):
+    if isinstance(t, NkiTensor):
+        return t
+    if allow_indirect and isinstance(t, IndirectAP):
+        return t
+    raise _err(instr, f"{arg} must be an NkiTensor{' or an indirect .ap()' if allow_indirect else ''}"
+               f", got {type(t).__name__}")
+
+
+def _onchip(instr, arg, t, allow=(sbuf, psum)):
+    if t.buffer not in allow:
+        names = "/".join(b.value for b in allow)
+        raise _err(instr, f"{arg} must live in {names}, got {t.buffer.value}")
+    if t.shape[0] > PMAX:
+        raise _err(instr, f"{arg} has {t.shape[0]} partitions (max {PMAX})")
+
+
+def _pf(t):
+    P = t.shape[0]
+    return P, (t.size // P if P else 0)
+
+
+def _same_pf(instr, a, an, b, bn):
+    pa, fa = _pf(a)
+    pb, fb = _pf(b)
+    if pa != pb:
+        raise _err(instr, f"{an} has {pa} partitions but {bn} has {pb}")
+    if fa != fb:
+        raise _err(instr, f"{an} has {fa} elements per partition but {bn} has {fb}")
+    return pa, fa
+
+
+def _no_x4(instr, arg, t):
+    if _dt.is_x4(t.dtype):
+        raise _err(instr, f"{arg} has packed dtype {t.dtype}; only quantize_mx/nc_matmul_mx, "
+                   "same-dtype copies and DMA handle x4 data")
+
+
+def _f32(t) -> np.ndarray:
+    a = t._np()
+    return a if a.dtype == np.float32 else a.astype(np.float32)
+
+
+_INT_RANGE = {}
+
+
+def _cast(res: np.ndarray, dtype: str) -> np.ndarray:
+    """Round ``res`` once to ``dtype`` (RNE; ints saturate, NaN -> 0)."""
+    npdt = _dt.np_dtype(dtype)
+    if res.dtype == npdt:
+        return res
+    if _dt.is_int(dtype):
+        info = _INT_RANGE.get(npdt)
+        if info is None:
+            ii = np.iinfo(npdt)
+            info = _INT_RANGE[npdt] = (ii.min, ii.max)
+        if res.dtype.kind == "f":
+            r = np.rint(res.astype(np.float64))
+            r = np.nan_to_num(r, nan=0.0, posinf=info[1], neginf=info[0])
+            return np.clip(r, info[0], info[1]).astype(npdt)
+        return np.clip(res, info[0], info[1]).astype(npdt)
+    if res.dtype.kind in "iu":
+        res = res.astype(np.float32)
+    return res.astype(npdt)
+
+
+def _write(dst: NkiTensor, res: np.ndarray) -> None:
+    arr = dst._np()
+    arr[...] = _cast(res, dst.dtype).reshape(dst.shape)
+    st = dst.storage
+    if st.written is not None:
+        dst._written_flags()[...] = 1
+    st.version += 1
+
+
+def _count(engine_name, cycles, elements, macs_mx=0, macs_bf16=0, dma_bytes=0):
+    ctx = current()
+    c = ctx.counters[ctx.region_stack[-1]]
+    c.instructions[engine_name] += 1
+    c.cycles[engine_name] += cycles
+    c.elements[engine_name] += elements
+    if macs_mx:
+        c.macs_mx += macs_mx
+    if macs_bf16:
+        c.macs_bf16 += macs_bf16
+    if dma_bytes:
+        c.dma_bytes += dma_bytes
+
+
+def _engine_name(instr, eng, default, allowed):
+    if eng is None or eng is engine.unknown:
+        return default
+    if not isinstance(eng, engine):
+        raise _err(instr, f"engine must be an nisa.engine member, got {eng!r}")
+    if eng not in allowed:
+        raise _err(instr, f"engine={eng.name} not allowed (one of "
+                   f"{', '.join(e.name for e in allowed)})")
+    return eng.name
+
+
+def _op(instr, arg, op, kinds):
+    if not isinstance(op, Op):
+        raise _err(instr, f"{arg} must be an nl op token (e.g. nl.add), got {op!r}")
+    if op.kind not in kinds:
+        raise _err(instr, f"{arg}=nl.{op.name} is not a {'/'.join(kinds)} op")
+    return op
+
+
+def _psum_engine_rule(instr, eng, *tensors):
+    if eng == "gpsimd" and any(t.buffer is psum for t in tensors):
+        raise _err(instr, "GpSimd cannot access PSUM")
+
+
+# ------------------------------------------------------------------------------------------------
+# DMA
+
+
+def _dma_read(instr, src, oob_skip):
+    """Values of src as [R, per_row] in src's storage dtype, and the valid mask [R] (or None)."""
+    if isinstance(src, IndirectAP):
+        flat, index, valid = src.resolve(instr, oob_skip)
+        vals = flat[index]
+        return vals.reshape(valid.shape[0], -1), valid
+    return src._np(), None
+
+
+def _convert(instr, vals, src_dtype, dst, dge):
+    if src_dtype == dst.dtype:
+        return vals
+    if _dt.is_x4(src_dtype) or _dt.is_x4(dst.dtype):
+        raise _err(instr, f"cannot convert {src_dtype} to {dst.dtype} (packed x4); use .view()")
+    if dge is dge_mode.hwdge:
+        raise _err(instr, f"HWDGE moves raw bytes: src dtype {src_dtype} != dst dtype "
+                   f"{dst.dtype} (use .view())")
+    return _cast(vals.astype(np.float32), dst.dtype)
+
+
+def _no_psum_dma(instr, *ts):
+    for t in ts:
+        if t.buffer is psum:
+            raise _err(instr, "DMA cannot read or write PSUM")
+
+
+def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown,
+             engine=engine.unknown, name=None):
+    """``dst = src`` element-wise in row-major order (NKI_API.md §3.1).
+
+    src/dst: HBM or SBUF views (not PSUM) with equal element counts; either may be an indirect
+    ``.ap()`` (gather on src, scatter on dst). Same dtype: raw byte copy; otherwise via fp32
+    (not allowed with HWDGE). ``oob_mode.skip``: out-of-bounds rows are dropped and the
+    destination keeps its contents; ``oob_mode.error``: raises :class:`NkiOOBError`.
+    """
+    instr = "dma_copy"
+    dst = _tensor(instr, "dst", dst, True)
+    src = _tensor(instr, "src", src, True)
+    _no_psum_dma(instr, dst, src)
+    if isinstance(dst, IndirectAP) and isinstance(src, IndirectAP):
+        raise _err(instr, "only one of src/dst may be indirect")
+    if dst.size != src.size:
+        raise _err(instr, f"element counts differ: dst {dst.shape} ({dst.size}) vs src "
+                   f"{src.shape} ({src.size})")
+    skip = _oob_skip(instr, oob_mode)
+    if (isinstance(dst, IndirectAP) or isinstance(src, IndirectAP)):
+        ind = dst if isinstance(dst, IndirectAP) else src
+        if ind.vector_offset is not None and dge_mode is globals()["dge_mode"].hwdge:
+            raise _err(instr, "vector_offset (indirect) DMA needs SWDGE, not hwdge")
+    vals, valid = _dma_read(instr, src, skip)
+    if isinstance(dst, IndirectAP):
+        vals = _convert(instr, vals, src.dtype, dst, dge_mode)
+        flat, index, dvalid = dst.resolve(instr, skip)
+        R = dvalid.shape[0]
+        v = np.asarray(vals).reshape(R, -1)
+        idx = index.reshape(R, -1)
+        flat[idx[dvalid]] = v[dvalid]
+        dst.storage.version += 1
+    else:
+        vals = _convert(instr, vals, src.dtype, dst, dge_mode)
+        out = dst._np()
+        if valid is None:
+            out[...] = np.asarray(vals).reshape(dst.shape)
+        elif valid.all():
+            out[...] = vals.reshape(dst.shape)
+        else:
+            R = valid.shape[0]
+            old = out.reshape(R, -1) if out.flags.c_contiguous else out.copy().reshape(R, -1)
+            merged = np.where(valid[:, None], vals.reshape(R, -1), old)
+            out[...] = merged.reshape(dst.shape)
+        dst.storage.version += 1
+    nbytes = dst.size * dst.itemsize
+    _count("dma", 0, dst.size, dma_bytes=nbytes)
+    return NkiInstruction(name)
+
+
+def _oob_skip(instr, mode):
+    if mode is oob_mode.skip:
+        return True
+    if mode is oob_mode.error or mode is None:
+        return False
+    raise _err(instr, f"oob_mode must be nisa.oob_mode.error/skip, got {mode!r}")
+
+
+def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
+                  oob_mode=oob_mode.error, name=None):
+    """``dst = transpose(src, axes)`` by DMA (NKI_API.md §3.2); dst in SBUF, same dtype.
+
+    ``axes`` (default by rank): (1,0), (2,1,0) or (3,1,2,0). An indirect src (vector offset of
+    2-D uint32 indices [Pi, Ni]) gathers rows ``indices.T.flatten()[:src.shape[0]]`` first.
+    """
+    instr = "dma_transpose"
+    dst = _tensor(instr, "dst", dst)
+    src = _tensor(instr, "src", src, True)
+    if dst.buffer is not sbuf:
+        raise _err(instr, f"dst must be in SBUF, got {dst.buffer.value}")
+    _no_psum_dma(instr, src)
+    if src.dtype != dst.dtype:
+        raise _err(instr, f"src dtype {src.dtype} != dst dtype {dst.dtype}")
+    nd = len(src.shape)
+    default = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+    if nd not in default:
+        raise _err(instr, f"src must be 2-, 3- or 4-D, got {src.shape}")
+    axes = default[nd] if axes is None else tuple(axes)
+    if axes != default[nd]:
+        raise _err(instr, f"axes {axes} not allowed for {nd}-D src (only {default[nd]})")
+    skip = _oob_skip(instr, oob_mode)
+    if isinstance(src, IndirectAP):
+        if src.vector_offset is None:
+            raise _err(instr, "indirect src needs a vector_offset")
+        if skip is False and oob_mode is not globals()["oob_mode"].error:
+            pass
+        vals, valid = _gather_transposed_rows(instr, src, skip)
+        if src.itemsize != 2:
+            raise _err(instr, "indirect dma_transpose needs a 2-byte dtype")
+    else:
+        if skip:
+            raise _err(instr, "oob_mode.skip is only valid with an indirect src")
+        vals, valid = src._np(), None
+    out_shape = tuple(src.shape[a] for a in axes)
+    if tuple(dst.shape) != out_shape and dst.size != math.prod(out_shape):
+        raise _err(instr, f"dst shape {dst.shape} does not match transposed src {out_shape}")
+    res = np.transpose(vals, axes)
+    out = dst._np()
+    if valid is None or valid.all():
+        out[...] = res.reshape(dst.shape)
+    else:
+        # rows of src become the LAST dst axis; skipped rows leave their dst column unchanged
+        old = out.copy().reshape(out_shape)
+        mask = valid.reshape((1,) * (nd - 1) + (-1,))
+        out[...] = np.where(mask, res, old).reshape(dst.shape)
+    dst.storage.version += 1
+    _count("dma", 0, dst.size, dma_bytes=dst.size * dst.itemsize)
+    return NkiInstruction(name)
+
+
+def _gather_transposed_rows(instr, src: IndirectAP, skip):
+    idx_t = src.vector_offset
+    if idx_t.dtype != _dt.uint32:
+        raise _err(instr, f"indirect indices must be uint32, got {idx_t.dtype}")
+    ind = idx_t._np().astype(np.int64)
+    if ind.ndim != 2:
+        raise _err(instr, "indirect indices must be a 2-D (P, N) tile")
+    R = src.shape[0]
+    flat_idx = ind.T.reshape(-1)[:R]
+    if flat_idx.size < R:
+        raise _err(instr, f"indices hold {ind.size} entries, src needs {R}")
+    isz = src.itemsize
+    nel = src.storage.data.shape[0] // isz
+    flat = np.ndarray((nel,), src._npdt, buffer=src.storage.data, offset=0, strides=(isz,))
+    from .core import _pattern_index
+
+    inner = _pattern_index(src.shape[1:], [s // isz for s in src.bstrides[1:]])
+    valid = (flat_idx >= 0) & (flat_idx < src.rows)
+    if (~valid).any() and not skip:
+        raise NkiError(f"nisa.{instr}: indirect index out of bounds [0, {src.rows})")
+    rows = np.where(valid, flat_idx, 0)
+    index = src.boffset // isz + rows.reshape((-1,) + (1,) * len(inner.shape)) * (
+        src.row_bytes // isz) + inner
+    if index.size and index.max() >= nel:
+        raise NkiError(f"nisa.{instr}: indirect access past the end of {src.name!r}")
+    return flat[index], valid
+
+
+def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=oob_mode.error,
+                name=None):
+    """DMA-engine ``dst = sum_i srcs[i] * scales[i]`` in fp32, cast to ``dst.dtype`` (§3.3).
+
+    Only ``nl.add`` and scales of 1.0. An indirect ``dst`` (scatter read-add-write) or an
+    indirect source (gather) follows ``oob_mode``; skipped rows leave dst unchanged.
+    """
+    instr = "dma_compute"
+    reduce_op = _op(instr, "reduce_op", reduce_op, ("arith",))
+    if reduce_op.name != "add":
+        raise _err(instr, "only reduce_op=nl.add is supported")
+    srcs = list(srcs)
+    if not 1 <= len(srcs) <= 16:
+        raise _err(instr, f"1..16 sources, got {len(srcs)}")
+    if scales is not None and any(float(s) != 1.0 for s in scales):
+        raise _err(instr, "all scales must be 1.0")
+    skip = _oob_skip(instr, oob_mode)
+    dst = _tensor(instr, "dst", dst, True)
+    acc = None
+    valid_all = None
+    for i, s in enumerate(srcs):
+        s = _tensor(instr, f"srcs[{i}]", s, True)
+        if s.size != dst.size:
+            raise _err(instr, f"srcs[{i}] has {s.size} elements, dst {dst.size}")
+        vals, valid = _dma_read(instr, s, skip)
+        v = np.asarray(vals).astype(np.float32).reshape(-1)
+        acc = v if acc is None else acc + v
+        if valid is not None:
+            valid_all = valid if valid_all is None else valid_all & valid
+    if isinstance(dst, IndirectAP):
+        flat, index, dvalid = dst.resolve(instr, skip)
+        R = dvalid.shape[0]
+        idx = index.reshape(R, -1)
+        flat[idx[dvalid]] = _cast(acc.reshape(R, -1)[dvalid], dst.dtype)
+        dst.storage.version += 1
+    else:
+        if valid_all is not None and not valid_all.all():
+            R = valid_all.shape[0]
+            old = dst._np().astype(np.float32).reshape(R, -1)
+            acc = np.where(valid_all[:, None], acc.reshape(R, -1), old)
+        _write(dst, acc)
+    _count("dma", 0, dst.size, dma_bytes=dst.size * dst.itemsize * (len(srcs) + 1))
+    return NkiInstruction(name)
+
+
+# ------------------------------------------------------------------------------------------------
+# Vector / Scalar / GpSimd
+
+
+def tensor_copy(dst, src, engine=engine.unknown, name=None):
+    """``dst = src`` on Vector/Scalar/GpSimd (§3.4); same dtype bit-exact, else via fp32."""
+    instr = "tensor_copy"
+    dst = _tensor(instr, "dst", dst)
+    src = _tensor(instr, "src", src)
+    _onchip(instr, "dst", dst)
+    _onchip(instr, "src", src)
+    P, F = _same_pf(instr, dst, "dst", src, "src")
+    eng = _engine_name(instr, engine, "vector", (globals()["engine"].vector,
+                                                 globals()["engine"].scalar,
+                                                 globals()["engine"].gpsimd))
+    _psum_engine_rule(instr, eng, dst, src)
+    if dst.buffer is psum and current().spec["nc_version"] >= 4 and dst.itemsize != 4:
+        raise _err(instr, f"a copy into PSUM needs a 4-byte dtype on trn3, got {dst.dtype}")
+    if src.dtype == dst.dtype:
+        val = src._np().reshape(dst.shape) if src.shape != dst.shape else src._np()
+        out = dst._np()
+        out[...] = val
+        if dst.storage.written is not None:
+            dst._written_flags()[...] = 1
+        dst.storage.version += 1
+    else:
+        _no_x4(instr, "src", src)
+        _no_x4(instr, "dst", dst)
+        _write(dst, _f32(src))
+    _count(eng, F + ENGINE_FIXED, P * F)
+    return NkiInstruction(name)
+
+
+def memset(dst, value, engine=engine.unknown, name=None):
+    """Fill ``dst`` with a constant (§3.5). Int dtypes need an int value; x4 only 0."""
+    instr = "memset"
+    dst = _tensor(instr, "dst", dst)
+    _onchip(instr, "dst", dst)
+    eng = _engine_name(instr, engine, "vector", (globals()["engine"].vector,
+                                                 globals()["engine"].gpsimd))
+    _psum_engine_rule(instr, eng, dst)
+    P, F = _pf(dst)
+    if _dt.is_x4(dst.dtype):
+        if value != 0:
+            raise _err(instr, f"packed dtype {dst.dtype} accepts only value=0, got {value!r}")
+        dst._np()[...] = 0
+        if dst.storage.written is not None:
+            dst._written_flags()[...] = 1
+        dst.storage.version += 1
+    else:
+        if _dt.is_int(dst.dtype) and not isinstance(value, (int, np.integer, bool)):
+            raise _err(instr, f"integer dst ({dst.dtype}) needs an int value, got {value!r}")
+        if _dt.is_int(dst.dtype):
+            _write(dst, np.full(dst.shape, int(value), dtype=np.int64))
+        else:
+            _write(dst, np.full(dst.shape, value, dtype=np.float32))
+    _count(eng, F + ENGINE_FIXED, P * F)
+    return NkiInstruction(name)
+
+
+def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
+    """``dst[c, ...] = offset + c*channel_multiplier + sum_k i_k*step_k`` in int32 (§3.5)."""
+    instr = "iota"
+    dst = _tensor(instr, "dst", dst)
+    _onchip(instr, "dst", dst, (sbuf,))
+    pat = [(int(s), int(n)) for s, n in pattern]
+    if not 1 <= len(pat) <= 4:
+        raise _err(instr, f"pattern needs 1..4 [step, num] pairs, got {len(pat)}")
+    P, F = _pf(dst)
+    nfree = math.prod(n for _, n in pat)
+    if nfree != F:
+        raise _err(instr, f"pattern covers {nfree} elements per partition, dst has {F}")
+    from .core import _pattern_index
+
+    free = _pattern_index(tuple(n for _, n in pat), [s for s, _ in pat]).reshape(1, -1)
+    val = int(offset) + np.arange(P, dtype=np.int64)[:, None] * int(channel_multiplier) + free
+    val = val.astype(np.int32).astype(np.int64)  # computed in int32
+    _write(dst, val if _dt.is_int(dst.dtype) else val.astype(np.float32))
+    _count("gpsimd", F + ENGINE_FIXED, P * F)
+    return NkiInstruction(name)
+
+
+def _int_exact(*ts):
+    return all(t.dtype in (_dt.int32, _dt.uint32) for t in ts) and not any(
+        t.buffer is psum for t in ts)
+
+
+def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
+    """Element-wise ``dst = data1 op data2`` (§3.6); same partitions and elements/partition.
+
+    fp32 math then one rounding; all-int32/uint32 operands (none in PSUM) run exactly in integer
+    arithmetic on GpSimd. At most one input in PSUM. Bitvec ops need integer dtypes.
+    """
+    instr = "tensor_tensor"
+    dst = _tensor(instr, "dst", dst)
+    data1 = _tensor(instr, "data1", data1)
+    data2 = _tensor(instr, "data2", data2)
+    for n, t in (("dst", dst), ("data1", data1), ("data2", data2)):
+        _onchip(instr, n, t)
+        _no_x4(instr, n, t)
+    P, F = _same_pf(instr, dst, "dst", data1, "data1")
+    _same_pf(instr, dst, "dst", data2, "data2")
+    if data1.buffer is psum and data2.buffer is psum:
+        raise _err(instr, "at most one of data1/data2 may be in PSUM")
+    op = _op(instr, "op", op, ("arith", "bitvec"))
+    exact = _int_exact(dst, data1, data2)
+    default = "gpsimd" if (exact or op.name == "power") else "vector"
+    eng = _engine_name(instr, engine, default, (globals()["engine"].vector,
+                                                globals()["engine"].gpsimd))
+    _psum_engine_rule(instr, eng, dst, data1, data2)
+    a = data1._np().reshape(P, F)
+    b = data2._np().reshape(P, F)
+    if op.kind == "bitvec":
+        for n, t in (("dst", dst), ("data1", data1), ("data2", data2)):
+            if not _dt.is_int(t.dtype):
+                raise _err(instr, f"bitvec op nl.{op.name} needs integer {n}, got {t.dtype}")
+        res = op.fn(a.astype(np.int64), b.astype(np.int64))
+        res = _wrap_int(res, dst.dtype)
+    elif exact and op.name not in ("divide", "power"):
+        with np.errstate(all="ignore"):
+            res = op.fn(a.astype(np.int64), b.astype(np.int64))
+    else:
+        with np.errstate(all="ignore"):
+            res = op.fn(a.astype(np.float32), b.astype(np.float32)).astype(np.float32)
+    _write(dst, res)
+    _count(eng, F + ENGINE_FIXED, P * F)
+    return NkiInstruction(name)
+
+
+def _wrap_int(res, dtype):
+    npdt = _dt.np_dtype(dtype)
+    bits = npdt.itemsize * 8
+    r = res.astype(np.int64) & ((1 << bits) - 1)
+    return r.astype(np.dtype(f"uint{bits}")).view(npdt)
+
+
+def _scalar_operand(instr, arg, v, P):
+    """A compile-time scalar or a (P, 1) tile -> float32 array broadcastable to [P, F]."""
+    if isinstance(v, NkiTensor):
+        _onchip(instr, arg, v)
+        if v.shape[0] != P or v.size != P:
+            raise _err(instr, f"{arg} tile must be ({P}, 1), got {v.shape}")
+        return v._np().reshape(P, 1)
+    if isinstance(v, (int, float, np.integer, np.floating, bool)):
+        return np.float32(v) if not isinstance(v, (int, np.integer)) else v
+    raise _err(instr, f"{arg} must be a scalar or a ({P}, 1) tile, got {type(v).__name__}")
+
+
+def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None,
+                  reverse1=False, engine=engine.unknown, name=None):
+    """``dst = (data op0 operand0) op1 operand1`` (§3.7); operands scalars or (P,1) tiles.
+
+    Arithmetic in fp32 (exact for ints only below 2^24); bitvec ops (both ops) on raw integers.
+    ``reverse`` swaps the operand order of that stage.
+    """
+    instr = "tensor_scalar"
+    dst = _tensor(instr, "dst", dst)
+    data = _tensor(instr, "data", data)
+    _onchip(instr, "dst", dst)
+    _onchip(instr, "data", data)
+    _no_x4(instr, "dst", dst)
+    _no_x4(instr, "data", data)
+    P, F = _same_pf(instr, dst, "dst", data, "data")
+    op0 = _op(instr, "op0", op0, ("arith", "bitvec"))
+    if op1 is not None:
+        op1 = _op(instr, "op1", op1, ("arith", "bitvec"))
+        if (op0.kind == "bitvec") != (op1.kind == "bitvec"):
+            raise _err(instr, "op0 and op1 must both be bitvec or both arithmetic")
+    bitvec = op0.kind == "bitvec"
+    eng = _engine_name(instr, engine, "vector", (globals()["engine"].vector,
+                                                 globals()["engine"].scalar,
+                                                 globals()["engine"].gpsimd))
+    if bitvec and eng != "vector":
+        raise _err(instr, "bitvec ops run only on VectorE")
+    _psum_engine_rule(instr, eng, dst, data)
+    x = data._np().reshape(P, F)
+    if bitvec:
+        if not (_dt.is_int(data.dtype) and _dt.is_int(dst.dtype)):
+            raise _err(instr, "bitvec ops need integer data and dst")
+        x = x.astype(np.int64)
+    else:
+        x = x.astype(np.float32)
+
+    def stage(x, op, v, rev, arg):
+        o = _scalar_operand(instr, arg, v, P)
+        if bitvec:
+            o = np.asarray(o).astype(np.int64)
+        else:
+            o = np.asarray(o, dtype=np.float32) if not isinstance(o, np.ndarray) else o.astype(
+                np.float32)
+        with np.errstate(all="ignore"):
+            r = op.fn(o, x) if rev else op.fn(x, o)
+        return r if bitvec else r.astype(np.float32)
+
+    res = stage(x, op0, operand0, reverse0, "operand0")
+    if op1 is not None:
+        if operand1 is None:
+            raise _err(instr, "op1 given without operand1")
+        res = stage(res, op1, operand1, reverse1, "operand1")
+    if bitvec:
+        res = _wrap_int(res, dst.dtype)
+    _write(dst, res)
+    _count(eng, F + ENGINE_FIXED, P * F)
+    return NkiInstruction(name)
+
+
+_REDUCE_OK = {"add", "subtract", "multiply", "maximum", "minimum", "logical_and", "logical_or",
+              "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor"}
+
+
+def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
+    """Reduce the trailing free ``axis`` (int or tuple ending at the last dim) of ``data`` (§3.8).
+
+    fp32 arithmetic (pairwise order), ``negate`` multiplies by -1, then one rounding to dst.
+    """
+    instr = "tensor_reduce"
+    dst = _tensor(instr, "dst", dst)
+    data = _tensor(instr, "data", data)
+    _onchip(instr, "dst", dst)
+    _onchip(instr, "data", data)
+    _no_x4(instr, "data", data)
+    op = _op(instr, "op", op, ("arith", "bitvec"))
+    if op.name not in _REDUCE_OK:
+        raise _err(instr, f"nl.{op.name} is not a legal reduction op")
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    nd = data.ndim
+    axes = tuple(sorted(int(a) % nd for a in axes))
+    if 0 in axes:
+        raise _err(instr, "cannot reduce the partition axis 0")
+    if axes != tuple(range(nd - len(axes), nd)):
+        raise _err(instr, f"axis {axis} must be the trailing free axes of a {nd}-D tensor")
+    P = data.shape[0]
+    keep = math.prod(data.shape[1:nd - len(axes)])
+    red = math.prod(data.shape[nd - len(axes):])
+    if dst.shape[0] != P or dst.size // max(P, 1) != keep:
+        raise _err(instr, f"dst {dst.shape} does not hold the reduced shape ({P}, {keep})")
+    x = data._np().reshape(P, keep, red)
+    with np.errstate(all="ignore"):
+        if op.kind == "bitvec":
+            res = {"bitwise_and": np.bitwise_and, "bitwise_or": np.bitwise_or,
+                   "bitwise_xor": np.bitwise_xor}[op.name].reduce(x.astype(np.int64), axis=-1)
+        else:
+            xf = x.astype(np.float32)
+            n = op.name
+            if n == "add":
+                res = xf.sum(axis=-1, dtype=np.float32)
+            elif n == "subtract":
+                res = xf[..., 0] - xf[..., 1:].sum(axis=-1, dtype=np.float32)
+            elif n == "multiply":
+                res = xf.prod(axis=-1, dtype=np.float32)
+            elif n == "maximum":
+                res = xf.max(axis=-1)
+            elif n == "minimum":
+                res = xf.min(axis=-1)
+            else:
+                nz = xf != 0
+                res = {"logical_and": nz.all(-1), "logical_or": nz.any(-1),
+                       "logical_xor": (nz.sum(-1) % 2 == 1)}[n].astype(np.float32)
+            if negate:
+                res = -res
+    _write(dst, res)
+    _count("vector", keep * red + ENGINE_FIXED, P * keep * red)
+    return NkiInstruction(name)
+
+
+def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None,
+               reduce_cmd=reduce_cmd.idle, name=None):
+    """ScalarE ``dst = op(data * scale + bias)`` in fp32 (§3.9).
+
+    ``scale``: scalar or (P,1) tile; ``bias``: (P,1) tile or scalar. Optional per-partition sum of
+    the output into the engine's accumulation registers (``reduce_cmd``), read out into
+    ``reduce_res`` (P,1). The function is the exact formula in fp32 (hardware uses
+    piecewise-polynomial tables; see :mod:`.ops`).
+    """
+    instr = "activation"
+    dst = _tensor(instr, "dst", dst)
+    data = _tensor(instr, "data", data)
+    _onchip(instr, "dst", dst)
+    _onchip(instr, "data", data)
+    _no_x4(instr, "data", data)
+    P, F = _same_pf(instr, dst, "dst", data, "data")
+    op = _op(instr, "op", op, ("act",))
+    if op.fn is None:
+        raise _err(instr, f"nl.{op.name} is not supported by the interpreter")
+    x = data._np().reshape(P, F).astype(np.float32)
+    s = _scalar_operand(instr, "scale", scale, P)
+    with np.errstate(all="ignore"):
+        x = (x * np.asarray(s, dtype=np.float32)).astype(np.float32)
+        if bias is not None:
+            x = (x + np.asarray(_scalar_operand(instr, "bias", bias, P), dtype=np.float32)).astype(
+                np.float32)
+        out = op.fn(x).astype(np.float32)
+    ctx = current()
+    cmd = reduce_cmd
+    if cmd is not globals()["reduce_cmd"].idle or reduce_res is not None:
+        if reduce_op is not None:
+            _op(instr, "reduce_op", reduce_op, ("arith",))
+            if reduce_op.name != "add":
+                raise _err(instr, "reduce_op must be nl.add")
+        regs = ctx.act_registers
+        if cmd in (globals()["reduce_cmd"].reset, globals()["reduce_cmd"].reset_reduce):
+            regs[:P] = 0
+        if cmd in (globals()["reduce_cmd"].reduce, globals()["reduce_cmd"].reset_reduce,
+                   globals()["reduce_cmd"].load_reduce):
+            regs[:P] = regs[:P] + out.sum(axis=1, dtype=np.float32)
+        if reduce_res is not None:
+            reduce_res = _tensor(instr, "reduce_res", reduce_res)
+            if reduce_res.shape[0] != P or reduce_res.size != P:
+                raise _err(instr, f"reduce_res must be ({P}, 1), got {reduce_res.shape}")
+    _write(dst, out)
+    if reduce_res is not None:
+        _write(reduce_res, ctx.act_registers[:P].copy())
+    _count("scalar", F + ENGINE_FIXED, P * F)
+    return NkiInstruction(name)
+
+
+def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
+    """``activation`` with ``reduce_cmd.reset_reduce`` (§3.9)."""
+    return activation(dst, op, data, bias=bias, scale=scale, reduce_op=reduce_op,
+                      reduce_res=reduce_res, reduce_cmd=reduce_cmd.reset_reduce, name=name)
+
+
+def nc_transpose(dst, data, engine=engine.unknown, name=None):
+    """``dst[j, i] = data[i, j]`` (free dims flattened), bit-exact (§3.10).
+
+    TensorE (dst in PSUM, data in SBUF, <= [128, 128]) or VectorE (<= [32, 32]); the default
+    engine follows dst: PSUM -> TensorE, SBUF -> VectorE.
+    """
+    instr = "nc_transpose"
+    dst = _tensor(instr, "dst", dst)
+    data = _tensor(instr, "data", data)
+    _onchip(instr, "dst", dst)
+    _onchip(instr, "data", data)
+    if dst.dtype != data.dtype:
+        raise _err(instr, f"dst dtype {dst.dtype} != data dtype {data.dtype}")
+    default = "tensor" if dst.buffer is psum else "vector"
+    eng = _engine_name(instr, engine, default, (globals()["engine"].tensor,
+                                                globals()["engine"].vector))
+    P, F = _pf(data)
+    Pd, Fd = _pf(dst)
+    if (Pd, Fd) != (F, P):
+        raise _err(instr, f"dst {dst.shape} must be the transpose ({F}, {P}) of data {data.shape}")
+    if eng == "tensor":
+        if dst.buffer is not psum or data.buffer is not sbuf:
+            raise _err(instr, "TensorE transpose reads SBUF and writes PSUM")
+        if P > 128 or F > 128:
+            raise _err(instr, f"TensorE transpose is limited to [128, 128], got [{P}, {F}]")
+    else:
+        if P > 32 or F > 32:
+            raise _err(instr, f"VectorE transpose is limited to [32, 32], got [{P}, {F}]")
+    val = data._np().reshape(P, F).T
+    dst._np()[...] = val.reshape(dst.shape)
+    if dst.storage.written is not None:
+        dst._written_flags()[...] = 1
+    dst.storage.version += 1
+    if eng == "tensor":
+        _count("tensor", P + TENSOR_FIXED, P * F)
+    else:
+        _count("vector", F + ENGINE_FIXED, P * F)
+    return NkiInstruction(name)
+
+
+def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
+    """Cross-partition move inside each 32-partition quadrant (§3.14).
+
+    Output partition ``32q + i`` copies input partition ``32q + mask[i]`` (255 = leave it); a
+    1-partition src broadcasts.
+    """
+    instr = "nc_stream_shuffle"
+    dst = _tensor(instr, "dst", dst)
+    src = _tensor(instr, "src", src)
+    _onchip(instr, "dst", dst)
+    _onchip(instr, "src", src)
+    if src.dtype != dst.dtype:
+        raise _err(instr, f"src dtype {src.dtype} != dst dtype {dst.dtype}")
+    mask = [int(m) for m in shuffle_mask]
+    if len(mask) != 32:
+        raise _err(instr, f"shuffle_mask needs 32 entries, got {len(mask)}")
+    Ps, Fs = _pf(src)
+    Pd, Fd = _pf(dst)
+    if Fs != Fd:
+        raise _err(instr, f"src has {Fs} elements per partition, dst {Fd}")
+    sv = src._np().reshape(Ps, Fs).copy()
+    out = dst._np().reshape(Pd, Fd) if dst._np().flags.c_contiguous else None
+    res = dst._np().reshape(Pd, Fd).copy()
+    nq = -(-max(Ps, Pd) // 32)
+    for q in range(nq):
+        for i, m in enumerate(mask):
+            p = 32 * q + i
+            if m == 255 or p >= Pd:
+                continue
+            sp = 32 * q + m if Ps > 1 else 0
+            if sp >= Ps:
+                raise _err(instr, f"mask[{i}]={m} reads src partition {sp} of {Ps}")
+            res[p] = sv[sp]
+    if out is not None:
+        out[...] = res
+    else:
+        dst._np()[...] = res.reshape(dst.shape)
+    if dst.storage.written is not None:
+        dst._written_flags()[...] = 1
+    dst.storage.version += 1
+    _count("vector", Fd + ENGINE_FIXED, Pd * Fd)
+    return NkiInstruction(name)
+
+
+def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value,
+                  cmp_op=None, offset=0, name=None):
+    """GpSimd ``dst = on_true_tile where cmp_op(affine, 0) else on_false_value`` (§3.15)."""
+    instr = "affine_select"
+    dst = _tensor(instr, "dst", dst)
+    on_true_tile = _tensor(instr, "on_true_tile", on_true_tile)
+    _onchip(instr, "dst", dst, (sbuf,))
+    P, F = _same_pf(instr, dst, "dst", on_true_tile, "on_true_tile")
+    cmp_op = TOKENS["equal"] if cmp_op is None else _op(instr, "cmp_op", cmp_op, ("arith",))
+    pat = [(int(s), int(n)) for s, n in pattern]
+    from .core import _pattern_index
+
+    free = _pattern_index(tuple(n for _, n in pat), [s for s, _ in pat]).reshape(1, -1)
+    if free.shape[1] != F:
+        raise _err(instr, f"pattern covers {free.shape[1]} elements, dst has {F}")
+    val = (int(offset) + np.arange(P)[:, None] * int(channel_multiplier) + free).astype(np.float32)
+    pred = cmp_op.fn(val, np.float32(0)) != 0
+    res = np.where(pred, on_true_tile._np().reshape(P, F).astype(np.float32),
+                   np.float32(on_false_value))
+    _write(dst, res)
+    _count("gpsimd", F + ENGINE_FIXED, P * F)
+    return NkiInstruction(name)
+
+
+def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
+    """VectorE: copy ``src`` (tile or scalar) into ``dst`` where ``predicate`` != 0 (§3.15)."""
+    instr = "tensor_copy_predicated"
+    dst = _tensor(instr, "dst", dst)
+    predicate = _tensor(instr, "predicate", predicate)
+    _onchip(instr, "dst", dst)
+    P, F = _same_pf(instr, dst, "dst", predicate, "predicate")
+    pred = predicate._np().reshape(P, F) != 0
+    if reverse_pred:
+        pred = ~pred
+    old = dst._np().reshape(P, F).astype(np.float32)
+    if isinstance(src, NkiTensor):
+        _same_pf(instr, dst, "dst", src, "src")
+        new = src._np().reshape(P, F).astype(np.float32)
+    else:
+        new = np.float32(src)
+    _write(dst, np.where(pred, new, old))
+    _count("vector", F + ENGINE_FIXED, P * F)
+    return NkiInstruction(name)
+
+
+# ------------------------------------------------------------------------------------------------
+# TensorE
+
+
+def _accumulate_write(instr, dst, res, accumulate):
+    """Write a matmul result into PSUM: overwrite, add, or auto (first write overwrites)."""
+    out = dst._np()
+    res = res.reshape(dst.shape)
+    flags = dst._written_flags()
+    if accumulate is None:
+        written = flags != 0
+        if written.any():
+            old = out.astype(np.float32)
+            res = np.where(written, (old + res).astype(np.float32), res)
+    elif accumulate:
+        if not (flags != 0).all():
+            raise _err(instr, "accumulate=True onto an uninitialized PSUM location")
+        res = (out.astype(np.float32) + res).astype(np.float32)
+    out[...] = _cast(res, dst.dtype)
+    flags[...] = 1
+    dst.storage.version += 1
+
+
+def _matmul_dst(instr, dst, M, N, nc):
+    if dst.buffer is not psum:
+        raise _err(instr, f"dst must be in PSUM, got {dst.buffer.value}")
+    if dst.dtype not in (_dt.float32, _dt.bfloat16):
+        raise _err(instr, f"dst dtype must be float32 or bfloat16, got {dst.dtype}")
+    if dst.dtype == _dt.bfloat16 and nc < 4:
+        raise _err(instr, "a bfloat16 PSUM dst needs trn3")
+    Pd, Fd = _pf(dst)
+    if (Pd, Fd) != (M, N):
+        raise _err(instr, f"dst {dst.shape} must be [{M}, {N}]")
+    if nc < 4:
+        if N * dst.itemsize > 2048:
+            raise _err(instr, f"dst of {N} x {dst.itemsize} B per partition exceeds one 2 KiB "
+                       "PSUM bank (trn2)")
+    else:
+        limit = 4096 if dst.dtype == _dt.float32 else 8192
+        if N > limit:
+            raise _err(instr, f"moving free size {N} exceeds {limit} ({dst.dtype} dst, 8 PSUM banks)")
+
+
+_MM_IN = {_dt.bfloat16, _dt.float16, _dt.float32, _dt.tfloat32, _dt.float8_e4m3,
+          _dt.float8_e5m2, _dt.float8_e4m3fn}
+
+
+def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False,
+              is_transpose=False, accumulate=None, tile_position=(), tile_size=(),
+              perf_mode=matmul_perf_mode.none, name=None):
+    """TensorE ``dst[M, N] (=|+=) stationary[K, M]^T @ moving[K, N]`` (§3.11).
+
+    K <= 128 partitions, M <= 128, N <= 512 (trn2) / 4096 fp32 / 8192 bf16 (trn3). Products and
+    sums in fp32 (``MATMUL_PRECISION``), one rounding per instruction; ``accumulate=None`` adds
+    onto PSUM locations already written since allocation. ``is_transpose=True``: bit-exact
+    transpose of ``moving`` (stationary must be identity-shaped).
+    """
+    instr = "nc_matmul"
+    dst = _tensor(instr, "dst", dst)
+    stationary = _tensor(instr, "stationary", stationary)
+    moving = _tensor(instr, "moving", moving)
+    _onchip(instr, "stationary", stationary, (sbuf,))
+    _onchip(instr, "moving", moving, (sbuf,))
+    nc = current().spec["nc_version"]
+    for n, t in (("stationary", stationary), ("moving", moving)):
+        if t.dtype not in _MM_IN or (t.dtype == _dt.float8_e4m3fn and nc < 4):
+            raise _err(instr, f"{n} dtype {t.dtype} not supported on this target")
+    if (stationary.dtype in (_dt.float32, _dt.tfloat32)) != (moving.dtype in (_dt.float32,
+                                                                             _dt.tfloat32)):
+        raise _err(instr, "fp32/tf32 operands can only be multiplied with fp32/tf32")
+    K, M = _pf(stationary)
+    K2, N = _pf(moving)
+    if K != K2:
+        raise _err(instr, f"stationary has {K} partitions, moving {K2} (contraction must match)")
+    if M > 128:
+        raise _err(instr, f"stationary free size {M} > 128")
+    if nc < 4 and N > 512:
+        raise _err(instr, f"moving free size {N} > 512 on trn2")
+    if bool(tile_position) != bool(tile_size):
+        raise _err(instr, "tile_position and tile_size must be given together")
+    if is_transpose:
+        if dst.dtype != moving.dtype:
+            raise _err(instr, "is_transpose needs dst dtype == moving dtype")
+        _onchip(instr, "dst", dst, (psum,))
+        if _pf(dst) != (N, K):
+            raise _err(instr, f"transpose dst must be [{N}, {K}]")
+        dst._np()[...] = moving._np().reshape(K, N).T.reshape(dst.shape)
+        dst._written_flags()[...] = 1
+        dst.storage.version += 1
+        _count("tensor", N + TENSOR_FIXED, K * N)
+        return NkiInstruction(name)
+    _matmul_dst(instr, dst, M, N, nc)
+    prec = np.float64 if MATMUL_PRECISION["value"] == "float64" else np.float32
+    a = stationary._np().reshape(K, M).astype(prec)
+    b = moving._np().reshape(K, N).astype(prec)
+    res = (a.T @ b).astype(np.float32)
+    _accumulate_write(instr, dst, res, accumulate)
+    _count("tensor", N + TENSOR_FIXED, K * M * N, macs_bf16=K * M * N)
+    return NkiInstruction(name)
+
+
+def _need_mx(instr):
+    if not current().spec["has_mx"]:
+        raise _err(instr, f"MX instructions exist only on trn3 (NeuronCore-v4); target is "
+                   f"{current().target}")
+
+
+def _scale_view_rows(instr, arg, scale, P, C):
+    """Read the [P/8, C] scale bytes of an operand from its scale view (§4.5)."""
+    if scale.dtype not in (_dt.float8_e8m0fnu, _dt.uint8):
+        raise _err(instr, f"{arg} dtype must be float8_e8m0fnu or uint8, got {scale.dtype}")
+    if scale.buffer is not sbuf:
+        raise _err(instr, f"{arg} must be in SBUF")
+    G = P // 8
+    rows = mxops.scale_rows(G)
+    Ps, Fs = _pf(scale)
+    if Fs != C:
+        raise _err(instr, f"{arg} has {Fs} elements per partition, data has {C} x4 columns")
+    if rows[-1] >= Ps:
+        raise _err(instr, f"{arg} view has {Ps} partitions; {G} scale rows need partition "
+                   f"{rows[-1]} (rows 0-3 of each 32-partition quadrant)")
+    return scale._np_as(np.uint8).reshape(Ps, C), rows
+
+
+def quantize_mx(dst, src, dst_scale, name=None):
+    """Quantize a BF16/FP16 [P, F] tile to MXFP8 x4 data [P, F/4] and E8M0 scales (§3.12).
+
+    Group = 8 partitions x 4 consecutive free elements (one x4 column). Scale rule and cast from
+    ``common.mx`` (``scale_rule="trainium"``): ``X = 2^(floor(log2 amax) - (emax - 1))``, zero
+    group -> byte 0. Scales land at partitions ``32*(r//4) + r%4`` of ``dst_scale``.
+
+    Raises:
+        NkiError: not trn3; P % 32 != 0 or P > 128; F % 4 != 0; dtypes or shapes wrong.
+    """
+    instr = "quantize_mx"
+    _need_mx(instr)
+    dst = _tensor(instr, "dst", dst)
+    src = _tensor(instr, "src", src)
+    dst_scale = _tensor(instr, "dst_scale", dst_scale)
+    for n, t in (("dst", dst), ("src", src), ("dst_scale", dst_scale)):
+        _onchip(instr, n, t, (sbuf,))
+    if src.dtype not in (_dt.bfloat16, _dt.float16):
+        raise _err(instr, f"src dtype must be bfloat16 or float16, got {src.dtype}")
+    if dst.dtype not in (_dt.float8_e4m3fn_x4, _dt.float8_e5m2_x4):
+        raise _err(instr, f"dst dtype must be float8_e4m3fn_x4 or float8_e5m2_x4, got {dst.dtype}")
+    P, F = _pf(src)
+    if P % 32 or P > 128:
+        raise _err(instr, f"src partitions {P} must be a multiple of 32 and <= 128")
+    if F % 4:
+        raise _err(instr, f"src free size {F} must be a multiple of 4")
+    Pd, Fd = _pf(dst)
+    if (Pd, Fd) != (P, F // 4):
+        raise _err(instr, f"dst {dst.shape} must hold [{P}, {F // 4}] x4 elements")
+    sc_arr, rows = _scale_view_rows(instr, "dst_scale", dst_scale, P, F // 4)
+    x = src._np().reshape(P, F).astype(np.float32)
+    words, scale = mxops.quantize_groups(x, mxops.ELEM_OF_X4[dst.dtype])
+    dst._np()[...] = words.reshape(dst.shape)
+    dst.storage.version += 1
+    sc_arr[rows, :] = scale
+    dst_scale.storage.version += 1
+    _count("vector", F / 4 + ENGINE_FIXED, P * F)
+    return NkiInstruction(name)
+
+
+_X4_DT = (_dt.float8_e4m3fn_x4, _dt.float8_e5m2_x4, _dt.float4_e2m1fn_x4)
+
+
+def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_position=None,
+                 tile_size=None, accumulate=None, name=None):
+    """TensorE MX matmul ``dst[M, N] (=|+=) sum_{p, i} deq(S)[p, m, i] * deq(Mv)[p, n, i]`` (§3.13).
+
+    stationary [P, M] and moving [P, N] x4 tiles (P % 32 == 0, P <= 128, M even <= 128,
+    N <= 4096 fp32 / 8192 bf16 dst), scale views [>= P/8 rows, M] / [.., N] in the quadrant
+    layout. Dequantization is exact; the sum runs in fp32 (``MATMUL_PRECISION``) and is rounded
+    once per instruction; ``accumulate=None`` auto-detects the first write to each PSUM element.
+    """
+    instr = "nc_matmul_mx"
+    _need_mx(instr)
+    dst = _tensor(instr, "dst", dst)
+    stationary = _tensor(instr, "stationary", stationary)
+    moving = _tensor(instr, "moving", moving)
+    stationary_scale = _tensor(instr, "stationary_scale", stationary_scale)
+    moving_scale = _tensor(instr, "moving_scale", moving_scale)
+    for n, t in (("stationary", stationary), ("moving", moving)):
+        _onchip(instr, n, t, (sbuf,))
+        if t.dtype not in _X4_DT:
+            raise _err(instr, f"{n} dtype must be an MX x4 dtype, got {t.dtype}")
+    P, M = _pf(stationary)
+    P2, N = _pf(moving)
+    if P != P2:
+        raise _err(instr, f"stationary has {P} partitions, moving {P2}")
+    if P % 32 or P > 128:
+        raise _err(instr, f"partitions {P} must be a multiple of 32 and <= 128")
+    if M % 2 or M > 128:
+        raise _err(instr, f"stationary free size {M} must be even and <= 128")
+    if tile_size is not None and tile_position is None or (tile_position is not None
+                                                           and tile_size is None):
+        raise _err(instr, "tile_position and tile_size must be given together")
+    _matmul_dst(instr, dst, M, N, current().spec["nc_version"])
+    s_sc, s_rows = _scale_view_rows(instr, "stationary_scale", stationary_scale, P, M)
+    m_sc, m_rows = _scale_view_rows(instr, "moving_scale", moving_scale, P, N)
+    prec = np.float64 if MATMUL_PRECISION["value"] == "float64" else np.float32
+    a = mxops.dequantize_x4(stationary._np().reshape(P, M), stationary.dtype, s_sc[s_rows], prec)
+    b = mxops.dequantize_x4(moving._np().reshape(P, N), moving.dtype, m_sc[m_rows], prec)
+    a2 = a.transpose(0, 2, 1).reshape(P * 4, M)
+    b2 = b.transpose(0, 2, 1).reshape(P * 4, N)
+    res = (a2.T @ b2).astype(np.float32)
+    _accumulate_write(instr, dst, res, accumulate)
+    _count("tensor", N + TENSOR_FIXED, 4 * P * M * N, macs_mx=4 * P * M * N)
+    return NkiInstruction(name)
+
+
+# ------------------------------------------------------------------------------------------------
+# LNC2 communication
+
+
+def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=dma_engine.dma,
+             name=None):
+    """Send this core's SBUF ``src`` to core ``send_to_rank``'s ``dst``; receive the peer's
+    ``src`` from ``recv_from_rank`` into this core's ``dst`` (§3.16). Same dtype and shape.
+    """
+    instr = "sendrecv"
+    src = _tensor(instr, "src", src)
+    dst = _tensor(instr, "dst", dst)
+    _onchip(instr, "src", src, (sbuf,))
+    _onchip(instr, "dst", dst, (sbuf,))
+    if src.dtype != dst.dtype or src.shape != dst.shape:
+        raise _err(instr, f"src {src.shape}/{src.dtype} and dst {dst.shape}/{dst.dtype} must match")
+    ctx = current()
+    if ctx.num_programs < 2:
+        raise _err(instr, "needs LNC2 (two program instances)")
+    me = ctx.program_id
+    for r, n in ((send_to_rank, "send_to_rank"), (recv_from_rank, "recv_from_rank")):
+        if int(r) not in range(ctx.num_programs) or int(r) == me:
+            raise _err(instr, f"{n}={r} must be the other core's rank")
+    import queue
+
+    sh = ctx.shared
+    sh.mailbox((pipe_id, me, int(send_to_rank))).put(src._np().copy())
+    try:
+        val = sh.mailbox((pipe_id, int(recv_from_rank), me)).get(timeout=sh.timeout_s)
+    except queue.Empty:
+        raise _err(instr, f"timed out waiting for core {recv_from_rank} on pipe {pipe_id}") from None
+    dst._np()[...] = val
+    dst.storage.version += 1
+    _count("dma", 0, dst.size, dma_bytes=dst.size * dst.itemsize)
+    return NkiInstruction(name)
+
+
+def core_barrier(data, cores, engine=engine.gpsimd, name=None):
+    """Both cores of ``cores=(0, 1)`` wait for each other (§3.16); a no-op under LNC1."""
+    instr = "core_barrier"
+    if tuple(cores) != (0, 1):
+        raise _err(instr, f"cores must be (0, 1), got {cores!r}")
+    ctx = current()
+    if ctx.num_programs > 1:
+        import threading
+
+        try:
+            ctx.shared.barrier.wait(timeout=ctx.shared.timeout_s)
+        except threading.BrokenBarrierError:
+            raise _err(instr, "barrier broken (the other core failed or timed out)") from None
+    return NkiInstruction(name)

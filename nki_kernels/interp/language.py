@@ -1,0 +1,205 @@
+"""``nki.language`` for the CPU interpreter (the subset of NKI_API.md §2).
+
+Names and signatures follow the public stub ``nki/api/nki/language/__init__.py``: dtypes are
+``str`` constants, buffers are :class:`MemoryRegion` members, loops are Python ranges, op tokens
+are :class:`~nki_kernels.interp.ops.Op` objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from . import core as _core
+from . import dtypes as _dt
+from .core import MemoryRegion, NkiTensor, hbm, private_hbm, psum, sbuf, shared_hbm
+from .dtypes import (  # noqa: F401
+    bfloat16,
+    bool_,
+    float4_e2m1fn_x4,
+    float8_e4m3,
+    float8_e4m3fn,
+    float8_e4m3fn_x4,
+    float8_e5m2,
+    float8_e5m2_x4,
+    float8_e8m0fnu,
+    float16,
+    float32,
+    int8,
+    int16,
+    int32,
+    tfloat32,
+    uint8,
+    uint16,
+    uint32,
+)
+from .ops import TOKENS as _TOKENS
+
+__all__ = [
+    "MemoryRegion",
+    "NKIObject",
+    "NkiTensor",
+    "affine_range",
+    "ds",
+    "empty_like",
+    "full",
+    "hbm",
+    "is_hbm",
+    "is_on_chip",
+    "is_psum",
+    "is_sbuf",
+    "ndarray",
+    "no_reorder",
+    "num_programs",
+    "ones",
+    "private_hbm",
+    "program_id",
+    "program_ndim",
+    "psum",
+    "sbuf",
+    "sequential_range",
+    "shared_hbm",
+    "static_range",
+    "tensor",
+    "tile_size",
+    "zeros",
+    "zeros_like",
+]
+
+tensor = NkiTensor
+
+
+def ndarray(shape, dtype, buffer=sbuf, name="", address=None) -> NkiTensor:
+    """New uninitialized tensor (filled with NaN / 4 sentinels) in ``buffer``.
+
+    Raises:
+        NkiError: partition dim > 128 on SBUF/PSUM. NkiCapacityError: SBUF/PSUM budget exceeded.
+        ValueError: bad shape, dtype or buffer.
+    """
+    return _core.current().allocate(shape, dtype, buffer, name)
+
+
+def full(shape, fill_value, dtype, buffer=sbuf, name="") -> NkiTensor:
+    t = ndarray(shape, dtype, buffer, name)
+    from . import isa
+
+    if t.is_onchip and buffer is not psum:
+        isa.memset(t, int(fill_value) if _dt.is_int(t.dtype) else fill_value)
+    else:
+        arr = t._np()
+        arr[...] = isa._cast(__import__("numpy").full(t.shape, fill_value, dtype="float64"),
+                             t.dtype)
+    return t
+
+
+def zeros(shape, dtype, buffer=sbuf, name="") -> NkiTensor:
+    return full(shape, 0, dtype, buffer, name)
+
+
+def ones(shape, dtype, buffer=sbuf, name="") -> NkiTensor:
+    return full(shape, 1, dtype, buffer, name)
+
+
+def zeros_like(x, dtype=None, buffer=None, name="") -> NkiTensor:
+    return zeros(x.shape, dtype or x.dtype, buffer or x.buffer, name)
+
+
+def empty_like(x, dtype=None, buffer=None, name="") -> NkiTensor:
+    return ndarray(x.shape, dtype or x.dtype, buffer or x.buffer, name)
+
+
+def ds(start, size) -> slice:
+    """``nl.ds(start, size)`` == ``slice(start, start + size)``."""
+    start, size = int(start), int(size)
+    if size < 0:
+        raise ValueError(f"ds: negative size {size}")
+    return slice(start, start + size)
+
+
+def affine_range(start, stop=None, step=1):
+    return range(start, stop, step) if stop is not None else range(start)
+
+
+sequential_range = affine_range
+static_range = affine_range
+
+
+def program_id(axis=0) -> int:
+    if axis != 0:
+        raise ValueError("program_id: only a 1-D grid (axis=0) is supported")
+    return _core.current().program_id
+
+
+def num_programs(axes=0) -> int:
+    if axes not in (0, None):
+        raise ValueError("num_programs: only a 1-D grid (axes=0) is supported")
+    return _core.current().num_programs
+
+
+def program_ndim() -> int:
+    return _core.current().grid_ndim
+
+
+class _TileSize:
+    """``nl.tile_size`` constants (NKI_API.md §2.4, §4.1); SBUF sizes follow the target."""
+
+    pmax = 128
+    psum_bank_fmax = 512
+    psum_bank_fmax_bytes = 2048
+    psum_num_banks = 8
+    psum_fmax = 2048
+    gemm_stationary_fmax = 128
+    gemm_moving_fmax = 512
+    bn_stats_fmax = 512
+    psum_min_align = 4
+    sbuf_min_align = 4
+
+    @property
+    def sbuf_size_bytes(self) -> int:
+        return _core.current().spec["sbuf_bytes"] * 128
+
+    @property
+    def sbuf_fmax_bytes(self) -> int:
+        return _core.current().spec["sbuf_bytes"]
+
+    @property
+    def sbuf_fmax(self) -> int:
+        return _core.current().spec["sbuf_bytes"] // 4
+
+    @property
+    def total_available_sbuf_size(self) -> int:
+        return _core.current().spec["sbuf_usable_bytes"]
+
+
+tile_size = _TileSize()
+
+
+class NKIObject:
+    """Base class of objects usable inside kernels (stores keyword arguments as attributes)."""
+
+    def __init__(self, **kwargs):
+        for k, v in kwargs.items():
+            setattr(self, k, v)
+
+
+def no_reorder():
+    return contextlib.nullcontext()
+
+
+def is_hbm(buffer) -> bool:
+    return buffer in (private_hbm, shared_hbm)
+
+
+def is_on_chip(buffer) -> bool:
+    return buffer in (sbuf, psum)
+
+
+def is_psum(buffer) -> bool:
+    return buffer is psum
+
+
+def is_sbuf(buffer) -> bool:
+    return buffer is sbuf
+
+
+globals().update(_TOKENS)
+__all__ += list(_TOKENS)

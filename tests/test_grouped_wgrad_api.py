@@ -1,0 +1,823 @@
+"""CPU tests of the grouped wgrad API (cuda_kernels.grouped_wgrad.api), its torch twin and backends.
+
+Every validation path of the seed's contract (``shared/seeds/grouped_gemm_wgrad_sm100.md``) is
+exercised with CPU tensors: the API checks every rule of a call before it looks at the device, so
+each rule's error (naming the argument) is reachable without a GPU. Device-dependent paths (below
+SM100 / SM90, compile, execute, the compile cache) run with the capability query and the kernel
+compiler replaced by fakes whose launcher computes with the torch twin (dense outputs, or writes
+through the int64 output addresses of discrete mode), so values are asserted end to end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+
+import cuda_kernels
+from cuda_kernels.grouped_wgrad import api
+from cuda_kernels.grouped_wgrad.torch_ref import grouped_wgrad_torch
+
+try:
+    from common.reference import grouped_wgrad_reference
+except ImportError:  # pragma: no cover - common.reference lands with the lead's layer
+    grouped_wgrad_reference = None
+
+H, I = 128, 64  # multiples of 64: every SM90 tile rule fits
+
+# Tolerances vs the float64 reference (relative to max |ref|), per output dtype: one rounding of
+# the fp32 result (BF16: 8 bits of mantissa, FP16: 11), fp32 accumulation over <= 1024 terms.
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def _ref64(a, b, offsets):
+    """Float64 twin: common.reference when present, else a per-expert float64 loop."""
+    if grouped_wgrad_reference is not None:
+        return grouped_wgrad_reference(a, b, offsets)
+    ends = [int(v) for v in offsets.tolist()]
+    out = torch.zeros(len(ends), a.shape[0], b.shape[1], dtype=torch.float64)
+    begin = 0
+    for e, end in enumerate(ends):
+        out[e] = a[:, begin:end].double() @ b[begin:end].double()
+        begin = end
+    return out
+
+
+def _offsets(counts):
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def _operands(counts, a_major="m", b_major="n", seed=0, hidden=H, inter=I):
+    """A [H, S] and B [S, I] bf16 with the requested majors, and the offsets of ``counts``."""
+    g = torch.Generator().manual_seed(seed)
+    s = sum(counts)
+    x_SH = torch.randn(s, hidden, generator=g).to(torch.bfloat16)
+    y_SI = torch.randn(s, inter, generator=g).to(torch.bfloat16)
+    a = x_SH.t() if a_major == "m" else x_SH.t().contiguous()
+    b = y_SI if b_major == "n" else y_SI.t().contiguous().t()
+    return a, b, _offsets(counts)
+
+
+def _assert_close(out, ref, dtype):
+    scale = max(ref.abs().max().item(), 1.0)
+    err = (out.double() - ref).abs().max().item() / scale
+    assert err <= TOL[dtype], f"relative error {err:.3e} > {TOL[dtype]:.1e}"
+
+
+def _tensor_at(address, shape, dtype):
+    """A CPU tensor viewing ``numel * itemsize`` bytes at an integer address (fake kernel)."""
+    n = 1
+    for d in shape:
+        n *= d
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    buf = (ctypes.c_byte * nbytes).from_address(address)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+class FakeKernels:
+    """Replaces the capability query and the kernel compilers; counts compiles."""
+
+    def __init__(self):
+        self.compiles = []
+        self.launches = 0
+
+    def compile(self, contract):
+        self.compiles.append(contract)
+
+        def launcher(a, b, offsets, out, stream=None):
+            self.launches += 1
+            dtype = api._NAME_TO_DTYPE[contract.out_dtype]
+            shape = (contract.hidden, contract.intermediate)
+            if contract.output_mode == "discrete":
+                views = [_tensor_at(int(p), shape, dtype) for p in out.tolist()]
+                tmp = torch.stack(views) if contract.accumulate else None
+                res = grouped_wgrad_torch(
+                    a, b, offsets, out=tmp, accumulate=contract.accumulate, out_dtype=dtype,
+                    input_order=contract.input_order,
+                )
+                for v, r in zip(views, res):
+                    v.copy_(r)
+            else:
+                grouped_wgrad_torch(
+                    a, b, offsets, out=out, accumulate=contract.accumulate,
+                    input_order=contract.input_order,
+                )
+
+        return launcher
+
+
+@pytest.fixture(autouse=True)
+def _clean_caches():
+    api.clear_grouped_wgrad_caches()
+    yield
+    api.clear_grouped_wgrad_caches()
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """Pretend the CPU is a CUDA device of capability ``fake.cc`` with CuTe DSL kernels."""
+    fake = FakeKernels()
+    fake.cc = 90
+    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": fake.cc)
+    monkeypatch.setattr(api, "_cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(api, "_compile_sm90_kernel", fake.compile)
+    monkeypatch.setattr(api, "_compile_sm100_kernel", fake.compile)
+    return fake
+
+
+WRAPPERS = {
+    "sm100": api.grouped_gemm_wgrad_wrapper_sm100,
+    "sm90": api.grouped_gemm_wgrad_wrapper_sm90,
+}
+CLASSES = {"sm100": api.GroupedGemmWgradSm100, "sm90": api.GroupedGemmWgradSm90}
+
+
+# ------------------------------------------------------------------------------------------------
+# TupleDict, workspace size, import hygiene
+# ------------------------------------------------------------------------------------------------
+
+
+def test_tuple_dict_keyed_access_and_unpacking():
+    w = torch.zeros(2)
+    r = api.TupleDict(wgrad_tensor=w)
+    assert r["wgrad_tensor"] is w and r[0] is w
+    (only,) = r
+    assert only is w
+    assert len(r) == 1 and list(r.keys()) == ["wgrad_tensor"] and "wgrad_tensor" in r
+    assert list(r.items()) == [("wgrad_tensor", w)]
+    with pytest.raises(KeyError):
+        r["sfa"]
+
+
+def test_workspace_size():
+    assert api.get_grouped_gemm_wgrad_workspace_size_sm100(1) == 384
+    assert api.get_grouped_gemm_wgrad_workspace_size_sm100(128) == 128 * 384
+    for bad in (0, -1, 2.0, True, None):
+        with pytest.raises(ValueError, match="num_experts"):
+            api.get_grouped_gemm_wgrad_workspace_size_sm100(bad)
+
+
+def test_public_names_and_no_heavy_imports():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, cuda_kernels, cuda_kernels.grouped_wgrad.api;"
+        "print('cutlass' in sys.modules, 'jax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+    for name in (
+        "GroupedGemmWgradSm100", "grouped_gemm_wgrad_wrapper_sm100", "TupleDict",
+        "get_grouped_gemm_wgrad_workspace_size_sm100", "GroupedGemmWgradSm90",
+        "grouped_gemm_wgrad_wrapper_sm90", "grouped_gemm_wgrad",
+    ):
+        assert hasattr(cuda_kernels, name)
+
+
+# ------------------------------------------------------------------------------------------------
+# Every validation rule, through both wrappers (errors come before any device query)
+# ------------------------------------------------------------------------------------------------
+
+COUNTS = [256, 0, 512]  # valid for SM100 (multiples of 256) and SM90
+
+
+def _base_call():
+    a, b, off = _operands(COUNTS)
+    return {
+        "a_tensor": a, "b_tensor": b, "sfa_tensor": None, "sfb_tensor": None, "offsets_tensor": off,
+        "output_mode": "dense",
+    }
+
+
+def _unaligned(shape, dtype, strides_like=None):
+    n = 1
+    for d in shape:
+        n *= d
+    return torch.zeros(n + 1, dtype=dtype)[1:].view(shape)
+
+
+def _case_table():
+    """(name, mutate(kwargs) -> kwargs, exception, regex naming the argument, archs)."""
+    e = len(COUNTS)
+    s = sum(COUNTS)
+
+    def set_(**kw):
+        return lambda c: {**c, **kw}
+
+    def with_offsets(values):
+        return lambda c: {**c, "offsets_tensor": torch.tensor(values, dtype=torch.int32)}
+
+    both = ("sm100", "sm90")
+    return [
+        ("a rank", lambda c: {**c, "a_tensor": c["a_tensor"][None]}, ValueError, "a_tensor",
+         both),
+        ("b rank", lambda c: {**c, "b_tensor": c["b_tensor"][:, 0]}, ValueError, "b_tensor",
+         both),
+        ("token dims", lambda c: {**c, "b_tensor": c["b_tensor"][:-8]}, ValueError,
+         "token dimensions", both),
+        ("a dtype", lambda c: {**c, "a_tensor": c["a_tensor"].half()}, ValueError,
+         "a_tensor.*bfloat16", both),
+        ("b dtype", lambda c: {**c, "b_tensor": c["b_tensor"].float()}, ValueError,
+         "b_tensor.*bfloat16", both),
+        ("fp8 pair", lambda c: {
+            **c, "a_tensor": c["a_tensor"].to(torch.float8_e4m3fn),
+            "b_tensor": c["b_tensor"].to(torch.float8_e4m3fn)}, RuntimeError, "block-scaled",
+         both),
+        ("offsets dtype", lambda c: {**c, "offsets_tensor": c["offsets_tensor"].long()},
+         ValueError, "offsets_tensor.*int32", both),
+        ("offsets rank", lambda c: {**c, "offsets_tensor": c["offsets_tensor"][None]},
+         ValueError, "offsets_tensor.*rank-1", both),
+        ("offsets stride", lambda c: {
+            **c, "offsets_tensor": torch.stack([c["offsets_tensor"]] * 2, 1)[:, 0]},
+         ValueError, "offsets_tensor.*contiguous", both),
+        ("a strides", lambda c: {
+            **c, "a_tensor": torch.zeros(H, 2 * s, dtype=torch.bfloat16)[:, ::2]}, ValueError,
+         "a_tensor.*K-major.*M-major", both),
+        ("b strides", lambda c: {
+            **c, "b_tensor": torch.zeros(s, 2 * I, dtype=torch.bfloat16)[:, ::2]}, ValueError,
+         "b_tensor.*K-major.*N-major", both),
+        ("sfa", set_(sfa_tensor=torch.zeros(1)), ValueError, "sfa_tensor must be None", both),
+        ("sfb", set_(sfb_tensor=torch.zeros(1)), ValueError, "sfb_tensor must be None", both),
+        ("global a", set_(global_scale_a=torch.ones(1)), ValueError,
+         "global_scale_a must be None", both),
+        ("global b", set_(global_scale_b=torch.ones(1)), ValueError,
+         "global_scale_b must be None", both),
+        ("sf_vec_size", set_(sf_vec_size=32), ValueError, "sf_vec_size", both),
+        ("acc_dtype", set_(acc_dtype=torch.bfloat16), ValueError, "acc_dtype", both),
+        ("output_mode", set_(output_mode="sparse"), ValueError, "output_mode", both),
+        ("input_order", set_(input_order="ragged"), ValueError, "input_order", both),
+        ("dense forbids ptrs", set_(wgrad_ptrs=torch.full((e,), 256, dtype=torch.int64)),
+         ValueError, "wgrad_ptrs must be None in dense", both),
+        ("both outputs", set_(
+            output_mode="discrete", wgrad_tensor=torch.zeros(e, H, I, dtype=torch.bfloat16),
+            wgrad_ptrs=torch.full((e,), 256, dtype=torch.int64)), ValueError,
+         "wgrad_tensor or wgrad_ptrs", both),
+        ("out shape", set_(wgrad_tensor=torch.zeros(e, H, I + 8, dtype=torch.bfloat16)),
+         ValueError, "wgrad_tensor must have shape", both),
+        ("out strides", set_(
+            wgrad_tensor=torch.zeros(e, I, H, dtype=torch.bfloat16).transpose(1, 2)),
+         ValueError, "wgrad_tensor must be contiguous", both),
+        ("out dtype", set_(wgrad_tensor=torch.zeros(e, H, I, dtype=torch.float64)), ValueError,
+         "wgrad_tensor dtype", both),
+        ("wgrad_dtype", set_(wgrad_dtype=torch.float64), ValueError, "wgrad_dtype", both),
+        ("ptrs dtype", set_(output_mode="discrete", wgrad_ptrs=torch.zeros(e, dtype=torch.int32)),
+         ValueError, "wgrad_ptrs must be torch.int64", both),
+        ("ptrs shape", set_(output_mode="discrete",
+                            wgrad_ptrs=torch.full((e + 1,), 256, dtype=torch.int64)),
+         ValueError, "wgrad_ptrs must have shape", both),
+        ("null ptr", set_(output_mode="discrete",
+                          wgrad_ptrs=torch.tensor([256, 0, 512], dtype=torch.int64)),
+         ValueError, r"wgrad_ptrs\[1\].*non-null", both),
+        ("unaligned ptr", set_(output_mode="discrete",
+                               wgrad_ptrs=torch.tensor([256, 264, 512], dtype=torch.int64)),
+         ValueError, r"wgrad_ptrs\[1\].*16-byte", both),
+        ("decreasing", with_offsets([512, 256, 768]), ValueError,
+         r"offsets_tensor must be a non-decreasing.*offsets_tensor\[1\]", both),
+        ("negative", with_offsets([-256, 256, 768]), ValueError, "non-decreasing", both),
+        ("last != tokens_sum", with_offsets([256, 256, 512]), ValueError,
+         "last offset 512 must equal tokens_sum 768", both),
+        ("group % 256", with_offsets([100, 256, 768]), ValueError, "multiple of 256",
+         ("sm100",)),
+        ("a unaligned", lambda c: {**c, "a_tensor": _unaligned((H, s), torch.bfloat16)},
+         ValueError, "a_tensor: data pointer.*16-byte", both),
+        ("out unaligned", set_(wgrad_tensor=_unaligned((e, H, I), torch.bfloat16)), ValueError,
+         "wgrad_tensor: data pointer.*16-byte", both),
+        ("K-major tokens % 8", lambda c: {
+            **c, "a_tensor": torch.zeros(H, 772, dtype=torch.bfloat16),
+            "b_tensor": torch.zeros(772, I, dtype=torch.bfloat16),
+            "offsets_tensor": torch.tensor([256, 256, 772], dtype=torch.int32)},
+         ValueError, "a_tensor: a K-major operand needs tokens_sum % 8", ("sm90",)),
+        ("M-major hidden % 8", lambda c: {
+            **c, "a_tensor": torch.zeros(s, 12, dtype=torch.bfloat16).t()},
+         ValueError, "a_tensor: M-major A needs hidden % 8", both),
+        ("fp32 out N % 4", lambda c: {
+            **c, "b_tensor": torch.zeros(s, 2, dtype=torch.bfloat16).t().contiguous().t(),
+            "wgrad_dtype": torch.float32},
+         ValueError, "wgrad_dtype: intermediate % 4", both),
+        ("mixed devices", lambda c: {**c, "b_tensor": c["b_tensor"].to("meta")}, ValueError,
+         "one device.*b_tensor on meta", both),
+        ("workspace", set_(descriptor_workspace=torch.zeros(10, dtype=torch.uint8)), ValueError,
+         "descriptor_workspace", both),
+        ("sm100 tile", set_(mma_tiler_mn=(96, 256)), ValueError, "mma_tiler_mn", ("sm100",)),
+        ("sm100 cluster", set_(cluster_shape_mn=(3, 1)), ValueError, "cluster_shape_mn",
+         ("sm100",)),
+        ("sm100 2cta cluster", set_(mma_tiler_mn=(256, 128), cluster_shape_mn=(1, 1)),
+         ValueError, "cluster M must be even", ("sm100",)),
+        ("sm90 tile", set_(mma_tiler_mn=(256, 128)), ValueError, "mma_tiler_mn", ("sm90",)),
+        ("sm90 cluster", set_(cluster_shape_mn=(2, 1)), ValueError, "cluster_shape_mn",
+         ("sm90",)),
+        ("tiler pair", set_(mma_tiler_mn=(128,)), ValueError, "mma_tiler_mn", both),
+    ]
+
+
+_CASES = [
+    pytest.param(arch, mutate, exc, regex, id=f"{arch}-{name}")
+    for name, mutate, exc, regex, archs in _case_table()
+    for arch in archs
+]
+
+
+@pytest.mark.parametrize("arch,mutate,exc,regex", _CASES)
+def test_wrapper_rejects(arch, mutate, exc, regex, fake_device):
+    fake_device.cc = 100 if arch == "sm100" else 90
+    kwargs = mutate(_base_call())
+    with pytest.raises(exc, match=regex):
+        WRAPPERS[arch](**kwargs)
+    assert fake_device.launches == 0 and not fake_device.compiles
+
+
+def test_sm90_tile_must_divide_shape(fake_device):
+    a, b, off = _operands([8, 0, 16], hidden=96)  # 96: no SM90 tile (64 or 128 rows) fits
+    with pytest.raises(ValueError, match="unsupported SM90 tiling.*hidden=96"):
+        api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off)
+    a, b, off = _operands([8, 0, 16])
+    with pytest.raises(ValueError, match="mma_tiler_mn"):
+        api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off, mma_tiler_mn=(128, 48))
+    assert not fake_device.compiles
+
+
+def test_sm90_accepts_any_group_size_sm100_refuses(fake_device):
+    a, b, off = _operands([3, 0, 5, 0])
+    fake_device.cc = 100
+    with pytest.raises(ValueError, match="expert 0 holds 3 tokens.*multiple of 256"):
+        api.grouped_gemm_wgrad_wrapper_sm100(a, b, None, None, off)
+    fake_device.cc = 90
+    (w,) = api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off)
+    _assert_close(w, _ref64(a, b, off), torch.bfloat16)
+
+
+def test_offsets_values_skipped_without_validation(fake_device):
+    """validate_offsets=False trusts the values (no host read); statics are still checked."""
+    a, b, _off = _operands([256, 256])
+    bad = torch.tensor([256, 256], dtype=torch.int32)  # last != tokens_sum: not looked at
+    fake_device.cc = 100
+    api.grouped_gemm_wgrad_wrapper_sm100(a, b, None, None, bad, validate_offsets=False)
+    assert fake_device.launches == 1
+    with pytest.raises(ValueError, match="last offset"):
+        api.grouped_gemm_wgrad_wrapper_sm100(a, b, None, None, bad)
+    with pytest.raises(ValueError, match="offsets_tensor.*int32"):
+        api.grouped_gemm_wgrad_wrapper_sm100(a, b, None, None, bad.long(), validate_offsets=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Environment: no CUDA, capability, compile before execute, SM100 kernel not built
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+@pytest.mark.parametrize("arch", ["sm100", "sm90"])
+def test_no_cuda(arch):
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        WRAPPERS[arch](**_base_call())
+    a, b, off = _operands(COUNTS)
+    op = CLASSES[arch](a, b, None, None, off, sample_wgrad=torch.empty(3, H, I))
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        op.check_support()
+
+
+@pytest.mark.parametrize(
+    "arch,cc,regex",
+    [
+        ("sm100", 90, "requires SM100 or newer, found SM90"),
+        ("sm100", 80, "requires SM100 or newer, found SM80"),
+        ("sm90", 80, "requires SM90.*below SM90"),
+        ("sm90", 100, "only on SM 9.x, found SM100"),
+    ],
+)
+def test_capability_refused(arch, cc, regex, fake_device):
+    fake_device.cc = cc
+    with pytest.raises(RuntimeError, match=regex):
+        WRAPPERS[arch](**_base_call())
+    a, b, off = _operands(COUNTS)
+    op = CLASSES[arch](a, b, None, None, off, sample_wgrad=torch.empty(3, H, I))
+    with pytest.raises(RuntimeError, match=regex):
+        op.check_support()
+    assert not fake_device.compiles
+
+
+def test_sm100_compile_says_kernel_not_built(monkeypatch):
+    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(api, "_sm100_module", lambda: None)
+    a, b, off = _operands(COUNTS)
+    op = api.GroupedGemmWgradSm100(a, b, None, None, off, sample_wgrad=torch.empty(3, H, I))
+    assert op.check_support() is True
+    with pytest.raises(RuntimeError, match="SM100 BF16 grouped wgrad kernel is not built"):
+        op.compile()
+    with pytest.raises(RuntimeError, match="not built"):
+        api.grouped_gemm_wgrad_wrapper_sm100(**_base_call())
+
+
+def test_sm90_compile_without_cutlass(monkeypatch):
+    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": 90)
+    monkeypatch.setattr(api, "_cutlass_dsl_missing", lambda: "nvidia-cutlass-dsl is not installed")
+    a, b, off = _operands(COUNTS)
+    op = api.GroupedGemmWgradSm90(a, b, None, None, off, sample_wgrad=torch.empty(3, H, I))
+    with pytest.raises(RuntimeError, match="nvidia-cutlass-dsl is not installed"):
+        op.compile()
+
+
+@pytest.mark.parametrize("arch", ["sm100", "sm90"])
+def test_execute_before_compile(arch, fake_device):
+    fake_device.cc = 100 if arch == "sm100" else 90
+    a, b, off = _operands(COUNTS)
+    w = torch.empty(3, H, I, dtype=torch.bfloat16)
+    op = CLASSES[arch](a, b, None, None, off, sample_wgrad=w)
+    with pytest.raises(RuntimeError, match=r"execute\(\) before compile\(\)"):
+        op.execute(a, b, None, None, off, wgrad_tensor=w)
+    assert op.check_support() is True
+    with pytest.raises(RuntimeError, match=r"before compile\(\)"):
+        op.execute(a, b, None, None, off, wgrad_tensor=w)
+    op.compile()
+    op.execute(a, b, None, None, off, wgrad_tensor=w)
+    _assert_close(w, _ref64(a, b, off), torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------
+# Class lifecycle: constructor and check_support rules, execute against the compiled contract
+# ------------------------------------------------------------------------------------------------
+
+
+def test_class_constructor_rules(fake_device):
+    a, b, off = _operands(COUNTS)
+    w = torch.empty(3, H, I, dtype=torch.bfloat16)
+    cls = api.GroupedGemmWgradSm90
+    with pytest.raises(ValueError, match="not both"):
+        cls(a, b, None, None, off, sample_wgrad=w, num_experts=3)
+    with pytest.raises(ValueError, match="not both"):
+        cls(a, b, None, None, off)
+    with pytest.raises(ValueError, match="wgrad_shape and wgrad_dtype"):
+        cls(a, b, None, None, off, num_experts=3)
+    bad = [
+        ({"num_experts": 4, "wgrad_shape": (H, I), "wgrad_dtype": torch.bfloat16}, "num_experts=4"),
+        ({"num_experts": 3, "wgrad_shape": (H, I + 8), "wgrad_dtype": torch.bfloat16}, "wgrad_shape"),
+        ({"num_experts": 3, "wgrad_shape": (H, I), "wgrad_dtype": torch.int8}, "wgrad_dtype"),
+        ({"num_experts": 3, "wgrad_shape": (H, I), "wgrad_dtype": torch.bfloat16,
+              "sample_wgrad_expert": torch.empty(H, I + 8, dtype=torch.bfloat16)},
+         "sample_wgrad_expert must have shape"),
+        ({"num_experts": 3, "wgrad_shape": (H, I), "wgrad_dtype": torch.bfloat16,
+              "sample_wgrad_expert": torch.empty(H, I, dtype=torch.float32)},
+         "sample_wgrad_expert dtype"),
+        ({"sample_wgrad": w, "sample_sfa": torch.ones(1)}, "sample_sfa must be None"),
+        ({"sample_wgrad": w, "sample_global_scale_b": torch.ones(1)},
+         "sample_global_scale_b must be None"),
+        ({"sample_wgrad": w[:, :, :32]}, "sample_wgrad must have shape"),
+        ({"sample_wgrad": w, "input_order": "x"}, "input_order"),
+    ]
+    for kwargs, regex in bad:
+        sfa = kwargs.pop("sample_sfa", None)
+        op = cls(a, b, sfa, None, off, **kwargs)
+        with pytest.raises(ValueError, match=regex):
+            op.check_support()
+    op = cls(a, b, None, None, torch.tensor([256, 0, 768], dtype=torch.int32), sample_wgrad=w)
+    with pytest.raises(ValueError, match="sample_offsets must be a non-decreasing"):
+        op.check_support()
+    # validate_offsets=False: the sample values are not read, statics still are
+    op = cls(a, b, None, None, torch.tensor([256, 0, 768], dtype=torch.int32), sample_wgrad=w,
+             validate_offsets=False)
+    assert op.check_support()
+
+
+def test_execute_checks_call_against_contract(fake_device):
+    a, b, off = _operands(COUNTS)
+    w = torch.empty(3, H, I, dtype=torch.bfloat16)
+    op = api.GroupedGemmWgradSm90(a, b, None, None, off, sample_wgrad=w)
+    op.compile()
+    a2, b2, off2 = _operands([64, 64, 64], a_major="k")
+    with pytest.raises(ValueError, match="a_major of this call"):
+        op.execute(a2, b2, None, None, off2, wgrad_tensor=w)
+    a3, b3, off3 = _operands([8, 8, 8], hidden=64)
+    with pytest.raises(ValueError, match="hidden of this call"):
+        op.execute(a3, b3, None, None, off3, wgrad_tensor=torch.empty(3, 64, I))
+    with pytest.raises(ValueError, match="differs from the compiled wgrad_dtype"):
+        op.execute(a, b, None, None, off, wgrad_tensor=w.float())
+    with pytest.raises(ValueError, match="wgrad_tensor is required"):
+        op.execute(a, b, None, None, off)
+    with pytest.raises(ValueError, match="sfa_tensor must be None"):
+        op.execute(a, b, torch.ones(1), None, off, wgrad_tensor=w)
+    with pytest.raises(ValueError, match="last offset"):
+        op.execute(a, b, None, None, torch.tensor([1, 2, 3], dtype=torch.int32), wgrad_tensor=w)
+    assert fake_device.launches == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Compile cache: the key holds the static contract only; new splits never recompile
+# ------------------------------------------------------------------------------------------------
+
+
+def test_contract_excludes_tokens():
+    names = {f.name for f in dataclasses.fields(api.WgradContract)}
+    assert not names & {"tokens_sum", "offsets", "splits", "tokens_hint"}
+    assert {"hidden", "intermediate", "num_experts", "a_major", "b_major", "out_dtype",
+            "output_mode", "accumulate", "input_order"} <= names
+
+
+def test_wrapper_compiles_once_per_static_contract(fake_device):
+    splits = [[8, 0, 16], [0, 0, 0], [100, 3, 0], [1, 1, 1000], [0, 256, 0]]
+    for counts in splits:
+        a, b, off = _operands(counts, seed=sum(counts))
+        (w,) = api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off)
+        _assert_close(w, _ref64(a, b, off), torch.bfloat16)
+    assert len(fake_device.compiles) == 1
+    assert fake_device.launches == len(splits)
+    a, b, off = _operands([8, 0, 16])
+    api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off, wgrad_dtype=torch.float32)
+    api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off, accumulate_on_output=True)
+    a, b, off = _operands([8, 0, 16], a_major="k", b_major="k")
+    api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off)
+    api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off, output_mode="discrete")
+    keys = fake_device.compiles
+    assert len(keys) == 5 and len(set(keys)) == 5
+
+
+def test_class_instances_share_the_compiled_kernel(fake_device):
+    a, b, off = _operands([8, 0, 16])
+    w = torch.empty(3, H, I, dtype=torch.bfloat16)
+    op1 = api.GroupedGemmWgradSm90(a, b, None, None, off, sample_wgrad=w)
+    op1.compile()
+    a2, b2, off2 = _operands([500, 7, 0], seed=3)
+    op2 = api.GroupedGemmWgradSm90(a2, b2, None, None, off2, sample_wgrad=w)
+    op2.compile()
+    assert len(fake_device.compiles) == 1
+    for counts in ([0, 0, 40], [13, 27, 0]):
+        a3, b3, off3 = _operands(counts, seed=5)
+        op1.execute(a3, b3, None, None, off3, wgrad_tensor=w)
+        _assert_close(w, _ref64(a3, b3, off3), torch.bfloat16)
+    assert len(fake_device.compiles) == 1
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("yaml") is None, reason="sm90_bf16 tile configs need pyyaml"
+)
+def test_sm90_key_is_static():
+    """The Sm90WgradKey built for the kernel (no CuTe DSL import) ignores the split."""
+    c = api.WgradContract(
+        arch="sm90", hidden=256, intermediate=512, num_experts=8, a_major="m", b_major="n",
+        out_dtype="float32", output_mode="dense", accumulate=True, input_order="tensor2d",
+        mma_tiler_mn=None, cluster_shape_mn=None,
+    )
+    key = api._sm90_key(c)
+    assert key == api._sm90_key(dataclasses.replace(c))
+    assert (key.hidden, key.intermediate, key.num_experts) == (256, 512, 8)
+    assert key.out_dtype == "float32" and key.accumulate is True
+    key2 = api._sm90_key(dataclasses.replace(c, mma_tiler_mn=(64, 128)))
+    assert (key2.tile.tile_m, key2.tile.tile_n) == (64, 128)
+
+
+# ------------------------------------------------------------------------------------------------
+# Values through the wrappers (fake launcher = torch twin): dense, discrete, accumulate
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("majors", [("m", "n"), ("k", "k"), ("k", "n"), ("m", "k")])
+def test_wrapper_dense_values(out_dtype, majors, fake_device):
+    a, b, off = _operands([40, 0, 88, 0, 8], *majors)
+    w = torch.full((5, H, I), float("nan"), dtype=out_dtype)
+    r = api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off, wgrad_tensor=w)
+    assert len(r) == 1 and r["wgrad_tensor"] is w
+    _assert_close(w, _ref64(a, b, off), out_dtype)
+    assert torch.all(w[1] == 0) and torch.all(w[3] == 0)
+
+
+def test_wrapper_discrete_values(fake_device):
+    a, b, off = _operands([16, 0, 48])
+    ref = _ref64(a, b, off)
+    # wrapper-allocated stacked output, passed to the kernel as per-expert addresses
+    (w,) = api.grouped_gemm_wgrad_wrapper_sm90(
+        a, b, None, None, off, output_mode="discrete", wgrad_dtype=torch.float32
+    )
+    assert w.shape == (3, H, I) and w.dtype == torch.float32
+    _assert_close(w, ref, torch.float32)
+    # caller-owned outputs behind wgrad_ptrs: the result holds None
+    outs = [torch.full((H, I), float("nan"), dtype=torch.bfloat16) for _ in range(3)]
+    ptrs = torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64)
+    r = api.grouped_gemm_wgrad_wrapper_sm90(
+        a, b, None, None, off, output_mode="discrete", wgrad_ptrs=ptrs
+    )
+    assert r["wgrad_tensor"] is None and len(r) == 1
+    _assert_close(torch.stack(outs), ref, torch.bfloat16)
+    assert torch.all(outs[1] == 0)
+    # the class with discrete descriptors
+    op = api.GroupedGemmWgradSm90(
+        a, b, None, None, off, num_experts=3, wgrad_shape=(H, I), wgrad_dtype=torch.bfloat16,
+        sample_wgrad_expert=outs[0],
+    )
+    op.compile()
+    with pytest.raises(ValueError, match="wgrad_ptrs is required"):
+        op.execute(a, b, None, None, off)
+    with pytest.raises(ValueError, match="wgrad_tensor must be None for a discrete"):
+        op.execute(a, b, None, None, off, wgrad_tensor=torch.stack(outs))
+    for o in outs:
+        o.fill_(float("nan"))
+    op.execute(a, b, None, None, off, wgrad_ptrs=ptrs)
+    _assert_close(torch.stack(outs), ref, torch.bfloat16)
+
+
+def test_wrapper_accumulate_256_plus_1(fake_device):
+    """FP32 accumulation into the output: 256 + 1 == 257 (a BF16 round trip would give 256)."""
+    a = torch.ones(H, 8, dtype=torch.bfloat16)
+    b = torch.zeros(8, I, dtype=torch.bfloat16)
+    b[0] = 1.0  # one token, product 1 everywhere for expert 0
+    off = torch.tensor([8, 8], dtype=torch.int32)  # expert 1 empty
+    w = torch.full((2, H, I), 256.0, dtype=torch.float32)
+    api.grouped_gemm_wgrad_wrapper_sm90(
+        a, b, None, None, off, wgrad_tensor=w, accumulate_on_output=True
+    )
+    assert torch.all(w[0] == 257.0) and torch.all(w[1] == 256.0)  # empty expert untouched
+    # wrapper-allocated outputs start at zero when accumulating
+    (w2,) = api.grouped_gemm_wgrad_wrapper_sm90(
+        a, b, None, None, off, accumulate_on_output=True, wgrad_dtype=torch.float32
+    )
+    assert torch.all(w2[0] == 1.0) and torch.all(w2[1] == 0.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Device dispatch and the torch fallback (CPU)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_dispatch_picks_torch_on_cpu():
+    name, reason = api.select_grouped_wgrad_backend("cpu")
+    assert name == "torch" and "not a CUDA device" in reason
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [[5, 0, 17, 0, 0, 300], [0, 0, 0, 64], [64, 0, 0, 0], [1] * 8, [0, 0, 0], [256, 512]],
+    ids=["uneven", "leading-empty", "trailing-empty", "ones", "all-empty", "aligned"],
+)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_grouped_gemm_wgrad_torch_fallback(counts, out_dtype):
+    a, b, off = _operands(counts, "k" if sum(counts) % 2 else "m", "n")
+    w = torch.full((len(counts), H, I), float("nan"), dtype=out_dtype)
+    r = cuda_kernels.grouped_gemm_wgrad(a, b, off, wgrad_tensor=w)
+    assert r["wgrad_tensor"] is w
+    ref = _ref64(a, b, off)
+    _assert_close(w, ref, out_dtype)
+    for e, n in enumerate(counts):
+        if n == 0:
+            assert torch.all(w[e] == 0)
+
+
+def test_grouped_gemm_wgrad_rules_on_cpu():
+    a, b, off = _operands([3, 5])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        cuda_kernels.grouped_gemm_wgrad(a, b, off, backend="cuda")
+    with pytest.raises(ValueError, match="last offset"):
+        cuda_kernels.grouped_gemm_wgrad(a, b, torch.tensor([3, 7], dtype=torch.int32))
+    with pytest.raises(ValueError, match="wgrad_ptrs: the torch fallback"):
+        cuda_kernels.grouped_gemm_wgrad(
+            a, b, off, output_mode="discrete", wgrad_ptrs=torch.zeros(2, dtype=torch.int64)
+        )
+    with pytest.raises(ValueError, match="a_tensor.*bfloat16"):
+        cuda_kernels.grouped_gemm_wgrad(a.float(), b, off)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            cuda_kernels.grouped_gemm_wgrad(a, b, off, backend="sm90")
+    (w,) = cuda_kernels.grouped_gemm_wgrad(a, b, off, output_mode="discrete")
+    _assert_close(w, _ref64(a, b, off), torch.bfloat16)
+
+
+def test_grouped_gemm_wgrad_fallback_accumulate():
+    a, b, off = _operands([4, 0, 12])
+    w0 = torch.randn(3, H, I)
+    w = w0.clone()
+    cuda_kernels.grouped_gemm_wgrad(a, b, off, wgrad_tensor=w, accumulate_on_output=True)
+    _assert_close(w, _ref64(a, b, off) + w0.double(), torch.float32)
+    assert torch.equal(w[1], w0[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# The torch twin itself
+# ------------------------------------------------------------------------------------------------
+
+
+def test_torch_twin_never_reads_past_last_offset():
+    a, b, off = _operands([3, 0, 9])
+    a_pad = torch.full((H, 24), float("nan"), dtype=torch.bfloat16)
+    b_pad = torch.full((24, I), float("nan"), dtype=torch.bfloat16)
+    a_pad[:, :12] = a
+    b_pad[:12] = b
+    for use_grouped_mm in (False, True):
+        out = grouped_wgrad_torch(a_pad, b_pad, off, use_grouped_mm=use_grouped_mm,
+                                  out_dtype=torch.bfloat16)
+        assert not out.isnan().any()
+        _assert_close(out, _ref64(a, b, off), torch.bfloat16)
+    out = grouped_wgrad_torch(a_pad, b_pad, off)  # default: fp32 output
+    assert out.dtype == torch.float32
+    _assert_close(out, _ref64(a, b, off), torch.float32)
+
+
+def test_torch_twin_all_empty_and_accumulate():
+    a = torch.empty(H, 0, dtype=torch.bfloat16)
+    b = torch.empty(0, I, dtype=torch.bfloat16)
+    off = torch.zeros(4, dtype=torch.int32)
+    out = grouped_wgrad_torch(a, b, off, out=torch.full((4, H, I), float("nan")))
+    assert torch.all(out == 0)
+    keep = torch.full((4, H, I), 3.0)
+    grouped_wgrad_torch(a, b, off, out=keep, accumulate=True)
+    assert torch.all(keep == 3.0)
+    # 256 + 1 == 257 in fp32, and a BF16 output rounds the fp32 sum once
+    a1 = torch.ones(H, 1, dtype=torch.bfloat16)
+    b1 = torch.ones(1, I, dtype=torch.bfloat16)
+    off1 = torch.tensor([1], dtype=torch.int32)
+    acc = torch.full((1, H, I), 256.0)
+    grouped_wgrad_torch(a1, b1, off1, out=acc, accumulate=True)
+    assert torch.all(acc == 257.0)
+
+
+def test_torch_twin_ragged_order():
+    """tensor_ragged: K-major operands stored as per-expert contiguous blocks."""
+    counts = [3, 0, 5, 2]
+    s = sum(counts)
+    g = torch.Generator().manual_seed(1)
+    blocks_a = [torch.randn(H, n, generator=g).to(torch.bfloat16) for n in counts]
+    blocks_b = [torch.randn(I, n, generator=g).to(torch.bfloat16) for n in counts]
+    flat_a = torch.cat([x.reshape(-1) for x in blocks_a])
+    flat_b = torch.cat([x.reshape(-1) for x in blocks_b])
+    a_ragged = flat_a.as_strided((H, s), (s, 1))  # declared K-major; only unit stride matters
+    b_ragged = flat_b.as_strided((s, I), (1, s))
+    off = _offsets(counts)
+    a2d = torch.cat(blocks_a, 1)
+    b2d = torch.cat(blocks_b, 1).t()
+    out = grouped_wgrad_torch(a_ragged, b_ragged, off, input_order="tensor_ragged")
+    _assert_close(out, _ref64(a2d, b2d, off), torch.float32)
+    (w,) = cuda_kernels.grouped_gemm_wgrad(
+        a_ragged, b_ragged, off, input_order="tensor_ragged", wgrad_dtype=torch.float32
+    )
+    _assert_close(w, _ref64(a2d, b2d, off), torch.float32)
+
+
+def test_torch_twin_errors():
+    a, b, off = _operands([4, 4])
+    with pytest.raises(ValueError, match="accumulate=True needs"):
+        grouped_wgrad_torch(a, b, off, accumulate=True)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        grouped_wgrad_torch(a, b, torch.tensor([6, 2]))
+    with pytest.raises(ValueError, match="exceeds tokens_sum"):
+        grouped_wgrad_torch(a, b, torch.tensor([4, 9]))
+    with pytest.raises(ValueError, match="token dims"):
+        grouped_wgrad_torch(a, b[:-1], off)
+    with pytest.raises(ValueError, match="out must have shape"):
+        grouped_wgrad_torch(a, b, off, out=torch.zeros(3, H, I))
+    with pytest.raises(ValueError, match="input_order"):
+        grouped_wgrad_torch(a, b, off, input_order="ragged")
+
+
+# ------------------------------------------------------------------------------------------------
+# Dispatcher backends
+# ------------------------------------------------------------------------------------------------
+
+
+def test_backends_registered_with_reasons():
+    dispatch = pytest.importorskip("common.dispatch")
+    import cuda_kernels.backend as backend_mod
+
+    reg = dispatch.registered_backends()
+    assert {"cuda-sm90", "cuda-sm100"} <= set(reg)
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in reg["cuda-sm90"].check()
+        assert "no CUDA device" in reg["cuda-sm100"].check()
+        with pytest.raises(RuntimeError, match="cuda-sm90.*no CUDA device"):
+            dispatch.resolve_backend("cuda-sm90", "cpu")
+    assert backend_mod.check_cuda_sm90 is reg["cuda-sm90"].check
+
+
+def test_backend_run_uses_kernel_path(fake_device):
+    """cuda-sm90's run = torch backward with its wgrad through the API (fake kernel on CPU)."""
+    pytest.importorskip("common.torch_backward")
+    inputs = pytest.importorskip("common.inputs")
+    from common.dispatch import registered_backends
+
+    problem = inputs.make_problem(48, 128, 64, 4, 2, seed=3)
+    reg = registered_backends()
+    grads = reg["cuda-sm90"].run(problem)
+    ref = reg["torch"].run(problem)
+    assert grads.info["wgrad_calls"] == {"kernel": 2}
+    for name in ("w_gate_up_grad_EH2I", "w_down_grad_EIH", "hidden_states_grad_TH"):
+        got, want = getattr(grads, name), getattr(ref, name)
+        scale = max(want.abs().max().item(), 1e-6)
+        assert (got - want).abs().max().item() / scale < 2e-2, name
+    # a shape outside the SM90 tile rules runs the torch twin per call, and says why
+    small = inputs.make_problem(16, 32, 16, 2, 1, seed=4)
+    g2 = reg["cuda-sm90"].run(small)
+    assert g2.info["wgrad_calls"]["torch"] == 2 and "tiling" in g2.info["wgrad_calls"][
+        "torch_reason"
+    ]
+
+
+def test_grouped_wgrad_fp32_on_cpu():
+    a, b, off = _operands([7, 0, 9])
+    stats = {}
+    out = api.grouped_wgrad_fp32(a, b, off.long(), stats=stats)
+    assert out.dtype == torch.float32 and stats["torch"] == 1
+    _assert_close(out, _ref64(a, b, off), torch.float32)

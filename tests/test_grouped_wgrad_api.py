@@ -821,3 +821,51 @@ def test_grouped_wgrad_fp32_on_cpu():
     out = api.grouped_wgrad_fp32(a, b, off.long(), stats=stats)
     assert out.dtype == torch.float32 and stats["torch"] == 1
     _assert_close(out, _ref64(a, b, off), torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# JAX entry (eager, DLPack); skipped without JAX
+# ------------------------------------------------------------------------------------------------
+
+
+def test_jax_eager_entry():
+    jnp = pytest.importorskip("jax.numpy")
+    from cuda_kernels.grouped_wgrad import jax as wgrad_jax
+
+    a_t, b_t, off_t = _operands([8, 0, 16], a_major="k", b_major="n")
+    a = jnp.asarray(a_t.float().numpy(), dtype=jnp.bfloat16)
+    b = jnp.asarray(b_t.float().numpy(), dtype=jnp.bfloat16)
+    off = jnp.asarray(off_t.numpy())
+    ref = _ref64(a_t, b_t, off_t)
+    r = wgrad_jax.grouped_gemm_wgrad_jax(a, b, off, wgrad_dtype=jnp.float32)
+    (w,) = r
+    assert len(r) == 1 and w.dtype == jnp.float32 and w.shape == (3, H, I)
+    _assert_close(torch.from_dlpack(w), ref, torch.float32)
+    # accumulate starts from wgrad's values and never mutates the input array
+    w0 = jnp.ones((3, H, I), dtype=jnp.float32)
+    (w2,) = wgrad_jax.grouped_gemm_wgrad_jax(a, b, off, wgrad=w0, accumulate_on_output=True)
+    got = torch.from_dlpack(w2)
+    _assert_close(got, ref + 1.0, torch.float32)
+    assert float(w0.sum()) == 3 * H * I
+    with pytest.raises(ValueError, match="offsets_tensor.*last offset"):
+        wgrad_jax.grouped_gemm_wgrad_jax(a, b, jnp.asarray([8, 8, 8], dtype=jnp.int32))
+    with pytest.raises(ValueError, match="wgrad_dtype"):
+        wgrad_jax.grouped_gemm_wgrad_jax(a, b, off, wgrad_dtype="int8")
+    with pytest.raises(ValueError, match="a must be a JAX array"):
+        wgrad_jax.grouped_gemm_wgrad_jax([1], b, off)
+    with pytest.raises(RuntimeError, match="not built"):
+        wgrad_jax.grouped_gemm_wgrad_jax_sm100(a, b, off)
+
+
+def test_jax_module_imports_without_jax():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['jax'] = None\n"
+        "import cuda_kernels.grouped_wgrad.jax as m\n"
+        "try:\n    m.grouped_gemm_wgrad_jax(None, None, None)\n"
+        "except RuntimeError as e:\n    print('needs JAX' in str(e))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"

@@ -36,7 +36,9 @@ inside ``compile()``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import threading
@@ -225,6 +227,7 @@ def _capturing(device: torch.device) -> bool:
     )
 
 
+@functools.cache
 def _cutlass_dsl_missing() -> str | None:
     """Why the CuTe DSL cannot be used, or None."""
     if importlib.util.find_spec("cutlass") is None:
@@ -235,6 +238,7 @@ def _cutlass_dsl_missing() -> str | None:
     return None
 
 
+@functools.cache
 def _sm100_module():
     """The SM100 BF16 kernel module if it is built, else None."""
     try:
@@ -690,7 +694,7 @@ class _GroupedGemmWgradBase:
         sample_global_scale_a: torch.Tensor | None = None,
         sample_global_scale_b: torch.Tensor | None = None,
         acc_dtype: torch.dtype = torch.float32,
-        mma_tiler_mn: tuple[int, int] | None | str = "default",
+        mma_tiler_mn: tuple[int, int] | None = None,
         cluster_shape_mn: tuple[int, int] | None = None,
         sf_vec_size: int = 16,
         accumulate_on_output: bool = False,
@@ -711,7 +715,7 @@ class _GroupedGemmWgradBase:
                 f"{self._NAME}: give sample_wgrad (dense output) or num_experts + wgrad_shape + "
                 "wgrad_dtype (+ optional sample_wgrad_expert) for discrete output, not both"
             )
-        if mma_tiler_mn == "default":
+        if mma_tiler_mn is None:
             mma_tiler_mn = self._DEFAULT_TILER
         self._samples = {
             "a": sample_a, "b": sample_b, "offsets": sample_offsets, "wgrad": sample_wgrad,
@@ -1085,7 +1089,9 @@ def _wrapper(
         sf_vec_size, acc_dtype,
     )
     input_order = _check_input_order(input_order)
-    tiler, cluster = _check_tiling(arch, mma_tiler_mn, cluster_shape_mn)
+    tiler, cluster = _check_tiling(
+        arch, cls._DEFAULT_TILER if mma_tiler_mn is None else mma_tiler_mn, cluster_shape_mn
+    )
     hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
         arch, a_tensor, b_tensor, offsets_tensor, ("a_tensor", "b_tensor", "offsets_tensor")
     )
@@ -1148,19 +1154,28 @@ def _wrapper(
         with _CACHE_LOCK:
             _OP_CACHE[(contracts[0], str(device))] = op
 
-    # 3. Outputs, then the launch.
-    if wgrad_tensor is None and wgrad_ptrs is None:
-        alloc = torch.zeros if accumulate_on_output else torch.empty
-        wgrad_tensor = alloc(
-            (num_experts, hidden, inter), dtype=_NAME_TO_DTYPE[out_name], device=device
-        )
-    if output_mode == "dense":
-        out = wgrad_tensor
-    elif wgrad_ptrs is not None:
-        out = wgrad_ptrs
-    else:
-        out = _stacked_pointers(wgrad_tensor)
-    op._launch(a_tensor, b_tensor, offsets_tensor, out, current_stream, pointers=wgrad_ptrs)
+    # 3. Outputs (allocated on the launch stream), then the launch.
+    alloc_ctx = (
+        torch.cuda.stream(_torch_stream(current_stream, device))
+        if current_stream is not None and device.type == "cuda"
+        else contextlib.nullcontext()
+    )
+    with alloc_ctx:
+        if wgrad_tensor is None and wgrad_ptrs is None:
+            alloc = torch.zeros if accumulate_on_output else torch.empty
+            wgrad_tensor = alloc(
+                (num_experts, hidden, inter), dtype=_NAME_TO_DTYPE[out_name], device=device
+            )
+        if output_mode == "dense":
+            out = wgrad_tensor
+        elif wgrad_ptrs is not None:
+            out = wgrad_ptrs
+        else:
+            out = _stacked_pointers(wgrad_tensor)
+    op._launch(
+        a_tensor, b_tensor, offsets_tensor, out, current_stream,
+        pointers=out if output_mode == "discrete" else None,
+    )
     return TupleDict(wgrad_tensor=wgrad_tensor if wgrad_ptrs is None else None)
 
 

@@ -869,3 +869,17 @@ def test_jax_module_imports_without_jax():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl")
+def test_api_contract_compiles_offline_for_sm90a():
+    """Integration: the key the API builds compiles with the SM90 kernel for sm_90a (no GPU)."""
+    from cuda_kernels.grouped_wgrad import sm90_bf16
+
+    c = api.WgradContract(
+        arch="sm90", hidden=256, intermediate=128, num_experts=4, a_major="k", b_major="k",
+        out_dtype="float32", output_mode="discrete", accumulate=True,
+        input_order="tensor2d", mma_tiler_mn=None, cluster_shape_mn=None,
+    )
+    ptx = sm90_bf16.compile_sm90_wgrad_offline(api._sm90_key(c), arch="sm_90a")
+    assert "wgmma.mma_async" in ptx

@@ -1,0 +1,887 @@
+"""``blockwise_mm_bwd_mxfp8``: the four-phase NKI MXFP8 backward of a blockwise MoE expert MLP.
+
+Written against the public NKI API (``nki``, ``nki.language as nl``, ``nki.isa as nisa``; the
+subset in NKI_API.md), imported through :mod:`nki_kernels._nki`, so the same source runs on our
+CPU interpreter and, unchanged in its instruction calls, on Trainium3. The entry has the seed's
+exact signature (``seeds/blockwise_mm_bwd_mxfp8.rst``) plus ``accumulation_dtype``.
+
+Dimensions: T tokens (rows of ``hidden_states``, with the zero padding row when padding ids are
+T), H hidden, I = I_TP intermediate, E experts, B block_size, N blocks, S LNC shards (1 or 2).
+
+Per block n of expert e = ``block_to_expert[n]`` (REFERENCE §2-§3; each phase one function):
+
+* prologue: the block's token ids, a per-slot valid mask, affinity gather (indirect DMA at
+  ``t*E + e``), gather of the token rows of X and dY (indirect DMA, ``oob_mode.skip`` when
+  ``skip_dma.skip_token``), and the checkpoint slots (indirect DMA that skips padding slots, so
+  garbage in a padding slot of the checkpoint never reaches a gradient).
+* phase1: ``dh_raw[B, I] = dY_blk @ W_down[e]^T`` (MX along H), SwiGLU backward with clamp masks,
+  ``dA[t, e] = <dh_raw, h>``, ``d_gate_up = (dg || du)`` and ``alpha*h`` in BF16.
+* phase2: ``dX_blk[B, H] = d_gate_up @ W_gate_up[e]^T`` (MX along 2I), scattered into dX rows
+  (read-add-write when ``is_tensor_update_accumulating``).
+* phase3: ``dW_gate_up[e] += X_blk^T @ d_gate_up`` (MX along B), plus the gate/up bias gradient.
+* phase4: ``dW_down[e] += (alpha*h)^T @ dY_blk`` (MX along B), plus the down bias gradient.
+
+On-chip layouts (all MX groups follow Trainium's WRAPX layout, NKI_API.md §4.6):
+
+* "slot layout" for per-slot data: ``vs = min(B, 512) / 4`` partitions, slot ``s = l*vs + p``
+  at partition p, lane l (``l < B / vs``); a feature tile is ``[vs, B/512 (tiles), F, 4]`` with
+  lane ``l = 4*tile + i`` in the innermost position, which is exactly ``quantize_mx``'s input for
+  a contraction over the block's slots (phases 3 and 4): one MX group = 8 partitions x 4 lanes =
+  slots ``{tile*512 + i*vs + 8g + j}``, the WRAPX groups along B.
+* "K-major" tiles for a contraction over H (phase 1) or 2I (phase 2): per WRAPX K tile of width
+  TK at k0, ``[TK/4, F, 4]`` with element (p, f, i) = row ``k0 + i*TK/4 + p`` of the K axis. The
+  weights arrive in it by strided DMA; dY and d_gate_up by TensorE transposes from slot layout.
+
+Numerics: every MX operand is quantized on chip with ``nisa.quantize_mx`` (E4M3, Trainium's scale
+rule) and multiplied by ``nisa.nc_matmul_mx`` into fp32 PSUM; elementwise math in fp32 with one
+rounding per instruction; BF16 at the points :mod:`nki_kernels.blockwise_mm_bwd_mxfp8_torch` (the
+golden twin) rounds. Accumulation across blocks: ``accumulation_dtype=None`` reads, adds and
+writes BF16 in HBM per block, as AWS's kernel; ``nl.float32`` keeps fp32 accumulators in an HBM
+scratch and rounds once at the end.
+
+Phase configs (:class:`~nki_kernels.config.MatmulMxfp8KernelConfig`) and what they change here,
+all by fp32 summation order at most (the MX groups never depend on them): ``tile_k`` = K elements
+per ``nc_matmul_mx`` (``tile_k/4`` partitions); ``tile_m`` = stationary columns per instruction;
+``tile_n`` = moving columns per instruction and PSUM tile (capped at 2048 fp32 = 4 PSUM banks);
+``TILES_IN_BLOCK_N`` x ``tile_n`` = moving columns resident in SBUF per weight load;
+``enable_psum_copy_in=False`` with ``TILES_IN_BLOCK_K`` = K tiles accumulated in PSUM before the
+partial is folded into an fp32 SBUF accumulator (with copy-in, PSUM keeps accumulating, which is
+numerically what AWS's copy-in does). The stationary/moving roles per phase: phase1 (slots x I),
+phase2 (slots x H), phase3 (H x 2I), phase4 (I x H) as (stationary, moving) columns.
+
+Beyond AWS: blocks that hold only padding cost nothing. The kernel counts the block's valid slots
+on chip (one TensorE reduction of the valid mask) and runs the block body inside a dynamic loop
+of 0 or 1 iterations (``nl.dynamic_range`` over a register loaded with the flag); without
+``nl.dynamic_range`` in the NKI build at hand, every block runs (results are the same: a padding
+block adds exact zeros).
+
+LNC2 (SHARD_ON_FREE): core c computes phase 1 for its half of I (dA partial sums exchanged with
+``sendrecv``; d_gate_up and alpha*h halves exchanged through a shared-HBM scratch and
+``core_barrier``) and phases 2-4 for its half of H; each output element is written by one core.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from nki_kernels._nki import nki, nisa, nl, region
+from nki_kernels.config import (
+    ActFnType,
+    AffinityOption,
+    ClampLimits,
+    MatmulMxfp8KernelConfig,
+    ShardOption,
+    SkipMode,
+)
+from nki_kernels.validation import validate_blockwise_mm_bwd_args
+
+__all__ = ["blockwise_mm_bwd_mxfp8"]
+
+float8_e4m3fn_x4 = nl.float8_e4m3fn_x4
+
+PMAX = 128  # partitions
+WRAPX_TILE = 512  # K elements of one full WRAPX tile (128 partitions x 4 lanes)
+PSUM_TILE_MAX_N = 2048  # fp32 columns of one PSUM tile (4 of the 8 banks)
+ZERO_TILE_COLS = 2048  # free size of the zero tile used to clear HBM outputs
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _k_tiles(K: int) -> list:
+    """WRAPX K tiles ``(k0, TK)``: 512-wide from the start, then a 256 and a 128 remainder."""
+    tiles = [(k0, WRAPX_TILE) for k0 in range(0, K - K % WRAPX_TILE, WRAPX_TILE)]
+    k0 = K - K % WRAPX_TILE
+    for width in (256, 128):
+        if K - k0 >= width:
+            tiles.append((k0, width))
+            k0 += width
+    return tiles
+
+
+def _dt_name(dtype) -> str:
+    return str(dtype).replace("torch.", "").replace("numpy.", "")
+
+
+class _Geo:
+    """Static geometry of one launch (plain Python values, resolved at trace time)."""
+
+    def __init__(self, T, H, I, E, N, B, shard, num_shards):
+        self.T, self.H, self.I, self.E, self.N, self.B = T, H, I, E, N, B
+        self.vs = min(B, WRAPX_TILE) // 4  # partitions of the slot layout
+        self.NL = B // self.vs  # lanes (4 or 8)
+        self.NKT = self.NL // 4  # WRAPX tiles along B (1 or 2)
+        self.shard, self.S = shard, num_shards
+        self.Is, self.Hs = I // num_shards, H // num_shards  # this core's share of I and H
+        self.I0, self.H0 = shard * self.Is, shard * self.Hs
+
+
+class _Tiling:
+    """Instruction tiling of one phase from its resolved MatmulMxfp8KernelConfig."""
+
+    def __init__(self, cfg: MatmulMxfp8KernelConfig):
+        self.p_mm = cfg.tile_k // 4
+        self.tm = cfg.tile_m
+        self.tn = min(cfg.tile_n, PSUM_TILE_MAX_N)
+        self.n_block = self.tn * (cfg.TILES_IN_BLOCK_N or 1)
+        self.fold_k = None if cfg.enable_psum_copy_in else (cfg.TILES_IN_BLOCK_K or 1)
+
+
+def _quantize_k_major(src, vsk: int, F: int):
+    """quantize_mx of a K-major BF16 tile ``[vsk, F, 4]`` -> (x4 data [vsk, F], scales [vsk, F])."""
+    q = nl.ndarray((vsk, F), dtype=float8_e4m3fn_x4, buffer=nl.sbuf)
+    s = nl.ndarray((vsk, F), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.quantize_mx(dst=q, src=src.reshape((vsk, F * 4)), dst_scale=s)
+    return q, s
+
+
+def _quantize_slots(src_w, g: _Geo, F: int):
+    """Quantize a slot-layout tile ``[vs, NKT, F, 4]`` along the block's slots (phases 3/4).
+
+    Returns a list over the B-direction WRAPX tiles of (x4 data [vs, F], scales [vs, F], vs).
+    """
+    out = []
+    for kt in range(g.NKT):
+        q, s = _quantize_k_major(src_w[:, kt, :, :], g.vs, F)
+        out.append((q, s, g.vs))
+    return out
+
+
+def _k_major_from_slots(src_w, g: _Geo, K: int):
+    """TensorE-transpose a slot-layout BF16 tile ``[vs, NKT, K, 4]`` into K-major MX operands.
+
+    For every WRAPX K tile (k0, TK) of the K axis: ``t[p, j, i] = src[slot j, k0 + i*TK/4 + p]``,
+    built by ``nc_transpose`` of ``[vs, TK/4]`` slabs into one PSUM tile per (tile, i), then one
+    copy to SBUF; then quantize. Returns a list of (x4 data [TK/4, B], scales [TK/4, B], TK/4).
+    """
+    out = []
+    for k0, TK in _k_tiles(K):
+        vsk = TK // 4
+        t = nl.ndarray((vsk, g.B, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
+        for i in range(4):
+            c0 = k0 + i * vsk
+            ps = nl.ndarray((vsk, g.B), dtype=nl.bfloat16, buffer=nl.psum)
+            for lane in range(g.NL):
+                kt, li = divmod(lane, 4)
+                nisa.nc_transpose(
+                    dst=ps[:, lane * g.vs : (lane + 1) * g.vs],
+                    data=src_w[:, kt, c0 : c0 + vsk, li],
+                )
+            nisa.tensor_copy(dst=t[:, :, i], src=ps)
+        q, s = _quantize_k_major(t, vsk, g.B)
+        out.append((q, s, vsk))
+    return out
+
+
+def _load_weight_k_major(w_hbm, e_sb, K: int, row_stride: int, col_stride: int, c0: int,
+                         ncols: int):
+    """Strided DMA of one expert's weight into K-major tiles and quantize (weights of phase 1/2).
+
+    Element (p, f, i) of the tile for WRAPX K tile (k0, TK) is the weight at
+    ``k = k0 + i*TK/4 + p`` along the contraction axis (stride ``row_stride``) and column
+    ``c0 + f`` (stride ``col_stride``); the expert is a runtime ``scalar_offset``.
+    Returns a list of (x4 data [TK/4, ncols], scales, TK/4).
+    """
+    out = []
+    for k0, TK in _k_tiles(K):
+        vsk = TK // 4
+        t = nl.ndarray((vsk, ncols, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
+        src = w_hbm.ap(
+            pattern=[[row_stride, vsk], [col_stride, ncols], [row_stride * vsk, 4]],
+            offset=k0 * row_stride + c0 * col_stride,
+            scalar_offset=e_sb,
+            indirect_dim=0,
+        )
+        nisa.dma_copy(dst=t, src=src)
+        out.append(_quantize_k_major(t, vsk, ncols) + (vsk,))
+    return out
+
+
+def _matmul_mx(lhs, rhs, m0: int, M: int, n0: int, N: int, tl: _Tiling, dst_rows: int,
+               row0: int = 0):
+    """Sum over K tiles of ``lhs[:, m0:m0+M]^T @ rhs[:, n0:n0+N]`` into a fresh fp32 PSUM tile.
+
+    ``lhs``/``rhs``: lists of (x4 data, scales, partitions) per WRAPX K tile, K on partitions.
+    The result rows land at partitions ``row0 .. row0+M`` of a ``[dst_rows, N]`` tile (so the
+    rows line up with slot-layout tiles). Returns the PSUM tile, or an fp32 SBUF tile when the
+    config folds PSUM partials (``enable_psum_copy_in=False``).
+    """
+    ps = nl.ndarray((dst_rows, N), dtype=nl.float32, buffer=nl.psum)
+    acc = None
+    steps = 0
+    for (lq, ls, vsk), (rq, rs, _) in zip(lhs, rhs):
+        step = min(tl.p_mm, vsk)
+        for pk in range(0, vsk, step):
+            if tl.fold_k is not None and steps and steps % tl.fold_k == 0:
+                acc = _fold(acc, ps, dst_rows, N, row0, M)
+                ps = nl.ndarray((dst_rows, N), dtype=nl.float32, buffer=nl.psum)
+            nisa.nc_matmul_mx(
+                dst=ps[row0 : row0 + M, :],
+                stationary=lq[pk : pk + step, m0 : m0 + M],
+                moving=rq[pk : pk + step, n0 : n0 + N],
+                stationary_scale=ls[pk : pk + step, m0 : m0 + M],
+                moving_scale=rs[pk : pk + step, n0 : n0 + N],
+            )
+            steps += 1
+    if acc is not None:
+        return _fold(acc, ps, dst_rows, N, row0, M)
+    return ps
+
+
+def _fold(acc, ps, rows: int, N: int, row0: int, M: int):
+    """Fold a PSUM partial into the fp32 SBUF accumulator (AWS's path without PSUM copy-in)."""
+    if acc is None:
+        acc = nl.ndarray((rows, N), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=acc[row0 : row0 + M, :], src=ps[row0 : row0 + M, :])
+    else:
+        nisa.tensor_tensor(
+            dst=acc[row0 : row0 + M, :], data1=acc[row0 : row0 + M, :],
+            data2=ps[row0 : row0 + M, :], op=nl.add,
+        )
+    return acc
+
+
+def _matmul_rows(lhs, rhs, rows: int, n0: int, N: int, tl: _Tiling, lhs_col0: int):
+    """All ``rows`` stationary columns (from ``lhs_col0``) x N moving columns, tile_m at a time."""
+    tm = min(tl.tm, rows)
+    if tm == rows:
+        return _matmul_mx(lhs, rhs, lhs_col0, rows, n0, N, tl, rows)
+    ps = nl.ndarray((rows, N), dtype=nl.float32, buffer=nl.psum)
+    for r0 in range(0, rows, tm):
+        part = _matmul_mx(lhs, rhs, lhs_col0 + r0, tm, n0, N, tl, rows, row0=r0)
+        nisa.tensor_copy(dst=ps[r0 : r0 + tm, :], src=part[r0 : r0 + tm, :])
+    return ps
+
+
+def _rmw_rows(dst_hbm, e_sb, res, rows: int, r0: int, row_stride: int, c0: int, ncols: int,
+              acc_dtype):
+    """Read-add-write of ``res`` [rows, ncols] into an expert's 2-D slab of ``dst_hbm``.
+
+    Rows ``r0..r0+rows`` (stride ``row_stride``) and columns ``c0..c0+ncols`` of expert
+    ``e_sb`` (runtime scalar offset). ``acc_dtype``: the slab's dtype (BF16 for AWS's
+    accumulation, fp32 for the fp32 scratch); the sum is fp32 then rounded once to it.
+    """
+    view = dst_hbm.ap(
+        pattern=[[row_stride, rows], [1, ncols]],
+        offset=r0 * row_stride + c0,
+        scalar_offset=e_sb,
+        indirect_dim=0,
+    )
+    old = nl.ndarray((rows, ncols), dtype=acc_dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=old, src=view)
+    nisa.tensor_tensor(dst=old, data1=old, data2=res, op=nl.add)
+    nisa.dma_copy(dst=view, src=old)
+
+
+def _zero_hbm_2d(dst_hbm, base: int, rows: int, row_stride: int, cols: int, zeros):
+    """Clear ``rows`` x ``cols`` elements of ``dst_hbm`` starting at ``base`` by DMA."""
+    zc = zeros.shape[1]
+    for r0 in range(0, rows, PMAX):
+        pr = min(PMAX, rows - r0)
+        for cc in range(0, cols, zc):
+            w = min(zc, cols - cc)
+            nisa.dma_copy(
+                dst=dst_hbm.ap(pattern=[[row_stride, pr], [1, w]], offset=base + r0 * row_stride + cc),
+                src=zeros[0:pr, 0:w],
+            )
+
+
+def _zero_hbm_flat(dst_hbm, base: int, length: int, zeros):
+    """Clear ``length`` contiguous elements of ``dst_hbm`` from ``base``."""
+    zc = zeros.shape[1]
+    full_rows = length // zc
+    if full_rows:
+        _zero_hbm_2d(dst_hbm, base, full_rows, zc, zc, zeros)
+    rem = length - full_rows * zc
+    if rem:
+        _zero_hbm_2d(dst_hbm, base + full_rows * zc, 1, rem, rem, zeros)
+
+
+def _zeros_tile(dtype):
+    z = nl.ndarray((PMAX, ZERO_TILE_COLS), dtype=dtype, buffer=nl.sbuf)
+    nisa.memset(dst=z, value=0)
+    return z
+
+
+# ------------------------------------------------------------------------------ block prologue
+class _Block(nl.NKIObject):
+    """Per-block on-chip state shared by the phase functions (tiles only, never crosses the
+    kernel boundary)."""
+
+
+def _load_block(n: int, g: _Geo, tpti, b2e, ea, hidden_states, dy_hbm, ckpt, token_oob):
+    """Token ids, valid mask, expert, affinities and the gathered rows of one block."""
+    b = _Block()
+    vs, NL = g.vs, g.NL
+    # token ids in slot layout: ids[p, l] = tpti[n*B + l*vs + p]
+    ids = nl.ndarray((vs, NL), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids, src=tpti.ap(pattern=[[1, vs], [vs, NL]], offset=n * g.B))
+    # expert of the block, broadcast to every partition; and as a (1, 1) scalar offset
+    e_col = nl.ndarray((vs, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=e_col, src=b2e.ap(pattern=[[0, vs], [1, 1]], offset=n))
+    e_f = nl.ndarray((vs, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=e_f, src=e_col)
+    b.e_sb = e_col[0:1, 0:1]
+    # valid slots: 0 <= id < T
+    v_lo = nl.ndarray((vs, NL), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=v_lo, data=ids, op0=nl.greater_equal, operand0=0.0)
+    valid = nl.ndarray((vs, NL), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=valid, data=ids, op0=nl.less, operand0=float(g.T))
+    nisa.tensor_tensor(dst=valid, data1=valid, data2=v_lo, op=nl.multiply)
+    b.valid = valid
+    # slot position inside the block for valid slots, -1 for padding (checkpoint gather index)
+    pos = nl.ndarray((vs, NL), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.iota(dst=pos, pattern=[[vs, NL]], offset=1, channel_multiplier=1)
+    nisa.tensor_tensor(dst=pos, data1=pos, data2=valid, op=nl.multiply)
+    nisa.tensor_scalar(dst=pos, data=pos, op0=nl.add, operand0=-1.0)
+    b.pos = pos
+    # number of valid slots (TensorE sums the mask over partitions) -> live flag
+    valid_bf = nl.ndarray((vs, NL), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=valid_bf, src=valid)
+    ones = nl.ndarray((vs, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    cnt_ps = nl.ndarray((1, NL), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=cnt_ps, stationary=ones, moving=valid_bf)
+    live = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=live, op=nl.add, data=cnt_ps, axis=1)
+    b.live = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=b.live, data=live, op0=nl.greater, operand0=0.0)
+    b.ids = ids
+    # affinity index t*E + e (padding ids give a negative or out-of-range index -> skipped)
+    idx_ea = nl.ndarray((vs, NL), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=idx_ea, data=ids, op0=nl.multiply, operand0=float(g.E), op1=nl.add,
+                       operand1=e_f)
+    nisa.tensor_scalar(dst=idx_ea, data=idx_ea, op0=nl.maximum, operand0=-1.0)
+    b.idx_ea = idx_ea
+    b.token_oob = token_oob
+    b.tpti, b.hidden_states, b.dy_hbm, b.ea, b.ckpt = tpti, hidden_states, dy_hbm, ea, ckpt
+    b.n = n
+    return b
+
+
+def _gather_block(b, g: _Geo):
+    """Indirect-DMA gathers of one live block: affinities, X and dY rows, checkpoint slots."""
+    vs, NL, H, I = g.vs, g.NL, g.H, g.I
+    ea_raw = nl.ndarray((vs, NL), dtype=b.ea.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=ea_raw, value=0.0)
+    for lane in range(NL):
+        nisa.dma_copy(
+            dst=ea_raw[:, lane : lane + 1],
+            src=b.ea.ap(pattern=[[1, vs], [1, 1]], offset=0,
+                        vector_offset=b.idx_ea[:, lane : lane + 1], indirect_dim=0),
+            oob_mode=b.token_oob,
+        )
+    alpha = nl.ndarray((vs, NL), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=alpha, src=ea_raw)
+    b.alpha = alpha
+    # token rows of X and dY in slot layout [vs, NKT, H, 4]; skipped rows stay 0
+    b.x_w = _gather_rows(b.hidden_states, b.ids, g, H, b.token_oob)
+    b.dy_w = _gather_rows(b.dy_hbm, b.ids, g, H, b.token_oob)
+    # checkpoint: gu[p, l, c, f] = ckpt[n, c, I0 + f, l*vs + p] for valid slots, else 0
+    gu = nl.ndarray((vs, NL, 2, g.Is), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.memset(dst=gu, value=0.0)
+    ck_flat = b.ckpt.reshape((g.N * 2 * I * g.B, 1))
+    for lane in range(NL):
+        nisa.dma_copy(
+            dst=gu[:, lane, :, :],
+            src=ck_flat.ap(
+                pattern=[[1, vs], [I * g.B, 2], [g.B, g.Is]],
+                offset=b.n * 2 * I * g.B + g.I0 * g.B,
+                vector_offset=b.pos[:, lane : lane + 1],
+                indirect_dim=0,
+            ),
+            oob_mode=nisa.oob_mode.skip,
+        )
+    b.gu = gu
+
+
+def _gather_rows(src_hbm, ids, g: _Geo, F: int, oob):
+    """Gather ``src_hbm[ids[p, l], :]`` into a slot-layout tile ``[vs, NKT, F, 4]``."""
+    t = nl.ndarray((g.vs, g.NKT, F, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=0.0)
+    for lane in range(g.NL):
+        kt, li = divmod(lane, 4)
+        nisa.dma_copy(
+            dst=t[:, kt, :, li],
+            src=src_hbm.ap(pattern=[[F, g.vs], [1, F]], offset=0,
+                           vector_offset=ids[:, lane : lane + 1], indirect_dim=0),
+            oob_mode=oob,
+        )
+    return t
+
+
+# ------------------------------------------------------------------------------------- phase 1
+def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits):
+    """dh_raw = dY_blk @ W_down[e]^T (MX along H); SwiGLU backward; dA; d_gate_up; alpha*h.
+
+    Fills ``b.dgu_w`` [vs, NKT, 2I, 4] and ``b.ah_w`` [vs, NKT, I, 4] (BF16, slot layout) for
+    this core's I columns, and ``b.da`` [vs, NL] fp32: <dh_raw, h> summed per half of I (TensorE,
+    128 columns per instruction), then half 0 + half 1 (LNC1) or own half + the peer's (LNC2),
+    so both launches give identical bits. Moving columns per instruction: ``tile_n`` rounded
+    down to a multiple of 128 (at least 128), so the dA chunks never depend on the config.
+    """
+    vs, NL, I = g.vs, g.NL, g.I
+    b.dgu_w = nl.ndarray((vs, g.NKT, 2 * I, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
+    b.ah_w = nl.ndarray((vs, g.NKT, I, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
+    da_ps = nl.ndarray((vs, 2 * NL), dtype=nl.float32, buffer=nl.psum)
+    ones = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    tn = max(PMAX, tl.tn // PMAX * PMAX)
+    n_block = max(tn, tl.n_block // tn * tn)
+    half = I // 2
+    halves = [0, 1] if g.S == 1 else [g.shard]
+    dyT = _k_major_from_slots(b.dy_w, g, g.H)  # stationary: dY^T, H on partitions
+    for hf in halves:
+        h0 = hf * half
+        for nb0 in range(h0, h0 + half, n_block):
+            nbw = min(n_block, h0 + half - nb0)
+            # moving: W_down[e]^T columns nb0.., H on partitions ([E, I, H]: H stride 1)
+            wdT = _load_weight_k_major(w_down, b.e_sb, g.H, 1, g.H, nb0, nbw)
+            for lane in range(NL):
+                for n0 in range(0, nbw, tn):
+                    nw = min(tn, nbw - n0)
+                    dh_raw = _matmul_rows(dyT, wdT, vs, n0, nw, tl, lhs_col0=lane * vs)
+                    _swiglu_bwd(b, g, lane, dh_raw, nb0 + n0, nw, clamp,
+                                da_ps[:, hf * NL + lane : hf * NL + lane + 1], ones)
+    b.da = nl.ndarray((vs, NL), dtype=nl.float32, buffer=nl.sbuf)
+    if g.S == 1:
+        nisa.tensor_copy(dst=b.da, src=da_ps[:, NL : 2 * NL])
+        nisa.tensor_tensor(dst=b.da, data1=da_ps[:, 0:NL], data2=b.da, op=nl.add)
+    else:
+        nisa.tensor_copy(dst=b.da, src=da_ps[:, g.shard * NL : (g.shard + 1) * NL])
+
+
+def _swiglu_bwd(b, g: _Geo, lane: int, dh_raw, ci: int, nw: int, clamp: ClampLimits, da_col,
+                ones):
+    """SwiGLU backward of one lane's [vs, nw] chunk (columns ci.. of I).
+
+    fp32, in the golden's operation order: s = sigmoid(g); silu = g*s; h = silu*u;
+    dA += sum(dh_raw*h); dh = dh_raw*alpha; silu' = s*(1 + g*(1 - s)); dg = dh*u*silu'*mask_g;
+    du = dh*silu*mask_u (both rounded once to BF16); h*alpha rounded once to BF16.
+    """
+    vs = g.vs
+    kt, li = divmod(lane, 4)
+    c0 = ci - g.I0  # column in this core's share (the checkpoint tile)
+    gt = b.gu[:, lane, 0, c0 : c0 + nw]
+    ut = b.gu[:, lane, 1, c0 : c0 + nw]
+    alpha = b.alpha[:, lane : lane + 1]
+
+    def f32():
+        return nl.ndarray((vs, nw), dtype=nl.float32, buffer=nl.sbuf)
+
+    s = f32()
+    nisa.activation(dst=s, op=nl.sigmoid, data=gt)
+    silu = f32()
+    nisa.tensor_tensor(dst=silu, data1=gt, data2=s, op=nl.multiply)
+    h = f32()
+    nisa.tensor_tensor(dst=h, data1=silu, data2=ut, op=nl.multiply)
+    prod = f32()
+    nisa.tensor_tensor(dst=prod, data1=dh_raw, data2=h, op=nl.multiply)
+    # dA partial: transpose 128-column chunks of dh_raw*h and sum them on TensorE
+    for s0 in range(0, nw, PMAX):
+        cw = min(PMAX, nw - s0)
+        pt_ps = nl.ndarray((cw, vs), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=pt_ps, data=prod[:, s0 : s0 + cw])
+        pt = nl.ndarray((cw, vs), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=pt, src=pt_ps)
+        nisa.nc_matmul(dst=da_col, stationary=pt, moving=ones[0:cw, :])
+    dh = f32()
+    nisa.tensor_scalar(dst=dh, data=dh_raw, op0=nl.multiply, operand0=alpha)
+    dsilu = f32()
+    nisa.tensor_scalar(dst=dsilu, data=s, op0=nl.multiply, operand0=-1.0, op1=nl.add,
+                       operand1=1.0)
+    nisa.tensor_tensor(dst=dsilu, data1=gt, data2=dsilu, op=nl.multiply)
+    nisa.tensor_scalar(dst=dsilu, data=dsilu, op0=nl.add, operand0=1.0)
+    nisa.tensor_tensor(dst=dsilu, data1=s, data2=dsilu, op=nl.multiply)
+    dg = f32()
+    nisa.tensor_tensor(dst=dg, data1=dh, data2=ut, op=nl.multiply)
+    dg_out = b.dgu_w[:, kt, ci : ci + nw, li]
+    du_out = b.dgu_w[:, kt, g.I + ci : g.I + ci + nw, li]
+    mask_g = _clamp_mask(gt, vs, nw, clamp.non_linear_clamp_lower_limit,
+                         clamp.non_linear_clamp_upper_limit)
+    mask_u = _clamp_mask(ut, vs, nw, clamp.linear_clamp_lower_limit,
+                         clamp.linear_clamp_upper_limit)
+    if mask_g is None:
+        nisa.tensor_tensor(dst=dg_out, data1=dg, data2=dsilu, op=nl.multiply)
+    else:
+        nisa.tensor_tensor(dst=dg, data1=dg, data2=dsilu, op=nl.multiply)
+        nisa.tensor_tensor(dst=dg_out, data1=dg, data2=mask_g, op=nl.multiply)
+    if mask_u is None:
+        nisa.tensor_tensor(dst=du_out, data1=dh, data2=silu, op=nl.multiply)
+    else:
+        nisa.tensor_tensor(dst=dh, data1=dh, data2=silu, op=nl.multiply)
+        nisa.tensor_tensor(dst=du_out, data1=dh, data2=mask_u, op=nl.multiply)
+    nisa.tensor_scalar(dst=b.ah_w[:, kt, ci : ci + nw, li], data=h, op0=nl.multiply,
+                       operand0=alpha)
+
+
+def _clamp_mask(v, P: int, F: int, lo: Optional[float], hi: Optional[float]):
+    """1.0 where lo < v < hi (missing limits ignored), else 0.0; None without limits."""
+    if lo is None and hi is None:
+        return None
+    m = nl.ndarray((P, F), dtype=nl.float32, buffer=nl.sbuf)
+    if lo is not None:
+        nisa.tensor_scalar(dst=m, data=v, op0=nl.greater, operand0=float(lo))
+    if hi is not None:
+        if lo is None:
+            nisa.tensor_scalar(dst=m, data=v, op0=nl.less, operand0=float(hi))
+        else:
+            m2 = nl.ndarray((P, F), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=m2, data=v, op0=nl.less, operand0=float(hi))
+            nisa.tensor_tensor(dst=m, data1=m, data2=m2, op=nl.multiply)
+    return m
+
+
+def _exchange_phase1(b, g: _Geo, scratch_dgu, scratch_ah):
+    """LNC2: swap this core's I share of d_gate_up / alpha*h and the dA partials."""
+    if g.S == 1:
+        return
+    I, other = g.I, 1 - g.shard
+    own = [(g.I0, g.Is), (I + g.I0, g.Is)]
+    for c, w in own:
+        nisa.dma_copy(dst=scratch_dgu[:, :, c : c + w, :], src=b.dgu_w[:, :, c : c + w, :])
+    nisa.dma_copy(dst=scratch_ah[:, :, g.I0 : g.I0 + g.Is, :],
+                  src=b.ah_w[:, :, g.I0 : g.I0 + g.Is, :])
+    recv = nl.ndarray((g.vs, g.NL), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.sendrecv(src=b.da, dst=recv, send_to_rank=other, recv_from_rank=other, pipe_id=0)
+    nisa.tensor_tensor(dst=b.da, data1=b.da, data2=recv, op=nl.add)
+    nisa.core_barrier(scratch_dgu, (0, 1))
+    o0 = other * g.Is
+    for c in (o0, I + o0):
+        nisa.dma_copy(dst=b.dgu_w[:, :, c : c + g.Is, :], src=scratch_dgu[:, :, c : c + g.Is, :])
+    nisa.dma_copy(dst=b.ah_w[:, :, o0 : o0 + g.Is, :], src=scratch_ah[:, :, o0 : o0 + g.Is, :])
+    # the peer must finish reading this block's scratch before either core writes the next one
+    nisa.core_barrier(scratch_dgu, (0, 1))
+
+
+def _store_da(b, g: _Geo, da_out):
+    """dA[t*E + e] = <dh_raw, h> for the block's valid slots (core 0 writes under LNC2)."""
+    if g.shard != 0:
+        return
+    da_t = nl.ndarray((g.vs, g.NL), dtype=da_out.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=da_t, src=b.da)
+    for lane in range(g.NL):
+        nisa.dma_copy(
+            dst=da_out.ap(pattern=[[1, g.vs], [1, 1]], offset=0,
+                          vector_offset=b.idx_ea[:, lane : lane + 1], indirect_dim=0),
+            src=da_t[:, lane : lane + 1],
+            oob_mode=b.token_oob,
+        )
+
+
+# ------------------------------------------------------------------------------------- phase 2
+def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool):
+    """dX_blk = d_gate_up @ W_gate_up[e]^T (MX along 2I), scattered into dX rows (this core's H).
+
+    ``dx_acc``: the [T, H] accumulator in HBM (the BF16 output, or the fp32 scratch).
+    """
+    vs, I2, H = g.vs, 2 * g.I, g.H
+    dguT = _k_major_from_slots(b.dgu_w, g, I2)  # stationary: d_gate_up^T, 2I on partitions
+    for nb0 in range(0, g.Hs, tl.n_block):
+        nbw = min(tl.n_block, g.Hs - nb0)
+        # moving: W_gate_up[e] viewed [H, 2I]: 2I on partitions (stride 1), H columns (stride 2I)
+        wguT = _load_weight_k_major(w_gate_up, b.e_sb, I2, 1, I2, g.H0 + nb0, nbw)
+        for lane in range(g.NL):
+            for n0 in range(0, nbw, tl.tn):
+                nw = min(tl.tn, nbw - n0)
+                res = _matmul_rows(dguT, wguT, vs, n0, nw, tl, lhs_col0=lane * vs)
+                rows = dx_acc.ap(
+                    pattern=[[H, vs], [1, nw]], offset=g.H0 + nb0 + n0,
+                    vector_offset=b.ids[:, lane : lane + 1], indirect_dim=0,
+                )
+                new = nl.ndarray((vs, nw), dtype=dx_acc.dtype, buffer=nl.sbuf)
+                if accumulate:
+                    nisa.memset(dst=new, value=0.0)
+                    nisa.dma_copy(dst=new, src=rows, oob_mode=b.token_oob)
+                    nisa.tensor_tensor(dst=new, data1=new, data2=res, op=nl.add)
+                else:
+                    nisa.tensor_copy(dst=new, src=res)
+                nisa.dma_copy(dst=rows, src=new, oob_mode=b.token_oob)
+
+
+# ------------------------------------------------------------------------------------- phase 3
+def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc):
+    """dW_gate_up[e][H0.., :] += X_blk^T @ d_gate_up (MX along the block's slots); bias grad."""
+    I2 = 2 * g.I
+    xq = _quantize_slots(b.x_w, g, g.H)  # stationary: X_blk, columns H
+    dq = _quantize_slots(b.dgu_w, g, I2)  # moving: d_gate_up, columns 2I
+    tm = min(tl.tm, PMAX)
+    for m0 in range(0, g.Hs, tm):
+        mw = min(tm, g.Hs - m0)
+        for n0 in range(0, I2, tl.tn):
+            nw = min(tl.tn, I2 - n0)
+            res = _matmul_mx(xq, dq, g.H0 + m0, mw, n0, nw, tl, mw)
+            _rmw_rows(dwgu_acc, b.e_sb, res, mw, g.H0 + m0, I2, n0, nw, dwgu_acc.dtype)
+    if bias_acc is not None:
+        # dB_gate_up[e] += sum over slots of d_gate_up (this core's I share of gate and up)
+        ones = nl.ndarray((g.vs, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=ones, value=1.0)
+        for c0 in (g.I0, g.I + g.I0):
+            for n0 in range(0, g.Is, tl.tn):
+                nw = min(tl.tn, g.Is - n0)
+                ps = nl.ndarray((1, nw), dtype=nl.float32, buffer=nl.psum)
+                for lane in range(g.NL):
+                    kt, li = divmod(lane, 4)
+                    nisa.nc_matmul(dst=ps, stationary=ones,
+                                   moving=b.dgu_w[:, kt, c0 + n0 : c0 + n0 + nw, li])
+                _rmw_rows(bias_acc, b.e_sb, ps, 1, 0, I2, c0 + n0, nw, bias_acc.dtype)
+
+
+# ------------------------------------------------------------------------------------- phase 4
+def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc):
+    """dW_down[e][:, H0..] += (alpha*h)^T @ dY_blk (MX along the block's slots); bias grad."""
+    H = g.H
+    aq = _quantize_slots(b.ah_w, g, g.I)  # stationary: alpha*h, columns I
+    yq = _quantize_slots(b.dy_w, g, H)  # moving: dY_blk, columns H
+    tm = min(tl.tm, PMAX)
+    for m0 in range(0, g.I, tm):
+        mw = min(tm, g.I - m0)
+        for n0 in range(0, g.Hs, tl.tn):
+            nw = min(tl.tn, g.Hs - n0)
+            res = _matmul_mx(aq, yq, m0, mw, g.H0 + n0, nw, tl, mw)
+            _rmw_rows(dwd_acc, b.e_sb, res, mw, m0, H, g.H0 + n0, nw, dwd_acc.dtype)
+    if bias_acc is not None:
+        # dB_down[e] += sum over slots of alpha * dY (fp32 products, TensorE sum over slots)
+        ones = nl.ndarray((g.vs, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=ones, value=1.0)
+        for n0 in range(0, g.Hs, tl.tn):
+            nw = min(tl.tn, g.Hs - n0)
+            ps = nl.ndarray((1, nw), dtype=nl.float32, buffer=nl.psum)
+            for lane in range(g.NL):
+                kt, li = divmod(lane, 4)
+                ady = nl.ndarray((g.vs, nw), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_scalar(dst=ady, data=b.dy_w[:, kt, g.H0 + n0 : g.H0 + n0 + nw, li],
+                                   op0=nl.multiply, operand0=b.alpha[:, lane : lane + 1])
+                nisa.nc_matmul(dst=ps, stationary=ones, moving=ady)
+            _rmw_rows(bias_acc, b.e_sb, ps, 1, 0, H, g.H0 + n0, nw, bias_acc.dtype)
+
+
+# ------------------------------------------------------------------------------------ the loop
+def _live_iterations(live):
+    """0 or 1 iterations depending on the on-chip live flag (a runtime ``if`` in NKI terms).
+
+    Uses a register-driven ``nl.dynamic_range`` when the NKI build offers it; otherwise returns
+    one static iteration (the block runs; its contributions are exact zeros if it is padding).
+    """
+    dyn = getattr(nl, "dynamic_range", None)
+    alloc = getattr(nisa, "register_alloc", None)
+    load = getattr(nisa, "register_load", None)
+    if dyn is None or alloc is None or load is None:
+        return range(1)
+    reg = alloc(0)
+    load(reg, live)
+    return dyn(reg)
+
+
+def _convert_out(src_hbm, dst_hbm, base: int, rows: int, row_stride: int, cols: int):
+    """dst = bf16(src) for an fp32 scratch region (rows x cols from ``base``), via SBUF."""
+    zc = ZERO_TILE_COLS
+    for r0 in range(0, rows, PMAX):
+        pr = min(PMAX, rows - r0)
+        for cc in range(0, cols, zc):
+            w = min(zc, cols - cc)
+            pat = [[row_stride, pr], [1, w]]
+            off = base + r0 * row_stride + cc
+            t32 = nl.ndarray((pr, w), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t32, src=src_hbm.ap(pattern=pat, offset=off))
+            t16 = nl.ndarray((pr, w), dtype=dst_hbm.dtype, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=t16, src=t32)
+            nisa.dma_copy(dst=dst_hbm.ap(pattern=pat, offset=off), src=t16)
+
+
+def blockwise_mm_bwd_mxfp8(
+    hidden_states,
+    expert_affinities_masked,
+    gate_up_proj_weight,
+    down_proj_weight,
+    token_position_to_id,
+    block_to_expert,
+    output_hidden_states_grad,
+    block_size: int,
+    gate_up_proj_act_checkpoint_T=None,
+    gate_act_checkpoint_T=None,
+    intermediate_checkpoint_T=None,
+    scaled_intermediate_checkpoint_T=None,
+    down_proj_act_checkpoint=None,
+    gate_up_weight_scales=None,
+    gate_up_weight_is_swizzled: bool = False,
+    down_weight_scales=None,
+    down_weight_is_swizzled: bool = False,
+    phase1_config: Optional[MatmulMxfp8KernelConfig] = None,
+    phase2_config: Optional[MatmulMxfp8KernelConfig] = None,
+    phase3_config: Optional[MatmulMxfp8KernelConfig] = None,
+    phase4_config: Optional[MatmulMxfp8KernelConfig] = None,
+    fp8_x4_dtype=float8_e4m3fn_x4,
+    spill_reload: bool = False,
+    use_scale_packing: bool = True,
+    run_with_lnc2: bool = True,
+    shard_option: ShardOption = ShardOption.SHARD_ON_FREE,
+    affinity_option: AffinityOption = AffinityOption.AFFINITY_ON_I,
+    compute_dtype=nl.bfloat16,
+    skip_dma: SkipMode = None,
+    skip_grad_initialization: bool = False,
+    is_tensor_update_accumulating: bool = True,
+    clamp_limits: ClampLimits = None,
+    activation_type: ActFnType = ActFnType.SiLU,
+    bias: bool = False,
+    accumulation_dtype=None,
+):
+    """MXFP8 backward pass for blockwise Mixture of Experts (AWS's API, plus accumulation_dtype).
+
+    Dimensions: T tokens (plus the zero row T when padding ids are T), H hidden, I_TP
+    intermediate per TP shard, E experts, B = block_size, N blocks.
+
+    Args:
+        hidden_states: [T, H] BF16, HBM.
+        expert_affinities_masked: [T*E, 1] BF16 or fp32, HBM; element (t, e) at ``t*E + e``.
+        gate_up_proj_weight: [E, H, 2, I_TP] BF16, HBM (gate at index 0, up at 1).
+        down_proj_weight: [E, I_TP, H] BF16, HBM.
+        token_position_to_id: [N*B] int32, HBM; token of each slot; padding -1 (needs
+            ``skip_dma=SkipMode(skip_token=True)``) or T (the zero row).
+        block_to_expert: [N, 1] int32, HBM.
+        output_hidden_states_grad: [T, H] BF16, HBM, dY.
+        block_size: B, one of 128, 256, 512, 1024.
+        gate_up_proj_act_checkpoint_T: [N, 2, I_TP, B] BF16, HBM, clamped gate/up
+            pre-activations (required).
+        gate_act_checkpoint_T, intermediate_checkpoint_T, scaled_intermediate_checkpoint_T,
+            down_proj_act_checkpoint, gate_up_weight_is_swizzled, down_weight_is_swizzled:
+            reserved by AWS; must stay unset (validation raises).
+        gate_up_weight_scales, down_weight_scales: pre-quantized weights; not implemented by
+            this kernel yet (raises ValueError).
+        phase1_config .. phase4_config: per-phase tiling (None = AWS defaults).
+        fp8_x4_dtype: ``float8_e4m3fn_x4`` (the only one accepted).
+        spill_reload, use_scale_packing: accepted; tiles stay resident and scale tiles are not
+            shared in this implementation (no numerical effect).
+        run_with_lnc2: shard over 2 NeuronCores (takes effect when launched with ``kernel[2]``).
+        shard_option: SHARD_ON_FREE only.  affinity_option: AFFINITY_ON_I only.
+        compute_dtype: BF16 only.
+        skip_dma: ``SkipMode(skip_token=True)`` skips out-of-bounds token ids (padding -1).
+        skip_grad_initialization: do not zero the outputs first (then outputs hold whatever the
+            runtime's fresh HBM held where nothing adds onto them; the interpreter fills NaN).
+        is_tensor_update_accumulating: dX rows read-add-write across blocks (top_k > 1);
+            False overwrites (top_k = 1 only).
+        clamp_limits: gradient masks of the forward clamps.
+        activation_type: SiLU only.
+        bias: also return the bias gradients.
+        accumulation_dtype: None (BF16 read-add-write across blocks, AWS) or ``nl.float32``.
+
+    Returns:
+        ``(hidden_states_grad [T, H] BF16, expert_affinities_masked_grad [T*E, 1] (affinity
+        dtype), gate_up_proj_weight_grad [E, H, 2, I_TP] BF16, down_proj_weight_grad
+        [E, I_TP, H] BF16)``, plus ``(gate_and_up_proj_bias_grad [E, 2, I_TP],
+        down_proj_bias_grad [E, H])`` BF16 when ``bias=True``; all in ``nl.shared_hbm``.
+        The affinity gradient has no ``<dY, b_down>`` term (the kernel gets no bias values).
+
+    Raises:
+        ValueError: any rule of :func:`nki_kernels.validation.validate_blockwise_mm_bwd_args`
+            (checked before anything is allocated or written), or pre-quantized weights.
+    """
+    args = validate_blockwise_mm_bwd_args(
+        hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
+        token_position_to_id, block_to_expert, output_hidden_states_grad, block_size,
+        gate_up_proj_act_checkpoint_T, gate_act_checkpoint_T, intermediate_checkpoint_T,
+        scaled_intermediate_checkpoint_T, down_proj_act_checkpoint, gate_up_weight_scales,
+        gate_up_weight_is_swizzled, down_weight_scales, down_weight_is_swizzled,
+        phase1_config, phase2_config, phase3_config, phase4_config, fp8_x4_dtype, spill_reload,
+        use_scale_packing, run_with_lnc2, shard_option, affinity_option, compute_dtype,
+        skip_dma, skip_grad_initialization, is_tensor_update_accumulating, clamp_limits,
+        activation_type, bias, accumulation_dtype,
+    )
+    if args.gate_up_weight_prequantized or args.down_weight_prequantized:
+        raise ValueError(
+            "gate_up_weight_scales / down_weight_scales: pre-quantized MXFP8 weights are not "
+            "implemented by this blockwise_mm_bwd_mxfp8 yet; pass BF16 weights"
+        )
+    T, H, I, E, N, B = args.T, args.H, args.I, args.E, args.N, args.B
+    if nl.program_ndim() == 0:
+        shard, num_shards = 0, 1
+    else:
+        shard, num_shards = nl.program_id(axis=0), nl.num_programs(axes=0)
+    g = _Geo(T, H, I, E, N, B, shard, num_shards)
+    tilings = [_Tiling(c) for c in args.phase_configs]
+    fp32_acc = args.accumulation_dtype is not None
+    token_oob = nisa.oob_mode.skip if args.skip_dma.skip_token else nisa.oob_mode.error
+    ea_dtype = expert_affinities_masked.dtype
+
+    # outputs (shared HBM, the caller's) and fp32 accumulators (shared HBM scratch)
+    dx = nl.ndarray((T, H), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    da = nl.ndarray((T * E, 1), dtype=ea_dtype, buffer=nl.shared_hbm)
+    dwgu = nl.ndarray((E, H, 2, I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    dwd = nl.ndarray((E, I, H), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    outs = [dx, da, dwgu, dwd]
+    if bias:
+        dbgu = nl.ndarray((E, 2, I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        dbd = nl.ndarray((E, H), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        outs += [dbgu, dbd]
+    if fp32_acc:
+        dx_acc = nl.ndarray((T, H), dtype=nl.float32, buffer=nl.shared_hbm)
+        dwgu_acc = nl.ndarray((E, H, 2, I), dtype=nl.float32, buffer=nl.shared_hbm)
+        dwd_acc = nl.ndarray((E, I, H), dtype=nl.float32, buffer=nl.shared_hbm)
+        dbgu_acc = nl.ndarray((E, 2, I), dtype=nl.float32, buffer=nl.shared_hbm) if bias else None
+        dbd_acc = nl.ndarray((E, H), dtype=nl.float32, buffer=nl.shared_hbm) if bias else None
+    else:
+        dx_acc, dwgu_acc, dwd_acc = dx, dwgu, dwd
+        dbgu_acc, dbd_acc = (dbgu, dbd) if bias else (None, None)
+    scratch_dgu = scratch_ah = None
+    if num_shards > 1:
+        scratch_dgu = nl.ndarray((g.vs, g.NKT, 2 * I, 4), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        scratch_ah = nl.ndarray((g.vs, g.NKT, I, 4), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+
+    # zero-initialise this core's share of every accumulator (dA: core 0)
+    if not skip_grad_initialization:
+        with region("init"):
+            acc_list = [(dx_acc, T, H, g.H0, g.Hs), (dwgu_acc, E * H, 2 * I, 0, 2 * I),
+                        (dwd_acc, E * I, H, g.H0, g.Hs)]
+            if bias:
+                acc_list += [(dbd_acc, E, H, g.H0, g.Hs)]
+            for t, rows, stride, c0, w in acc_list:
+                z = _zeros_tile(t.dtype)
+                if t is dwgu_acc:
+                    # rows (e, h) of this core's H share: E slabs of Hs rows x 2I
+                    for e in range(E):
+                        _zero_hbm_flat(t, (e * H + g.H0) * 2 * I, g.Hs * 2 * I, z)
+                elif w == stride:
+                    _zero_hbm_flat(t, 0, rows * stride, z)
+                else:
+                    _zero_hbm_2d(t, c0, rows, stride, w, z)
+            if bias:
+                z = _zeros_tile(dbgu_acc.dtype)
+                for c in (g.I0, I + g.I0):
+                    _zero_hbm_2d(dbgu_acc, c, E, 2 * I, g.Is, z)
+            if shard == 0:
+                _zero_hbm_flat(da, 0, T * E, _zeros_tile(da.dtype))
+
+    for n in range(N):
+        with region("prologue"):
+            b = _load_block(n, g, token_position_to_id, block_to_expert,
+                            expert_affinities_masked, hidden_states, output_hidden_states_grad,
+                            gate_up_proj_act_checkpoint_T, token_oob)
+        for _ in _live_iterations(b.live):
+            with region("prologue"):
+                _gather_block(b, g)
+            with region("phase1"):
+                _phase1(b, g, down_proj_weight, tilings[0], args.clamp_limits)
+                _exchange_phase1(b, g, scratch_dgu, scratch_ah)
+                _store_da(b, g, da)
+            with region("phase2"):
+                _phase2(b, g, gate_up_proj_weight, tilings[1], dx_acc,
+                        is_tensor_update_accumulating)
+            with region("phase3"):
+                _phase3(b, g, tilings[2], dwgu_acc, dbgu_acc)
+            with region("phase4"):
+                _phase4(b, g, tilings[3], dwd_acc, dbd_acc)
+        del b
+
+    if fp32_acc:
+        with region("epilogue"):
+            _convert_out(dx_acc, dx, g.H0, T, H, g.Hs)
+            for e in range(E):
+                base = (e * H + g.H0) * 2 * I
+                _convert_out(dwgu_acc, dwgu, base, g.Hs, 2 * I, 2 * I)
+            _convert_out(dwd_acc, dwd, g.H0, E * I, H, g.Hs)
+            if bias:
+                for c in (g.I0, I + g.I0):
+                    _convert_out(dbgu_acc, dbgu, c, E, 2 * I, g.Is)
+                _convert_out(dbd_acc, dbd, g.H0, E, H, g.Hs)
+    return tuple(outs)
+
+
+_ = nki  # the package stays importable as ``nki`` for callers that jit this kernel

@@ -466,14 +466,30 @@ def test_quantize_mx_rules():
         interp.core.set_current(prev)
 
 
-def test_quantize_mx_matches_common_mx_when_present():
+def _edge_tile():
+    """[128, 64] bf16-valued tile: random magnitudes plus zero, subnormal, huge, NaN, Inf groups."""
+    x = rng().standard_normal((128, 64)) * np.exp(rng(1).standard_normal((128, 64)) * 6)
+    x[0:8, 0:4] = 0.0
+    x[8:16, 0:4] = 1e-40  # bf16 subnormal: exponent below -127 -> byte 0
+    x[16:24, 0:4] = 3e38
+    x[24:32, 4:8] = 2.0 ** -130
+    x[32, 8] = np.nan
+    x[40, 12] = np.inf
+    x[48, 16] = -np.inf
+    x[56:64, 20:24] = -448.0 * 2.0 ** 100
+    return x.astype(BF16).astype(np.float32)
+
+
+@pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
+def test_quantize_fast_path_is_bit_identical_to_common_mx(elem):
     pytest.importorskip("common.mx")
-    x = (rng().standard_normal((128, 64)) * np.exp(rng(1).standard_normal((128, 64)) * 3))
-    x = x.astype(BF16).astype(np.float32)
-    w1, s1 = mxops.quantize_groups(x, "e4m3", use_common=False)
-    w2, s2 = mxops.quantize_groups(x, "e4m3", use_common=True)
-    np.testing.assert_array_equal(w1, w2)
-    np.testing.assert_array_equal(s1, s2)
+    x = _edge_tile()
+    w_common, s_common = mxops.quantize_groups(x, elem, impl="common")
+    for impl in ("fast", "numpy"):
+        w, s = mxops.quantize_groups(x, elem, impl=impl)
+        np.testing.assert_array_equal(s, s_common, err_msg=impl)
+        np.testing.assert_array_equal(w, w_common, err_msg=impl)
+    assert s_common[0, 0] == 0 and s_common[1, 0] == 0 and s_common[4, 2] == 255
 
 
 def test_nc_matmul_mx_against_dequantized_reference():

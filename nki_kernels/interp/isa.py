@@ -1021,10 +1021,18 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     prec = np.float64 if MATMUL_PRECISION["value"] == "float64" else np.float32
     a = stationary._np().reshape(K, M).astype(prec)
     b = moving._np().reshape(K, N).astype(prec)
-    res = (a.T @ b).astype(np.float32)
+    res = _mm(a, b)
     _accumulate_write(instr, dst, res, accumulate)
     _count("tensor", N + TENSOR_FIXED, K * M * N, macs_bf16=K * M * N)
     return NkiInstruction(name)
+
+
+def _mm(a_KM: np.ndarray, b_KN: np.ndarray) -> np.ndarray:
+    """``a^T @ b`` in the operands' precision (torch BLAS), rounded once to float32."""
+    import torch
+
+    r = torch.from_numpy(a_KM).T @ torch.from_numpy(np.ascontiguousarray(b_KN))
+    return r.numpy().astype(np.float32)
 
 
 def _need_mx(instr):
@@ -1130,9 +1138,7 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
     prec = np.float64 if MATMUL_PRECISION["value"] == "float64" else np.float32
     a = mxops.dequantize_x4(stationary._np().reshape(P, M), stationary.dtype, s_sc[s_rows], prec)
     b = mxops.dequantize_x4(moving._np().reshape(P, N), moving.dtype, m_sc[m_rows], prec)
-    a2 = a.transpose(0, 2, 1).reshape(P * 4, M)
-    b2 = b.transpose(0, 2, 1).reshape(P * 4, N)
-    res = (a2.T @ b2).astype(np.float32)
+    res = _mm(a.transpose(0, 2, 1).reshape(P * 4, M), b.transpose(0, 2, 1).reshape(P * 4, N))
     _accumulate_write(instr, dst, res, accumulate)
     _count("tensor", N + TENSOR_FIXED, 4 * P * M * N, macs_mx=4 * P * M * N)
     return NkiInstruction(name)

@@ -123,6 +123,16 @@ class Simulated:
         return a2, k2, any_torch
 
     def __call__(self, *args, **kwargs):
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # one BLAS thread per program instance: no oversubscription
+        try:
+            return self._call(args, kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _call(self, args, kwargs):
         a2, k2, any_torch = self._wrap_args(args, kwargs)
         profile = Profile(self.target)
         shared = SharedState(self.lnc, timeout_s=self.timeout_s)

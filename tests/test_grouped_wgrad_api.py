@@ -883,3 +883,84 @@ def test_api_contract_compiles_offline_for_sm90a():
     )
     ptx = sm90_bf16.compile_sm90_wgrad_offline(api._sm90_key(c), arch="sm_90a")
     assert "wgmma.mma_async" in ptx
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (gpu marker; skipped without CUDA): the API end to end on the real SM90 kernel
+# ------------------------------------------------------------------------------------------------
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_SM90 = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+HAS_CUTE = importlib.util.find_spec("cutlass") is not None
+needs_sm90 = pytest.mark.skipif(
+    not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and nvidia-cutlass-dsl"
+)
+
+
+def _cuda_operands(counts, hidden=256, inter=512, seed=0):
+    a, b, off = _operands(counts, "m", "n", seed=seed, hidden=hidden, inter=inter)
+    return a.cuda(), b.cuda(), off.cuda()
+
+
+def _close_gpu(out, a, b, off, dtype):
+    _assert_close(out.cpu(), _ref64(a.cpu(), b.cpu(), off.cpu()), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@needs_sm90
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_sm90_wrapper_dense_discrete_and_dispatch(out_dtype):
+    counts = [0, 300, 17, 0, 1000, 64]
+    a, b, off = _cuda_operands(counts)
+    e = len(counts)
+    assert api.select_grouped_wgrad_backend(a.device)[0] == "sm90"
+    w = torch.full((e, 256, 512), float("nan"), dtype=out_dtype, device="cuda")
+    (w,) = api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off, wgrad_tensor=w)
+    torch.cuda.synchronize()
+    _close_gpu(w, a, b, off, out_dtype)
+    assert torch.all(w[0] == 0) and torch.all(w[3] == 0)
+    outs = [torch.full((256, 512), float("nan"), dtype=out_dtype, device="cuda") for _ in counts]
+    ptrs = torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64, device="cuda")
+    r = cuda_kernels.grouped_gemm_wgrad(
+        a, b, off, output_mode="discrete", wgrad_ptrs=ptrs, wgrad_dtype=out_dtype
+    )
+    torch.cuda.synchronize()
+    assert r["wgrad_tensor"] is None
+    _close_gpu(torch.stack(outs), a, b, off, out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@needs_sm90
+def test_gpu_sm90_graph_capture_replays_new_offsets():
+    """validate_offsets stays on (the default) but is skipped while capturing; no recompile."""
+    counts = [128, 0, 384, 512]
+    a, b, off = _cuda_operands(counts, seed=1)
+    out = torch.empty(4, 256, 512, dtype=torch.float32, device="cuda")
+    api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off, wgrad_tensor=out)  # compile
+    n_ops = len(api._OP_CACHE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off, wgrad_tensor=out)
+    for new in ([0, 0, 1024, 0], [1, 2, 3, 1018], [256, 256, 256, 256]):
+        off.copy_(_offsets(new).cuda())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _close_gpu(out, a, b, off, torch.float32)
+    assert len(api._OP_CACHE) == n_ops
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_torch_twin_on_cuda():
+    counts = [64, 0, 128, 0]
+    a, b, off = _cuda_operands(counts, seed=2)
+    for dtype in (torch.bfloat16, torch.float32):
+        out = grouped_wgrad_torch(a, b, off, out_dtype=dtype)
+        torch.cuda.synchronize()
+        _close_gpu(out, a, b, off, dtype)
+        assert torch.all(out[1] == 0) and torch.all(out[3] == 0)

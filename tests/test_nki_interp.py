@@ -665,3 +665,56 @@ def test_per_instruction_overhead_is_small():
         nisa.tensor_tensor(d, a, a, nl.add)
     per = (time.perf_counter() - t0) / n
     assert per < 2e-3  # typically ~30-60 us
+
+
+def test_registers_dynamic_range_and_scalar_offset():
+    flag = sbuf_from(np.array([[0]], np.int32))
+    reg = nisa.register_alloc(0)
+    nisa.register_load(reg, flag)
+    assert list(nl.dynamic_range(reg)) == []
+    nisa.register_move(reg, 3)
+    assert list(nl.dynamic_range(1, reg)) == [1, 2]
+    with pytest.raises(TypeError):
+        bool(reg)
+    with pytest.raises(NkiError, match="integer"):
+        nisa.register_load(reg, sbuf_from(np.array([[1.0]], np.float32)))
+    # fori_loop with the induction register as a scalar offset: copy rows 0..2 of a table
+    table = hbm_from(np.arange(12, dtype=np.float32).reshape(4, 3))
+    out = hbm_from(np.zeros((4, 3), np.float32))
+    tmp = nl.ndarray((1, 3), nl.float32)
+
+    def body(i):
+        nisa.dma_copy(tmp, table.ap([[3, 1], [1, 3]], scalar_offset=i, indirect_dim=0))
+        nisa.dma_copy(out.ap([[3, 1], [1, 3]], scalar_offset=i, indirect_dim=0), tmp)
+
+    nl.fori_loop(0, nisa.register_alloc(3), body)
+    exp = np.arange(12, dtype=np.float32).reshape(4, 3)
+    exp[3] = 0
+    np.testing.assert_array_equal(out.numpy(), exp)
+    st = nl.ndarray((1, 1), nl.int32)
+    nisa.register_store(st, reg)
+    assert st.numpy()[0, 0] == 3
+    # while_loop counts down
+    cnt = sbuf_from(np.array([[4]], np.int32))
+    one = sbuf_from(np.array([[1]], np.int32))
+    seen = []
+
+    def wbody(r):
+        seen.append(r.value)
+        nisa.tensor_tensor(cnt, cnt, one, nl.subtract)
+        nisa.register_load(r, cnt)
+        return r
+
+    r0 = nisa.register_alloc()
+    nisa.register_load(r0, cnt)
+    nl.while_loop(r0, wbody)
+    assert seen == [4, 3, 2, 1]
+
+
+def test_bypass_stage():
+    x = rng().standard_normal((4, 6)).astype(np.float32)
+    d = nl.ndarray((4, 6), nl.float32)
+    nisa.tensor_scalar(d, sbuf_from(x), nl.bypass, 0.0, op1=nl.multiply, operand1=2.0)
+    np.testing.assert_array_equal(d.numpy(), 2 * x)
+    nisa.activation(d, nl.bypass, sbuf_from(x), scale=3.0)
+    np.testing.assert_array_equal(d.numpy(), (3 * x).astype(np.float32))

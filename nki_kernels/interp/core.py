@@ -536,7 +536,7 @@ class IndirectAP:
             if vp != shape[0]:
                 raise NkiError(f"ap: vector_offset has {vp} partitions but the pattern's leading "
                                f"dim is {shape[0]}")
-        else:
+        elif isinstance(scalar_offset, NkiTensor):
             if scalar_offset.size != 1:
                 raise NkiError(f"ap: scalar_offset must be a (1, 1) tensor, got "
                                f"{scalar_offset.shape}")
@@ -594,7 +594,11 @@ class IndirectAP:
             idx_c = np.where(valid, idx, 0)
             index = base + idx_c.reshape((-1,) + (1,) * (len(self.shape) - 1)) * row_el + inner
         else:
-            s = int(np.asarray(self.scalar_offset._np()).reshape(-1)[0].astype(np.int64))
+            so = self.scalar_offset
+            if isinstance(so, NkiTensor):
+                s = int(np.asarray(so._np()).reshape(-1)[0].astype(np.int64))
+            else:  # a VirtualRegister
+                s = int(so.value)
             ok = 0 <= s < self.rows
             if not ok and not oob_skip:
                 raise NkiOOBError(f"{where}: scalar offset {s} out of bounds [0, {self.rows}) with "

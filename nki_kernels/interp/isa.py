@@ -665,6 +665,8 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
         else:
             o = np.asarray(o, dtype=np.float32) if not isinstance(o, np.ndarray) else o.astype(
                 np.float32)
+        if op.name == "bypass":
+            return x
         with np.errstate(all="ignore"):
             r = op.fn(o, x) if rev else op.fn(x, o)
         return r if bitvec else r.astype(np.float32)
@@ -756,7 +758,9 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     _onchip(instr, "data", data)
     _no_x4(instr, "data", data)
     P, F = _same_pf(instr, dst, "dst", data, "data")
-    op = _op(instr, "op", op, ("act",))
+    op = _op(instr, "op", op, ("act", "arith"))
+    if op.kind == "arith" and op.name != "bypass":
+        raise _err(instr, f"nl.{op.name} is not an activation function")
     if op.fn is None:
         raise _err(instr, f"nl.{op.name} is not supported by the interpreter")
     x = data._np().reshape(P, F).astype(np.float32)
@@ -766,7 +770,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
         if bias is not None:
             x = (x + np.asarray(_scalar_operand(instr, "bias", bias, P), dtype=np.float32)).astype(
                 np.float32)
-        out = op.fn(x).astype(np.float32)
+        out = (x if op.name == "bypass" else op.fn(x)).astype(np.float32)
     ctx = current()
     cmd = reduce_cmd
     if cmd is not globals()["reduce_cmd"].idle or reduce_res is not None:
@@ -1195,3 +1199,82 @@ def core_barrier(data, cores, engine=engine.gpsimd, name=None):
         except threading.BrokenBarrierError:
             raise _err(instr, "barrier broken (the other core failed or timed out)") from None
     return NkiInstruction(name)
+
+
+# ------------------------------------------------------------------------------------------------
+# Registers (§3.17): scalar values of the engine sequencers, for dynamic loops and scalar offsets
+
+
+class VirtualRegister:
+    """A 32-bit sequencer register (``nisa.register_alloc``); ``value`` is a Python int."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value=None):
+        self.value = 4 if value is None else int(value)  # uninitialized: the int sentinel
+
+    def __repr__(self) -> str:
+        return f"VirtualRegister({self.value})"
+
+    def __index__(self):
+        raise TypeError("a VirtualRegister cannot be used in Python control flow or indexing; "
+                        "use nl.dynamic_range / nl.fori_loop / scalar_offset")
+
+    __bool__ = __index__
+    __int__ = __index__
+
+
+def _reg(instr, arg, r):
+    if not isinstance(r, VirtualRegister):
+        raise _err(instr, f"{arg} must be a VirtualRegister (nisa.register_alloc), got {r!r}")
+    return r
+
+
+def _wrap32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def register_alloc(x=None) -> VirtualRegister:
+    """A new register, initialized with int ``x`` (or the sentinel 4)."""
+    if x is not None and not isinstance(x, (int, np.integer)):
+        raise _err("register_alloc", f"x must be an int or None, got {x!r}")
+    return VirtualRegister(None if x is None else _wrap32(int(x)))
+
+
+def register_move(dst, src):
+    """``dst = src`` (a compile-time int or another register)."""
+    dst = _reg("register_move", "dst", dst)
+    if isinstance(src, VirtualRegister):
+        dst.value = src.value
+    elif isinstance(src, (int, np.integer)):
+        dst.value = _wrap32(int(src))
+    else:
+        raise _err("register_move", f"src must be an int or a VirtualRegister, got {src!r}")
+
+
+def register_load(dst, src):
+    """Load the single 32-bit integer element of ``src`` (HBM or SBUF) into ``dst``.
+
+    Raises:
+        NkiError: ``src`` has more than one element or a non-integer dtype (a register load moves
+            raw 32-bit words; load an int32 tile).
+    """
+    instr = "register_load"
+    dst = _reg(instr, "dst", dst)
+    src = _tensor(instr, "src", src)
+    if src.size != 1:
+        raise _err(instr, f"src must hold exactly one element, got shape {src.shape}")
+    if not _dt.is_int(src.dtype) or src.itemsize > 4:
+        raise _err(instr, f"src dtype must be a <= 32-bit integer type, got {src.dtype}")
+    dst.value = int(src._np().reshape(-1)[0])
+
+
+def register_store(dst, src):
+    """Store register ``src`` into the single element of ``dst`` (integer dtype)."""
+    instr = "register_store"
+    dst = _tensor(instr, "dst", dst)
+    src = _reg(instr, "src", src)
+    if dst.size != 1 or not _dt.is_int(dst.dtype):
+        raise _err(instr, f"dst must be a one-element integer tensor, got {dst.shape} {dst.dtype}")
+    _write(dst, np.array([src.value], dtype=np.int64))

@@ -123,6 +123,65 @@ sequential_range = affine_range
 static_range = affine_range
 
 
+def _reg_value(v, what):
+    from .isa import VirtualRegister
+
+    if isinstance(v, VirtualRegister):
+        return v.value
+    if isinstance(v, (int,)) or hasattr(v, "__index__"):
+        return int(v)
+    raise TypeError(f"{what}: expected an int or a VirtualRegister, got {v!r}")
+
+
+def dynamic_range(start, stop=None, step=1):
+    """Runtime loop: bounds may be VirtualRegisters (read when the loop starts)."""
+    if isinstance(step, type(None)) or not isinstance(step, int) or step <= 0:
+        raise ValueError(f"dynamic_range: step must be a compile-time positive int, got {step!r}")
+    if stop is None:
+        return range(_reg_value(start, "dynamic_range stop"))
+    return range(_reg_value(start, "dynamic_range start"), _reg_value(stop, "dynamic_range stop"),
+                 step)
+
+
+def fori_loop(lower, upper, body_fun, step=1):
+    """``for i in range(lower, upper, step): body_fun(i)`` with ``i`` a VirtualRegister."""
+    from .isa import VirtualRegister
+
+    for i in dynamic_range(lower, upper, step):
+        body_fun(VirtualRegister(i))
+
+
+def while_loop(init, body_fun):
+    """``r = init; while r != 0: r = body_fun(r)`` (registers; the body returns the next one)."""
+    from .isa import VirtualRegister
+
+    if not isinstance(init, VirtualRegister):
+        raise TypeError(f"while_loop: init must be a VirtualRegister, got {init!r}")
+    r = VirtualRegister(init.value)
+    while r.value != 0:
+        nxt = body_fun(r)
+        if not isinstance(nxt, VirtualRegister):
+            raise TypeError("while_loop: body_fun must return the next condition register")
+        r = VirtualRegister(nxt.value)
+
+
+def load(src, dtype=None):
+    """High-level load: a new SBUF tile holding ``src`` (converted to ``dtype``)."""
+    from . import isa
+
+    t = ndarray(src.shape if src.is_onchip or len(src.shape) > 1 else (1,) + tuple(src.shape),
+                dtype or src.dtype, buffer=sbuf)
+    isa.dma_copy(t, src)
+    return t
+
+
+def store(dst, value):
+    """High-level store: DMA ``value`` (an SBUF tile) into ``dst``."""
+    from . import isa
+
+    isa.dma_copy(dst, value)
+
+
 def program_id(axis=0) -> int:
     if axis != 0:
         raise ValueError("program_id: only a 1-D grid (axis=0) is supported")
@@ -159,11 +218,12 @@ class _TileSize:
 
     @property
     def sbuf_fmax_bytes(self) -> int:
-        return _core.current().spec["sbuf_bytes"]
+        """Usable SBUF bytes per partition (the stub's definition)."""
+        return _core.current().spec["sbuf_usable_bytes"]
 
     @property
     def sbuf_fmax(self) -> int:
-        return _core.current().spec["sbuf_bytes"] // 4
+        return _core.current().spec["sbuf_usable_bytes"] // 4
 
     @property
     def total_available_sbuf_size(self) -> int:

@@ -148,3 +148,5 @@ for _n, _f in ACTIVATIONS.items():
     if _n not in TOKENS:
         TOKENS[_n] = Op(_n, "act", _f)
 TOKENS["prelu"] = Op("prelu", "act", None)
+# nl.bypass: a no-op stage (tensor_scalar op0/op1, activation op)
+TOKENS["bypass"] = Op("bypass", "arith", lambda a, b=None: a)

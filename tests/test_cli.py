@@ -1,0 +1,127 @@
+"""Tests of the ``moe-bwd`` command line (common/cli.py), called in-process through ``main``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from common import cli
+from common.metrics import SQNR_MIN_DB
+from common.models import load_model, model_names
+
+ALL_MODELS = [
+    "deepseek-v3", "gpt-oss-120b", "gpt-oss-20b", "kimi-k2", "llama-4-scout", "mixtral-8x7b",
+    "olmoe-1b-7b", "qwen3-235b-a22b", "qwen3-30b-a3b",
+]
+
+
+@pytest.fixture(autouse=True)
+def _wide_console(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich reads it: no wrapped table cells
+    monkeypatch.delenv("MOE_BWD_BACKEND", raising=False)
+
+
+@pytest.fixture
+def small_models(monkeypatch):
+    """load_model as the CLI sees it, shrunk to H = I = 128 (same E, top_k, router, biases)."""
+
+    def small(name):
+        return load_model(name).scaled(hidden=128, intermediate=128)
+
+    monkeypatch.setattr(cli, "load_model", small)
+
+
+def _table_rows(out: str) -> dict[str, list[str]]:
+    """gradient name -> cells of its row in the printed table."""
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in re.split(r"[│┃|]", line) if c.strip()]
+        if cells and re.match(r"^d[A-Z]", cells[0]) and len(cells) == 4:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_models_lists_all_nine(capsys):
+    assert cli.main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert sorted(model_names()) == ALL_MODELS
+    for name in ALL_MODELS:
+        assert re.search(rf"\b{re.escape(name)}\b", out), name
+    # the numbers of one model are in its row
+    row = next(line for line in out.splitlines() if "qwen3-30b-a3b" in line)
+    for v in ("2048", "768", "128", "8"):
+        assert re.search(rf"\b{v}\b", row), (v, row)
+
+
+@pytest.mark.parametrize(
+    "model,bias", [("olmoe-1b-7b", False), ("gpt-oss-20b", True)]
+)
+def test_run_prints_gradient_table(capsys, small_models, model, bias):
+    rc = cli.main(["run", "--model", model, "--tokens", "64", "--seed", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    m = load_model(model)
+    assert f"T=64 H=128 I=128 E={m.experts} top_k={m.top_k}" in out
+    assert "backend=torch" in out
+    rows = _table_rows(out)
+    want = ["dX [T,H]", "dA [T,E]", "dW_gate_up [E,H,2,I]", "dW_down [E,I,H]"]
+    if bias:
+        want += ["dB_gate_up [E,2,I]", "dB_down [E,H]"]
+    assert list(rows) == want
+    E = m.experts
+    shapes = {
+        "dX [T,H]": "64x128", "dA [T,E]": f"64x{E}", "dW_gate_up [E,H,2,I]": f"{E}x128x2x128",
+        "dW_down [E,I,H]": f"{E}x128x128", "dB_gate_up [E,2,I]": f"{E}x2x128",
+        "dB_down [E,H]": f"{E}x128",
+    }
+    for name, (shape, sqnr, rel) in rows.items():
+        assert shape == shapes[name]
+        assert float(sqnr) >= SQNR_MIN_DB[("torch", "default")], (name, sqnr)
+        assert 0.0 <= float(rel) < 0.05, (name, rel)
+    assert re.search(r"wall time: backend [0-9.]+ s", out)
+
+
+def test_run_reference_backend_is_exact(capsys, small_models):
+    rc = cli.main(["run", "--model", "qwen3-30b-a3b", "--tokens", "16", "--backend", "reference"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "backend=reference" in out
+    rows = _table_rows(out)
+    assert len(rows) == 4
+    for _, sqnr, rel in rows.values():
+        assert sqnr == "inf" and float(rel) == 0.0
+
+
+def test_run_bad_model_exits_2(capsys):
+    rc = cli.main(["run", "--model", "no-such-model", "--tokens", "64"])
+    out = capsys.readouterr().out
+    assert rc == 2
+    assert "error" in out and "no-such-model" in out and "qwen3-30b-a3b" in out
+
+
+def test_run_bad_tokens_exits_2(capsys, small_models):
+    assert cli.main(["run", "--model", "olmoe-1b-7b", "--tokens", "0"]) == 2
+    assert "--tokens" in capsys.readouterr().out
+
+
+def test_run_bad_backend_exits_2(capsys, small_models):
+    assert cli.main(["run", "--model", "olmoe-1b-7b", "--tokens", "8", "--backend", "bogus"]) == 2
+    assert "bogus" in capsys.readouterr().out
+
+
+def test_missing_arguments_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["run", "--model", "olmoe-1b-7b"])
+    assert exc.value.code == 2
+    assert "--tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main([])
+    assert exc.value.code == 2
+
+
+def test_backends_lists_all(capsys):
+    assert cli.main(["backends"]) == 0
+    out = capsys.readouterr().out
+    for name in ("reference", "torch", "nki", "nki-sim", "cuda-sm90", "cuda-sm100"):
+        assert re.search(rf"\b{re.escape(name)}\b", out), name

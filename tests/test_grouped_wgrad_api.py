@@ -757,6 +757,37 @@ def test_torch_twin_ragged_order():
     _assert_close(w, _ref64(a2d, b2d, off), torch.float32)
 
 
+def test_ragged_order_ignores_non_unit_strides(fake_device):
+    """tensor_ragged: only the unit-stride axis is meaningful; other host strides are ignored."""
+    counts = [8, 0, 16, 8]
+    s = sum(counts)
+    g = torch.Generator().manual_seed(2)
+    blocks_a = [torch.randn(H, n, generator=g).to(torch.bfloat16) for n in counts]
+    flat_a = torch.cat([x.reshape(-1) for x in blocks_a])
+    a_odd = flat_a.as_strided((H, s), (7, 1))  # declared stride 7: ignored, K-major blocks
+    y_SI = torch.randn(s, I, generator=g).to(torch.bfloat16)
+    buf_b = torch.zeros(s * (I + 8), dtype=torch.bfloat16)
+    buf_b[: s * I] = y_SI.reshape(-1)
+    b_odd = buf_b.as_strided((s, I), (I + 8, 1))  # N-major, row stride I + 8: ignored
+    off = _offsets(counts)
+    ref = _ref64(torch.cat(blocks_a, 1), y_SI, off)
+    (w,) = api.grouped_gemm_wgrad_wrapper_sm90(
+        a_odd, b_odd, None, None, off, input_order="tensor_ragged", wgrad_dtype=torch.float32
+    )
+    _assert_close(w, ref, torch.float32)
+    (w2,) = cuda_kernels.grouped_gemm_wgrad(
+        a_odd, b_odd, off, input_order="tensor_ragged", wgrad_dtype=torch.float32
+    )
+    _assert_close(w2, ref, torch.float32)
+    with pytest.raises(ValueError, match="a_tensor: tensor_ragged needs a unit stride"):
+        api.grouped_gemm_wgrad_wrapper_sm90(
+            flat_a.as_strided((H, s), (2, 3)), b_odd, None, None, off,
+            input_order="tensor_ragged",
+        )
+    with pytest.raises(ValueError, match="a_tensor.*K-major.*M-major"):  # tensor2d: strides count
+        api.grouped_gemm_wgrad_wrapper_sm90(a_odd, b_odd, None, None, off)
+
+
 def test_torch_twin_errors():
     a, b, off = _operands([4, 4])
     with pytest.raises(ValueError, match="accumulate=True needs"):

@@ -508,6 +508,39 @@ class _Call:
 
     tokens_sum: int
     out: torch.Tensor  # dense (E, H, I) tensor or (E,) int64 pointers
+    a: torch.Tensor  # A as launched (compact strides in tensor_ragged order)
+    b: torch.Tensor
+
+
+def _ragged_compact(
+    a: torch.Tensor, b: torch.Tensor, names: tuple[str, str] = ("a_tensor", "b_tensor")
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_order="tensor_ragged"``: only each operand's unit-stride axis is meaningful (seed);
+    return views with the compact strides of that major (same storage, no copy).
+
+    Raises:
+        ValueError: an operand has no unit-stride axis.
+    """
+    out = []
+    for t, arg, k_axis in ((a, names[0], 1), (b, names[1], 0)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            out.append(t)  # reported by _validate_operands
+            continue
+        rows, cols = t.shape
+        if t.stride(k_axis) == 1:  # K-major: per-expert K-contiguous blocks
+            stride = (cols, 1) if k_axis == 1 else (1, rows)
+        elif t.stride(1 - k_axis) == 1:  # M-/N-major: same memory as tensor2d
+            stride = (1, rows) if k_axis == 1 else (cols, 1)
+        elif t.numel() == 0:
+            out.append(t)
+            continue
+        else:
+            raise ValueError(
+                f"{arg}: tensor_ragged needs a unit stride along tokens (K-major) or along "
+                f"{'hidden' if k_axis == 1 else 'intermediate'}; got strides {tuple(t.stride())}"
+            )
+        out.append(t.as_strided(t.shape, stride, t.storage_offset()))
+    return out[0], out[1]
 
 
 def _validate_operands(
@@ -749,8 +782,11 @@ class _GroupedGemmWgradBase:
         _check_scale_controls(self._scale_controls, self.sf_vec_size, self.acc_dtype)
         input_order = _check_input_order(self.input_order)
         tiler, cluster = _check_tiling(self._ARCH, self.mma_tiler_mn, self.cluster_shape_mn)
+        sample_a, sample_b = s["a"], s["b"]
+        if input_order == "tensor_ragged":
+            sample_a, sample_b = _ragged_compact(sample_a, sample_b, ("sample_a", "sample_b"))
         hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
-            self._ARCH, s["a"], s["b"], s["offsets"], ("sample_a", "sample_b", "sample_offsets")
+            self._ARCH, sample_a, sample_b, s["offsets"], ("sample_a", "sample_b", "sample_offsets")
         )
         if self.output_mode == "dense":
             out_dtype = _check_dense_out(
@@ -860,6 +896,8 @@ class _GroupedGemmWgradBase:
              "global_scale_a": global_scale_a, "global_scale_b": global_scale_b},
             16, torch.float32,
         )
+        if c.input_order == "tensor_ragged":
+            a_tensor, b_tensor = _ragged_compact(a_tensor, b_tensor)
         hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
             c.arch, a_tensor, b_tensor, offsets_tensor, ("a_tensor", "b_tensor", "offsets_tensor")
         )
@@ -901,7 +939,7 @@ class _GroupedGemmWgradBase:
             _check_offsets_values(offsets_tensor, tokens_sum, self._GROUP_ALIGN, "offsets_tensor")
             if wgrad_ptrs is not None:
                 _check_pointer_values(wgrad_ptrs, "wgrad_ptrs")
-        return _Call(tokens_sum=tokens_sum, out=out)
+        return _Call(tokens_sum=tokens_sum, out=out, a=a_tensor, b=b_tensor)
 
     def execute(
         self,
@@ -940,7 +978,7 @@ class _GroupedGemmWgradBase:
             a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor, wgrad_tensor, wgrad_ptrs,
             global_scale_a, global_scale_b, validate_offsets,
         )
-        self._launch(a_tensor, b_tensor, offsets_tensor, call.out, current_stream,
+        self._launch(call.a, call.b, offsets_tensor, call.out, current_stream,
                      pointers=wgrad_ptrs)
 
     def _launch(self, a, b, offsets, out, current_stream, pointers=None) -> None:
@@ -1092,6 +1130,8 @@ def _wrapper(
     tiler, cluster = _check_tiling(
         arch, cls._DEFAULT_TILER if mma_tiler_mn is None else mma_tiler_mn, cluster_shape_mn
     )
+    if input_order == "tensor_ragged":
+        a_tensor, b_tensor = _ragged_compact(a_tensor, b_tensor)
     hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
         arch, a_tensor, b_tensor, offsets_tensor, ("a_tensor", "b_tensor", "offsets_tensor")
     )
@@ -1381,6 +1421,8 @@ def _torch_path(
     if output_mode not in _OUTPUT_MODES:
         raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
     input_order = _check_input_order(input_order)
+    if input_order == "tensor_ragged":
+        a_tensor, b_tensor = _ragged_compact(a_tensor, b_tensor)
     hidden, tokens_sum, inter, num_experts, _, _ = _validate_operands(
         "torch", a_tensor, b_tensor, offsets_tensor, ("a_tensor", "b_tensor", "offsets_tensor")
     )

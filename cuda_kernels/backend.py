@@ -11,6 +11,7 @@ query the GPU (``check()`` does, when called).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -20,7 +21,6 @@ from common.problem import MoEBackwardProblem, MoEGrads
 from common.torch_backward import moe_backward_torch
 
 from .grouped_wgrad import api
-from .grouped_wgrad.torch_ref import grouped_wgrad_torch
 
 __all__ = ["check_cuda_sm90", "check_cuda_sm100", "make_grouped_wgrad"]
 
@@ -64,35 +64,13 @@ def check_cuda_sm100() -> str | None:
 def make_grouped_wgrad(arch: str, stats: dict | None = None):
     """``fn(a_HS, b_SI, offsets_E) -> [E, H, I] fp32`` running the ``arch`` kernel via the API.
 
-    Calls outside the kernel's static contract (``api.kernel_unsupported_reason``: e.g. hidden
-    not a multiple of the tile, non-BF16 operands) run ``grouped_wgrad_torch`` instead; ``stats``
-    (if given) counts ``"kernel"`` / ``"torch"`` calls and keeps the last ``"torch_reason"``.
-    Offsets values are not host-validated (they come from ``common.routing``; no sync).
+    ``api.grouped_wgrad_fp32`` with ``backend=arch``: calls outside the kernel's static contract
+    (``api.kernel_unsupported_reason``: e.g. hidden not a multiple of the tile, non-BF16
+    operands) run ``grouped_wgrad_torch``; ``stats`` counts ``"kernel"`` / ``"torch"`` calls and
+    keeps the last ``"torch_reason"``. Offsets values are not host-validated (they come from
+    ``common.routing``; no sync).
     """
-    wrapper = (
-        api.grouped_gemm_wgrad_wrapper_sm90 if arch == "sm90"
-        else api.grouped_gemm_wgrad_wrapper_sm100
-    )
-
-    def grouped_wgrad(a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor):
-        offsets32 = offsets_E.to(torch.int32)
-        reason = api.kernel_unsupported_reason(arch, a_HS, b_SI, offsets32)
-        if reason is None:
-            out = wrapper(
-                a_HS, b_SI, None, None, offsets32, output_mode="dense",
-                wgrad_dtype=torch.float32, validate_offsets=False,
-            )["wgrad_tensor"]
-            key = "kernel"
-        else:
-            out = grouped_wgrad_torch(a_HS, b_SI, offsets_E, out_dtype=torch.float32)
-            key = "torch"
-            if stats is not None:
-                stats["torch_reason"] = reason
-        if stats is not None:
-            stats[key] = stats.get(key, 0) + 1
-        return out
-
-    return grouped_wgrad
+    return functools.partial(api.grouped_wgrad_fp32, backend=arch, stats=stats)
 
 
 def _runner(arch: str):

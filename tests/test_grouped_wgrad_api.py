@@ -995,3 +995,16 @@ def test_gpu_torch_twin_on_cuda():
         torch.cuda.synchronize()
         _close_gpu(out, a, b, off, dtype)
         assert torch.all(out[1] == 0) and torch.all(out[3] == 0)
+
+
+def test_grouped_wgrad_fp32_backend_choice(fake_device):
+    a, b, off = _operands([7, 0, 9])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        api.grouped_wgrad_fp32(a, b, off, backend="cuda")
+    stats = {}
+    out = api.grouped_wgrad_fp32(a, b, off.long(), backend="sm90", stats=stats)
+    assert stats == {"kernel": 1} and out.dtype == torch.float32
+    _assert_close(out, _ref64(a, b, off), torch.float32)
+    out = api.grouped_wgrad_fp32(a.float(), b.float(), off, backend="sm90", stats=stats)
+    assert stats["torch"] == 1 and "bfloat16" in stats["torch_reason"]
+    _assert_close(out, _ref64(a, b, off), torch.float32)

@@ -1476,7 +1476,12 @@ def kernel_unsupported_reason(
 
 
 def grouped_wgrad_fp32(
-    a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor, *, stats: dict | None = None
+    a_HS: torch.Tensor,
+    b_SI: torch.Tensor,
+    offsets_E: torch.Tensor,
+    *,
+    backend: str = "auto",
+    stats: dict | None = None,
 ) -> torch.Tensor:
     """The dispatcher's ``grouped_wgrad(a_HS, b_SI, offsets_E) -> [E, H, I] fp32`` on any device.
 
@@ -1488,13 +1493,19 @@ def grouped_wgrad_fp32(
 
     Args:
         a_HS: [H, S], b_SI: [S, I] (BF16 for the kernels), offsets_E: [E] int32/int64.
+        backend: "auto" (by device), "sm90" or "sm100" (that kernel when the call fits its
+            contract; the device is still checked by the wrapper), or "torch".
         stats: optional dict; counts ``"kernel"`` / ``"torch"`` calls and keeps the last
             ``"torch_reason"``.
 
     Returns:
         [E, H, I] float32.
     """
-    backend, reason = select_grouped_wgrad_backend(a_HS.device)
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    reason = "backend='torch' requested"
+    if backend == "auto":
+        backend, reason = select_grouped_wgrad_backend(a_HS.device)
     offsets32 = offsets_E.to(torch.int32) if offsets_E.dtype != torch.int32 else offsets_E
     if backend != "torch":
         reason = kernel_unsupported_reason(backend, a_HS, b_SI, offsets32)

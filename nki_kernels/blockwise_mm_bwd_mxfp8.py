@@ -64,7 +64,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from nki_kernels._nki import nki, nisa, nl, region
+from nki_kernels._nki import HAVE_REAL_NKI, nki, nisa, nl, region
 from nki_kernels.config import (
     ActFnType,
     AffinityOption,
@@ -268,6 +268,26 @@ def _rmw_rows(dst_hbm, e_sb, res, rows: int, r0: int, row_stride: int, c0: int, 
     old = nl.ndarray((rows, ncols), dtype=acc_dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=old, src=view)
     nisa.tensor_tensor(dst=old, data1=old, data2=res, op=nl.add)
+    nisa.dma_copy(dst=view, src=old)
+
+
+def _rmw_tiles(dst_hbm, e_sb, tiles, rows: int, r0: int, row_stride: int, c0: int,
+               ncols: int):
+    """Read-add-write of column tiles ``[(n0, res [rows, nw]), ...]`` covering ``ncols`` columns
+    from ``c0`` of an expert's slab: one gather, one fp32 add (rounded to the slab's dtype) per
+    tile, one store (as :func:`_rmw_rows`, with fewer DMAs)."""
+    view = dst_hbm.ap(
+        pattern=[[row_stride, rows], [1, ncols]],
+        offset=r0 * row_stride + c0,
+        scalar_offset=e_sb,
+        indirect_dim=0,
+    )
+    old = nl.ndarray((rows, ncols), dtype=dst_hbm.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=old, src=view)
+    for n0, res in tiles:
+        nw = res.shape[1]
+        nisa.tensor_tensor(dst=old[:, n0 : n0 + nw], data1=old[:, n0 : n0 + nw], data2=res,
+                           op=nl.add)
     nisa.dma_copy(dst=view, src=old)
 
 
@@ -571,30 +591,39 @@ def _store_da(b, g: _Geo, da_out):
 def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool):
     """dX_blk = d_gate_up @ W_gate_up[e]^T (MX along 2I), scattered into dX rows (this core's H).
 
+    Stationary columns are the block's slots in natural order, 128 per PSUM tile (tile_m per
+    instruction), so each result row is one token row of dX: read-add-write by indirect DMA
+    with the natural-order token ids, once per ``TILES_IN_BLOCK_N x tile_n`` columns.
     ``dx_acc``: the [T, H] accumulator in HBM (the BF16 output, or the fp32 scratch).
     """
-    vs, I2, H = g.vs, 2 * g.I, g.H
+    I2, H = 2 * g.I, g.H
     dguT = _k_major_from_slots(b.dgu_w, g, I2)  # stationary: d_gate_up^T, 2I on partitions
+    # token ids in natural slot order: ids_nat[p, c] = tpti[n*B + 128*c + p]
+    nch = g.B // PMAX
+    ids_nat = nl.ndarray((PMAX, nch), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids_nat, src=b.tpti.ap(pattern=[[1, PMAX], [PMAX, nch]], offset=b.n * g.B))
     for nb0 in range(0, g.Hs, tl.n_block):
         nbw = min(tl.n_block, g.Hs - nb0)
         # moving: W_gate_up[e] viewed [H, 2I]: 2I on partitions (stride 1), H columns (stride 2I)
         wguT = _load_weight_k_major(w_gate_up, b.e_sb, I2, 1, I2, g.H0 + nb0, nbw)
-        for lane in range(g.NL):
+        for c in range(nch):
+            rows = dx_acc.ap(
+                pattern=[[H, PMAX], [1, nbw]], offset=g.H0 + nb0,
+                vector_offset=ids_nat[:, c : c + 1], indirect_dim=0,
+            )
+            new = nl.ndarray((PMAX, nbw), dtype=dx_acc.dtype, buffer=nl.sbuf)
+            if accumulate:
+                nisa.memset(dst=new, value=0.0)
+                nisa.dma_copy(dst=new, src=rows, oob_mode=b.token_oob)
             for n0 in range(0, nbw, tl.tn):
                 nw = min(tl.tn, nbw - n0)
-                res = _matmul_rows(dguT, wguT, vs, n0, nw, tl, lhs_col0=lane * vs)
-                rows = dx_acc.ap(
-                    pattern=[[H, vs], [1, nw]], offset=g.H0 + nb0 + n0,
-                    vector_offset=b.ids[:, lane : lane + 1], indirect_dim=0,
-                )
-                new = nl.ndarray((vs, nw), dtype=dx_acc.dtype, buffer=nl.sbuf)
+                res = _matmul_rows(dguT, wguT, PMAX, n0, nw, tl, lhs_col0=c * PMAX)
                 if accumulate:
-                    nisa.memset(dst=new, value=0.0)
-                    nisa.dma_copy(dst=new, src=rows, oob_mode=b.token_oob)
-                    nisa.tensor_tensor(dst=new, data1=new, data2=res, op=nl.add)
+                    nisa.tensor_tensor(dst=new[:, n0 : n0 + nw], data1=new[:, n0 : n0 + nw],
+                                       data2=res, op=nl.add)
                 else:
-                    nisa.tensor_copy(dst=new, src=res)
-                nisa.dma_copy(dst=rows, src=new, oob_mode=b.token_oob)
+                    nisa.tensor_copy(dst=new[:, n0 : n0 + nw], src=res)
+            nisa.dma_copy(dst=rows, src=new, oob_mode=b.token_oob)
 
 
 # ------------------------------------------------------------------------------------- phase 3
@@ -606,10 +635,9 @@ def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc):
     tm = min(tl.tm, PMAX)
     for m0 in range(0, g.Hs, tm):
         mw = min(tm, g.Hs - m0)
-        for n0 in range(0, I2, tl.tn):
-            nw = min(tl.tn, I2 - n0)
-            res = _matmul_mx(xq, dq, g.H0 + m0, mw, n0, nw, tl, mw)
-            _rmw_rows(dwgu_acc, b.e_sb, res, mw, g.H0 + m0, I2, n0, nw, dwgu_acc.dtype)
+        res = [(n0, _matmul_mx(xq, dq, g.H0 + m0, mw, n0, min(tl.tn, I2 - n0), tl, mw))
+               for n0 in range(0, I2, tl.tn)]
+        _rmw_tiles(dwgu_acc, b.e_sb, res, mw, g.H0 + m0, I2, 0, I2)
     if bias_acc is not None:
         # dB_gate_up[e] += sum over slots of d_gate_up (this core's I share of gate and up)
         ones = nl.ndarray((g.vs, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -634,10 +662,9 @@ def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc):
     tm = min(tl.tm, PMAX)
     for m0 in range(0, g.I, tm):
         mw = min(tm, g.I - m0)
-        for n0 in range(0, g.Hs, tl.tn):
-            nw = min(tl.tn, g.Hs - n0)
-            res = _matmul_mx(aq, yq, m0, mw, g.H0 + n0, nw, tl, mw)
-            _rmw_rows(dwd_acc, b.e_sb, res, mw, m0, H, g.H0 + n0, nw, dwd_acc.dtype)
+        res = [(n0, _matmul_mx(aq, yq, m0, mw, g.H0 + n0, min(tl.tn, g.Hs - n0), tl, mw))
+               for n0 in range(0, g.Hs, tl.tn)]
+        _rmw_tiles(dwd_acc, b.e_sb, res, mw, m0, H, g.H0, g.Hs)
     if bias_acc is not None:
         # dB_down[e] += sum over slots of alpha * dY (fp32 products, TensorE sum over slots)
         ones = nl.ndarray((g.vs, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -658,17 +685,21 @@ def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc):
 def _live_iterations(live):
     """0 or 1 iterations depending on the on-chip live flag (a runtime ``if`` in NKI terms).
 
-    Uses a register-driven ``nl.dynamic_range`` when the NKI build offers it; otherwise returns
-    one static iteration (the block runs; its contributions are exact zeros if it is padding).
+    NKI: a register-driven ``nl.dynamic_range`` over the flag (``register_load`` of the (1, 1)
+    tile). Our interpreter runs eagerly, so where it lacks ``dynamic_range`` the trip count is
+    read from the flag tile at run time, as the hardware loop would; a real NKI build without
+    dynamic loops runs every block (a padding block adds exact zeros).
     """
     dyn = getattr(nl, "dynamic_range", None)
     alloc = getattr(nisa, "register_alloc", None)
     load = getattr(nisa, "register_load", None)
-    if dyn is None or alloc is None or load is None:
-        return range(1)
-    reg = alloc(0)
-    load(reg, live)
-    return dyn(reg)
+    if dyn is not None and alloc is not None and load is not None:
+        reg = alloc(0)
+        load(reg, live)
+        return dyn(reg)
+    if not HAVE_REAL_NKI:
+        return range(int(live.numpy().reshape(-1)[0]))
+    return range(1)
 
 
 def _convert_out(src_hbm, dst_hbm, base: int, rows: int, row_stride: int, cols: int):

@@ -37,6 +37,7 @@ __all__ = [
     "detect_backend",
     "resolve_backend",
     "run_backward",
+    "device_grouped_wgrad",
 ]
 
 ENV_VAR = "MOE_BWD_BACKEND"
@@ -62,6 +63,9 @@ class Backend:
         run: ``run(problem, **options) -> MoEGrads``.
         fallback_reason: set on the ``torch`` backend returned by auto-selection when the
             device's preferred backend could not run.
+        grouped_wgrad: optional ``fn(a_HS, b_SI, offsets_E) -> [E, H, I] fp32``, the backend's
+            grouped weight-gradient kernel; the ``torch`` backend uses it on that backend's
+            devices (e.g. the SM90 kernel on a Hopper GPU).
     """
 
     name: str
@@ -69,6 +73,7 @@ class Backend:
     check: Callable[[], str | None]
     run: Callable[..., MoEGrads]
     fallback_reason: str | None = None
+    grouped_wgrad: Callable | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -177,9 +182,27 @@ def run_backward(problem: MoEBackwardProblem, backend: str | None = "auto", **op
     return grads
 
 
+def device_grouped_wgrad(device: torch.device | str) -> Callable | None:
+    """The grouped wgrad kernel of the backend the device calls for, if it can run, else None."""
+    name = detect_backend(device)
+    if name == "torch" or _unavailable_reason(name) is not None:
+        return None
+    return _REGISTRY[name].grouped_wgrad
+
+
+def _torch_run(problem: MoEBackwardProblem, **options) -> MoEGrads:
+    from common.torch_backward import moe_backward_torch
+
+    device = problem.hidden_states_TH.device
+    if "grouped_wgrad" not in options and device.type == "cuda":
+        kernel = device_grouped_wgrad(device)
+        if kernel is not None:
+            options["grouped_wgrad"] = kernel
+    return moe_backward_torch(problem, **options)
+
+
 def _register_builtins() -> None:
     from common.reference import reference_backward
-    from common.torch_backward import moe_backward_torch
 
     register_backend(
         Backend(
@@ -192,9 +215,10 @@ def _register_builtins() -> None:
     register_backend(
         Backend(
             name="torch",
-            summary="portable torch: BF16 inputs, fp32 accumulation, grouped wgrad via torch",
+            summary="portable torch: BF16 operands, fp32 accumulation; on a GPU with a kernel "
+            "of ours, wgrad runs on it",
             check=lambda: None,
-            run=lambda problem, **opts: moe_backward_torch(problem, **opts),
+            run=_torch_run,
         )
     )
 

@@ -91,6 +91,7 @@ register_backend(
         summary="Hopper: torch backward with the CuTe DSL grouped wgrad kernel (TMA + wgmma)",
         check=check_cuda_sm90,
         run=_runner("sm90"),
+        grouped_wgrad=make_grouped_wgrad("sm90"),
     )
 )
 register_backend(
@@ -99,5 +100,6 @@ register_backend(
         summary="Blackwell: torch backward with the SM100 grouped wgrad kernel (not built yet)",
         check=check_cuda_sm100,
         run=_runner("sm100"),
+        grouped_wgrad=make_grouped_wgrad("sm100"),
     )
 )

@@ -98,7 +98,6 @@ def make_case(seed=0, T=10, H=8, I=6, E=5, K=3, bias=False, clamp=None):
 
 def autograd_grads(d, plan, clamp):
     """Gradients of sum(y * dY) by torch.autograd of :func:`naive_forward`."""
-    T, E = plan.num_tokens, plan.num_experts
     A = plan.affinity_dense_TE().clone().requires_grad_(True)
     routed = {
         (int(t), int(e))
@@ -177,10 +176,10 @@ def test_blockwise_backward_equals_autograd(bias, clamp, affinity_option, paddin
     L = plan.blockwise(3, padding=padding)
     x = L.pad_token_rows(d["x"])
     dy = L.pad_token_rows(d["dy"])
-    kw = dict(
-        b_gate_up=d["bgu"], b_down=d["bd"], clamp_limits=clamp,
-        affinity_option=affinity_option, padding=padding,
-    )
+    kw = {
+        "b_gate_up": d["bgu"], "b_down": d["bd"], "clamp_limits": clamp,
+        "affinity_option": affinity_option, "padding": padding,
+    }
     args = (L.token_position_to_id, L.block_to_expert, L.expert_affinities_masked, 3)
     # forward: output and checkpoint equal the naive forward's
     y, ck = moe_forward_reference(x, d["wgu"], d["wd"], *args, **kw)
@@ -261,7 +260,7 @@ def test_padding_slots_contribute_nothing(padding):
     L = plan.blockwise(4, padding=padding)
     ck = blockwise_checkpoint(L, act, I)
     args = (L.token_position_to_id, L.block_to_expert, L.expert_affinities_masked, 4)
-    kw = dict(b_gate_up=d["bgu"], b_down=d["bd"], clamp_limits=clamp, padding=padding)
+    kw = {"b_gate_up": d["bgu"], "b_down": d["bd"], "clamp_limits": clamp, "padding": padding}
     x, dy = L.pad_token_rows(d["x"]), L.pad_token_rows(d["dy"])
     clean = moe_backward_reference(x, dy, d["wgu"], d["wd"], ck, *args, **kw)
 

@@ -6,6 +6,7 @@ plain Python lists (no torch sorting or scatter), then compared with the vectori
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -181,7 +182,7 @@ def test_blockwise_matches_brute_force_and_properties(r, B, padding):
 @settings(max_examples=50, deadline=None)
 @given(r=routings(), align=st.sampled_from([1, 2, 3, 4, 8]))
 def test_grouped_matches_brute_force_and_properties(r, align):
-    T, K, E, ei, af = r
+    T, _, E, ei, af = r
     plan = plan_routing(*_tensors(ei, af), E)
     G = plan.grouped(align=align)
     offsets, rows = brute_grouped(ei, af, E, align)
@@ -190,7 +191,7 @@ def test_grouped_matches_brute_force_and_properties(r, align):
     assert G.row_to_token_S.tolist() == rows
     assert G.tokens_sum == len(rows)
     off = [0] + offsets
-    assert all(b >= a and (b - a) % align == 0 for a, b in zip(off, off[1:]))
+    assert all(b >= a and (b - a) % align == 0 for a, b in itertools.pairwise(off))
     assert offsets[-1] == G.tokens_sum
     merged, _ = brute_pairs(ei, af, E)
     # every routed pair exactly once

@@ -193,6 +193,8 @@ _GRID = [
     (128, 256, 256, 20, "m", "n", "float32", "dense", False, "tensor2d"),
     (128, 192, 64, 20, "k", "n", "bfloat16", "discrete", False, "tensor2d"),
     (4, 256, 256, 200, "k", "k", "bfloat16", "dense", False, "tensor_ragged"),
+    (8, 256, 256, 300, "m", "n", "bfloat16", "dense", False, "pingpong"),
+    (8, 256, 256, 300, "k", "k", "float32", "discrete", True, "pingpong"),
     (4, 256, 256, 200, "m", "n", "float32", "dense", False, "tensor_ragged"),
 ]
 
@@ -219,9 +221,12 @@ def test_grid_matches_fp32_reference(case):
     counts = _uneven_counts(e, gen, mean, multiple)
     a, b = _make_inputs(m, n, counts, a_major, b_major, gen)
     offsets = _offsets_from_counts(counts, "cuda")
+    tile = select_sm90_tile_config(m, n, e)
+    if order == "pingpong":  # (grid entry: tensor2d with the pingpong schedule)
+        order, tile = "tensor2d", Sm90TileConfig(128, 128, 64, 6, pingpong=True)
     key = Sm90WgradKey(
         m, n, e, a_major=a_major, b_major=b_major, out_dtype=out_dtype, output_mode=mode,
-        accumulate=accumulate, input_order=order, tile=select_sm90_tile_config(m, n, e),
+        accumulate=accumulate, input_order=order, tile=tile,
     )
     ref = _reference(a, b, counts)
     a_in, b_in = a, b
@@ -266,23 +271,32 @@ def test_all_experts_empty_and_no_recompile():
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and CuTe DSL")
-@pytest.mark.parametrize("a_major,b_major", [("k", "k"), ("m", "n")])
-def test_ragged_tile_does_not_read_next_expert(a_major, b_major):
+@pytest.mark.parametrize("pingpong", [False, True])
+@pytest.mark.parametrize("a_major,b_major", [("k", "k"), ("m", "n"), ("k", "n")])
+def test_ragged_tile_does_not_read_next_expert(a_major, b_major, pingpong):
     m, n = 128, 256
-    counts = [70, 58, 0, 32]  # expert 0 ends mid-tile; its last TMA box covers expert 1's rows
+    # expert 0 ends mid-tile (its last TMA box covers expert 1's first rows); expert 4 starts at
+    # row 163, not 16-byte aligned, so with a K-major operand its first box starts at row 160
+    # inside expert 3.
+    counts = [70, 58, 0, 35, 37]
     gen = torch.Generator().manual_seed(2)
     a, b = _make_inputs(m, n, counts, a_major, b_major, gen)
-    a[:, 70] = float("nan")  # first row of expert 1 (in both operands)
-    b[70, :] = float("nan")
+    for row in (70, 162):  # first row of expert 1, last row of expert 3 (both operands)
+        a[:, row] = float("nan")
+        b[row, :] = float("nan")
+    tile = select_sm90_tile_config(m, n, 5)
+    if pingpong:
+        tile = Sm90TileConfig(128, 128, 64, 6, pingpong=True)
     key = Sm90WgradKey(
-        m, n, 4, a_major=a_major, b_major=b_major, out_dtype="float32",
-        tile=select_sm90_tile_config(m, n, 4),
+        m, n, 5, a_major=a_major, b_major=b_major, out_dtype="float32", tile=tile
     )
     out = _run(key, a, b, _offsets_from_counts(counts, "cuda"))
     ref = _reference(a, b, counts)
-    assert out[1].isnan().all() and ref[1].isnan().all()
-    for i in (0, 2, 3):
-        assert torch.isfinite(out[i]).all(), f"NaN of expert 1 leaked into expert {i}"
+    for i in (1, 3):
+        assert out[i].isnan().all() and ref[i].isnan().all()
+    assert (out[2] == 0).all()
+    for i in (0, 4):
+        assert torch.isfinite(out[i]).all(), f"NaN of a neighbour leaked into expert {i}"
         assert _rel_err(out[i], ref[i]) < 1e-5
 
 

@@ -64,6 +64,9 @@ class Sm90TileConfig:
         tile_n: output columns (intermediate) per CTA tile, a multiple of 16 in [16, 256].
         tile_k: tokens per pipeline stage, 64 (one 128-byte swizzle row of bf16).
         stages: depth of the shared-memory ring of (A, B) tiles, >= 2.
+        pingpong: two consumer warp groups own alternate output tiles (one warp group per tile,
+            its epilogue overlapping the other's mainloop) instead of sharing each tile
+            (cooperative: one 64-row slab per warp group).
 
     Raises:
         ValueError: a field outside the ranges above or stages that overflow shared memory.
@@ -73,6 +76,7 @@ class Sm90TileConfig:
     tile_n: int = 256
     tile_k: int = 64
     stages: int = 4
+    pingpong: bool = False
 
     def __post_init__(self) -> None:
         if self.tile_m not in (64, 128):
@@ -97,9 +101,19 @@ class Sm90TileConfig:
         return 2 * self.tile_k * (self.tile_m + self.tile_n)
 
     @property
+    def consumer_groups(self) -> int:
+        """Consumer groups per CTA, each owning whole output tiles (2 for pingpong, else 1)."""
+        return 2 if self.pingpong else 1
+
+    @property
+    def wgs_per_group(self) -> int:
+        """Warp groups sharing one output tile: one per 64-row slab (cooperative), else 1."""
+        return 1 if self.pingpong else self.tile_m // 64
+
+    @property
     def consumer_warp_groups(self) -> int:
-        """Consumer (wgmma) warp groups per CTA: one per 64-row slab."""
-        return self.tile_m // 64
+        """Consumer (wgmma) warp groups per CTA."""
+        return self.consumer_groups * self.wgs_per_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +261,27 @@ def _build_kernel_class():
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass import cute, pipeline, utils
 
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    @cute.jit
+    def fence_accumulators(acc: cute.Tensor):
+        """Pin each accumulator register behind an empty volatile asm (CUTLASS's
+        warpgroup_fence_operand): the epilogue's reads then cannot be scheduled above
+        ``wgmma.wait_group``, which would make ptxas serialize every wgmma (C7514)."""
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = cutlass.Float32(
+                llvm.inline_asm(
+                    T.f32(),
+                    [cutlass.Float32(acc[i]).ir_value()],
+                    "",
+                    "=f,0",
+                    has_side_effects=True,
+                    is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT,
+                )
+            )
+
     out_types = {
         "bfloat16": cutlass.BFloat16,
         "float16": cutlass.Float16,
@@ -262,8 +297,10 @@ def _build_kernel_class():
             self.tile_m, self.tile_n, self.tile_k = t.tile_m, t.tile_n, t.tile_k
             self.stages = t.stages
             self.num_consumer_wgs = t.consumer_warp_groups
+            self.num_groups = t.consumer_groups
+            self.wgs_per_group = t.wgs_per_group
             self.threads = 128 * (1 + self.num_consumer_wgs)
-            self.num_consumer_threads = 128 * self.num_consumer_wgs
+            self.group_threads = 128 * self.wgs_per_group
             self.m_tiles = key.hidden // self.tile_m
             self.n_tiles = key.intermediate // self.tile_n
             self.tiles_per_expert = self.m_tiles * self.n_tiles
@@ -271,8 +308,38 @@ def _build_kernel_class():
             self.out_dtype = out_types[key.out_dtype]
             self.ab_dtype = cutlass.BFloat16
             self.acc_dtype = cutlass.Float32
+            self.align_k = 8 if "k" in (key.a_major, key.b_major) else 1
             self.producer_regs = 40
             self.consumer_regs = 232 if self.num_consumer_wgs == 2 else 160
+
+        @cute.jit
+        def k_range(self, mOffsets: cute.Tensor, e: cutlass.Int32):
+            """(k_base, head, k_len, n_k) of expert e: tiles start at k_base (k_begin aligned
+            down to 8 tokens = 16 bytes when an operand is K-major: TMA needs a 16-byte aligned
+            innermost coordinate), head = rows of the previous expert in the first tile,
+            k_len = rows from k_base to the expert's end, n_k = number of K tiles."""
+            k_end = mOffsets[e]
+            k_begin = cutlass.Int32(0)
+            if e > 0:
+                k_begin = mOffsets[e - 1]
+            k_base = k_begin
+            if cutlass.const_expr(self.align_k > 1):
+                k_base = k_begin - k_begin % self.align_k
+            k_len = k_end - k_base
+            n_k = (k_len + self.tile_k - 1) // self.tile_k
+            if k_end <= k_begin:
+                n_k = cutlass.Int32(0)
+            return k_base, k_begin - k_base, k_len, n_k
+
+        @cute.jit
+        def tile_of(self, j: cutlass.Int32, bidx: cutlass.Int32, gdim: cutlass.Int32):
+            """Linear tile index of this CTA's j-th tile: waves of gdim tiles, boustrophedon
+            (even waves CTA order, odd waves reversed) so that, with experts sorted by size,
+            each CTA's total work evens out (an LPT-like static schedule)."""
+            pos = bidx
+            if j % 2 == 1:
+                pos = gdim - 1 - bidx
+            return j * gdim + pos
 
         @cute.jit
         def __call__(
@@ -292,7 +359,7 @@ def _build_kernel_class():
                 a_layout.sm90_mma_major_mode(),
                 b_layout.sm90_mma_major_mode(),
                 self.acc_dtype,
-                (self.num_consumer_wgs, 1, 1),
+                (self.wgs_per_group, 1, 1),
                 tiler_mn=(64, self.tile_n),
             )
             tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
@@ -320,6 +387,8 @@ def _build_kernel_class():
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+                lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
+                perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
                 sA: cute.struct.Align[
                     cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], 1024
                 ]
@@ -382,7 +451,7 @@ def _build_kernel_class():
                 num_stages=self.stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_consumer_wgs * 4
+                    pipeline.Agent.Thread, self.wgs_per_group * 4
                 ),
                 tx_count=tx_bytes,
                 cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -393,7 +462,26 @@ def _build_kernel_class():
             sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
             sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
 
-            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+            # Experts sorted by token count, largest first (ties by index), from the device
+            # offsets: sPerm[rank] = expert. Heavy experts' tiles go first (balance).
+            num_e = self.key.num_experts
+            sLens = storage.lens.get_tensor(cute.make_layout(num_e))
+            sPerm = storage.perm.get_tensor(cute.make_layout(num_e))
+            for ei in cutlass.range(tidx, num_e, self.threads, unroll=1):
+                prev = cutlass.Int32(0)
+                if ei > 0:
+                    prev = mOffsets[ei - 1]
+                sLens[ei] = mOffsets[ei] - prev
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))  # also syncs the CTA
+            for ei in cutlass.range(tidx, num_e, self.threads, unroll=1):
+                my_len = sLens[ei]
+                rank = cutlass.Int32(0)
+                for e2 in cutlass.range(num_e, unroll=4):
+                    l2 = sLens[e2]
+                    if l2 > my_len or (l2 == my_len and e2 < ei):
+                        rank += 1
+                sPerm[rank] = ei
+            cute.arch.sync_threads()
 
             tiles_per_expert = self.tiles_per_expert
             m_tiles = self.m_tiles
@@ -407,23 +495,21 @@ def _build_kernel_class():
                         pipeline.PipelineUserType.Producer, self.stages
                     )
                     tile = bidx
+                    jp = cutlass.Int32(0)
                     while tile < self.num_tiles:
-                        e = tile // tiles_per_expert
-                        rem = tile - e * tiles_per_expert
+                        rank_e = tile // tiles_per_expert
+                        e = sPerm[rank_e]
+                        rem = tile - rank_e * tiles_per_expert
                         n_idx = rem // m_tiles
                         m_idx = rem - n_idx * m_tiles
-                        k_end = mOffsets[e]
-                        k_begin = cutlass.Int32(0)
-                        if e > 0:
-                            k_begin = mOffsets[e - 1]
-                        n_k = (k_end - k_begin + tk - 1) // tk
+                        k_base, _head, _k_len, n_k = self.k_range(mOffsets, e)
                         gA = cute.local_tile(
-                            cute.domain_offset((0, k_begin), tma_a),
+                            cute.domain_offset((0, k_base), tma_a),
                             (self.tile_m, tk),
                             (m_idx, None),
                         )
                         gB = cute.local_tile(
-                            cute.domain_offset((0, k_begin), tma_b),
+                            cute.domain_offset((0, k_base), tma_b),
                             (self.tile_n, tk),
                             (n_idx, None),
                         )
@@ -458,17 +544,18 @@ def _build_kernel_class():
                             )
                             ab_pipe.producer_commit(prod_state)
                             prod_state.advance()
-                        tile += gdim
+                        jp += 1
+                        tile = self.tile_of(jp, bidx, gdim)
                     ab_pipe.producer_tail(prod_state)
             else:
                 # ---------------- consumer warp groups: wgmma + epilogue ----------------
                 cute.arch.warpgroup_reg_alloc(self.consumer_regs)
-                ctid = tidx - 128
+                group = (wg_idx - 1) // self.wgs_per_group
+                ctid = tidx - 128 - group * self.group_threads  # thread index in its group
                 mask_barrier = pipeline.NamedBarrier(
-                    barrier_id=1, num_threads=self.num_consumer_threads
+                    barrier_id=1 + group, num_threads=self.group_threads
                 )
-                wg_layout = cute.make_layout(self.num_consumer_wgs, stride=128)
-                thr_mma = tiled_mma.get_slice(wg_layout(wg_idx - 1))
+                thr_mma = tiled_mma.get_slice(((wg_idx - 1) % self.wgs_per_group) * 128)
                 thr_mma_epi = tiled_mma.get_slice(ctid)
                 tCsA = thr_mma.partition_A(sA)
                 tCsB = thr_mma.partition_B(sB)
@@ -489,90 +576,119 @@ def _build_kernel_class():
                     pipeline.PipelineUserType.Consumer, self.stages
                 )
                 tile = bidx
+                j = cutlass.Int32(0)  # local tile counter of this CTA
                 while tile < self.num_tiles:
-                    e = tile // tiles_per_expert
-                    rem = tile - e * tiles_per_expert
+                    rank_e = tile // tiles_per_expert
+                    e = sPerm[rank_e]
+                    rem = tile - rank_e * tiles_per_expert
                     n_idx = rem // m_tiles
                     m_idx = rem - n_idx * m_tiles
-                    k_end = mOffsets[e]
-                    k_begin = cutlass.Int32(0)
-                    if e > 0:
-                        k_begin = mOffsets[e - 1]
-                    k_len = k_end - k_begin
-                    n_k = (k_len + tk - 1) // tk
-                    k_valid_last = k_len - (n_k - 1) * tk
+                    _k_base, head, k_len, n_k = self.k_range(mOffsets, e)
 
-                    acc.fill(0.0)
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.fence()
-                    for kt in cutlass.range(n_k, unroll=1):
-                        ab_pipe.consumer_wait(read_state)
-                        stage = read_state.index
-                        if kt == n_k - 1 and k_valid_last < tk:
-                            # Zero the rows past the expert's end in both operands.
-                            n_bad = tk - k_valid_last
-                            for i in cutlass.range(
-                                ctid, self.tile_m * n_bad, self.num_consumer_threads, unroll=1
-                            ):
-                                kk = k_valid_last + i // self.tile_m
-                                mm = i - (i // self.tile_m) * self.tile_m
-                                sA[(mm, kk, stage)] = self.ab_dtype(0.0)
-                            for i in cutlass.range(
-                                ctid, self.tile_n * n_bad, self.num_consumer_threads, unroll=1
-                            ):
-                                kk = k_valid_last + i // self.tile_n
-                                nn = i - (i // self.tile_n) * self.tile_n
-                                sB[(nn, kk, stage)] = self.ab_dtype(0.0)
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            mask_barrier.arrive_and_wait()
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            cute.gemm(
-                                tiled_mma,
-                                acc,
-                                tCrA[(None, None, kb, stage)],
-                                tCrB[(None, None, kb, stage)],
-                                acc,
-                            )
-                        cute.nvgpu.warpgroup.commit_group()
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        if kt > 0:
+                    mine = cutlass.Boolean(True)
+                    if cutlass.const_expr(self.num_groups > 1):
+                        mine = (j % self.num_groups) == group
+                    if mine:
+                        if cutlass.const_expr(self.num_groups > 1):
+                            if j > 0:  # wait for the other group's mainloop (pipeline order)
+                                pipeline.NamedBarrier(
+                                    barrier_id=3 + group, num_threads=2 * self.group_threads
+                                ).arrive_and_wait()
+                        acc.fill(0.0)
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                        cute.nvgpu.warpgroup.fence()
+                        for kt in cutlass.range(n_k, unroll=1):
+                            ab_pipe.consumer_wait(read_state)
+                            stage = read_state.index
+                            lo = cutlass.Int32(0)  # rows [0, lo) belong to the previous expert
+                            if kt == 0:
+                                lo = head
+                            hi = k_len - kt * tk  # rows [hi, tk) belong to the next expert
+                            if hi > tk:
+                                hi = cutlass.Int32(tk)
+                            if lo > 0 or hi < tk:
+                                # Zero the rows outside the expert in both operands.
+                                n_bad = lo + tk - hi
+                                for i in cutlass.range(
+                                    ctid, self.tile_m * n_bad, self.group_threads, unroll=1
+                                ):
+                                    r = i // self.tile_m
+                                    mm = i - r * self.tile_m
+                                    kk = r
+                                    if r >= lo:
+                                        kk = hi + r - lo
+                                    sA[(mm, kk, stage)] = self.ab_dtype(0.0)
+                                for i in cutlass.range(
+                                    ctid, self.tile_n * n_bad, self.group_threads, unroll=1
+                                ):
+                                    r = i // self.tile_n
+                                    nn = i - r * self.tile_n
+                                    kk = r
+                                    if r >= lo:
+                                        kk = hi + r - lo
+                                    sB[(nn, kk, stage)] = self.ab_dtype(0.0)
+                                cute.arch.fence_proxy("async.shared", space="cta")
+                                mask_barrier.arrive_and_wait()
+                            for kb in cutlass.range_constexpr(num_k_blocks):
+                                cute.gemm(
+                                    tiled_mma,
+                                    acc,
+                                    tCrA[(None, None, kb, stage)],
+                                    tCrB[(None, None, kb, stage)],
+                                    acc,
+                                )
+                            cute.nvgpu.warpgroup.commit_group()
+                            cute.nvgpu.warpgroup.wait_group(1)
+                            if kt > 0:
+                                ab_pipe.consumer_release(release_state)
+                                release_state.advance()
+                            read_state.advance()
+                        if cutlass.const_expr(self.num_groups > 1):
+                            if self.tile_of(j + 1, bidx, gdim) < self.num_tiles:  # other group's turn
+                                pipeline.NamedBarrier(
+                                    barrier_id=4 - group, num_threads=2 * self.group_threads
+                                ).arrive()
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        fence_accumulators(acc)
+                        if n_k > 0:
                             ab_pipe.consumer_release(release_state)
                             release_state.advance()
-                        read_state.advance()
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    if n_k > 0:
-                        ab_pipe.consumer_release(release_state)
-                        release_state.advance()
 
-                    # ---------------- epilogue: registers -> global ----------------
-                    if cutlass.const_expr(self.key.output_mode == "dense"):
-                        mC = mOut[(e, None, None)]
-                    else:
-                        out_ptr = cute.make_ptr(
-                            self.out_dtype,
-                            mOut[e],
-                            cute.AddressSpace.gmem,
-                            assumed_align=16,
-                        )
-                        mC = cute.make_tensor(
-                            out_ptr,
-                            cute.make_layout(
-                                (self.key.hidden, self.key.intermediate),
-                                stride=(self.key.intermediate, 1),
-                            ),
-                        )
-                    gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_idx, n_idx))
-                    tCgC = thr_mma_epi.partition_C(gC)
-                    if cutlass.const_expr(self.key.accumulate):
-                        if n_k > 0:
-                            cute.autovec_copy(tCgC, r_out)
-                            acc.store(acc.load() + r_out.load().to(self.acc_dtype))
+                        # ---------------- epilogue: registers -> global ----------------
+                        if cutlass.const_expr(self.key.output_mode == "dense"):
+                            mC = mOut[(e, None, None)]
+                        else:
+                            out_ptr = cute.make_ptr(
+                                self.out_dtype,
+                                mOut[e],
+                                cute.AddressSpace.gmem,
+                                assumed_align=16,
+                            )
+                            mC = cute.make_tensor(
+                                out_ptr,
+                                cute.make_layout(
+                                    (self.key.hidden, self.key.intermediate),
+                                    stride=(self.key.intermediate, 1),
+                                ),
+                            )
+                        gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_idx, n_idx))
+                        tCgC = thr_mma_epi.partition_C(gC)
+                        if cutlass.const_expr(self.key.accumulate):
+                            if n_k > 0:
+                                cute.autovec_copy(tCgC, r_out)
+                                acc.store(acc.load() + r_out.load().to(self.acc_dtype))
+                                r_out.store(acc.load().to(self.out_dtype))
+                                cute.autovec_copy(r_out, tCgC)
+                        else:
                             r_out.store(acc.load().to(self.out_dtype))
                             cute.autovec_copy(r_out, tCgC)
                     else:
-                        r_out.store(acc.load().to(self.out_dtype))
-                        cute.autovec_copy(r_out, tCgC)
-                    tile += gdim
+                        # another consumer group's tile: step over its pipeline stages
+                        for _kt in cutlass.range(n_k, unroll=1):
+                            read_state.advance()
+                            release_state.advance()
+                    j += 1
+                    tile = self.tile_of(j, bidx, gdim)
 
     return Sm90GroupedWgradKernel
 

@@ -23,6 +23,7 @@ Budgets per partition: SBUF usable bytes from nki-library (NKI_API.md §4.1), tr
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import threading
 import weakref
@@ -117,6 +118,9 @@ class _Fill:
         return p
 
 
+_UIDS = itertools.count()
+
+
 class Storage:
     """One allocation: a flat byte buffer plus bookkeeping.
 
@@ -136,6 +140,7 @@ class Storage:
         "owner_core",
         "partitions",
         "pbytes",
+        "uid",
         "version",
         "written",
     )
@@ -149,6 +154,7 @@ class Storage:
         self.name = name
         self.version = 0
         self.owner_core = None
+        self.uid = next(_UIDS)
 
 
 def _norm_shape(shape) -> tuple:
@@ -613,13 +619,23 @@ class IndirectAP:
         return flat, index, valid
 
 
+_PATTERN_CACHE: dict = {}
+
+
 def _pattern_index(shape, steps) -> np.ndarray:
-    """Element offsets of a strided pattern: sum_k i_k * steps[k], shape ``shape``."""
-    out = np.zeros(shape, dtype=np.int64)
-    for k, (n, st) in enumerate(zip(shape, steps)):
-        ax = [1] * len(shape)
-        ax[k] = n
-        out = out + (np.arange(n, dtype=np.int64) * st).reshape(ax)
+    """Element offsets of a strided pattern: sum_k i_k * steps[k], shape ``shape`` (cached)."""
+    key = (tuple(shape), tuple(steps))
+    out = _PATTERN_CACHE.get(key)
+    if out is None:
+        out = np.zeros(shape, dtype=np.int64)
+        for k, (n, st) in enumerate(zip(shape, steps)):
+            ax = [1] * len(shape)
+            ax[k] = n
+            out = out + (np.arange(n, dtype=np.int64) * st).reshape(ax)
+        out.setflags(write=False)
+        if len(_PATTERN_CACHE) > 256:
+            _PATTERN_CACHE.clear()
+        _PATTERN_CACHE[key] = out
     return out
 
 
@@ -673,6 +689,7 @@ class ProgramContext:
         self.counters = self.profile._core(program_id)
         self.region_stack = ["kernel"]
         self.launched = False  # True inside simulate()
+        self.deq_cache: dict = {}  # nc_matmul_mx dequantized operands, keyed by storage versions
 
     # --- allocation -------------------------------------------------------------------------
     def allocate(self, shape, dtype, buffer, name="") -> NkiTensor:
@@ -758,10 +775,10 @@ class ProgramContext:
 
 def _fill(data: np.ndarray, dtype: str) -> None:
     pat = _Fill.pattern(dtype)
-    if pat.size == 1:
-        data.fill(pat[0])
-    elif data.size % pat.size == 0:
-        data.reshape(-1, pat.size)[:] = pat
+    k = pat.size
+    if data.size % k == 0:
+        word = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[k]
+        data.view(word).fill(pat.view(word)[0])
     else:
         data[:] = np.resize(pat, data.size)
 

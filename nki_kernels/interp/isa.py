@@ -1031,6 +1031,28 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     return NkiInstruction(name)
 
 
+def _view_key(t):
+    st = t.storage
+    return (st.uid, st.version, t.boffset, t.shape, t.bstrides, t.dtype)
+
+
+def _dequant_operand(instr, arg, data, scale, P, C, prec):
+    """[P*4, C] dequantized operand (contraction rows p*4+i), cached per program instance
+    until either storage is written again (tiles reused across instructions dequantize once)."""
+    cache = current().deq_cache
+    key = (_view_key(data), _view_key(scale), prec)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    sc, rows = _scale_view_rows(instr, f"{arg}_scale", scale, P, C)
+    v = mxops.dequantize_x4(data._np().reshape(P, C), data.dtype, sc[rows], prec)
+    v = np.ascontiguousarray(v.transpose(0, 2, 1)).reshape(P * 4, C)
+    if len(cache) >= 8:
+        cache.pop(next(iter(cache)))
+    cache[key] = v
+    return v
+
+
 def _mm(a_KM: np.ndarray, b_KN: np.ndarray) -> np.ndarray:
     """``a^T @ b`` in the operands' precision (torch BLAS), rounded once to float32."""
     import torch
@@ -1137,12 +1159,10 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
                                                            and tile_size is None):
         raise _err(instr, "tile_position and tile_size must be given together")
     _matmul_dst(instr, dst, M, N, current().spec["nc_version"])
-    s_sc, s_rows = _scale_view_rows(instr, "stationary_scale", stationary_scale, P, M)
-    m_sc, m_rows = _scale_view_rows(instr, "moving_scale", moving_scale, P, N)
     prec = np.float64 if MATMUL_PRECISION["value"] == "float64" else np.float32
-    a = mxops.dequantize_x4(stationary._np().reshape(P, M), stationary.dtype, s_sc[s_rows], prec)
-    b = mxops.dequantize_x4(moving._np().reshape(P, N), moving.dtype, m_sc[m_rows], prec)
-    res = _mm(a.transpose(0, 2, 1).reshape(P * 4, M), b.transpose(0, 2, 1).reshape(P * 4, N))
+    a = _dequant_operand(instr, "stationary", stationary, stationary_scale, P, M, prec)
+    b = _dequant_operand(instr, "moving", moving, moving_scale, P, N, prec)
+    res = _mm(a, b)
     _accumulate_write(instr, dst, res, accumulate)
     _count("tensor", N + TENSOR_FIXED, 4 * P * M * N, macs_mx=4 * P * M * N)
     return NkiInstruction(name)

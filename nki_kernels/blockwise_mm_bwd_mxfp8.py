@@ -195,60 +195,75 @@ def _load_weight_k_major(w_hbm, e_sb, K: int, row_stride: int, col_stride: int, 
     return out
 
 
-def _matmul_mx(lhs, rhs, m0: int, M: int, n0: int, N: int, tl: _Tiling, dst_rows: int,
+class _Workspace:
+    """One phase's reusable accumulation tiles: a PSUM tile [128, tile_n] (fp32) and, when the
+    config folds PSUM partials, an fp32 SBUF accumulator of the same shape."""
+
+    def __init__(self, tl: _Tiling, ncols: int):
+        self.ncols = ncols
+        self.ps = nl.ndarray((PMAX, ncols), dtype=nl.float32, buffer=nl.psum)
+        self.acc = None
+        if tl.fold_k is not None:
+            self.acc = nl.ndarray((PMAX, ncols), dtype=nl.float32, buffer=nl.sbuf)
+
+
+def _matmul_mx(lhs, rhs, m0: int, M: int, n0: int, N: int, tl: _Tiling, ws: _Workspace,
                row0: int = 0):
-    """Sum over K tiles of ``lhs[:, m0:m0+M]^T @ rhs[:, n0:n0+N]`` into a fresh fp32 PSUM tile.
+    """Sum over K tiles of ``lhs[:, m0:m0+M]^T @ rhs[:, n0:n0+N]`` (fp32) into ``ws``.
 
     ``lhs``/``rhs``: lists of (x4 data, scales, partitions) per WRAPX K tile, K on partitions.
-    The result rows land at partitions ``row0 .. row0+M`` of a ``[dst_rows, N]`` tile (so the
-    rows line up with slot-layout tiles). Returns the PSUM tile, or an fp32 SBUF tile when the
-    config folds PSUM partials (``enable_psum_copy_in=False``).
+    The result rows land at partitions ``row0 .. row0+M`` (so they line up with slot-layout
+    tiles). The first instruction of a PSUM accumulation group overwrites (``accumulate=False``),
+    the rest add. Returns the result view: in PSUM, or in the fp32 SBUF accumulator when the
+    config folds PSUM partials every ``TILES_IN_BLOCK_K`` instructions
+    (``enable_psum_copy_in=False``).
     """
-    ps = nl.ndarray((dst_rows, N), dtype=nl.float32, buffer=nl.psum)
-    acc = None
+    ps = ws.ps[row0 : row0 + M, 0:N]
     steps = 0
+    folded = False
     for (lq, ls, vsk), (rq, rs, _) in zip(lhs, rhs):
         step = min(tl.p_mm, vsk)
         for pk in range(0, vsk, step):
             if tl.fold_k is not None and steps and steps % tl.fold_k == 0:
-                acc = _fold(acc, ps, dst_rows, N, row0, M)
-                ps = nl.ndarray((dst_rows, N), dtype=nl.float32, buffer=nl.psum)
+                _fold(ws, ps, row0, M, N, folded)
+                folded = True
+                steps = 0
             nisa.nc_matmul_mx(
-                dst=ps[row0 : row0 + M, :],
+                dst=ps,
                 stationary=lq[pk : pk + step, m0 : m0 + M],
                 moving=rq[pk : pk + step, n0 : n0 + N],
                 stationary_scale=ls[pk : pk + step, m0 : m0 + M],
                 moving_scale=rs[pk : pk + step, n0 : n0 + N],
+                accumulate=steps > 0,
             )
             steps += 1
-    if acc is not None:
-        return _fold(acc, ps, dst_rows, N, row0, M)
+    if folded:
+        _fold(ws, ps, row0, M, N, True)
+        return ws.acc[row0 : row0 + M, 0:N]
     return ps
 
 
-def _fold(acc, ps, rows: int, N: int, row0: int, M: int):
+def _fold(ws: _Workspace, ps, row0: int, M: int, N: int, add: bool):
     """Fold a PSUM partial into the fp32 SBUF accumulator (AWS's path without PSUM copy-in)."""
-    if acc is None:
-        acc = nl.ndarray((rows, N), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=acc[row0 : row0 + M, :], src=ps[row0 : row0 + M, :])
+    acc = ws.acc[row0 : row0 + M, 0:N]
+    if add:
+        nisa.tensor_tensor(dst=acc, data1=acc, data2=ps, op=nl.add)
     else:
-        nisa.tensor_tensor(
-            dst=acc[row0 : row0 + M, :], data1=acc[row0 : row0 + M, :],
-            data2=ps[row0 : row0 + M, :], op=nl.add,
-        )
-    return acc
+        nisa.tensor_copy(dst=acc, src=ps)
 
 
-def _matmul_rows(lhs, rhs, rows: int, n0: int, N: int, tl: _Tiling, lhs_col0: int):
-    """All ``rows`` stationary columns (from ``lhs_col0``) x N moving columns, tile_m at a time."""
+def _matmul_rows(lhs, rhs, rows: int, n0: int, N: int, tl: _Tiling, lhs_col0: int,
+                 ws: _Workspace):
+    """All ``rows`` stationary columns (from ``lhs_col0``) x N moving columns, tile_m at a time.
+
+    Returns the [rows, N] fp32 result view (PSUM, or SBUF when folding)."""
     tm = min(tl.tm, rows)
-    if tm == rows:
-        return _matmul_mx(lhs, rhs, lhs_col0, rows, n0, N, tl, rows)
-    ps = nl.ndarray((rows, N), dtype=nl.float32, buffer=nl.psum)
+    res = None
     for r0 in range(0, rows, tm):
-        part = _matmul_mx(lhs, rhs, lhs_col0 + r0, tm, n0, N, tl, rows, row0=r0)
-        nisa.tensor_copy(dst=ps[r0 : r0 + tm, :], src=part[r0 : r0 + tm, :])
-    return ps
+        res = _matmul_mx(lhs, rhs, lhs_col0 + r0, min(tm, rows - r0), n0, N, tl, ws, row0=r0)
+    if tm == rows:
+        return res
+    return (ws.acc if tl.fold_k is not None else ws.ps)[0:rows, 0:N]
 
 
 def _rmw_rows(dst_hbm, e_sb, res, rows: int, r0: int, row_stride: int, c0: int, ncols: int,
@@ -271,24 +286,37 @@ def _rmw_rows(dst_hbm, e_sb, res, rows: int, r0: int, row_stride: int, c0: int, 
     nisa.dma_copy(dst=view, src=old)
 
 
-def _rmw_tiles(dst_hbm, e_sb, tiles, rows: int, r0: int, row_stride: int, c0: int,
-               ncols: int):
-    """Read-add-write of column tiles ``[(n0, res [rows, nw]), ...]`` covering ``ncols`` columns
-    from ``c0`` of an expert's slab: one gather, one fp32 add (rounded to the slab's dtype) per
-    tile, one store (as :func:`_rmw_rows`, with fewer DMAs)."""
-    view = dst_hbm.ap(
+def _slab(dst_hbm, e_sb, rows: int, r0: int, row_stride: int, c0: int, ncols: int):
+    """HBM view of rows ``r0..r0+rows`` x columns ``c0..c0+ncols`` of expert ``e_sb``'s slab."""
+    return dst_hbm.ap(
         pattern=[[row_stride, rows], [1, ncols]],
         offset=r0 * row_stride + c0,
         scalar_offset=e_sb,
         indirect_dim=0,
     )
-    old = nl.ndarray((rows, ncols), dtype=dst_hbm.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=old, src=view)
-    for n0, res in tiles:
-        nw = res.shape[1]
-        nisa.tensor_tensor(dst=old[:, n0 : n0 + nw], data1=old[:, n0 : n0 + nw], data2=res,
-                           op=nl.add)
-    nisa.dma_copy(dst=view, src=old)
+
+
+def _wgrad_rmw(lhs, rhs, g: _Geo, tl: _Tiling, dst_hbm, e_sb, M0: int, M: int, N0: int,
+               N: int, row_stride: int):
+    """dst[e][M0.., N0..] += lhs[:, M0..]^T @ rhs[:, N0..] for an M x N weight-gradient slab.
+
+    Per tile_m row tile: one gather of the rows, per tile_n column tile one matmul group and one
+    fp32 add rounded to the slab's dtype (BF16 read-add-write, or the fp32 scratch), one store.
+    """
+    tm = min(tl.tm, PMAX)
+    ws = _Workspace(tl, min(tl.tn, N))
+    old = nl.ndarray((tm, N), dtype=dst_hbm.dtype, buffer=nl.sbuf)
+    for m0 in range(0, M, tm):
+        mw = min(tm, M - m0)
+        view = _slab(dst_hbm, e_sb, mw, M0 + m0, row_stride, N0, N)
+        o = old[0:mw, :]
+        nisa.dma_copy(dst=o, src=view)
+        for n0 in range(0, N, tl.tn):
+            nw = min(tl.tn, N - n0)
+            res = _matmul_mx(lhs, rhs, M0 + m0, mw, N0 + n0, nw, tl, ws)
+            nisa.tensor_tensor(dst=o[:, n0 : n0 + nw], data1=o[:, n0 : n0 + nw], data2=res,
+                               op=nl.add)
+        nisa.dma_copy(dst=view, src=o)
 
 
 def _zero_hbm_2d(dst_hbm, base: int, rows: int, row_stride: int, cols: int, zeros):
@@ -449,6 +477,7 @@ def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits):
     half = I // 2
     halves = [0, 1] if g.S == 1 else [g.shard]
     dyT = _k_major_from_slots(b.dy_w, g, g.H)  # stationary: dY^T, H on partitions
+    ws = _Workspace(tl, tn)
     for hf in halves:
         h0 = hf * half
         for nb0 in range(h0, h0 + half, n_block):
@@ -458,7 +487,7 @@ def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits):
             for lane in range(NL):
                 for n0 in range(0, nbw, tn):
                     nw = min(tn, nbw - n0)
-                    dh_raw = _matmul_rows(dyT, wdT, vs, n0, nw, tl, lhs_col0=lane * vs)
+                    dh_raw = _matmul_rows(dyT, wdT, vs, n0, nw, tl, lane * vs, ws)
                     _swiglu_bwd(b, g, lane, dh_raw, nb0 + n0, nw, clamp,
                                 da_ps[:, hf * NL + lane : hf * NL + lane + 1], ones)
     b.da = nl.ndarray((vs, NL), dtype=nl.float32, buffer=nl.sbuf)
@@ -602,6 +631,7 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool):
     nch = g.B // PMAX
     ids_nat = nl.ndarray((PMAX, nch), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=ids_nat, src=b.tpti.ap(pattern=[[1, PMAX], [PMAX, nch]], offset=b.n * g.B))
+    ws = _Workspace(tl, min(tl.tn, g.Hs))
     for nb0 in range(0, g.Hs, tl.n_block):
         nbw = min(tl.n_block, g.Hs - nb0)
         # moving: W_gate_up[e] viewed [H, 2I]: 2I on partitions (stride 1), H columns (stride 2I)
@@ -617,7 +647,7 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool):
                 nisa.dma_copy(dst=new, src=rows, oob_mode=b.token_oob)
             for n0 in range(0, nbw, tl.tn):
                 nw = min(tl.tn, nbw - n0)
-                res = _matmul_rows(dguT, wguT, PMAX, n0, nw, tl, lhs_col0=c * PMAX)
+                res = _matmul_rows(dguT, wguT, PMAX, n0, nw, tl, c * PMAX, ws)
                 if accumulate:
                     nisa.tensor_tensor(dst=new[:, n0 : n0 + nw], data1=new[:, n0 : n0 + nw],
                                        data2=res, op=nl.add)
@@ -632,12 +662,7 @@ def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc):
     I2 = 2 * g.I
     xq = _quantize_slots(b.x_w, g, g.H)  # stationary: X_blk, columns H
     dq = _quantize_slots(b.dgu_w, g, I2)  # moving: d_gate_up, columns 2I
-    tm = min(tl.tm, PMAX)
-    for m0 in range(0, g.Hs, tm):
-        mw = min(tm, g.Hs - m0)
-        res = [(n0, _matmul_mx(xq, dq, g.H0 + m0, mw, n0, min(tl.tn, I2 - n0), tl, mw))
-               for n0 in range(0, I2, tl.tn)]
-        _rmw_tiles(dwgu_acc, b.e_sb, res, mw, g.H0 + m0, I2, 0, I2)
+    _wgrad_rmw(xq, dq, g, tl, dwgu_acc, b.e_sb, g.H0, g.Hs, 0, I2, I2)
     if bias_acc is not None:
         # dB_gate_up[e] += sum over slots of d_gate_up (this core's I share of gate and up)
         ones = nl.ndarray((g.vs, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -659,12 +684,7 @@ def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc):
     H = g.H
     aq = _quantize_slots(b.ah_w, g, g.I)  # stationary: alpha*h, columns I
     yq = _quantize_slots(b.dy_w, g, H)  # moving: dY_blk, columns H
-    tm = min(tl.tm, PMAX)
-    for m0 in range(0, g.I, tm):
-        mw = min(tm, g.I - m0)
-        res = [(n0, _matmul_mx(aq, yq, m0, mw, g.H0 + n0, min(tl.tn, g.Hs - n0), tl, mw))
-               for n0 in range(0, g.Hs, tl.tn)]
-        _rmw_tiles(dwd_acc, b.e_sb, res, mw, m0, H, g.H0, g.Hs)
+    _wgrad_rmw(aq, yq, g, tl, dwd_acc, b.e_sb, 0, g.I, g.H0, g.Hs, H)
     if bias_acc is not None:
         # dB_down[e] += sum over slots of alpha * dY (fp32 products, TensorE sum over slots)
         ones = nl.ndarray((g.vs, 1), dtype=nl.float32, buffer=nl.sbuf)

@@ -360,8 +360,9 @@ def candidate_phase_overrides(M: int, K: int, N: int) -> list[dict[str, Any]]:
     """A small family of per-phase config overrides to try for one phase shape (M, K, N).
 
     AWS's defaults (one tile per block), then the whole K / N / M extent of a block kept
-    resident (each operand tile loaded and quantized once per block), all three together, and
-    that with ``spill_reload``. Only exact tile counts are used (tiles dividing the extent).
+    resident (each operand tile loaded and quantized once per block), all three together, that
+    with ``spill_reload``, then smaller ``tile_k`` / ``tile_n`` (256, 128) covering the whole
+    extent. Only exact tile counts are used (tiles dividing the extent).
     """
     tiles = {
         "tile_m": min(128, M),
@@ -376,8 +377,16 @@ def candidate_phase_overrides(M: int, K: int, N: int) -> list[dict[str, Any]]:
     whole_n = {"TILES_IN_BLOCK_N": nn, "TILES_IN_LOAD_N": nn}
     whole_m = {"TILES_IN_BLOCK_M": nm, "TILES_IN_LOAD_M": load_m}
     everything = {**whole_k, **whole_n, **whole_m}
+    family = [{}, whole_k, whole_n, whole_m, everything, {**everything, "spill_reload": True}]
+    # Smaller matmul tiles (more instructions, less padding inside a tile).
+    for tk in (256, 128):
+        if tk < tiles["tile_k"] and K % tk == 0:
+            family.append({"tile_k": tk, "TILES_IN_BLOCK_K": K // tk})
+    for tn in (256, 128):
+        if tn < tiles["tile_n"] and N % tn == 0:
+            family.append({"tile_n": tn, "TILES_IN_BLOCK_N": N // tn, "TILES_IN_LOAD_N": N // tn})
     out: list[dict[str, Any]] = []
-    for cand in ({}, whole_k, whole_n, whole_m, everything, {**everything, "spill_reload": True}):
+    for cand in family:
         if cand not in out:
             out.append(cand)
     return out

@@ -718,3 +718,19 @@ def test_bypass_stage():
     np.testing.assert_array_equal(d.numpy(), 2 * x)
     nisa.activation(d, nl.bypass, sbuf_from(x), scale=3.0)
     np.testing.assert_array_equal(d.numpy(), (3 * x).astype(np.float32))
+
+
+def test_engine_start_partition_rule():
+    t = nl.ndarray((128, 8), nl.float32)
+    nisa.memset(t[64:128, :], 1.0)  # 64 partitions at 64: legal
+    nisa.memset(t[96:112, :], 1.0)  # 16 at 96: legal
+    with pytest.raises(NkiError, match="starting at partition 16"):
+        nisa.memset(t[16:48, :], 1.0)
+    with pytest.raises(NkiError, match="starting at partition 32"):
+        nisa.tensor_copy(t[32:96, :], t[0:64, :])
+    src = nl.ndarray((16, 8), nl.float32)
+    nisa.dma_copy(t[16:32, :], src)  # DMA is not constrained
+    x = sbuf_from(np.ones((32, 16), BF16))
+    sc = nl.ndarray((128, 4), nl.uint8)
+    nisa.quantize_mx(nl.ndarray((32, 4), nl.float8_e4m3fn_x4), x, sc[8:, :])  # scale slot 8
+    assert (sc.numpy()[8:12] == 120).all()  # amax 1 -> 2^(0 - 7) -> byte 120

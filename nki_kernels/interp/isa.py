@@ -158,12 +158,37 @@ def _tensor(instr, arg, t, allow_indirect=False):
                f", got {type(t).__name__}")
 
 
-def _onchip(instr, arg, t, allow=(sbuf, psum)):
+def _onchip(instr, arg, t, allow=(sbuf, psum), start_rule=True):
     if t.buffer not in allow:
         names = "/".join(b.value for b in allow)
         raise _err(instr, f"{arg} must live in {names}, got {t.buffer.value}")
     if t.shape[0] > PMAX:
         raise _err(instr, f"{arg} has {t.shape[0]} partitions (max {PMAX})")
+    if start_rule:
+        _start_ok(instr, arg, t)
+
+
+# Start-partition rule of compute-engine operands (NKI_API.md §4.3): 64 < n <= 128 partitions
+# start at 0; 32 < n <= 64 at 0 or 64; n <= 32 at 0, 32, 64 or 96. MX scale views are exempt
+# (offsets 0/4/8/12 inside a quadrant). DMA is not constrained.
+CHECK_PARTITION_START = {"value": True}
+
+
+def _start_ok(instr, arg, t):
+    if not CHECK_PARTITION_START["value"] or not t.is_onchip:
+        return
+    pb = t.storage.pbytes
+    p0 = t.boffset // pb if pb else 0
+    n = t.shape[0]
+    if n > 64:
+        ok = p0 == 0
+    elif n > 32:
+        ok = p0 in (0, 64)
+    else:
+        ok = p0 % 32 == 0
+    if not ok:
+        raise _err(instr, f"{arg} spans {n} partitions starting at partition {p0}; engines "
+                   "need start 0 (n > 64), 0/64 (32 < n <= 64) or 0/32/64/96 (n <= 32)")
 
 
 def _pf(t):
@@ -1099,8 +1124,9 @@ def quantize_mx(dst, src, dst_scale, name=None):
     dst = _tensor(instr, "dst", dst)
     src = _tensor(instr, "src", src)
     dst_scale = _tensor(instr, "dst_scale", dst_scale)
-    for n, t in (("dst", dst), ("src", src), ("dst_scale", dst_scale)):
-        _onchip(instr, n, t, (sbuf,))
+    _onchip(instr, "dst", dst, (sbuf,))
+    _onchip(instr, "src", src, (sbuf,))
+    _onchip(instr, "dst_scale", dst_scale, (sbuf,), start_rule=False)
     if src.dtype not in (_dt.bfloat16, _dt.float16):
         raise _err(instr, f"src dtype must be bfloat16 or float16, got {src.dtype}")
     if dst.dtype not in (_dt.float8_e4m3fn_x4, _dt.float8_e5m2_x4):
@@ -1180,8 +1206,8 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=dma_eng
     instr = "sendrecv"
     src = _tensor(instr, "src", src)
     dst = _tensor(instr, "dst", dst)
-    _onchip(instr, "src", src, (sbuf,))
-    _onchip(instr, "dst", dst, (sbuf,))
+    _onchip(instr, "src", src, (sbuf,), start_rule=False)
+    _onchip(instr, "dst", dst, (sbuf,), start_rule=False)
     if src.dtype != dst.dtype or src.shape != dst.shape:
         raise _err(instr, f"src {src.shape}/{src.dtype} and dst {dst.shape}/{dst.dtype} must match")
     ctx = current()

@@ -734,3 +734,20 @@ def test_engine_start_partition_rule():
     sc = nl.ndarray((128, 4), nl.uint8)
     nisa.quantize_mx(nl.ndarray((32, 4), nl.float8_e4m3fn_x4), x, sc[8:, :])  # scale slot 8
     assert (sc.numpy()[8:12] == 120).all()  # amax 1 -> 2^(0 - 7) -> byte 120
+
+
+def test_dma_transpose_4d_and_hwdge_rules():
+    a = rng().standard_normal((4, 1, 8, 32)).astype(BF16)
+    h = hbm_from(a)
+    d = nl.ndarray((32, 1, 8, 4), nl.bfloat16)
+    nisa.dma_transpose(d, h, dge_mode=nisa.dge_mode.hwdge)
+    np.testing.assert_array_equal(d.numpy(), np.transpose(a, (3, 1, 2, 0)))
+    with pytest.raises(NkiError, match="not allowed"):
+        nisa.dma_transpose(d, h, axes=(3, 2, 1, 0))
+    bad = hbm_from(rng().standard_normal((8, 32)).astype(BF16))
+    with pytest.raises(NkiError, match="shape\\[0\\] == 16"):
+        nisa.dma_transpose(nl.ndarray((32, 8), nl.bfloat16), bad, dge_mode=nisa.dge_mode.hwdge)
+    i32 = hbm_from(np.arange(64, dtype=np.int32).reshape(16, 4))
+    d32 = nl.ndarray((4, 16), nl.int32)
+    nisa.dma_transpose(d32, i32)  # 4-byte types transpose bit-exactly (swdge)
+    np.testing.assert_array_equal(d32.numpy(), np.arange(64).reshape(16, 4).T)

@@ -536,12 +536,8 @@ class IndirectAP:
         self.scalar_offset, self.vector_offset = scalar_offset, vector_offset
         self._npdt = _dt.np_dtype(dtype)
         if vector_offset is not None:
-            vp = vector_offset.shape[0]
-            if vector_offset.size != vp:
-                raise NkiError(f"ap: vector_offset must be a (P, 1) tile, got {vector_offset.shape}")
-            if vp != shape[0]:
-                raise NkiError(f"ap: vector_offset has {vp} partitions but the pattern's leading "
-                               f"dim is {shape[0]}")
+            if not isinstance(vector_offset, NkiTensor) or not vector_offset.is_onchip:
+                raise NkiError("ap: vector_offset must be an SBUF index tile")
         elif isinstance(scalar_offset, NkiTensor):
             if scalar_offset.size != 1:
                 raise NkiError(f"ap: scalar_offset must be a (1, 1) tensor, got "
@@ -590,7 +586,13 @@ class IndirectAP:
         base = self.boffset // isz
         row_el = self.row_bytes // isz
         if self.vector_offset is not None:
-            idx = self.vector_offset._np().reshape(-1).astype(np.int64)
+            vo = self.vector_offset
+            if vo.size != vo.shape[0]:
+                raise NkiError(f"{where}: vector_offset must be a (P, 1) tile, got {vo.shape}")
+            if vo.shape[0] != self.shape[0]:
+                raise NkiError(f"{where}: vector_offset has {vo.shape[0]} partitions but the "
+                               f"pattern's leading dim is {self.shape[0]}")
+            idx = vo._np().reshape(-1).astype(np.int64)
             inner = _pattern_index(self.shape[1:], [s // isz for s in self.bstrides[1:]])
             valid = (idx >= 0) & (idx < self.rows)
             bad = ~valid

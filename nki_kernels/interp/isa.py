@@ -398,14 +398,32 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     if axes != default[nd]:
         raise _err(instr, f"axes {axes} not allowed for {nd}-D src (only {default[nd]})")
     skip = _oob_skip(instr, oob_mode)
+    sh = src.shape
+    if dge_mode is globals()["dge_mode"].hwdge:
+        if isinstance(src, IndirectAP):
+            raise _err(instr, "an indirect src needs SWDGE, not hwdge")
+        if src.itemsize != 2:
+            raise _err(instr, f"hwdge transpose needs a 2-byte dtype, got {src.dtype}")
+        if nd == 2 and sh[0] != 16:
+            raise _err(instr, f"hwdge 2-D transpose needs src.shape[0] == 16, got {sh}")
+        if nd > 2 and (sh[0] not in (1, 2, 4, 8, 16) or (sh[0] * sh[-2]) % 16):
+            raise _err(instr, f"hwdge {nd}-D transpose needs src.shape[0] in (1,2,4,8,16) and "
+                       f"src.shape[0]*src.shape[-2] % 16 == 0, got {sh}")
+        if sh[-1] > 128:
+            raise _err(instr, f"hwdge transpose needs src.shape[-1] <= 128, got {sh}")
     if isinstance(src, IndirectAP):
         if src.vector_offset is None:
             raise _err(instr, "indirect src needs a vector_offset")
-        if skip is False and oob_mode is not globals()["oob_mode"].error:
-            pass
-        vals, valid = _gather_transposed_rows(instr, src, skip)
         if src.itemsize != 2:
             raise _err(instr, "indirect dma_transpose needs a 2-byte dtype")
+        if sh[-1] > 128 or sh[0] % 16:
+            raise _err(instr, f"indirect src needs shape[-1] <= 128 and shape[0] % 16 == 0, got {sh}")
+        if nd == 4 and sh[1] != 1 and sh[2] != 1:
+            raise _err(instr, f"indirect 4-D src needs shape[1] == 1 or shape[2] == 1, got {sh}")
+        ip = src.vector_offset.shape[0]
+        if not 16 <= ip <= 128 or ip % 16:
+            raise _err(instr, f"indices need 16..128 partitions, a multiple of 16; got {ip}")
+        vals, valid = _gather_transposed_rows(instr, src, skip)
     else:
         if skip:
             raise _err(instr, "oob_mode.skip is only valid with an indirect src")

@@ -97,12 +97,60 @@ class MoEBackwardProblem:
     def has_bias(self) -> bool:
         return self.b_gate_up_E2I is not None or self.b_down_EH is not None
 
+    def validate(self) -> None:
+        """Check shapes, dtypes, devices and the plan against each other.
+
+        Raises:
+            ValueError: naming the first argument that breaks a rule (rank, shape, dtype,
+                device, or a plan of another T / E).
+        """
+        x = self.hidden_states_TH
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError(f"hidden_states_TH must be a 2-D [T, H] tensor, got {_shape(x)}")
+        T, H = x.shape
+        w = self.w_gate_up_EH2I
+        if not isinstance(w, torch.Tensor) or w.dim() != 4 or w.shape[1] != H or w.shape[2] != 2:
+            raise ValueError(f"w_gate_up_EH2I must be [E, H={H}, 2, I], got {_shape(w)}")
+        E, _, _, I = w.shape
+        if self.plan.num_tokens != T:
+            raise ValueError(f"plan has T={self.plan.num_tokens} tokens, hidden_states_TH has {T} rows")
+        if self.plan.num_experts != E:
+            raise ValueError(f"plan has E={self.plan.num_experts} experts, the weights have {E}")
+        R = T * self.plan.top_k
+        want = {
+            "output_grad_TH": (self.output_grad_TH, (T, H)),
+            "w_down_EIH": (self.w_down_EIH, (E, I, H)),
+            "act_checkpoint_R2I": (self.act_checkpoint_R2I, (R, 2, I)),
+            "b_gate_up_E2I": (self.b_gate_up_E2I, (E, 2, I)),
+            "b_down_EH": (self.b_down_EH, (E, H)),
+        }
+        for name, (t, shape) in want.items():
+            if t is None and name.startswith("b_"):
+                continue
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                raise ValueError(f"{name} must have shape {list(shape)}, got {_shape(t)}")
+        named = {"hidden_states_TH": x, "w_gate_up_EH2I": w}
+        named.update({k: v for k, (v, _) in want.items() if v is not None})
+        for name, t in named.items():
+            if not t.is_floating_point():
+                raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+            if t.device != x.device:
+                raise ValueError(
+                    f"{name} is on device {t.device} but hidden_states_TH is on {x.device}"
+                )
+        if self.plan.device != x.device:
+            raise ValueError(f"plan is on device {self.plan.device} but hidden_states_TH is on {x.device}")
+
     @property
     def dims(self) -> dict[str, int]:
         """The dimension legend of this problem: T, H, I, E, K."""
         T, H = self.hidden_states_TH.shape
         E, I, _ = self.w_down_EIH.shape
         return {"T": T, "H": H, "I": I, "E": E, "K": self.plan.top_k}
+
+
+def _shape(t) -> str:
+    return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 @dataclass

@@ -90,9 +90,14 @@ def _check_weights(
         raise ValueError(f"b_gate_up must be [E, 2, I] = [{E}, 2, {I}], got {tuple(b_gate_up_E2I.shape)}")
     if b_down_EH is not None and tuple(b_down_EH.shape) != (E, H):
         raise ValueError(f"b_down must be [E, H] = [{E}, {H}], got {tuple(b_down_EH.shape)}")
-    for name, t in (("hidden_states", x_TH), ("w_gate_up", w_gate_up_EH2I), ("w_down", w_down_EIH)):
+    for name, t in (("hidden_states", x_TH), ("w_gate_up", w_gate_up_EH2I), ("w_down", w_down_EIH),
+                    ("b_gate_up", b_gate_up_E2I), ("b_down", b_down_EH)):
+        if t is None:
+            continue
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+        if t.device != x_TH.device:
+            raise ValueError(f"{name} is on device {t.device} but hidden_states is on {x_TH.device}")
     return E, H, I
 
 
@@ -189,21 +194,54 @@ def _pairs_backward(x_TH, dy_TH, w_gate_up_EH2I, w_down_EIH, tok_P, exp_P, aff_P
 
 
 # ------------------------------------------------------------------------- blockwise-native
+def _check_blockwise(token_position_to_id, block_to_expert, expert_affinities_masked, block_size,
+                     padding, device) -> int:
+    """Validate the blockwise routing tensors; returns N."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    for name, t in (("token_position_to_id", token_position_to_id),
+                    ("block_to_expert", block_to_expert)):
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {getattr(t, 'dtype', type(t))}")
+    if not expert_affinities_masked.is_floating_point():
+        raise ValueError(
+            f"expert_affinities_masked must be a floating tensor, got {expert_affinities_masked.dtype}"
+        )
+    for name, t in (("token_position_to_id", token_position_to_id),
+                    ("block_to_expert", block_to_expert),
+                    ("expert_affinities_masked", expert_affinities_masked)):
+        if t.device != device:
+            raise ValueError(f"{name} is on device {t.device} but hidden_states is on {device}")
+    n = token_position_to_id.numel()
+    if n % block_size:
+        raise ValueError(
+            f"token_position_to_id length {n} must be a multiple of block_size={block_size}"
+        )
+    return n // block_size
+
+
 def _blockwise_pairs(token_position_to_id, block_to_expert, expert_affinities_masked, block_size,
-                     num_tokens, num_experts):
-    """Real slots of a blockwise layout -> (position, token, expert, affinity)."""
+                     num_tokens, num_experts, padding):
+    """Real slots of a blockwise layout -> (position, token, expert, affinity).
+
+    Ids in [0, T) are real; the padding id is -1 (``skip``) or T (``zero_row``); any other id
+    raises (a silently skipped slot would drop a real token).
+    """
     B = block_size
     tpti = token_position_to_id.reshape(-1).to(torch.int64)
-    if tpti.numel() % B:
-        raise ValueError(
-            f"token_position_to_id length {tpti.numel()} must be a multiple of block_size={B}"
-        )
     N = tpti.numel() // B
     b2e = block_to_expert.reshape(-1).to(torch.int64)
     if b2e.numel() != N:
         raise ValueError(f"block_to_expert must have N={N} entries, got {b2e.numel()}")
     if N and (int(b2e.min()) < 0 or int(b2e.max()) >= num_experts):
         raise ValueError(f"block_to_expert values must lie in [0, E={num_experts})")
+    pad = -1 if padding == "skip" else num_tokens
+    bad = ~(((tpti >= 0) & (tpti < num_tokens)) | (tpti == pad))
+    if bool(bad.any()):
+        raise ValueError(
+            f"token_position_to_id holds ids outside [0, T={num_tokens}) other than the padding "
+            f"id {pad} of padding={padding!r}, e.g. {int(tpti[bad][0])}"
+        )
     pos = ((tpti >= 0) & (tpti < num_tokens)).nonzero().flatten()
     tok = tpti[pos]
     exp = b2e[pos // B]
@@ -239,9 +277,9 @@ def moe_forward_reference(
         block_size: B.
         b_gate_up: optional [E, 2, I].  b_down: optional [E, H].
         clamp_limits: optional :class:`ClampLimits`.  affinity_option: "on_i" or "on_h".
-        padding: "skip" (padding slots are -1; any id outside [0, T) is skipped) or
-            "zero_row" (hidden_states and affinities carry the extra row T; slots holding T are
-            padding and row T is never read, so it may hold anything, NaN included).
+        padding: "skip" (padding slots hold -1) or "zero_row" (hidden_states and affinities
+            carry the extra row T; slots holding T are padding and row T is never read, so it
+            may hold anything, NaN included). Any other id outside [0, T) raises.
     Returns:
         (y [T, H] float64, gate_up_proj_act_checkpoint_T [N, 2, I, B] float64): the output and
         the clamped gate/up pre-activations per slot (padding slots 0), B contiguous.
@@ -250,16 +288,17 @@ def moe_forward_reference(
     """
     _check_affinity_option(affinity_option)
     E, H, I = _check_weights(hidden_states, w_gate_up, w_down, b_gate_up, b_down)
+    N = _check_blockwise(token_position_to_id, block_to_expert, expert_affinities_masked,
+                         block_size, padding, hidden_states.device)
     T = _num_tokens_of(padding, hidden_states, expert_affinities_masked, E)
     pos, tok, exp, aff = _blockwise_pairs(
-        token_position_to_id, block_to_expert, expert_affinities_masked, block_size, T, E
+        token_position_to_id, block_to_expert, expert_affinities_masked, block_size, T, E, padding
     )
     y, act = _pairs_forward(
         hidden_states[:T], w_gate_up, w_down, tok, exp, aff, b_gate_up, b_down, clamp_limits,
         affinity_option,
     )
     B = block_size
-    N = token_position_to_id.numel() // B
     ckpt = torch.zeros(N * B, 2, I, dtype=_F64, device=hidden_states.device)
     ckpt[pos] = act
     return y, ckpt.reshape(N, B, 2, I).permute(0, 2, 3, 1).contiguous()
@@ -321,16 +360,21 @@ def moe_backward_reference(
             f"output_hidden_states_grad shape {tuple(output_hidden_states_grad.shape)} must equal "
             f"hidden_states shape {tuple(hidden_states.shape)}"
         )
+    N = _check_blockwise(token_position_to_id, block_to_expert, expert_affinities_masked,
+                         block_size, padding, hidden_states.device)
     T = _num_tokens_of(padding, hidden_states, expert_affinities_masked, E)
     B = block_size
-    N = token_position_to_id.numel() // B
+    for name, t in (("output_hidden_states_grad", output_hidden_states_grad),
+                    ("gate_up_proj_act_checkpoint_T", gate_up_proj_act_checkpoint_T)):
+        if t.device != hidden_states.device:
+            raise ValueError(f"{name} is on device {t.device} but hidden_states is on {hidden_states.device}")
     if tuple(gate_up_proj_act_checkpoint_T.shape) != (N, 2, I, B):
         raise ValueError(
             f"gate_up_proj_act_checkpoint_T must be [N, 2, I, B] = [{N}, 2, {I}, {B}], got "
             f"{tuple(gate_up_proj_act_checkpoint_T.shape)}"
         )
     pos, tok, exp, aff = _blockwise_pairs(
-        token_position_to_id, block_to_expert, expert_affinities_masked, B, T, E
+        token_position_to_id, block_to_expert, expert_affinities_masked, B, T, E, padding
     )
     act = gate_up_proj_act_checkpoint_T.permute(0, 3, 1, 2).reshape(N * B, 2, I)[pos]
     dX, dA_P, dWgu, dWd, dBgu, dBd = _pairs_backward(
@@ -405,15 +449,8 @@ def reference_backward(problem: MoEBackwardProblem, affinity_option: str = AFFIN
     """
     _check_affinity_option(affinity_option)
     p = problem
-    E, H, I = _check_weights(p.hidden_states_TH, p.w_gate_up_EH2I, p.w_down_EIH, p.b_gate_up_E2I, p.b_down_EH)
-    _check_plan(p.plan, p.hidden_states_TH, E)
-    R = p.plan.pair_token_R.shape[0]
-    if tuple(p.act_checkpoint_R2I.shape) != (R, 2, I):
-        raise ValueError(
-            f"act_checkpoint_R2I must be [R, 2, I] = [{R}, 2, {I}], got {tuple(p.act_checkpoint_R2I.shape)}"
-        )
-    if p.output_grad_TH.shape != p.hidden_states_TH.shape:
-        raise ValueError("output_grad_TH must have the shape of hidden_states_TH")
+    p.validate()
+    E = p.w_gate_up_EH2I.shape[0]
     idx, tok, exp, aff = _plan_pairs(p.plan)
     dX, dA_P, dWgu, dWd, dBgu, dBd = _pairs_backward(
         p.hidden_states_TH, p.output_grad_TH, p.w_gate_up_EH2I, p.w_down_EIH, tok, exp, aff,

@@ -114,18 +114,15 @@ def moe_backward_torch(
     Returns:
         :class:`~common.problem.MoEGrads` in fp32 on the problem's device.
     Raises:
-        ValueError: inconsistent problem shapes.
+        ValueError: from :meth:`MoEBackwardProblem.validate` (shapes, dtypes, devices, plan).
     """
     p = problem
+    p.validate()
     plan = p.plan
     x_TH, dy_TH = p.hidden_states_TH, p.output_grad_TH
     T, H = x_TH.shape
     E, _, _, I = p.w_gate_up_EH2I.shape
     R = plan.pair_token_R.shape[0]
-    if tuple(p.w_down_EIH.shape) != (E, I, H) or dy_TH.shape != x_TH.shape or plan.num_tokens != T:
-        raise ValueError("moe_backward_torch: inconsistent shapes between weights, tokens and plan")
-    if tuple(p.act_checkpoint_R2I.shape) != (R, 2, I):
-        raise ValueError(f"act_checkpoint_R2I must be [R, 2, I] = [{R}, 2, {I}]")
     wgrad = grouped_wgrad or grouped_wgrad_default
     cd = compute_dtype
     dev = x_TH.device

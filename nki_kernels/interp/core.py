@@ -566,6 +566,28 @@ class IndirectAP:
         kind = "vector" if self.vector_offset is not None else "scalar"
         return f"IndirectAP({kind}, name={self.name!r}, shape={self.shape}, dtype={self.dtype})"
 
+    def row_table(self, where: str, oob_skip: bool):
+        """Fast path of the vector form: ``(table, rows_idx, valid)`` with ``table[i]`` the
+        pattern's inner block at row ``i`` (a strided view), or None when it does not apply."""
+        vo = self.vector_offset
+        if vo is None:
+            return None
+        if vo.size != vo.shape[0] or vo.shape[0] != self.shape[0]:
+            return None  # resolve() raises the error
+        try:
+            table = np.ndarray((self.rows,) + self.shape[1:], self._npdt,
+                               buffer=self.storage.data, offset=self.boffset,
+                               strides=(self.row_bytes,) + self.bstrides[1:])
+        except (ValueError, TypeError):
+            return None
+        idx = vo._np().reshape(-1).astype(np.int64)
+        valid = (idx >= 0) & (idx < self.rows)
+        if not oob_skip and not valid.all():
+            bad = int(idx[~valid][0])
+            raise NkiOOBError(f"{where}: indirect index {bad} out of bounds [0, {self.rows}) with "
+                              "oob_mode.error")
+        return table, idx, valid
+
     def resolve(self, where: str, oob_skip: bool):
         """Element indices into the storage (typed flat view) and the per-row valid mask.
 

@@ -294,10 +294,31 @@ def _psum_engine_rule(instr, eng, *tensors):
 def _dma_read(instr, src, oob_skip):
     """Values of src as [R, per_row] in src's storage dtype, and the valid mask [R] (or None)."""
     if isinstance(src, IndirectAP):
+        fast = src.row_table(instr, oob_skip)
+        if fast is not None:
+            table, idx, valid = fast
+            vals = table[np.where(valid, idx, 0)]
+            return vals.reshape(valid.shape[0], -1), valid
         flat, index, valid = src.resolve(instr, oob_skip)
         vals = flat[index]
         return vals.reshape(valid.shape[0], -1), valid
     return src._np(), None
+
+
+def _scatter(instr, dst, vals, skip):
+    """Write [R, per_row] ``vals`` (dst dtype) through the indirect ``dst``; skipped rows dropped."""
+    fast = dst.row_table(instr, skip)
+    if fast is not None:
+        table, idx, valid = fast
+        R = valid.shape[0]
+        v = np.asarray(vals).reshape((R,) + table.shape[1:])
+        table[idx[valid]] = v[valid]
+    else:
+        flat, index, dvalid = dst.resolve(instr, skip)
+        R = dvalid.shape[0]
+        v = np.asarray(vals).reshape(R, -1)
+        flat[index.reshape(R, -1)[dvalid]] = v[dvalid]
+    dst.storage.version += 1
 
 
 def _convert(instr, vals, src_dtype, dst, dge):
@@ -342,13 +363,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
             raise _err(instr, "vector_offset (indirect) DMA needs SWDGE, not hwdge")
     vals, valid = _dma_read(instr, src, skip)
     if isinstance(dst, IndirectAP):
-        vals = _convert(instr, vals, src.dtype, dst, dge_mode)
-        flat, index, dvalid = dst.resolve(instr, skip)
-        R = dvalid.shape[0]
-        v = np.asarray(vals).reshape(R, -1)
-        idx = index.reshape(R, -1)
-        flat[idx[dvalid]] = v[dvalid]
-        dst.storage.version += 1
+        _scatter(instr, dst, _convert(instr, vals, src.dtype, dst, dge_mode), skip)
     else:
         vals = _convert(instr, vals, src.dtype, dst, dge_mode)
         out = dst._np()
@@ -503,11 +518,7 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
         if valid is not None:
             valid_all = valid if valid_all is None else valid_all & valid
     if isinstance(dst, IndirectAP):
-        flat, index, dvalid = dst.resolve(instr, skip)
-        R = dvalid.shape[0]
-        idx = index.reshape(R, -1)
-        flat[idx[dvalid]] = _cast(acc.reshape(R, -1)[dvalid], dst.dtype)
-        dst.storage.version += 1
+        _scatter(instr, dst, _cast(acc, dst.dtype).reshape(dst.shape[0], -1), skip)
     else:
         if valid_all is not None and not valid_all.all():
             R = valid_all.shape[0]

@@ -145,8 +145,8 @@ def _strict_mask(v: torch.Tensor, lo: Optional[float], hi: Optional[float]) -> t
 
 def _accumulate(acc: torch.Tensor, add: torch.Tensor, fp32: bool) -> torch.Tensor:
     """One read-add-write: fp32 sum, then BF16 rounding unless accumulating in fp32."""
-    s = acc + add
-    return s if fp32 else s.to(_BF16).to(_F32)
+    s = acc + add.to(acc.dtype)
+    return s if fp32 else s.to(_BF16).to(acc.dtype)
 
 
 def blockwise_mm_bwd_mxfp8_torch(
@@ -165,6 +165,7 @@ def blockwise_mm_bwd_mxfp8_torch(
     is_tensor_update_accumulating: bool = True,
     accumulation_dtype: Optional[object] = None,
     phase_configs: tuple[Optional[MatmulMxfp8KernelConfig], ...] = (None, None, None, None),
+    output_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, ...]:
     """The golden backward: same per-phase MX quantization and BF16 rounding points as the kernel.
 
@@ -187,6 +188,9 @@ def blockwise_mm_bwd_mxfp8_torch(
         phase_configs: the kernel's phase1..phase4 configs (None = AWS defaults); only
             ``tile_k`` and ``enable_psum_copy_in`` / ``TILES_IN_BLOCK_K`` matter here (they set
             the fp32 summation order).
+        output_dtype: None (the kernel's: BF16, dA in the affinities' dtype) or a float dtype
+            for unrounded outputs; with ``accumulation_dtype=torch.float64`` the cross-block
+            sums are then exact up to fp64 (the "MX-exact" oracle for accumulation tests).
 
     Returns:
         ``(dX [T, H], dA [T*E, 1], dW_gate_up [E, H, 2, I], dW_down [E, I, H])`` and, with
@@ -206,7 +210,9 @@ def blockwise_mm_bwd_mxfp8_torch(
     ckpt = gate_up_proj_act_checkpoint_T
     if tuple(ckpt.shape) != (N, 2, I, B):
         raise ValueError(f"gate_up_proj_act_checkpoint_T must be [{N}, 2, {I}, {B}]")
-    fp32_acc = accumulation_dtype is not None and str(accumulation_dtype).endswith("float32")
+    acc_name = "" if accumulation_dtype is None else str(accumulation_dtype)
+    fp32_acc = acc_name.endswith("float32") or acc_name.endswith("float64")
+    acc_dt = torch.float64 if acc_name.endswith("float64") else _F32
     cl = clamp_limits or ClampLimits()
     cfgs = default_phase_configs(H, I, B, False, tuple(phase_configs))
     folds = [None if c.enable_psum_copy_in else (c.TILES_IN_BLOCK_K or 1) for c in cfgs]
@@ -227,12 +233,12 @@ def blockwise_mm_bwd_mxfp8_torch(
     w_gu = gate_up_proj_weight.to(_F32).reshape(E, H, 2 * I)
     w_d = down_proj_weight.to(_F32)
 
-    dX = torch.zeros(T, H, dtype=_F32)
+    dX = torch.zeros(T, H, dtype=acc_dt)
     dA = torch.zeros(T * E, dtype=_F32)
-    dWgu = torch.zeros(E, H, 2 * I, dtype=_F32)
-    dWd = torch.zeros(E, I, H, dtype=_F32)
-    dBgu = torch.zeros(E, 2 * I, dtype=_F32)
-    dBd = torch.zeros(E, H, dtype=_F32)
+    dWgu = torch.zeros(E, H, 2 * I, dtype=acc_dt)
+    dWd = torch.zeros(E, I, H, dtype=acc_dt)
+    dBgu = torch.zeros(E, 2 * I, dtype=acc_dt)
+    dBd = torch.zeros(E, H, dtype=acc_dt)
     zero = torch.zeros((), dtype=_F32)
 
     for n in range(N):
@@ -272,7 +278,7 @@ def blockwise_mm_bwd_mxfp8_torch(
         if is_tensor_update_accumulating:
             dX[rows] = _accumulate(dX[rows], dx_BH[valid], fp32_acc)
         else:
-            dX[rows] = dx_BH[valid] if fp32_acc else dx_BH[valid].to(_BF16).to(_F32)
+            dX[rows] = (dx_BH[valid] if fp32_acc else dx_BH[valid].to(_BF16)).to(acc_dt)
 
         # phase 3 / phase 4: weight gradients, contraction over the block's slots
         xq = mx_fake_quant(x_BH, 0)
@@ -285,12 +291,13 @@ def blockwise_mm_bwd_mxfp8_torch(
             dBgu[e] = _accumulate(dBgu[e], _lane_sum(dgu_B2I, vs), fp32_acc)
             dBd[e] = _accumulate(dBd[e], _lane_sum(dy_BH * a_B1, vs), fp32_acc)
 
+    odt = output_dtype or _BF16
     out = (
-        dX.to(_BF16),
-        dA.to(expert_affinities_masked.dtype).reshape(T * E, 1),
-        dWgu.to(_BF16).reshape(E, H, 2, I),
-        dWd.to(_BF16),
+        dX.to(odt),
+        dA.to(output_dtype or expert_affinities_masked.dtype).reshape(T * E, 1),
+        dWgu.to(odt).reshape(E, H, 2, I),
+        dWd.to(odt),
     )
     if bias:
-        out = out + (dBgu.to(_BF16).reshape(E, 2, I), dBd.to(_BF16))
+        out = out + (dBgu.to(odt).reshape(E, 2, I), dBd.to(odt))
     return out

@@ -309,6 +309,24 @@ def _build_kernel_class():
             self.ab_dtype = cutlass.BFloat16
             self.acc_dtype = cutlass.Float32
             self.align_k = 8 if "k" in (key.a_major, key.b_major) else 1
+            # Dense outputs leave through shared memory and TMA stores (TMA reduce-add when
+            # accumulating), in (tile_m, 32) sub-tiles, epi_stages buffers per consumer group;
+            # discrete outputs (a pointer per expert) are stored from registers.
+            self.tma_epi = key.output_mode == "dense"
+            self.epi_tile = (self.tile_m, 32)
+            out_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[key.out_dtype]
+            sub_bytes = self.tile_m * 32 * out_bytes
+            header = 2048 + 8 * key.num_experts + 16 * t.stages
+            self.epi_stages = 2
+            while self.tma_epi and self.epi_stages > 1 and (
+                header + t.stage_bytes * t.stages + sub_bytes * self.epi_stages * self.num_groups
+                > _SMEM_BYTES
+            ):
+                self.epi_stages -= 1
+            epi_bytes = sub_bytes * self.epi_stages * self.num_groups if self.tma_epi else 0
+            self.stages = min(t.stages, (_SMEM_BYTES - header - epi_bytes) // t.stage_bytes)
+            if self.stages < 2:
+                raise ValueError(f"{t} leaves no room for 2 pipeline stages with its epilogue")
             self.producer_regs = 40
             self.consumer_regs = 232 if self.num_consumer_wgs == 2 else 160
 
@@ -371,6 +389,16 @@ def _build_kernel_class():
             )
             a_smem_one = cute.slice_(a_smem_staged, (None, None, 0))
             b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
+            epi_smem_staged = a_smem_staged  # placeholder when the epilogue stores from registers
+            epi_cosize = 64
+            if cutlass.const_expr(self.tma_epi):
+                epi_smem_staged = sm90_utils.make_smem_layout_epi(
+                    self.out_dtype,
+                    utils.LayoutEnum.ROW_MAJOR,
+                    self.epi_tile,
+                    self.epi_stages * self.num_groups,
+                )
+                epi_cosize = cute.cosize(epi_smem_staged)
             tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
                 mA,
@@ -384,6 +412,22 @@ def _build_kernel_class():
                 (self.tile_n, self.tile_k),
             )
 
+            tma_atom_c, tma_c = tma_atom_a, tma_a  # placeholders for the discrete mode
+            if cutlass.const_expr(self.tma_epi):
+                m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
+                mC_mne = cute.make_tensor(
+                    mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
+                )
+                store_op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
+                if cutlass.const_expr(self.key.accumulate):
+                    store_op = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp()
+                tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    store_op,
+                    mC_mne,
+                    cute.slice_(epi_smem_staged, (None, None, 0)),
+                    self.epi_tile,
+                )
+
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
@@ -395,6 +439,7 @@ def _build_kernel_class():
                 sB: cute.struct.Align[
                     cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], 1024
                 ]
+                sC: cute.struct.Align[cute.struct.MemRange[self.out_dtype, epi_cosize], 1024]
 
             self.shared_storage = SharedStorage
             self.kernel(
@@ -402,11 +447,14 @@ def _build_kernel_class():
                 tma_a,
                 tma_atom_b,
                 tma_b,
+                tma_atom_c,
+                tma_c,
                 mOffsets,
                 mOut,
                 tiled_mma,
                 a_smem_staged,
                 b_smem_staged,
+                epi_smem_staged,
             ).launch(
                 grid=[num_ctas, 1, 1],
                 block=[self.threads, 1, 1],
@@ -422,11 +470,14 @@ def _build_kernel_class():
             tma_a: cute.Tensor,
             tma_atom_b: cute.CopyAtom,
             tma_b: cute.Tensor,
+            tma_atom_c: cute.CopyAtom,
+            tma_c: cute.Tensor,
             mOffsets: cute.Tensor,
             mOut: cute.Tensor,
             tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout,
+            epi_smem_staged: cute.ComposedLayout,
         ):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
@@ -437,6 +488,8 @@ def _build_kernel_class():
             if warp_idx == 0:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+                if cutlass.const_expr(self.tma_epi):
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
 
             a_smem_one = cute.slice_(a_smem_staged, (None, None, 0))
             b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
@@ -568,6 +621,37 @@ def _build_kernel_class():
                 acc_shape = thr_mma_epi.partition_C(ref_tile).shape
                 acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
                 r_out = cute.make_rmem_tensor(acc_shape, self.out_dtype)
+                if cutlass.const_expr(self.tma_epi):
+                    sC = storage.sC.get_tensor(
+                        epi_smem_staged.outer, swizzle=epi_smem_staged.inner
+                    )
+                    r2s_atom = sm90_utils.get_smem_store_op(
+                        utils.LayoutEnum.ROW_MAJOR, self.out_dtype, self.acc_dtype
+                    )
+                    c_atom = cute.make_copy_atom(
+                        cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype
+                    )
+                    tiled_r2s = cute.make_tiled_copy_S(
+                        r2s_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma)
+                    )
+                    thr_r2s = tiled_r2s.get_slice(ctid)
+                    tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, buffer)
+                    tRS_acc = tiled_r2s.retile(acc)
+                    rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+                    tRS_rC = cute.make_rmem_tensor(rC_shape, self.acc_dtype)
+                    tRS_rC_out = cute.make_rmem_tensor(rC_shape, self.out_dtype)
+                    sub_size = cute.size(tRS_rC)
+                    gC_all = cute.local_tile(
+                        tma_c, (self.tile_m, self.tile_n), (None, None, None)
+                    )
+                    store_pipe = pipeline.PipelineTmaStore.create(
+                        num_stages=self.epi_stages,
+                        producer_group=pipeline.CooperativeGroup(
+                            pipeline.Agent.Thread, self.group_threads
+                        ),
+                    )
+                    store_warp = 4 + group * 4 * self.wgs_per_group
+                    epi_count = cutlass.Int32(0)
 
                 read_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, self.stages
@@ -654,10 +738,49 @@ def _build_kernel_class():
                             ab_pipe.consumer_release(release_state)
                             release_state.advance()
 
-                        # ---------------- epilogue: registers -> global ----------------
-                        if cutlass.const_expr(self.key.output_mode == "dense"):
-                            mC = mOut[(e, None, None)]
+                        # ---------------- epilogue ----------------
+                        if cutlass.const_expr(self.tma_epi):
+                            # registers -> smem sub-tile (stmatrix) -> TMA store / reduce-add
+                            skip = cutlass.Boolean(False)
+                            if cutlass.const_expr(self.key.accumulate):
+                                skip = n_k == 0  # empty expert: leave the output untouched
+                            if not skip:
+                                gC_t = gC_all[(None, None, m_idx, n_idx, e)]
+                                gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
+                                bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+                                    tma_atom_c,
+                                    0,
+                                    cute.make_layout(1),
+                                    cute.group_modes(sC, 0, 2),
+                                    gC_epi,
+                                )
+                                n_sub = cute.size(gC_epi, mode=[1])
+                                sub_shape = gC_epi.shape[1]
+                                sub_layout = cute.make_layout(
+                                    sub_shape, stride=(sub_shape[1], 1)
+                                )
+                                for si in cutlass.range_constexpr(n_sub):
+                                    for v in cutlass.range_constexpr(sub_size):
+                                        tRS_rC[v] = tRS_acc[si * sub_size + v]
+                                    tRS_rC_out.store(tRS_rC.load().to(self.out_dtype))
+                                    buf = group * self.epi_stages + epi_count % self.epi_stages
+                                    cute.copy(
+                                        tiled_r2s, tRS_rC_out, tRS_sC[(None, None, None, buf)]
+                                    )
+                                    cute.arch.fence_proxy("async.shared", space="cta")
+                                    mask_barrier.arrive_and_wait()
+                                    if warp_idx == store_warp:
+                                        cute.copy(
+                                            tma_atom_c,
+                                            bSG_sC[(None, buf)],
+                                            bSG_gC[(None, sub_layout.get_hier_coord(si))],
+                                        )
+                                        store_pipe.producer_commit()
+                                        store_pipe.producer_acquire()
+                                    mask_barrier.arrive_and_wait()
+                                    epi_count += 1
                         else:
+                            # registers -> global (discrete outputs: a pointer per expert)
                             out_ptr = cute.make_ptr(
                                 self.out_dtype,
                                 mOut[e],
@@ -671,17 +794,17 @@ def _build_kernel_class():
                                     stride=(self.key.intermediate, 1),
                                 ),
                             )
-                        gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_idx, n_idx))
-                        tCgC = thr_mma_epi.partition_C(gC)
-                        if cutlass.const_expr(self.key.accumulate):
-                            if n_k > 0:
-                                cute.autovec_copy(tCgC, r_out)
-                                acc.store(acc.load() + r_out.load().to(self.acc_dtype))
+                            gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_idx, n_idx))
+                            tCgC = thr_mma_epi.partition_C(gC)
+                            if cutlass.const_expr(self.key.accumulate):
+                                if n_k > 0:
+                                    cute.autovec_copy(tCgC, r_out)
+                                    acc.store(acc.load() + r_out.load().to(self.acc_dtype))
+                                    r_out.store(acc.load().to(self.out_dtype))
+                                    cute.autovec_copy(r_out, tCgC)
+                            else:
                                 r_out.store(acc.load().to(self.out_dtype))
                                 cute.autovec_copy(r_out, tCgC)
-                        else:
-                            r_out.store(acc.load().to(self.out_dtype))
-                            cute.autovec_copy(r_out, tCgC)
                     else:
                         # another consumer group's tile: step over its pipeline stages
                         for _kt in cutlass.range(n_k, unroll=1):
@@ -689,6 +812,9 @@ def _build_kernel_class():
                             release_state.advance()
                     j += 1
                     tile = self.tile_of(j, bidx, gdim)
+                if cutlass.const_expr(self.tma_epi):
+                    if warp_idx == store_warp:
+                        store_pipe.producer_tail()  # all TMA stores done before exit
 
     return Sm90GroupedWgradKernel
 

@@ -240,6 +240,7 @@ def blockwise_mm_bwd_mxfp8_torch(
     dBgu = torch.zeros(E, 2 * I, dtype=acc_dt)
     dBd = torch.zeros(E, H, dtype=acc_dt)
     zero = torch.zeros((), dtype=_F32)
+    wq_cache: dict = {}  # expert -> its MX-quantized weights (same values in every block)
 
     for n in range(N):
         ids = tpti[n * B : (n + 1) * B]
@@ -255,8 +256,12 @@ def blockwise_mm_bwd_mxfp8_torch(
         g_BI = torch.where(v1, ckpt[n, 0].T.to(_F32), zero)
         u_BI = torch.where(v1, ckpt[n, 1].T.to(_F32), zero)
 
+        if e not in wq_cache:
+            wq_cache[e] = (mx_fake_quant(w_d[e], 1).T, mx_fake_quant(w_gu[e], 1).T)
+        wdq_HI, wguq_2IH = wq_cache[e]
+
         # phase 1: dh_raw, dA, SwiGLU backward
-        dh_raw = _mm(mx_fake_quant(dy_BH, 1), mx_fake_quant(w_d[e], 1).T, ch1, folds[0])
+        dh_raw = _mm(mx_fake_quant(dy_BH, 1), wdq_HI, ch1, folds[0])
         s = 1.0 / (1.0 + torch.exp(-g_BI))  # the interpreter's sigmoid formula, fp32
         silu = g_BI * s
         h = silu * u_BI
@@ -273,7 +278,7 @@ def blockwise_mm_bwd_mxfp8_torch(
         dA[ids[valid] * E + e] = da_B[valid]
 
         # phase 2: dX rows
-        dx_BH = _mm(mx_fake_quant(dgu_B2I, 1), mx_fake_quant(w_gu[e], 1).T, ch2, folds[1])
+        dx_BH = _mm(mx_fake_quant(dgu_B2I, 1), wguq_2IH, ch2, folds[1])
         rows = ids[valid]
         if is_tensor_update_accumulating:
             dX[rows] = _accumulate(dX[rows], dx_BH[valid], fp32_acc)

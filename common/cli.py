@@ -22,7 +22,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from common import dispatch
-from common.metrics import max_rel_err, sqnr_db
+from common.metrics import compare
 from common.models import list_models, load_model
 
 __all__ = ["main"]
@@ -112,9 +112,11 @@ def _cmd_run(args, console: Console) -> int:
         table.add_column(col, justify="left" if col in ("gradient", "shape") else "right")
     worst = float("inf")
     for (name, out), (_, want) in zip(grads.named().items(), ref.named().items()):
-        s = sqnr_db(out, want)
-        worst = min(worst, s)
-        table.add_row(name, "x".join(map(str, out.shape)), f"{s:.1f}", f"{max_rel_err(out, want):.2e}")
+        m = compare(out, want)
+        worst = min(worst, m["sqnr_db"])
+        table.add_row(
+            name, "x".join(map(str, out.shape)), f"{m['sqnr_db']:.1f}", f"{m['max_rel_err']:.2e}"
+        )
     console.print(table)
     console.print(
         f"wall time: backend {times['backend']:.2f} s ({flops / times['backend'] / 1e9:.1f} GFLOP/s "

@@ -3,8 +3,9 @@
 Used by the ``moe-bwd`` command line, the tests and the benchmarks so that every backend sees
 the same problem. Scales keep every activation O(1): X ~ N(0, 1), gate/up weights ~ N(0, 1/H),
 down weights ~ N(0, 1/I), dY ~ N(0, 1), biases ~ N(0, 0.1^2). All tensors are rounded to the
-compute dtype (BF16) once; the checkpoint is the float64 forward's clamped gate/up
-pre-activations rounded to that dtype, as a BF16 training forward would store it.
+compute dtype (BF16) once; the checkpoint is the clamped gate/up pre-activations of a BF16
+forward with fp32 accumulation (:func:`common.torch_backward.moe_forward_checkpoint_torch`),
+stored in BF16 as a training forward stores it.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import torch
 
 from common.models import MoEModelShape
 from common.problem import ClampLimits, MoEBackwardProblem
-from common.reference import reference_forward
 from common.router_sim import simulate_model_routing, simulate_router
 from common.routing import plan_routing
+from common.torch_backward import moe_forward_checkpoint_torch
 
 __all__ = ["make_problem", "make_problem_for_model"]
 
@@ -65,9 +66,8 @@ def make_problem(
     b_gate_up = randn(E, 2, I, std=0.1) if bias else None
     b_down = randn(E, H, std=0.1) if bias else None
     plan = plan_routing(expert_index, affinity.float(), E)
-    _, act = reference_forward(
-        x, w_gate_up, w_down, plan, b_gate_up_E2I=b_gate_up, b_down_EH=b_down,
-        clamp_limits=clamp_limits, with_output=False,
+    act = moe_forward_checkpoint_torch(
+        x, w_gate_up, plan, b_gate_up_E2I=b_gate_up, clamp_limits=clamp_limits, compute_dtype=dtype
     )
     dev = torch.device(device)
     if dev.type != "cpu":
@@ -82,7 +82,7 @@ def make_problem(
         w_gate_up_EH2I=mv(w_gate_up),
         w_down_EIH=mv(w_down),
         plan=plan,
-        act_checkpoint_R2I=mv(act.to(dtype)),
+        act_checkpoint_R2I=mv(act),
         b_gate_up_E2I=mv(b_gate_up),
         b_down_EH=mv(b_down),
         clamp_limits=clamp_limits,

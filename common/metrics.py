@@ -12,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["sqnr_db", "max_rel_err", "rel_fro_err", "SQNR_MIN_DB"]
+__all__ = ["sqnr_db", "max_rel_err", "rel_fro_err", "compare", "SQNR_MIN_DB"]
 
 # Minimum SQNR (dB) against float64, per backend and gradient kind. Why each value:
 # - torch (BF16 operands, fp32 accumulation): BF16 rounding of inputs alone gives ~45-50 dB;
@@ -25,45 +25,81 @@ SQNR_MIN_DB = {
 }
 
 
-def _check(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+_CHUNK = 1 << 22  # elements per float64 chunk: bounds the temporary memory of huge gradients
+
+
+def _stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float, float, bool]:
+    """(sum (out-ref)^2, sum ref^2, max |out-ref|, max |ref|, all finite), in float64 chunks."""
     if out.shape != ref.shape:
         raise ValueError(f"shape mismatch: out {tuple(out.shape)} vs ref {tuple(ref.shape)}")
-    return out.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
+    o_flat = out.detach().reshape(-1)
+    r_flat = ref.detach().reshape(-1)
+    noise2 = signal2 = dmax = rmax = 0.0
+    finite = True
+    for start in range(0, o_flat.numel(), _CHUNK):
+        o = o_flat[start : start + _CHUNK].to(torch.float64).cpu()
+        r = r_flat[start : start + _CHUNK].to(torch.float64).cpu()
+        if not bool(torch.isfinite(o).all()):
+            finite = False
+            break
+        d = o - r
+        noise2 += float(torch.dot(d, d))
+        signal2 += float(torch.dot(r, r))
+        dmax = max(dmax, float(d.abs().max()))
+        rmax = max(rmax, float(r.abs().max()))
+    return noise2, signal2, dmax, rmax, finite
 
 
 def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """SQNR of ``out`` against ``ref`` in dB (+inf when identical; NaN if out has NaN/inf)."""
-    o, r = _check(out, ref)
-    if not bool(torch.isfinite(o).all()):
+    """SQNR of ``out`` against ``ref`` in dB (+inf when identical; NaN if out has NaN/inf).
+
+    Raises:
+        ValueError: shapes differ.
+    """
+    noise2, signal2, _, _, finite = _stats(out, ref)
+    if not finite:
         return float("nan")
-    noise = torch.linalg.vector_norm(o - r).item()
-    signal = torch.linalg.vector_norm(r).item()
-    if noise == 0.0:
+    if noise2 == 0.0:
         return math.inf
-    if signal == 0.0:
+    if signal2 == 0.0:
         return -math.inf
-    return 20.0 * math.log10(signal / noise)
+    return 10.0 * math.log10(signal2 / noise2)
 
 
 def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``max |out - ref| / max |ref|`` (0 when both are all zero; NaN if out has NaN/inf)."""
-    o, r = _check(out, ref)
-    if not bool(torch.isfinite(o).all()):
+    """``max |out - ref| / max |ref|`` (0 when both are all zero; NaN if out has NaN/inf).
+
+    Raises:
+        ValueError: shapes differ.
+    """
+    _, _, dmax, rmax, finite = _stats(out, ref)
+    if not finite:
         return float("nan")
-    if o.numel() == 0:
-        return 0.0
-    diff = (o - r).abs().max().item()
-    scale = r.abs().max().item()
-    if scale == 0.0:
-        return 0.0 if diff == 0.0 else math.inf
-    return diff / scale
+    if rmax == 0.0:
+        return 0.0 if dmax == 0.0 else math.inf
+    return dmax / rmax
 
 
 def rel_fro_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||out - ref|| / ||ref||`` (Frobenius)."""
-    o, r = _check(out, ref)
-    signal = torch.linalg.vector_norm(r).item()
-    noise = torch.linalg.vector_norm(o - r).item()
-    if signal == 0.0:
-        return 0.0 if noise == 0.0 else math.inf
-    return noise / signal
+    """``||out - ref|| / ||ref||`` (Frobenius; NaN if out has NaN/inf).
+
+    Raises:
+        ValueError: shapes differ.
+    """
+    noise2, signal2, _, _, finite = _stats(out, ref)
+    if not finite:
+        return float("nan")
+    if signal2 == 0.0:
+        return 0.0 if noise2 == 0.0 else math.inf
+    return math.sqrt(noise2 / signal2)
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """All three metrics from one pass: ``{"sqnr_db", "max_rel_err", "rel_fro_err"}``."""
+    noise2, signal2, dmax, rmax, finite = _stats(out, ref)
+    if not finite:
+        return {"sqnr_db": math.nan, "max_rel_err": math.nan, "rel_fro_err": math.nan}
+    sq = math.inf if noise2 == 0.0 else (-math.inf if signal2 == 0.0 else 10 * math.log10(signal2 / noise2))
+    mr = (0.0 if dmax == 0.0 else math.inf) if rmax == 0.0 else dmax / rmax
+    rf = (0.0 if noise2 == 0.0 else math.inf) if signal2 == 0.0 else math.sqrt(noise2 / signal2)
+    return {"sqnr_db": sq, "max_rel_err": mr, "rel_fro_err": rf}

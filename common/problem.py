@@ -25,7 +25,10 @@ class ClampLimits:
     ``non_linear_*`` limits apply to the gate pre-activation g, ``linear_*`` limits to the up
     pre-activation u (REFERENCE §2). ``None`` means no limit on that side. The forward clamps
     the value; the backward masks the gradient to 0 where the stored (clamped) value is not
-    strictly inside (lower, upper).
+    strictly inside (lower, upper). Choose limits representable in the checkpoint's dtype (7.0
+    is exact in BF16, 0.7 is not): the stored value of a clamped element is the limit rounded to
+    that dtype, and the strict test against an unrepresentable limit would let its gradient pass
+    (as it would on Trainium, which tests the stored value the same way).
     """
 
     linear_clamp_upper_limit: float | None = None

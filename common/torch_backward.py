@@ -27,7 +27,13 @@ import torch
 
 from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
 
-__all__ = ["ALIGN", "moe_backward_torch", "grouped_mm_rows", "grouped_wgrad_default"]
+__all__ = [
+    "ALIGN",
+    "moe_backward_torch",
+    "moe_forward_checkpoint_torch",
+    "grouped_mm_rows",
+    "grouped_wgrad_default",
+]
 
 ALIGN = 16
 """Row alignment of each expert's group: 16 rows keep every BF16/fp32 operand stride a
@@ -98,6 +104,58 @@ def _strict_mask(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.T
     return m
 
 
+def _grouped_layout(plan, num_experts: int):
+    """The plan's grouped layout with a static row count (no host read on CUDA)."""
+    R = plan.pair_token_R.shape[0]
+    max_rows = (R + num_experts * (ALIGN - 1) + ALIGN - 1) // ALIGN * ALIGN
+    return plan.grouped(align=ALIGN, max_tokens_sum=max_rows)
+
+
+def moe_forward_checkpoint_torch(
+    hidden_states_TH: torch.Tensor,
+    w_gate_up_EH2I: torch.Tensor,
+    plan,
+    *,
+    b_gate_up_E2I: torch.Tensor | None = None,
+    clamp_limits: ClampLimits | None = None,
+    compute_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The forward's activation checkpoint as a BF16 training forward stores it.
+
+    ``g = clamp_g(x Wg + bg)``, ``u = clamp_u(x Wu + bu)`` per routed pair: a BF16 grouped GEMM
+    with fp32 accumulation, bias and clamp in fp32, then rounded to ``compute_dtype``.
+
+    Args:
+        hidden_states_TH: [T, H].  w_gate_up_EH2I: [E, H, 2, I].  plan: the RoutingPlan.
+        b_gate_up_E2I: optional [E, 2, I].  clamp_limits: optional ClampLimits.
+    Returns:
+        act_checkpoint_R2I: [R, 2, I] ``compute_dtype`` in the plan's pair order (padding 0).
+    """
+    T, H = hidden_states_TH.shape
+    E, _, _, I = w_gate_up_EH2I.shape
+    R = plan.pair_token_R.shape[0]
+    cd = compute_dtype
+    cl = clamp_limits or ClampLimits()
+    layout = _grouped_layout(plan, E)
+    x_S = layout.gather_rows(hidden_states_TH.to(cd))
+    gu_S = grouped_mm_rows(x_S, w_gate_up_EH2I.to(cd).reshape(E, H, 2 * I), layout.offsets_E)
+    gu_S = gu_S.reshape(-1, 2, I)
+    row_valid = layout.row_to_pair_S >= 0
+    if b_gate_up_E2I is not None and R:
+        row_expert = plan.pair_expert_R[layout.row_to_pair_S.clamp(min=0)].clamp(max=E - 1)
+        gu_S = gu_S + b_gate_up_E2I.float()[row_expert]
+    g = gu_S[:, 0]
+    u = gu_S[:, 1]
+    if cl.non_linear_clamp_lower_limit is not None or cl.non_linear_clamp_upper_limit is not None:
+        g = g.clamp(min=cl.non_linear_clamp_lower_limit, max=cl.non_linear_clamp_upper_limit)
+    if cl.linear_clamp_lower_limit is not None or cl.linear_clamp_upper_limit is not None:
+        u = u.clamp(min=cl.linear_clamp_lower_limit, max=cl.linear_clamp_upper_limit)
+    act = torch.zeros(R + 1, 2, I, dtype=cd, device=hidden_states_TH.device)
+    dest = torch.where(row_valid, layout.row_to_pair_S, torch.full_like(layout.row_to_pair_S, R))
+    act.index_put_((dest,), torch.stack([g, u], 1).to(cd))
+    return act[:R]
+
+
 def moe_backward_torch(
     problem: MoEBackwardProblem,
     *,
@@ -128,9 +186,7 @@ def moe_backward_torch(
     dev = x_TH.device
     cl = p.clamp_limits or ClampLimits()
 
-    # Static row bound: every expert can waste at most ALIGN-1 rows (no host read on CUDA).
-    max_rows = ((R + E * (ALIGN - 1)) + ALIGN - 1) // ALIGN * ALIGN
-    layout = plan.grouped(align=ALIGN, max_tokens_sum=max_rows)
+    layout = _grouped_layout(plan, E)
     offs = layout.offsets_E
     S = layout.tokens_sum
     row_valid = layout.row_to_pair_S >= 0

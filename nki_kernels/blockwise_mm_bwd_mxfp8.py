@@ -207,6 +207,29 @@ class _Workspace:
             self.acc = nl.ndarray((PMAX, ncols), dtype=nl.float32, buffer=nl.sbuf)
 
 
+def _load_prequantized_k_major(words, scales, e_sb, K: int, c0: int, ncols: int):
+    """DMA one expert's pre-quantized weight tiles (x4 words + E8M0 scales) straight to SBUF.
+
+    ``words``/``scales``: [E, K/4, F] in the K-major WRAPX layout of
+    :func:`nki_kernels.blockwise_mm_bwd_mxfp8_torch.prequantize_weight_k_major`; columns
+    ``c0..c0+ncols``. Returns the same list as :func:`_load_weight_k_major`.
+    """
+    F = words.shape[2]
+    w4 = words if str(words.dtype) == str(float8_e4m3fn_x4) else words.view(float8_e4m3fn_x4)
+    s8 = scales if str(scales.dtype) == str(nl.uint8) else scales.view(nl.uint8)
+    out = []
+    for k0, TK in _k_tiles(K):
+        vsk = TK // 4
+        q = nl.ndarray((vsk, ncols), dtype=float8_e4m3fn_x4, buffer=nl.sbuf)
+        sc = nl.ndarray((vsk, ncols), dtype=nl.uint8, buffer=nl.sbuf)
+        for dst, src in ((q, w4), (sc, s8)):
+            nisa.dma_copy(dst=dst, src=src.ap(pattern=[[F, vsk], [1, ncols]],
+                                              offset=(k0 // 4) * F + c0, scalar_offset=e_sb,
+                                              indirect_dim=0))
+        out.append((q, sc, vsk))
+    return out
+
+
 def _matmul_mx(lhs, rhs, m0: int, M: int, n0: int, N: int, tl: _Tiling, ws: _Workspace,
                row0: int = 0):
     """Sum over K tiles of ``lhs[:, m0:m0+M]^T @ rhs[:, n0:n0+N]`` (fp32) into ``ws``.
@@ -457,7 +480,7 @@ def _gather_rows(src_hbm, ids, g: _Geo, F: int, oob):
 
 
 # ------------------------------------------------------------------------------------- phase 1
-def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits):
+def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_scales=None):
     """dh_raw = dY_blk @ W_down[e]^T (MX along H); SwiGLU backward; dA; d_gate_up; alpha*h.
 
     Fills ``b.dgu_w`` [vs, NKT, 2I, 4] and ``b.ah_w`` [vs, NKT, I, 4] (BF16, slot layout) for
@@ -483,7 +506,10 @@ def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits):
         for nb0 in range(h0, h0 + half, n_block):
             nbw = min(n_block, h0 + half - nb0)
             # moving: W_down[e]^T columns nb0.., H on partitions ([E, I, H]: H stride 1)
-            wdT = _load_weight_k_major(w_down, b.e_sb, g.H, 1, g.H, nb0, nbw)
+            if w_scales is None:
+                wdT = _load_weight_k_major(w_down, b.e_sb, g.H, 1, g.H, nb0, nbw)
+            else:
+                wdT = _load_prequantized_k_major(w_down, w_scales, b.e_sb, g.H, nb0, nbw)
             for lane in range(NL):
                 for n0 in range(0, nbw, tn):
                     nw = min(tn, nbw - n0)
@@ -617,7 +643,7 @@ def _store_da(b, g: _Geo, da_out):
 
 
 # ------------------------------------------------------------------------------------- phase 2
-def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool):
+def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scales=None):
     """dX_blk = d_gate_up @ W_gate_up[e]^T (MX along 2I), scattered into dX rows (this core's H).
 
     Stationary columns are the block's slots in natural order, 128 per PSUM tile (tile_m per
@@ -635,7 +661,10 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool):
     for nb0 in range(0, g.Hs, tl.n_block):
         nbw = min(tl.n_block, g.Hs - nb0)
         # moving: W_gate_up[e] viewed [H, 2I]: 2I on partitions (stride 1), H columns (stride 2I)
-        wguT = _load_weight_k_major(w_gate_up, b.e_sb, I2, 1, I2, g.H0 + nb0, nbw)
+        if w_scales is None:
+            wguT = _load_weight_k_major(w_gate_up, b.e_sb, I2, 1, I2, g.H0 + nb0, nbw)
+        else:
+            wguT = _load_prequantized_k_major(w_gate_up, w_scales, b.e_sb, I2, g.H0 + nb0, nbw)
         for c in range(nch):
             rows = dx_acc.ap(
                 pattern=[[H, PMAX], [1, nbw]], offset=g.H0 + nb0,
@@ -795,8 +824,11 @@ def blockwise_mm_bwd_mxfp8(
         gate_act_checkpoint_T, intermediate_checkpoint_T, scaled_intermediate_checkpoint_T,
             down_proj_act_checkpoint, gate_up_weight_is_swizzled, down_weight_is_swizzled:
             reserved by AWS; must stay unset (validation raises).
-        gate_up_weight_scales, down_weight_scales: pre-quantized weights; not implemented by
-            this kernel yet (raises ValueError).
+        gate_up_weight_scales, down_weight_scales: E8M0 scales [E, K/4, F] (uint8 or
+            float8_e8m0fnu) of pre-quantized weights; the weight is then MXFP8 x4 words
+            [E, K/4, F] contracted along K (gate_up: K = 2I, F = H; down: K = H, F = I), in
+            the K-major WRAPX layout of
+            :func:`nki_kernels.blockwise_mm_bwd_mxfp8_torch.prequantize_weight_k_major`.
         phase1_config .. phase4_config: per-phase tiling (None = AWS defaults).
         fp8_x4_dtype: ``float8_e4m3fn_x4`` (the only one accepted).
         spill_reload, use_scale_packing: accepted; tiles stay resident and scale tiles are not
@@ -823,7 +855,7 @@ def blockwise_mm_bwd_mxfp8(
 
     Raises:
         ValueError: any rule of :func:`nki_kernels.validation.validate_blockwise_mm_bwd_args`
-            (checked before anything is allocated or written), or pre-quantized weights.
+            (checked before anything is allocated or written).
     """
     args = validate_blockwise_mm_bwd_args(
         hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
@@ -836,11 +868,6 @@ def blockwise_mm_bwd_mxfp8(
         skip_dma, skip_grad_initialization, is_tensor_update_accumulating, clamp_limits,
         activation_type, bias, accumulation_dtype,
     )
-    if args.gate_up_weight_prequantized or args.down_weight_prequantized:
-        raise ValueError(
-            "gate_up_weight_scales / down_weight_scales: pre-quantized MXFP8 weights are not "
-            "implemented by this blockwise_mm_bwd_mxfp8 yet; pass BF16 weights"
-        )
     T, H, I, E, N, B = args.T, args.H, args.I, args.E, args.N, args.B
     if nl.program_ndim() == 0:
         shard, num_shards = 0, 1
@@ -909,12 +936,13 @@ def blockwise_mm_bwd_mxfp8(
             with region("prologue"):
                 _gather_block(b, g)
             with region("phase1"):
-                _phase1(b, g, down_proj_weight, tilings[0], args.clamp_limits)
+                _phase1(b, g, down_proj_weight, tilings[0], args.clamp_limits,
+                        down_weight_scales)
                 _exchange_phase1(b, g, scratch_dgu, scratch_ah)
                 _store_da(b, g, da)
             with region("phase2"):
                 _phase2(b, g, gate_up_proj_weight, tilings[1], dx_acc,
-                        is_tensor_update_accumulating)
+                        is_tensor_update_accumulating, gate_up_weight_scales)
             with region("phase3"):
                 _phase3(b, g, tilings[2], dwgu_acc, dbgu_acc)
             with region("phase4"):

@@ -48,7 +48,7 @@ from common.mx import dequantize_mx, quantize_mx
 from common.problem import ClampLimits
 from nki_kernels.config import MatmulMxfp8KernelConfig, default_phase_configs
 
-__all__ = ["blockwise_mm_bwd_mxfp8_torch", "mx_fake_quant"]
+__all__ = ["blockwise_mm_bwd_mxfp8_torch", "mx_fake_quant", "prequantize_weight_k_major"]
 
 _F32 = torch.float32
 _BF16 = torch.bfloat16
@@ -131,6 +131,44 @@ def _lane_sum(x_BF: torch.Tensor, vs: int) -> torch.Tensor:
         part = x_BF[s0 : s0 + vs].double().sum(0).float()
         acc = part if acc is None else acc + part
     return acc
+
+
+def prequantize_weight_k_major(w_EFK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-quantize weights for the kernel, contracted along their last axis K (the backward's).
+
+    The layout the kernel DMAs straight into SBUF (no on-chip quantization): per WRAPX K tile
+    (k0, TK) of ``vsk = TK/4`` rows, word row ``k0/4 + p`` holds lanes ``i = 0..3`` = K indices
+    ``k0 + i*vsk + p`` (byte i of the little-endian uint32 = lane i); its E8M0 scale of group
+    ``g`` (8 rows) sits at scale row ``k0/4 + 32*(g//4) + g%4`` (NKI_API.md §4.5-§4.6, AWS's
+    unpacked ``[K/4, F]`` scale layout); unused scale rows are 0.
+
+    Args:
+        w_EFK: [E, F, K] float weights, K a multiple of 128. For ``gate_up_proj_weight``
+            [E, H, 2, I] pass ``w.reshape(E, H, 2*I)`` (K = 2I, phase 2); for
+            ``down_proj_weight`` [E, I, H] pass it as is (K = H, phase 1).
+    Returns:
+        (words [E, K/4, F] uint32 (``float8_e4m3fn_x4`` bits), scales [E, K/4, F] uint8).
+    Raises:
+        ValueError: not 3-D, or K not a multiple of 128 (from :func:`common.mx.quantize_mx`).
+    """
+    if w_EFK.dim() != 3:
+        raise ValueError(f"w_EFK must be [E, F, K], got shape {tuple(w_EFK.shape)}")
+    E, F, K = w_EFK.shape
+    data, scale = quantize_mx(w_EFK, elem="e4m3", block_size=32, scale_rule="trainium", axis=-1,
+                              layout="wrapx")
+    bytes_EFK = data.view(torch.uint8)
+    sbytes = scale.view(torch.uint8)  # [E, F, K/32], WRAPX groups tile-major
+    words = torch.zeros(E, K // 4, F, dtype=torch.int64)
+    scales = torch.zeros(E, K // 4, F, dtype=torch.uint8)
+    for k0, TK in _k_tiles(K):
+        vsk = TK // 4
+        r0 = k0 // 4
+        for i in range(4):
+            lane = bytes_EFK[:, :, k0 + i * vsk : k0 + (i + 1) * vsk].to(torch.int64)  # [E, F, vsk]
+            words[:, r0 : r0 + vsk, :] |= lane.transpose(1, 2) << (8 * i)
+        for gi in range(vsk // 8):
+            scales[:, r0 + 32 * (gi // 4) + gi % 4, :] = sbytes[:, :, k0 // 32 + gi]
+    return words.to(torch.uint32), scales
 
 
 def _strict_mask(v: torch.Tensor, lo: Optional[float], hi: Optional[float]) -> torch.Tensor:

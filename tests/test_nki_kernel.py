@@ -25,7 +25,10 @@ from common.reference import moe_backward_reference, moe_forward_reference
 from common.routing import plan_routing
 from nki_kernels._nki import simulate
 from nki_kernels.blockwise_mm_bwd_mxfp8 import blockwise_mm_bwd_mxfp8
-from nki_kernels.blockwise_mm_bwd_mxfp8_torch import blockwise_mm_bwd_mxfp8_torch
+from nki_kernels.blockwise_mm_bwd_mxfp8_torch import (
+    blockwise_mm_bwd_mxfp8_torch,
+    prequantize_weight_k_major,
+)
 from nki_kernels.config import MatmulMxfp8KernelConfig, SkipMode
 
 OUT_NAMES = ("dX", "dA", "dW_gate_up", "dW_down", "dB_gate_up", "dB_down")
@@ -289,3 +292,19 @@ def test_bad_block_size_raises_before_work():
     kw["block_size"] = 64
     with pytest.raises(ValueError, match="block_size"):
         run_kernel(kw)
+
+
+def test_prequantized_weights_match_on_chip_quantization():
+    """Weights pre-quantized in the K-major WRAPX layout (x4 words + E8M0 scales) give the same
+    bits as BF16 weights quantized on chip (H = 384: a 256 + 128 remainder tile along H)."""
+    kw, _ = make_problem(T=64, H=384, I=256, E=4, K=2)
+    ref, _ = run_kernel(kw)
+    E, H, _, I = kw["gate_up_proj_weight"].shape
+    gu_w, gu_s = prequantize_weight_k_major(kw["gate_up_proj_weight"].reshape(E, H, 2 * I))
+    d_w, d_s = prequantize_weight_k_major(kw["down_proj_weight"])
+    assert gu_w.shape == (E, 2 * I // 4, H) and d_w.shape == (E, H // 4, I)
+    pq = dict(kw, gate_up_proj_weight=gu_w, down_proj_weight=d_w)
+    out, _ = run_kernel(pq, gate_up_weight_scales=gu_s,
+                        down_weight_scales=d_s.view(torch.float8_e8m0fnu))
+    for name, x, y in zip(OUT_NAMES, ref, out):
+        assert torch.equal(x, y), name

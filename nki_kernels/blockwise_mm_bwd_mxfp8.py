@@ -62,9 +62,7 @@ LNC2 (SHARD_ON_FREE): core c computes phase 1 for its half of I (dA partial sums
 
 from __future__ import annotations
 
-from typing import Optional
-
-from nki_kernels._nki import HAVE_REAL_NKI, nki, nisa, nl, region
+from nki_kernels._nki import HAVE_REAL_NKI, nisa, nki, nl, region
 from nki_kernels.config import (
     ActFnType,
     AffinityOption,
@@ -588,7 +586,7 @@ def _swiglu_bwd(b, g: _Geo, lane: int, dh_raw, ci: int, nw: int, clamp: ClampLim
                        operand0=alpha)
 
 
-def _clamp_mask(v, P: int, F: int, lo: Optional[float], hi: Optional[float]):
+def _clamp_mask(v, P: int, F: int, lo: float | None, hi: float | None):
     """1.0 where lo < v < hi (missing limits ignored), else 0.0; None without limits."""
     if lo is None and hi is None:
         return None
@@ -785,10 +783,10 @@ def blockwise_mm_bwd_mxfp8(
     gate_up_weight_is_swizzled: bool = False,
     down_weight_scales=None,
     down_weight_is_swizzled: bool = False,
-    phase1_config: Optional[MatmulMxfp8KernelConfig] = None,
-    phase2_config: Optional[MatmulMxfp8KernelConfig] = None,
-    phase3_config: Optional[MatmulMxfp8KernelConfig] = None,
-    phase4_config: Optional[MatmulMxfp8KernelConfig] = None,
+    phase1_config: MatmulMxfp8KernelConfig | None = None,
+    phase2_config: MatmulMxfp8KernelConfig | None = None,
+    phase3_config: MatmulMxfp8KernelConfig | None = None,
+    phase4_config: MatmulMxfp8KernelConfig | None = None,
     fp8_x4_dtype=float8_e4m3fn_x4,
     spill_reload: bool = False,
     use_scale_packing: bool = True,

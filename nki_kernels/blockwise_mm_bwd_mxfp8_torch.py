@@ -40,8 +40,6 @@ it carries no ``<dY, b_down>`` term (the kernel receives no bias values; REFEREN
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from common.mx import dequantize_mx, quantize_mx
@@ -64,7 +62,7 @@ def mx_fake_quant(x: torch.Tensor, axis: int) -> torch.Tensor:
         fp32 tensor of x's shape: the values ``nc_matmul_mx`` multiplies.
     Source: NKI_API.md §3.12 (scale rule) and §4.6 (WRAPX groups), via :mod:`common.mx`.
     """
-    opts = dict(elem="e4m3", block_size=32, axis=axis, layout="wrapx")
+    opts = {"elem": "e4m3", "block_size": 32, "axis": axis, "layout": "wrapx"}
     data, scale = quantize_mx(x, scale_rule="trainium", **opts)
     return dequantize_mx(data, scale, dtype=_F32, **opts)
 
@@ -171,7 +169,7 @@ def prequantize_weight_k_major(w_EFK: torch.Tensor) -> tuple[torch.Tensor, torch
     return words.to(torch.uint32), scales
 
 
-def _strict_mask(v: torch.Tensor, lo: Optional[float], hi: Optional[float]) -> torch.Tensor:
+def _strict_mask(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
     """1 where lo < v < hi (a missing limit is no bound): the clamp's gradient mask."""
     m = torch.ones_like(v, dtype=torch.bool)
     if lo is not None:
@@ -198,12 +196,12 @@ def blockwise_mm_bwd_mxfp8_torch(
     block_size: int,
     gate_up_proj_act_checkpoint_T: torch.Tensor,
     *,
-    clamp_limits: Optional[ClampLimits] = None,
+    clamp_limits: ClampLimits | None = None,
     bias: bool = False,
     is_tensor_update_accumulating: bool = True,
-    accumulation_dtype: Optional[object] = None,
-    phase_configs: tuple[Optional[MatmulMxfp8KernelConfig], ...] = (None, None, None, None),
-    output_dtype: Optional[torch.dtype] = None,
+    accumulation_dtype: object | None = None,
+    phase_configs: tuple[MatmulMxfp8KernelConfig | None, ...] = (None, None, None, None),
+    output_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The golden backward: same per-phase MX quantization and BF16 rounding points as the kernel.
 
@@ -249,7 +247,7 @@ def blockwise_mm_bwd_mxfp8_torch(
     if tuple(ckpt.shape) != (N, 2, I, B):
         raise ValueError(f"gate_up_proj_act_checkpoint_T must be [{N}, 2, {I}, {B}]")
     acc_name = "" if accumulation_dtype is None else str(accumulation_dtype)
-    fp32_acc = acc_name.endswith("float32") or acc_name.endswith("float64")
+    fp32_acc = acc_name.endswith(("float32", "float64"))
     acc_dt = torch.float64 if acc_name.endswith("float64") else _F32
     cl = clamp_limits or ClampLimits()
     cfgs = default_phase_configs(H, I, B, False, tuple(phase_configs))

@@ -66,13 +66,13 @@ def make_problem(T=128, H=256, I=256, E=4, K=2, B=128, padding="skip", seed=0, c
         xp, w_gu, w_d, lay.token_position_to_id, lay.block_to_expert, ea, B,
         b_gate_up=b_gu, clamp_limits=clamp, padding=padding,
     )
-    kw = dict(
-        hidden_states=xp, expert_affinities_masked=ea, gate_up_proj_weight=w_gu,
-        down_proj_weight=w_d, token_position_to_id=lay.token_position_to_id,
-        block_to_expert=lay.block_to_expert, output_hidden_states_grad=dyp, block_size=B,
-        gate_up_proj_act_checkpoint_T=ckpt.to(torch.bfloat16),
-    )
-    return kw, dict(padding=padding, b_gate_up=b_gu, layout=lay)
+    kw = {
+        "hidden_states": xp, "expert_affinities_masked": ea, "gate_up_proj_weight": w_gu,
+        "down_proj_weight": w_d, "token_position_to_id": lay.token_position_to_id,
+        "block_to_expert": lay.block_to_expert, "output_hidden_states_grad": dyp, "block_size": B,
+        "gate_up_proj_act_checkpoint_T": ckpt.to(torch.bfloat16),
+    }
+    return kw, {"padding": padding, "b_gate_up": b_gu, "layout": lay}
 
 
 def run_kernel(kw, lnc=1, **opts):
@@ -110,28 +110,28 @@ def reference(kw, extra, clamp=None):
 # ------------------------------------------------------------------------ kernel vs golden
 CASES = {
     # name: (make_problem kwargs, kernel options, lnc)
-    "top1_overwrite": (dict(K=1, E=4), dict(is_tensor_update_accumulating=False), 1),
-    "top2_skip": (dict(K=2), {}, 1),
-    "top8_skip": (dict(T=64, K=8, E=8), {}, 1),
-    "top2_zero_row": (dict(K=2, padding="zero_row"), dict(skip_dma=SkipMode()), 1),
-    "top4_B512_lnc2": (dict(T=192, K=4, E=4, B=512), {}, 2),
-    "B256_H384_I384": (dict(T=64, H=384, I=384, K=2, E=4, B=256), {}, 1),
+    "top1_overwrite": ({"K": 1, "E": 4}, {"is_tensor_update_accumulating": False}, 1),
+    "top2_skip": ({"K": 2}, {}, 1),
+    "top8_skip": ({"T": 64, "K": 8, "E": 8}, {}, 1),
+    "top2_zero_row": ({"K": 2, "padding": "zero_row"}, {"skip_dma": SkipMode()}, 1),
+    "top4_B512_lnc2": ({"T": 192, "K": 4, "E": 4, "B": 512}, {}, 2),
+    "B256_H384_I384": ({"T": 64, "H": 384, "I": 384, "K": 2, "E": 4, "B": 256}, {}, 1),
     "clamp_bias_fp32acc_lnc2": (
-        dict(K=2, clamp=GPT_OSS_CLAMP, bias=True),
-        dict(clamp_limits=GPT_OSS_CLAMP, bias=True, accumulation_dtype="float32"), 2,
+        {"K": 2, "clamp": GPT_OSS_CLAMP, "bias": True},
+        {"clamp_limits": GPT_OSS_CLAMP, "bias": True, "accumulation_dtype": "float32"}, 2,
     ),
     "configs": (
-        dict(T=64, H=512, I=256, K=2, E=4, B=256),
-        dict(
-            phase1_config=MatmulMxfp8KernelConfig(M=0, K=0, N=0, tile_k=128, tile_m=32, tile_n=128),
-            phase2_config=MatmulMxfp8KernelConfig(
+        {"T": 64, "H": 512, "I": 256, "K": 2, "E": 4, "B": 256},
+        {
+            "phase1_config": MatmulMxfp8KernelConfig(M=0, K=0, N=0, tile_k=128, tile_m=32, tile_n=128),
+            "phase2_config": MatmulMxfp8KernelConfig(
                 M=0, K=0, N=0, tile_k=256, tile_n=96, enable_psum_copy_in=False,
                 TILES_IN_BLOCK_K=2),
-            phase3_config=MatmulMxfp8KernelConfig(
+            "phase3_config": MatmulMxfp8KernelConfig(
                 M=0, K=0, N=0, tile_k=128, tile_m=64, tile_n=64, enable_psum_copy_in=False,
                 TILES_IN_BLOCK_K=1),
-            phase4_config=MatmulMxfp8KernelConfig(M=0, K=0, N=0, tile_n=160, TILES_IN_BLOCK_N=2),
-        ), 1,
+            "phase4_config": MatmulMxfp8KernelConfig(M=0, K=0, N=0, tile_n=160, TILES_IN_BLOCK_N=2),
+        }, 1,
     ),
 }
 
@@ -157,9 +157,9 @@ def test_config_changes_only_summation_order():
 # ------------------------------------------------------------------- kernel vs float64 reference
 SQNR_SHAPES = {
     # Qwen3-30B-A3B (H 2048, I 768, E 128, top_8) scaled down, same top_k and H : I ratio
-    "qwen3-30b-a3b-like": dict(T=128, H=512, I=256, E=16, K=8, B=128),
+    "qwen3-30b-a3b-like": {"T": 128, "H": 512, "I": 256, "E": 16, "K": 8, "B": 128},
     # gpt-oss (H = I = 2880, E 32, top_4, clamp 7, biases) scaled down; SiLU (the kernel's only)
-    "gpt-oss-like": dict(T=128, H=384, I=384, E=8, K=4, B=128, clamp=GPT_OSS_CLAMP, bias=True),
+    "gpt-oss-like": {"T": 128, "H": 384, "I": 384, "E": 8, "K": 4, "B": 128, "clamp": GPT_OSS_CLAMP, "bias": True},
 }
 
 
@@ -211,7 +211,7 @@ def test_fp32_accumulation_beats_bf16_read_add_write(capsys):
 # ------------------------------------------------------------------------------- edge cases
 def test_lnc2_equals_lnc1_bitwise():
     kw, _ = make_problem(T=96, K=4, E=4, bias=True, clamp=GPT_OSS_CLAMP)
-    opts = dict(bias=True, clamp_limits=GPT_OSS_CLAMP)
+    opts = {"bias": True, "clamp_limits": GPT_OSS_CLAMP}
     a, _ = run_kernel(kw, lnc=1, **opts)
     b, _ = run_kernel(kw, lnc=2, **opts)
     for name, x, y in zip(OUT_NAMES, a, b):
@@ -227,7 +227,7 @@ def test_empty_experts_and_unrouted_tokens_are_zero():
     kw, _ = make_problem(T=T, E=E, K=2, expert_index=idx)
     out, _ = run_kernel(kw, bias=True)
     assert_matches_golden(out, run_golden(kw, bias=True))
-    dX, dA, dWgu, dWd, dBgu, dBd = out
+    dX, _dA, dWgu, dWd, dBgu, dBd = out
     for e in (1, 2, 4, 5):
         for t in (dWgu, dWd, dBgu, dBd):
             assert torch.count_nonzero(t[e]) == 0

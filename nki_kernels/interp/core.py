@@ -840,6 +840,7 @@ def wrap_array(arr: np.ndarray, dtype: str, buffer=None, name="") -> NkiTensor:
         arr = np.ascontiguousarray(arr)
     data = arr.reshape(-1).view(np.uint8)
     st = Storage(data, buffer, 0, 0, name)
+    st.owner_core = -1  # caller's memory (see runtime._convert_out)
     isz = _dt.itemsize(dtype)
     shape = tuple(arr.shape) if arr.ndim else (1,)
     bstrides = tuple(isz * math.prod(shape[i + 1:]) for i in range(len(shape)))

@@ -126,7 +126,8 @@ class Simulated:
         import torch
 
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # one BLAS thread per program instance: no oversubscription
+        torch.set_num_threads(1)  # one BLAS thread per program instance (2 threads on a shared
+        # 2-core machine ran the Qwen3 shape 6x slower: OpenMP threads spin on a busy core)
         try:
             return self._call(args, kwargs)
         finally:
@@ -184,7 +185,9 @@ def _convert_out(out, to_torch):
         if out.buffer is not _core.shared_hbm:
             raise NkiError(f"kernel returned {out!r}; return tensors must be allocated in "
                            "nl.shared_hbm")
-        a = out.numpy()
+        # tensors allocated by the kernel are handed out without a copy (nothing else holds their
+        # storage once the launch is over); views of the caller's inputs are copied
+        a = out.numpy() if out.storage.owner_core == -1 else out._np()
         return _np_to_torch(a, out.dtype) if to_torch else a
     if isinstance(out, tuple):
         return tuple(_convert_out(o, to_torch) for o in out)

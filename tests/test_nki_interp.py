@@ -751,3 +751,41 @@ def test_dma_transpose_4d_and_hwdge_rules():
     d32 = nl.ndarray((4, 16), nl.int32)
     nisa.dma_transpose(d32, i32)  # 4-byte types transpose bit-exactly (swdge)
     np.testing.assert_array_equal(d32.numpy(), np.arange(64).reshape(16, 4).T)
+
+
+def test_affine_select_and_copy_predicated():
+    src = sbuf_from(np.arange(32, dtype=np.float32).reshape(4, 8))
+    d = nl.ndarray((4, 8), nl.float32)
+    # keep elements with p - j >= 0 (lower triangle), else -1
+    nisa.affine_select(d, [[-1, 8]], 1, src, -1.0, cmp_op=nl.greater_equal)
+    p, j = np.meshgrid(np.arange(4), np.arange(8), indexing="ij")
+    np.testing.assert_array_equal(d.numpy(), np.where(p - j >= 0, np.arange(32).reshape(4, 8), -1))
+    pred = sbuf_from((np.arange(32).reshape(4, 8) % 3 == 0).astype(np.uint8))
+    nisa.tensor_copy_predicated(d, 7.0, pred)
+    exp = np.where(np.arange(32).reshape(4, 8) % 3 == 0, 7.0,
+                   np.where(p - j >= 0, np.arange(32).reshape(4, 8), -1))
+    np.testing.assert_array_equal(d.numpy(), exp)
+
+
+def test_zeros_ones_full_in_each_buffer():
+    z = nl.zeros((4, 4), nl.bfloat16)
+    o = nl.ones((4,), nl.int32, buffer=nl.shared_hbm)
+    f = nl.full((2, 3), 2.5, nl.float32, buffer=nl.hbm)
+    assert (z.numpy().astype(np.float32) == 0).all()
+    assert (o.numpy() == 1).all()
+    assert (f.numpy() == 2.5).all()
+    with pytest.raises(ValueError, match="buffer"):
+        nl.ndarray((4, 4), nl.float32, buffer="sbuf")
+
+
+def test_dtype_normalization_and_errors():
+    import torch
+
+    from nki_kernels.interp import dtypes
+
+    assert dtypes.normalize(torch.bfloat16) == "bfloat16"
+    assert dtypes.normalize(np.float32) == "float32"
+    assert dtypes.normalize(ml_dtypes.float8_e4m3fn) == "float8_e4m3fn"
+    assert dtypes.itemsize(nl.float8_e4m3fn_x4) == 4 and dtypes.itemsize(nl.float4_e2m1fn_x4) == 2
+    with pytest.raises(ValueError, match="not an NKI dtype"):
+        dtypes.normalize("float64")

@@ -62,7 +62,10 @@ class _Package(types.ModuleType):
 
     Importing the submodule makes Python ``setattr`` the module object on this package; this
     hook stores the function instead, so ``from nki_kernels import blockwise_mm_bwd_mxfp8`` is
-    the kernel function whatever was imported first.
+    the kernel function whatever was imported first. For the module itself use
+    ``importlib.import_module("nki_kernels.blockwise_mm_bwd_mxfp8")`` or ``from
+    nki_kernels.blockwise_mm_bwd_mxfp8 import ...`` (``import nki_kernels.blockwise_mm_bwd_mxfp8
+    as m`` gives the function).
     """
 
     def __setattr__(self, name: str, value: Any) -> None:

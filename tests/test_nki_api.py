@@ -777,3 +777,48 @@ def test_zero_tokens_gives_zero_weight_grads_without_launch():
     assert grads.affinity_grad_TE.shape == (0, 3)
     assert torch.count_nonzero(grads.w_gate_up_grad_EH2I) == 0
     assert grads.w_down_grad_EIH.shape == (3, 128, 128)
+
+
+@needs_sim
+def test_kernel_signature_is_the_seed_and_package_exports_the_function():
+    import importlib
+    import inspect
+
+    # Importing the submodule must not shadow the function on the package.
+    kernel_module = importlib.import_module("nki_kernels.blockwise_mm_bwd_mxfp8")
+    fn = nki_kernels.blockwise_mm_bwd_mxfp8
+    from nki_kernels import blockwise_mm_bwd_mxfp8 as fn2
+
+    assert fn2 is fn
+    assert inspect.isfunction(fn) and fn is kernel_module.blockwise_mm_bwd_mxfp8
+    params = inspect.signature(fn).parameters
+    assert list(params) == SEED_PARAMS
+    defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+    assert list(defaults) == SEED_PARAMS[8:]  # the first 8 (through block_size) are required
+    assert all(defaults[n] is None for n in SEED_PARAMS[8:14] + ["skip_dma", "clamp_limits"])
+    assert all(
+        defaults[n] is None for n in ("phase1_config", "phase4_config", "accumulation_dtype")
+    )
+    assert dtype_name(defaults["fp8_x4_dtype"]) == "float8_e4m3fn_x4"
+    assert dtype_name(defaults["compute_dtype"]) == "bfloat16"
+    assert defaults["shard_option"] is ShardOption.SHARD_ON_FREE
+    assert defaults["affinity_option"] is AffinityOption.AFFINITY_ON_I
+    assert defaults["activation_type"] is ActFnType.SiLU
+    flags = ("gate_up_weight_is_swizzled", "down_weight_is_swizzled", "spill_reload")
+    assert all(defaults[n] is False for n in flags + ("skip_grad_initialization", "bias"))
+    assert all(defaults[n] is True for n in ("use_scale_packing", "run_with_lnc2"))
+    assert defaults["is_tensor_update_accumulating"] is True
+
+
+@needs_sim
+def test_kernel_validates_before_any_work():
+    from nki_kernels.interp import simulate
+
+    args = _valid_args()
+    args["block_size"] = 96
+    sim = simulate(nki_kernels.blockwise_mm_bwd_mxfp8, lnc=1)
+    with pytest.raises(ValueError, match="block_size must be one of"):
+        sim(**args)
+    args = _valid_args()
+    with pytest.raises(ValueError, match="activation_type=ReLU"):
+        sim(**args, activation_type=ActFnType.ReLU)

@@ -85,9 +85,11 @@ PSUM_NUM_BANKS = 8
 # Per-target constants. sbuf_usable_bytes: usable SBUF bytes per partition as nki-library
 # hard-codes them (NKI_API.md §4.1); matmul_moving_fmax: largest nc_matmul moving free size.
 TARGETS = {
-    "trn2": dict(nc_version=3, sbuf_bytes=224 * 1024, sbuf_usable_bytes=224 * 1024 - 16384 - 8 - 520,
+    "trn2": dict(nc_version=3, sbuf_bytes=224 * 1024,
+                 sbuf_usable_bytes=224 * 1024 - 16384 - 8 - 520,
                  has_mx=False),
-    "trn3": dict(nc_version=4, sbuf_bytes=256 * 1024, sbuf_usable_bytes=256 * 1024 - 16384 - 8 - 256,
+    "trn3": dict(nc_version=4, sbuf_bytes=256 * 1024,
+                 sbuf_usable_bytes=256 * 1024 - 16384 - 8 - 256,
                  has_mx=True),
 }
 
@@ -297,7 +299,8 @@ class NkiTensor:
                     if stop < 0:
                         stop += n
                     if not (0 <= start <= n and 0 <= stop <= n):
-                        raise IndexError(f"{self.name or 'tensor'}: slice {k.start}:{k.stop} out of "
+                        raise IndexError(f"{self.name or 'tensor'}: slice {k.start}:{k.stop} "
+                                         "out of "
                                          f"bounds for dim {d} of size {n} (shape {self.shape})")
                     cnt = max(0, -(-(stop - start) // step))
                 else:
@@ -451,7 +454,8 @@ class NkiTensor:
             raise NkiError(f"view({dtype}): the last dim of {self.shape} must be contiguous")
         nbytes = last * old
         if nbytes % new:
-            raise NkiError(f"view({dtype}): last dim of {last} x {old} B is not a multiple of {new} B")
+            raise NkiError(f"view({dtype}): last dim of {last} x {old} B is not a multiple of "
+                           f"{new} B")
         shape = self.shape[:-1] + (nbytes // new,)
         return self._derive(shape, self.bstrides[:-1] + (new,), self.boffset, dtype)
 

@@ -137,7 +137,7 @@ def is_int(dtype) -> bool:
 
 
 def is_x4(dtype) -> bool:
-    """True for the packed MX data dtypes (``float8_e4m3fn_x4``, ``float8_e5m2_x4``, ``float4_e2m1fn_x4``)."""
+    """True for the packed MX data dtypes (fp8 / fp4 ``*_x4``)."""
     return normalize(dtype) in _X4
 
 

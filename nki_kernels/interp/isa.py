@@ -154,7 +154,8 @@ def _tensor(instr, arg, t, allow_indirect=False):
         return t
     if allow_indirect and isinstance(t, IndirectAP):
         return t
-    raise _err(instr, f"{arg} must be an NkiTensor{' or an indirect .ap()' if allow_indirect else ''}"
+    alt = " or an indirect .ap()" if allow_indirect else ""
+    raise _err(instr, f"{arg} must be an NkiTensor{alt}"
                f", got {type(t).__name__}")
 
 
@@ -306,7 +307,8 @@ def _dma_read(instr, src, oob_skip):
 
 
 def _scatter(instr, dst, vals, skip):
-    """Write [R, per_row] ``vals`` (dst dtype) through the indirect ``dst``; skipped rows dropped."""
+    """Write [R, per_row] ``vals`` (dst dtype) through the indirect ``dst``; skipped rows are
+    dropped."""
     fast = dst.row_table(instr, skip)
     if fast is not None:
         table, idx, valid = fast
@@ -432,7 +434,8 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         if src.itemsize != 2:
             raise _err(instr, "indirect dma_transpose needs a 2-byte dtype")
         if sh[-1] > 128 or sh[0] % 16:
-            raise _err(instr, f"indirect src needs shape[-1] <= 128 and shape[0] % 16 == 0, got {sh}")
+            raise _err(instr, f"indirect src needs shape[-1] <= 128 and shape[0] % 16 == 0, "
+                       f"got {sh}")
         if nd == 4 and sh[1] != 1 and sh[2] != 1:
             raise _err(instr, f"indirect 4-D src needs shape[1] == 1 or shape[2] == 1, got {sh}")
         ip = src.vector_offset.shape[0]
@@ -1024,7 +1027,8 @@ def _matmul_dst(instr, dst, M, N, nc):
     else:
         limit = 4096 if dst.dtype == _dt.float32 else 8192
         if N > limit:
-            raise _err(instr, f"moving free size {N} exceeds {limit} ({dst.dtype} dst, 8 PSUM banks)")
+            raise _err(instr, f"moving free size {N} exceeds {limit} ({dst.dtype} dst, "
+                       "8 PSUM banks)")
 
 
 _MM_IN = {_dt.bfloat16, _dt.float16, _dt.float32, _dt.tfloat32, _dt.float8_e4m3,
@@ -1253,7 +1257,8 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=dma_eng
     try:
         val = sh.mailbox((pipe_id, int(recv_from_rank), me)).get(timeout=sh.timeout_s)
     except queue.Empty:
-        raise _err(instr, f"timed out waiting for core {recv_from_rank} on pipe {pipe_id}") from None
+        raise _err(instr, f"timed out waiting for core {recv_from_rank} on pipe "
+                   f"{pipe_id}") from None
     dst._np()[...] = val
     dst.storage.version += 1
     _count("dma", 0, dst.size, dma_bytes=dst.size * dst.itemsize)

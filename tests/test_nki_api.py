@@ -567,6 +567,16 @@ def test_backends_registered_and_nki_unavailable_reason():
             resolve_backend("nki-sim")
 
 
+def test_auto_selection_on_a_neuron_device_falls_back_with_the_reason(monkeypatch):
+    monkeypatch.delenv("MOE_BWD_BACKEND", raising=False)
+    chosen = resolve_backend("auto", "xla")
+    assert chosen.name == "torch"
+    assert chosen.fallback_reason.startswith("nki unavailable: the AWS Neuron 'nki' package")
+    monkeypatch.setenv("MOE_BWD_BACKEND", "nki")
+    with pytest.raises(RuntimeError, match="backend 'nki' .*MOE_BWD_BACKEND"):
+        resolve_backend("auto", "cpu")
+
+
 def test_backend_rejects_unknown_options_before_work():
     run = registered_backends()["nki-sim"].run
     with pytest.raises(ValueError, match=r"unknown options \['tile'\]"):

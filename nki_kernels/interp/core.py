@@ -27,6 +27,7 @@ import itertools
 import math
 import threading
 import weakref
+from typing import ClassVar
 
 import numpy as np
 
@@ -85,12 +86,10 @@ PSUM_NUM_BANKS = 8
 # Per-target constants. sbuf_usable_bytes: usable SBUF bytes per partition as nki-library
 # hard-codes them (NKI_API.md §4.1); matmul_moving_fmax: largest nc_matmul moving free size.
 TARGETS = {
-    "trn2": dict(nc_version=3, sbuf_bytes=224 * 1024,
-                 sbuf_usable_bytes=224 * 1024 - 16384 - 8 - 520,
-                 has_mx=False),
-    "trn3": dict(nc_version=4, sbuf_bytes=256 * 1024,
-                 sbuf_usable_bytes=256 * 1024 - 16384 - 8 - 256,
-                 has_mx=True),
+    "trn2": {"nc_version": 3, "sbuf_bytes": 224 * 1024,
+             "sbuf_usable_bytes": 224 * 1024 - 16384 - 8 - 520, "has_mx": False},
+    "trn3": {"nc_version": 4, "sbuf_bytes": 256 * 1024,
+             "sbuf_usable_bytes": 256 * 1024 - 16384 - 8 - 256, "has_mx": True},
 }
 
 
@@ -101,7 +100,7 @@ def _is_onchip(buffer) -> bool:
 class _Fill:
     """Sentinel bytes of fresh storage per dtype (NaN for floats, 4 for ints)."""
 
-    _cache: dict = {}
+    _cache: ClassVar[dict] = {}
 
     @classmethod
     def pattern(cls, dtype: str) -> np.ndarray:
@@ -489,10 +488,10 @@ class NkiTensor:
         boff = self.boffset + (int(offset) if offset is not None else 0) * isz
         shape = tuple(n for _, n in pat)
         bstrides = tuple(s * isz for s, _ in pat)
-        if self.is_onchip and vector_offset is None and pat[0][1] > 1:
-            if bstrides[0] != self.storage.pbytes:
-                raise NkiError(f"ap: on-chip partition step {pat[0][0]} x {isz} B must equal the "
-                               f"storage's partition size {self.storage.pbytes} B")
+        if (self.is_onchip and vector_offset is None and pat[0][1] > 1
+                and bstrides[0] != self.storage.pbytes):
+            raise NkiError(f"ap: on-chip partition step {pat[0][0]} x {isz} B must equal the "
+                           f"storage's partition size {self.storage.pbytes} B")
         if scalar_offset is not None and vector_offset is not None:
             raise NkiError("ap: scalar_offset and vector_offset are mutually exclusive")
         if scalar_offset is None and vector_offset is None:
@@ -542,10 +541,8 @@ class IndirectAP:
         if vector_offset is not None:
             if not isinstance(vector_offset, NkiTensor) or not vector_offset.is_onchip:
                 raise NkiError("ap: vector_offset must be an SBUF index tile")
-        elif isinstance(scalar_offset, NkiTensor):
-            if scalar_offset.size != 1:
-                raise NkiError(f"ap: scalar_offset must be a (1, 1) tensor, got "
-                               f"{scalar_offset.shape}")
+        elif isinstance(scalar_offset, NkiTensor) and scalar_offset.size != 1:
+            raise NkiError(f"ap: scalar_offset must be a (1, 1) tensor, got {scalar_offset.shape}")
 
     @property
     def buffer(self):
@@ -724,7 +721,8 @@ class ProgramContext:
         shape = _norm_shape(shape)
         dtype = _dt.normalize(dtype)
         if not isinstance(buffer, MemoryRegion):
-            raise ValueError(f"ndarray: buffer must be nl.sbuf/nl.psum/nl.hbm/nl.private_hbm/"
+            raise ValueError(  # noqa: TRY004 - bad input is a ValueError in this project
+f"ndarray: buffer must be nl.sbuf/nl.psum/nl.hbm/nl.private_hbm/"
                              f"nl.shared_hbm, got {buffer!r} (strings are rejected since NKI 0.3)")
         isz = _dt.itemsize(dtype)
         if _is_onchip(buffer):

@@ -135,7 +135,7 @@ def _reg_value(v, what):
 
 def dynamic_range(start, stop=None, step=1):
     """Runtime loop: bounds may be VirtualRegisters (read when the loop starts)."""
-    if isinstance(step, type(None)) or not isinstance(step, int) or step <= 0:
+    if not isinstance(step, int) or step <= 0:
         raise ValueError(f"dynamic_range: step must be a compile-time positive int, got {step!r}")
     if stop is None:
         return range(_reg_value(start, "dynamic_range stop"))

@@ -32,10 +32,10 @@ TENSOR_FIXED_CYCLES = 64  # assumption: issue + drain per matmul instruction
 ENGINE_FIXED_CYCLES = 64  # assumption: per Vector/Scalar/GpSimd instruction overhead
 
 TIME_MODEL = {
-    "trn3": dict(tensor_hz=2.4e9, vector_hz=1.2e9, hbm_bytes_per_s=4.7e12 / 8,
-                 bf16_flops=79e12, mx_flops=315e12),
-    "trn2": dict(tensor_hz=2.4e9, vector_hz=0.96e9, hbm_bytes_per_s=2.9e12 / 8,
-                 bf16_flops=79e12, mx_flops=0.0),
+    "trn3": {"tensor_hz": 2.4e9, "vector_hz": 1.2e9, "hbm_bytes_per_s": 4.7e12 / 8,
+             "bf16_flops": 79e12, "mx_flops": 315e12},
+    "trn2": {"tensor_hz": 2.4e9, "vector_hz": 0.96e9, "hbm_bytes_per_s": 2.9e12 / 8,
+             "bf16_flops": 79e12, "mx_flops": 0.0},
 }
 
 

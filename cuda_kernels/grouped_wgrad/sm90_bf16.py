@@ -53,6 +53,7 @@ COMPILE_COUNT = 0
 _TILES_YAML = pathlib.Path(__file__).resolve().parents[2] / "configs" / "cuda" / "sm90_tiles.yaml"
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
 _SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on H100/H200
+_SCHED_STAGES = 4  # depth of the tile-id ring between the producer warp and the consumers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,9 +314,11 @@ def _build_kernel_class():
             # accumulating), in (tile_m, 32) sub-tiles, epi_stages buffers per consumer group;
             # discrete outputs (a pointer per expert) are stored from registers.
             self.tma_epi = key.output_mode == "dense"
-            self.epi_tile = (self.tile_m, 32)
+            # one warp group per tile (pingpong / 64-row tiles): its accumulator fragment is
+            # ordered by 64-row wgmma slab, so the sub-tiles are (64, 32), n fastest
+            self.epi_tile = (self.tile_m if self.wgs_per_group > 1 else 64, 32)
             out_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[key.out_dtype]
-            sub_bytes = self.tile_m * 32 * out_bytes
+            sub_bytes = self.epi_tile[0] * 32 * out_bytes
             header = 2048 + 8 * key.num_experts + 16 * t.stages
             self.epi_stages = 2
             while self.tma_epi and self.epi_stages > 1 and (
@@ -350,14 +353,19 @@ def _build_kernel_class():
             return k_base, k_begin - k_base, k_len, n_k
 
         @cute.jit
-        def tile_of(self, j: cutlass.Int32, bidx: cutlass.Int32, gdim: cutlass.Int32):
-            """Linear tile index of this CTA's j-th tile: waves of gdim tiles, boustrophedon
-            (even waves CTA order, odd waves reversed) so that, with experts sorted by size,
-            each CTA's total work evens out (an LPT-like static schedule)."""
-            pos = bidx
-            if j % 2 == 1:
-                pos = gdim - 1 - bidx
-            return j * gdim + pos
+        def next_tile(self, mCounter, lane, sched_pipe, sched_state, sSched):
+            """Producer warp: take the next tile id from the global counter (lane 0) and
+            publish it to the consumers. Ids run over experts sorted by size, largest first,
+            so taking them greedily is LPT list scheduling."""
+            t = cutlass.Int32(0)
+            if lane == 0:
+                t = cute.arch.atomic_add(mCounter.iterator, cutlass.Int32(1))
+            t = cute.arch.shuffle_sync(t, 0)
+            sched_pipe.producer_acquire(sched_state)
+            if lane == 0:
+                sSched[sched_state.index] = t
+            sched_pipe.producer_commit(sched_state)
+            return t
 
         @cute.jit
         def __call__(
@@ -366,6 +374,7 @@ def _build_kernel_class():
             mB: cute.Tensor,  # (N, S) bf16 (B transposed view)
             mOffsets: cute.Tensor,  # (E,) int32
             mOut: cute.Tensor,  # (E, M, N) dense or (E,) int64 pointers
+            mCounter: cute.Tensor,  # (1,) int32, zero at launch: the dynamic tile counter
             num_ctas: cutlass.Int32,
             stream,
         ):
@@ -431,6 +440,8 @@ def _build_kernel_class():
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+                sched_mbar: cute.struct.MemRange[cutlass.Int64, _SCHED_STAGES * 2]
+                sched: cute.struct.MemRange[cutlass.Int32, _SCHED_STAGES]
                 lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
                 perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
                 sA: cute.struct.Align[
@@ -451,6 +462,7 @@ def _build_kernel_class():
                 tma_c,
                 mOffsets,
                 mOut,
+                mCounter,
                 tiled_mma,
                 a_smem_staged,
                 b_smem_staged,
@@ -474,14 +486,13 @@ def _build_kernel_class():
             tma_c: cute.Tensor,
             mOffsets: cute.Tensor,
             mOut: cute.Tensor,
+            mCounter: cute.Tensor,
             tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout,
             epi_smem_staged: cute.ComposedLayout,
         ):
             tidx, _, _ = cute.arch.thread_idx()
-            bidx, _, _ = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             wg_idx = cute.arch.make_warp_uniform(tidx // 128)
 
@@ -510,6 +521,18 @@ def _build_kernel_class():
                 cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
                 defer_sync=True,
             )
+            # Dynamic tile scheduler: the producer warp takes tile ids from a global atomic
+            # counter and passes them to the consumers through a small smem ring.
+            sched_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.sched_mbar.data_ptr(),
+                num_stages=_SCHED_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, 128 * self.num_consumer_wgs
+                ),
+                defer_sync=True,
+            )
+            sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
             pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
             sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
@@ -547,8 +570,12 @@ def _build_kernel_class():
                     prod_state = pipeline.make_pipeline_state(
                         pipeline.PipelineUserType.Producer, self.stages
                     )
-                    tile = bidx
-                    jp = cutlass.Int32(0)
+                    lane = cute.arch.lane_idx()
+                    sched_state = pipeline.make_pipeline_state(
+                        pipeline.PipelineUserType.Producer, _SCHED_STAGES
+                    )
+                    tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                    sched_state.advance()
                     while tile < self.num_tiles:
                         rank_e = tile // tiles_per_expert
                         e = sPerm[rank_e]
@@ -597,8 +624,8 @@ def _build_kernel_class():
                             )
                             ab_pipe.producer_commit(prod_state)
                             prod_state.advance()
-                        jp += 1
-                        tile = self.tile_of(jp, bidx, gdim)
+                        tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                        sched_state.advance()
                     ab_pipe.producer_tail(prod_state)
             else:
                 # ---------------- consumer warp groups: wgmma + epilogue ----------------
@@ -659,7 +686,13 @@ def _build_kernel_class():
                 release_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, self.stages
                 )
-                tile = bidx
+                sched_cstate = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+                )
+                sched_pipe.consumer_wait(sched_cstate)
+                tile = sSched[sched_cstate.index]
+                sched_pipe.consumer_release(sched_cstate)
+                sched_cstate.advance()
                 j = cutlass.Int32(0)  # local tile counter of this CTA
                 while tile < self.num_tiles:
                     rank_e = tile // tiles_per_expert
@@ -669,6 +702,7 @@ def _build_kernel_class():
                     m_idx = rem - n_idx * m_tiles
                     _k_base, head, k_len, n_k = self.k_range(mOffsets, e)
 
+                    next_tile = cutlass.Int32(0)
                     mine = cutlass.Boolean(True)
                     if cutlass.const_expr(self.num_groups > 1):
                         mine = (j % self.num_groups) == group
@@ -727,8 +761,12 @@ def _build_kernel_class():
                                 ab_pipe.consumer_release(release_state)
                                 release_state.advance()
                             read_state.advance()
+                        sched_pipe.consumer_wait(sched_cstate)
+                        next_tile = sSched[sched_cstate.index]
+                        sched_pipe.consumer_release(sched_cstate)
+                        sched_cstate.advance()
                         if cutlass.const_expr(self.num_groups > 1):
-                            if self.tile_of(j + 1, bidx, gdim) < self.num_tiles:  # other group's turn
+                            if next_tile < self.num_tiles:  # the other group's turn
                                 pipeline.NamedBarrier(
                                     barrier_id=4 - group, num_threads=2 * self.group_threads
                                 ).arrive()
@@ -810,8 +848,12 @@ def _build_kernel_class():
                         for _kt in cutlass.range(n_k, unroll=1):
                             read_state.advance()
                             release_state.advance()
+                        sched_pipe.consumer_wait(sched_cstate)
+                        next_tile = sSched[sched_cstate.index]
+                        sched_pipe.consumer_release(sched_cstate)
+                        sched_cstate.advance()
                     j += 1
-                    tile = self.tile_of(j, bidx, gdim)
+                    tile = next_tile
                 if cutlass.const_expr(self.tma_epi):
                     if warp_idx == store_warp:
                         store_pipe.producer_tail()  # all TMA stores done before exit
@@ -852,7 +894,8 @@ def _fake_args(key: Sm90WgradKey):
         )
     else:
         out = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (e,), assumed_align=8)
-    return a, b, offsets, out
+    counter = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
+    return a, b, offsets, out, counter
 
 
 def _compile(key: Sm90WgradKey, arch: str | None, dump_dir: str | None = None):
@@ -863,14 +906,16 @@ def _compile(key: Sm90WgradKey, arch: str | None, dump_dir: str | None = None):
     # descriptor: the launcher repacks such operands on the device first (see _ragged_to_2d), so
     # the compiled kernel is the tensor2d one.
     kernel = _kernel_class()(key)
-    a, b, offsets, out = _fake_args(key)
+    a, b, offsets, out, counter = _fake_args(key)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = "--enable-tvm-ffi"
     if arch is not None:
         opts += f" --gpu-arch {arch}"
     if dump_dir is not None:
         opts += f" --keep-ptx --dump-dir {dump_dir}"
-    return cute.compile(kernel, a, b, offsets, out, cutlass.Int32(1), stream, options=opts)
+    return cute.compile(
+        kernel, a, b, offsets, out, counter, cutlass.Int32(1), stream, options=opts
+    )
 
 
 _LOCK = threading.Lock()
@@ -960,10 +1005,12 @@ def _launch(key: Sm90WgradKey, fn: Any, a, b, offsets, out, stream=None) -> None
             b = _ragged_to_2d(b.t(), offsets, b.shape[1]).t()
     num_ctas = max(1, min(key.num_tiles, _num_sms(a.device.index or 0)))
     if stream is None:
-        fn(a, b.t(), offsets, out, num_ctas)
+        counter = torch.zeros(1, dtype=torch.int32, device=a.device)
+        fn(a, b.t(), offsets, out, counter, num_ctas)
     else:
         with torch.cuda.stream(stream):
-            fn(a, b.t(), offsets, out, num_ctas)
+            counter = torch.zeros(1, dtype=torch.int32, device=a.device)
+            fn(a, b.t(), offsets, out, counter, num_ctas)
 
 
 def compile_sm90_wgrad_offline(key: Sm90WgradKey, arch: str = "sm_90a") -> str:

@@ -789,3 +789,26 @@ def test_dtype_normalization_and_errors():
     assert dtypes.itemsize(nl.float8_e4m3fn_x4) == 4 and dtypes.itemsize(nl.float4_e2m1fn_x4) == 2
     with pytest.raises(ValueError, match="not an NKI dtype"):
         dtypes.normalize("float64")
+
+
+def test_matmul_tiling_rules():
+    a = sbuf_from(np.ones((32, 16), BF16))
+    b = sbuf_from(np.ones((32, 8), BF16))
+    p = nl.ndarray((16, 8), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(p, a, b, tile_position=(32, 64), tile_size=(32, 64))
+    assert (p.numpy() == 32).all()
+    with pytest.raises(NkiError, match="together"):
+        nisa.nc_matmul(p, a, b, tile_position=(0, 0))
+    with pytest.raises(NkiError, match="not aligned"):
+        nisa.nc_matmul(p, a, b, tile_position=(16, 0), tile_size=(32, 32))
+    with pytest.raises(NkiError, match="exceed"):
+        nisa.nc_matmul(p, sbuf_from(np.ones((64, 16), BF16)), sbuf_from(np.ones((64, 8), BF16)),
+                       tile_position=(0, 0), tile_size=(32, 32))
+    q = nl.ndarray((32, 16), nl.float8_e4m3fn_x4)
+    s = nl.ndarray((32, 16), nl.uint8)
+    nisa.quantize_mx(q, sbuf_from(np.ones((32, 64), BF16)), s)
+    pm = nl.ndarray((16, 16), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul_mx(pm, q, q, s, s, tile_position=(64, 0), tile_size=(32, 128))
+    assert (pm.numpy() == 128).all()
+    with pytest.raises(NkiError, match="rows only"):
+        nisa.nc_matmul_mx(pm, q, q, s, s, tile_position=(0, 0), tile_size=(32, 64))

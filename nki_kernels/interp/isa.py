@@ -1066,8 +1066,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         raise _err(instr, f"stationary free size {M} > 128")
     if nc < 4 and N > 512:
         raise _err(instr, f"moving free size {N} > 512 on trn2")
-    if bool(tile_position) != bool(tile_size):
-        raise _err(instr, "tile_position and tile_size must be given together")
+    _check_tiling(instr, tile_position, tile_size, K, M, row_only=False)
     if is_transpose:
         if dst.dtype != moving.dtype:
             raise _err(instr, "is_transpose needs dst dtype == moving dtype")
@@ -1109,6 +1108,25 @@ def _dequant_operand(instr, arg, data, scale, P, C, prec):
         cache.pop(next(iter(cache)))
     cache[key] = v
     return v
+
+
+def _check_tiling(instr, tile_position, tile_size, K, M, row_only):
+    """PE-array tiling (§3.11/§3.13): both or neither; sizes 32/64/128, aligned positions, the
+    operands must fit the tile (rows = contraction partitions, cols = stationary columns)."""
+    if not tile_position and not tile_size:
+        return
+    if not tile_position or not tile_size:
+        raise _err(instr, "tile_position and tile_size must be given together")
+    (r, c), (rs, cs) = tuple(tile_position), tuple(tile_size)
+    if rs not in (32, 64, 128) or cs not in (32, 64, 128):
+        raise _err(instr, f"tile_size {tile_size} must use 32, 64 or 128")
+    if row_only and (cs != 128 or c != 0):
+        raise _err(instr, "nc_matmul_mx tiles rows only: tile_size=(rows, 128), "
+                   "tile_position=(row, 0)")
+    if r % rs or c % cs or r + rs > 128 or c + cs > 128:
+        raise _err(instr, f"tile_position {tile_position} not aligned to tile_size {tile_size}")
+    if K > rs or M > cs:
+        raise _err(instr, f"operands ({K} partitions, {M} columns) exceed tile_size {tile_size}")
 
 
 def _mm(a_KM: np.ndarray, b_KN: np.ndarray) -> np.ndarray:
@@ -1214,9 +1232,7 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
         raise _err(instr, f"partitions {P} must be a multiple of 32 and <= 128")
     if M % 2 or M > 128:
         raise _err(instr, f"stationary free size {M} must be even and <= 128")
-    if tile_size is not None and tile_position is None or (tile_position is not None
-                                                           and tile_size is None):
-        raise _err(instr, "tile_position and tile_size must be given together")
+    _check_tiling(instr, tile_position, tile_size, P, M, row_only=True)
     _matmul_dst(instr, dst, M, N, current().spec["nc_version"])
     prec = np.float64 if MATMUL_PRECISION["value"] == "float64" else np.float32
     a = _dequant_operand(instr, "stationary", stationary, stationary_scale, P, M, prec)

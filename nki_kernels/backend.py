@@ -148,6 +148,15 @@ def _routed_mask_TE(problem: MoEBackwardProblem) -> torch.Tensor:
     return mask.reshape(T, E)
 
 
+def _as_float_tensor(x: Any) -> torch.Tensor:
+    """A kernel output (torch tensor, or numpy array incl. ml_dtypes BF16) as float32 torch."""
+    if isinstance(x, torch.Tensor):
+        return x.float()
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(x).astype(np.float32))
+
+
 def _grads_from_outputs(problem: MoEBackwardProblem, outputs: tuple) -> MoEGrads:
     p = problem
     T, _ = p.hidden_states_TH.shape
@@ -159,7 +168,7 @@ def _grads_from_outputs(problem: MoEBackwardProblem, outputs: tuple) -> MoEGrads
             f"blockwise_mm_bwd_mxfp8 returned {type(outputs).__name__} of length "
             f"{len(outputs) if isinstance(outputs, (tuple, list)) else '?'}, expected {expected}"
         )
-    outs = [torch.as_tensor(o).float() for o in outputs]
+    outs = [_as_float_tensor(o) for o in outputs]
     dx = outs[0][:T]
     da = outs[1].reshape(-1, E)[:T].clone()
     if p.b_down_EH is not None:

@@ -832,3 +832,18 @@ def test_kernel_validates_before_any_work():
     args = _valid_args()
     with pytest.raises(ValueError, match="activation_type=ReLU"):
         sim(**args, activation_type=ActFnType.ReLU)
+
+
+def test_grads_from_numpy_bf16_outputs():
+    p = _problem(T=5)
+    T, H = p.hidden_states_TH.shape
+    E, I, _ = p.w_down_EIH.shape
+    outs = (
+        np.ones((T, H), dtype=ml_dtypes.bfloat16),
+        np.full((T * E, 1), 2, dtype=ml_dtypes.bfloat16),
+        np.zeros((E, H, 2, I), dtype=ml_dtypes.bfloat16),
+        np.zeros((E, I, H), dtype=np.float32),
+    )
+    grads = nki_backend._grads_from_outputs(p, outs)
+    assert grads.hidden_states_grad_TH.dtype == torch.float32
+    assert torch.all(grads.hidden_states_grad_TH == 1) and torch.all(grads.affinity_grad_TE == 2)

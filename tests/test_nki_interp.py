@@ -591,6 +591,10 @@ def test_simulate_lnc1_lnc2_same_and_profile():
     assert p2.modeled_time_us("mm") < p1.modeled_time_us("mm")
     for p in (p1, p2):
         assert 0 < p.tensor_e_utilization("mm") <= 1
+    mem = p1.memory[0]
+    assert mem["psum_peak_banks"] == 1  # one [64, 128] fp32 accumulator
+    assert mem["sbuf_peak_bytes"] >= (4 * 64 + 4 * 256) * 2  # the bf16 staging tiles
+    assert sorted(p2.memory) == [0, 1]
     eng = p1.engine_time_us("mm")
     assert eng["dma"] == pytest.approx(c1.dma_bytes / (4.7e12 / 8) * 1e6)
     assert p1.modeled_time_us("mm") == pytest.approx(max(eng.values()))

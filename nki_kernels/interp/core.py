@@ -714,7 +714,8 @@ class ProgramContext:
         self.counters = self.profile._core(program_id)
         self.region_stack = ["kernel"]
         self.launched = False  # True inside simulate()
-        self.deq_cache: dict = {}  # nc_matmul_mx dequantized operands, keyed by storage versions
+        self.deq_cache: dict = {}
+        self.lock = threading.Lock()  # guards the SBUF/PSUM counters (finalizers may run anywhere)  # nc_matmul_mx dequantized operands, keyed by storage versions
 
     # --- allocation -------------------------------------------------------------------------
     def allocate(self, shape, dtype, buffer, name="") -> NkiTensor:
@@ -733,26 +734,8 @@ f"ndarray: buffer must be nl.sbuf/nl.psum/nl.hbm/nl.private_hbm/"
                 raise NkiError(f"ndarray({name or '?'}): partition dim {P} of {buffer.value} "
                                f"tensor must be in [1, {PMAX}]")
             pbytes = math.prod(shape[1:]) * isz
-            if buffer is sbuf:
-                need = self.sbuf_used + pbytes
-                cap = self.spec["sbuf_usable_bytes"]
-                if need > cap:
-                    raise NkiCapacityError(
-                        f"ndarray({name or '?'}): SBUF capacity exceeded on {self.target}: "
-                        f"{pbytes} B/partition requested, {self.sbuf_used} B live, budget {cap} B")
-                self.sbuf_used = need
-                self.sbuf_peak = max(self.sbuf_peak, need)
-                cost = pbytes
-            else:
-                banks = max(1, -(-pbytes // PSUM_BANK_BYTES))
-                if self.psum_banks_used + banks > PSUM_NUM_BANKS:
-                    raise NkiCapacityError(
-                        f"ndarray({name or '?'}): PSUM capacity exceeded: {pbytes} B/partition "
-                        f"needs {banks} bank(s) of 2 KiB, {self.psum_banks_used} of "
-                        f"{PSUM_NUM_BANKS} banks live")
-                self.psum_banks_used += banks
-                self.psum_banks_peak = max(self.psum_banks_peak, self.psum_banks_used)
-                cost = banks
+            with self.lock:
+                cost = self._reserve(buffer, pbytes, name)
             data = np.empty(P * pbytes, np.uint8)
             st = Storage(data, buffer, P, pbytes, name)
             weakref.finalize(st, ProgramContext._free, weakref.ref(self), buffer is sbuf, cost)
@@ -766,6 +749,30 @@ f"ndarray: buffer must be nl.sbuf/nl.psum/nl.hbm/nl.private_hbm/"
         _fill(data, dtype)
         st.owner_core = self.program_id
         return NkiTensor(st, dtype, shape, tuple(bstrides), 0, name)
+
+    def _reserve(self, buffer, pbytes, name):
+        """Account an on-chip allocation of ``pbytes`` per partition; returns its cost."""
+        if buffer is sbuf:
+            need = self.sbuf_used + pbytes
+            cap = self.spec["sbuf_usable_bytes"]
+            if need > cap:
+                raise NkiCapacityError(
+                    f"ndarray({name or '?'}): SBUF capacity exceeded on {self.target}: "
+                    f"{pbytes} B/partition requested, {self.sbuf_used} B live, budget {cap} B")
+            self.sbuf_used = need
+            self.sbuf_peak = max(self.sbuf_peak, need)
+            cost = pbytes
+        else:
+            banks = max(1, -(-pbytes // PSUM_BANK_BYTES))
+            if self.psum_banks_used + banks > PSUM_NUM_BANKS:
+                raise NkiCapacityError(
+                    f"ndarray({name or '?'}): PSUM capacity exceeded: {pbytes} B/partition "
+                    f"needs {banks} bank(s) of 2 KiB, {self.psum_banks_used} of "
+                    f"{PSUM_NUM_BANKS} banks live")
+            self.psum_banks_used += banks
+            self.psum_banks_peak = max(self.psum_banks_peak, self.psum_banks_used)
+            cost = banks
+        return cost
 
     def _shared_alloc(self, shape, dtype, name):
         sh = self.shared
@@ -793,10 +800,11 @@ f"ndarray: buffer must be nl.sbuf/nl.psum/nl.hbm/nl.private_hbm/"
         ctx = ctx_ref()
         if ctx is None:
             return
-        if is_sbuf:
-            ctx.sbuf_used -= cost
-        else:
-            ctx.psum_banks_used -= cost
+        with ctx.lock:
+            if is_sbuf:
+                ctx.sbuf_used -= cost
+            else:
+                ctx.psum_banks_used -= cost
 
 
 def _fill(data: np.ndarray, dtype: str) -> None:

@@ -79,6 +79,9 @@ class Profile:
         self.target = target
         self.model = TIME_MODEL[target]
         self._cores: dict = {}
+        # per core after a launch: {"sbuf_peak_bytes": per-partition SBUF peak,
+        # "psum_peak_banks": PSUM banks peak}
+        self.memory: dict = {}
 
     def _core(self, core: int) -> dict:
         d = self._cores.get(core)

@@ -141,6 +141,7 @@ class Simulated:
             ctx = ProgramContext(target=self.target, program_id=0, num_programs=1,
                                  shared=shared, profile=profile)
             ctx.launched = True
+            profile.memory[0] = ctx
             prev = _core.set_current(ctx)
             try:
                 out = self.kernel(*a2, **k2)
@@ -154,6 +155,7 @@ class Simulated:
                 ctx = ProgramContext(target=self.target, program_id=pid, num_programs=2,
                                      shared=shared, profile=profile)
                 ctx.launched = True
+                profile.memory[pid] = ctx
                 _core.set_current(ctx)
                 try:
                     results[pid] = self.kernel(*a2, **k2)
@@ -176,6 +178,8 @@ class Simulated:
                 if e is not None:
                     raise e
             out = results[0]
+        profile.memory = {c: {"sbuf_peak_bytes": x.sbuf_peak, "psum_peak_banks": x.psum_banks_peak}
+                          for c, x in profile.memory.items()}
         self.last_profile = profile
         return _convert_out(out, any_torch)
 

@@ -847,3 +847,17 @@ def test_grads_from_numpy_bf16_outputs():
     grads = nki_backend._grads_from_outputs(p, outs)
     assert grads.hidden_states_grad_TH.dtype == torch.float32
     assert torch.all(grads.hidden_states_grad_TH == 1) and torch.all(grads.affinity_grad_TE == 2)
+
+
+@needs_sim
+def test_tuner_picks_per_phase_minimum_of_modeled_time():
+    best, rows = nki_backend.tune_phase_configs(256, 128, 128, True)
+    assert set(best) == {"phase1", "phase2", "phase3", "phase4"}
+    for phase, overrides in best.items():
+        times = [r["modeled_us"] for r in rows if r["phase"] == phase]
+        chosen = [
+            r["modeled_us"] for r in rows if r["phase"] == phase and r["overrides"] == overrides
+        ]
+        assert min(chosen) == min(times) and min(times) > 0
+        default = next(r for r in rows if r["phase"] == phase and r["run"] == 0)
+        assert min(times) <= default["modeled_us"]

@@ -1,6 +1,6 @@
 """``moe-bwd``: the package's command line.
 
-    moe-bwd run --model qwen3-30b-a3b --tokens 2048 [--backend auto|NAME] [--seed S]
+    moe-bwd run --model qwen3-30b-a3b --tokens 2048 [--backend auto|NAME] [--seed S] [--shrink N]
     moe-bwd models
     moe-bwd backends
 
@@ -65,7 +65,22 @@ def _cmd_run(args, console: Console) -> int:
     if args.tokens < 1:
         console.print(f"[red]error:[/red] --tokens must be >= 1, got {args.tokens}")
         return 2
+    if args.shrink != 1:
+        try:
+            model = model.shrink(args.shrink)
+        except ValueError as exc:
+            console.print(f"[red]error:[/red] --shrink: {exc}")
+            return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    need = _bytes_needed(model, args.tokens)
+    have = _memory_available(device)
+    if have is not None and need > have:
+        console.print(
+            f"[red]error:[/red] {model.display_name} needs about {need / 2**30:.0f} GiB on {device} "
+            f"(weights, gradients and their float64 reference for E={model.experts} experts), "
+            f"{have / 2**30:.0f} GiB are available; pass --shrink N to divide H and I by N"
+        )
+        return 2
     try:
         backend = dispatch.resolve_backend(args.backend, device)
     except (ValueError, RuntimeError) as exc:
@@ -85,7 +100,12 @@ def _cmd_run(args, console: Console) -> int:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        grads = backend.run(problem)
+        try:
+            grads = backend.run(problem)
+        except (ValueError, RuntimeError) as exc:
+            progress.stop()
+            console.print(f"[red]error:[/red] backend {backend.name}: {exc}")
+            return 2
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         times["backend"] = time.perf_counter() - t0
@@ -137,6 +157,27 @@ def _cmd_run(args, console: Console) -> int:
     return 0
 
 
+def _bytes_needed(model, num_tokens: int) -> int:
+    """Rough peak bytes of `run`: BF16 weights, fp32 grads, float64 reference grads and
+    temporaries (14 bytes per weight element), plus per-row activations."""
+    weights = model.experts * model.hidden * 3 * model.intermediate
+    rows = num_tokens * model.top_k * (model.hidden + 3 * model.intermediate)
+    return 14 * weights + 16 * rows
+
+
+def _memory_available(device: str) -> int | None:
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-bwd", description="MoE expert-MLP backward kernels: run, compare, list."
@@ -152,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and router")
     run.add_argument("--skew", type=float, default=1.0, help="router load skew (0 = uniform)")
     run.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
+    run.add_argument(
+        "--shrink", type=int, default=1,
+        help="divide H and I by N (rounded to multiples of 128) to fit large models in memory",
+    )
     run.set_defaults(func=_cmd_run)
     sub.add_parser("models", help="list the model shapes").set_defaults(func=_cmd_models)
     sub.add_parser("backends", help="list the backends and whether they run here").set_defaults(

@@ -78,6 +78,10 @@ __all__ = ["blockwise_mm_bwd_mxfp8"]
 float8_e4m3fn_x4 = nl.float8_e4m3fn_x4
 
 PMAX = 128  # partitions
+# Engine placement: the three elementwise engines run in parallel, so independent ops are spread
+# over VectorE (anything, PSUM too), ScalarE (copies / tensor_scalar / activation, PSUM too) and
+# GpSimd (SBUF only). Placement never changes a value (fp32 math, one rounding, on every engine).
+VEC, ACT, POOL = nisa.engine.vector, nisa.engine.scalar, nisa.engine.gpsimd
 WRAPX_TILE = 512  # K elements of one full WRAPX tile (128 partitions x 4 lanes)
 PSUM_TILE_MAX_N = 2048  # fp32 columns of one PSUM tile (4 of the 8 banks)
 ZERO_TILE_COLS = 2048  # free size of the zero tile used to clear HBM outputs
@@ -163,7 +167,7 @@ def _k_major_from_slots(src_w, g: _Geo, K: int):
                     dst=ps[:, lane * g.vs : (lane + 1) * g.vs],
                     data=src_w[:, kt, c0 : c0 + vsk, li],
                 )
-            nisa.tensor_copy(dst=t[:, :, i], src=ps)
+            nisa.tensor_copy(dst=t[:, :, i], src=ps, engine=ACT if i % 2 else VEC)
         q, s = _quantize_k_major(t, vsk, g.B)
         out.append((q, s, vsk))
     return out
@@ -307,6 +311,17 @@ def _rmw_rows(dst_hbm, e_sb, res, rows: int, r0: int, row_stride: int, c0: int, 
     nisa.dma_copy(dst=view, src=old)
 
 
+def _add_result(acc, res, j: int):
+    """acc += res (fp32 sum, one rounding to acc's dtype). Even j: VectorE reads the result in
+    place; odd j: ScalarE copies it to SBUF (exact, fp32) and GpSimd adds, to spread the load."""
+    if j % 2 == 0 or res.buffer != nl.psum:
+        nisa.tensor_tensor(dst=acc, data1=acc, data2=res, op=nl.add, engine=VEC)
+        return
+    tmp = nl.ndarray(tuple(res.shape), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=tmp, src=res, engine=ACT)
+    nisa.tensor_tensor(dst=acc, data1=acc, data2=tmp, op=nl.add, engine=POOL)
+
+
 def _slab(dst_hbm, e_sb, rows: int, r0: int, row_stride: int, c0: int, ncols: int):
     """HBM view of rows ``r0..r0+rows`` x columns ``c0..c0+ncols`` of expert ``e_sb``'s slab."""
     return dst_hbm.ap(
@@ -332,11 +347,10 @@ def _wgrad_rmw(lhs, rhs, g: _Geo, tl: _Tiling, dst_hbm, e_sb, M0: int, M: int, N
         view = _slab(dst_hbm, e_sb, mw, M0 + m0, row_stride, N0, N)
         o = old[0:mw, :]
         nisa.dma_copy(dst=o, src=view)
-        for n0 in range(0, N, tl.tn):
+        for j, n0 in enumerate(range(0, N, tl.tn)):
             nw = min(tl.tn, N - n0)
             res = _matmul_mx(lhs, rhs, M0 + m0, mw, N0 + n0, nw, tl, ws)
-            nisa.tensor_tensor(dst=o[:, n0 : n0 + nw], data1=o[:, n0 : n0 + nw], data2=res,
-                               op=nl.add)
+            _add_result(o[:, n0 : n0 + nw], res, j + m0 // tm)
         nisa.dma_copy(dst=view, src=o)
 
 
@@ -442,11 +456,11 @@ def _gather_block(b, g: _Geo):
     nisa.tensor_copy(dst=alpha, src=ea_raw)
     b.alpha = alpha
     # token rows of X and dY in slot layout [vs, NKT, H, 4]; skipped rows stay 0
-    b.x_w = _gather_rows(b.hidden_states, b.ids, g, H, b.token_oob)
-    b.dy_w = _gather_rows(b.dy_hbm, b.ids, g, H, b.token_oob)
+    b.x_w = _gather_rows(b.hidden_states, b.ids, g, H, b.token_oob, VEC)
+    b.dy_w = _gather_rows(b.dy_hbm, b.ids, g, H, b.token_oob, POOL)
     # checkpoint: gu[p, l, c, f] = ckpt[n, c, I0 + f, l*vs + p] for valid slots, else 0
     gu = nl.ndarray((vs, NL, 2, g.Is), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.memset(dst=gu, value=0.0)
+    nisa.memset(dst=gu, value=0.0, engine=VEC)
     ck_flat = b.ckpt.reshape((g.N * 2 * I * g.B, 1))
     for lane in range(NL):
         nisa.dma_copy(
@@ -462,10 +476,13 @@ def _gather_block(b, g: _Geo):
     b.gu = gu
 
 
-def _gather_rows(src_hbm, ids, g: _Geo, F: int, oob):
-    """Gather ``src_hbm[ids[p, l], :]`` into a slot-layout tile ``[vs, NKT, F, 4]``."""
+def _gather_rows(src_hbm, ids, g: _Geo, F: int, oob, memset_engine):
+    """Gather ``src_hbm[ids[p, l], :]`` into a slot-layout tile ``[vs, NKT, F, 4]``.
+
+    The tile is zeroed first only when out-of-bounds ids are skipped (they keep the zeros)."""
     t = nl.ndarray((g.vs, g.NKT, F, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.memset(dst=t, value=0.0)
+    if oob == nisa.oob_mode.skip:
+        nisa.memset(dst=t, value=0.0, engine=memset_engine)
     for lane in range(g.NL):
         kt, li = divmod(lane, 4)
         nisa.dma_copy(
@@ -543,29 +560,29 @@ def _swiglu_bwd(b, g: _Geo, lane: int, dh_raw, ci: int, nw: int, clamp: ClampLim
     s = f32()
     nisa.activation(dst=s, op=nl.sigmoid, data=gt)
     silu = f32()
-    nisa.tensor_tensor(dst=silu, data1=gt, data2=s, op=nl.multiply)
+    nisa.tensor_tensor(dst=silu, data1=gt, data2=s, op=nl.multiply, engine=POOL)
     h = f32()
-    nisa.tensor_tensor(dst=h, data1=silu, data2=ut, op=nl.multiply)
+    nisa.tensor_tensor(dst=h, data1=silu, data2=ut, op=nl.multiply, engine=POOL)
     prod = f32()
-    nisa.tensor_tensor(dst=prod, data1=dh_raw, data2=h, op=nl.multiply)
+    nisa.tensor_tensor(dst=prod, data1=dh_raw, data2=h, op=nl.multiply, engine=VEC)
     # dA partial: transpose 128-column chunks of dh_raw*h and sum them on TensorE
     for s0 in range(0, nw, PMAX):
         cw = min(PMAX, nw - s0)
         pt_ps = nl.ndarray((cw, vs), dtype=nl.float32, buffer=nl.psum)
         nisa.nc_transpose(dst=pt_ps, data=prod[:, s0 : s0 + cw])
         pt = nl.ndarray((cw, vs), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=pt, src=pt_ps)
+        nisa.tensor_copy(dst=pt, src=pt_ps, engine=ACT)
         nisa.nc_matmul(dst=da_col, stationary=pt, moving=ones[0:cw, :])
     dh = f32()
-    nisa.tensor_scalar(dst=dh, data=dh_raw, op0=nl.multiply, operand0=alpha)
+    nisa.tensor_scalar(dst=dh, data=dh_raw, op0=nl.multiply, operand0=alpha, engine=ACT)
     dsilu = f32()
     nisa.tensor_scalar(dst=dsilu, data=s, op0=nl.multiply, operand0=-1.0, op1=nl.add,
-                       operand1=1.0)
-    nisa.tensor_tensor(dst=dsilu, data1=gt, data2=dsilu, op=nl.multiply)
-    nisa.tensor_scalar(dst=dsilu, data=dsilu, op0=nl.add, operand0=1.0)
-    nisa.tensor_tensor(dst=dsilu, data1=s, data2=dsilu, op=nl.multiply)
+                       operand1=1.0, engine=ACT)
+    nisa.tensor_tensor(dst=dsilu, data1=gt, data2=dsilu, op=nl.multiply, engine=POOL)
+    nisa.tensor_scalar(dst=dsilu, data=dsilu, op0=nl.add, operand0=1.0, engine=ACT)
+    nisa.tensor_tensor(dst=dsilu, data1=s, data2=dsilu, op=nl.multiply, engine=POOL)
     dg = f32()
-    nisa.tensor_tensor(dst=dg, data1=dh, data2=ut, op=nl.multiply)
+    nisa.tensor_tensor(dst=dg, data1=dh, data2=ut, op=nl.multiply, engine=VEC)
     dg_out = b.dgu_w[:, kt, ci : ci + nw, li]
     du_out = b.dgu_w[:, kt, g.I + ci : g.I + ci + nw, li]
     mask_g = _clamp_mask(gt, vs, nw, clamp.non_linear_clamp_lower_limit,
@@ -573,17 +590,17 @@ def _swiglu_bwd(b, g: _Geo, lane: int, dh_raw, ci: int, nw: int, clamp: ClampLim
     mask_u = _clamp_mask(ut, vs, nw, clamp.linear_clamp_lower_limit,
                          clamp.linear_clamp_upper_limit)
     if mask_g is None:
-        nisa.tensor_tensor(dst=dg_out, data1=dg, data2=dsilu, op=nl.multiply)
+        nisa.tensor_tensor(dst=dg_out, data1=dg, data2=dsilu, op=nl.multiply, engine=VEC)
     else:
-        nisa.tensor_tensor(dst=dg, data1=dg, data2=dsilu, op=nl.multiply)
-        nisa.tensor_tensor(dst=dg_out, data1=dg, data2=mask_g, op=nl.multiply)
+        nisa.tensor_tensor(dst=dg, data1=dg, data2=dsilu, op=nl.multiply, engine=VEC)
+        nisa.tensor_tensor(dst=dg_out, data1=dg, data2=mask_g, op=nl.multiply, engine=POOL)
     if mask_u is None:
-        nisa.tensor_tensor(dst=du_out, data1=dh, data2=silu, op=nl.multiply)
+        nisa.tensor_tensor(dst=du_out, data1=dh, data2=silu, op=nl.multiply, engine=VEC)
     else:
-        nisa.tensor_tensor(dst=dh, data1=dh, data2=silu, op=nl.multiply)
-        nisa.tensor_tensor(dst=du_out, data1=dh, data2=mask_u, op=nl.multiply)
+        nisa.tensor_tensor(dst=dh, data1=dh, data2=silu, op=nl.multiply, engine=VEC)
+        nisa.tensor_tensor(dst=du_out, data1=dh, data2=mask_u, op=nl.multiply, engine=POOL)
     nisa.tensor_scalar(dst=b.ah_w[:, kt, ci : ci + nw, li], data=h, op0=nl.multiply,
-                       operand0=alpha)
+                       operand0=alpha, engine=ACT)
 
 
 def _clamp_mask(v, P: int, F: int, lo: float | None, hi: float | None):
@@ -592,14 +609,14 @@ def _clamp_mask(v, P: int, F: int, lo: float | None, hi: float | None):
         return None
     m = nl.ndarray((P, F), dtype=nl.float32, buffer=nl.sbuf)
     if lo is not None:
-        nisa.tensor_scalar(dst=m, data=v, op0=nl.greater, operand0=float(lo))
+        nisa.tensor_scalar(dst=m, data=v, op0=nl.greater, operand0=float(lo), engine=POOL)
     if hi is not None:
         if lo is None:
-            nisa.tensor_scalar(dst=m, data=v, op0=nl.less, operand0=float(hi))
+            nisa.tensor_scalar(dst=m, data=v, op0=nl.less, operand0=float(hi), engine=POOL)
         else:
             m2 = nl.ndarray((P, F), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=m2, data=v, op0=nl.less, operand0=float(hi))
-            nisa.tensor_tensor(dst=m, data1=m, data2=m2, op=nl.multiply)
+            nisa.tensor_scalar(dst=m2, data=v, op0=nl.less, operand0=float(hi), engine=ACT)
+            nisa.tensor_tensor(dst=m, data1=m, data2=m2, op=nl.multiply, engine=POOL)
     return m
 
 
@@ -670,16 +687,16 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scal
             )
             new = nl.ndarray((PMAX, nbw), dtype=dx_acc.dtype, buffer=nl.sbuf)
             if accumulate:
-                nisa.memset(dst=new, value=0.0)
+                nisa.memset(dst=new, value=0.0, engine=POOL)
                 nisa.dma_copy(dst=new, src=rows, oob_mode=b.token_oob)
-            for n0 in range(0, nbw, tl.tn):
+            for j, n0 in enumerate(range(0, nbw, tl.tn)):
                 nw = min(tl.tn, nbw - n0)
                 res = _matmul_rows(dguT, wguT, PMAX, n0, nw, tl, c * PMAX, ws)
                 if accumulate:
-                    nisa.tensor_tensor(dst=new[:, n0 : n0 + nw], data1=new[:, n0 : n0 + nw],
-                                       data2=res, op=nl.add)
+                    _add_result(new[:, n0 : n0 + nw], res, j)
                 else:
-                    nisa.tensor_copy(dst=new[:, n0 : n0 + nw], src=res)
+                    nisa.tensor_copy(dst=new[:, n0 : n0 + nw], src=res,
+                                     engine=ACT if j % 2 else VEC)
             nisa.dma_copy(dst=rows, src=new, oob_mode=b.token_oob)
 
 

@@ -39,8 +39,9 @@ _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32"
 
 
 def test_select_tile_config_rules():
-    assert select_sm90_tile_config(2048, 1536, 128) == Sm90TileConfig(128, 256, 64, 4)
-    assert select_sm90_tile_config(4096, 28672, 8).tile_n == 256
+    assert select_sm90_tile_config(2048, 1536, 128) == Sm90TileConfig(128, 128, 64, 6, True)
+    assert select_sm90_tile_config(4096, 28672, 8) == Sm90TileConfig(128, 256, 64, 4)
+    assert select_sm90_tile_config(2048, 1536, 16).tile_n == 256
     assert select_sm90_tile_config(768, 2048, 128).tile_m == 128
     cfg = select_sm90_tile_config(256, 384, 4)  # 384 = 3 * 128, not a multiple of 256
     assert (cfg.tile_m, cfg.tile_n) == (128, 128)

@@ -245,6 +245,8 @@ def select_sm90_tile_config(
             continue
         if intermediate < cond.get("min_intermediate", 0):
             continue
+        if num_experts < cond.get("min_experts", 0):
+            continue
         return config
     raise ValueError(
         f"select_sm90_tile_config: no SM90 tile fits hidden={hidden}, intermediate={intermediate}"
@@ -351,6 +353,43 @@ def _build_kernel_class():
             if k_end <= k_begin:
                 n_k = cutlass.Int32(0)
             return k_base, k_begin - k_base, k_len, n_k
+
+        @cute.jit
+        def zero_rows(
+            self,
+            sX: cute.Tensor,
+            extent: cutlass.Constexpr,
+            mn_major: cutlass.Constexpr,
+            lo: cutlass.Int32,
+            hi: cutlass.Int32,
+            stage: cutlass.Int32,
+            ctid: cutlass.Int32,
+        ):
+            """Zero K rows [0, lo) and [hi, tile_k) of one (extent, tile_k) operand stage.
+            MN-major stages are zeroed in 8-element (16-byte) chunks, which the 128-byte
+            swizzle keeps contiguous; K-major stages element by element."""
+            tk = self.tile_k
+            n_bad = lo + tk - hi
+            if cutlass.const_expr(mn_major):
+                chunks = extent // 8
+                zeros = cute.make_rmem_tensor((8,), self.ab_dtype)
+                zeros.fill(0.0)
+                for i in cutlass.range(ctid, chunks * n_bad, self.group_threads, unroll=1):
+                    r = i // chunks
+                    c = i - r * chunks
+                    kk = r
+                    if r >= lo:
+                        kk = hi + r - lo
+                    row = sX[(None, kk, stage)]
+                    cute.autovec_copy(zeros, cute.local_tile(row, (8,), (c,)))
+            else:
+                for i in cutlass.range(ctid, extent * n_bad, self.group_threads, unroll=1):
+                    r = i // extent
+                    mm = i - r * extent
+                    kk = r
+                    if r >= lo:
+                        kk = hi + r - lo
+                    sX[(mm, kk, stage)] = self.ab_dtype(0.0)
 
         @cute.jit
         def next_tile(self, mCounter, lane, sched_pipe, sched_state, sSched):
@@ -726,25 +765,12 @@ def _build_kernel_class():
                                 hi = cutlass.Int32(tk)
                             if lo > 0 or hi < tk:
                                 # Zero the rows outside the expert in both operands.
-                                n_bad = lo + tk - hi
-                                for i in cutlass.range(
-                                    ctid, self.tile_m * n_bad, self.group_threads, unroll=1
-                                ):
-                                    r = i // self.tile_m
-                                    mm = i - r * self.tile_m
-                                    kk = r
-                                    if r >= lo:
-                                        kk = hi + r - lo
-                                    sA[(mm, kk, stage)] = self.ab_dtype(0.0)
-                                for i in cutlass.range(
-                                    ctid, self.tile_n * n_bad, self.group_threads, unroll=1
-                                ):
-                                    r = i // self.tile_n
-                                    nn = i - r * self.tile_n
-                                    kk = r
-                                    if r >= lo:
-                                        kk = hi + r - lo
-                                    sB[(nn, kk, stage)] = self.ab_dtype(0.0)
+                                self.zero_rows(
+                                    sA, self.tile_m, self.key.a_major == "m", lo, hi, stage, ctid
+                                )
+                                self.zero_rows(
+                                    sB, self.tile_n, self.key.b_major == "n", lo, hi, stage, ctid
+                                )
                                 cute.arch.fence_proxy("async.shared", space="cta")
                                 mask_barrier.arrive_and_wait()
                             for kb in cutlass.range_constexpr(num_k_blocks):

@@ -55,6 +55,17 @@ of 0 or 1 iterations (``nl.dynamic_range`` over a register loaded with the flag)
 ``nl.dynamic_range`` in the NKI build at hand, every block runs (results are the same: a padding
 block adds exact zeros).
 
+Pre-quantized weights (``gate_up_weight_scales`` / ``down_weight_scales``): x4 words and E8M0
+scales in the K-major WRAPX layout (:func:`~nki_kernels.blockwise_mm_bwd_mxfp8_torch.
+prequantize_weight_k_major`) are DMA'd straight into the matmul tiles; bit-identical to quantizing
+the BF16 weights on chip.
+
+Engines: elementwise work is spread over VectorE, ScalarE and GpSimd (values never depend on the
+engine); memsets of gathered tiles happen only when out-of-bounds ids are skipped.
+
+Limits: the per-block slot-layout tiles hold all of 2I (and H) per partition, so very large
+I_TP x B (e.g. I_TP = 14336 at B >= 128) exceed SBUF (``NkiCapacityError``); no I-chunked path yet.
+
 LNC2 (SHARD_ON_FREE): core c computes phase 1 for its half of I (dA partial sums exchanged with
 ``sendrecv``; d_gate_up and alpha*h halves exchanged through a shared-HBM scratch and
 ``core_barrier``) and phases 2-4 for its half of H; each output element is written by one core.
@@ -400,8 +411,6 @@ def _load_block(n: int, g: _Geo, tpti, b2e, ea, hidden_states, dy_hbm, ckpt, tok
     # expert of the block, broadcast to every partition; and as a (1, 1) scalar offset
     e_col = nl.ndarray((vs, 1), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=e_col, src=b2e.ap(pattern=[[0, vs], [1, 1]], offset=n))
-    e_f = nl.ndarray((vs, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=e_f, src=e_col)
     b.e_sb = e_col[0:1, 0:1]
     # valid slots: 0 <= id < T
     v_lo = nl.ndarray((vs, NL), dtype=nl.float32, buffer=nl.sbuf)
@@ -428,11 +437,15 @@ def _load_block(n: int, g: _Geo, tpti, b2e, ea, hidden_states, dy_hbm, ckpt, tok
     b.live = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=b.live, data=live, op0=nl.greater, operand0=0.0)
     b.ids = ids
-    # affinity index t*E + e (padding ids give a negative or out-of-range index -> skipped)
+    # affinity index t*E + e in exact int32 arithmetic (GpSimd; fp32 would round past 2^24);
+    # a padding id -1 gives e - E < 0, out of bounds -> skipped
+    e_all = nl.ndarray((vs, NL), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=e_all, src=b2e.ap(pattern=[[0, vs], [0, NL]], offset=n))
+    e_mult = nl.ndarray((vs, NL), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.iota(dst=e_mult, pattern=[[0, NL]], offset=g.E, channel_multiplier=0)
     idx_ea = nl.ndarray((vs, NL), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=idx_ea, data=ids, op0=nl.multiply, operand0=float(g.E), op1=nl.add,
-                       operand1=e_f)
-    nisa.tensor_scalar(dst=idx_ea, data=idx_ea, op0=nl.maximum, operand0=-1.0)
+    nisa.tensor_tensor(dst=idx_ea, data1=ids, data2=e_mult, op=nl.multiply)
+    nisa.tensor_tensor(dst=idx_ea, data1=idx_ea, data2=e_all, op=nl.add)
     b.idx_ea = idx_ea
     b.token_oob = token_oob
     b.tpti, b.hidden_states, b.dy_hbm, b.ea, b.ckpt = tpti, hidden_states, dy_hbm, ea, ckpt

@@ -359,6 +359,11 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
         raise _err(instr, f"element counts differ: dst {dst.shape} ({dst.size}) vs src "
                    f"{src.shape} ({src.size})")
     skip = _oob_skip(instr, oob_mode)
+    if engine not in (None, globals()["engine"].unknown):
+        if dge_mode is not globals()["dge_mode"].hwdge:
+            raise _err(instr, "engine= selects the HWDGE queue and needs dge_mode=hwdge")
+        if engine not in (globals()["engine"].sync, globals()["engine"].scalar):
+            raise _err(instr, f"engine={engine} not allowed with hwdge (sync or scalar)")
     if (isinstance(dst, IndirectAP) or isinstance(src, IndirectAP)):
         ind = dst if isinstance(dst, IndirectAP) else src
         if ind.vector_offset is not None and dge_mode is globals()["dge_mode"].hwdge:

@@ -42,7 +42,7 @@ SKIP = SkipMode(skip_token=True)
 
 # ------------------------------------------------------------------------------------ helpers
 def make_problem(T=128, H=256, I=256, E=4, K=2, B=128, padding="skip", seed=0, clamp=None,
-                 bias=False, expert_index=None, num_blocks=None):
+                 bias=False, expert_index=None, num_blocks=None, ea_dtype=torch.bfloat16):
     """BF16 kernel inputs for a random routing, with the float64 forward's checkpoint.
 
     Returns (kernel kwargs, float64-reference extras)."""
@@ -61,7 +61,7 @@ def make_problem(T=128, H=256, I=256, E=4, K=2, B=128, padding="skip", seed=0, c
     w_d = (torch.randn(E, I, H, generator=gen) / math.sqrt(I)).to(torch.bfloat16)
     b_gu = (torch.randn(E, 2, I, generator=gen) * 0.1).to(torch.bfloat16) if bias else None
     xp, dyp = lay.pad_token_rows(x), lay.pad_token_rows(dy)
-    ea = lay.expert_affinities_masked.to(torch.bfloat16)
+    ea = lay.expert_affinities_masked.to(ea_dtype)
     _, ckpt = moe_forward_reference(
         xp, w_gu, w_d, lay.token_position_to_id, lay.block_to_expert, ea, B,
         b_gate_up=b_gu, clamp_limits=clamp, padding=padding,
@@ -115,6 +115,8 @@ CASES = {
     "top8_skip": ({"T": 64, "K": 8, "E": 8}, {}, 1),
     "top2_zero_row": ({"K": 2, "padding": "zero_row"}, {"skip_dma": SkipMode()}, 1),
     "top4_B512_lnc2": ({"T": 192, "K": 4, "E": 4, "B": 512}, {}, 2),
+    "B1024_fp32_affinities": ({"T": 64, "K": 2, "E": 2, "B": 1024, "ea_dtype": torch.float32},
+                              {"bias": True}, 1),
     "B256_H384_I384": ({"T": 64, "H": 384, "I": 384, "K": 2, "E": 4, "B": 256}, {}, 1),
     "clamp_bias_fp32acc_lnc2": (
         {"K": 2, "clamp": GPT_OSS_CLAMP, "bias": True},

@@ -816,3 +816,24 @@ def test_matmul_tiling_rules():
     assert (pm.numpy() == 128).all()
     with pytest.raises(NkiError, match="rows only"):
         nisa.nc_matmul_mx(pm, q, q, s, s, tile_position=(0, 0), tile_size=(32, 64))
+
+
+def test_lnc2_divergent_barriers_fail_fast():
+    def k(x):
+        if nl.program_id(0) == 0:
+            nisa.core_barrier(x, (0, 1))  # core 1 never comes
+
+    t0 = time.perf_counter()
+    with pytest.raises(interp.NkiBarrierError, match="core 1 returned"):
+        nki.simulate(k, lnc=2)(np.zeros(4, np.float32))
+    assert time.perf_counter() - t0 < 5
+
+    def k2(x):
+        t = nl.ndarray((1, 4), nl.float32)
+        nisa.memset(t, 0.0)
+        if nl.program_id(0) == 1:
+            raise ValueError("boom")
+        nisa.sendrecv(src=t, dst=t, send_to_rank=1, recv_from_rank=1, pipe_id=3)
+
+    with pytest.raises(ValueError, match="boom"):
+        nki.simulate(k2, lnc=2)(np.zeros(4, np.float32))

@@ -11,13 +11,14 @@ Rules enforced and the memory policy: :mod:`.core`; instruction semantics: :mod:
 
 from . import dtypes, isa, language
 from .core import (
-                   MemoryRegion,
-                   NkiCapacityError,
-                   NkiError,
-                   NkiOOBError,
-                   NkiTensor,
-                   ProgramContext,
-                   current,
+    MemoryRegion,
+    NkiBarrierError,
+    NkiCapacityError,
+    NkiError,
+    NkiOOBError,
+    NkiTensor,
+    ProgramContext,
+    current,
 )
 from .profile import Profile
 from .runtime import Kernel, Simulated, jit, region, simulate
@@ -25,21 +26,22 @@ from .runtime import Kernel, Simulated, jit, region, simulate
 dtype = dtypes  # `nki.dtype` (LIB: `from nki.dtype import float8_e4m3fn_x4`)
 
 __all__ = [
-                   "Kernel",
-                   "MemoryRegion",
-                   "NkiCapacityError",
-                   "NkiError",
-                   "NkiOOBError",
-                   "NkiTensor",
-                   "Profile",
-                   "ProgramContext",
-                   "Simulated",
-                   "current",
-                   "dtype",
-                   "dtypes",
-                   "isa",
-                   "jit",
-                   "language",
-                   "region",
-                   "simulate",
+    "Kernel",
+    "MemoryRegion",
+    "NkiBarrierError",
+    "NkiCapacityError",
+    "NkiError",
+    "NkiOOBError",
+    "NkiTensor",
+    "Profile",
+    "ProgramContext",
+    "Simulated",
+    "current",
+    "dtype",
+    "dtypes",
+    "isa",
+    "jit",
+    "language",
+    "region",
+    "simulate",
 ]

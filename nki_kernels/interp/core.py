@@ -64,6 +64,10 @@ class NkiOOBError(NkiError):
     """Out-of-bounds indirect DMA with ``oob_mode.error``."""
 
 
+class NkiBarrierError(NkiError):
+    """A core_barrier / sendrecv that cannot complete (the other core failed, returned or hung)."""
+
+
 class MemoryRegion(enum.Enum):
     """Buffers of NKI (values as the SDK's ``nl.MemoryRegion``)."""
 
@@ -668,13 +672,55 @@ def _pattern_index(shape, steps) -> np.ndarray:
 # Program instances
 
 
+class CoreBarrier:
+    """Reusable n-party barrier that fails fast: :meth:`abort` (a core failed, or returned while
+    the other still waits) wakes every waiter with :class:`NkiError` instead of a hang."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.cond = threading.Condition()
+        self.count = 0
+        self.generation = 0
+        self.broken: str | None = None
+
+    def abort(self, reason: str) -> None:
+        with self.cond:
+            if self.broken is None:
+                self.broken = reason
+            self.cond.notify_all()
+
+    def wait(self, timeout_s: float, where: str) -> None:
+        import time
+
+        with self.cond:
+            if self.broken:
+                raise NkiBarrierError(f"{where}: barrier broken ({self.broken})")
+            gen = self.generation
+            self.count += 1
+            if self.count == self.n:
+                self.count = 0
+                self.generation += 1
+                self.cond.notify_all()
+                return
+            deadline = time.monotonic() + timeout_s
+            while gen == self.generation:
+                if self.broken:
+                    raise NkiBarrierError(f"{where}: barrier broken ({self.broken})")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.broken = f"timed out after {timeout_s} s"
+                    self.cond.notify_all()
+                    raise NkiBarrierError(f"{where}: barrier broken ({self.broken})")
+                self.cond.wait(min(left, 0.5))
+
+
 class SharedState:
     """State shared by the program instances of one launch (LNC2: two NeuronCores)."""
 
     def __init__(self, num_programs: int, timeout_s: float = 120.0):
         self.num_programs = num_programs
         self.lock = threading.Lock()
-        self.barrier = threading.Barrier(num_programs) if num_programs > 1 else None
+        self.barrier = CoreBarrier(num_programs) if num_programs > 1 else None
         self.shared_allocs: list = []  # in-kernel shared_hbm allocations, matched by order
         self.mailboxes: dict = {}
         self.timeout_s = timeout_s

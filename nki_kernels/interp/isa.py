@@ -17,7 +17,7 @@ import numpy as np
 
 from . import dtypes as _dt
 from . import mxops
-from .core import PMAX, IndirectAP, NkiError, NkiTensor, current, psum, sbuf
+from .core import PMAX, IndirectAP, NkiBarrierError, NkiError, NkiTensor, current, psum, sbuf
 from .ops import TOKENS, Op
 
 __all__ = [
@@ -1275,11 +1275,21 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=dma_eng
 
     sh = ctx.shared
     sh.mailbox((pipe_id, me, int(send_to_rank))).put(src._np().copy())
-    try:
-        val = sh.mailbox((pipe_id, int(recv_from_rank), me)).get(timeout=sh.timeout_s)
-    except queue.Empty:
-        raise _err(instr, f"timed out waiting for core {recv_from_rank} on pipe "
-                   f"{pipe_id}") from None
+    box = sh.mailbox((pipe_id, int(recv_from_rank), me))
+    waited = 0.0
+    while True:
+        try:
+            val = box.get(timeout=0.2)
+            break
+        except queue.Empty:
+            waited += 0.2
+            if sh.barrier.broken:
+                raise NkiBarrierError(f"nisa.{instr}: core {recv_from_rank} will not send "
+                                      f"({sh.barrier.broken})") from None
+            if waited >= sh.timeout_s:
+                sh.barrier.abort(f"sendrecv timed out after {sh.timeout_s} s")
+                raise NkiBarrierError(f"nisa.{instr}: timed out waiting for core "
+                                      f"{recv_from_rank} on pipe {pipe_id}") from None
     dst._np()[...] = val
     dst.storage.version += 1
     _count("dma", 0, dst.size, dma_bytes=dst.size * dst.itemsize)
@@ -1293,12 +1303,7 @@ def core_barrier(data, cores, engine=engine.gpsimd, name=None):
         raise _err(instr, f"cores must be (0, 1), got {cores!r}")
     ctx = current()
     if ctx.num_programs > 1:
-        import threading
-
-        try:
-            ctx.shared.barrier.wait(timeout=ctx.shared.timeout_s)
-        except threading.BrokenBarrierError:
-            raise _err(instr, "barrier broken (the other core failed or timed out)") from None
+        ctx.shared.barrier.wait(ctx.shared.timeout_s, f"nisa.{instr}")
     return NkiInstruction(name)
 
 

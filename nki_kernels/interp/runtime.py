@@ -159,9 +159,12 @@ class Simulated:
                 _core.set_current(ctx)
                 try:
                     results[pid] = self.kernel(*a2, **k2)
+                    # a core that returns can no longer meet the other at a barrier/sendrecv
+                    shared.barrier.abort(f"core {pid} returned; the cores' core_barrier/sendrecv "
+                                         "calls differ")
                 except BaseException as e:  # noqa: BLE001 - re-raised in the caller
                     errors[pid] = e
-                    shared.barrier.abort()
+                    shared.barrier.abort(f"core {pid} failed: {type(e).__name__}")
                 finally:
                     _core.set_current(None)
 
@@ -171,7 +174,8 @@ class Simulated:
                 t.start()
             for t in threads:
                 t.join()
-            real = [e for e in errors if e is not None and "barrier broken" not in str(e)]
+            real = [e for e in errors
+                    if e is not None and not isinstance(e, _core.NkiBarrierError)]
             if real:
                 raise real[0]
             for e in errors:

@@ -837,3 +837,27 @@ def test_lnc2_divergent_barriers_fail_fast():
 
     with pytest.raises(ValueError, match="boom"):
         nki.simulate(k2, lnc=2)(np.zeros(4, np.float32))
+
+
+@pytest.mark.parametrize("elem,x4", [("e4m3", "float8_e4m3fn_x4"), ("e5m2", "float8_e5m2_x4")])
+def test_dequantize_x4_matches_common_mx(elem, x4):
+    """The interpreter's exact dequantization of packed x4 tiles equals common.mx.dequantize_mx."""
+    import torch
+
+    cmx = pytest.importorskip("common.mx")
+    x = _edge_tile()
+    x = np.nan_to_num(x, nan=1.0, posinf=2.0, neginf=-2.0)  # NaN groups compared separately
+    words, scale = mxops.quantize_groups(x, elem, impl="common")
+    ours = mxops.dequantize_x4(words, x4, scale, np.float64)  # [P, C, 4]
+    P, C = words.shape
+    g = ours.reshape(P // 8, 8, C, 4).transpose(0, 2, 1, 3).reshape(P // 8, C, 32)
+    data = words.view(np.uint8).reshape(P // 8, 8, C, 4).transpose(0, 2, 1, 3).reshape(P // 8, C, 32)
+    tdt = torch.float8_e4m3fn if elem == "e4m3" else torch.float8_e5m2
+    ref = cmx.dequantize_mx(torch.from_numpy(np.ascontiguousarray(data)).view(tdt),
+                            torch.from_numpy(scale[..., None].copy()), elem=elem,
+                            dtype=torch.float64)
+    np.testing.assert_array_equal(g, ref.numpy())
+    nan_words = np.full((8, 1), 0x7F7F7F7F, np.uint32)
+    assert np.isnan(mxops.dequantize_x4(nan_words, x4, np.array([[127]], np.uint8))).all()
+    assert np.isnan(mxops.dequantize_x4(np.zeros((8, 1), np.uint32), x4,
+                                        np.array([[255]], np.uint8))).all()

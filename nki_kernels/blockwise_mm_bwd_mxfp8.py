@@ -468,8 +468,7 @@ def _gather_block(b, g: _Geo):
     alpha = nl.ndarray((vs, NL), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=alpha, src=ea_raw)
     b.alpha = alpha
-    # token rows of X and dY in slot layout [vs, NKT, H, 4]; skipped rows stay 0
-    b.x_w = _gather_rows(b.hidden_states, b.ids, g, H, b.token_oob, VEC)
+    # token rows of dY in slot layout [vs, NKT, H, 4]; skipped rows stay 0 (X: in phase 3)
     b.dy_w = _gather_rows(b.dy_hbm, b.ids, g, H, b.token_oob, POOL)
     # checkpoint: gu[p, l, c, f] = ckpt[n, c, I0 + f, l*vs + p] for valid slots, else 0
     gu = nl.ndarray((vs, NL, 2, g.Is), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -717,7 +716,10 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scal
 def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc):
     """dW_gate_up[e][H0.., :] += X_blk^T @ d_gate_up (MX along the block's slots); bias grad."""
     I2 = 2 * g.I
-    xq = _quantize_slots(b.x_w, g, g.H)  # stationary: X_blk, columns H
+    # X rows are gathered only now (SBUF: they are not needed by phases 1-2)
+    x_w = _gather_rows(b.hidden_states, b.ids, g, g.H, b.token_oob, VEC)
+    xq = _quantize_slots(x_w, g, g.H)  # stationary: X_blk, columns H
+    del x_w
     dq = _quantize_slots(b.dgu_w, g, I2)  # moving: d_gate_up, columns 2I
     _wgrad_rmw(xq, dq, g, tl, dwgu_acc, b.e_sb, g.H0, g.Hs, 0, I2, I2)
     if bias_acc is not None:
@@ -968,6 +970,7 @@ def blockwise_mm_bwd_mxfp8(
                         down_weight_scales)
                 _exchange_phase1(b, g, scratch_dgu, scratch_ah)
                 _store_da(b, g, da)
+                del b.gu  # checkpoint tile: phase 1 only
             with region("phase2"):
                 _phase2(b, g, gate_up_proj_weight, tilings[1], dx_acc,
                         is_tensor_update_accumulating, gate_up_weight_scales)

@@ -63,8 +63,10 @@ the BF16 weights on chip.
 Engines: elementwise work is spread over VectorE, ScalarE and GpSimd (values never depend on the
 engine); memsets of gathered tiles happen only when out-of-bounds ids are skipped.
 
-Limits: the per-block slot-layout tiles hold all of 2I (and H) per partition, so very large
-I_TP x B (e.g. I_TP = 14336 at B >= 128) exceed SBUF (``NkiCapacityError``); no I-chunked path yet.
+Limits: the per-block slot-layout tiles hold all of 2I (and H) per partition. Measured on the
+interpreter (trn3 budget 245496 B/partition): H=7168, I_TP=2048 fits at B=128 (229.7 KB peak) and
+B=512 LNC2 (240.2 KB); I_TP = 8192 or 14336 (one TP shard of Llama-4-Scout / Mixtral-8x7B) does
+not (``NkiCapacityError``); there is no I-chunked path yet.
 
 LNC2 (SHARD_ON_FREE): core c computes phase 1 for its half of I (dA partial sums exchanged with
 ``sendrecv``; d_gate_up and alpha*h halves exchanged through a shared-HBM scratch and

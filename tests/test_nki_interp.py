@@ -861,3 +861,36 @@ def test_dequantize_x4_matches_common_mx(elem, x4):
     assert np.isnan(mxops.dequantize_x4(nan_words, x4, np.array([[127]], np.uint8))).all()
     assert np.isnan(mxops.dequantize_x4(np.zeros((8, 1), np.uint32), x4,
                                         np.array([[255]], np.uint8))).all()
+
+
+def test_simulate_dtype_round_trip_torch_and_numpy():
+    import torch
+
+    def k(x_bf16, ids_i32):
+        out = nl.ndarray(x_bf16.shape, nl.bfloat16, buffer=nl.shared_hbm)
+        ids = nl.ndarray(ids_i32.shape, nl.int32, buffer=nl.shared_hbm)
+        sc = nl.ndarray((2, 3), nl.float8_e8m0fnu, buffer=nl.shared_hbm)
+        t = nl.ndarray(x_bf16.shape, nl.bfloat16)
+        nisa.dma_copy(t, x_bf16)
+        nisa.activation(t, nl.copy, t, scale=2.0)
+        nisa.dma_copy(out, t)
+        i = nl.ndarray(ids_i32.shape, nl.int32)
+        nisa.dma_copy(i, ids_i32)
+        nisa.tensor_scalar(i, i, nl.add, 1)
+        nisa.dma_copy(ids, i)
+        s = nl.ndarray((2, 3), nl.uint8)
+        nisa.memset(s, 127)
+        nisa.dma_copy(sc.view(nl.uint8), s)
+        return out, ids, sc
+
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    ids = torch.arange(4, dtype=torch.int32).reshape(4, 1)
+    out, o_ids, sc = nki.simulate(k)(x, ids)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, x * 2)
+    assert o_ids.dtype == torch.int32 and torch.equal(o_ids, ids + 1)
+    assert sc.dtype == torch.float8_e8m0fnu and (sc.view(torch.uint8) == 127).all()
+    out_np, ids_np, sc_np = nki.simulate(k)(x.view(torch.int16).numpy().view(BF16), ids.numpy())
+    assert out_np.dtype == BF16
+    np.testing.assert_array_equal(out_np.astype(np.float32), (x * 2).float().numpy())
+    np.testing.assert_array_equal(ids_np, ids.numpy() + 1)
+    assert sc_np.dtype == ml_dtypes.float8_e8m0fnu

@@ -137,6 +137,14 @@ def test_sbuf_capacity_trn2_smaller():
         assert nl.tile_size.total_available_sbuf_size == 224 * 1024 - 16384 - 8 - 520
         with pytest.raises(NkiCapacityError):
             nl.ndarray((128, 210 * 1024), nl.uint8)
+        # trn2: one matmul writes one PSUM bank
+        ps = nl.ndarray((16, 1024), nl.float32, buffer=nl.psum)
+        a = sbuf_from(np.ones((32, 16), BF16))
+        nisa.nc_matmul(ps[:, 512:1024], a, sbuf_from(np.ones((32, 512), BF16)))
+        assert (ps.numpy()[:, 512:] == 32).all()
+        with pytest.raises(NkiError, match="crosses the 2 KiB PSUM bank"):
+            nisa.nc_matmul(ps[:, 256:512], a, sbuf_from(np.ones((32, 256), BF16)))
+            nisa.nc_matmul(ps[:, 384:640], a, sbuf_from(np.ones((32, 256), BF16)))
     finally:
         interp.core.set_current(prev)
 

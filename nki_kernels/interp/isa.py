@@ -1026,9 +1026,10 @@ def _matmul_dst(instr, dst, M, N, nc):
     if (Pd, Fd) != (M, N):
         raise _err(instr, f"dst {dst.shape} must be [{M}, {N}]")
     if nc < 4:
-        if N * dst.itemsize > 2048:
-            raise _err(instr, f"dst of {N} x {dst.itemsize} B per partition exceeds one 2 KiB "
-                       "PSUM bank (trn2)")
+        start = (dst.boffset % dst.storage.pbytes) % 2048 if dst.storage.pbytes else 0
+        if start + N * dst.itemsize > 2048:
+            raise _err(instr, f"dst of {N} x {dst.itemsize} B per partition starting {start} B "
+                       "into a bank crosses the 2 KiB PSUM bank (trn2: one bank per matmul)")
     else:
         limit = 4096 if dst.dtype == _dt.float32 else 8192
         if N > limit:

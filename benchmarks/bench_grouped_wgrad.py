@@ -1,4 +1,4 @@
-"""Benchmark of the grouped weight gradient ``Wgrad[e] = A[:, begin:end] @ B[begin:end, :]`` on a GPU.
+"""Benchmark of the grouped weight gradient ``Wgrad[e] = A[:, begin:end] @ B[begin:end, :]``.
 
 Rows (REFERENCE §6 shapes, a skewed split with empty experts, FP32-accumulate cases), all measured
 in one process with ``triton.testing.do_bench`` (median, ms -> µs):
@@ -20,6 +20,7 @@ Usage: ``python benchmarks/bench_grouped_wgrad.py [--quick] [--json out.json]``.
 
 import argparse
 import datetime
+import functools
 import json
 import sys
 
@@ -82,6 +83,117 @@ def _ceilings(bench, dev):
     return copy_bw, 2 * 8192**3 / (t_mm * 1e-6)
 
 
+def _run_row(args, bench, sm90, dev, copy_bw, shape):
+    """Time one benchmark shape: ours (each tile variant), grouped_mm, loop, dense mm."""
+    name, e, m, n, counts, out_dtype, accumulate = shape
+    s = int(sum(counts))
+    gen = torch.Generator(device=dev).manual_seed(1)
+    x_SM = torch.randn(s, m, device=dev, dtype=torch.bfloat16, generator=gen)
+    dy_SN = torch.randn(s, n, device=dev, dtype=torch.bfloat16, generator=gen)
+    a = x_SM.t()  # (M, S), M-major
+    b = dy_SN  # (S, N), N-major
+    offsets = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
+    odt = getattr(torch, out_dtype)
+    out = torch.zeros(e, m, n, device=dev, dtype=odt)
+    flops = 2.0 * m * n * s
+    row = {"shape": name, "E": e, "M": m, "N": n, "tokens_sum": s, "out": out_dtype,
+           "accumulate": accumulate}
+    if args.tiles:
+        tiles = []
+        for spec in args.tiles.split(";"):
+            tm, tn, tk, st, pp = (int(v) for v in spec.split(","))
+            tiles.append(sm90.Sm90TileConfig(tm, tn, tk, st, bool(pp)))
+    else:
+        tiles = [sm90.select_sm90_tile_config(m, n, e, s)]
+    begins = [0] + offsets.tolist()[:-1]
+    t_ours = float("inf")
+    for tile in tiles:
+        if m % tile.tile_m or n % tile.tile_n:
+            continue
+        key = sm90.Sm90WgradKey(
+            m, n, e, a_major="m", b_major="n", out_dtype=out_dtype, accumulate=accumulate,
+            tile=tile,
+        )
+        name_t = f"{tile.tile_m}x{tile.tile_n}s{tile.stages}{'pp' if tile.pingpong else ''}"
+        launcher = sm90.compile_sm90_wgrad(key)
+        # correctness spot check against torch on the largest and the smallest expert
+        launcher(a, b, offsets, out.zero_())
+        torch.cuda.synchronize()
+        chk = []
+        for i in (max(range(e), key=lambda j: counts[j]), min(range(e), key=lambda j: counts[j])):
+            r = a[:, begins[i] : begins[i] + counts[i]].float() @ b[
+                begins[i] : begins[i] + counts[i]
+            ].float()
+            d = (out[i].float() - r).norm() / r.norm().clamp_min(1e-30)
+            chk.append(float(d) if counts[i] else float(out[i].abs().max()))
+        t = bench(functools.partial(launcher, a, b, offsets, out))
+        row.setdefault("variants", {})[name_t] = {"us": t, "check_rel_err": max(chk)}
+        if t < t_ours:
+            t_ours, row["tile"], row["check_rel_err"] = t, name_t, max(chk)
+    row["ours_us"] = t_ours
+    row["ours_TFLOPs"] = flops / (t_ours * 1e-6) / 1e12
+
+    # torch._grouped_mm (K-grouped); output fp32 accumulate is not offered -> out-of-place
+    gm = None
+    for aa, bb, tag in ((a, b, "M-major/N-major"), (a.contiguous(), b, "K-major A")):
+        try:
+            torch._grouped_mm(aa, bb, offs=offsets)
+            torch.cuda.synchronize()
+            gm = (aa, bb, tag)
+            break
+        except Exception as exc:  # noqa: BLE001 - record and try the next layout
+            row.setdefault("grouped_mm_errors", []).append(f"{tag}: {exc}"[:160])
+    if gm is not None:
+        aa, bb, tag = gm
+        if accumulate:
+            t_g = bench(lambda: out.add_(torch._grouped_mm(aa, bb, offs=offsets)))
+        else:
+            t_g = bench(lambda: torch._grouped_mm(aa, bb, offs=offsets))
+        row["grouped_mm_layout"] = tag
+        row["grouped_mm_us"] = t_g
+        row["grouped_mm_TFLOPs"] = flops / (t_g * 1e-6) / 1e12
+        row["ours_over_grouped_mm"] = t_g / t_ours
+
+    # per-expert loop
+    bl = list(zip(begins, counts))
+    out_bf = torch.empty(e, m, n, device=dev, dtype=torch.bfloat16 if not accumulate else odt)
+
+    def loop():
+        for i, (b0, c) in enumerate(bl):
+            if c:
+                if accumulate:
+                    out_bf[i].addmm_(a[:, b0 : b0 + c], b[b0 : b0 + c])
+                else:
+                    torch.mm(a[:, b0 : b0 + c], b[b0 : b0 + c], out=out_bf[i])
+            elif not accumulate:
+                out_bf[i].zero_()
+
+    if accumulate:
+        # addmm_ needs matching dtypes: fp32 operands for an fp32 output
+        a32, b32 = a.float(), b.float()
+
+        def loop():
+            for i, (b0, c) in enumerate(bl):
+                if c:
+                    out_bf[i].addmm_(a32[:, b0 : b0 + c], b32[b0 : b0 + c])
+
+    t_l = bench(loop)
+    row["loop_us"] = t_l
+    row["loop_TFLOPs"] = flops / (t_l * 1e-6) / 1e12
+    row["ours_over_loop"] = t_l / t_ours
+
+    # dense torch.mm of the same FLOPs
+    t_d = bench(lambda: torch.mm(a, b))
+    row["dense_us"] = t_d
+    row["dense_TFLOPs"] = flops / (t_d * 1e-6) / 1e12
+    row["ours_over_dense"] = t_d / t_ours
+    if accumulate:
+        nbytes = 2 * (m + n) * s + 2 * e * m * n * odt.itemsize
+        floor_us = max(flops / (row["dense_TFLOPs"] * 1e12), nbytes / copy_bw) * 1e6
+        row["floor_us"] = floor_us
+        row["ours_over_floor"] = floor_us / t_ours
+    return row
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="two shapes only")
@@ -117,115 +229,10 @@ def main(argv=None):
 
     results = []
     only = None if args.only is None else {int(v) for v in args.only.split(",")}
-    for idx, (name, e, m, n, counts, out_dtype, accumulate) in enumerate(shapes(args.quick)):
+    for idx, shape in enumerate(shapes(args.quick)):
         if only is not None and idx not in only:
             continue
-        s = int(sum(counts))
-        gen = torch.Generator(device=dev).manual_seed(1)
-        x_SM = torch.randn(s, m, device=dev, dtype=torch.bfloat16, generator=gen)
-        dy_SN = torch.randn(s, n, device=dev, dtype=torch.bfloat16, generator=gen)
-        a = x_SM.t()  # (M, S), M-major
-        b = dy_SN  # (S, N), N-major
-        offsets = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
-        odt = getattr(torch, out_dtype)
-        out = torch.zeros(e, m, n, device=dev, dtype=odt)
-        flops = 2.0 * m * n * s
-        row = {"shape": name, "E": e, "M": m, "N": n, "tokens_sum": s, "out": out_dtype,
-               "accumulate": accumulate}
-        if args.tiles:
-            tiles = []
-            for spec in args.tiles.split(";"):
-                tm, tn, tk, st, pp = (int(v) for v in spec.split(","))
-                tiles.append(sm90.Sm90TileConfig(tm, tn, tk, st, bool(pp)))
-        else:
-            tiles = [sm90.select_sm90_tile_config(m, n, e, s)]
-        begins = [0] + offsets.tolist()[:-1]
-        t_ours = float("inf")
-        for tile in tiles:
-            if m % tile.tile_m or n % tile.tile_n:
-                continue
-            key = sm90.Sm90WgradKey(
-                m, n, e, a_major="m", b_major="n", out_dtype=out_dtype, accumulate=accumulate,
-                tile=tile,
-            )
-            name_t = f"{tile.tile_m}x{tile.tile_n}s{tile.stages}{'pp' if tile.pingpong else ''}"
-            launcher = sm90.compile_sm90_wgrad(key)
-            # correctness spot check against torch on the largest and the smallest expert
-            launcher(a, b, offsets, out.zero_())
-            torch.cuda.synchronize()
-            chk = []
-            for i in (max(range(e), key=lambda j: counts[j]), min(range(e), key=lambda j: counts[j])):
-                r = a[:, begins[i] : begins[i] + counts[i]].float() @ b[
-                    begins[i] : begins[i] + counts[i]
-                ].float()
-                d = (out[i].float() - r).norm() / r.norm().clamp_min(1e-30)
-                chk.append(float(d) if counts[i] else float(out[i].abs().max()))
-            t = bench(lambda: launcher(a, b, offsets, out))
-            row.setdefault("variants", {})[name_t] = {"us": t, "check_rel_err": max(chk)}
-            if t < t_ours:
-                t_ours, row["tile"], row["check_rel_err"] = t, name_t, max(chk)
-        row["ours_us"] = t_ours
-        row["ours_TFLOPs"] = flops / (t_ours * 1e-6) / 1e12
-
-        # torch._grouped_mm (K-grouped); output fp32 accumulate is not offered -> out-of-place
-        gm = None
-        for aa, bb, tag in ((a, b, "M-major/N-major"), (a.contiguous(), b, "K-major A")):
-            try:
-                res = torch._grouped_mm(aa, bb, offs=offsets)
-                torch.cuda.synchronize()
-                gm = (aa, bb, tag)
-                break
-            except Exception as exc:  # noqa: BLE001 - record and try the next layout
-                row.setdefault("grouped_mm_errors", []).append(f"{tag}: {exc}"[:160])
-        if gm is not None:
-            aa, bb, tag = gm
-            if accumulate:
-                t_g = bench(lambda: out.add_(torch._grouped_mm(aa, bb, offs=offsets)))
-            else:
-                t_g = bench(lambda: torch._grouped_mm(aa, bb, offs=offsets))
-            row["grouped_mm_layout"] = tag
-            row["grouped_mm_us"] = t_g
-            row["grouped_mm_TFLOPs"] = flops / (t_g * 1e-6) / 1e12
-            row["ours_over_grouped_mm"] = t_g / t_ours
-
-        # per-expert loop
-        bl = list(zip(begins, counts))
-        out_bf = torch.empty(e, m, n, device=dev, dtype=torch.bfloat16 if not accumulate else odt)
-
-        def loop():
-            for i, (b0, c) in enumerate(bl):
-                if c:
-                    if accumulate:
-                        out_bf[i].addmm_(a[:, b0 : b0 + c], b[b0 : b0 + c])
-                    else:
-                        torch.mm(a[:, b0 : b0 + c], b[b0 : b0 + c], out=out_bf[i])
-                elif not accumulate:
-                    out_bf[i].zero_()
-
-        if accumulate:
-            # addmm_ needs matching dtypes: fp32 operands for an fp32 output
-            a32, b32 = a.float(), b.float()
-
-            def loop():
-                for i, (b0, c) in enumerate(bl):
-                    if c:
-                        out_bf[i].addmm_(a32[:, b0 : b0 + c], b32[b0 : b0 + c])
-
-        t_l = bench(loop)
-        row["loop_us"] = t_l
-        row["loop_TFLOPs"] = flops / (t_l * 1e-6) / 1e12
-        row["ours_over_loop"] = t_l / t_ours
-
-        # dense torch.mm of the same FLOPs
-        t_d = bench(lambda: torch.mm(a, b))
-        row["dense_us"] = t_d
-        row["dense_TFLOPs"] = flops / (t_d * 1e-6) / 1e12
-        row["ours_over_dense"] = t_d / t_ours
-        if accumulate:
-            nbytes = 2 * (m + n) * s + 2 * e * m * n * odt.itemsize
-            floor_us = max(flops / (row["dense_TFLOPs"] * 1e12), nbytes / copy_bw) * 1e6
-            row["floor_us"] = floor_us
-            row["ours_over_floor"] = floor_us / t_ours
+        row = _run_row(args, bench, sm90, dev, copy_bw, shape)
         results.append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()

@@ -1,4 +1,4 @@
-"""Tests of the SM90 (Hopper) CuTe DSL grouped wgrad kernel (cuda_kernels/grouped_wgrad/sm90_bf16.py).
+"""Tests of the SM90 (Hopper) CuTe DSL grouped wgrad kernel (grouped_wgrad/sm90_bf16.py).
 
 CPU part (CI): key / tile-config validation, the YAML tile rules, and an offline compile for
 ``sm_90a`` whose PTX must contain wgmma and TMA bulk-tensor loads (skipped when nvidia-cutlass-dsl
@@ -73,11 +73,11 @@ def test_key_validation_and_hashing():
     assert hash(key) == hash(Sm90WgradKey(256, 512, 4, tile=Sm90TileConfig()))
     assert key.num_tiles == 4 * 2 * 2
     for kwargs, word in [
-        (dict(a_major="n"), "a_major"),
-        (dict(b_major="m"), "b_major"),
-        (dict(out_dtype="float64"), "out_dtype"),
-        (dict(output_mode="sparse"), "output_mode"),
-        (dict(input_order="ragged"), "input_order"),
+        ({"a_major": "n"}, "a_major"),
+        ({"b_major": "m"}, "b_major"),
+        ({"out_dtype": "float64"}, "out_dtype"),
+        ({"output_mode": "sparse"}, "output_mode"),
+        ({"input_order": "ragged"}, "input_order"),
     ]:
         with pytest.raises(ValueError, match=word):
             Sm90WgradKey(256, 512, 4, tile=tile, **kwargs)

@@ -1,4 +1,6 @@
-"""Hopper (SM90) grouped weight-gradient kernel in CuTe DSL: ``Wgrad[e] = A[:, begin:end] @ B[begin:end, :]``.
+"""Hopper (SM90) grouped weight-gradient kernel in CuTe DSL.
+
+``Wgrad[e] = A[:, begin:end] @ B[begin:end, :]`` for every expert ``e``.
 
 For expert ``e`` with token range ``[begin, end)`` (``begin = offsets[e-1]``, 0 for ``e = 0``,
 ``end = offsets[e]``; REFERENCE §1.2, the cuDNN frontend's grouped-wgrad contract), the kernel
@@ -8,18 +10,24 @@ BF16, FP16 or FP32.
 
 Structure (one CTA per SM, persistent, warp-specialized):
 
-- warp group 0 is the producer: one warp issues TMA loads of ``(tile_m, tile_k)`` A tiles and
-  ``(tile_n, tile_k)`` B tiles into a ``stages``-deep shared-memory ring (mbarrier pipeline);
-- warp groups 1.. are consumers: each issues wgmma on a 64-row slab of the CTA tile and runs the
-  epilogue (fp32 registers -> output dtype -> global memory, optionally adding the old output);
-- the persistent scheduler walks the static list of ``E * ceil(M/tile_m) * ceil(N/tile_n)`` output
-  tiles in expert-major, m-fastest order with a grid stride, so every CTA gets a mix of experts and
-  uneven experts even out; each tile's token range is read from ``offsets`` on the device (no host
-  read, CUDA-graph capturable); the token dimension is dynamic, so new splits never recompile.
-- ragged K: the TMA box of the last K tile of an expert may straddle into the next expert's rows
-  (or past ``tokens_sum``, which TMA zero-fills). The consumer warp groups zero the rows past the
-  expert's end in shared memory (both operands: ``0 * NaN`` would still be NaN), fence the async
-  proxy and sync before the wgmma reads them, so neighbouring experts never leak into a gradient.
+- warp group 0 is the producer: one warp takes tile ids from a global atomic counter (dynamic
+  persistent scheduler; ids run over the experts sorted by token count, largest first, so greedy
+  taking is LPT list scheduling and uneven experts balance) and issues TMA loads of
+  ``(tile_m, 64)`` A tiles and ``(tile_n, 64)`` B tiles into a ``stages``-deep shared-memory ring
+  (mbarrier pipeline);
+- consumer warp groups issue wgmma with fp32 accumulators. Cooperative tiles: two warp groups
+  share a 128-row tile (a 64-row slab each). Pingpong tiles: two warp groups own alternate tiles
+  and take turns on the pipeline, so one's epilogue overlaps the other's mainloop;
+- epilogue: dense outputs go registers -> shared memory (stmatrix) -> TMA store, or TMA reduce-add
+  when accumulating (``accumulate_on_output``), in (rows, 32) sub-tiles; discrete outputs (one
+  pointer per expert, read on the device) are stored from registers;
+- every tile's token range is read from ``offsets`` on the device (no host read, CUDA-graph
+  capturable); the token dimension is dynamic, so new splits never recompile;
+- ragged K: the TMA box of an expert's last K tile may straddle into the next expert's rows (or
+  past ``tokens_sum``, which TMA zero-fills), and with a K-major operand the first box starts at
+  the expert's begin rounded down to 8 tokens (TMA needs a 16-byte aligned innermost coordinate).
+  The consumers zero the rows outside the expert in shared memory (both operands: ``0 * NaN`` is
+  NaN), fence the async proxy and sync before the wgmma reads them;
 - empty experts issue no loads and write zeros, or leave the output untouched when accumulating.
 
 Public names (docs/CONTRACTS.md): ``Sm90TileConfig``, ``Sm90WgradKey``, ``select_sm90_tile_config``,
@@ -175,7 +183,8 @@ class Sm90WgradKey:
                 f"got {self.input_order!r}"
             )
         if not isinstance(self.tile, Sm90TileConfig):
-            raise ValueError(f"Sm90WgradKey.tile must be a Sm90TileConfig, got {self.tile!r}")
+            msg = f"Sm90WgradKey.tile must be a Sm90TileConfig, got {self.tile!r}"
+            raise ValueError(msg)  # noqa: TRY004 - ValueError is the API contract
         if self.hidden % self.tile.tile_m:
             raise ValueError(
                 f"Sm90WgradKey: hidden={self.hidden} must be a multiple of tile_m="
@@ -263,7 +272,6 @@ def _build_kernel_class():
     import cutlass
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass import cute, pipeline, utils
-
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
@@ -746,7 +754,7 @@ def _build_kernel_class():
                     if cutlass.const_expr(self.num_groups > 1):
                         mine = (j % self.num_groups) == group
                     if mine:
-                        if cutlass.const_expr(self.num_groups > 1):
+                        if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
                             if j > 0:  # wait for the other group's mainloop (pipeline order)
                                 pipeline.NamedBarrier(
                                     barrier_id=3 + group, num_threads=2 * self.group_threads
@@ -791,7 +799,7 @@ def _build_kernel_class():
                         next_tile = sSched[sched_cstate.index]
                         sched_pipe.consumer_release(sched_cstate)
                         sched_cstate.advance()
-                        if cutlass.const_expr(self.num_groups > 1):
+                        if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
                             if next_tile < self.num_tiles:  # the other group's turn
                                 pipeline.NamedBarrier(
                                     barrier_id=4 - group, num_threads=2 * self.group_threads
@@ -880,7 +888,7 @@ def _build_kernel_class():
                         sched_cstate.advance()
                     j += 1
                     tile = next_tile
-                if cutlass.const_expr(self.tma_epi):
+                if cutlass.const_expr(self.tma_epi):  # noqa: SIM102
                     if warp_idx == store_warp:
                         store_pipe.producer_tail()  # all TMA stores done before exit
 
@@ -997,8 +1005,12 @@ def compile_sm90_wgrad(key: Sm90WgradKey) -> Callable[..., None]:
 
     ``input_order="tensor_ragged"``: an operand whose unit-stride axis is M / N has the same memory
     as tensor2d; a K-major ragged operand (per-expert ``(rows, K_e)`` blocks) is first repacked on
-    the device by torch ops (an extra pass over that operand; not graph-safe for data-dependent
-    sizes? it is: no host read, sizes come from shapes).
+    the device by torch ops into the tensor2d layout (no host read, CUDA-graph capturable, but an
+    extra pass over that operand and a ``rows x tokens_sum`` int64 index: a correctness path, not
+    a fast one).
+
+    Each call allocates a 4-byte zeroed tile counter on the launch stream (the dynamic
+    scheduler's), so concurrent launches on different streams do not share it.
 
     Raises:
         RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.

@@ -350,3 +350,67 @@ def test_cuda_graph_replay_with_new_offsets():
         torch.cuda.synchronize()
         assert _rel_err(out, _reference(a, b, counts)) < 1e-5
     assert math.isfinite(out.sum().item())
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the public API (cuda_kernels.grouped_wgrad) on Hopper drives this kernel
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and CuTe DSL")
+def test_public_api_on_hopper_uses_the_sm90_kernel():
+    from cuda_kernels.grouped_wgrad import (
+        GroupedGemmWgradSm90,
+        grouped_gemm_wgrad,
+        grouped_gemm_wgrad_wrapper_sm90,
+        select_grouped_wgrad_backend,
+    )
+
+    assert select_grouped_wgrad_backend("cuda")[0] == "sm90"
+    m, n, e = 256, 512, 6
+    gen = torch.Generator().manual_seed(5)
+    counts = [0, 130, 7, 0, 300, 51]
+    a, b = _make_inputs(m, n, counts, "m", "n", gen)
+    offsets = _offsets_from_counts(counts, "cuda")
+    ref = _reference(a, b, counts)
+
+    res = grouped_gemm_wgrad_wrapper_sm90(
+        a_tensor=a, b_tensor=b, sfa_tensor=None, sfb_tensor=None, offsets_tensor=offsets,
+        output_mode="dense", wgrad_dtype=torch.float32,
+    )
+    (w,) = res
+    assert w is res["wgrad_tensor"] and w.shape == (e, m, n)
+    assert _rel_err(w, ref) < 1e-5
+
+    outs = [torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in counts]
+    ptrs = torch.tensor([t.data_ptr() for t in outs], dtype=torch.int64, device="cuda")
+    res = grouped_gemm_wgrad_wrapper_sm90(
+        a_tensor=a, b_tensor=b, sfa_tensor=None, sfb_tensor=None, offsets_tensor=offsets,
+        output_mode="discrete", wgrad_ptrs=ptrs, wgrad_dtype=torch.bfloat16,
+    )
+    torch.cuda.synchronize()
+    assert res["wgrad_tensor"] is None
+    assert _rel_err(torch.stack(outs), ref) < 1e-2
+
+    out = torch.full((e, m, n), float("nan"), device="cuda")
+    op = GroupedGemmWgradSm90(
+        sample_a=a, sample_b=b, sample_sfa=None, sample_sfb=None, sample_offsets=offsets,
+        sample_wgrad=out, acc_dtype=torch.float32,
+    )
+    op.check_support()
+    op.compile()
+    before = sm90.COMPILE_COUNT
+    counts2 = [64, 0, 0, 300, 0, 124]  # same tokens_sum, new split: no recompile
+    offsets.copy_(_offsets_from_counts(counts2, "cuda"))
+    op.execute(
+        a_tensor=a, b_tensor=b, sfa_tensor=None, sfb_tensor=None, offsets_tensor=offsets,
+        wgrad_tensor=out,
+    )
+    torch.cuda.synchronize()
+    assert sm90.COMPILE_COUNT == before
+    assert _rel_err(out, _reference(a, b, counts2)) < 1e-5
+
+    w = grouped_gemm_wgrad(a, b, offsets, wgrad_dtype=torch.float32)["wgrad_tensor"]
+    assert _rel_err(w, _reference(a, b, counts2)) < 1e-5

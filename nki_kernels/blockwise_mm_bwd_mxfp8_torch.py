@@ -40,6 +40,7 @@ it carries no ``<dY, b_down>`` term (the kernel receives no bias values; REFEREN
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from common.mx import dequantize_mx, quantize_mx
@@ -167,6 +168,20 @@ def prequantize_weight_k_major(w_EFK: torch.Tensor) -> tuple[torch.Tensor, torch
         for gi in range(vsk // 8):
             scales[:, r0 + 32 * (gi // 4) + gi % 4, :] = sbytes[:, :, k0 // 32 + gi]
     return words.to(torch.uint32), scales
+
+
+def _sigmoid_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-x))`` in fp32 with NumPy's fp32 ``exp``.
+
+    ScalarE's sigmoid is an undocumented table (NKI_API.md §3.9); the interpreter models it with
+    this formula and NumPy's exp, and torch's fp32 exp differs from NumPy's in rare last bits,
+    which can flip a BF16 rounding downstream. Using the same formula and library keeps the
+    golden bit-comparable; the fp32 math is the golden's own.
+    """
+    xn = x.detach().cpu().numpy().astype(np.float32)
+    with np.errstate(over="ignore"):
+        s = (np.float32(1.0) / (np.float32(1.0) + np.exp(-xn))).astype(np.float32)
+    return torch.from_numpy(s)
 
 
 def _strict_mask(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
@@ -298,7 +313,7 @@ def blockwise_mm_bwd_mxfp8_torch(
 
         # phase 1: dh_raw, dA, SwiGLU backward
         dh_raw = _mm(mx_fake_quant(dy_BH, 1), wdq_HI, ch1, folds[0])
-        s = 1.0 / (1.0 + torch.exp(-g_BI))  # the interpreter's sigmoid formula, fp32
+        s = _sigmoid_fp32(g_BI)
         silu = g_BI * s
         h = silu * u_BI
         prod = dh_raw * h

@@ -18,6 +18,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from common.metrics import rel_fro_err, sqnr_db
 from common.problem import ClampLimits
@@ -310,3 +312,24 @@ def test_prequantized_weights_match_on_chip_quantization():
                         down_weight_scales=d_s.view(torch.float8_e8m0fnu))
     for name, x, y in zip(OUT_NAMES, ref, out):
         assert torch.equal(x, y), name
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    H=st.sampled_from([128, 256, 640]),
+    I=st.sampled_from([128, 384]),
+    E=st.integers(1, 6),
+    K=st.integers(1, 4),
+    T=st.integers(1, 80),
+    B=st.sampled_from([128, 256]),
+    padding=st.sampled_from(["skip", "zero_row"]),
+    lnc=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes_match_golden(H, I, E, K, T, B, padding, lnc, seed):
+    """Random routings and shapes (WRAPX remainder tiles, one token, more slots than tokens)."""
+    K = min(K, E)
+    kw, _ = make_problem(T=T, H=H, I=I, E=E, K=K, B=B, padding=padding, seed=seed)
+    opts = {} if padding == "skip" else {"skip_dma": SkipMode()}
+    out, _ = run_kernel(kw, lnc=lnc, **opts)
+    assert_matches_golden(out, run_golden(kw))

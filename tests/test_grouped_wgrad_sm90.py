@@ -49,6 +49,14 @@ def test_select_tile_config_rules():
     assert (cfg.tile_m, cfg.tile_n) == (64, 64)
     with pytest.raises(ValueError, match="multiples of 64"):
         select_sm90_tile_config(100, 128, 2)
+    assert select_sm90_tile_config(256, 512, 64, mma_tiler_mn=(128, 256)) == Sm90TileConfig(
+        128, 256, 64, 4
+    )
+    assert select_sm90_tile_config(256, 512, 64, mma_tiler_mn=(64, 128)).stages == 8
+    with pytest.raises(ValueError, match="must divide"):
+        select_sm90_tile_config(256, 512, 64, mma_tiler_mn=(128, 192))
+    with pytest.raises(ValueError, match="tile_m"):
+        select_sm90_tile_config(256, 512, 64, mma_tiler_mn=(96, 128))
     with pytest.raises(ValueError, match="positive"):
         select_sm90_tile_config(0, 128, 2)
 

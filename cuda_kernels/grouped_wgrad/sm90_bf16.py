@@ -227,26 +227,45 @@ def load_sm90_tile_rules() -> tuple[tuple[str, dict, Sm90TileConfig], ...]:
 
 
 def select_sm90_tile_config(
-    hidden: int, intermediate: int, num_experts: int, tokens_hint: int | None = None
+    hidden: int,
+    intermediate: int,
+    num_experts: int,
+    tokens_hint: int | None = None,
+    *,
+    mma_tiler_mn: tuple[int, int] | None = None,
 ) -> Sm90TileConfig:
     """Pick the tile config for an ``(E, M, N)`` problem from ``configs/cuda/sm90_tiles.yaml``.
 
     Args:
         hidden: M (rows of Wgrad). intermediate: N (columns). num_experts: E.
         tokens_hint: expected tokens_sum (unused by the current rules; kept for the contract).
+        mma_tiler_mn: a caller's ``(tile_m, tile_n)`` instead of the rules: cooperative schedule
+            with as many stages (up to 8) as shared memory holds.
 
     Returns:
         The first rule's :class:`Sm90TileConfig` whose divisibility conditions hold.
 
     Raises:
-        ValueError: no rule fits (hidden and intermediate must be multiples of 64), or non-positive
-            sizes.
+        ValueError: no rule fits (hidden and intermediate must be multiples of 64), non-positive
+            sizes, or an ``mma_tiler_mn`` outside the tile rules or not dividing hidden and
+            intermediate.
     """
     if hidden < 1 or intermediate < 1 or num_experts < 1:
         raise ValueError(
             f"select_sm90_tile_config: sizes must be positive, got hidden={hidden}, "
             f"intermediate={intermediate}, num_experts={num_experts}"
         )
+    if mma_tiler_mn is not None:
+        tile_m, tile_n = mma_tiler_mn
+        stage_bytes = 2 * 64 * (tile_m + tile_n)
+        stages = max(2, min(8, (_SMEM_BYTES - 1024) // stage_bytes))
+        config = Sm90TileConfig(tile_m, tile_n, 64, stages)
+        if hidden % tile_m or intermediate % tile_n:
+            raise ValueError(
+                f"select_sm90_tile_config: mma_tiler_mn={mma_tiler_mn} must divide "
+                f"hidden={hidden} and intermediate={intermediate}"
+            )
+        return config
     for _name, cond, config in load_sm90_tile_rules():
         if hidden % cond.get("hidden_multiple", 1):
             continue

@@ -15,6 +15,10 @@ public API wraps the same launcher).
 
 import importlib.util
 import math
+import pathlib
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -422,3 +426,25 @@ def test_public_api_on_hopper_uses_the_sm90_kernel():
 
     w = grouped_gemm_wgrad(a, b, offsets, wgrad_dtype=torch.float32)["wgrad_tensor"]
     assert _rel_err(w, _reference(a, b, counts2)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and CuTe DSL")
+@pytest.mark.skipif(
+    shutil.which("compute-sanitizer") is None, reason="compute-sanitizer is not on PATH"
+)
+def test_compute_sanitizer_memcheck_clean_on_a_small_case():
+    # K-major operands, an unaligned expert start, ragged tails and the pingpong schedule
+    case = "tests/test_grouped_wgrad_sm90.py::test_ragged_tile_does_not_read_next_expert[k-k-True]"
+    proc = subprocess.run(
+        [
+            "compute-sanitizer", "--tool", "memcheck", "--report-api-errors", "no",
+            "--error-exitcode", "9", sys.executable, "-m", "pytest", "-q", "-p",
+            "no:cacheprovider", case,
+        ],
+        capture_output=True, text=True, timeout=300, cwd=pathlib.Path(__file__).parents[1],
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr

@@ -105,6 +105,9 @@ class dma_engine(enum.Enum):
     gpsimd_dma = 2
 
 
+# aliases: instruction parameters named like the enums (engine=, dge_mode=, ...) shadow them
+_Engine, _DgeMode, _OobMode, _ReduceCmd = engine, dge_mode, oob_mode, reduce_cmd
+
 scalar_engine = engine.scalar
 vector_engine = engine.vector
 gpsimd_engine = engine.gpsimd
@@ -359,14 +362,14 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
         raise _err(instr, f"element counts differ: dst {dst.shape} ({dst.size}) vs src "
                    f"{src.shape} ({src.size})")
     skip = _oob_skip(instr, oob_mode)
-    if engine not in (None, globals()["engine"].unknown):
-        if dge_mode is not globals()["dge_mode"].hwdge:
+    if engine not in (None, _Engine.unknown):
+        if dge_mode is not _DgeMode.hwdge:
             raise _err(instr, "engine= selects the HWDGE queue and needs dge_mode=hwdge")
-        if engine not in (globals()["engine"].sync, globals()["engine"].scalar):
+        if engine not in (_Engine.sync, _Engine.scalar):
             raise _err(instr, f"engine={engine} not allowed with hwdge (sync or scalar)")
     if (isinstance(dst, IndirectAP) or isinstance(src, IndirectAP)):
         ind = dst if isinstance(dst, IndirectAP) else src
-        if ind.vector_offset is not None and dge_mode is globals()["dge_mode"].hwdge:
+        if ind.vector_offset is not None and dge_mode is _DgeMode.hwdge:
             raise _err(instr, "vector_offset (indirect) DMA needs SWDGE, not hwdge")
     vals, valid = _dma_read(instr, src, skip)
     if isinstance(dst, IndirectAP):
@@ -421,7 +424,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         raise _err(instr, f"axes {axes} not allowed for {nd}-D src (only {default[nd]})")
     skip = _oob_skip(instr, oob_mode)
     sh = src.shape
-    if dge_mode is globals()["dge_mode"].hwdge:
+    if dge_mode is _DgeMode.hwdge:
         if isinstance(src, IndirectAP):
             raise _err(instr, "an indirect src needs SWDGE, not hwdge")
         if src.itemsize != 2:
@@ -549,9 +552,9 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
     _onchip(instr, "dst", dst)
     _onchip(instr, "src", src)
     P, F = _same_pf(instr, dst, "dst", src, "src")
-    eng = _engine_name(instr, engine, "vector", (globals()["engine"].vector,
-                                                 globals()["engine"].scalar,
-                                                 globals()["engine"].gpsimd))
+    eng = _engine_name(instr, engine, "vector", (_Engine.vector,
+                                                 _Engine.scalar,
+                                                 _Engine.gpsimd))
     _psum_engine_rule(instr, eng, dst, src)
     if dst.buffer is psum and current().spec["nc_version"] >= 4 and dst.itemsize != 4:
         raise _err(instr, f"a copy into PSUM needs a 4-byte dtype on trn3, got {dst.dtype}")
@@ -575,8 +578,8 @@ def memset(dst, value, engine=engine.unknown, name=None):
     instr = "memset"
     dst = _tensor(instr, "dst", dst)
     _onchip(instr, "dst", dst)
-    eng = _engine_name(instr, engine, "vector", (globals()["engine"].vector,
-                                                 globals()["engine"].gpsimd))
+    eng = _engine_name(instr, engine, "vector", (_Engine.vector,
+                                                 _Engine.gpsimd))
     _psum_engine_rule(instr, eng, dst)
     P, F = _pf(dst)
     if _dt.is_x4(dst.dtype):
@@ -644,8 +647,8 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     op = _op(instr, "op", op, ("arith", "bitvec"))
     exact = _int_exact(dst, data1, data2)
     default = "gpsimd" if (exact or op.name == "power") else "vector"
-    eng = _engine_name(instr, engine, default, (globals()["engine"].vector,
-                                                globals()["engine"].gpsimd))
+    eng = _engine_name(instr, engine, default, (_Engine.vector,
+                                                _Engine.gpsimd))
     _psum_engine_rule(instr, eng, dst, data1, data2)
     a = data1._np().reshape(P, F)
     b = data2._np().reshape(P, F)
@@ -706,9 +709,9 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
         if (op0.kind == "bitvec") != (op1.kind == "bitvec"):
             raise _err(instr, "op0 and op1 must both be bitvec or both arithmetic")
     bitvec = op0.kind == "bitvec"
-    eng = _engine_name(instr, engine, "vector", (globals()["engine"].vector,
-                                                 globals()["engine"].scalar,
-                                                 globals()["engine"].gpsimd))
+    eng = _engine_name(instr, engine, "vector", (_Engine.vector,
+                                                 _Engine.scalar,
+                                                 _Engine.gpsimd))
     if bitvec and eng != "vector":
         raise _err(instr, "bitvec ops run only on VectorE")
     _psum_engine_rule(instr, eng, dst, data)
@@ -835,16 +838,16 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
         out = (x if op.name == "bypass" else op.fn(x)).astype(np.float32)
     ctx = current()
     cmd = reduce_cmd
-    if cmd is not globals()["reduce_cmd"].idle or reduce_res is not None:
+    if cmd is not _ReduceCmd.idle or reduce_res is not None:
         if reduce_op is not None:
             _op(instr, "reduce_op", reduce_op, ("arith",))
             if reduce_op.name != "add":
                 raise _err(instr, "reduce_op must be nl.add")
         regs = ctx.act_registers
-        if cmd in (globals()["reduce_cmd"].reset, globals()["reduce_cmd"].reset_reduce):
+        if cmd in (_ReduceCmd.reset, _ReduceCmd.reset_reduce):
             regs[:P] = 0
-        if cmd in (globals()["reduce_cmd"].reduce, globals()["reduce_cmd"].reset_reduce,
-                   globals()["reduce_cmd"].load_reduce):
+        if cmd in (_ReduceCmd.reduce, _ReduceCmd.reset_reduce,
+                   _ReduceCmd.load_reduce):
             regs[:P] = regs[:P] + out.sum(axis=1, dtype=np.float32)
         if reduce_res is not None:
             reduce_res = _tensor(instr, "reduce_res", reduce_res)
@@ -877,8 +880,8 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
     if dst.dtype != data.dtype:
         raise _err(instr, f"dst dtype {dst.dtype} != data dtype {data.dtype}")
     default = "tensor" if dst.buffer is psum else "vector"
-    eng = _engine_name(instr, engine, default, (globals()["engine"].tensor,
-                                                globals()["engine"].vector))
+    eng = _engine_name(instr, engine, default, (_Engine.tensor,
+                                                _Engine.vector))
     P, F = _pf(data)
     Pd, Fd = _pf(dst)
     if (Pd, Fd) != (F, P):

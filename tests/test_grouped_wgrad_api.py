@@ -860,26 +860,32 @@ def test_grouped_wgrad_fp32_on_cpu():
 
 
 def test_jax_eager_entry():
+    jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")
     from cuda_kernels.grouped_wgrad import jax as wgrad_jax
 
+    # The eager entry's CPU path (the torch fallback): pin the arrays to JAX's CPU device so the
+    # test means the same on a GPU machine, where JAX would otherwise place them on the GPU.
+    cpu = jax.devices("cpu")[0]
     a_t, b_t, off_t = _operands([8, 0, 16], a_major="k", b_major="n")
-    a = jnp.asarray(a_t.float().numpy(), dtype=jnp.bfloat16)
-    b = jnp.asarray(b_t.float().numpy(), dtype=jnp.bfloat16)
-    off = jnp.asarray(off_t.numpy())
+    a = jax.device_put(jnp.asarray(a_t.float().numpy(), dtype=jnp.bfloat16), cpu)
+    b = jax.device_put(jnp.asarray(b_t.float().numpy(), dtype=jnp.bfloat16), cpu)
+    off = jax.device_put(jnp.asarray(off_t.numpy()), cpu)
     ref = _ref64(a_t, b_t, off_t)
     r = wgrad_jax.grouped_gemm_wgrad_jax(a, b, off, wgrad_dtype=jnp.float32)
     (w,) = r
     assert len(r) == 1 and w.dtype == jnp.float32 and w.shape == (3, H, I)
     _assert_close(torch.from_dlpack(w), ref, torch.float32)
     # accumulate starts from wgrad's values and never mutates the input array
-    w0 = jnp.ones((3, H, I), dtype=jnp.float32)
+    w0 = jax.device_put(jnp.ones((3, H, I), dtype=jnp.float32), cpu)
     (w2,) = wgrad_jax.grouped_gemm_wgrad_jax(a, b, off, wgrad=w0, accumulate_on_output=True)
     got = torch.from_dlpack(w2)
     _assert_close(got, ref + 1.0, torch.float32)
     assert float(w0.sum()) == 3 * H * I
     with pytest.raises(ValueError, match="offsets_tensor.*last offset"):
-        wgrad_jax.grouped_gemm_wgrad_jax(a, b, jnp.asarray([8, 8, 8], dtype=jnp.int32))
+        wgrad_jax.grouped_gemm_wgrad_jax(
+            a, b, jax.device_put(jnp.asarray([8, 8, 8], dtype=jnp.int32), cpu)
+        )
     with pytest.raises(ValueError, match="wgrad_dtype"):
         wgrad_jax.grouped_gemm_wgrad_jax(a, b, off, wgrad_dtype="int8")
     with pytest.raises(ValueError, match="a must be a JAX array"):

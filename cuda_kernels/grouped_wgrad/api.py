@@ -260,12 +260,9 @@ def _sm90_key(contract: WgradContract):
 
     try:
         tile = sm90_bf16.select_sm90_tile_config(
-            contract.hidden, contract.intermediate, contract.num_experts
+            contract.hidden, contract.intermediate, contract.num_experts,
+            mma_tiler_mn=contract.mma_tiler_mn,
         )
-        if contract.mma_tiler_mn is not None:
-            tile = dataclasses.replace(
-                tile, tile_m=contract.mma_tiler_mn[0], tile_n=contract.mma_tiler_mn[1]
-            )
         return sm90_bf16.Sm90WgradKey(
             hidden=contract.hidden,
             intermediate=contract.intermediate,

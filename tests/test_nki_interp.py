@@ -142,6 +142,8 @@ def test_sbuf_capacity_trn2_smaller():
         a = sbuf_from(np.ones((32, 16), BF16))
         nisa.nc_matmul(ps[:, 512:1024], a, sbuf_from(np.ones((32, 512), BF16)))
         assert (ps.numpy()[:, 512:] == 32).all()
+        with pytest.raises(NkiError, match="only multiply and add"):
+            nisa.tensor_scalar(a, a, nl.maximum, 0.0, engine=nisa.engine.scalar)
         with pytest.raises(NkiError, match="crosses the 2 KiB PSUM bank"):
             nisa.nc_matmul(ps[:, 256:512], a, sbuf_from(np.ones((32, 256), BF16)))
             nisa.nc_matmul(ps[:, 384:640], a, sbuf_from(np.ones((32, 256), BF16)))

@@ -714,6 +714,9 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
                                                  _Engine.gpsimd))
     if bitvec and eng != "vector":
         raise _err(instr, "bitvec ops run only on VectorE")
+    if (eng == "scalar" and current().spec["nc_version"] < 4
+            and any(o is not None and o.name not in ("multiply", "add") for o in (op0, op1))):
+        raise _err(instr, "ScalarE on trn2 supports only multiply and add stages")
     _psum_engine_rule(instr, eng, dst, data)
     x = data._np().reshape(P, F)
     if bitvec:
@@ -1064,6 +1067,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     for n, t in (("stationary", stationary), ("moving", moving)):
         if t.dtype not in _MM_IN or (t.dtype == _dt.float8_e4m3fn and nc < 4):
             raise _err(instr, f"{n} dtype {t.dtype} not supported on this target")
+    if {stationary.dtype, moving.dtype} == {_dt.float8_e4m3, _dt.float8_e4m3fn}:
+        raise _err(instr, "legacy float8_e4m3 and float8_e4m3fn operands cannot be mixed")
     if (stationary.dtype in (_dt.float32, _dt.tfloat32)) != (moving.dtype in (_dt.float32,
                                                                              _dt.tfloat32)):
         raise _err(instr, "fp32/tf32 operands can only be multiplied with fp32/tf32")

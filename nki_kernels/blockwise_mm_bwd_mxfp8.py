@@ -346,12 +346,15 @@ def _slab(dst_hbm, e_sb, rows: int, r0: int, row_stride: int, c0: int, ncols: in
 
 
 def _wgrad_rmw(lhs, rhs, g: _Geo, tl: _Tiling, dst_hbm, e_sb, M0: int, M: int, N0: int,
-               N: int, row_stride: int):
-    """dst[e][M0.., N0..] += lhs[:, M0..]^T @ rhs[:, N0..] for an M x N weight-gradient slab.
+               N: int, row_stride: int, lhs_c0=None, rhs_c0=None):
+    """dst[e][M0.., N0..] += lhs[:, lhs_c0..]^T @ rhs[:, rhs_c0..] for an M x N slab
+    (operand column bases default to the slab's M0 / N0).
 
     Per tile_m row tile: one gather of the rows, per tile_n column tile one matmul group and one
     fp32 add rounded to the slab's dtype (BF16 read-add-write, or the fp32 scratch), one store.
     """
+    lc0 = M0 if lhs_c0 is None else lhs_c0
+    rc0 = N0 if rhs_c0 is None else rhs_c0
     tm = min(tl.tm, PMAX)
     ws = _Workspace(tl, min(tl.tn, N))
     old = nl.ndarray((tm, N), dtype=dst_hbm.dtype, buffer=nl.sbuf)
@@ -362,7 +365,7 @@ def _wgrad_rmw(lhs, rhs, g: _Geo, tl: _Tiling, dst_hbm, e_sb, M0: int, M: int, N
         nisa.dma_copy(dst=o, src=view)
         for j, n0 in enumerate(range(0, N, tl.tn)):
             nw = min(tl.tn, N - n0)
-            res = _matmul_mx(lhs, rhs, M0 + m0, mw, N0 + n0, nw, tl, ws)
+            res = _matmul_mx(lhs, rhs, lc0 + m0, mw, rc0 + n0, nw, tl, ws)
             _add_result(o[:, n0 : n0 + nw], res, j + m0 // tm)
         nisa.dma_copy(dst=view, src=o)
 
@@ -490,10 +493,11 @@ def _gather_block(b, g: _Geo):
     b.gu = gu
 
 
-def _gather_rows(src_hbm, ids, g: _Geo, F: int, oob, memset_engine):
-    """Gather ``src_hbm[ids[p, l], :]`` into a slot-layout tile ``[vs, NKT, F, 4]``.
+def _gather_rows(src_hbm, ids, g: _Geo, F: int, oob, memset_engine, c0: int = 0):
+    """Gather ``src_hbm[ids[p, l], c0:c0+F]`` into a slot-layout tile ``[vs, NKT, F, 4]``.
 
     The tile is zeroed first only when out-of-bounds ids are skipped (they keep the zeros)."""
+    row_len = src_hbm.shape[1]
     t = nl.ndarray((g.vs, g.NKT, F, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
     if oob == nisa.oob_mode.skip:
         nisa.memset(dst=t, value=0.0, engine=memset_engine)
@@ -501,7 +505,7 @@ def _gather_rows(src_hbm, ids, g: _Geo, F: int, oob, memset_engine):
         kt, li = divmod(lane, 4)
         nisa.dma_copy(
             dst=t[:, kt, :, li],
-            src=src_hbm.ap(pattern=[[F, g.vs], [1, F]], offset=0,
+            src=src_hbm.ap(pattern=[[row_len, g.vs], [1, F]], offset=c0,
                            vector_offset=ids[:, lane : lane + 1], indirect_dim=0),
             oob_mode=oob,
         )
@@ -719,11 +723,12 @@ def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc):
     """dW_gate_up[e][H0.., :] += X_blk^T @ d_gate_up (MX along the block's slots); bias grad."""
     I2 = 2 * g.I
     # X rows are gathered only now (SBUF: they are not needed by phases 1-2)
-    x_w = _gather_rows(b.hidden_states, b.ids, g, g.H, b.token_oob, VEC)
-    xq = _quantize_slots(x_w, g, g.H)  # stationary: X_blk, columns H
+    # and only this core's H columns
+    x_w = _gather_rows(b.hidden_states, b.ids, g, g.Hs, b.token_oob, VEC, c0=g.H0)
+    xq = _quantize_slots(x_w, g, g.Hs)  # stationary: X_blk, columns H0..H0+Hs
     del x_w
     dq = _quantize_slots(b.dgu_w, g, I2)  # moving: d_gate_up, columns 2I
-    _wgrad_rmw(xq, dq, g, tl, dwgu_acc, b.e_sb, g.H0, g.Hs, 0, I2, I2)
+    _wgrad_rmw(xq, dq, g, tl, dwgu_acc, b.e_sb, g.H0, g.Hs, 0, I2, I2, lhs_c0=0)
     if bias_acc is not None:
         # dB_gate_up[e] += sum over slots of d_gate_up (this core's I share of gate and up)
         ones = nl.ndarray((g.vs, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -744,8 +749,8 @@ def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc):
     """dW_down[e][:, H0..] += (alpha*h)^T @ dY_blk (MX along the block's slots); bias grad."""
     H = g.H
     aq = _quantize_slots(b.ah_w, g, g.I)  # stationary: alpha*h, columns I
-    yq = _quantize_slots(b.dy_w, g, H)  # moving: dY_blk, columns H
-    _wgrad_rmw(aq, yq, g, tl, dwd_acc, b.e_sb, 0, g.I, g.H0, g.Hs, H)
+    yq = _quantize_slots(b.dy_w[:, :, g.H0 : g.H0 + g.Hs, :], g, g.Hs)  # moving: this core's H
+    _wgrad_rmw(aq, yq, g, tl, dwd_acc, b.e_sb, 0, g.I, g.H0, g.Hs, H, rhs_c0=0)
     if bias_acc is not None:
         # dB_down[e] += sum over slots of alpha * dY (fp32 products, TensorE sum over slots)
         ones = nl.ndarray((g.vs, 1), dtype=nl.float32, buffer=nl.sbuf)

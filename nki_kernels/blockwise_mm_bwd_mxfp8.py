@@ -10,12 +10,14 @@ T), H hidden, I = I_TP intermediate, E experts, B block_size, N blocks, S LNC sh
 
 Per block n of expert e = ``block_to_expert[n]`` (REFERENCE §2-§3; each phase one function):
 
-* prologue: the block's token ids, a per-slot valid mask, affinity gather (indirect DMA at
-  ``t*E + e``), gather of the token rows of X and dY (indirect DMA, ``oob_mode.skip`` when
-  ``skip_dma.skip_token``), and the checkpoint slots (indirect DMA that skips padding slots, so
-  garbage in a padding slot of the checkpoint never reaches a gradient).
+* prologue: the block's token ids, a per-slot valid mask and live flag, affinity gather
+  (indirect DMA at ``t*E + e``, exact int32 index), gather of the dY rows (indirect DMA,
+  ``oob_mode.skip`` when ``skip_dma.skip_token``; X rows are gathered in phase 3), and the
+  checkpoint slots (indirect DMA that skips padding slots, so garbage in a padding slot of the
+  checkpoint never reaches a gradient).
 * phase1: ``dh_raw[B, I] = dY_blk @ W_down[e]^T`` (MX along H), SwiGLU backward with clamp masks,
-  ``dA[t, e] = <dh_raw, h>``, ``d_gate_up = (dg || du)`` and ``alpha*h`` in BF16.
+  ``dA[t, e] = <dh_raw, h>`` (summed on TensorE, 128 columns per instruction, per half of I),
+  ``d_gate_up = (dg || du)`` and ``alpha*h`` in BF16.
 * phase2: ``dX_blk[B, H] = d_gate_up @ W_gate_up[e]^T`` (MX along 2I), scattered into dX rows
   (read-add-write when ``is_tensor_update_accumulating``).
 * phase3: ``dW_gate_up[e] += X_blk^T @ d_gate_up`` (MX along B), plus the gate/up bias gradient.
@@ -49,11 +51,12 @@ partial is folded into an fp32 SBUF accumulator (with copy-in, PSUM keeps accumu
 numerically what AWS's copy-in does). The stationary/moving roles per phase: phase1 (slots x I),
 phase2 (slots x H), phase3 (H x 2I), phase4 (I x H) as (stationary, moving) columns.
 
-Beyond AWS: blocks that hold only padding cost nothing. The kernel counts the block's valid slots
-on chip (one TensorE reduction of the valid mask) and runs the block body inside a dynamic loop
-of 0 or 1 iterations (``nl.dynamic_range`` over a register loaded with the flag); without
-``nl.dynamic_range`` in the NKI build at hand, every block runs (results are the same: a padding
-block adds exact zeros).
+Beyond AWS: blocks that hold only padding cost nothing but their prologue. The kernel counts the
+block's valid slots on chip (one TensorE reduction of the valid mask) and runs the block body
+inside a dynamic loop of 0 or 1 iterations (``nl.dynamic_range`` over a register loaded with the
+flag). Our interpreter has no ``dynamic_range`` yet, so there the trip count is read from the flag
+tile at run time (what the register loop does); a real NKI build without dynamic loops runs every
+block (same results: a padding block adds exact zeros).
 
 Pre-quantized weights (``gate_up_weight_scales`` / ``down_weight_scales``): x4 words and E8M0
 scales in the K-major WRAPX layout (:func:`~nki_kernels.blockwise_mm_bwd_mxfp8_torch.
@@ -110,10 +113,6 @@ def _k_tiles(K: int) -> list:
             tiles.append((k0, width))
             k0 += width
     return tiles
-
-
-def _dt_name(dtype) -> str:
-    return str(dtype).replace("torch.", "").replace("numpy.", "")
 
 
 class _Geo:

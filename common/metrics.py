@@ -50,50 +50,6 @@ def _stats(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float, f
     return noise2, signal2, dmax, rmax, finite
 
 
-def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """SQNR of ``out`` against ``ref`` in dB (+inf when identical; NaN if out has NaN/inf).
-
-    Raises:
-        ValueError: shapes differ.
-    """
-    noise2, signal2, _, _, finite = _stats(out, ref)
-    if not finite:
-        return float("nan")
-    if noise2 == 0.0:
-        return math.inf
-    if signal2 == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal2 / noise2)
-
-
-def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``max |out - ref| / max |ref|`` (0 when both are all zero; NaN if out has NaN/inf).
-
-    Raises:
-        ValueError: shapes differ.
-    """
-    _, _, dmax, rmax, finite = _stats(out, ref)
-    if not finite:
-        return float("nan")
-    if rmax == 0.0:
-        return 0.0 if dmax == 0.0 else math.inf
-    return dmax / rmax
-
-
-def rel_fro_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||out - ref|| / ||ref||`` (Frobenius; NaN if out has NaN/inf).
-
-    Raises:
-        ValueError: shapes differ.
-    """
-    noise2, signal2, _, _, finite = _stats(out, ref)
-    if not finite:
-        return float("nan")
-    if signal2 == 0.0:
-        return 0.0 if noise2 == 0.0 else math.inf
-    return math.sqrt(noise2 / signal2)
-
-
 def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     """All three metrics from one pass: ``{"sqnr_db", "max_rel_err", "rel_fro_err"}``."""
     noise2, signal2, dmax, rmax, finite = _stats(out, ref)
@@ -103,3 +59,22 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     mr = (0.0 if dmax == 0.0 else math.inf) if rmax == 0.0 else dmax / rmax
     rf = (0.0 if noise2 == 0.0 else math.inf) if signal2 == 0.0 else math.sqrt(noise2 / signal2)
     return {"sqnr_db": sq, "max_rel_err": mr, "rel_fro_err": rf}
+
+
+def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """SQNR of ``out`` against ``ref`` in dB (+inf when identical; NaN if out has NaN/inf).
+
+    Raises:
+        ValueError: shapes differ.
+    """
+    return compare(out, ref)["sqnr_db"]
+
+
+def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |out - ref| / max |ref|`` (0 when both are all zero; NaN if out has NaN/inf)."""
+    return compare(out, ref)["max_rel_err"]
+
+
+def rel_fro_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` (Frobenius; NaN if out has NaN/inf)."""
+    return compare(out, ref)["rel_fro_err"]

@@ -18,6 +18,19 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ClampLimits", "MoEBackwardProblem", "MoEGrads"]
 
 
+def _clamp(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
+    return v if lo is None and hi is None else v.clamp(min=lo, max=hi)
+
+
+def _strict_mask(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
+    m = torch.ones_like(v, dtype=torch.bool)
+    if lo is not None:
+        m &= v > lo
+    if hi is not None:
+        m &= v < hi
+    return m
+
+
 @dataclass(frozen=True)
 class ClampLimits:
     """Clamp limits of the SwiGLU pre-activations, with AWS nki-library's field names.
@@ -48,6 +61,22 @@ class ClampLimits:
                     f"ClampLimits: {side}_clamp_lower_limit ({lo}) must be < "
                     f"{side}_clamp_upper_limit ({hi})"
                 )
+
+    def clamp_gate(self, g: torch.Tensor) -> torch.Tensor:
+        """The forward clamp of the gate pre-activation (``non_linear_*`` limits)."""
+        return _clamp(g, self.non_linear_clamp_lower_limit, self.non_linear_clamp_upper_limit)
+
+    def clamp_up(self, u: torch.Tensor) -> torch.Tensor:
+        """The forward clamp of the up pre-activation (``linear_*`` limits)."""
+        return _clamp(u, self.linear_clamp_lower_limit, self.linear_clamp_upper_limit)
+
+    def gate_mask(self, g: torch.Tensor) -> torch.Tensor:
+        """Bool mask, True where the stored gate lies strictly inside its limits (REFERENCE §2)."""
+        return _strict_mask(g, self.non_linear_clamp_lower_limit, self.non_linear_clamp_upper_limit)
+
+    def up_mask(self, u: torch.Tensor) -> torch.Tensor:
+        """Bool mask, True where the stored up value lies strictly inside its limits."""
+        return _strict_mask(u, self.linear_clamp_lower_limit, self.linear_clamp_upper_limit)
 
     @property
     def is_active(self) -> bool:

@@ -47,21 +47,6 @@ AFFINITY_ON_H = "on_h"
 _F64 = torch.float64
 
 
-def _clamp(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
-    if lo is not None or hi is not None:
-        v = v.clamp(min=lo, max=hi)
-    return v
-
-
-def _strict_mask(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
-    m = torch.ones_like(v, dtype=torch.bool)
-    if lo is not None:
-        m &= v > lo
-    if hi is not None:
-        m &= v < hi
-    return m
-
-
 def _check_affinity_option(affinity_option: str) -> None:
     if affinity_option not in (AFFINITY_ON_I, AFFINITY_ON_H):
         raise ValueError(
@@ -122,8 +107,8 @@ def _pairs_forward(x_TH, w_gate_up_EH2I, w_down_EIH, tok_P, exp_P, aff_P, bg_E2I
         if bg_E2I is not None:
             g = g + bg_E2I[e, 0].to(_F64)
             u = u + bg_E2I[e, 1].to(_F64)
-        g = _clamp(g, cl.non_linear_clamp_lower_limit, cl.non_linear_clamp_upper_limit)
-        u = _clamp(u, cl.linear_clamp_lower_limit, cl.linear_clamp_upper_limit)
+        g = cl.clamp_gate(g)
+        u = cl.clamp_up(u)
         act[sel, 0] = g
         act[sel, 1] = u
         if not with_output:
@@ -176,8 +161,8 @@ def _pairs_backward(x_TH, dy_TH, w_gate_up_EH2I, w_down_EIH, tok_P, exp_P, aff_P
             da = da + dy @ bd_EH[e].to(_F64)
         dA[sel] = da
         dh = a * dh_raw
-        mg = _strict_mask(g, cl.non_linear_clamp_lower_limit, cl.non_linear_clamp_upper_limit)
-        mu = _strict_mask(u, cl.linear_clamp_lower_limit, cl.linear_clamp_upper_limit)
+        mg = cl.gate_mask(g)
+        mu = cl.up_mask(u)
         dg = torch.where(mg, dh * u * s * (1 + g * (1 - s)), 0.0)
         du = torch.where(mu, dh * silu, 0.0)
         if affinity_option == AFFINITY_ON_I:

@@ -95,15 +95,6 @@ def grouped_wgrad_default(a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: tor
     return out
 
 
-def _strict_mask(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
-    m = torch.ones_like(v, dtype=torch.bool)
-    if lo is not None:
-        m &= v > lo
-    if hi is not None:
-        m &= v < hi
-    return m
-
-
 def _grouped_layout(plan, num_experts: int):
     """The plan's grouped layout with a static row count (no host read on CUDA)."""
     R = plan.pair_token_R.shape[0]
@@ -144,12 +135,8 @@ def moe_forward_checkpoint_torch(
     if b_gate_up_E2I is not None and R:
         row_expert = plan.pair_expert_R[layout.row_to_pair_S.clamp(min=0)].clamp(max=E - 1)
         gu_S = gu_S + b_gate_up_E2I.float()[row_expert]
-    g = gu_S[:, 0]
-    u = gu_S[:, 1]
-    if cl.non_linear_clamp_lower_limit is not None or cl.non_linear_clamp_upper_limit is not None:
-        g = g.clamp(min=cl.non_linear_clamp_lower_limit, max=cl.non_linear_clamp_upper_limit)
-    if cl.linear_clamp_lower_limit is not None or cl.linear_clamp_upper_limit is not None:
-        u = u.clamp(min=cl.linear_clamp_lower_limit, max=cl.linear_clamp_upper_limit)
+    g = cl.clamp_gate(gu_S[:, 0])
+    u = cl.clamp_up(gu_S[:, 1])
     act = torch.zeros(R + 1, 2, I, dtype=cd, device=hidden_states_TH.device)
     dest = torch.where(row_valid, layout.row_to_pair_S, torch.full_like(layout.row_to_pair_S, R))
     act.index_put_((dest,), torch.stack([g, u], 1).to(cd))
@@ -211,8 +198,8 @@ def moe_backward_torch(
     if p.b_down_EH is not None:
         dA_S = dA_S + (dy_S.float() * p.b_down_EH.float()[row_expert]).sum(-1)
     dh = alpha_S * dh_raw
-    mg = _strict_mask(g, cl.non_linear_clamp_lower_limit, cl.non_linear_clamp_upper_limit)
-    mu = _strict_mask(u, cl.linear_clamp_lower_limit, cl.linear_clamp_upper_limit)
+    mg = cl.gate_mask(g)
+    mu = cl.up_mask(u)
     dg = torch.where(mg & row_valid[:, None], dh * u * s * (1 + g * (1 - s)), 0.0)
     du = torch.where(mu & row_valid[:, None], dh * silu, 0.0)
     dgu_S = torch.cat([dg, du], 1).to(cd)  # [S, 2I]

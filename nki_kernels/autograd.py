@@ -25,12 +25,6 @@ from common.routing import RoutingPlan, plan_routing
 __all__ = ["MoEExpertMLPFunction", "expert_mlp_forward", "moe_expert_mlp"]
 
 
-def _clamp(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
-    if lo is None and hi is None:
-        return v
-    return torch.clamp(v, min=lo, max=hi)
-
-
 def expert_mlp_forward(
     hidden_states_TH: torch.Tensor,
     w_gate_up_EH2I: torch.Tensor,
@@ -91,8 +85,8 @@ def expert_mlp_forward(
         )
         if b_gate_up_E2I is not None:
             gu = gu + b_gate_up_E2I[e].to(f32)
-        g = _clamp(gu[:, 0], cl.non_linear_clamp_lower_limit, cl.non_linear_clamp_upper_limit)
-        u = _clamp(gu[:, 1], cl.linear_clamp_lower_limit, cl.linear_clamp_upper_limit)
+        g = cl.clamp_gate(gu[:, 0])
+        u = cl.clamp_up(gu[:, 1])
         h = torch.nn.functional.silu(g) * u
         out = (a * h) @ w_down_EIH[e].to(f32)
         if b_down_EH is not None:

@@ -25,14 +25,17 @@ Per block n of expert e = ``block_to_expert[n]`` (REFERENCE §2-§3; each phase 
 
 On-chip layouts (all MX groups follow Trainium's WRAPX layout, NKI_API.md §4.6):
 
-* "slot layout" for per-slot data: ``vs = min(B, 512) / 4`` partitions, slot ``s = l*vs + p``
-  at partition p, lane l (``l < B / vs``); a feature tile is ``[vs, B/512 (tiles), F, 4]`` with
-  lane ``l = 4*tile + i`` in the innermost position, which is exactly ``quantize_mx``'s input for
-  a contraction over the block's slots (phases 3 and 4): one MX group = 8 partitions x 4 lanes =
-  slots ``{tile*512 + i*vs + 8g + j}``, the WRAPX groups along B.
+* "natural layout" for per-slot data in phases 1-2: ``[128, B/128, F]``, slot ``c*128 + p`` at
+  partition p (all 128 partitions busy for every block size; 128 slots per PSUM tile).
+* "slot layout" for the operands of phases 3-4 (a contraction over the block's slots):
+  ``vs = min(B, 512) / 4`` partitions, slot ``s = l*vs + p`` at partition p, lane l
+  (``l < B / vs``); a feature tile is ``[vs, B/512 (tiles), F, 4]`` with lane ``l = 4*tile + i``
+  innermost, exactly ``quantize_mx``'s input: one MX group = 8 partitions x 4 lanes = slots
+  ``{tile*512 + i*vs + 8g + j}``, the WRAPX groups along B. X and dY rows are gathered straight
+  into it; d_gate_up and alpha*h move there from the natural layout by SBUF-to-SBUF DMA.
 * "K-major" tiles for a contraction over H (phase 1) or 2I (phase 2): per WRAPX K tile of width
   TK at k0, ``[TK/4, F, 4]`` with element (p, f, i) = row ``k0 + i*TK/4 + p`` of the K axis. The
-  weights arrive in it by strided DMA; dY and d_gate_up by TensorE transposes from slot layout.
+  weights arrive in it by strided DMA; dY and d_gate_up by TensorE transposes (natural layout).
 
 Numerics: every MX operand is quantized on chip with ``nisa.quantize_mx`` (E4M3, Trainium's scale
 rule) and multiplied by ``nisa.nc_matmul_mx`` into fp32 PSUM; elementwise math in fp32 with one
@@ -123,6 +126,7 @@ class _Geo:
         self.vs = min(B, WRAPX_TILE) // 4  # partitions of the slot layout
         self.NL = B // self.vs  # lanes (4 or 8)
         self.NKT = self.NL // 4  # WRAPX tiles along B (1 or 2)
+        self.C = B // PMAX  # 128-slot chunks of the natural layout (slot = c*128 + p)
         self.shard, self.S = shard, num_shards
         self.Is, self.Hs = I // num_shards, H // num_shards  # this core's share of I and H
         self.I0, self.H0 = shard * self.Is, shard * self.Hs
@@ -159,13 +163,11 @@ def _quantize_slots(src_w, g: _Geo, F: int):
     return out
 
 
-def _k_major_from_slots(src_w, g: _Geo, K: int):
-    """TensorE-transpose a slot-layout BF16 tile ``[vs, NKT, K, 4]`` into K-major MX operands.
-
-    For every WRAPX K tile (k0, TK) of the K axis: ``t[p, j, i] = src[slot j, k0 + i*TK/4 + p]``,
-    built by ``nc_transpose`` of ``[vs, TK/4]`` slabs into one PSUM tile per (tile, i), then one
-    copy to SBUF; then quantize. Returns a list of (x4 data [TK/4, B], scales [TK/4, B], TK/4).
-    """
+def _k_major_from_natural(src_n, g: _Geo, K: int):
+    """TensorE-transpose a natural-layout BF16 tile ``[128, C, K]`` (slot c*128 + p at partition
+    p) into K-major MX operands: for every WRAPX K tile (k0, TK),
+    ``t[p, j, i] = src[slot j, k0 + i*TK/4 + p]`` built from ``[128, TK/4]`` slabs (one PSUM tile
+    per (tile, i), one copy to SBUF), then quantized. Returns (x4 [TK/4, B], scales, TK/4)s."""
     out = []
     for k0, TK in _k_tiles(K):
         vsk = TK // 4
@@ -173,16 +175,24 @@ def _k_major_from_slots(src_w, g: _Geo, K: int):
         for i in range(4):
             c0 = k0 + i * vsk
             ps = nl.ndarray((vsk, g.B), dtype=nl.bfloat16, buffer=nl.psum)
-            for lane in range(g.NL):
-                kt, li = divmod(lane, 4)
-                nisa.nc_transpose(
-                    dst=ps[:, lane * g.vs : (lane + 1) * g.vs],
-                    data=src_w[:, kt, c0 : c0 + vsk, li],
-                )
+            for c in range(g.C):
+                nisa.nc_transpose(dst=ps[:, c * PMAX : (c + 1) * PMAX],
+                                  data=src_n[:, c, c0 : c0 + vsk])
             nisa.tensor_copy(dst=t[:, :, i], src=ps, engine=ACT if i % 2 else VEC)
-        q, s = _quantize_k_major(t, vsk, g.B)
-        out.append((q, s, vsk))
+        q, sc = _quantize_k_major(t, vsk, g.B)
+        out.append((q, sc, vsk))
     return out
+
+
+def _to_slot_layout(src_n, g: _Geo, F: int):
+    """Natural ``[128, C, F]`` -> slot layout ``[vs, NKT, F, 4]`` (the quantize_mx input of a
+    contraction over the block's slots) by SBUF-to-SBUF DMA, one per lane (a partition move)."""
+    t = nl.ndarray((g.vs, g.NKT, F, 4), dtype=src_n.dtype, buffer=nl.sbuf)
+    for lane in range(g.NL):
+        kt, li = divmod(lane, 4)
+        c, q0 = divmod(lane * g.vs, PMAX)
+        nisa.dma_copy(dst=t[:, kt, :, li], src=src_n[q0 : q0 + g.vs, c, :])
+    return t
 
 
 def _load_weight_k_major(w_hbm, e_sb, K: int, row_stride: int, col_stride: int, c0: int,
@@ -406,48 +416,51 @@ class _Block(nl.NKIObject):
 
 
 def _load_block(n: int, g: _Geo, tpti, b2e, ea, hidden_states, dy_hbm, ckpt, token_oob):
-    """Token ids, valid mask, expert, affinities and the gathered rows of one block."""
+    """Token ids, valid mask, live flag, expert and affinity index of one block.
+
+    Per-slot tiles are in the natural layout ``[128, C]`` (slot c*128 + p at partition p);
+    ``b.ids_s`` holds the ids again in the slot layout ``[vs, NL]`` for the gathers of the
+    phase-3/4 operands (quantized along the block's slots).
+    """
     b = _Block()
-    vs, NL = g.vs, g.NL
-    # token ids in slot layout: ids[p, l] = tpti[n*B + l*vs + p]
-    ids = nl.ndarray((vs, NL), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=ids, src=tpti.ap(pattern=[[1, vs], [vs, NL]], offset=n * g.B))
-    # expert of the block, broadcast to every partition; and as a (1, 1) scalar offset
-    e_col = nl.ndarray((vs, 1), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=e_col, src=b2e.ap(pattern=[[0, vs], [1, 1]], offset=n))
-    b.e_sb = e_col[0:1, 0:1]
+    P, C, vs, NL = PMAX, g.C, g.vs, g.NL
+    ids = nl.ndarray((P, C), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids, src=tpti.ap(pattern=[[1, P], [P, C]], offset=n * g.B))
+    ids_s = nl.ndarray((vs, NL), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids_s, src=tpti.ap(pattern=[[1, vs], [vs, NL]], offset=n * g.B))
+    b.ids, b.ids_s = ids, ids_s
+    # expert of the block as a (1, 1) scalar offset, and broadcast over the slots
+    e_all = nl.ndarray((P, C), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=e_all, src=b2e.ap(pattern=[[0, P], [0, C]], offset=n))
+    b.e_sb = e_all[0:1, 0:1]
     # valid slots: 0 <= id < T
-    v_lo = nl.ndarray((vs, NL), dtype=nl.float32, buffer=nl.sbuf)
+    v_lo = nl.ndarray((P, C), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=v_lo, data=ids, op0=nl.greater_equal, operand0=0.0)
-    valid = nl.ndarray((vs, NL), dtype=nl.float32, buffer=nl.sbuf)
+    valid = nl.ndarray((P, C), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=valid, data=ids, op0=nl.less, operand0=float(g.T))
     nisa.tensor_tensor(dst=valid, data1=valid, data2=v_lo, op=nl.multiply)
-    b.valid = valid
     # slot position inside the block for valid slots, -1 for padding (checkpoint gather index)
-    pos = nl.ndarray((vs, NL), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.iota(dst=pos, pattern=[[vs, NL]], offset=1, channel_multiplier=1)
+    pos = nl.ndarray((P, C), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.iota(dst=pos, pattern=[[P, C]], offset=1, channel_multiplier=1)
     nisa.tensor_tensor(dst=pos, data1=pos, data2=valid, op=nl.multiply)
     nisa.tensor_scalar(dst=pos, data=pos, op0=nl.add, operand0=-1.0)
     b.pos = pos
     # number of valid slots (TensorE sums the mask over partitions) -> live flag
-    valid_bf = nl.ndarray((vs, NL), dtype=nl.bfloat16, buffer=nl.sbuf)
+    valid_bf = nl.ndarray((P, C), dtype=nl.bfloat16, buffer=nl.sbuf)
     nisa.tensor_copy(dst=valid_bf, src=valid)
-    ones = nl.ndarray((vs, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
+    ones = nl.ndarray((P, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
-    cnt_ps = nl.ndarray((1, NL), dtype=nl.float32, buffer=nl.psum)
+    cnt_ps = nl.ndarray((1, C), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_matmul(dst=cnt_ps, stationary=ones, moving=valid_bf)
     live = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=live, op=nl.add, data=cnt_ps, axis=1)
     b.live = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=b.live, data=live, op0=nl.greater, operand0=0.0)
-    b.ids = ids
     # affinity index t*E + e in exact int32 arithmetic (GpSimd; fp32 would round past 2^24);
     # a padding id -1 gives e - E < 0, out of bounds -> skipped
-    e_all = nl.ndarray((vs, NL), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=e_all, src=b2e.ap(pattern=[[0, vs], [0, NL]], offset=n))
-    e_mult = nl.ndarray((vs, NL), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.iota(dst=e_mult, pattern=[[0, NL]], offset=g.E, channel_multiplier=0)
-    idx_ea = nl.ndarray((vs, NL), dtype=nl.int32, buffer=nl.sbuf)
+    e_mult = nl.ndarray((P, C), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.iota(dst=e_mult, pattern=[[0, C]], offset=g.E, channel_multiplier=0)
+    idx_ea = nl.ndarray((P, C), dtype=nl.int32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=idx_ea, data1=ids, data2=e_mult, op=nl.multiply)
     nisa.tensor_tensor(dst=idx_ea, data1=idx_ea, data2=e_all, op=nl.add)
     b.idx_ea = idx_ea
@@ -458,33 +471,43 @@ def _load_block(n: int, g: _Geo, tpti, b2e, ea, hidden_states, dy_hbm, ckpt, tok
 
 
 def _gather_block(b, g: _Geo):
-    """Indirect-DMA gathers of one live block: affinities, X and dY rows, checkpoint slots."""
-    vs, NL, H, I = g.vs, g.NL, g.H, g.I
-    ea_raw = nl.ndarray((vs, NL), dtype=b.ea.dtype, buffer=nl.sbuf)
+    """Indirect-DMA gathers of one live block (natural layout): affinities, dY rows, checkpoint."""
+    P, C, H, I = PMAX, g.C, g.H, g.I
+    ea_raw = nl.ndarray((P, C), dtype=b.ea.dtype, buffer=nl.sbuf)
     nisa.memset(dst=ea_raw, value=0.0)
-    for lane in range(NL):
+    for c in range(C):
         nisa.dma_copy(
-            dst=ea_raw[:, lane : lane + 1],
-            src=b.ea.ap(pattern=[[1, vs], [1, 1]], offset=0,
-                        vector_offset=b.idx_ea[:, lane : lane + 1], indirect_dim=0),
+            dst=ea_raw[:, c : c + 1],
+            src=b.ea.ap(pattern=[[1, P], [1, 1]], offset=0,
+                        vector_offset=b.idx_ea[:, c : c + 1], indirect_dim=0),
             oob_mode=b.token_oob,
         )
-    alpha = nl.ndarray((vs, NL), dtype=nl.float32, buffer=nl.sbuf)
+    alpha = nl.ndarray((P, C), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=alpha, src=ea_raw)
     b.alpha = alpha
-    # token rows of dY in slot layout [vs, NKT, H, 4]; skipped rows stay 0 (X: in phase 3)
-    b.dy_w = _gather_rows(b.dy_hbm, b.ids, g, H, b.token_oob, POOL)
-    # checkpoint: gu[p, l, c, f] = ckpt[n, c, I0 + f, l*vs + p] for valid slots, else 0
-    gu = nl.ndarray((vs, NL, 2, g.Is), dtype=nl.bfloat16, buffer=nl.sbuf)
+    # dY rows [128, C, H]; skipped rows stay 0 (X and the slot-layout dY: in phases 3 / 4)
+    dy = nl.ndarray((P, C, H), dtype=nl.bfloat16, buffer=nl.sbuf)
+    if b.token_oob == nisa.oob_mode.skip:
+        nisa.memset(dst=dy, value=0.0, engine=POOL)
+    for c in range(C):
+        nisa.dma_copy(
+            dst=dy[:, c, :],
+            src=b.dy_hbm.ap(pattern=[[H, P], [1, H]], offset=0,
+                            vector_offset=b.ids[:, c : c + 1], indirect_dim=0),
+            oob_mode=b.token_oob,
+        )
+    b.dy_n = dy
+    # checkpoint: gu[p, c, k, f] = ckpt[n, k, I0 + f, c*128 + p] for valid slots, else 0
+    gu = nl.ndarray((P, C, 2, g.Is), dtype=nl.bfloat16, buffer=nl.sbuf)
     nisa.memset(dst=gu, value=0.0, engine=VEC)
     ck_flat = b.ckpt.reshape((g.N * 2 * I * g.B, 1))
-    for lane in range(NL):
+    for c in range(C):
         nisa.dma_copy(
-            dst=gu[:, lane, :, :],
+            dst=gu[:, c, :, :],
             src=ck_flat.ap(
-                pattern=[[1, vs], [I * g.B, 2], [g.B, g.Is]],
+                pattern=[[1, P], [I * g.B, 2], [g.B, g.Is]],
                 offset=b.n * 2 * I * g.B + g.I0 * g.B,
-                vector_offset=b.pos[:, lane : lane + 1],
+                vector_offset=b.pos[:, c : c + 1],
                 indirect_dim=0,
             ),
             oob_mode=nisa.oob_mode.skip,
@@ -515,23 +538,24 @@ def _gather_rows(src_hbm, ids, g: _Geo, F: int, oob, memset_engine, c0: int = 0)
 def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_scales=None):
     """dh_raw = dY_blk @ W_down[e]^T (MX along H); SwiGLU backward; dA; d_gate_up; alpha*h.
 
-    Fills ``b.dgu_w`` [vs, NKT, 2I, 4] and ``b.ah_w`` [vs, NKT, I, 4] (BF16, slot layout) for
-    this core's I columns, and ``b.da`` [vs, NL] fp32: <dh_raw, h> summed per half of I (TensorE,
-    128 columns per instruction), then half 0 + half 1 (LNC1) or own half + the peer's (LNC2),
-    so both launches give identical bits. Moving columns per instruction: ``tile_n`` rounded
-    down to a multiple of 128 (at least 128), so the dA chunks never depend on the config.
+    Natural layout, 128 slots per PSUM tile (tile_m per instruction). Fills ``b.dgu_n``
+    [128, C, 2I] and ``b.ah_n`` [128, C, I] (BF16) for this core's I columns, and ``b.da``
+    [128, C] fp32: <dh_raw, h> summed per half of I (TensorE, 128 columns per instruction), then
+    half 0 + half 1 (LNC1) or own half + the peer's (LNC2), so both launches give identical
+    bits. Moving columns per instruction: ``tile_n`` rounded down to a multiple of 128 (at least
+    128), so the dA chunks never depend on the config.
     """
-    vs, NL, I = g.vs, g.NL, g.I
-    b.dgu_w = nl.ndarray((vs, g.NKT, 2 * I, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
-    b.ah_w = nl.ndarray((vs, g.NKT, I, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
-    da_ps = nl.ndarray((vs, 2 * NL), dtype=nl.float32, buffer=nl.psum)
+    P, C, I = PMAX, g.C, g.I
+    b.dgu_n = nl.ndarray((P, C, 2 * I), dtype=nl.bfloat16, buffer=nl.sbuf)
+    b.ah_n = nl.ndarray((P, C, I), dtype=nl.bfloat16, buffer=nl.sbuf)
+    da_ps = nl.ndarray((P, 2 * C), dtype=nl.float32, buffer=nl.psum)
     ones = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
     tn = max(PMAX, tl.tn // PMAX * PMAX)
     n_block = max(tn, tl.n_block // tn * tn)
     half = I // 2
     halves = [0, 1] if g.S == 1 else [g.shard]
-    dyT = _k_major_from_slots(b.dy_w, g, g.H)  # stationary: dY^T, H on partitions
+    dyT = _k_major_from_natural(b.dy_n, g, g.H)  # stationary: dY^T, H on partitions
     ws = _Workspace(tl, tn)
     for hf in halves:
         h0 = hf * half
@@ -542,37 +566,36 @@ def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_scales=None):
                 wdT = _load_weight_k_major(w_down, b.e_sb, g.H, 1, g.H, nb0, nbw)
             else:
                 wdT = _load_prequantized_k_major(w_down, w_scales, b.e_sb, g.H, nb0, nbw)
-            for lane in range(NL):
+            for c in range(C):
                 for n0 in range(0, nbw, tn):
                     nw = min(tn, nbw - n0)
-                    dh_raw = _matmul_rows(dyT, wdT, vs, n0, nw, tl, lane * vs, ws)
-                    _swiglu_bwd(b, g, lane, dh_raw, nb0 + n0, nw, clamp,
-                                da_ps[:, hf * NL + lane : hf * NL + lane + 1], ones)
-    b.da = nl.ndarray((vs, NL), dtype=nl.float32, buffer=nl.sbuf)
+                    dh_raw = _matmul_rows(dyT, wdT, P, n0, nw, tl, c * P, ws)
+                    _swiglu_bwd(b, g, c, dh_raw, nb0 + n0, nw, clamp,
+                                da_ps[:, hf * C + c : hf * C + c + 1], ones)
+    b.da = nl.ndarray((P, C), dtype=nl.float32, buffer=nl.sbuf)
     if g.S == 1:
-        nisa.tensor_copy(dst=b.da, src=da_ps[:, NL : 2 * NL])
-        nisa.tensor_tensor(dst=b.da, data1=da_ps[:, 0:NL], data2=b.da, op=nl.add)
+        nisa.tensor_copy(dst=b.da, src=da_ps[:, C : 2 * C])
+        nisa.tensor_tensor(dst=b.da, data1=da_ps[:, 0:C], data2=b.da, op=nl.add)
     else:
-        nisa.tensor_copy(dst=b.da, src=da_ps[:, g.shard * NL : (g.shard + 1) * NL])
+        nisa.tensor_copy(dst=b.da, src=da_ps[:, g.shard * C : (g.shard + 1) * C])
 
 
-def _swiglu_bwd(b, g: _Geo, lane: int, dh_raw, ci: int, nw: int, clamp: ClampLimits, da_col,
+def _swiglu_bwd(b, g: _Geo, c: int, dh_raw, ci: int, nw: int, clamp: ClampLimits, da_col,
                 ones):
-    """SwiGLU backward of one lane's [vs, nw] chunk (columns ci.. of I).
+    """SwiGLU backward of one chunk's [128, nw] tile (slots c*128.., columns ci.. of I).
 
     fp32, in the golden's operation order: s = sigmoid(g); silu = g*s; h = silu*u;
     dA += sum(dh_raw*h); dh = dh_raw*alpha; silu' = s*(1 + g*(1 - s)); dg = dh*u*silu'*mask_g;
     du = dh*silu*mask_u (both rounded once to BF16); h*alpha rounded once to BF16.
     """
-    vs = g.vs
-    kt, li = divmod(lane, 4)
+    P = PMAX
     c0 = ci - g.I0  # column in this core's share (the checkpoint tile)
-    gt = b.gu[:, lane, 0, c0 : c0 + nw]
-    ut = b.gu[:, lane, 1, c0 : c0 + nw]
-    alpha = b.alpha[:, lane : lane + 1]
+    gt = b.gu[:, c, 0, c0 : c0 + nw]
+    ut = b.gu[:, c, 1, c0 : c0 + nw]
+    alpha = b.alpha[:, c : c + 1]
 
     def f32():
-        return nl.ndarray((vs, nw), dtype=nl.float32, buffer=nl.sbuf)
+        return nl.ndarray((P, nw), dtype=nl.float32, buffer=nl.sbuf)
 
     s = f32()
     nisa.activation(dst=s, op=nl.sigmoid, data=gt)
@@ -585,9 +608,9 @@ def _swiglu_bwd(b, g: _Geo, lane: int, dh_raw, ci: int, nw: int, clamp: ClampLim
     # dA partial: transpose 128-column chunks of dh_raw*h and sum them on TensorE
     for s0 in range(0, nw, PMAX):
         cw = min(PMAX, nw - s0)
-        pt_ps = nl.ndarray((cw, vs), dtype=nl.float32, buffer=nl.psum)
+        pt_ps = nl.ndarray((cw, P), dtype=nl.float32, buffer=nl.psum)
         nisa.nc_transpose(dst=pt_ps, data=prod[:, s0 : s0 + cw])
-        pt = nl.ndarray((cw, vs), dtype=nl.float32, buffer=nl.sbuf)
+        pt = nl.ndarray((cw, P), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=pt, src=pt_ps, engine=ACT)
         nisa.nc_matmul(dst=da_col, stationary=pt, moving=ones[0:cw, :])
     dh = f32()
@@ -600,11 +623,11 @@ def _swiglu_bwd(b, g: _Geo, lane: int, dh_raw, ci: int, nw: int, clamp: ClampLim
     nisa.tensor_tensor(dst=dsilu, data1=s, data2=dsilu, op=nl.multiply, engine=POOL)
     dg = f32()
     nisa.tensor_tensor(dst=dg, data1=dh, data2=ut, op=nl.multiply, engine=VEC)
-    dg_out = b.dgu_w[:, kt, ci : ci + nw, li]
-    du_out = b.dgu_w[:, kt, g.I + ci : g.I + ci + nw, li]
-    mask_g = _clamp_mask(gt, vs, nw, clamp.non_linear_clamp_lower_limit,
+    dg_out = b.dgu_n[:, c, ci : ci + nw]
+    du_out = b.dgu_n[:, c, g.I + ci : g.I + ci + nw]
+    mask_g = _clamp_mask(gt, P, nw, clamp.non_linear_clamp_lower_limit,
                          clamp.non_linear_clamp_upper_limit)
-    mask_u = _clamp_mask(ut, vs, nw, clamp.linear_clamp_lower_limit,
+    mask_u = _clamp_mask(ut, P, nw, clamp.linear_clamp_lower_limit,
                          clamp.linear_clamp_upper_limit)
     if mask_g is None:
         nisa.tensor_tensor(dst=dg_out, data1=dg, data2=dsilu, op=nl.multiply, engine=VEC)
@@ -616,7 +639,7 @@ def _swiglu_bwd(b, g: _Geo, lane: int, dh_raw, ci: int, nw: int, clamp: ClampLim
     else:
         nisa.tensor_tensor(dst=dh, data1=dh, data2=silu, op=nl.multiply, engine=VEC)
         nisa.tensor_tensor(dst=du_out, data1=dh, data2=mask_u, op=nl.multiply, engine=POOL)
-    nisa.tensor_scalar(dst=b.ah_w[:, kt, ci : ci + nw, li], data=h, op0=nl.multiply,
+    nisa.tensor_scalar(dst=b.ah_n[:, c, ci : ci + nw], data=h, op0=nl.multiply,
                        operand0=alpha, engine=ACT)
 
 
@@ -642,19 +665,17 @@ def _exchange_phase1(b, g: _Geo, scratch_dgu, scratch_ah):
     if g.S == 1:
         return
     I, other = g.I, 1 - g.shard
-    own = [(g.I0, g.Is), (I + g.I0, g.Is)]
-    for c, w in own:
-        nisa.dma_copy(dst=scratch_dgu[:, :, c : c + w, :], src=b.dgu_w[:, :, c : c + w, :])
-    nisa.dma_copy(dst=scratch_ah[:, :, g.I0 : g.I0 + g.Is, :],
-                  src=b.ah_w[:, :, g.I0 : g.I0 + g.Is, :])
-    recv = nl.ndarray((g.vs, g.NL), dtype=nl.float32, buffer=nl.sbuf)
+    for c0 in (g.I0, I + g.I0):
+        nisa.dma_copy(dst=scratch_dgu[:, :, c0 : c0 + g.Is], src=b.dgu_n[:, :, c0 : c0 + g.Is])
+    nisa.dma_copy(dst=scratch_ah[:, :, g.I0 : g.I0 + g.Is], src=b.ah_n[:, :, g.I0 : g.I0 + g.Is])
+    recv = nl.ndarray((PMAX, g.C), dtype=nl.float32, buffer=nl.sbuf)
     nisa.sendrecv(src=b.da, dst=recv, send_to_rank=other, recv_from_rank=other, pipe_id=0)
     nisa.tensor_tensor(dst=b.da, data1=b.da, data2=recv, op=nl.add)
     nisa.core_barrier(scratch_dgu, (0, 1))
     o0 = other * g.Is
-    for c in (o0, I + o0):
-        nisa.dma_copy(dst=b.dgu_w[:, :, c : c + g.Is, :], src=scratch_dgu[:, :, c : c + g.Is, :])
-    nisa.dma_copy(dst=b.ah_w[:, :, o0 : o0 + g.Is, :], src=scratch_ah[:, :, o0 : o0 + g.Is, :])
+    for c0 in (o0, I + o0):
+        nisa.dma_copy(dst=b.dgu_n[:, :, c0 : c0 + g.Is], src=scratch_dgu[:, :, c0 : c0 + g.Is])
+    nisa.dma_copy(dst=b.ah_n[:, :, o0 : o0 + g.Is], src=scratch_ah[:, :, o0 : o0 + g.Is])
     # the peer must finish reading this block's scratch before either core writes the next one
     nisa.core_barrier(scratch_dgu, (0, 1))
 
@@ -663,13 +684,13 @@ def _store_da(b, g: _Geo, da_out):
     """dA[t*E + e] = <dh_raw, h> for the block's valid slots (core 0 writes under LNC2)."""
     if g.shard != 0:
         return
-    da_t = nl.ndarray((g.vs, g.NL), dtype=da_out.dtype, buffer=nl.sbuf)
+    da_t = nl.ndarray((PMAX, g.C), dtype=da_out.dtype, buffer=nl.sbuf)
     nisa.tensor_copy(dst=da_t, src=b.da)
-    for lane in range(g.NL):
+    for c in range(g.C):
         nisa.dma_copy(
-            dst=da_out.ap(pattern=[[1, g.vs], [1, 1]], offset=0,
-                          vector_offset=b.idx_ea[:, lane : lane + 1], indirect_dim=0),
-            src=da_t[:, lane : lane + 1],
+            dst=da_out.ap(pattern=[[1, PMAX], [1, 1]], offset=0,
+                          vector_offset=b.idx_ea[:, c : c + 1], indirect_dim=0),
+            src=da_t[:, c : c + 1],
             oob_mode=b.token_oob,
         )
 
@@ -684,11 +705,8 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scal
     ``dx_acc``: the [T, H] accumulator in HBM (the BF16 output, or the fp32 scratch).
     """
     I2, H = 2 * g.I, g.H
-    dguT = _k_major_from_slots(b.dgu_w, g, I2)  # stationary: d_gate_up^T, 2I on partitions
-    # token ids in natural slot order: ids_nat[p, c] = tpti[n*B + 128*c + p]
-    nch = g.B // PMAX
-    ids_nat = nl.ndarray((PMAX, nch), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=ids_nat, src=b.tpti.ap(pattern=[[1, PMAX], [PMAX, nch]], offset=b.n * g.B))
+    dguT = _k_major_from_natural(b.dgu_n, g, I2)  # stationary: d_gate_up^T, 2I on partitions
+    nch, ids_nat = g.C, b.ids
     ws = _Workspace(tl, min(tl.tn, g.Hs))
     for nb0 in range(0, g.Hs, tl.n_block):
         nbw = min(tl.n_block, g.Hs - nb0)
@@ -723,23 +741,24 @@ def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc):
     I2 = 2 * g.I
     # X rows are gathered only now (SBUF: they are not needed by phases 1-2)
     # and only this core's H columns
-    x_w = _gather_rows(b.hidden_states, b.ids, g, g.Hs, b.token_oob, VEC, c0=g.H0)
+    x_w = _gather_rows(b.hidden_states, b.ids_s, g, g.Hs, b.token_oob, VEC, c0=g.H0)
     xq = _quantize_slots(x_w, g, g.Hs)  # stationary: X_blk, columns H0..H0+Hs
     del x_w
-    dq = _quantize_slots(b.dgu_w, g, I2)  # moving: d_gate_up, columns 2I
+    dgu_w = _to_slot_layout(b.dgu_n, g, I2)
+    dq = _quantize_slots(dgu_w, g, I2)  # moving: d_gate_up, columns 2I
+    del dgu_w
     _wgrad_rmw(xq, dq, g, tl, dwgu_acc, b.e_sb, g.H0, g.Hs, 0, I2, I2, lhs_c0=0)
     if bias_acc is not None:
         # dB_gate_up[e] += sum over slots of d_gate_up (this core's I share of gate and up)
-        ones = nl.ndarray((g.vs, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
+        ones = nl.ndarray((PMAX, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.memset(dst=ones, value=1.0)
         for c0 in (g.I0, g.I + g.I0):
             for n0 in range(0, g.Is, tl.tn):
                 nw = min(tl.tn, g.Is - n0)
                 ps = nl.ndarray((1, nw), dtype=nl.float32, buffer=nl.psum)
-                for lane in range(g.NL):
-                    kt, li = divmod(lane, 4)
+                for c in range(g.C):
                     nisa.nc_matmul(dst=ps, stationary=ones,
-                                   moving=b.dgu_w[:, kt, c0 + n0 : c0 + n0 + nw, li])
+                                   moving=b.dgu_n[:, c, c0 + n0 : c0 + n0 + nw])
                 _rmw_rows(bias_acc, b.e_sb, ps, 1, 0, I2, c0 + n0, nw, bias_acc.dtype)
 
 
@@ -747,21 +766,24 @@ def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc):
 def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc):
     """dW_down[e][:, H0..] += (alpha*h)^T @ dY_blk (MX along the block's slots); bias grad."""
     H = g.H
-    aq = _quantize_slots(b.ah_w, g, g.I)  # stationary: alpha*h, columns I
-    yq = _quantize_slots(b.dy_w[:, :, g.H0 : g.H0 + g.Hs, :], g, g.Hs)  # moving: this core's H
+    ah_w = _to_slot_layout(b.ah_n, g, g.I)
+    aq = _quantize_slots(ah_w, g, g.I)  # stationary: alpha*h, columns I
+    del ah_w
+    dy_w = _gather_rows(b.dy_hbm, b.ids_s, g, g.Hs, b.token_oob, POOL, c0=g.H0)
+    yq = _quantize_slots(dy_w, g, g.Hs)  # moving: dY_blk, this core's H columns
+    del dy_w
     _wgrad_rmw(aq, yq, g, tl, dwd_acc, b.e_sb, 0, g.I, g.H0, g.Hs, H, rhs_c0=0)
     if bias_acc is not None:
         # dB_down[e] += sum over slots of alpha * dY (fp32 products, TensorE sum over slots)
-        ones = nl.ndarray((g.vs, 1), dtype=nl.float32, buffer=nl.sbuf)
+        ones = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=ones, value=1.0)
         for n0 in range(0, g.Hs, tl.tn):
             nw = min(tl.tn, g.Hs - n0)
             ps = nl.ndarray((1, nw), dtype=nl.float32, buffer=nl.psum)
-            for lane in range(g.NL):
-                kt, li = divmod(lane, 4)
-                ady = nl.ndarray((g.vs, nw), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=ady, data=b.dy_w[:, kt, g.H0 + n0 : g.H0 + n0 + nw, li],
-                                   op0=nl.multiply, operand0=b.alpha[:, lane : lane + 1])
+            for c in range(g.C):
+                ady = nl.ndarray((PMAX, nw), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_scalar(dst=ady, data=b.dy_n[:, c, g.H0 + n0 : g.H0 + n0 + nw],
+                                   op0=nl.multiply, operand0=b.alpha[:, c : c + 1])
                 nisa.nc_matmul(dst=ps, stationary=ones, moving=ady)
             _rmw_rows(bias_acc, b.e_sb, ps, 1, 0, H, g.H0 + n0, nw, bias_acc.dtype)
 
@@ -936,8 +958,8 @@ def blockwise_mm_bwd_mxfp8(
         dbgu_acc, dbd_acc = (dbgu, dbd) if bias else (None, None)
     scratch_dgu = scratch_ah = None
     if num_shards > 1:
-        scratch_dgu = nl.ndarray((g.vs, g.NKT, 2 * I, 4), dtype=nl.bfloat16, buffer=nl.shared_hbm)
-        scratch_ah = nl.ndarray((g.vs, g.NKT, I, 4), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        scratch_dgu = nl.ndarray((PMAX, g.C, 2 * I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        scratch_ah = nl.ndarray((PMAX, g.C, I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
 
     # zero-initialise this core's share of every accumulator (dA: core 0)
     if not skip_grad_initialization:

@@ -123,8 +123,8 @@ def _rowsum_chunks(x_BF: torch.Tensor, bounds: list) -> torch.Tensor:
     return acc
 
 
-def _lane_sum(x_BF: torch.Tensor, vs: int) -> torch.Tensor:
-    """Sum over the block's slots as the kernel's bias reduction: one instruction per lane."""
+def _lane_sum(x_BF: torch.Tensor, vs: int = 128) -> torch.Tensor:
+    """Sum over the block's slots as the kernel's bias reduction: one instruction per 128 slots."""
     acc = None
     for s0 in range(0, x_BF.shape[0], vs):
         part = x_BF[s0 : s0 + vs].double().sum(0).float()
@@ -271,7 +271,6 @@ def blockwise_mm_bwd_mxfp8_torch(
     ch2 = _instruction_chunks(2 * I, cfgs[1].tile_k)
     ch3 = _instruction_chunks(B, cfgs[2].tile_k)
     ch4 = _instruction_chunks(B, cfgs[3].tile_k)
-    vs = min(B, 512) // 4  # slots per lane (kernel's slot layout)
     half = I // 2
     da_halves = [
         [(h0 + c, min(h0 + c + 128, h0 + half)) for c in range(0, half, 128)]
@@ -344,8 +343,8 @@ def blockwise_mm_bwd_mxfp8_torch(
         dyq = mx_fake_quant(dy_BH, 0)
         dWd[e] = _accumulate(dWd[e], _mm(aq.T, dyq, ch4, folds[3]), fp32_acc)
         if bias:
-            dBgu[e] = _accumulate(dBgu[e], _lane_sum(dgu_B2I, vs), fp32_acc)
-            dBd[e] = _accumulate(dBd[e], _lane_sum(dy_BH * a_B1, vs), fp32_acc)
+            dBgu[e] = _accumulate(dBgu[e], _lane_sum(dgu_B2I), fp32_acc)
+            dBd[e] = _accumulate(dBd[e], _lane_sum(dy_BH * a_B1), fp32_acc)
 
     odt = output_dtype or _BF16
     out = (

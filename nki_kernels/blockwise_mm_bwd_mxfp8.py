@@ -769,7 +769,7 @@ def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc):
     ah_w = _to_slot_layout(b.ah_n, g, g.I)
     aq = _quantize_slots(ah_w, g, g.I)  # stationary: alpha*h, columns I
     del ah_w
-    dy_w = _gather_rows(b.dy_hbm, b.ids_s, g, g.Hs, b.token_oob, POOL, c0=g.H0)
+    dy_w = _to_slot_layout(b.dy_n[:, :, g.H0 : g.H0 + g.Hs], g, g.Hs)
     yq = _quantize_slots(dy_w, g, g.Hs)  # moving: dY_blk, this core's H columns
     del dy_w
     _wgrad_rmw(aq, yq, g, tl, dwd_acc, b.e_sb, 0, g.I, g.H0, g.Hs, H, rhs_c0=0)

@@ -69,10 +69,11 @@ the BF16 weights on chip.
 Engines: elementwise work is spread over VectorE, ScalarE and GpSimd (values never depend on the
 engine); memsets of gathered tiles happen only when out-of-bounds ids are skipped.
 
-Limits: the per-block slot-layout tiles hold all of 2I (and H) per partition. Measured on the
-interpreter (trn3 budget 245496 B/partition): H=7168, I_TP=2048 fits at B=128 (229.7 KB peak) and
-B=512 LNC2 (240.2 KB); I_TP = 8192 or 14336 (one TP shard of Llama-4-Scout / Mixtral-8x7B) does
-not (``NkiCapacityError``); there is no I-chunked path yet.
+Limits (SBUF, measured on the interpreter, trn3 budget 245496 B/partition): H=7168 I_TP=2048
+(DeepSeek-V3 per expert) fits at B=128 (134 KB peak) and B=512 LNC2 (214 KB); H=5120 I_TP=8192
+(Llama-4-Scout) fits at B=128 (173 KB) but not at B=512; I_TP=14336 (Mixtral-8x7B, TP=1) does not
+fit: phase 2 keeps every 2I K tile of a weight column block resident (no K blocking of the weight
+loads yet) and phase 1 the whole checkpoint slice (``NkiCapacityError`` names the allocation).
 
 LNC2 (SHARD_ON_FREE): core c computes phase 1 for its half of I (dA partial sums exchanged with
 ``sendrecv``; d_gate_up and alpha*h halves exchanged through a shared-HBM scratch and
@@ -104,6 +105,7 @@ VEC, ACT, POOL = nisa.engine.vector, nisa.engine.scalar, nisa.engine.gpsimd
 WRAPX_TILE = 512  # K elements of one full WRAPX tile (128 partitions x 4 lanes)
 PSUM_TILE_MAX_N = 2048  # fp32 columns of one PSUM tile (4 of the 8 banks)
 ZERO_TILE_COLS = 2048  # free size of the zero tile used to clear HBM outputs
+WGRAD_COL_BLOCK = 2048  # d_gate_up columns / alpha*h rows quantized at a time in phases 3/4
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -562,6 +564,7 @@ def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_scales=None):
         for nb0 in range(h0, h0 + half, n_block):
             nbw = min(n_block, h0 + half - nb0)
             # moving: W_down[e]^T columns nb0.., H on partitions ([E, I, H]: H stride 1)
+            wdT = None  # release the previous column block before loading the next
             if w_scales is None:
                 wdT = _load_weight_k_major(w_down, b.e_sb, g.H, 1, g.H, nb0, nbw)
             else:
@@ -711,6 +714,7 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scal
     for nb0 in range(0, g.Hs, tl.n_block):
         nbw = min(tl.n_block, g.Hs - nb0)
         # moving: W_gate_up[e] viewed [H, 2I]: 2I on partitions (stride 1), H columns (stride 2I)
+        wguT = None  # release the previous column block before loading the next
         if w_scales is None:
             wguT = _load_weight_k_major(w_gate_up, b.e_sb, I2, 1, I2, g.H0 + nb0, nbw)
         else:
@@ -744,10 +748,17 @@ def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc):
     x_w = _gather_rows(b.hidden_states, b.ids_s, g, g.Hs, b.token_oob, VEC, c0=g.H0)
     xq = _quantize_slots(x_w, g, g.Hs)  # stationary: X_blk, columns H0..H0+Hs
     del x_w
-    dgu_w = _to_slot_layout(b.dgu_n, g, I2)
-    dq = _quantize_slots(dgu_w, g, I2)  # moving: d_gate_up, columns 2I
-    del dgu_w
-    _wgrad_rmw(xq, dq, g, tl, dwgu_acc, b.e_sb, g.H0, g.Hs, 0, I2, I2, lhs_c0=0)
+    # moving: d_gate_up in column blocks (SBUF; MX groups run along the slots, so blocking
+    # the columns changes nothing)
+    cb = max(WGRAD_COL_BLOCK, tl.n_block)
+    for cb0 in range(0, I2, cb):
+        cbw = min(cb, I2 - cb0)
+        dgu_w = _to_slot_layout(b.dgu_n[:, :, cb0 : cb0 + cbw], g, cbw)
+        dq = _quantize_slots(dgu_w, g, cbw)
+        del dgu_w
+        _wgrad_rmw(xq, dq, g, tl, dwgu_acc, b.e_sb, g.H0, g.Hs, cb0, cbw, I2, lhs_c0=0,
+                   rhs_c0=0)
+        del dq
     if bias_acc is not None:
         # dB_gate_up[e] += sum over slots of d_gate_up (this core's I share of gate and up)
         ones = nl.ndarray((PMAX, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -766,13 +777,17 @@ def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc):
 def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc):
     """dW_down[e][:, H0..] += (alpha*h)^T @ dY_blk (MX along the block's slots); bias grad."""
     H = g.H
-    ah_w = _to_slot_layout(b.ah_n, g, g.I)
-    aq = _quantize_slots(ah_w, g, g.I)  # stationary: alpha*h, columns I
-    del ah_w
     dy_w = _to_slot_layout(b.dy_n[:, :, g.H0 : g.H0 + g.Hs], g, g.Hs)
     yq = _quantize_slots(dy_w, g, g.Hs)  # moving: dY_blk, this core's H columns
     del dy_w
-    _wgrad_rmw(aq, yq, g, tl, dwd_acc, b.e_sb, 0, g.I, g.H0, g.Hs, H, rhs_c0=0)
+    # stationary: alpha*h in row blocks of I (SBUF)
+    for mb0 in range(0, g.I, WGRAD_COL_BLOCK):
+        mbw = min(WGRAD_COL_BLOCK, g.I - mb0)
+        ah_w = _to_slot_layout(b.ah_n[:, :, mb0 : mb0 + mbw], g, mbw)
+        aq = _quantize_slots(ah_w, g, mbw)
+        del ah_w
+        _wgrad_rmw(aq, yq, g, tl, dwd_acc, b.e_sb, mb0, mbw, g.H0, g.Hs, H, lhs_c0=0, rhs_c0=0)
+        del aq
     if bias_acc is not None:
         # dB_down[e] += sum over slots of alpha * dY (fp32 products, TensorE sum over slots)
         ones = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)

@@ -119,6 +119,9 @@ CASES = {
     "top4_B512_lnc2": ({"T": 192, "K": 4, "E": 4, "B": 512}, {}, 2),
     "B1024_fp32_affinities": ({"T": 64, "K": 2, "E": 2, "B": 1024, "ea_dtype": torch.float32},
                               {"bias": True}, 1),
+    # 2I and I above the 2048-column blocks of phases 3 / 4 (WGRAD_COL_BLOCK), under LNC2
+    "I2176_column_blocks_lnc2": ({"T": 40, "H": 128, "I": 2176, "E": 2, "K": 2, "bias": True},
+                                 {"bias": True}, 2),
     "B256_H384_I384": ({"T": 64, "H": 384, "I": 384, "K": 2, "E": 4, "B": 256}, {}, 1),
     "clamp_bias_fp32acc_lnc2": (
         {"K": 2, "clamp": GPT_OSS_CLAMP, "bias": True},

@@ -69,11 +69,12 @@ the BF16 weights on chip.
 Engines: elementwise work is spread over VectorE, ScalarE and GpSimd (values never depend on the
 engine); memsets of gathered tiles happen only when out-of-bounds ids are skipped.
 
-Limits (SBUF, measured on the interpreter, trn3 budget 245496 B/partition): H=7168 I_TP=2048
-(DeepSeek-V3 per expert) fits at B=128 (134 KB peak) and B=512 LNC2 (214 KB); H=5120 I_TP=8192
-(Llama-4-Scout) fits at B=128 (173 KB) but not at B=512; I_TP=14336 (Mixtral-8x7B, TP=1) does not
-fit: phase 2 keeps every 2I K tile of a weight column block resident (no K blocking of the weight
-loads yet) and phase 1 the whole checkpoint slice (``NkiCapacityError`` names the allocation).
+Limits (SBUF, measured on the interpreter, trn3 budget 245496 B/partition): weight column blocks
+shrink to fit 64 KiB per partition (``WEIGHT_BLOCK_BYTES``), phases 3/4 quantize in 2048-column
+blocks. Fits: H=7168 I_TP=2048 (DeepSeek-V3 experts) at B=128 (134 KB peak) and B=512 LNC2
+(214 KB); H=5120 I_TP=8192 (Llama-4-Scout) at B=128 (173 KB); H=4096 I_TP=14336 (Mixtral-8x7B,
+TP=1) at B=128 (196 KB LNC1, 172 KB LNC2). Does not fit: I_TP=8192 at B=512 (the per-slot
+phase-1 tiles hold all of I for every slot; ``NkiCapacityError`` names the allocation).
 
 LNC2 (SHARD_ON_FREE): core c computes phase 1 for its half of I (dA partial sums exchanged with
 ``sendrecv``; d_gate_up and alpha*h halves exchanged through a shared-HBM scratch and
@@ -106,6 +107,17 @@ WRAPX_TILE = 512  # K elements of one full WRAPX tile (128 partitions x 4 lanes)
 PSUM_TILE_MAX_N = 2048  # fp32 columns of one PSUM tile (4 of the 8 banks)
 ZERO_TILE_COLS = 2048  # free size of the zero tile used to clear HBM outputs
 WGRAD_COL_BLOCK = 2048  # d_gate_up columns / alpha*h rows quantized at a time in phases 3/4
+WEIGHT_BLOCK_BYTES = 64 * 1024  # SBUF per partition for one resident weight column block (x4+scale)
+
+
+def _weight_cols(K: int, n_block: int, step: int) -> int:
+    """Columns of a weight block: the config's ``TILES_IN_BLOCK_N x tile_n``, shrunk (in
+    multiples of ``step``) so all K tiles of the block fit ``WEIGHT_BLOCK_BYTES`` per partition
+    (5 B per column and K tile: an x4 word and a scale byte). Columns are independent, so this
+    never changes a value."""
+    per_col = 5 * len(_k_tiles(K))
+    fit = max(step, WEIGHT_BLOCK_BYTES // per_col // step * step)
+    return min(n_block, fit)
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -554,7 +566,7 @@ def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_scales=None):
     ones = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0)
     tn = max(PMAX, tl.tn // PMAX * PMAX)
-    n_block = max(tn, tl.n_block // tn * tn)
+    n_block = _weight_cols(g.H, max(tn, tl.n_block // tn * tn), tn)
     half = I // 2
     halves = [0, 1] if g.S == 1 else [g.shard]
     dyT = _k_major_from_natural(b.dy_n, g, g.H)  # stationary: dY^T, H on partitions
@@ -711,8 +723,9 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scal
     dguT = _k_major_from_natural(b.dgu_n, g, I2)  # stationary: d_gate_up^T, 2I on partitions
     nch, ids_nat = g.C, b.ids
     ws = _Workspace(tl, min(tl.tn, g.Hs))
-    for nb0 in range(0, g.Hs, tl.n_block):
-        nbw = min(tl.n_block, g.Hs - nb0)
+    n_block = _weight_cols(I2, tl.n_block, PMAX)
+    for nb0 in range(0, g.Hs, n_block):
+        nbw = min(n_block, g.Hs - nb0)
         # moving: W_gate_up[e] viewed [H, 2I]: 2I on partitions (stride 1), H columns (stride 2I)
         wguT = None  # release the previous column block before loading the next
         if w_scales is None:

@@ -7,7 +7,7 @@ in fp32, and every value is rounded to BF16 at the same points as the kernel. Th
 also follow the kernel's order: every TensorE instruction is modelled as its exact sum (formed
 in fp64, where the MX products are exact) rounded once to fp32, and instruction results are
 added in fp32 in the kernel's order (K tiles of the phase's ``tile_k``, optional PSUM folds,
-128-column chunks for dA, one lane of slots per bias instruction). Tests compare with a relative
+128-column chunks for dA, 128 slots per bias instruction). Tests compare with a relative
 error <= 1e-5; a config change only moves these fp32 sums.
 
 Dimensions: T tokens (rows of ``hidden_states``; T+1 with the zero padding row), H hidden,

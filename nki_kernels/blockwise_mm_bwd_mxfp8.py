@@ -57,9 +57,8 @@ phase2 (slots x H), phase3 (H x 2I), phase4 (I x H) as (stationary, moving) colu
 Beyond AWS: blocks that hold only padding cost nothing but their prologue. The kernel counts the
 block's valid slots on chip (one TensorE reduction of the valid mask) and runs the block body
 inside a dynamic loop of 0 or 1 iterations (``nl.dynamic_range`` over a register loaded with the
-flag). Our interpreter has no ``dynamic_range`` yet, so there the trip count is read from the flag
-tile at run time (what the register loop does); a real NKI build without dynamic loops runs every
-block (same results: a padding block adds exact zeros).
+flag; our interpreter implements both). An NKI build without dynamic loops runs every block (same
+results: a padding block adds exact zeros).
 
 Pre-quantized weights (``gate_up_weight_scales`` / ``down_weight_scales``): x4 words and E8M0
 scales in the K-major WRAPX layout (:func:`~nki_kernels.blockwise_mm_bwd_mxfp8_torch.
@@ -821,9 +820,8 @@ def _live_iterations(live):
     """0 or 1 iterations depending on the on-chip live flag (a runtime ``if`` in NKI terms).
 
     NKI: a register-driven ``nl.dynamic_range`` over the flag (``register_load`` of the (1, 1)
-    tile). Our interpreter runs eagerly, so where it lacks ``dynamic_range`` the trip count is
-    read from the flag tile at run time, as the hardware loop would; a real NKI build without
-    dynamic loops runs every block (a padding block adds exact zeros).
+    tile); our interpreter implements both. An NKI build without dynamic loops runs every block
+    (a padding block adds exact zeros); an interpreter without them reads the flag directly.
     """
     dyn = getattr(nl, "dynamic_range", None)
     alloc = getattr(nisa, "register_alloc", None)

@@ -184,16 +184,6 @@ def _sigmoid_fp32(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(s)
 
 
-def _strict_mask(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
-    """1 where lo < v < hi (a missing limit is no bound): the clamp's gradient mask."""
-    m = torch.ones_like(v, dtype=torch.bool)
-    if lo is not None:
-        m &= v > lo
-    if hi is not None:
-        m &= v < hi
-    return m
-
-
 def _accumulate(acc: torch.Tensor, add: torch.Tensor, fp32: bool) -> torch.Tensor:
     """One read-add-write: fp32 sum, then BF16 rounding unless accumulating in fp32."""
     s = acc + add.to(acc.dtype)
@@ -319,8 +309,8 @@ def blockwise_mm_bwd_mxfp8_torch(
         da_B = _rowsum_chunks(prod, da_halves[0]) + _rowsum_chunks(prod, da_halves[1])
         dh = dh_raw * a_B1
         dsilu = s * (1.0 + g_BI * (1.0 - s))
-        mg = _strict_mask(g_BI, cl.non_linear_clamp_lower_limit, cl.non_linear_clamp_upper_limit)
-        mu = _strict_mask(u_BI, cl.linear_clamp_lower_limit, cl.linear_clamp_upper_limit)
+        mg = cl.gate_mask(g_BI)
+        mu = cl.up_mask(u_BI)
         dg = torch.where(mg, dh * u_BI * dsilu, zero)
         du = torch.where(mu, dh * silu, zero)
         dgu_B2I = torch.cat([dg, du], 1).to(_BF16).to(_F32)

@@ -70,6 +70,7 @@ class BlockwiseLayout:
             affinity matrix flattened token-major (element (t, e) at ``t*E + e``), affinity dtype.
         position_to_pair: [N*B] int64, the plan's pair index of each slot, -1 for padding.
         num_blocks: N.  block_size: B.  padding: "skip" or "zero_row".  num_tokens: T.
+        num_pair_rows: R, the row count of per-pair tensors (``T * top_k``).
     """
 
     token_position_to_id: torch.Tensor
@@ -80,6 +81,7 @@ class BlockwiseLayout:
     block_size: int
     padding: str
     num_tokens: int
+    num_pair_rows: int
 
     def pad_token_rows(self, x_TH: torch.Tensor) -> torch.Tensor:
         """Append the all-zero row T for ``padding="zero_row"``; return ``x_TH`` unchanged for
@@ -101,16 +103,15 @@ class BlockwiseLayout:
             [N, 2, I, B] contiguous, same dtype; padding slots are exactly 0 (selected, so NaN
             in unused rows never leaks).
         """
-        if act_R2I.dim() != 3 or act_R2I.shape[1] != 2:
-            raise ValueError(f"act_R2I must be [R, 2, I], got {tuple(act_R2I.shape)}")
+        R = self.num_pair_rows
+        if act_R2I.dim() != 3 or act_R2I.shape[0] != R or act_R2I.shape[1] != 2:
+            raise ValueError(f"act_R2I must be [R={R}, 2, I], got {tuple(act_R2I.shape)}")
         N, B = self.num_blocks, self.block_size
         I = act_R2I.shape[2]
         valid = self.position_to_pair >= 0
-        if act_R2I.shape[0] == 0:
+        if R == 0:
             rows = act_R2I.new_zeros((N * B, 2, I))
         else:
-            if act_R2I.shape[0] <= int(self.position_to_pair.max().clamp(min=0)):
-                raise ValueError("act_R2I has fewer rows than the plan has pairs")
             rows = act_R2I[self.position_to_pair.clamp(min=0)]
             rows = torch.where(valid[:, None, None], rows, rows.new_zeros(()))
         return rows.reshape(N, B, 2, I).permute(0, 2, 3, 1).contiguous()
@@ -126,6 +127,7 @@ class GroupedLayout:
         row_to_token_S: [S] int64, token id of each row, -1 for padding rows.
         row_to_pair_S: [S] int64, plan pair index of each row, -1 for padding rows.
         tokens_sum: S.  align: the group alignment.  num_tokens: T.
+        num_pair_rows: R, the row count of per-pair tensors (``T * top_k``).
     """
 
     offsets_E: torch.Tensor
@@ -134,6 +136,7 @@ class GroupedLayout:
     tokens_sum: int
     align: int
     num_tokens: int
+    num_pair_rows: int
 
     def gather_rows(self, x_TH: torch.Tensor) -> torch.Tensor:
         """Rows of ``x_TH`` [T, ...] in grouped order: [S, ...], padding rows exactly 0."""
@@ -145,6 +148,11 @@ class GroupedLayout:
 
     def gather_pairs(self, per_pair_R: torch.Tensor) -> torch.Tensor:
         """Per-pair rows [R, ...] in grouped order: [S, ...], padding rows exactly 0."""
+        if per_pair_R.shape[0] != self.num_pair_rows:
+            raise ValueError(
+                f"gather_pairs: per_pair_R has {per_pair_R.shape[0]} rows, the plan has "
+                f"R={self.num_pair_rows}"
+            )
         return _gather_masked(per_pair_R, self.row_to_pair_S, self.tokens_sum)
 
     def scatter_add_rows(self, rows_S: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
@@ -324,6 +332,7 @@ class RoutingPlan:
             block_size=B,
             padding=padding,
             num_tokens=T,
+            num_pair_rows=R,
         )
 
     def grouped(self, align: int = 256, max_tokens_sum: int | None = None) -> GroupedLayout:
@@ -379,6 +388,7 @@ class RoutingPlan:
             tokens_sum=S,
             align=A,
             num_tokens=T,
+            num_pair_rows=R,
         )
 
 

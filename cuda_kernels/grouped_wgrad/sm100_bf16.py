@@ -1,0 +1,1035 @@
+"""Blackwell (SM100) grouped weight-gradient kernel in CuTe DSL — COMPILED, NOT YET HARDWARE-VERIFIED.
+
+``Wgrad[e] = A[:, begin:end] @ B[begin:end, :]`` for every expert ``e``.
+
+Status (read first): this kernel has been compiled offline for ``sm_100a`` (PTX checked for
+tcgen05.mma, tcgen05.alloc / TMEM loads and TMA bulk-tensor copies) but it has NEVER RUN on a
+Blackwell GPU; no numerical result of it has been checked. The API may compile it, but its
+launcher refuses to run unless the environment sets ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1``; without
+that it raises ``RuntimeError`` ("compiled but not yet verified on hardware"), and
+:func:`unverified_reason` tells dispatchers to use another backend.
+
+Operation (the cuDNN frontend's grouped-wgrad contract, ``shared/seeds/grouped_gemm_wgrad_sm100.md``;
+REFERENCE §1.2): for expert ``e`` with token range ``[begin, end)`` (``begin = offsets[e-1]``, 0 for
+``e = 0``, ``end = offsets[e]``), the ``(M, N) = (hidden, intermediate)`` product of
+``A[:, begin:end]`` (``(M, K_e)``) and ``B[begin:end, :]`` (``(K_e, N)``) with fp32 accumulators,
+written (or added) in BF16, FP16 or FP32. The SM100 BF16 contract makes every ``K_e`` a multiple of
+256, so with ``tile_k`` dividing 256 every K tile lies inside one expert: no masking of rows, and an
+expert's first K tile index is simply ``begin / tile_k``.
+
+Structure (one CTA per SM, or one 2-CTA cluster per SM pair, persistent, warp-specialized; the
+idioms of CUTLASS's Blackwell CuTe DSL dense GEMM, written for this operation):
+
+- warp 5 (TMA): issues TMA loads of ``(tile_m, tile_k)`` A and ``(tile_n, tile_k)`` B tiles into a
+  ``stages``-deep shared-memory ring (PipelineTmaUmma: mbarrier transaction counts);
+- warp 4 (MMA): issues ``tcgen05.mma`` (kind f16, BF16 in, FP32 out) with the accumulator in tensor
+  memory (TMEM), two accumulator buffers so one tile's epilogue overlaps the next tile's mainloop;
+  ``tile_m = 256`` uses the 2-CTA MMA (cta_group::2, a (2, 1) cluster: each CTA holds 128 rows of
+  A and half of B);
+- warps 0-3 (epilogue): allocate TMEM, load the accumulator (``tcgen05.ld``), convert, stage
+  sub-tiles in shared memory and TMA-store them, or TMA reduce-add when ``accumulate``;
+- scheduling: static persistent; tile ids run over the experts sorted by token count (largest
+  first, sorted on the device from ``offsets``), cluster ``c`` takes ids ``c, c + C, ...``;
+- every tile's token range is read from ``offsets`` on the device (no host read, CUDA-graph
+  capturable); the token dimension is dynamic, so new splits never recompile;
+- empty experts issue no loads and no MMAs; their tiles are written as zeros (overwrite) or left
+  untouched (accumulate). Rows of other experts are never read.
+
+Supported: A K-major or M-major, B K-major or N-major, dense ``(E, M, N)`` output in BF16 / FP16 /
+FP32, overwrite or accumulate, ``input_order`` "tensor2d" and "tensor_ragged" (K-major ragged
+operands are repacked on the device first, as in the SM90 module). Not supported: discrete output
+pointers (``Sm100WgradKey`` rejects ``output_mode="discrete"``), clusters other than (1, 1) for
+``tile_m = 128`` and (2, 1) for ``tile_m = 256``, partial output tiles.
+
+Public names (mirroring ``sm90_bf16``): ``Sm100TileConfig``, ``Sm100WgradKey``,
+``select_sm100_tile_config``, ``compile_sm100_wgrad`` (cached; ``COMPILE_COUNT`` counts real
+compiles), ``compile_sm100_wgrad_offline`` (PTX text for ``sm_100a`` without a GPU),
+``unverified_reason``, ``ENABLE_ENV``. CuTe DSL is imported only inside the compile functions.
+"""
+
+import dataclasses
+import functools
+import os
+import pathlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "COMPILE_COUNT",
+    "ENABLE_ENV",
+    "Sm100TileConfig",
+    "Sm100WgradKey",
+    "compile_sm100_wgrad",
+    "compile_sm100_wgrad_offline",
+    "load_sm100_tile_rules",
+    "select_sm100_tile_config",
+    "sm100_key_from_contract",
+    "unverified_reason",
+]
+
+#: Number of real (uncached) compiles done by :func:`compile_sm100_wgrad` in this process.
+COMPILE_COUNT = 0
+
+#: Environment variable that must be "1" before the launcher runs the (hardware-unverified) kernel.
+ENABLE_ENV = "MOE_BWD_ENABLE_UNVERIFIED_SM100"
+
+_TILES_YAML = pathlib.Path(__file__).resolve().parents[2] / "configs" / "cuda" / "sm100_tiles.yaml"
+_OUT_DTYPES = ("bfloat16", "float16", "float32")
+#: Usable dynamic shared memory per CTA on B200 (CUDA programming guide, compute capability 10.0:
+#: 228 KiB per SM, 227 KiB per block).
+_SMEM_BYTES = 227 * 1024
+#: Shared memory kept for mbarriers, the TMEM pointer and the expert sort (lens + perm per expert).
+_SMEM_HEADER = 1024
+#: Epilogue staging buffers (TMA store sub-tiles) per CTA.
+_EPI_STAGES = 2
+#: SM100 contract: expert token counts are multiples of this (api.SM100_GROUP_ALIGN).
+_GROUP_ALIGN = 256
+
+
+def unverified_reason() -> str | None:
+    """Why the SM100 kernel must not run here, or None when the caller opted in.
+
+    Returns None only when the environment sets ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1``.
+    """
+    if os.environ.get(ENABLE_ENV) == "1":
+        return None
+    return (
+        "the SM100 grouped wgrad kernel is compiled but not yet verified on hardware; set "
+        f"{ENABLE_ENV}=1 to run it anyway (results unchecked), or use the torch / sm90 paths"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm100TileConfig:
+    """One MMA tile of the SM100 kernel (a row of ``configs/cuda/sm100_tiles.yaml``).
+
+    Attributes:
+        tile_m: output rows (hidden) per MMA tile: 128 (1-CTA tcgen05.mma) or 256 (2-CTA
+            tcgen05.mma over a (2, 1) cluster, 128 rows per CTA).
+        tile_n: output columns (intermediate) per MMA tile, a multiple of 32 in [32, 256].
+        tile_k: tokens per pipeline stage, 64 or 128 (divides the 256-token expert alignment, so
+            no K tile straddles two experts).
+        stages: depth of the shared-memory ring of (A, B) tiles, >= 2 (the kernel lowers it when
+            the epilogue's staging buffers need the room).
+
+    Raises:
+        ValueError: a field outside the ranges above or stages that overflow shared memory.
+    """
+
+    tile_m: int = 256
+    tile_n: int = 256
+    tile_k: int = 64
+    stages: int = 4
+
+    def __post_init__(self) -> None:
+        if self.tile_m not in (128, 256):
+            raise ValueError(f"Sm100TileConfig.tile_m must be 128 or 256, got {self.tile_m}")
+        if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
+            raise ValueError(
+                f"Sm100TileConfig.tile_n must be a multiple of 32 in [32, 256], got {self.tile_n}"
+            )
+        if self.tile_k not in (64, 128):
+            raise ValueError(
+                f"Sm100TileConfig.tile_k must be 64 or 128 (a divisor of the {_GROUP_ALIGN}-token "
+                f"expert alignment), got {self.tile_k}"
+            )
+        if self.stages < 2:
+            raise ValueError(f"Sm100TileConfig.stages must be >= 2, got {self.stages}")
+        if self.stage_bytes * self.stages + _SMEM_HEADER > _SMEM_BYTES:
+            raise ValueError(
+                f"Sm100TileConfig: {self.stages} stages of {self.stage_bytes} bytes overflow the "
+                f"{_SMEM_BYTES}-byte shared memory of an SM100 CTA"
+            )
+
+    @property
+    def use_2cta(self) -> bool:
+        """True for ``tile_m = 256``: the 2-CTA tcgen05.mma (cta_group::2)."""
+        return self.tile_m == 256
+
+    @property
+    def cluster_shape_mn(self) -> tuple[int, int]:
+        """The CTA cluster: (2, 1) for the 2-CTA MMA, else (1, 1)."""
+        return (2, 1) if self.use_2cta else (1, 1)
+
+    @property
+    def cta_tile_mn(self) -> tuple[int, int]:
+        """(rows, columns) of the output one CTA writes: (128, tile_n)."""
+        return (128, self.tile_n)
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes of one pipeline stage in one CTA: 128 bf16 A rows plus this CTA's B rows (the
+        2-CTA MMA splits B between the pair)."""
+        b_rows = self.tile_n // 2 if self.use_2cta else self.tile_n
+        return 2 * self.tile_k * (128 + b_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm100WgradKey:
+    """Static contract of one compiled SM100 kernel (the compile-cache key).
+
+    The token dimension (``tokens_sum``) and the offsets values are dynamic and not part of it.
+
+    Attributes:
+        hidden: M, rows of each expert's Wgrad (and of A).
+        intermediate: N, columns of each expert's Wgrad (and of B).
+        num_experts: E.
+        a_major: ``"k"`` (A stride ``(tokens_sum, 1)``) or ``"m"`` (stride ``(1, hidden)``).
+        b_major: ``"k"`` (B stride ``(1, tokens_sum)``) or ``"n"`` (stride ``(intermediate, 1)``).
+        out_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+        output_mode: ``"dense"`` only (one ``(E, M, N)`` row-major tensor).
+        accumulate: add into the output (TMA reduce-add) instead of overwriting it.
+        input_order: ``"tensor2d"`` or ``"tensor_ragged"``.
+        tile: the :class:`Sm100TileConfig`.
+
+    Raises:
+        ValueError: a field outside the values above, ``output_mode="discrete"`` (not built for
+            SM100), or hidden / intermediate that the tile does not divide.
+    """
+
+    hidden: int
+    intermediate: int
+    num_experts: int
+    a_major: str = "k"
+    b_major: str = "n"
+    out_dtype: str = "bfloat16"
+    output_mode: str = "dense"
+    accumulate: bool = False
+    input_order: str = "tensor2d"
+    tile: Sm100TileConfig = Sm100TileConfig()
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "intermediate", "num_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Sm100WgradKey.{name} must be a positive int, got {value!r}")
+        if self.a_major not in ("k", "m"):
+            raise ValueError(f"Sm100WgradKey.a_major must be 'k' or 'm', got {self.a_major!r}")
+        if self.b_major not in ("k", "n"):
+            raise ValueError(f"Sm100WgradKey.b_major must be 'k' or 'n', got {self.b_major!r}")
+        if self.out_dtype not in _OUT_DTYPES:
+            raise ValueError(
+                f"Sm100WgradKey.out_dtype must be one of {_OUT_DTYPES}, got {self.out_dtype!r}"
+            )
+        if self.output_mode != "dense":
+            raise ValueError(
+                f"Sm100WgradKey.output_mode must be 'dense' (discrete output pointers are not "
+                f"built for the SM100 kernel), got {self.output_mode!r}"
+            )
+        if self.input_order not in ("tensor2d", "tensor_ragged"):
+            raise ValueError(
+                "Sm100WgradKey.input_order must be 'tensor2d' or 'tensor_ragged', "
+                f"got {self.input_order!r}"
+            )
+        if not isinstance(self.tile, Sm100TileConfig):
+            msg = f"Sm100WgradKey.tile must be a Sm100TileConfig, got {self.tile!r}"
+            raise ValueError(msg)  # noqa: TRY004 - ValueError is the API contract
+        if self.hidden % self.tile.tile_m:
+            raise ValueError(
+                f"Sm100WgradKey: hidden={self.hidden} must be a multiple of tile_m="
+                f"{self.tile.tile_m} (the SM100 kernel has no partial output tiles)"
+            )
+        if self.intermediate % self.tile.tile_n:
+            raise ValueError(
+                f"Sm100WgradKey: intermediate={self.intermediate} must be a multiple of tile_n="
+                f"{self.tile.tile_n} (the SM100 kernel has no partial output tiles)"
+            )
+
+    @property
+    def num_tiles(self) -> int:
+        """MMA tiles of one launch: ``E * (M / tile_m) * (N / tile_n)``."""
+        return (
+            self.num_experts
+            * (self.hidden // self.tile.tile_m)
+            * (self.intermediate // self.tile.tile_n)
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def load_sm100_tile_rules() -> tuple[tuple[str, dict, Sm100TileConfig], ...]:
+    """Rules of ``configs/cuda/sm100_tiles.yaml`` as ``(name, conditions, config)`` in file order.
+
+    Raises:
+        RuntimeError: the file is missing or malformed.
+    """
+    import yaml
+
+    try:
+        data = yaml.safe_load(_TILES_YAML.read_text())
+        rules = []
+        for rule in data["rules"]:
+            cond = {k: v for k, v in rule.items() if k not in ("name", "config")}
+            rules.append((rule["name"], cond, Sm100TileConfig(**rule["config"])))
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise RuntimeError(f"cannot read SM100 tile configs from {_TILES_YAML}: {exc}") from exc
+    return tuple(rules)
+
+
+def _stages_for(tile_m: int, tile_n: int, tile_k: int) -> int:
+    """As many stages (2..8) as shared memory holds for one CTA of this tile."""
+    b_rows = tile_n // 2 if tile_m == 256 else tile_n
+    stage_bytes = 2 * tile_k * (128 + b_rows)
+    return max(2, min(8, (_SMEM_BYTES - _SMEM_HEADER) // stage_bytes))
+
+
+def select_sm100_tile_config(
+    hidden: int,
+    intermediate: int,
+    num_experts: int,
+    tokens_hint: int | None = None,
+    *,
+    mma_tiler_mn: tuple[int, int] | None = None,
+    cluster_shape_mn: tuple[int, int] | None = None,
+) -> Sm100TileConfig:
+    """Pick the tile config for an ``(E, M, N)`` problem from ``configs/cuda/sm100_tiles.yaml``.
+
+    Args:
+        hidden: M (rows of Wgrad). intermediate: N (columns). num_experts: E.
+        tokens_hint: expected tokens_sum (unused by the current rules; kept for the contract).
+        mma_tiler_mn: a caller's ``(tile_m, tile_n)`` instead of the rules, with ``tile_k = 64``
+            and as many stages (up to 8) as shared memory holds.
+        cluster_shape_mn: None, or the cluster the tile implies: (1, 1) for tile_m 128, (2, 1)
+            for tile_m 256 (the only clusters this kernel is built for).
+
+    Returns:
+        The first rule's :class:`Sm100TileConfig` whose conditions hold (or the caller's tile).
+
+    Raises:
+        ValueError: non-positive sizes; no rule fits (hidden a multiple of 128 and intermediate
+            of 32 at least); an ``mma_tiler_mn`` outside the tile rules or not dividing hidden
+            and intermediate; a ``cluster_shape_mn`` other than the tile's.
+    """
+    if hidden < 1 or intermediate < 1 or num_experts < 1:
+        raise ValueError(
+            f"select_sm100_tile_config: sizes must be positive, got hidden={hidden}, "
+            f"intermediate={intermediate}, num_experts={num_experts}"
+        )
+    if mma_tiler_mn is not None:
+        tile_m, tile_n = (int(v) for v in mma_tiler_mn)
+        if tile_m not in (128, 256):
+            raise ValueError(
+                f"select_sm100_tile_config: mma_tiler_mn={mma_tiler_mn}: tile_m must be 128 or 256"
+            )
+        config = Sm100TileConfig(tile_m, tile_n, 64, _stages_for(tile_m, tile_n, 64))
+        if hidden % tile_m or intermediate % tile_n:
+            raise ValueError(
+                f"select_sm100_tile_config: mma_tiler_mn={mma_tiler_mn} must divide "
+                f"hidden={hidden} and intermediate={intermediate}"
+            )
+    else:
+        config = None
+        for _name, cond, rule_config in load_sm100_tile_rules():
+            if hidden % cond.get("hidden_multiple", 1):
+                continue
+            if intermediate % cond.get("intermediate_multiple", 1):
+                continue
+            if intermediate < cond.get("min_intermediate", 0):
+                continue
+            if num_experts < cond.get("min_experts", 0):
+                continue
+            config = rule_config
+            break
+        if config is None:
+            raise ValueError(
+                f"select_sm100_tile_config: no SM100 tile fits hidden={hidden}, intermediate="
+                f"{intermediate} (hidden a multiple of 128, intermediate a multiple of 32)"
+            )
+    if cluster_shape_mn is not None and tuple(cluster_shape_mn) != config.cluster_shape_mn:
+        raise ValueError(
+            f"select_sm100_tile_config: cluster_shape_mn={tuple(cluster_shape_mn)} unsupported "
+            f"with tile_m={config.tile_m}: the SM100 kernel is built for cluster "
+            f"{config.cluster_shape_mn} only"
+        )
+    return config
+
+
+def sm100_key_from_contract(contract: Any) -> Sm100WgradKey:
+    """The :class:`Sm100WgradKey` of an ``api.WgradContract`` (tile from its ``mma_tiler_mn``,
+    else from ``configs/cuda/sm100_tiles.yaml``).
+
+    Raises:
+        ValueError: the contract is outside what :class:`Sm100WgradKey` accepts (discrete output,
+            tiles that do not divide the shape, unsupported clusters).
+    """
+    tile = select_sm100_tile_config(
+        contract.hidden,
+        contract.intermediate,
+        contract.num_experts,
+        mma_tiler_mn=contract.mma_tiler_mn,
+        cluster_shape_mn=contract.cluster_shape_mn,
+    )
+    return Sm100WgradKey(
+        hidden=contract.hidden,
+        intermediate=contract.intermediate,
+        num_experts=contract.num_experts,
+        a_major=contract.a_major,
+        b_major=contract.b_major,
+        out_dtype=contract.out_dtype,
+        output_mode=contract.output_mode,
+        accumulate=contract.accumulate,
+        input_order=contract.input_order,
+        tile=tile,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel (CuTe DSL imported lazily)
+# --------------------------------------------------------------------------------------------
+
+
+def _build_kernel_class():
+    import cutlass
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass import cute, pipeline, utils
+    from cutlass.cute.nvgpu import cpasync, tcgen05
+    from cutlass.utils.gemm import sm100 as sm100_epi
+
+    out_types = {
+        "bfloat16": cutlass.BFloat16,
+        "float16": cutlass.Float16,
+        "float32": cutlass.Float32,
+    }
+
+    class Sm100GroupedWgradKernel:
+        """Persistent, warp-specialized tcgen05 grouped wgrad for one :class:`Sm100WgradKey`."""
+
+        def __init__(self, key: Sm100WgradKey):
+            self.key = key
+            t = key.tile
+            self.use_2cta_instrs = t.use_2cta
+            self.cta_group = tcgen05.CtaGroup.TWO if t.use_2cta else tcgen05.CtaGroup.ONE
+            self.cluster_shape_mn = t.cluster_shape_mn
+            self.cluster_m = t.cluster_shape_mn[0]
+            self.mma_tiler = (t.tile_m, t.tile_n, t.tile_k)
+            self.cta_tile_shape_mnk = (128, t.tile_n, t.tile_k)
+            self.tile_k = t.tile_k
+            self.ab_dtype = cutlass.BFloat16
+            self.acc_dtype = cutlass.Float32
+            self.c_dtype = out_types[key.out_dtype]
+            self.c_layout = utils.LayoutEnum.ROW_MAJOR
+            self.m_tiles = key.hidden // t.tile_m
+            self.n_tiles = key.intermediate // t.tile_n
+            self.tiles_per_expert = self.m_tiles * self.n_tiles
+            self.num_tiles = key.num_tiles
+            self.num_acc_stage = 2
+            self.num_c_stage = _EPI_STAGES
+            self.epilogue_warp_id = (0, 1, 2, 3)
+            self.mma_warp_id = 4
+            self.tma_warp_id = 5
+            self.threads_per_cta = 32 * 6
+            self.epilog_sync_bar_id = 1
+            self.tmem_alloc_sync_bar_id = 2
+            self.occupancy = 1
+            self.stages = t.stages
+
+        def _setup(self, a_major_mode, b_major_mode):
+            tiled_mma = sm100_utils.make_trivial_tiled_mma(
+                self.ab_dtype,
+                a_major_mode,
+                b_major_mode,
+                self.acc_dtype,
+                self.cta_group,
+                self.mma_tiler[:2],
+            )
+            self.cluster_layout_vmnk = cute.tiled_divide(
+                cute.make_layout((*self.cluster_shape_mn, 1)), (tiled_mma.thr_id.shape,)
+            )
+            self.epi_tile = sm100_utils.compute_epilogue_tile_shape(
+                self.cta_tile_shape_mnk, self.use_2cta_instrs, self.c_layout, self.c_dtype
+            )
+            c_one = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
+            c_bytes = cute.size_in_bytes(self.c_dtype, c_one) * self.num_c_stage
+            a_one = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
+            b_one = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
+            ab_bytes = cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(
+                self.ab_dtype, b_one
+            )
+            header = _SMEM_HEADER + 8 * self.key.num_experts
+            fit = (_SMEM_BYTES - header - c_bytes) // ab_bytes
+            self.num_ab_stage = min(self.stages, fit)
+            if self.num_ab_stage < 2:
+                raise ValueError(
+                    f"{self.key.tile} leaves no room for 2 pipeline stages with its epilogue"
+                )
+            self.a_smem_layout_staged = sm100_utils.make_smem_layout_a(
+                tiled_mma, self.mma_tiler, self.ab_dtype, self.num_ab_stage
+            )
+            self.b_smem_layout_staged = sm100_utils.make_smem_layout_b(
+                tiled_mma, self.mma_tiler, self.ab_dtype, self.num_ab_stage
+            )
+            self.c_smem_layout_staged = sm100_utils.make_smem_layout_epi(
+                self.c_dtype, self.c_layout, self.epi_tile, self.num_c_stage
+            )
+            acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+            acc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+            self.num_tmem_alloc_cols = utils.get_num_tmem_alloc_cols(acc_fake, arch="sm_100")
+            return tiled_mma
+
+        @cute.jit
+        def __call__(
+            self,
+            mA: cute.Tensor,  # (M, S) bf16
+            mB: cute.Tensor,  # (N, S) bf16 (B transposed view)
+            mOffsets: cute.Tensor,  # (E,) int32
+            mOut: cute.Tensor,  # (E, M, N) dense
+            num_clusters: cutlass.Int32,
+            stream,
+        ):
+            a_major_mode = utils.LayoutEnum.from_tensor(mA).mma_major_mode()
+            b_major_mode = utils.LayoutEnum.from_tensor(mB).mma_major_mode()
+            tiled_mma = self._setup(a_major_mode, b_major_mode)
+            atom_thr_size = cute.size(tiled_mma.thr_id.shape)
+
+            a_op = sm100_utils.cluster_shape_to_tma_atom_A(
+                self.cluster_shape_mn, tiled_mma.thr_id
+            )
+            a_smem_one = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
+            tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
+                a_op, mA, a_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+            )
+            b_op = sm100_utils.cluster_shape_to_tma_atom_B(
+                self.cluster_shape_mn, tiled_mma.thr_id
+            )
+            b_smem_one = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
+            tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
+                b_op, mB, b_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+            )
+            self.num_tma_load_bytes = (
+                cute.size_in_bytes(self.ab_dtype, a_smem_one)
+                + cute.size_in_bytes(self.ab_dtype, b_smem_one)
+            ) * atom_thr_size
+
+            m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
+            mC_mne = cute.make_tensor(
+                mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
+            )
+            store_op = cpasync.CopyBulkTensorTileS2GOp()
+            if cutlass.const_expr(self.key.accumulate):
+                store_op = cpasync.CopyReduceBulkTensorTileS2GOp()
+            epi_smem_one = cute.select(self.c_smem_layout_staged, mode=[0, 1])
+            tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
+                store_op, mC_mne, epi_smem_one, self.epi_tile
+            )
+
+            @cute.struct
+            class SharedStorage:
+                ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
+                acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
+                tmem_dealloc_mbar: cutlass.Int64
+                tmem_holding_buf: cutlass.Int32
+                lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
+                perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
+
+            self.shared_storage = SharedStorage
+            self.kernel(
+                tiled_mma,
+                tma_atom_a,
+                tma_a,
+                tma_atom_b,
+                tma_b,
+                tma_atom_c,
+                tma_c,
+                mOffsets,
+                self.cluster_layout_vmnk,
+                self.a_smem_layout_staged,
+                self.b_smem_layout_staged,
+                self.c_smem_layout_staged,
+                self.epi_tile,
+            ).launch(
+                grid=[num_clusters * self.cluster_m, 1, 1],
+                block=[self.threads_per_cta, 1, 1],
+                cluster=(*self.cluster_shape_mn, 1),
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
+
+        @cute.jit
+        def tile_coords(self, tile: cutlass.Int32, sPerm: cute.Tensor, mOffsets: cute.Tensor):
+            """(expert, m_idx, n_idx, first K tile, K tiles) of MMA tile id ``tile``. Ids run over
+            the experts sorted by token count (largest first), m fastest within an expert."""
+            rank_e = tile // self.tiles_per_expert
+            e = sPerm[rank_e]
+            rem = tile - rank_e * self.tiles_per_expert
+            n_idx = rem // self.m_tiles
+            m_idx = rem - n_idx * self.m_tiles
+            k_end = mOffsets[e]
+            k_begin = cutlass.Int32(0)
+            if e > 0:
+                k_begin = mOffsets[e - 1]
+            n_k = (k_end - k_begin) // self.tile_k
+            if k_end <= k_begin:
+                n_k = cutlass.Int32(0)
+            return e, m_idx, n_idx, k_begin // self.tile_k, n_k
+
+        @cute.kernel
+        def kernel(
+            self,
+            tiled_mma: cute.TiledMma,
+            tma_atom_a: cute.CopyAtom,
+            mA_mk: cute.Tensor,
+            tma_atom_b: cute.CopyAtom,
+            mB_nk: cute.Tensor,
+            tma_atom_c: cute.CopyAtom,
+            mC_mne: cute.Tensor,
+            mOffsets: cute.Tensor,
+            cluster_layout_vmnk: cute.Layout,
+            a_smem_layout_staged: cute.ComposedLayout,
+            b_smem_layout_staged: cute.ComposedLayout,
+            c_smem_layout_staged: cute.ComposedLayout,
+            epi_tile: cute.Tile,
+        ):
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            tidx, _, _ = cute.arch.thread_idx()
+            if warp_idx == self.tma_warp_id:
+                cpasync.prefetch_descriptor(tma_atom_a)
+                cpasync.prefetch_descriptor(tma_atom_b)
+                cpasync.prefetch_descriptor(tma_atom_c)
+
+            use_2cta = cute.size(tiled_mma.thr_id.shape) == 2
+            bidx, _, _ = cute.arch.block_idx()
+            gdimx, _, _ = cute.arch.grid_dim()
+            mma_tile_coord_v = bidx % cute.size(tiled_mma.thr_id.shape)
+            is_leader_cta = mma_tile_coord_v == 0
+            cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            block_in_cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank_in_cluster)
+            cluster_id = bidx // self.cluster_m
+            num_clusters = gdimx // self.cluster_m
+
+            smem = utils.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+
+            ab_pipe = pipeline.PipelineTmaUmma.create(
+                barrier_storage=storage.ab_mbar.data_ptr(),
+                num_stages=self.num_ab_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                tx_count=self.num_tma_load_bytes,
+                cta_layout_vmnk=cluster_layout_vmnk,
+                defer_sync=True,
+            )
+            acc_consumers = len(self.epilogue_warp_id) * (2 if use_2cta else 1)
+            acc_pipe = pipeline.PipelineUmmaAsync.create(
+                barrier_storage=storage.acc_mbar.data_ptr(),
+                num_stages=self.num_acc_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, acc_consumers),
+                cta_layout_vmnk=cluster_layout_vmnk,
+                defer_sync=True,
+            )
+            tmem_alloc_barrier = pipeline.NamedBarrier(
+                barrier_id=self.tmem_alloc_sync_bar_id,
+                num_threads=32 * (1 + len(self.epilogue_warp_id)),
+            )
+            tmem = utils.TmemAllocator(
+                storage.tmem_holding_buf.ptr,
+                barrier_for_retrieve=tmem_alloc_barrier,
+                allocator_warp_id=self.epilogue_warp_id[0],
+                is_two_cta=use_2cta,
+                two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
+            )
+            pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+
+            sA = smem.allocate_tensor(
+                element_type=self.ab_dtype,
+                layout=a_smem_layout_staged.outer,
+                byte_alignment=128,
+                swizzle=a_smem_layout_staged.inner,
+            )
+            sB = smem.allocate_tensor(
+                element_type=self.ab_dtype,
+                layout=b_smem_layout_staged.outer,
+                byte_alignment=128,
+                swizzle=b_smem_layout_staged.inner,
+            )
+            sC = smem.allocate_tensor(
+                element_type=self.c_dtype,
+                layout=c_smem_layout_staged.outer,
+                byte_alignment=128,
+                swizzle=c_smem_layout_staged.inner,
+            )
+
+            a_mcast_mask = None
+            b_mcast_mask = None
+            if cutlass.const_expr(self.use_2cta_instrs):
+                a_mcast_mask = cpasync.create_tma_multicast_mask(
+                    cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=2
+                )
+                b_mcast_mask = cpasync.create_tma_multicast_mask(
+                    cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=1
+                )
+
+            # Global tiles: (bM, bK, RestM, RestK), (bN, bK, RestN, RestK), (bM, bN, RestM, RestN, E)
+            gA = cute.local_tile(
+                mA_mk, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None)
+            )
+            gB = cute.local_tile(
+                mB_nk, cute.slice_(self.mma_tiler, (0, None, None)), (None, None)
+            )
+            gC = cute.local_tile(
+                mC_mne, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
+            )
+            thr_mma = tiled_mma.get_slice(mma_tile_coord_v)
+            tCgA = thr_mma.partition_A(gA)  # (MMA, MMA_M, MMA_K, RestM, RestK)
+            tCgB = thr_mma.partition_B(gB)  # (MMA, MMA_N, MMA_K, RestN, RestK)
+            tCgC = thr_mma.partition_C(gC)  # (MMA, MMA_M, MMA_N, RestM, RestN, E)
+
+            a_cta_layout = cute.make_layout(
+                cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape
+            )
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_atom_a,
+                block_in_cluster_coord_vmnk[2],
+                a_cta_layout,
+                cute.group_modes(sA, 0, 3),
+                cute.group_modes(tCgA, 0, 3),
+            )
+            b_cta_layout = cute.make_layout(
+                cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape
+            )
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_atom_b,
+                block_in_cluster_coord_vmnk[1],
+                b_cta_layout,
+                cute.group_modes(sB, 0, 3),
+                cute.group_modes(tCgB, 0, 3),
+            )
+            tCrA = tiled_mma.make_fragment_A(sA)  # (MMA, MMA_M, MMA_K, STAGE)
+            tCrB = tiled_mma.make_fragment_B(sB)  # (MMA, MMA_N, MMA_K, STAGE)
+            acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+            tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+
+            # Experts sorted by token count, largest first (ties by index), from the device
+            # offsets: sPerm[rank] = expert. Both CTAs of a cluster compute the same order.
+            num_e = self.key.num_experts
+            sLens = storage.lens.get_tensor(cute.make_layout(num_e))
+            sPerm = storage.perm.get_tensor(cute.make_layout(num_e))
+            for ei in cutlass.range(tidx, num_e, self.threads_per_cta, unroll=1):
+                prev = cutlass.Int32(0)
+                if ei > 0:
+                    prev = mOffsets[ei - 1]
+                sLens[ei] = mOffsets[ei] - prev
+            pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
+            cute.arch.sync_threads()
+            for ei in cutlass.range(tidx, num_e, self.threads_per_cta, unroll=1):
+                my_len = sLens[ei]
+                rank = cutlass.Int32(0)
+                for e2 in cutlass.range(num_e, unroll=4):
+                    l2 = sLens[e2]
+                    if l2 > my_len or (l2 == my_len and e2 < ei):
+                        rank += 1
+                sPerm[rank] = ei
+            cute.arch.sync_threads()
+
+            # ---------------- TMA warp ----------------
+            if warp_idx == self.tma_warp_id:
+                prod_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.num_ab_stage
+                )
+                tile = cluster_id
+                while tile < self.num_tiles:
+                    _e, m_idx, n_idx, k0, n_k = self.tile_coords(tile, sPerm, mOffsets)
+                    tAgA_t = tAgA[(None, m_idx, None)]
+                    tBgB_t = tBgB[(None, n_idx, None)]
+                    for kt in cutlass.range(n_k, unroll=1):
+                        ab_pipe.producer_acquire(prod_state)
+                        bar = ab_pipe.producer_get_barrier(prod_state)
+                        cute.copy(
+                            tma_atom_a,
+                            tAgA_t[(None, k0 + kt)],
+                            tAsA[(None, prod_state.index)],
+                            tma_bar_ptr=bar,
+                            mcast_mask=a_mcast_mask,
+                        )
+                        cute.copy(
+                            tma_atom_b,
+                            tBgB_t[(None, k0 + kt)],
+                            tBsB[(None, prod_state.index)],
+                            tma_bar_ptr=bar,
+                            mcast_mask=b_mcast_mask,
+                        )
+                        ab_pipe.producer_commit(prod_state)
+                        prod_state.advance()
+                    tile += num_clusters
+                ab_pipe.producer_tail(prod_state)
+
+            # ---------------- MMA warp ----------------
+            if warp_idx == self.mma_warp_id:
+                tmem.wait_for_alloc()
+                tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+                tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+                cons_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, self.num_ab_stage
+                )
+                acc_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.num_acc_stage
+                )
+                num_kblocks = cute.size(tCrA, mode=[2])
+                tile = cluster_id
+                while tile < self.num_tiles:
+                    _e, _m, _n, _k0, n_k = self.tile_coords(tile, sPerm, mOffsets)
+                    if n_k > 0:
+                        tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
+                        if is_leader_cta:
+                            acc_pipe.producer_acquire(acc_state)
+                        tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                        for _kt in cutlass.range(n_k, unroll=1):
+                            if is_leader_cta:
+                                ab_pipe.consumer_wait(cons_state)
+                                for kb in cutlass.range(num_kblocks, unroll_full=True):
+                                    crd = (None, None, kb, cons_state.index)
+                                    cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
+                                    tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                                ab_pipe.consumer_release(cons_state)
+                            cons_state.advance()
+                        if is_leader_cta:
+                            acc_pipe.producer_commit(acc_state)
+                        acc_state.advance()
+                    tile += num_clusters
+                acc_pipe.producer_tail(acc_state)
+
+            # ---------------- epilogue warps ----------------
+            if warp_idx < self.mma_warp_id:
+                tmem.allocate(self.num_tmem_alloc_cols)
+                tmem.wait_for_alloc()
+                tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+                tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+
+                tCgC_mn = sm100_epi.transform_partitioned_tensor_layout(tCgC)
+                tCtAcc_mn = sm100_epi.transform_partitioned_tensor_layout(tCtAcc_base)
+                tiled_t2r, tTR_tAcc_base, tTR_rAcc = sm100_epi.epilogue_tmem_copy_and_partition(
+                    self, tidx, tCtAcc_mn, tCgC_mn, epi_tile, self.use_2cta_instrs
+                )
+                tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+                tiled_r2s, tRS_rC, tRS_sC = sm100_epi.epilogue_smem_copy_and_partition(
+                    self, tiled_t2r, tTR_rC, tidx, sC
+                )
+                tCgC_epi = cute.flat_divide(tCgC_mn, epi_tile)
+                bSG_sC, bSG_gC_all = cpasync.tma_partition(
+                    tma_atom_c,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sC, 0, 2),
+                    cute.group_modes(tCgC_epi, 0, 2),
+                )
+                epi_barrier = pipeline.NamedBarrier(
+                    barrier_id=self.epilog_sync_bar_id,
+                    num_threads=32 * len(self.epilogue_warp_id),
+                )
+                c_pipe = pipeline.PipelineTmaStore.create(
+                    num_stages=self.num_c_stage,
+                    producer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, 32 * len(self.epilogue_warp_id)
+                    ),
+                )
+                acc_cstate = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, self.num_acc_stage
+                )
+                epi_count = cutlass.Int32(0)
+                tile = cluster_id
+                while tile < self.num_tiles:
+                    e, m_idx, n_idx, _k0, n_k = self.tile_coords(tile, sPerm, mOffsets)
+                    # 2-CTA: this CTA writes rows [128 v, 128 v + 128) of the 256-row MMA tile.
+                    bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e)]
+                    bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
+                    tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cstate.index)]
+                    tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
+                    subtiles = cute.size(tTR_tAcc.shape, mode=[3])
+                    write = cutlass.Boolean(True)
+                    if cutlass.const_expr(self.key.accumulate):
+                        write = n_k > 0  # empty expert: leave the output untouched
+                    if n_k > 0:
+                        acc_pipe.consumer_wait(acc_cstate)
+                    if write:
+                        for sub in cutlass.range_constexpr(subtiles):
+                            if n_k > 0:
+                                cute.copy(tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
+                                vals = tiled_r2s.retile(tTR_rAcc).load()
+                                tRS_rC.store(vals.to(self.c_dtype))
+                            else:
+                                tRS_rC.fill(0.0)  # empty expert, overwrite: zeros
+                            buf = epi_count % self.num_c_stage
+                            cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            epi_barrier.arrive_and_wait()
+                            if warp_idx == self.epilogue_warp_id[0]:
+                                cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, sub)])
+                                c_pipe.producer_commit()
+                                c_pipe.producer_acquire()
+                            epi_barrier.arrive_and_wait()
+                            epi_count += 1
+                    if n_k > 0:
+                        with cute.arch.elect_one():
+                            acc_pipe.consumer_release(acc_cstate)
+                        acc_cstate.advance()
+                    tile += num_clusters
+                c_pipe.producer_tail()
+                tmem.relinquish_alloc_permit()
+                tmem.free(tmem_ptr)
+
+    return Sm100GroupedWgradKernel
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_class():
+    return _build_kernel_class()
+
+
+def _fake_args(key: Sm100WgradKey):
+    """Fake (shape-only) tensors for an offline or cached compile of ``key``."""
+    import cutlass
+    from cutlass import cute
+
+    out_t = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
+    m, n, e = key.hidden, key.intermediate, key.num_experts
+    any_k_major = key.a_major == "k" or key.b_major == "k"
+    s = cute.sym_int32(divisibility=8 if any_k_major else 1, symbol="tokens_sum")
+    a = cute.runtime.make_fake_compact_tensor(
+        cutlass.BFloat16,
+        (m, s),
+        stride_order=(1, 0) if key.a_major == "k" else (0, 1),
+        assumed_align=16,
+    )
+    b = cute.runtime.make_fake_compact_tensor(
+        cutlass.BFloat16,
+        (n, s),
+        stride_order=(1, 0) if key.b_major == "k" else (0, 1),
+        assumed_align=16,
+    )
+    offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+    out = cute.runtime.make_fake_compact_tensor(
+        out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
+    )
+    return a, b, offsets, out
+
+
+def _compile(key: Sm100WgradKey, arch: str | None, dump_dir: str | None = None):
+    import cutlass
+    from cutlass import cute
+
+    # tensor_ragged with a K-major operand is repacked on the device by the launcher (see
+    # sm90_bf16._ragged_to_2d), so the compiled kernel is the tensor2d one.
+    kernel = _kernel_class()(key)
+    a, b, offsets, out = _fake_args(key)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    opts = "--enable-tvm-ffi"
+    if arch is not None:
+        opts += f" --gpu-arch {arch}"
+    if dump_dir is not None:
+        opts += f" --keep-ptx --dump-dir {dump_dir}"
+    return cute.compile(kernel, a, b, offsets, out, cutlass.Int32(1), stream, options=opts)
+
+
+_LOCK = threading.Lock()
+
+
+@functools.cache
+def _compiled(key: Sm100WgradKey):
+    global COMPILE_COUNT
+    fn = _compile(key, None)
+    COMPILE_COUNT += 1
+    return fn
+
+
+def _as_key(key_or_contract: Any) -> Sm100WgradKey:
+    if isinstance(key_or_contract, Sm100WgradKey):
+        return key_or_contract
+    if hasattr(key_or_contract, "mma_tiler_mn") and hasattr(key_or_contract, "hidden"):
+        return sm100_key_from_contract(key_or_contract)
+    raise ValueError(
+        f"compile_sm100_wgrad: expected a Sm100WgradKey or an api.WgradContract, got "
+        f"{type(key_or_contract).__name__}"
+    )
+
+
+def compile_sm100_wgrad(key: Any) -> Callable[..., None]:
+    """Compile (once per key, cached) the SM100 grouped wgrad kernel and return its launcher.
+
+    Args:
+        key: a :class:`Sm100WgradKey`, or an ``api.WgradContract`` (converted by
+            :func:`sm100_key_from_contract`).
+
+    ``launcher(a, b, offsets, out, stream=None)`` runs on already-validated torch CUDA tensors:
+
+    - ``a``: ``(hidden, tokens_sum)`` bf16, K-major (stride ``(S, 1)``) or M-major (``(1, M)``);
+    - ``b``: ``(tokens_sum, intermediate)`` bf16, K-major (``(1, S)``) or N-major (``(N, 1)``);
+    - ``offsets``: ``(E,)`` int32 cumulative expert ends on the device, each expert a multiple of
+      256 tokens (the SM100 contract; never read on the host here);
+    - ``out``: dense ``(E, M, N)`` contiguous tensor of ``key.out_dtype``;
+    - ``stream``: a ``torch.cuda.Stream`` (default: the current stream).
+
+    The launcher raises ``RuntimeError`` unless ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1``: the kernel
+    is compiled but has never been verified on Blackwell hardware.
+
+    Raises:
+        RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.
+        ValueError: the key / contract is outside what the kernel is built for.
+    """
+    try:
+        import cutlass  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError(
+            "compile_sm100_wgrad needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
+        ) from exc
+    key = _as_key(key)
+    with _LOCK:
+        fn = _compiled(key)
+    return functools.partial(_launch, key, fn)
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _launch(key: Sm100WgradKey, fn: Any, a, b, offsets, out, stream=None) -> None:
+    reason = unverified_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    import torch
+
+    from .sm90_bf16 import _ragged_to_2d
+
+    if key.input_order == "tensor_ragged":
+        if key.a_major == "k":
+            a = _ragged_to_2d(a, offsets, a.shape[0])
+        if key.b_major == "k":
+            b = _ragged_to_2d(b.t(), offsets, b.shape[1]).t()
+    cluster_m = key.tile.cluster_shape_mn[0]
+    max_clusters = max(1, _num_sms(a.device.index or 0) // cluster_m)
+    num_clusters = max(1, min(key.num_tiles, max_clusters))
+    if stream is None:
+        fn(a, b.t(), offsets, out, num_clusters)
+    else:
+        with torch.cuda.stream(stream):
+            fn(a, b.t(), offsets, out, num_clusters)
+
+
+def compile_sm100_wgrad_offline(key: Any, arch: str = "sm_100a") -> str:
+    """Compile ``key`` for ``arch`` without a GPU and return the generated PTX text (for CI).
+
+    Args:
+        key: a :class:`Sm100WgradKey` or an ``api.WgradContract``.
+        arch: the target, ``"sm_100a"`` (tcgen05 needs the arch-specific target).
+
+    Raises:
+        RuntimeError: CuTe DSL is not installed or produced no PTX.
+        ValueError: the key / contract is outside what the kernel is built for.
+    """
+    try:
+        import cutlass  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(
+            "compile_sm100_wgrad_offline needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
+        ) from exc
+    import tempfile
+
+    key = _as_key(key)
+    with tempfile.TemporaryDirectory(prefix="sm100_wgrad_ptx_") as tmp:
+        fn = _compile(key, arch, dump_dir=tmp)
+        ptx = fn.__ptx__
+    if not ptx:
+        raise RuntimeError(f"CuTe DSL produced no PTX for {key} on {arch}")
+    return ptx

@@ -381,7 +381,7 @@ def sm100_key_from_contract(contract: Any) -> Sm100WgradKey:
 def _build_kernel_class():
     import cutlass
     import cutlass.utils.blackwell_helpers as sm100_utils
-    from cutlass import cute, pipeline, utils
+    from cutlass import cute, memory, pipeline, utils
     from cutlass.cute.nvgpu import cpasync, tcgen05
     from cutlass.utils.gemm import sm100 as sm100_epi
 
@@ -426,6 +426,7 @@ def _build_kernel_class():
         def _setup(self, a_major_mode, b_major_mode):
             tiled_mma = sm100_utils.make_trivial_tiled_mma(
                 self.ab_dtype,
+                self.ab_dtype,
                 a_major_mode,
                 b_major_mode,
                 self.acc_dtype,
@@ -463,7 +464,7 @@ def _build_kernel_class():
             )
             acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
             acc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
-            self.num_tmem_alloc_cols = utils.get_num_tmem_alloc_cols(acc_fake, arch="sm_100")
+            self.num_tmem_alloc_cols = memory.get_num_tmem_alloc_cols(acc_fake, arch="sm_100")
             return tiled_mma
 
         @cute.jit
@@ -596,7 +597,7 @@ def _build_kernel_class():
             cluster_id = bidx // self.cluster_m
             num_clusters = gdimx // self.cluster_m
 
-            smem = utils.SmemAllocator()
+            smem = memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
 
             ab_pipe = pipeline.PipelineTmaUmma.create(
@@ -621,7 +622,7 @@ def _build_kernel_class():
                 barrier_id=self.tmem_alloc_sync_bar_id,
                 num_threads=32 * (1 + len(self.epilogue_warp_id)),
             )
-            tmem = utils.TmemAllocator(
+            tmem = memory.TmemAllocator(
                 storage.tmem_holding_buf.ptr,
                 barrier_for_retrieve=tmem_alloc_barrier,
                 allocator_warp_id=self.epilogue_warp_id[0],

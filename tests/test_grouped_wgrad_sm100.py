@@ -1,0 +1,348 @@
+"""Tests of the SM100 (Blackwell) CuTe DSL grouped wgrad kernel (grouped_wgrad/sm100_bf16.py).
+
+The kernel has never run on a Blackwell GPU. CPU part (CI): key / tile-config validation, the
+YAML tile rules, the contract -> key conversion, offline compiles for ``sm_100a`` whose PTX must
+hold tcgen05.mma (1-CTA and 2-CTA), TMEM allocation and loads, tcgen05.commit and TMA bulk-tensor
+loads / stores / reduce-adds (skipped when nvidia-cutlass-dsl is not installed), the compile cache,
+and the hardware opt-in gate (the launcher and the API refuse to run without
+``MOE_BWD_ENABLE_UNVERIFIED_SM100=1``; ``auto`` dispatch never picks the kernel without it).
+
+GPU part (``gpu`` + ``sm100`` markers): correctness against an fp32 per-expert reference; skipped
+without an SM100 device AND the opt-in, i.e. skipped everywhere until someone runs it on a B200.
+"""
+
+import dataclasses
+import importlib.util
+import re
+
+import pytest
+import torch
+
+from cuda_kernels.grouped_wgrad import api
+from cuda_kernels.grouped_wgrad import sm100_bf16 as sm100
+from cuda_kernels.grouped_wgrad.sm100_bf16 import (
+    Sm100TileConfig,
+    Sm100WgradKey,
+    select_sm100_tile_config,
+)
+
+HAS_CUTE = importlib.util.find_spec("cutlass") is not None
+needs_cute = pytest.mark.skipif(
+    not HAS_CUTE, reason="nvidia-cutlass-dsl (CuTe DSL) not installed: no offline sm_100a compile"
+)
+HAS_SM100 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+
+
+_BASE_CONTRACT = api.WgradContract(
+    arch="sm100", hidden=512, intermediate=512, num_experts=4, a_major="k", b_major="n",
+    out_dtype="float32", output_mode="dense", accumulate=False, input_order="tensor2d",
+    mma_tiler_mn=(256, 256), cluster_shape_mn=None,
+)
+
+
+def _contract(**kw):
+    return dataclasses.replace(_BASE_CONTRACT, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: tile configs, keys, rules
+# ------------------------------------------------------------------------------------------------
+
+
+def test_tile_config_validation():
+    for kwargs, word in [
+        ({"tile_m": 64}, "tile_m"),
+        ({"tile_n": 48}, "tile_n"),
+        ({"tile_n": 288}, "tile_n"),
+        ({"tile_k": 32}, "tile_k"),
+        ({"tile_k": 96}, "tile_k"),
+        ({"stages": 1}, "stages"),
+        ({"tile_m": 128, "tile_n": 256, "stages": 5}, "overflow"),
+    ]:
+        with pytest.raises(ValueError, match=word):
+            Sm100TileConfig(**kwargs)
+    two = Sm100TileConfig(256, 256, 64, 6)
+    assert two.use_2cta and two.cluster_shape_mn == (2, 1) and two.cta_tile_mn == (128, 256)
+    # per CTA: 128 A rows + half of the 256 B rows, 64 bf16 tokens each
+    assert two.stage_bytes == 2 * 64 * (128 + 128)
+    one = Sm100TileConfig(128, 128, 64, 6)
+    assert not one.use_2cta and one.cluster_shape_mn == (1, 1)
+    assert one.stage_bytes == 2 * 64 * (128 + 128)
+    assert Sm100TileConfig(128, 256, 64, 4).stage_bytes == 2 * 64 * 384
+
+
+def test_select_tile_config_rules():
+    assert select_sm100_tile_config(4096, 28672, 8) == Sm100TileConfig(256, 256, 64, 6)
+    assert select_sm100_tile_config(2048, 1152, 128) == Sm100TileConfig(256, 128, 64, 8)
+    assert select_sm100_tile_config(384, 384, 4) == Sm100TileConfig(128, 128, 64, 6)
+    assert select_sm100_tile_config(128, 96, 2) == Sm100TileConfig(128, 32, 64, 8)
+    with pytest.raises(ValueError, match="no SM100 tile fits"):
+        select_sm100_tile_config(192, 256, 2)
+    with pytest.raises(ValueError, match="positive"):
+        select_sm100_tile_config(256, 0, 2)
+    # a caller's tile: as many stages (<= 8) as 227 KiB hold
+    cfg = select_sm100_tile_config(512, 512, 4, mma_tiler_mn=(256, 256))
+    assert (cfg.tile_m, cfg.tile_n, cfg.tile_k) == (256, 256, 64)
+    assert cfg.stages == (227 * 1024 - 1024) // (2 * 64 * 256)
+    assert select_sm100_tile_config(512, 512, 4, mma_tiler_mn=(128, 64)).stages == 8
+    with pytest.raises(ValueError, match="must divide"):
+        select_sm100_tile_config(384, 512, 4, mma_tiler_mn=(256, 256))
+    with pytest.raises(ValueError, match="tile_m must be 128 or 256"):
+        select_sm100_tile_config(512, 512, 4, mma_tiler_mn=(64, 128))
+    with pytest.raises(ValueError, match="cluster_shape_mn"):
+        select_sm100_tile_config(512, 512, 4, mma_tiler_mn=(256, 256), cluster_shape_mn=(4, 1))
+    with pytest.raises(ValueError, match="cluster_shape_mn"):
+        select_sm100_tile_config(512, 512, 4, mma_tiler_mn=(128, 256), cluster_shape_mn=(2, 1))
+    assert select_sm100_tile_config(
+        512, 512, 4, mma_tiler_mn=(256, 128), cluster_shape_mn=(2, 1)
+    ).use_2cta
+
+
+def test_key_validation_and_hashing():
+    tile = Sm100TileConfig(256, 256, 64, 6)
+    key = Sm100WgradKey(512, 512, 4, tile=tile)
+    assert key == Sm100WgradKey(512, 512, 4, tile=Sm100TileConfig(256, 256, 64, 6))
+    assert hash(key) == hash(Sm100WgradKey(512, 512, 4, tile=Sm100TileConfig(256, 256, 64, 6)))
+    assert key != Sm100WgradKey(512, 512, 4, tile=tile, accumulate=True)
+    assert key.num_tiles == 4 * 2 * 2
+    for kwargs, word in [
+        ({"a_major": "n"}, "a_major"),
+        ({"b_major": "m"}, "b_major"),
+        ({"out_dtype": "float64"}, "out_dtype"),
+        ({"output_mode": "discrete"}, "output_mode must be 'dense'"),
+        ({"input_order": "ragged"}, "input_order"),
+        ({"tile": (256, 256)}, "tile"),
+    ]:
+        with pytest.raises(ValueError, match=word):
+            Sm100WgradKey(512, 512, 4, **({"tile": tile} | kwargs))
+    with pytest.raises(ValueError, match="hidden=384 must be a multiple of tile_m=256"):
+        Sm100WgradKey(384, 512, 4, tile=tile)
+    with pytest.raises(ValueError, match="intermediate"):
+        Sm100WgradKey(512, 384, 4, tile=tile)
+    with pytest.raises(ValueError, match="num_experts"):
+        Sm100WgradKey(512, 512, 0, tile=tile)
+    with pytest.raises(ValueError, match="hidden"):
+        Sm100WgradKey(True, 512, 4, tile=tile)
+
+
+def test_key_from_api_contract():
+    key = sm100.sm100_key_from_contract(_contract(accumulate=True, a_major="m", b_major="k"))
+    assert key == Sm100WgradKey(
+        512, 512, 4, a_major="m", b_major="k", out_dtype="float32", accumulate=True,
+        tile=select_sm100_tile_config(512, 512, 4, mma_tiler_mn=(256, 256)),
+    )
+    small = sm100.sm100_key_from_contract(_contract(mma_tiler_mn=(128, 64)))
+    assert (small.tile.tile_m, small.tile.tile_n) == (128, 64)
+    from_rules = sm100.sm100_key_from_contract(_contract(mma_tiler_mn=None))
+    assert from_rules.tile == Sm100TileConfig(256, 256, 64, 6)
+    with pytest.raises(ValueError, match="output_mode"):
+        sm100.sm100_key_from_contract(_contract(output_mode="discrete"))
+    with pytest.raises(ValueError, match="must divide"):
+        sm100.sm100_key_from_contract(_contract(hidden=384))
+    with pytest.raises(ValueError, match="Sm100WgradKey or an api.WgradContract"):
+        sm100.compile_sm100_wgrad_offline((256, 256))
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: offline compile for sm_100a
+# ------------------------------------------------------------------------------------------------
+
+
+def _ops(ptx: str, prefix: str) -> set[str]:
+    return set(re.findall(re.escape(prefix) + r"[\w.:]*", ptx))
+
+
+@needs_cute
+@pytest.mark.parametrize(
+    ("tile_mn", "a_major", "b_major", "out_dtype", "accumulate"),
+    [
+        ((256, 256), "m", "n", "bfloat16", False),  # 2-CTA, the API default tile
+        ((128, 128), "k", "k", "float32", True),  # 1-CTA, K-major operands, reduce-add
+        ((256, 128), "k", "n", "float16", True),
+        ((128, 64), "m", "k", "float32", False),
+    ],
+)
+def test_offline_compile_sm100a(tile_mn, a_major, b_major, out_dtype, accumulate):
+    tile = select_sm100_tile_config(512, 512, 4, mma_tiler_mn=tile_mn)
+    key = Sm100WgradKey(
+        512, 512, 4, a_major=a_major, b_major=b_major, out_dtype=out_dtype,
+        accumulate=accumulate, tile=tile,
+    )
+    ptx = sm100.compile_sm100_wgrad_offline(key, arch="sm_100a")
+    assert ".target sm_100a" in ptx
+    assert ".reqntid 192, 1, 1" in ptx  # 4 epilogue warps + MMA warp + TMA warp
+    group = "cta_group::2" if tile.use_2cta else "cta_group::1"
+    mma = _ops(ptx, "tcgen05.mma")
+    assert mma == {f"tcgen05.mma.{group}.kind::f16.collector::a::discard"}, mma
+    assert any(group in op for op in _ops(ptx, "tcgen05.alloc"))
+    assert any(group in op for op in _ops(ptx, "tcgen05.dealloc"))
+    assert any(group in op for op in _ops(ptx, "tcgen05.commit"))  # MMA -> mbarrier arrive
+    assert _ops(ptx, "tcgen05.ld.sync.aligned")  # TMEM -> registers epilogue
+    loads = _ops(ptx, "cp.async.bulk.tensor.2d.shared")  # TMA loads of A and B tiles
+    assert loads and all("mbarrier::complete_tx::bytes" in op for op in loads)
+    if tile.use_2cta:
+        assert all("shared::cluster" in op for op in loads)  # 2-CTA loads signal the leader
+    if accumulate:  # TMA reduce-add of the (M, N, E) output
+        assert _ops(ptx, "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add")
+        assert not _ops(ptx, "cp.async.bulk.tensor.3d.global")
+    else:
+        assert _ops(ptx, "cp.async.bulk.tensor.3d.global.shared::cta")
+        assert not _ops(ptx, "cp.reduce.async.bulk.tensor")
+
+
+@needs_cute
+def test_offline_compile_accepts_api_contract():
+    ptx = sm100.compile_sm100_wgrad_offline(_contract(mma_tiler_mn=(128, 128)))
+    assert ".target sm_100a" in ptx and "tcgen05.mma.cta_group::1" in ptx
+
+
+@needs_cute
+def test_compile_cache_counts_real_compiles():
+    key = Sm100WgradKey(256, 256, 3, tile=Sm100TileConfig(128, 128, 64, 4))
+    before = sm100.COMPILE_COUNT
+    first = sm100.compile_sm100_wgrad(key)
+    assert sm100.COMPILE_COUNT == before + 1
+    second = sm100.compile_sm100_wgrad(
+        Sm100WgradKey(256, 256, 3, tile=Sm100TileConfig(128, 128, 64, 4))
+    )
+    assert sm100.COMPILE_COUNT == before + 1  # same static contract: cache hit
+    assert first.args[1] is second.args[1]  # the same compiled function
+    sm100.compile_sm100_wgrad(Sm100WgradKey(256, 256, 3, accumulate=True, tile=key.tile))
+    assert sm100.COMPILE_COUNT == before + 2  # a new static contract compiles again
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: the hardware opt-in gate
+# ------------------------------------------------------------------------------------------------
+
+
+class _FakeCompiled:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+@pytest.fixture
+def fake_compile(monkeypatch):
+    fake = _FakeCompiled()
+    sm100._compiled.cache_clear()
+    monkeypatch.setattr(sm100, "_compile", lambda key, arch, dump_dir=None: fake)
+    monkeypatch.setattr(sm100, "_num_sms", lambda index: 148)
+    yield fake
+    sm100._compiled.cache_clear()
+
+
+def _operands(m=256, n=256, counts=(256, 0, 512)):
+    s = sum(counts)
+    a = torch.zeros(m, s, dtype=torch.bfloat16)
+    b = torch.zeros(s, n, dtype=torch.bfloat16)
+    off = torch.tensor(counts).cumsum(0).to(torch.int32)
+    return a, b, off
+
+
+def test_unverified_reason_follows_env(monkeypatch):
+    monkeypatch.delenv(sm100.ENABLE_ENV, raising=False)
+    assert "not yet verified on hardware" in sm100.unverified_reason()
+    monkeypatch.setenv(sm100.ENABLE_ENV, "0")
+    assert sm100.unverified_reason() is not None
+    monkeypatch.setenv(sm100.ENABLE_ENV, "1")
+    assert sm100.unverified_reason() is None
+
+
+def test_launcher_refuses_without_opt_in(monkeypatch, fake_compile):
+    monkeypatch.delenv(sm100.ENABLE_ENV, raising=False)
+    key = Sm100WgradKey(256, 256, 3, tile=Sm100TileConfig(256, 128, 64, 4))
+    launcher = sm100.compile_sm100_wgrad(key)
+    a, b, off = _operands()
+    out = torch.full((3, 256, 256), 7.0)
+    with pytest.raises(RuntimeError, match="compiled but not yet verified on hardware"):
+        launcher(a, b, off, out)
+    assert fake_compile.calls == []  # nothing launched
+    assert torch.all(out == 7.0)  # nothing written
+
+    monkeypatch.setenv(sm100.ENABLE_ENV, "1")
+    launcher(a, b, off, out)
+    ((fa, fb, foff, fout, clusters),) = fake_compile.calls
+    assert fa is a and foff is off and fout is out
+    assert fb.shape == (256, 768) and fb.stride() == (1, 256)  # B passed as its (N, S) view
+    # 3 experts x 1 x 2 tiles of 256 x 128 = 6 MMA tiles -> 6 clusters of 2 CTAs (<= 148 SMs)
+    assert clusters == 6
+
+
+def test_api_compiles_but_refuses_to_run_without_opt_in(monkeypatch, fake_compile):
+    monkeypatch.delenv(sm100.ENABLE_ENV, raising=False)
+    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(api, "_cutlass_dsl_missing", lambda: None)
+    api.clear_grouped_wgrad_caches()
+    try:
+        a, b, off = _operands()
+        with pytest.raises(RuntimeError, match="not yet verified on hardware"):
+            api.grouped_gemm_wgrad_wrapper_sm100(
+                a, b, None, None, off, wgrad_dtype=torch.float32, mma_tiler_mn=(256, 128)
+            )
+        assert fake_compile.calls == []
+    finally:
+        api.clear_grouped_wgrad_caches()
+
+
+def test_auto_dispatch_skips_unverified_kernel(monkeypatch):
+    monkeypatch.delenv(sm100.ENABLE_ENV, raising=False)
+    monkeypatch.setattr(api.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(api, "_cutlass_dsl_missing", lambda: None)
+    name, reason = api.select_grouped_wgrad_backend("cuda")
+    assert name == "torch" and "not yet verified on hardware" in reason
+    monkeypatch.setenv(sm100.ENABLE_ENV, "1")
+    assert api.select_grouped_wgrad_backend("cuda") == ("sm100", "")
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (Blackwell + opt-in): correctness against an fp32 per-expert reference
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.sm100
+@pytest.mark.skipif(
+    not (HAS_SM100 and HAS_CUTE and sm100.unverified_reason() is None),
+    reason="needs an SM100 GPU, nvidia-cutlass-dsl and MOE_BWD_ENABLE_UNVERIFIED_SM100=1",
+)
+@pytest.mark.parametrize(
+    ("tile_mn", "a_major", "b_major", "out_dtype", "accumulate"),
+    [
+        ((256, 256), "m", "n", "float32", False),
+        ((256, 128), "k", "k", "bfloat16", False),
+        ((128, 128), "k", "n", "float32", True),
+        ((128, 64), "m", "k", "float16", False),
+    ],
+)
+def test_gpu_matches_reference(tile_mn, a_major, b_major, out_dtype, accumulate):
+    gen = torch.Generator().manual_seed(0)
+    counts = [512, 0, 256, 1024, 0]  # multiples of 256, empty experts between
+    m, n, s = 512, 512, sum(counts)
+    x_SM = torch.randn(s, m, generator=gen).to(torch.bfloat16)
+    dy_SN = torch.randn(s, n, generator=gen).to(torch.bfloat16)
+    a = (x_SM.t().contiguous() if a_major == "k" else x_SM.t()).cuda()
+    b = (dy_SN if b_major == "n" else dy_SN.t().contiguous().t()).cuda()
+    off = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[out_dtype]
+    key = Sm100WgradKey(
+        m, n, len(counts), a_major=a_major, b_major=b_major, out_dtype=out_dtype,
+        accumulate=accumulate, tile=select_sm100_tile_config(m, n, 5, mma_tiler_mn=tile_mn),
+    )
+    init = torch.full((len(counts), m, n), 1.0 if accumulate else float("nan"), dtype=dt).cuda()
+    out = init.clone()
+    sm100.compile_sm100_wgrad(key)(a, b, off, out)
+    torch.cuda.synchronize()
+    ref = torch.zeros(len(counts), m, n, device="cuda")
+    begin = 0
+    for e, c in enumerate(counts):
+        if c:
+            ref[e] = a[:, begin : begin + c].float() @ b[begin : begin + c].float()
+        begin += c
+    if accumulate:
+        ref += 1.0
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < {"bfloat16": 1e-2, "float16": 3e-3, "float32": 1e-5}[out_dtype], err

@@ -1344,6 +1344,9 @@ def select_grouped_wgrad_backend(device: torch.device | str) -> tuple[str, str]:
         module = _sm100_module()
         if module is None or not hasattr(module, "compile_sm100_wgrad"):
             return "torch", f"SM{cc}: the SM100 kernel is not built yet"
+        unverified = getattr(module, "unverified_reason", lambda: None)()
+        if unverified:  # compiled but never run on hardware: only with the explicit opt-in
+            return "torch", f"SM{cc}: {unverified}"
         missing = _cutlass_dsl_missing()
         return ("torch", missing) if missing else ("sm100", "")
     if cc >= 90:

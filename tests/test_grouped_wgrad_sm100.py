@@ -14,6 +14,8 @@ without an SM100 device AND the opt-in, i.e. skipped everywhere until someone ru
 import dataclasses
 import importlib.util
 import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -178,6 +180,7 @@ def test_offline_compile_sm100a(tile_mn, a_major, b_major, out_dtype, accumulate
     assert any(group in op for op in _ops(ptx, "tcgen05.dealloc"))
     assert any(group in op for op in _ops(ptx, "tcgen05.commit"))  # MMA -> mbarrier arrive
     assert _ops(ptx, "tcgen05.ld.sync.aligned")  # TMEM -> registers epilogue
+    assert "tcgen05.wait::ld" in ptx  # loads complete before the accumulator is released
     loads = _ops(ptx, "cp.async.bulk.tensor.2d.shared")  # TMA loads of A and B tiles
     assert loads and all("mbarrier::complete_tx::bytes" in op for op in loads)
     if tile.use_2cta:
@@ -188,6 +191,27 @@ def test_offline_compile_sm100a(tile_mn, a_major, b_major, out_dtype, accumulate
     else:
         assert _ops(ptx, "cp.async.bulk.tensor.3d.global.shared::cta")
         assert not _ops(ptx, "cp.reduce.async.bulk.tensor")
+
+
+@needs_cute
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("tile_mn", [(256, 256), (128, 128)])
+def test_ptx_assembles_for_sm100a_without_spills(tmp_path, tile_mn):
+    key = Sm100WgradKey(
+        512, 512, 4, a_major="m", b_major="n", out_dtype="float32",
+        tile=select_sm100_tile_config(512, 512, 4, mma_tiler_mn=tile_mn),
+    )
+    ptx_file = tmp_path / "k.ptx"
+    ptx_file.write_text(sm100.compile_sm100_wgrad_offline(key))
+    res = subprocess.run(
+        ["ptxas", "-arch=sm_100a", "-v", str(ptx_file), "-o", str(tmp_path / "k.cubin")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    assert regs <= 255
+    assert (tmp_path / "k.cubin").stat().st_size > 0
 
 
 @needs_cute

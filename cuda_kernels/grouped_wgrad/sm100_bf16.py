@@ -381,8 +381,9 @@ def sm100_key_from_contract(contract: Any) -> Sm100WgradKey:
 def _build_kernel_class():
     import cutlass
     import cutlass.utils.blackwell_helpers as sm100_utils
-    from cutlass import cute, memory, pipeline, utils
+    from cutlass import cute, memory, pipeline
     from cutlass.cute.nvgpu import cpasync, tcgen05
+    from cutlass.tensor_utils import LayoutEnum
     from cutlass.utils.gemm import sm100 as sm100_epi
 
     out_types = {
@@ -407,7 +408,7 @@ def _build_kernel_class():
             self.ab_dtype = cutlass.BFloat16
             self.acc_dtype = cutlass.Float32
             self.c_dtype = out_types[key.out_dtype]
-            self.c_layout = utils.LayoutEnum.ROW_MAJOR
+            self.c_layout = LayoutEnum.ROW_MAJOR
             self.m_tiles = key.hidden // t.tile_m
             self.n_tiles = key.intermediate // t.tile_n
             self.tiles_per_expert = self.m_tiles * self.n_tiles
@@ -477,8 +478,8 @@ def _build_kernel_class():
             num_clusters: cutlass.Int32,
             stream,
         ):
-            a_major_mode = utils.LayoutEnum.from_tensor(mA).mma_major_mode()
-            b_major_mode = utils.LayoutEnum.from_tensor(mB).mma_major_mode()
+            a_major_mode = LayoutEnum.from_tensor(mA).mma_major_mode()
+            b_major_mode = LayoutEnum.from_tensor(mB).mma_major_mode()
             tiled_mma = self._setup(a_major_mode, b_major_mode)
             atom_thr_size = cute.size(tiled_mma.thr_id.shape)
 
@@ -860,6 +861,8 @@ def _build_kernel_class():
                             epi_barrier.arrive_and_wait()
                             epi_count += 1
                     if n_k > 0:
+                        # all tcgen05.ld of this buffer complete before the MMA may overwrite it
+                        cute.arch.fence_view_async_tmem_load()
                         with cute.arch.elect_one():
                             acc_pipe.consumer_release(acc_cstate)
                         acc_cstate.advance()

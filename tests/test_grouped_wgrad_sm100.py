@@ -181,6 +181,9 @@ def test_offline_compile_sm100a(tile_mn, a_major, b_major, out_dtype, accumulate
     assert any(group in op for op in _ops(ptx, "tcgen05.commit"))  # MMA -> mbarrier arrive
     assert _ops(ptx, "tcgen05.ld.sync.aligned")  # TMEM -> registers epilogue
     assert "tcgen05.wait::ld" in ptx  # loads complete before the accumulator is released
+    # offsets that break the 256-token contract poison their expert with NaN (never silent)
+    nan_bits = {"float32": 0x7FC00000, "bfloat16": 0x7FC07FC0, "float16": 0x7E007E00}[out_dtype]
+    assert f", {nan_bits};" in ptx  # the quiet NaN (packed pairs for 16-bit outputs) is stored
     loads = _ops(ptx, "cp.async.bulk.tensor.2d.shared")  # TMA loads of A and B tiles
     assert loads and all("mbarrier::complete_tx::bytes" in op for op in loads)
     if tile.use_2cta:
@@ -293,6 +296,17 @@ def test_launcher_refuses_without_opt_in(monkeypatch, fake_compile):
     assert fb.shape == (256, 768) and fb.stride() == (1, 256)  # B passed as its (N, S) view
     # 3 experts x 1 x 2 tiles of 256 x 128 = 6 MMA tiles -> 6 clusters of 2 CTAs (<= 148 SMs)
     assert clusters == 6
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_launcher_no_tokens_writes_zeros_without_launch(monkeypatch, fake_compile, accumulate):
+    monkeypatch.setenv(sm100.ENABLE_ENV, "1")
+    key = Sm100WgradKey(256, 256, 2, accumulate=accumulate, tile=Sm100TileConfig(128, 128, 64, 4))
+    a, b, off = _operands(counts=(0, 0))
+    out = torch.full((2, 256, 256), 7.0)
+    sm100.compile_sm100_wgrad(key)(a, b, off, out)
+    assert fake_compile.calls == []  # TMA has no 0-sized boxes: handled on the host
+    assert torch.all(out == (7.0 if accumulate else 0.0))
 
 
 def test_api_compiles_but_refuses_to_run_without_opt_in(monkeypatch, fake_compile):

@@ -47,6 +47,7 @@ compiles), ``compile_sm100_wgrad_offline`` (PTX text for ``sm_100a`` without a G
 ``unverified_reason``, ``ENABLE_ENV``. CuTe DSL is imported only inside the compile functions.
 """
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -548,8 +549,11 @@ def _build_kernel_class():
 
         @cute.jit
         def tile_coords(self, tile: cutlass.Int32, sPerm: cute.Tensor, mOffsets: cute.Tensor):
-            """(expert, m_idx, n_idx, first K tile, K tiles) of MMA tile id ``tile``. Ids run over
-            the experts sorted by token count (largest first), m fastest within an expert."""
+            """(expert, m_idx, n_idx, first K tile, K tiles, bad) of MMA tile id ``tile``. Ids
+            run over the experts sorted by token count (largest first), m fastest within an
+            expert. ``bad``: the expert's range breaks the contract (decreasing offsets, or a
+            begin / length not a multiple of tile_k, possible only when the caller skipped the
+            host validation); it then gets no K tiles and its output is poisoned with NaN."""
             rank_e = tile // self.tiles_per_expert
             e = sPerm[rank_e]
             rem = tile - rank_e * self.tiles_per_expert
@@ -559,10 +563,18 @@ def _build_kernel_class():
             k_begin = cutlass.Int32(0)
             if e > 0:
                 k_begin = mOffsets[e - 1]
-            n_k = (k_end - k_begin) // self.tile_k
-            if k_end <= k_begin:
+            k_len = k_end - k_begin
+            bad = cutlass.Boolean(False)
+            if k_len < 0:
+                bad = cutlass.Boolean(True)
+            if k_begin % self.tile_k != 0:
+                bad = cutlass.Boolean(True)
+            if k_len % self.tile_k != 0:
+                bad = cutlass.Boolean(True)
+            n_k = k_len // self.tile_k
+            if bad:
                 n_k = cutlass.Int32(0)
-            return e, m_idx, n_idx, k_begin // self.tile_k, n_k
+            return e, m_idx, n_idx, k_begin // self.tile_k, n_k, bad
 
         @cute.kernel
         def kernel(
@@ -730,7 +742,7 @@ def _build_kernel_class():
                 )
                 tile = cluster_id
                 while tile < self.num_tiles:
-                    _e, m_idx, n_idx, k0, n_k = self.tile_coords(tile, sPerm, mOffsets)
+                    _e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
                     tAgA_t = tAgA[(None, m_idx, None)]
                     tBgB_t = tBgB[(None, n_idx, None)]
                     for kt in cutlass.range(n_k, unroll=1):
@@ -769,7 +781,7 @@ def _build_kernel_class():
                 num_kblocks = cute.size(tCrA, mode=[2])
                 tile = cluster_id
                 while tile < self.num_tiles:
-                    _e, _m, _n, _k0, n_k = self.tile_coords(tile, sPerm, mOffsets)
+                    _e, _m, _n, _k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
                     if n_k > 0:
                         tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
                         if is_leader_cta:
@@ -830,7 +842,7 @@ def _build_kernel_class():
                 epi_count = cutlass.Int32(0)
                 tile = cluster_id
                 while tile < self.num_tiles:
-                    e, m_idx, n_idx, _k0, n_k = self.tile_coords(tile, sPerm, mOffsets)
+                    e, m_idx, n_idx, _k0, n_k, bad = self.tile_coords(tile, sPerm, mOffsets)
                     # 2-CTA: this CTA writes rows [128 v, 128 v + 128) of the 256-row MMA tile.
                     bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e)]
                     bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
@@ -840,6 +852,8 @@ def _build_kernel_class():
                     write = cutlass.Boolean(True)
                     if cutlass.const_expr(self.key.accumulate):
                         write = n_k > 0  # empty expert: leave the output untouched
+                        if bad:
+                            write = cutlass.Boolean(True)
                     if n_k > 0:
                         acc_pipe.consumer_wait(acc_cstate)
                     if write:
@@ -848,6 +862,8 @@ def _build_kernel_class():
                                 cute.copy(tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
                                 vals = tiled_r2s.retile(tTR_rAcc).load()
                                 tRS_rC.store(vals.to(self.c_dtype))
+                            elif bad:
+                                tRS_rC.fill(float("nan"))  # offsets broke the contract
                             else:
                                 tRS_rC.fill(0.0)  # empty expert, overwrite: zeros
                             buf = epi_count % self.num_c_stage
@@ -996,6 +1012,12 @@ def _launch(key: Sm100WgradKey, fn: Any, a, b, offsets, out, stream=None) -> Non
 
     from .sm90_bf16 import _ragged_to_2d
 
+    if a.shape[1] == 0:  # tokens_sum = 0: every expert is empty (and TMA has no 0-sized boxes)
+        if not key.accumulate:
+            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+            with ctx:
+                out.zero_()
+        return
     if key.input_order == "tensor_ragged":
         if key.a_major == "k":
             a = _ragged_to_2d(a, offsets, a.shape[0])

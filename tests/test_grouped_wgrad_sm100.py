@@ -111,7 +111,7 @@ def test_key_validation_and_hashing():
         ({"a_major": "n"}, "a_major"),
         ({"b_major": "m"}, "b_major"),
         ({"out_dtype": "float64"}, "out_dtype"),
-        ({"output_mode": "discrete"}, "output_mode must be 'dense'"),
+        ({"output_mode": "sparse"}, "output_mode"),
         ({"input_order": "ragged"}, "input_order"),
         ({"tile": (256, 256)}, "tile"),
     ]:
@@ -137,8 +137,9 @@ def test_key_from_api_contract():
     assert (small.tile.tile_m, small.tile.tile_n) == (128, 64)
     from_rules = sm100.sm100_key_from_contract(_contract(mma_tiler_mn=None))
     assert from_rules.tile == Sm100TileConfig(256, 256, 64, 6)
-    with pytest.raises(ValueError, match="output_mode"):
-        sm100.sm100_key_from_contract(_contract(output_mode="discrete"))
+    assert sm100.sm100_key_from_contract(_contract(output_mode="discrete")).output_mode == (
+        "discrete"
+    )
     with pytest.raises(ValueError, match="must divide"):
         sm100.sm100_key_from_contract(_contract(hidden=384))
     with pytest.raises(ValueError, match="Sm100WgradKey or an api.WgradContract"):
@@ -156,19 +157,21 @@ def _ops(ptx: str, prefix: str) -> set[str]:
 
 @needs_cute
 @pytest.mark.parametrize(
-    ("tile_mn", "a_major", "b_major", "out_dtype", "accumulate"),
+    ("tile_mn", "a_major", "b_major", "out_dtype", "accumulate", "mode"),
     [
-        ((256, 256), "m", "n", "bfloat16", False),  # 2-CTA, the API default tile
-        ((128, 128), "k", "k", "float32", True),  # 1-CTA, K-major operands, reduce-add
-        ((256, 128), "k", "n", "float16", True),
-        ((128, 64), "m", "k", "float32", False),
+        ((256, 256), "m", "n", "bfloat16", False, "dense"),  # 2-CTA, the API default tile
+        ((128, 128), "k", "k", "float32", True, "dense"),  # 1-CTA, K-major operands, reduce-add
+        ((256, 128), "k", "n", "float16", True, "dense"),
+        ((128, 64), "m", "k", "float32", False, "dense"),
+        ((256, 256), "m", "n", "float32", True, "discrete"),
+        ((128, 128), "k", "k", "bfloat16", False, "discrete"),
     ],
 )
-def test_offline_compile_sm100a(tile_mn, a_major, b_major, out_dtype, accumulate):
+def test_offline_compile_sm100a(tile_mn, a_major, b_major, out_dtype, accumulate, mode):
     tile = select_sm100_tile_config(512, 512, 4, mma_tiler_mn=tile_mn)
     key = Sm100WgradKey(
         512, 512, 4, a_major=a_major, b_major=b_major, out_dtype=out_dtype,
-        accumulate=accumulate, tile=tile,
+        accumulate=accumulate, output_mode=mode, tile=tile,
     )
     ptx = sm100.compile_sm100_wgrad_offline(key, arch="sm_100a")
     assert ".target sm_100a" in ptx
@@ -183,12 +186,18 @@ def test_offline_compile_sm100a(tile_mn, a_major, b_major, out_dtype, accumulate
     assert "tcgen05.wait::ld" in ptx  # loads complete before the accumulator is released
     # offsets that break the 256-token contract poison their expert with NaN (never silent)
     nan_bits = {"float32": 0x7FC00000, "bfloat16": 0x7FC07FC0, "float16": 0x7E007E00}[out_dtype]
-    assert f", {nan_bits};" in ptx  # the quiet NaN (packed pairs for 16-bit outputs) is stored
+    # the quiet NaN (packed pairs for 16-bit outputs), as an integer or a float immediate
+    assert f", {nan_bits};" in ptx or f", 0f{nan_bits:08X};" in ptx
     loads = _ops(ptx, "cp.async.bulk.tensor.2d.shared")  # TMA loads of A and B tiles
     assert loads and all("mbarrier::complete_tx::bytes" in op for op in loads)
     if tile.use_2cta:
         assert all("shared::cluster" in op for op in loads)  # 2-CTA loads signal the leader
-    if accumulate:  # TMA reduce-add of the (M, N, E) output
+    if mode == "discrete":  # stores from registers through the expert's pointer
+        assert not _ops(ptx, "cp.async.bulk.tensor.3d") and not _ops(ptx, "cp.reduce.async")
+        assert any(op.startswith("st.global.v") for op in _ops(ptx, "st.global"))
+        # accumulating reads the old output first (16-byte vector loads)
+        assert any(op.startswith("ld.global.v") for op in _ops(ptx, "ld.global")) == accumulate
+    elif accumulate:  # TMA reduce-add of the (M, N, E) output
         assert _ops(ptx, "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add")
         assert not _ops(ptx, "cp.async.bulk.tensor.3d.global")
     else:
@@ -198,11 +207,13 @@ def test_offline_compile_sm100a(tile_mn, a_major, b_major, out_dtype, accumulate
 
 @needs_cute
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
-@pytest.mark.parametrize("tile_mn", [(256, 256), (128, 128)])
-def test_ptx_assembles_for_sm100a_without_spills(tmp_path, tile_mn):
+@pytest.mark.parametrize(
+    ("tile_mn", "mode"), [((256, 256), "dense"), ((128, 128), "dense"), ((256, 256), "discrete")]
+)
+def test_ptx_assembles_for_sm100a_without_spills(tmp_path, tile_mn, mode):
     key = Sm100WgradKey(
-        512, 512, 4, a_major="m", b_major="n", out_dtype="float32",
-        tile=select_sm100_tile_config(512, 512, 4, mma_tiler_mn=tile_mn),
+        512, 512, 4, a_major="m", b_major="n", out_dtype="float32", accumulate=True,
+        output_mode=mode, tile=select_sm100_tile_config(512, 512, 4, mma_tiler_mn=tile_mn),
     )
     ptx_file = tmp_path / "k.ptx"
     ptx_file.write_text(sm100.compile_sm100_wgrad_offline(key))
@@ -309,6 +320,28 @@ def test_launcher_no_tokens_writes_zeros_without_launch(monkeypatch, fake_compil
     assert torch.all(out == (7.0 if accumulate else 0.0))
 
 
+@pytest.mark.parametrize(("a_major", "b_major"), [("k", "n"), ("m", "k")])
+def test_launcher_no_tokens_discrete_runs_on_zero_stand_ins(
+    monkeypatch, fake_compile, a_major, b_major
+):
+    monkeypatch.setenv(sm100.ENABLE_ENV, "1")
+    key = Sm100WgradKey(
+        256, 128, 2, a_major=a_major, b_major=b_major, output_mode="discrete",
+        tile=Sm100TileConfig(128, 128, 64, 4),
+    )
+    a = torch.zeros(256, 0, dtype=torch.bfloat16)
+    b = torch.zeros(0, 128, dtype=torch.bfloat16)
+    ptrs = torch.tensor([4096, 8192], dtype=torch.int64)
+    off = torch.zeros(2, dtype=torch.int32)
+    sm100.compile_sm100_wgrad(key)(a, b, off, ptrs)
+    ((fa, fb_nk, foff, fout, clusters),) = fake_compile.calls
+    assert fout is ptrs and foff is off and clusters == 4  # the kernel writes the zeros
+    assert fa.shape == (256, 256) and not fa.any()
+    assert fa.stride() == ((256, 1) if a_major == "k" else (1, 256))
+    assert fb_nk.shape == (128, 256) and not fb_nk.any()  # B's (N, S) view
+    assert fb_nk.t().stride() == ((1, 256) if b_major == "k" else (128, 1))
+
+
 def test_api_compiles_but_refuses_to_run_without_opt_in(monkeypatch, fake_compile):
     monkeypatch.delenv(sm100.ENABLE_ENV, raising=False)
     monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": 100)
@@ -348,15 +381,17 @@ def test_auto_dispatch_skips_unverified_kernel(monkeypatch):
     reason="needs an SM100 GPU, nvidia-cutlass-dsl and MOE_BWD_ENABLE_UNVERIFIED_SM100=1",
 )
 @pytest.mark.parametrize(
-    ("tile_mn", "a_major", "b_major", "out_dtype", "accumulate"),
+    ("tile_mn", "a_major", "b_major", "out_dtype", "accumulate", "mode"),
     [
-        ((256, 256), "m", "n", "float32", False),
-        ((256, 128), "k", "k", "bfloat16", False),
-        ((128, 128), "k", "n", "float32", True),
-        ((128, 64), "m", "k", "float16", False),
+        ((256, 256), "m", "n", "float32", False, "dense"),
+        ((256, 128), "k", "k", "bfloat16", False, "dense"),
+        ((128, 128), "k", "n", "float32", True, "dense"),
+        ((128, 64), "m", "k", "float16", False, "dense"),
+        ((256, 256), "m", "n", "float32", True, "discrete"),
+        ((128, 128), "k", "k", "bfloat16", False, "discrete"),
     ],
 )
-def test_gpu_matches_reference(tile_mn, a_major, b_major, out_dtype, accumulate):
+def test_gpu_matches_reference(tile_mn, a_major, b_major, out_dtype, accumulate, mode):
     gen = torch.Generator().manual_seed(0)
     counts = [512, 0, 256, 1024, 0]  # multiples of 256, empty experts between
     m, n, s = 512, 512, sum(counts)
@@ -368,11 +403,19 @@ def test_gpu_matches_reference(tile_mn, a_major, b_major, out_dtype, accumulate)
     dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[out_dtype]
     key = Sm100WgradKey(
         m, n, len(counts), a_major=a_major, b_major=b_major, out_dtype=out_dtype,
-        accumulate=accumulate, tile=select_sm100_tile_config(m, n, 5, mma_tiler_mn=tile_mn),
+        accumulate=accumulate, output_mode=mode,
+        tile=select_sm100_tile_config(m, n, 5, mma_tiler_mn=tile_mn),
     )
     init = torch.full((len(counts), m, n), 1.0 if accumulate else float("nan"), dtype=dt).cuda()
-    out = init.clone()
-    sm100.compile_sm100_wgrad(key)(a, b, off, out)
+    launcher = sm100.compile_sm100_wgrad(key)
+    if mode == "dense":
+        out = init.clone()
+        launcher(a, b, off, out)
+    else:
+        outs = [init[i].clone() for i in range(len(counts))]  # one allocation per expert
+        launcher(a, b, off, torch.tensor([t.data_ptr() for t in outs], device="cuda"))
+        torch.cuda.synchronize()
+        out = torch.stack(outs)
     torch.cuda.synchronize()
     ref = torch.zeros(len(counts), m, n, device="cuda")
     begin = 0

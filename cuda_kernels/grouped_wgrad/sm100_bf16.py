@@ -27,19 +27,24 @@ idioms of CUTLASS's Blackwell CuTe DSL dense GEMM, written for this operation):
   ``tile_m = 256`` uses the 2-CTA MMA (cta_group::2, a (2, 1) cluster: each CTA holds 128 rows of
   A and half of B);
 - warps 0-3 (epilogue): allocate TMEM, load the accumulator (``tcgen05.ld``), convert, stage
-  sub-tiles in shared memory and TMA-store them, or TMA reduce-add when ``accumulate``;
+  sub-tiles in shared memory and TMA-store them, or TMA reduce-add when ``accumulate``; discrete
+  outputs (an int64 pointer per expert, read on the device) are stored from registers (loaded
+  and added first when accumulating);
 - scheduling: static persistent; tile ids run over the experts sorted by token count (largest
   first, sorted on the device from ``offsets``), cluster ``c`` takes ids ``c, c + C, ...``;
 - every tile's token range is read from ``offsets`` on the device (no host read, CUDA-graph
   capturable); the token dimension is dynamic, so new splits never recompile;
 - empty experts issue no loads and no MMAs; their tiles are written as zeros (overwrite) or left
-  untouched (accumulate). Rows of other experts are never read.
+  untouched (accumulate). Rows of other experts are never read. An expert whose range breaks the
+  contract (possible only when the caller skips the host check of the offsets) gets NaN written
+  (or added) instead of a silently wrong result.
 
-Supported: A K-major or M-major, B K-major or N-major, dense ``(E, M, N)`` output in BF16 / FP16 /
-FP32, overwrite or accumulate, ``input_order`` "tensor2d" and "tensor_ragged" (K-major ragged
-operands are repacked on the device first, as in the SM90 module). Not supported: discrete output
-pointers (``Sm100WgradKey`` rejects ``output_mode="discrete"``), clusters other than (1, 1) for
-``tile_m = 128`` and (2, 1) for ``tile_m = 256``, partial output tiles.
+Supported: A K-major or M-major, B K-major or N-major, dense ``(E, M, N)`` or discrete (pointer
+per expert) output in BF16 / FP16 / FP32, overwrite or accumulate, ``input_order`` "tensor2d" and
+"tensor_ragged" (K-major ragged operands are repacked on the device first, as in the SM90
+module). Not supported: clusters other than (1, 1) for ``tile_m = 128`` and (2, 1) for
+``tile_m = 256`` (no TMA multicast), partial output tiles (hidden / intermediate must be
+multiples of the tile), a dynamic (atomic / CLC) tile scheduler.
 
 Public names (mirroring ``sm90_bf16``): ``Sm100TileConfig``, ``Sm100WgradKey``,
 ``select_sm100_tile_config``, ``compile_sm100_wgrad`` (cached; ``COMPILE_COUNT`` counts real
@@ -179,14 +184,15 @@ class Sm100WgradKey:
         a_major: ``"k"`` (A stride ``(tokens_sum, 1)``) or ``"m"`` (stride ``(1, hidden)``).
         b_major: ``"k"`` (B stride ``(1, tokens_sum)``) or ``"n"`` (stride ``(intermediate, 1)``).
         out_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
-        output_mode: ``"dense"`` only (one ``(E, M, N)`` row-major tensor).
+        output_mode: ``"dense"`` (one ``(E, M, N)`` row-major tensor) or ``"discrete"`` (``(E,)``
+            int64 pointers to ``(M, N)`` row-major outputs, 16-byte aligned).
         accumulate: add into the output (TMA reduce-add) instead of overwriting it.
         input_order: ``"tensor2d"`` or ``"tensor_ragged"``.
         tile: the :class:`Sm100TileConfig`.
 
     Raises:
-        ValueError: a field outside the values above, ``output_mode="discrete"`` (not built for
-            SM100), or hidden / intermediate that the tile does not divide.
+        ValueError: a field outside the values above, or hidden / intermediate that the tile
+            does not divide.
     """
 
     hidden: int
@@ -213,10 +219,9 @@ class Sm100WgradKey:
             raise ValueError(
                 f"Sm100WgradKey.out_dtype must be one of {_OUT_DTYPES}, got {self.out_dtype!r}"
             )
-        if self.output_mode != "dense":
+        if self.output_mode not in ("dense", "discrete"):
             raise ValueError(
-                f"Sm100WgradKey.output_mode must be 'dense' (discrete output pointers are not "
-                f"built for the SM100 kernel), got {self.output_mode!r}"
+                f"Sm100WgradKey.output_mode must be 'dense' or 'discrete', got {self.output_mode!r}"
             )
         if self.input_order not in ("tensor2d", "tensor_ragged"):
             raise ValueError(
@@ -350,8 +355,8 @@ def sm100_key_from_contract(contract: Any) -> Sm100WgradKey:
     else from ``configs/cuda/sm100_tiles.yaml``).
 
     Raises:
-        ValueError: the contract is outside what :class:`Sm100WgradKey` accepts (discrete output,
-            tiles that do not divide the shape, unsupported clusters).
+        ValueError: the contract is outside what :class:`Sm100WgradKey` accepts (tiles that do
+            not divide the shape, unsupported clusters).
     """
     tile = select_sm100_tile_config(
         contract.hidden,
@@ -424,6 +429,8 @@ def _build_kernel_class():
             self.tmem_alloc_sync_bar_id = 2
             self.occupancy = 1
             self.stages = t.stages
+            # dense output: TMA store epilogue; discrete (a pointer per expert): register stores
+            self.tma_epi = key.output_mode == "dense"
 
         def _setup(self, a_major_mode, b_major_mode):
             tiled_mma = sm100_utils.make_trivial_tiled_mma(
@@ -443,6 +450,8 @@ def _build_kernel_class():
             )
             c_one = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
             c_bytes = cute.size_in_bytes(self.c_dtype, c_one) * self.num_c_stage
+            if not self.tma_epi:
+                c_bytes = 0  # discrete outputs are stored from registers
             a_one = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
             b_one = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
             ab_bytes = cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(
@@ -503,17 +512,19 @@ def _build_kernel_class():
                 + cute.size_in_bytes(self.ab_dtype, b_smem_one)
             ) * atom_thr_size
 
-            m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
-            mC_mne = cute.make_tensor(
-                mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
-            )
-            store_op = cpasync.CopyBulkTensorTileS2GOp()
-            if cutlass.const_expr(self.key.accumulate):
-                store_op = cpasync.CopyReduceBulkTensorTileS2GOp()
-            epi_smem_one = cute.select(self.c_smem_layout_staged, mode=[0, 1])
-            tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
-                store_op, mC_mne, epi_smem_one, self.epi_tile
-            )
+            tma_atom_c, tma_c = tma_atom_a, mOut  # discrete: stores from registers
+            if cutlass.const_expr(self.tma_epi):
+                m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
+                mC_mne = cute.make_tensor(
+                    mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
+                )
+                store_op = cpasync.CopyBulkTensorTileS2GOp()
+                if cutlass.const_expr(self.key.accumulate):
+                    store_op = cpasync.CopyReduceBulkTensorTileS2GOp()
+                epi_smem_one = cute.select(self.c_smem_layout_staged, mode=[0, 1])
+                tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
+                    store_op, mC_mne, epi_smem_one, self.epi_tile
+                )
 
             @cute.struct
             class SharedStorage:
@@ -576,6 +587,16 @@ def _build_kernel_class():
                 n_k = cutlass.Int32(0)
             return e, m_idx, n_idx, k_begin // self.tile_k, n_k, bad
 
+        def expert_c(self, ptr_int, thr_mma):
+            """This CTA's ((MMA_M), (MMA_N), RestM, RestN, 1) view of one discrete (M, N) row-major
+            output at address ``ptr_int`` (16-byte aligned; traced inline, not a device call)."""
+            m, n = self.key.hidden, self.key.intermediate
+            ptr = cute.make_ptr(self.c_dtype, ptr_int, cute.AddressSpace.gmem, assumed_align=16)
+            mC_e = cute.make_tensor(ptr, cute.make_layout((m, n, 1), stride=(n, 1, m * n)))
+            tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
+            gC_e = cute.local_tile(mC_e, tile_mn, (None, None, None))
+            return sm100_epi.transform_partitioned_tensor_layout(thr_mma.partition_C(gC_e))
+
         @cute.kernel
         def kernel(
             self,
@@ -585,7 +606,7 @@ def _build_kernel_class():
             tma_atom_b: cute.CopyAtom,
             mB_nk: cute.Tensor,
             tma_atom_c: cute.CopyAtom,
-            mC_mne: cute.Tensor,
+            mC: cute.Tensor,  # dense: the TMA view of (M, N, E); discrete: (E,) int64 pointers
             mOffsets: cute.Tensor,
             cluster_layout_vmnk: cute.Layout,
             a_smem_layout_staged: cute.ComposedLayout,
@@ -598,7 +619,8 @@ def _build_kernel_class():
             if warp_idx == self.tma_warp_id:
                 cpasync.prefetch_descriptor(tma_atom_a)
                 cpasync.prefetch_descriptor(tma_atom_b)
-                cpasync.prefetch_descriptor(tma_atom_c)
+                if cutlass.const_expr(self.tma_epi):
+                    cpasync.prefetch_descriptor(tma_atom_c)
 
             use_2cta = cute.size(tiled_mma.thr_id.shape) == 2
             bidx, _, _ = cute.arch.block_idx()
@@ -656,12 +678,14 @@ def _build_kernel_class():
                 byte_alignment=128,
                 swizzle=b_smem_layout_staged.inner,
             )
-            sC = smem.allocate_tensor(
-                element_type=self.c_dtype,
-                layout=c_smem_layout_staged.outer,
-                byte_alignment=128,
-                swizzle=c_smem_layout_staged.inner,
-            )
+            sC = None
+            if cutlass.const_expr(self.tma_epi):
+                sC = smem.allocate_tensor(
+                    element_type=self.c_dtype,
+                    layout=c_smem_layout_staged.outer,
+                    byte_alignment=128,
+                    swizzle=c_smem_layout_staged.inner,
+                )
 
             a_mcast_mask = None
             b_mcast_mask = None
@@ -680,13 +704,17 @@ def _build_kernel_class():
             gB = cute.local_tile(
                 mB_nk, cute.slice_(self.mma_tiler, (0, None, None)), (None, None)
             )
-            gC = cute.local_tile(
-                mC_mne, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
-            )
+            gC = None
+            if cutlass.const_expr(self.tma_epi):
+                gC = cute.local_tile(
+                    mC, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
+                )
             thr_mma = tiled_mma.get_slice(mma_tile_coord_v)
             tCgA = thr_mma.partition_A(gA)  # (MMA, MMA_M, MMA_K, RestM, RestK)
             tCgB = thr_mma.partition_B(gB)  # (MMA, MMA_N, MMA_K, RestN, RestK)
-            tCgC = thr_mma.partition_C(gC)  # (MMA, MMA_M, MMA_N, RestM, RestN, E)
+            tCgC = None
+            if cutlass.const_expr(self.tma_epi):
+                tCgC = thr_mma.partition_C(gC)  # (MMA, MMA_M, MMA_N, RestM, RestN, E)
 
             a_cta_layout = cute.make_layout(
                 cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape
@@ -809,33 +837,39 @@ def _build_kernel_class():
                 tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
                 tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
 
-                tCgC_mn = sm100_epi.transform_partitioned_tensor_layout(tCgC)
                 tCtAcc_mn = sm100_epi.transform_partitioned_tensor_layout(tCtAcc_base)
+                if cutlass.const_expr(self.tma_epi):
+                    tCgC_mn = sm100_epi.transform_partitioned_tensor_layout(tCgC)
+                else:
+                    tCgC_mn = self.expert_c(mC[0], thr_mma)  # shapes only
                 tiled_t2r, tTR_tAcc_base, tTR_rAcc = sm100_epi.epilogue_tmem_copy_and_partition(
                     self, tidx, tCtAcc_mn, tCgC_mn, epi_tile, self.use_2cta_instrs
                 )
+                thr_t2r = tiled_t2r.get_slice(tidx)
                 tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-                tiled_r2s, tRS_rC, tRS_sC = sm100_epi.epilogue_smem_copy_and_partition(
-                    self, tiled_t2r, tTR_rC, tidx, sC
-                )
-                tCgC_epi = cute.flat_divide(tCgC_mn, epi_tile)
-                bSG_sC, bSG_gC_all = cpasync.tma_partition(
-                    tma_atom_c,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sC, 0, 2),
-                    cute.group_modes(tCgC_epi, 0, 2),
-                )
-                epi_barrier = pipeline.NamedBarrier(
-                    barrier_id=self.epilog_sync_bar_id,
-                    num_threads=32 * len(self.epilogue_warp_id),
-                )
-                c_pipe = pipeline.PipelineTmaStore.create(
-                    num_stages=self.num_c_stage,
-                    producer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, 32 * len(self.epilogue_warp_id)
-                    ),
-                )
+                tTR_rOld = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+                if cutlass.const_expr(self.tma_epi):
+                    tiled_r2s, tRS_rC, tRS_sC = sm100_epi.epilogue_smem_copy_and_partition(
+                        self, tiled_t2r, tTR_rC, tidx, sC
+                    )
+                    tCgC_epi = cute.flat_divide(tCgC_mn, epi_tile)
+                    bSG_sC, bSG_gC_all = cpasync.tma_partition(
+                        tma_atom_c,
+                        0,
+                        cute.make_layout(1),
+                        cute.group_modes(sC, 0, 2),
+                        cute.group_modes(tCgC_epi, 0, 2),
+                    )
+                    epi_barrier = pipeline.NamedBarrier(
+                        barrier_id=self.epilog_sync_bar_id,
+                        num_threads=32 * len(self.epilogue_warp_id),
+                    )
+                    c_pipe = pipeline.PipelineTmaStore.create(
+                        num_stages=self.num_c_stage,
+                        producer_group=pipeline.CooperativeGroup(
+                            pipeline.Agent.Thread, 32 * len(self.epilogue_warp_id)
+                        ),
+                    )
                 acc_cstate = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, self.num_acc_stage
                 )
@@ -844,8 +878,6 @@ def _build_kernel_class():
                 while tile < self.num_tiles:
                     e, m_idx, n_idx, _k0, n_k, bad = self.tile_coords(tile, sPerm, mOffsets)
                     # 2-CTA: this CTA writes rows [128 v, 128 v + 128) of the 256-row MMA tile.
-                    bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e)]
-                    bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
                     tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cstate.index)]
                     tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
                     subtiles = cute.size(tTR_tAcc.shape, mode=[3])
@@ -856,26 +888,56 @@ def _build_kernel_class():
                             write = cutlass.Boolean(True)
                     if n_k > 0:
                         acc_pipe.consumer_wait(acc_cstate)
-                    if write:
-                        for sub in cutlass.range_constexpr(subtiles):
-                            if n_k > 0:
-                                cute.copy(tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
-                                vals = tiled_r2s.retile(tTR_rAcc).load()
-                                tRS_rC.store(vals.to(self.c_dtype))
-                            elif bad:
-                                tRS_rC.fill(float("nan"))  # offsets broke the contract
-                            else:
-                                tRS_rC.fill(0.0)  # empty expert, overwrite: zeros
-                            buf = epi_count % self.num_c_stage
-                            cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            epi_barrier.arrive_and_wait()
-                            if warp_idx == self.epilogue_warp_id[0]:
-                                cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, sub)])
-                                c_pipe.producer_commit()
-                                c_pipe.producer_acquire()
-                            epi_barrier.arrive_and_wait()
-                            epi_count += 1
+                    if cutlass.const_expr(self.tma_epi):
+                        # registers -> smem sub-tile -> TMA store (TMA reduce-add if accumulate)
+                        bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e)]
+                        bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
+                        if write:
+                            for sub in cutlass.range_constexpr(subtiles):
+                                if n_k > 0:
+                                    cute.copy(
+                                        tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc
+                                    )
+                                    vals = tiled_r2s.retile(tTR_rAcc).load()
+                                    tRS_rC.store(vals.to(self.c_dtype))
+                                elif bad:
+                                    tRS_rC.fill(float("nan"))  # offsets broke the contract
+                                else:
+                                    tRS_rC.fill(0.0)  # empty expert, overwrite: zeros
+                                buf = epi_count % self.num_c_stage
+                                cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+                                cute.arch.fence_proxy("async.shared", space="cta")
+                                epi_barrier.arrive_and_wait()
+                                if warp_idx == self.epilogue_warp_id[0]:
+                                    cute.copy(
+                                        tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, sub)]
+                                    )
+                                    c_pipe.producer_commit()
+                                    c_pipe.producer_acquire()
+                                epi_barrier.arrive_and_wait()
+                                epi_count += 1
+                    else:
+                        # discrete: registers -> the expert's own (M, N) output (pointer mC[e])
+                        tTR_gC = thr_t2r.partition_D(cute.flat_divide(self.expert_c(mC[e], thr_mma), epi_tile))
+                        tTR_gC = tTR_gC[(None, None, None, None, None, m_idx, n_idx, 0)]
+                        tTR_gC = cute.group_modes(tTR_gC, 3, cute.rank(tTR_gC))
+                        if write:
+                            for sub in cutlass.range_constexpr(subtiles):
+                                g_sub = tTR_gC[(None, None, None, sub)]
+                                if n_k > 0:
+                                    cute.copy(
+                                        tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc
+                                    )
+                                    acc_vec = tTR_rAcc.load()
+                                    if cutlass.const_expr(self.key.accumulate):
+                                        cute.autovec_copy(g_sub, tTR_rOld)
+                                        acc_vec = acc_vec + tTR_rOld.load().to(self.acc_dtype)
+                                    tTR_rC.store(acc_vec.to(self.c_dtype))
+                                elif bad:
+                                    tTR_rC.fill(float("nan"))  # offsets broke the contract
+                                else:
+                                    tTR_rC.fill(0.0)  # empty expert, overwrite: zeros
+                                cute.autovec_copy(tTR_rC, g_sub)
                     if n_k > 0:
                         # all tcgen05.ld of this buffer complete before the MMA may overwrite it
                         cute.arch.fence_view_async_tmem_load()
@@ -883,7 +945,8 @@ def _build_kernel_class():
                             acc_pipe.consumer_release(acc_cstate)
                         acc_cstate.advance()
                     tile += num_clusters
-                c_pipe.producer_tail()
+                if cutlass.const_expr(self.tma_epi):
+                    c_pipe.producer_tail()
                 tmem.relinquish_alloc_permit()
                 tmem.free(tmem_ptr)
 
@@ -917,9 +980,12 @@ def _fake_args(key: Sm100WgradKey):
         assumed_align=16,
     )
     offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
-    out = cute.runtime.make_fake_compact_tensor(
-        out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
-    )
+    if key.output_mode == "dense":
+        out = cute.runtime.make_fake_compact_tensor(
+            out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
+        )
+    else:
+        out = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (e,), assumed_align=8)
     return a, b, offsets, out
 
 
@@ -975,7 +1041,9 @@ def compile_sm100_wgrad(key: Any) -> Callable[..., None]:
     - ``b``: ``(tokens_sum, intermediate)`` bf16, K-major (``(1, S)``) or N-major (``(N, 1)``);
     - ``offsets``: ``(E,)`` int32 cumulative expert ends on the device, each expert a multiple of
       256 tokens (the SM100 contract; never read on the host here);
-    - ``out``: dense ``(E, M, N)`` contiguous tensor of ``key.out_dtype``;
+    - ``out``: dense ``(E, M, N)`` contiguous tensor of ``key.out_dtype``, or for
+      ``output_mode="discrete"`` an ``(E,)`` int64 tensor of 16-byte aligned ``(M, N)`` row-major
+      output addresses;
     - ``stream``: a ``torch.cuda.Stream`` (default: the current stream).
 
     The launcher raises ``RuntimeError`` unless ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1``: the kernel
@@ -1004,6 +1072,18 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _zero_tokens(x, k_major: bool, transpose: bool):
+    """A 256-token zero stand-in for an operand with no tokens, in the operand's layout."""
+    import torch
+
+    rows = x.shape[1] if transpose else x.shape[0]
+    if k_major:
+        y = torch.zeros(rows, _GROUP_ALIGN, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.zeros(_GROUP_ALIGN, rows, dtype=x.dtype, device=x.device).t()
+    return y.t() if transpose else y
+
+
 def _launch(key: Sm100WgradKey, fn: Any, a, b, offsets, out, stream=None) -> None:
     reason = unverified_reason()
     if reason is not None:
@@ -1013,11 +1093,17 @@ def _launch(key: Sm100WgradKey, fn: Any, a, b, offsets, out, stream=None) -> Non
     from .sm90_bf16 import _ragged_to_2d
 
     if a.shape[1] == 0:  # tokens_sum = 0: every expert is empty (and TMA has no 0-sized boxes)
-        if not key.accumulate:
+        if key.accumulate:
+            return
+        if key.output_mode == "dense":
             ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             with ctx:
                 out.zero_()
-        return
+            return
+        # discrete: the kernel writes the zeros through the pointers; give it 256 zero tokens
+        # (never read: every expert's range is empty) so that its TMA descriptors are valid
+        a = _zero_tokens(a, key.a_major == "k", transpose=False)
+        b = _zero_tokens(b, key.b_major == "k", transpose=True)
     if key.input_order == "tensor_ragged":
         if key.a_major == "k":
             a = _ragged_to_2d(a, offsets, a.shape[0])

@@ -13,6 +13,7 @@ without an SM100 device AND the opt-in, i.e. skipped everywhere until someone ru
 
 import dataclasses
 import importlib.util
+import itertools
 import re
 import shutil
 import subprocess
@@ -340,6 +341,31 @@ def test_launcher_no_tokens_discrete_runs_on_zero_stand_ins(
     assert fa.stride() == ((256, 1) if a_major == "k" else (1, 256))
     assert fb_nk.shape == (128, 256) and not fb_nk.any()  # B's (N, S) view
     assert fb_nk.t().stride() == ((1, 256) if b_major == "k" else (128, 1))
+
+
+def test_launcher_repacks_tensor_ragged_k_major_operands(monkeypatch, fake_compile):
+    monkeypatch.setenv(sm100.ENABLE_ENV, "1")
+    counts = (256, 0, 512)
+    m, n, s = 128, 64, sum(counts)
+    gen = torch.Generator().manual_seed(0)
+    a2d = torch.randn(m, s, generator=gen).to(torch.bfloat16)  # (M, S) K-major
+    b2d_t = torch.randn(n, s, generator=gen).to(torch.bfloat16)  # B^T (N, S): B is K-major
+    off = torch.tensor(counts).cumsum(0).to(torch.int32)
+    bounds = [0, *off.tolist()]
+
+    def ragged(x_XS):  # per-expert (rows, K_e) row-major blocks, concatenated
+        blocks = [x_XS[:, lo:hi].contiguous().flatten() for lo, hi in itertools.pairwise(bounds)]
+        flat = torch.cat(blocks)
+        return flat.as_strided(x_XS.shape, (s, 1))
+
+    key = Sm100WgradKey(
+        m, n, 3, a_major="k", b_major="k", input_order="tensor_ragged",
+        tile=Sm100TileConfig(128, 64, 64, 4),
+    )
+    sm100.compile_sm100_wgrad(key)(ragged(a2d), ragged(b2d_t).t(), off, torch.empty(3, m, n))
+    ((fa, fb_nk, _off, _out, _clusters),) = fake_compile.calls
+    assert torch.equal(fa, a2d) and fa.stride() == (s, 1)
+    assert torch.equal(fb_nk, b2d_t) and fb_nk.stride() == (s, 1)
 
 
 def test_api_compiles_but_refuses_to_run_without_opt_in(monkeypatch, fake_compile):

@@ -79,8 +79,9 @@ def test_select_tile_config_rules():
     assert select_sm100_tile_config(2048, 1152, 128) == Sm100TileConfig(256, 128, 64, 8)
     assert select_sm100_tile_config(384, 384, 4) == Sm100TileConfig(128, 128, 64, 6)
     assert select_sm100_tile_config(128, 96, 2) == Sm100TileConfig(128, 32, 64, 8)
-    with pytest.raises(ValueError, match="no SM100 tile fits"):
-        select_sm100_tile_config(192, 256, 2)
+    # the last rule has no conditions: dense outputs end in partial tiles
+    assert select_sm100_tile_config(192, 100, 2) == Sm100TileConfig(128, 128, 64, 6)
+    assert select_sm100_tile_config(2880, 2880, 32) == Sm100TileConfig(128, 128, 64, 6)
     with pytest.raises(ValueError, match="positive"):
         select_sm100_tile_config(256, 0, 2)
     # a caller's tile: as many stages (<= 8) as 227 KiB hold
@@ -88,8 +89,7 @@ def test_select_tile_config_rules():
     assert (cfg.tile_m, cfg.tile_n, cfg.tile_k) == (256, 256, 64)
     assert cfg.stages == (227 * 1024 - 1024) // (2 * 64 * 256)
     assert select_sm100_tile_config(512, 512, 4, mma_tiler_mn=(128, 64)).stages == 8
-    with pytest.raises(ValueError, match="must divide"):
-        select_sm100_tile_config(384, 512, 4, mma_tiler_mn=(256, 256))
+    assert select_sm100_tile_config(384, 500, 4, mma_tiler_mn=(256, 256)).tile_n == 256
     with pytest.raises(ValueError, match="tile_m must be 128 or 256"):
         select_sm100_tile_config(512, 512, 4, mma_tiler_mn=(64, 128))
     with pytest.raises(ValueError, match="cluster_shape_mn"):
@@ -118,10 +118,12 @@ def test_key_validation_and_hashing():
     ]:
         with pytest.raises(ValueError, match=word):
             Sm100WgradKey(512, 512, 4, **({"tile": tile} | kwargs))
-    with pytest.raises(ValueError, match="hidden=384 must be a multiple of tile_m=256"):
-        Sm100WgradKey(384, 512, 4, tile=tile)
-    with pytest.raises(ValueError, match="intermediate"):
-        Sm100WgradKey(512, 384, 4, tile=tile)
+    partial = Sm100WgradKey(384, 320, 4, tile=tile)  # dense: partial last tiles
+    assert (partial.m_tiles, partial.n_tiles, partial.num_tiles) == (2, 2, 16)
+    with pytest.raises(ValueError, match="hidden=384 must be a multiple of tile_m=256 for discr"):
+        Sm100WgradKey(384, 512, 4, output_mode="discrete", tile=tile)
+    with pytest.raises(ValueError, match="intermediate=384 must be a multiple of tile_n=256"):
+        Sm100WgradKey(512, 384, 4, output_mode="discrete", tile=tile)
     with pytest.raises(ValueError, match="num_experts"):
         Sm100WgradKey(512, 512, 0, tile=tile)
     with pytest.raises(ValueError, match="hidden"):
@@ -141,8 +143,9 @@ def test_key_from_api_contract():
     assert sm100.sm100_key_from_contract(_contract(output_mode="discrete")).output_mode == (
         "discrete"
     )
-    with pytest.raises(ValueError, match="must divide"):
-        sm100.sm100_key_from_contract(_contract(hidden=384))
+    assert sm100.sm100_key_from_contract(_contract(hidden=384)).m_tiles == 2
+    with pytest.raises(ValueError, match="for discrete outputs"):
+        sm100.sm100_key_from_contract(_contract(hidden=384, output_mode="discrete"))
     with pytest.raises(ValueError, match="Sm100WgradKey or an api.WgradContract"):
         sm100.compile_sm100_wgrad_offline((256, 256))
 
@@ -168,10 +171,14 @@ def _ops(ptx: str, prefix: str) -> set[str]:
         ((128, 128), "k", "k", "bfloat16", False, "discrete"),
     ],
 )
-def test_offline_compile_sm100a(tile_mn, a_major, b_major, out_dtype, accumulate, mode):
-    tile = select_sm100_tile_config(512, 512, 4, mma_tiler_mn=tile_mn)
+@pytest.mark.parametrize("shape_mn", [(512, 512), (384, 320)])  # the second: partial tiles
+def test_offline_compile_sm100a(shape_mn, tile_mn, a_major, b_major, out_dtype, accumulate, mode):
+    m, n = shape_mn
+    if mode == "discrete" and (m % tile_mn[0] or n % tile_mn[1]):
+        pytest.skip("discrete outputs have no partial tiles (checked in the key tests)")
+    tile = select_sm100_tile_config(m, n, 4, mma_tiler_mn=tile_mn)
     key = Sm100WgradKey(
-        512, 512, 4, a_major=a_major, b_major=b_major, out_dtype=out_dtype,
+        m, n, 4, a_major=a_major, b_major=b_major, out_dtype=out_dtype,
         accumulate=accumulate, output_mode=mode, tile=tile,
     )
     ptx = sm100.compile_sm100_wgrad_offline(key, arch="sm_100a")
@@ -407,20 +414,21 @@ def test_auto_dispatch_skips_unverified_kernel(monkeypatch):
     reason="needs an SM100 GPU, nvidia-cutlass-dsl and MOE_BWD_ENABLE_UNVERIFIED_SM100=1",
 )
 @pytest.mark.parametrize(
-    ("tile_mn", "a_major", "b_major", "out_dtype", "accumulate", "mode"),
+    ("mn", "tile_mn", "a_major", "b_major", "out_dtype", "accumulate", "mode"),
     [
-        ((256, 256), "m", "n", "float32", False, "dense"),
-        ((256, 128), "k", "k", "bfloat16", False, "dense"),
-        ((128, 128), "k", "n", "float32", True, "dense"),
-        ((128, 64), "m", "k", "float16", False, "dense"),
-        ((256, 256), "m", "n", "float32", True, "discrete"),
-        ((128, 128), "k", "k", "bfloat16", False, "discrete"),
+        ((512, 512), (256, 256), "m", "n", "float32", False, "dense"),
+        ((512, 512), (256, 128), "k", "k", "bfloat16", False, "dense"),
+        ((512, 512), (128, 128), "k", "n", "float32", True, "dense"),
+        ((512, 512), (128, 64), "m", "k", "float16", False, "dense"),
+        ((384, 320), (256, 256), "m", "n", "float32", False, "dense"),  # partial tiles
+        ((512, 512), (256, 256), "m", "n", "float32", True, "discrete"),
+        ((512, 512), (128, 128), "k", "k", "bfloat16", False, "discrete"),
     ],
 )
-def test_gpu_matches_reference(tile_mn, a_major, b_major, out_dtype, accumulate, mode):
+def test_gpu_matches_reference(mn, tile_mn, a_major, b_major, out_dtype, accumulate, mode):
     gen = torch.Generator().manual_seed(0)
     counts = [512, 0, 256, 1024, 0]  # multiples of 256, empty experts between
-    m, n, s = 512, 512, sum(counts)
+    (m, n), s = mn, sum(counts)
     x_SM = torch.randn(s, m, generator=gen).to(torch.bfloat16)
     dy_SN = torch.randn(s, n, generator=gen).to(torch.bfloat16)
     a = (x_SM.t().contiguous() if a_major == "k" else x_SM.t()).cuda()

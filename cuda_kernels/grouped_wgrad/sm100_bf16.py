@@ -42,9 +42,10 @@ idioms of CUTLASS's Blackwell CuTe DSL dense GEMM, written for this operation):
 Supported: A K-major or M-major, B K-major or N-major, dense ``(E, M, N)`` or discrete (pointer
 per expert) output in BF16 / FP16 / FP32, overwrite or accumulate, ``input_order`` "tensor2d" and
 "tensor_ragged" (K-major ragged operands are repacked on the device first, as in the SM90
-module). Not supported: clusters other than (1, 1) for ``tile_m = 128`` and (2, 1) for
-``tile_m = 256`` (no TMA multicast), partial output tiles (hidden / intermediate must be
-multiples of the tile), a dynamic (atomic / CLC) tile scheduler.
+module). Dense outputs may end in partial tiles (hidden / intermediate not multiples of the
+tile: TMA zero-fills the loads and clips the stores of each expert). Not supported: clusters other
+than (1, 1) for ``tile_m = 128`` and (2, 1) for ``tile_m = 256`` (no TMA multicast), partial tiles
+with discrete outputs, a dynamic (atomic / CLC) tile scheduler.
 
 Public names (mirroring ``sm90_bf16``): ``Sm100TileConfig``, ``Sm100WgradKey``,
 ``select_sm100_tile_config``, ``compile_sm100_wgrad`` (cached; ``COMPILE_COUNT`` counts real
@@ -231,25 +232,33 @@ class Sm100WgradKey:
         if not isinstance(self.tile, Sm100TileConfig):
             msg = f"Sm100WgradKey.tile must be a Sm100TileConfig, got {self.tile!r}"
             raise ValueError(msg)  # noqa: TRY004 - ValueError is the API contract
-        if self.hidden % self.tile.tile_m:
+        # Dense outputs may end in partial tiles (TMA zero-fills loads and clips stores per
+        # expert); discrete outputs are stored from registers without predication.
+        if self.output_mode == "discrete" and self.hidden % self.tile.tile_m:
             raise ValueError(
                 f"Sm100WgradKey: hidden={self.hidden} must be a multiple of tile_m="
-                f"{self.tile.tile_m} (the SM100 kernel has no partial output tiles)"
+                f"{self.tile.tile_m} for discrete outputs (no partial output tiles)"
             )
-        if self.intermediate % self.tile.tile_n:
+        if self.output_mode == "discrete" and self.intermediate % self.tile.tile_n:
             raise ValueError(
                 f"Sm100WgradKey: intermediate={self.intermediate} must be a multiple of tile_n="
-                f"{self.tile.tile_n} (the SM100 kernel has no partial output tiles)"
+                f"{self.tile.tile_n} for discrete outputs (no partial output tiles)"
             )
 
     @property
+    def m_tiles(self) -> int:
+        """MMA tiles along hidden: ``ceil(M / tile_m)``."""
+        return -(-self.hidden // self.tile.tile_m)
+
+    @property
+    def n_tiles(self) -> int:
+        """MMA tiles along intermediate: ``ceil(N / tile_n)``."""
+        return -(-self.intermediate // self.tile.tile_n)
+
+    @property
     def num_tiles(self) -> int:
-        """MMA tiles of one launch: ``E * (M / tile_m) * (N / tile_n)``."""
-        return (
-            self.num_experts
-            * (self.hidden // self.tile.tile_m)
-            * (self.intermediate // self.tile.tile_n)
-        )
+        """MMA tiles of one launch: ``E * ceil(M / tile_m) * ceil(N / tile_n)``."""
+        return self.num_experts * self.m_tiles * self.n_tiles
 
 
 @functools.lru_cache(maxsize=1)
@@ -294,7 +303,9 @@ def select_sm100_tile_config(
         hidden: M (rows of Wgrad). intermediate: N (columns). num_experts: E.
         tokens_hint: expected tokens_sum (unused by the current rules; kept for the contract).
         mma_tiler_mn: a caller's ``(tile_m, tile_n)`` instead of the rules, with ``tile_k = 64``
-            and as many stages (up to 8) as shared memory holds.
+            and as many stages (up to 8) as shared memory holds; it need not divide hidden and
+            intermediate (dense outputs end in partial tiles; :class:`Sm100WgradKey` refuses
+            that for discrete outputs).
         cluster_shape_mn: None, or the cluster the tile implies: (1, 1) for tile_m 128, (2, 1)
             for tile_m 256 (the only clusters this kernel is built for).
 
@@ -302,9 +313,9 @@ def select_sm100_tile_config(
         The first rule's :class:`Sm100TileConfig` whose conditions hold (or the caller's tile).
 
     Raises:
-        ValueError: non-positive sizes; no rule fits (hidden a multiple of 128 and intermediate
-            of 32 at least); an ``mma_tiler_mn`` outside the tile rules or not dividing hidden
-            and intermediate; a ``cluster_shape_mn`` other than the tile's.
+        ValueError: non-positive sizes; no rule fits (the file's last rule has no conditions);
+            an ``mma_tiler_mn`` outside the tile rules; a ``cluster_shape_mn`` other than the
+            tile's.
     """
     if hidden < 1 or intermediate < 1 or num_experts < 1:
         raise ValueError(
@@ -318,11 +329,6 @@ def select_sm100_tile_config(
                 f"select_sm100_tile_config: mma_tiler_mn={mma_tiler_mn}: tile_m must be 128 or 256"
             )
         config = Sm100TileConfig(tile_m, tile_n, 64, _stages_for(tile_m, tile_n, 64))
-        if hidden % tile_m or intermediate % tile_n:
-            raise ValueError(
-                f"select_sm100_tile_config: mma_tiler_mn={mma_tiler_mn} must divide "
-                f"hidden={hidden} and intermediate={intermediate}"
-            )
     else:
         config = None
         for _name, cond, rule_config in load_sm100_tile_rules():
@@ -338,8 +344,8 @@ def select_sm100_tile_config(
             break
         if config is None:
             raise ValueError(
-                f"select_sm100_tile_config: no SM100 tile fits hidden={hidden}, intermediate="
-                f"{intermediate} (hidden a multiple of 128, intermediate a multiple of 32)"
+                f"select_sm100_tile_config: no rule of {_TILES_YAML.name} fits hidden={hidden}, "
+                f"intermediate={intermediate}"
             )
     if cluster_shape_mn is not None and tuple(cluster_shape_mn) != config.cluster_shape_mn:
         raise ValueError(
@@ -415,8 +421,8 @@ def _build_kernel_class():
             self.acc_dtype = cutlass.Float32
             self.c_dtype = out_types[key.out_dtype]
             self.c_layout = LayoutEnum.ROW_MAJOR
-            self.m_tiles = key.hidden // t.tile_m
-            self.n_tiles = key.intermediate // t.tile_n
+            self.m_tiles = key.m_tiles
+            self.n_tiles = key.n_tiles
             self.tiles_per_expert = self.m_tiles * self.n_tiles
             self.num_tiles = key.num_tiles
             self.num_acc_stage = 2

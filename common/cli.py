@@ -30,19 +30,23 @@ __all__ = ["main"]
 
 def _cmd_models(args, console: Console) -> int:
     table = Table(title="MoE model shapes (configs/models)")
-    for col in ("name", "model", "H", "I", "E", "top_k", "shared", "router", "activation", "bias"):
-        table.add_column(col, justify="right" if col in ("H", "I", "E", "top_k", "shared") else "left")
+    for col in ("name (--model)", "H", "I", "E", "top_k", "shared", "router", "activation", "bias"):
+        table.add_column(
+            col,
+            justify="right" if col in ("H", "I", "E", "top_k", "shared") else "left",
+            no_wrap=col.startswith("name"),  # what --model takes: never truncate it
+        )
     for m in list_models():
         table.add_row(
-            m.name, m.display_name, str(m.hidden), str(m.intermediate), str(m.experts),
-            str(m.top_k), str(m.shared_experts), m.router, m.activation, "yes" if m.has_bias else "no",
+            m.name, str(m.hidden), str(m.intermediate), str(m.experts), str(m.top_k),
+            str(m.shared_experts), m.router, m.activation, "yes" if m.has_bias else "no",
         )
     console.print(table)
     return 0
 
 
 def _cmd_backends(args, console: Console) -> int:
-    table = Table(title=f"Backends (auto on this machine: {dispatch.detect_backend()})")
+    table = Table(title=f"Backends (auto on this machine: {dispatch.auto_backend_name()})")
     table.add_column("name")
     table.add_column("available")
     table.add_column("summary / why not")
@@ -72,6 +76,14 @@ def _cmd_run(args, console: Console) -> int:
             console.print(f"[red]error:[/red] --shrink: {exc}")
             return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        console.print(f"[red]error:[/red] --device {device!r} cannot be used here: {exc}")
+        return 2
+    if not (args.skew >= 0 and args.skew != float("inf")):
+        console.print(f"[red]error:[/red] --skew must be a finite number >= 0, got {args.skew}")
+        return 2
     need = _bytes_needed(model, args.tokens)
     have = _memory_available(device)
     if have is not None and need > have:
@@ -128,7 +140,7 @@ def _cmd_run(args, console: Console) -> int:
             "SwiGLU, so this run uses SiLU SwiGLU with the model's shape, biases and clamp limits."
         )
     table = Table(title="gradients vs float64 reference")
-    for col in ("gradient", "shape", "SQNR (dB)", "max rel err"):
+    for col in ("gradient", "shape", "SQNR (dB)", "max|err| / max|ref|"):
         table.add_column(col, justify="left" if col in ("gradient", "shape") else "right")
     worst = float("inf")
     for (name, out), (_, want) in zip(grads.named().items(), ref.named().items()):
@@ -139,8 +151,8 @@ def _cmd_run(args, console: Console) -> int:
         )
     console.print(table)
     console.print(
-        f"wall time: backend {times['backend']:.2f} s ({flops / times['backend'] / 1e9:.1f} GFLOP/s "
-        f"of {flops / 1e9:.1f} GFLOP), float64 reference {times['reference']:.2f} s, "
+        f"wall time: backend {times['backend']:.2f} s ({flops / times['backend'] / 1e9:.3g} GFLOP/s "
+        f"of {flops / 1e9:.3g} GFLOP), float64 reference {times['reference']:.2f} s, "
         f"inputs {times['inputs']:.2f} s"
     )
     phases = grads.info.get("nki_phases")
@@ -183,7 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moe-bwd", description="MoE expert-MLP backward kernels: run, compare, list."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run one MoE layer's backward and compare it with float64")
+    run = sub.add_parser(
+        "run", help="run one MoE layer's backward and compare it with float64",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     run.add_argument("--model", required=True, help="model shape name (see `moe-bwd models`)")
     run.add_argument("--tokens", type=int, required=True, help="tokens T in the batch")
     run.add_argument(

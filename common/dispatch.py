@@ -38,6 +38,7 @@ __all__ = [
     "resolve_backend",
     "run_backward",
     "device_grouped_wgrad",
+    "auto_backend_name",
 ]
 
 ENV_VAR = "MOE_BWD_BACKEND"
@@ -108,6 +109,18 @@ def registered_backends() -> dict[str, Backend]:
     return dict(_REGISTRY)
 
 
+def _env_backend() -> str | None:
+    """The backend named by ``MOE_BWD_BACKEND``; unset, empty or "auto" mean none."""
+    value = os.environ.get(ENV_VAR, "").strip()
+    return None if value in ("", "auto") else value
+
+
+def auto_backend_name(device: torch.device | str | None = None) -> str:
+    """What ``"auto"`` picks before availability checks: ``MOE_BWD_BACKEND`` if set, else
+    :func:`detect_backend`."""
+    return _env_backend() or detect_backend(device)
+
+
 def detect_backend(device: torch.device | str | None = None) -> str:
     """The backend name the device calls for (no availability check).
 
@@ -152,7 +165,7 @@ def resolve_backend(requested: str | None = "auto", device: torch.device | str |
         RuntimeError: an explicitly requested backend cannot run here (the message says why).
     """
     explicit = requested not in (None, "auto")
-    name = requested if explicit else os.environ.get(ENV_VAR, "").strip() or None
+    name = requested if explicit else _env_backend()
     source = "requested" if explicit else f"set by {ENV_VAR}"
     if name is not None:
         known = set(BACKEND_NAMES) | set(_REGISTRY)

@@ -108,8 +108,12 @@ class MoEBackwardProblem:
         w_down_EIH: [E, I, H] float, down projection.
         plan: the :class:`~common.routing.RoutingPlan` of the router output.
         act_checkpoint_R2I: [R, 2, I] float, the forward's clamped gate/up pre-activations of each
-            (token, expert) pair in the plan's pair order; rows of padding pairs (index >=
-            ``plan.num_pairs``) are arbitrary and may hold NaN.
+            (token, expert) pair in the plan's PAIR order (``plan.pair_token_R`` /
+            ``plan.pair_expert_R``: sorted by expert, then token), not in router-slot order; rows
+            of padding pairs (index >= ``plan.num_pairs``) are arbitrary and may hold NaN.
+            :func:`common.torch_backward.moe_forward_checkpoint_torch` and
+            :func:`common.reference.reference_forward` produce it; to convert a slot-order
+            ``act_TK2I`` use ``plan.pairs_from_slots(act_TK2I)``.
         b_gate_up_E2I: optional [E, 2, I] gate/up biases.
         b_down_EH: optional [E, H] down bias.
         clamp_limits: optional :class:`ClampLimits`.
@@ -136,6 +140,14 @@ class MoEBackwardProblem:
             ValueError: naming the first argument that breaks a rule (rank, shape, dtype,
                 device, or a plan of another T / E).
         """
+        from common.routing import RoutingPlan
+
+        if not isinstance(self.plan, RoutingPlan):
+            raise ValueError(f"plan must be a RoutingPlan (common.routing.plan_routing), got {type(self.plan).__name__}")
+        if self.clamp_limits is not None and not isinstance(self.clamp_limits, ClampLimits):
+            raise ValueError(
+                f"clamp_limits must be a ClampLimits or None, got {type(self.clamp_limits).__name__}"
+            )
         x = self.hidden_states_TH
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError(f"hidden_states_TH must be a 2-D [T, H] tensor, got {_shape(x)}")

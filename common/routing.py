@@ -31,6 +31,7 @@ gradients can be returned (each duplicate slot gets the merged pair's gradient).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -52,10 +53,21 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
 
-def _check_positive_int(name: str, value, what: str = ">= 1") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int {what}, got {value!r}")
-    return value
+def _as_int(name: str, value, minimum: int) -> int:
+    """``value`` as a Python int (numpy integers accepted) >= ``minimum``, else ValueError."""
+    if isinstance(value, (bool, float)) or isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}") from None
+    if v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v}")
+    return v
+
+
+def _check_positive_int(name: str, value) -> int:
+    return _as_int(name, value, 1)
 
 
 @dataclass(frozen=True)
@@ -156,11 +168,14 @@ class GroupedLayout:
         return _gather_masked(per_pair_R, self.row_to_pair_S, self.tokens_sum)
 
     def scatter_add_rows(self, rows_S: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
-        """Sum grouped rows [S, ...] back onto their tokens: [T, ...].
+        """Sum grouped rows [S, ...] back onto their tokens: [T, ...] (``num_tokens``, if given,
+        must equal the layout's T).
 
         Padding rows are dropped by a select, so NaN or garbage in them never reaches the result.
         """
-        T = self.num_tokens if num_tokens is None else num_tokens
+        T = self.num_tokens
+        if num_tokens is not None and num_tokens != T:
+            raise ValueError(f"scatter_add_rows: num_tokens={num_tokens!r} but the layout has T={T}")
         if rows_S.shape[0] != self.tokens_sum:
             raise ValueError(
                 f"scatter_add_rows: rows_S has {rows_S.shape[0]} rows, layout has S={self.tokens_sum}"
@@ -250,6 +265,24 @@ class RoutingPlan:
             return dense_TE.new_zeros(self.pair_token_R.shape[0])
         vals = dense_TE[self.pair_token_R.clamp(min=0), self.pair_expert_R.clamp(max=self.num_experts - 1)]
         return torch.where(self.pair_valid_R, vals, vals.new_zeros(()))
+
+    def pairs_from_slots(self, per_slot_TK: torch.Tensor) -> torch.Tensor:
+        """Per-router-slot rows [T, K, ...] -> per-pair rows [R, ...] in the plan's pair order.
+
+        Duplicate slots of one (token, expert) carry the same activations; the pair takes one
+        of them. Padding pairs get 0.
+        """
+        T, K = self.num_tokens, self.top_k
+        if per_slot_TK.dim() < 2 or tuple(per_slot_TK.shape[:2]) != (T, K):
+            raise ValueError(f"per_slot_TK must be [T={T}, K={K}, ...], got {tuple(per_slot_TK.shape)}")
+        R = T * K
+        tail = tuple(per_slot_TK.shape[2:])
+        flat = per_slot_TK.reshape((R,) + tail)
+        s2p = self.slot_to_pair_TK.reshape(-1)
+        out = flat.new_zeros((R + 1,) + tail)
+        dest = torch.where(s2p >= 0, s2p, torch.full_like(s2p, R))
+        out.index_put_((dest,), flat)
+        return out[:R]
 
     def slot_affinity_grad(self, d_affinity_TE: torch.Tensor) -> torch.Tensor:
         """Per-router-slot affinity gradient [T, K] from the dense [T, E] gradient.
@@ -356,8 +389,7 @@ class RoutingPlan:
         if max_tokens_sum is None:
             S = int(offsets[-1])  # host read (documented in the module docstring)
         else:
-            if isinstance(max_tokens_sum, bool) or not isinstance(max_tokens_sum, int) or max_tokens_sum < 0:
-                raise ValueError(f"max_tokens_sum must be an int >= 0, got {max_tokens_sum!r}")
+            max_tokens_sum = _as_int("max_tokens_sum", max_tokens_sum, 0)
             if max_tokens_sum % A:
                 raise ValueError(
                     f"max_tokens_sum={max_tokens_sum} must be a multiple of align={A}"
@@ -408,7 +440,8 @@ def plan_routing(
 
     Args:
         expert_index: [T, K] integer tensor, expert id of each slot, -1 = dropped slot.
-        affinity: [T, K] floating tensor on the same device, the slot's router weight.
+        affinity: [T, K] floating tensor on the same device, the slot's router weight; the
+            values of dropped slots are ignored (they may be NaN or -inf, as masked routers give).
         num_experts: E >= 1.
         validate: check id range and finite affinities (a host read on CUDA; pass False inside
             CUDA-graph capture, then out-of-range ids give undefined layouts).
@@ -447,8 +480,8 @@ def plan_routing(
             raise ValueError(
                 f"expert_index values must lie in [-1, num_experts={E}), found range [{lo}, {hi}]"
             )
-        if not bool(torch.isfinite(affinity).all()):
-            raise ValueError("affinity must be finite (found NaN or inf)")
+        if not bool(torch.isfinite(affinity[expert_index >= 0]).all()):
+            raise ValueError("affinity must be finite on routed slots (found NaN or inf)")
 
     dev = expert_index.device
     R = T * K

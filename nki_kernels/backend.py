@@ -268,6 +268,12 @@ def run_blockwise(
     if not isinstance(run_with_lnc2, bool):
         msg = f"run_with_lnc2 must be a bool, got {run_with_lnc2!r}"
         raise ValueError(msg)  # noqa: TRY004 - the project raises ValueError for bad input
+    problem.validate()
+    if not is_tensor_update_accumulating and problem.plan.top_k > 1:
+        raise ValueError(
+            "is_tensor_update_accumulating=False overwrites dX rows, which is correct only when "
+            f"each token is in one block; this plan has top_k={problem.plan.top_k}"
+        )
     if problem.hidden_states_TH.shape[0] == 0:
         return _zero_grads(problem, backend)
     args, kwargs, layout = prepare_blockwise_args(problem, block_size=block_size, padding=padding)

@@ -952,6 +952,12 @@ def blockwise_mm_bwd_mxfp8(
         skip_dma, skip_grad_initialization, is_tensor_update_accumulating, clamp_limits,
         activation_type, bias, accumulation_dtype,
     )
+    if not hasattr(hidden_states, "ap"):
+        raise RuntimeError(
+            "blockwise_mm_bwd_mxfp8 is an NKI kernel: launch it through nki.jit on Trainium, or "
+            "on the CPU through nki_kernels.interp.simulate(blockwise_mm_bwd_mxfp8, lnc=2)(...) "
+            "(nki_kernels.backend.prepare_blockwise_args builds the arguments from a problem)"
+        )
     T, H, I, E, N, B = args.T, args.H, args.I, args.E, args.N, args.B
     if nl.program_ndim() == 0:
         shard, num_shards = 0, 1

@@ -23,6 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
+
 from nki_kernels.config import (
     DEFAULT_COMPUTE_DTYPE,
     DEFAULT_FP8_X4_DTYPE,
@@ -465,6 +468,7 @@ def validate_blockwise_mm_bwd_args(
         _require(dt == ROUTING_DTYPE, f"{name} dtype must be int32, got {dt}")
     dt = dtype_name(gate_up_proj_act_checkpoint_T.dtype)
     _require(dt == "bfloat16", f"gate_up_proj_act_checkpoint_T dtype must be bfloat16, got {dt}")
+    _check_routing_values(token_position_to_id, block_to_expert, T, E, skip_dma)
 
     # LNC2 shards I_TP (SHARD_ON_FREE) and H; both are multiples of 128, so this always holds.
     num_shards = 2 if run_with_lnc2 else 1
@@ -511,6 +515,47 @@ def validate_blockwise_mm_bwd_args(
         skip_dma=skip_dma if skip_dma is not None else SkipMode(),
         clamp_limits=clamp_limits if clamp_limits is not None else ClampLimits(),
         accumulation_dtype=accumulation,
+    )
+
+
+def _host_values(t: Any):
+    """The values of a host-readable torch tensor / numpy array, else None (traced tensors)."""
+    if isinstance(t, np.ndarray):
+        return t
+    if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+        return t.detach().numpy()
+    if type(t).__module__.startswith("nki_kernels.interp"):  # our interpreter's HBM tensors
+        return t.numpy()
+    return None
+
+
+def _check_routing_values(token_position_to_id: Any, block_to_expert: Any, T: int, E: int,
+                          skip_dma: SkipMode | None) -> None:
+    """Value checks of the routing tensors, when their values are readable on the host.
+
+    On hardware an id outside the rows of hidden_states is an out-of-bounds DMA: skipped with
+    ``skip_dma.skip_token`` (so a mistyped id would silently drop a token) or an error. Here
+    only -1 (with ``skip_token``) and ids in [0, T) are accepted, T = hidden_states rows (the
+    zero padding row included).
+    """
+    b2e = _host_values(block_to_expert)
+    if b2e is not None and b2e.size:
+        lo, hi = int(b2e.min()), int(b2e.max())
+        _require(0 <= lo and hi < E, f"block_to_expert values must lie in [0, E={E}), found [{lo}, {hi}]")
+    tpti = _host_values(token_position_to_id)
+    if tpti is None or not tpti.size:
+        return
+    skip = skip_dma is not None and skip_dma.skip_token
+    valid = (tpti >= 0) & (tpti < T)
+    if skip:
+        valid |= tpti == -1
+    bad = tpti[~valid]
+    _require(
+        bad.size == 0,
+        f"token_position_to_id values must lie in [0, T={T})"
+        + (" or be -1 (skip_dma.skip_token=True)" if skip else
+           " (padding -1 needs skip_dma=SkipMode(skip_token=True))")
+        + (f", found {int(bad[0])}" if bad.size else ""),
     )
 
 

@@ -14,8 +14,8 @@ Scale rules (``scale_rule``), with ``amax = max |V|`` over the group:
   input's compute precision (fp32, or fp64 for fp64 input) and the ceiling taken exactly, as
   Blackwell's ``cvt.rp.satfinite.ue8m0x2.f32`` and cuBLAS do. Elements never exceed max_elem.
 * ``"trainium"``: ``X = 2^(floor(log2 amax) - (emax_elem - 1))``, one binade more than ``"ocp"``,
-  as NKI ``nisa.quantize_mx`` does (NKI_API.md §3.12): |V / X| < 2·2^emax_elem, so E4M3 elements
-  stay below 256 and never saturate.
+  as NKI ``nisa.quantize_mx`` does (NKI_API.md §3.12): |V / X| < 2·2^emax_elem before rounding,
+  so E4M3 elements are at most 256 after rounding (255.9 rounds to 256) and never saturate.
 
 For every rule: an all-zero group gets byte 0 (``X = 2^-127``); an exponent below -127 is clamped to
 -127 (byte 0) and the elements are still computed as ``V / 2^-127`` (tiny elements flush to 0 by
@@ -493,6 +493,9 @@ def mx_matmul(
     Raises:
         ValueError: operands not 2-D, K mismatch, or any :func:`quantize_mx` error.
     """
+    for name, t in (("a_MK", a_MK), ("b_KN", b_KN)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if a_MK.dim() != 2 or b_KN.dim() != 2:
         raise ValueError(
             f"a_MK and b_KN must be 2-D; got {tuple(a_MK.shape)} and {tuple(b_KN.shape)}"
@@ -581,7 +584,8 @@ def dequantize_nvfp4(
             scalar; axis: the block axis; dtype: output float dtype.
 
     Raises:
-        ValueError: wrong dtypes or data/scale shape mismatch.
+        ValueError: wrong dtypes, data/scale shape mismatch, or a global_scale that is not a
+            positive finite scalar.
     """
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
         raise ValueError("data must be a packed uint8 tensor")
@@ -600,6 +604,8 @@ def dequantize_nvfp4(
             f"expected {tuple(want)}"
         )
     g = torch.as_tensor(global_scale, dtype=torch.float32, device=data.device).reshape(())
+    if not bool(torch.isfinite(g)) or float(g) <= 0:
+        raise ValueError(f"global_scale must be a positive finite scalar; got {global_scale!r}")
     vals = _decode_elements(
         _unpack_nibbles(data.movedim(ax, -1)), ELEMENT_FORMATS["e2m1"], torch.float32
     )

@@ -6,38 +6,7 @@ the cuDNN frontend's grouped GEMM wgrad seed. Importing it imports neither CuTe 
 does not query the GPU; kernels compile on first use.
 """
 
-from .grouped_wgrad import (
-    OUTPUT_DTYPES,
-    SM100_GROUP_ALIGN,
-    GroupedGemmWgradSm90,
-    GroupedGemmWgradSm100,
-    TupleDict,
-    WgradContract,
-    clear_grouped_wgrad_caches,
-    get_grouped_gemm_wgrad_workspace_size_sm100,
-    grouped_gemm_wgrad,
-    grouped_gemm_wgrad_wrapper_sm90,
-    grouped_gemm_wgrad_wrapper_sm100,
-    grouped_wgrad_fp32,
-    grouped_wgrad_torch,
-    kernel_unsupported_reason,
-    select_grouped_wgrad_backend,
-)
+from . import grouped_wgrad
+from .grouped_wgrad import *  # noqa: F403 - the package re-exports the grouped wgrad API
 
-__all__ = [
-    "OUTPUT_DTYPES",
-    "SM100_GROUP_ALIGN",
-    "GroupedGemmWgradSm90",
-    "GroupedGemmWgradSm100",
-    "TupleDict",
-    "WgradContract",
-    "clear_grouped_wgrad_caches",
-    "get_grouped_gemm_wgrad_workspace_size_sm100",
-    "grouped_gemm_wgrad",
-    "grouped_gemm_wgrad_wrapper_sm90",
-    "grouped_gemm_wgrad_wrapper_sm100",
-    "grouped_wgrad_fp32",
-    "grouped_wgrad_torch",
-    "kernel_unsupported_reason",
-    "select_grouped_wgrad_backend",
-]
+__all__ = list(grouped_wgrad.__all__)

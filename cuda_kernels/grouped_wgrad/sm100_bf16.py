@@ -854,6 +854,10 @@ def _build_kernel_class():
                 thr_t2r = tiled_t2r.get_slice(tidx)
                 tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
                 tTR_rOld = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+                epi_barrier = pipeline.NamedBarrier(
+                    barrier_id=self.epilog_sync_bar_id,
+                    num_threads=32 * len(self.epilogue_warp_id),
+                )
                 if cutlass.const_expr(self.tma_epi):
                     tiled_r2s, tRS_rC, tRS_sC = sm100_epi.epilogue_smem_copy_and_partition(
                         self, tiled_t2r, tTR_rC, tidx, sC
@@ -865,10 +869,6 @@ def _build_kernel_class():
                         cute.make_layout(1),
                         cute.group_modes(sC, 0, 2),
                         cute.group_modes(tCgC_epi, 0, 2),
-                    )
-                    epi_barrier = pipeline.NamedBarrier(
-                        barrier_id=self.epilog_sync_bar_id,
-                        num_threads=32 * len(self.epilogue_warp_id),
                     )
                     c_pipe = pipeline.PipelineTmaStore.create(
                         num_stages=self.num_c_stage,
@@ -953,6 +953,8 @@ def _build_kernel_class():
                     tile += num_clusters
                 if cutlass.const_expr(self.tma_epi):
                     c_pipe.producer_tail()
+                # every epilogue warp's last TMEM load is done before the allocator warp frees
+                epi_barrier.arrive_and_wait()
                 tmem.relinquish_alloc_permit()
                 tmem.free(tmem_ptr)
 

@@ -265,6 +265,7 @@ def test_compile_cache_counts_real_compiles():
 class _FakeCompiled:
     def __init__(self):
         self.calls = []
+        self.keys = []
 
     def __call__(self, *args):
         self.calls.append(args)
@@ -274,7 +275,9 @@ class _FakeCompiled:
 def fake_compile(monkeypatch):
     fake = _FakeCompiled()
     sm100._compiled.cache_clear()
-    monkeypatch.setattr(sm100, "_compile", lambda key, arch, dump_dir=None: fake)
+    monkeypatch.setattr(
+        sm100, "_compile", lambda key, arch, dump_dir=None: fake.keys.append(key) or fake
+    )
     monkeypatch.setattr(sm100, "_num_sms", lambda index: 148)
     yield fake
     sm100._compiled.cache_clear()
@@ -387,6 +390,36 @@ def test_api_compiles_but_refuses_to_run_without_opt_in(monkeypatch, fake_compil
                 a, b, None, None, off, wgrad_dtype=torch.float32, mma_tiler_mn=(256, 128)
             )
         assert fake_compile.calls == []
+    finally:
+        api.clear_grouped_wgrad_caches()
+
+
+@pytest.mark.parametrize("mode", ["dense", "discrete"])
+def test_api_with_opt_in_launches_the_contract_key(monkeypatch, fake_compile, mode):
+    monkeypatch.setenv(sm100.ENABLE_ENV, "1")
+    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(api, "_cutlass_dsl_missing", lambda: None)
+    api.clear_grouped_wgrad_caches()
+    try:
+        a, b, off = _operands()
+        a_m = a.t().contiguous().t()  # M-major A
+        res = api.grouped_gemm_wgrad_wrapper_sm100(
+            a_m, b, None, None, off, wgrad_dtype=torch.float32, mma_tiler_mn=(256, 128),
+            cluster_shape_mn=(2, 1), accumulate_on_output=True, output_mode=mode,
+        )
+        ((fa, fb_nk, foff, fout, clusters),) = fake_compile.calls
+        (key,) = fake_compile.keys
+        assert key == Sm100WgradKey(
+            256, 256, 3, a_major="m", b_major="n", out_dtype="float32", output_mode=mode,
+            accumulate=True, tile=select_sm100_tile_config(256, 256, 3, mma_tiler_mn=(256, 128)),
+        )
+        assert fa is a_m and foff is off and clusters == 6
+        assert fb_nk.shape == (256, 768) and fb_nk.stride() == (1, 256)
+        if mode == "dense":
+            assert fout is res["wgrad_tensor"] and fout.shape == (3, 256, 256)
+            assert fout.dtype == torch.float32 and torch.all(fout == 0)  # zeros to accumulate on
+        else:
+            assert fout.dtype == torch.int64 and fout.shape == (3,)
     finally:
         api.clear_grouped_wgrad_caches()
 

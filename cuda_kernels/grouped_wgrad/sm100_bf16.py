@@ -3,8 +3,9 @@
 ``Wgrad[e] = A[:, begin:end] @ B[begin:end, :]`` for every expert ``e``.
 
 Status (read first): this kernel has been compiled offline for ``sm_100a`` (PTX checked for
-tcgen05.mma, tcgen05.alloc / TMEM loads and TMA bulk-tensor copies) but it has NEVER RUN on a
-Blackwell GPU; no numerical result of it has been checked. The API may compile it, but its
+tcgen05.mma, tcgen05.alloc / TMEM loads and TMA bulk-tensor copies, and assembled by ptxas for
+sm_100a without spills) but it has NEVER RUN on a Blackwell GPU; no numerical result of it has
+been checked. The API may compile it, but its
 launcher refuses to run unless the environment sets ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1``; without
 that it raises ``RuntimeError`` ("compiled but not yet verified on hardware"), and
 :func:`unverified_reason` tells dispatchers to use another backend.

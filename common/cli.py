@@ -38,8 +38,15 @@ def _cmd_models(args, console: Console) -> int:
         )
     for m in list_models():
         table.add_row(
-            m.name, str(m.hidden), str(m.intermediate), str(m.experts), str(m.top_k),
-            str(m.shared_experts), m.router, m.activation, "yes" if m.has_bias else "no",
+            m.name,
+            str(m.hidden),
+            str(m.intermediate),
+            str(m.experts),
+            str(m.top_k),
+            str(m.shared_experts),
+            m.router,
+            m.activation,
+            "yes" if m.has_bias else "no",
         )
     console.print(table)
     return 0
@@ -52,7 +59,9 @@ def _cmd_backends(args, console: Console) -> int:
     table.add_column("summary / why not")
     for name, b in sorted(dispatch.registered_backends().items()):
         reason = b.check()
-        table.add_row(name, "yes" if reason is None else "no", b.summary if reason is None else reason)
+        table.add_row(
+            name, "yes" if reason is None else "no", b.summary if reason is None else reason
+        )
     console.print(table)
     return 0
 
@@ -88,7 +97,8 @@ def _cmd_run(args, console: Console) -> int:
     have = _memory_available(device)
     if have is not None and need > have:
         console.print(
-            f"[red]error:[/red] {model.display_name} needs about {need / 2**30:.0f} GiB on {device} "
+            f"[red]error:[/red] {model.display_name} needs about {need / 2**30:.0f} GiB on "
+            f"{device} "
             f"(weights, gradients and their float64 reference for E={model.experts} experts), "
             f"{have / 2**30:.0f} GiB are available; pass --shrink N to divide H and I by N"
         )
@@ -101,12 +111,17 @@ def _cmd_run(args, console: Console) -> int:
 
     times: dict[str, float] = {}
     with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-        console=console, transient=True,
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
     ) as progress:
         task = progress.add_task("building inputs (weights, router, forward checkpoint)", total=3)
         t0 = time.perf_counter()
-        problem = make_problem_for_model(model, args.tokens, seed=args.seed, device=device, skew=args.skew)
+        problem = make_problem_for_model(
+            model, args.tokens, seed=args.seed, device=device, skew=args.skew
+        )
         times["inputs"] = time.perf_counter() - t0
         progress.update(task, advance=1, description=f"backward on {backend.name}")
         if device.startswith("cuda"):
@@ -151,7 +166,8 @@ def _cmd_run(args, console: Console) -> int:
         )
     console.print(table)
     console.print(
-        f"wall time: backend {times['backend']:.2f} s ({flops / times['backend'] / 1e9:.3g} GFLOP/s "
+        f"wall time: backend {times['backend']:.2f} s "
+        f"({flops / times['backend'] / 1e9:.3g} GFLOP/s "
         f"of {flops / 1e9:.3g} GFLOP), float64 reference {times['reference']:.2f} s, "
         f"inputs {times['inputs']:.2f} s"
     )
@@ -161,7 +177,9 @@ def _cmd_run(args, console: Console) -> int:
         for col in ("phase", "modeled time (us)", "TensorE utilization"):
             pt.add_column(col, justify="left" if col == "phase" else "right")
         for row in phases:
-            pt.add_row(str(row["phase"]), f"{row['modeled_us']:.1f}", f"{100 * row['tensor_e_util']:.1f} %")
+            pt.add_row(
+                str(row["phase"]), f"{row['modeled_us']:.1f}", f"{100 * row['tensor_e_util']:.1f} %"
+            )
         console.print(pt)
     if worst != worst:  # NaN anywhere
         console.print("[red]a gradient holds NaN or inf[/red]")
@@ -196,20 +214,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
-        "run", help="run one MoE layer's backward and compare it with float64",
+        "run",
+        help="run one MoE layer's backward and compare it with float64",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     run.add_argument("--model", required=True, help="model shape name (see `moe-bwd models`)")
     run.add_argument("--tokens", type=int, required=True, help="tokens T in the batch")
     run.add_argument(
-        "--backend", default="auto",
-        help=f"auto (by device; env {dispatch.ENV_VAR} overrides) or one of {', '.join(dispatch.BACKEND_NAMES)}",
+        "--backend",
+        default="auto",
+        help=f"auto (by device; env {dispatch.ENV_VAR} overrides) or one of "
+        f"{', '.join(dispatch.BACKEND_NAMES)}",
     )
     run.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and router")
     run.add_argument("--skew", type=float, default=1.0, help="router load skew (0 = uniform)")
-    run.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
     run.add_argument(
-        "--shrink", type=int, default=1,
+        "--device", default=None, help="torch device (default: cuda if present, else cpu)"
+    )
+    run.add_argument(
+        "--shrink",
+        type=int,
+        default=1,
         help="divide H and I by N (rounded to multiples of 128) to fit large models in memory",
     )
     run.set_defaults(func=_cmd_run)

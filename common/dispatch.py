@@ -152,7 +152,9 @@ def _unavailable_reason(name: str) -> str | None:
     return backend.check()
 
 
-def resolve_backend(requested: str | None = "auto", device: torch.device | str | None = None) -> Backend:
+def resolve_backend(
+    requested: str | None = "auto", device: torch.device | str | None = None
+) -> Backend:
     """Pick the backend to run.
 
     Args:

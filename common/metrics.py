@@ -55,7 +55,11 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     noise2, signal2, dmax, rmax, finite = _stats(out, ref)
     if not finite:
         return {"sqnr_db": math.nan, "max_rel_err": math.nan, "rel_fro_err": math.nan}
-    sq = math.inf if noise2 == 0.0 else (-math.inf if signal2 == 0.0 else 10 * math.log10(signal2 / noise2))
+    sq = (
+        math.inf
+        if noise2 == 0.0
+        else (-math.inf if signal2 == 0.0 else 10 * math.log10(signal2 / noise2))
+    )
     mr = (0.0 if dmax == 0.0 else math.inf) if rmax == 0.0 else dmax / rmax
     rf = (0.0 if noise2 == 0.0 else math.inf) if signal2 == 0.0 else math.sqrt(noise2 / signal2)
     return {"sqnr_db": sq, "max_rel_err": mr, "rel_fro_err": rf}

@@ -54,8 +54,12 @@ class ClampLimits:
             lo = getattr(self, f"{side}_clamp_lower_limit")
             hi = getattr(self, f"{side}_clamp_upper_limit")
             for name, v in ((f"{side}_clamp_lower_limit", lo), (f"{side}_clamp_upper_limit", hi)):
-                if v is not None and not (isinstance(v, (int, float)) and v == v and abs(v) != float("inf")):
-                    raise ValueError(f"ClampLimits.{name} must be a finite number or None, got {v!r}")
+                if v is not None and not (
+                    isinstance(v, (int, float)) and v == v and abs(v) != float("inf")
+                ):
+                    raise ValueError(
+                        f"ClampLimits.{name} must be a finite number or None, got {v!r}"
+                    )
             if lo is not None and hi is not None and not lo < hi:
                 raise ValueError(
                     f"ClampLimits: {side}_clamp_lower_limit ({lo}) must be < "
@@ -143,10 +147,14 @@ class MoEBackwardProblem:
         from common.routing import RoutingPlan
 
         if not isinstance(self.plan, RoutingPlan):
-            raise ValueError(f"plan must be a RoutingPlan (common.routing.plan_routing), got {type(self.plan).__name__}")
+            raise ValueError(
+                "plan must be a RoutingPlan (common.routing.plan_routing), got "
+                f"{type(self.plan).__name__}"
+            )
         if self.clamp_limits is not None and not isinstance(self.clamp_limits, ClampLimits):
             raise ValueError(
-                f"clamp_limits must be a ClampLimits or None, got {type(self.clamp_limits).__name__}"
+                "clamp_limits must be a ClampLimits or None, got "
+                f"{type(self.clamp_limits).__name__}"
             )
         x = self.hidden_states_TH
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
@@ -157,7 +165,9 @@ class MoEBackwardProblem:
             raise ValueError(f"w_gate_up_EH2I must be [E, H={H}, 2, I], got {_shape(w)}")
         E, _, _, I = w.shape
         if self.plan.num_tokens != T:
-            raise ValueError(f"plan has T={self.plan.num_tokens} tokens, hidden_states_TH has {T} rows")
+            raise ValueError(
+                f"plan has T={self.plan.num_tokens} tokens, hidden_states_TH has {T} rows"
+            )
         if self.plan.num_experts != E:
             raise ValueError(f"plan has E={self.plan.num_experts} experts, the weights have {E}")
         R = T * self.plan.top_k
@@ -183,7 +193,9 @@ class MoEBackwardProblem:
                     f"{name} is on device {t.device} but hidden_states_TH is on {x.device}"
                 )
         if self.plan.device != x.device:
-            raise ValueError(f"plan is on device {self.plan.device} but hidden_states_TH is on {x.device}")
+            raise ValueError(
+                f"plan is on device {self.plan.device} but hidden_states_TH is on {x.device}"
+            )
 
     @property
     def dims(self) -> dict[str, int]:

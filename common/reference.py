@@ -50,7 +50,8 @@ _F64 = torch.float64
 def _check_affinity_option(affinity_option: str) -> None:
     if affinity_option not in (AFFINITY_ON_I, AFFINITY_ON_H):
         raise ValueError(
-            f"affinity_option must be {AFFINITY_ON_I!r} or {AFFINITY_ON_H!r}, got {affinity_option!r}"
+            f"affinity_option must be {AFFINITY_ON_I!r} or {AFFINITY_ON_H!r}, "
+            f"got {affinity_option!r}"
         )
 
 
@@ -70,25 +71,47 @@ def _check_weights(
         )
     E, _, _, I = w_gate_up_EH2I.shape
     if tuple(w_down_EIH.shape) != (E, I, H):
-        raise ValueError(f"w_down must be [E, I, H] = [{E}, {I}, {H}], got {tuple(w_down_EIH.shape)}")
+        raise ValueError(
+            f"w_down must be [E, I, H] = [{E}, {I}, {H}], got {tuple(w_down_EIH.shape)}"
+        )
     if b_gate_up_E2I is not None and tuple(b_gate_up_E2I.shape) != (E, 2, I):
-        raise ValueError(f"b_gate_up must be [E, 2, I] = [{E}, 2, {I}], got {tuple(b_gate_up_E2I.shape)}")
+        raise ValueError(
+            f"b_gate_up must be [E, 2, I] = [{E}, 2, {I}], got {tuple(b_gate_up_E2I.shape)}"
+        )
     if b_down_EH is not None and tuple(b_down_EH.shape) != (E, H):
         raise ValueError(f"b_down must be [E, H] = [{E}, {H}], got {tuple(b_down_EH.shape)}")
-    for name, t in (("hidden_states", x_TH), ("w_gate_up", w_gate_up_EH2I), ("w_down", w_down_EIH),
-                    ("b_gate_up", b_gate_up_E2I), ("b_down", b_down_EH)):
+    for name, t in (
+        ("hidden_states", x_TH),
+        ("w_gate_up", w_gate_up_EH2I),
+        ("w_down", w_down_EIH),
+        ("b_gate_up", b_gate_up_E2I),
+        ("b_down", b_down_EH),
+    ):
         if t is None:
             continue
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
         if t.device != x_TH.device:
-            raise ValueError(f"{name} is on device {t.device} but hidden_states is on {x_TH.device}")
+            raise ValueError(
+                f"{name} is on device {t.device} but hidden_states is on {x_TH.device}"
+            )
     return E, H, I
 
 
 # ------------------------------------------------------------------------------------- core
-def _pairs_forward(x_TH, w_gate_up_EH2I, w_down_EIH, tok_P, exp_P, aff_P, bg_E2I, bd_EH, clamp,
-                   affinity_option, with_output=True):
+def _pairs_forward(
+    x_TH,
+    w_gate_up_EH2I,
+    w_down_EIH,
+    tok_P,
+    exp_P,
+    aff_P,
+    bg_E2I,
+    bd_EH,
+    clamp,
+    affinity_option,
+    with_output=True,
+):
     """Per-pair forward; returns (y_TH float64 or None, act_P2I float64)."""
     T, H = x_TH.shape
     I = w_gate_up_EH2I.shape[3]
@@ -128,8 +151,20 @@ def _pairs_forward(x_TH, w_gate_up_EH2I, w_down_EIH, tok_P, exp_P, aff_P, bg_E2I
     return (y if with_output else None), act
 
 
-def _pairs_backward(x_TH, dy_TH, w_gate_up_EH2I, w_down_EIH, tok_P, exp_P, aff_P, act_P2I,
-                    bg_E2I, bd_EH, clamp, affinity_option):
+def _pairs_backward(
+    x_TH,
+    dy_TH,
+    w_gate_up_EH2I,
+    w_down_EIH,
+    tok_P,
+    exp_P,
+    aff_P,
+    act_P2I,
+    bg_E2I,
+    bd_EH,
+    clamp,
+    affinity_option,
+):
     """Per-pair backward. Returns (dX_TH, dA_P, dWgu_EH2I, dWd_EIH, dBgu_E2I, dBd_EH) float64."""
     T, H = x_TH.shape
     E, _, _, I = w_gate_up_EH2I.shape
@@ -179,22 +214,30 @@ def _pairs_backward(x_TH, dy_TH, w_gate_up_EH2I, w_down_EIH, tok_P, exp_P, aff_P
 
 
 # ------------------------------------------------------------------------- blockwise-native
-def _check_blockwise(token_position_to_id, block_to_expert, expert_affinities_masked, block_size,
-                     padding, device) -> int:
+def _check_blockwise(
+    token_position_to_id, block_to_expert, expert_affinities_masked, block_size, padding, device
+) -> int:
     """Validate the blockwise routing tensors; returns N."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    for name, t in (("token_position_to_id", token_position_to_id),
-                    ("block_to_expert", block_to_expert)):
+    for name, t in (
+        ("token_position_to_id", token_position_to_id),
+        ("block_to_expert", block_to_expert),
+    ):
         if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dtype == torch.bool:
-            raise ValueError(f"{name} must be an integer tensor, got {getattr(t, 'dtype', type(t))}")
+            raise ValueError(
+                f"{name} must be an integer tensor, got {getattr(t, 'dtype', type(t))}"
+            )
     if not expert_affinities_masked.is_floating_point():
         raise ValueError(
-            f"expert_affinities_masked must be a floating tensor, got {expert_affinities_masked.dtype}"
+            "expert_affinities_masked must be a floating tensor, got "
+            f"{expert_affinities_masked.dtype}"
         )
-    for name, t in (("token_position_to_id", token_position_to_id),
-                    ("block_to_expert", block_to_expert),
-                    ("expert_affinities_masked", expert_affinities_masked)):
+    for name, t in (
+        ("token_position_to_id", token_position_to_id),
+        ("block_to_expert", block_to_expert),
+        ("expert_affinities_masked", expert_affinities_masked),
+    ):
         if t.device != device:
             raise ValueError(f"{name} is on device {t.device} but hidden_states is on {device}")
     n = token_position_to_id.numel()
@@ -205,8 +248,15 @@ def _check_blockwise(token_position_to_id, block_to_expert, expert_affinities_ma
     return n // block_size
 
 
-def _blockwise_pairs(token_position_to_id, block_to_expert, expert_affinities_masked, block_size,
-                     num_tokens, num_experts, padding):
+def _blockwise_pairs(
+    token_position_to_id,
+    block_to_expert,
+    expert_affinities_masked,
+    block_size,
+    num_tokens,
+    num_experts,
+    padding,
+):
     """Real slots of a blockwise layout -> (position, token, expert, affinity).
 
     Ids in [0, T) are real; the padding id is -1 (``skip``) or T (``zero_row``); any other id
@@ -273,14 +323,28 @@ def moe_forward_reference(
     """
     _check_affinity_option(affinity_option)
     E, H, I = _check_weights(hidden_states, w_gate_up, w_down, b_gate_up, b_down)
-    N = _check_blockwise(token_position_to_id, block_to_expert, expert_affinities_masked,
-                         block_size, padding, hidden_states.device)
+    N = _check_blockwise(
+        token_position_to_id,
+        block_to_expert,
+        expert_affinities_masked,
+        block_size,
+        padding,
+        hidden_states.device,
+    )
     T = _num_tokens_of(padding, hidden_states, expert_affinities_masked, E)
     pos, tok, exp, aff = _blockwise_pairs(
         token_position_to_id, block_to_expert, expert_affinities_masked, block_size, T, E, padding
     )
     y, act = _pairs_forward(
-        hidden_states[:T], w_gate_up, w_down, tok, exp, aff, b_gate_up, b_down, clamp_limits,
+        hidden_states[:T],
+        w_gate_up,
+        w_down,
+        tok,
+        exp,
+        aff,
+        b_gate_up,
+        b_down,
+        clamp_limits,
         affinity_option,
     )
     B = block_size
@@ -345,14 +409,24 @@ def moe_backward_reference(
             f"output_hidden_states_grad shape {tuple(output_hidden_states_grad.shape)} must equal "
             f"hidden_states shape {tuple(hidden_states.shape)}"
         )
-    N = _check_blockwise(token_position_to_id, block_to_expert, expert_affinities_masked,
-                         block_size, padding, hidden_states.device)
+    N = _check_blockwise(
+        token_position_to_id,
+        block_to_expert,
+        expert_affinities_masked,
+        block_size,
+        padding,
+        hidden_states.device,
+    )
     T = _num_tokens_of(padding, hidden_states, expert_affinities_masked, E)
     B = block_size
-    for name, t in (("output_hidden_states_grad", output_hidden_states_grad),
-                    ("gate_up_proj_act_checkpoint_T", gate_up_proj_act_checkpoint_T)):
+    for name, t in (
+        ("output_hidden_states_grad", output_hidden_states_grad),
+        ("gate_up_proj_act_checkpoint_T", gate_up_proj_act_checkpoint_T),
+    ):
         if t.device != hidden_states.device:
-            raise ValueError(f"{name} is on device {t.device} but hidden_states is on {hidden_states.device}")
+            raise ValueError(
+                f"{name} is on device {t.device} but hidden_states is on {hidden_states.device}"
+            )
     if tuple(gate_up_proj_act_checkpoint_T.shape) != (N, 2, I, B):
         raise ValueError(
             f"gate_up_proj_act_checkpoint_T must be [N, 2, I, B] = [{N}, 2, {I}, {B}], got "
@@ -363,14 +437,22 @@ def moe_backward_reference(
     )
     act = gate_up_proj_act_checkpoint_T.permute(0, 3, 1, 2).reshape(N * B, 2, I)[pos]
     dX, dA_P, dWgu, dWd, dBgu, dBd = _pairs_backward(
-        hidden_states, output_hidden_states_grad, w_gate_up, w_down, tok, exp, aff, act,
-        b_gate_up, b_down, clamp_limits, affinity_option,
+        hidden_states,
+        output_hidden_states_grad,
+        w_gate_up,
+        w_down,
+        tok,
+        exp,
+        aff,
+        act,
+        b_gate_up,
+        b_down,
+        clamp_limits,
+        affinity_option,
     )
     dA = torch.zeros(expert_affinities_masked.numel(), dtype=_F64, device=hidden_states.device)
     dA[tok * E + exp] = dA_P
-    dX = torch.where(
-        (torch.arange(dX.shape[0], device=dX.device) < T)[:, None], dX, 0.0
-    )
+    dX = torch.where((torch.arange(dX.shape[0], device=dX.device) < T)[:, None], dX, 0.0)
     out = (dX, dA.reshape(expert_affinities_masked.shape), dWgu, dWd)
     if b_gate_up is not None or b_down is not None:
         out = out + (dBgu, dBd)
@@ -409,8 +491,17 @@ def reference_forward(
     _check_plan(plan, hidden_states_TH, E)
     idx, tok, exp, aff = _plan_pairs(plan)
     y, act = _pairs_forward(
-        hidden_states_TH, w_gate_up_EH2I, w_down_EIH, tok, exp, aff, b_gate_up_E2I, b_down_EH,
-        clamp_limits, affinity_option, with_output,
+        hidden_states_TH,
+        w_gate_up_EH2I,
+        w_down_EIH,
+        tok,
+        exp,
+        aff,
+        b_gate_up_E2I,
+        b_down_EH,
+        clamp_limits,
+        affinity_option,
+        with_output,
     )
     R = plan.pair_token_R.shape[0]
     act_R = torch.zeros(R, 2, I, dtype=_F64, device=hidden_states_TH.device)
@@ -420,12 +511,16 @@ def reference_forward(
 
 def _check_plan(plan: RoutingPlan, x_TH: torch.Tensor, E: int) -> None:
     if plan.num_tokens != x_TH.shape[0]:
-        raise ValueError(f"plan has T={plan.num_tokens} tokens, hidden_states has {x_TH.shape[0]} rows")
+        raise ValueError(
+            f"plan has T={plan.num_tokens} tokens, hidden_states has {x_TH.shape[0]} rows"
+        )
     if plan.num_experts != E:
         raise ValueError(f"plan has E={plan.num_experts} experts, the weights have {E}")
 
 
-def reference_backward(problem: MoEBackwardProblem, affinity_option: str = AFFINITY_ON_I) -> MoEGrads:
+def reference_backward(
+    problem: MoEBackwardProblem, affinity_option: str = AFFINITY_ON_I
+) -> MoEGrads:
     """Float64 backward of a :class:`MoEBackwardProblem` (any backend's twin).
 
     Returns:
@@ -438,8 +533,18 @@ def reference_backward(problem: MoEBackwardProblem, affinity_option: str = AFFIN
     E = p.w_gate_up_EH2I.shape[0]
     idx, tok, exp, aff = _plan_pairs(p.plan)
     dX, dA_P, dWgu, dWd, dBgu, dBd = _pairs_backward(
-        p.hidden_states_TH, p.output_grad_TH, p.w_gate_up_EH2I, p.w_down_EIH, tok, exp, aff,
-        p.act_checkpoint_R2I[idx], p.b_gate_up_E2I, p.b_down_EH, p.clamp_limits, affinity_option,
+        p.hidden_states_TH,
+        p.output_grad_TH,
+        p.w_gate_up_EH2I,
+        p.w_down_EIH,
+        tok,
+        exp,
+        aff,
+        p.act_checkpoint_R2I[idx],
+        p.b_gate_up_E2I,
+        p.b_down_EH,
+        p.clamp_limits,
+        affinity_option,
     )
     T = p.plan.num_tokens
     dA = torch.zeros(T * E, dtype=_F64, device=dX.device)
@@ -456,7 +561,9 @@ def reference_backward(problem: MoEBackwardProblem, affinity_option: str = AFFIN
 
 
 # ------------------------------------------------------------------------------ grouped wgrad
-def grouped_wgrad_reference(a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def grouped_wgrad_reference(
+    a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
     """Float64 twin of the grouped weight-gradient GEMM of the cuDNN-style API.
 
     ``Wgrad[e] = a_HS[:, begin:end] @ b_SI[begin:end, :]`` with ``begin = offsets_E[e-1]`` (0 for
@@ -472,16 +579,23 @@ def grouped_wgrad_reference(a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: t
         ValueError: bad ranks, mismatched S, decreasing or out-of-range offsets.
     """
     if a_HS.dim() != 2 or b_SI.dim() != 2:
-        raise ValueError(f"a must be [H, S] and b [S, I]; got {tuple(a_HS.shape)} and {tuple(b_SI.shape)}")
+        raise ValueError(
+            f"a must be [H, S] and b [S, I]; got {tuple(a_HS.shape)} and {tuple(b_SI.shape)}"
+        )
     if a_HS.shape[1] != b_SI.shape[0]:
         raise ValueError(f"a is [H, S={a_HS.shape[1]}] but b is [S={b_SI.shape[0]}, I]")
     if offsets_E.dim() != 1 or offsets_E.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"offsets must be a 1-D int32/int64 tensor, got {offsets_E.dtype} {tuple(offsets_E.shape)}")
+        raise ValueError(
+            "offsets must be a 1-D int32/int64 tensor, got "
+            f"{offsets_E.dtype} {tuple(offsets_E.shape)}"
+        )
     ends = offsets_E.to(torch.int64).cpu()
     E = ends.numel()
     begins = torch.cat([ends.new_zeros(1), ends[:-1]])
     if E and (bool((ends < begins).any()) or int(ends[-1]) > a_HS.shape[1] or int(begins[0]) < 0):
-        raise ValueError("offsets must be non-decreasing cumulative ends with offsets[-1] <= tokens_sum")
+        raise ValueError(
+            "offsets must be non-decreasing cumulative ends with offsets[-1] <= tokens_sum"
+        )
     H, I = a_HS.shape[0], b_SI.shape[1]
     out = torch.zeros(E, H, I, dtype=_F64, device=a_HS.device)
     for e in range(E):

@@ -175,10 +175,13 @@ class GroupedLayout:
         """
         T = self.num_tokens
         if num_tokens is not None and num_tokens != T:
-            raise ValueError(f"scatter_add_rows: num_tokens={num_tokens!r} but the layout has T={T}")
+            raise ValueError(
+                f"scatter_add_rows: num_tokens={num_tokens!r} but the layout has T={T}"
+            )
         if rows_S.shape[0] != self.tokens_sum:
             raise ValueError(
-                f"scatter_add_rows: rows_S has {rows_S.shape[0]} rows, layout has S={self.tokens_sum}"
+                f"scatter_add_rows: rows_S has {rows_S.shape[0]} rows, "
+                f"layout has S={self.tokens_sum}"
             )
         valid = self.row_to_token_S >= 0
         shape_tail = (1,) * (rows_S.dim() - 1)
@@ -206,7 +209,8 @@ class RoutingPlan:
         num_tokens: T.  num_experts: E.  top_k: K.
         pair_token_R: [R] int64, token of each pair; -1 for the padding entries past the pairs.
         pair_expert_R: [R] int64, expert of each pair; E for padding entries.
-        pair_affinity_R: [R] affinity dtype, merged affinity (duplicate slots summed); 0 for padding.
+        pair_affinity_R: [R] affinity dtype, merged affinity (duplicate slots summed); 0 for
+            padding.
         slot_to_pair_TK: [T, K] int64, pair index of each router slot, -1 for dropped slots.
         tokens_per_expert_E: [E] int64, pairs routed to each expert.
         num_pairs: 0-d int64 tensor, the number of real pairs (stays on the device).
@@ -263,7 +267,9 @@ class RoutingPlan:
             )
         if self.num_tokens == 0:
             return dense_TE.new_zeros(self.pair_token_R.shape[0])
-        vals = dense_TE[self.pair_token_R.clamp(min=0), self.pair_expert_R.clamp(max=self.num_experts - 1)]
+        vals = dense_TE[
+            self.pair_token_R.clamp(min=0), self.pair_expert_R.clamp(max=self.num_experts - 1)
+        ]
         return torch.where(self.pair_valid_R, vals, vals.new_zeros(()))
 
     def pairs_from_slots(self, per_slot_TK: torch.Tensor) -> torch.Tensor:
@@ -274,7 +280,9 @@ class RoutingPlan:
         """
         T, K = self.num_tokens, self.top_k
         if per_slot_TK.dim() < 2 or tuple(per_slot_TK.shape[:2]) != (T, K):
-            raise ValueError(f"per_slot_TK must be [T={T}, K={K}, ...], got {tuple(per_slot_TK.shape)}")
+            raise ValueError(
+                f"per_slot_TK must be [T={T}, K={K}, ...], got {tuple(per_slot_TK.shape)}"
+            )
         R = T * K
         tail = tuple(per_slot_TK.shape[2:])
         flat = per_slot_TK.reshape((R,) + tail)
@@ -391,9 +399,7 @@ class RoutingPlan:
         else:
             max_tokens_sum = _as_int("max_tokens_sum", max_tokens_sum, 0)
             if max_tokens_sum % A:
-                raise ValueError(
-                    f"max_tokens_sum={max_tokens_sum} must be a multiple of align={A}"
-                )
+                raise ValueError(f"max_tokens_sum={max_tokens_sum} must be a multiple of align={A}")
             S = max_tokens_sum
             if self.device.type == "cpu" and int(offsets[-1]) > S:
                 raise ValueError(
@@ -456,7 +462,9 @@ def plan_routing(
     if not isinstance(affinity, torch.Tensor):
         raise ValueError(f"affinity must be a torch.Tensor, got {type(affinity).__name__}")
     if expert_index.dim() != 2:
-        raise ValueError(f"expert_index must be 2-D [T, top_k], got shape {tuple(expert_index.shape)}")
+        raise ValueError(
+            f"expert_index must be 2-D [T, top_k], got shape {tuple(expert_index.shape)}"
+        )
     if expert_index.dtype not in _INT_DTYPES:
         raise ValueError(f"expert_index must have an integer dtype, got {expert_index.dtype}")
     if not affinity.is_floating_point():
@@ -468,7 +476,8 @@ def plan_routing(
         )
     if affinity.device != expert_index.device:
         raise ValueError(
-            f"expert_index ({expert_index.device}) and affinity ({affinity.device}) must be on one device"
+            f"expert_index ({expert_index.device}) and affinity ({affinity.device}) "
+            "must be on one device"
         )
     E = _check_positive_int("num_experts", num_experts)
     T, K = expert_index.shape

@@ -29,16 +29,16 @@ def static_num_blocks(num_tokens: int, top_k: int, num_experts: int, block_size:
 
     ``N = ceil((T*K - (E-1)) / B) + E - 1`` (REFERENCE §1.1, AWS nki-library's formula): the worst
     case in which E-1 experts hold one token each and the last expert holds the rest. For
-    ``T*K < E-1`` (fewer slots than experts) the first term is clamped at 0, so N = E-1 blocks
-    still cover every expert that can be non-empty... and at least one block always exists so
-    that kernels see a non-empty grid.
+    ``T*K < E-1`` (fewer slots than experts) the first term is clamped at 0: N = E-1 blocks still
+    cover every non-empty expert. N is at least 1, so kernels always see a non-empty grid.
 
     Raises:
         ValueError: negative sizes or a non-positive ``block_size`` / ``num_experts``.
     """
     if num_tokens < 0 or top_k < 1 or num_experts < 1 or block_size < 1:
         raise ValueError(
-            "static_num_blocks: need num_tokens >= 0, top_k >= 1, num_experts >= 1, block_size >= 1; "
+            "static_num_blocks: need num_tokens >= 0, top_k >= 1, num_experts >= 1, "
+            "block_size >= 1; "
             f"got T={num_tokens}, K={top_k}, E={num_experts}, B={block_size}"
         )
     first = max(0, math.ceil((num_tokens * top_k - (num_experts - 1)) / block_size))

@@ -51,7 +51,9 @@ def _fits_grouped_mm(*dims: int) -> bool:
     return hasattr(torch, "_grouped_mm") and all(d % 8 == 0 and d > 0 for d in dims)
 
 
-def grouped_mm_rows(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def grouped_mm_rows(
+    x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
     """Rows of expert e times that expert's matrix: ``out[s] = x_SK[s] @ w_EKN[e(s)]``.
 
     Args:
@@ -72,7 +74,9 @@ def grouped_mm_rows(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Te
     return out
 
 
-def grouped_wgrad_default(a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def grouped_wgrad_default(
+    a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
     """``Wgrad[e] = a_HS[:, begin:end] @ b_SI[begin:end]`` with fp32 accumulation, [E, H, I] fp32.
 
     ``torch._grouped_mm`` where shapes allow, else a per-expert loop; BF16 operands, output
@@ -175,10 +179,10 @@ def moe_backward_torch(
 
     layout = _grouped_layout(plan, E)
     offs = layout.offsets_E
-    S = layout.tokens_sum
     row_valid = layout.row_to_pair_S >= 0
     row_expert = torch.where(
-        row_valid, plan.pair_expert_R[layout.row_to_pair_S.clamp(min=0)] if R else layout.row_to_pair_S,
+        row_valid,
+        plan.pair_expert_R[layout.row_to_pair_S.clamp(min=0)] if R else layout.row_to_pair_S,
         torch.full_like(layout.row_to_pair_S, E - 1),
     )
 

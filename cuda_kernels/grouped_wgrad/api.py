@@ -37,7 +37,6 @@ inside ``compile()``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import importlib
 import importlib.util

@@ -1,4 +1,4 @@
-"""Blackwell (SM100) grouped weight-gradient kernel in CuTe DSL — COMPILED, NOT YET HARDWARE-VERIFIED.
+"""Blackwell (SM100) grouped weight-gradient kernel in CuTe DSL: compiled, NOT hardware-verified.
 
 ``Wgrad[e] = A[:, begin:end] @ B[begin:end, :]`` for every expert ``e``.
 
@@ -10,9 +10,9 @@ launcher refuses to run unless the environment sets ``MOE_BWD_ENABLE_UNVERIFIED_
 that it raises ``RuntimeError`` ("compiled but not yet verified on hardware"), and
 :func:`unverified_reason` tells dispatchers to use another backend.
 
-Operation (the cuDNN frontend's grouped-wgrad contract, ``shared/seeds/grouped_gemm_wgrad_sm100.md``;
-REFERENCE §1.2): for expert ``e`` with token range ``[begin, end)`` (``begin = offsets[e-1]``, 0 for
-``e = 0``, ``end = offsets[e]``), the ``(M, N) = (hidden, intermediate)`` product of
+Operation (the cuDNN frontend's grouped-wgrad contract,
+``shared/seeds/grouped_gemm_wgrad_sm100.md``; REFERENCE §1.2): for expert ``e`` with token range
+``[begin, end)`` (``begin = offsets[e-1]``, 0 for ``e = 0``, ``end = offsets[e]``), the ``(M, N) = (hidden, intermediate)`` product of
 ``A[:, begin:end]`` (``(M, K_e)``) and ``B[begin:end, :]`` (``(K_e, N)``) with fp32 accumulators,
 written (or added) in BF16, FP16 or FP32. The SM100 BF16 contract makes every ``K_e`` a multiple of
 256, so with ``tile_k`` dividing 256 every K tile lies inside one expert: no masking of rows, and an
@@ -704,7 +704,8 @@ def _build_kernel_class():
                     cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=1
                 )
 
-            # Global tiles: (bM, bK, RestM, RestK), (bN, bK, RestN, RestK), (bM, bN, RestM, RestN, E)
+            # Global tiles: (bM, bK, RestM, RestK), (bN, bK, RestN, RestK),
+            # (bM, bN, RestM, RestN, E)
             gA = cute.local_tile(
                 mA_mk, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None)
             )
@@ -925,7 +926,8 @@ def _build_kernel_class():
                                 epi_count += 1
                     else:
                         # discrete: registers -> the expert's own (M, N) output (pointer mC[e])
-                        tTR_gC = thr_t2r.partition_D(cute.flat_divide(self.expert_c(mC[e], thr_mma), epi_tile))
+                        gC_e = self.expert_c(mC[e], thr_mma)
+                        tTR_gC = thr_t2r.partition_D(cute.flat_divide(gC_e, epi_tile))
                         tTR_gC = tTR_gC[(None, None, None, None, None, m_idx, n_idx, 0)]
                         tTR_gC = cute.group_modes(tTR_gC, 3, cute.rank(tTR_gC))
                         if write:

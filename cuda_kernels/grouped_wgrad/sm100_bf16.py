@@ -12,11 +12,12 @@ that it raises ``RuntimeError`` ("compiled but not yet verified on hardware"), a
 
 Operation (the cuDNN frontend's grouped-wgrad contract,
 ``shared/seeds/grouped_gemm_wgrad_sm100.md``; REFERENCE §1.2): for expert ``e`` with token range
-``[begin, end)`` (``begin = offsets[e-1]``, 0 for ``e = 0``, ``end = offsets[e]``), the
-``(M, N) = (hidden, intermediate)`` product of ``A[:, begin:end]`` (``(M, K_e)``) and ``B[begin:end, :]`` (``(K_e, N)``) with fp32 accumulators,
-written (or added) in BF16, FP16 or FP32. The SM100 BF16 contract makes every ``K_e`` a multiple of
-256, so with ``tile_k`` dividing 256 every K tile lies inside one expert: no masking of rows, and an
-expert's first K tile index is simply ``begin / tile_k``.
+``[begin, end)`` (``begin = offsets[e-1]``, 0 for ``e = 0``, ``end = offsets[e]``), the ``(M, N) =
+(hidden, intermediate)`` product of ``A[:, begin:end]`` (``(M, K_e)``) and ``B[begin:end, :]``
+(``(K_e, N)``) with fp32 accumulators, written (or added) in BF16, FP16 or FP32. The SM100 BF16
+contract makes every ``K_e`` a multiple of 256, so with ``tile_k`` dividing 256 every K tile lies
+inside one expert: no masking of rows, and an expert's first K tile index is simply ``begin /
+tile_k``.
 
 Structure (one CTA per SM, or one 2-CTA cluster per SM pair, persistent, warp-specialized; the
 idioms of CUTLASS's Blackwell CuTe DSL dense GEMM, written for this operation):

@@ -58,7 +58,7 @@ def check_cuda_sm100() -> str | None:
     module = api._sm100_module()
     if module is None or not hasattr(module, "compile_sm100_wgrad"):
         return "the SM100 grouped wgrad kernel is not built in this package yet"
-    return _cutlass_reason()
+    return module.unverified_reason() or _cutlass_reason()
 
 
 def make_grouped_wgrad(arch: str, stats: dict | None = None):
@@ -97,7 +97,9 @@ register_backend(
 register_backend(
     Backend(
         name="cuda-sm100",
-        summary="Blackwell: torch backward with the SM100 grouped wgrad kernel (not built yet)",
+        summary="Blackwell: torch backward with the SM100 grouped wgrad kernel (tcgen05; "
+        "compiled offline, not yet verified on hardware: opt in with "
+        "MOE_BWD_ENABLE_UNVERIFIED_SM100=1)",
         check=check_cuda_sm100,
         run=_runner("sm100"),
         grouped_wgrad=make_grouped_wgrad("sm100"),

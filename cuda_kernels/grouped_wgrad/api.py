@@ -295,6 +295,16 @@ def _check_contract_fits(contract: WgradContract) -> None:
     """Arch-specific shape rules that need the whole static contract (unsupported tiling)."""
     if contract.arch == "sm90":
         _sm90_key(contract)
+    elif contract.arch == "sm100":
+        module = _sm100_module()
+        if module is not None and hasattr(module, "sm100_key_from_contract"):
+            try:
+                module.sm100_key_from_contract(contract)
+            except ValueError as exc:
+                raise ValueError(
+                    f"mma_tiler_mn={contract.mma_tiler_mn}: unsupported SM100 tiling for hidden="
+                    f"{contract.hidden}, intermediate={contract.intermediate}: {exc}"
+                ) from exc
 
 
 def _compile_sm100_kernel(contract: WgradContract) -> Callable:

@@ -972,33 +972,9 @@ def _kernel_class():
 
 def _fake_args(key: Sm100WgradKey):
     """Fake (shape-only) tensors for an offline or cached compile of ``key``."""
-    import cutlass
-    from cutlass import cute
+    from .sm90_bf16 import fake_wgrad_operands
 
-    out_t = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
-    m, n, e = key.hidden, key.intermediate, key.num_experts
-    any_k_major = key.a_major == "k" or key.b_major == "k"
-    s = cute.sym_int32(divisibility=8 if any_k_major else 1, symbol="tokens_sum")
-    a = cute.runtime.make_fake_compact_tensor(
-        cutlass.BFloat16,
-        (m, s),
-        stride_order=(1, 0) if key.a_major == "k" else (0, 1),
-        assumed_align=16,
-    )
-    b = cute.runtime.make_fake_compact_tensor(
-        cutlass.BFloat16,
-        (n, s),
-        stride_order=(1, 0) if key.b_major == "k" else (0, 1),
-        assumed_align=16,
-    )
-    offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
-    if key.output_mode == "dense":
-        out = cute.runtime.make_fake_compact_tensor(
-            out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
-        )
-    else:
-        out = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (e,), assumed_align=8)
-    return a, b, offsets, out
+    return fake_wgrad_operands(key)
 
 
 def _compile(key: Sm100WgradKey, arch: str | None, dump_dir: str | None = None):

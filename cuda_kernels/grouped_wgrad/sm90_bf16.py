@@ -920,7 +920,18 @@ def _kernel_class():
 
 
 def _fake_args(key: Sm90WgradKey):
-    """Fake (shape-only) tensors for an offline or cached compile of ``key``."""
+    """Fake (shape-only) tensors for an offline or cached compile of ``key``: the operands of
+    :func:`fake_wgrad_operands` plus the scheduler's tile counter."""
+    import cutlass
+    from cutlass import cute
+
+    counter = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
+    return (*fake_wgrad_operands(key), counter)
+
+
+def fake_wgrad_operands(key):
+    """Fake (shape-only) ``a, b, offsets, out`` of a grouped wgrad key (SM90 or SM100: the same
+    field names), with a symbolic ``tokens_sum`` so one compile serves every split."""
     import cutlass
     from cutlass import cute
 
@@ -947,8 +958,7 @@ def _fake_args(key: Sm90WgradKey):
         )
     else:
         out = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (e,), assumed_align=8)
-    counter = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
-    return a, b, offsets, out, counter
+    return a, b, offsets, out
 
 
 def _compile(key: Sm90WgradKey, arch: str | None, dump_dir: str | None = None):

@@ -765,7 +765,9 @@ def test_candidate_phase_overrides_are_valid_configs():
             cfg = MatmulMxfp8KernelConfig(0, 0, 0, **c)  # every candidate passes the config rules
             assert cfg.TILES_IN_BLOCK_M is None or cfg.TILES_IN_BLOCK_M % cfg.TILES_IN_LOAD_M == 0
     # phase2 of Qwen3 under LNC2: (M, K, N) = (128, 1536, 1024): 3 K tiles of 512, 2 N tiles.
-    assert {"TILES_IN_BLOCK_K": 3} in nki_backend.candidate_phase_overrides(128, 1536, 1024)
+    assert {"TILES_IN_BLOCK_K": 3, "enable_psum_copy_in": False} in (
+        nki_backend.candidate_phase_overrides(128, 1536, 1024)
+    )
     assert {"TILES_IN_BLOCK_N": 2, "TILES_IN_LOAD_N": 2} in nki_backend.candidate_phase_overrides(
         128, 1536, 1024
     )

@@ -13,6 +13,7 @@ relative error against float64, plus wall times.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -181,7 +182,7 @@ def _cmd_run(args, console: Console) -> int:
                 str(row["phase"]), f"{row['modeled_us']:.1f}", f"{100 * row['tensor_e_util']:.1f} %"
             )
         console.print(pt)
-    if worst != worst:  # NaN anywhere
+    if math.isnan(worst):  # NaN anywhere
         console.print("[red]a gradient holds NaN or inf[/red]")
         return 1
     return 0

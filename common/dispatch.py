@@ -21,24 +21,24 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
 from common.problem import MoEBackwardProblem, MoEGrads
 
 __all__ = [
-    "Backend",
     "BACKEND_NAMES",
     "ENV_VAR",
+    "Backend",
+    "auto_backend_name",
+    "detect_backend",
+    "device_grouped_wgrad",
     "register_backend",
     "registered_backends",
-    "detect_backend",
     "resolve_backend",
     "run_backward",
-    "device_grouped_wgrad",
-    "auto_backend_name",
 ]
 
 ENV_VAR = "MOE_BWD_BACKEND"
@@ -98,7 +98,7 @@ def _load_plugin(name: str) -> None:
         return
     try:
         importlib.import_module(module)
-    except Exception as exc:  # a broken or absent plugin makes its backends unavailable
+    except Exception as exc:  # noqa: BLE001 - any import failure only disables its backends
         _PLUGIN_ERRORS[module] = f"{module} failed to import: {type(exc).__name__}: {exc}"
 
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["sqnr_db", "max_rel_err", "rel_fro_err", "compare", "SQNR_MIN_DB"]
+__all__ = ["SQNR_MIN_DB", "compare", "max_rel_err", "rel_fro_err", "sqnr_db"]
 
 # Minimum SQNR (dB) against float64, per backend and gradient kind. Why each value:
 # - torch (BF16 operands, fp32 accumulation): BF16 rounding of inputs alone gives ~45-50 dB;

@@ -341,7 +341,7 @@ def load_model_file(path: str | Path) -> MoEModelShape:
 def _shape_from_mapping(data: Any, where: str, stem: str | None = None) -> MoEModelShape:
     if not isinstance(data, dict):
         msg = f"{where}: model YAML must be a mapping of fields, got {type(data).__name__}"
-        raise ValueError(msg)  # noqa: TRY004 - the project raises ValueError for bad input
+        raise ValueError(msg)
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise ValueError(f"{where}: missing field(s) {missing}")
@@ -422,7 +422,7 @@ def load_model(name: str) -> MoEModelShape:
     """
     if not isinstance(name, str):
         msg = f"load_model: name must be a str, got {type(name).__name__}"
-        raise ValueError(msg)  # noqa: TRY004 - the project raises ValueError for bad input
+        raise ValueError(msg)
     reg = _registry()
     key = name.strip().lower()
     if key not in reg:

@@ -149,7 +149,7 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def _norm_axis(axis: int, ndim: int, what: str = "x") -> int:
     if not isinstance(axis, int) or isinstance(axis, bool):
-        raise ValueError(f"axis must be an int; got {axis!r}")  # noqa: TRY004 (project: ValueError)
+        raise ValueError(f"axis must be an int; got {axis!r}")
     if ndim == 0:
         raise ValueError(f"{what} must have at least one dimension to quantize along axis")
     if not -ndim <= axis < ndim:

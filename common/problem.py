@@ -7,6 +7,7 @@ Dimension letters: see :mod:`common.shapes`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,9 +55,7 @@ class ClampLimits:
             lo = getattr(self, f"{side}_clamp_lower_limit")
             hi = getattr(self, f"{side}_clamp_upper_limit")
             for name, v in ((f"{side}_clamp_lower_limit", lo), (f"{side}_clamp_upper_limit", hi)):
-                if v is not None and not (
-                    isinstance(v, (int, float)) and v == v and abs(v) != float("inf")
-                ):
+                if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v)):
                     raise ValueError(
                         f"ClampLimits.{name} must be a finite number or None, got {v!r}"
                     )

@@ -33,13 +33,13 @@ from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
 from common.routing import RoutingPlan
 
 __all__ = [
-    "AFFINITY_ON_I",
     "AFFINITY_ON_H",
-    "moe_forward_reference",
-    "moe_backward_reference",
-    "reference_forward",
-    "reference_backward",
+    "AFFINITY_ON_I",
     "grouped_wgrad_reference",
+    "moe_backward_reference",
+    "moe_forward_reference",
+    "reference_backward",
+    "reference_forward",
 ]
 
 AFFINITY_ON_I = "on_i"
@@ -322,7 +322,7 @@ def moe_forward_reference(
         ValueError: inconsistent shapes, dtypes or ids.
     """
     _check_affinity_option(affinity_option)
-    E, H, I = _check_weights(hidden_states, w_gate_up, w_down, b_gate_up, b_down)
+    E, _, I = _check_weights(hidden_states, w_gate_up, w_down, b_gate_up, b_down)
     N = _check_blockwise(
         token_position_to_id,
         block_to_expert,
@@ -403,7 +403,7 @@ def moe_backward_reference(
         ValueError: inconsistent shapes, dtypes or ids.
     """
     _check_affinity_option(affinity_option)
-    E, H, I = _check_weights(hidden_states, w_gate_up, w_down, b_gate_up, b_down)
+    E, _, I = _check_weights(hidden_states, w_gate_up, w_down, b_gate_up, b_down)
     if output_hidden_states_grad.shape != hidden_states.shape:
         raise ValueError(
             f"output_hidden_states_grad shape {tuple(output_hidden_states_grad.shape)} must equal "
@@ -487,7 +487,7 @@ def reference_forward(
         padding rows 0) -- the checkpoint a :class:`MoEBackwardProblem` carries.
     """
     _check_affinity_option(affinity_option)
-    E, H, I = _check_weights(hidden_states_TH, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH)
+    E, _, I = _check_weights(hidden_states_TH, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH)
     _check_plan(plan, hidden_states_TH, E)
     idx, tok, exp, aff = _plan_pairs(plan)
     y, act = _pairs_forward(

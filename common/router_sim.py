@@ -68,7 +68,7 @@ SKEW_SCALE = 0.2
 def _check_int(name: str, value, minimum: int, caller: str = "simulate_router") -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         msg = f"{caller}: {name} must be an int, got {type(value).__name__}"
-        raise ValueError(msg)  # noqa: TRY004 - the project raises ValueError for bad input
+        raise ValueError(msg)
     if value < minimum:
         raise ValueError(f"{caller}: {name} must be >= {minimum}, got {value}")
     return int(value)
@@ -85,7 +85,7 @@ def _check_float(
 ) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         msg = f"{caller}: {name} must be a real number, got {type(value).__name__}"
-        raise ValueError(msg)  # noqa: TRY004
+        raise ValueError(msg)
     value = float(value)
     too_low = value <= minimum if open_min else value < minimum
     if not math.isfinite(value) or too_low or value > maximum:
@@ -111,7 +111,7 @@ def _check_routing_args(
         raise ValueError(f"{caller}: kind must be one of {ROUTER_KINDS}, got {kind!r}")
     if not isinstance(norm_topk_prob, bool):
         msg = f"{caller}: norm_topk_prob must be a bool, got {norm_topk_prob!r}"
-        raise ValueError(msg)  # noqa: TRY004
+        raise ValueError(msg)
     n_group = _check_int("n_group", n_group, 1, caller)
     topk_group = _check_int("topk_group", topk_group, 1, caller)
     if kind != "sigmoid_topk" and (n_group != 1 or topk_group != 1):

@@ -38,7 +38,7 @@ import torch
 
 from common.shapes import static_num_blocks
 
-__all__ = ["RoutingPlan", "BlockwiseLayout", "GroupedLayout", "plan_routing", "PADDING_MODES"]
+__all__ = ["PADDING_MODES", "BlockwiseLayout", "GroupedLayout", "RoutingPlan", "plan_routing"]
 
 PADDING_MODES = ("skip", "zero_row")
 """Blockwise padding conventions: ``skip`` marks padding slots -1 (the kernel skips them by
@@ -55,7 +55,7 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
 
 def _as_int(name: str, value, minimum: int) -> int:
     """``value`` as a Python int (numpy integers accepted) >= ``minimum``, else ValueError."""
-    if isinstance(value, (bool, float)) or isinstance(value, torch.Tensor):
+    if isinstance(value, (bool, float, torch.Tensor)):
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     try:
         v = operator.index(value)

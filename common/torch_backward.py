@@ -21,7 +21,7 @@ kernel with fp32 output is given (the CUDA backends). The SwiGLU backward runs i
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -29,10 +29,10 @@ from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
 
 __all__ = [
     "ALIGN",
-    "moe_backward_torch",
-    "moe_forward_checkpoint_torch",
     "grouped_mm_rows",
     "grouped_wgrad_default",
+    "moe_backward_torch",
+    "moe_forward_checkpoint_torch",
 ]
 
 ALIGN = 16
@@ -63,7 +63,7 @@ def grouped_mm_rows(
         [S, N] fp32 (fp32 accumulation, product rounded to BF16).
     """
     S, K = x_SK.shape
-    E, _, N = w_EKN.shape
+    N = w_EKN.shape[2]
     dt = torch.bfloat16
     if _fits_grouped_mm(K, N) and S % ALIGN == 0:
         return torch._grouped_mm(x_SK.to(dt), w_EKN.to(dt), offs=offsets_E).float()
@@ -126,7 +126,7 @@ def moe_forward_checkpoint_torch(
     Returns:
         act_checkpoint_R2I: [R, 2, I] ``compute_dtype`` in the plan's pair order (padding 0).
     """
-    T, H = hidden_states_TH.shape
+    H = hidden_states_TH.shape[1]
     E, _, _, I = w_gate_up_EH2I.shape
     R = plan.pair_token_R.shape[0]
     cd = compute_dtype

@@ -33,6 +33,7 @@ __all__ = [
     "grouped_wgrad_default",
     "moe_backward_torch",
     "moe_forward_checkpoint_torch",
+    "moe_forward_torch",
 ]
 
 ALIGN = 16
@@ -47,25 +48,35 @@ def _segments(offsets_E: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
-def _fits_grouped_mm(*dims: int) -> bool:
-    return hasattr(torch, "_grouped_mm") and all(d % 8 == 0 and d > 0 for d in dims)
+def _fits_grouped_mm(dtype: torch.dtype, device: torch.device, *dims: int) -> bool:
+    """torch._grouped_mm takes BF16 anywhere, fp32 on the CPU; strides of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if dtype != torch.bfloat16 and not (dtype == torch.float32 and device.type == "cpu"):
+        return False
+    return all(d % 8 == 0 and d > 0 for d in dims)
 
 
 def grouped_mm_rows(
-    x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor
+    x_SK: torch.Tensor,
+    w_EKN: torch.Tensor,
+    offsets_E: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Rows of expert e times that expert's matrix: ``out[s] = x_SK[s] @ w_EKN[e(s)]``.
 
     Args:
-        x_SK: [S, K] BF16-valued rows in grouped order.  w_EKN: [E, K, N] (any strides).
+        x_SK: [S, K] rows in grouped order.  w_EKN: [E, K, N] (any strides).
         offsets_E: [E] int32 cumulative ends.
+        dtype: operand dtype of the GEMM (BF16: fp32 accumulation, product rounded to BF16;
+            fp32: fp32 throughout).
     Returns:
-        [S, N] fp32 (fp32 accumulation, product rounded to BF16).
+        [S, N] fp32.
     """
     S, K = x_SK.shape
     N = w_EKN.shape[2]
-    dt = torch.bfloat16
-    if _fits_grouped_mm(K, N) and S % ALIGN == 0:
+    dt = dtype
+    if _fits_grouped_mm(dt, x_SK.device, K, N) and S % ALIGN == 0:
         return torch._grouped_mm(x_SK.to(dt), w_EKN.to(dt), offs=offsets_E).float()
     out = torch.zeros(S, N, dtype=torch.float32, device=x_SK.device)
     for e, (s, t) in enumerate(_segments(offsets_E)):
@@ -86,7 +97,7 @@ def grouped_wgrad_default(
     I = b_SI.shape[1]
     E = offsets_E.shape[0]
     dt = torch.bfloat16
-    if _fits_grouped_mm(H, I) and S % ALIGN == 0 and S > 0:
+    if _fits_grouped_mm(dt, a_HS.device, H, I) and S % ALIGN == 0 and S > 0:
         out = torch._grouped_mm(a_HS.to(dt), b_SI.to(dt), offs=offsets_E)
         # An empty group's output must read 0 whatever the library leaves there (REFERENCE §7).
         ends = offsets_E.to(torch.int64)
@@ -106,6 +117,75 @@ def _grouped_layout(plan, num_experts: int):
     return plan.grouped(align=ALIGN, max_tokens_sum=max_rows)
 
 
+def _row_expert_S(layout, plan, num_experts: int) -> torch.Tensor:
+    """[S] expert of each grouped row (E-1 for padding rows, which carry zeros)."""
+    r2p = layout.row_to_pair_S
+    if plan.pair_token_R.shape[0] == 0:
+        return torch.full_like(r2p, num_experts - 1)
+    return torch.where(
+        r2p >= 0, plan.pair_expert_R[r2p.clamp(min=0)], torch.full_like(r2p, num_experts - 1)
+    )
+
+
+def moe_forward_torch(
+    hidden_states_TH: torch.Tensor,
+    w_gate_up_EH2I: torch.Tensor,
+    w_down_EIH: torch.Tensor | None,
+    plan,
+    *,
+    b_gate_up_E2I: torch.Tensor | None = None,
+    b_down_EH: torch.Tensor | None = None,
+    clamp_limits: ClampLimits | None = None,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    with_output: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """SwiGLU expert-MLP forward on the grouped layout (REFERENCE §2, AFFINITY_ON_I).
+
+    ``g = clamp_g(x Wg + bg)``, ``u = clamp_u(x Wu + bu)``, ``y[t] += a (silu(g) u) Wd + a bd``
+    per routed pair: grouped GEMMs with ``compute_dtype`` operands and fp32 accumulation; bias,
+    clamp and SiLU in fp32.
+
+    Args:
+        hidden_states_TH: [T, H].  w_gate_up_EH2I: [E, H, 2, I].  w_down_EIH: [E, I, H] (may be
+            None with ``with_output=False``).  plan: the RoutingPlan.
+        b_gate_up_E2I: optional [E, 2, I].  b_down_EH: optional [E, H].
+        clamp_limits: optional ClampLimits.
+        compute_dtype: GEMM operand and checkpoint dtype (BF16 as in training; fp32 for a
+            full-precision forward).
+        with_output: also compute y (else only the checkpoint; y is None).
+    Returns:
+        ``(y_TH [T, H] fp32 or None, act_checkpoint_R2I [R, 2, I] compute_dtype)``: the
+        checkpoint holds the clamped g, u of each pair in the plan's pair order (padding 0).
+    """
+    H = hidden_states_TH.shape[1]
+    E, _, _, I = w_gate_up_EH2I.shape
+    R = plan.pair_token_R.shape[0]
+    cd = compute_dtype
+    cl = clamp_limits or ClampLimits()
+    layout = _grouped_layout(plan, E)
+    offs = layout.offsets_E
+    row_valid = layout.row_to_pair_S >= 0
+    row_expert = _row_expert_S(layout, plan, E)
+    x_S = layout.gather_rows(hidden_states_TH.to(cd))
+    gu_S = grouped_mm_rows(x_S, w_gate_up_EH2I.to(cd).reshape(E, H, 2 * I), offs, cd)
+    gu_S = gu_S.reshape(-1, 2, I)
+    if b_gate_up_E2I is not None:
+        gu_S = gu_S + b_gate_up_E2I.float()[row_expert]
+    g = cl.clamp_gate(gu_S[:, 0])
+    u = cl.clamp_up(gu_S[:, 1])
+    act = torch.zeros(R + 1, 2, I, dtype=cd, device=hidden_states_TH.device)
+    dest = torch.where(row_valid, layout.row_to_pair_S, torch.full_like(layout.row_to_pair_S, R))
+    act.index_put_((dest,), torch.stack([g, u], 1).to(cd))
+    if not with_output:
+        return None, act[:R]
+    alpha_S = layout.gather_pairs(plan.pair_affinity_R).float()[:, None]
+    ah_S = (alpha_S * torch.nn.functional.silu(g) * u).to(cd)
+    out_S = grouped_mm_rows(ah_S, w_down_EIH.to(cd), offs, cd)
+    if b_down_EH is not None:
+        out_S = out_S + alpha_S * b_down_EH.float()[row_expert]
+    return layout.scatter_add_rows(out_S), act[:R]
+
+
 def moe_forward_checkpoint_torch(
     hidden_states_TH: torch.Tensor,
     w_gate_up_EH2I: torch.Tensor,
@@ -115,36 +195,19 @@ def moe_forward_checkpoint_torch(
     clamp_limits: ClampLimits | None = None,
     compute_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """The forward's activation checkpoint as a BF16 training forward stores it.
-
-    ``g = clamp_g(x Wg + bg)``, ``u = clamp_u(x Wu + bu)`` per routed pair: a BF16 grouped GEMM
-    with fp32 accumulation, bias and clamp in fp32, then rounded to ``compute_dtype``.
-
-    Args:
-        hidden_states_TH: [T, H].  w_gate_up_EH2I: [E, H, 2, I].  plan: the RoutingPlan.
-        b_gate_up_E2I: optional [E, 2, I].  clamp_limits: optional ClampLimits.
-    Returns:
-        act_checkpoint_R2I: [R, 2, I] ``compute_dtype`` in the plan's pair order (padding 0).
-    """
-    H = hidden_states_TH.shape[1]
-    E, _, _, I = w_gate_up_EH2I.shape
-    R = plan.pair_token_R.shape[0]
-    cd = compute_dtype
-    cl = clamp_limits or ClampLimits()
-    layout = _grouped_layout(plan, E)
-    x_S = layout.gather_rows(hidden_states_TH.to(cd))
-    gu_S = grouped_mm_rows(x_S, w_gate_up_EH2I.to(cd).reshape(E, H, 2 * I), layout.offsets_E)
-    gu_S = gu_S.reshape(-1, 2, I)
-    row_valid = layout.row_to_pair_S >= 0
-    if b_gate_up_E2I is not None and R:
-        row_expert = plan.pair_expert_R[layout.row_to_pair_S.clamp(min=0)].clamp(max=E - 1)
-        gu_S = gu_S + b_gate_up_E2I.float()[row_expert]
-    g = cl.clamp_gate(gu_S[:, 0])
-    u = cl.clamp_up(gu_S[:, 1])
-    act = torch.zeros(R + 1, 2, I, dtype=cd, device=hidden_states_TH.device)
-    dest = torch.where(row_valid, layout.row_to_pair_S, torch.full_like(layout.row_to_pair_S, R))
-    act.index_put_((dest,), torch.stack([g, u], 1).to(cd))
-    return act[:R]
+    """The forward's activation checkpoint as a BF16 training forward stores it:
+    :func:`moe_forward_torch` without the down projection. Returns act_checkpoint_R2I
+    [R, 2, I] ``compute_dtype`` in the plan's pair order (padding 0)."""
+    return moe_forward_torch(
+        hidden_states_TH,
+        w_gate_up_EH2I,
+        None,
+        plan,
+        b_gate_up_E2I=b_gate_up_E2I,
+        clamp_limits=clamp_limits,
+        compute_dtype=compute_dtype,
+        with_output=False,
+    )[1]
 
 
 def moe_backward_torch(
@@ -171,7 +234,6 @@ def moe_backward_torch(
     x_TH, dy_TH = p.hidden_states_TH, p.output_grad_TH
     T, H = x_TH.shape
     E, _, _, I = p.w_gate_up_EH2I.shape
-    R = plan.pair_token_R.shape[0]
     wgrad = grouped_wgrad or grouped_wgrad_default
     cd = compute_dtype
     dev = x_TH.device
@@ -180,11 +242,7 @@ def moe_backward_torch(
     layout = _grouped_layout(plan, E)
     offs = layout.offsets_E
     row_valid = layout.row_to_pair_S >= 0
-    row_expert = torch.where(
-        row_valid,
-        plan.pair_expert_R[layout.row_to_pair_S.clamp(min=0)] if R else layout.row_to_pair_S,
-        torch.full_like(layout.row_to_pair_S, E - 1),
-    )
+    row_expert = _row_expert_S(layout, plan, E)
 
     x_S = layout.gather_rows(x_TH.to(cd))
     dy_S = layout.gather_rows(dy_TH.to(cd))

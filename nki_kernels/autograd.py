@@ -21,6 +21,7 @@ import torch
 
 from common.problem import ClampLimits, MoEBackwardProblem
 from common.routing import RoutingPlan, plan_routing
+from common.torch_backward import moe_forward_torch
 
 __all__ = ["MoEExpertMLPFunction", "expert_mlp_forward", "moe_expert_mlp"]
 
@@ -53,7 +54,8 @@ def expert_mlp_forward(
     Raises:
         ValueError: shapes that disagree with each other or with the plan.
 
-    Note: reads ``plan.tokens_per_expert_E`` on the host (one sync) to split pairs by expert.
+    Computed by :func:`common.torch_backward.moe_forward_torch` with fp32 operands (grouped
+    GEMMs on the plan's grouped layout; no host read of the routing on CUDA).
     """
     T, H = hidden_states_TH.shape
     if w_gate_up_EH2I.dim() != 4 or w_gate_up_EH2I.shape[1] != H or w_gate_up_EH2I.shape[2] != 2:
@@ -67,33 +69,10 @@ def expert_mlp_forward(
         raise ValueError(
             f"plan has T={plan.num_tokens}, E={plan.num_experts}; tensors have T={T}, E={E}"
         )
-    f32 = torch.float32
-    cl = clamp_limits or ClampLimits()
-    R = plan.pair_token_R.shape[0]
-    act = torch.zeros(R, 2, I, dtype=f32, device=hidden_states_TH.device)
-    y = torch.zeros(T, H, dtype=f32, device=hidden_states_TH.device)
-    start = 0
-    for e, n in enumerate(plan.tokens_per_expert_E.tolist()):
-        if n == 0:
-            continue
-        sl = slice(start, start + n)
-        start += n
-        tok = plan.pair_token_R[sl]
-        a = plan.pair_affinity_R[sl].to(f32)[:, None]
-        gu = (hidden_states_TH[tok].to(f32) @ w_gate_up_EH2I[e].to(f32).reshape(H, 2 * I)).reshape(
-            n, 2, I
-        )
-        if b_gate_up_E2I is not None:
-            gu = gu + b_gate_up_E2I[e].to(f32)
-        g = cl.clamp_gate(gu[:, 0])
-        u = cl.clamp_up(gu[:, 1])
-        h = torch.nn.functional.silu(g) * u
-        out = (a * h) @ w_down_EIH[e].to(f32)
-        if b_down_EH is not None:
-            out = out + a * b_down_EH[e].to(f32)
-        y.index_add_(0, tok, out)
-        act[sl, 0] = g
-        act[sl, 1] = u
+    y, act = moe_forward_torch(
+        hidden_states_TH, w_gate_up_EH2I, w_down_EIH, plan, b_gate_up_E2I=b_gate_up_E2I,
+        b_down_EH=b_down_EH, clamp_limits=clamp_limits, compute_dtype=torch.float32,
+    )
     return y.to(hidden_states_TH.dtype), act.to(hidden_states_TH.dtype)
 
 

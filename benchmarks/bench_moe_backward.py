@@ -116,13 +116,17 @@ def main(argv=None) -> int:
         flops = 12 * R * model.hidden * model.intermediate
         x = torch.randn(R, model.hidden, device=device).bfloat16()
         w = torch.randn(model.hidden, 6 * model.intermediate, device=device).bfloat16()
-        t_dense = bench(lambda: torch.mm(x, w))
-        t_loop = bench(lambda: loop_backward(p))
+        t_dense = bench(lambda x=x, w=w: torch.mm(x, w))
+        t_loop = bench(lambda p=p: loop_backward(p))
         rows = [
-            (b, bench(lambda b=b: dispatch.resolve_backend(b, device).run(p))) for b in backends
+            (b, bench(lambda b=b, p=p: dispatch.resolve_backend(b, device).run(p)))
+            for b in backends
         ]
         rows += [("loop", t_loop), ("dense mm", t_dense)]
-        shape = f"{name}: {args.tokens}, {model.hidden}, {model.intermediate}, {model.experts}, {model.top_k}"
+        shape = (
+            f"{name}: {args.tokens}, {model.hidden}, {model.intermediate}, {model.experts}, "
+            f"{model.top_k}"
+        )
         for impl, t in rows:
             print(
                 f"| {shape} | {impl} | {t * 1e3:.1f} | {flops / t / 1e12:.3f} | "

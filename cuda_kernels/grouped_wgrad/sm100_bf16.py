@@ -64,6 +64,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ._contract import check_key_fields, load_tile_rules
+
 __all__ = [
     "COMPILE_COUNT",
     "ENABLE_ENV",
@@ -84,7 +86,6 @@ COMPILE_COUNT = 0
 ENABLE_ENV = "MOE_BWD_ENABLE_UNVERIFIED_SM100"
 
 _TILES_YAML = pathlib.Path(__file__).resolve().parents[2] / "configs" / "cuda" / "sm100_tiles.yaml"
-_OUT_DTYPES = ("bfloat16", "float16", "float32")
 #: Usable dynamic shared memory per CTA on B200 (CUDA programming guide, compute capability 10.0:
 #: 228 KiB per SM, 227 KiB per block).
 _SMEM_BYTES = 227 * 1024
@@ -210,27 +211,7 @@ class Sm100WgradKey:
     tile: Sm100TileConfig = Sm100TileConfig()
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "intermediate", "num_experts"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Sm100WgradKey.{name} must be a positive int, got {value!r}")
-        if self.a_major not in ("k", "m"):
-            raise ValueError(f"Sm100WgradKey.a_major must be 'k' or 'm', got {self.a_major!r}")
-        if self.b_major not in ("k", "n"):
-            raise ValueError(f"Sm100WgradKey.b_major must be 'k' or 'n', got {self.b_major!r}")
-        if self.out_dtype not in _OUT_DTYPES:
-            raise ValueError(
-                f"Sm100WgradKey.out_dtype must be one of {_OUT_DTYPES}, got {self.out_dtype!r}"
-            )
-        if self.output_mode not in ("dense", "discrete"):
-            raise ValueError(
-                f"Sm100WgradKey.output_mode must be 'dense' or 'discrete', got {self.output_mode!r}"
-            )
-        if self.input_order not in ("tensor2d", "tensor_ragged"):
-            raise ValueError(
-                "Sm100WgradKey.input_order must be 'tensor2d' or 'tensor_ragged', "
-                f"got {self.input_order!r}"
-            )
+        check_key_fields(self)
         if not isinstance(self.tile, Sm100TileConfig):
             msg = f"Sm100WgradKey.tile must be a Sm100TileConfig, got {self.tile!r}"
             raise ValueError(msg)  # noqa: TRY004 - ValueError is the API contract
@@ -270,17 +251,7 @@ def load_sm100_tile_rules() -> tuple[tuple[str, dict, Sm100TileConfig], ...]:
     Raises:
         RuntimeError: the file is missing or malformed.
     """
-    import yaml
-
-    try:
-        data = yaml.safe_load(_TILES_YAML.read_text())
-        rules = []
-        for rule in data["rules"]:
-            cond = {k: v for k, v in rule.items() if k not in ("name", "config")}
-            rules.append((rule["name"], cond, Sm100TileConfig(**rule["config"])))
-    except (OSError, KeyError, TypeError, ValueError) as exc:
-        raise RuntimeError(f"cannot read SM100 tile configs from {_TILES_YAML}: {exc}") from exc
-    return tuple(rules)
+    return load_tile_rules(_TILES_YAML, Sm100TileConfig, "SM100")
 
 
 def _stages_for(tile_m: int, tile_n: int, tile_k: int) -> int:

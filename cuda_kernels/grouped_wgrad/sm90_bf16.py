@@ -45,6 +45,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ._contract import check_key_fields, load_tile_rules
+
 __all__ = [
     "COMPILE_COUNT",
     "Sm90TileConfig",
@@ -59,7 +61,6 @@ __all__ = [
 COMPILE_COUNT = 0
 
 _TILES_YAML = pathlib.Path(__file__).resolve().parents[2] / "configs" / "cuda" / "sm90_tiles.yaml"
-_OUT_DTYPES = ("bfloat16", "float16", "float32")
 _SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on H100/H200
 _SCHED_STAGES = 4  # depth of the tile-id ring between the producer warp and the consumers
 
@@ -161,27 +162,7 @@ class Sm90WgradKey:
     tile: Sm90TileConfig = Sm90TileConfig()
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "intermediate", "num_experts"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Sm90WgradKey.{name} must be a positive int, got {value!r}")
-        if self.a_major not in ("k", "m"):
-            raise ValueError(f"Sm90WgradKey.a_major must be 'k' or 'm', got {self.a_major!r}")
-        if self.b_major not in ("k", "n"):
-            raise ValueError(f"Sm90WgradKey.b_major must be 'k' or 'n', got {self.b_major!r}")
-        if self.out_dtype not in _OUT_DTYPES:
-            raise ValueError(
-                f"Sm90WgradKey.out_dtype must be one of {_OUT_DTYPES}, got {self.out_dtype!r}"
-            )
-        if self.output_mode not in ("dense", "discrete"):
-            raise ValueError(
-                f"Sm90WgradKey.output_mode must be 'dense' or 'discrete', got {self.output_mode!r}"
-            )
-        if self.input_order not in ("tensor2d", "tensor_ragged"):
-            raise ValueError(
-                "Sm90WgradKey.input_order must be 'tensor2d' or 'tensor_ragged', "
-                f"got {self.input_order!r}"
-            )
+        check_key_fields(self)
         if not isinstance(self.tile, Sm90TileConfig):
             msg = f"Sm90WgradKey.tile must be a Sm90TileConfig, got {self.tile!r}"
             raise ValueError(msg)  # noqa: TRY004 - ValueError is the API contract
@@ -213,17 +194,7 @@ def load_sm90_tile_rules() -> tuple[tuple[str, dict, Sm90TileConfig], ...]:
     Raises:
         RuntimeError: the file is missing or malformed.
     """
-    import yaml
-
-    try:
-        data = yaml.safe_load(_TILES_YAML.read_text())
-        rules = []
-        for rule in data["rules"]:
-            cond = {k: v for k, v in rule.items() if k not in ("name", "config")}
-            rules.append((rule["name"], cond, Sm90TileConfig(**rule["config"])))
-    except (OSError, KeyError, TypeError, ValueError) as exc:
-        raise RuntimeError(f"cannot read SM90 tile configs from {_TILES_YAML}: {exc}") from exc
-    return tuple(rules)
+    return load_tile_rules(_TILES_YAML, Sm90TileConfig, "SM90")
 
 
 def select_sm90_tile_config(

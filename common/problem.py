@@ -16,7 +16,7 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from common.routing import RoutingPlan
 
-__all__ = ["ClampLimits", "MoEBackwardProblem", "MoEGrads"]
+__all__ = ["GPT_OSS", "SWIGLU", "Activation", "ClampLimits", "MoEBackwardProblem", "MoEGrads"]
 
 
 def _clamp(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
@@ -100,6 +100,46 @@ class ClampLimits:
         )
 
 
+@dataclass(frozen=True)
+class Activation:
+    """The gated activation of the expert MLP: ``h = g * sigmoid(alpha * g) * (u + up_offset)``.
+
+    g and u are the (clamped) gate and up pre-activations. SwiGLU (``silu(g) * u``) is
+    ``alpha=1, up_offset=0``; gpt-oss (openai/gpt-oss ``gpt_oss/torch/model.py``, ``swiglu``) is
+    ``alpha=1.702, up_offset=1`` with its clamp limits given separately as :class:`ClampLimits`.
+    Derivatives (s = sigmoid(alpha * g)): ``dh/dg = (u + up_offset) * s * (1 + alpha * g * (1 - s))``,
+    ``dh/du = g * s``.
+
+    Attributes:
+        name: ``"swiglu"`` or ``"gpt_oss"`` (display and YAML name).
+        alpha: sigmoid slope (finite, > 0).
+        up_offset: added to the clamped up value (finite).
+    """
+
+    name: str = "swiglu"
+    alpha: float = 1.0
+    up_offset: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Activation.name must be a non-empty str, got {self.name!r}")
+        a = self.alpha
+        if not (isinstance(a, (int, float)) and math.isfinite(a) and a > 0):
+            raise ValueError(f"Activation.alpha must be a finite number > 0, got {a!r}")
+        o = self.up_offset
+        if not (isinstance(o, (int, float)) and math.isfinite(o)):
+            raise ValueError(f"Activation.up_offset must be a finite number, got {o!r}")
+
+    @property
+    def is_swiglu(self) -> bool:
+        """True for plain SwiGLU (alpha 1, no up offset): the only form the NKI kernel computes."""
+        return self.alpha == 1.0 and self.up_offset == 0.0
+
+
+SWIGLU = Activation("swiglu")
+GPT_OSS = Activation("gpt_oss", alpha=1.702, up_offset=1.0)
+
+
 @dataclass
 class MoEBackwardProblem:
     """Inputs of the expert-MLP backward for one MoE layer.
@@ -120,6 +160,7 @@ class MoEBackwardProblem:
         b_gate_up_E2I: optional [E, 2, I] gate/up biases.
         b_down_EH: optional [E, H] down bias.
         clamp_limits: optional :class:`ClampLimits`.
+        activation: the :class:`Activation` (default SwiGLU; gpt-oss models use ``GPT_OSS``).
     """
 
     hidden_states_TH: torch.Tensor
@@ -131,6 +172,7 @@ class MoEBackwardProblem:
     b_gate_up_E2I: torch.Tensor | None = None
     b_down_EH: torch.Tensor | None = None
     clamp_limits: ClampLimits | None = None
+    activation: Activation = SWIGLU
 
     @property
     def has_bias(self) -> bool:
@@ -154,6 +196,10 @@ class MoEBackwardProblem:
             raise ValueError(
                 "clamp_limits must be a ClampLimits or None, got "
                 f"{type(self.clamp_limits).__name__}"
+            )
+        if not isinstance(self.activation, Activation):
+            raise ValueError(
+                f"activation must be an Activation, got {type(self.activation).__name__}"
             )
         x = self.hidden_states_TH
         if not isinstance(x, torch.Tensor) or x.dim() != 2:

@@ -1,9 +1,9 @@
 """Dispatcher plugin: registers the ``cuda-sm90`` and ``cuda-sm100`` backends with ``common.dispatch``.
 
-Each backend runs the portable torch backward (``common.torch_backward.moe_backward_torch``) with
-its two weight gradients computed by this package's grouped wgrad kernel through the public API
-(``cuda_kernels.grouped_wgrad.api``). ``check()`` says what is missing: CUDA, the right compute
-capability, the CuTe DSL package, or (SM100) the kernel itself.
+Each backend runs the fused GPU backward (``cuda_kernels.moe_backward.moe_backward_fused``:
+grouped GEMMs, Triton kernels for everything between them, and this package's grouped wgrad kernel
+through the public API ``cuda_kernels.grouped_wgrad.api``). ``check()`` says what is missing:
+CUDA, the right compute capability, Triton, the CuTe DSL package, or (SM100) the kernel itself.
 
 Imported lazily by ``common.dispatch`` by module name; importing it imports no CuTe DSL and does not
 query the GPU (``check()`` does, when called).
@@ -18,7 +18,6 @@ import torch
 
 from common.dispatch import Backend, register_backend
 from common.problem import MoEBackwardProblem, MoEGrads
-from common.torch_backward import moe_backward_torch
 
 from .grouped_wgrad import api
 
@@ -45,9 +44,15 @@ def _cutlass_reason() -> str | None:
     return None
 
 
+def _triton_reason() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton==3.6.0)"
+    return None
+
+
 def check_cuda_sm90() -> str | None:
-    """None when the Hopper kernel can run here, else why not."""
-    return _device_reason(90, 99, "cuda-sm90") or _cutlass_reason()
+    """None when the Hopper kernels can run here, else why not."""
+    return _device_reason(90, 99, "cuda-sm90") or _triton_reason() or _cutlass_reason()
 
 
 def check_cuda_sm100() -> str | None:
@@ -58,7 +63,7 @@ def check_cuda_sm100() -> str | None:
     module = api._sm100_module()
     if module is None or not hasattr(module, "compile_sm100_wgrad"):
         return "the SM100 grouped wgrad kernel is not built in this package yet"
-    return module.unverified_reason() or _cutlass_reason()
+    return module.unverified_reason() or _triton_reason() or _cutlass_reason()
 
 
 def make_grouped_wgrad(arch: str, stats: dict | None = None):
@@ -73,35 +78,31 @@ def make_grouped_wgrad(arch: str, stats: dict | None = None):
     return functools.partial(api.grouped_wgrad_fp32, backend=arch, stats=stats)
 
 
-def _runner(arch: str):
-    def run(problem: MoEBackwardProblem, **options) -> MoEGrads:
-        stats: dict = {}
-        grads = moe_backward_torch(
-            problem, grouped_wgrad=make_grouped_wgrad(arch, stats), **options
-        )
-        grads.info.setdefault("wgrad_calls", stats)
-        return grads
+def _run_fused(problem: MoEBackwardProblem, **options) -> MoEGrads:
+    """The fused backward; ``options`` are :func:`moe_backward_fused`'s keywords."""
+    from .moe_backward import moe_backward_fused  # imports triton: only when run
 
-    return run
+    return moe_backward_fused(problem, **options)
 
 
 register_backend(
     Backend(
         name="cuda-sm90",
-        summary="Hopper: torch backward with the CuTe DSL grouped wgrad kernel (TMA + wgmma)",
+        summary="Hopper: fused backward (cuBLAS grouped dgrad, Triton epilogues, CuTe DSL "
+        "grouped wgrad with TMA + wgmma)",
         check=check_cuda_sm90,
-        run=_runner("sm90"),
+        run=_run_fused,
         grouped_wgrad=make_grouped_wgrad("sm90"),
     )
 )
 register_backend(
     Backend(
         name="cuda-sm100",
-        summary="Blackwell: torch backward with the SM100 grouped wgrad kernel (tcgen05; "
+        summary="Blackwell: fused backward with the SM100 grouped wgrad kernel (tcgen05; "
         "compiled offline, not yet verified on hardware: opt in with "
         "MOE_BWD_ENABLE_UNVERIFIED_SM100=1)",
         check=check_cuda_sm100,
-        run=_runner("sm100"),
+        run=_run_fused,
         grouped_wgrad=make_grouped_wgrad("sm100"),
     )
 )

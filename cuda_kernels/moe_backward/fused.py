@@ -1,0 +1,202 @@
+"""The fused GPU MoE expert-MLP backward: grouped GEMMs with every other step fused into one pass.
+
+Per call (rows in the grouped layout of the plan, REFERENCE §1.2; math REFERENCE §2)::
+
+    x_S, dY_S   = gather_rows(X, dY)                    # one pass each, BF16 (Triton)
+    dh_raw_S    = dY_S @ W_down[e]^T                    # grouped GEMM, BF16 out (cuBLAS)
+    dgu_S, ah_S, dA = activation_backward(dh_raw_S, checkpoint, ...)   # one pass (Triton)
+    dX_S        = dgu_S @ W_gate_up[e]^T                # grouped GEMM (cuBLAS)
+    dX          = token_sum(dX_S)                       # each token sums its rows (Triton)
+    dW_gate_up  = x_S^T dgu_S ;  dW_down = ah_S^T dY_S  # our grouped wgrad kernel (SM90)
+    dB_*        = segment_colsum(...)                   # only with biases (Triton)
+
+No fp32 intermediate goes through HBM; every step is deterministic (no atomics), reads no
+device value on the host (CUDA-graph capturable) and allocates only its outputs and the BF16
+operands. On CPU tensors the Triton kernels run in Triton's interpreter and the GEMMs in torch:
+that is how CPU CI tests this path against its twin, :func:`common.torch_backward.moe_backward_torch`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
+from common.torch_backward import ALIGN, _grouped_layout, grouped_mm_rows
+
+from ..grouped_wgrad import api
+from . import kernels
+
+__all__ = ["GRAD_DTYPES", "moe_backward_fused", "slot_rows"]
+
+GRAD_DTYPES = (torch.float32, torch.bfloat16)
+"""Dtypes the fused backward writes its gradients in (dA is always fp32)."""
+
+
+def slot_rows(plan, layout) -> torch.Tensor:
+    """[T, K] int64: the grouped row of each router slot, -1 for dropped slots and for all but
+    the first slot of a duplicate (token, expert) pair (its rows are merged into one)."""
+    T, K = plan.num_tokens, plan.top_k
+    R, S = layout.num_pair_rows, layout.tokens_sum
+    s2p = plan.slot_to_pair_TK
+    r2p = layout.row_to_pair_S
+    pair_row = torch.full((R + 1,), -1, dtype=torch.int64, device=s2p.device)
+    pair_row.index_put_(
+        (torch.where(r2p >= 0, r2p, torch.full_like(r2p, R)),),
+        torch.arange(S, dtype=torch.int64, device=s2p.device),
+    )
+    rows = torch.where(s2p >= 0, pair_row[s2p.clamp(min=0)], torch.full_like(s2p, -1))
+    if K > 1:  # a later slot naming the same pair as an earlier one adds nothing
+        same = s2p[:, :, None] == s2p[:, None, :]
+        earlier = torch.ones(K, K, dtype=torch.bool, device=s2p.device).tril(-1)
+        rows = torch.where((same & earlier).any(-1), torch.full_like(rows, -1), rows)
+    return rows.reshape(T, K).contiguous()
+
+
+def _rows_times_experts(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
+    """``x_SK[s] @ w_EKN[e(s)]``: BF16 out of ``torch._grouped_mm`` on CUDA (no fp32 copy), the
+    portable loop elsewhere."""
+    if x_SK.is_cuda and hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(x_SK, w_EKN, offs=offsets_E)
+    return grouped_mm_rows(x_SK, w_EKN, offsets_E)
+
+
+def _check_options(problem, grad_dtype, accumulate_into, wgrad_backend):
+    if grad_dtype not in GRAD_DTYPES:
+        raise ValueError(f"grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype!r}")
+    if wgrad_backend not in ("auto", "sm90", "sm100", "torch"):
+        raise ValueError(
+            f"wgrad_backend must be 'auto', 'sm90', 'sm100' or 'torch', got {wgrad_backend!r}"
+        )
+    if accumulate_into is None:
+        return None
+    if not isinstance(accumulate_into, (tuple, list)) or len(accumulate_into) != 2:
+        raise ValueError(
+            "accumulate_into must be a pair (dW_gate_up [E, H, 2, I], dW_down [E, I, H]) of "
+            f"fp32 tensors, got {type(accumulate_into).__name__}"
+        )
+    shapes = (tuple(problem.w_gate_up_EH2I.shape), tuple(problem.w_down_EIH.shape))
+    dev = problem.hidden_states_TH.device
+    for name, buf, shape in zip(("dW_gate_up", "dW_down"), accumulate_into, shapes):
+        arg = f"accumulate_into[{name}]"
+        if not isinstance(buf, torch.Tensor):
+            raise ValueError(f"{arg} must be a torch.Tensor, got {type(buf).__name__}")
+        if tuple(buf.shape) != shape:
+            raise ValueError(f"{arg} must have shape {list(shape)}, got {list(buf.shape)}")
+        if buf.dtype != torch.float32:
+            raise ValueError(f"{arg} must be torch.float32 (a main_grad buffer), got {buf.dtype}")
+        if buf.device != dev:
+            raise ValueError(f"{arg} is on {buf.device} but the problem is on {dev}")
+        if not buf.is_contiguous():
+            raise ValueError(f"{arg} must be contiguous")
+        if buf.requires_grad:
+            raise ValueError(f"{arg} must not require grad")
+    return tuple(accumulate_into)
+
+
+def _wgrad(a_HS, b_SI, offsets_E, out, accumulate, backend, stats):
+    """``out[e] (+)= a_HS[:, rows of e] @ b_SI[rows of e]`` through our kernel when the call fits
+    its contract, else the torch twin; ``out`` [E, H, I] is written in place."""
+    name = backend
+    if name == "auto":
+        name, _ = api.select_grouped_wgrad_backend(a_HS.device)
+    reason = None if name == "torch" else api.kernel_unsupported_reason(name, a_HS, b_SI, offsets_E)
+    if reason is not None:
+        if backend != "auto":
+            raise RuntimeError(f"wgrad_backend={backend!r} cannot run this call: {reason}")
+        name = "torch"
+        stats["wgrad_torch_reason"] = reason
+    api.grouped_gemm_wgrad(
+        a_HS, b_SI, offsets_E, wgrad_tensor=out, accumulate_on_output=accumulate,
+        backend=name, validate_offsets=False,
+    )
+    stats.setdefault("wgrad_backend", name)
+
+
+def moe_backward_fused(
+    problem: MoEBackwardProblem,
+    *,
+    grad_dtype: torch.dtype = torch.float32,
+    accumulate_into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    wgrad_backend: str = "auto",
+    layout=None,
+) -> MoEGrads:
+    """MoE expert-MLP backward, fused: BF16 GEMM operands, fp32 accumulation, no fp32 glue.
+
+    Dimensions: T tokens, H hidden, I intermediate, E experts, K top_k, S grouped rows.
+
+    Args:
+        problem: :class:`~common.problem.MoEBackwardProblem` on a CUDA device (or the CPU, where
+            the Triton kernels run interpreted: for tests). Any float input dtype; GEMM operands
+            are BF16.
+        grad_dtype: torch.float32 (default) or torch.bfloat16: dtype of dX, the weight and the
+            bias gradients. dA is fp32.
+        accumulate_into: optional ``(dW_gate_up [E, H, 2, I], dW_down [E, I, H])`` fp32 buffers
+            (Megatron ``main_grad`` style): the weight gradients are ADDED into them in fp32
+            inside the wgrad kernel, and the returned grads hold these same tensors.
+        wgrad_backend: "auto" (our kernel when the device and the call allow, else torch),
+            "sm90" / "sm100" (that kernel or RuntimeError), "torch".
+        layout: optional grouped layout of the plan with ``align`` a multiple of 16 (the
+            forward's, to skip rebuilding it); default ``plan.grouped`` with a static row count.
+    Returns:
+        :class:`~common.problem.MoEGrads`; ``info["wgrad_backend"]`` names the wgrad used.
+    Raises:
+        ValueError: the problem (:meth:`MoEBackwardProblem.validate`) or an option breaks a
+            rule; raised before any output is written.
+        RuntimeError: an explicit ``wgrad_backend`` cannot run here.
+    """
+    p = problem
+    p.validate()
+    acc = _check_options(p, grad_dtype, accumulate_into, wgrad_backend)
+    plan = p.plan
+    x_TH, dy_TH = p.hidden_states_TH, p.output_grad_TH
+    E, H, _, I = p.w_gate_up_EH2I.shape
+    dev = x_TH.device
+    bf16 = torch.bfloat16
+    if layout is None:
+        layout = _grouped_layout(plan, E)
+    elif layout.align % ALIGN or layout.num_tokens != plan.num_tokens:
+        raise ValueError(
+            f"layout must be a grouped layout of this plan with align a multiple of {ALIGN}, "
+            f"got align={layout.align}, T={layout.num_tokens}"
+        )
+    offs = layout.offsets_E
+    r2p = layout.row_to_pair_S
+    stats: dict = {}
+
+    x_S = kernels.gather_rows(x_TH, layout.row_to_token_S, bf16)
+    dy_S = kernels.gather_rows(dy_TH, layout.row_to_token_S, bf16)
+    w_down_EHI = p.w_down_EIH.to(bf16).transpose(1, 2)
+    dh_raw = _rows_times_experts(dy_S, w_down_EHI, offs)
+    dgu_S, ah_S, dA_TE = kernels.activation_backward(
+        dh_raw, p.act_checkpoint_R2I, r2p, plan,
+        activation=p.activation, clamp_limits=p.clamp_limits or ClampLimits(),
+        dy_SH=dy_S, b_down_EH=p.b_down_EH,
+    )
+    del dh_raw
+    w_gu_E2IH = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I).transpose(1, 2)
+    dX_S = _rows_times_experts(dgu_S, w_gu_E2IH, offs)
+    dX = kernels.token_sum(dX_S, slot_rows(plan, layout), grad_dtype)
+    del dX_S
+
+    if acc is not None:
+        dWgu, dWd = acc
+    else:
+        dWgu = torch.empty(E, H, 2, I, dtype=grad_dtype, device=dev)
+        dWd = torch.empty(E, I, H, dtype=grad_dtype, device=dev)
+    accumulate = acc is not None
+    _wgrad(x_S.t(), dgu_S, offs, dWgu.view(E, H, 2 * I), accumulate, wgrad_backend, stats)
+    _wgrad(ah_S.t(), dy_S, offs, dWd, accumulate, wgrad_backend, stats)
+
+    grads = MoEGrads(
+        hidden_states_grad_TH=dX,
+        affinity_grad_TE=dA_TE,
+        w_gate_up_grad_EH2I=dWgu,
+        w_down_grad_EIH=dWd,
+        info=stats,
+    )
+    if p.has_bias:
+        dBgu = kernels.segment_colsum(dgu_S, offs, r2p)
+        dBd = kernels.segment_colsum(dy_S, offs, r2p, plan.pair_affinity_R)
+        grads.b_gate_up_grad_E2I = dBgu.reshape(E, 2, I).to(grad_dtype)
+        grads.b_down_grad_EH = dBd.to(grad_dtype)
+    return grads

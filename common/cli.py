@@ -150,11 +150,12 @@ def _cmd_run(args, console: Console) -> int:
         f"[bold]{model.display_name}[/bold]  T={d['T']} H={d['H']} I={d['I']} E={d['E']} "
         f"top_k={d['K']}  backend=[bold]{backend.name}[/bold]{note}  device={device}"
     )
-    if model.activation != "swiglu":
-        console.print(
-            f"note: {model.display_name} uses {model.activation}; the kernels implement SiLU "
-            "SwiGLU, so this run uses SiLU SwiGLU with the model's shape, biases and clamp limits."
-        )
+    act = problem.activation
+    console.print(
+        f"activation: {act.name} (h = silu(g) * u)"
+        if act.is_swiglu
+        else f"activation: {act.name} (h = g * sigmoid({act.alpha:g} g) * (u + {act.up_offset:g}))"
+    )
     table = Table(title="gradients vs float64 reference")
     for col in ("gradient", "shape", "SQNR (dB)", "max|err| / max|ref|"):
         table.add_column(col, justify="left" if col in ("gradient", "shape") else "right")

@@ -2,10 +2,12 @@
 
 Used by the ``moe-bwd`` command line, the tests and the benchmarks so that every backend sees
 the same problem. Scales keep every activation O(1): X ~ N(0, 1), gate/up weights ~ N(0, 1/H),
-down weights ~ N(0, 1/I), dY ~ N(0, 1), biases ~ N(0, 0.1^2). All tensors are rounded to the
-compute dtype (BF16) once; the checkpoint is the clamped gate/up pre-activations of a BF16
-forward with fp32 accumulation (:func:`common.torch_backward.moe_forward_checkpoint_torch`),
-stored in BF16 as a training forward stores it.
+down weights ~ N(0, 1/I), dY ~ N(0, 1), biases ~ N(0, 0.1^2). All tensors are drawn on the CPU
+generator (the same values on every device) and rounded to the compute dtype (BF16) once; the
+checkpoint is the clamped gate/up pre-activations of a BF16 forward with fp32 accumulation
+(:func:`common.torch_backward.moe_forward_checkpoint_torch`), computed on the target device and
+stored in BF16 as a training forward stores it. The problem carries its
+:class:`~common.problem.Activation` (SwiGLU, or gpt-oss for ``swiglu_clamped`` models).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from common.models import MoEModelShape
-from common.problem import ClampLimits, MoEBackwardProblem
+from common.problem import SWIGLU, Activation, ClampLimits, MoEBackwardProblem
 from common.router_sim import simulate_model_routing, simulate_router
 from common.routing import plan_routing
 from common.torch_backward import moe_forward_checkpoint_torch
@@ -36,21 +38,32 @@ def make_problem(
     expert_index: torch.Tensor | None = None,
     affinity: torch.Tensor | None = None,
     skew: float = 1.0,
+    activation: Activation | None = None,
 ) -> MoEBackwardProblem:
     """A seeded :class:`MoEBackwardProblem` of the given sizes.
 
     Args:
         num_tokens, hidden, intermediate, num_experts, top_k: T, H, I, E, K.
-        seed: seeds every draw (CPU generator; tensors are then moved to ``device``).
+        seed: seeds every draw (CPU generator; tensors are then moved to ``device``, where the
+            checkpoint forward runs).
         bias: draw gate/up and down biases.
         clamp_limits: optional clamp of the pre-activations (forward and masks).
         dtype: compute dtype of inputs, weights and checkpoint (BF16).
         device: where the problem lives.
         expert_index, affinity: optional router output [T, K]; default the seeded router
             simulation (softmax top-k with load skew ``skew``).
+        activation: the problem's :class:`~common.problem.Activation`; None = SwiGLU. The
+            checkpoint (pre-activations) does not depend on it.
     Raises:
-        ValueError: bad sizes (from the router simulation / routing validation).
+        ValueError: bad sizes (from the router simulation / routing validation), or an
+            ``activation`` that is not an Activation.
     """
+    if activation is None:
+        activation = SWIGLU
+    if not isinstance(activation, Activation):
+        raise ValueError(
+            f"activation must be an Activation or None, got {type(activation).__name__}"
+        )
     g = torch.Generator().manual_seed(seed)
     T, H, I, E = num_tokens, hidden, intermediate, num_experts
 
@@ -65,27 +78,30 @@ def make_problem(
     w_down = randn(E, I, H, std=I**-0.5)
     b_gate_up = randn(E, 2, I, std=0.1) if bias else None
     b_down = randn(E, H, std=0.1) if bias else None
-    plan = plan_routing(expert_index, affinity.float(), E)
+    dev = torch.device(device)
+
+    def mv(t):  # a no-op (the same tensor) for CPU tensors on a CPU device
+        return None if t is None else t.to(dev)
+
+    # Move first, then run the checkpoint forward where the problem lives: a large model's
+    # forward (6 R H I FLOPs) must not run on the CPU of a GPU box.
+    x, dy, w_gate_up, w_down = mv(x), mv(dy), mv(w_gate_up), mv(w_down)
+    b_gate_up, b_down = mv(b_gate_up), mv(b_down)
+    plan = plan_routing(mv(expert_index), mv(affinity.float()), E)
     act = moe_forward_checkpoint_torch(
         x, w_gate_up, plan, b_gate_up_E2I=b_gate_up, clamp_limits=clamp_limits, compute_dtype=dtype
     )
-    dev = torch.device(device)
-    if dev.type != "cpu":
-        plan = plan_routing(expert_index.to(dev), affinity.float().to(dev), E)
-
-    def mv(t):
-        return None if t is None else t.to(dev)
-
     return MoEBackwardProblem(
-        hidden_states_TH=mv(x),
-        output_grad_TH=mv(dy),
-        w_gate_up_EH2I=mv(w_gate_up),
-        w_down_EIH=mv(w_down),
+        hidden_states_TH=x,
+        output_grad_TH=dy,
+        w_gate_up_EH2I=w_gate_up,
+        w_down_EIH=w_down,
         plan=plan,
-        act_checkpoint_R2I=mv(act),
-        b_gate_up_E2I=mv(b_gate_up),
-        b_down_EH=mv(b_down),
+        act_checkpoint_R2I=act,
+        b_gate_up_E2I=b_gate_up,
+        b_down_EH=b_down,
         clamp_limits=clamp_limits,
+        activation=activation,
     )
 
 
@@ -98,9 +114,16 @@ def make_problem_for_model(
     device: str | torch.device = "cpu",
     skew: float = 1.0,
 ) -> MoEBackwardProblem:
-    """:func:`make_problem` with a model's shape, router kind, biases and clamp limits."""
+    """:func:`make_problem` with a model's shape, router kind, biases, clamp limits and
+    activation: ``swiglu_clamped`` models (gpt-oss) get ``Activation("gpt_oss",
+    alpha=model.swiglu_alpha, up_offset=1.0)`` (:data:`~common.problem.GPT_OSS` for 1.702),
+    the others SwiGLU."""
     expert_index, affinity = simulate_model_routing(model, num_tokens, seed=seed + 1, skew=skew)
     limits = model.clamp_limits
+    if model.activation == "swiglu_clamped":
+        activation = Activation("gpt_oss", alpha=model.swiglu_alpha, up_offset=1.0)
+    else:
+        activation = SWIGLU
     return make_problem(
         num_tokens,
         model.hidden,
@@ -114,4 +137,5 @@ def make_problem_for_model(
         device=device,
         expert_index=expert_index,
         affinity=affinity,
+        activation=activation,
     )

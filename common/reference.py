@@ -1,21 +1,28 @@
-"""Float64 reference of the SwiGLU expert MLP forward and backward, and of the grouped wgrad.
+"""Float64 reference of the gated (SwiGLU / gpt-oss) expert MLP forward and backward, and of
+the grouped wgrad.
 
-The twin every kernel is tested against. Math (REFERENCE §2), per routed pair (t, e) with
-affinity a = A[t, e], gate/up weights ``Wg, Wu = w_gate_up[e, :, 0], w_gate_up[e, :, 1]`` [H, I],
-down weight ``Wd = w_down[e]`` [I, H], optional biases ``bg, bu`` [I], ``bd`` [H]::
+The twin every kernel is tested against. Math (REFERENCE §2, generalized to the
+:class:`~common.problem.Activation` ``h = g * sigmoid(alpha g) * (u + c)``), per routed pair
+(t, e) with affinity a = A[t, e], gate/up weights ``Wg, Wu = w_gate_up[e, :, 0],
+w_gate_up[e, :, 1]`` [H, I], down weight ``Wd = w_down[e]`` [I, H], optional biases ``bg, bu``
+[I], ``bd`` [H]::
 
-    g = clamp_g(x Wg + bg);  u = clamp_u(x Wu + bu);  h = silu(g) * u
+    g = clamp_g(x Wg + bg);  u = clamp_u(x Wu + bu);  h = g * sigmoid(alpha g) * (u + c)
     Y[t] += a * (h Wd + bd)
 
-    dh_raw  = dY Wd^T                          s = sigmoid(g)
+    dh_raw  = dY Wd^T                          s = sigmoid(alpha g)
     dA[t,e] = <dh_raw, h> + <dY, bd>           (bias term only with biases)
     dh      = a * dh_raw
-    dg      = dh * u * s * (1 + g (1 - s)) * mask_g        mask: stored value strictly inside
-    du      = dh * silu(g) * mask_u                         (lower, upper); no limit, no mask
+    dg      = dh * (u + c) * s * (1 + alpha g (1 - s)) * mask_g   mask: stored value strictly
+    du      = dh * g * s * mask_u                  inside (lower, upper); no limit, no mask
     dWd[e] += (a h)^T dY     dWg[e] += x^T dg    dWu[e] += x^T du
     dX[t]  += dg Wg^T + du Wu^T                 (summed over the token's experts)
     dbd[e] += a dY           dbg[e] += dg        dbu[e] += du
 
+SwiGLU (the default, ``SWIGLU``) is ``alpha = 1, c = 0``: ``h = silu(g) * u``, ``dg = dh * u *
+s * (1 + g (1 - s))``, ``du = dh * silu(g)``. gpt-oss (``GPT_OSS``; openai/gpt-oss
+``gpt_oss/torch/model.py``) is ``alpha = 1.702, c = 1`` with its clamp (gate above at 7, up to
+[-7, 7]) given as :class:`~common.problem.ClampLimits`; the masks act on the stored clamped g, u.
 ``non_linear_*`` clamp limits apply to the gate g, ``linear_*`` to up u (AWS's names).
 AFFINITY_ON_I applies ``a`` to h before the down projection, AFFINITY_ON_H to the output after
 it; the two are equal in exact arithmetic and differ here only by float64 rounding order.
@@ -29,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
+from common.problem import SWIGLU, Activation, ClampLimits, MoEBackwardProblem, MoEGrads
 from common.routing import RoutingPlan
 
 __all__ = [
@@ -53,6 +60,28 @@ def _check_affinity_option(affinity_option: str) -> None:
             f"affinity_option must be {AFFINITY_ON_I!r} or {AFFINITY_ON_H!r}, "
             f"got {affinity_option!r}"
         )
+
+
+def _resolve_activation(activation: Activation | None) -> Activation:
+    """``activation`` or SwiGLU for None; ValueError for anything else."""
+    if activation is None:
+        return SWIGLU
+    if not isinstance(activation, Activation):
+        raise ValueError(
+            f"activation must be an Activation or None, got {type(activation).__name__}"
+        )
+    return activation
+
+
+def _gate_sigmoid(g: torch.Tensor, act: Activation) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(alpha g, sigmoid(alpha g))``; alpha = 1 reuses g itself (SwiGLU, no extra rounding)."""
+    ag = g if act.alpha == 1.0 else act.alpha * g
+    return ag, torch.sigmoid(ag)
+
+
+def _up_shifted(u: torch.Tensor, act: Activation) -> torch.Tensor:
+    """``u + up_offset`` (u itself when the offset is 0, as in SwiGLU)."""
+    return u if act.up_offset == 0.0 else u + act.up_offset
 
 
 def _check_weights(
@@ -111,8 +140,12 @@ def _pairs_forward(
     clamp,
     affinity_option,
     with_output=True,
+    activation=SWIGLU,
 ):
-    """Per-pair forward; returns (y_TH float64 or None, act_P2I float64)."""
+    """Per-pair forward; returns (y_TH float64 or None, act_P2I float64).
+
+    ``h = g * sigmoid(alpha g) * (u + up_offset)`` of ``activation`` (SwiGLU: ``silu(g) * u``).
+    """
     T, H = x_TH.shape
     I = w_gate_up_EH2I.shape[3]
     P = tok_P.shape[0]
@@ -136,7 +169,10 @@ def _pairs_forward(
         act[sel, 1] = u
         if not with_output:
             continue
-        h = torch.nn.functional.silu(g) * u
+        if activation.is_swiglu:
+            h = torch.nn.functional.silu(g) * u
+        else:
+            h = g * _gate_sigmoid(g, activation)[1] * _up_shifted(u, activation)
         wd = w_down_EIH[e].to(_F64)
         if affinity_option == AFFINITY_ON_I:
             out = (a * h) @ wd
@@ -164,8 +200,13 @@ def _pairs_backward(
     bd_EH,
     clamp,
     affinity_option,
+    activation=SWIGLU,
 ):
-    """Per-pair backward. Returns (dX_TH, dA_P, dWgu_EH2I, dWd_EIH, dBgu_E2I, dBd_EH) float64."""
+    """Per-pair backward. Returns (dX_TH, dA_P, dWgu_EH2I, dWd_EIH, dBgu_E2I, dBd_EH) float64.
+
+    With ``s = sigmoid(alpha g)`` and ``c = up_offset`` of ``activation``:
+    ``dg = dh (u + c) s (1 + alpha g (1 - s))``, ``du = dh g s`` (SwiGLU: alpha 1, c 0).
+    """
     T, H = x_TH.shape
     E, _, _, I = w_gate_up_EH2I.shape
     dev = x_TH.device
@@ -187,9 +228,10 @@ def _pairs_backward(
         wg = w_gate_up_EH2I[e, :, 0].to(_F64)
         wu = w_gate_up_EH2I[e, :, 1].to(_F64)
         wd = w_down_EIH[e].to(_F64)
-        s = torch.sigmoid(g)
-        silu = g * s
-        h = silu * u
+        ag, s = _gate_sigmoid(g, activation)  # alpha g, sigmoid(alpha g)
+        up = _up_shifted(u, activation)
+        gs = g * s  # dh/du: g sigmoid(alpha g) (silu(g) for SwiGLU)
+        h = gs * up
         dh_raw = dy @ wd.T
         da = (dh_raw * h).sum(-1)
         if bd_EH is not None:
@@ -198,8 +240,8 @@ def _pairs_backward(
         dh = a * dh_raw
         mg = cl.gate_mask(g)
         mu = cl.up_mask(u)
-        dg = torch.where(mg, dh * u * s * (1 + g * (1 - s)), 0.0)
-        du = torch.where(mu, dh * silu, 0.0)
+        dg = torch.where(mg, dh * up * s * (1 + ag * (1 - s)), 0.0)
+        du = torch.where(mu, dh * gs, 0.0)
         if affinity_option == AFFINITY_ON_I:
             dWd[e] = (a * h).T @ dy
         else:
@@ -298,8 +340,9 @@ def moe_forward_reference(
     clamp_limits: ClampLimits | None = None,
     affinity_option: str = AFFINITY_ON_I,
     padding: str = "skip",
+    activation: Activation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 SwiGLU expert-MLP forward on the NKI blockwise layout.
+    """Float64 gated expert-MLP forward (SwiGLU by default) on the NKI blockwise layout.
 
     Dimensions: T tokens, H hidden, I intermediate, E experts, B block_size, N blocks.
 
@@ -315,13 +358,17 @@ def moe_forward_reference(
         padding: "skip" (padding slots hold -1) or "zero_row" (hidden_states and affinities
             carry the extra row T; slots holding T are padding and row T is never read, so it
             may hold anything, NaN included). Any other id outside [0, T) raises.
+        activation: the :class:`~common.problem.Activation` ``h = g sigmoid(alpha g) (u + c)``;
+            None = SwiGLU. The checkpoint (pre-activations) does not depend on it.
     Returns:
         (y [T, H] float64, gate_up_proj_act_checkpoint_T [N, 2, I, B] float64): the output and
         the clamped gate/up pre-activations per slot (padding slots 0), B contiguous.
     Raises:
-        ValueError: inconsistent shapes, dtypes or ids.
+        ValueError: inconsistent shapes, dtypes or ids, or an ``activation`` that is not an
+            Activation.
     """
     _check_affinity_option(affinity_option)
+    act_fn = _resolve_activation(activation)
     E, _, I = _check_weights(hidden_states, w_gate_up, w_down, b_gate_up, b_down)
     N = _check_blockwise(
         token_position_to_id,
@@ -346,6 +393,7 @@ def moe_forward_reference(
         b_down,
         clamp_limits,
         affinity_option,
+        activation=act_fn,
     )
     B = block_size
     ckpt = torch.zeros(N * B, 2, I, dtype=_F64, device=hidden_states.device)
@@ -387,12 +435,14 @@ def moe_backward_reference(
     clamp_limits: ClampLimits | None = None,
     affinity_option: str = AFFINITY_ON_I,
     padding: str = "skip",
+    activation: Activation | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Float64 backward on the NKI blockwise layout: the twin of ``blockwise_mm_bwd_mxfp8``.
 
     Args: as :func:`moe_forward_reference`, plus
         output_hidden_states_grad: [T, H] (or [T+1, H]) dY.
         gate_up_proj_act_checkpoint_T: [N, 2, I, B] clamped gate/up pre-activations.
+        activation: as in :func:`moe_forward_reference` (None = SwiGLU, the kernel's).
     Returns:
         ``(dX, dA, dW_gate_up, dW_down)`` or, when a bias is given, ``(dX, dA, dW_gate_up,
         dW_down, dB_gate_up, dB_down)``, float64, shaped like their inputs: dX like
@@ -400,9 +450,11 @@ def moe_backward_reference(
         ``expert_affinities_masked`` ([T*E, 1]; includes ``<dY, b_down>`` when ``b_down`` is
         given), dW_gate_up [E, H, 2, I], dW_down [E, I, H], dB_gate_up [E, 2, I], dB_down [E, H].
     Raises:
-        ValueError: inconsistent shapes, dtypes or ids.
+        ValueError: inconsistent shapes, dtypes or ids, or an ``activation`` that is not an
+            Activation.
     """
     _check_affinity_option(affinity_option)
+    act_fn = _resolve_activation(activation)
     E, _, I = _check_weights(hidden_states, w_gate_up, w_down, b_gate_up, b_down)
     if output_hidden_states_grad.shape != hidden_states.shape:
         raise ValueError(
@@ -449,6 +501,7 @@ def moe_backward_reference(
         b_down,
         clamp_limits,
         affinity_option,
+        activation=act_fn,
     )
     dA = torch.zeros(expert_affinities_masked.numel(), dtype=_F64, device=hidden_states.device)
     dA[tok * E + exp] = dA_P
@@ -477,16 +530,20 @@ def reference_forward(
     clamp_limits: ClampLimits | None = None,
     affinity_option: str = AFFINITY_ON_I,
     with_output: bool = True,
+    activation: Activation | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Float64 forward from a :class:`RoutingPlan`.
 
     ``with_output=False`` skips the down projection (the checkpoint alone; y is None).
+    ``activation``: the :class:`~common.problem.Activation` (None = SwiGLU); it changes y only,
+    not the checkpoint of pre-activations.
 
     Returns:
         (y_TH [T, H] float64, act_checkpoint_R2I [R, 2, I] float64 in the plan's pair order;
         padding rows 0) -- the checkpoint a :class:`MoEBackwardProblem` carries.
     """
     _check_affinity_option(affinity_option)
+    act_fn = _resolve_activation(activation)
     E, _, I = _check_weights(hidden_states_TH, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH)
     _check_plan(plan, hidden_states_TH, E)
     idx, tok, exp, aff = _plan_pairs(plan)
@@ -502,6 +559,7 @@ def reference_forward(
         clamp_limits,
         affinity_option,
         with_output,
+        activation=act_fn,
     )
     R = plan.pair_token_R.shape[0]
     act_R = torch.zeros(R, 2, I, dtype=_F64, device=hidden_states_TH.device)
@@ -521,7 +579,8 @@ def _check_plan(plan: RoutingPlan, x_TH: torch.Tensor, E: int) -> None:
 def reference_backward(
     problem: MoEBackwardProblem, affinity_option: str = AFFINITY_ON_I
 ) -> MoEGrads:
-    """Float64 backward of a :class:`MoEBackwardProblem` (any backend's twin).
+    """Float64 backward of a :class:`MoEBackwardProblem` (any backend's twin), with the
+    problem's ``activation`` (SwiGLU or gpt-oss, :class:`~common.problem.Activation`).
 
     Returns:
         :class:`MoEGrads` in float64; ``affinity_grad_TE`` is dense [T, E] and includes the
@@ -545,6 +604,7 @@ def reference_backward(
         p.b_down_EH,
         p.clamp_limits,
         affinity_option,
+        activation=p.activation,
     )
     T = p.plan.num_tokens
     dA = torch.zeros(T * E, dtype=_F64, device=dX.device)

@@ -7,7 +7,10 @@ host read):
 
 1. gather X, dY, the checkpoint and the affinities into grouped rows (padding rows are zero);
 2. ``dh_raw = dY Wd^T`` (grouped GEMM rows x per-expert weights);
-3. SwiGLU backward in fp32 with the strict clamp masks, ``dA`` per row;
+3. activation backward in fp32 with the strict clamp masks, ``dA`` per row: the problem's
+   :class:`~common.problem.Activation` ``h = g sigmoid(alpha g) (u + c)``, s = sigmoid(alpha g),
+   ``dg = dh (u + c) s (1 + alpha g (1 - s))``, ``du = dh g s`` (SwiGLU: alpha 1, c 0;
+   gpt-oss: alpha 1.702, c 1);
 4. ``dX = [dg, du] [Wg, Wu]^T`` (grouped GEMM), scatter-added over each token's experts;
 5. weight gradients ``dW_gate_up[e] = X^T [dg, du]``, ``dW_down[e] = (a h)^T dY`` through
    ``grouped_wgrad`` (default: ``torch._grouped_mm``; a CUDA backend passes its own kernel);
@@ -16,7 +19,7 @@ host read):
 GEMM operands are BF16 (rounded exactly where a training stack stores them: ``[dg, du]`` and
 ``a h``); every GEMM accumulates in fp32 and rounds its output to BF16 (``torch._grouped_mm``
 offers no fp32 output for BF16 inputs), except the weight gradients when a ``grouped_wgrad``
-kernel with fp32 output is given (the CUDA backends). The SwiGLU backward runs in fp32.
+kernel with fp32 output is given (the CUDA backends). The activation backward runs in fp32.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
+from common.problem import SWIGLU, Activation, ClampLimits, MoEBackwardProblem, MoEGrads
 
 __all__ = [
     "ALIGN",
@@ -118,6 +121,28 @@ def grouped_wgrad_default(
     return out
 
 
+def _resolve_activation(activation: Activation | None) -> Activation:
+    """``activation`` or SwiGLU for None; ValueError for anything else."""
+    if activation is None:
+        return SWIGLU
+    if not isinstance(activation, Activation):
+        raise ValueError(
+            f"activation must be an Activation or None, got {type(activation).__name__}"
+        )
+    return activation
+
+
+def _gate_sigmoid(g: torch.Tensor, act: Activation) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(alpha g, sigmoid(alpha g))``; alpha = 1 reuses g (SwiGLU: no extra pass, same bits)."""
+    ag = g if act.alpha == 1.0 else act.alpha * g
+    return ag, torch.sigmoid(ag)
+
+
+def _up_shifted(u: torch.Tensor, act: Activation) -> torch.Tensor:
+    """``u + up_offset`` (u itself when the offset is 0, as in SwiGLU)."""
+    return u if act.up_offset == 0.0 else u + act.up_offset
+
+
 def _grouped_layout(plan, num_experts: int):
     """The plan's grouped layout with a static row count (no host read on CUDA)."""
     R = plan.pair_token_R.shape[0]
@@ -146,12 +171,13 @@ def moe_forward_torch(
     clamp_limits: ClampLimits | None = None,
     compute_dtype: torch.dtype = torch.bfloat16,
     with_output: bool = True,
+    activation: Activation | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """SwiGLU expert-MLP forward on the grouped layout (REFERENCE §2, AFFINITY_ON_I).
+    """Gated expert-MLP forward on the grouped layout (REFERENCE §2, AFFINITY_ON_I).
 
-    ``g = clamp_g(x Wg + bg)``, ``u = clamp_u(x Wu + bu)``, ``y[t] += a (silu(g) u) Wd + a bd``
-    per routed pair: grouped GEMMs with ``compute_dtype`` operands and fp32 accumulation; bias,
-    clamp and SiLU in fp32.
+    ``g = clamp_g(x Wg + bg)``, ``u = clamp_u(x Wu + bu)``, ``h = g sigmoid(alpha g) (u + c)``
+    (SwiGLU: ``silu(g) u``), ``y[t] += a h Wd + a bd`` per routed pair: grouped GEMMs with
+    ``compute_dtype`` operands and fp32 accumulation; bias, clamp and activation in fp32.
 
     Args:
         hidden_states_TH: [T, H].  w_gate_up_EH2I: [E, H, 2, I].  w_down_EIH: [E, I, H] (may be
@@ -161,10 +187,15 @@ def moe_forward_torch(
         compute_dtype: GEMM operand and checkpoint dtype (BF16 as in training; fp32 for a
             full-precision forward).
         with_output: also compute y (else only the checkpoint; y is None).
+        activation: the :class:`~common.problem.Activation` (alpha, up offset c); None = SwiGLU.
+            It changes y only: the checkpoint holds pre-activations.
     Returns:
         ``(y_TH [T, H] fp32 or None, act_checkpoint_R2I [R, 2, I] compute_dtype)``: the
         checkpoint holds the clamped g, u of each pair in the plan's pair order (padding 0).
+    Raises:
+        ValueError: an ``activation`` that is not an Activation.
     """
+    act_fn = _resolve_activation(activation)
     H = hidden_states_TH.shape[1]
     E, _, _, I = w_gate_up_EH2I.shape
     R = plan.pair_token_R.shape[0]
@@ -187,7 +218,11 @@ def moe_forward_torch(
     if not with_output:
         return None, act[:R]
     alpha_S = layout.gather_pairs(plan.pair_affinity_R).float()[:, None]
-    ah_S = (alpha_S * torch.nn.functional.silu(g) * u).to(cd)
+    if act_fn.is_swiglu:
+        ah_S = (alpha_S * torch.nn.functional.silu(g) * u).to(cd)
+    else:
+        h_S = g * _gate_sigmoid(g, act_fn)[1] * _up_shifted(u, act_fn)
+        ah_S = (alpha_S * h_S).to(cd)
     out_S = grouped_mm_rows(ah_S, w_down_EIH.to(cd), offs, cd)
     if b_down_EH is not None:
         out_S = out_S + alpha_S * b_down_EH.float()[row_expert]
@@ -202,10 +237,12 @@ def moe_forward_checkpoint_torch(
     b_gate_up_E2I: torch.Tensor | None = None,
     clamp_limits: ClampLimits | None = None,
     compute_dtype: torch.dtype = torch.bfloat16,
+    activation: Activation | None = None,
 ) -> torch.Tensor:
     """The forward's activation checkpoint as a BF16 training forward stores it:
     :func:`moe_forward_torch` without the down projection. Returns act_checkpoint_R2I
-    [R, 2, I] ``compute_dtype`` in the plan's pair order (padding 0)."""
+    [R, 2, I] ``compute_dtype`` in the plan's pair order (padding 0). ``activation`` (None =
+    SwiGLU) is checked but does not change the checkpoint: it holds the pre-activations."""
     return moe_forward_torch(
         hidden_states_TH,
         w_gate_up_EH2I,
@@ -215,6 +252,7 @@ def moe_forward_checkpoint_torch(
         clamp_limits=clamp_limits,
         compute_dtype=compute_dtype,
         with_output=False,
+        activation=activation,
     )[1]
 
 
@@ -227,7 +265,8 @@ def moe_backward_torch(
     """MoE expert-MLP backward in portable torch (BF16 operands, fp32 accumulation).
 
     Args:
-        problem: the :class:`~common.problem.MoEBackwardProblem` (any device).
+        problem: the :class:`~common.problem.MoEBackwardProblem` (any device); its
+            ``activation`` (SwiGLU or gpt-oss) selects the activation backward.
         grouped_wgrad: ``fn(a_HS, b_SI, offsets_E) -> [E, H, I] fp32`` for the two weight
             gradients; default :func:`grouped_wgrad_default`.
         compute_dtype: storage dtype of GEMM operands (BF16).
@@ -246,6 +285,7 @@ def moe_backward_torch(
     cd = compute_dtype
     dev = x_TH.device
     cl = p.clamp_limits or ClampLimits()
+    act_fn = p.activation
 
     layout = _grouped_layout(plan, E)
     offs = layout.offsets_E
@@ -260,18 +300,19 @@ def moe_backward_torch(
 
     # 2. dh_raw = dY Wd^T
     dh_raw = grouped_mm_rows(dy_S, p.w_down_EIH.to(cd).transpose(1, 2), offs)
-    # 3. SwiGLU backward (fp32)
-    s = torch.sigmoid(g)
-    silu = g * s
-    h = silu * u
+    # 3. activation backward (fp32); SwiGLU: ag = g, up = u (the same expressions, same bits)
+    ag, s = _gate_sigmoid(g, act_fn)  # alpha g, sigmoid(alpha g)
+    up = _up_shifted(u, act_fn)
+    gs = g * s  # dh/du (silu(g) for SwiGLU)
+    h = gs * up
     dA_S = (dh_raw * h).sum(-1)
     if p.b_down_EH is not None:
         dA_S = dA_S + (dy_S.float() * p.b_down_EH.float()[row_expert]).sum(-1)
     dh = alpha_S * dh_raw
     mg = cl.gate_mask(g)
     mu = cl.up_mask(u)
-    dg = torch.where(mg & row_valid[:, None], dh * u * s * (1 + g * (1 - s)), 0.0)
-    du = torch.where(mu & row_valid[:, None], dh * silu, 0.0)
+    dg = torch.where(mg & row_valid[:, None], dh * up * s * (1 + ag * (1 - s)), 0.0)
+    du = torch.where(mu & row_valid[:, None], dh * gs, 0.0)
     dgu_S = torch.cat([dg, du], 1).to(cd)  # [S, 2I]
 
     # 4. dX = [dg, du] [Wg, Wu]^T, scattered back to tokens

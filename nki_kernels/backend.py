@@ -80,6 +80,19 @@ def check_nki_sim() -> str | None:
     return None
 
 
+def _check_activation(problem: MoEBackwardProblem, who: str = "the NKI kernel") -> None:
+    """Raise ValueError unless ``problem.activation`` is SwiGLU, the only activation the MXFP8
+    kernel computes (its phase 1 is SiLU; gpt-oss's ``g sigmoid(1.702 g) (u + 1)`` is not
+    expressible through ``activation_type``, REFERENCE §2)."""
+    act = problem.activation
+    if not act.is_swiglu:
+        raise ValueError(
+            f"problem.activation is {act.name!r} (alpha={act.alpha}, up_offset={act.up_offset}); "
+            f"{who} computes only SwiGLU (silu(g) * u, alpha=1, up_offset=0). Use backend "
+            "'torch' or 'reference' for this activation"
+        )
+
+
 def prepare_blockwise_args(
     problem: MoEBackwardProblem,
     *,
@@ -103,9 +116,10 @@ def prepare_blockwise_args(
         bias; ``layout`` = the :class:`~common.routing.BlockwiseLayout`.
 
     Raises:
-        ValueError: bad ``block_size``/``padding`` (from the routing layer) or a problem whose
-            shapes disagree.
+        ValueError: bad ``block_size``/``padding`` (from the routing layer), a problem whose
+            shapes disagree, or a problem whose ``activation`` is not SwiGLU.
     """
+    _check_activation(problem)
     bf16 = torch.bfloat16
     p = problem
     T = p.hidden_states_TH.shape[0]
@@ -256,7 +270,8 @@ def run_blockwise(
         ``nki_modeled_total_us``.
 
     Raises:
-        ValueError: a bad option or problem (the kernel's validation runs before any work).
+        ValueError: a bad option or problem (the kernel's validation runs before any work),
+            including a problem whose ``activation`` is not SwiGLU (the kernel's only one).
         RuntimeError: the backend cannot run here (the reason from :func:`check_nki` /
             :func:`check_nki_sim`).
     """
@@ -269,6 +284,7 @@ def run_blockwise(
         msg = f"run_with_lnc2 must be a bool, got {run_with_lnc2!r}"
         raise ValueError(msg)  # noqa: TRY004 - the project raises ValueError for bad input
     problem.validate()
+    _check_activation(problem, f"backend {backend!r}")
     if not is_tensor_update_accumulating and problem.plan.top_k > 1:
         raise ValueError(
             "is_tensor_update_accumulating=False overwrites dX rows, which is correct only when "

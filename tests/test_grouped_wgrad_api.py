@@ -824,26 +824,28 @@ def test_backends_registered_with_reasons():
 
 
 def test_backend_run_uses_kernel_path(fake_device):
-    """cuda-sm90's run = torch backward with its wgrad through the API (fake kernel on CPU)."""
-    pytest.importorskip("common.torch_backward")
+    """cuda-sm90's run = the fused backward with its wgrad through the API (fake kernel on CPU)."""
+    pytest.importorskip("triton")
     inputs = pytest.importorskip("common.inputs")
     from common.dispatch import registered_backends
 
     problem = inputs.make_problem(48, 128, 64, 4, 2, seed=3)
     reg = registered_backends()
-    grads = reg["cuda-sm90"].run(problem)
+    grads = reg["cuda-sm90"].run(problem, wgrad_backend="sm90")
     ref = reg["torch"].run(problem)
-    assert grads.info["wgrad_calls"] == {"kernel": 2}
+    assert grads.info["wgrad_backend"] == "sm90"
     for name in ("w_gate_up_grad_EH2I", "w_down_grad_EIH", "hidden_states_grad_TH"):
         got, want = getattr(grads, name), getattr(ref, name)
         scale = max(want.abs().max().item(), 1e-6)
         assert (got - want).abs().max().item() / scale < 2e-2, name
-    # a shape outside the SM90 tile rules runs the torch twin per call, and says why
+    # a shape outside the SM90 tile rules: an explicit kernel request says why it cannot run,
+    # "auto" runs the torch twin and keeps the reason
     small = inputs.make_problem(16, 32, 16, 2, 1, seed=4)
+    with pytest.raises(RuntimeError, match="tiling"):
+        reg["cuda-sm90"].run(small, wgrad_backend="sm90")
+    fake_device.cc = 90
     g2 = reg["cuda-sm90"].run(small)
-    assert g2.info["wgrad_calls"]["torch"] == 2 and "tiling" in g2.info["wgrad_calls"][
-        "torch_reason"
-    ]
+    assert g2.info["wgrad_backend"] == "torch"
 
 
 def test_grouped_wgrad_fp32_on_cpu():

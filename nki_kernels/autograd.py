@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from common.problem import ClampLimits, MoEBackwardProblem
 from common.routing import RoutingPlan, plan_routing
@@ -83,7 +84,8 @@ class MoEExpertMLPFunction(torch.autograd.Function):
     expert_index_TK, clamp_limits, backend, options)``; differentiable in the first six
     (biases may be None). Gradients: dX [T, H], d_affinity [T, K] (per router slot; dropped
     slots 0), dW_gate_up [E, H, 2, I], dW_down [E, I, H], d_b_gate_up [E, 2, I], d_b_down [E, H],
-    each in its input's dtype.
+    each in its input's dtype. First order only: the backward is marked ``once_differentiable``,
+    so differentiating the gradients (double backward) raises RuntimeError.
     """
 
     @staticmethod
@@ -125,6 +127,7 @@ class MoEExpertMLPFunction(torch.autograd.Function):
         return y_TH
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_y_TH: torch.Tensor):
         x, wgu, wd, act, bgu, bd = ctx.saved_tensors
         problem = MoEBackwardProblem(

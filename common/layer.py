@@ -1,0 +1,685 @@
+"""The MoE expert MLP as a training layer: an ``nn.Module`` whose backward runs through
+:mod:`common.dispatch`, and a torchtitan adapter.
+
+Dimensions (legend in :mod:`common.shapes`): T tokens, H hidden, I expert intermediate,
+E experts, K top_k, R = T*K routed slots.
+
+Math (REFERENCE §2), per routed (token t, expert e) with affinity a::
+
+    g = clamp_gate(x Wg[e] + bg[e])      u = clamp_up(x Wu[e] + bu[e])
+    h = g * sigmoid(alpha g) * (u + c)   # the Activation: SwiGLU alpha=1, c=0; gpt-oss 1.702, 1
+    y[t] += a * (h Wd[e] + bd[e])
+
+Public names:
+
+* :class:`MoEExpertsOptions` -- the frozen non-tensor settings of one call.
+* :class:`MoEExpertsFunction` -- the ``torch.autograd.Function``: forward with
+  :func:`common.torch_backward.moe_forward_torch` (grouped GEMMs, BF16 operands, fp32
+  accumulation), saving only x, the weights, the BF16 checkpoint ``act [R, 2, I]`` and the
+  routing plan; backward through ``common.dispatch.resolve_backend(options.backend, device)``.
+  First-order only (``once_differentiable``): a double backward raises RuntimeError.
+* :func:`moe_experts` -- the functional form; :class:`MoEExperts` -- the ``nn.Module``.
+* :func:`gate_up_from_torchtitan`, :func:`down_from_torchtitan`,
+  :func:`run_experts_grouped_mm` -- torchtitan's ``GroupedExperts`` weights and its grouped-mm
+  seam on top of the layer.
+
+Megatron ``main_grad``: with ``accumulate_main_grad=True`` and a ``main_grad`` tensor on both
+weights (Megatron's DDP allocates one per parameter), the weight gradients are ADDED into those
+buffers during the backward -- inside the wgrad kernel on the ``cuda-sm90`` / ``cuda-sm100``
+backends when the buffers are fp32 and contiguous, by ``main_grad.add_(grad)`` otherwise -- and
+the Function returns ``None`` for the two weights, so their ``.grad`` stays None (the optimizer
+reads ``main_grad``). If a weight has an attribute ``grad_added_to_main_grad`` it is set True, as
+Megatron's fused-accumulation layers do. Biases always get ordinary gradients. Note: a None
+gradient does not run the parameter's AccumulateGrad node, so hooks registered on it (Megatron's
+``overlap_grad_reduce``) do not fire for these weights.
+
+``common`` imports no backend package: the backward reaches the CUDA / NKI backends only through
+the dispatcher's registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from common.dispatch import BACKEND_NAMES, resolve_backend
+from common.problem import SWIGLU, Activation, ClampLimits, MoEBackwardProblem
+from common.routing import plan_routing
+from common.torch_backward import moe_forward_torch
+
+__all__ = [
+    "MoEExperts",
+    "MoEExpertsFunction",
+    "MoEExpertsOptions",
+    "down_from_torchtitan",
+    "gate_up_from_torchtitan",
+    "moe_experts",
+    "run_experts_grouped_mm",
+]
+
+_CUDA_BACKENDS = ("cuda-sm90", "cuda-sm100")
+"""Backends whose ``run`` takes ``grad_dtype`` and ``accumulate_into`` (the fused backward)."""
+_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+"""Gradient dtypes the fused CUDA backward writes directly; others are written fp32 and cast."""
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+# ------------------------------------------------------------------------------------ options
+@dataclass(frozen=True)
+class MoEExpertsOptions:
+    """Non-tensor settings of one :class:`MoEExpertsFunction` call (hashable, frozen).
+
+    Attributes:
+        clamp_limits: optional :class:`~common.problem.ClampLimits` of g (gate) and u (up).
+        activation: the :class:`~common.problem.Activation` (default SwiGLU).
+        backend: the backward's backend, a :mod:`common.dispatch` name or ``"auto"``.
+        validate_routing: check expert ids lie in [-1, E) and routed affinities are finite (a
+            host read on CUDA; pass False inside CUDA-graph capture).
+        accumulate_main_grad: add the weight gradients into the weights' ``main_grad`` buffers
+            and return None for the weights (module docstring, "Megatron main_grad").
+
+    Raises:
+        ValueError: a field of the wrong type or an unknown backend name.
+    """
+
+    clamp_limits: ClampLimits | None = None
+    activation: Activation = SWIGLU
+    backend: str = "auto"
+    validate_routing: bool = True
+    accumulate_main_grad: bool = False
+
+    def __post_init__(self) -> None:
+        if self.clamp_limits is not None and not isinstance(self.clamp_limits, ClampLimits):
+            raise ValueError(
+                "clamp_limits must be a common.problem.ClampLimits or None, got "
+                f"{type(self.clamp_limits).__name__}"
+            )
+        if not isinstance(self.activation, Activation):
+            raise ValueError(
+                "activation must be a common.problem.Activation, got "
+                f"{type(self.activation).__name__}"
+            )
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(
+                f"backend must be 'auto' or a backend name {BACKEND_NAMES}, got {self.backend!r}"
+            )
+        for name in ("validate_routing", "accumulate_main_grad"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+# --------------------------------------------------------------------------------- validation
+def _shape(t: Any) -> str:
+    return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_inputs(
+    hidden_states_TH, affinity_TK, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH,
+    expert_index_TK, options,
+) -> None:
+    """Shapes, dtypes and devices of one call; ValueError naming the first bad argument."""
+    if not isinstance(options, MoEExpertsOptions):
+        raise ValueError(f"options must be a MoEExpertsOptions, got {type(options).__name__}")
+    x = hidden_states_TH
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"hidden_states_TH must be a 2-D [T, H] tensor, got {_shape(x)}")
+    T, H = x.shape
+    w = w_gate_up_EH2I
+    if not isinstance(w, torch.Tensor) or w.dim() != 4 or w.shape[1] != H or w.shape[2] != 2:
+        raise ValueError(f"w_gate_up_EH2I must be [E, H={H}, 2, I], got {_shape(w)}")
+    E, _, _, I = w.shape
+    if E < 1 or I < 1:
+        raise ValueError(f"w_gate_up_EH2I must have E >= 1 and I >= 1, got {_shape(w)}")
+    idx = expert_index_TK
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != T:
+        raise ValueError(f"expert_index_TK must be a 2-D [T={T}, K] tensor, got {_shape(idx)}")
+    if idx.dtype not in _INT_DTYPES:
+        raise ValueError(f"expert_index_TK must have an integer dtype, got {idx.dtype}")
+    if idx.shape[1] < 1:
+        raise ValueError("expert_index_TK must have top_k >= 1 columns")
+    K = idx.shape[1]
+    want = {
+        "affinity_TK": (affinity_TK, (T, K)),
+        "w_down_EIH": (w_down_EIH, (E, I, H)),
+        "b_gate_up_E2I": (b_gate_up_E2I, (E, 2, I)),
+        "b_down_EH": (b_down_EH, (E, H)),
+    }
+    for name, (t, shape) in want.items():
+        if t is None and name.startswith("b_"):
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {_shape(t)}")
+    floats = {"hidden_states_TH": x, "w_gate_up_EH2I": w}
+    floats.update({k: v for k, (v, _) in want.items() if v is not None})
+    for name, t in floats.items():
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+    for name, t in {**floats, "expert_index_TK": idx}.items():
+        if t.device != x.device:
+            raise ValueError(f"{name} is on device {t.device} but hidden_states_TH is on {x.device}")
+
+
+def _check_routing(expert_index_TK: torch.Tensor, affinity_TK: torch.Tensor, E: int) -> None:
+    """Expert ids in [-1, E) and finite routed affinities (one host read on CUDA)."""
+    if expert_index_TK.numel() == 0:
+        return
+    lo, hi = int(expert_index_TK.min()), int(expert_index_TK.max())
+    if lo < -1 or hi >= E:
+        raise ValueError(
+            f"expert_index_TK values must lie in [-1, num_experts={E}) (-1 = dropped slot), "
+            f"found range [{lo}, {hi}]"
+        )
+    if not bool(torch.isfinite(affinity_TK.detach()[expert_index_TK >= 0]).all()):
+        raise ValueError("affinity_TK must be finite on routed slots (found NaN or inf)")
+
+
+def _main_grad_buffers(
+    w_gate_up_EH2I: torch.Tensor, w_down_EIH: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The weights' ``main_grad`` tensors, or None unless both have one.
+
+    Raises:
+        ValueError: a ``main_grad`` that is not a floating tensor of its weight's shape and device.
+    """
+    bufs = []
+    for name, w in (("w_gate_up_EH2I", w_gate_up_EH2I), ("w_down_EIH", w_down_EIH)):
+        mg = getattr(w, "main_grad", None)
+        if mg is None:
+            return None
+        if not isinstance(mg, torch.Tensor) or not mg.is_floating_point():
+            raise ValueError(f"{name}.main_grad must be a floating tensor, got {_shape(mg)}")
+        if mg.shape != w.shape or mg.device != w.device:
+            raise ValueError(
+                f"{name}.main_grad must match its weight ({list(w.shape)} on {w.device}), got "
+                f"{list(mg.shape)} on {mg.device}"
+            )
+        bufs.append(mg)
+    return bufs[0], bufs[1]
+
+
+# ----------------------------------------------------------------------------- autograd Function
+class MoEExpertsFunction(torch.autograd.Function):
+    """``y = MoE expert MLP(x)``; backward through :mod:`common.dispatch` (first order only).
+
+    ``apply(hidden_states_TH, affinity_TK, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH,
+    expert_index_TK, options)``
+
+    Args:
+        hidden_states_TH: [T, H] float (BF16 in training), the tokens.
+        affinity_TK: [T, K] float, router weight of each slot (may require grad; values of
+            dropped slots are ignored).
+        w_gate_up_EH2I: [E, H, 2, I] float, gate (index 0) and up (index 1) projections.
+        w_down_EIH: [E, I, H] float, down projection.
+        b_gate_up_E2I: optional [E, 2, I] float.  b_down_EH: optional [E, H] float.
+        expert_index_TK: [T, K] int, expert of each slot, -1 = dropped; duplicates in one
+            token's top-k are allowed (merged, each slot gets the merged affinity gradient).
+        options: :class:`MoEExpertsOptions`.
+    Returns:
+        y [T, H] in ``hidden_states_TH.dtype`` (computed with BF16 GEMM operands, fp32
+        accumulation; tokens whose slots are all dropped get 0).
+    Gradients (backward):
+        dX [T, H] in x's dtype; d_affinity [T, K] per slot in affinity's dtype (0 on dropped
+        slots; None if affinity does not require grad); weight and bias grads in their dtypes;
+        None for the weights when they were accumulated into ``main_grad`` (module docstring).
+    Raises:
+        ValueError: a bad argument (named), in forward.
+        RuntimeError: an explicitly requested backend that cannot run here (in forward); a
+            double backward (``once_differentiable``).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden_states_TH: torch.Tensor,
+        affinity_TK: torch.Tensor,
+        w_gate_up_EH2I: torch.Tensor,
+        w_down_EIH: torch.Tensor,
+        b_gate_up_E2I: torch.Tensor | None,
+        b_down_EH: torch.Tensor | None,
+        expert_index_TK: torch.Tensor,
+        options: MoEExpertsOptions,
+    ) -> torch.Tensor:
+        _check_inputs(
+            hidden_states_TH, affinity_TK, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH,
+            expert_index_TK, options,
+        )
+        E = w_gate_up_EH2I.shape[0]
+        if options.validate_routing:
+            _check_routing(expert_index_TK, affinity_TK, E)
+        # Resolve now so that an unusable backend fails before any work (and before backward).
+        backend = resolve_backend(options.backend, hidden_states_TH.device)
+        plan = plan_routing(expert_index_TK, affinity_TK.detach(), E, validate=False)
+        y_TH, act_R2I = moe_forward_torch(
+            hidden_states_TH,
+            w_gate_up_EH2I,
+            w_down_EIH,
+            plan,
+            b_gate_up_E2I=b_gate_up_E2I,
+            b_down_EH=b_down_EH,
+            clamp_limits=options.clamp_limits,
+            compute_dtype=torch.bfloat16,
+            activation=options.activation,
+        )
+        ctx.save_for_backward(
+            hidden_states_TH, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH, act_R2I
+        )
+        ctx.plan = plan
+        ctx.options = options
+        ctx.backend = backend
+        ctx.affinity_dtype = affinity_TK.dtype
+        # The weight objects themselves, to read their `main_grad` at backward time (leaves:
+        # no reference cycle through this node).
+        ctx.main_grad_owners = (
+            (w_gate_up_EH2I, w_down_EIH) if options.accumulate_main_grad else None
+        )
+        return y_TH.to(hidden_states_TH.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_y_TH: torch.Tensor):
+        x, wgu, wd, bgu, bd, act = ctx.saved_tensors
+        opts: MoEExpertsOptions = ctx.options
+        need = ctx.needs_input_grad
+        main = None
+        if ctx.main_grad_owners is not None and need[2] and need[3]:
+            main = _main_grad_buffers(*ctx.main_grad_owners)
+        problem = MoEBackwardProblem(
+            hidden_states_TH=x,
+            output_grad_TH=grad_y_TH.contiguous(),
+            w_gate_up_EH2I=wgu,
+            w_down_EIH=wd,
+            plan=ctx.plan,
+            act_checkpoint_R2I=act,
+            b_gate_up_E2I=bgu,
+            b_down_EH=bd,
+            clamp_limits=opts.clamp_limits,
+            activation=opts.activation,
+        )
+        backend = ctx.backend
+        accumulated = False
+        if backend.name in _CUDA_BACKENDS:
+            same = wgu.dtype == wd.dtype and wgu.dtype in _GRAD_DTYPES
+            run_opts: dict[str, Any] = {"grad_dtype": wgu.dtype if same else torch.float32}
+            if main is not None and all(
+                m.dtype == torch.float32 and m.is_contiguous() for m in main
+            ):
+                run_opts["accumulate_into"] = main
+                accumulated = True
+            grads = backend.run(problem, **run_opts)
+        else:
+            grads = backend.run(problem)
+        if main is not None and not accumulated:
+            main[0].add_(grads.w_gate_up_grad_EH2I.to(main[0].dtype))
+            main[1].add_(grads.w_down_grad_EIH.to(main[1].dtype))
+        if main is not None:
+            for w in ctx.main_grad_owners:
+                if hasattr(w, "grad_added_to_main_grad"):
+                    w.grad_added_to_main_grad = True
+
+        dx = grads.hidden_states_grad_TH.to(x.dtype) if need[0] else None
+        d_aff = (
+            ctx.plan.slot_affinity_grad(grads.affinity_grad_TE).to(ctx.affinity_dtype)
+            if need[1]
+            else None
+        )
+        if main is None:
+            dwgu = grads.w_gate_up_grad_EH2I.to(wgu.dtype) if need[2] else None
+            dwd = grads.w_down_grad_EIH.to(wd.dtype) if need[3] else None
+        else:
+            dwgu = dwd = None
+        dbgu = grads.b_gate_up_grad_E2I.to(bgu.dtype) if need[4] and bgu is not None else None
+        dbd = grads.b_down_grad_EH.to(bd.dtype) if need[5] and bd is not None else None
+        return dx, d_aff, dwgu, dwd, dbgu, dbd, None, None
+
+
+def moe_experts(
+    hidden_states_TH: torch.Tensor,
+    expert_index_TK: torch.Tensor,
+    affinity_TK: torch.Tensor,
+    w_gate_up_EH2I: torch.Tensor,
+    w_down_EIH: torch.Tensor,
+    b_gate_up_E2I: torch.Tensor | None = None,
+    b_down_EH: torch.Tensor | None = None,
+    *,
+    options: MoEExpertsOptions | None = None,
+) -> torch.Tensor:
+    """Functional MoE expert MLP: :class:`MoEExpertsFunction` with keyword-friendly arguments.
+
+    Args: as :class:`MoEExpertsFunction` (``options`` default: ``MoEExpertsOptions()``).
+    Returns:
+        y [T, H] in ``hidden_states_TH.dtype``.
+    Raises:
+        ValueError: a bad argument, named.  RuntimeError: an unusable explicit backend.
+    """
+    opts = MoEExpertsOptions() if options is None else options
+    return MoEExpertsFunction.apply(
+        hidden_states_TH, affinity_TK, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH,
+        expert_index_TK, opts,
+    )
+
+
+# ------------------------------------------------------------------------------------- module
+class MoEExperts(nn.Module):
+    """The routed experts of one MoE layer: ``y = sum_k a[t,k] * MLP_{e[t,k]}(x[t])``.
+
+    Args:
+        num_experts: E.  hidden: H.  intermediate: I (per expert).
+        bias: give the experts gate/up ``[E, 2, I]`` and down ``[E, H]`` biases.
+        clamp_limits: optional :class:`~common.problem.ClampLimits`.
+        activation: :class:`~common.problem.Activation` (default SwiGLU).
+        backend: the backward's backend (:mod:`common.dispatch` name or ``"auto"``).
+        dtype: parameter dtype (default BF16).  device: parameter device.
+        accumulate_main_grad: Megatron ``main_grad`` accumulation (module docstring).
+        validate_routing: check expert ids and affinities each call (a host read on CUDA).
+
+    Parameters:
+        w_gate_up: [E, H, 2, I] (gate at index 0, up at 1).  w_down: [E, I, H].
+        b_gate_up: [E, 2, I] and b_down: [E, H] when ``bias``.
+
+    Raises:
+        ValueError: a non-positive size or a bad option, named.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        *,
+        bias: bool = False,
+        clamp_limits: ClampLimits | None = None,
+        activation: Activation = SWIGLU,
+        backend: str = "auto",
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+        accumulate_main_grad: bool = False,
+        validate_routing: bool = True,
+    ) -> None:
+        super().__init__()
+        for name, v in (("num_experts", num_experts), ("hidden", hidden),
+                        ("intermediate", intermediate)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not isinstance(bias, bool):
+            raise ValueError(f"bias must be a bool, got {bias!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.options = MoEExpertsOptions(
+            clamp_limits=clamp_limits,
+            activation=activation,
+            backend=backend,
+            validate_routing=validate_routing,
+            accumulate_main_grad=accumulate_main_grad,
+        )
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        E, H, I = num_experts, hidden, intermediate
+        kw = {"dtype": dtype, "device": device}
+        self.w_gate_up = nn.Parameter(torch.empty(E, H, 2, I, **kw))
+        self.w_down = nn.Parameter(torch.empty(E, I, H, **kw))
+        if bias:
+            self.b_gate_up = nn.Parameter(torch.empty(E, 2, I, **kw))
+            self.b_down = nn.Parameter(torch.empty(E, H, **kw))
+        else:
+            self.register_parameter("b_gate_up", None)
+            self.register_parameter("b_down", None)
+        self.reset_parameters()
+
+    @property
+    def bias(self) -> bool:
+        return self.b_gate_up is not None
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Normal weights, std ``H**-0.5`` (gate/up, contracted over H) and ``I**-0.5`` (down,
+        contracted over I), drawn in that order from ``generator`` (default: torch's global RNG,
+        so ``torch.manual_seed`` makes it reproducible); zero biases."""
+        self.w_gate_up.normal_(0.0, self.hidden**-0.5, generator=generator)
+        self.w_down.normal_(0.0, self.intermediate**-0.5, generator=generator)
+        if self.b_gate_up is not None:
+            self.b_gate_up.zero_()
+            self.b_down.zero_()
+
+    def forward(
+        self,
+        hidden_states_TH: torch.Tensor,
+        expert_index_TK: torch.Tensor,
+        affinity_TK: torch.Tensor,
+    ) -> torch.Tensor:
+        """Args: hidden_states_TH [T, H] float; expert_index_TK [T, K] int (-1 = dropped);
+        affinity_TK [T, K] float (router weights, may require grad).
+        Returns: y [T, H] in ``hidden_states_TH.dtype``.
+        Raises: ValueError naming a bad argument (shape, dtype, device, expert id range)."""
+        return MoEExpertsFunction.apply(
+            hidden_states_TH, affinity_TK, self.w_gate_up, self.w_down, self.b_gate_up,
+            self.b_down, expert_index_TK, self.options,
+        )
+
+    def extra_repr(self) -> str:
+        o = self.options
+        parts = [
+            f"num_experts={self.num_experts}",
+            f"hidden={self.hidden}",
+            f"intermediate={self.intermediate}",
+            f"bias={self.bias}",
+            f"activation={o.activation.name}(alpha={o.activation.alpha}, "
+            f"up_offset={o.activation.up_offset})",
+        ]
+        if o.clamp_limits is not None and o.clamp_limits.is_active:
+            parts.append(f"clamp_limits={o.clamp_limits!r}")
+        parts.append(f"backend={o.backend!r}")
+        if o.accumulate_main_grad:
+            parts.append("accumulate_main_grad=True")
+        return ", ".join(parts)
+
+    @classmethod
+    def from_model(cls, model_shape, **kwargs: Any) -> MoEExperts:
+        """The routed experts of a published model (:class:`common.models.MoEModelShape`).
+
+        E, H, I, bias, activation and clamp limits come from the shape: ``swiglu_clamped``
+        (gpt-oss) -> ``Activation("gpt_oss", alpha=swiglu_alpha, up_offset=1.0)`` and
+        ``ClampLimits(**model_shape.clamp_limits)``; ``swiglu`` -> SwiGLU, no clamp. ``kwargs``
+        go to ``__init__`` and override those (e.g. ``dtype``, ``device="meta"``, ``backend``).
+        Full-size models are large: ``model_shape.shrink(n)`` gives a test-sized copy.
+
+        Raises:
+            ValueError: ``model_shape`` is not a MoEModelShape, or the model applies the
+                affinity to the expert input (Llama 4: ``affinity_on="input"``), which this
+                layer does not compute.
+        """
+        from common.models import MoEModelShape
+
+        if not isinstance(model_shape, MoEModelShape):
+            raise ValueError(
+                f"model_shape must be a common.models.MoEModelShape, got "
+                f"{type(model_shape).__name__}"
+            )
+        if model_shape.affinity_on != "output":
+            raise ValueError(
+                f"model_shape {model_shape.name!r} has affinity_on={model_shape.affinity_on!r}: "
+                "this layer scales the expert output by the affinity, not the input"
+            )
+        if model_shape.activation == "swiglu_clamped":
+            activation = Activation("gpt_oss", alpha=model_shape.swiglu_alpha, up_offset=1.0)
+            clamp = ClampLimits(**model_shape.clamp_limits)
+        else:
+            activation, clamp = SWIGLU, None
+        init = {"bias": model_shape.has_bias, "activation": activation, "clamp_limits": clamp}
+        init.update(kwargs)
+        return cls(model_shape.experts, model_shape.hidden, model_shape.intermediate, **init)
+
+
+# ---------------------------------------------------------------------------------- torchtitan
+def _non_overlapping(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """A sufficient test that no two indices of (size, stride) share a storage element: sorted
+    by stride, each dimension's stride exceeds the span of all smaller ones."""
+    span = 0
+    for st, sz in sorted((st, sz) for st, sz in zip(stride, size) if sz > 1):
+        if st <= span:
+            return False
+        span += st * (sz - 1)
+    return True
+
+
+def _pair_geometry(w1_EIH: torch.Tensor, w3_EIH: torch.Tensor):
+    """``(size, stride, offset)`` of an [E, H, 2, I] view over the storage w1 and w3 share
+    (gate = w1, up = w3), or None when no such view exists."""
+    if w1_EIH.stride() != w3_EIH.stride():
+        return None
+    if w1_EIH.untyped_storage().data_ptr() != w3_EIH.untyped_storage().data_ptr():
+        return None
+    d = w3_EIH.storage_offset() - w1_EIH.storage_offset()
+    if d <= 0:
+        return None
+    E, I, H = w1_EIH.shape
+    s0, s1, s2 = w1_EIH.stride()
+    size, stride = (E, H, 2, I), (s0, s2, d, s1)
+    if not _non_overlapping(size, stride):
+        return None
+    return size, stride, w1_EIH.storage_offset()
+
+
+def _check_pair(w1_EIH: Any, w3_EIH: Any) -> None:
+    for name, t in (("w1", w1_EIH), ("w3", w3_EIH)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating 3-D [E, I, H] tensor, got {_shape(t)}")
+    if w1_EIH.shape != w3_EIH.shape:
+        raise ValueError(
+            f"w3 must have w1's shape {list(w1_EIH.shape)} ([E, I, H]), got {list(w3_EIH.shape)}"
+        )
+    if w1_EIH.dtype != w3_EIH.dtype or w1_EIH.device != w3_EIH.device:
+        raise ValueError(
+            f"w3 ({w3_EIH.dtype} on {w3_EIH.device}) must match w1's dtype and device "
+            f"({w1_EIH.dtype} on {w1_EIH.device})"
+        )
+
+
+def gate_up_from_torchtitan(w1_EIH: torch.Tensor, w3_EIH: torch.Tensor) -> torch.Tensor:
+    """torchtitan's gate ``w1`` and up ``w3`` ([E, I, H] each) as ``w_gate_up_EH2I`` [E, H, 2, I].
+
+    ``w_gate_up[e, h, 0, i] = w1[e, i, h]`` and ``w_gate_up[e, h, 1, i] = w3[e, i, h]``.
+
+    A VIEW (no copy, shares storage) when w1 and w3 lie in one storage with equal strides, w3
+    after w1, without overlap -- e.g. the two halves ``W[:, :I]``, ``W[:, I:]`` of one fused
+    ``W [E, 2I, H]``, or its interleaved rows ``W[:, 0::2]``, ``W[:, 1::2]`` -- and, when
+    autograd must track them, both are differentiable views of one base (the view is then taken
+    on that base, so gradients reach it). Otherwise (torchtitan's separate ``w1``/``w3``
+    parameters, among others) a contiguous COPY built with ``torch.stack``. Either way the
+    result is differentiable: gradients flow back to w1 and w3.
+
+    Raises:
+        ValueError: w1/w3 not floating 3-D tensors of one shape, dtype and device.
+    """
+    _check_pair(w1_EIH, w3_EIH)
+    geo = _pair_geometry(w1_EIH, w3_EIH)
+    if geo is not None:
+        tracked = torch.is_grad_enabled() and (w1_EIH.requires_grad or w3_EIH.requires_grad)
+        if not tracked:
+            return w1_EIH.as_strided(*geo)
+        base = w1_EIH._base
+        if (
+            base is not None
+            and base is w3_EIH._base
+            and base.requires_grad
+            and w1_EIH.requires_grad
+            and w3_EIH.requires_grad
+            and w1_EIH.grad_fn is not None
+            and w3_EIH.grad_fn is not None
+        ):
+            return base.as_strided(*geo)
+    return torch.stack([w1_EIH.transpose(1, 2), w3_EIH.transpose(1, 2)], dim=2)
+
+
+def down_from_torchtitan(w2_EHI: torch.Tensor) -> torch.Tensor:
+    """torchtitan's down projection ``w2`` [E, H, I] as ``w_down_EIH`` [E, I, H]: always the
+    view ``w2.transpose(1, 2)`` (shares storage; gradients flow back to w2).
+
+    Raises:
+        ValueError: w2 not a floating 3-D tensor.
+    """
+    if not isinstance(w2_EHI, torch.Tensor) or w2_EHI.dim() != 3 or not w2_EHI.is_floating_point():
+        raise ValueError(f"w2 must be a floating 3-D [E, H, I] tensor, got {_shape(w2_EHI)}")
+    return w2_EHI.transpose(1, 2)
+
+
+_TORCHTITAN_OPTIONS = MoEExpertsOptions(validate_routing=False)
+
+
+def run_experts_grouped_mm(
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    x: torch.Tensor,
+    num_tokens_per_expert: torch.Tensor,
+) -> torch.Tensor:
+    """Drop-in for torchtitan's ``_run_experts_grouped_mm`` seam (same signature and result).
+
+    torchtitan's ``GroupedExperts`` holds ``w1`` [E, I, H] (gate), ``w3`` [E, I, H] (up),
+    ``w2`` [E, H, I] (down) and receives rows already permuted into expert order: the first
+    ``num_tokens_per_expert[0]`` rows of ``x`` belong to expert 0, the next to expert 1, ...;
+    rows past the total are padding. Per row of expert e it computes
+    ``(silu(x W1[e]^T) * (x W3[e]^T)) W2[e]^T`` with BF16 GEMM operands and returns
+    ``[rows, H]`` in ``x.dtype``. Here every row is routed to its expert with top_k = 1 and
+    affinity 1 and run through :class:`MoEExpertsFunction` (backward by ``common.dispatch``
+    "auto"); padding rows give 0 (as torchtitan's for-loop path). No host synchronisation: the
+    row -> expert map is ``repeat_interleave`` with a static ``output_size``.
+
+    Args:
+        w1: [E, I, H] float.  w2: [E, H, I] float.  w3: [E, I, H] float.
+        x: [rows, H] float, rows in expert order.
+        num_tokens_per_expert: [E] int, rows of each expert; their sum must not exceed rows
+            (on the CPU a larger sum raises RuntimeError in ``repeat_interleave``; on CUDA it
+            is undefined).
+    Returns:
+        [rows, H] in ``x.dtype``. Gradients flow to x, w1, w2 and w3 (through the differentiable
+        views/copies of :func:`gate_up_from_torchtitan` and :func:`down_from_torchtitan`).
+    Raises:
+        ValueError: a bad argument, named.
+
+    Example (not run in CI: torchtitan is not a dependency)::
+
+        import torchtitan.models.moe.moe as tt_moe
+        from common.layer import run_experts_grouped_mm
+
+        tt_moe._run_experts_grouped_mm = run_experts_grouped_mm   # GroupedExperts now uses it
+    """
+    _check_pair(w1, w3)
+    E, I, H = w1.shape
+    if not isinstance(w2, torch.Tensor) or tuple(w2.shape) != (E, H, I):
+        raise ValueError(f"w2 must have shape [E={E}, H={H}, I={I}], got {_shape(w2)}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != H:
+        raise ValueError(f"x must be a 2-D [rows, H={H}] tensor, got {_shape(x)}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a floating tensor, got {x.dtype}")
+    n = num_tokens_per_expert
+    if not isinstance(n, torch.Tensor) or tuple(n.shape) != (E,) or n.dtype not in _INT_DTYPES:
+        raise ValueError(
+            f"num_tokens_per_expert must be an integer [E={E}] tensor, got "
+            f"{_shape(n) if not isinstance(n, torch.Tensor) else f'{list(n.shape)} {n.dtype}'}"
+        )
+    for name, t in (("w1", w1), ("w2", w2), ("w3", w3), ("num_tokens_per_expert", n)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on device {t.device} but x is on {x.device}")
+    rows = x.shape[0]
+    counts = n.to(torch.int64)
+    # One extra group E of padding rows (rows - sum) keeps the total static: no host read.
+    counts = torch.cat([counts, (rows - counts.sum()).reshape(1)])
+    expert_R = torch.repeat_interleave(
+        torch.arange(E + 1, device=x.device), counts, output_size=rows
+    )
+    expert_index_R1 = torch.where(expert_R < E, expert_R, -1).reshape(rows, 1)
+    affinity_R1 = torch.ones(rows, 1, dtype=x.dtype, device=x.device)
+    return MoEExpertsFunction.apply(
+        x,
+        affinity_R1,
+        gate_up_from_torchtitan(w1, w3),
+        down_from_torchtitan(w2),
+        None,
+        None,
+        expert_index_R1,
+        _TORCHTITAN_OPTIONS,
+    )
+

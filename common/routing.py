@@ -138,6 +138,9 @@ class GroupedLayout:
             of ``align``; ``offsets_E[-1] == tokens_sum``; empty experts repeat the offset.
         row_to_token_S: [S] int64, token id of each row, -1 for padding rows.
         row_to_pair_S: [S] int64, plan pair index of each row, -1 for padding rows.
+        slot_to_row_TK: [T, K] int64, the row of each router slot; -1 for dropped slots and for
+            every slot but the first of a merged duplicate (token, expert) pair, so summing a
+            token's rows through it counts each pair once (dX without a scatter or atomics).
         tokens_sum: S.  align: the group alignment.  num_tokens: T.
         num_pair_rows: R, the row count of per-pair tensors (``T * top_k``).
     """
@@ -145,6 +148,7 @@ class GroupedLayout:
     offsets_E: torch.Tensor
     row_to_token_S: torch.Tensor
     row_to_pair_S: torch.Tensor
+    slot_to_row_TK: torch.Tensor
     tokens_sum: int
     align: int
     num_tokens: int
@@ -305,6 +309,19 @@ class RoutingPlan:
         vals = per_pair[s2p.clamp(min=0)]
         return torch.where(s2p >= 0, vals, vals.new_zeros(()))
 
+    def _slot_rows(self, pair_row_R: torch.Tensor) -> torch.Tensor:
+        """[T, K] row of each slot (via its pair); -1 for dropped slots and repeated duplicates."""
+        s2p = self.slot_to_pair_TK
+        if pair_row_R.numel() == 0:
+            return torch.full_like(s2p, -1)
+        rows = torch.where(s2p >= 0, pair_row_R[s2p.clamp(min=0)], torch.full_like(s2p, -1))
+        K = self.top_k
+        if K > 1:  # a later slot naming an earlier slot's pair adds nothing
+            same = s2p[:, :, None] == s2p[:, None, :]
+            earlier = torch.ones(K, K, dtype=torch.bool, device=s2p.device).tril(-1)
+            rows = torch.where((same & earlier).any(-1), torch.full_like(rows, -1), rows)
+        return rows.contiguous()
+
     # ---------------------------------------------------------------------------------- views
     def blockwise(
         self, block_size: int, padding: str = "skip", num_blocks: int | None = None
@@ -405,8 +422,8 @@ class RoutingPlan:
                 raise ValueError(
                     f"max_tokens_sum={S} is too small: the routing needs {int(offsets[-1])} rows"
                 )
-            offsets = offsets.clone()
-            offsets[-1] = S
+            # the last expert owns the surplus rows (no host scalar write: capturable, no sync)
+            offsets = torch.cat([offsets[:-1], offsets.new_full((1,), S)])
         row_start_E = _exclusive_cumsum(rows_E)
         R = self.pair_token_R.shape[0]
         dev = self.device
@@ -417,12 +434,14 @@ class RoutingPlan:
         r2t.index_put_((row,), self.pair_token_R)
         r2p = torch.full((S + 1,), -1, dtype=torch.int64, device=dev)
         r2p.index_put_((row,), torch.arange(R, device=dev))
+        pair_row_R = torch.where(self.pair_valid_R, row, torch.full_like(row, -1))
         r2p = r2p[:S]
         r2t = torch.where(r2p >= 0, r2t[:S], torch.full_like(r2p, -1))
         return GroupedLayout(
             offsets_E=offsets.to(torch.int32),
             row_to_token_S=r2t,
             row_to_pair_S=r2p,
+            slot_to_row_TK=self._slot_rows(pair_row_R),
             tokens_sum=S,
             align=A,
             num_tokens=T,

@@ -23,7 +23,7 @@ from common.routing import plan_routing
 from common.torch_backward import _grouped_layout, moe_backward_torch
 
 kernels = pytest.importorskip("cuda_kernels.moe_backward.kernels")
-from cuda_kernels.moe_backward import moe_backward_fused, slot_rows  # noqa: E402
+from cuda_kernels.moe_backward import moe_backward_fused  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SQNR_MIN = SQNR_MIN_DB[("torch", "default")]
@@ -191,7 +191,7 @@ def test_slot_rows_dedupes_merged_pairs_and_drops():
     af = torch.ones(2, 3)
     plan = plan_routing(ei, af, 3)
     layout = _grouped_layout(plan, 3)
-    rows = slot_rows(plan, layout)
+    rows = layout.slot_to_row_TK
     assert rows[0, 1] == -1 and rows[0, 2] == -1 and rows[0, 0] >= 0
     assert (rows[1] >= 0).all()
     tok = layout.row_to_token_S
@@ -301,3 +301,18 @@ def test_gpu_dispatch_runs_fused_on_sm90():
     for key, out in g.named().items():
         assert sqnr_db(out.cpu(), ref.named()[key]) >= SQNR_MIN, key
     assert not math.isnan(float(g.affinity_grad_TE.sum()))
+
+
+def test_forward_state_layout_and_x_rows_give_the_same_grads():
+    p = _problem("duplicates_dropped")
+    E = p.w_gate_up_EH2I.shape[0]
+    layout = _grouped_layout(p.plan, E)
+    x_rows = layout.gather_rows(p.hidden_states_TH.bfloat16())
+    want = moe_backward_fused(p)
+    got = moe_backward_fused(p, layout=layout, x_rows_S=x_rows)
+    for key, out in got.named().items():
+        assert torch.equal(out, want.named()[key]), key
+    with pytest.raises(ValueError, match="x_rows_S"):
+        moe_backward_fused(p, layout=layout, x_rows_S=x_rows[:-1])
+    with pytest.raises(ValueError, match="layout"):
+        moe_backward_fused(p, x_rows_S=x_rows)

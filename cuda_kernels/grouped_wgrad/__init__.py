@@ -16,6 +16,7 @@ from .api import (
     grouped_gemm_wgrad_wrapper_sm90,
     grouped_gemm_wgrad_wrapper_sm100,
     grouped_wgrad_fp32,
+    grouped_wgrad_into,
     kernel_unsupported_reason,
     select_grouped_wgrad_backend,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "grouped_gemm_wgrad_wrapper_sm90",
     "grouped_gemm_wgrad_wrapper_sm100",
     "grouped_wgrad_fp32",
+    "grouped_wgrad_into",
     "grouped_wgrad_torch",
     "kernel_unsupported_reason",
     "select_grouped_wgrad_backend",

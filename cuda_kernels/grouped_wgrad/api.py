@@ -62,6 +62,7 @@ __all__ = [
     "grouped_gemm_wgrad_wrapper_sm90",
     "grouped_gemm_wgrad_wrapper_sm100",
     "grouped_wgrad_fp32",
+    "grouped_wgrad_into",
     "kernel_unsupported_reason",
     "select_grouped_wgrad_backend",
 ]
@@ -343,6 +344,7 @@ def clear_grouped_wgrad_caches() -> None:
     with _CACHE_LOCK:
         _LAUNCHER_CACHE.clear()
         _OP_CACHE.clear()
+        _INTO_CACHE.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1121,7 +1123,7 @@ def _wrapper(
     a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor, output_mode, wgrad_tensor,
     wgrad_ptrs, global_scale_a, global_scale_b, acc_dtype, wgrad_dtype, mma_tiler_mn,
     cluster_shape_mn, sf_vec_size, accumulate_on_output, input_order, current_stream,
-    validate_offsets, descriptor_workspace,
+    validate_offsets, descriptor_workspace, _ops_out: list | None = None,
 ) -> TupleDict:
     arch = cls._ARCH
     # 1. Every rule of the call, environment-free (CPU-testable), before any output is written.
@@ -1222,6 +1224,8 @@ def _wrapper(
         a_tensor, b_tensor, offsets_tensor, out, current_stream,
         pointers=out if output_mode == "discrete" else None,
     )
+    if _ops_out is not None:
+        _ops_out.append(op)
     return TupleDict(wgrad_tensor=wgrad_tensor if wgrad_ptrs is None else None)
 
 
@@ -1482,6 +1486,62 @@ def kernel_unsupported_reason(
     except (ValueError, RuntimeError) as exc:
         return str(exc)
     return None
+
+
+_INTO_CACHE: dict[tuple, _GroupedGemmWgradBase] = {}
+
+
+def _into_key(arch, a, b, offsets, out, accumulate) -> tuple:
+    """Everything the validation of a dense tensor2d call depends on (metadata, never values):
+    shapes, strides, dtypes, devices and the 16-byte alignment of each address."""
+    return (
+        arch, bool(accumulate), str(a.device),
+        *((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+          for t in (a, b, offsets, out)),
+    )
+
+
+def grouped_wgrad_into(
+    a_HS: torch.Tensor,
+    b_SI: torch.Tensor,
+    offsets_E: torch.Tensor,
+    out_EHI: torch.Tensor,
+    *,
+    accumulate: bool = False,
+    backend: str = "sm90",
+) -> None:
+    """Hot path of a backward pass: ``out_EHI[e] (+)= a_HS[:, rows of e] @ b_SI[rows of e]``.
+
+    The first call with a given metadata key (shapes, strides, dtypes, device, address alignment,
+    ``accumulate``) goes through ``grouped_gemm_wgrad_wrapper_<backend>`` with every contract
+    check; later calls with the same key launch the cached operator directly (validation costs
+    ~100 us of host time per call otherwise). Offsets values are never host-read (no sync,
+    CUDA-graph capturable), as ``validate_offsets=False``.
+
+    Args:
+        a_HS: [H, S] bf16.  b_SI: [S, I] bf16.  offsets_E: [E] int32 cumulative row ends.
+        out_EHI: [E, H, I] contiguous bf16/fp16/fp32 output, written in place.
+        accumulate: add into ``out_EHI`` instead of overwriting it.
+        backend: "sm90" or "sm100".
+    Raises:
+        ValueError / RuntimeError: as the wrappers (first call of a key).
+    """
+    if backend not in ("sm90", "sm100"):
+        raise ValueError(f"backend must be 'sm90' or 'sm100', got {backend!r}")
+    key = _into_key(backend, a_HS, b_SI, offsets_E, out_EHI, accumulate)
+    op = _INTO_CACHE.get(key)
+    if op is not None:
+        op._launch(a_HS, b_SI, offsets_E, out_EHI, None)
+        return
+    cls = GroupedGemmWgradSm90 if backend == "sm90" else GroupedGemmWgradSm100
+    ops: list = []
+    _wrapper(
+        cls, a_HS, b_SI, None, None, offsets_E, "dense", out_EHI, None, None, None,
+        torch.float32, out_EHI.dtype, None if backend == "sm90" else (256, 256), None, 16,
+        accumulate, "tensor2d", None, False, None, _ops_out=ops,
+    )
+    with _CACHE_LOCK:
+        _INTO_CACHE[key] = ops[0]
 
 
 def grouped_wgrad_fp32(

@@ -6,6 +6,6 @@ kernels that fuse everything between them (:mod:`.kernels`). Its twin is the por
 but neither CuTe DSL nor the GPU.
 """
 
-from .fused import GRAD_DTYPES, moe_backward_fused, slot_rows
+from .fused import GRAD_DTYPES, moe_backward_fused
 
-__all__ = ["GRAD_DTYPES", "moe_backward_fused", "slot_rows"]
+__all__ = ["GRAD_DTYPES", "moe_backward_fused"]

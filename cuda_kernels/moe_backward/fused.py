@@ -26,30 +26,10 @@ from common.torch_backward import ALIGN, _grouped_layout, grouped_mm_rows
 from ..grouped_wgrad import api
 from . import kernels
 
-__all__ = ["GRAD_DTYPES", "moe_backward_fused", "slot_rows"]
+__all__ = ["GRAD_DTYPES", "moe_backward_fused"]
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
 """Dtypes the fused backward writes its gradients in (dA is always fp32)."""
-
-
-def slot_rows(plan, layout) -> torch.Tensor:
-    """[T, K] int64: the grouped row of each router slot, -1 for dropped slots and for all but
-    the first slot of a duplicate (token, expert) pair (its rows are merged into one)."""
-    T, K = plan.num_tokens, plan.top_k
-    R, S = layout.num_pair_rows, layout.tokens_sum
-    s2p = plan.slot_to_pair_TK
-    r2p = layout.row_to_pair_S
-    pair_row = torch.full((R + 1,), -1, dtype=torch.int64, device=s2p.device)
-    pair_row.index_put_(
-        (torch.where(r2p >= 0, r2p, torch.full_like(r2p, R)),),
-        torch.arange(S, dtype=torch.int64, device=s2p.device),
-    )
-    rows = torch.where(s2p >= 0, pair_row[s2p.clamp(min=0)], torch.full_like(s2p, -1))
-    if K > 1:  # a later slot naming the same pair as an earlier one adds nothing
-        same = s2p[:, :, None] == s2p[:, None, :]
-        earlier = torch.ones(K, K, dtype=torch.bool, device=s2p.device).tril(-1)
-        rows = torch.where((same & earlier).any(-1), torch.full_like(rows, -1), rows)
-    return rows.reshape(T, K).contiguous()
 
 
 def _rows_times_experts(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
@@ -93,22 +73,38 @@ def _check_options(problem, grad_dtype, accumulate_into, wgrad_backend):
     return tuple(accumulate_into)
 
 
+_WGRAD_CHOICE: dict[tuple, tuple[str, str | None]] = {}
+
+
 def _wgrad(a_HS, b_SI, offsets_E, out, accumulate, backend, stats):
     """``out[e] (+)= a_HS[:, rows of e] @ b_SI[rows of e]`` through our kernel when the call fits
-    its contract, else the torch twin; ``out`` [E, H, I] is written in place."""
-    name = backend
-    if name == "auto":
-        name, _ = api.select_grouped_wgrad_backend(a_HS.device)
-    reason = None if name == "torch" else api.kernel_unsupported_reason(name, a_HS, b_SI, offsets_E)
-    if reason is not None:
-        if backend != "auto":
-            raise RuntimeError(f"wgrad_backend={backend!r} cannot run this call: {reason}")
-        name = "torch"
-        stats["wgrad_torch_reason"] = reason
-    api.grouped_gemm_wgrad(
-        a_HS, b_SI, offsets_E, wgrad_tensor=out, accumulate_on_output=accumulate,
-        backend=name, validate_offsets=False,
-    )
+    its contract, else the torch twin; ``out`` [E, H, I] is written in place. The choice is made
+    once per operand metadata (host time matters: this runs twice per backward)."""
+    key = (backend, str(a_HS.device), a_HS.shape, a_HS.stride(), b_SI.shape, b_SI.stride(),
+           a_HS.dtype, b_SI.dtype, out.dtype)
+    choice = _WGRAD_CHOICE.get(key)
+    if choice is None:
+        name = backend
+        if name == "auto":
+            name, _ = api.select_grouped_wgrad_backend(a_HS.device)
+        reason = None
+        if name != "torch":
+            reason = api.kernel_unsupported_reason(name, a_HS, b_SI, offsets_E)
+        if reason is not None:
+            if backend != "auto":
+                raise RuntimeError(f"wgrad_backend={backend!r} cannot run this call: {reason}")
+            name = "torch"
+        choice = _WGRAD_CHOICE[key] = (name, reason)
+    name, reason = choice
+    if name == "torch":
+        api.grouped_gemm_wgrad(
+            a_HS, b_SI, offsets_E, wgrad_tensor=out, accumulate_on_output=accumulate,
+            backend="torch", validate_offsets=False,
+        )
+        if reason:
+            stats["wgrad_torch_reason"] = reason
+    else:
+        api.grouped_wgrad_into(a_HS, b_SI, offsets_E, out, accumulate=accumulate, backend=name)
     stats.setdefault("wgrad_backend", name)
 
 
@@ -119,6 +115,7 @@ def moe_backward_fused(
     accumulate_into: tuple[torch.Tensor, torch.Tensor] | None = None,
     wgrad_backend: str = "auto",
     layout=None,
+    x_rows_S: torch.Tensor | None = None,
 ) -> MoEGrads:
     """MoE expert-MLP backward, fused: BF16 GEMM operands, fp32 accumulation, no fp32 glue.
 
@@ -135,8 +132,12 @@ def moe_backward_fused(
             inside the wgrad kernel, and the returned grads hold these same tensors.
         wgrad_backend: "auto" (our kernel when the device and the call allow, else torch),
             "sm90" / "sm100" (that kernel or RuntimeError), "torch".
-        layout: optional grouped layout of the plan with ``align`` a multiple of 16 (the
-            forward's, to skip rebuilding it); default ``plan.grouped`` with a static row count.
+        layout: optional :class:`~common.routing.GroupedLayout` of the plan with ``align`` a
+            multiple of 16 (the forward's, to skip rebuilding it: ~20 small kernels and their
+            host time); default ``plan.grouped`` with a static row count.
+        x_rows_S: optional [S, H] BF16 X already in ``layout``'s row order, as the forward
+            gathered it for its first GEMM (padding rows must be finite: the gather writes 0);
+            skips this backward's X gather. Needs ``layout``.
     Returns:
         :class:`~common.problem.MoEGrads`; ``info["wgrad_backend"]`` names the wgrad used.
     Raises:
@@ -152,6 +153,7 @@ def moe_backward_fused(
     E, H, _, I = p.w_gate_up_EH2I.shape
     dev = x_TH.device
     bf16 = torch.bfloat16
+    passed_layout = layout
     if layout is None:
         layout = _grouped_layout(plan, E)
     elif layout.align % ALIGN or layout.num_tokens != plan.num_tokens:
@@ -159,11 +161,25 @@ def moe_backward_fused(
             f"layout must be a grouped layout of this plan with align a multiple of {ALIGN}, "
             f"got align={layout.align}, T={layout.num_tokens}"
         )
+    S = layout.tokens_sum
+    if x_rows_S is not None:
+        if not isinstance(x_rows_S, torch.Tensor) or tuple(x_rows_S.shape) != (S, H):
+            raise ValueError(f"x_rows_S must be a [S={S}, H={H}] tensor in the layout's row order")
+        if x_rows_S.dtype != bf16 or x_rows_S.device != dev or x_rows_S.stride(1) != 1:
+            raise ValueError(
+                f"x_rows_S must be torch.bfloat16 on {dev} with unit stride along H, got "
+                f"{x_rows_S.dtype} on {x_rows_S.device}, strides {x_rows_S.stride()}"
+            )
+        if passed_layout is None:
+            raise ValueError("x_rows_S needs the layout it was gathered with (layout=...)")
     offs = layout.offsets_E
     r2p = layout.row_to_pair_S
     stats: dict = {}
 
-    x_S = kernels.gather_rows(x_TH, layout.row_to_token_S, bf16)
+    if x_rows_S is None:
+        x_S = kernels.gather_rows(x_TH, layout.row_to_token_S, bf16)
+    else:
+        x_S = x_rows_S
     dy_S = kernels.gather_rows(dy_TH, layout.row_to_token_S, bf16)
     w_down_EHI = p.w_down_EIH.to(bf16).transpose(1, 2)
     dh_raw = _rows_times_experts(dy_S, w_down_EHI, offs)
@@ -175,7 +191,7 @@ def moe_backward_fused(
     del dh_raw
     w_gu_E2IH = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I).transpose(1, 2)
     dX_S = _rows_times_experts(dgu_S, w_gu_E2IH, offs)
-    dX = kernels.token_sum(dX_S, slot_rows(plan, layout), grad_dtype)
+    dX = kernels.token_sum(dX_S, layout.slot_to_row_TK, grad_dtype)
     del dX_S
 
     if acc is not None:

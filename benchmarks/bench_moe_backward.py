@@ -9,6 +9,9 @@ Everything runs in one process on the same inputs: ``common.inputs.make_problem_
   SM90 wgrad kernel and duplicate the ``cuda-sm90`` row). A backend that cannot run prints why.
 - ``ours (bf16 grads)`` [bf16]: ``cuda_kernels.moe_backward.moe_backward_fused(problem,
   grad_dtype=torch.bfloat16)`` when importable (CUDA only).
+- ``ours (layer state)`` [state]: the same fused call given what ``common.layer``'s forward
+  saves for its backward (the grouped layout and the forward's BF16 X rows), so it skips the
+  layout build and the X gather -- the state the baseline's autograd graph also holds.
 - ``baseline`` [baseline]: torchtitan-style experts, the backward of two ``torch._grouped_mm``
   through autograd over rows already in expert order (X and dY gathered before timing; see
   ``benchmarks/_moe_baselines.py``). Timed: ``torch.autograd.grad(y_S, leaves, dY_S)``.
@@ -68,10 +71,10 @@ DEFAULT_SHAPES = (
     "gpt-oss-120b:16384"
 )
 IMPLS = (
-    "torch", "cuda-sm90", "cuda-sm100", "bf16", "baseline", "baseline+perm", "sonicmoe", "liger",
+    "torch", "cuda-sm90", "cuda-sm100", "bf16", "state", "baseline", "baseline+perm", "sonicmoe", "liger",
     "dense",
 )  # fmt: skip
-LABEL = {"bf16": "ours (bf16 grads)", "dense": "dense mm"}
+LABEL = {"bf16": "ours (bf16 grads)", "state": "ours (layer state)", "dense": "dense mm"}
 LABEL.update({b: f"ours {b}" for b in ("torch", "cuda-sm90", "cuda-sm100")})
 
 # Substrings that mark a profiled kernel as a GEMM: cuBLAS (sm90_xmma_gemm_*, nvjet_* on Hopper,
@@ -194,14 +197,20 @@ def build_impl(impl: str, p, model, T: int, device: torch.device):
         backend = dispatch.resolve_backend(impl, device)
         opts = {"grouped_wgrad": grouped_wgrad_default} if impl == "torch" else {}
         return (lambda: backend.run(p, **opts)), (lambda g: g.named())
-    if impl == "bf16":
+    if impl in ("bf16", "state"):
         if device.type != "cuda":
             raise _Skip("skipped: needs a CUDA device")
         try:
             from cuda_kernels.moe_backward import moe_backward_fused
         except ImportError as exc:
             raise _Skip(f"skipped: {type(exc).__name__}: {exc}") from None
-        return (lambda: moe_backward_fused(p, grad_dtype=torch.bfloat16)), (lambda g: g.named())
+        kw = {"grad_dtype": torch.bfloat16}
+        if impl == "state":
+            from common.torch_backward import _grouped_layout
+
+            kw["layout"] = _grouped_layout(p.plan, p.w_gate_up_EH2I.shape[0])
+            kw["x_rows_S"] = kw["layout"].gather_rows(p.hidden_states_TH.bfloat16())
+        return (lambda: moe_backward_fused(p, **kw)), (lambda g: g.named())
     if impl in ("baseline", "baseline+perm"):
         if device.type == "cuda" and not hasattr(torch, "_grouped_mm"):
             raise _Skip(f"skipped: torch {torch.__version__} has no torch._grouped_mm")

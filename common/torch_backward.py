@@ -32,6 +32,7 @@ from common.problem import SWIGLU, Activation, ClampLimits, MoEBackwardProblem, 
 
 __all__ = [
     "ALIGN",
+    "grouped_layout",
     "grouped_mm_rows",
     "grouped_wgrad_default",
     "moe_backward_torch",
@@ -143,11 +144,16 @@ def _up_shifted(u: torch.Tensor, act: Activation) -> torch.Tensor:
     return u if act.up_offset == 0.0 else u + act.up_offset
 
 
-def _grouped_layout(plan, num_experts: int):
-    """The plan's grouped layout with a static row count (no host read on CUDA)."""
+def grouped_layout(plan, num_experts: int):
+    """The plan's grouped layout as this module's GEMMs use it: groups aligned to
+    :data:`ALIGN` rows and a static row count ``S`` (no host read on CUDA; surplus rows are
+    padding of the last expert). Share it between a forward and its backward."""
     R = plan.pair_token_R.shape[0]
     max_rows = (R + num_experts * (ALIGN - 1) + ALIGN - 1) // ALIGN * ALIGN
     return plan.grouped(align=ALIGN, max_tokens_sum=max_rows)
+
+
+_grouped_layout = grouped_layout
 
 
 def _row_expert_S(layout, plan, num_experts: int) -> torch.Tensor:
@@ -172,6 +178,8 @@ def moe_forward_torch(
     compute_dtype: torch.dtype = torch.bfloat16,
     with_output: bool = True,
     activation: Activation | None = None,
+    layout=None,
+    x_rows_S: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Gated expert-MLP forward on the grouped layout (REFERENCE §2, AFFINITY_ON_I).
 
@@ -189,6 +197,9 @@ def moe_forward_torch(
         with_output: also compute y (else only the checkpoint; y is None).
         activation: the :class:`~common.problem.Activation` (alpha, up offset c); None = SwiGLU.
             It changes y only: the checkpoint holds pre-activations.
+        layout: optional grouped layout of ``plan`` (:func:`grouped_layout`); built if None.
+        x_rows_S: optional [S, H] ``compute_dtype`` X in ``layout``'s row order (padding rows
+            0), e.g. to keep it for the fused backward; gathered here if None.
     Returns:
         ``(y_TH [T, H] fp32 or None, act_checkpoint_R2I [R, 2, I] compute_dtype)``: the
         checkpoint holds the clamped g, u of each pair in the plan's pair order (padding 0).
@@ -201,11 +212,12 @@ def moe_forward_torch(
     R = plan.pair_token_R.shape[0]
     cd = compute_dtype
     cl = clamp_limits or ClampLimits()
-    layout = _grouped_layout(plan, E)
+    if layout is None:
+        layout = grouped_layout(plan, E)
     offs = layout.offsets_E
     row_valid = layout.row_to_pair_S >= 0
     row_expert = _row_expert_S(layout, plan, E)
-    x_S = layout.gather_rows(hidden_states_TH.to(cd))
+    x_S = layout.gather_rows(hidden_states_TH.to(cd)) if x_rows_S is None else x_rows_S
     gu_S = grouped_mm_rows(x_S, w_gate_up_EH2I.to(cd).reshape(E, H, 2 * I), offs, cd)
     gu_S = gu_S.reshape(-1, 2, I)
     if b_gate_up_E2I is not None:

@@ -49,7 +49,7 @@ from torch.autograd.function import once_differentiable
 from common.dispatch import BACKEND_NAMES, resolve_backend
 from common.problem import SWIGLU, Activation, ClampLimits, MoEBackwardProblem
 from common.routing import plan_routing
-from common.torch_backward import moe_forward_torch
+from common.torch_backward import grouped_layout, moe_forward_torch
 
 __all__ = [
     "MoEExperts",
@@ -253,6 +253,11 @@ class MoEExpertsFunction(torch.autograd.Function):
         # Resolve now so that an unusable backend fails before any work (and before backward).
         backend = resolve_backend(options.backend, hidden_states_TH.device)
         plan = plan_routing(expert_index_TK, affinity_TK.detach(), E, validate=False)
+        # The grouped layout and the BF16 X rows of the first GEMM are kept for the fused CUDA
+        # backward (it then skips rebuilding the layout and re-gathering X; torchtitan's
+        # grouped_mm autograd keeps the same rows).
+        layout = grouped_layout(plan, E)
+        x_rows_S = layout.gather_rows(hidden_states_TH.to(torch.bfloat16))
         y_TH, act_R2I = moe_forward_torch(
             hidden_states_TH,
             w_gate_up_EH2I,
@@ -263,10 +268,15 @@ class MoEExpertsFunction(torch.autograd.Function):
             clamp_limits=options.clamp_limits,
             compute_dtype=torch.bfloat16,
             activation=options.activation,
+            layout=layout,
+            x_rows_S=x_rows_S,
         )
+        keep_rows = backend.name in _CUDA_BACKENDS
         ctx.save_for_backward(
-            hidden_states_TH, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH, act_R2I
+            hidden_states_TH, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH, act_R2I,
+            x_rows_S if keep_rows else None,
         )
+        ctx.layout = layout
         ctx.plan = plan
         ctx.options = options
         ctx.backend = backend
@@ -281,7 +291,7 @@ class MoEExpertsFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_y_TH: torch.Tensor):
-        x, wgu, wd, bgu, bd, act = ctx.saved_tensors
+        x, wgu, wd, bgu, bd, act, x_rows_S = ctx.saved_tensors
         opts: MoEExpertsOptions = ctx.options
         need = ctx.needs_input_grad
         main = None
@@ -303,7 +313,11 @@ class MoEExpertsFunction(torch.autograd.Function):
         accumulated = False
         if backend.name in _CUDA_BACKENDS:
             same = wgu.dtype == wd.dtype and wgu.dtype in _GRAD_DTYPES
-            run_opts: dict[str, Any] = {"grad_dtype": wgu.dtype if same else torch.float32}
+            run_opts: dict[str, Any] = {
+                "grad_dtype": wgu.dtype if same else torch.float32,
+                "layout": ctx.layout,
+                "x_rows_S": x_rows_S,
+            }
             if main is not None and all(
                 m.dtype == torch.float32 and m.is_contiguous() for m in main
             ):

@@ -128,3 +128,46 @@ def build_autograd_baseline(p: MoEBackwardProblem, with_perm: bool):
         return out
 
     return fn, to_grads
+
+
+def build_sonicmoe(problem: MoEBackwardProblem):
+    """SonicMoE's expert layer (``sonicmoe.moe_general_routing_inputs``, on quack's CuTe DSL
+    grouped GEMMs) on the problem's inputs; the timed call is its backward through autograd.
+
+    SonicMoE computes plain SwiGLU with gate/up interleaved along 2I (``c_fc.weight`` [E, 2I, H],
+    rows 2i / 2i+1 = gate / up column i) and takes its weights as the views its own ``MoE`` module
+    passes (``weight.permute(1, 2, 0)``). Its router scores weight the expert outputs, as ours.
+    Clamp limits, gpt-oss's activation and biases are not offered: such problems raise
+    ``NotImplementedError`` (the row is then skipped, saying so). Routing must have no dropped
+    slots. Returns ``(fn, None)``: SonicMoE's gradients are not mapped back for ``--check``.
+    """
+    import sonicmoe
+    from sonicmoe.enums import ActivationType
+
+    p = problem
+    if p.has_bias or (p.clamp_limits is not None and p.clamp_limits.is_active):
+        raise NotImplementedError("SonicMoE has no clamp limits or these biases")
+    if not p.activation.is_swiglu:
+        raise NotImplementedError(f"SonicMoE has no {p.activation.name} activation")
+    E, H, _, I = p.w_gate_up_EH2I.shape
+    T, K = p.plan.num_tokens, p.plan.top_k
+    s2p = p.plan.slot_to_pair_TK
+    expert_TK = p.plan.pair_expert_R[s2p.clamp(min=0)]
+    score_TK = p.plan.pair_affinity_R[s2p.clamp(min=0)].float()
+    dev = p.hidden_states_TH.device
+    token_R = torch.arange(T, device=dev, dtype=torch.int32).repeat_interleave(K)
+    # c_fc.weight [E, 2I, H] interleaved gate/up, c_proj.weight [E, H, I]
+    c_fc = p.w_gate_up_EH2I.bfloat16().permute(0, 3, 2, 1).reshape(E, 2 * I, H).contiguous()
+    c_proj = p.w_down_EIH.bfloat16().transpose(1, 2).contiguous()
+    c_fc.requires_grad_()
+    c_proj.requires_grad_()
+    x = p.hidden_states_TH.bfloat16().detach().requires_grad_()
+    scores = score_TK.reshape(-1).detach().requires_grad_()
+    out, _ = sonicmoe.moe_general_routing_inputs(
+        x, scores, token_R, expert_TK.reshape(-1).to(torch.int32),
+        c_fc.permute(1, 2, 0), None, c_proj.permute(1, 2, 0), None, E,
+        torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU,
+    )
+    dy = p.output_grad_TH.to(out.dtype)
+    leaves = [x, scores, c_fc, c_proj]
+    return (lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True)), None

@@ -17,8 +17,10 @@ Everything runs in one process on the same inputs: ``common.inputs.make_problem_
   ``benchmarks/_moe_baselines.py``). Timed: ``torch.autograd.grad(y_S, leaves, dY_S)``.
 - ``baseline+perm`` [baseline+perm]: the same with the token gather/scatter inside autograd
   (leaf X [T, H], output ``index_add`` back to [T, H]).
-- ``sonicmoe`` / ``liger`` [sonicmoe, liger]: optional peers; without an adapter or the package,
-  a row says why they were skipped.
+- ``sonicmoe`` [sonicmoe]: SonicMoE's expert layer (``benchmarks/_moe_baselines.build_sonicmoe``),
+  its autograd backward timed; SwiGLU problems only (no clamp, biases or gpt-oss activation), and
+  a row says why it was skipped otherwise or when the package does not import.
+- ``liger`` [liger]: optional peer, no adapter written: a row says why it was skipped.
 - ``dense mm`` [dense]: one ``[R, H] @ [H, 6I]`` bf16 ``torch.mm``, the backward's FLOPs with no
   routing at all: the ceiling.
 
@@ -59,7 +61,7 @@ for _p in (_HERE, _HERE.parent):  # _moe_baselines, and the repo root when not p
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from _moe_baselines import build_autograd_baseline  # noqa: E402
+from _moe_baselines import build_autograd_baseline, build_sonicmoe  # noqa: E402
 
 from common import dispatch  # noqa: E402
 from common.inputs import make_problem_for_model  # noqa: E402
@@ -215,7 +217,16 @@ def build_impl(impl: str, p, model, T: int, device: torch.device):
         if device.type == "cuda" and not hasattr(torch, "_grouped_mm"):
             raise _Skip(f"skipped: torch {torch.__version__} has no torch._grouped_mm")
         return build_autograd_baseline(p, with_perm=impl == "baseline+perm")
-    if impl in ("sonicmoe", "liger"):
+    if impl == "sonicmoe":
+        if device.type != "cuda":
+            raise _Skip("skipped: needs a CUDA device")
+        try:
+            return build_sonicmoe(p)
+        except ImportError as exc:
+            raise _Skip(f"skipped: sonicmoe not installed ({type(exc).__name__}: {exc})") from None
+        except NotImplementedError as exc:
+            raise _Skip(f"skipped: {exc}") from None
+    if impl == "liger":
         raise _Skip(peer_unavailable(impl))
     if impl == "dense":
         R, H, I = T * model.top_k, model.hidden, model.intermediate

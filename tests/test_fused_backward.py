@@ -253,20 +253,23 @@ def test_gpu_no_host_sync():
 @needs_cuda
 def test_gpu_cuda_graph_replay_with_new_routing():
     T, H, I, E, K = 256, 256, 128, 8, 2
-    p0 = make_problem(T, H, I, E, K, seed=5, device="cuda")
-    ei_new, af_new = routing(T, K, E, seed=99, empty=(3,))
-    p1 = make_problem(T, H, I, E, K, seed=5, device="cuda", expert_index=ei_new, affinity=af_new)
-    ei = torch.empty(T, K, dtype=torch.int64, device="cuda")
-    af = torch.empty(T, K, device="cuda")
-    act = p0.act_checkpoint_R2I.clone()
+    g = torch.Generator().manual_seed(7)
+    routes = []
+    for empty in ((), (3,)):  # distinct experts per token; the second routing leaves expert 3 empty
+        live = torch.tensor([e for e in range(E) if e not in empty])
+        pick = torch.stack([live[torch.randperm(live.numel(), generator=g)[:K]] for _ in range(T)])
+        routes.append((pick, torch.rand(T, K, generator=g) + 0.05))
+    problems = [make_problem(T, H, I, E, K, seed=5, device="cuda", expert_index=ei, affinity=af)
+                for ei, af in routes]
+    ei = routes[0][0].cuda()
+    af = routes[0][1].cuda()
+    act = problems[0].act_checkpoint_R2I.clone()
 
     def step():
         plan = plan_routing(ei, af, E, validate=False)
-        return moe_backward_fused(dataclasses.replace(p0, plan=plan, act_checkpoint_R2I=act))
+        return moe_backward_fused(dataclasses.replace(problems[0], plan=plan,
+                                                      act_checkpoint_R2I=act))
 
-    ei.copy_(torch.where(p0.plan.slot_to_pair_TK >= 0, p0.plan.pair_expert_R[
-        p0.plan.slot_to_pair_TK.clamp(min=0)], -1))
-    af.copy_(p0.plan.slot_affinity_grad(p0.plan.affinity_dense_TE()))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -275,10 +278,9 @@ def test_gpu_cuda_graph_replay_with_new_routing():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    for p in (p0, p1):
-        ei.copy_(torch.where(p.plan.slot_to_pair_TK >= 0,
-                             p.plan.pair_expert_R[p.plan.slot_to_pair_TK.clamp(min=0)], -1))
-        af.copy_(p.plan.slot_affinity_grad(p.plan.affinity_dense_TE()))
+    for (ei_new, af_new), p in zip(routes, problems):
+        ei.copy_(ei_new)
+        af.copy_(af_new)
         act.copy_(p.act_checkpoint_R2I)
         graph.replay()
         torch.cuda.synchronize()
@@ -316,3 +318,12 @@ def test_forward_state_layout_and_x_rows_give_the_same_grads():
         moe_backward_fused(p, layout=layout, x_rows_S=x_rows[:-1])
     with pytest.raises(ValueError, match="layout"):
         moe_backward_fused(p, x_rows_S=x_rows)
+
+
+def test_zero_empty_groups_touches_only_empty_experts():
+    out = torch.randn(4, 3, 50, device=DEV)
+    keep = out.clone()
+    offs = torch.tensor([5, 5, 9, 9], dtype=torch.int32, device=DEV)  # experts 1 and 3 are empty
+    kernels.zero_empty_groups(out, offs)
+    assert torch.equal(out[[0, 2]], keep[[0, 2]])
+    assert torch.count_nonzero(out[[1, 3]]) == 0

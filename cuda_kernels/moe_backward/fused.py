@@ -2,18 +2,22 @@
 
 Per call (rows in the grouped layout of the plan, REFERENCE §1.2; math REFERENCE §2)::
 
-    x_S, dY_S   = gather_rows(X, dY)                    # one pass each, BF16 (Triton)
+    x_S, dY_S   = gather_rows(X, dY)                    # one pass each, BF16 (Triton); x_S may
+                                                        # come from the forward instead
     dh_raw_S    = dY_S @ W_down[e]^T                    # grouped GEMM, BF16 out (cuBLAS)
     dgu_S, ah_S, dA = activation_backward(dh_raw_S, checkpoint, ...)   # one pass (Triton)
+    dB_*        = segment_colsum(...)                   # only with biases (Triton)
+    dW_down     = ah_S^T dY_S                           # our grouped wgrad kernel (SM90)
     dX_S        = dgu_S @ W_gate_up[e]^T                # grouped GEMM (cuBLAS)
     dX          = token_sum(dX_S)                       # each token sums its rows (Triton)
-    dW_gate_up  = x_S^T dgu_S ;  dW_down = ah_S^T dY_S  # our grouped wgrad kernel (SM90)
-    dB_*        = segment_colsum(...)                   # only with biases (Triton)
+    dW_gate_up  = x_S^T dgu_S                           # our grouped wgrad kernel (SM90)
 
 No fp32 intermediate goes through HBM; every step is deterministic (no atomics), reads no
 device value on the host (CUDA-graph capturable) and allocates only its outputs and the BF16
-operands. On CPU tensors the Triton kernels run in Triton's interpreter and the GEMMs in torch:
-that is how CPU CI tests this path against its twin, :func:`common.torch_backward.moe_backward_torch`.
+operands, each freed after its last GEMM. Sizes off the 128 grid with BF16 outputs (gpt-oss) run
+the wgrad on cuBLAS's grouped GEMM instead, which was faster there (see ``_choose_wgrad``). On
+CPU tensors the Triton kernels run in Triton's interpreter and the GEMMs in torch: that is how CPU
+CI tests this path against its twin, :func:`common.torch_backward.moe_backward_torch`.
 """
 
 from __future__ import annotations
@@ -76,36 +80,59 @@ def _check_options(problem, grad_dtype, accumulate_into, wgrad_backend):
 _WGRAD_CHOICE: dict[tuple, tuple[str, str | None]] = {}
 
 
-def _wgrad(a_HS, b_SI, offsets_E, out, accumulate, backend, stats):
-    """``out[e] (+)= a_HS[:, rows of e] @ b_SI[rows of e]`` through our kernel when the call fits
-    its contract, else the torch twin; ``out`` [E, H, I] is written in place. The choice is made
-    once per operand metadata (host time matters: this runs twice per backward)."""
+def _choose_wgrad(a_HS, b_SI, offsets_E, out_dtype, accumulate, backend) -> tuple[str, str | None]:
+    """(implementation, why not our kernel): "sm90" / "sm100" (our CuTe DSL kernel), "cublas"
+    (``torch._grouped_mm``) or "torch" (the portable twin)."""
+    name = backend
+    if name == "auto":
+        name, _ = api.select_grouped_wgrad_backend(a_HS.device)
+    reason = None
+    if name != "torch":
+        reason = api.kernel_unsupported_reason(name, a_HS, b_SI, offsets_E)
+    if reason is not None:
+        if backend != "auto":
+            raise RuntimeError(f"wgrad_backend={backend!r} cannot run this call: {reason}")
+        return "torch", reason
+    H, I = a_HS.shape[0], b_SI.shape[1]
+    if (
+        backend == "auto" and name == "sm90" and (H % 128 or I % 128)
+        and out_dtype == torch.bfloat16 and not accumulate and hasattr(torch, "_grouped_mm")
+    ):
+        # Sizes off the 128 grid (gpt-oss: 2880) put our SM90 kernel on its 64x64 tile, which
+        # ran 2.2x slower than cuBLAS's grouped GEMM on gpt-oss-120b (H200, 2026-12-01). cuBLAS
+        # writes BF16 only, so fp32 outputs and accumulation stay on our kernel.
+        return "cublas", f"SM90 kernel uses its 64x64 tile for H={H}, I={I}"
+    return name, None
+
+
+def _wgrad(a_HS, b_SI, offsets_E, out, accumulate, out_dtype, backend, stats) -> torch.Tensor:
+    """``[E, H, I]``: ``out[e] (+)= a_HS[:, rows of e] @ b_SI[rows of e]`` (``out`` None: a new
+    tensor of ``out_dtype``). The implementation is chosen once per operand metadata (host time
+    matters: this runs twice per backward)."""
     key = (backend, str(a_HS.device), a_HS.shape, a_HS.stride(), b_SI.shape, b_SI.stride(),
-           a_HS.dtype, b_SI.dtype, out.dtype)
+           a_HS.dtype, b_SI.dtype, out_dtype, bool(accumulate))
     choice = _WGRAD_CHOICE.get(key)
     if choice is None:
-        name = backend
-        if name == "auto":
-            name, _ = api.select_grouped_wgrad_backend(a_HS.device)
-        reason = None
-        if name != "torch":
-            reason = api.kernel_unsupported_reason(name, a_HS, b_SI, offsets_E)
-        if reason is not None:
-            if backend != "auto":
-                raise RuntimeError(f"wgrad_backend={backend!r} cannot run this call: {reason}")
-            name = "torch"
-        choice = _WGRAD_CHOICE[key] = (name, reason)
+        choice = _WGRAD_CHOICE[key] = _choose_wgrad(
+            a_HS, b_SI, offsets_E, out_dtype, accumulate, backend
+        )
     name, reason = choice
+    stats.setdefault("wgrad_backend", name)
+    if reason:
+        stats["wgrad_reason"] = reason
+    if name == "cublas":
+        return kernels.zero_empty_groups(torch._grouped_mm(a_HS, b_SI, offs=offsets_E), offsets_E)
+    if out is None:
+        E = offsets_E.shape[0]
+        out = torch.empty(E, a_HS.shape[0], b_SI.shape[1], dtype=out_dtype, device=a_HS.device)
     if name == "torch":
         api.grouped_gemm_wgrad(
             a_HS, b_SI, offsets_E, wgrad_tensor=out, accumulate_on_output=accumulate,
             backend="torch", validate_offsets=False,
         )
-        if reason:
-            stats["wgrad_torch_reason"] = reason
     else:
         api.grouped_wgrad_into(a_HS, b_SI, offsets_E, out, accumulate=accumulate, backend=name)
-    stats.setdefault("wgrad_backend", name)
+    return out
 
 
 def moe_backward_fused(
@@ -189,30 +216,30 @@ def moe_backward_fused(
         dy_SH=dy_S, b_down_EH=p.b_down_EH,
     )
     del dh_raw
+    # Operands are freed as soon as their last GEMM is queued: dY rows and a*h after dW_down,
+    # the dX rows after their token sum, X rows and d_gate_up after dW_gate_up.
+    acc_gu, acc_d = acc if acc is not None else (None, None)
+    if p.has_bias:
+        dBgu = kernels.segment_colsum(dgu_S, offs, r2p)
+        dBd = kernels.segment_colsum(dy_S, offs, r2p, plan.pair_affinity_R)
+    dWd = _wgrad(ah_S.t(), dy_S, offs, acc_d, acc is not None, grad_dtype, wgrad_backend, stats)
+    del ah_S, dy_S
     w_gu_E2IH = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I).transpose(1, 2)
     dX_S = _rows_times_experts(dgu_S, w_gu_E2IH, offs)
     dX = kernels.token_sum(dX_S, layout.slot_to_row_TK, grad_dtype)
     del dX_S
-
-    if acc is not None:
-        dWgu, dWd = acc
-    else:
-        dWgu = torch.empty(E, H, 2, I, dtype=grad_dtype, device=dev)
-        dWd = torch.empty(E, I, H, dtype=grad_dtype, device=dev)
-    accumulate = acc is not None
-    _wgrad(x_S.t(), dgu_S, offs, dWgu.view(E, H, 2 * I), accumulate, wgrad_backend, stats)
-    _wgrad(ah_S.t(), dy_S, offs, dWd, accumulate, wgrad_backend, stats)
-
+    dWgu = _wgrad(
+        x_S.t(), dgu_S, offs, None if acc_gu is None else acc_gu.view(E, H, 2 * I),
+        acc is not None, grad_dtype, wgrad_backend, stats,
+    )
     grads = MoEGrads(
         hidden_states_grad_TH=dX,
         affinity_grad_TE=dA_TE,
-        w_gate_up_grad_EH2I=dWgu,
+        w_gate_up_grad_EH2I=acc_gu if acc_gu is not None else dWgu.view(E, H, 2, I),
         w_down_grad_EIH=dWd,
         info=stats,
     )
     if p.has_bias:
-        dBgu = kernels.segment_colsum(dgu_S, offs, r2p)
-        dBd = kernels.segment_colsum(dy_S, offs, r2p, plan.pair_affinity_R)
         grads.b_gate_up_grad_E2I = dBgu.reshape(E, 2, I).to(grad_dtype)
         grads.b_down_grad_EH = dBd.to(grad_dtype)
     return grads

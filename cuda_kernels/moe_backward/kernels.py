@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["activation_backward", "gather_rows", "segment_colsum", "token_sum"]
+__all__ = [
+    "activation_backward", "gather_rows", "segment_colsum", "token_sum", "zero_empty_groups",
+]
 
 
 def _interpreting() -> bool:
@@ -386,3 +388,38 @@ def segment_colsum(
         HAS_SCALE=pair_scale_R is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4,
     )
     return out
+
+
+# ------------------------------------------------------------------------- empty experts
+def _zero_empty_groups_kernel(out_ptr, offs_ptr, MN, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    e = tl.program_id(0)
+    begin = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(offs_ptr + e)
+    if begin == end:  # an expert without rows: its whole [M, N] gradient is 0
+        base = out_ptr + e.to(tl.int64) * MN
+        for start in range(tl.program_id(1) * BLOCK, MN, SPLIT * BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            tl.store(base + idx, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty), mask=idx < MN)
+
+
+_ZERO_EMPTY_GROUPS = _Kernel(_zero_empty_groups_kernel)
+
+
+def zero_empty_groups(out_EMN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Write 0 over ``out_EMN[e]`` for every expert e with no rows (equal consecutive offsets),
+    in place, without a host read; experts with rows are not touched (REFERENCE §7).
+
+    Args:
+        out_EMN: [E, M, N] contiguous.  offsets_E: [E] int32 cumulative row ends.
+    Returns:
+        ``out_EMN``.
+    """
+    E = out_EMN.shape[0]
+    MN = out_EMN[0].numel() if E else 0
+    if E == 0 or MN == 0:
+        return out_EMN
+    SPLIT, BLOCK = 32, 2048
+    _ZERO_EMPTY_GROUPS.launch(
+        out_EMN.device, (E, SPLIT), out_EMN, offsets_E, MN, BLOCK=BLOCK, SPLIT=SPLIT, num_warps=4
+    )
+    return out_EMN

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
-from common.torch_backward import ALIGN, _grouped_layout, grouped_mm_rows
+from common.torch_backward import ALIGN, grouped_layout, grouped_mm_rows
 
 from ..grouped_wgrad import api
 from . import kernels
@@ -182,7 +182,7 @@ def moe_backward_fused(
     bf16 = torch.bfloat16
     passed_layout = layout
     if layout is None:
-        layout = _grouped_layout(plan, E)
+        layout = grouped_layout(plan, E)
     elif layout.align % ALIGN or layout.num_tokens != plan.num_tokens:
         raise ValueError(
             f"layout must be a grouped layout of this plan with align a multiple of {ALIGN}, "

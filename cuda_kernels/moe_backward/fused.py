@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
-from common.torch_backward import ALIGN, grouped_layout, grouped_mm_rows
+from common.torch_backward import ALIGN, _fits_grouped_mm, grouped_layout, grouped_mm_rows
 
 from ..grouped_wgrad import api
 from . import kernels
@@ -37,9 +37,9 @@ GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _rows_times_experts(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
-    """``x_SK[s] @ w_EKN[e(s)]``: BF16 out of ``torch._grouped_mm`` on CUDA (no fp32 copy), the
-    portable loop elsewhere."""
-    if x_SK.is_cuda and hasattr(torch, "_grouped_mm"):
+    """``x_SK[s] @ w_EKN[e(s)]``: BF16 out of ``torch._grouped_mm`` on CUDA where its stride
+    rules allow (no fp32 copy), the portable path elsewhere."""
+    if x_SK.is_cuda and _fits_grouped_mm(x_SK.dtype, x_SK.device, *w_EKN.shape[1:]):
         return torch._grouped_mm(x_SK, w_EKN, offs=offsets_E)
     return grouped_mm_rows(x_SK, w_EKN, offsets_E)
 

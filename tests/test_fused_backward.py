@@ -327,3 +327,21 @@ def test_zero_empty_groups_touches_only_empty_experts():
     kernels.zero_empty_groups(out, offs)
     assert torch.equal(out[[0, 2]], keep[[0, 2]])
     assert torch.count_nonzero(out[[1, 3]]) == 0
+
+
+def test_wgrad_choice_uses_cublas_only_for_bf16_off_grid_sizes(monkeypatch):
+    from cuda_kernels.moe_backward import fused
+
+    monkeypatch.setattr(fused.api, "select_grouped_wgrad_backend", lambda dev: ("sm90", ""))
+    monkeypatch.setattr(fused.api, "kernel_unsupported_reason", lambda *a: None)
+    a = torch.empty(2880, 64, dtype=torch.bfloat16).t().contiguous().t()  # [H, S], M-major
+    b = torch.empty(64, 5760, dtype=torch.bfloat16)
+    offs = torch.tensor([64], dtype=torch.int32)
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert fused._choose_wgrad(a, b, offs, bf16, False, "auto")[0] == "cublas"
+    assert fused._choose_wgrad(a, b, offs, f32, False, "auto")[0] == "sm90"  # fp32: our kernel
+    assert fused._choose_wgrad(a, b, offs, bf16, True, "auto")[0] == "sm90"  # accumulate
+    assert fused._choose_wgrad(a, b, offs, bf16, False, "sm90")[0] == "sm90"  # explicit
+    a128 = torch.empty(2048, 64, dtype=torch.bfloat16).t().contiguous().t()
+    b128 = torch.empty(64, 1536, dtype=torch.bfloat16)
+    assert fused._choose_wgrad(a128, b128, offs, bf16, False, "auto")[0] == "sm90"

@@ -77,6 +77,7 @@ __all__ = [
     "ELEMENT_FORMATS",
     "LAYOUTS",
     "NVFP4_BLOCK_SIZE",
+    "NVFP4_MIN_GLOBAL_SCALE",
     "SCALE_RULES",
     "ElementFormat",
     "dequantize_mx",
@@ -123,6 +124,11 @@ E8M0_NAN = 255
 WRAPX_BLOCK_SIZE = 32
 NVFP4_BLOCK_SIZE = 16
 _E4M3_MIN_NORMAL = 2.0**-6  # torch.finfo(torch.float8_e4m3fn).tiny
+# Floor of the NVFP4 global scale g. The element multiplier is (1/g) / s with the block scale s
+# as small as 2^-6, so 1/g must stay below 2^(128-6) for it to be finite in fp32: g >= 2^-121
+# keeps g a normal fp32, 1/g <= 2^121 and (1/g)/s <= 2^127. amax(x)/(448*6) falls below it only
+# for amax < ~2^-109.6, where the unfloored recipe gave an infinite multiplier and NaN codes.
+NVFP4_MIN_GLOBAL_SCALE = 2.0**-121
 _FLOAT_INPUTS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # The 16 E2M1 code values, taken from ml_dtypes (code = E2M1 bit pattern).
@@ -521,14 +527,17 @@ def quantize_nvfp4(
     """NVFP4: FP4 E2M1 elements, 16-element blocks with E4M3 block scales, fp32 global scale.
 
     Following NVIDIA's two-level recipe as torchao 0.18 ``nvfp4_quantize`` implements it (all in
-    fp32): ``global = amax(x) / (448·6)`` when not given (1.0 if x is all zero);
+    fp32): ``global = max(amax(x) / (448·6), 2^-121)`` when not given (1.0 if x is all zero;
+    the floor :data:`NVFP4_MIN_GLOBAL_SCALE` keeps the global scale and its reciprocal finite
+    for tiny tensors, down to and below the smallest fp32 normal, and changes nothing else);
     ``s = e4m3(clamp(amax_block / 6 / global, 2^-6, 448))`` (RNE); elements
     ``e2m1(clamp(x · ((1 / global) / s), ±6))`` (RNE). Decoding is ``elem · (global · s)``.
 
     Args:
         x: float tensor (fp16 / bf16 / fp32 / fp64; computed in fp32), axis length a multiple of 16.
         axis: the axis the 16-element blocks run along.
-        global_scale: positive finite fp32 per-tensor scale (python float or 0-d tensor), or None.
+        global_scale: finite fp32 per-tensor scale >= :data:`NVFP4_MIN_GLOBAL_SCALE` (python
+            float or 0-d tensor), or None.
 
     Returns:
         (data uint8 [.., K/2 at axis, ..] packed like MX e2m1, scale float8_e4m3fn [.., K/16, ..],
@@ -536,7 +545,7 @@ def quantize_nvfp4(
 
     Raises:
         ValueError: non-float x, bad axis, axis length not a multiple of 16, or a global_scale that
-            is not a positive finite scalar.
+            is not a finite scalar >= ``NVFP4_MIN_GLOBAL_SCALE``.
 
     torchao's ``nvfp4_quantize(x, 16, per_tensor_scale=None)`` is single-level (block scales alone,
     no division by a global scale); ``global_scale=1.0`` here reproduces it bit for bit.
@@ -554,11 +563,16 @@ def quantize_nvfp4(
     if global_scale is None:
         amax = xk.abs().amax() if xk.numel() else torch.zeros((), device=x.device)
         g = amax / (448.0 * 6.0)
-        g = torch.where(g == 0, torch.ones_like(g), g)
+        g = torch.where(g == 0, torch.ones_like(g), g.clamp(min=NVFP4_MIN_GLOBAL_SCALE))
     else:
         g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
         if g.numel() != 1 or not bool(torch.isfinite(g).all()) or not bool((g > 0).all()):
             raise ValueError(f"global_scale must be a positive finite scalar; got {global_scale!r}")
+        if not bool((g >= NVFP4_MIN_GLOBAL_SCALE).all()):
+            raise ValueError(
+                f"global_scale must be >= 2^-121 (NVFP4_MIN_GLOBAL_SCALE) so that its reciprocal "
+                f"divided by the smallest block scale stays finite; got {global_scale!r}"
+            )
         g = g.reshape(())
     groups = xk.reshape(*xk.shape[:-1], k // NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SIZE)
     block = groups.abs().amax(dim=-1) / 6.0

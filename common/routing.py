@@ -449,7 +449,13 @@ class RoutingPlan:
         )
 
 
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_SIGNED_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+# torch's unsigned dtypes: uint8 everywhere; uint16/32/64 exist (torch >= 2.3) with few kernels
+# (no min/max), so ids are widened to int64 before any arithmetic.
+_UNSIGNED_INT_DTYPES = (torch.uint8,) + tuple(
+    getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)
+)
+_INT_DTYPES = _SIGNED_INT_DTYPES + _UNSIGNED_INT_DTYPES
 
 
 def plan_routing(
@@ -464,7 +470,9 @@ def plan_routing(
     Dimensions: T tokens, K top_k, E experts, R = T*K.
 
     Args:
-        expert_index: [T, K] integer tensor, expert id of each slot, -1 = dropped slot.
+        expert_index: [T, K] integer tensor, expert id of each slot, -1 = dropped slot. Any
+            signed (int8/16/32/64) or unsigned (uint8/16/32/64) integer dtype; the same ids
+            give the same plan whatever the dtype. Unsigned dtypes cannot mark a dropped slot.
         affinity: [T, K] floating tensor on the same device, the slot's router weight; the
             values of dropped slots are ignored (they may be NaN or -inf, as masked routers give).
         num_experts: E >= 1.
@@ -485,7 +493,10 @@ def plan_routing(
             f"expert_index must be 2-D [T, top_k], got shape {tuple(expert_index.shape)}"
         )
     if expert_index.dtype not in _INT_DTYPES:
-        raise ValueError(f"expert_index must have an integer dtype, got {expert_index.dtype}")
+        names = ", ".join(str(d).replace("torch.", "") for d in _INT_DTYPES)
+        raise ValueError(
+            f"expert_index must have an integer dtype ({names}), got {expert_index.dtype}"
+        )
     if not affinity.is_floating_point():
         raise ValueError(f"affinity must have a floating dtype, got {affinity.dtype}")
     if affinity.shape != expert_index.shape:
@@ -502,18 +513,28 @@ def plan_routing(
     T, K = expert_index.shape
     if K < 1:
         raise ValueError("expert_index must have top_k >= 1 columns")
+    # Widen first: uint16/32/64 have no min/max kernels, and every dtype must plan alike.
+    # uint64 ids >= 2^63 wrap to negative int64 values and are caught below.
+    ids_TK = expert_index.to(torch.int64)
+    unsigned = expert_index.dtype in _UNSIGNED_INT_DTYPES
     if validate and expert_index.numel():
-        lo, hi = int(expert_index.min()), int(expert_index.max())
+        lo, hi = int(ids_TK.min()), int(ids_TK.max())
+        if unsigned and lo < 0:
+            raise ValueError(
+                f"expert_index ({str(expert_index.dtype).replace('torch.', '')}) holds an id "
+                f">= 2^63, outside [0, num_experts={E})"
+            )
         if lo < -1 or hi >= E:
             raise ValueError(
-                f"expert_index values must lie in [-1, num_experts={E}), found range [{lo}, {hi}]"
+                f"expert_index ({str(expert_index.dtype).replace('torch.', '')}) values must "
+                f"lie in [-1, num_experts={E}), found range [{lo}, {hi}]"
             )
-        if not bool(torch.isfinite(affinity[expert_index >= 0]).all()):
+        if not bool(torch.isfinite(affinity[ids_TK >= 0]).all()):
             raise ValueError("affinity must be finite on routed slots (found NaN or inf)")
 
     dev = expert_index.device
     R = T * K
-    flat_e = expert_index.reshape(-1).to(torch.int64)
+    flat_e = ids_TK.reshape(-1)
     flat_a = affinity.reshape(-1)
     token = torch.arange(R, device=dev) // K
     valid = flat_e >= 0

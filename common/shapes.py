@@ -19,7 +19,7 @@ S        tokens_sum: rows of the grouped (cuDNN-style) layout, each expert padde
 
 from __future__ import annotations
 
-import math
+import operator
 
 __all__ = ["static_num_blocks"]
 
@@ -27,19 +27,34 @@ __all__ = ["static_num_blocks"]
 def static_num_blocks(num_tokens: int, top_k: int, num_experts: int, block_size: int) -> int:
     """Static upper bound N on the number of blocks of the blockwise layout.
 
-    ``N = ceil((T*K - (E-1)) / B) + E - 1`` (REFERENCE §1.1, AWS nki-library's formula): the worst
-    case in which E-1 experts hold one token each and the last expert holds the rest. For
-    ``T*K < E-1`` (fewer slots than experts) the first term is clamped at 0: N = E-1 blocks still
-    cover every non-empty expert. N is at least 1, so kernels always see a non-empty grid.
+    ``N = ceil((T*K - (E-1)) / B) + E - 1`` (REFERENCE §1.1, AWS nki-library's and NxD's
+    formula), exactly, for every T, K, E, B: the worst case in which E-1 experts hold one token
+    each and the last expert holds the rest. No clamping: a layout built with another N is not
+    interchangeable with NxD's. When ``T*K < E-1`` the first term is <= 0 and N falls below
+    E-1, yet ``N >= T*K`` still holds (``x / B >= x`` for ``x <= 0``), and T*K blocks cover the
+    routing, since each non-empty expert needs at most as many blocks as it has slots. N is 0
+    only when there are no slots (``T*K == 0``) and ``B == 1`` or ``E == 1``: nothing to launch.
+
+    The ceiling is integer arithmetic (``-((E-1-T*K) // B)``), exact for any size.
 
     Raises:
-        ValueError: negative sizes or a non-positive ``block_size`` / ``num_experts``.
+        ValueError: negative sizes or a non-positive ``block_size`` / ``num_experts`` / ``top_k``.
     """
+    sizes = {"num_tokens": num_tokens, "top_k": top_k, "num_experts": num_experts,
+             "block_size": block_size}
+    for name, v in sizes.items():
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            sizes[name] = operator.index(v)  # numpy integers accepted
+        except TypeError:
+            raise ValueError(f"static_num_blocks: {name} must be an int, got {v!r}") from None
+    num_tokens, top_k, num_experts, block_size = sizes.values()
     if num_tokens < 0 or top_k < 1 or num_experts < 1 or block_size < 1:
         raise ValueError(
             "static_num_blocks: need num_tokens >= 0, top_k >= 1, num_experts >= 1, "
             "block_size >= 1; "
             f"got T={num_tokens}, K={top_k}, E={num_experts}, B={block_size}"
         )
-    first = max(0, math.ceil((num_tokens * top_k - (num_experts - 1)) / block_size))
-    return max(1, first + num_experts - 1)
+    slots_beyond = num_tokens * top_k - (num_experts - 1)
+    return -(-slots_beyond // block_size) + num_experts - 1

@@ -338,10 +338,28 @@ def test_wgrad_choice_uses_cublas_only_for_bf16_off_grid_sizes(monkeypatch):
     b = torch.empty(64, 5760, dtype=torch.bfloat16)
     offs = torch.tensor([64], dtype=torch.int32)
     bf16, f32 = torch.bfloat16, torch.float32
-    assert fused._choose_wgrad(a, b, offs, bf16, False, "auto")[0] == "cublas"
-    assert fused._choose_wgrad(a, b, offs, f32, False, "auto")[0] == "sm90"  # fp32: our kernel
-    assert fused._choose_wgrad(a, b, offs, bf16, True, "auto")[0] == "sm90"  # accumulate
-    assert fused._choose_wgrad(a, b, offs, bf16, False, "sm90")[0] == "sm90"  # explicit
+    choose = fused._choose_wgrad
+    assert choose(a, b, offs, bf16, False, "auto", 16)[0] == "cublas"
+    assert choose(a, b, offs, f32, False, "auto", 16)[0] == "sm90"  # fp32: our kernel
+    assert choose(a, b, offs, bf16, True, "auto", 16)[0] == "sm90"  # accumulate
+    assert choose(a, b, offs, bf16, False, "sm90", 16)[0] == "sm90"  # explicit
     a128 = torch.empty(2048, 64, dtype=torch.bfloat16).t().contiguous().t()
     b128 = torch.empty(64, 1536, dtype=torch.bfloat16)
-    assert fused._choose_wgrad(a128, b128, offs, bf16, False, "auto")[0] == "sm90"
+    assert choose(a128, b128, offs, bf16, False, "auto", 16)[0] == "sm90"
+
+
+def test_sm100_kernel_never_gets_rows_off_its_256_row_contract(monkeypatch):
+    """The SM100 kernel poisons experts whose row count breaks its contract: the fused path's
+    16-row layout must never reach it (auto falls back, an explicit request raises)."""
+    from cuda_kernels.moe_backward import fused
+
+    monkeypatch.setattr(fused.api, "select_grouped_wgrad_backend", lambda dev: ("sm100", ""))
+    monkeypatch.setattr(fused.api, "kernel_unsupported_reason", lambda *a: None)
+    a = torch.empty(2048, 64, dtype=torch.bfloat16).t().contiguous().t()
+    b = torch.empty(64, 1536, dtype=torch.bfloat16)
+    offs = torch.tensor([64], dtype=torch.int32)
+    name, why = fused._choose_wgrad(a, b, offs, torch.float32, False, "auto", 16)
+    assert name == "torch" and "256" in why
+    assert fused._choose_wgrad(a, b, offs, torch.float32, False, "auto", 256)[0] == "sm100"
+    with pytest.raises(RuntimeError, match="256"):
+        fused._choose_wgrad(a, b, offs, torch.float32, False, "sm100", 16)

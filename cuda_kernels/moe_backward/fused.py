@@ -80,18 +80,30 @@ def _check_options(problem, grad_dtype, accumulate_into, wgrad_backend):
 _WGRAD_CHOICE: dict[tuple, tuple[str, str | None]] = {}
 
 
-def _choose_wgrad(a_HS, b_SI, offsets_E, out_dtype, accumulate, backend) -> tuple[str, str | None]:
+def _choose_wgrad(
+    a_HS, b_SI, offsets_E, out_dtype, accumulate, backend, group_align
+) -> tuple[str, str | None]:
     """(implementation, why not our kernel): "sm90" / "sm100" (our CuTe DSL kernel), "cublas"
-    (``torch._grouped_mm``) or "torch" (the portable twin)."""
+    (``torch._grouped_mm``) or "torch" (the portable twin). ``group_align``: the layout's row
+    alignment of every expert (the SM100 kernel poisons experts whose rows break its 256-row
+    contract, so it is chosen only for layouts aligned to that)."""
     name = backend
     if name == "auto":
         name, _ = api.select_grouped_wgrad_backend(a_HS.device)
     reason = None
     if name != "torch":
         reason = api.kernel_unsupported_reason(name, a_HS, b_SI, offsets_E)
+    if reason is None and name == "sm100" and group_align % api.SM100_GROUP_ALIGN:
+        reason = (
+            f"the SM100 kernel needs every expert's rows in multiples of "
+            f"{api.SM100_GROUP_ALIGN}; this layout aligns them to {group_align}"
+        )
     if reason is not None:
         if backend != "auto":
             raise RuntimeError(f"wgrad_backend={backend!r} cannot run this call: {reason}")
+        bf16_out = out_dtype == torch.bfloat16 and not accumulate
+        if a_HS.is_cuda and bf16_out and hasattr(torch, "_grouped_mm"):
+            return "cublas", reason
         return "torch", reason
     H, I = a_HS.shape[0], b_SI.shape[1]
     if (
@@ -105,16 +117,18 @@ def _choose_wgrad(a_HS, b_SI, offsets_E, out_dtype, accumulate, backend) -> tupl
     return name, None
 
 
-def _wgrad(a_HS, b_SI, offsets_E, out, accumulate, out_dtype, backend, stats) -> torch.Tensor:
+def _wgrad(
+    a_HS, b_SI, offsets_E, out, accumulate, out_dtype, backend, group_align, stats
+) -> torch.Tensor:
     """``[E, H, I]``: ``out[e] (+)= a_HS[:, rows of e] @ b_SI[rows of e]`` (``out`` None: a new
     tensor of ``out_dtype``). The implementation is chosen once per operand metadata (host time
     matters: this runs twice per backward)."""
     key = (backend, str(a_HS.device), a_HS.shape, a_HS.stride(), b_SI.shape, b_SI.stride(),
-           a_HS.dtype, b_SI.dtype, out_dtype, bool(accumulate))
+           a_HS.dtype, b_SI.dtype, out_dtype, bool(accumulate), group_align)
     choice = _WGRAD_CHOICE.get(key)
     if choice is None:
         choice = _WGRAD_CHOICE[key] = _choose_wgrad(
-            a_HS, b_SI, offsets_E, out_dtype, accumulate, backend
+            a_HS, b_SI, offsets_E, out_dtype, accumulate, backend, group_align
         )
     name, reason = choice
     stats.setdefault("wgrad_backend", name)
@@ -222,7 +236,10 @@ def moe_backward_fused(
     if p.has_bias:
         dBgu = kernels.segment_colsum(dgu_S, offs, r2p)
         dBd = kernels.segment_colsum(dy_S, offs, r2p, plan.pair_affinity_R)
-    dWd = _wgrad(ah_S.t(), dy_S, offs, acc_d, acc is not None, grad_dtype, wgrad_backend, stats)
+    align = layout.align
+    dWd = _wgrad(
+        ah_S.t(), dy_S, offs, acc_d, acc is not None, grad_dtype, wgrad_backend, align, stats
+    )
     del ah_S, dy_S
     w_gu_E2IH = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I).transpose(1, 2)
     dX_S = _rows_times_experts(dgu_S, w_gu_E2IH, offs)
@@ -230,7 +247,7 @@ def moe_backward_fused(
     del dX_S
     dWgu = _wgrad(
         x_S.t(), dgu_S, offs, None if acc_gu is None else acc_gu.view(E, H, 2 * I),
-        acc is not None, grad_dtype, wgrad_backend, stats,
+        acc is not None, grad_dtype, wgrad_backend, align, stats,
     )
     grads = MoEGrads(
         hidden_states_grad_TH=dX,

@@ -47,6 +47,9 @@ scratch and rounds once at the end.
 Phase configs (:class:`~nki_kernels.config.MatmulMxfp8KernelConfig`) and what they change here,
 all by fp32 summation order at most (the MX groups never depend on them): ``tile_k`` = K elements
 per ``nc_matmul_mx`` (``tile_k/4`` partitions); ``tile_m`` = stationary columns per instruction;
+``tile_m < 128`` only in phases 3-4 (phases 1-2 multiply 128 slots at once: an MX matmul's output
+starts at PSUM partition 0); operands of ``tile_k < 512`` (32/64 partitions) sit on their own PE
+row tile (``tile_position=(start partition, 0)``);
 ``tile_n`` = moving columns per instruction and PSUM tile (capped at 2048 fp32 = 4 PSUM banks);
 ``TILES_IN_BLOCK_N`` x ``tile_n`` = moving columns resident in SBUF per weight load;
 ``enable_psum_copy_in=False`` with ``TILES_IN_BLOCK_K`` = K tiles accumulated in PSUM before the
@@ -56,9 +59,9 @@ phase2 (slots x H), phase3 (H x 2I), phase4 (I x H) as (stationary, moving) colu
 
 Beyond AWS: blocks that hold only padding cost nothing but their prologue. The kernel counts the
 block's valid slots on chip (one TensorE reduction of the valid mask) and runs the block body
-inside a dynamic loop of 0 or 1 iterations (``nl.dynamic_range`` over a register loaded with the
-flag; our interpreter implements both). An NKI build without dynamic loops runs every block (same
-results: a padding block adds exact zeros).
+inside a runtime loop of 0 or 1 iterations (``nl.fori_loop`` bounded by a register loaded with
+the flag; ``nl.dynamic_range`` is deprecated since NKI 0.6.0). Tiles of the body are allocated
+inside it and never referenced after it (the migration guide's rule for runtime loops).
 
 Pre-quantized weights (``gate_up_weight_scales`` / ``down_weight_scales``): x4 words and E8M0
 scales in the K-major WRAPX layout (:func:`~nki_kernels.blockwise_mm_bwd_mxfp8_torch.
@@ -82,7 +85,7 @@ LNC2 (SHARD_ON_FREE): core c computes phase 1 for its half of I (dA partial sums
 
 from __future__ import annotations
 
-from nki_kernels._nki import HAVE_REAL_NKI, nisa, nki, nl, region
+from nki_kernels._nki import nisa, nki, nl, region
 from nki_kernels.config import (
     ActFnType,
     AffinityOption,
@@ -267,45 +270,52 @@ def _load_prequantized_k_major(words, scales, e_sb, K: int, c0: int, ncols: int)
     return out
 
 
-def _matmul_mx(lhs, rhs, m0: int, M: int, n0: int, N: int, tl: _Tiling, ws: _Workspace,
-               row0: int = 0):
+def _matmul_mx(lhs, rhs, m0: int, M: int, n0: int, N: int, tl: _Tiling, ws: _Workspace):
     """Sum over K tiles of ``lhs[:, m0:m0+M]^T @ rhs[:, n0:n0+N]`` (fp32) into ``ws``.
 
     ``lhs``/``rhs``: lists of (x4 data, scales, partitions) per WRAPX K tile, K on partitions.
-    The result rows land at partitions ``row0 .. row0+M`` (so they line up with slot-layout
-    tiles). The first instruction of a PSUM accumulation group overwrites (``accumulate=False``),
+    The result rows land at partitions ``0 .. M`` (an MX matmul has no column tiling). The first instruction of a PSUM accumulation group overwrites (``accumulate=False``),
     the rest add. Returns the result view: in PSUM, or in the fp32 SBUF accumulator when the
     config folds PSUM partials every ``TILES_IN_BLOCK_K`` instructions
     (``enable_psum_copy_in=False``).
     """
-    ps = ws.ps[row0 : row0 + M, 0:N]
+    ps = ws.ps[0:M, 0:N]
     steps = 0
     folded = False
     for (lq, ls, vsk), (rq, rs, _) in zip(lhs, rhs):
         step = min(tl.p_mm, vsk)
         for pk in range(0, vsk, step):
             if tl.fold_k is not None and steps and steps % tl.fold_k == 0:
-                _fold(ws, ps, row0, M, N, folded)
+                _fold(ws, ps, M, N, folded)
                 folded = True
                 steps = 0
+            # operands of fewer than 128 partitions sit on their own PE row tile (row tiling:
+            # start_row = the operands' start partition, SDK stub nc_matmul_mx "Tiling Mode")
+            tpos = None
+            tsize = None
+            if step < PMAX:
+                tpos = (pk, 0)
+                tsize = (step, PMAX)
             nisa.nc_matmul_mx(
                 dst=ps,
                 stationary=lq[pk : pk + step, m0 : m0 + M],
                 moving=rq[pk : pk + step, n0 : n0 + N],
                 stationary_scale=ls[pk : pk + step, m0 : m0 + M],
                 moving_scale=rs[pk : pk + step, n0 : n0 + N],
+                tile_position=tpos,
+                tile_size=tsize,
                 accumulate=steps > 0,
             )
             steps += 1
     if folded:
-        _fold(ws, ps, row0, M, N, True)
-        return ws.acc[row0 : row0 + M, 0:N]
+        _fold(ws, ps, M, N, True)
+        return ws.acc[0:M, 0:N]
     return ps
 
 
-def _fold(ws: _Workspace, ps, row0: int, M: int, N: int, add: bool):
+def _fold(ws: _Workspace, ps, M: int, N: int, add: bool):
     """Fold a PSUM partial into the fp32 SBUF accumulator (AWS's path without PSUM copy-in)."""
-    acc = ws.acc[row0 : row0 + M, 0:N]
+    acc = ws.acc[0:M, 0:N]
     if add:
         nisa.tensor_tensor(dst=acc, data1=acc, data2=ps, op=nl.add)
     else:
@@ -314,16 +324,13 @@ def _fold(ws: _Workspace, ps, row0: int, M: int, N: int, add: bool):
 
 def _matmul_rows(lhs, rhs, rows: int, n0: int, N: int, tl: _Tiling, lhs_col0: int,
                  ws: _Workspace):
-    """All ``rows`` stationary columns (from ``lhs_col0``) x N moving columns, tile_m at a time.
+    """All ``rows`` (128) stationary columns (from ``lhs_col0``) x N moving columns.
 
-    Returns the [rows, N] fp32 result view (PSUM, or SBUF when folding)."""
-    tm = min(tl.tm, rows)
-    res = None
-    for r0 in range(0, rows, tm):
-        res = _matmul_mx(lhs, rhs, lhs_col0 + r0, min(tm, rows - r0), n0, N, tl, ws, row0=r0)
-    if tm == rows:
-        return res
-    return (ws.acc if tl.fold_k is not None else ws.ps)[0:rows, 0:N]
+    One instruction covers the 128 slots of a natural-layout chunk: an MX matmul's output starts
+    at PSUM partition 0 (no column tiling), so phases 1-2 take ``tile_m = 128`` only (host
+    validation rejects smaller values). Returns the [rows, N] fp32 result view (PSUM, or SBUF
+    when folding)."""
+    return _matmul_mx(lhs, rhs, lhs_col0, rows, n0, N, tl, ws)
 
 
 def _rmw_rows(dst_hbm, e_sb, res, rows: int, r0: int, row_stride: int, c0: int, ncols: int,
@@ -481,6 +488,15 @@ def _load_block(n: int, g: _Geo, tpti, b2e, ea, hidden_states, dy_hbm, ckpt, tok
     b.tpti, b.hidden_states, b.dy_hbm, b.ea, b.ckpt = tpti, hidden_states, dy_hbm, ea, ckpt
     b.n = n
     return b
+
+
+def _body_state(b):
+    """A fresh :class:`_Block` with the prologue's tiles and values of ``b`` (no new tiles)."""
+    s = _Block()
+    s.ids, s.ids_s, s.e_sb, s.pos, s.live, s.idx_ea = b.ids, b.ids_s, b.e_sb, b.pos, b.live, b.idx_ea
+    s.token_oob, s.tpti, s.hidden_states, s.dy_hbm = b.token_oob, b.tpti, b.hidden_states, b.dy_hbm
+    s.ea, s.ckpt, s.n = b.ea, b.ckpt, b.n
+    return s
 
 
 def _gather_block(b, g: _Geo):
@@ -662,14 +678,15 @@ def _clamp_mask(v, P: int, F: int, lo: float | None, hi: float | None):
     if lo is None and hi is None:
         return None
     m = nl.ndarray((P, F), dtype=nl.float32, buffer=nl.sbuf)
+    # compare ops on VectorE: the stub allows tensor_scalar on GpSimd only for rsqrt
     if lo is not None:
-        nisa.tensor_scalar(dst=m, data=v, op0=nl.greater, operand0=float(lo), engine=POOL)
+        nisa.tensor_scalar(dst=m, data=v, op0=nl.greater, operand0=float(lo), engine=VEC)
     if hi is not None:
         if lo is None:
-            nisa.tensor_scalar(dst=m, data=v, op0=nl.less, operand0=float(hi), engine=POOL)
+            nisa.tensor_scalar(dst=m, data=v, op0=nl.less, operand0=float(hi), engine=VEC)
         else:
             m2 = nl.ndarray((P, F), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=m2, data=v, op0=nl.less, operand0=float(hi), engine=ACT)
+            nisa.tensor_scalar(dst=m2, data=v, op0=nl.less, operand0=float(hi), engine=VEC)
             nisa.tensor_tensor(dst=m, data1=m, data2=m2, op=nl.multiply, engine=POOL)
     return m
 
@@ -816,23 +833,15 @@ def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc):
 
 
 # ------------------------------------------------------------------------------------ the loop
-def _live_iterations(live):
-    """0 or 1 iterations depending on the on-chip live flag (a runtime ``if`` in NKI terms).
+def _run_if_live(live, body):
+    """Run ``body`` 0 or 1 times depending on the on-chip live flag (a runtime ``if``).
 
-    NKI: a register-driven ``nl.dynamic_range`` over the flag (``register_load`` of the (1, 1)
-    tile); our interpreter implements both. An NKI build without dynamic loops runs every block
-    (a padding block adds exact zeros); an interpreter without them reads the flag directly.
+    A register loaded from the (1, 1) flag tile bounds an ``nl.fori_loop`` (NKI 0.6.0's runtime
+    loop; ``nl.dynamic_range`` is deprecated, SDK migration guide). ``body(i)`` returns nothing.
     """
-    dyn = getattr(nl, "dynamic_range", None)
-    alloc = getattr(nisa, "register_alloc", None)
-    load = getattr(nisa, "register_load", None)
-    if dyn is not None and alloc is not None and load is not None:
-        reg = alloc(0)
-        load(reg, live)
-        return dyn(reg)
-    if not HAVE_REAL_NKI:
-        return range(int(live.numpy().reshape(-1)[0]))
-    return range(1)
+    reg = nisa.register_alloc(0)
+    nisa.register_load(reg, live)
+    nl.fori_loop(0, reg, body)
 
 
 def _convert_out(src_hbm, dst_hbm, base: int, rows: int, row_stride: int, cols: int):
@@ -1022,23 +1031,28 @@ def blockwise_mm_bwd_mxfp8(
             b = _load_block(n, g, token_position_to_id, block_to_expert,
                             expert_affinities_masked, hidden_states, output_hidden_states_grad,
                             gate_up_proj_act_checkpoint_T, token_oob)
-        for _ in _live_iterations(b.live):
+
+        def block_body(i):
+            # tiles allocated in a runtime loop's body stay inside it (SDK migration guide,
+            # "Rules for migrated loops"): they hang off a per-iteration copy of the block state
+            blk = _body_state(b)
             with region("prologue"):
-                _gather_block(b, g)
+                _gather_block(blk, g)
             with region("phase1"):
-                _phase1(b, g, down_proj_weight, tilings[0], args.clamp_limits,
+                _phase1(blk, g, down_proj_weight, tilings[0], args.clamp_limits,
                         down_weight_scales)
-                _exchange_phase1(b, g, scratch_dgu, scratch_ah)
-                _store_da(b, g, da)
-                del b.gu  # checkpoint tile: phase 1 only
+                _exchange_phase1(blk, g, scratch_dgu, scratch_ah)
+                _store_da(blk, g, da)
+                del blk.gu  # checkpoint tile: phase 1 only
             with region("phase2"):
-                _phase2(b, g, gate_up_proj_weight, tilings[1], dx_acc,
+                _phase2(blk, g, gate_up_proj_weight, tilings[1], dx_acc,
                         is_tensor_update_accumulating, gate_up_weight_scales)
             with region("phase3"):
-                _phase3(b, g, tilings[2], dwgu_acc, dbgu_acc)
+                _phase3(blk, g, tilings[2], dwgu_acc, dbgu_acc)
             with region("phase4"):
-                _phase4(b, g, tilings[3], dwd_acc, dbd_acc)
-        del b
+                _phase4(blk, g, tilings[3], dwd_acc, dbd_acc)
+
+        _run_if_live(b.live, block_body)
 
     if fp32_acc:
         with region("epilogue"):

@@ -501,6 +501,9 @@ def validate_blockwise_mm_bwd_args(
     except ValueError as exc:
         raise ValueError(f"blockwise_mm_bwd_mxfp8: {exc}") from None
 
+    for i, cfg in enumerate(phase_configs, start=1):
+        check_phase_config_supported(i, cfg)
+
     return BlockwiseMmBwdArgs(
         T=T,
         H=H,
@@ -516,6 +519,25 @@ def validate_blockwise_mm_bwd_args(
         clamp_limits=clamp_limits if clamp_limits is not None else ClampLimits(),
         accumulation_dtype=accumulation,
     )
+
+
+def check_phase_config_supported(phase: int, cfg: MatmulMxfp8KernelConfig) -> None:
+    """Raise :class:`UnsupportedOptionError` for a resolved phase config the kernel does not
+    implement, naming the phase and the field.
+
+    - phases 1-2: ``tile_m < 128``. Their stationary columns are the 128 slots of a natural-
+      layout chunk; an MX matmul's output starts at PSUM partition 0 (``nc_matmul_mx`` has row
+      tiling only, SDK stub), so a 32/64-column tile would land its slots on partitions 0..63
+      instead of their own.
+    """
+    name = f"phase{phase}_config"
+    if phase in (1, 2):
+        _unsupported(
+            cfg.tile_m >= min(128, cfg.M),
+            f"{name}.tile_m={cfg.tile_m} is not implemented: phase {phase} multiplies the 128 "
+            "slots of a chunk at once (nc_matmul_mx output starts at partition 0); use 128 "
+            "(the default)",
+        )
 
 
 def _host_values(t: Any):

@@ -505,6 +505,11 @@ BAD_CASES = {
         ValueError,
         "phase1: unsupported quant_scheme",
     ),
+    "phase2_tile_m": (
+        {"phase2_config": MatmulMxfp8KernelConfig(0, 0, 0, tile_m=64)},
+        UnsupportedOptionError,
+        "phase2_config.tile_m=64 is not implemented",
+    ),
 }
 
 

@@ -685,9 +685,15 @@ def test_registers_dynamic_range_and_scalar_offset():
     flag = sbuf_from(np.array([[0]], np.int32))
     reg = nisa.register_alloc(0)
     nisa.register_load(reg, flag)
-    assert list(nl.dynamic_range(reg)) == []
-    nisa.register_move(reg, 3)
-    assert list(nl.dynamic_range(1, reg)) == [1, 2]
+    with pytest.raises(NkiError, match="deprecated.*fori_loop"):
+        nl.dynamic_range(reg)
+    nl.ALLOW_DYNAMIC_RANGE["value"] = True
+    try:
+        assert list(nl.dynamic_range(reg)) == []
+        nisa.register_move(reg, 3)
+        assert list(nl.dynamic_range(1, reg)) == [1, 2]
+    finally:
+        nl.ALLOW_DYNAMIC_RANGE["value"] = False
     with pytest.raises(TypeError):
         bool(reg)
     with pytest.raises(NkiError, match="integer"):
@@ -702,6 +708,8 @@ def test_registers_dynamic_range_and_scalar_offset():
         nisa.dma_copy(out.ap([[3, 1], [1, 3]], scalar_offset=i, indirect_dim=0), tmp)
 
     nl.fori_loop(0, nisa.register_alloc(3), body)
+    with pytest.raises(NkiError, match="cannot return a value"):
+        nl.fori_loop(0, 1, lambda i: 1)
     exp = np.arange(12, dtype=np.float32).reshape(4, 3)
     exp[3] = 0
     np.testing.assert_array_equal(out.numpy(), exp)
@@ -822,8 +830,24 @@ def test_matmul_tiling_rules():
     s = nl.ndarray((32, 16), nl.uint8)
     nisa.quantize_mx(q, sbuf_from(np.ones((32, 64), BF16)), s)
     pm = nl.ndarray((16, 16), nl.float32, buffer=nl.psum)
-    nisa.nc_matmul_mx(pm, q, q, s, s, tile_position=(64, 0), tile_size=(32, 128))
+    nisa.nc_matmul_mx(pm, q, q, s, s, tile_position=(0, 0), tile_size=(32, 128))
     assert (pm.numpy() == 128).all()
+    # operands on partitions 64..96: only on the row tile that starts there (SDK stub, tiling)
+    q64 = nl.ndarray((128, 16), nl.float8_e4m3fn_x4)
+    s64 = nl.ndarray((128, 16), nl.uint8)
+    nisa.quantize_mx(q64[64:96], sbuf_from(np.ones((128, 64), BF16))[64:96], s64[64:96])
+    nisa.nc_matmul_mx(pm, q64[64:96], q64[64:96], s64[64:96], s64[64:96],
+                      tile_position=(64, 0), tile_size=(32, 128), accumulate=False)
+    assert (pm.numpy() == 128).all()
+    with pytest.raises(NkiError, match="starts at partition 64.*tile_position=\\(64, 0\\)"):
+        nisa.nc_matmul_mx(pm, q64[64:96], q64[64:96], s64[64:96], s64[64:96])
+    with pytest.raises(NkiError, match="row tile starts at row 64"):
+        nisa.nc_matmul_mx(pm, q, q, s, s, tile_position=(64, 0), tile_size=(32, 128))
+    pm2 = nl.ndarray((48, 16), nl.float32, buffer=nl.psum)
+    with pytest.raises(NkiError, match="dst starts at partition 32"):
+        nisa.nc_matmul_mx(pm2[32:48], q, q, s, s)
+    with pytest.raises(NkiError, match="96 is not supported"):
+        nisa.nc_matmul_mx(pm, q64[0:96], q64[0:96], s64[0:96], s64[0:96])
     with pytest.raises(NkiError, match="rows only"):
         nisa.nc_matmul_mx(pm, q, q, s, s, tile_position=(0, 0), tile_size=(32, 64))
 
@@ -904,3 +928,18 @@ def test_simulate_dtype_round_trip_torch_and_numpy():
     np.testing.assert_array_equal(out_np.astype(np.float32), (x * 2).float().numpy())
     np.testing.assert_array_equal(ids_np, ids.numpy() + 1)
     assert sc_np.dtype == ml_dtypes.float8_e8m0fnu
+
+
+def test_tensor_scalar_gpsimd_only_for_rsqrt():
+    """SDK stub nisa.tensor_scalar: ``engine=gpsimd`` "(only allowed for rsqrt)"."""
+    x = sbuf_from(np.full((32, 8), 4.0, np.float32))
+    y = nl.ndarray((32, 8), nl.float32)
+    for op in (nl.less, nl.greater, nl.multiply, nl.add):
+        with pytest.raises(NkiError, match="gpsimd is only allowed for rsqrt"):
+            nisa.tensor_scalar(y, x, op, 1.0, engine=nisa.engine.gpsimd)
+    with pytest.raises(NkiError, match="gpsimd is only allowed for rsqrt"):
+        nisa.tensor_scalar(y, x, nl.multiply, 2.0, op1=nl.add, operand1=1.0,
+                           engine=nisa.engine.gpsimd)
+    # (unary ops such as rsqrt are not modeled in tensor_scalar by this interpreter)
+    nisa.tensor_scalar(y, x, nl.less, 5.0, engine=nisa.engine.vector)
+    assert (y.numpy() == 1).all()

@@ -130,7 +130,7 @@ CASES = {
     "configs": (
         {"T": 64, "H": 512, "I": 256, "K": 2, "E": 4, "B": 256},
         {
-            "phase1_config": MatmulMxfp8KernelConfig(M=0, K=0, N=0, tile_k=128, tile_m=32, tile_n=128),
+            "phase1_config": MatmulMxfp8KernelConfig(M=0, K=0, N=0, tile_k=128, tile_n=128),
             "phase2_config": MatmulMxfp8KernelConfig(
                 M=0, K=0, N=0, tile_k=256, tile_n=96, enable_psum_copy_in=False,
                 TILES_IN_BLOCK_K=2),

@@ -714,6 +714,10 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
                                                  _Engine.gpsimd))
     if bitvec and eng != "vector":
         raise _err(instr, "bitvec ops run only on VectorE")
+    # SDK stub nisa.tensor_scalar, ``engine``: "nki.isa.engine.gpsimd (only allowed for rsqrt)"
+    if eng == "gpsimd" and any(o is not None and o.name != "rsqrt" for o in (op0, op1)):
+        raise _err(instr, "engine=gpsimd is only allowed for rsqrt (SDK stub); got "
+                   f"op0=nl.{op0.name}" + (f", op1=nl.{op1.name}" if op1 is not None else ""))
     if (eng == "scalar" and current().spec["nc_version"] < 4
             and any(o is not None and o.name not in ("multiply", "add") for o in (op0, op1))):
         raise _err(instr, "ScalarE on trn2 supports only multiply and add stages")
@@ -1143,6 +1147,39 @@ def _check_tiling(instr, tile_position, tile_size, K, M, row_only):
         raise _err(instr, f"operands ({K} partitions, {M} columns) exceed tile_size {tile_size}")
 
 
+def _start_partition(t) -> int:
+    pb = t.storage.pbytes
+    return t.boffset // pb if pb else 0
+
+
+CHECK_MX_PLACEMENT = {"value": True}
+
+
+def _mx_placement(instr, stationary, moving, dst, tile_position):
+    """PE placement of an MX matmul (SDK stub ``nc_matmul_mx``, "Tiling Mode").
+
+    The contraction runs over the PE rows, which read the operands' SBUF partitions: without
+    tiling the full array is used (``tile_position=(0, 0)``), so both operands start at partition
+    0; an operand at partition 32/64/96 needs row tiling with ``start_row`` equal to its start
+    partition. Only row tiling exists for ``nc_matmul_mx`` (``start_column`` must be 0), and the
+    stationary's columns land on PSUM partitions from ``start_column`` on (column tiling of
+    ``nc_matmul``, nki-library ``mlp_tkg_down_projection.py``), so ``dst`` starts at partition 0.
+    """
+    if not CHECK_MX_PLACEMENT["value"]:
+        return
+    row = int(tuple(tile_position)[0]) if tile_position else 0
+    for arg, t in (("stationary", stationary), ("moving", moving)):
+        p0 = _start_partition(t)
+        if p0 != row:
+            hint = (f"pass tile_position=({p0}, 0), tile_size=(rows, 128)" if p0 else
+                    "place the operand at the row tile's partitions")
+            raise _err(instr, f"{arg} starts at partition {p0} but the PE row tile starts at "
+                       f"row {row} (tile_position={tile_position!r}); {hint}")
+    if _start_partition(dst) != 0:
+        raise _err(instr, f"dst starts at partition {_start_partition(dst)}; nc_matmul_mx has "
+                   "only row tiling (start_column 0), so its output starts at PSUM partition 0")
+
+
 def _mm(a_KM: np.ndarray, b_KN: np.ndarray) -> np.ndarray:
     """``a^T @ b`` in the operands' precision (torch BLAS), rounded once to float32."""
     import torch
@@ -1246,7 +1283,12 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
         raise _err(instr, f"partitions {P} must be a multiple of 32 and <= 128")
     if M % 2 or M > 128:
         raise _err(instr, f"stationary free size {M} must be even and <= 128")
+    if P not in (32, 64, 128):
+        # nki-library output_projection_cte_parameters.py: "nc_matmul_mx supports partition dim
+        # of 32, 64, 128 but not 96"
+        raise _err(instr, f"partitions {P} must be 32, 64 or 128 (96 is not supported)")
     _check_tiling(instr, tile_position, tile_size, P, M, row_only=True)
+    _mx_placement(instr, stationary, moving, dst, tile_position)
     _matmul_dst(instr, dst, M, N, current().spec["nc_version"])
     prec = np.float64 if MATMUL_PRECISION["value"] == "float64" else np.float32
     a = _dequant_operand(instr, "stationary", stationary, stationary_scale, P, M, prec)

@@ -133,8 +133,23 @@ def _reg_value(v, what):
     raise TypeError(f"{what}: expected an int or a VirtualRegister, got {v!r}")
 
 
+ALLOW_DYNAMIC_RANGE = {"value": False}
+
+
 def dynamic_range(start, stop=None, step=1):
-    """Runtime loop: bounds may be VirtualRegisters (read when the loop starts)."""
+    """Runtime loop: bounds may be VirtualRegisters (read when the loop starts).
+
+    Deprecated by NKI 0.6.0 (SDK ``nki/migration/index.rst``: "Deprecated: dynamic
+    ``nl.dynamic_range`` ... Use instead :func:`~nki.language.fori_loop`"), so it raises unless
+    ``ALLOW_DYNAMIC_RANGE["value"]`` is set (tests of the loop semantics only).
+    """
+    if not ALLOW_DYNAMIC_RANGE["value"]:
+        raise _core.NkiError("nl.dynamic_range is deprecated since NKI 0.6.0 and will be removed; "
+                             "use nl.fori_loop(lower, upper, body_fun) (SDK migration guide)")
+    return _dynamic_range(start, stop, step)
+
+
+def _dynamic_range(start, stop=None, step=1):
     if not isinstance(step, int) or step <= 0:
         raise ValueError(f"dynamic_range: step must be a compile-time positive int, got {step!r}")
     if stop is None:
@@ -147,8 +162,11 @@ def fori_loop(lower, upper, body_fun, step=1):
     """``for i in range(lower, upper, step): body_fun(i)`` with ``i`` a VirtualRegister."""
     from .isa import VirtualRegister
 
-    for i in dynamic_range(lower, upper, step):
-        body_fun(VirtualRegister(i))
+    for i in _dynamic_range(lower, upper, step):
+        if body_fun(VirtualRegister(i)) is not None:
+            # SDK migration guide, "Rules for migrated loops": "The fori_loop body function
+            # cannot return a value."
+            raise _core.NkiError("nl.fori_loop: the body function cannot return a value")
 
 
 def while_loop(init, body_fun):

@@ -1,13 +1,23 @@
 """``moe-bwd``: the package's command line.
 
     moe-bwd run --model qwen3-30b-a3b --tokens 2048 [--backend auto|NAME] [--seed S] [--shrink N]
+                [--save DIR]
+    moe-bwd compare A B ... [--baseline reference] [--min-sqnr DB] [--json] [--report DIR]
     moe-bwd models
     moe-bwd backends
 
 ``run`` builds one MoE layer's backward problem for a model's shape (seeded weights, a simulated
 router, the forward checkpoint), runs the backward on the selected backend, runs the float64
 reference on the same inputs, and prints one row per gradient: shape, SQNR (dB) and max
-relative error against float64, plus wall times.
+relative error against float64, plus wall times. ``--save DIR`` builds the inputs on the CPU
+(bit-identical on every machine) and writes a gradient bundle (:mod:`common.bundle`).
+
+``compare`` takes bundle directories and/or backend names (run here on the same problem: the
+bundles' problem, or ``--model``/``--tokens``/``--seed``/``--skew``/``--shrink``) and reports every
+operand against the baseline (default the float64 reference): SQNR, max |err| / max |ref|,
+cosine, bit-identical fraction, BF16 ULP histogram, per-expert SQNR (:mod:`common.compare`);
+``--report DIR`` adds Markdown + PNG plots (:mod:`common.report`); ``--min-sqnr DB`` exits 1
+when any gradient of any operand falls below the floor.
 """
 
 from __future__ import annotations
@@ -68,6 +78,7 @@ def _cmd_backends(args, console: Console) -> int:
 
 
 def _cmd_run(args, console: Console) -> int:
+    from common.bundle import ProblemSpec, build_problem
     from common.inputs import make_problem_for_model
     from common.reference import reference_backward
 
@@ -120,9 +131,15 @@ def _cmd_run(args, console: Console) -> int:
     ) as progress:
         task = progress.add_task("building inputs (weights, router, forward checkpoint)", total=3)
         t0 = time.perf_counter()
-        problem = make_problem_for_model(
-            model, args.tokens, seed=args.seed, device=device, skew=args.skew
+        spec = ProblemSpec.for_model(
+            model, args.tokens, seed=args.seed, skew=args.skew, shrink=args.shrink
         )
+        if args.save is not None:  # on the CPU: the same bits on every machine
+            problem = build_problem(spec, device)
+        else:
+            problem = make_problem_for_model(
+                model, args.tokens, seed=args.seed, device=device, skew=args.skew
+            )
         times["inputs"] = time.perf_counter() - t0
         progress.update(task, advance=1, description=f"backward on {backend.name}")
         if device.startswith("cuda"):
@@ -173,6 +190,18 @@ def _cmd_run(args, console: Console) -> int:
         f"of {flops / 1e9:.3g} GFLOP), float64 reference {times['reference']:.2f} s, "
         f"inputs {times['inputs']:.2f} s"
     )
+    if args.save is not None:
+        from common.bundle import collect_metadata, save_bundle
+
+        try:
+            where = save_bundle(
+                args.save, spec, problem, grads,
+                collect_metadata(backend.name, device, times, grads.info),
+            )
+        except (ValueError, OSError) as exc:
+            console.print(f"[red]error:[/red] --save: {exc}")
+            return 2
+        console.print(f"bundle saved: {where}")
     phases = grads.info.get("nki_phases")
     if phases:
         pt = Table(title="NKI phases, modeled on Trainium3 (one NeuronCore)")
@@ -210,6 +239,214 @@ def _memory_available(device: str) -> int | None:
     return None
 
 
+def _compare_problem(args, bundle_paths: list[str]):
+    """(spec, CPU problem) of a compare: the bundles' spec or the command line's."""
+    from common.bundle import ProblemSpec, build_problem, read_manifest
+
+    if bundle_paths:
+        specs = [(p, read_manifest(p)["spec"]) for p in bundle_paths]
+        first_path, spec = specs[0]
+        for p, other in specs[1:]:
+            if other != spec:
+                raise ValueError(
+                    f"bundles {first_path} and {p} are of different problems: "
+                    f"{spec.to_json()} vs {other.to_json()}"
+                )
+        given = [f"--{k}" for k in ("model", "tokens") if getattr(args, k) is not None]
+        if given:
+            raise ValueError(
+                f"the problem comes from the bundle(s); drop {' and '.join(given)}"
+            )
+    else:
+        if args.model is None or args.tokens is None:
+            raise ValueError(
+                "no bundle among the operands: give the problem with --model and --tokens"
+            )
+        model = load_model(args.model)
+        if args.tokens < 1:
+            raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+        if args.shrink != 1:
+            model = model.shrink(args.shrink)
+        spec = ProblemSpec.for_model(
+            model, args.tokens, seed=args.seed, skew=args.skew, shrink=args.shrink
+        )
+    return spec, build_problem(spec, "cpu")
+
+
+def _cmd_compare(args, console: Console) -> int:
+    import json
+
+    from common.bundle import (
+        check_digests,
+        collect_metadata,
+        input_digests,
+        is_bundle,
+        load_bundle,
+        problem_to,
+    )
+    from common.compare import GRAD_LABELS, compare_grads
+
+    operands = list(args.operands)
+    baseline = args.baseline
+    names = set(dispatch.BACKEND_NAMES) | set(dispatch.registered_backends())
+    kinds = {}
+    for op in operands + [baseline]:
+        if is_bundle(op):
+            kinds[op] = "bundle"
+        elif op in names:
+            kinds[op] = "backend"
+        else:
+            console.print(
+                f"[red]error:[/red] {op!r} is neither a bundle directory (with bundle.json) nor "
+                f"a backend ({', '.join(sorted(names))})"
+            )
+            return 2
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    times: dict[str, float] = {}
+    try:
+        t0 = time.perf_counter()
+        spec, problem = _compare_problem(args, [op for op in kinds if kinds[op] == "bundle"])
+        times["inputs"] = time.perf_counter() - t0
+        digests = input_digests(problem)
+        results: dict[str, tuple] = {}  # operand -> (label, grads, metadata)
+        on_device = None
+        for op in dict.fromkeys(operands + [baseline]):
+            t0 = time.perf_counter()
+            if kinds[op] == "bundle":
+                b = load_bundle(op, check_inputs=False)
+                check_digests(b.inputs_sha256, digests, where=str(b.path / "bundle.json"))
+                results[op] = (b.label, b.grads, b.metadata)
+            else:
+                backend = dispatch.resolve_backend(op, device)
+                if on_device is None:
+                    on_device = problem_to(problem, device)
+                w0 = time.perf_counter()
+                grads = backend.run(on_device)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                meta = collect_metadata(
+                    backend.name, device, {"backend": time.perf_counter() - w0}, grads.info
+                )
+                results[op] = (backend.name, grads, meta)
+            times[f"load/run {op}"] = time.perf_counter() - t0
+    except (ValueError, RuntimeError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+
+    labels: dict[str, str] = {}
+    for op, (label, _, _) in results.items():
+        lab, i = label, 2
+        while lab in labels.values():
+            lab, i = f"{label}#{i}", i + 1
+        labels[op] = lab
+    base_label = labels[baseline]
+    base_grads = results[baseline][1]
+    t0 = time.perf_counter()
+    pairs = {
+        labels[op]: compare_grads(results[op][1], base_grads)
+        for op in dict.fromkeys(operands)
+        if op != baseline
+    }
+    times["comparison"] = time.perf_counter() - t0
+    comparison = {
+        "baseline": base_label,
+        "spec": spec.to_json(),
+        "operands": {labels[op]: results[op][2] for op in results},
+        "tokens_per_expert": problem.plan.tokens_per_expert_E.tolist(),
+        "pairs": pairs,
+        "wall_s": times,
+    }
+    failing = []
+    if args.min_sqnr is not None:
+        for lab, pair in pairs.items():
+            for name, m in pair.items():
+                if not m["sqnr_db"] >= args.min_sqnr:  # NaN fails too
+                    failing.append(f"{lab} {GRAD_LABELS[name]} {m['sqnr_db']:.1f} dB")
+        comparison["min_sqnr_db"] = args.min_sqnr
+        comparison["below_min_sqnr"] = failing
+    if args.report is not None:
+        from common.report import write_report
+
+        try:
+            md = write_report(
+                args.report, comparison, {labels[op]: results[op][1] for op in operands
+                                          if op != baseline}, base_grads,
+            )
+        except OSError as exc:
+            console.print(f"[red]error:[/red] --report: {exc}")
+            return 2
+        comparison["report"] = str(md)
+    if args.json:
+        print(json.dumps(comparison, indent=2, allow_nan=True))
+    else:
+        _print_comparison(console, comparison)
+    if failing:
+        if not args.json:
+            console.print(
+                f"[red]below --min-sqnr {args.min_sqnr:g} dB:[/red] " + "; ".join(failing)
+            )
+        return 1
+    return 0
+
+
+def _print_comparison(console: Console, comparison: dict) -> None:
+    from common.compare import GRAD_LABELS
+
+    spec = comparison["spec"]
+    shrunk = f" [yellow](shrunk /{spec['shrink']})[/yellow]" if spec["shrink"] != 1 else ""
+    console.print(
+        f"[bold]{spec['model']}[/bold]{shrunk}  T={spec['tokens']} H={spec['hidden']} "
+        f"I={spec['intermediate']} E={spec['experts']} top_k={spec['top_k']}  "
+        f"baseline=[bold]{comparison['baseline']}[/bold]"
+    )
+    for label, pair in comparison["pairs"].items():
+        table = Table(title=f"{label} vs {comparison['baseline']}")
+        for col in ("gradient", "SQNR (dB)", "max|err|/max|ref|", "cosine", "bit-identical",
+                    "ULP<=1", "per-expert SQNR min/med/max"):
+            table.add_column(col, justify="left" if col == "gradient" else "right")
+        for name, m in pair.items():
+            h = m["ulp_hist"]
+            total = sum(h.values()) or 1
+            pe = m.get("per_expert")
+            per = "/".join(f"{pe[k]:.1f}" for k in ("min", "median", "max")) if pe else ""
+            table.add_row(
+                GRAD_LABELS[name], f"{m['sqnr_db']:.1f}", f"{m['max_rel_err']:.2e}",
+                f"{m['cosine']:.6f}", f"{m['bit_identical']:.3f}",
+                f"{(h['0'] + h['1']) / total:.3f}", per,
+            )
+        console.print(table)
+
+
+def _add_compare_parser(sub) -> None:
+    cmp = sub.add_parser(
+        "compare",
+        help="compare bundles and/or backends on one problem, per gradient and per expert",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    cmp.add_argument(
+        "operands", nargs="+", metavar="OPERAND",
+        help="a bundle directory (moe-bwd run --save) or a backend name run here",
+    )
+    cmp.add_argument(
+        "--baseline", default="reference",
+        help="what every operand is compared against: a backend name or a bundle directory",
+    )
+    cmp.add_argument("--model", default=None, help="model (when no operand is a bundle)")
+    cmp.add_argument("--tokens", type=int, default=None, help="tokens T (when no bundle)")
+    cmp.add_argument("--seed", type=int, default=0, help="seed (when no bundle)")
+    cmp.add_argument("--skew", type=float, default=1.0, help="router load skew (when no bundle)")
+    cmp.add_argument("--shrink", type=int, default=1, help="divide H and I by N (when no bundle)")
+    cmp.add_argument("--device", default=None, help="device of backend operands")
+    cmp.add_argument(
+        "--min-sqnr", type=float, default=None, metavar="DB",
+        help="exit 1 when any gradient of any operand has an SQNR below DB",
+    )
+    cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    cmp.add_argument("--report", default=None, metavar="DIR",
+                     help="write report.md and PNG plots to DIR")
+    cmp.set_defaults(func=_cmd_compare)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-bwd", description="MoE expert-MLP backward kernels: run, compare, list."
@@ -239,7 +476,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="divide H and I by N (rounded to multiples of 128) to fit large models in memory",
     )
+    run.add_argument(
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="write a gradient bundle (spec, input digests, gradients, metadata) to DIR; "
+        "inputs are then built on the CPU",
+    )
     run.set_defaults(func=_cmd_run)
+    _add_compare_parser(sub)
     sub.add_parser("models", help="list the model shapes").set_defaults(func=_cmd_models)
     sub.add_parser("backends", help="list the backends and whether they run here").set_defaults(
         func=_cmd_backends

@@ -1,0 +1,266 @@
+"""Gradient bundles, pairwise comparison, the report and ``moe-bwd run --save`` / ``compare``
+(issue 9 items 1 and 2). Small shapes (Mixtral's E=8, top_2 at H = I = 128): the file runs in
+seconds."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+
+import pytest
+import torch
+
+from common import cli
+from common.bundle import (
+    GRADIENTS,
+    MANIFEST,
+    ProblemSpec,
+    build_problem,
+    collect_metadata,
+    input_digests,
+    load_bundle,
+    save_bundle,
+)
+from common.compare import ULP_BINS, bf16_ulp_distance, compare_grads, compare_tensor
+from common.dispatch import run_backward
+from common.metrics import sqnr_db
+from common.models import load_model
+from common.problem import MoEGrads
+from common.report import PLOTS, png_size, write_report
+
+SPEC = ProblemSpec.for_model(
+    load_model("mixtral-8x7b").scaled(hidden=128, intermediate=128), 24, seed=3
+)
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.delenv("MOE_BWD_BACKEND", raising=False)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return build_problem(SPEC)
+
+
+@pytest.fixture(scope="module")
+def torch_grads(problem):
+    return run_backward(problem, "torch")
+
+
+def _save(path, problem, grads, backend="torch"):
+    return save_bundle(path, SPEC, problem, grads, collect_metadata(backend, "cpu", {"x": 1.0}))
+
+
+# ---------------------------------------------------------------------------- bundles
+def test_round_trip(tmp_path, problem, torch_grads):
+    d = _save(tmp_path / "b", problem, torch_grads)
+    assert sorted(p.name for p in d.iterdir()) == [MANIFEST, GRADIENTS]
+    b = load_bundle(d)
+    assert b.spec == SPEC and b.backend == "torch"
+    assert b.inputs_sha256 == input_digests(problem)
+    for name in ("hidden_states_grad_TH", "affinity_grad_TE", "w_gate_up_grad_EH2I",
+                 "w_down_grad_EIH"):
+        assert torch.equal(getattr(b.grads, name), getattr(torch_grads, name)), name
+    meta = b.metadata
+    assert meta["backend"] == "torch" and meta["versions"]["torch"] == torch.__version__
+    assert re.match(r"\d{4}-\d\d-\d\dT", meta["date_utc"]) and meta["wall_s"] == {"x": 1.0}
+    # re-saving over a bundle replaces it; a non-bundle directory is refused
+    _save(d, problem, torch_grads)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="other files"):
+        _save(other, problem, torch_grads)
+    assert (other / "notes.txt").read_text() == "mine"
+
+
+def test_inputs_rebuilt_bit_identically():
+    assert input_digests(build_problem(SPEC)) == input_digests(build_problem(SPEC))
+
+
+def test_digest_mismatch_refused(tmp_path, problem, torch_grads):
+    d = _save(tmp_path / "b", problem, torch_grads)
+    m = json.loads((d / MANIFEST).read_text())
+    m["inputs_sha256"]["w_down_EIH"] = "0" * 64
+    (d / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=r"bundle\.json: input digests differ .*'w_down_EIH'"):
+        load_bundle(d)
+
+
+def test_bundle_of_another_problem_refused(tmp_path, problem, torch_grads):
+    d = _save(tmp_path / "b", problem, torch_grads)
+    m = json.loads((d / MANIFEST).read_text())
+    m["spec"]["seed"] = 4  # same shapes, other inputs
+    (d / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=r"bundle\.json: input digests differ"):
+        load_bundle(d)
+
+
+def test_truncated_and_corrupt_files_refused(tmp_path, problem, torch_grads):
+    d = _save(tmp_path / "b", problem, torch_grads)
+    g = d / GRADIENTS
+    data = g.read_bytes()
+    g.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"{GRADIENTS}: sha256 .* differs"):
+        load_bundle(d)
+    # garbage whose digest matches the manifest: the safetensors reader refuses it
+    g.write_bytes(b"\x00" * 64)
+    m = json.loads((d / MANIFEST).read_text())
+    import hashlib
+
+    m["gradients"]["sha256"] = hashlib.sha256(b"\x00" * 64).hexdigest()
+    (d / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=rf"{GRADIENTS}: not a readable safetensors"):
+        load_bundle(d)
+    text = json.dumps(m)
+    (d / MANIFEST).write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=r"bundle\.json: not valid JSON"):
+        load_bundle(d)
+    (d / MANIFEST).unlink()
+    with pytest.raises(ValueError, match=r"bundle\.json: cannot read"):
+        load_bundle(d)
+
+
+def test_loading_executes_no_pickle(tmp_path, problem, torch_grads, monkeypatch):
+    d = _save(tmp_path / "b", problem, torch_grads)
+    import pickle
+
+    def boom(*a, **k):
+        raise AssertionError("a bundle must not be unpickled")
+
+    monkeypatch.setattr(torch, "load", boom)
+    monkeypatch.setattr(pickle, "load", boom)
+    monkeypatch.setattr(pickle, "loads", boom)
+    load_bundle(d, problem=problem)
+
+
+# --------------------------------------------------------------------------- compare numbers
+def test_compare_tensor_numbers():
+    ref = torch.tensor([1.0, -2.0, 0.5, 3.0, 0.0, 8.0], dtype=torch.float64)
+    out = ref.clone()
+    out[1] = -2.015625  # one BF16 ulp below -2 (ulp 2^-6 in [2, 4))
+    out[3] = 3.0 + 3 * 2.0**-6  # three ulps above 3
+    out[5] = 8.0 + 2.0**-20  # not identical, 0 BF16 ulps (rounds back to 8)
+    m = compare_tensor(out.float(), ref)
+    noise = (out - ref).pow(2).sum()
+    assert m["sqnr_db"] == pytest.approx(10 * math.log10(float(ref.pow(2).sum() / noise)))
+    assert m["max_rel_err"] == pytest.approx(3 * 2.0**-6 / 8.0)
+    cos = float(out @ ref / (out.norm() * ref.norm()))
+    assert m["cosine"] == pytest.approx(cos, abs=1e-12)
+    assert m["bit_identical"] == pytest.approx(3 / 6)
+    assert m["ulp_hist"]["0"] == 4 and m["ulp_hist"]["1"] == 1 and m["ulp_hist"]["3-4"] == 1
+    assert sum(m["ulp_hist"].values()) == 6 and set(m["ulp_hist"]) == {b[0] for b in ULP_BINS} | {
+        "nan"}
+
+
+def test_bf16_ulp_distance_across_zero_and_nan():
+    tiny = 2.0**-133  # the smallest BF16 subnormal
+    d = bf16_ulp_distance(torch.tensor([tiny, 0.0, 1.0, float("nan")]),
+                          torch.tensor([-tiny, -0.0, 1.0, 1.0]))
+    assert d.tolist() == [2, 0, 0, -1]
+
+
+def test_compare_grads_per_expert(problem, torch_grads):
+    ref = run_backward(problem, "reference")
+    res = compare_grads(torch_grads, ref)
+    assert list(res) == ["hidden_states_grad_TH", "affinity_grad_TE", "w_gate_up_grad_EH2I",
+                         "w_down_grad_EIH"]
+    for name, axis in (("w_down_grad_EIH", 0), ("affinity_grad_TE", 1)):
+        want = [sqnr_db(getattr(torch_grads, name).select(axis, e), getattr(ref, name).select(
+            axis, e)) for e in range(8)]
+        assert res[name]["per_expert_sqnr_db"] == pytest.approx(want)
+        assert res[name]["per_expert"]["min"] == pytest.approx(min(want))
+    assert "per_expert" not in res["hidden_states_grad_TH"]
+    assert res["w_down_grad_EIH"]["sqnr_db"] == pytest.approx(
+        sqnr_db(torch_grads.w_down_grad_EIH, ref.w_down_grad_EIH))
+
+
+# --------------------------------------------------------------------------------- report
+def _png_dims(path):
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_report_writes_plots_and_the_numbers(tmp_path, problem, torch_grads):
+    ref = run_backward(problem, "reference")
+    other = MoEGrads(**{k: getattr(torch_grads, k) * 1.001 for k in (
+        "hidden_states_grad_TH", "affinity_grad_TE", "w_gate_up_grad_EH2I", "w_down_grad_EIH")})
+    pairs = {"torch": compare_grads(torch_grads, ref), "scaled": compare_grads(other, ref)}
+    comparison = {"baseline": "reference", "spec": SPEC.to_json(), "operands": {},
+                  "tokens_per_expert": problem.plan.tokens_per_expert_E.tolist(), "pairs": pairs}
+    md = write_report(tmp_path / "rep", comparison, {"torch": torch_grads, "scaled": other}, ref)
+    for name in PLOTS:
+        p = tmp_path / "rep" / name
+        assert p.is_file() and p.stat().st_size > 10_000, name
+        assert _png_dims(p) == png_size(), name
+    text = md.read_text()
+    for label, pair in pairs.items():
+        m = pair["w_gate_up_grad_EH2I"]
+        pe = m["per_expert"]
+        row = (f"| {label} | {m['sqnr_db']:.2f} | {m['max_rel_err']:.3e} | {m['cosine']:.8f} | "
+               f"{m['bit_identical']:.4f} | {pe['min']:.2f} / {pe['median']:.2f} / "
+               f"{pe['max']:.2f} |")
+        assert row in text, row
+    for name in PLOTS:
+        assert f"]({name})" in text
+
+
+# ------------------------------------------------------------------------------------- CLI
+@pytest.fixture
+def small_models(monkeypatch):
+    monkeypatch.setattr(
+        cli, "load_model", lambda name: load_model(name).scaled(hidden=128, intermediate=128)
+    )
+
+
+def test_cli_save_then_compare_json(tmp_path, capsys, small_models):
+    d = tmp_path / "torch-cpu"
+    rc = cli.main(["run", "--model", "mixtral-8x7b", "--tokens", "24", "--seed", "3",
+                   "--save", str(d)])
+    assert rc == 0, capsys.readouterr()
+    capsys.readouterr()
+    rc = cli.main(["compare", str(d), "reference", "--baseline", "torch", "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    res = json.loads(out)
+    assert res["baseline"] == "torch" and res["spec"] == SPEC.to_json()
+    problem = build_problem(SPEC)
+    want_t = run_backward(problem, "torch")
+    want = compare_grads(run_backward(problem, "reference"), want_t)
+    got = res["pairs"]["reference"]
+    for name, m in want.items():
+        assert got[name]["sqnr_db"] == pytest.approx(m["sqnr_db"]), name
+        assert got[name]["ulp_hist"] == m["ulp_hist"], name
+    # the bundle against the torch run here: the same bits
+    label = next(k for k in res["pairs"] if k.startswith("torch"))
+    for m in res["pairs"][label].values():
+        assert m["bit_identical"] == 1.0 and m["sqnr_db"] == math.inf
+
+
+def test_cli_compare_min_sqnr_exit_code(tmp_path, capsys, small_models):
+    args = ["compare", "torch", "--model", "mixtral-8x7b", "--tokens", "16"]
+    assert cli.main(args + ["--min-sqnr", "20"]) == 0
+    capsys.readouterr()
+    assert cli.main(args + ["--min-sqnr", "200"]) == 1
+    assert "below --min-sqnr 200" in capsys.readouterr().out
+    assert cli.main(args + ["--report", str(tmp_path / "r")]) == 0
+    assert all((tmp_path / "r" / p).stat().st_size > 0 for p in PLOTS)
+
+
+def test_cli_compare_bad_operands(tmp_path, capsys, small_models):
+    assert cli.main(["compare", "no-such-thing", "--model", "mixtral-8x7b", "--tokens", "8"]) == 2
+    assert "neither a bundle" in capsys.readouterr().out + capsys.readouterr().err
+    assert cli.main(["compare", "torch"]) == 2  # no bundle and no --model
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, seed in ((a, "1"), (b, "2")):
+        assert cli.main(["run", "--model", "mixtral-8x7b", "--tokens", "8", "--seed", seed,
+                         "--save", str(d)]) == 0
+    capsys.readouterr()
+    assert cli.main(["compare", str(a), str(b)]) == 2
+    captured = capsys.readouterr()
+    assert "different problems" in captured.out + captured.err

@@ -77,59 +77,107 @@ def _cmd_backends(args, console: Console) -> int:
     return 0
 
 
+class _Failed(Exception):
+    """A user error: printed to stderr as ``error: ...``, exit code 2."""
+
+
+def _error(msg: str) -> int:
+    Console(stderr=True, highlight=False).print(f"[red]error:[/red] {msg}")
+    return 2
+
+
+class _Steps:
+    """Progress of a command: a rich spinner on a terminal, else plain lines on stderr (so that
+    logs and pipes see progress and ``--json`` output stays clean)."""
+
+    def __init__(self, console: Console, total: int) -> None:
+        self.console = console
+        self.total = total
+        self.done = 0
+        self.progress = None
+        self.task = None
+        self.err = Console(stderr=True, highlight=False)
+
+    def __enter__(self) -> _Steps:
+        if self.console.is_terminal:
+            self.progress = Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                console=self.console, transient=True,
+            )
+            self.progress.__enter__()
+            self.task = self.progress.add_task("", total=self.total)
+        return self
+
+    def step(self, description: str) -> None:
+        self.done += 1
+        if self.progress is not None:
+            self.progress.update(self.task, completed=self.done - 1, description=description)
+        else:
+            self.err.print(f"[{self.done}/{self.total}] {description}", markup=False)
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+
+def _activation_name(model) -> str:
+    return "gpt_oss" if model.activation == "swiglu_clamped" else "swiglu"
+
+
 def _cmd_run(args, console: Console) -> int:
-    from common.bundle import ProblemSpec, build_problem
+    try:
+        return _run(args, console)
+    except _Failed as exc:
+        return _error(str(exc))
+
+
+def _run(args, console: Console) -> int:
+    import json
+
+    from common.bundle import ProblemSpec, build_problem, collect_metadata, save_bundle
     from common.inputs import make_problem_for_model
     from common.reference import reference_backward
 
     try:
         model = load_model(args.model)
     except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        return 2
+        raise _Failed(str(exc)) from None
     if args.tokens < 1:
-        console.print(f"[red]error:[/red] --tokens must be >= 1, got {args.tokens}")
-        return 2
+        raise _Failed(f"--tokens must be >= 1, got {args.tokens}")
     if args.shrink != 1:
         try:
             model = model.shrink(args.shrink)
         except ValueError as exc:
-            console.print(f"[red]error:[/red] --shrink: {exc}")
-            return 2
+            raise _Failed(f"--shrink: {exc}") from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError, ValueError) as exc:
-        console.print(f"[red]error:[/red] --device {device!r} cannot be used here: {exc}")
-        return 2
+        raise _Failed(f"--device {device!r} cannot be used here: {exc}") from None
     if not (args.skew >= 0 and args.skew != float("inf")):
-        console.print(f"[red]error:[/red] --skew must be a finite number >= 0, got {args.skew}")
-        return 2
-    need = _bytes_needed(model, args.tokens)
-    have = _memory_available(device)
-    if have is not None and need > have:
-        console.print(
-            f"[red]error:[/red] {model.display_name} needs about {need / 2**30:.0f} GiB on "
-            f"{device} "
-            f"(weights, gradients and their float64 reference for E={model.experts} experts), "
-            f"{have / 2**30:.0f} GiB are available; pass --shrink N to divide H and I by N"
-        )
-        return 2
+        raise _Failed(f"--skew must be a finite number >= 0, got {args.skew}")
     try:
         backend = dispatch.resolve_backend(args.backend, device)
     except (ValueError, RuntimeError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        return 2
+        raise _Failed(str(exc)) from None
+    dims = {"T": args.tokens, "H": model.hidden, "I": model.intermediate, "E": model.experts,
+            "K": model.top_k, "activation": _activation_name(model)}
+    why = backend.check_shape(dims) if backend.check_shape is not None else None
+    if why is not None:  # before any input is built
+        raise _Failed(f"backend {backend.name} cannot run {model.display_name}: {why}")
 
+    need = _bytes_needed(model, args.tokens, reference=not args.no_reference)
+    have = _memory_available(device)
+    if have is not None and need > have:
+        raise _Failed(
+            f"{model.display_name} needs about {need / 2**30:.0f} GiB on {device} "
+            f"(weights, gradients and their float64 reference for E={model.experts} experts), "
+            f"{have / 2**30:.0f} GiB are available; pass --shrink N to divide H and I by N"
+        )
     times: dict[str, float] = {}
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
-        task = progress.add_task("building inputs (weights, router, forward checkpoint)", total=3)
+    run_start = time.perf_counter()
+    with _Steps(console, 2 if args.no_reference else 3) as steps:
+        steps.step("building inputs (weights, router, forward checkpoint)")
         t0 = time.perf_counter()
         spec = ProblemSpec.for_model(
             model, args.tokens, seed=args.seed, skew=args.skew, shrink=args.shrink
@@ -141,31 +189,75 @@ def _cmd_run(args, console: Console) -> int:
                 model, args.tokens, seed=args.seed, device=device, skew=args.skew
             )
         times["inputs"] = time.perf_counter() - t0
-        progress.update(task, advance=1, description=f"backward on {backend.name}")
+        steps.step(f"backward on {backend.name}")
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
             grads = backend.run(problem)
         except (ValueError, RuntimeError) as exc:
-            progress.stop()
-            console.print(f"[red]error:[/red] backend {backend.name}: {exc}")
-            return 2
+            raise _Failed(f"backend {backend.name}: {exc}") from None
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         times["backend"] = time.perf_counter() - t0
-        progress.update(task, advance=1, description="float64 reference backward")
+        ref = None
+        if not args.no_reference:
+            steps.step("float64 reference backward")
+            t0 = time.perf_counter()
+            ref = reference_backward(problem)
+            times["reference"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    rows = []
+    worst = float("inf")
+    for name, out in grads.named().items():
+        row = {"gradient": name, "shape": list(out.shape),
+               "finite": bool(torch.isfinite(out).all())}
+        if ref is not None:
+            m = compare(out, ref.named()[name])
+            worst = min(worst, m["sqnr_db"])
+            row.update(sqnr_db=m["sqnr_db"], max_rel_err=m["max_rel_err"])
+        else:
+            row["max_abs"] = float(out.abs().max()) if out.numel() else 0.0
+            if not row["finite"]:
+                worst = math.nan
+        rows.append(row)
+    times["comparison"] = time.perf_counter() - t0
+    saved = None
+    if args.save is not None:
         t0 = time.perf_counter()
-        ref = reference_backward(problem)
-        times["reference"] = time.perf_counter() - t0
-        progress.update(task, advance=1)
+        try:
+            saved = save_bundle(
+                args.save, spec, problem, grads,
+                collect_metadata(backend.name, device, times, grads.info),
+            )
+        except (ValueError, OSError) as exc:
+            raise _Failed(f"--save: {exc}") from None
+        times["save"] = time.perf_counter() - t0
+    times["total"] = time.perf_counter() - run_start
 
     d = problem.dims
     flops = 12 * d["T"] * d["K"] * d["H"] * d["I"]
+    if args.json:
+        result = {
+            "model": model.name, "display_name": model.display_name, "shrink": args.shrink,
+            "dims": d, "backend": backend.name, "fallback_reason": backend.fallback_reason,
+            "device": device, "activation": problem.activation.name, "gradients": rows,
+            "wall_s": times, "backend_gflops": flops / times["backend"] / 1e9 if times[
+                "backend"] > 0 else None,
+            "nki_phases": grads.info.get("nki_phases"),
+            "bundle": str(saved) if saved is not None else None,
+        }
+        print(json.dumps(result, indent=2, allow_nan=True))
+        return 1 if math.isnan(worst) else 0
+
     note = f" (auto fell back: {backend.fallback_reason})" if backend.fallback_reason else ""
+    shrunk = (
+        f" [yellow](shrunk: H, I divided by {args.shrink})[/yellow]" if args.shrink != 1 else ""
+    )
     console.print(
-        f"[bold]{model.display_name}[/bold]  T={d['T']} H={d['H']} I={d['I']} E={d['E']} "
-        f"top_k={d['K']}  backend=[bold]{backend.name}[/bold]{note}  device={device}"
+        f"[bold]{model.display_name}[/bold]{shrunk}  T={d['T']} H={d['H']} I={d['I']} "
+        f"E={d['E']} top_k={d['K']}  backend=[bold]{backend.name}[/bold]{note}  device={device}"
     )
     act = problem.activation
     console.print(
@@ -173,35 +265,34 @@ def _cmd_run(args, console: Console) -> int:
         if act.is_swiglu
         else f"activation: {act.name} (h = g * sigmoid({act.alpha:g} g) * (u + {act.up_offset:g}))"
     )
-    table = Table(title="gradients vs float64 reference")
-    for col in ("gradient", "shape", "SQNR (dB)", "max|err| / max|ref|"):
+    if ref is not None:
+        table = Table(title="gradients vs float64 reference")
+        cols = ("gradient", "shape", "SQNR (dB)", "max|err| / max|ref|")
+    else:
+        table = Table(title="gradients (--no-reference: no float64 comparison)")
+        cols = ("gradient", "shape", "max|g|", "finite")
+    for col in cols:
         table.add_column(col, justify="left" if col in ("gradient", "shape") else "right")
-    worst = float("inf")
-    for (name, out), (_, want) in zip(grads.named().items(), ref.named().items()):
-        m = compare(out, want)
-        worst = min(worst, m["sqnr_db"])
-        table.add_row(
-            name, "x".join(map(str, out.shape)), f"{m['sqnr_db']:.1f}", f"{m['max_rel_err']:.2e}"
-        )
+    for row in rows:
+        shape = "x".join(map(str, row["shape"]))
+        if ref is not None:
+            table.add_row(row["gradient"], shape, f"{row['sqnr_db']:.1f}",
+                          f"{row['max_rel_err']:.2e}")
+        else:
+            table.add_row(row["gradient"], shape, f"{row['max_abs']:.3e}",
+                          "yes" if row["finite"] else "NO")
     console.print(table)
-    console.print(
-        f"wall time: backend {times['backend']:.2f} s "
-        f"({flops / times['backend'] / 1e9:.3g} GFLOP/s "
-        f"of {flops / 1e9:.3g} GFLOP), float64 reference {times['reference']:.2f} s, "
-        f"inputs {times['inputs']:.2f} s"
-    )
-    if args.save is not None:
-        from common.bundle import collect_metadata, save_bundle
-
-        try:
-            where = save_bundle(
-                args.save, spec, problem, grads,
-                collect_metadata(backend.name, device, times, grads.info),
-            )
-        except (ValueError, OSError) as exc:
-            console.print(f"[red]error:[/red] --save: {exc}")
-            return 2
-        console.print(f"bundle saved: {where}")
+    parts = [f"inputs {times['inputs']:.2f} s",
+             f"backend {times['backend']:.2f} s ({flops / max(times['backend'], 1e-12) / 1e9:.3g}"
+             f" GFLOP/s of {flops / 1e9:.3g} GFLOP)"]
+    if "reference" in times:
+        parts.append(f"float64 reference {times['reference']:.2f} s")
+    parts.append(f"comparison {times['comparison']:.2f} s")
+    if "save" in times:
+        parts.append(f"save {times['save']:.2f} s")
+    console.print(f"wall time: {', '.join(parts)}; total {times['total']:.2f} s")
+    if saved is not None:
+        console.print(f"bundle saved: {saved}")
     phases = grads.info.get("nki_phases")
     if phases:
         pt = Table(title="NKI phases, modeled on Trainium3 (one NeuronCore)")
@@ -213,17 +304,18 @@ def _cmd_run(args, console: Console) -> int:
             )
         console.print(pt)
     if math.isnan(worst):  # NaN anywhere
-        console.print("[red]a gradient holds NaN or inf[/red]")
+        Console(stderr=True).print("[red]a gradient holds NaN or inf[/red]")
         return 1
     return 0
 
 
-def _bytes_needed(model, num_tokens: int) -> int:
+def _bytes_needed(model, num_tokens: int, reference: bool = True) -> int:
     """Rough peak bytes of `run`: BF16 weights, fp32 grads, float64 reference grads and
-    temporaries (14 bytes per weight element), plus per-row activations."""
+    temporaries (14 bytes per weight element; 6 without the reference), plus per-row
+    activations."""
     weights = model.experts * model.hidden * 3 * model.intermediate
     rows = num_tokens * model.top_k * (model.hidden + 3 * model.intermediate)
-    return 14 * weights + 16 * rows
+    return (14 if reference else 6) * weights + 16 * rows
 
 
 def _memory_available(device: str) -> int | None:
@@ -296,11 +388,10 @@ def _cmd_compare(args, console: Console) -> int:
         elif op in names:
             kinds[op] = "backend"
         else:
-            console.print(
-                f"[red]error:[/red] {op!r} is neither a bundle directory (with bundle.json) nor "
+            return _error(
+                f"{op!r} is neither a bundle directory (with bundle.json) nor "
                 f"a backend ({', '.join(sorted(names))})"
             )
-            return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     times: dict[str, float] = {}
     try:
@@ -318,6 +409,12 @@ def _cmd_compare(args, console: Console) -> int:
                 results[op] = (b.label, b.grads, b.metadata)
             else:
                 backend = dispatch.resolve_backend(op, device)
+                dims = {"T": spec.tokens, "H": spec.hidden, "I": spec.intermediate,
+                        "E": spec.experts, "K": spec.top_k,
+                        "activation": problem.activation.name}
+                why = backend.check_shape(dims) if backend.check_shape is not None else None
+                if why is not None:
+                    raise ValueError(f"backend {backend.name} cannot run this problem: {why}")
                 if on_device is None:
                     on_device = problem_to(problem, device)
                 w0 = time.perf_counter()
@@ -330,8 +427,7 @@ def _cmd_compare(args, console: Console) -> int:
                 results[op] = (backend.name, grads, meta)
             times[f"load/run {op}"] = time.perf_counter() - t0
     except (ValueError, RuntimeError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        return 2
+        return _error(str(exc))
 
     labels: dict[str, str] = {}
     for op, (label, _, _) in results.items():
@@ -373,8 +469,7 @@ def _cmd_compare(args, console: Console) -> int:
                                           if op != baseline}, base_grads,
             )
         except OSError as exc:
-            console.print(f"[red]error:[/red] --report: {exc}")
-            return 2
+            return _error(f"--report: {exc}")
         comparison["report"] = str(md)
     if args.json:
         print(json.dumps(comparison, indent=2, allow_nan=True))
@@ -447,10 +542,20 @@ def _add_compare_parser(sub) -> None:
     cmp.set_defaults(func=_cmd_compare)
 
 
+def _package_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("moe-bwd-kernels")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-bwd", description="MoE expert-MLP backward kernels: run, compare, list."
     )
+    parser.add_argument("--version", action="version", version=f"moe-bwd {_package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run",
@@ -483,6 +588,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a gradient bundle (spec, input digests, gradients, metadata) to DIR; "
         "inputs are then built on the CPU",
     )
+    run.add_argument(
+        "--no-reference", action="store_true",
+        help="skip the float64 reference (print gradient magnitudes instead of errors)",
+    )
+    run.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     run.set_defaults(func=_cmd_run)
     _add_compare_parser(sub)
     sub.add_parser("models", help="list the model shapes").set_defaults(func=_cmd_models)

@@ -67,6 +67,10 @@ class Backend:
         grouped_wgrad: optional ``fn(a_HS, b_SI, offsets_E) -> [E, H, I] fp32``, the backend's
             grouped weight-gradient kernel; the ``torch`` backend uses it on that backend's
             devices (e.g. the SM90 kernel on a Hopper GPU).
+        check_shape: optional ``fn(dims) -> None | reason``: whether the backend takes a
+            problem of these dimensions before any input is built; ``dims`` has the ints
+            ``T, H, I, E, K`` and ``activation`` (the :class:`~common.problem.Activation` name,
+            ``"swiglu"`` or ``"gpt_oss"``). None = any shape.
     """
 
     name: str
@@ -75,6 +79,7 @@ class Backend:
     run: Callable[..., MoEGrads]
     fallback_reason: str | None = None
     grouped_wgrad: Callable | None = None
+    check_shape: Callable[[dict], str | None] | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}

@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "check_nki",
     "check_nki_sim",
+    "check_shape",
     "prepare_blockwise_args",
     "run_blockwise",
 ]
@@ -77,6 +78,29 @@ def check_nki_sim() -> str | None:
         from nki_kernels.blockwise_mm_bwd_mxfp8 import blockwise_mm_bwd_mxfp8  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         return f"the kernel nki_kernels.blockwise_mm_bwd_mxfp8 does not import: {exc}"
+    return None
+
+
+def check_shape(dims: dict[str, Any]) -> str | None:
+    """None when the MXFP8 kernel takes a problem of these dimensions, else the reason:
+    H and I multiples of 128 (the partition tile, :data:`~nki_kernels.validation.DIM_ALIGN`)
+    and the SwiGLU activation. For :class:`~common.dispatch.Backend` ``check_shape``, so the
+    command line refuses before building any input."""
+    from nki_kernels.validation import DIM_ALIGN
+
+    H, I = dims.get("H"), dims.get("I")
+    bad = [f"{k}={v}" for k, v in (("H", H), ("I", I)) if v is not None and v % DIM_ALIGN]
+    if bad:
+        return (
+            f"{' and '.join(bad)} must be multiples of {DIM_ALIGN} (the kernel's partition "
+            "tile); --shrink N rounds H and I to multiples of 128"
+        )
+    act = dims.get("activation")
+    if act not in (None, "swiglu"):
+        return (
+            f"activation {act!r}: the MXFP8 kernel computes only SwiGLU (silu(g) * u); use "
+            "backend 'torch' or 'reference'"
+        )
     return None
 
 
@@ -370,6 +394,7 @@ register_backend(
         summary="AWS NKI blockwise MXFP8 backward on Trainium (needs the Neuron 'nki' package)",
         check=check_nki,
         run=_make_run("nki"),
+        check_shape=check_shape,
     )
 )
 register_backend(
@@ -379,6 +404,7 @@ register_backend(
         "Trainium3 time per phase",
         check=check_nki_sim,
         run=_make_run("nki-sim"),
+        check_shape=check_shape,
     )
 )
 

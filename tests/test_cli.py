@@ -79,7 +79,7 @@ def test_run_prints_gradient_table(capsys, small_models, model, bias):
         assert shape == shapes[name]
         assert float(sqnr) >= SQNR_MIN_DB[("torch", "default")], (name, sqnr)
         assert 0.0 <= float(rel) < 0.05, (name, rel)
-    assert re.search(r"wall time: backend [0-9.]+ s", out)
+    assert re.search(r"wall time: .*backend [0-9.]+ s", out)
 
 
 def test_run_reference_backend_is_exact(capsys, small_models):
@@ -95,19 +95,61 @@ def test_run_reference_backend_is_exact(capsys, small_models):
 
 def test_run_bad_model_exits_2(capsys):
     rc = cli.main(["run", "--model", "no-such-model", "--tokens", "64"])
-    out = capsys.readouterr().out
+    cap = capsys.readouterr()
     assert rc == 2
-    assert "error" in out and "no-such-model" in out and "qwen3-30b-a3b" in out
+    assert "error" in cap.err and "no-such-model" in cap.err and "qwen3-30b-a3b" in cap.err
+    assert cap.out == ""  # errors go to stderr
 
 
 def test_run_bad_tokens_exits_2(capsys, small_models):
     assert cli.main(["run", "--model", "olmoe-1b-7b", "--tokens", "0"]) == 2
-    assert "--tokens" in capsys.readouterr().out
+    assert "--tokens" in capsys.readouterr().err
 
 
 def test_run_bad_backend_exits_2(capsys, small_models):
     assert cli.main(["run", "--model", "olmoe-1b-7b", "--tokens", "8", "--backend", "bogus"]) == 2
-    assert "bogus" in capsys.readouterr().out
+    assert "bogus" in capsys.readouterr().err
+
+
+def test_backend_refuses_shape_before_inputs(capsys, monkeypatch):
+    """nki-sim needs H, I multiples of 128: gpt-oss-20b (H = I = 2880) fails at once."""
+    import common.inputs
+
+    def never(*a, **k):
+        raise AssertionError("inputs were built")
+
+    monkeypatch.setattr(common.inputs, "make_problem_for_model", never)
+    rc = cli.main(["run", "--model", "gpt-oss-20b", "--tokens", "8", "--backend", "nki-sim"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "H=2880 and I=2880 must be multiples of 128" in err, err
+
+
+def test_run_shrunk_header_json_no_reference(capsys):
+    rc = cli.main(["run", "--model", "olmoe-1b-7b", "--tokens", "16", "--shrink", "16"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "shrunk: H, I divided by 16" in out
+    assert re.search(r"wall time: inputs [0-9.]+ s, backend .* float64 reference [0-9.]+ s, "
+                     r"comparison [0-9.]+ s; total [0-9.]+ s", out), out
+    rc = cli.main(["run", "--model", "olmoe-1b-7b", "--tokens", "16", "--shrink", "16",
+                   "--no-reference", "--json"])
+    cap = capsys.readouterr()
+    assert rc == 0
+    import json
+
+    res = json.loads(cap.out)
+    assert res["shrink"] == 16 and res["dims"]["H"] == 128 and res["backend"] == "torch"
+    assert "reference" not in res["wall_s"] and res["wall_s"]["backend"] > 0
+    assert [r["gradient"] for r in res["gradients"]][:2] == ["dX [T,H]", "dA [T,E]"]
+    assert all(r["finite"] and "sqnr_db" not in r for r in res["gradients"])
+    # progress: plain numbered lines on stderr when stdout is not a terminal
+    assert "[1/2] building inputs" in cap.err and "[2/2] backward on torch" in cap.err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert re.match(r"moe-bwd \S+", capsys.readouterr().out)
 
 
 def test_missing_arguments_exit_2(capsys):

@@ -94,7 +94,6 @@ from nki_kernels.config import (
     ShardOption,
     SkipMode,
 )
-from nki_kernels.validation import validate_blockwise_mm_bwd_args
 
 __all__ = ["blockwise_mm_bwd_mxfp8"]
 
@@ -123,9 +122,31 @@ def _weight_cols(K: int, n_block: int, step: int) -> int:
 
 
 # ------------------------------------------------------------------------------------ helpers
+def _kernel_assert(cond, msg):
+    """Trace-time check on static values (nki-library ``core/utils/kernel_assert.py`` style)."""
+    assert cond, "blockwise_mm_bwd_mxfp8: " + msg  # noqa: S101
+
+
+class _Clamp(nl.NKIObject):
+    """The four clamp limits as plain values (None = no limit) from a ``ClampLimits`` or None."""
+
+    def __init__(self, limits):
+        self.linear_clamp_lower_limit = None
+        self.linear_clamp_upper_limit = None
+        self.non_linear_clamp_lower_limit = None
+        self.non_linear_clamp_upper_limit = None
+        if limits != None:  # noqa: E711
+            self.linear_clamp_lower_limit = limits.linear_clamp_lower_limit
+            self.linear_clamp_upper_limit = limits.linear_clamp_upper_limit
+            self.non_linear_clamp_lower_limit = limits.non_linear_clamp_lower_limit
+            self.non_linear_clamp_upper_limit = limits.non_linear_clamp_upper_limit
+
+
 def _k_tiles(K: int) -> list:
     """WRAPX K tiles ``(k0, TK)``: 512-wide from the start, then a 256 and a 128 remainder."""
-    tiles = [(k0, WRAPX_TILE) for k0 in range(0, K - K % WRAPX_TILE, WRAPX_TILE)]
+    tiles = []
+    for k0 in range(0, K - K % WRAPX_TILE, WRAPX_TILE):
+        tiles.append((k0, WRAPX_TILE))
     k0 = K - K % WRAPX_TILE
     for width in (256, 128):
         if K - k0 >= width:
@@ -134,7 +155,7 @@ def _k_tiles(K: int) -> list:
     return tiles
 
 
-class _Geo:
+class _Geo(nl.NKIObject):
     """Static geometry of one launch (plain Python values, resolved at trace time)."""
 
     def __init__(self, T, H, I, E, N, B, shard, num_shards):
@@ -148,15 +169,38 @@ class _Geo:
         self.I0, self.H0 = shard * self.Is, shard * self.Hs
 
 
-class _Tiling:
-    """Instruction tiling of one phase from its resolved MatmulMxfp8KernelConfig."""
+class _Tiling(nl.NKIObject):
+    """Instruction tiling of one phase from its MatmulMxfp8KernelConfig (None = AWS defaults).
 
-    def __init__(self, cfg: MatmulMxfp8KernelConfig):
-        self.p_mm = cfg.tile_k // 4
-        self.tm = cfg.tile_m
-        self.tn = min(cfg.tile_n, PSUM_TILE_MAX_N)
-        self.n_block = self.tn * (cfg.TILES_IN_BLOCK_N or 1)
-        self.fold_k = None if cfg.enable_psum_copy_in else (cfg.TILES_IN_BLOCK_K or 1)
+    Resolved at trace time as AWS's entry does (``nki_kernels.config.default_phase_configs``):
+    unset tile sizes from ``get_tile_sizes`` (M >= 128 -> 128, K >= 512 -> 512, N >= 512 -> 512,
+    else the dimension; H = 384 takes the 512^3 tiles), unset ``TILES_IN_*`` = 1.
+    """
+
+    def __init__(self, cfg, M: int, K: int, N: int, H: int):
+        tile_m, tile_k, tile_n = min(128, M), min(512, K), min(512, N)
+        if H == 384:
+            tile_m, tile_k, tile_n = 128, 512, 512
+        tib_n, tib_k, copy_in = 1, 1, True
+        if cfg != None:  # noqa: E711 - NKI has no `is` (SDK migration guide)
+            if cfg.tile_m != None:  # noqa: E711
+                tile_m = cfg.tile_m
+            if cfg.tile_k != None:  # noqa: E711
+                tile_k = cfg.tile_k
+            if cfg.tile_n != None:  # noqa: E711
+                tile_n = cfg.tile_n
+            if cfg.TILES_IN_BLOCK_N != None:  # noqa: E711
+                tib_n = cfg.TILES_IN_BLOCK_N
+            if cfg.TILES_IN_BLOCK_K != None:  # noqa: E711
+                tib_k = cfg.TILES_IN_BLOCK_K
+            copy_in = cfg.enable_psum_copy_in
+        self.p_mm = tile_k // 4
+        self.tm = tile_m
+        self.tn = min(tile_n, PSUM_TILE_MAX_N)
+        self.n_block = self.tn * tib_n
+        self.fold_k = None
+        if not copy_in:
+            self.fold_k = tib_k
 
 
 def _quantize_k_major(src, vsk: int, F: int):
@@ -235,7 +279,7 @@ def _load_weight_k_major(w_hbm, e_sb, K: int, row_stride: int, col_stride: int, 
     return out
 
 
-class _Workspace:
+class _Workspace(nl.NKIObject):
     """One phase's reusable accumulation tiles: a PSUM tile [128, tile_n] (fp32) and, when the
     config folds PSUM partials, an fp32 SBUF accumulator of the same shape."""
 
@@ -243,7 +287,7 @@ class _Workspace:
         self.ncols = ncols
         self.ps = nl.ndarray((PMAX, ncols), dtype=nl.float32, buffer=nl.psum)
         self.acc = None
-        if tl.fold_k is not None:
+        if tl.fold_k != None:  # noqa: E711
             self.acc = nl.ndarray((PMAX, ncols), dtype=nl.float32, buffer=nl.sbuf)
 
 
@@ -285,7 +329,7 @@ def _matmul_mx(lhs, rhs, m0: int, M: int, n0: int, N: int, tl: _Tiling, ws: _Wor
     for (lq, ls, vsk), (rq, rs, _) in zip(lhs, rhs):
         step = min(tl.p_mm, vsk)
         for pk in range(0, vsk, step):
-            if tl.fold_k is not None and steps and steps % tl.fold_k == 0:
+            if tl.fold_k != None and steps and steps % tl.fold_k == 0:  # noqa: E711
                 _fold(ws, ps, M, N, folded)
                 folded = True
                 steps = 0
@@ -382,8 +426,8 @@ def _wgrad_rmw(lhs, rhs, g: _Geo, tl: _Tiling, dst_hbm, e_sb, M0: int, M: int, N
     Per tile_m row tile: one gather of the rows, per tile_n column tile one matmul group and one
     fp32 add rounded to the slab's dtype (BF16 read-add-write, or the fp32 scratch), one store.
     """
-    lc0 = M0 if lhs_c0 is None else lhs_c0
-    rc0 = N0 if rhs_c0 is None else rhs_c0
+    lc0 = M0 if lhs_c0 == None else lhs_c0  # noqa: E711
+    rc0 = N0 if rhs_c0 == None else rhs_c0  # noqa: E711
     tm = min(tl.tm, PMAX)
     ws = _Workspace(tl, min(tl.tn, N))
     old = nl.ndarray((tm, N), dtype=dst_hbm.dtype, buffer=nl.sbuf)
@@ -592,7 +636,7 @@ def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_scales=None):
             nbw = min(n_block, h0 + half - nb0)
             # moving: W_down[e]^T columns nb0.., H on partitions ([E, I, H]: H stride 1)
             wdT = None  # release the previous column block before loading the next
-            if w_scales is None:
+            if w_scales == None:  # noqa: E711
                 wdT = _load_weight_k_major(w_down, b.e_sb, g.H, 1, g.H, nb0, nbw)
             else:
                 wdT = _load_prequantized_k_major(w_down, w_scales, b.e_sb, g.H, nb0, nbw)
@@ -659,12 +703,12 @@ def _swiglu_bwd(b, g: _Geo, c: int, dh_raw, ci: int, nw: int, clamp: ClampLimits
                          clamp.non_linear_clamp_upper_limit)
     mask_u = _clamp_mask(ut, P, nw, clamp.linear_clamp_lower_limit,
                          clamp.linear_clamp_upper_limit)
-    if mask_g is None:
+    if mask_g == None:  # noqa: E711
         nisa.tensor_tensor(dst=dg_out, data1=dg, data2=dsilu, op=nl.multiply, engine=VEC)
     else:
         nisa.tensor_tensor(dst=dg, data1=dg, data2=dsilu, op=nl.multiply, engine=VEC)
         nisa.tensor_tensor(dst=dg_out, data1=dg, data2=mask_g, op=nl.multiply, engine=POOL)
-    if mask_u is None:
+    if mask_u == None:  # noqa: E711
         nisa.tensor_tensor(dst=du_out, data1=dh, data2=silu, op=nl.multiply, engine=VEC)
     else:
         nisa.tensor_tensor(dst=dh, data1=dh, data2=silu, op=nl.multiply, engine=VEC)
@@ -675,14 +719,14 @@ def _swiglu_bwd(b, g: _Geo, c: int, dh_raw, ci: int, nw: int, clamp: ClampLimits
 
 def _clamp_mask(v, P: int, F: int, lo: float | None, hi: float | None):
     """1.0 where lo < v < hi (missing limits ignored), else 0.0; None without limits."""
-    if lo is None and hi is None:
+    if lo == None and hi == None:  # noqa: E711
         return None
     m = nl.ndarray((P, F), dtype=nl.float32, buffer=nl.sbuf)
     # compare ops on VectorE: the stub allows tensor_scalar on GpSimd only for rsqrt
-    if lo is not None:
+    if lo != None:  # noqa: E711
         nisa.tensor_scalar(dst=m, data=v, op0=nl.greater, operand0=float(lo), engine=VEC)
-    if hi is not None:
-        if lo is None:
+    if hi != None:  # noqa: E711
+        if lo == None:  # noqa: E711
             nisa.tensor_scalar(dst=m, data=v, op0=nl.less, operand0=float(hi), engine=VEC)
         else:
             m2 = nl.ndarray((P, F), dtype=nl.float32, buffer=nl.sbuf)
@@ -744,7 +788,7 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scal
         nbw = min(n_block, g.Hs - nb0)
         # moving: W_gate_up[e] viewed [H, 2I]: 2I on partitions (stride 1), H columns (stride 2I)
         wguT = None  # release the previous column block before loading the next
-        if w_scales is None:
+        if w_scales == None:  # noqa: E711
             wguT = _load_weight_k_major(w_gate_up, b.e_sb, I2, 1, I2, g.H0 + nb0, nbw)
         else:
             wguT = _load_prequantized_k_major(w_gate_up, w_scales, b.e_sb, I2, g.H0 + nb0, nbw)
@@ -788,7 +832,7 @@ def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc):
         _wgrad_rmw(xq, dq, g, tl, dwgu_acc, b.e_sb, g.H0, g.Hs, cb0, cbw, I2, lhs_c0=0,
                    rhs_c0=0)
         del dq
-    if bias_acc is not None:
+    if bias_acc != None:  # noqa: E711
         # dB_gate_up[e] += sum over slots of d_gate_up (this core's I share of gate and up)
         ones = nl.ndarray((PMAX, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.memset(dst=ones, value=1.0)
@@ -817,7 +861,7 @@ def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc):
         del ah_w
         _wgrad_rmw(aq, yq, g, tl, dwd_acc, b.e_sb, mb0, mbw, g.H0, g.Hs, H, lhs_c0=0, rhs_c0=0)
         del aq
-    if bias_acc is not None:
+    if bias_acc != None:  # noqa: E711
         # dB_down[e] += sum over slots of alpha * dY (fp32 products, TensorE sum over slots)
         ones = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=ones, value=1.0)
@@ -947,35 +991,44 @@ def blockwise_mm_bwd_mxfp8(
         The affinity gradient has no ``<dY, b_down>`` term (the kernel gets no bias values).
 
     Raises:
-        ValueError: any rule of :func:`nki_kernels.validation.validate_blockwise_mm_bwd_args`
-            (checked before anything is allocated or written).
+        AssertionError: a trace-time check (block_size, shapes, options). The full validation,
+            :func:`nki_kernels.validation.validate_blockwise_mm_bwd_args` (ValueError), runs on
+            the host before tracing: in :mod:`nki_kernels.backend` and, under our interpreter,
+            through the kernel's ``host_prepare`` attribute.
     """
-    args = validate_blockwise_mm_bwd_args(
-        hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
-        token_position_to_id, block_to_expert, output_hidden_states_grad, block_size,
-        gate_up_proj_act_checkpoint_T, gate_act_checkpoint_T, intermediate_checkpoint_T,
-        scaled_intermediate_checkpoint_T, down_proj_act_checkpoint, gate_up_weight_scales,
-        gate_up_weight_is_swizzled, down_weight_scales, down_weight_is_swizzled,
-        phase1_config, phase2_config, phase3_config, phase4_config, fp8_x4_dtype, spill_reload,
-        use_scale_packing, run_with_lnc2, shard_option, affinity_option, compute_dtype,
-        skip_dma, skip_grad_initialization, is_tensor_update_accumulating, clamp_limits,
-        activation_type, bias, accumulation_dtype,
-    )
-    if not hasattr(hidden_states, "ap"):
-        raise RuntimeError(
-            "blockwise_mm_bwd_mxfp8 is an NKI kernel: launch it through nki.jit on Trainium, or "
-            "on the CPU through nki_kernels.interp.simulate(blockwise_mm_bwd_mxfp8, lnc=2)(...) "
-            "(nki_kernels.backend.prepare_blockwise_args builds the arguments from a problem)"
-        )
-    T, H, I, E, N, B = args.T, args.H, args.I, args.E, args.N, args.B
-    if nl.program_ndim() == 0:
-        shard, num_shards = 0, 1
-    else:
+    # Host-side validation (validate_blockwise_mm_bwd_args) runs before tracing: in the launcher
+    # (nki_kernels.backend, or our interpreter's `host_prepare` hook). Here only trace-time
+    # checks NKI allows (asserts on static values, like nki-library's kernel_assert).
+    shard, num_shards = 0, 1
+    if nl.program_ndim() != 0:
         shard, num_shards = nl.program_id(axis=0), nl.num_programs(axes=0)
+    T, H = hidden_states.shape[0], hidden_states.shape[1]
+    E = down_proj_weight.shape[0]
+    B = block_size
+    N = token_position_to_id.shape[0] // B
+    I = gate_up_proj_act_checkpoint_T.shape[2]
+    _kernel_assert(B == 128 or B == 256 or B == 512 or B == 1024,
+                   "block_size must be one of (128, 256, 512, 1024)")
+    _kernel_assert(H % PMAX == 0 and I % PMAX == 0, "H and I_TP must be multiples of 128")
+    _kernel_assert(tuple(gate_up_proj_act_checkpoint_T.shape) == (N, 2, I, B),
+                   "gate_up_proj_act_checkpoint_T must be [N, 2, I_TP, B]")
+    _kernel_assert(activation_type == ActFnType.SiLU, "activation_type must be ActFnType.SiLU")
+    _kernel_assert(shard_option == ShardOption.SHARD_ON_FREE, "shard_option must be SHARD_ON_FREE")
+    _kernel_assert(affinity_option == AffinityOption.AFFINITY_ON_I,
+                   "affinity_option must be AFFINITY_ON_I")
     g = _Geo(T, H, I, E, N, B, shard, num_shards)
-    tilings = [_Tiling(c) for c in args.phase_configs]
-    fp32_acc = args.accumulation_dtype is not None
-    token_oob = nisa.oob_mode.skip if args.skip_dma.skip_token else nisa.oob_mode.error
+    S = num_shards
+    tilings = (
+        _Tiling(phase1_config, B, H, I // S, H),
+        _Tiling(phase2_config, B, 2 * I, H // S, H),
+        _Tiling(phase3_config, I, B, H // S, H),
+        _Tiling(phase4_config, H // S, B, I, H),
+    )
+    fp32_acc = accumulation_dtype != None  # noqa: E711
+    token_oob = nisa.oob_mode.error
+    if skip_dma != None and skip_dma.skip_token:  # noqa: E711
+        token_oob = nisa.oob_mode.skip
+    clamp = _Clamp(clamp_limits)
     ea_dtype = expert_affinities_masked.dtype
 
     # outputs (shared HBM, the caller's) and fp32 accumulators (shared HBM scratch)
@@ -1009,9 +1062,9 @@ def blockwise_mm_bwd_mxfp8(
                         (dwd_acc, E * I, H, g.H0, g.Hs)]
             if bias:
                 acc_list += [(dbd_acc, E, H, g.H0, g.Hs)]
-            for t, rows, stride, c0, w in acc_list:
+            for k, (t, rows, stride, c0, w) in enumerate(acc_list):
                 z = _zeros_tile(t.dtype)
-                if t is dwgu_acc:
+                if k == 1:  # dwgu_acc
                     # rows (e, h) of this core's H share: E slabs of Hs rows x 2I
                     for e in range(E):
                         _zero_hbm_flat(t, (e * H + g.H0) * 2 * I, g.Hs * 2 * I, z)
@@ -1039,7 +1092,7 @@ def blockwise_mm_bwd_mxfp8(
             with region("prologue"):
                 _gather_block(blk, g)
             with region("phase1"):
-                _phase1(blk, g, down_proj_weight, tilings[0], args.clamp_limits,
+                _phase1(blk, g, down_proj_weight, tilings[0], clamp,
                         down_weight_scales)
                 _exchange_phase1(blk, g, scratch_dgu, scratch_ah)
                 _store_da(blk, g, da)
@@ -1069,3 +1122,14 @@ def blockwise_mm_bwd_mxfp8(
 
 
 _ = nki  # the package stays importable as ``nki`` for callers that jit this kernel
+
+
+def _host_prepare(args, kwargs):
+    """Host-side step our interpreter's launcher runs before tracing (``simulate``): the full
+    validation (ValueError naming the argument) and the clamp limits as an NKIObject."""
+    from nki_kernels.validation import prepare_kernel_call
+
+    return prepare_kernel_call(args, kwargs)
+
+
+blockwise_mm_bwd_mxfp8.host_prepare = _host_prepare

@@ -40,6 +40,7 @@ __all__ = [
     "DEFAULT_COMPUTE_DTYPE",
     "DEFAULT_FP8_X4_DTYPE",
     "PHASE_NAMES",
+    "KernelClampLimits",
     "ActFnType",
     "AffinityOption",
     "ClampLimits",
@@ -53,12 +54,12 @@ __all__ = [
     "tuned_config_key",
 ]
 
-try:  # real NKI: the kernel's config objects must derive from nl.NKIObject (SDK language guide)
-    import nki.language as _real_nl  # type: ignore[import-not-found]
+# Classes used while tracing derive from nl.NKIObject (SDK nki-language-guide.rst, "Class
+# Support": "the class must inherit from NKIObject and no other classes"): the real one when
+# nki_kernels._nki found the real NKI, else our interpreter's (which checks kernel arguments).
+from nki_kernels._nki import nl as _nl
 
-    _NKIObject: type = _real_nl.NKIObject
-except Exception:  # noqa: BLE001 - any failure to import the real toolchain means "no real NKI"
-    _NKIObject = object
+_NKIObject: type = _nl.NKIObject
 
 # nl dtypes are plain strings equal to their names (SDK stub: ``DType = str``; NKI_API.md §2.1).
 DEFAULT_FP8_X4_DTYPE = "float8_e4m3fn_x4"
@@ -93,6 +94,27 @@ class SkipMode(_NKIObject):
             if not isinstance(getattr(self, name), bool):
                 msg = f"SkipMode.{name} must be a bool, got {getattr(self, name)!r}"
                 raise ValueError(msg)  # noqa: TRY004 - the project raises ValueError for bad input
+
+
+@dataclass(frozen=True)
+class KernelClampLimits(_NKIObject):
+    """:class:`ClampLimits` as the kernel receives it: an ``NKIObject`` with the same four fields
+    (AWS's ``moe_bwd_parameters.ClampLimits`` is one). :class:`ClampLimits` (common.problem) is
+    a plain dataclass, so launchers convert it with :meth:`from_limits` before tracing."""
+
+    linear_clamp_upper_limit: float | None = None
+    linear_clamp_lower_limit: float | None = None
+    non_linear_clamp_upper_limit: float | None = None
+    non_linear_clamp_lower_limit: float | None = None
+
+    @staticmethod
+    def from_limits(limits: Any) -> KernelClampLimits | None:
+        """None -> None; a ClampLimits (validated by its own constructor) -> the same limits."""
+        if limits is None or isinstance(limits, KernelClampLimits):
+            return limits
+        checked = ClampLimits(**{f.name: getattr(limits, f.name)
+                                 for f in dataclasses.fields(KernelClampLimits)})
+        return KernelClampLimits(**dataclasses.asdict(checked))
 
 
 class ShardOption(enum.Enum):

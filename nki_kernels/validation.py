@@ -20,6 +20,8 @@ tensors and real ``nl.ndarray`` (dtype names compared as strings, NKI_API.md §2
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,7 @@ from nki_kernels.config import (
     ActFnType,
     AffinityOption,
     ClampLimits,
+    KernelClampLimits,
     MatmulMxfp8KernelConfig,
     ShardOption,
     SkipMode,
@@ -41,6 +44,7 @@ from nki_kernels.config import (
 __all__ = [
     "BLOCK_SIZES",
     "BlockwiseMmBwdArgs",
+    "prepare_kernel_call",
     "UnsupportedOptionError",
     "dtype_name",
     "validate_blockwise_mm_bwd_args",
@@ -224,7 +228,7 @@ def _validate_options(
         f"skip_dma must be a SkipMode or None, got {skip_dma!r}",
     )
     _require(
-        clamp_limits is None or isinstance(clamp_limits, ClampLimits),
+        clamp_limits is None or isinstance(clamp_limits, (ClampLimits, KernelClampLimits)),
         f"clamp_limits must be a ClampLimits or None, got {clamp_limits!r}",
     )
     if accumulation_dtype is None:
@@ -516,7 +520,9 @@ def validate_blockwise_mm_bwd_args(
         down_weight_prequantized=down_q,
         phase_configs=phase_configs,
         skip_dma=skip_dma if skip_dma is not None else SkipMode(),
-        clamp_limits=clamp_limits if clamp_limits is not None else ClampLimits(),
+        clamp_limits=(ClampLimits(**dataclasses.asdict(clamp_limits))
+                      if isinstance(clamp_limits, KernelClampLimits)
+                      else clamp_limits if clamp_limits is not None else ClampLimits()),
         accumulation_dtype=accumulation,
     )
 
@@ -603,3 +609,24 @@ def _check_prequantized(which: str, data: Any, scales: Any, E: int, F: int) -> N
 PARAMETER_NAMES = validate_blockwise_mm_bwd_args.__code__.co_varnames[
     : validate_blockwise_mm_bwd_args.__code__.co_argcount
 ]
+
+
+def prepare_kernel_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Host-side step before tracing ``blockwise_mm_bwd_mxfp8``: validate every argument (raises
+    ValueError naming it, before any work) and pass ``clamp_limits`` as a
+    :class:`~nki_kernels.config.KernelClampLimits` (an ``NKIObject``; the kernel may only see
+    classes derived from it, SDK nki-language-guide "Class Support").
+
+    Args:
+        args, kwargs: the kernel call's positional and keyword arguments.
+
+    Returns:
+        ``(args, kwargs)`` to trace the kernel with.
+    """
+    bound = inspect.signature(validate_blockwise_mm_bwd_args).bind(*args, **kwargs)
+    validate_blockwise_mm_bwd_args(*bound.args, **bound.kwargs)
+    if "clamp_limits" in bound.arguments:
+        bound.arguments["clamp_limits"] = KernelClampLimits.from_limits(
+            bound.arguments["clamp_limits"]
+        )
+    return tuple(bound.args), dict(bound.kwargs)

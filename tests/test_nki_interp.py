@@ -943,3 +943,37 @@ def test_tensor_scalar_gpsimd_only_for_rsqrt():
     # (unary ops such as rsqrt are not modeled in tensor_scalar by this interpreter)
     nisa.tensor_scalar(y, x, nl.less, 5.0, engine=nisa.engine.vector)
     assert (y.numpy() == 1).all()
+
+
+def test_kernel_arguments_must_be_nkiobjects_or_plain_values():
+    """SDK language guide, Class Support: classes used by a kernel derive from NKIObject only;
+    migration guide: list arguments must be tuples."""
+    import dataclasses as dc
+
+    from common.problem import ClampLimits
+    from nki_kernels.config import KernelClampLimits
+
+    def k(x, opt=None):
+        return None
+
+    @dc.dataclass
+    class Plain:
+        v: int = 1
+
+    class Good(nl.NKIObject):
+        def __init__(self):
+            self.v = (1, 2.0, "s", None)
+
+    sim = nki.simulate(k)
+    sim(np.zeros(4, np.float32), opt=Good())
+    sim(np.zeros(4, np.float32), opt=KernelClampLimits(linear_clamp_upper_limit=7.0))
+    for bad, frag in ((Plain(), "does not derive from nl.NKIObject"),
+                      (ClampLimits(), "does not derive from nl.NKIObject"),
+                      ([1, 2], "NKI takes tuples"), ((1, Plain()), r"opt\[1\]")):
+        with pytest.raises(NkiError, match=frag):
+            sim(np.zeros(4, np.float32), opt=bad)
+
+
+def test_program_ndim_outside_a_launch_names_the_launcher():
+    with pytest.raises(NkiError, match="interp.simulate"):
+        nl.program_ndim()

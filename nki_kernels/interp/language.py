@@ -213,7 +213,12 @@ def num_programs(axes=0) -> int:
 
 
 def program_ndim() -> int:
-    return _core.current().grid_ndim
+    ctx = _core.current()
+    if not ctx.launched:
+        raise _core.NkiError("nl.program_ndim() outside a kernel launch: launch the kernel with "
+                             "nki.jit on Trainium or nki_kernels.interp.simulate(kernel)(...) on "
+                             "the CPU")
+    return ctx.grid_ndim
 
 
 class _TileSize:

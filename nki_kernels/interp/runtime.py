@@ -134,6 +134,13 @@ class Simulated:
             torch.set_num_threads(threads)
 
     def _call(self, args, kwargs):
+        prepare = getattr(self.kernel, "host_prepare", None)
+        if prepare is not None:  # host-side validation / conversion, before tracing
+            args, kwargs = prepare(tuple(args), dict(kwargs))
+        for i, x in enumerate(args):
+            check_kernel_argument(f"argument {i}", x)
+        for k, x in kwargs.items():
+            check_kernel_argument(k, x)
         a2, k2, any_torch = self._wrap_args(args, kwargs)
         profile = Profile(self.target)
         shared = SharedState(self.lnc, timeout_s=self.timeout_s)
@@ -186,6 +193,50 @@ class Simulated:
                           for c, x in profile.memory.items()}
         self.last_profile = profile
         return _convert_out(out, any_torch)
+
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def check_kernel_argument(name, x):
+    """Kernel arguments NKI accepts (SDK nki-language-guide "Class Support", migration guide):
+    tensors (NumPy / torch / ours), None, bool, int, float, str (dtypes are strings), enum
+    members, tuples of these, functions, and instances of classes derived from ``NKIObject``
+    ("the class must inherit from NKIObject and no other classes"); lists must be tuples
+    ("Replace list kernel arguments with tuples").
+
+    Raises:
+        NkiError: naming the argument and the rule.
+    """
+    import enum
+    import types
+
+    from .language import NKIObject
+
+    if isinstance(x, (NkiTensor, np.ndarray, *_PLAIN, enum.Enum, types.FunctionType)) or _is_torch(x):
+        return
+    if isinstance(x, tuple):
+        for i, v in enumerate(x):
+            check_kernel_argument(f"{name}[{i}]", v)
+        return
+    if isinstance(x, list):
+        raise NkiError(f"kernel {name}: a list argument; NKI takes tuples (SDK migration guide: "
+                       "'Replace list kernel arguments with tuples')")
+    bases = [NKIObject]
+    try:  # the real NKI's base, when installed
+        from nki_kernels._nki import HAVE_REAL_NKI, nl as _nl
+
+        if HAVE_REAL_NKI:
+            bases.append(_nl.NKIObject)
+    except ImportError:  # pragma: no cover
+        pass
+    if not isinstance(x, tuple(bases)):
+        raise NkiError(f"kernel {name}: {type(x).__module__}.{type(x).__qualname__} does not "
+                       "derive from nl.NKIObject (SDK language guide, Class Support: 'the class "
+                       "must inherit from NKIObject and no other classes')")
+    for k, v in vars(x).items():  # the compiler copies the object's __dict__ in
+        if not isinstance(v, NKIObject):
+            check_kernel_argument(f"{name}.{k}", v)
 
 
 def _convert_out(out, to_torch):

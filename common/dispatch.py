@@ -13,7 +13,8 @@ Selection (:func:`resolve_backend`):
 * an explicit name: that backend, or a ``RuntimeError`` saying what is missing.
 
 Names: ``reference`` (float64), ``torch`` (portable: BF16 inputs, fp32 accumulation),
-``nki`` (real Neuron NKI), ``nki-sim`` (the NKI kernel on our CPU interpreter), ``cuda-sm90``,
+``nki`` (real Neuron NKI), ``nki-sim`` (the NKI kernel on our CPU interpreter), ``nki-twin``
+(the NKI kernel's MX-faithful torch twin, any device), ``cuda-sm90``,
 ``cuda-sm100``.
 """
 
@@ -42,12 +43,13 @@ __all__ = [
 ]
 
 ENV_VAR = "MOE_BWD_BACKEND"
-BACKEND_NAMES = ("reference", "torch", "nki", "nki-sim", "cuda-sm90", "cuda-sm100")
+BACKEND_NAMES = ("reference", "torch", "nki", "nki-sim", "nki-twin", "cuda-sm90", "cuda-sm100")
 
 # Built-in plugin modules, imported lazily so that `common` never imports a backend package.
 _PLUGINS = {
     "nki": "nki_kernels.backend",
     "nki-sim": "nki_kernels.backend",
+    "nki-twin": "nki_kernels.backend",
     "cuda-sm90": "cuda_kernels.backend",
     "cuda-sm100": "cuda_kernels.backend",
 }

@@ -1,4 +1,5 @@
-"""Backends ``nki`` (real AWS NKI on Trainium) and ``nki-sim`` (our CPU NKI interpreter).
+"""Backends ``nki`` (real AWS NKI on Trainium), ``nki-sim`` (our CPU NKI interpreter) and
+``nki-twin`` (the kernel's MX-faithful torch twin, any device).
 
 Registered with :mod:`common.dispatch` on import (the dispatcher imports this module lazily by
 name). Both run :func:`nki_kernels.blockwise_mm_bwd_mxfp8` on one
@@ -36,6 +37,7 @@ __all__ = [
     "check_shape",
     "prepare_blockwise_args",
     "run_blockwise",
+    "run_twin",
 ]
 
 # 128: the smallest legal block; under the interpreter every slot of a non-empty block costs CPU
@@ -376,6 +378,76 @@ def run_blockwise(
     return grads
 
 
+TWIN_OPTIONS = ("block_size", "padding", "accumulation_dtype", "phase_configs",
+                "use_tuned_configs", "run_with_lnc2")
+
+
+def run_twin(
+    problem: MoEBackwardProblem,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    padding: str = "skip",
+    accumulation_dtype: Any = None,
+    phase_configs: tuple | None = None,
+    use_tuned_configs: bool = True,
+    run_with_lnc2: bool = True,
+) -> MoEGrads:
+    """The kernel's MX-faithful torch twin (:mod:`nki_kernels.blockwise_mm_bwd_mxfp8_torch`) on
+    ``problem``, on the problem's device (CPU or CUDA): what ``nki-sim`` (and Trainium) compute,
+    in seconds. Same layout, inputs and phase configs as :func:`run_blockwise` with the same
+    options, so its gradients equal ``nki-sim``'s bit for bit (tests/test_nki_twin.py).
+    ``run_with_lnc2`` only picks the tuned configs (LNC2 and LNC1 give the same bits).
+
+    Raises:
+        ValueError: a bad option or problem, including a non-SwiGLU activation.
+    """
+    from nki_kernels.blockwise_mm_bwd_mxfp8_torch import blockwise_mm_bwd_mxfp8_torch
+
+    problem.validate()
+    _check_activation(problem, "backend 'nki-twin'")
+    if problem.hidden_states_TH.shape[0] == 0:
+        return _zero_grads(problem, "nki-twin")
+    args, kwargs, layout = prepare_blockwise_args(problem, block_size=block_size, padding=padding)
+    H = problem.hidden_states_TH.shape[1]
+    I = problem.w_down_EIH.shape[1]
+    why = check_shape({"H": H, "I": I})
+    if why is not None:
+        raise ValueError(f"backend 'nki-twin': {why}")
+    if phase_configs is None:
+        phase_configs = (
+            load_tuned_phase_configs(H, I, block_size, run_with_lnc2)
+            if use_tuned_configs
+            else (None, None, None, None)
+        )
+    if not isinstance(phase_configs, (tuple, list)) or len(phase_configs) != 4:
+        raise ValueError(f"phase_configs must be 4 entries (phase1..phase4), got {phase_configs!r}")
+    kwargs.pop("skip_dma")  # the twin treats ids outside [0, T) as padding either way
+    start = time.perf_counter()
+    outputs = blockwise_mm_bwd_mxfp8_torch(
+        *args, **kwargs, accumulation_dtype=accumulation_dtype, phase_configs=tuple(phase_configs)
+    )
+    wall_s = time.perf_counter() - start
+    grads = _grads_from_outputs(problem, outputs)
+    grads.info.update(
+        backend="nki-twin",
+        block_size=block_size,
+        num_blocks=layout.num_blocks,
+        padding=padding,
+        accumulation_dtype=None if accumulation_dtype is None else dtype_name(accumulation_dtype),
+        wall_s=wall_s,
+    )
+    return grads
+
+
+def _run_twin_checked(problem: MoEBackwardProblem, **options: Any) -> MoEGrads:
+    unknown = set(options) - set(TWIN_OPTIONS)
+    if unknown:
+        raise ValueError(
+            f"backend 'nki-twin': unknown options {sorted(unknown)}; accepted: {TWIN_OPTIONS}"
+        )
+    return run_twin(problem, **options)
+
+
 def _make_run(backend: str):
     def run(problem: MoEBackwardProblem, **options: Any) -> MoEGrads:
         unknown = set(options) - set(RUN_OPTIONS)
@@ -404,6 +476,17 @@ register_backend(
         "Trainium3 time per phase",
         check=check_nki_sim,
         run=_make_run("nki-sim"),
+        check_shape=check_shape,
+    )
+)
+
+register_backend(
+    Backend(
+        name="nki-twin",
+        summary="the NKI MXFP8 kernel's MX-faithful torch twin, on any device (CPU or CUDA): "
+        "Trainium's numbers in seconds",
+        check=lambda: None,
+        run=_run_twin_checked,
         check_shape=check_shape,
     )
 )

@@ -10,6 +10,10 @@ added in fp32 in the kernel's order (K tiles of the phase's ``tile_k``, optional
 128-column chunks for dA, 128 slots per bias instruction). Tests compare with a relative
 error <= 1e-5; a config change only moves these fp32 sums.
 
+It runs on the device of its inputs (CPU or CUDA: backend ``nki-twin``): the per-instruction
+sums are exact in fp64 wherever they are formed, the fp32 adds are elementwise, and the sigmoid
+is NumPy's on the host, so a GPU reproduces the CPU's bits (one host round trip per block).
+
 Dimensions: T tokens (rows of ``hidden_states``; T+1 with the zero padding row), H hidden,
 I = I_TP intermediate, E experts, B block_size, N blocks.
 
@@ -181,7 +185,7 @@ def _sigmoid_fp32(x: torch.Tensor) -> torch.Tensor:
     xn = x.detach().cpu().numpy().astype(np.float32)
     with np.errstate(over="ignore"):
         s = (np.float32(1.0) / (np.float32(1.0) + np.exp(-xn))).astype(np.float32)
-    return torch.from_numpy(s)
+    return torch.from_numpy(s).to(x.device)  # NumPy's bits on every device
 
 
 def _accumulate(acc: torch.Tensor, add: torch.Tensor, fp32: bool) -> torch.Tensor:
@@ -273,13 +277,16 @@ def blockwise_mm_bwd_mxfp8_torch(
     w_gu = gate_up_proj_weight.to(_F32).reshape(E, H, 2 * I)
     w_d = down_proj_weight.to(_F32)
 
-    dX = torch.zeros(T, H, dtype=acc_dt)
-    dA = torch.zeros(T * E, dtype=_F32)
-    dWgu = torch.zeros(E, H, 2 * I, dtype=acc_dt)
-    dWd = torch.zeros(E, I, H, dtype=acc_dt)
-    dBgu = torch.zeros(E, 2 * I, dtype=acc_dt)
-    dBd = torch.zeros(E, H, dtype=acc_dt)
-    zero = torch.zeros((), dtype=_F32)
+    dev = hidden_states.device  # any device: the same sums (fp64-exact instructions, fp32 adds)
+    dX = torch.zeros(T, H, dtype=acc_dt, device=dev)
+    dA = torch.zeros(T * E, dtype=_F32, device=dev)
+    dWgu = torch.zeros(E, H, 2 * I, dtype=acc_dt, device=dev)
+    dWd = torch.zeros(E, I, H, dtype=acc_dt, device=dev)
+    dBgu = torch.zeros(E, 2 * I, dtype=acc_dt, device=dev)
+    dBd = torch.zeros(E, H, dtype=acc_dt, device=dev)
+    zero = torch.zeros((), dtype=_F32, device=dev)
+    tpti = tpti.to(dev)
+    ch1, ch2, ch3, ch4 = ([c.to(dev) for c in ch] for ch in (ch1, ch2, ch3, ch4))
     wq_cache: dict = {}  # expert -> its MX-quantized weights (same values in every block)
 
     for n in range(N):

@@ -33,7 +33,9 @@ def small_problem():
 
 
 def test_names():
-    assert BACKEND_NAMES == ("reference", "torch", "nki", "nki-sim", "cuda-sm90", "cuda-sm100")
+    assert BACKEND_NAMES == (
+        "reference", "torch", "nki", "nki-sim", "nki-twin", "cuda-sm90", "cuda-sm100"
+    )
     assert ENV_VAR == "MOE_BWD_BACKEND"
     reg = registered_backends()
     assert {"reference", "torch"} <= set(reg)

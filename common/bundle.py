@@ -83,8 +83,9 @@ class ProblemSpec:
         tokens: T.  seed: seed of every draw.  skew: router load skew.
         shrink: the ``--shrink`` factor that gave H and I (1 = full size; display only).
         dtype: compute dtype of inputs and checkpoint (``"bfloat16"``).
-        routing_file, routing_sha256: a router dump used instead of the simulation (item 4).
-        weights_file, weights_sha256, weights_layer: an expert-weight shard and its layer.
+
+    Router dumps and real expert weights (``--routing`` / ``--weights``, issue 9 item 4) are not
+    part of the spec yet: they would add a file path and its sha256 here.
     """
 
     model: str
@@ -97,11 +98,6 @@ class ProblemSpec:
     skew: float = 1.0
     shrink: int = 1
     dtype: str = "bfloat16"
-    routing_file: str | None = None
-    routing_sha256: str | None = None
-    weights_file: str | None = None
-    weights_sha256: str | None = None
-    weights_layer: int | None = None
 
     @classmethod
     def for_model(
@@ -174,24 +170,8 @@ def build_problem(spec: ProblemSpec, device: str | torch.device = "cpu") -> MoEB
     if spec.dtype != "bfloat16":
         raise ValueError(f"spec dtype {spec.dtype!r}: only 'bfloat16' problems are built")
     model = model_of_spec(spec)
-    routing = weights = None
-    if spec.routing_file is not None:
-        from common.loaders import load_routing
-
-        routing = load_routing(spec.routing_file, num_experts=spec.experts, top_k=spec.top_k,
-                               num_tokens=spec.tokens, sha256=spec.routing_sha256)
-    if spec.weights_file is not None:
-        from common.loaders import load_expert_weights
-
-        weights = load_expert_weights(spec.weights_file, model, layer=spec.weights_layer,
-                                      sha256=spec.weights_sha256)
-    kwargs: dict[str, Any] = {}
-    if routing is not None:
-        kwargs["routing"] = routing
-    if weights is not None:
-        kwargs["weights"] = weights
     problem = make_problem_for_model(
-        model, spec.tokens, seed=spec.seed, device="cpu", skew=spec.skew, **kwargs
+        model, spec.tokens, seed=spec.seed, device="cpu", skew=spec.skew
     )
     return problem_to(problem, device)
 

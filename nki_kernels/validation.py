@@ -531,12 +531,50 @@ def check_phase_config_supported(phase: int, cfg: MatmulMxfp8KernelConfig) -> No
     """Raise :class:`UnsupportedOptionError` for a resolved phase config the kernel does not
     implement, naming the phase and the field.
 
+    Honoured: M/K/N (set from the phase shape), tile_m (phases 3-4; 128 in phases 1-2), tile_k,
+    tile_n, TILES_IN_BLOCK_N, TILES_IN_BLOCK_K (with ``enable_psum_copy_in=False``),
+    enable_psum_copy_in, run_with_lnc2 (the wrapper's), quant_scheme (WRAPX only, checked when
+    resolving). ``enable_scale_packing`` is accepted either way (the wrapper's default
+    ``use_scale_packing=True`` sets it): scale tiles stay unpacked, which changes neither values
+    nor the modeled time. Every other field raises here when set to a value the kernel does not
+    implement:
+
     - phases 1-2: ``tile_m < 128``. Their stationary columns are the 128 slots of a natural-
       layout chunk; an MX matmul's output starts at PSUM partition 0 (``nc_matmul_mx`` has row
       tiling only, SDK stub), so a 32/64-column tile would land its slots on partitions 0..63
       instead of their own.
     """
     name = f"phase{phase}_config"
+    # Fields with a non-default value the kernel does not implement (AWS meaning in brackets).
+    unsupported = (
+        ("TILES_IN_BLOCK_M", cfg.TILES_IN_BLOCK_M in (None, 1),
+         "several M tiles resident per block (the kernel keeps one M tile)"),
+        ("TILES_IN_LOAD_M", cfg.TILES_IN_LOAD_M in (None, 1, cfg.TILES_IN_BLOCK_M),
+         "M tiles per DMA load other than the block's"),
+        ("TILES_IN_LOAD_N", cfg.TILES_IN_LOAD_N in (None, 1, cfg.TILES_IN_BLOCK_N),
+         "N tiles per DMA load other than the block's (the kernel loads a whole "
+         "TILES_IN_BLOCK_N x tile_n weight block at once)"),
+        ("TILES_IN_LOAD_K", cfg.TILES_IN_LOAD_K in (None, 1),
+         "K tiles per DMA load (the kernel loads every K tile of a block)"),
+        ("block_loop_order", cfg.block_loop_order == "mnk", "block loop orders other than 'mnk'"),
+        ("tile_loop_order", cfg.tile_loop_order == "mnk", "tile loop orders other than 'mnk'"),
+        ("float8_dtype", str(cfg.float8_dtype) == "float8_e4m3fn", "E5M2 operands"),
+        ("lnc_2_shard_rhs", cfg.lnc_2_shard_rhs in (None, True),
+         "sharding the stationary (lhs) operand under LNC2 (SHARD_ON_FREE shards the moving one)"),
+        ("spill_reload", cfg.spill_reload is False, "spilling quantized tiles to HBM"),
+        ("lhs_is_swizzled", cfg.lhs_is_swizzled is True,
+         "a stationary operand not already WRAPX-swizzled"),
+        ("rhs_is_swizzled", cfg.rhs_is_swizzled is True,
+         "a moving operand not already WRAPX-swizzled"),
+        ("load_with_PE_swizzle", cfg.load_with_PE_swizzle is False, "swizzling on TensorE"),
+        ("output_dtype", cfg.output_dtype is None, "a GEMM output dtype (each phase fixes its own)"),
+    )
+    for field, ok, what in unsupported:
+        _unsupported(
+            ok,
+            f"{name}.{field}={getattr(cfg, field)!r} is not implemented ({what}); leave the "
+            "default",
+        )
     if phase in (1, 2):
         _unsupported(
             cfg.tile_m >= min(128, cfg.M),

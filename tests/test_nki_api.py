@@ -868,3 +868,41 @@ def test_tuner_picks_per_phase_minimum_of_modeled_time():
         assert min(chosen) == min(times) and min(times) > 0
         default = next(r for r in rows if r["phase"] == phase and r["run"] == 0)
         assert min(times) <= default["modeled_us"]
+
+
+UNSUPPORTED_FIELDS = {
+    "TILES_IN_BLOCK_M": 2,
+    "TILES_IN_LOAD_K": 2,
+    "block_loop_order": "nmk",
+    "tile_loop_order": "kmn",
+    "float8_dtype": "float8_e5m2",
+    "lnc_2_shard_rhs": False,
+    "spill_reload": True,
+    "lhs_is_swizzled": False,
+    "rhs_is_swizzled": False,
+    "load_with_PE_swizzle": True,
+    "output_dtype": "float32",
+}
+
+
+@pytest.mark.parametrize("field", sorted(UNSUPPORTED_FIELDS))
+def test_unimplemented_config_fields_raise_naming_the_field(field):
+    """Issue 11 item 3: a field the kernel does not implement is never silently ignored."""
+    extra = {"TILES_IN_BLOCK_K": 2} if field == "TILES_IN_LOAD_K" else {}
+    cfg = MatmulMxfp8KernelConfig(0, 0, 0, **{field: UNSUPPORTED_FIELDS[field]}, **extra)
+    args = _valid_args()
+    with pytest.raises(UnsupportedOptionError, match=f"phase3_config.{field}=.*not implemented"):
+        validate_blockwise_mm_bwd_args(**args, phase3_config=cfg)
+
+
+def test_load_tiles_must_match_block_tiles_and_wrapper_spill_reload_raises():
+    args = _valid_args()
+    ok = MatmulMxfp8KernelConfig(0, 0, 0, TILES_IN_BLOCK_N=2, TILES_IN_LOAD_N=2,
+                                 TILES_IN_BLOCK_M=1, TILES_IN_LOAD_M=1, TILES_IN_LOAD_K=1,
+                                 enable_scale_packing=True, lnc_2_shard_rhs=True)
+    validate_blockwise_mm_bwd_args(**args, phase2_config=ok)
+    bad = MatmulMxfp8KernelConfig(0, 0, 0, TILES_IN_BLOCK_N=4, TILES_IN_LOAD_N=2)
+    with pytest.raises(UnsupportedOptionError, match="phase2_config.TILES_IN_LOAD_N=2"):
+        validate_blockwise_mm_bwd_args(**args, phase2_config=bad)
+    with pytest.raises(UnsupportedOptionError, match="phase1_config.spill_reload=True"):
+        validate_blockwise_mm_bwd_args(**args, spill_reload=True)

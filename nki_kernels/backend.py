@@ -90,20 +90,21 @@ def check_shape(dims: dict[str, Any]) -> str | None:
     command line refuses before building any input."""
     from nki_kernels.validation import DIM_ALIGN
 
+    reasons = []
     H, I = dims.get("H"), dims.get("I")
     bad = [f"{k}={v}" for k, v in (("H", H), ("I", I)) if v is not None and v % DIM_ALIGN]
     if bad:
-        return (
+        reasons.append(
             f"{' and '.join(bad)} must be multiples of {DIM_ALIGN} (the kernel's partition "
             "tile); --shrink N rounds H and I to multiples of 128"
         )
     act = dims.get("activation")
     if act not in (None, "swiglu"):
-        return (
+        reasons.append(
             f"activation {act!r}: the MXFP8 kernel computes only SwiGLU (silu(g) * u); use "
             "backend 'torch' or 'reference'"
         )
-    return None
+    return "; ".join(reasons) or None
 
 
 def _check_activation(problem: MoEBackwardProblem, who: str = "the NKI kernel") -> None:

@@ -353,5 +353,5 @@ def test_cli_prints_the_activation(capsys, monkeypatch):
     assert "activation: swiglu" in capsys.readouterr().out
     rc = cli.main(["run", "--model", "gpt-oss-20b", "--tokens", "8", "--device", "cpu",
                    "--backend", "nki-sim"])
-    out = capsys.readouterr().out
-    assert rc == 2 and "activation" in out
+    err = capsys.readouterr().err  # errors go to stderr
+    assert rc == 2 and "activation 'gpt_oss'" in err

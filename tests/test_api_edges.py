@@ -74,9 +74,9 @@ def test_env_auto_means_auto(monkeypatch):
 def test_cli_rejects_unusable_device_and_bad_skew(capsys):
     if not torch.cuda.is_available():
         assert cli.main(["run", "--model", "olmoe-1b-7b", "--tokens", "8", "--device", "cuda"]) == 2
-        assert "--device" in capsys.readouterr().out
+        assert "--device" in capsys.readouterr().err
     assert cli.main(["run", "--model", "olmoe-1b-7b", "--tokens", "8", "--skew", "-1"]) == 2
-    assert "--skew" in capsys.readouterr().out
+    assert "--skew" in capsys.readouterr().err
 
 
 def test_nki_sim_refuses_overwrite_scatter_with_top_k_above_one():

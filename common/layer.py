@@ -48,7 +48,7 @@ from torch.autograd.function import once_differentiable
 
 from common.dispatch import BACKEND_NAMES, resolve_backend
 from common.problem import SWIGLU, Activation, ClampLimits, MoEBackwardProblem
-from common.routing import plan_routing
+from common.routing import _INT_DTYPES, plan_routing  # the one list of accepted id dtypes
 from common.torch_backward import grouped_layout, moe_forward_torch
 
 __all__ = [
@@ -65,7 +65,6 @@ _CUDA_BACKENDS = ("cuda-sm90", "cuda-sm100")
 """Backends whose ``run`` takes ``grad_dtype`` and ``accumulate_into`` (the fused backward)."""
 _GRAD_DTYPES = (torch.float32, torch.bfloat16)
 """Gradient dtypes the fused CUDA backward writes directly; others are written fp32 and cast."""
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 # ------------------------------------------------------------------------------------ options

@@ -57,15 +57,15 @@ RUN_OPTIONS = (
 
 
 def check_nki() -> str | None:
-    """None when the real AWS NKI toolchain imports (``import nki``), else the reason."""
-    try:
-        import nki  # type: ignore[import-not-found]
-        import nki.language  # type: ignore[import-not-found]  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+    """None when the real AWS NKI toolchain is importable (``nki_kernels._nki`` checks its API
+    surface and version, so a placeholder ``nki`` package does not count), else the reason."""
+    from nki_kernels import _nki
+
+    if _nki.REAL_NKI_PROBLEM is not None:
         return (
-            f"the AWS Neuron 'nki' package does not import ({type(exc).__name__}: {exc}); it "
-            "ships with the Neuron SDK on Trainium hosts. Use backend 'nki-sim' to run the same "
-            "kernel on our CPU interpreter"
+            f"the AWS Neuron NKI toolchain is not available ({_nki.REAL_NKI_PROBLEM}); it ships "
+            "with the Neuron SDK on Trainium hosts. Use backend 'nki-sim' to run the same kernel "
+            "on our CPU interpreter"
         )
     return None
 
@@ -358,6 +358,10 @@ def run_blockwise(
     else:  # pragma: no cover - needs a Trainium host
         import nki  # type: ignore[import-not-found]
 
+        from nki_kernels.validation import prepare_kernel_call
+
+        # host side of the call, as simulate() does it: validation and NKIObject arguments
+        args, kwargs = prepare_kernel_call(args, kwargs)
         outputs = nki.jit(kernel)[lnc](*args, **kwargs)
     wall_s = time.perf_counter() - start
 

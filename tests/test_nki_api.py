@@ -562,7 +562,7 @@ def test_backends_registered_and_nki_unavailable_reason():
     names = registered_backends()
     assert {"nki", "nki-sim"} <= set(names)
     assert nki_backend.check_nki() is not None  # no Neuron SDK on this machine
-    with pytest.raises(RuntimeError, match="backend 'nki' .* 'nki' package does not import"):
+    with pytest.raises(RuntimeError, match="backend 'nki' .* NKI toolchain is not available"):
         resolve_backend("nki")
     reason = nki_backend.check_nki_sim()
     if reason is None:
@@ -576,7 +576,7 @@ def test_auto_selection_on_a_neuron_device_falls_back_with_the_reason(monkeypatc
     monkeypatch.delenv("MOE_BWD_BACKEND", raising=False)
     chosen = resolve_backend("auto", "xla")
     assert chosen.name == "torch"
-    assert chosen.fallback_reason.startswith("nki unavailable: the AWS Neuron 'nki' package")
+    assert chosen.fallback_reason.startswith("nki unavailable: the AWS Neuron NKI toolchain is not available")
     monkeypatch.setenv("MOE_BWD_BACKEND", "nki")
     with pytest.raises(RuntimeError, match="backend 'nki' .*MOE_BWD_BACKEND"):
         resolve_backend("auto", "cpu")

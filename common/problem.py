@@ -135,6 +135,31 @@ class Activation:
         """True for plain SwiGLU (alpha 1, no up offset): the only form the NKI kernel computes."""
         return self.alpha == 1.0 and self.up_offset == 0.0
 
+    @staticmethod
+    def resolve(activation: Activation | None) -> Activation:
+        """``activation``, or SwiGLU for None.
+
+        Raises:
+            ValueError: anything else.
+        """
+        if activation is None:
+            return SWIGLU
+        if not isinstance(activation, Activation):
+            raise ValueError(
+                f"activation must be an Activation or None, got {type(activation).__name__}"
+            )
+        return activation
+
+    def gate_sigmoid(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(alpha g, sigmoid(alpha g))``; alpha = 1 reuses g itself (SwiGLU: no extra pass,
+        the same bits as ``sigmoid(g)``)."""
+        ag = g if self.alpha == 1.0 else self.alpha * g
+        return ag, torch.sigmoid(ag)
+
+    def shifted_up(self, u: torch.Tensor) -> torch.Tensor:
+        """``u + up_offset`` (u itself when the offset is 0, as in SwiGLU)."""
+        return u if self.up_offset == 0.0 else u + self.up_offset
+
 
 SWIGLU = Activation("swiglu")
 GPT_OSS = Activation("gpt_oss", alpha=1.702, up_offset=1.0)

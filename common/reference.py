@@ -62,28 +62,6 @@ def _check_affinity_option(affinity_option: str) -> None:
         )
 
 
-def _resolve_activation(activation: Activation | None) -> Activation:
-    """``activation`` or SwiGLU for None; ValueError for anything else."""
-    if activation is None:
-        return SWIGLU
-    if not isinstance(activation, Activation):
-        raise ValueError(
-            f"activation must be an Activation or None, got {type(activation).__name__}"
-        )
-    return activation
-
-
-def _gate_sigmoid(g: torch.Tensor, act: Activation) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(alpha g, sigmoid(alpha g))``; alpha = 1 reuses g itself (SwiGLU, no extra rounding)."""
-    ag = g if act.alpha == 1.0 else act.alpha * g
-    return ag, torch.sigmoid(ag)
-
-
-def _up_shifted(u: torch.Tensor, act: Activation) -> torch.Tensor:
-    """``u + up_offset`` (u itself when the offset is 0, as in SwiGLU)."""
-    return u if act.up_offset == 0.0 else u + act.up_offset
-
-
 def _check_weights(
     x_TH: torch.Tensor,
     w_gate_up_EH2I: torch.Tensor,
@@ -172,7 +150,7 @@ def _pairs_forward(
         if activation.is_swiglu:
             h = torch.nn.functional.silu(g) * u
         else:
-            h = g * _gate_sigmoid(g, activation)[1] * _up_shifted(u, activation)
+            h = g * activation.gate_sigmoid(g)[1] * activation.shifted_up(u)
         wd = w_down_EIH[e].to(_F64)
         if affinity_option == AFFINITY_ON_I:
             out = (a * h) @ wd
@@ -228,8 +206,8 @@ def _pairs_backward(
         wg = w_gate_up_EH2I[e, :, 0].to(_F64)
         wu = w_gate_up_EH2I[e, :, 1].to(_F64)
         wd = w_down_EIH[e].to(_F64)
-        ag, s = _gate_sigmoid(g, activation)  # alpha g, sigmoid(alpha g)
-        up = _up_shifted(u, activation)
+        ag, s = activation.gate_sigmoid(g)  # alpha g, sigmoid(alpha g)
+        up = activation.shifted_up(u)
         gs = g * s  # dh/du: g sigmoid(alpha g) (silu(g) for SwiGLU)
         h = gs * up
         dh_raw = dy @ wd.T
@@ -368,7 +346,7 @@ def moe_forward_reference(
             Activation.
     """
     _check_affinity_option(affinity_option)
-    act_fn = _resolve_activation(activation)
+    act_fn = Activation.resolve(activation)
     E, _, I = _check_weights(hidden_states, w_gate_up, w_down, b_gate_up, b_down)
     N = _check_blockwise(
         token_position_to_id,
@@ -454,7 +432,7 @@ def moe_backward_reference(
             Activation.
     """
     _check_affinity_option(affinity_option)
-    act_fn = _resolve_activation(activation)
+    act_fn = Activation.resolve(activation)
     E, _, I = _check_weights(hidden_states, w_gate_up, w_down, b_gate_up, b_down)
     if output_hidden_states_grad.shape != hidden_states.shape:
         raise ValueError(
@@ -543,7 +521,7 @@ def reference_forward(
         padding rows 0) -- the checkpoint a :class:`MoEBackwardProblem` carries.
     """
     _check_affinity_option(affinity_option)
-    act_fn = _resolve_activation(activation)
+    act_fn = Activation.resolve(activation)
     E, _, I = _check_weights(hidden_states_TH, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH)
     _check_plan(plan, hidden_states_TH, E)
     idx, tok, exp, aff = _plan_pairs(plan)

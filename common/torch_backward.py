@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from common.problem import SWIGLU, Activation, ClampLimits, MoEBackwardProblem, MoEGrads
+from common.problem import Activation, ClampLimits, MoEBackwardProblem, MoEGrads
 
 __all__ = [
     "ALIGN",
@@ -122,28 +122,6 @@ def grouped_wgrad_default(
     return out
 
 
-def _resolve_activation(activation: Activation | None) -> Activation:
-    """``activation`` or SwiGLU for None; ValueError for anything else."""
-    if activation is None:
-        return SWIGLU
-    if not isinstance(activation, Activation):
-        raise ValueError(
-            f"activation must be an Activation or None, got {type(activation).__name__}"
-        )
-    return activation
-
-
-def _gate_sigmoid(g: torch.Tensor, act: Activation) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(alpha g, sigmoid(alpha g))``; alpha = 1 reuses g (SwiGLU: no extra pass, same bits)."""
-    ag = g if act.alpha == 1.0 else act.alpha * g
-    return ag, torch.sigmoid(ag)
-
-
-def _up_shifted(u: torch.Tensor, act: Activation) -> torch.Tensor:
-    """``u + up_offset`` (u itself when the offset is 0, as in SwiGLU)."""
-    return u if act.up_offset == 0.0 else u + act.up_offset
-
-
 def grouped_layout(plan, num_experts: int):
     """The plan's grouped layout as this module's GEMMs use it: groups aligned to
     :data:`ALIGN` rows and a static row count ``S`` (no host read on CUDA; surplus rows are
@@ -206,7 +184,7 @@ def moe_forward_torch(
     Raises:
         ValueError: an ``activation`` that is not an Activation.
     """
-    act_fn = _resolve_activation(activation)
+    act_fn = Activation.resolve(activation)
     H = hidden_states_TH.shape[1]
     E, _, _, I = w_gate_up_EH2I.shape
     R = plan.pair_token_R.shape[0]
@@ -233,7 +211,7 @@ def moe_forward_torch(
     if act_fn.is_swiglu:
         ah_S = (alpha_S * torch.nn.functional.silu(g) * u).to(cd)
     else:
-        h_S = g * _gate_sigmoid(g, act_fn)[1] * _up_shifted(u, act_fn)
+        h_S = g * act_fn.gate_sigmoid(g)[1] * act_fn.shifted_up(u)
         ah_S = (alpha_S * h_S).to(cd)
     out_S = grouped_mm_rows(ah_S, w_down_EIH.to(cd), offs, cd)
     if b_down_EH is not None:
@@ -313,8 +291,8 @@ def moe_backward_torch(
     # 2. dh_raw = dY Wd^T
     dh_raw = grouped_mm_rows(dy_S, p.w_down_EIH.to(cd).transpose(1, 2), offs)
     # 3. activation backward (fp32); SwiGLU: ag = g, up = u (the same expressions, same bits)
-    ag, s = _gate_sigmoid(g, act_fn)  # alpha g, sigmoid(alpha g)
-    up = _up_shifted(u, act_fn)
+    ag, s = act_fn.gate_sigmoid(g)  # alpha g, sigmoid(alpha g)
+    up = act_fn.shifted_up(u)
     gs = g * s  # dh/du (silu(g) for SwiGLU)
     h = gs * up
     dA_S = (dh_raw * h).sum(-1)

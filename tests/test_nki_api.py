@@ -16,7 +16,7 @@ import torch
 
 import nki_kernels
 from common.dispatch import registered_backends, resolve_backend
-from common.metrics import sqnr_db
+from common.metrics import sqnr_db, sqnr_floor
 from common.problem import ClampLimits as CommonClampLimits
 from common.problem import MoEBackwardProblem
 from common.reference import reference_backward, reference_forward
@@ -724,7 +724,7 @@ def test_nki_sim_backend_and_autograd_against_reference():
     for name, out in grads.named().items():
         figures[name] = sqnr_db(out.double(), ref.named()[name])
     print("nki-sim vs float64 reference, SQNR dB:", {k: round(v, 1) for k, v in figures.items()})
-    assert min(figures.values()) >= 24, figures
+    assert all(db >= sqnr_floor("nki", name) for name, db in figures.items()), figures
     phases = grads.info["nki_phases"]
     assert [r["phase"] for r in phases] == ["phase1", "phase2", "phase3", "phase4"]
     assert all(r["modeled_us"] > 0 and 0 < r["tensor_e_util"] <= 1 for r in phases)
@@ -755,11 +755,12 @@ def test_nki_sim_backend_and_autograd_against_reference():
     ref = reference_backward(
         MoEBackwardProblem(p.hidden_states_TH, dy, p.w_gate_up_EH2I, p.w_down_EIH, plan, act)
     )
-    assert sqnr_db(leaves[0].grad.double(), ref.hidden_states_grad_TH) >= 24
-    assert sqnr_db(leaves[2].grad.double(), ref.w_gate_up_grad_EH2I) >= 24
-    assert sqnr_db(leaves[3].grad.double(), ref.w_down_grad_EIH) >= 24
+    assert sqnr_db(leaves[0].grad.double(), ref.hidden_states_grad_TH) >= sqnr_floor("nki", "dX")
+    assert sqnr_db(leaves[2].grad.double(), ref.w_gate_up_grad_EH2I) >= sqnr_floor(
+        "nki", "dW_gate_up")
+    assert sqnr_db(leaves[3].grad.double(), ref.w_down_grad_EIH) >= sqnr_floor("nki", "dW_down")
     d_aff_ref = plan.slot_affinity_grad(ref.affinity_grad_TE)
-    assert sqnr_db(leaves[1].grad.double(), d_aff_ref) >= 24
+    assert sqnr_db(leaves[1].grad.double(), d_aff_ref) >= sqnr_floor("nki", "dA")
 
 
 def test_candidate_phase_overrides_are_valid_configs():

@@ -5,8 +5,9 @@ Three oracles:
 * the MX-faithful torch golden (``nki_kernels.blockwise_mm_bwd_mxfp8_torch``): same per-phase MX
   quantization, BF16 rounding points and fp32 summation order; every output within a relative
   (Frobenius) error of 1e-5 -- in practice bit-identical;
-* the float64 reference (``common.reference``): SQNR >= 24 dB on every output for a
-  Qwen3-30B-A3B-like and a gpt-oss-like (clamp + bias) shape, figures printed (``pytest -s``);
+* the float64 reference (``common.reference``): SQNR >= ``common.metrics.sqnr_floor("nki", g)``
+  per gradient g (24-26.5 dB, the table in common/metrics.py) for a Qwen3-30B-A3B-like and a
+  gpt-oss-like (clamp + bias) shape, figures printed (``pytest -s``);
 * the kernel itself: LNC2 vs LNC1, garbage in padding, padding blocks, poisoned outputs.
 
 Shapes are small (H, I <= 512, T <= 256) so the whole file runs in well under a minute.
@@ -21,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.metrics import rel_fro_err, sqnr_db
+from common.metrics import rel_fro_err, sqnr_db, sqnr_floor
 from common.problem import ClampLimits
 from common.reference import moe_backward_reference, moe_forward_reference
 from common.routing import plan_routing
@@ -35,7 +36,6 @@ from nki_kernels.config import MatmulMxfp8KernelConfig, SkipMode
 
 OUT_NAMES = ("dX", "dA", "dW_gate_up", "dW_down", "dB_gate_up", "dB_down")
 GOLDEN_TOL = 1e-5  # relative Frobenius error vs the MX-faithful golden (issue item 5)
-SQNR_MIN_DB = 24.0  # vs float64; torchao's MXFP8 bar for weight grads (ARCHITECTURE.md)
 GPT_OSS_CLAMP = ClampLimits(
     linear_clamp_upper_limit=7.0, linear_clamp_lower_limit=-7.0, non_linear_clamp_upper_limit=7.0
 )
@@ -182,7 +182,8 @@ def test_sqnr_vs_float64_reference(shape, capsys):
         print(f"\n[nki-sim SQNR vs float64] {shape}: "
               + ", ".join(f"{k} {v:.1f} dB" for k, v in figures.items()))
     for name, db in figures.items():
-        assert db >= SQNR_MIN_DB, f"{shape} {name}: SQNR {db:.1f} dB < {SQNR_MIN_DB} dB"
+        floor = sqnr_floor("nki", name)
+        assert db >= floor, f"{shape} {name}: SQNR {db:.1f} dB < {floor} dB"
 
 
 def test_fp32_accumulation_beats_bf16_read_add_write(capsys):

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -84,8 +85,15 @@ class ProblemSpec:
         shrink: the ``--shrink`` factor that gave H and I (1 = full size; display only).
         dtype: compute dtype of inputs and checkpoint (``"bfloat16"``).
 
-    Router dumps and real expert weights (``--routing`` / ``--weights``, issue 9 item 4) are not
-    part of the spec yet: they would add a file path and its sha256 here.
+        routing_sha256: sha256 of the router dump (``--routing``) that replaced the router
+            simulation, or None (simulated).
+        weights_sha256, layer: sha256 of the Hugging Face safetensors shard (``--weights``) and
+            the layer read from it, or None (seeded weights).
+
+    The files themselves are not stored (only their digests; paths differ between machines):
+    :func:`build_problem` takes them again and refuses a file whose sha256 differs. The three
+    fields are left out of :meth:`to_json` when None, so simulated specs read as before and
+    bundles written before they existed load unchanged.
     """
 
     model: str
@@ -98,6 +106,9 @@ class ProblemSpec:
     skew: float = 1.0
     shrink: int = 1
     dtype: str = "bfloat16"
+    routing_sha256: str | None = None
+    weights_sha256: str | None = None
+    layer: int | None = None
 
     @classmethod
     def for_model(
@@ -115,8 +126,17 @@ class ProblemSpec:
     def is_shrunk(self) -> bool:
         return self.shrink != 1
 
+    @property
+    def real_inputs(self) -> bool:
+        """True when routing or weights come from files."""
+        return self.routing_sha256 is not None or self.weights_sha256 is not None
+
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for k in _OPTIONAL_SPEC_FIELDS:
+            if d[k] is None:
+                del d[k]
+        return d
 
     @classmethod
     def from_json(cls, data: Any, where: str = "spec") -> ProblemSpec:
@@ -136,7 +156,20 @@ class ProblemSpec:
             raise ValueError(f"{where}: spec field 'model' must be a string")
         if not isinstance(kwargs.get("skew", 1.0), (int, float)):
             raise ValueError(f"{where}: spec field 'skew' must be a number")
+        for k in ("routing_sha256", "weights_sha256"):
+            v = kwargs.get(k)
+            if v is not None and not (isinstance(v, str) and _SHA256_RE.match(v)):
+                raise ValueError(f"{where}: spec field {k!r} must be a sha256 hex digest, got {v!r}")
+        v = kwargs.get("layer")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{where}: spec field 'layer' must be an int >= 0, got {v!r}")
+        if (kwargs.get("layer") is None) != (kwargs.get("weights_sha256") is None):
+            raise ValueError(f"{where}: spec fields 'layer' and 'weights_sha256' go together")
         return cls(**kwargs)
+
+
+_OPTIONAL_SPEC_FIELDS = ("routing_sha256", "weights_sha256", "layer")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def base_model_name(name: str) -> str:
@@ -162,16 +195,53 @@ def model_of_spec(spec: ProblemSpec) -> MoEModelShape:
     return base.scaled(hidden=spec.hidden, intermediate=spec.intermediate, name=name)
 
 
-def build_problem(spec: ProblemSpec, device: str | torch.device = "cpu") -> MoEBackwardProblem:
+def build_problem(
+    spec: ProblemSpec, device: str | torch.device = "cpu", *,
+    routing_file: str | os.PathLike | None = None,
+    weights_file: str | os.PathLike | None = None,
+) -> MoEBackwardProblem:
     """Re-create the problem of ``spec`` on the CPU (bit-identical on every machine whose CPU
-    computes the same fp32 forward), then move it to ``device``."""
+    computes the same fp32 forward), then move it to ``device``.
+
+    A spec made from a router dump / a weights shard needs the same file again
+    (``routing_file`` / ``weights_file``); its sha256 must equal the spec's.
+
+    Raises:
+        ValueError: a file the spec needs is not given, a file is given the spec does not
+            name, a file's sha256 differs from the spec's, or a loader's error.
+    """
     from common.inputs import make_problem_for_model
+    from common.loaders import load_expert_weights, load_routing
 
     if spec.dtype != "bfloat16":
         raise ValueError(f"spec dtype {spec.dtype!r}: only 'bfloat16' problems are built")
     model = model_of_spec(spec)
+    for flag, want, given in (("--routing", spec.routing_sha256, routing_file),
+                              ("--weights", spec.weights_sha256, weights_file)):
+        if want is not None and given is None:
+            raise ValueError(
+                f"the problem was made from a {flag} file (sha256 {want[:12]}...); pass it "
+                f"again with {flag} FILE"
+            )
+        if want is None and given is not None:
+            raise ValueError(f"{given}: {flag} given, but the problem was made without one")
+        if given is not None:
+            got = _file_sha256(Path(given))
+            if got != want:
+                raise ValueError(
+                    f"{given}: sha256 {got[:12]}... differs from the problem's {want[:12]}... "
+                    f"({flag} is another file than the one the problem was made from)"
+                )
+    routing = None
+    if routing_file is not None:
+        routing = load_routing(routing_file, num_experts=model.experts, top_k=model.top_k,
+                               num_tokens=spec.tokens)
+    weights = None
+    if weights_file is not None:
+        weights = load_expert_weights(weights_file, model, layer=spec.layer or 0)
     problem = make_problem_for_model(
-        model, spec.tokens, seed=spec.seed, device="cpu", skew=spec.skew
+        model, spec.tokens, seed=spec.seed, device="cpu", skew=spec.skew,
+        routing=routing, weights=weights,
     )
     return problem_to(problem, device)
 
@@ -428,6 +498,8 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 def load_bundle(
     path: str | os.PathLike, *, check_inputs: bool = True,
     problem: MoEBackwardProblem | None = None,
+    routing_file: str | os.PathLike | None = None,
+    weights_file: str | os.PathLike | None = None,
 ) -> Bundle:
     """Load a bundle: manifest, gradients (safetensors), and the input check.
 
@@ -436,6 +508,8 @@ def load_bundle(
         check_inputs: re-create the problem on the CPU from the spec and compare every input
             digest (or compare with ``problem``'s digests when given).
         problem: an already built problem of the same spec (skips the re-creation).
+        routing_file, weights_file: the files a real-input spec was made from (see
+            :func:`build_problem`).
     Raises:
         ValueError: naming the file: unreadable, truncated or corrupt manifest or gradient file,
             a gradient file whose sha256 differs from the manifest's, missing or mis-shaped
@@ -488,7 +562,8 @@ def load_bundle(
     if check_inputs:
         if problem is None:
             try:
-                problem = build_problem(spec)
+                problem = build_problem(spec, routing_file=routing_file,
+                                        weights_file=weights_file)
             except ValueError as exc:
                 raise ValueError(f"{root / MANIFEST}: cannot re-create its problem: {exc}") from exc
         check_digests(digests, input_digests(problem), where=str(root / MANIFEST))

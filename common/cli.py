@@ -1,8 +1,9 @@
 """``moe-bwd``: the package's command line.
 
     moe-bwd run --model qwen3-30b-a3b --tokens 2048 [--backend auto|NAME] [--seed S] [--shrink N]
-                [--save DIR]
+                [--save DIR] [--routing FILE] [--weights FILE [--layer N]]
     moe-bwd compare A B ... [--baseline reference] [--min-sqnr DB] [--json] [--report DIR]
+                [--routing FILE] [--weights FILE [--layer N]]
     moe-bwd models
     moe-bwd backends
 
@@ -11,6 +12,10 @@ router, the forward checkpoint), runs the backward on the selected backend, runs
 reference on the same inputs, and prints one row per gradient: shape, SQNR (dB) and max
 relative error against float64, plus wall times. ``--save DIR`` builds the inputs on the CPU
 (bit-identical on every machine) and writes a gradient bundle (:mod:`common.bundle`).
+``--routing FILE`` replaces the router simulation by a router dump and ``--weights FILE``
+(``--layer N``) the seeded expert weights by one layer of a Hugging Face safetensors shard
+(:mod:`common.loaders`); a bundle records their sha256, and ``compare`` needs the same files
+again to re-create its problem.
 
 ``compare`` takes bundle directories and/or backend names (run here on the same problem: the
 bundles' problem, or ``--model``/``--tokens``/``--seed``/``--skew``/``--shrink``) and reports every
@@ -142,13 +147,19 @@ def _run(args, console: Console) -> int:
         model = load_model(args.model)
     except ValueError as exc:
         raise _Failed(str(exc)) from None
-    if args.tokens < 1:
+    if args.tokens is not None and args.tokens < 1:
         raise _Failed(f"--tokens must be >= 1, got {args.tokens}")
     if args.shrink != 1:
         try:
             model = model.shrink(args.shrink)
         except ValueError as exc:
             raise _Failed(f"--shrink: {exc}") from None
+    try:
+        routing = _load_routing_arg(args, model)
+    except ValueError as exc:
+        raise _Failed(str(exc)) from None
+    if routing is not None and args.tokens is None:
+        args.tokens = int(routing[0].shape[0])
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         torch.empty(0, device=device)
@@ -179,15 +190,26 @@ def _run(args, console: Console) -> int:
     with _Steps(console, 2 if args.no_reference else 3) as steps:
         steps.step("building inputs (weights, router, forward checkpoint)")
         t0 = time.perf_counter()
-        spec = ProblemSpec.for_model(
-            model, args.tokens, seed=args.seed, skew=args.skew, shrink=args.shrink
-        )
-        if args.save is not None:  # on the CPU: the same bits on every machine
-            problem = build_problem(spec, device)
-        else:
-            problem = make_problem_for_model(
-                model, args.tokens, seed=args.seed, device=device, skew=args.skew
-            )
+        try:
+            if args.save is not None:  # on the CPU: the same bits on every machine
+                spec = ProblemSpec.for_model(
+                    model, args.tokens, seed=args.seed, skew=args.skew, shrink=args.shrink,
+                    **_file_digests(args),
+                )
+                problem = build_problem(spec, device, routing_file=args.routing,
+                                        weights_file=args.weights)
+            else:
+                weights = None
+                if args.weights is not None:
+                    from common.loaders import load_expert_weights
+
+                    weights = load_expert_weights(args.weights, model, layer=args.layer)
+                problem = make_problem_for_model(
+                    model, args.tokens, seed=args.seed, device=device, skew=args.skew,
+                    routing=routing, weights=weights,
+                )
+        except (ValueError, OSError) as exc:
+            raise _Failed(str(exc)) from None
         times["inputs"] = time.perf_counter() - t0
         steps.step(f"backward on {backend.name}")
         if device.startswith("cuda"):
@@ -247,6 +269,8 @@ def _run(args, console: Console) -> int:
                 "backend"] > 0 else None,
             "nki_phases": grads.info.get("nki_phases"),
             "bundle": str(saved) if saved is not None else None,
+            "routing_file": args.routing, "weights_file": args.weights,
+            "layer": args.layer if args.weights is not None else None,
         }
         print(json.dumps(result, indent=2, allow_nan=True))
         return 1 if math.isnan(worst) else 0
@@ -259,6 +283,12 @@ def _run(args, console: Console) -> int:
         f"[bold]{model.display_name}[/bold]{shrunk}  T={d['T']} H={d['H']} I={d['I']} "
         f"E={d['E']} top_k={d['K']}  backend=[bold]{backend.name}[/bold]{note}  device={device}"
     )
+    if args.routing is not None or args.weights is not None:
+        console.print(
+            f"inputs: routing {args.routing or 'simulated'}; weights "
+            + (f"{args.weights} (layer {args.layer})" if args.weights else "seeded"),
+            markup=False, highlight=False,
+        )
     act = problem.activation
     console.print(
         f"activation: {act.name} (h = silu(g) * u)"
@@ -309,6 +339,46 @@ def _run(args, console: Console) -> int:
     return 0
 
 
+def _load_routing_arg(args, model):
+    """``(expert_index, affinity)`` of ``--routing`` (checked against the model and
+    ``--tokens``), or None."""
+    if getattr(args, "routing", None) is None:
+        return None
+    from common.loaders import load_routing
+
+    return load_routing(args.routing, num_experts=model.experts, top_k=model.top_k,
+                        num_tokens=args.tokens)
+
+
+def _file_digests(args) -> dict:
+    """Spec fields of ``--routing`` / ``--weights`` (sha256, layer); empty when neither."""
+    from common.loaders import file_sha256
+
+    out = {}
+    if getattr(args, "routing", None) is not None:
+        out["routing_sha256"] = file_sha256(args.routing)
+    if getattr(args, "weights", None) is not None:
+        out["weights_sha256"] = file_sha256(args.weights)
+        out["layer"] = args.layer if args.layer is not None else 0
+    return out
+
+
+def _add_real_input_args(p, *, compare: bool = False) -> None:
+    p.add_argument(
+        "--routing", default=None, metavar="FILE",
+        help="router dump (.pt / .safetensors / .npz with expert_index and affinity [T, K]) "
+        "instead of the router simulation" + ("; T sets --tokens when that is not given"
+                                              if not compare else ""),
+    )
+    p.add_argument(
+        "--weights", default=None, metavar="FILE",
+        help="Hugging Face safetensors shard holding one MoE layer's routed experts, instead "
+        "of seeded weights (H and I must match the model, after --shrink)",
+    )
+    p.add_argument("--layer", type=int, default=None if compare else 0, metavar="N",
+                   help="decoder layer read from --weights")
+
+
 def _bytes_needed(model, num_tokens: int, reference: bool = True) -> int:
     """Rough peak bytes of `run`: BF16 weights, fp32 grads, float64 reference grads and
     temporaries (14 bytes per weight element; 6 without the reference), plus per-row
@@ -349,20 +419,31 @@ def _compare_problem(args, bundle_paths: list[str]):
             raise ValueError(
                 f"the problem comes from the bundle(s); drop {' and '.join(given)}"
             )
-    else:
-        if args.model is None or args.tokens is None:
+        if args.layer is not None and args.layer != spec.layer:
             raise ValueError(
-                "no bundle among the operands: give the problem with --model and --tokens"
+                f"--layer {args.layer}: the bundle(s) were made from layer {spec.layer}"
+            )
+    else:
+        if args.model is None or (args.tokens is None and args.routing is None):
+            raise ValueError(
+                "no bundle among the operands: give the problem with --model and --tokens "
+                "(or --routing FILE)"
             )
         model = load_model(args.model)
-        if args.tokens < 1:
+        if args.tokens is not None and args.tokens < 1:
             raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
         if args.shrink != 1:
             model = model.shrink(args.shrink)
+        routing = _load_routing_arg(args, model)  # checks it before any work
+        tokens = args.tokens if args.tokens is not None else int(routing[0].shape[0])
+        if args.layer is not None and args.weights is None:
+            raise ValueError("--layer is only used with --weights FILE")
         spec = ProblemSpec.for_model(
-            model, args.tokens, seed=args.seed, skew=args.skew, shrink=args.shrink
+            model, tokens, seed=args.seed, skew=args.skew, shrink=args.shrink,
+            **_file_digests(args),
         )
-    return spec, build_problem(spec, "cpu")
+    return spec, build_problem(spec, "cpu", routing_file=args.routing,
+                               weights_file=args.weights)
 
 
 def _cmd_compare(args, console: Console) -> int:
@@ -532,6 +613,7 @@ def _add_compare_parser(sub) -> None:
     cmp.add_argument("--skew", type=float, default=1.0, help="router load skew (when no bundle)")
     cmp.add_argument("--shrink", type=int, default=1, help="divide H and I by N (when no bundle)")
     cmp.add_argument("--device", default=None, help="device of backend operands")
+    _add_real_input_args(cmp, compare=True)
     cmp.add_argument(
         "--min-sqnr", type=float, default=None, metavar="DB",
         help="exit 1 when any gradient of any operand has an SQNR below DB",
@@ -563,7 +645,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     run.add_argument("--model", required=True, help="model shape name (see `moe-bwd models`)")
-    run.add_argument("--tokens", type=int, required=True, help="tokens T in the batch")
+    run.add_argument("--tokens", type=int, default=None,
+                     help="tokens T in the batch (required unless --routing gives it)")
     run.add_argument(
         "--backend",
         default="auto",
@@ -593,6 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the float64 reference (print gradient magnitudes instead of errors)",
     )
     run.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    _add_real_input_args(run)
     run.set_defaults(func=_cmd_run)
     _add_compare_parser(sub)
     sub.add_parser("models", help="list the model shapes").set_defaults(func=_cmd_models)
@@ -603,7 +687,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "run" and args.tokens is None and args.routing is None:
+        parser.error("the following arguments are required: --tokens (or --routing FILE)")
     return args.func(args, Console())
 
 

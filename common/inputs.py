@@ -39,6 +39,7 @@ def make_problem(
     affinity: torch.Tensor | None = None,
     skew: float = 1.0,
     activation: Activation | None = None,
+    weights=None,
 ) -> MoEBackwardProblem:
     """A seeded :class:`MoEBackwardProblem` of the given sizes.
 
@@ -54,6 +55,9 @@ def make_problem(
             simulation (softmax top-k with load skew ``skew``).
         activation: the problem's :class:`~common.problem.Activation`; None = SwiGLU. The
             checkpoint (pre-activations) does not depend on it.
+        weights: optional :class:`~common.loaders.ExpertWeights` (real expert weights) used
+            instead of the seeded draws; ``x`` and ``dy`` are the same seeded draws either way
+            (they are drawn first). Its biases are used when ``bias`` (and must then be there).
     Raises:
         ValueError: bad sizes (from the router simulation / routing validation), or an
             ``activation`` that is not an Activation.
@@ -74,10 +78,23 @@ def make_problem(
         expert_index, affinity = simulate_router(T, E, top_k, seed=seed + 1, skew=skew)
     x = randn(T, H)
     dy = randn(T, H)
-    w_gate_up = randn(E, H, 2, I, std=H**-0.5)
-    w_down = randn(E, I, H, std=I**-0.5)
-    b_gate_up = randn(E, 2, I, std=0.1) if bias else None
-    b_down = randn(E, H, std=0.1) if bias else None
+    if weights is None:
+        w_gate_up = randn(E, H, 2, I, std=H**-0.5)
+        w_down = randn(E, I, H, std=I**-0.5)
+        b_gate_up = randn(E, 2, I, std=0.1) if bias else None
+        b_down = randn(E, H, std=0.1) if bias else None
+    else:
+        w_gate_up, w_down = weights.w_gate_up_EH2I.to(dtype), weights.w_down_EIH.to(dtype)
+        if tuple(w_gate_up.shape) != (E, H, 2, I) or tuple(w_down.shape) != (E, I, H):
+            raise ValueError(
+                f"weights: shapes {list(w_gate_up.shape)} / {list(w_down.shape)} do not match "
+                f"E={E}, H={H}, I={I}"
+            )
+        b_gate_up = b_down = None
+        if bias:
+            if weights.b_gate_up_E2I is None or weights.b_down_EH is None:
+                raise ValueError("weights: the problem has biases but the weights carry none")
+            b_gate_up, b_down = weights.b_gate_up_E2I.to(dtype), weights.b_down_EH.to(dtype)
     dev = torch.device(device)
 
     def mv(t):  # a no-op (the same tensor) for CPU tensors on a CPU device
@@ -113,12 +130,23 @@ def make_problem_for_model(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     skew: float = 1.0,
+    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weights=None,
 ) -> MoEBackwardProblem:
     """:func:`make_problem` with a model's shape, router kind, biases, clamp limits and
     activation: ``swiglu_clamped`` models (gpt-oss) get ``Activation("gpt_oss",
     alpha=model.swiglu_alpha, up_offset=1.0)`` (:data:`~common.problem.GPT_OSS` for 1.702),
-    the others SwiGLU."""
-    expert_index, affinity = simulate_model_routing(model, num_tokens, seed=seed + 1, skew=skew)
+    the others SwiGLU.
+
+    ``routing`` (``(expert_index, affinity)`` [T, K], e.g. :func:`common.loaders.load_routing`)
+    replaces the router simulation; ``weights`` (:class:`common.loaders.ExpertWeights`) replaces
+    the seeded expert weights (and biases)."""
+    if routing is not None:
+        expert_index, affinity = routing
+    else:
+        expert_index, affinity = simulate_model_routing(
+            model, num_tokens, seed=seed + 1, skew=skew
+        )
     limits = model.clamp_limits
     if model.activation == "swiglu_clamped":
         activation = Activation("gpt_oss", alpha=model.swiglu_alpha, up_offset=1.0)
@@ -138,4 +166,5 @@ def make_problem_for_model(
         expert_index=expert_index,
         affinity=affinity,
         activation=activation,
+        weights=weights,
     )

@@ -52,12 +52,23 @@ What was verified, and how (the ``search`` / ``read_file`` tools over public Git
 * Qwen3-MoE: ``transformers/models/qwen3_moe/modeling_qwen3_moe.py``: ``Qwen3MoeDecoderLayer.mlp
   = Qwen3MoeSparseMoeBlock``, ``experts = nn.ModuleList(Qwen3MoeMLP)`` with ``gate_proj``,
   ``up_proj``, ``down_proj`` ``nn.Linear(..., bias=False)``; ``base_model_prefix = "model"``.
+* DeepSeek-V3: ``transformers/models/deepseek_v3/modeling_deepseek_v3.py``: ``DeepseekV3MoE.experts
+  = nn.ModuleList(DeepseekV3MLP)`` with ``gate_proj``/``up_proj`` Linear(H -> I) and ``down_proj``
+  Linear(I -> H), forward ``down(act(gate x) * up x)``. The decoder layer's ``mlp`` attribute and
+  the ``model.`` prefix were not read there (they are transformers' convention, as in Qwen3-MoE).
+  Kimi-K2 reuses the DeepSeek-V3 architecture (configs/models/kimi-k2.yaml). The FP8 format
+  (``weight_scale_inv``, one fp32 scale per 128x128 block, ``w = fp8 * scale``) is the published
+  DeepSeek-V3 checkpoint convention; NOT verified against source in this change.
 * Mixtral: the ``MixtralBlockSparseTop2MLP`` module tree (``block_sparse_moe.experts.e.w1/w2/w3``,
-  ``w1``/``w3`` Linear(H -> I), ``w2`` Linear(I -> H), forward ``w2(silu(w1 x) * w3 x)``) as
-  printed in keras-team/keras-hub's Mixtral README and in transformers' modeling_mixtral.
-* DeepSeek-V3 / Kimi-K2 and OLMoE: NOT verified against source in this change; the names are the
-  ones the issue and ``configs/models`` comments give (``DeepseekV3MoE.experts`` and
-  ``OlmoeSparseMoeBlock.experts`` as ModuleLists of gate/up/down_proj MLPs).
+  ``w1``/``w3`` Linear(H -> I), ``w2`` Linear(I -> H)) as printed in keras-team/keras-hub's
+  Mixtral README (a dump of the transformers model), and a MixtralBlockSparseTop2MLP excerpt with
+  forward ``w2(silu(w1 x) * w3 x)``.
+* OLMoE: NOT verified against source in this change; the names are the issue's
+  (``OlmoeSparseMoeBlock.experts`` as a ModuleList of gate/up/down_proj MLPs, as Qwen3-MoE).
+
+Not read: the per-layer fused layout newer transformers versions use in memory (checkpoints on
+the Hub keep the per-expert names above), gpt-oss MXFP4 blocks, and sharded checkpoints whose
+experts of one layer span several files (pass the shard that holds them all).
 """
 
 from __future__ import annotations

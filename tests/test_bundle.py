@@ -39,6 +39,9 @@ SPEC = ProblemSpec.for_model(
 def _env(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     monkeypatch.delenv("MOE_BWD_BACKEND", raising=False)
+    # The CLI runs here compare against torch on the CPU: pin "auto" to the CPU whether or not a
+    # GPU is present (the CLI's default device is cuda when torch sees one; issue 8 item 2).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 @pytest.fixture(scope="module")

@@ -213,8 +213,52 @@ def test_offline_compile_sm100a(shape_mn, tile_mn, a_major, b_major, out_dtype, 
         assert not _ops(ptx, "cp.reduce.async.bulk.tensor")
 
 
+def _ptxas_candidates() -> list[str]:
+    """ptxas binaries to try, in order: PATH, $CUDA_HOME / $CUDA_PATH, /usr/local/cuda, the
+    ones Triton bundles (``ptxas-blackwell`` knows newer PTX ISAs than its plain ``ptxas``)."""
+    import os
+    import pathlib
+
+    found = [shutil.which("ptxas")]
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            found.append(str(pathlib.Path(os.environ[env]) / "bin" / "ptxas"))
+    found.append("/usr/local/cuda/bin/ptxas")
+    spec = importlib.util.find_spec("triton")
+    if spec is not None and spec.origin:
+        bin_dir = pathlib.Path(spec.origin).parent / "backends" / "nvidia" / "bin"
+        found += [str(bin_dir / "ptxas-blackwell"), str(bin_dir / "ptxas")]
+    out = []
+    for p in found:
+        if p and os.path.isfile(p) and os.access(p, os.X_OK) and p not in out:
+            out.append(p)
+    return out
+
+
+def _ptxas_for(ptx: str, tmp_path) -> str:
+    """A ptxas that assembles the PTX ISA version ``ptx`` declares for sm_100a, or skip saying
+    which versions were tried (an older CUDA toolkit rejects a newer ``.version``)."""
+    version = re.search(r"^\s*\.version\s+(\d+\.\d+)", ptx, re.M)
+    assert version, "the PTX declares no .version"
+    probe = tmp_path / "probe.ptx"
+    probe.write_text(f".version {version.group(1)}\n.target sm_100a\n.address_size 64\n")
+    tried = []
+    for exe in _ptxas_candidates():
+        res = subprocess.run(
+            [exe, "-arch=sm_100a", str(probe), "-o", str(tmp_path / "probe.cubin")],
+            capture_output=True, text=True, timeout=60, check=False,
+        )
+        if res.returncode == 0:
+            return exe
+        ver = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False)
+        tried.append(f"{exe} ({ver.stdout.strip().splitlines()[-1] if ver.stdout else '?'})")
+    pytest.skip(
+        f"no ptxas here assembles PTX ISA {version.group(1)} for sm_100a (tried: "
+        f"{'; '.join(tried) or 'none found'}); install a CUDA toolkit that knows it"
+    )
+
+
 @needs_cute
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
 @pytest.mark.parametrize(
     ("tile_mn", "mode"), [((256, 256), "dense"), ((128, 128), "dense"), ((256, 256), "discrete")]
 )
@@ -223,10 +267,12 @@ def test_ptx_assembles_for_sm100a_without_spills(tmp_path, tile_mn, mode):
         512, 512, 4, a_major="m", b_major="n", out_dtype="float32", accumulate=True,
         output_mode=mode, tile=select_sm100_tile_config(512, 512, 4, mma_tiler_mn=tile_mn),
     )
+    ptx = sm100.compile_sm100_wgrad_offline(key)
+    ptxas = _ptxas_for(ptx, tmp_path)
     ptx_file = tmp_path / "k.ptx"
-    ptx_file.write_text(sm100.compile_sm100_wgrad_offline(key))
+    ptx_file.write_text(ptx)
     res = subprocess.run(
-        ["ptxas", "-arch=sm_100a", "-v", str(ptx_file), "-o", str(tmp_path / "k.cubin")],
+        [ptxas, "-arch=sm_100a", "-v", str(ptx_file), "-o", str(tmp_path / "k.cubin")],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert res.returncode == 0, res.stderr
@@ -242,8 +288,57 @@ def test_offline_compile_accepts_api_contract():
     assert ".target sm_100a" in ptx and "tcgen05.mma.cta_group::1" in ptx
 
 
+@pytest.fixture
+def gpu_arch_sm90a():
+    """CuTe DSL's arch state as on an H200 (``envar.arch`` detected as sm_90a); restored after."""
+    from cutlass.base_dsl.dsl import BaseDSL
+
+    envar = BaseDSL._get_dsl().envar
+    saved = envar.__dict__.get("_arch")
+    envar.arch = "sm_90a"
+    yield envar
+    envar._arch = saved
+
+
 @needs_cute
-def test_compile_cache_counts_real_compiles():
+def test_offline_compile_ignores_the_present_gpu_arch(gpu_arch_sm90a):
+    # The H200 run of issue 8: "expects arch to be one of [sm_100a, ...] but got sm_90a".
+    ptx = sm100.compile_sm100_wgrad_offline(_contract(mma_tiler_mn=(128, 128)))
+    assert ".target sm_100a" in ptx and "tcgen05.mma.cta_group::1" in ptx
+    assert gpu_arch_sm90a.arch == "sm_90a"  # the DSL's state is restored
+
+
+@needs_cute
+def test_arch_pin_restores_state_on_error():
+    from cutlass.base_dsl.dsl import BaseDSL
+
+    from cuda_kernels.grouped_wgrad._contract import pinned_cute_arch
+
+    envar = BaseDSL._get_dsl().envar
+    saved = envar.__dict__.get("_arch")
+    try:
+        envar._arch = None  # "not detected yet"
+        with pytest.raises(KeyError), pinned_cute_arch("sm_100a"):
+            assert envar.arch == "sm_100a"
+            raise KeyError("boom")
+        assert envar.__dict__.get("_arch") is None
+    finally:
+        envar._arch = saved
+
+
+def test_target_arch_is_never_another_family(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for cc, want in (((9, 0), "sm_100a"), ((10, 0), "sm_100a"), ((10, 3), "sm_103a"),
+                     ((12, 0), "sm_100a")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, cc=cc: cc)
+        assert sm100._target_arch() == want
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sm100._target_arch() == "sm_100a"
+
+
+@needs_cute
+def test_compile_cache_counts_real_compiles(gpu_arch_sm90a):
+    # gpu_arch_sm90a: the cache compile must target sm_100a on an H200 too (issue 8 item 2).
     key = Sm100WgradKey(256, 256, 3, tile=Sm100TileConfig(128, 128, 64, 4))
     before = sm100.COMPILE_COUNT
     first = sm100.compile_sm100_wgrad(key)

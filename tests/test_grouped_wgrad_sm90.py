@@ -114,6 +114,26 @@ def test_offline_compile_sm90a_has_wgmma_and_tma():
     assert "setmaxnreg" in ptx  # producer / consumer register split
 
 
+@needs_cute
+def test_offline_compile_ignores_the_present_gpu_arch():
+    # On a B200 (or a machine without GPU) CuTe DSL detects sm_100a / sm_100: the sm_90a compile
+    # pins its target (issue 8 item 2) and restores the DSL's state afterwards.
+    from cutlass.base_dsl.dsl import BaseDSL
+
+    envar = BaseDSL._get_dsl().envar
+    saved = envar.__dict__.get("_arch")
+    try:
+        envar.arch = "sm_100a"
+        key = Sm90WgradKey(
+            256, 256, 4, a_major="k", b_major="n", tile=select_sm90_tile_config(256, 256, 4)
+        )
+        ptx = sm90.compile_sm90_wgrad_offline(key, arch="sm_90a")
+        assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx
+        assert envar.arch == "sm_100a"
+    finally:
+        envar._arch = saved
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU helpers
 # ------------------------------------------------------------------------------------------------

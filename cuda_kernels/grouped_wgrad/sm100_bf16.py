@@ -64,7 +64,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import check_key_fields, load_tile_rules
+from ._contract import check_key_fields, load_tile_rules, pinned_cute_arch
 
 __all__ = [
     "COMPILE_COUNT",
@@ -958,11 +958,33 @@ def _compile(key: Sm100WgradKey, arch: str | None, dump_dir: str | None = None):
     a, b, offsets, out = _fake_args(key)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = "--enable-tvm-ffi"
-    if arch is not None:
-        opts += f" --gpu-arch {arch}"
+    if arch is None:
+        return cute.compile(kernel, a, b, offsets, out, cutlass.Int32(1), stream, options=opts)
+    opts += f" --gpu-arch {arch}"
     if dump_dir is not None:
         opts += f" --keep-ptx --dump-dir {dump_dir}"
-    return cute.compile(kernel, a, b, offsets, out, cutlass.Int32(1), stream, options=opts)
+    with pinned_cute_arch(arch):  # not the arch of whatever GPU is present (an H200: sm_90a)
+        return cute.compile(kernel, a, b, offsets, out, cutlass.Int32(1), stream, options=opts)
+
+
+#: Targets the kernel is built for (tcgen05 with the arch-specific feature set).
+_SM100_TARGETS = ("sm_100a", "sm_103a", "sm_110a")
+
+
+def _target_arch() -> str:
+    """The present GPU's arch when it is one of ``_SM100_TARGETS``, else ``"sm_100a"``.
+
+    Never the arch of another GPU family: a compile on an H200 (CI, the cache tests) targets
+    ``sm_100a`` instead of failing CuTe DSL's tcgen05 arch check with ``sm_90a``.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"sm_{major}{minor}a"
+        if arch in _SM100_TARGETS:
+            return arch
+    return "sm_100a"
 
 
 _LOCK = threading.Lock()
@@ -971,7 +993,7 @@ _LOCK = threading.Lock()
 @functools.cache
 def _compiled(key: Sm100WgradKey):
     global COMPILE_COUNT
-    fn = _compile(key, None)
+    fn = _compile(key, _target_arch())
     COMPILE_COUNT += 1
     return fn
 

@@ -45,7 +45,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import check_key_fields, load_tile_rules
+from ._contract import check_key_fields, load_tile_rules, pinned_cute_arch
 
 __all__ = [
     "COMPILE_COUNT",
@@ -261,7 +261,8 @@ def select_sm90_tile_config(
 def _build_kernel_class():
     import cutlass
     import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass import cute, pipeline, utils
+    from cutlass import cute, memory, pipeline
+    from cutlass.tensor_utils import LayoutEnum
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
@@ -415,8 +416,8 @@ def _build_kernel_class():
             num_ctas: cutlass.Int32,
             stream,
         ):
-            a_layout = utils.LayoutEnum.from_tensor(mA)
-            b_layout = utils.LayoutEnum.from_tensor(mB)
+            a_layout = LayoutEnum.from_tensor(mA)
+            b_layout = LayoutEnum.from_tensor(mB)
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 self.ab_dtype,
                 self.ab_dtype,
@@ -440,7 +441,7 @@ def _build_kernel_class():
             if cutlass.const_expr(self.tma_epi):
                 epi_smem_staged = sm90_utils.make_smem_layout_epi(
                     self.out_dtype,
-                    utils.LayoutEnum.ROW_MAJOR,
+                    LayoutEnum.ROW_MAJOR,
                     self.epi_tile,
                     self.epi_stages * self.num_groups,
                 )
@@ -545,7 +546,7 @@ def _build_kernel_class():
                 self.ab_dtype, b_smem_one
             )
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
             ab_pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(),
@@ -602,7 +603,7 @@ def _build_kernel_class():
 
             if wg_idx == 0:
                 # ---------------- producer warp group: TMA loads ----------------
-                cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+                cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     prod_state = pipeline.make_pipeline_state(
                         pipeline.PipelineUserType.Producer, self.stages
@@ -666,7 +667,7 @@ def _build_kernel_class():
                     ab_pipe.producer_tail(prod_state)
             else:
                 # ---------------- consumer warp groups: wgmma + epilogue ----------------
-                cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+                cute.arch.setmaxregister_increase(self.consumer_regs)
                 group = (wg_idx - 1) // self.wgs_per_group
                 ctid = tidx - 128 - group * self.group_threads  # thread index in its group
                 mask_barrier = pipeline.NamedBarrier(
@@ -690,7 +691,7 @@ def _build_kernel_class():
                         epi_smem_staged.outer, swizzle=epi_smem_staged.inner
                     )
                     r2s_atom = sm90_utils.get_smem_store_op(
-                        utils.LayoutEnum.ROW_MAJOR, self.out_dtype, self.acc_dtype
+                        LayoutEnum.ROW_MAJOR, self.out_dtype, self.acc_dtype
                     )
                     c_atom = cute.make_copy_atom(
                         cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype
@@ -943,13 +944,17 @@ def _compile(key: Sm90WgradKey, arch: str | None, dump_dir: str | None = None):
     a, b, offsets, out, counter = _fake_args(key)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     opts = "--enable-tvm-ffi"
-    if arch is not None:
-        opts += f" --gpu-arch {arch}"
+    if arch is None:
+        return cute.compile(
+            kernel, a, b, offsets, out, counter, cutlass.Int32(1), stream, options=opts
+        )
+    opts += f" --gpu-arch {arch}"
     if dump_dir is not None:
         opts += f" --keep-ptx --dump-dir {dump_dir}"
-    return cute.compile(
-        kernel, a, b, offsets, out, counter, cutlass.Int32(1), stream, options=opts
-    )
+    with pinned_cute_arch(arch):  # not the arch of whatever GPU is present (none: sm_100)
+        return cute.compile(
+            kernel, a, b, offsets, out, counter, cutlass.Int32(1), stream, options=opts
+        )
 
 
 _LOCK = threading.Lock()
@@ -958,7 +963,7 @@ _LOCK = threading.Lock()
 @functools.cache
 def _compiled(key: Sm90WgradKey):
     global COMPILE_COUNT
-    fn = _compile(key, None)
+    fn = _compile(key, "sm_90a")  # wgmma: sm_90a is the only target
     COMPILE_COUNT += 1
     return fn
 

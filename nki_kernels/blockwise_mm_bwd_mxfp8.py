@@ -109,6 +109,33 @@ PSUM_TILE_MAX_N = 2048  # fp32 columns of one PSUM tile (4 of the 8 banks)
 ZERO_TILE_COLS = 2048  # free size of the zero tile used to clear HBM outputs
 WGRAD_COL_BLOCK = 2048  # d_gate_up columns / alpha*h rows quantized at a time in phases 3/4
 WEIGHT_BLOCK_BYTES = 64 * 1024  # SBUF per partition for one resident weight column block (x4+scale)
+# Slot streaming (block sizes up to 4096): phases 1-2 run per sub-block of SB slots; phases 3-4
+# contract over the whole block with operands streamed per WRAPX tile along B, column slab by
+# column slab (see _sub_block_slots / _wgrad_cols).
+SBUF_PLAN_BYTES = 256 * 1024 - 16384 - 8 - 256  # nki-library's usable trn3 SBUF per partition
+SUB_BLOCK_RESERVE = 40 * 1024  # prologue tiles + SwiGLU fp32 temporaries + transpose staging
+WGRAD_OPERAND_BYTES = 40 * 1024  # SBUF per partition for one quantized phase-3/4 operand slab
+
+
+def _sub_block_slots(B: int, H: int, I: int, S: int) -> int:
+    """Slots per phase-1/2 sub-block: the largest of 512/256/128 (at most B) whose per-slot
+    tiles fit the SBUF plan. Per 128 slots and partition: dY rows 2H, checkpoint 4I/S,
+    d_gate_up + alpha*h 6I, the quantized K-major dY^T 5H/4 and d_gate_up^T 5I/2 bytes; plus one
+    weight column block and a reserve. Slots are independent in phases 1-2, so the sub-block
+    size never changes a value."""
+    per_c = 2 * H + 4 * (I // S) + 6 * I + 5 * H // 4 + 5 * I // 2
+    sb = min(B, WRAPX_TILE)
+    while sb > PMAX and WEIGHT_BLOCK_BYTES + SUB_BLOCK_RESERVE + (sb // PMAX) * per_c > SBUF_PLAN_BYTES:
+        sb = sb // 2
+    return sb
+
+
+def _wgrad_cols(nkt: int, width: int, step: int) -> int:
+    """Columns of one phase-3/4 operand slab: all ``nkt`` WRAPX tiles along B quantized
+    (5 B per column and tile) within ``WGRAD_OPERAND_BYTES``, in multiples of ``step``. Output
+    elements are independent, so the slab width never changes a value."""
+    fit = max(step, WGRAD_OPERAND_BYTES // (5 * nkt) // step * step)
+    return min(width, fit)
 
 
 def _weight_cols(K: int, n_block: int, step: int) -> int:
@@ -164,6 +191,9 @@ class _Geo(nl.NKIObject):
         self.NL = B // self.vs  # lanes (4 or 8)
         self.NKT = self.NL // 4  # WRAPX tiles along B (1 or 2)
         self.C = B // PMAX  # 128-slot chunks of the natural layout (slot = c*128 + p)
+        self.SB = _sub_block_slots(B, H, I, num_shards)  # slots per phase-1/2 sub-block
+        self.SC = self.SB // PMAX  # 128-slot chunks per sub-block
+        self.NSUB = B // self.SB  # sub-blocks per block (1: the block stays resident)
         self.shard, self.S = shard, num_shards
         self.Is, self.Hs = I // num_shards, H // num_shards  # this core's share of I and H
         self.I0, self.H0 = shard * self.Is, shard * self.Hs
@@ -211,48 +241,74 @@ def _quantize_k_major(src, vsk: int, F: int):
     return q, s
 
 
-def _quantize_slots(src_w, g: _Geo, F: int):
-    """Quantize a slot-layout tile ``[vs, NKT, F, 4]`` along the block's slots (phases 3/4).
-
-    Returns a list over the B-direction WRAPX tiles of (x4 data [vs, F], scales [vs, F], vs).
-    """
-    out = []
-    for kt in range(g.NKT):
-        q, s = _quantize_k_major(src_w[:, kt, :, :], g.vs, F)
-        out.append((q, s, g.vs))
-    return out
-
-
 def _k_major_from_natural(src_n, g: _Geo, K: int):
     """TensorE-transpose a natural-layout BF16 tile ``[128, C, K]`` (slot c*128 + p at partition
     p) into K-major MX operands: for every WRAPX K tile (k0, TK),
     ``t[p, j, i] = src[slot j, k0 + i*TK/4 + p]`` built from ``[128, TK/4]`` slabs (one PSUM tile
     per (tile, i), one copy to SBUF), then quantized. Returns (x4 [TK/4, B], scales, TK/4)s."""
     out = []
+    nc = src_n.shape[1]  # 128-slot chunks of the (sub-)block
+    ns = nc * PMAX
     for k0, TK in _k_tiles(K):
         vsk = TK // 4
-        t = nl.ndarray((vsk, g.B, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
+        t = nl.ndarray((vsk, ns, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
         for i in range(4):
             c0 = k0 + i * vsk
-            ps = nl.ndarray((vsk, g.B), dtype=nl.bfloat16, buffer=nl.psum)
-            for c in range(g.C):
+            ps = nl.ndarray((vsk, ns), dtype=nl.bfloat16, buffer=nl.psum)
+            for c in range(nc):
                 nisa.nc_transpose(dst=ps[:, c * PMAX : (c + 1) * PMAX],
                                   data=src_n[:, c, c0 : c0 + vsk])
             nisa.tensor_copy(dst=t[:, :, i], src=ps, engine=ACT if i % 2 else VEC)
-        q, sc = _quantize_k_major(t, vsk, g.B)
+        q, sc = _quantize_k_major(t, vsk, ns)
         out.append((q, sc, vsk))
     return out
 
 
-def _to_slot_layout(src_n, g: _Geo, F: int):
-    """Natural ``[128, C, F]`` -> slot layout ``[vs, NKT, F, 4]`` (the quantize_mx input of a
-    contraction over the block's slots) by SBUF-to-SBUF DMA, one per lane (a partition move)."""
-    t = nl.ndarray((g.vs, g.NKT, F, 4), dtype=src_n.dtype, buffer=nl.sbuf)
-    for lane in range(g.NL):
-        kt, li = divmod(lane, 4)
-        c, q0 = divmod(lane * g.vs, PMAX)
-        nisa.dma_copy(dst=t[:, kt, :, li], src=src_n[q0 : q0 + g.vs, c, :])
+def _to_slot_layout_kt(src_n, g: _Geo, c0: int, F: int, kt: int):
+    """Columns ``c0..c0+F`` of a natural-layout block ``[128, C, *]`` (an SBUF tile, or the HBM
+    scratch of a streamed block) -> the slot-layout tile ``[vs, F, 4]`` of WRAPX tile ``kt``
+    along B (the quantize_mx input of a contraction over the block's slots), one DMA per lane:
+    lane ``l = 4*kt + i`` holds slots ``l*vs + p``."""
+    t = nl.ndarray((g.vs, F, 4), dtype=src_n.dtype, buffer=nl.sbuf)
+    for li in range(4):
+        c, q0 = divmod((4 * kt + li) * g.vs, PMAX)
+        nisa.dma_copy(dst=t[:, :, li], src=src_n[q0 : q0 + g.vs, c, c0 : c0 + F])
     return t
+
+
+def _quantize_slot_operand(src_n, g: _Geo, c0: int, F: int):
+    """Columns ``c0..c0+F`` of a natural-layout block, quantized along the block's slots: one
+    (x4 [vs, F], scales [vs, F], vs) per WRAPX tile along B, each staged and quantized alone."""
+    out = []
+    for kt in range(g.NKT):
+        t = _to_slot_layout_kt(src_n, g, c0, F, kt)
+        q, s = _quantize_k_major(t, g.vs, F)
+        del t
+        out.append((q, s, g.vs))
+    return out
+
+
+def _gather_slot_operand(src_hbm, ids_s, g: _Geo, c0: int, F: int, oob, memset_engine):
+    """Rows ``src_hbm[ids, c0:c0+F]`` of the block's tokens, quantized along the block's slots
+    (one gather + quantize per WRAPX tile along B); skipped ids give zero rows."""
+    row_len = src_hbm.shape[1]
+    out = []
+    for kt in range(g.NKT):
+        t = nl.ndarray((g.vs, F, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
+        if oob == nisa.oob_mode.skip:
+            nisa.memset(dst=t, value=0.0, engine=memset_engine)
+        for li in range(4):
+            lane = 4 * kt + li
+            nisa.dma_copy(
+                dst=t[:, :, li],
+                src=src_hbm.ap(pattern=[[row_len, g.vs], [1, F]], offset=c0,
+                               vector_offset=ids_s[:, lane : lane + 1], indirect_dim=0),
+                oob_mode=oob,
+            )
+        q, s = _quantize_k_major(t, g.vs, F)
+        del t
+        out.append((q, s, g.vs))
+    return out
 
 
 def _load_weight_k_major(w_hbm, e_sb, K: int, row_stride: int, col_stride: int, c0: int,
@@ -543,9 +599,9 @@ def _body_state(b):
     return s
 
 
-def _gather_block(b, g: _Geo):
-    """Indirect-DMA gathers of one live block (natural layout): affinities, dY rows, checkpoint."""
-    P, C, H, I = PMAX, g.C, g.H, g.I
+def _gather_alpha(b, g: _Geo):
+    """Affinities of the block's slots (natural layout ``[128, C]``, fp32; skipped slots 0)."""
+    P, C = PMAX, g.C
     ea_raw = nl.ndarray((P, C), dtype=b.ea.dtype, buffer=nl.sbuf)
     nisa.memset(dst=ea_raw, value=0.0)
     for c in range(C):
@@ -558,7 +614,27 @@ def _gather_block(b, g: _Geo):
     alpha = nl.ndarray((P, C), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=alpha, src=ea_raw)
     b.alpha = alpha
-    # dY rows [128, C, H]; skipped rows stay 0 (X and the slot-layout dY: in phases 3 / 4)
+
+
+def _sub_block(b, g: _Geo, k: int):
+    """State of sub-block ``k`` (slots ``k*SB .. (k+1)*SB`` of the block): views of the block's
+    per-slot tiles (natural layout, chunk columns ``cs .. cs+SC``), no new tiles."""
+    s = _Block()
+    cs = k * g.SC
+    s.cs = cs
+    s.ids = b.ids[:, cs : cs + g.SC]
+    s.pos = b.pos[:, cs : cs + g.SC]
+    s.idx_ea = b.idx_ea[:, cs : cs + g.SC]
+    s.alpha = b.alpha[:, cs : cs + g.SC]
+    s.e_sb, s.token_oob, s.dy_hbm, s.ckpt, s.n = b.e_sb, b.token_oob, b.dy_hbm, b.ckpt, b.n
+    return s
+
+
+def _gather_sub_block(b, g: _Geo):
+    """Indirect-DMA gathers of one sub-block (natural layout ``[128, SC, *]``): dY rows and the
+    checkpoint slots (X and the slot-layout dY are gathered in phases 3 / 4)."""
+    P, C, H, I = PMAX, g.SC, g.H, g.I
+    # dY rows [128, SC, H]; skipped rows stay 0
     dy = nl.ndarray((P, C, H), dtype=nl.bfloat16, buffer=nl.sbuf)
     if b.token_oob == nisa.oob_mode.skip:
         nisa.memset(dst=dy, value=0.0, engine=POOL)
@@ -570,7 +646,8 @@ def _gather_block(b, g: _Geo):
             oob_mode=b.token_oob,
         )
     b.dy_n = dy
-    # checkpoint: gu[p, c, k, f] = ckpt[n, k, I0 + f, c*128 + p] for valid slots, else 0
+    # checkpoint: gu[p, c, k, f] = ckpt[n, k, I0 + f, (cs + c)*128 + p] for valid slots, else 0
+    # (b.pos holds the slot's position in the whole block, -1 for padding)
     gu = nl.ndarray((P, C, 2, g.Is), dtype=nl.bfloat16, buffer=nl.sbuf)
     nisa.memset(dst=gu, value=0.0, engine=VEC)
     ck_flat = b.ckpt.reshape((g.N * 2 * I * g.B, 1))
@@ -588,37 +665,18 @@ def _gather_block(b, g: _Geo):
     b.gu = gu
 
 
-def _gather_rows(src_hbm, ids, g: _Geo, F: int, oob, memset_engine, c0: int = 0):
-    """Gather ``src_hbm[ids[p, l], c0:c0+F]`` into a slot-layout tile ``[vs, NKT, F, 4]``.
-
-    The tile is zeroed first only when out-of-bounds ids are skipped (they keep the zeros)."""
-    row_len = src_hbm.shape[1]
-    t = nl.ndarray((g.vs, g.NKT, F, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
-    if oob == nisa.oob_mode.skip:
-        nisa.memset(dst=t, value=0.0, engine=memset_engine)
-    for lane in range(g.NL):
-        kt, li = divmod(lane, 4)
-        nisa.dma_copy(
-            dst=t[:, kt, :, li],
-            src=src_hbm.ap(pattern=[[row_len, g.vs], [1, F]], offset=c0,
-                           vector_offset=ids[:, lane : lane + 1], indirect_dim=0),
-            oob_mode=oob,
-        )
-    return t
-
-
 # ------------------------------------------------------------------------------------- phase 1
 def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_scales=None):
     """dh_raw = dY_blk @ W_down[e]^T (MX along H); SwiGLU backward; dA; d_gate_up; alpha*h.
 
     Natural layout, 128 slots per PSUM tile (tile_m per instruction). Fills ``b.dgu_n``
-    [128, C, 2I] and ``b.ah_n`` [128, C, I] (BF16) for this core's I columns, and ``b.da``
-    [128, C] fp32: <dh_raw, h> summed per half of I (TensorE, 128 columns per instruction), then
+    [128, SC, 2I] and ``b.ah_n`` [128, SC, I] (BF16) for this core's I columns, and ``b.da``
+    [128, SC] fp32 (one sub-block of SC x 128 slots): <dh_raw, h> summed per half of I (TensorE, 128 columns per instruction), then
     half 0 + half 1 (LNC1) or own half + the peer's (LNC2), so both launches give identical
     bits. Moving columns per instruction: ``tile_n`` rounded down to a multiple of 128 (at least
     128), so the dA chunks never depend on the config.
     """
-    P, C, I = PMAX, g.C, g.I
+    P, C, I = PMAX, g.SC, g.I
     b.dgu_n = nl.ndarray((P, C, 2 * I), dtype=nl.bfloat16, buffer=nl.sbuf)
     b.ah_n = nl.ndarray((P, C, I), dtype=nl.bfloat16, buffer=nl.sbuf)
     da_ps = nl.ndarray((P, 2 * C), dtype=nl.float32, buffer=nl.psum)
@@ -736,21 +794,29 @@ def _clamp_mask(v, P: int, F: int, lo: float | None, hi: float | None):
 
 
 def _exchange_phase1(b, g: _Geo, scratch_dgu, scratch_ah):
-    """LNC2: swap this core's I share of d_gate_up / alpha*h and the dA partials."""
+    """Write this core's I share of the sub-block's d_gate_up / alpha*h to the block scratch
+    (shared HBM, natural layout [128, C, *]; all of I under LNC1) when there is one; LNC2:
+    swap the dA partials and read the peer's share back."""
+    if scratch_dgu == None:  # noqa: E711 - LNC1, one sub-block: everything stays in SBUF
+        return
+    I, cs, SC = g.I, b.cs, g.SC
+    for c0 in (g.I0, I + g.I0):
+        nisa.dma_copy(dst=scratch_dgu[:, cs : cs + SC, c0 : c0 + g.Is],
+                      src=b.dgu_n[:, :, c0 : c0 + g.Is])
+    nisa.dma_copy(dst=scratch_ah[:, cs : cs + SC, g.I0 : g.I0 + g.Is],
+                  src=b.ah_n[:, :, g.I0 : g.I0 + g.Is])
     if g.S == 1:
         return
-    I, other = g.I, 1 - g.shard
-    for c0 in (g.I0, I + g.I0):
-        nisa.dma_copy(dst=scratch_dgu[:, :, c0 : c0 + g.Is], src=b.dgu_n[:, :, c0 : c0 + g.Is])
-    nisa.dma_copy(dst=scratch_ah[:, :, g.I0 : g.I0 + g.Is], src=b.ah_n[:, :, g.I0 : g.I0 + g.Is])
-    recv = nl.ndarray((PMAX, g.C), dtype=nl.float32, buffer=nl.sbuf)
+    other = 1 - g.shard
+    recv = nl.ndarray((PMAX, SC), dtype=nl.float32, buffer=nl.sbuf)
     nisa.sendrecv(src=b.da, dst=recv, send_to_rank=other, recv_from_rank=other, pipe_id=0)
     nisa.tensor_tensor(dst=b.da, data1=b.da, data2=recv, op=nl.add)
     nisa.core_barrier(scratch_dgu, (0, 1))
     o0 = other * g.Is
     for c0 in (o0, I + o0):
-        nisa.dma_copy(dst=b.dgu_n[:, :, c0 : c0 + g.Is], src=scratch_dgu[:, :, c0 : c0 + g.Is])
-    nisa.dma_copy(dst=b.ah_n[:, :, o0 : o0 + g.Is], src=scratch_ah[:, :, o0 : o0 + g.Is])
+        nisa.dma_copy(dst=b.dgu_n[:, :, c0 : c0 + g.Is],
+                      src=scratch_dgu[:, cs : cs + SC, c0 : c0 + g.Is])
+    nisa.dma_copy(dst=b.ah_n[:, :, o0 : o0 + g.Is], src=scratch_ah[:, cs : cs + SC, o0 : o0 + g.Is])
     # the peer must finish reading this block's scratch before either core writes the next one
     nisa.core_barrier(scratch_dgu, (0, 1))
 
@@ -759,9 +825,9 @@ def _store_da(b, g: _Geo, da_out):
     """dA[t*E + e] = <dh_raw, h> for the block's valid slots (core 0 writes under LNC2)."""
     if g.shard != 0:
         return
-    da_t = nl.ndarray((PMAX, g.C), dtype=da_out.dtype, buffer=nl.sbuf)
+    da_t = nl.ndarray((PMAX, g.SC), dtype=da_out.dtype, buffer=nl.sbuf)
     nisa.tensor_copy(dst=da_t, src=b.da)
-    for c in range(g.C):
+    for c in range(g.SC):
         nisa.dma_copy(
             dst=da_out.ap(pattern=[[1, PMAX], [1, 1]], offset=0,
                           vector_offset=b.idx_ea[:, c : c + 1], indirect_dim=0),
@@ -781,7 +847,7 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scal
     """
     I2, H = 2 * g.I, g.H
     dguT = _k_major_from_natural(b.dgu_n, g, I2)  # stationary: d_gate_up^T, 2I on partitions
-    nch, ids_nat = g.C, b.ids
+    nch, ids_nat = g.SC, b.ids
     ws = _Workspace(tl, min(tl.tn, g.Hs))
     n_block = _weight_cols(I2, tl.n_block, PMAX)
     for nb0 in range(0, g.Hs, n_block):
@@ -813,25 +879,40 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scal
 
 
 # ------------------------------------------------------------------------------------- phase 3
-def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc):
-    """dW_gate_up[e][H0.., :] += X_blk^T @ d_gate_up (MX along the block's slots); bias grad."""
+def _natural_piece(src_n, g: _Geo, c: int, c0: int, w: int):
+    """``src_n[:, c, c0:c0+w]`` ([128, w], slots c*128 + p) in SBUF: the view itself for an
+    SBUF tile, a DMA'd copy for the HBM scratch of a streamed block."""
+    if g.NSUB == 1:
+        return src_n[:, c, c0 : c0 + w]
+    t = nl.ndarray((PMAX, w), dtype=src_n.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=src_n[:, c, c0 : c0 + w])
+    return t
+
+
+def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc, dgu_src):
+    """dW_gate_up[e][H0.., :] += X_blk^T @ d_gate_up (MX along the block's slots); bias grad.
+
+    ``dgu_src``: the block's d_gate_up in the natural layout [128, C, 2I] (the SBUF tile, or
+    the block scratch in HBM when the block is streamed). Stationary X columns and moving
+    d_gate_up columns go in slabs (``_wgrad_cols``), each quantized per WRAPX tile along B; every
+    output element still sums all of the block's slots in one PSUM chain in tile order, so the
+    slabs change no value.
+    """
     I2 = 2 * g.I
-    # X rows are gathered only now (SBUF: they are not needed by phases 1-2)
-    # and only this core's H columns
-    x_w = _gather_rows(b.hidden_states, b.ids_s, g, g.Hs, b.token_oob, VEC, c0=g.H0)
-    xq = _quantize_slots(x_w, g, g.Hs)  # stationary: X_blk, columns H0..H0+Hs
-    del x_w
-    # moving: d_gate_up in column blocks (SBUF; MX groups run along the slots, so blocking
-    # the columns changes nothing)
-    cb = max(WGRAD_COL_BLOCK, tl.n_block)
-    for cb0 in range(0, I2, cb):
-        cbw = min(cb, I2 - cb0)
-        dgu_w = _to_slot_layout(b.dgu_n[:, :, cb0 : cb0 + cbw], g, cbw)
-        dq = _quantize_slots(dgu_w, g, cbw)
-        del dgu_w
-        _wgrad_rmw(xq, dq, g, tl, dwgu_acc, b.e_sb, g.H0, g.Hs, cb0, cbw, I2, lhs_c0=0,
-                   rhs_c0=0)
-        del dq
+    mb = _wgrad_cols(g.NKT, g.Hs, PMAX)
+    cb = min(max(WGRAD_COL_BLOCK, tl.n_block), _wgrad_cols(g.NKT, I2, PMAX))
+    for mb0 in range(0, g.Hs, mb):
+        mbw = min(mb, g.Hs - mb0)
+        # stationary: X rows (gathered only now), this core's H columns H0+mb0..
+        xq = _gather_slot_operand(b.hidden_states, b.ids_s, g, g.H0 + mb0, mbw, b.token_oob,
+                                  VEC)
+        for cb0 in range(0, I2, cb):
+            cbw = min(cb, I2 - cb0)
+            dq = _quantize_slot_operand(dgu_src, g, cb0, cbw)  # moving: d_gate_up columns
+            _wgrad_rmw(xq, dq, g, tl, dwgu_acc, b.e_sb, g.H0 + mb0, mbw, cb0, cbw, I2,
+                       lhs_c0=0, rhs_c0=0)
+            del dq
+        del xq
     if bias_acc != None:  # noqa: E711
         # dB_gate_up[e] += sum over slots of d_gate_up (this core's I share of gate and up)
         ones = nl.ndarray((PMAX, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -842,25 +923,31 @@ def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc):
                 ps = nl.ndarray((1, nw), dtype=nl.float32, buffer=nl.psum)
                 for c in range(g.C):
                     nisa.nc_matmul(dst=ps, stationary=ones,
-                                   moving=b.dgu_n[:, c, c0 + n0 : c0 + n0 + nw])
+                                   moving=_natural_piece(dgu_src, g, c, c0 + n0, nw))
                 _rmw_rows(bias_acc, b.e_sb, ps, 1, 0, I2, c0 + n0, nw, bias_acc.dtype)
 
 
 # ------------------------------------------------------------------------------------- phase 4
-def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc):
-    """dW_down[e][:, H0..] += (alpha*h)^T @ dY_blk (MX along the block's slots); bias grad."""
+def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc, ah_src):
+    """dW_down[e][:, H0..] += (alpha*h)^T @ dY_blk (MX along the block's slots); bias grad.
+
+    ``ah_src``: the block's alpha*h in the natural layout [128, C, I] (SBUF tile or HBM block
+    scratch). dY rows are gathered straight into the slot layout, moving columns in slabs; the
+    stationary alpha*h in row blocks (as phase 3, no value depends on the slabs)."""
     H = g.H
-    dy_w = _to_slot_layout(b.dy_n[:, :, g.H0 : g.H0 + g.Hs], g, g.Hs)
-    yq = _quantize_slots(dy_w, g, g.Hs)  # moving: dY_blk, this core's H columns
-    del dy_w
-    # stationary: alpha*h in row blocks of I (SBUF)
-    for mb0 in range(0, g.I, WGRAD_COL_BLOCK):
-        mbw = min(WGRAD_COL_BLOCK, g.I - mb0)
-        ah_w = _to_slot_layout(b.ah_n[:, :, mb0 : mb0 + mbw], g, mbw)
-        aq = _quantize_slots(ah_w, g, mbw)
-        del ah_w
-        _wgrad_rmw(aq, yq, g, tl, dwd_acc, b.e_sb, mb0, mbw, g.H0, g.Hs, H, lhs_c0=0, rhs_c0=0)
-        del aq
+    nb = _wgrad_cols(g.NKT, g.Hs, PMAX)
+    mbk = min(WGRAD_COL_BLOCK, _wgrad_cols(g.NKT, g.I, PMAX))
+    for nb0 in range(0, g.Hs, nb):
+        nbw = min(nb, g.Hs - nb0)
+        # moving: dY_blk, this core's H columns H0+nb0..
+        yq = _gather_slot_operand(b.dy_hbm, b.ids_s, g, g.H0 + nb0, nbw, b.token_oob, POOL)
+        for mb0 in range(0, g.I, mbk):
+            mbw = min(mbk, g.I - mb0)
+            aq = _quantize_slot_operand(ah_src, g, mb0, mbw)  # stationary: alpha*h rows
+            _wgrad_rmw(aq, yq, g, tl, dwd_acc, b.e_sb, mb0, mbw, g.H0 + nb0, nbw, H, lhs_c0=0,
+                       rhs_c0=0)
+            del aq
+        del yq
     if bias_acc != None:  # noqa: E711
         # dB_down[e] += sum over slots of alpha * dY (fp32 products, TensorE sum over slots)
         ones = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -869,9 +956,18 @@ def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc):
             nw = min(tl.tn, g.Hs - n0)
             ps = nl.ndarray((1, nw), dtype=nl.float32, buffer=nl.psum)
             for c in range(g.C):
+                dyc = nl.ndarray((PMAX, nw), dtype=nl.bfloat16, buffer=nl.sbuf)
+                if b.token_oob == nisa.oob_mode.skip:
+                    nisa.memset(dst=dyc, value=0.0, engine=POOL)
+                nisa.dma_copy(
+                    dst=dyc,
+                    src=b.dy_hbm.ap(pattern=[[H, PMAX], [1, nw]], offset=g.H0 + n0,
+                                    vector_offset=b.ids[:, c : c + 1], indirect_dim=0),
+                    oob_mode=b.token_oob,
+                )
                 ady = nl.ndarray((PMAX, nw), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=ady, data=b.dy_n[:, c, g.H0 + n0 : g.H0 + n0 + nw],
-                                   op0=nl.multiply, operand0=b.alpha[:, c : c + 1])
+                nisa.tensor_scalar(dst=ady, data=dyc, op0=nl.multiply,
+                                   operand0=b.alpha[:, c : c + 1])
                 nisa.nc_matmul(dst=ps, stationary=ones, moving=ady)
             _rmw_rows(bias_acc, b.e_sb, ps, 1, 0, H, g.H0 + n0, nw, bias_acc.dtype)
 
@@ -955,7 +1051,7 @@ def blockwise_mm_bwd_mxfp8(
             ``skip_dma=SkipMode(skip_token=True)``) or T (the zero row).
         block_to_expert: [N, 1] int32, HBM.
         output_hidden_states_grad: [T, H] BF16, HBM, dY.
-        block_size: B, one of 128, 256, 512, 1024.
+        block_size: B, one of 128, 256, 512, 1024, 2048, 4096 (AWS's default 4096).
         gate_up_proj_act_checkpoint_T: [N, 2, I_TP, B] BF16, HBM, clamped gate/up
             pre-activations (required).
         gate_act_checkpoint_T, intermediate_checkpoint_T, scaled_intermediate_checkpoint_T,
@@ -1007,8 +1103,8 @@ def blockwise_mm_bwd_mxfp8(
     B = block_size
     N = token_position_to_id.shape[0] // B
     I = gate_up_proj_act_checkpoint_T.shape[2]
-    _kernel_assert(B == 128 or B == 256 or B == 512 or B == 1024,
-                   "block_size must be one of (128, 256, 512, 1024)")
+    _kernel_assert(B == 128 or B == 256 or B == 512 or B == 1024 or B == 2048 or B == 4096,
+                   "block_size must be one of (128, 256, 512, 1024, 2048, 4096)")
     _kernel_assert(H % PMAX == 0 and I % PMAX == 0, "H and I_TP must be multiples of 128")
     _kernel_assert(tuple(gate_up_proj_act_checkpoint_T.shape) == (N, 2, I, B),
                    "gate_up_proj_act_checkpoint_T must be [N, 2, I_TP, B]")
@@ -1051,7 +1147,7 @@ def blockwise_mm_bwd_mxfp8(
         dx_acc, dwgu_acc, dwd_acc = dx, dwgu, dwd
         dbgu_acc, dbd_acc = (dbgu, dbd) if bias else (None, None)
     scratch_dgu = scratch_ah = None
-    if num_shards > 1:
+    if num_shards > 1 or g.NSUB > 1:  # LNC2 exchange and/or the streamed block's d_gate_up
         scratch_dgu = nl.ndarray((PMAX, g.C, 2 * I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
         scratch_ah = nl.ndarray((PMAX, g.C, I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
 
@@ -1090,20 +1186,36 @@ def blockwise_mm_bwd_mxfp8(
             # "Rules for migrated loops"): they hang off a per-iteration copy of the block state
             blk = _body_state(b)
             with region("prologue"):
-                _gather_block(blk, g)
-            with region("phase1"):
-                _phase1(blk, g, down_proj_weight, tilings[0], clamp,
-                        down_weight_scales)
-                _exchange_phase1(blk, g, scratch_dgu, scratch_ah)
-                _store_da(blk, g, da)
-                del blk.gu  # checkpoint tile: phase 1 only
-            with region("phase2"):
-                _phase2(blk, g, gate_up_proj_weight, tilings[1], dx_acc,
-                        is_tensor_update_accumulating, gate_up_weight_scales)
+                _gather_alpha(blk, g)
+            sub = None
+            for k in range(g.NSUB):
+                # phases 1-2 per sub-block of SB slots (slots are independent there)
+                sub = _sub_block(blk, g, k)
+                with region("prologue"):
+                    _gather_sub_block(sub, g)
+                with region("phase1"):
+                    _phase1(sub, g, down_proj_weight, tilings[0], clamp, down_weight_scales)
+                    del sub.dy_n  # phase 4 gathers dY again, in the slot layout
+                    _exchange_phase1(sub, g, scratch_dgu, scratch_ah)
+                    _store_da(sub, g, da)
+                    del sub.gu  # checkpoint tile: phase 1 only
+                with region("phase2"):
+                    _phase2(sub, g, gate_up_proj_weight, tilings[1], dx_acc,
+                            is_tensor_update_accumulating, gate_up_weight_scales)
+            # phases 3-4 contract over all of the block's slots: d_gate_up and alpha*h from
+            # SBUF (one sub-block) or from the block scratch in HBM (streamed block)
+            dgu_src, ah_src = scratch_dgu, scratch_ah
+            if g.NSUB == 1:
+                dgu_src, ah_src = sub.dgu_n, sub.ah_n
+            del sub
             with region("phase3"):
-                _phase3(blk, g, tilings[2], dwgu_acc, dbgu_acc)
+                _phase3(blk, g, tilings[2], dwgu_acc, dbgu_acc, dgu_src)
             with region("phase4"):
-                _phase4(blk, g, tilings[3], dwd_acc, dbd_acc)
+                _phase4(blk, g, tilings[3], dwd_acc, dbd_acc, ah_src)
+            if g.S > 1 and g.NSUB > 1:
+                # both cores read the whole block scratch in phases 3-4: finish before either
+                # core writes the next block's
+                nisa.core_barrier(scratch_dgu, (0, 1))
 
         _run_if_live(b.live, block_body)
 

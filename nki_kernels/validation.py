@@ -8,7 +8,8 @@ seed (``seeds/blockwise_mm_bwd_mxfp8.rst``), with three differences, each strict
   compare them);
 - the routing dtypes (int32), the checkpoint dtype (BF16) and the activation dtypes (BF16, as the
   seed says; AWS also lets FP16 through) are checked (AWS leaves a TODO);
-- ``block_size`` is one of the seed's 128/256/512/1024 (AWS's newest revision adds 2048/4096).
+- ``block_size`` is one of 128/256/512/1024/2048/4096: the seed's list plus the 2048/4096 of
+  AWS's newest revision (its default is 4096); the kernel streams blocks over 512 slots.
 
 Every error is a :class:`ValueError` whose message names the argument (or option) and the rule.
 Options the kernel does not implement raise :class:`UnsupportedOptionError`, which is both a
@@ -50,7 +51,7 @@ __all__ = [
     "validate_blockwise_mm_bwd_args",
 ]
 
-BLOCK_SIZES = (128, 256, 512, 1024)  # the seed's list
+BLOCK_SIZES = (128, 256, 512, 1024, 2048, 4096)  # the seed's list + AWS's 2048/4096 (Neuron 2.33)
 DIM_ALIGN = 128  # H and I_TP: the partition dimension / smallest DGT K tile (AWS asserts)
 ACTIVATION_DTYPES = ("bfloat16",)  # seed: activations are BF16 (gathered by indirect DMA)
 AFFINITY_DTYPES = ("bfloat16", "float32")
@@ -290,7 +291,7 @@ def validate_blockwise_mm_bwd_args(
         - required tensors present: hidden_states, expert_affinities_masked, gate_up_proj_weight,
           down_proj_weight, token_position_to_id, block_to_expert, output_hidden_states_grad,
           gate_up_proj_act_checkpoint_T (recompute is not supported);
-        - block_size in (128, 256, 512, 1024); H % 128 == 0; I_TP % 128 == 0;
+        - block_size in (128, 256, 512, 1024, 2048, 4096); H % 128 == 0; I_TP % 128 == 0;
         - hidden_states, output_hidden_states_grad: [T, H] bfloat16;
         - expert_affinities_masked: [T*E, 1] bfloat16 or float32 (with padding id T, T counts
           the zero row, i.e. [(T_real+1)*E, 1]);

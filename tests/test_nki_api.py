@@ -335,7 +335,7 @@ BAD_CASES = {
         "I_TP=192",
     ),
     "block_size": ({"block_size": 64}, ValueError, "block_size must be one of"),
-    "block_size_2048": ({"block_size": 2048}, ValueError, "block_size must be one of"),
+    "block_size_8192": ({"block_size": 8192}, ValueError, "block_size must be one of"),
     "checkpoint_shape": (
         {"gate_up_proj_act_checkpoint_T": _bf((N_, 2, I_, 64))},
         ValueError,

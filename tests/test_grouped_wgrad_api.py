@@ -11,6 +11,7 @@ through the int64 output addresses of discrete mode), so values are asserted end
 from __future__ import annotations
 
 import ctypes
+import functools
 import dataclasses
 import importlib.util
 
@@ -158,11 +159,23 @@ def test_tuple_dict_keyed_access_and_unpacking():
 
 
 def test_workspace_size():
-    assert api.get_grouped_gemm_wgrad_workspace_size_sm100(1) == 384
-    assert api.get_grouped_gemm_wgrad_workspace_size_sm100(128) == 128 * 384
+    # cuDNN's size (issue 8 item 3; its test_grouped_gemm_wgrad_workspace_size): 1024 bytes for
+    # 2 dense experts in either input order, a multiple of 128 in discrete mode.
+    size = api.get_grouped_gemm_wgrad_workspace_size_sm100
+    assert size(2) == 1024
+    assert size(2, input_order="tensor_ragged") == 1024
+    assert size(1, output_mode="discrete") % 128 == 0
+    assert size(1, output_mode="discrete") > size(1)  # + the output descriptor
+    assert size(128) == 64 * 1024
+    with pytest.raises(ValueError, match="num_experts must be positive"):
+        size(0)
     for bad in (0, -1, 2.0, True, None):
         with pytest.raises(ValueError, match="num_experts"):
-            api.get_grouped_gemm_wgrad_workspace_size_sm100(bad)
+            size(bad)
+    with pytest.raises(ValueError, match="output_mode"):
+        size(2, output_mode="packed")
+    with pytest.raises(ValueError, match="input_order"):
+        size(2, input_order="ragged")
 
 
 def test_public_names_and_no_heavy_imports():
@@ -257,10 +270,12 @@ def _case_table():
         ("input_order", set_(input_order="ragged"), ValueError, "input_order", both),
         ("dense forbids ptrs", set_(wgrad_ptrs=torch.full((e,), 256, dtype=torch.int64)),
          ValueError, "wgrad_ptrs must be None in dense", both),
-        ("both outputs", set_(
+        # both outputs are accepted (cuDNN passes both; issue 8 item 3), but the pointers must
+        # then be the tensor's expert slabs: the tensor returned is the memory written
+        ("both outputs elsewhere", set_(
             output_mode="discrete", wgrad_tensor=torch.zeros(e, H, I, dtype=torch.bfloat16),
             wgrad_ptrs=torch.full((e,), 256, dtype=torch.int64)), ValueError,
-         "wgrad_tensor or wgrad_ptrs", both),
+         r"wgrad_ptrs\[0\] = 0x100 is not expert 0's slab of wgrad_tensor", both),
         ("out shape", set_(wgrad_tensor=torch.zeros(e, H, I + 8, dtype=torch.bfloat16)),
          ValueError, "wgrad_tensor must have shape", both),
         ("out strides", set_(
@@ -614,12 +629,21 @@ def test_wrapper_discrete_values(fake_device):
     op.compile()
     with pytest.raises(ValueError, match="wgrad_ptrs is required"):
         op.execute(a, b, None, None, off)
-    with pytest.raises(ValueError, match="wgrad_tensor must be None for a discrete"):
-        op.execute(a, b, None, None, off, wgrad_tensor=torch.stack(outs))
     for o in outs:
         o.fill_(float("nan"))
     op.execute(a, b, None, None, off, wgrad_ptrs=ptrs)
     _assert_close(torch.stack(outs), ref, torch.bfloat16)
+    # a discrete operator also takes the stacked tensor (its expert slabs are written; this
+    # raised before issue 8 item 3), or both as cuDNN passes them (written through the pointers)
+    stacked = torch.full((3, H, I), float("nan"), dtype=torch.bfloat16)
+    op.execute(a, b, None, None, off, wgrad_tensor=stacked)
+    _assert_close(stacked, ref, torch.bfloat16)
+    stacked.fill_(float("nan"))
+    op.execute(a, b, None, None, off, wgrad_tensor=stacked,
+               wgrad_ptrs=api._stacked_pointers(stacked))
+    _assert_close(stacked, ref, torch.bfloat16)
+    with pytest.raises(ValueError, match="not expert 0's slab"):
+        op.execute(a, b, None, None, off, wgrad_tensor=stacked, wgrad_ptrs=ptrs)
 
 
 def test_wrapper_accumulate_256_plus_1(fake_device):
@@ -1085,3 +1109,168 @@ def test_torch_op_takes_group_align():
     torch.library.opcheck(grouped_wgrad_op, (a, b, off, 16))
     with pytest.raises(ValueError, match="group_align"):
         torch.ops.moe_bwd.grouped_wgrad(a, b, off, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 8 item 3: cuDNN interface parity (signatures, both discrete outputs, workspaces, offsets
+# validation once per tensor version)
+# ------------------------------------------------------------------------------------------------
+
+_CUDNN_EXECUTE_PREFIX = (
+    "self", "a_tensor", "b_tensor", "sfa_tensor", "sfb_tensor", "offsets_tensor", "wgrad_tensor",
+    "wgrad_ptrs", "global_scale_a", "global_scale_b", "current_stream",
+)
+_CUDNN_WRAPPER_PREFIX = (
+    "a_tensor", "b_tensor", "sfa_tensor", "sfb_tensor", "offsets_tensor", "output_mode",
+    "wgrad_tensor", "wgrad_ptrs", "global_scale_a", "global_scale_b", "acc_dtype", "wgrad_dtype",
+    "mma_tiler_mn", "cluster_shape_mn", "sf_vec_size", "sf_fp8_dtype_override",
+    "accumulate_on_output", "input_order", "current_stream",
+)
+
+
+@pytest.mark.parametrize(
+    ("fn", "prefix"),
+    [
+        (api.GroupedGemmWgradSm100.execute, _CUDNN_EXECUTE_PREFIX),
+        (api.GroupedGemmWgradSm90.execute, _CUDNN_EXECUTE_PREFIX),
+        (api.grouped_gemm_wgrad_wrapper_sm100, _CUDNN_WRAPPER_PREFIX),
+        (api.grouped_gemm_wgrad_wrapper_sm90, _CUDNN_WRAPPER_PREFIX),
+    ],
+)
+def test_cudnn_positional_prefix_and_keywords(fn, prefix):
+    """cuDNN's test_grouped_gemm_wgrad_preserves_legacy_positional_prefix, on our surface."""
+    import inspect
+
+    sig = inspect.signature(fn)
+    positional = tuple(
+        n for n, p in sig.parameters.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    )
+    assert positional == prefix
+    ws = sig.parameters["descriptor_workspace"]
+    assert ws.kind is inspect.Parameter.KEYWORD_ONLY and ws.default is None
+    sentinels = [object() for _ in prefix]
+    assert "descriptor_workspace" not in sig.bind(*sentinels).arguments
+    with pytest.raises(TypeError):
+        sig.bind(*sentinels, object())
+
+
+def test_class_takes_sf_fp8_dtype_override(fake_device):
+    a, b, off = _operands(COUNTS)
+    w = torch.empty(3, H, I, dtype=torch.bfloat16)
+    op = api.GroupedGemmWgradSm90(a, b, None, None, off, sample_wgrad=w,
+                                  sf_fp8_dtype_override=None)
+    assert op.check_support()
+    with pytest.raises(ValueError, match="sf_fp8_dtype_override must be None"):
+        api.GroupedGemmWgradSm90(a, b, None, None, off, sample_wgrad=w,
+                                 sf_fp8_dtype_override="e5m3").check_support()
+    with pytest.raises(ValueError, match="sf_fp8_dtype_override must be None"):
+        api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off, sf_fp8_dtype_override="e5m3")
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_discrete_both_outputs_as_cudnn_passes_them(arch, fake_device):
+    fake_device.cc = 100 if arch == "sm100" else 90
+    counts = [256, 0, 512] if arch == "sm100" else [16, 0, 48]
+    a, b, off = _operands(counts, hidden=256, inter=256)
+    ref = _ref64(a, b, off)
+    out = torch.full((3, 256, 256), float("nan"), dtype=torch.float32)
+    ptrs = api._stacked_pointers(out)
+    r = WRAPPERS[arch](
+        a, b, None, None, off, output_mode="discrete", wgrad_tensor=out, wgrad_ptrs=ptrs,
+        wgrad_dtype=torch.float32,
+    )
+    assert r["wgrad_tensor"] is out  # cuDNN's BF16 test: result["wgrad_tensor"] is the output
+    _assert_close(out, ref, torch.float32)
+    assert fake_device.compiles[-1].output_mode == "discrete"
+    # without validation the pointers are trusted (no host read): still written through them
+    out.fill_(float("nan"))
+    WRAPPERS[arch](
+        a, b, None, None, off, output_mode="discrete", wgrad_tensor=out, wgrad_ptrs=ptrs,
+        validate_offsets=False,
+    )
+    _assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_cudnn_sized_workspace_is_accepted(arch, fake_device):
+    fake_device.cc = 100 if arch == "sm100" else 90
+    counts = [256, 0, 512] if arch == "sm100" else [16, 0, 48]
+    a, b, off = _operands(counts, hidden=256, inter=256)
+    for mode in ("dense", "discrete"):
+        n = api.get_grouped_gemm_wgrad_workspace_size_sm100(3, output_mode=mode)
+        ws = torch.zeros(n, dtype=torch.uint8)
+        WRAPPERS[arch](a, b, None, None, off, output_mode=mode, descriptor_workspace=ws)
+        assert not ws.any()  # BF16 kernels leave it untouched
+        with pytest.raises(ValueError, match=f"at least {n} bytes"):
+            WRAPPERS[arch](a, b, None, None, off, output_mode=mode,
+                           descriptor_workspace=ws[: n - 128])
+    w = torch.empty(3, 256, 256, dtype=torch.bfloat16)
+    op = CLASSES[arch](a, b, None, None, off, sample_wgrad=w)
+    op.compile()
+    ws = torch.zeros(api.get_grouped_gemm_wgrad_workspace_size_sm100(3), dtype=torch.uint8)
+    op.execute(a, b, None, None, off, wgrad_tensor=w, descriptor_workspace=ws)
+    op.execute(a, b, None, None, off, wgrad_tensor=w, workspace=ws)
+    op.execute(a, b, None, None, off, wgrad_tensor=w, workspace=ws, descriptor_workspace=ws)
+    _assert_close(w, _ref64(a, b, off), torch.bfloat16)
+    with pytest.raises(ValueError, match="name the same buffer"):
+        op.execute(a, b, None, None, off, wgrad_tensor=w, workspace=ws,
+                   descriptor_workspace=ws.clone())
+    with pytest.raises(ValueError, match="contiguous"):
+        op.execute(a, b, None, None, off, wgrad_tensor=w,
+                   descriptor_workspace=torch.zeros(2 * ws.numel(), dtype=torch.uint8)[::2])
+    with pytest.raises(ValueError, match="torch.uint8"):
+        op.execute(a, b, None, None, off, wgrad_tensor=w, descriptor_workspace=ws.view(-1, 4)
+                   .view(torch.int32).flatten())
+    with pytest.raises(ValueError, match="one device"):
+        op.execute(a, b, None, None, off, wgrad_tensor=w,
+                   descriptor_workspace=torch.zeros(ws.numel(), dtype=torch.uint8,
+                                                    device="meta"))
+
+
+def test_offsets_validated_once_per_tensor_version(fake_device, monkeypatch):
+    reads = []
+    real = api._check_offsets_now
+    monkeypatch.setattr(
+        api, "_check_offsets_now", lambda *args: reads.append(args[0]) or real(*args)
+    )
+    a, b, off = _operands([16, 0, 48])
+    run = functools.partial(api.grouped_gemm_wgrad_wrapper_sm90, a, b, None, None)
+    run(off)
+    run(off)
+    assert len(reads) == 1  # the same unchanged tensor: no second host read (sync)
+    off2 = off.clone()  # equal values, another tensor: read once
+    run(off2)
+    assert len(reads) == 2
+    off2.add_(0)  # an in-place op bumps the version: read again
+    run(off2)
+    assert len(reads) == 3
+    off2[1] = 100  # a bad value written in place is caught
+    with pytest.raises(ValueError, match="non-decreasing"):
+        run(off2)
+    # a tensor that failed is not cached as good
+    with pytest.raises(ValueError, match="non-decreasing"):
+        run(off2)
+    # a view written through shares the version counter
+    base = off.clone()
+    view = base[:]
+    run(view)
+    base[2] = 80
+    with pytest.raises(ValueError, match="last offset 80 must equal tokens_sum 64"):
+        run(view)
+    api.clear_grouped_wgrad_caches()
+    n = len(reads)
+    run(off)
+    assert len(reads) == n + 1
+
+
+def test_validation_cache_never_trusts_a_new_tensor_at_a_freed_address(fake_device):
+    a, b, off = _operands([16, 0, 48])
+    api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off)
+    key = next(iter(api._VALIDATED))
+    # forge the entry for a different live tensor object: the weak reference does not match
+    other = torch.tensor([64, 0, 64], dtype=torch.int32)
+    api._VALIDATED[(*key[:-4], other.device, other.data_ptr(), other._version,
+                    tuple(other.shape))] = api._VALIDATED[key]
+    with pytest.raises(ValueError, match="non-decreasing"):
+        api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, other)

@@ -23,7 +23,8 @@ Public names:
 
 Validation of offsets VALUES and pointer VALUES needs a host read (a device sync). It runs only in
 the explicit validation mode ``validate_offsets=True`` — the default of the wrappers and of
-``check_support`` — and never while the current CUDA stream is capturing a graph (values are then
+``check_support`` — once per tensor version (the same unchanged tensor is not read again, as
+cuDNN caches it), and never while the current CUDA stream is capturing a graph (values are then
 trusted; the checks of shapes, dtypes, strides, devices and alignment still run). Pass
 ``validate_offsets=False`` in the hot path. Host metadata (shapes, strides, data pointers) is always
 checked; it costs no sync.
@@ -83,9 +84,12 @@ TMA_ALIGN_BYTES = 16
 #: Offsets are int32 loaded by the scheduler: 4-byte aligned. The pointer array is int64: 8 bytes.
 OFFSETS_ALIGN_BYTES = 4
 POINTERS_ALIGN_BYTES = 8
-#: Per-expert runtime TMA descriptors (A, B, output), 128 bytes each (CUtensorMap size).
+#: Per-expert runtime TMA descriptors of cuDNN's block-scaled wgrad, 128 bytes each (CUtensorMap
+#: size): A, B, SFA, SFB for every expert, plus the output's in discrete mode. cuDNN's test pins
+#: ``get_grouped_gemm_wgrad_workspace_size_sm100(2) == 1024`` (dense, either input order) and a
+#: discrete size that is a multiple of 128.
 _TMA_DESCRIPTOR_BYTES = 128
-_DESCRIPTORS_PER_EXPERT = 3
+_DESCRIPTORS_PER_EXPERT = {"dense": 4, "discrete": 5}
 #: Operand dtype pairs that select the block-scaled backend in the seed (not built here).
 _BLOCK_SCALED_DTYPES = tuple(
     d
@@ -347,6 +351,7 @@ def clear_grouped_wgrad_caches() -> None:
         _LAUNCHER_CACHE.clear()
         _OP_CACHE.clear()
         _INTO_CACHE.clear()
+        _VALIDATED.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,10 +454,55 @@ def _check_tiling(arch: str, mma_tiler_mn, cluster_shape_mn) -> tuple:
     return tiler, cluster
 
 
+#: Tensors whose values passed a host-read check: key -> weak reference to the tensor checked.
+#: A key is (check, device, data_ptr, _version, shape, check arguments); a hit needs the same live
+#: tensor object, so a new tensor allocated at a freed address never inherits a verdict.
+_VALIDATED: dict[tuple, Any] = {}
+_VALIDATED_MAX = 1024
+
+
+def _validated_once(t: torch.Tensor, key: tuple, check: Callable[[], None]) -> None:
+    """Run ``check`` (a host read: one device sync) unless ``t`` passed it unchanged before.
+
+    "Unchanged" is torch's version counter (``t._version``), which every in-place torch op on
+    the tensor or a view of it bumps, as cuDNN caches its offsets validation; a write that
+    bypasses torch (a custom kernel writing through ``data_ptr()``) is not seen, so callers that
+    rewrite offsets that way must not rely on the cache (``clear_grouped_wgrad_caches()``).
+    """
+    import weakref
+
+    full = (*key, t.device, t.data_ptr(), t._version, tuple(t.shape))
+    with _CACHE_LOCK:
+        ref = _VALIDATED.get(full)
+        if ref is not None and ref() is t:
+            return
+    check()
+    with _CACHE_LOCK:
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            _VALIDATED.clear()
+        try:
+            _VALIDATED[full] = weakref.ref(t)
+        except TypeError:  # pragma: no cover - every torch.Tensor supports weak references
+            pass
+
+
 def _check_offsets_values(
     offsets: torch.Tensor, tokens_sum: int, group_align: int, arg: str
 ) -> None:
-    """Host read of the offsets: non-decreasing, >= 0, groups multiples of align, last == S."""
+    """Host read of the offsets: non-decreasing, >= 0, groups multiples of align, last == S.
+
+    Once per tensor version (``_validated_once``): repeated calls with the same unchanged
+    offsets tensor do not synchronise again.
+    """
+    _validated_once(
+        offsets, ("offsets", tokens_sum, group_align, arg),
+        lambda: _check_offsets_now(offsets, tokens_sum, group_align, arg),
+    )
+
+
+def _check_offsets_now(
+    offsets: torch.Tensor, tokens_sum: int, group_align: int, arg: str
+) -> None:
     values = [int(v) for v in offsets.tolist()]
     prev = 0
     for e, end in enumerate(values):
@@ -474,14 +524,34 @@ def _check_offsets_values(
         )
 
 
-def _check_pointer_values(ptrs: torch.Tensor, arg: str) -> None:
-    values = [int(v) for v in ptrs.tolist()]
-    for e, p in enumerate(values):
-        if p == 0 or p % TMA_ALIGN_BYTES:
-            raise ValueError(
-                f"{arg}[{e}] = {p:#x}: every output address must be non-null and "
-                f"{TMA_ALIGN_BYTES}-byte aligned"
-            )
+def _check_pointer_values(
+    ptrs: torch.Tensor, arg: str, stacked: torch.Tensor | None = None
+) -> None:
+    """Host read of the output addresses: non-null, 16-byte aligned and, when the caller passes
+    the stacked ``wgrad_tensor`` too (cuDNN's discrete calls pass both), exactly its expert
+    slabs, so the tensor returned is the memory written. Once per tensor version."""
+    slabs = None
+    if stacked is not None:
+        step = stacked[0].numel() * stacked.element_size() if stacked.shape[0] else 0
+        slabs = (stacked.data_ptr(), step)
+
+    def check() -> None:
+        values = [int(v) for v in ptrs.tolist()]
+        for e, p in enumerate(values):
+            if p == 0 or p % TMA_ALIGN_BYTES:
+                raise ValueError(
+                    f"{arg}[{e}] = {p:#x}: every output address must be non-null and "
+                    f"{TMA_ALIGN_BYTES}-byte aligned"
+                )
+            if slabs is not None and p != slabs[0] + e * slabs[1]:
+                raise ValueError(
+                    f"{arg}[{e}] = {p:#x} is not expert {e}'s slab of wgrad_tensor "
+                    f"({slabs[0] + e * slabs[1]:#x}): in discrete mode with both, the kernel "
+                    "writes through wgrad_ptrs and returns wgrad_tensor, so the pointers must "
+                    "address wgrad_tensor[e]"
+                )
+
+    _validated_once(ptrs, ("pointers", arg, slabs), check)
 
 
 def _check_dtype_pair(a_dtype, b_dtype, a_arg: str, b_arg: str) -> None:
@@ -740,6 +810,7 @@ class _GroupedGemmWgradBase:
         mma_tiler_mn: tuple[int, int] | None = None,
         cluster_shape_mn: tuple[int, int] | None = None,
         sf_vec_size: int = 16,
+        sf_fp8_dtype_override: str | None = None,
         accumulate_on_output: bool = False,
         input_order: str = "tensor2d",
         *,
@@ -769,6 +840,7 @@ class _GroupedGemmWgradBase:
             "sample_sfb": sample_sfb,
             "sample_global_scale_a": sample_global_scale_a,
             "sample_global_scale_b": sample_global_scale_b,
+            "sf_fp8_dtype_override": sf_fp8_dtype_override,
         }
         self._num_experts_arg = num_experts
         self._wgrad_shape_arg = wgrad_shape
@@ -898,7 +970,7 @@ class _GroupedGemmWgradBase:
     def _validate_call(
         self,
         a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor, wgrad_tensor, wgrad_ptrs,
-        global_scale_a, global_scale_b, validate_offsets: bool,
+        global_scale_a, global_scale_b, validate_offsets: bool, workspaces=(),
     ) -> _Call:
         c = self.contract
         _check_scale_controls(
@@ -929,17 +1001,23 @@ class _GroupedGemmWgradBase:
                              out_dtype)
             out = wgrad_tensor
         else:
-            if wgrad_tensor is not None:
+            if wgrad_tensor is None and wgrad_ptrs is None:
                 raise ValueError(
-                    "wgrad_tensor must be None for a discrete operator: pass wgrad_ptrs"
+                    "wgrad_ptrs is required in discrete output mode (or wgrad_tensor, the "
+                    "stacked [E, H, I] output whose expert slabs the kernel then writes)"
                 )
-            if wgrad_ptrs is None:
-                raise ValueError("wgrad_ptrs is required in discrete output mode")
-            _check_ptrs_tensor(wgrad_ptrs, num_experts)
-            out = wgrad_ptrs
+            if wgrad_tensor is not None:
+                _check_dense_out(c.arch, wgrad_tensor, (num_experts, hidden, inter),
+                                 "wgrad_tensor", out_dtype)
+            if wgrad_ptrs is not None:
+                _check_ptrs_tensor(wgrad_ptrs, num_experts)
+                out = wgrad_ptrs
+            else:
+                out = _stacked_pointers(wgrad_tensor)
         device = _check_same_device({
             "a_tensor": a_tensor, "b_tensor": b_tensor, "offsets_tensor": offsets_tensor,
             "wgrad_tensor": wgrad_tensor, "wgrad_ptrs": wgrad_ptrs,
+            **{name: ws for name, ws in workspaces if ws is not None},
         })
         if self.device is not None and device != self.device:
             raise ValueError(
@@ -948,7 +1026,7 @@ class _GroupedGemmWgradBase:
         if validate_offsets and not _capturing(device):
             _check_offsets_values(offsets_tensor, tokens_sum, self._GROUP_ALIGN, "offsets_tensor")
             if wgrad_ptrs is not None:
-                _check_pointer_values(wgrad_ptrs, "wgrad_ptrs")
+                _check_pointer_values(wgrad_ptrs, "wgrad_ptrs", wgrad_tensor)
         return _Call(tokens_sum=tokens_sum, out=out, a=a_tensor, b=b_tensor)
 
     def execute(
@@ -964,14 +1042,26 @@ class _GroupedGemmWgradBase:
         global_scale_b: torch.Tensor | None = None,
         current_stream: Any = None,
         *,
+        descriptor_workspace: torch.Tensor | None = None,
+        workspace: torch.Tensor | None = None,
         validate_offsets: bool | None = None,
     ) -> None:
         """Run the compiled kernel: ``wgrad[e] (+)= A[:, begin:end] @ B[begin:end, :]``.
 
-        Args: as the seed (shapes in the module docstring). ``current_stream``: a
-        ``torch.cuda.Stream``, a raw ``CUstream``/int handle, or None (torch's current stream).
-        ``validate_offsets``: host-read offsets (and pointer) values; default: the value given
-        at construction. Skipped while the stream is capturing a CUDA graph.
+        Args: as the seed (shapes in the module docstring), positional prefix as cuDNN's
+        ``execute``. ``current_stream``: a ``torch.cuda.Stream``, a raw ``CUstream``/int handle,
+        or None (torch's current stream).
+        Discrete operators take ``wgrad_ptrs``, ``wgrad_tensor`` (the stacked [E, H, I] output:
+        its expert slabs are written) or both, as cuDNN passes them: then the kernel writes
+        through ``wgrad_ptrs``, and with validation on the pointers must be
+        ``wgrad_tensor``'s expert slabs.
+        ``descriptor_workspace`` / ``workspace`` (keywords, cuDNN's): caller-owned uint8
+        buffers of at least ``get_grouped_gemm_wgrad_workspace_size_sm100(E, output_mode,
+        input_order)`` bytes on the inputs' device; both given must be the same buffer. The BF16
+        kernels build no runtime descriptors and leave them untouched.
+        ``validate_offsets``: host-read offsets (and pointer) values, once per tensor version;
+        default: the value given at construction. Skipped while the stream is capturing a CUDA
+        graph.
 
         Raises:
             RuntimeError: ``compile()`` has not run.
@@ -984,12 +1074,19 @@ class _GroupedGemmWgradBase:
             )
         if validate_offsets is None:
             validate_offsets = self.validate_offsets
+        c = self.contract
+        ws = _check_workspace(
+            descriptor_workspace, workspace, offsets_tensor.shape[0] if isinstance(
+                offsets_tensor, torch.Tensor) and offsets_tensor.dim() == 1 else 1,
+            c.output_mode, c.input_order,
+        )
         call = self._validate_call(
             a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor, wgrad_tensor, wgrad_ptrs,
             global_scale_a, global_scale_b, validate_offsets,
+            workspaces=(("descriptor_workspace", ws),),
         )
         self._launch(call.a, call.b, offsets_tensor, call.out, current_stream,
-                     pointers=wgrad_ptrs)
+                     pointers=call.out if c.output_mode == "discrete" else None)
 
     def _launch(self, a, b, offsets, out, current_stream, pointers=None) -> None:
         stream = current_stream
@@ -1101,16 +1198,61 @@ class GroupedGemmWgradSm90(_GroupedGemmWgradBase):
 # ---------------------------------------------------------------------------------------------
 
 
-def get_grouped_gemm_wgrad_workspace_size_sm100(num_experts: int) -> int:
-    """Bytes of the caller-owned ``descriptor_workspace``: 3 TMA descriptors (A, B, output) of
-    128 bytes per expert.
+def get_grouped_gemm_wgrad_workspace_size_sm100(
+    num_experts: int, output_mode: str = "dense", input_order: str = "tensor2d"
+) -> int:
+    """Bytes of the caller-owned ``descriptor_workspace``, cuDNN's size: per expert, 128-byte TMA
+    descriptors (CUtensorMap) of A, B, SFA and SFB, plus the output's in discrete mode; the same
+    for either ``input_order`` (1024 bytes for 2 dense experts, as cuDNN's test pins).
+
+    The BF16 kernels here build no runtime descriptors: they accept such a buffer (so code sized
+    the cuDNN way runs unchanged) and leave it untouched.
 
     Raises:
-        ValueError: ``num_experts`` is not an int >= 1.
+        ValueError: ``num_experts`` is not a positive int, or an unknown mode / order.
     """
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
-    return num_experts * _DESCRIPTORS_PER_EXPERT * _TMA_DESCRIPTOR_BYTES
+        raise ValueError(f"num_experts must be positive (an int >= 1), got {num_experts!r}")
+    if output_mode not in _OUTPUT_MODES:
+        raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
+    _check_input_order(input_order)
+    return num_experts * _DESCRIPTORS_PER_EXPERT[output_mode] * _TMA_DESCRIPTOR_BYTES
+
+
+def _check_workspace(
+    descriptor_workspace, workspace, num_experts: int, output_mode: str, input_order: str
+) -> torch.Tensor | None:
+    """The caller's workspace (``descriptor_workspace``, or cuDNN's ``workspace`` alias), checked:
+    uint8, contiguous, at least the size for ``num_experts``; both given must name one buffer."""
+    if descriptor_workspace is not None and workspace is not None:
+        same = (
+            isinstance(descriptor_workspace, torch.Tensor) and isinstance(workspace, torch.Tensor)
+            and descriptor_workspace.data_ptr() == workspace.data_ptr()
+            and descriptor_workspace.numel() == workspace.numel()
+        )
+        if not same:
+            raise ValueError(
+                "workspace and descriptor_workspace must name the same buffer when both are given"
+            )
+    ws = descriptor_workspace if descriptor_workspace is not None else workspace
+    if ws is None:
+        return None
+    need = get_grouped_gemm_wgrad_workspace_size_sm100(
+        max(int(num_experts), 1), output_mode, input_order
+    )
+    if not isinstance(ws, torch.Tensor) or ws.dtype != torch.uint8:
+        raise ValueError(
+            f"descriptor_workspace must be a torch.uint8 tensor of at least {need} bytes "
+            "(get_grouped_gemm_wgrad_workspace_size_sm100)"
+        )
+    if not ws.is_contiguous():
+        raise ValueError("descriptor_workspace must be contiguous")
+    if ws.numel() < need:
+        raise ValueError(
+            f"descriptor_workspace requires at least {need} bytes "
+            f"(get_grouped_gemm_wgrad_workspace_size_sm100), got {ws.numel()}"
+        )
+    return ws
 
 
 def _stacked_pointers(stacked: torch.Tensor) -> torch.Tensor:
@@ -1127,6 +1269,7 @@ def _wrapper(
     wgrad_ptrs, global_scale_a, global_scale_b, acc_dtype, wgrad_dtype, mma_tiler_mn,
     cluster_shape_mn, sf_vec_size, accumulate_on_output, input_order, current_stream,
     validate_offsets, descriptor_workspace, _ops_out: list | None = None,
+    sf_fp8_dtype_override: str | None = None,
 ) -> TupleDict:
     arch = cls._ARCH
     # 1. Every rule of the call, environment-free (CPU-testable), before any output is written.
@@ -1134,7 +1277,7 @@ def _wrapper(
         raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
     _check_scale_controls(
         {"sfa_tensor": sfa_tensor, "sfb_tensor": sfb_tensor, "global_scale_a": global_scale_a,
-         "global_scale_b": global_scale_b},
+         "global_scale_b": global_scale_b, "sf_fp8_dtype_override": sf_fp8_dtype_override},
         sf_vec_size, acc_dtype,
     )
     input_order = _check_input_order(input_order)
@@ -1149,8 +1292,6 @@ def _wrapper(
     out_name = _check_wgrad_dtype(wgrad_dtype)
     if output_mode == "dense" and wgrad_ptrs is not None:
         raise ValueError("wgrad_ptrs must be None in dense output mode (dense output forbids it)")
-    if wgrad_tensor is not None and wgrad_ptrs is not None:
-        raise ValueError("give wgrad_tensor or wgrad_ptrs, not both")
     if wgrad_tensor is not None:  # the given output's dtype wins over wgrad_dtype
         out_name = _check_dense_out(arch, wgrad_tensor, (num_experts, hidden, inter),
                                     "wgrad_tensor")
@@ -1161,17 +1302,7 @@ def _wrapper(
         )
     if wgrad_ptrs is not None:
         _check_ptrs_tensor(wgrad_ptrs, num_experts)
-    if descriptor_workspace is not None:
-        need = get_grouped_gemm_wgrad_workspace_size_sm100(num_experts)
-        if (
-            not isinstance(descriptor_workspace, torch.Tensor)
-            or descriptor_workspace.dtype != torch.uint8
-            or descriptor_workspace.numel() < need
-        ):
-            raise ValueError(
-                f"descriptor_workspace must be a torch.uint8 tensor of at least {need} bytes "
-                "(get_grouped_gemm_wgrad_workspace_size_sm100)"
-            )
+    _check_workspace(descriptor_workspace, None, num_experts, output_mode, input_order)
     device = _check_same_device({
         "a_tensor": a_tensor, "b_tensor": b_tensor, "offsets_tensor": offsets_tensor,
         "wgrad_tensor": wgrad_tensor, "wgrad_ptrs": wgrad_ptrs,
@@ -1180,7 +1311,7 @@ def _wrapper(
     if validate_offsets and not _capturing(device):
         _check_offsets_values(offsets_tensor, tokens_sum, cls._GROUP_ALIGN, "offsets_tensor")
         if wgrad_ptrs is not None:
-            _check_pointer_values(wgrad_ptrs, "wgrad_ptrs")
+            _check_pointer_values(wgrad_ptrs, "wgrad_ptrs", wgrad_tensor)
 
     # 2. The operator of the static contract (tokens_sum is not in the key): environment checks
     #    (no CUDA, capability) and the compile happen once per key.
@@ -1229,7 +1360,9 @@ def _wrapper(
     )
     if _ops_out is not None:
         _ops_out.append(op)
-    return TupleDict(wgrad_tensor=wgrad_tensor if wgrad_ptrs is None else None)
+    # Discrete with wgrad_ptrs only: caller-owned memory, nothing to return (the seed); with both
+    # (cuDNN's calls), the kernel wrote through the pointers and the given tensor is returned.
+    return TupleDict(wgrad_tensor=wgrad_tensor)
 
 
 def _wrapper_doc(name: str, cls_name: str, extra: str) -> str:
@@ -1241,22 +1374,29 @@ def _wrapper_doc(name: str, cls_name: str, extra: str) -> str:
     Args:
         a_tensor: [H, S] torch.bfloat16 (K-major or M-major), CUDA.
         b_tensor: [S, I] torch.bfloat16 (K-major or N-major), same device.
-        sfa_tensor, sfb_tensor, global_scale_a, global_scale_b: must be None (BF16).
+        sfa_tensor, sfb_tensor, global_scale_a, global_scale_b, sf_fp8_dtype_override: must be
+            None (BF16). The positional order is cuDNN's (``sf_fp8_dtype_override`` between
+            ``sf_vec_size`` and ``accumulate_on_output``; keywords after ``current_stream``).
         offsets_tensor: [E] torch.int32 contiguous cumulative ends; {extra}
         output_mode: "dense" (wgrad_tensor [E, H, I], allocated when omitted; wgrad_ptrs
-            forbidden) or "discrete" (wgrad_ptrs [E] int64 caller-owned addresses, then
-            ``result["wgrad_tensor"] is None``; or nothing, then a stacked tensor is allocated and
-            its per-expert addresses passed).
+            forbidden) or "discrete": wgrad_ptrs [E] int64 caller-owned addresses (then
+            ``result["wgrad_tensor"] is None``); or wgrad_tensor, a stacked [E, H, I] output whose
+            expert slabs are written through derived addresses; or both, as cuDNN's tests pass
+            them: the kernel writes through ``wgrad_ptrs`` and ``result["wgrad_tensor"] is
+            wgrad_tensor`` (with ``validate_offsets`` the pointers must be its expert slabs);
+            or neither, then a stacked tensor is allocated.
         wgrad_dtype: torch.bfloat16 | torch.float16 | torch.float32 (allocated output's dtype).
         acc_dtype: torch.float32. sf_vec_size: 16. mma_tiler_mn, cluster_shape_mn: see
             ``{cls_name}``.
         accumulate_on_output: accumulate into the output (allocated outputs start at zero).
         input_order: "tensor2d" | "tensor_ragged".
         current_stream: torch.cuda.Stream, raw handle or None (current stream).
-        validate_offsets: host-read the offsets and pointer values (one sync); default True;
+        validate_offsets (keyword): host-read the offsets and pointer values (one sync), once
+            per tensor version (an unchanged offsets tensor is not re-read); default True;
             skipped while a CUDA graph is being captured. Pass False in the hot path.
-        descriptor_workspace: accepted for the seed's block-scaled callers (uint8, at least
-            ``get_grouped_gemm_wgrad_workspace_size_sm100(E)`` bytes); unused by BF16.
+        descriptor_workspace (keyword): accepted as cuDNN's block-scaled callers size it (uint8,
+            contiguous, at least ``get_grouped_gemm_wgrad_workspace_size_sm100(E, output_mode,
+            input_order)`` bytes, same device); unused by BF16 (cuDNN refuses it for BF16).
 
     Raises:
         ValueError: any contract rule (argument named in the message), before any output write.
@@ -1281,18 +1421,20 @@ def grouped_gemm_wgrad_wrapper_sm100(
     mma_tiler_mn: tuple[int, int] = (256, 256),
     cluster_shape_mn: tuple[int, int] | None = None,
     sf_vec_size: int = 16,
+    sf_fp8_dtype_override: str | None = None,
     accumulate_on_output: bool = False,
     input_order: str = "tensor2d",
     current_stream: Any = None,
     *,
-    validate_offsets: bool = True,
     descriptor_workspace: torch.Tensor | None = None,
+    validate_offsets: bool = True,
 ) -> TupleDict:
     return _wrapper(
         GroupedGemmWgradSm100, a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor,
         output_mode, wgrad_tensor, wgrad_ptrs, global_scale_a, global_scale_b, acc_dtype,
         wgrad_dtype, mma_tiler_mn, cluster_shape_mn, sf_vec_size, accumulate_on_output,
         input_order, current_stream, validate_offsets, descriptor_workspace,
+        sf_fp8_dtype_override=sf_fp8_dtype_override,
     )
 
 
@@ -1312,18 +1454,20 @@ def grouped_gemm_wgrad_wrapper_sm90(
     mma_tiler_mn: tuple[int, int] | None = None,
     cluster_shape_mn: tuple[int, int] | None = None,
     sf_vec_size: int = 16,
+    sf_fp8_dtype_override: str | None = None,
     accumulate_on_output: bool = False,
     input_order: str = "tensor2d",
     current_stream: Any = None,
     *,
-    validate_offsets: bool = True,
     descriptor_workspace: torch.Tensor | None = None,
+    validate_offsets: bool = True,
 ) -> TupleDict:
     return _wrapper(
         GroupedGemmWgradSm90, a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor,
         output_mode, wgrad_tensor, wgrad_ptrs, global_scale_a, global_scale_b, acc_dtype,
         wgrad_dtype, mma_tiler_mn, cluster_shape_mn, sf_vec_size, accumulate_on_output,
         input_order, current_stream, validate_offsets, descriptor_workspace,
+        sf_fp8_dtype_override=sf_fp8_dtype_override,
     )
 
 

@@ -130,7 +130,7 @@ def prepare_blockwise_args(
 
     Args:
         problem: the backend-neutral problem (any float dtypes; cast to BF16 here).
-        block_size: B, one of 128/256/512/1024.
+        block_size: B, one of 128/256/512/1024/2048/4096.
         padding: ``"skip"`` (padding ids -1, OOB-skipped by the kernel's DMA) or ``"zero_row"``
             (padding ids T; X, dY and the affinities get an all-zero row T).
 
@@ -281,7 +281,7 @@ def run_blockwise(
     Args:
         problem: the :class:`~common.problem.MoEBackwardProblem`.
         backend: ``"nki-sim"`` (our interpreter, CPU) or ``"nki"`` (real NKI, Trainium).
-        block_size: B in (128, 256, 512, 1024).
+        block_size: B in (128, 256, 512, 1024, 2048, 4096).
         padding: ``"skip"`` (ids -1) or ``"zero_row"`` (ids T with a zero row).
         run_with_lnc2: 2 program instances (LNC2) or 1.
         accumulation_dtype: None (AWS: BF16 read-add-write across blocks) or float32.

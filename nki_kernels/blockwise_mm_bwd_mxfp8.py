@@ -32,7 +32,18 @@ On-chip layouts (all MX groups follow Trainium's WRAPX layout, NKI_API.md §4.6)
   (``l < B / vs``); a feature tile is ``[vs, B/512 (tiles), F, 4]`` with lane ``l = 4*tile + i``
   innermost, exactly ``quantize_mx``'s input: one MX group = 8 partitions x 4 lanes = slots
   ``{tile*512 + i*vs + 8g + j}``, the WRAPX groups along B. X and dY rows are gathered straight
-  into it; d_gate_up and alpha*h move there from the natural layout by SBUF-to-SBUF DMA.
+  into it; d_gate_up and alpha*h move there from the natural layout by DMA (SBUF-to-SBUF, or
+  from the HBM block scratch of a streamed block). Phases 3-4 stage and quantize one WRAPX tile
+  (512 slots) at a time, in column slabs of both operands (``_wgrad_cols``).
+
+Slot streaming (B up to 4096, AWS's default; issue 11 item 4): a block of B slots runs phases 1-2
+per sub-block of SB slots (``_sub_block_slots``: the largest of 512/256/128 whose per-slot tiles
+fit the SBUF plan; slots are independent there, so dA and dX rows are computed per sub-block);
+each sub-block's d_gate_up and alpha*h go to a block scratch in shared HBM (natural layout
+``[128, B/128, *]``, also the LNC2 exchange buffer). Phases 3-4 then contract over all B slots:
+for each output tile the PSUM chain runs over the WRAPX tiles along B in order, exactly as for a
+resident block, so no value depends on SB or on the slabs and the golden twin is unchanged. With
+one sub-block (SB = B) d_gate_up and alpha*h stay in SBUF as before.
 * "K-major" tiles for a contraction over H (phase 1) or 2I (phase 2): per WRAPX K tile of width
   TK at k0, ``[TK/4, F, 4]`` with element (p, f, i) = row ``k0 + i*TK/4 + p`` of the K axis. The
   weights arrive in it by strided DMA; dY and d_gate_up by TensorE transposes (natural layout).
@@ -72,11 +83,10 @@ Engines: elementwise work is spread over VectorE, ScalarE and GpSimd (values nev
 engine); memsets of gathered tiles happen only when out-of-bounds ids are skipped.
 
 Limits (SBUF, measured on the interpreter, trn3 budget 245496 B/partition): weight column blocks
-shrink to fit 64 KiB per partition (``WEIGHT_BLOCK_BYTES``), phases 3/4 quantize in 2048-column
-blocks. Fits: H=7168 I_TP=2048 (DeepSeek-V3 experts) at B=128 (134 KB peak) and B=512 LNC2
-(214 KB); H=5120 I_TP=8192 (Llama-4-Scout) at B=128 (173 KB); H=4096 I_TP=14336 (Mixtral-8x7B,
-TP=1) at B=128 (196 KB LNC1, 172 KB LNC2). Does not fit: I_TP=8192 at B=512 (the per-slot
-phase-1 tiles hold all of I for every slot; ``NkiCapacityError`` names the allocation).
+shrink to fit 64 KiB per partition (``WEIGHT_BLOCK_BYTES``); phase-3/4 operand slabs 40 KiB
+(``WGRAD_OPERAND_BYTES``). Under LNC2, B = 1024, 2048 and 4096 fit for DeepSeek-V3 (H 7168,
+I_TP 2048), Qwen3-235B-A22B (4096, 1536), Llama-4-Scout (5120, 8192) and Mixtral-8x7B (4096,
+14336); peaks per shape in ``tests/test_nki_block_stream.py`` (``BIG_SHAPE_PEAKS``).
 
 LNC2 (SHARD_ON_FREE): core c computes phase 1 for its half of I (dA partial sums exchanged with
 ``sendrecv``; d_gate_up and alpha*h halves exchanged through a shared-HBM scratch and

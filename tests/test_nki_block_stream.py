@@ -11,6 +11,7 @@ interpreter's budgets on a one-block run (marked ``slow``).
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -69,3 +70,72 @@ def test_block_size_4096_is_accepted_and_8192_rejected():
     kw, _ = make_problem(T=16, H=128, I=128, E=2, K=1, B=4096)
     out, _ = run_kernel(kw, lnc=1, is_tensor_update_accumulating=False)
     assert_bitwise(out, run_golden(kw, is_tensor_update_accumulating=False))
+
+
+# ------------------------------------------------------------- SBUF / PSUM plan, model shapes
+# (H, I_TP) of the issue's models; LNC2. Peaks measured by this test (bytes per partition of
+# SBUF, PSUM banks) on one block with 8 tokens: the interpreter checks every allocation against
+# nki-library's trn3 budget (245496 B SBUF, 8 PSUM banks) and raises NkiCapacityError beyond it.
+MODEL_SHAPES = {
+    "deepseek-v3": (7168, 2048),
+    "qwen3-235b-a22b": (4096, 1536),
+    "llama-4-scout": (5120, 8192),
+    "mixtral-8x7b": (4096, 14336),
+}
+
+
+def _fast_arithmetic(monkeypatch):
+    """Keep every rule and budget check of the interpreter, drop the MX arithmetic (values are
+    irrelevant to the plan): dequantized operands are zeros, quantize_mx writes zero words."""
+    import numpy as np
+
+    from nki_kernels.interp import isa, mxops
+
+    monkeypatch.setattr(isa, "_dequant_operand",
+                        lambda instr, arg, data, scale, P, C, prec: np.zeros((P * 4, C), prec))
+    monkeypatch.setitem(isa.MATMUL_PRECISION, "value", "float32")
+    monkeypatch.setattr(mxops, "quantize_groups", lambda src, elem, impl=None: (
+        np.zeros((src.shape[0], src.shape[1] // 4), np.uint32),
+        np.zeros((src.shape[0] // 8, src.shape[1] // 4), np.uint8)))
+
+
+def _one_block_plan(H, I, B, lnc=2, T=8):
+    """Run one live block (T tokens, E = 1, the rest padding) at a model shape; returns the
+    per-core peaks {"sbuf_peak_bytes", "psum_peak_banks"} of core 0."""
+    from nki_kernels._nki import simulate
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    dy = torch.randn(T, H, generator=gen).bfloat16()
+    wgu = torch.randn(1, H, 2, I, generator=gen).bfloat16()
+    wd = torch.randn(1, I, H, generator=gen).bfloat16()
+    tpti = torch.full((B,), -1, dtype=torch.int32)
+    tpti[:T] = torch.arange(T, dtype=torch.int32)
+    ck = torch.randn(1, 2, I, B, generator=gen).bfloat16()
+    k = simulate(kmod.blockwise_mm_bwd_mxfp8, lnc=lnc)
+    k(x, torch.rand(T, 1).bfloat16(), wgu, wd, tpti, torch.zeros(1, 1, dtype=torch.int32), dy,
+      B, gate_up_proj_act_checkpoint_T=ck, skip_dma=kmod.SkipMode(skip_token=True),
+      run_with_lnc2=lnc == 2)
+    return k.last_profile.memory[0]
+
+
+def test_model_shape_plan_fits_qwen3_235b_b1024(monkeypatch):
+    """CI-sized check of the plan at a model shape: Qwen3-235B-A22B experts, B = 1024, LNC2."""
+    _fast_arithmetic(monkeypatch)
+    H, I = MODEL_SHAPES["qwen3-235b-a22b"]
+    mem = _one_block_plan(H, I, 1024)
+    assert mem["sbuf_peak_bytes"] <= kmod.SBUF_PLAN_BYTES and mem["psum_peak_banks"] <= 8
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("NKI_SLOW_TESTS"),
+                    reason="one-block runs at model shapes, 20 s - minutes each: NKI_SLOW_TESTS=1")
+@pytest.mark.parametrize("B", [1024, 2048, 4096])
+@pytest.mark.parametrize("model", sorted(MODEL_SHAPES))
+def test_model_shape_plan_fits(monkeypatch, model, B):
+    _fast_arithmetic(monkeypatch)
+    H, I = MODEL_SHAPES[model]
+    mem = _one_block_plan(H, I, B)
+    print(f"[plan] {model} B={B} LNC2: SBUF {mem['sbuf_peak_bytes']} B/partition, "
+          f"PSUM {mem['psum_peak_banks']} banks")
+    assert mem["sbuf_peak_bytes"] <= kmod.SBUF_PLAN_BYTES and mem["psum_peak_banks"] <= 8

@@ -326,6 +326,21 @@ def test_arch_pin_restores_state_on_error():
         envar._arch = saved
 
 
+def test_cross_compile_builds_no_engine_off_the_present_arch(monkeypatch):
+    from cuda_kernels.grouped_wgrad._contract import cross_compile_kwargs, present_cuda_arch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert present_cuda_arch() is None
+    assert cross_compile_kwargs("sm_100a") == {"no_jit_engine": True}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert present_cuda_arch() == "sm_90a"
+    assert cross_compile_kwargs("sm_100a") == {"no_jit_engine": True}  # the H200 case
+    assert cross_compile_kwargs("sm_90a") == {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    assert cross_compile_kwargs("sm_100a") == {}  # a B200 runs what it compiles
+
+
 def test_target_arch_is_never_another_family(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for cc, want in (((9, 0), "sm_100a"), ((10, 0), "sm_100a"), ((10, 3), "sm_103a"),
@@ -348,6 +363,8 @@ def test_compile_cache_counts_real_compiles(gpu_arch_sm90a):
     )
     assert sm100.COMPILE_COUNT == before + 1  # same static contract: cache hit
     assert first.args[1] is second.args[1]  # the same compiled function
+    # compiled for sm_100a where no SM100 GPU is present: compiled only, never loaded (no engine)
+    assert getattr(first.args[1], "engine", None) is None
     sm100.compile_sm100_wgrad(Sm100WgradKey(256, 256, 3, accumulate=True, tile=key.tile))
     assert sm100.COMPILE_COUNT == before + 2  # a new static contract compiles again
 

@@ -74,7 +74,9 @@ def pinned_cute_arch(arch: str) -> Iterator[None]:
     compile backend compares ``envar.arch`` with the compile target as well. An offline compile
     for another architecture than the present GPU's (``sm_100a`` on an H200) therefore pins
     ``envar.arch`` for the duration of the compile, besides passing ``--gpu-arch``; the previous
-    value (including "not yet detected") is restored on exit, errors included.
+    value (including "not yet detected") is restored on exit, errors included. Pair it with
+    :func:`cross_compile_kwargs` so that no JIT engine is built for a target the present GPU
+    cannot run.
     """
     from cutlass.base_dsl.dsl import BaseDSL
 
@@ -92,3 +94,21 @@ def pinned_cute_arch(arch: str) -> Iterator[None]:
 
 
 _MISSING = object()
+
+
+def present_cuda_arch() -> str | None:
+    """The CuTe DSL arch name of the current CUDA device (``"sm_90a"``, ``"sm_100a"``), or None
+    without CUDA. A compile for another target builds no JIT engine (``cross_compile_kwargs``)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def cross_compile_kwargs(arch: str) -> dict:
+    """``cute.compile`` keywords for a compile targeting ``arch``: ``no_jit_engine=True`` unless
+    the present GPU is that arch, so that a binary the present GPU cannot run (sm_100a on an
+    H200, anything on a machine without GPU) is only compiled, never loaded."""
+    return {} if present_cuda_arch() == arch else {"no_jit_engine": True}

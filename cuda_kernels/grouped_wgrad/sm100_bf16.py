@@ -64,7 +64,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import check_key_fields, load_tile_rules, pinned_cute_arch
+from ._contract import (
+    check_key_fields,
+    cross_compile_kwargs,
+    load_tile_rules,
+    pinned_cute_arch,
+)
 
 __all__ = [
     "COMPILE_COUNT",
@@ -964,7 +969,10 @@ def _compile(key: Sm100WgradKey, arch: str | None, dump_dir: str | None = None):
     if dump_dir is not None:
         opts += f" --keep-ptx --dump-dir {dump_dir}"
     with pinned_cute_arch(arch):  # not the arch of whatever GPU is present (an H200: sm_90a)
-        return cute.compile(kernel, a, b, offsets, out, cutlass.Int32(1), stream, options=opts)
+        return cute.compile(
+            kernel, a, b, offsets, out, cutlass.Int32(1), stream, options=opts,
+            **cross_compile_kwargs(arch),
+        )
 
 
 #: Targets the kernel is built for (tcgen05 with the arch-specific feature set).

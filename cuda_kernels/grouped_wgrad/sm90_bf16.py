@@ -45,7 +45,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import check_key_fields, load_tile_rules, pinned_cute_arch
+from ._contract import (
+    check_key_fields,
+    cross_compile_kwargs,
+    load_tile_rules,
+    pinned_cute_arch,
+)
 
 __all__ = [
     "COMPILE_COUNT",
@@ -953,7 +958,8 @@ def _compile(key: Sm90WgradKey, arch: str | None, dump_dir: str | None = None):
         opts += f" --keep-ptx --dump-dir {dump_dir}"
     with pinned_cute_arch(arch):  # not the arch of whatever GPU is present (none: sm_100)
         return cute.compile(
-            kernel, a, b, offsets, out, counter, cutlass.Int32(1), stream, options=opts
+            kernel, a, b, offsets, out, counter, cutlass.Int32(1), stream, options=opts,
+            **cross_compile_kwargs(arch),
         )
 
 

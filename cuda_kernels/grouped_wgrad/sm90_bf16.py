@@ -266,8 +266,7 @@ def select_sm90_tile_config(
 def _build_kernel_class():
     import cutlass
     import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass import cute, memory, pipeline
-    from cutlass.tensor_utils import LayoutEnum
+    from cutlass import cute, pipeline, utils
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
@@ -421,8 +420,8 @@ def _build_kernel_class():
             num_ctas: cutlass.Int32,
             stream,
         ):
-            a_layout = LayoutEnum.from_tensor(mA)
-            b_layout = LayoutEnum.from_tensor(mB)
+            a_layout = utils.LayoutEnum.from_tensor(mA)
+            b_layout = utils.LayoutEnum.from_tensor(mB)
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 self.ab_dtype,
                 self.ab_dtype,
@@ -446,7 +445,7 @@ def _build_kernel_class():
             if cutlass.const_expr(self.tma_epi):
                 epi_smem_staged = sm90_utils.make_smem_layout_epi(
                     self.out_dtype,
-                    LayoutEnum.ROW_MAJOR,
+                    utils.LayoutEnum.ROW_MAJOR,
                     self.epi_tile,
                     self.epi_stages * self.num_groups,
                 )
@@ -551,7 +550,7 @@ def _build_kernel_class():
                 self.ab_dtype, b_smem_one
             )
 
-            smem = memory.SmemAllocator()
+            smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
             ab_pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(),
@@ -608,7 +607,7 @@ def _build_kernel_class():
 
             if wg_idx == 0:
                 # ---------------- producer warp group: TMA loads ----------------
-                cute.arch.setmaxregister_decrease(self.producer_regs)
+                cute.arch.warpgroup_reg_dealloc(self.producer_regs)
                 if warp_idx == 0:
                     prod_state = pipeline.make_pipeline_state(
                         pipeline.PipelineUserType.Producer, self.stages
@@ -672,7 +671,7 @@ def _build_kernel_class():
                     ab_pipe.producer_tail(prod_state)
             else:
                 # ---------------- consumer warp groups: wgmma + epilogue ----------------
-                cute.arch.setmaxregister_increase(self.consumer_regs)
+                cute.arch.warpgroup_reg_alloc(self.consumer_regs)
                 group = (wg_idx - 1) // self.wgs_per_group
                 ctid = tidx - 128 - group * self.group_threads  # thread index in its group
                 mask_barrier = pipeline.NamedBarrier(
@@ -696,7 +695,7 @@ def _build_kernel_class():
                         epi_smem_staged.outer, swizzle=epi_smem_staged.inner
                     )
                     r2s_atom = sm90_utils.get_smem_store_op(
-                        LayoutEnum.ROW_MAJOR, self.out_dtype, self.acc_dtype
+                        utils.LayoutEnum.ROW_MAJOR, self.out_dtype, self.acc_dtype
                     )
                     c_atom = cute.make_copy_atom(
                         cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype
@@ -969,7 +968,9 @@ _LOCK = threading.Lock()
 @functools.cache
 def _compiled(key: Sm90WgradKey):
     global COMPILE_COUNT
-    fn = _compile(key, "sm_90a")  # wgmma: sm_90a is the only target
+    # The runtime compile targets the present GPU (the path verified on the H200, 2026-12-01);
+    # only offline compiles pin an arch.
+    fn = _compile(key, None)
     COMPILE_COUNT += 1
     return fn
 

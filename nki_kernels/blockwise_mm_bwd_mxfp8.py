@@ -86,7 +86,17 @@ Limits (SBUF, measured on the interpreter, trn3 budget 245496 B/partition): weig
 shrink to fit 64 KiB per partition (``WEIGHT_BLOCK_BYTES``); phase-3/4 operand slabs 40 KiB
 (``WGRAD_OPERAND_BYTES``). Under LNC2, B = 1024, 2048 and 4096 fit for DeepSeek-V3 (H 7168,
 I_TP 2048), Qwen3-235B-A22B (4096, 1536), Llama-4-Scout (5120, 8192) and Mixtral-8x7B (4096,
-14336); peaks per shape in ``tests/test_nki_block_stream.py`` (``BIG_SHAPE_PEAKS``).
+14336). SBUF peak bytes per partition at B = 1024 / 2048 / 4096 (one block, LNC2, core 0;
+``tests/test_nki_block_stream.py``, ``NKI_SLOW_TESTS=1``), PSUM 4 of 8 banks everywhere:
+
+================  ===  ==================================
+model (H, I_TP)    SB  SBUF peak, B = 1024 / 2048 / 4096
+================  ===  ==================================
+DeepSeek-V3        256  134344 / 134536 / 134920
+Qwen3-235B-A22B    512  142024 / 142216 / 142600
+Llama-4-Scout      128  140360 / 140552 / 140936
+Mixtral-8x7B       128  167624 / 167816 / 168200
+================  ===  ==================================
 
 LNC2 (SHARD_ON_FREE): core c computes phase 1 for its half of I (dA partial sums exchanged with
 ``sendrecv``; d_gate_up and alpha*h halves exchanged through a shared-HBM scratch and

@@ -330,7 +330,7 @@ class RoutingPlan:
 
         Args:
             block_size: B, token slots per block (any int >= 1; the NKI kernel itself accepts
-                128, 256, 512, 1024).
+                128 to 4096, powers of two).
             padding: "skip" (padding slots -1) or "zero_row" (padding slots T, affinities get
                 an extra zero row T).
             num_blocks: N, default the static bound ``ceil((T*K - (E-1)) / B) + E - 1``. A

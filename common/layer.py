@@ -17,14 +17,16 @@ Public names:
   :func:`common.torch_backward.moe_forward_torch` (grouped GEMMs, BF16 operands, fp32
   accumulation), saving only x, the weights, the BF16 checkpoint ``act [R, 2, I]`` and the
   routing plan; backward through ``common.dispatch.resolve_backend(options.backend, device)``.
-  First-order only (``once_differentiable``): a double backward raises RuntimeError.
+  First-order only (``first_order_only`` over ``once_differentiable``): any backward with
+  ``create_graph=True`` (double backward, Hessians) raises RuntimeError.
 * :func:`moe_experts` -- the functional form; :class:`MoEExperts` -- the ``nn.Module``.
 * :func:`gate_up_from_torchtitan`, :func:`down_from_torchtitan`,
   :func:`run_experts_grouped_mm` -- torchtitan's ``GroupedExperts`` weights and its grouped-mm
   seam on top of the layer.
 
-Megatron ``main_grad``: with ``accumulate_main_grad=True`` and a ``main_grad`` tensor on both
-weights (Megatron's DDP allocates one per parameter), the weight gradients are ADDED into those
+Megatron ``main_grad``: with ``accumulate_main_grad=True`` a ``main_grad`` tensor must exist on
+both weights (Megatron's DDP allocates one per parameter; RuntimeError in backward otherwise), and
+the weight gradients are ADDED into those
 buffers during the backward -- inside the wgrad kernel on the ``cuda-sm90`` / ``cuda-sm100``
 backends when the buffers are fp32 and contiguous, by ``main_grad.add_(grad)`` otherwise -- and
 the Function returns ``None`` for the two weights, so their ``.grad`` stays None (the optimizer
@@ -39,6 +41,7 @@ the dispatcher's registry.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +59,7 @@ __all__ = [
     "MoEExpertsFunction",
     "MoEExpertsOptions",
     "down_from_torchtitan",
+    "first_order_only",
     "gate_up_from_torchtitan",
     "moe_experts",
     "run_experts_grouped_mm",
@@ -128,8 +132,13 @@ def _check_inputs(
         raise ValueError(f"hidden_states_TH must be a 2-D [T, H] tensor, got {_shape(x)}")
     T, H = x.shape
     w = w_gate_up_EH2I
-    if not isinstance(w, torch.Tensor) or w.dim() != 4 or w.shape[1] != H or w.shape[2] != 2:
-        raise ValueError(f"w_gate_up_EH2I must be [E, H={H}, 2, I], got {_shape(w)}")
+    if not isinstance(w, torch.Tensor) or w.dim() != 4 or w.shape[2] != 2:
+        raise ValueError(f"w_gate_up_EH2I must be [E, H, 2, I], got {_shape(w)}")
+    if w.shape[1] != H:
+        raise ValueError(
+            f"hidden_states_TH has hidden size H={H} but the weights have H={w.shape[1]} "
+            f"(w_gate_up_EH2I {_shape(w)})"
+        )
     E, _, _, I = w.shape
     if E < 1 or I < 1:
         raise ValueError(f"w_gate_up_EH2I must have E >= 1 and I >= 1, got {_shape(w)}")
@@ -179,16 +188,22 @@ def _check_routing(expert_index_TK: torch.Tensor, affinity_TK: torch.Tensor, E: 
 def _main_grad_buffers(
     w_gate_up_EH2I: torch.Tensor, w_down_EIH: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The weights' ``main_grad`` tensors, or None unless both have one.
+    """The weights' ``main_grad`` tensors (``accumulate_main_grad=True``).
 
     Raises:
+        RuntimeError: a weight has no ``main_grad`` (allocate fp32 buffers of the weights'
+            shapes on both, as Megatron's DDP does, or turn accumulate_main_grad off).
         ValueError: a ``main_grad`` that is not a floating tensor of its weight's shape and device.
     """
     bufs = []
     for name, w in (("w_gate_up_EH2I", w_gate_up_EH2I), ("w_down_EIH", w_down_EIH)):
         mg = getattr(w, "main_grad", None)
         if mg is None:
-            return None
+            raise RuntimeError(
+                f"accumulate_main_grad=True but {name} has no main_grad: allocate fp32 "
+                "`param.main_grad` buffers of the weights' shapes on both weights (Megatron's DDP "
+                "does), or use accumulate_main_grad=False"
+            )
         if not isinstance(mg, torch.Tensor) or not mg.is_floating_point():
             raise ValueError(f"{name}.main_grad must be a floating tensor, got {_shape(mg)}")
         if mg.shape != w.shape or mg.device != w.device:
@@ -201,6 +216,25 @@ def _main_grad_buffers(
 
 
 # ----------------------------------------------------------------------------- autograd Function
+def first_order_only(backward):
+    """Decorate an autograd Function's ``backward`` (above ``once_differentiable``): a backward
+    run with grad mode on -- ``create_graph=True``, i.e. a double backward, a Hessian, a gradient
+    penalty -- raises RuntimeError. ``once_differentiable`` alone raises only when an incoming
+    gradient requires grad; otherwise the second-order result would silently be missing/zero."""
+
+    @functools.wraps(backward)
+    def checked(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{type(ctx).__name__.removesuffix('Backward')} is first-order only: its "
+                "backward cannot be differentiated (create_graph=True, double backward, "
+                "Hessians); compute those through a differentiable forward instead"
+            )
+        return backward(ctx, *grads)
+
+    return checked
+
+
 class MoEExpertsFunction(torch.autograd.Function):
     """``y = MoE expert MLP(x)``; backward through :mod:`common.dispatch` (first order only).
 
@@ -288,6 +322,7 @@ class MoEExpertsFunction(torch.autograd.Function):
         return y_TH.to(hidden_states_TH.dtype)
 
     @staticmethod
+    @first_order_only
     @once_differentiable
     def backward(ctx: Any, grad_y_TH: torch.Tensor):
         x, wgu, wd, bgu, bd, act, x_rows_S = ctx.saved_tensors

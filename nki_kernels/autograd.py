@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from common.layer import first_order_only
 from common.problem import ClampLimits, MoEBackwardProblem
 from common.routing import RoutingPlan, plan_routing
 from common.torch_backward import moe_forward_torch
@@ -127,6 +128,7 @@ class MoEExpertMLPFunction(torch.autograd.Function):
         return y_TH
 
     @staticmethod
+    @first_order_only
     @once_differentiable
     def backward(ctx: Any, grad_y_TH: torch.Tensor):
         x, wgu, wd, act, bgu, bd = ctx.saved_tensors

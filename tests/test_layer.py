@@ -238,13 +238,14 @@ def test_main_grad_accumulates_in_fp32_and_returns_none():
         assert bool(lost.any()) and torch.all((mg - 256.0)[lost] != 0)
 
 
-def test_main_grad_absent_gives_ordinary_grads():
+def test_main_grad_missing_on_a_weight_is_an_error_not_a_silent_fallback():
     m = MoEExperts(E, H, I, accumulate_main_grad=True, dtype=torch.float32)
     m.w_gate_up.main_grad = torch.zeros(m.w_gate_up.shape)  # only one weight has one
     d = _leaves(5, bias=False)
-    (m(d["x"], EXPERT_INDEX_TK, d["aff"]) * d["dy"]).sum().backward()
-    assert m.w_gate_up.grad is not None and m.w_down.grad is not None
+    with pytest.raises(RuntimeError, match="w_down_EIH has no main_grad"):
+        (m(d["x"], EXPERT_INDEX_TK, d["aff"]) * d["dy"]).sum().backward()
     assert torch.count_nonzero(m.w_gate_up.main_grad) == 0
+    assert m.w_gate_up.grad is None and m.w_down.grad is None
 
 
 def test_main_grad_through_the_cuda_backend_entry(monkeypatch):
@@ -515,7 +516,7 @@ def test_double_backward_is_refused_by_the_layer():
     aff = d["aff"].requires_grad_()
     y = m(x, EXPERT_INDEX_TK, aff)
     # y**2: the incoming gradient depends on the parameters, so a second order exists
-    with pytest.raises(RuntimeError, match="once_differentiable"):
+    with pytest.raises(RuntimeError, match="first-order only"):
         _double_backward(y.pow(2).sum(), [x, aff, *m.parameters()])
 
 
@@ -524,7 +525,7 @@ def test_double_backward_is_refused_by_the_torchtitan_adapter():
     w2 = torch.randn(E, H, I, requires_grad=True)
     x = torch.randn(6, H, requires_grad=True)
     y = run_experts_grouped_mm(w1, w2, w3, x, torch.tensor([2, 2, 0, 2]))
-    with pytest.raises(RuntimeError, match="once_differentiable"):
+    with pytest.raises(RuntimeError, match="first-order only"):
         _double_backward(y.pow(2).sum(), [x, w1, w2, w3])
 
 
@@ -537,7 +538,7 @@ def test_double_backward_is_refused_by_the_nki_autograd_function():
     y = moe_expert_mlp(x, EXPERT_INDEX_TK, aff, wgu, wd, backend="reference")
     y.pow(2).sum().backward(retain_graph=True)  # first order works
     assert x.grad is not None and wgu.grad is not None
-    with pytest.raises(RuntimeError, match="once_differentiable"):
+    with pytest.raises(RuntimeError, match="first-order only"):
         _double_backward(y.pow(2).sum(), [x, aff, wgu, wd])
 
 
@@ -563,3 +564,17 @@ def test_function_apply_directly():
     assert x.grad.shape == (T, H)
     with pytest.raises(ValueError, match="options"):
         MoEExpertsFunction.apply(x, d["aff"], d["wgu"], d["wd"], None, None, EXPERT_INDEX_TK, None)
+
+
+@pytest.mark.parametrize("loss", ["sum", "square"])
+def test_create_graph_through_the_layer_raises_whatever_the_loss(loss):
+    """once_differentiable alone lets create_graph=True through when the incoming gradient does
+    not require grad (a linear loss): the gradient then silently has no graph (Hessian = 0)."""
+    m = MoEExperts(2, 8, 4, dtype=torch.float32)
+    x = torch.randn(2, 8, requires_grad=True)
+    y = m(x, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1))
+    out = y.sum() if loss == "sum" else y.square().sum()
+    with pytest.raises(RuntimeError, match="first-order only"):
+        torch.autograd.grad(out, x, create_graph=True)
+    g, = torch.autograd.grad(m(x, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)).sum(), x)
+    assert g.shape == x.shape  # first order still works

@@ -125,6 +125,24 @@ class _Steps:
             self.progress.__exit__(*exc)
 
 
+def shrink_note(full, small, factor: int) -> str:
+    """What ``--shrink factor`` did to H and I, exactly: e.g. ``"H, I divided by 8 and rounded
+    to the nearest multiple of 128 (at least 128): H 2880/8 = 360 -> 384, I 2880/8 = 360 -> 384"``
+    (``"H, I divided by 16: H 2048 -> 128, ..."`` when no dimension needed rounding)."""
+    parts, rounded = [], False
+    for sym, n, m in (("H", full.hidden, small.hidden), ("I", full.intermediate,
+                                                         small.intermediate)):
+        if m * factor == n:
+            parts.append(f"{sym} {n} -> {m}")
+        else:
+            rounded = True
+            parts.append(f"{sym} {n}/{factor} = {n / factor:g} -> {m}")
+    how = f"H, I divided by {factor}"
+    if rounded:
+        how += " and rounded to the nearest multiple of 128 (at least 128)"
+    return f"{how}: {', '.join(parts)}"
+
+
 def _activation_name(model) -> str:
     return "gpt_oss" if model.activation == "swiglu_clamped" else "swiglu"
 
@@ -149,11 +167,11 @@ def _run(args, console: Console) -> int:
         raise _Failed(str(exc)) from None
     if args.tokens is not None and args.tokens < 1:
         raise _Failed(f"--tokens must be >= 1, got {args.tokens}")
-    if args.shrink != 1:
-        try:
-            model = model.shrink(args.shrink)
-        except ValueError as exc:
-            raise _Failed(f"--shrink: {exc}") from None
+    full_model = model
+    try:
+        model = model.shrink(args.shrink)  # shrink(1) is the identity, as in the API
+    except ValueError as exc:
+        raise _Failed(f"--shrink: {exc}") from None
     try:
         routing = _load_routing_arg(args, model)
     except ValueError as exc:
@@ -277,7 +295,8 @@ def _run(args, console: Console) -> int:
 
     note = f" (auto fell back: {backend.fallback_reason})" if backend.fallback_reason else ""
     shrunk = (
-        f" [yellow](shrunk: H, I divided by {args.shrink})[/yellow]" if args.shrink != 1 else ""
+        f" [yellow](shrunk: {shrink_note(full_model, model, args.shrink)})[/yellow]"
+        if args.shrink != 1 else ""
     )
     console.print(
         f"[bold]{model.display_name}[/bold]{shrunk}  T={d['T']} H={d['H']} I={d['I']} "
@@ -432,8 +451,7 @@ def _compare_problem(args, bundle_paths: list[str]):
         model = load_model(args.model)
         if args.tokens is not None and args.tokens < 1:
             raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
-        if args.shrink != 1:
-            model = model.shrink(args.shrink)
+        model = model.shrink(args.shrink)  # shrink(1) is the identity
         routing = _load_routing_arg(args, model)  # checks it before any work
         tokens = args.tokens if args.tokens is not None else int(routing[0].shape[0])
         if args.layer is not None and args.weights is None:
@@ -569,7 +587,14 @@ def _print_comparison(console: Console, comparison: dict) -> None:
     from common.compare import GRAD_LABELS
 
     spec = comparison["spec"]
-    shrunk = f" [yellow](shrunk /{spec['shrink']})[/yellow]" if spec["shrink"] != 1 else ""
+    shrunk = ""
+    if spec["shrink"] != 1:
+        try:
+            full = load_model(spec["model"])
+            small = full.scaled(hidden=spec["hidden"], intermediate=spec["intermediate"])
+            shrunk = f" [yellow](shrunk: {shrink_note(full, small, spec['shrink'])})[/yellow]"
+        except ValueError:
+            shrunk = f" [yellow](shrunk: H, I divided by {spec['shrink']})[/yellow]"
     console.print(
         f"[bold]{spec['model']}[/bold]{shrunk}  T={spec['tokens']} H={spec['hidden']} "
         f"I={spec['intermediate']} E={spec['experts']} top_k={spec['top_k']}  "
@@ -611,7 +636,9 @@ def _add_compare_parser(sub) -> None:
     cmp.add_argument("--tokens", type=int, default=None, help="tokens T (when no bundle)")
     cmp.add_argument("--seed", type=int, default=0, help="seed (when no bundle)")
     cmp.add_argument("--skew", type=float, default=1.0, help="router load skew (when no bundle)")
-    cmp.add_argument("--shrink", type=int, default=1, help="divide H and I by N (when no bundle)")
+    cmp.add_argument("--shrink", type=int, default=1,
+                     help="divide H and I by N, rounded to the nearest multiple of 128 "
+                     "(when no bundle)")
     cmp.add_argument("--device", default=None, help="device of backend operands")
     _add_real_input_args(cmp, compare=True)
     cmp.add_argument(
@@ -662,7 +689,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--shrink",
         type=int,
         default=1,
-        help="divide H and I by N (rounded to multiples of 128) to fit large models in memory",
+        help="divide H and I by N, rounded to the nearest multiple of 128 (at least 128), to "
+        "fit large models in memory; 1 = full size, unchanged",
     )
     run.add_argument(
         "--save",

@@ -190,13 +190,16 @@ class MoEModelShape:
     def shrink(self, factor: int) -> MoEModelShape:
         """Copy with H and I divided by ``factor``, rounded to the nearest multiple of 128 (at
         least 128); E, top_k and routing unchanged. For the NKI interpreter and CPU tests, where
-        full H and I are too slow. ``shrink(1)`` rounds only.
+        full H and I are too slow. ``shrink(1)`` is the identity (returns ``self`` unchanged, no
+        rounding): the same as ``moe-bwd run`` without ``--shrink``.
 
         Raises:
             ValueError: ``factor`` not an int >= 1.
         """
         if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
             raise ValueError(f"shrink: factor must be an int >= 1, got {factor!r}")
+        if factor == 1:
+            return self
 
         def _round(n: int) -> int:
             m = _SHRINK_MULTIPLE

@@ -131,7 +131,8 @@ def test_backend_refuses_shape_before_inputs(capsys, monkeypatch):
 def test_run_shrunk_header_json_no_reference(capsys):
     rc = cli.main(["run", "--model", "olmoe-1b-7b", "--tokens", "16", "--shrink", "16"])
     out = capsys.readouterr().out
-    assert rc == 0 and "shrunk: H, I divided by 16" in out
+    assert rc == 0 and "shrunk: H, I divided by 16 and rounded" in out
+    assert "I 1024/16 = 64 -> 128" in out
     assert re.search(r"wall time: inputs [0-9.]+ s, backend .* float64 reference [0-9.]+ s, "
                      r"comparison [0-9.]+ s; total [0-9.]+ s", out), out
     rc = cli.main(["run", "--model", "olmoe-1b-7b", "--tokens", "16", "--shrink", "16",
@@ -171,3 +172,41 @@ def test_backends_lists_all(capsys):
     out = capsys.readouterr().out
     for name in ("reference", "torch", "nki", "nki-sim", "cuda-sm90", "cuda-sm100"):
         assert re.search(rf"\b{re.escape(name)}\b", out), name
+
+
+def test_shrink_banner_states_rounding(capsys, monkeypatch):
+    """Issue: the banner said "divided by 8" but printed 384 for 2880/8 = 360."""
+    full = load_model("gpt-oss-20b")
+    note = cli.shrink_note(full, full.shrink(8), 8)
+    assert note == ("H, I divided by 8 and rounded to the nearest multiple of 128 (at least 128): "
+                    "H 2880/8 = 360 -> 384, I 2880/8 = 360 -> 384")
+    olmoe = load_model("olmoe-1b-7b")  # H 2048 / 16 = 128 exact; I 1024 / 16 = 64 -> 128
+    assert cli.shrink_note(olmoe, olmoe.shrink(16), 16) == (
+        "H, I divided by 16 and rounded to the nearest multiple of 128 (at least 128): "
+        "H 2048 -> 128, I 1024/16 = 64 -> 128")
+    q = load_model("qwen3-235b-a22b")
+    qs = q.scaled(hidden=q.hidden // 2, intermediate=q.intermediate // 2)
+    assert cli.shrink_note(q, qs, 2) == (
+        f"H, I divided by 2: H {q.hidden} -> {q.hidden // 2}, "
+        f"I {q.intermediate} -> {q.intermediate // 2}")
+
+
+def test_run_shrink_one_matches_api(capsys, monkeypatch):
+    """--shrink 1 and load_model(..).shrink(1) agree: both keep the full H = I = 2880."""
+    import common.inputs
+
+    m = load_model("gpt-oss-20b")
+    assert (m.shrink(1).hidden, m.shrink(1).intermediate) == (2880, 2880)
+    seen = []
+
+    def capture(model, *a, **k):
+        seen.append(model)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(common.inputs, "make_problem_for_model", capture)
+    monkeypatch.setattr(cli, "_memory_available", lambda device: None)
+    for extra in ([], ["--shrink", "1"]):
+        rc = cli.main(["run", "--model", "gpt-oss-20b", "--tokens", "4", "--backend", "torch",
+                       *extra])
+        assert rc == 2 and "stop here" in capsys.readouterr().err
+    assert [(s.hidden, s.intermediate) for s in seen] == [(2880, 2880)] * 2

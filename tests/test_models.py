@@ -165,14 +165,15 @@ def test_shapes_are_frozen():
         ("gpt-oss-20b", 8, (384, 384)),  # 2880/8 = 360 -> nearest multiple 384
         ("deepseek-v3", 16, (512, 128)),  # 7168/16 = 448 = 3.5 * 128 -> half up -> 512
         ("mixtral-8x7b", 1, (4096, 14336)),
-        ("gpt-oss-120b", 1, (2944, 2944)),  # shrink(1) rounds: 2880/128 = 22.5 -> 23 * 128
+        ("gpt-oss-120b", 1, (2880, 2880)),  # shrink(1) is the identity: no rounding
     ],
 )
 def test_shrink_keeps_routing_and_128_multiples(name, factor, expected_hi):
     full = load_model(name)
     small = full.shrink(factor)
     assert (small.hidden, small.intermediate) == expected_hi
-    assert small.hidden % 128 == 0 and small.intermediate % 128 == 0
+    if factor != 1:
+        assert small.hidden % 128 == 0 and small.intermediate % 128 == 0
     for field in (
         "experts",
         "top_k",
@@ -186,9 +187,18 @@ def test_shrink_keeps_routing_and_128_multiples(name, factor, expected_hi):
         "shared_experts",
     ):
         assert getattr(small, field) == getattr(full, field)
-    assert small.name == f"{name}/{factor}"
+    assert small.name == (name if factor == 1 else f"{name}/{factor}")
     with pytest.raises(ValueError, match="factor"):
         full.shrink(0)
+
+
+def test_shrink_one_is_identity():
+    """``shrink(1)`` changes nothing (like ``moe-bwd run`` without ``--shrink``)."""
+    for name in ("gpt-oss-20b", "gpt-oss-120b", "qwen3-30b-a3b"):
+        full = load_model(name)
+        assert full.shrink(1) is full
+    oss = load_model("gpt-oss-20b").shrink(1)
+    assert (oss.hidden, oss.intermediate) == (2880, 2880)
 
 
 def test_scaled_validates():

@@ -618,11 +618,25 @@ def _print_comparison(console: Console, comparison: dict) -> None:
         console.print(table)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: X)`` only where it says something: not for required options, options
+    without a default (None), flags (False), or help that already names its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.required or action.default is None or action.default is False
+                or "default" in text):
+            return text
+        return super()._get_help_string(action)
+
+
 def _add_compare_parser(sub) -> None:
     cmp = sub.add_parser(
         "compare",
         help="compare bundles and/or backends on one problem, per gradient and per expert",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Compare gradient bundles and/or backends run here on one problem, against "
+        "a baseline (default the float64 reference): per gradient and per expert.",
+        formatter_class=_HelpFormatter,
     )
     cmp.add_argument(
         "operands", nargs="+", metavar="OPERAND",
@@ -639,7 +653,7 @@ def _add_compare_parser(sub) -> None:
     cmp.add_argument("--shrink", type=int, default=1,
                      help="divide H and I by N, rounded to the nearest multiple of 128 "
                      "(when no bundle)")
-    cmp.add_argument("--device", default=None, help="device of backend operands")
+    cmp.add_argument("--device", default=None, help="device of backend operands (default: cuda if present, else cpu)")
     _add_real_input_args(cmp, compare=True)
     cmp.add_argument(
         "--min-sqnr", type=float, default=None, metavar="DB",
@@ -669,7 +683,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="run one MoE layer's backward and compare it with float64",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Run one MoE layer's backward for a model's shape on a backend and compare "
+        "every gradient with the float64 reference.",
+        formatter_class=_HelpFormatter,
     )
     run.add_argument("--model", required=True, help="model shape name (see `moe-bwd models`)")
     run.add_argument("--tokens", type=int, default=None,
@@ -705,12 +721,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     _add_real_input_args(run)
-    run.set_defaults(func=_cmd_run)
+    run.set_defaults(func=_cmd_run, subparser=run)
     _add_compare_parser(sub)
-    sub.add_parser("models", help="list the model shapes").set_defaults(func=_cmd_models)
-    sub.add_parser("backends", help="list the backends and whether they run here").set_defaults(
-        func=_cmd_backends
-    )
+    sub.add_parser(
+        "models", help="list the model shapes",
+        description="List the MoE model shapes of configs/models (what --model takes).",
+    ).set_defaults(func=_cmd_models)
+    sub.add_parser(
+        "backends", help="list the backends and whether they run here",
+        description="List the backends, whether each runs on this machine, and what each is.",
+    ).set_defaults(func=_cmd_backends)
     return parser
 
 
@@ -718,7 +738,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "run" and args.tokens is None and args.routing is None:
-        parser.error("the following arguments are required: --tokens (or --routing FILE)")
+        args.subparser.error(  # the `run` usage, not the top-level one
+            "the following arguments are required: --tokens (or --routing FILE)"
+        )
     return args.func(args, Console())
 
 

@@ -210,3 +210,28 @@ def test_run_shrink_one_matches_api(capsys, monkeypatch):
                        *extra])
         assert rc == 2 and "stop here" in capsys.readouterr().err
     assert [(s.hidden, s.intermediate) for s in seen] == [(2880, 2880)] * 2
+
+
+def test_run_help_defaults_description_and_usage(capsys, monkeypatch):
+    """run --help: no "(default: None)" on required --model, --device's default once, a
+    description; a missing --tokens prints the `run` usage, not the top-level one."""
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["run", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    flat = " ".join(out.split())
+    assert "(default: None)" not in flat and "(default: False)" not in flat
+    assert flat.count("(default: cuda if present, else cpu)") == 1
+    assert "Run one MoE layer's backward" in flat
+    assert "--seed SEED seed of weights, inputs and router (default: 0)" in flat
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["compare", "--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in flat and "(default: reference)" in flat
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["run", "--model", "olmoe-1b-7b"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: moe-bwd run" in err and "moe-bwd run: error:" in err
+    assert "--tokens (or --routing FILE)" in err

@@ -33,6 +33,7 @@ import sys
 import time
 
 import torch
+from rich import box
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -44,13 +45,19 @@ from common.models import list_models, load_model
 __all__ = ["main"]
 
 
+def _compact_table(title: str) -> Table:
+    """A table that fits 80 columns: no outer edge, one space of padding between cells."""
+    return Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                 collapse_padding=True)
+
+
 def _cmd_models(args, console: Console) -> int:
-    table = Table(title="MoE model shapes (configs/models)")
-    for col in ("name (--model)", "H", "I", "E", "top_k", "shared", "router", "activation", "bias"):
+    table = _compact_table("MoE model shapes (configs/models)")
+    for col in ("name (--model)", "H", "I", "E", "K", "shr", "router", "activation", "bias"):
         table.add_column(
             col,
-            justify="right" if col in ("H", "I", "E", "top_k", "shared") else "left",
-            no_wrap=col.startswith("name"),  # what --model takes: never truncate it
+            justify="right" if col in ("H", "I", "E", "K", "shr") else "left",
+            no_wrap=True,  # never truncate: swiglu and swiglu_clamped must stay apart
         )
     for m in list_models():
         table.add_row(
@@ -65,6 +72,11 @@ def _cmd_models(args, console: Console) -> int:
             "yes" if m.has_bias else "no",
         )
     console.print(table)
+    console.print(
+        "H hidden, I expert intermediate, E routed experts, K = top_k (experts per token), "
+        "shr shared experts; swiglu_clamped = gpt-oss's clamped SwiGLU",
+        highlight=False,
+    )
     return 0
 
 
@@ -601,21 +613,27 @@ def _print_comparison(console: Console, comparison: dict) -> None:
         f"baseline=[bold]{comparison['baseline']}[/bold]"
     )
     for label, pair in comparison["pairs"].items():
-        table = Table(title=f"{label} vs {comparison['baseline']}")
-        for col in ("gradient", "SQNR (dB)", "max|err|/max|ref|", "cosine", "bit-identical",
-                    "ULP<=1", "per-expert SQNR min/med/max"):
-            table.add_column(col, justify="left" if col == "gradient" else "right")
+        table = _compact_table(f"{label} vs {comparison['baseline']}")
+        for col in ("gradient", "SQNR dB", "max err", "cosine", "bit-id", "ULP<=1",
+                    "expert dB min/med/max"):
+            table.add_column(col, justify="left" if col == "gradient" else "right", no_wrap=True)
         for name, m in pair.items():
             h = m["ulp_hist"]
             total = sum(h.values()) or 1
             pe = m.get("per_expert")
             per = "/".join(f"{pe[k]:.1f}" for k in ("min", "median", "max")) if pe else ""
             table.add_row(
-                GRAD_LABELS[name], f"{m['sqnr_db']:.1f}", f"{m['max_rel_err']:.2e}",
+                GRAD_LABELS[name].split()[0], f"{m['sqnr_db']:.1f}", f"{m['max_rel_err']:.2e}",
                 f"{m['cosine']:.6f}", f"{m['bit_identical']:.3f}",
                 f"{(h['0'] + h['1']) / total:.3f}", per,
             )
         console.print(table)
+    console.print(
+        "max err = max|err| / max|ref|; bit-id = share of bit-identical elements; ULP<=1 = "
+        "share within 1 BF16 ULP; expert dB = per-expert SQNR min/median/max; shapes and "
+        "full histograms: --json",
+        highlight=False,
+    )
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

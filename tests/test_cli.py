@@ -235,3 +235,50 @@ def test_run_help_defaults_description_and_usage(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "usage: moe-bwd run" in err and "moe-bwd run: error:" in err
     assert "--tokens (or --routing FILE)" in err
+
+
+def _console80():
+    import io
+
+    from rich.console import Console
+
+    return Console(width=80, file=io.StringIO(), color_system=None, highlight=False)
+
+
+def test_models_table_fits_80_columns():
+    """At 80 columns the activation column is not cut: swiglu vs swiglu_clamped stay apart."""
+    con = _console80()
+    assert cli._cmd_models(None, con) == 0
+    out = con.file.getvalue()
+    assert "…" not in out and max(map(len, out.splitlines())) <= 80
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    for m in (load_model(n) for n in model_names()):
+        row = rows[m.name]
+        assert m.activation in row and m.router in row, row
+        assert str(m.hidden) in row and str(m.intermediate) in row and str(m.top_k) in row
+    assert "swiglu_clamped" in rows["gpt-oss-20b"] and "swiglu" in rows["qwen3-30b-a3b"]
+
+
+def test_compare_table_fits_80_columns():
+    """At 80 columns max|err|, bit-identical and per-expert SQNR are printed in full."""
+    hist = {"0": 5, "1": 3, "2": 2}
+    m = {"sqnr_db": 123.4, "max_rel_err": 1.234e-05, "cosine": 0.999999, "bit_identical": 0.5,
+         "ulp_hist": hist, "per_expert": {"min": -12.3, "median": 101.2, "max": 145.6}}
+    pair = {name: dict(m) for name in ("hidden_states_grad_TH", "affinity_grad_TE",
+                                       "w_gate_up_grad_EH2I", "w_down_grad_EIH",
+                                       "b_gate_up_grad_E2I", "b_down_grad_EH")}
+    del pair["hidden_states_grad_TH"]["per_expert"]
+    comparison = {"baseline": "reference", "pairs": {"nki-twin": pair},
+                  "spec": {"model": "gpt-oss-20b", "shrink": 1, "tokens": 8, "hidden": 2880,
+                           "intermediate": 2880, "experts": 32, "top_k": 4}}
+    con = _console80()
+    cli._print_comparison(con, comparison)
+    out = con.file.getvalue()
+    assert "…" not in out and max(map(len, out.splitlines())) <= 80
+    for label in ("dX", "dA", "dW_gate_up", "dW_down", "dB_gate_up", "dB_down"):
+        line = next(x for x in out.splitlines() if x.startswith(label + " "))
+        assert "1.23e-05" in line and "0.500" in line and "0.800" in line and "123.4" in line
+        if label != "dX":
+            assert "-12.3/101.2/145.6" in line, line
+    flat = " ".join(out.split())
+    assert "max err = max|err| / max|ref|" in flat and "bit-id = share of bit-identical" in flat

@@ -487,7 +487,7 @@ def _cmd_compare(args, console: Console) -> int:
         load_bundle,
         problem_to,
     )
-    from common.compare import GRAD_LABELS, compare_grads
+    from common.compare import GRAD_LABELS, compare_grads, routed_mask_TE
 
     operands = list(args.operands)
     baseline = args.baseline
@@ -549,8 +549,9 @@ def _cmd_compare(args, console: Console) -> int:
     base_label = labels[baseline]
     base_grads = results[baseline][1]
     t0 = time.perf_counter()
+    routed = routed_mask_TE(problem.plan)  # dA: bit-identical / ULP over routed cells only
     pairs = {
-        labels[op]: compare_grads(results[op][1], base_grads)
+        labels[op]: compare_grads(results[op][1], base_grads, routed_TE=routed)
         for op in dict.fromkeys(operands)
         if op != baseline
     }
@@ -630,8 +631,9 @@ def _print_comparison(console: Console, comparison: dict) -> None:
         console.print(table)
     console.print(
         "max err = max|err| / max|ref|; bit-id = share of bit-identical elements; ULP<=1 = "
-        "share within 1 BF16 ULP; expert dB = per-expert SQNR min/median/max; shapes and "
-        "full histograms: --json",
+        "share within 1 BF16 ULP (for dA both over the routed (token, expert) cells only, not "
+        "the structural zeros); expert dB = per-expert SQNR min/median/max; shapes and full "
+        "histograms: --json",
         highlight=False,
     )
 

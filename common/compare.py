@@ -14,6 +14,13 @@ For one gradient ``out`` against the baseline ``ref`` (same shape), :func:`compa
   along its E columns) ``per_expert_sqnr_db`` (a list, expert order) and its ``min`` /
   ``median`` / ``max``.
 
+dA ``[T, E]`` is dense with structural zeros where a token is not routed to an expert (every
+backend writes exact zeros there). Given the routing (``routed_TE``, see :func:`routed_mask_TE`),
+its ``bit_identical`` and ``ulp_hist`` count the routed cells only (``routed_only`` is True,
+``routed_cells`` their number, ``bit_identical_all_cells`` the fraction over all T*E cells), so
+they measure the computed values rather than ``1 - K/E`` of free matches. SQNR, max error,
+cosine and per-expert SQNR are unchanged by the zeros and stay over all cells.
+
 Everything is computed in float64 on the CPU in chunks, so gradients of full-size models fit.
 """
 
@@ -35,6 +42,7 @@ __all__ = [
     "compare_grads",
     "compare_tensor",
     "per_expert_sqnr",
+    "routed_mask_TE",
 ]
 
 # (label, lower, upper) inclusive bounds of the BF16 ULP-distance histogram.
@@ -145,16 +153,45 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def compare_grads(out, ref) -> dict[str, dict[str, Any]]:
+def routed_mask_TE(plan) -> torch.Tensor:
+    """[T, E] bool on the CPU: True where the :class:`~common.routing.RoutingPlan` routes token
+    t to expert e (the cells of dA that are computed; the rest are structural zeros)."""
+    T, E = plan.num_tokens, plan.num_experts
+    mask = torch.zeros(T, E, dtype=torch.bool)
+    tok = plan.pair_token_R.detach().to("cpu")
+    exp = plan.pair_expert_R.detach().to("cpu")
+    valid = tok >= 0
+    mask[tok[valid], exp[valid]] = True
+    return mask
+
+
+def compare_grads(out, ref, *, routed_TE: torch.Tensor | None = None) -> dict[str, dict[str, Any]]:
     """Metrics of every gradient present in both ``out`` and ``ref`` (:class:`MoEGrads`), keyed
     by field name; expert-indexed ones also carry ``per_expert_sqnr_db`` and
-    ``per_expert`` = {min, median, max}."""
+    ``per_expert`` = {min, median, max}.
+
+    Args:
+        routed_TE: optional [T, E] bool mask of routed cells (:func:`routed_mask_TE` of the
+            problem's plan): dA's ``bit_identical`` and ``ulp_hist`` then count those cells only.
+    """
     result: dict[str, dict[str, Any]] = {}
     for name in GRAD_LABELS:
         o, r = getattr(out, name, None), getattr(ref, name, None)
         if o is None or r is None:
             continue
         m = compare_tensor(o, r)
+        if name == "affinity_grad_TE" and routed_TE is not None:
+            mask = routed_TE.to("cpu", torch.bool)
+            if tuple(mask.shape) != tuple(o.shape):
+                raise ValueError(
+                    f"routed_TE must be [T, E] = {list(o.shape)}, got {list(mask.shape)}"
+                )
+            routed = compare_tensor(o.detach().to("cpu")[mask], r.detach().to("cpu")[mask])
+            m["bit_identical_all_cells"] = m["bit_identical"]
+            m["bit_identical"] = routed["bit_identical"]
+            m["ulp_hist"] = routed["ulp_hist"]
+            m["routed_only"] = True
+            m["routed_cells"] = int(mask.sum())
         if name in EXPERT_AXIS:
             per = per_expert_sqnr(o, r, EXPERT_AXIS[name])
             m["per_expert_sqnr_db"] = per

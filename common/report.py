@@ -2,11 +2,15 @@
 
 Files written to DIR:
 
-* ``report.md`` -- the problem, the operands with their metadata, one table per gradient
-  (SQNR, max |err| / max |ref|, cosine, bit-identical fraction, per-expert min / median / max
-  SQNR) and the BF16 ULP-distance histograms, every number the one in ``comparison``;
+* ``report.md`` -- the problem, the ``--min-sqnr`` floor and whether every gradient passed it
+  (when a floor was given), the operands with their metadata, one table per gradient
+  (SQNR, max |err| / max |ref|, cosine, bit-identical fraction -- for dA over the routed cells
+  only --, per-expert min / median / max SQNR) and the BF16 ULP-distance histograms, every
+  number the one in ``comparison``;
 * ``per_expert_sqnr.png`` -- per-expert SQNR of each operand against the baseline, one panel
   per expert-indexed gradient, experts sorted by their token count (shown on a second axis);
+  each operand has its own marker, line style and marker size (:func:`series_style`), so
+  identical series stay visible;
 * ``ulp_hist.png`` -- the BF16 ULP-distance histograms, one panel per gradient;
 * ``scatter.png`` -- |baseline| against |error| for a sample of elements, one panel per gradient.
 
@@ -24,7 +28,7 @@ import torch
 
 from common.compare import EXPERT_AXIS, GRAD_LABELS, ULP_BINS
 
-__all__ = ["DPI", "FIGSIZE", "PLOTS", "png_size", "write_report"]
+__all__ = ["DPI", "FIGSIZE", "PLOTS", "png_size", "series_style", "write_report"]
 
 FIGSIZE = (12.0, 7.0)  # inches
 DPI = 100
@@ -77,20 +81,32 @@ def _finite_or(v: float, fallback: float) -> float:
     return v if math.isfinite(v) else fallback
 
 
-def _plot_per_expert(path: Path, comparison: dict, tokens_per_expert: list[int]) -> None:
+# Per operand: marker, line style, marker size. Later operands get smaller, hollow markers and
+# another dash pattern, so a series identical to an earlier one (nki-twin on nki-sim) stays
+# visible inside and between the earlier one's markers.
+_SERIES_STYLES = (("o", "-", 7.0), ("s", "--", 5.5), ("^", ":", 4.5), ("D", "-.", 3.5),
+                  ("v", (0, (5, 1, 1, 1)), 3.0), ("x", (0, (1, 1)), 3.0))
+
+
+def series_style(i: int) -> dict[str, Any]:
+    """matplotlib ``plot`` keywords of the ``i``-th operand's per-expert series."""
+    marker, ls, ms = _SERIES_STYLES[i % len(_SERIES_STYLES)]
+    return {"marker": marker, "linestyle": ls, "markersize": ms, "markerfacecolor": "none",
+            "linewidth": 1.0, "zorder": 3 + i}
+
+
+def _per_expert_figure(comparison: dict, tokens_per_expert: list[int]):
+    """(plt, fig) of the per-expert SQNR plot (unsaved)."""
     names = [n for n in EXPERT_AXIS if any(n in p for p in comparison["pairs"].values())]
     plt, fig, axes = _figure(max(1, len(names)))
     order = sorted(range(len(tokens_per_expert)), key=lambda e: (tokens_per_expert[e], e))
     for ax, name in zip(axes, names):
-        cap = 0.0
-        for label, pair in comparison["pairs"].items():
+        for i, (label, pair) in enumerate(comparison["pairs"].items()):
             if name not in pair:
                 continue
             vals = [pair[name]["per_expert_sqnr_db"][e] for e in order]
-            finite = [v for v in vals if math.isfinite(v)]
-            cap = max([cap] + finite)
-            ax.plot(range(len(vals)), [_finite_or(v, math.nan) for v in vals], ".-", ms=3,
-                    lw=0.8, label=label)
+            ax.plot(range(len(vals)), [_finite_or(v, math.nan) for v in vals], label=label,
+                    **series_style(i))
         ax.set_title(GRAD_LABELS[name], fontsize=9)
         ax.set_xlabel("expert (sorted by tokens)", fontsize=8)
         ax.set_ylabel("SQNR (dB)", fontsize=8)
@@ -105,6 +121,11 @@ def _plot_per_expert(path: Path, comparison: dict, tokens_per_expert: list[int])
             ax.patch.set_visible(False)
         ax.legend(fontsize=7)
     fig.suptitle(f"per-expert SQNR against {comparison['baseline']}", fontsize=10)
+    return plt, fig
+
+
+def _plot_per_expert(path: Path, comparison: dict, tokens_per_expert: list[int]) -> None:
+    plt, fig = _per_expert_figure(comparison, tokens_per_expert)
     _save(plt, fig, path)
 
 
@@ -167,18 +188,41 @@ def _plot_scatter(path: Path, comparison: dict, grads: dict, baseline) -> None:
     _save(plt, fig, path)
 
 
+_ROUTED_NOTE = (
+    "Bit-identical fraction and ULP histogram over the routed (token, expert) cells only: the "
+    "other cells of dA are structural zeros that every backend writes exactly."
+)
+
+
+def _floor_lines(comparison: dict) -> list[str]:
+    """The ``--min-sqnr`` verdict: the floor and whether every gradient passed."""
+    floor = comparison.get("min_sqnr_db")
+    if floor is None:
+        return []
+    failing = list(comparison.get("below_min_sqnr") or [])
+    n = sum(len(p) for p in comparison["pairs"].values())
+    if not failing:
+        return [f"SQNR floor (--min-sqnr): **{floor:g} dB**. **PASS**: all {n} gradients of "
+                f"every operand are at or above it.", ""]
+    return [f"SQNR floor (--min-sqnr): **{floor:g} dB**. **FAIL**: {len(failing)} of {n} "
+            "gradients are below it:", ""] + [f"- {f}" for f in failing] + [""]
+
+
 def _markdown(comparison: dict, plots: list[str]) -> str:
     spec = comparison.get("spec", {})
     lines = ["# MoE expert-MLP backward: cross-backend comparison", ""]
     if spec:
-        shrunk = f" (shrunk /{spec.get('shrink')})" if spec.get("shrink", 1) != 1 else ""
+        shrunk = (f" (shrunk: H, I divided by {spec.get('shrink')}, rounded to multiples of 128)"
+                  if spec.get("shrink", 1) != 1 else "")
         lines += [
             f"Problem: model `{spec.get('model')}`{shrunk}, T={spec.get('tokens')} "
             f"H={spec.get('hidden')} I={spec.get('intermediate')} E={spec.get('experts')} "
             f"top_k={spec.get('top_k')}, seed {spec.get('seed')}, skew {spec.get('skew')}.",
             "",
         ]
-    lines += [f"Baseline: **{comparison['baseline']}**.", "", "## Operands", "",
+    lines += [f"Baseline: **{comparison['baseline']}**.", ""]
+    lines += _floor_lines(comparison)
+    lines += ["## Operands", "",
               "| operand | backend | device | capability | versions | date (UTC) | wall (s) |",
               "|---|---|---|---|---|---|---|"]
     for label, meta in comparison.get("operands", {}).items():
@@ -192,9 +236,13 @@ def _markdown(comparison: dict, plots: list[str]) -> str:
     lines += ["", "## Metrics against the baseline", ""]
     names = [n for n in GRAD_LABELS if any(n in p for p in comparison["pairs"].values())]
     for name in names:
-        lines += [f"### {GRAD_LABELS[name]}", "",
-                  "| operand | SQNR (dB) | max\\|err\\|/max\\|ref\\| | cosine | bit-identical | "
-                  "per-expert SQNR min / median / max (dB) |",
+        routed = any(p.get(name, {}).get("routed_only") for p in comparison["pairs"].values())
+        bit = "bit-identical (routed cells)" if routed else "bit-identical"
+        lines += [f"### {GRAD_LABELS[name]}", ""]
+        if routed:
+            lines += [_ROUTED_NOTE, ""]
+        lines += ["| operand | SQNR (dB) | max\\|err\\|/max\\|ref\\| | cosine | "
+                  f"{bit} | per-expert SQNR min / median / max (dB) |",
                   "|---|---|---|---|---|---|"]
         for label, pair in comparison["pairs"].items():
             if name not in pair:
@@ -208,6 +256,8 @@ def _markdown(comparison: dict, plots: list[str]) -> str:
             )
         lines.append("")
     lines += ["## BF16 ULP distance (fraction of elements)", ""]
+    if any(m.get("routed_only") for p in comparison["pairs"].values() for m in p.values()):
+        lines += ["dA [T,E]: fraction of the routed (token, expert) cells only.", ""]
     bins = [b[0] for b in ULP_BINS] + ["nan"]
     lines += ["| gradient | operand | " + " | ".join(bins) + " |",
               "|---|---|" + "---|" * len(bins)]

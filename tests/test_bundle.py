@@ -23,7 +23,13 @@ from common.bundle import (
     load_bundle,
     save_bundle,
 )
-from common.compare import ULP_BINS, bf16_ulp_distance, compare_grads, compare_tensor
+from common.compare import (
+    ULP_BINS,
+    bf16_ulp_distance,
+    compare_grads,
+    compare_tensor,
+    routed_mask_TE,
+)
 from common.dispatch import run_backward
 from common.metrics import sqnr_db
 from common.models import load_model
@@ -234,7 +240,8 @@ def test_cli_save_then_compare_json(tmp_path, capsys, small_models):
     assert res["baseline"] == "torch" and res["spec"] == SPEC.to_json()
     problem = build_problem(SPEC)
     want_t = run_backward(problem, "torch")
-    want = compare_grads(run_backward(problem, "reference"), want_t)
+    want = compare_grads(run_backward(problem, "reference"), want_t,
+                         routed_TE=routed_mask_TE(problem.plan))
     got = res["pairs"]["reference"]
     for name, m in want.items():
         assert got[name]["sqnr_db"] == pytest.approx(m["sqnr_db"]), name
@@ -267,3 +274,82 @@ def test_cli_compare_bad_operands(tmp_path, capsys, small_models):
     capsys.readouterr()
     assert cli.main(["compare", str(a), str(b)]) == 2
     assert "different problems" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------- first-user issues (items 4, 6)
+def test_dA_bit_identical_and_ulp_over_routed_cells(problem, torch_grads):
+    """dA's structural zeros no longer count as bit-identical (they gave 1 - K/E for anyone)."""
+    ref = run_backward(problem, "reference")
+    mask = routed_mask_TE(problem.plan)
+    T, E = problem.dims["T"], problem.dims["E"]
+    assert mask.shape == (T, E) and 0 < int(mask.sum()) <= T * problem.dims["K"]
+    dense = problem.plan.affinity_dense_TE().cpu() != 0
+    assert bool((mask | ~dense).all())  # every nonzero affinity is a routed cell
+    # a gradient that differs from the reference on every routed cell, exact zeros elsewhere
+    off = torch_grads.affinity_grad_TE.clone()
+    off[mask] = ref.affinity_grad_TE[mask].to(off.dtype) * 1.5 + 1.0
+    off[~mask] = 0.0
+    other = MoEGrads(**{**{k: getattr(torch_grads, k) for k in (
+        "hidden_states_grad_TH", "w_gate_up_grad_EH2I", "w_down_grad_EIH")},
+        "affinity_grad_TE": off})
+    plain = compare_grads(other, ref)["affinity_grad_TE"]
+    routed = compare_grads(other, ref, routed_TE=mask)["affinity_grad_TE"]
+    assert plain["bit_identical"] == pytest.approx(1 - int(mask.sum()) / (T * E))
+    assert routed["bit_identical"] == 0.0 and routed["routed_only"] is True
+    assert routed["routed_cells"] == int(mask.sum())
+    assert routed["bit_identical_all_cells"] == plain["bit_identical"]
+    assert sum(routed["ulp_hist"].values()) == int(mask.sum()) and routed["ulp_hist"]["0"] == 0
+    assert routed["sqnr_db"] == plain["sqnr_db"]  # the other metrics keep all cells
+    # the other gradients are unaffected by the mask
+    assert "routed_only" not in compare_grads(other, ref, routed_TE=mask)["w_down_grad_EIH"]
+    with pytest.raises(ValueError, match="routed_TE"):
+        compare_grads(other, ref, routed_TE=mask[:-1])
+
+
+def test_cli_compare_dA_routed_only_in_json_and_legend(capsys, small_models):
+    args = ["compare", "torch", "--model", "mixtral-8x7b", "--tokens", "16"]
+    assert cli.main(args + ["--json"]) == 0
+    dA = json.loads(capsys.readouterr().out)["pairs"]["torch"]["affinity_grad_TE"]
+    assert dA["routed_only"] and dA["routed_cells"] <= 16 * 2
+    assert sum(dA["ulp_hist"].values()) == dA["routed_cells"]
+    assert cli.main(args) == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "for dA both over the routed (token, expert) cells only" in flat
+
+
+def test_report_states_floor_and_verdict(tmp_path, capsys, small_models):
+    args = ["compare", "torch", "--model", "mixtral-8x7b", "--tokens", "16"]
+    assert cli.main(args + ["--min-sqnr", "20", "--report", str(tmp_path / "ok")]) == 0
+    text = (tmp_path / "ok" / "report.md").read_text()
+    assert "SQNR floor (--min-sqnr): **20 dB**. **PASS**: all 4 gradients" in text
+    assert "bit-identical (routed cells)" in text and "routed (token, expert) cells only" in text
+    assert cli.main(args + ["--min-sqnr", "200", "--report", str(tmp_path / "bad")]) == 1
+    text = (tmp_path / "bad" / "report.md").read_text()
+    assert "SQNR floor (--min-sqnr): **200 dB**. **FAIL**: 4 of 4 gradients" in text
+    assert "- torch dX [T,H]" in text
+    assert cli.main(args + ["--report", str(tmp_path / "none")]) == 0
+    assert "SQNR floor" not in (tmp_path / "none" / "report.md").read_text()
+
+
+def test_per_expert_plot_keeps_identical_series_visible(problem, torch_grads):
+    """nki-twin identical to nki-sim: a different marker, line style and size for each."""
+    from common import report
+
+    ref = run_backward(problem, "reference")
+    same = compare_grads(torch_grads, ref)
+    comparison = {"baseline": "reference", "pairs": {"nki-sim": same, "nki-twin": same}}
+    plt, fig = report._per_expert_figure(
+        comparison, problem.plan.tokens_per_expert_E.tolist())
+    try:
+        ax = fig.axes[0]
+        lines = [ln for ln in ax.get_lines() if ln.get_label() in ("nki-sim", "nki-twin")]
+        assert [ln.get_label() for ln in lines] == ["nki-sim", "nki-twin"]
+        a, b = lines
+        assert list(a.get_ydata()) == list(b.get_ydata())
+        assert a.get_marker() != b.get_marker() and a.get_linestyle() != b.get_linestyle()
+        assert a.get_markersize() > b.get_markersize() and b.get_zorder() > a.get_zorder()
+        assert a.get_markerfacecolor() == "none"
+    finally:
+        plt.close(fig)
+    styles = [report.series_style(i) for i in range(6)]
+    assert len({(s["marker"], str(s["linestyle"])) for s in styles}) == 6

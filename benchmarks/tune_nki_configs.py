@@ -8,8 +8,10 @@ prints per shape and phase the modeled time of AWS's defaults, the tuned time an
 Shapes the kernel rejects (``NkiCapacityError`` / ``ValueError``) or that run past ``--timeout``
 are skipped with the reason printed.
 
-Times are the interpreter's modeled per-block Trainium3 times in microseconds (REFERENCE §5
-numbers and its per-instruction cost assumptions), NOT measurements on Trainium hardware.
+Times are the interpreter's modeled per-block Trainium3 times in microseconds (the time model of
+``nki_kernels/interp/profile.py``: sourced engine rates, per-DMA fixed cost and chunk-dependent
+DMA bandwidth, DMA exposed at segment heads/tails; constants and sources in
+``profile.CONSTANTS`` and the interpreter README), NOT measurements on Trainium hardware.
 
 With ``--write`` the table goes to ``configs/nki/blockwise_mm_bwd_mxfp8.yaml`` (read by
 :func:`nki_kernels.config.load_tuned_phase_configs`): an entry per shape where some phase beats

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import dtypes as _dt
 from . import mxops
+from . import profile as _profile
 from .core import PMAX, IndirectAP, NkiBarrierError, NkiError, NkiTensor, current, psum, sbuf
 from .ops import TOKENS, Op
 
@@ -120,8 +121,8 @@ tensor_engine = engine.tensor
 # AWS leaves TensorE's summation order undocumented (NKI_API.md §6).
 MATMUL_PRECISION = {"value": "float64"}
 
-ENGINE_FIXED = 64
-TENSOR_FIXED = 64
+ENGINE_FIXED = _profile.ENGINE_FIXED_CYCLES  # per-instruction cycles (profile.CONSTANTS)
+TENSOR_FIXED = _profile.TENSOR_FIXED_CYCLES
 
 
 class NkiInstruction:
@@ -253,18 +254,64 @@ def _write(dst: NkiTensor, res: np.ndarray) -> None:
     st.version += 1
 
 
-def _count(engine_name, cycles, elements, macs_mx=0, macs_bf16=0, dma_bytes=0):
+def _count(engine_name, cycles, elements, macs_mx=0, macs_bf16=0, dma_bytes=0, dma=None,
+           lane_rate=None):
+    """Adds one instruction's work to the current (core, region) counters and modeled time.
+
+    Vector/Scalar/GpSimd ``cycles`` come in at one element per partition per cycle plus
+    ``ENGINE_FIXED``; the data part is divided by the engine's lane rate (``lane_rate`` overrides,
+    e.g. ``quantize_mx`` whose cycles already include its 4x mode). ``dma``: ``(src, dst)``
+    views, or ``(chunk_bytes, partitions, transpose)``, for the DMA cost model.
+    """
     ctx = current()
-    c = ctx.counters[ctx.region_stack[-1]]
+    region = ctx.region_stack[-1]
+    c = ctx.counters[region]
+    prof = ctx.profile
+    prev = getattr(ctx, "_seg_open", None)
+    if prev is not c:
+        if prev is not None:
+            prev.close_segment()
+        ctx._seg_open = c
     c.instructions[engine_name] += 1
-    c.cycles[engine_name] += cycles
     c.elements[engine_name] += elements
+    if engine_name == "dma":
+        chunk, parts, transpose = _dma_shape(dma, dma_bytes)
+        c.dma_count += 1
+        c.dma_chunks += math.ceil(dma_bytes / chunk) if dma_bytes else 0
+        c.record("dma", _profile.dma_cost_ns(prof.model, dma_bytes, chunk, parts, transpose))
+    else:
+        if engine_name != "tensor":
+            rate = lane_rate or prof.model["lane_rate"][engine_name]
+            cycles = ENGINE_FIXED + max(0.0, cycles - ENGINE_FIXED) / rate
+        c.cycles[engine_name] += cycles
+        c.record(engine_name, prof.engine_ns(engine_name, cycles))
     if macs_mx:
         c.macs_mx += macs_mx
     if macs_bf16:
         c.macs_bf16 += macs_bf16
     if dma_bytes:
         c.dma_bytes += dma_bytes
+
+
+def _view_run(t) -> int:
+    split = t.is_onchip or (isinstance(t, IndirectAP) and t.vector_offset is not None)
+    return _profile.dma_run_bytes(t.shape, t.bstrides, t.itemsize, split)
+
+
+def _dma_shape(dma, nbytes):
+    """``(chunk_bytes, partitions, transpose)`` of a DMA from its views (see :func:`_count`)."""
+    if dma is None:
+        return max(nbytes, 1), PMAX, False
+    if isinstance(dma[0], (int, float)):
+        return dma
+    views, transpose = dma[:-1], dma[-1]
+    chunk = min(_view_run(t) for t in views)
+    parts = PMAX
+    for t in views:
+        if t.is_onchip:
+            parts = t.shape[0]
+            break
+    return chunk, parts, transpose
 
 
 def _engine_name(instr, eng, default, allowed):
@@ -388,7 +435,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
             out[...] = merged.reshape(dst.shape)
         dst.storage.version += 1
     nbytes = dst.size * dst.itemsize
-    _count("dma", 0, dst.size, dma_bytes=nbytes)
+    _count("dma", 0, dst.size, dma_bytes=nbytes, dma=(src, dst, False))
     return NkiInstruction(name)
 
 
@@ -467,7 +514,8 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         mask = valid.reshape((1,) * (nd - 1) + (-1,))
         out[...] = np.where(mask, res, old).reshape(dst.shape)
     dst.storage.version += 1
-    _count("dma", 0, dst.size, dma_bytes=dst.size * dst.itemsize)
+    _count("dma", 0, dst.size, dma_bytes=dst.size * dst.itemsize,
+           dma=(src, True))
     return NkiInstruction(name)
 
 
@@ -521,6 +569,7 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
     valid_all = None
     for i, s in enumerate(srcs):
         s = _tensor(instr, f"srcs[{i}]", s, True)
+        srcs[i] = s
         if s.size != dst.size:
             raise _err(instr, f"srcs[{i}] has {s.size} elements, dst {dst.size}")
         vals, valid = _dma_read(instr, s, skip)
@@ -536,7 +585,8 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
             old = dst._np().astype(np.float32).reshape(R, -1)
             acc = np.where(valid_all[:, None], acc.reshape(R, -1), old)
         _write(dst, acc)
-    _count("dma", 0, dst.size, dma_bytes=dst.size * dst.itemsize * (len(srcs) + 1))
+    _count("dma", 0, dst.size, dma_bytes=dst.size * dst.itemsize * (len(srcs) + 1),
+           dma=(*srcs, dst, False))
     return NkiInstruction(name)
 
 
@@ -1248,7 +1298,7 @@ def quantize_mx(dst, src, dst_scale, name=None):
     dst.storage.version += 1
     sc_arr[rows, :] = scale
     dst_scale.storage.version += 1
-    _count("vector", F / 4 + ENGINE_FIXED, P * F)
+    _count("vector", F / 4 + ENGINE_FIXED, P * F, lane_rate=1.0)  # 4x mode in F / 4
     return NkiInstruction(name)
 
 
@@ -1343,7 +1393,8 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=dma_eng
                                       f"{recv_from_rank} on pipe {pipe_id}") from None
     dst._np()[...] = val
     dst.storage.version += 1
-    _count("dma", 0, dst.size, dma_bytes=dst.size * dst.itemsize)
+    _count("dma", 0, dst.size, dma_bytes=dst.size * dst.itemsize,
+           dma=(src, dst, False))
     return NkiInstruction(name)
 
 

@@ -311,8 +311,18 @@ def jit(fn=None, **kwargs):
 def region(name: str):
     """Attribute the interpreter's work counters inside the block to region ``name``."""
     ctx = _core.current()
+    _end_segment(ctx)
     ctx.region_stack.append(str(name))
     try:
         yield
     finally:
+        _end_segment(ctx)
         ctx.region_stack.pop()
+
+
+def _end_segment(ctx) -> None:
+    """Entering or leaving a region ends the open time-model segment (profile.py docstring)."""
+    seg = getattr(ctx, "_seg_open", None)
+    if seg is not None:
+        seg.close_segment()
+        ctx._seg_open = None

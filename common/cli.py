@@ -37,6 +37,7 @@ from rich import box
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from common import dispatch
 from common.metrics import compare
@@ -82,14 +83,16 @@ def _cmd_models(args, console: Console) -> int:
 
 def _cmd_backends(args, console: Console) -> int:
     table = Table(title=f"Backends (auto on this machine: {dispatch.auto_backend_name()})")
-    table.add_column("name")
-    table.add_column("available")
-    table.add_column("summary / why not")
+    table.add_column("name", no_wrap=True)
+    table.add_column("runs here", no_wrap=True)
+    table.add_column("what it is / why it cannot run here")
     for name, b in sorted(dispatch.registered_backends().items()):
         reason = b.check()
-        table.add_row(
-            name, "yes" if reason is None else "no", b.summary if reason is None else reason
-        )
+        text = Text(b.summary)  # every row says what the backend is
+        if reason is not None:
+            text.append("\nnot here: ", style="bold")
+            text.append(reason)
+        table.add_row(name, "yes" if reason is None else "no", text)
     console.print(table)
     return 0
 

@@ -55,10 +55,22 @@ def check_cuda_sm90() -> str | None:
     return _device_reason(90, 99, "cuda-sm90") or _triton_reason() or _cutlass_reason()
 
 
+_SM100_OPT_IN = "MOE_BWD_ENABLE_UNVERIFIED_SM100"
+
+
 def check_cuda_sm100() -> str | None:
-    """None when the SM100 kernel can run here, else why not."""
+    """None when the SM100 kernel can run here, else why not. Without the opt-in variable the
+    reason always says that the kernel is compiled but unverified, also where the device is what
+    stops it (so that a user reading it on a CPU host learns the opt-in too)."""
     reason = _device_reason(100, None, "cuda-sm100")
     if reason:
+        import os
+
+        if os.environ.get(_SM100_OPT_IN) != "1":
+            reason += (
+                "; besides, the SM100 grouped wgrad kernel is compiled but unverified on "
+                f"hardware: on a Blackwell GPU it needs {_SM100_OPT_IN}=1"
+            )
         return reason
     module = api._sm100_module()
     if module is None or not hasattr(module, "compile_sm100_wgrad"):
@@ -102,9 +114,8 @@ register_backend(
 register_backend(
     Backend(
         name="cuda-sm100",
-        summary="Blackwell: fused backward with the SM100 grouped wgrad kernel (tcgen05; "
-        "compiled offline, not yet verified on hardware: opt in with "
-        "MOE_BWD_ENABLE_UNVERIFIED_SM100=1)",
+        summary="Blackwell: fused backward with the SM100 grouped wgrad kernel (tcgen05); "
+        "compiled but unverified on hardware: needs MOE_BWD_ENABLE_UNVERIFIED_SM100=1",
         check=check_cuda_sm100,
         run=_run_fused,
         grouped_wgrad=make_grouped_wgrad("sm100"),

@@ -282,3 +282,28 @@ def test_compare_table_fits_80_columns():
             assert "-12.3/101.2/145.6" in line, line
     flat = " ".join(out.split())
     assert "max err = max|err| / max|ref|" in flat and "bit-id = share of bit-identical" in flat
+
+
+def test_backends_show_summary_and_sm100_opt_in(capsys, monkeypatch):
+    """Rows that cannot run still say what the backend is; cuda-sm100 says it is compiled but
+    unverified and needs the opt-in variable even where there is no CUDA device."""
+    from common import dispatch
+    from cuda_kernels.backend import check_cuda_sm100
+
+    monkeypatch.delenv("MOE_BWD_ENABLE_UNVERIFIED_SM100", raising=False)
+    reason = check_cuda_sm100()  # torch.cuda.is_available is False here (autouse fixture)
+    assert "no CUDA device" in reason and "compiled but unverified" in reason
+    assert "MOE_BWD_ENABLE_UNVERIFIED_SM100=1" in reason
+    monkeypatch.setenv("MOE_BWD_ENABLE_UNVERIFIED_SM100", "1")
+    assert "unverified" not in check_cuda_sm100()
+    monkeypatch.delenv("MOE_BWD_ENABLE_UNVERIFIED_SM100")
+    assert cli.main(["backends"]) == 0
+    flat = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    backends = dispatch.registered_backends()
+    for name, b in backends.items():
+        assert " ".join(b.summary.split()) in flat, name
+        why = b.check()
+        if why is not None:
+            assert "not here: " + " ".join(why.split()) in flat, name
+    sm100 = " ".join(backends["cuda-sm100"].summary.split())
+    assert "compiled but unverified" in sm100 and "MOE_BWD_ENABLE_UNVERIFIED_SM100=1" in sm100

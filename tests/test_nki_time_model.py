@@ -96,6 +96,8 @@ def test_interpreter_records_chunks_and_charges_strided_more():
         c = p.counters("copy")
         assert c.dma_count == 2 and c.dma_bytes == 2 * 128 * 512 * 2
         assert c.dma_chunks == (128 * 512 + 128 if strided else 128 + 128)
+        want = {2: 128 * 1024, 1024: 128 * 1024} if strided else {1024: 2 * 128 * 1024}
+        assert dict(c.dma_bytes_by_chunk) == want
         times[strided] = p.modeled_time_us("copy")
         # head load and tail store wait on / for the copy: nothing overlaps
         eng = p.engine_time_us("copy")

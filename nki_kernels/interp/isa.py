@@ -278,6 +278,8 @@ def _count(engine_name, cycles, elements, macs_mx=0, macs_bf16=0, dma_bytes=0, d
         chunk, parts, transpose = _dma_shape(dma, dma_bytes)
         c.dma_count += 1
         c.dma_chunks += math.ceil(dma_bytes / chunk) if dma_bytes else 0
+        if dma_bytes:
+            c.dma_bytes_by_chunk[1 << (max(1, int(min(chunk, dma_bytes))).bit_length() - 1)] += dma_bytes
         c.record("dma", _profile.dma_cost_ns(prof.model, dma_bytes, chunk, parts, transpose))
     else:
         if engine_name != "tensor":

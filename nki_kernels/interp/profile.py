@@ -166,8 +166,8 @@ class Counters:
     closed segments (see the module docstring) and ``_seg`` the open one.
     """
 
-    __slots__ = ("_seg", "bound_ns", "busy_ns", "cycles", "dma_bytes", "dma_chunks",
-                 "dma_count", "elements", "instructions", "macs_bf16", "macs_mx")
+    __slots__ = ("_seg", "bound_ns", "busy_ns", "cycles", "dma_bytes", "dma_bytes_by_chunk",
+                 "dma_chunks", "dma_count", "elements", "instructions", "macs_bf16", "macs_mx")
 
     def __init__(self):
         self.instructions = defaultdict(int)  # engine -> count
@@ -179,6 +179,8 @@ class Counters:
         self.dma_bytes = 0
         self.dma_count = 0
         self.dma_chunks = 0  # contiguous chunks (descriptors) over all DMAs
+        # bytes moved per chunk size, chunk rounded down to a power of two (where DMA time goes)
+        self.dma_bytes_by_chunk = defaultdict(int)
         self.bound_ns = 0.0
         self._seg = None  # open segment: [head_dma, tail_dma, dma, compute{}, seen_compute]
 
@@ -231,6 +233,8 @@ class Counters:
         self.dma_bytes += other.dma_bytes
         self.dma_count += other.dma_count
         self.dma_chunks += other.dma_chunks
+        for k, v in other.dma_bytes_by_chunk.items():
+            self.dma_bytes_by_chunk[k] += v
         self.bound_ns += other.total_ns()
 
     def as_dict(self) -> dict:
@@ -238,6 +242,7 @@ class Counters:
             "instructions": dict(self.instructions), "elements": dict(self.elements),
             "macs_bf16": self.macs_bf16, "macs_mx": self.macs_mx, "dma_bytes": self.dma_bytes,
             "dma_count": self.dma_count, "dma_chunks": self.dma_chunks,
+            "dma_bytes_by_chunk": dict(sorted(self.dma_bytes_by_chunk.items())),
             "modeled_busy_ns": dict(self.busy_ns), "modeled_ns": self.total_ns(),
         }
 
@@ -347,6 +352,7 @@ class Profile:
                 "engine_us": self.engine_time_us(r), "macs_mx": c.macs_mx,
                 "macs_bf16": c.macs_bf16, "dma_bytes": c.dma_bytes, "dma_count": c.dma_count,
                 "dma_chunks": c.dma_chunks,
+                "dma_bytes_by_chunk": dict(sorted(c.dma_bytes_by_chunk.items())),
                 "instructions": sum(c.instructions.values()),
             })
         return rows

@@ -129,6 +129,7 @@ PSUM_TILE_MAX_N = 2048  # fp32 columns of one PSUM tile (4 of the 8 banks)
 ZERO_TILE_COLS = 2048  # free size of the zero tile used to clear HBM outputs
 WGRAD_COL_BLOCK = 2048  # d_gate_up columns / alpha*h rows quantized at a time in phases 3/4
 WEIGHT_BLOCK_BYTES = 64 * 1024  # SBUF per partition for one resident weight column block (x4+scale)
+WEIGHT_T_COLS = 512  # weight columns staged (natural layout) and TensorE-transposed at a time
 # Slot streaming (block sizes up to 4096): phases 1-2 run per sub-block of SB slots; phases 3-4
 # contract over the whole block with operands streamed per WRAPX tile along B, column slab by
 # column slab (see _sub_block_slots / _wgrad_cols).
@@ -292,7 +293,11 @@ def _to_slot_layout_kt(src_n, g: _Geo, c0: int, F: int, kt: int):
     t = nl.ndarray((g.vs, F, 4), dtype=src_n.dtype, buffer=nl.sbuf)
     for li in range(4):
         c, q0 = divmod((4 * kt + li) * g.vs, PMAX)
-        nisa.dma_copy(dst=t[:, :, li], src=src_n[q0 : q0 + g.vs, c, c0 : c0 + F])
+        # contiguous rows by DMA, the lane interleave (stride 4) on a compute engine
+        row = nl.ndarray((g.vs, F), dtype=src_n.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=row, src=src_n[q0 : q0 + g.vs, c, c0 : c0 + F])
+        nisa.tensor_copy(dst=t[:, :, li], src=row, engine=ACT if li % 2 else VEC)
+        del row
     return t
 
 
@@ -315,16 +320,21 @@ def _gather_slot_operand(src_hbm, ids_s, g: _Geo, c0: int, F: int, oob, memset_e
     out = []
     for kt in range(g.NKT):
         t = nl.ndarray((g.vs, F, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
-        if oob == nisa.oob_mode.skip:
-            nisa.memset(dst=t, value=0.0, engine=memset_engine)
         for li in range(4):
             lane = 4 * kt + li
+            # gather whole rows (F contiguous elements per descriptor), then interleave the lane
+            # into the slot-layout tile on a compute engine (a bit-exact BF16 copy)
+            row = nl.ndarray((g.vs, F), dtype=nl.bfloat16, buffer=nl.sbuf)
+            if oob == nisa.oob_mode.skip:
+                nisa.memset(dst=row, value=0.0, engine=memset_engine)
             nisa.dma_copy(
-                dst=t[:, :, li],
+                dst=row,
                 src=src_hbm.ap(pattern=[[row_len, g.vs], [1, F]], offset=c0,
                                vector_offset=ids_s[:, lane : lane + 1], indirect_dim=0),
                 oob_mode=oob,
             )
+            nisa.tensor_copy(dst=t[:, :, li], src=row, engine=ACT if li % 2 else VEC)
+            del row
         q, s = _quantize_k_major(t, g.vs, F)
         del t
         out.append((q, s, g.vs))
@@ -333,24 +343,42 @@ def _gather_slot_operand(src_hbm, ids_s, g: _Geo, c0: int, F: int, oob, memset_e
 
 def _load_weight_k_major(w_hbm, e_sb, K: int, row_stride: int, col_stride: int, c0: int,
                          ncols: int):
-    """Strided DMA of one expert's weight into K-major tiles and quantize (weights of phase 1/2).
+    """One expert's weight into K-major tiles and quantize (weights of phase 1/2).
 
     Element (p, f, i) of the tile for WRAPX K tile (k0, TK) is the weight at
-    ``k = k0 + i*TK/4 + p`` along the contraction axis (stride ``row_stride``) and column
-    ``c0 + f`` (stride ``col_stride``); the expert is a runtime ``scalar_offset``.
+    ``k = k0 + i*TK/4 + p`` along the contraction axis (stride ``row_stride``, 1 for both
+    callers) and column ``c0 + f`` (stride ``col_stride``); the expert is a runtime
+    ``scalar_offset``. The weight is read in its natural layout (a column per partition, ``TK``
+    contiguous elements per descriptor) and turned K-major on TensorE (bit-exact BF16
+    transposes into PSUM, one copy per lane to SBUF) instead of by a DMA of 2-byte elements.
     Returns a list of (x4 data [TK/4, ncols], scales, TK/4).
     """
     out = []
     for k0, TK in _k_tiles(K):
         vsk = TK // 4
         t = nl.ndarray((vsk, ncols, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
-        src = w_hbm.ap(
-            pattern=[[row_stride, vsk], [col_stride, ncols], [row_stride * vsk, 4]],
-            offset=k0 * row_stride + c0 * col_stride,
-            scalar_offset=e_sb,
-            indirect_dim=0,
-        )
-        nisa.dma_copy(dst=t, src=src)
+        for p0 in range(0, ncols, WEIGHT_T_COLS):
+            pw = min(WEIGHT_T_COLS, ncols - p0)
+            nfull = pw // PMAX
+            rem = pw - nfull * PMAX
+            nat = nl.ndarray((PMAX, (pw + PMAX - 1) // PMAX, TK), dtype=nl.bfloat16,
+                             buffer=nl.sbuf)
+            off = k0 * row_stride + (c0 + p0) * col_stride
+            if nfull > 0:
+                nisa.dma_copy(dst=nat[:, 0:nfull, :], src=w_hbm.ap(
+                    pattern=[[col_stride, PMAX], [col_stride * PMAX, nfull], [row_stride, TK]],
+                    offset=off, scalar_offset=e_sb, indirect_dim=0))
+            if rem > 0:
+                nisa.dma_copy(dst=nat[0:rem, nfull, :], src=w_hbm.ap(
+                    pattern=[[col_stride, rem], [row_stride, TK]],
+                    offset=off + nfull * PMAX * col_stride, scalar_offset=e_sb, indirect_dim=0))
+            for i in range(4):
+                ps = nl.ndarray((vsk, pw), dtype=nl.bfloat16, buffer=nl.psum)
+                for j in range(0, pw, PMAX):
+                    cw = min(PMAX, pw - j)
+                    nisa.nc_transpose(dst=ps[:, j : j + cw],
+                                      data=nat[0:cw, j // PMAX, i * vsk : (i + 1) * vsk])
+                nisa.tensor_copy(dst=t[:, p0 : p0 + pw, i], src=ps, engine=ACT if i % 2 else VEC)
         out.append(_quantize_k_major(t, vsk, ncols) + (vsk,))
     return out
 

@@ -225,6 +225,23 @@ def _grads_from_outputs(problem: MoEBackwardProblem, outputs: tuple) -> MoEGrads
     )
 
 
+def _phase_configs(phase_configs, use_tuned_configs, H, I, block_size, run_with_lnc2):
+    """The four per-phase configs to run: given, tuned (configs/nki/), or all defaults.
+
+    Raises:
+        ValueError: ``phase_configs`` is not four entries.
+    """
+    if phase_configs is None:
+        phase_configs = (
+            load_tuned_phase_configs(H, I, block_size, run_with_lnc2)
+            if use_tuned_configs
+            else (None, None, None, None)
+        )
+    if not isinstance(phase_configs, (tuple, list)) or len(phase_configs) != 4:
+        raise ValueError(f"phase_configs must be 4 entries (phase1..phase4), got {phase_configs!r}")
+    return phase_configs
+
+
 def _zero_grads(problem: MoEBackwardProblem, backend: str) -> MoEGrads:
     """Gradients of a problem with no tokens (nothing to launch): dW zeros, empty dX / dA."""
     p = problem
@@ -322,14 +339,9 @@ def run_blockwise(
     args, kwargs, layout = prepare_blockwise_args(problem, block_size=block_size, padding=padding)
     H = problem.hidden_states_TH.shape[1]
     I = problem.w_down_EIH.shape[1]
-    if phase_configs is None:
-        phase_configs = (
-            load_tuned_phase_configs(H, I, block_size, run_with_lnc2)
-            if use_tuned_configs
-            else (None, None, None, None)
-        )
-    if not isinstance(phase_configs, (tuple, list)) or len(phase_configs) != 4:
-        raise ValueError(f"phase_configs must be 4 entries (phase1..phase4), got {phase_configs!r}")
+    phase_configs = _phase_configs(
+        phase_configs, use_tuned_configs, H, I, block_size, run_with_lnc2
+    )
     kwargs.update(
         phase1_config=phase_configs[0],
         phase2_config=phase_configs[1],
@@ -418,14 +430,9 @@ def run_twin(
     why = check_shape({"H": H, "I": I})
     if why is not None:
         raise ValueError(f"backend 'nki-twin': {why}")
-    if phase_configs is None:
-        phase_configs = (
-            load_tuned_phase_configs(H, I, block_size, run_with_lnc2)
-            if use_tuned_configs
-            else (None, None, None, None)
-        )
-    if not isinstance(phase_configs, (tuple, list)) or len(phase_configs) != 4:
-        raise ValueError(f"phase_configs must be 4 entries (phase1..phase4), got {phase_configs!r}")
+    phase_configs = _phase_configs(
+        phase_configs, use_tuned_configs, H, I, block_size, run_with_lnc2
+    )
     kwargs.pop("skip_dma")  # the twin treats ids outside [0, T) as padding either way
     start = time.perf_counter()
     outputs = blockwise_mm_bwd_mxfp8_torch(

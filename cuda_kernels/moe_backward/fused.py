@@ -163,16 +163,20 @@ def moe_backward_fused(
     Dimensions: T tokens, H hidden, I intermediate, E experts, K top_k, S grouped rows.
 
     Args:
-        problem: :class:`~common.problem.MoEBackwardProblem` on a CUDA device (or the CPU, where
-            the Triton kernels run interpreted: for tests). Any float input dtype; GEMM operands
+        problem: :class:`~common.problem.MoEBackwardProblem` on a CUDA device (or the CPU with
+            ``TRITON_INTERPRET=1`` set before Triton is imported, where the Triton kernels run
+            interpreted: for tests; RuntimeError otherwise). Any float input dtype; GEMM operands
             are BF16.
         grad_dtype: torch.float32 (default) or torch.bfloat16: dtype of dX, the weight and the
             bias gradients. dA is fp32.
         accumulate_into: optional ``(dW_gate_up [E, H, 2, I], dW_down [E, I, H])`` fp32 buffers
             (Megatron ``main_grad`` style): the weight gradients are ADDED into them in fp32
             inside the wgrad kernel, and the returned grads hold these same tensors.
-        wgrad_backend: "auto" (our kernel when the device and the call allow, else torch),
-            "sm90" / "sm100" (that kernel or RuntimeError), "torch".
+        wgrad_backend: "auto" (our kernel when the device and the call allow; cuBLAS's grouped
+            GEMM for BF16 outputs off the 128 grid, where it is faster, and for layouts off the
+            SM100 kernel's 256-row contract; else the torch twin), "sm90" / "sm100" (that kernel
+            or RuntimeError), "torch". ``info["wgrad_backend"]`` / ``["wgrad_reason"]`` say
+            which ran and why.
         layout: optional :class:`~common.routing.GroupedLayout` of the plan with ``align`` a
             multiple of 16 (the forward's, to skip rebuilding it: ~20 small kernels and their
             host time); default ``plan.grouped`` with a static row count.
@@ -184,7 +188,8 @@ def moe_backward_fused(
     Raises:
         ValueError: the problem (:meth:`MoEBackwardProblem.validate`) or an option breaks a
             rule; raised before any output is written.
-        RuntimeError: an explicit ``wgrad_backend`` cannot run here.
+        RuntimeError: an explicit ``wgrad_backend`` cannot run here; CPU tensors without the
+            Triton interpreter.
     """
     p = problem
     p.validate()

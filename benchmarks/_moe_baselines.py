@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from common.problem import ClampLimits, MoEBackwardProblem
-from common.torch_backward import _grouped_layout
+from common.torch_backward import grouped_layout
 
 __all__ = ["build_autograd_baseline"]
 
@@ -63,7 +63,7 @@ def build_autograd_baseline(p: MoEBackwardProblem, with_perm: bool):
     E, _, _, I = p.w_gate_up_EH2I.shape
     R = plan.pair_token_R.shape[0]
     bf = torch.bfloat16
-    layout = _grouped_layout(plan, E)
+    layout = grouped_layout(plan, E)
     offs = layout.offsets_E
     segs = None if dev.type == "cuda" else _segments(offs)
     r2p = layout.row_to_pair_S  # expert of each row (E-1 for padding rows, which are zero)

@@ -208,9 +208,9 @@ def build_impl(impl: str, p, model, T: int, device: torch.device):
             raise _Skip(f"skipped: {type(exc).__name__}: {exc}") from None
         kw = {"grad_dtype": torch.bfloat16}
         if impl == "state":
-            from common.torch_backward import _grouped_layout
+            from common.torch_backward import grouped_layout
 
-            kw["layout"] = _grouped_layout(p.plan, p.w_gate_up_EH2I.shape[0])
+            kw["layout"] = grouped_layout(p.plan, p.w_gate_up_EH2I.shape[0])
             kw["x_rows_S"] = kw["layout"].gather_rows(p.hidden_states_TH.bfloat16())
         return (lambda: moe_backward_fused(p, **kw)), (lambda g: g.named())
     if impl in ("baseline", "baseline+perm"):

@@ -131,8 +131,6 @@ def grouped_layout(plan, num_experts: int):
     return plan.grouped(align=ALIGN, max_tokens_sum=max_rows)
 
 
-_grouped_layout = grouped_layout
-
 
 def _row_expert_S(layout, plan, num_experts: int) -> torch.Tensor:
     """[S] expert of each grouped row (E-1 for padding rows, which carry zeros)."""
@@ -277,7 +275,7 @@ def moe_backward_torch(
     cl = p.clamp_limits or ClampLimits()
     act_fn = p.activation
 
-    layout = _grouped_layout(plan, E)
+    layout = grouped_layout(plan, E)
     offs = layout.offsets_E
     row_valid = layout.row_to_pair_S >= 0
     row_expert = _row_expert_S(layout, plan, E)

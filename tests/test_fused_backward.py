@@ -20,7 +20,9 @@ from common.metrics import sqnr_db, sqnr_floor
 from common.problem import GPT_OSS, ClampLimits
 from common.reference import reference_backward
 from common.routing import plan_routing
-from common.torch_backward import _grouped_layout, moe_backward_torch
+from common.torch_backward import grouped_layout, moe_backward_torch
+
+from test_torch_backward import routing  # the same seeded router as the twin's tests
 
 kernels = pytest.importorskip("cuda_kernels.moe_backward.kernels")
 from cuda_kernels.moe_backward import moe_backward_fused  # noqa: E402
@@ -32,17 +34,6 @@ TWIN_MIN_DB = 45.0
 GPT_OSS_CLAMP = ClampLimits(
     linear_clamp_upper_limit=7.0, linear_clamp_lower_limit=-7.0, non_linear_clamp_upper_limit=7.0
 )
-
-
-def routing(T, K, E, seed, *, empty=(), dup_token=None, drop_frac=0.0):
-    g = torch.Generator().manual_seed(seed)
-    live = torch.tensor([e for e in range(E) if e not in empty])
-    ei = live[torch.randint(0, live.numel(), (T, K), generator=g)]
-    if drop_frac:
-        ei[torch.rand(T, K, generator=g) < drop_frac] = -1
-    if dup_token is not None and K >= 2:
-        ei[dup_token, 0] = ei[dup_token, 1] = live[0]
-    return ei, torch.rand(T, K, generator=g) + 0.05
 
 
 CASES = {
@@ -189,7 +180,7 @@ def test_slot_rows_dedupes_merged_pairs_and_drops():
     ei = torch.tensor([[1, 1, -1], [0, 2, 1]])
     af = torch.ones(2, 3)
     plan = plan_routing(ei, af, 3)
-    layout = _grouped_layout(plan, 3)
+    layout = grouped_layout(plan, 3)
     rows = layout.slot_to_row_TK
     assert rows[0, 1] == -1 and rows[0, 2] == -1 and rows[0, 0] >= 0
     assert (rows[1] >= 0).all()
@@ -307,7 +298,7 @@ def test_gpu_dispatch_runs_fused_on_sm90():
 def test_forward_state_layout_and_x_rows_give_the_same_grads():
     p = _problem("duplicates_dropped")
     E = p.w_gate_up_EH2I.shape[0]
-    layout = _grouped_layout(p.plan, E)
+    layout = grouped_layout(p.plan, E)
     x_rows = layout.gather_rows(p.hidden_states_TH.bfloat16())
     want = moe_backward_fused(p)
     got = moe_backward_fused(p, layout=layout, x_rows_S=x_rows)

@@ -119,21 +119,28 @@ def _mm(a_MK: torch.Tensor, b_KN: torch.Tensor, chunks: list, fold_k) -> torch.T
 
 
 def _rowsum_chunks(x_BF: torch.Tensor, bounds: list) -> torch.Tensor:
-    """Sum over columns as the kernel's dA: per (start, stop) chunk one instruction, fp32 adds."""
+    """Sum over columns as the kernel's dA: per (start, stop) chunk one instruction, fp32 adds.
+
+    The summands are fp32 products (not MX values), so their fp64 sum is not always exact and its
+    last bits depend on the reduction order; it runs on the host so that every device gets the
+    CPU's bits (the H200 showed a 1-ULP dA difference when CUDA summed)."""
+    x = x_BF.cpu()
     acc = None
     for c0, c1 in bounds:
-        part = x_BF[:, c0:c1].double().sum(1).float()
+        part = x[:, c0:c1].double().sum(1).float()
         acc = part if acc is None else acc + part
-    return acc
+    return acc.to(x_BF.device)
 
 
 def _lane_sum(x_BF: torch.Tensor, vs: int = 128) -> torch.Tensor:
-    """Sum over the block's slots as the kernel's bias reduction: one instruction per 128 slots."""
+    """Sum over the block's slots as the kernel's bias reduction: one instruction per 128 slots
+    (on the host, for the reason given in :func:`_rowsum_chunks`)."""
+    x = x_BF.cpu()
     acc = None
-    for s0 in range(0, x_BF.shape[0], vs):
-        part = x_BF[s0 : s0 + vs].double().sum(0).float()
+    for s0 in range(0, x.shape[0], vs):
+        part = x[s0 : s0 + vs].double().sum(0).float()
         acc = part if acc is None else acc + part
-    return acc
+    return acc.to(x_BF.device)
 
 
 def prequantize_weight_k_major(w_EFK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Backend ``nki-twin`` (issue 9 item 3): the NKI MXFP8 kernel's MX-faithful torch twin as a
 backend. On the CPU it equals ``nki-sim`` (the kernel on our interpreter) bit for bit; on a GPU
-(marked ``gpu``, run on the H200) it equals itself on the CPU bit for bit: the per-instruction
-sums are exact in fp64 on any device and the sigmoid is NumPy's on the host."""
+(marked ``gpu``, run on the H200) it equals itself on the CPU bit for bit: the MX instruction
+sums are exact in fp64 on any device, and the order-dependent sums and the sigmoid run on the host."""
 
 from __future__ import annotations
 
@@ -75,8 +75,10 @@ def test_twin_zero_tokens():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_twin_on_cuda_equals_cpu_bitwise(case):
-    """Tolerance 0: the twin's instruction sums are exact in fp64 (MX products have <= 8
-    significant bits), its fp32 adds elementwise, its sigmoid NumPy's on the host."""
+    """Tolerance 0: the twin's MX instruction sums are exact in fp64 (MX products have <= 8
+    significant bits), its fp32 adds elementwise; the sums of fp32 products (dA, bias
+    gradients), whose fp64 rounding depends on the order, and the sigmoid (NumPy's) run on the
+    host."""
     from common.bundle import problem_to
 
     mk, opts = CASES[case]

@@ -119,6 +119,7 @@ def _run_row(args, bench, sm90, dev, copy_bw, shape):
         # correctness spot check against torch on the largest and the smallest expert
         launcher(a, b, offsets, out.zero_())
         torch.cuda.synchronize()
+        ours_once = out.float()  # one product from zero: what the quack columns are checked against
         chk = []
         for i in (max(range(e), key=lambda j: counts[j]), min(range(e), key=lambda j: counts[j])):
             r = a[:, begins[i] : begins[i] + counts[i]].float() @ b[
@@ -132,6 +133,9 @@ def _run_row(args, bench, sm90, dev, copy_bw, shape):
             t_ours, row["tile"], row["check_rel_err"] = t, name_t, max(chk)
     row["ours_us"] = t_ours
     row["ours_TFLOPs"] = flops / (t_ours * 1e-6) / 1e12
+
+    if not args.no_quack:
+        _quack_columns(row, bench, a, b, offsets, ours_once, accumulate, flops, t_ours)
 
     # torch._grouped_mm (K-grouped); output fp32 accumulate is not offered -> out-of-place
     gm = None
@@ -194,6 +198,41 @@ def _run_row(args, bench, sm90, dev, copy_bw, shape):
         row["ours_over_floor"] = floor_us / t_ours
     return row
 
+def _quack_columns(row, bench, a, b, offsets, ours_once, accumulate, flops, t_ours):
+    """quack 0.6.5's varlen-K GEMM (``quack.gemm_interface``, the strongest Hopper peer) on the
+    same operands: autotuned (``tuned=True``) and its default config (``tuned=False``); bf16 rows
+    through ``gemm(..., out=)``, fp32-accumulate rows through ``gemm_add_inplace``. Its first
+    result (from a zero output) is checked against ours (relative Frobenius difference)."""
+    try:
+        from quack import gemm_interface as qg
+    except Exception as exc:  # noqa: BLE001 - optional peer (the `bench` extra)
+        row["quack_error"] = f"import: {exc}"[:160]
+        return
+    cu = torch.cat([offsets.new_zeros(1), offsets])
+    norm = ours_once.norm().clamp_min(1e-30)
+    for tuned, tag in ((True, "quack_tuned"), (False, "quack_default")):
+        q_out = torch.zeros(ours_once.shape, device=a.device,
+                            dtype=torch.float32 if accumulate else torch.bfloat16)
+        if accumulate:
+            def fn(q_out=q_out, tuned=tuned):
+                qg.gemm_add_inplace(a, b, q_out, cu_seqlens_k=cu, tuned=tuned)
+        else:
+            def fn(q_out=q_out, tuned=tuned):
+                qg.gemm(a, b, out=q_out, cu_seqlens_k=cu, tuned=tuned)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            diff = float((q_out.float() - ours_once).norm() / norm)
+            t = bench(fn)
+        except Exception as exc:  # noqa: BLE001 - record and go on with the other columns
+            row[f"{tag}_error"] = f"{exc}"[:200]
+            continue
+        row[f"{tag}_us"] = t
+        row[f"{tag}_TFLOPs"] = flops / (t * 1e-6) / 1e12
+        row[f"ours_over_{tag}"] = t / t_ours
+        row[f"{tag}_vs_ours_rel_diff"] = diff
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="two shapes only")
@@ -204,6 +243,7 @@ def main(argv=None):
         help="tile variants to time, 'M,N,K,stages,pingpong;...' (default: the YAML choice)",
     )
     p.add_argument("--only", default=None, help="comma-separated row indices to run")
+    p.add_argument("--no-quack", action="store_true", help="skip the quack columns")
     args = p.parse_args(argv)
 
     import triton.testing
@@ -241,15 +281,23 @@ def main(argv=None):
     print(f"{header['date']}  {header['gpu']}  copy {header['copy_TBps']:.2f} TB/s  "
           f"mm8192 {header['mm8192_TFLOPs']:.0f} TFLOP/s")
     print(f"{'shape':26s} {'tile':12s} {'ours':>6s} {'gmm':>6s} {'loop':>6s} {'dense':>6s} "
-          f"{'/gmm':>5s} {'/dense':>6s} {'/floor':>6s} {'err':>8s}")
+          f"{'/gmm':>5s} {'/dense':>6s} {'/floor':>6s} {'err':>8s} {'quack':>6s} {'/qk':>5s} "
+          f"{'/qkdef':>6s}")
     for r in results:
         print(
             f"{r['shape']:26s} {r['tile']:12s} {r['ours_TFLOPs']:6.0f} "
             f"{r.get('grouped_mm_TFLOPs', float('nan')):6.0f} {r['loop_TFLOPs']:6.0f} "
             f"{r['dense_TFLOPs']:6.0f} {r.get('ours_over_grouped_mm', float('nan')):5.2f} "
             f"{r['ours_over_dense']:6.2f} {r.get('ours_over_floor', float('nan')):6.2f} "
-            f"{r['check_rel_err']:8.1e}"
+            f"{r['check_rel_err']:8.1e} {r.get('quack_tuned_TFLOPs', float('nan')):6.0f} "
+            f"{r.get('ours_over_quack_tuned', float('nan')):5.2f} "
+            f"{r.get('ours_over_quack_default', float('nan')):6.2f}"
         )
+    ratios = [r["ours_over_quack_tuned"] for r in results if "ours_over_quack_tuned" in r]
+    if ratios:
+        geo = float(torch.tensor(ratios, dtype=torch.float64).log().mean().exp())
+        print(f"ours / quack (autotuned): min {min(ratios):.2f}, geometric mean {geo:.2f} "
+              f"over {len(ratios)} rows")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": header, "rows": results}, f, indent=1)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device call on a lent H200: the whole test suite (pytest without -m) and the cross-hardware
 # comparison example of docs/compare-h200 (issue 9).
-#   bash benchmarks/h200_suite_and_compare.sh [suite|compare|all]
+#   bash benchmarks/h200_suite_and_compare.sh [suite|compare|wgrad|all]
+# (wgrad: benchmarks/bench_grouped_wgrad.py with the quack columns; needs quack-kernels importable)
 # CuTe DSL must be importable (../shared/tools/stage-cute-dsl); the repo root goes on PYTHONPATH.
-# Logs under $OUT: suite.log (+ suite_failures.log), compare.log, compare.json, compare-h200.tar.gz.
+# Logs under $OUT: suite.log (+ suite_failures.log), compare.log, compare.json, compare-h200.tar.gz,
+# wgrad.log/.json.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -28,13 +30,26 @@ if [ "$what" = compare ] || [ "$what" = all ]; then
       moe_bwd run $P --backend $be --device cuda --save "$B/$be-h200" || echo "run $be rc=$?"
     done
     moe_bwd run $P --backend nki-sim --device cpu --save "$B/nki-sim-cpu" || echo "run nki-sim rc=$?"
-    moe_bwd compare "$B"/* --report /tmp/compare-h200 || echo "compare rc=$?"
+    R=/tmp/compare-h200; rm -rf "$R"
+    moe_bwd compare "$B"/* --report "$R" || echo "compare rc=$?"
     moe_bwd compare "$B"/* --json > "$OUT/compare.json" || echo "compare json rc=$?"
+    # Trainium numerics on the GPU: the twin (CUDA) against the kernel on the interpreter (CPU)
+    moe_bwd compare "$B/nki-twin-h200" --baseline "$B/nki-sim-cpu" --report "$R/twin-vs-nki-sim" \
+      || echo "compare twin rc=$?"
+    # our fused CUDA backward against the plain torch backward on the same GPU
+    moe_bwd compare "$B/cuda-sm90-h200" --baseline "$B/torch-h200" --report "$R/sm90-vs-torch" \
+      || echo "compare sm90 rc=$?"
     python3 -m pytest -q -p no:cacheprovider tests/test_nki_twin.py tests/test_bundle.py || echo "twin tests rc=$?"
   } > "$OUT/compare.log" 2>&1
   tar -czf "$OUT/compare-h200.tar.gz" -C /tmp compare-h200 2>/dev/null
-  cat "$B"/*/bundle.json > "$OUT/bundle_meta.json" 2>/dev/null
+  tar -czf "$OUT/bundle_meta.tar.gz" -C "$B" $(cd "$B" && ls -d */bundle.json) 2>/dev/null
   tail -40 "$OUT/compare.log"
+fi
+
+if [ "$what" = wgrad ]; then
+  timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_grouped_wgrad.py --json "$OUT/wgrad.json" \
+    > "$OUT/wgrad.log" 2> "$OUT/wgrad.err"
+  echo "wgrad bench rc=$?"; tail -16 "$OUT/wgrad.log"; tail -5 "$OUT/wgrad.err"
 fi
 
 if [ -n "$suite_pid" ]; then

@@ -105,8 +105,10 @@ def _per_expert_figure(comparison: dict, tokens_per_expert: list[int]):
             if name not in pair:
                 continue
             vals = [pair[name]["per_expert_sqnr_db"][e] for e in order]
-            ax.plot(range(len(vals)), [_finite_or(v, math.nan) for v in vals], label=label,
-                    **series_style(i))
+            finite = [_finite_or(v, math.nan) for v in vals]
+            if all(math.isnan(v) for v in finite) and any(v == math.inf for v in vals):
+                label = f"{label} (bit-identical: SQNR = inf)"
+            ax.plot(range(len(vals)), finite, label=label, **series_style(i))
         ax.set_title(GRAD_LABELS[name], fontsize=9)
         ax.set_xlabel("expert (sorted by tokens)", fontsize=8)
         ax.set_ylabel("SQNR (dB)", fontsize=8)
@@ -161,6 +163,11 @@ def _sample(n: int, k: int) -> torch.Tensor:
     return torch.randint(0, n, (k,), generator=g)
 
 
+def _no_error_note(ax) -> None:
+    ax.text(0.5, 0.5, "no nonzero error\n(bit-identical)", ha="center", va="center",
+            transform=ax.transAxes, fontsize=9)
+
+
 def _plot_scatter(path: Path, comparison: dict, grads: dict, baseline) -> None:
     names = [n for n in GRAD_LABELS if getattr(baseline, n, None) is not None]
     plt, fig, axes = _figure(max(1, len(names)))
@@ -168,6 +175,7 @@ def _plot_scatter(path: Path, comparison: dict, grads: dict, baseline) -> None:
         ref = getattr(baseline, name).detach().reshape(-1).to("cpu", torch.float64)
         idx = _sample(ref.numel(), SCATTER_POINTS)
         r = ref[idx].abs()
+        plotted = 0
         for label, g in grads.items():
             t = getattr(g, name, None)
             if t is None:
@@ -175,9 +183,13 @@ def _plot_scatter(path: Path, comparison: dict, grads: dict, baseline) -> None:
             o = t.detach().reshape(-1)[idx].to("cpu", torch.float64)
             err = (o - ref[idx]).abs()
             keep = (r > 0) & (err > 0) & torch.isfinite(err)
+            plotted += int(keep.sum())
             ax.scatter(r[keep].numpy(), err[keep].numpy(), s=2, alpha=0.4, label=label)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        if plotted:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        else:  # bit-identical on the sample: nothing to put on log axes
+            _no_error_note(ax)
         ax.set_title(GRAD_LABELS[name], fontsize=9)
         ax.set_xlabel(f"|{comparison['baseline']}|", fontsize=8)
         ax.set_ylabel("|error|", fontsize=8)

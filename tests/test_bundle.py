@@ -219,6 +219,21 @@ def test_report_writes_plots_and_the_numbers(tmp_path, problem, torch_grads):
         assert f"]({name})" in text
 
 
+def test_report_of_bit_identical_operands(tmp_path, problem, torch_grads):
+    """An operand equal to its baseline (nki-twin on CUDA vs nki-sim; it crashed the log-scaled
+    scatter on the H200): the plots render, the SQNR is inf and the report says bit-identical."""
+    pairs = {"same": compare_grads(torch_grads, torch_grads)}
+    comparison = {"baseline": "torch", "spec": SPEC.to_json(), "operands": {},
+                  "tokens_per_expert": problem.plan.tokens_per_expert_E.tolist(), "pairs": pairs}
+    md = write_report(tmp_path / "rep", comparison, {"same": torch_grads}, torch_grads)
+    for name in PLOTS:
+        p = tmp_path / "rep" / name
+        assert p.is_file() and p.stat().st_size > 10_000 and _png_dims(p) == png_size(), name
+    m = pairs["same"]["w_down_grad_EIH"]
+    assert m["sqnr_db"] == float("inf") and m["bit_identical"] == 1.0
+    assert "| same | inf |" in md.read_text()
+
+
 # ------------------------------------------------------------------------------------- CLI
 @pytest.fixture
 def small_models(monkeypatch):

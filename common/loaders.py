@@ -590,8 +590,8 @@ def _gpt_oss_weight(src: _Source, rest: str, E: int, in_dim: int, out_dim: int,
         return _float(src, rest, src.get(rest, (E, in_dim, out_dim))).to(dtype)
     if not packed:
         raise ValueError(
-            f"{where}: tensor 'layers.{src.layer}.mlp.experts.{rest.rsplit('.', 1)[-1]}' is "
-            f"missing: neither {rest!r} nor its MXFP4 '{bn}' / '{sn}' is there (layers held: "
+            f"{where}: tensor 'layers.{src.layer}.{rest}' is missing: "
+            f"neither {rest!r} nor its MXFP4 '{bn}' / '{sn}' is there (layers held: "
             f"{src.layers_present[:6]}{'...' if len(src.layers_present) > 6 else ''})"
         )
     src.key(bn), src.key(sn)  # both halves present, before any read

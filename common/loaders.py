@@ -7,10 +7,20 @@ weights (issue 9 item 4).
   (``allow_pickle=False``). Every rule is checked before any work and a violation is a
   ValueError naming the file and the rule.
 * :func:`load_expert_weights` reads one MoE layer's routed experts from a Hugging Face
-  safetensors shard and maps them to our layouts ``w_gate_up_EH2I [E, H, 2, I]`` (gate at index
-  0, up at 1) and ``w_down_EIH [E, I, H]`` (plus ``b_gate_up_E2I [E, 2, I]`` and ``b_down_EH
-  [E, H]`` for gpt-oss). A missing tensor or a wrong shape is a ValueError naming the file and
-  the tensor.
+  safetensors checkpoint -- one shard, a sharded checkpoint's ``model.safetensors.index.json``
+  or a directory holding one -- and maps them to our layouts ``w_gate_up_EH2I [E, H, 2, I]``
+  (gate at index 0, up at 1) and ``w_down_EIH [E, I, H]`` (plus ``b_gate_up_E2I [E, 2, I]`` and
+  ``b_down_EH [E, H]`` for gpt-oss). A missing tensor or a wrong shape is a ValueError naming
+  the file and the tensor.
+
+Sharded checkpoints. transformers' ``save_pretrained`` writes ``model.safetensors.index.json``:
+a JSON object ``{"metadata": {...}, "weight_map": {tensor name: shard file name}}``, the shards
+next to it (format as written by ``create_safetensors_index`` / ``save_sharded_model`` in
+``transformers/models/gpt_oss/convert_gpt_oss_weights_to_hf.py``, and by ``save_pretrained``).
+The loader reads the index, finds the layer's expert tensors in ``weight_map`` and opens only
+the shards that hold them, lazily with ``safetensors.safe_open`` (memory-mapped; a tensor's
+shape is checked from the header before its data are read). Shard entries must be plain
+``.safetensors`` file names (no directories: nothing outside the index's folder is read).
 
 Checkpoint layouts by family (``N`` layer, ``e`` expert; HF ``nn.Linear`` weights are
 ``[out, in]``, so ``gate_proj.weight`` is ``[I, H]`` and ``down_proj.weight`` ``[H, I]``):
@@ -29,7 +39,7 @@ llama4         ``feed_forward.experts.gate_up_proj`` [E, H, 2I] (gate = first I,
 gpt_oss        ``mlp.experts.gate_up_proj`` [E, H, 2I] with gate/up INTERLEAVED       gpt-oss
                (gate = ``[..., ::2]``, up = ``[..., 1::2]``), ``gate_up_proj_bias``
                [E, 2I] (interleaved alike), ``down_proj`` [E, I, H], ``down_proj_bias``
-               [E, H]
+               [E, H]; or MXFP4 ``{gate_up,down}_proj_{blocks,scales}`` (below)
 =============  ====================================================================  =========
 
 Whatever precedes ``layers.N.`` (``model.``, ``language_model.model.``,
@@ -43,8 +53,27 @@ What was verified, and how (the ``search`` / ``read_file`` tools over public Git
   ``down_proj_bias`` (E, H); forward ``x @ gate_up_proj[e] + bias``, then
   ``gate, up = gate_up[..., ::2], gate_up[..., 1::2]`` (interleaved), ``out @ down_proj[e]``.
   The module path ``model.layers.N.mlp.experts`` follows ``GptOssMLP`` (``self.experts``) inside
-  the decoder layer's ``mlp``. The released checkpoints store these as MXFP4
-  (``gate_up_proj_blocks`` / ``_scales``): not read here (a clear error says so).
+  the decoder layer's ``mlp``.
+* gpt-oss MXFP4 (the released checkpoints): ``transformers/integrations/mxfp4.py``
+  (``Mxfp4GptOssExperts``, ``convert_moe_packed_tensors``) and
+  ``transformers/models/gpt_oss/convert_gpt_oss_weights_to_hf.py`` (renames the original
+  ``block.N.mlp.mlp1_weight.blocks`` / ``.scales`` to ``model.layers.N.mlp.experts.
+  gate_up_proj_blocks`` / ``_scales``, ``mlp2_*`` to ``down_proj_*``, without reordering).
+  ``gate_up_proj_blocks`` is uint8 [E, 2I, H/32, 16] and ``gate_up_proj_scales`` uint8
+  [E, 2I, H/32]; ``down_proj_blocks`` [E, H, I/32, 16], ``down_proj_scales`` [E, H, I/32]. So
+  the packed axis is the INPUT (contraction, K) axis -- H for gate_up, I for down -- in
+  nn.Linear ``[out, in]`` order, one E8M0 scale per 32 consecutive K elements. Decoding (HF's
+  ``convert_moe_packed_tensors``): byte ``b`` of a 16-byte block gives element ``2b`` (low
+  nibble) and ``2b + 1`` (high nibble); the nibble is an FP4 E2M1 code (table ``FP4_VALUES``
+  = +0, .5, 1, 1.5, 2, 3, 4, 6, then the same negated: the E2M1 bit patterns); the value is
+  ``ldexp(code value, scale - 127)``; the result [E, out, in] is transposed to the parameter
+  layout [E, in, out] (``.transpose(1, 2)``), i.e. ``gate_up_proj`` [E, H, 2I] with gate/up
+  still interleaved along 2I (row ``2i`` of the blocks is gate ``i``). That is exactly
+  :func:`common.mx.dequantize_mx` with ``elem="e2m1"``, ``block_size=32``, ``axis=-1``,
+  contiguous groups (its nibble order: even element in the low nibble) on the blocks reshaped
+  to [E, out, in/2], which is what the loader calls. The one difference: HF decodes scale byte
+  255 as 2^128, E8M0 (OCP MX v1.0) and common/mx as NaN; the loader refuses such a tensor.
+  Biases (``gate_up_proj_bias`` [E, 2I], ``down_proj_bias`` [E, H]) stay unquantized.
 * Llama-4: ``transformers/models/llama4/modeling_llama4.py``: ``Llama4TextExperts.gate_up_proj``
   (E, H, 2I), ``down_proj`` (E, I, H), forward ``gate, up = gate_up.chunk(2, dim=-1)`` (NOT
   interleaved); ``Llama4TextDecoderLayer.feed_forward = Llama4TextMoe`` whose ``experts`` is
@@ -67,13 +96,14 @@ What was verified, and how (the ``search`` / ``read_file`` tools over public Git
   (``OlmoeSparseMoeBlock.experts`` as a ModuleList of gate/up/down_proj MLPs, as Qwen3-MoE).
 
 Not read: the per-layer fused layout newer transformers versions use in memory (checkpoints on
-the Hub keep the per-expert names above), gpt-oss MXFP4 blocks, and sharded checkpoints whose
-experts of one layer span several files (pass the shard that holds them all).
+the Hub keep the per-expert names above). No real checkpoint was opened: every layout above is
+tested on small files built in its format (tests/test_loaders*.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -86,6 +116,7 @@ from common.models import MoEModelShape
 
 __all__ = [
     "FAMILIES",
+    "INDEX_NAME",
     "ExpertWeights",
     "family_of_model",
     "file_sha256",
@@ -261,6 +292,7 @@ class ExpertWeights:
     b_down_EH: torch.Tensor | None = None
     family: str = ""
     layer: int = 0
+    files: tuple[str, ...] = ()  # the index (if any) and the shards read, in order
 
 
 def family_of_model(model: MoEModelShape | str) -> str:
@@ -283,68 +315,209 @@ def family_of_model(model: MoEModelShape | str) -> str:
 _LAYER_RE = re.compile(r"^(?:(.*)\.)?layers\.(\d+)\.(.+)$")
 
 
-class _Shard:
-    """Lazy access to one layer's tensors of a safetensors file, whatever the key prefix."""
+INDEX_NAME = "model.safetensors.index.json"  # transformers' SAFE_WEIGHTS_INDEX_NAME
+# gpt-oss MXFP4: one E8M0 scale per 32 FP4 elements of the input (contraction) axis, stored as
+# 16 bytes of blocks (transformers ``Mxfp4GptOssExperts``: blocks [..., K // 32, 16]).
+_MXFP4_GROUP = 32
+_MXFP4_BYTES = _MXFP4_GROUP // 2
+
+
+def _open_safetensors(path: Path) -> Any:
+    """A lazy ``safetensors.safe_open`` handle: memory-mapped, reads only the tensors asked for.
+
+    A module-level function so that tests can record which shards a load opens.
+    """
+    from safetensors import safe_open
+
+    return safe_open(str(path), framework="pt", device="cpu")
+
+
+def _resolve_weights(path: Path) -> tuple[Path | None, Path | None]:
+    """``(index, shard)`` for a ``--weights`` argument: exactly one of them is not None."""
+    if path.is_dir():
+        if (path / INDEX_NAME).is_file():
+            return path / INDEX_NAME, None
+        indexes = sorted(q for q in path.glob("*.safetensors.index.json") if q.is_file())
+        if len(indexes) > 1:
+            raise ValueError(
+                f"{path}: the directory holds several safetensors indexes "
+                f"({', '.join(q.name for q in indexes)}) and no {INDEX_NAME}; pass one of them"
+            )
+        if indexes:
+            return indexes[0], None
+        shards = sorted(q for q in path.glob("*.safetensors") if q.is_file())
+        if len(shards) == 1:
+            return None, shards[0]
+        raise ValueError(
+            f"{path}: a --weights directory must hold {INDEX_NAME} or exactly one .safetensors "
+            f"file; it holds no index and {len(shards)} .safetensors files"
+        )
+    if not path.is_file():
+        raise ValueError(f"{path}: weights file does not exist or is not a file")
+    if path.name.lower().endswith(".json"):
+        return path, None
+    if path.suffix.lower() == ".safetensors":
+        return None, path
+    raise ValueError(
+        f"{path}: --weights takes a Hugging Face .safetensors shard, a {INDEX_NAME} or a "
+        "directory holding one"
+    )
+
+
+def _read_index(index: Path) -> dict[str, Path]:
+    """``weight_map`` of a safetensors index: tensor name -> shard path (next to the index).
+
+    The format is transformers' (``save_pretrained`` with sharding): a JSON object with
+    ``"metadata"`` (ignored) and ``"weight_map"``: ``{tensor name: shard file name}``.
+    """
+    try:
+        text = index.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{index}: not a readable safetensors index: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{index}: not valid JSON ({exc}); a safetensors index is a JSON object with a "
+            "'weight_map'"
+        ) from None
+    wmap = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wmap, dict) or not wmap:
+        raise ValueError(
+            f"{index}: a safetensors index must be a JSON object whose 'weight_map' maps "
+            "tensor names to shard files (non-empty)"
+        )
+    out: dict[str, Path] = {}
+    for name, shard in wmap.items():
+        if (not isinstance(shard, str) or not shard.endswith(".safetensors")
+                or "/" in shard or "\\" in shard or shard.startswith(".")):
+            raise ValueError(
+                f"{index}: weight_map[{name!r}] = {shard!r}: shard entries must be plain "
+                ".safetensors file names in the index's directory"
+            )
+        out[name] = index.parent / shard
+    return out
+
+
+class _Source:
+    """Lazy access to one layer's tensors of a safetensors shard or a sharded checkpoint.
+
+    Whatever precedes ``layers.N.`` in a tensor name is accepted, as long as one prefix holds
+    the layer's tensor. With an index, no shard is opened until one of its tensors is read, and
+    only the shards that hold a requested tensor are opened (``opened``).
+    """
 
     def __init__(self, path: Path, layer: int) -> None:
-        from safetensors import SafetensorError, safe_open
-
         self.path = path
-        if not path.is_file():
-            raise ValueError(f"{path}: weights file does not exist or is not a file")
-        if path.suffix.lower() != ".safetensors":
-            raise ValueError(f"{path}: --weights takes a Hugging Face .safetensors shard")
-        try:
-            self._f = safe_open(str(path), framework="pt", device="cpu")
-            keys = list(self._f.keys())
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise ValueError(f"{path}: not a readable safetensors file: {exc}") from None
         self.layer = layer
+        self._handles: dict[Path, tuple[Any, set[str]]] = {}
+        self.index, single = _resolve_weights(path)
+        if self.index is not None:
+            key_file = _read_index(self.index)
+        else:
+            assert single is not None
+            _, keys = self._open(single)
+            key_file = dict.fromkeys(sorted(keys), single)
+        self._key_file = key_file
         self.by_rest: dict[str, str] = {}
-        prefixes: dict[str, set[str]] = {}
-        for key in keys:
+        self._prefixes: dict[str, set[str]] = {}
+        layers: set[int] = set()
+        for key in key_file:
             m = _LAYER_RE.match(key)
-            if m and int(m.group(2)) == layer:
-                prefixes.setdefault(m.group(3), set()).add(m.group(1) or "")
+            if not m:
+                continue
+            layers.add(int(m.group(2)))
+            if int(m.group(2)) == layer:
+                self._prefixes.setdefault(m.group(3), set()).add(m.group(1) or "")
                 self.by_rest[m.group(3)] = key
-        self._prefixes = prefixes
-        self.layers_present = sorted(
-            {int(m.group(2)) for m in map(_LAYER_RE.match, keys) if m}
-        )
+        self.layers_present = sorted(layers)
+
+    @property
+    def opened(self) -> list[Path]:
+        """The shards opened so far, in order."""
+        return list(self._handles)
+
+    def _open(self, shard: Path) -> tuple[Any, set[str]]:
+        from safetensors import SafetensorError
+
+        if shard in self._handles:
+            return self._handles[shard]
+        if not shard.is_file():
+            raise ValueError(
+                f"{self.index}: its weight_map names shard {shard.name!r}, which is not a file "
+                f"in {shard.parent}"
+            )
+        try:
+            handle = _open_safetensors(shard)
+            keys = set(handle.keys())
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"{shard}: not a readable safetensors file: {exc}") from None
+        self._handles[shard] = (handle, keys)
+        return handle, keys
 
     def has(self, rest: str) -> bool:
         return rest in self.by_rest
 
-    def get(self, rest: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def key(self, rest: str) -> str:
+        """The full tensor name of ``layers.N.<rest>``; a ValueError when absent or ambiguous."""
+        where = self.index or self.path
         if rest not in self.by_rest:
             held = (
-                f"it holds layers {self.layers_present[:6]}{'...' if len(self.layers_present) > 6 else ''}"
+                f"it holds layers {self.layers_present[:6]}"
+                f"{'...' if len(self.layers_present) > 6 else ''}"
                 if self.layers_present else "it holds no 'layers.N.' tensors"
             )
+            hint = (
+                "" if self.index is not None else
+                f"; experts may sit in another shard: pass the checkpoint's {INDEX_NAME} or "
+                "its directory"
+            )
             raise ValueError(
-                f"{self.path}: tensor 'layers.{self.layer}.{rest}' is missing ({held}; experts "
-                "may sit in another shard, see model.safetensors.index.json)"
+                f"{where}: tensor 'layers.{self.layer}.{rest}' is missing ({held}{hint})"
             )
         if len(self._prefixes[rest]) > 1:
             raise ValueError(
-                f"{self.path}: tensor 'layers.{self.layer}.{rest}' occurs under several "
+                f"{where}: tensor 'layers.{self.layer}.{rest}' occurs under several "
                 f"prefixes {sorted(self._prefixes[rest])}"
             )
-        key = self.by_rest[rest]
-        t = self._f.get_tensor(key)
-        if shape is not None and tuple(t.shape) != tuple(shape):
+        return self.by_rest[rest]
+
+    def file_of(self, rest: str) -> Path:
+        """The shard that holds ``layers.N.<rest>`` (for messages)."""
+        return self._key_file[self.key(rest)]
+
+    def get(self, rest: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        from safetensors import SafetensorError
+
+        key = self.key(rest)
+        shard = self._key_file[key]
+        handle, keys = self._open(shard)
+        if key not in keys:
             raise ValueError(
-                f"{self.path}: tensor {key!r} has shape {list(t.shape)}, expected {list(shape)}"
+                f"{shard}: tensor {key!r} is not in this shard, though {self.index} maps it here"
             )
-        return t
+        try:
+            got = tuple(handle.get_slice(key).get_shape())  # the header only: no data read
+            if shape is not None and got != tuple(shape):
+                raise ValueError(
+                    f"{shard}: tensor {key!r} has shape {list(got)}, expected {list(shape)}"
+                )
+            return handle.get_tensor(key)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise ValueError(f"{shard}: tensor {key!r} could not be read: {exc}") from None
+
+    def files(self) -> tuple[str, ...]:
+        """The index (if any) and the shards read, as strings."""
+        head = (str(self.index),) if self.index is not None else ()
+        return head + tuple(str(p) for p in self._handles)
 
 
-def _dequant_fp8(shard: _Shard, rest: str, w: torch.Tensor) -> torch.Tensor:
+def _dequant_fp8(shard: _Source, rest: str, w: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3-style block FP8: ``w * scale_inv`` per 128x128 block (fp32)."""
     srest = rest[: -len("weight")] + "weight_scale_inv"
     if not shard.has(srest):
         raise ValueError(
-            f"{shard.path}: tensor {shard.by_rest[rest]!r} is {w.dtype} but "
+            f"{shard.file_of(rest)}: tensor {shard.key(rest)!r} is {w.dtype} but "
             f"'layers.{shard.layer}.{srest}' (its block scales) is missing"
         )
     rows, cols = w.shape
@@ -354,12 +527,87 @@ def _dequant_fp8(shard: _Shard, rest: str, w: torch.Tensor) -> torch.Tensor:
     return w.to(torch.float32) * full
 
 
+def _mxfp4(src: _Source, rest: str, E: int, out_dim: int, in_dim: int,
+           dtype: torch.dtype) -> torch.Tensor:
+    """gpt-oss MXFP4 ``<rest>_blocks`` / ``<rest>_scales`` -> [E, out_dim, in_dim] in ``dtype``.
+
+    Blocks are uint8 [E, out, in / 32, 16] (two E2M1 codes per byte, the even element in the
+    low nibble), scales uint8 E8M0 [E, out, in / 32] (one per 32 consecutive elements of the
+    input axis): decoded with :func:`common.mx.dequantize_mx` (``elem="e2m1"``,
+    ``block_size=32``, contiguous groups along the last axis), one expert at a time so the peak
+    memory stays one expert's. Every decoded value (an E2M1 value times a power of two) is exact
+    in fp32 and in BF16.
+    """
+    from common.mx import E8M0_NAN, dequantize_mx
+
+    bn, sn = rest + "_blocks", rest + "_scales"
+    if in_dim % _MXFP4_GROUP:
+        raise ValueError(
+            f"{src.file_of(bn)}: MXFP4 {src.key(bn)!r} groups {_MXFP4_GROUP} elements of the "
+            f"input axis per scale; the model's input size {in_dim} is not a multiple of "
+            f"{_MXFP4_GROUP}"
+        )
+    G = in_dim // _MXFP4_GROUP
+    blocks = src.get(bn, (E, out_dim, G, _MXFP4_BYTES))
+    if blocks.dtype != torch.uint8:
+        raise ValueError(
+            f"{src.file_of(bn)}: MXFP4 blocks {src.key(bn)!r} must be uint8 (two FP4 E2M1 "
+            f"codes per byte), got {blocks.dtype}"
+        )
+    scales = src.get(sn, (E, out_dim, G))
+    if scales.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        raise ValueError(
+            f"{src.file_of(sn)}: MXFP4 scales {src.key(sn)!r} must be uint8 E8M0 bytes, got "
+            f"{scales.dtype}"
+        )
+    sbytes = scales.view(torch.uint8)
+    if bool((sbytes == E8M0_NAN).any()):
+        raise ValueError(
+            f"{src.file_of(sn)}: MXFP4 scales {src.key(sn)!r} hold byte {E8M0_NAN}, the E8M0 "
+            "NaN (OCP MX v1.0)"
+        )
+    out = torch.empty(E, out_dim, in_dim, dtype=dtype)
+    for e in range(E):
+        out[e] = dequantize_mx(
+            blocks[e].reshape(out_dim, G * _MXFP4_BYTES), sbytes[e], elem="e2m1",
+            block_size=_MXFP4_GROUP, axis=-1, layout="contiguous", dtype=torch.float32,
+        )
+    return out
+
+
+def _gpt_oss_weight(src: _Source, rest: str, E: int, in_dim: int, out_dim: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """A gpt-oss expert weight in its parameter layout [E, in, out], BF16 or MXFP4 on disk."""
+    bn, sn = rest + "_blocks", rest + "_scales"
+    plain, packed = src.has(rest), src.has(bn) or src.has(sn)
+    where = src.index or src.path
+    if plain and packed:
+        raise ValueError(
+            f"{where}: layer {src.layer} holds both {rest!r} and its MXFP4 '{bn}' / '{sn}'; "
+            "a checkpoint stores one of the two"
+        )
+    if plain:
+        return _float(src, rest, src.get(rest, (E, in_dim, out_dim))).to(dtype)
+    if not packed:
+        raise ValueError(
+            f"{where}: tensor 'layers.{src.layer}.{rest}' is missing: "
+            f"neither {rest!r} nor its MXFP4 '{bn}' / '{sn}' is there (layers held: "
+            f"{src.layers_present[:6]}{'...' if len(src.layers_present) > 6 else ''})"
+        )
+    src.key(bn), src.key(sn)  # both halves present, before any read
+    # MXFP4 tensors are [E, out, in] (nn.Linear order); the parameter is their transpose
+    return _mxfp4(src, rest, E, out_dim, in_dim, dtype).transpose(1, 2)
+
+
 def _per_expert(
-    shard: _Shard, fmt: str, names: tuple[str, str, str], E: int, H: int, I: int,
+    shard: _Source, fmt: str, names: tuple[str, str, str], E: int, H: int, I: int,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack per-expert Linear weights (gate [I, H], up [I, H], down [H, I]) into our layouts."""
     gate_n, up_n, down_n = names
+    for e in range(E):  # every tensor listed before any is read
+        for n in names:
+            shard.key(fmt.format(e=e, n=n))
     w_gu = torch.empty(E, H, 2, I, dtype=dtype)
     w_dn = torch.empty(E, I, H, dtype=dtype)
 
@@ -367,11 +615,7 @@ def _per_expert(
         w = shard.get(rest, shape)
         if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             w = _dequant_fp8(shard, rest, w)
-        elif not w.is_floating_point():
-            raise ValueError(
-                f"{shard.path}: tensor {shard.by_rest[rest]!r} has non-float dtype {w.dtype}"
-            )
-        return w
+        return _float(shard, rest, w)
 
     for e in range(E):
         w_gu[e, :, 0, :] = read(fmt.format(e=e, n=gate_n), (I, H)).t().to(dtype)
@@ -380,10 +624,10 @@ def _per_expert(
     return w_gu, w_dn
 
 
-def _float(shard: _Shard, rest: str, t: torch.Tensor) -> torch.Tensor:
+def _float(shard: _Source, rest: str, t: torch.Tensor) -> torch.Tensor:
     if not t.is_floating_point():
         raise ValueError(
-            f"{shard.path}: tensor {shard.by_rest[rest]!r} has non-float dtype {t.dtype}"
+            f"{shard.file_of(rest)}: tensor {shard.key(rest)!r} has non-float dtype {t.dtype}"
         )
     return t
 
@@ -396,20 +640,30 @@ def load_expert_weights(
     family: str | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> ExpertWeights:
-    """One MoE layer's routed-expert weights from a Hugging Face safetensors shard.
+    """One MoE layer's routed-expert weights from a Hugging Face safetensors checkpoint.
 
     Args:
-        path: a ``.safetensors`` file holding every routed expert of layer ``layer``.
+        path: one of
+            * a ``.safetensors`` file holding every routed expert of layer ``layer``;
+            * a sharded checkpoint's index (``model.safetensors.index.json``, or any
+              ``*.json`` in that format: ``{"weight_map": {tensor name: shard file}}``);
+            * a directory holding ``model.safetensors.index.json`` (else exactly one
+              ``*.safetensors.index.json``, else exactly one ``.safetensors`` file).
+            With an index only the shards that hold the layer's expert tensors are opened,
+            lazily (``safetensors.safe_open``, memory-mapped: only those tensors are read).
         model: the model shape; E, H and I of the tensors must equal its (possibly shrunk) E,
             H and I, biases are read when ``model.has_bias``.
         layer: the decoder layer N.
         family: a key of :data:`FAMILIES`; None = :func:`family_of_model`.
         dtype: dtype of the returned tensors (BF16, the problem's compute dtype).
     Returns:
-        :class:`ExpertWeights` (CPU).
+        :class:`ExpertWeights` (CPU); ``files`` lists the index and the shards read.
     Raises:
-        ValueError: unknown family, unreadable file, or a tensor missing / of the wrong shape or
-            dtype (the message names the file and the tensor).
+        ValueError: unknown family; an unreadable file, directory or index (bad JSON, no
+            ``weight_map``, a shard entry that is not a plain file name, a shard that does not
+            exist or lacks a tensor the index puts there); a tensor missing / of the wrong shape
+            or dtype; NaN / inf weights or an E8M0 NaN scale. The message names the file and the
+            rule. Nothing is written anywhere.
     """
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise ValueError(f"--layer must be an int >= 0, got {layer!r}")
@@ -417,42 +671,40 @@ def load_expert_weights(
     if fam not in FAMILIES:
         raise ValueError(f"unknown weight family {fam!r}; known: {sorted(FAMILIES)}")
     p = Path(path)
-    shard = _Shard(p, layer)
+    src = _Source(p, layer)
+    where = src.index or src.path
     E, H, I = model.experts, model.hidden, model.intermediate
     b_gu = b_dn = None
     if fam in ("qwen3_moe", "deepseek_v3"):
-        w_gu, w_dn = _per_expert(shard, "mlp.experts.{e}.{n}.weight",
+        w_gu, w_dn = _per_expert(src, "mlp.experts.{e}.{n}.weight",
                                  ("gate_proj", "up_proj", "down_proj"), E, H, I, dtype)
     elif fam == "mixtral":
-        w_gu, w_dn = _per_expert(shard, "block_sparse_moe.experts.{e}.{n}.weight",
+        w_gu, w_dn = _per_expert(src, "block_sparse_moe.experts.{e}.{n}.weight",
                                  ("w1", "w3", "w2"), E, H, I, dtype)
     elif fam == "llama4":
         gu_n, dn_n = "feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"
-        gu = _float(shard, gu_n, shard.get(gu_n, (E, H, 2 * I)))
+        src.key(gu_n), src.key(dn_n)
+        gu = _float(src, gu_n, src.get(gu_n, (E, H, 2 * I)))
         w_gu = gu.reshape(E, H, 2, I).to(dtype).contiguous()  # gate = first I, up = second I
-        w_dn = _float(shard, dn_n, shard.get(dn_n, (E, I, H))).to(dtype).contiguous()
-    else:  # gpt_oss
-        gu_n = "mlp.experts.gate_up_proj"
-        if not shard.has(gu_n) and shard.has(gu_n + "_blocks"):
-            raise ValueError(
-                f"{p}: tensor 'layers.{layer}.{gu_n}' is stored as MXFP4 "
-                f"('{gu_n}_blocks' / '_scales'); dequantize the checkpoint to BF16 first"
-            )
-        gu = _float(shard, gu_n, shard.get(gu_n, (E, H, 2 * I)))
-        # interleaved along 2I: column 2i is gate i, column 2i+1 is up i
-        w_gu = gu.reshape(E, H, I, 2).transpose(-1, -2).to(dtype).contiguous()
-        dn_n = "mlp.experts.down_proj"
-        w_dn = _float(shard, dn_n, shard.get(dn_n, (E, I, H))).to(dtype).contiguous()
+        w_dn = _float(src, dn_n, src.get(dn_n, (E, I, H))).to(dtype).contiguous()
+    else:  # gpt_oss: BF16 parameters or MXFP4 blocks / scales (see the module docstring)
+        gu_n, dn_n = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+        bgu_n, bdn_n = "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"
         if model.has_bias:
-            bgu_n, bdn_n = "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"
-            bgu = _float(shard, bgu_n, shard.get(bgu_n, (E, 2 * I)))
+            src.key(bgu_n), src.key(bdn_n)
+        gu = _gpt_oss_weight(src, gu_n, E, H, 2 * I, dtype)  # [E, H, 2I]
+        # interleaved along 2I: column 2i is gate i, column 2i+1 is up i
+        w_gu = gu.reshape(E, H, I, 2).transpose(-1, -2).contiguous()
+        w_dn = _gpt_oss_weight(src, dn_n, E, I, H, dtype).contiguous()  # [E, I, H]
+        if model.has_bias:
+            bgu = _float(src, bgu_n, src.get(bgu_n, (E, 2 * I)))
             b_gu = bgu.reshape(E, I, 2).transpose(-1, -2).to(dtype).contiguous()
-            b_dn = _float(shard, bdn_n, shard.get(bdn_n, (E, H))).to(dtype).contiguous()
+            b_dn = _float(src, bdn_n, src.get(bdn_n, (E, H))).to(dtype).contiguous()
     if model.has_bias and b_gu is None:
         raise ValueError(
-            f"{p}: model {model.name} has expert biases but the {fam} layout carries none"
+            f"{where}: model {model.name} has expert biases but the {fam} layout carries none"
         )
     for name, t in (("w_gate_up", w_gu), ("w_down", w_dn)):
         if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{p}: layer {layer}'s {name} weights hold NaN or inf")
-    return ExpertWeights(w_gu, w_dn, b_gu, b_dn, family=fam, layer=layer)
+            raise ValueError(f"{where}: layer {layer}'s {name} weights hold NaN or inf")
+    return ExpertWeights(w_gu, w_dn, b_gu, b_dn, family=fam, layer=layer, files=src.files())

@@ -322,8 +322,10 @@ def test_weights_bad_input(tmp_path):
     gpt = _tiny("gpt-oss-20b")
     mx = tmp_path / "mxfp4.safetensors"
     pre = "model.layers.0.mlp.experts."
-    save_file({pre + "gate_up_proj_blocks": torch.zeros(2, dtype=torch.uint8)}, str(mx))
-    with pytest.raises(ValueError, match="MXFP4"):
+    save_file({pre + "gate_up_proj_blocks": torch.zeros(2, dtype=torch.uint8),
+               pre + "gate_up_proj_bias": torch.zeros(gpt.experts, 2 * I),
+               pre + "down_proj_bias": torch.zeros(gpt.experts, H)}, str(mx))
+    with pytest.raises(ValueError, match="gate_up_proj_scales' is missing"):  # MXFP4 half
         load_expert_weights(mx, gpt)
     nobias = tmp_path / "nobias.safetensors"
     save_file({pre + "gate_up_proj": torch.randn(gpt.experts, H, 2 * I),

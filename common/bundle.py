@@ -226,7 +226,12 @@ def build_problem(
         if want is None and given is not None:
             raise ValueError(f"{given}: {flag} given, but the problem was made without one")
         if given is not None:
-            got = _file_sha256(Path(given))
+            if flag == "--weights":
+                from common.loaders import weights_sha256
+
+                got = weights_sha256(given, model, spec.layer or 0)
+            else:
+                got = _file_sha256(Path(given))
             if got != want:
                 raise ValueError(
                     f"{given}: sha256 {got[:12]}... differs from the problem's {want[:12]}... "

@@ -1,9 +1,9 @@
 """``moe-bwd``: the package's command line.
 
     moe-bwd run --model qwen3-30b-a3b --tokens 2048 [--backend auto|NAME] [--seed S] [--shrink N]
-                [--save DIR] [--routing FILE] [--weights FILE [--layer N]]
+                [--save DIR] [--routing FILE] [--weights PATH [--layer N]]
     moe-bwd compare A B ... [--baseline reference] [--min-sqnr DB] [--json] [--report DIR]
-                [--routing FILE] [--weights FILE [--layer N]]
+                [--routing FILE] [--weights PATH [--layer N]]
     moe-bwd models
     moe-bwd backends
 
@@ -12,8 +12,8 @@ router, the forward checkpoint), runs the backward on the selected backend, runs
 reference on the same inputs, and prints one row per gradient: shape, SQNR (dB) and max
 relative error against float64, plus wall times. ``--save DIR`` builds the inputs on the CPU
 (bit-identical on every machine) and writes a gradient bundle (:mod:`common.bundle`).
-``--routing FILE`` replaces the router simulation by a router dump and ``--weights FILE``
-(``--layer N``) the seeded expert weights by one layer of a Hugging Face safetensors shard
+``--routing FILE`` replaces the router simulation by a router dump and ``--weights PATH``
+(``--layer N``) the seeded expert weights by one layer of a Hugging Face checkpoint (file, index or directory)
 (:mod:`common.loaders`); a bundle records their sha256, and ``compare`` needs the same files
 again to re-create its problem.
 
@@ -227,7 +227,7 @@ def _run(args, console: Console) -> int:
             if args.save is not None:  # on the CPU: the same bits on every machine
                 spec = ProblemSpec.for_model(
                     model, args.tokens, seed=args.seed, skew=args.skew, shrink=args.shrink,
-                    **_file_digests(args),
+                    **_file_digests(args, model),
                 )
                 problem = build_problem(spec, device, routing_file=args.routing,
                                         weights_file=args.weights)
@@ -384,16 +384,16 @@ def _load_routing_arg(args, model):
                         num_tokens=args.tokens)
 
 
-def _file_digests(args) -> dict:
+def _file_digests(args, model) -> dict:
     """Spec fields of ``--routing`` / ``--weights`` (sha256, layer); empty when neither."""
-    from common.loaders import file_sha256
+    from common.loaders import file_sha256, weights_sha256
 
     out = {}
     if getattr(args, "routing", None) is not None:
         out["routing_sha256"] = file_sha256(args.routing)
     if getattr(args, "weights", None) is not None:
-        out["weights_sha256"] = file_sha256(args.weights)
         out["layer"] = args.layer if args.layer is not None else 0
+        out["weights_sha256"] = weights_sha256(args.weights, model, out["layer"])
     return out
 
 
@@ -405,9 +405,10 @@ def _add_real_input_args(p, *, compare: bool = False) -> None:
                                               if not compare else ""),
     )
     p.add_argument(
-        "--weights", default=None, metavar="FILE",
-        help="Hugging Face safetensors shard holding one MoE layer's routed experts, instead "
-        "of seeded weights (H and I must match the model, after --shrink)",
+        "--weights", default=None, metavar="PATH",
+        help="one MoE layer's routed experts from a Hugging Face checkpoint instead of seeded "
+        "weights: a .safetensors file, a sharded checkpoint's index .json or its directory "
+        "(only the layer's shards are read; H and I must match the model, after --shrink)",
     )
     p.add_argument("--layer", type=int, default=None if compare else 0, metavar="N",
                    help="decoder layer read from --weights")
@@ -470,10 +471,10 @@ def _compare_problem(args, bundle_paths: list[str]):
         routing = _load_routing_arg(args, model)  # checks it before any work
         tokens = args.tokens if args.tokens is not None else int(routing[0].shape[0])
         if args.layer is not None and args.weights is None:
-            raise ValueError("--layer is only used with --weights FILE")
+            raise ValueError("--layer is only used with --weights PATH")
         spec = ProblemSpec.for_model(
             model, tokens, seed=args.seed, skew=args.skew, shrink=args.shrink,
-            **_file_digests(args),
+            **_file_digests(args, model),
         )
     return spec, build_problem(spec, "cpu", routing_file=args.routing,
                                weights_file=args.weights)

@@ -120,6 +120,7 @@ __all__ = [
     "ExpertWeights",
     "family_of_model",
     "file_sha256",
+    "weights_sha256",
     "load_expert_weights",
     "load_routing",
 ]
@@ -143,6 +144,24 @@ def file_sha256(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def weights_sha256(path: str | os.PathLike, model: MoEModelShape, layer: int = 0) -> str:
+    """sha256 (hex) of what ``--weights PATH`` reads for ``layer``: the file's bytes for a single
+    ``.safetensors`` file; for a sharded checkpoint (index or directory) the sha256 of the lines
+    ``<file name>:<sha256 of its bytes>`` of the index and of the shards that hold the layer (the
+    files :func:`load_expert_weights` opens), so the digest does not depend on where the
+    checkpoint lies and reads only those shards.
+
+    Raises:
+        ValueError: as :func:`load_expert_weights` (the layer is located through it).
+    """
+    p = Path(path)
+    if p.is_file() and p.suffix != ".json":
+        return file_sha256(p)
+    files = load_expert_weights(p, model, layer=layer).files
+    lines = "".join(f"{Path(f).name}:{file_sha256(f)}\n" for f in files)
+    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 # ------------------------------------------------------------------------------------ routing

@@ -475,3 +475,34 @@ def test_cli_run_with_sharded_directory(tmp_path, capsys, monkeypatch):
     assert rc == 2
     err = capsys.readouterr().err
     assert str(index) in err and "model-00002-of-00002.safetensors" in err
+
+
+def test_cli_save_with_sharded_directory_digests_the_shards(tmp_path, capsys, monkeypatch):
+    """A bundle made from a checkpoint directory records a digest over the index and the shards
+    of the layer; compare rebuilds the problem from the directory, and a changed shard is
+    refused with the file named."""
+    monkeypatch.setenv("COLUMNS", "400")
+    model = load_model("olmoe-1b-7b").shrink(16)
+    E, Hh, Ii = model.experts, model.hidden, model.intermediate
+    layer = {k: (v * 0.05).bfloat16() for k, v in _qwen_layer(E, 1, 8, Hh, Ii).items()}
+    keys = sorted(layer)
+    index = _write_sharded(tmp_path / "olmoe", {
+        "model-00001-of-00002.safetensors": {k: layer[k] for k in keys[: len(keys) // 2]},
+        "model-00002-of-00002.safetensors": {k: layer[k] for k in keys[len(keys) // 2:]},
+    })
+    common = ["--model", "olmoe-1b-7b", "--shrink", "16", "--tokens", "16"]
+    bundle = tmp_path / "b"
+    rc = cli.main(["run", *common, "--backend", "torch", "--weights", str(index.parent),
+                   "--layer", "1", "--save", str(bundle), "--no-reference"])
+    assert rc == 0, capsys.readouterr().err
+    rc = cli.main(["compare", str(bundle), "torch", "--device", "cpu", "--weights",
+                   str(index.parent), "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    shard = index.parent / "model-00002-of-00002.safetensors"
+    changed = {k: layer[k] * 2 for k in keys[len(keys) // 2:]}
+    save_file(changed, shard)
+    rc = cli.main(["compare", str(bundle), "torch", "--device", "cpu", "--weights",
+                   str(index.parent)])
+    assert rc == 2
+    assert "sha256" in capsys.readouterr().err

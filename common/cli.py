@@ -13,8 +13,9 @@ reference on the same inputs, and prints one row per gradient: shape, SQNR (dB) 
 relative error against float64, plus wall times. ``--save DIR`` builds the inputs on the CPU
 (bit-identical on every machine) and writes a gradient bundle (:mod:`common.bundle`).
 ``--routing FILE`` replaces the router simulation by a router dump and ``--weights PATH``
-(``--layer N``) the seeded expert weights by one layer of a Hugging Face checkpoint (file, index or directory)
-(:mod:`common.loaders`); a bundle records their sha256, and ``compare`` needs the same files
+(``--layer N``) the seeded expert weights by one layer of a Hugging Face checkpoint (a file, an
+index or its directory; :mod:`common.loaders`); a bundle records their sha256, and ``compare``
+needs the same files
 again to re-create its problem.
 
 ``compare`` takes bundle directories and/or backend names (run here on the same problem: the

@@ -15,8 +15,7 @@ relative error against float64, plus wall times. ``--save DIR`` builds the input
 ``--routing FILE`` replaces the router simulation by a router dump and ``--weights PATH``
 (``--layer N``) the seeded expert weights by one layer of a Hugging Face checkpoint (a file, an
 index or its directory; :mod:`common.loaders`); a bundle records their sha256, and ``compare``
-needs the same files
-again to re-create its problem.
+needs the same files again to re-create its problem.
 
 ``compare`` takes bundle directories and/or backend names (run here on the same problem: the
 bundles' problem, or ``--model``/``--tokens``/``--seed``/``--skew``/``--shrink``) and reports every

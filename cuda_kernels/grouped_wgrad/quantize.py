@@ -180,6 +180,11 @@ def _quant_kernel(
              mask=(r < M_PAD)[:, None] & fits)
 
 
+def _alloc(shape, device) -> torch.Tensor:
+    """Output buffers (uint8); the tests replace it to poison every byte before the kernel."""
+    return torch.empty(shape, dtype=torch.uint8, device=device)
+
+
 def _err(msg: str) -> ValueError:
     return ValueError(f"quantize_wgrad_operand: {msg}")
 
@@ -281,8 +286,8 @@ def quantize_wgrad_operand(
     pack = 2 if fp4 else 1
     s_pad = round_up(tokens_sum, 32)
     m_pad = round_up(hidden, ATOM_ROWS)
-    buf = torch.empty((hidden, s_pad // pack), dtype=torch.uint8, device=x_SH.device)
-    scales = torch.empty((m_pad, scale_cols), dtype=torch.uint8, device=x_SH.device)
+    buf = _alloc((hidden, s_pad // pack), x_SH.device)
+    scales = _alloc((m_pad, scale_cols), x_SH.device)
     n_atoms = scale_cols // 4
     if m_pad:
         ebits, mbits, bias, emax, maxv, maxcode, nancode = _FMT[elem]

@@ -247,9 +247,6 @@ def quantize_wgrad_operand(
         raise _err("offsets_E must be contiguous")
     if offsets_E.device != x_SH.device:
         raise _err(f"offsets_E is on {offsets_E.device} but x_SH is on {x_SH.device}")
-    if x_SH.device.type != "cuda" and not _interpreting():
-        raise RuntimeError("quantize_wgrad_operand: the Triton kernel needs CUDA tensors (or "
-                           "TRITON_INTERPRET=1 set before importing triton, for CPU tensors)")
     tokens_sum, hidden = x_SH.shape
     num_experts = offsets_E.numel()
     fp4 = elem == "e2m1"
@@ -278,6 +275,9 @@ def quantize_wgrad_operand(
     elif fp4 and tokens_sum % 2:
         raise _err(f"elem='e2m1' needs an even tokens_sum; got {tokens_sum}")
 
+    if x_SH.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("quantize_wgrad_operand: the Triton kernel needs CUDA tensors (or "
+                           "TRITON_INTERPRET=1 set before importing triton, for CPU tensors)")
     native = rounding == "native" or (rounding == "auto" and x_SH.device.type == "cuda")
     if fp4 or _interpreting():
         if rounding == "native":

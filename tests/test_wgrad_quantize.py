@@ -1,0 +1,186 @@
+"""Tests of the grouped-wgrad operand quantizer (cuda_kernels/grouped_wgrad/quantize.py).
+
+On CPU the Triton kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+when there is no CUDA); every byte must equal the torch twin (common/mx on zero-padded groups).
+The ``gpu`` tests run the compiled kernel on CUDA against the same twin.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from common.mx_atoms import grouped_scale_cols_bound, round_up
+from cuda_kernels.grouped_wgrad import quantize as qmod
+from cuda_kernels.grouped_wgrad.blockscaled_ref import quantize_wgrad_operand_torch
+from cuda_kernels.grouped_wgrad.quantize import quantize_wgrad_operand
+
+# Token counts per expert: uneven with empty experts, cuDNN-aligned, one expert, all empty.
+SPLITS = {
+    "uneven": [50, 0, 127, 1, 33, 0],
+    "aligned": [128, 0, 256],
+    "single": [70],
+    "all_empty": [0, 0],
+}
+CPU = torch.device("cpu")
+# CPU tensors reach the kernel only through Triton's interpreter (set by conftest without CUDA)
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="CPU-tensor kernel runs need TRITON_INTERPRET=1 (Triton runs compiled here)")
+
+
+def _offsets(counts, device=CPU):
+    return torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+
+
+def _rows(s, h, seed=0, device=CPU):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(s, h, generator=g) * torch.exp(torch.randn(s, h, generator=g) * 2.0)
+    return x.to(torch.bfloat16).to(device)
+
+
+def _full(data):
+    """The whole data buffer (padding columns included) behind the returned view, as bytes."""
+    u = data.view(torch.uint8)
+    if u.numel() == 0:
+        return u
+    return torch.as_strided(u, (u.shape[0], u.stride(0)), (u.stride(0), 1))
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every output byte starts as 0xFF (a NaN in FP8 and E8M0): all must be written."""
+    def alloc(shape, device):
+        return torch.full(shape, 0xFF, dtype=torch.uint8, device=device)
+
+    monkeypatch.setattr(qmod, "_alloc", alloc)
+
+
+def _check(x, offs, elem, rule, **kw):
+    d, s = quantize_wgrad_operand(x, offs, elem=elem, scale_rule=rule, **kw)
+    dr, sr = quantize_wgrad_operand_torch(x.cpu(), offs.cpu(), elem=elem, scale_rule=rule,
+                                          scale_cols=s.shape[1])
+    assert d.shape == dr.shape and d.dtype == dr.dtype and s.dtype == torch.float8_e8m0fnu
+    assert torch.equal(_full(d).cpu(), _full(dr))
+    assert torch.equal(s.view(torch.uint8).cpu(), sr.view(torch.uint8))
+    return d, s
+
+
+# every split with E4M3/OCP; the other formats on the uneven split only (interpreter time)
+INTERP_CASES = [(sp, "e4m3", "ocp") for sp in SPLITS] + [
+    ("uneven", "e4m3", "rceil"), ("uneven", "e5m2", "ocp"), ("uneven", "e5m2", "rceil"),
+    ("uneven", "e2m1", "ocp"), ("uneven", "e2m1", "rceil")]
+
+
+@interpreted
+@pytest.mark.parametrize("split,elem,rule", INTERP_CASES)
+def test_interpreter_matches_twin(poisoned, split, elem, rule):
+    counts = SPLITS[split]
+    if elem == "e2m1":
+        counts = [c + c % 2 for c in counts]
+    x = _rows(sum(counts), 40)
+    d, s = _check(x, _offsets(counts), elem, rule)
+    assert s.shape == (128, grouped_scale_cols_bound(sum(counts), len(counts), 32))
+
+
+@interpreted
+def test_special_values_and_cudnn_shape(poisoned):
+    """NaN / Inf groups, zero groups, subnormal and saturating amax, signed zeros; cuDNN's exact
+    scale shape for aligned counts."""
+    counts = [128, 128]
+    x = _rows(256, 33, seed=5).float()
+    x[0:32, 0] = 0.0
+    x[32:64, 1] = -0.0
+    x[5, 2] = float("nan")
+    x[40, 3] = float("inf")
+    x[70, 4] = -float("inf")
+    x[0:32, 5] = torch.linspace(-1, 1, 32) * 2.0**-130  # subnormal amax → byte 0
+    x[0:32, 6] = 500.0  # saturates in E4M3 under the OCP rule
+    x[32:64, 6] = -1e-40
+    x[128:160, 7] = 2.0**127 * 1.5
+    x = x.to(torch.bfloat16)
+    cols = round_up(256 // 32, 4)
+    for elem, rule in (("e4m3", "ocp"), ("e4m3", "rceil"), ("e5m2", "rceil")):
+        d, s = _check(x, _offsets(counts), elem, rule, scale_cols=cols)
+        assert s.shape == (128, cols)
+
+
+def test_validation():
+    x = _rows(64, 8)
+    offs = _offsets([32, 32])
+    cases = [
+        (dict(x_SH=x.float()), "bfloat16"),
+        (dict(x_SH=x.t()), "rank-2|unit stride"),
+        (dict(offsets_E=offs.long()), "int32"),
+        (dict(offsets_E=offs[:0]), "non-empty"),
+        (dict(offsets_E=torch.tensor([40, 30], dtype=torch.int32)), "non-decreasing"),
+        (dict(offsets_E=torch.tensor([32, 60], dtype=torch.int32)), "must equal tokens_sum"),
+        (dict(elem="e3m2"), "elem"),
+        (dict(scale_rule="trainium"), "scale_rule"),
+        (dict(scale_cols=6), "multiple of 4"),
+        (dict(scale_cols=0), "too small"),
+        (dict(rounding="fast"), "rounding"),
+        (dict(elem="e2m1", offsets_E=torch.tensor([31, 64], dtype=torch.int32)), "even"),
+    ]
+    for change, msg in cases:
+        kw = dict(x_SH=x, offsets_E=offs)
+        kw.update(change)
+        with pytest.raises(ValueError, match=msg):
+            quantize_wgrad_operand(kw.pop("x_SH"), kw.pop("offsets_E"), **kw)
+
+
+@interpreted
+def test_unvalidated_bad_offsets_stay_in_bounds(poisoned):
+    """validate=False with out-of-contract offsets: unspecified bytes, no out-of-bounds access."""
+    x = _rows(64, 8)
+    d, s = quantize_wgrad_operand(x, torch.tensor([500, -3], dtype=torch.int32), validate=False,
+                                  scale_cols=4)
+    assert d.shape == (8, 64) and s.shape == (128, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: the compiled kernel, bit for bit
+# ----------------------------------------------------------------------------------------------
+
+GPU_SPLITS = [
+    [512, 0, 1000, 1, 31, 33, 2047, 0],
+    [1024] * 8,
+    [0] * 7 + [4096],
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts", GPU_SPLITS)
+@pytest.mark.parametrize("elem,rule", [("e4m3", "ocp"), ("e4m3", "rceil"), ("e5m2", "ocp"),
+                                       ("e5m2", "rceil"), ("e2m1", "ocp")])
+@pytest.mark.parametrize("rounding", ["integer", "native"])
+def test_cuda_matches_twin(poisoned, counts, elem, rule, rounding):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if elem == "e2m1":
+        if rounding == "native":
+            pytest.skip("FP4 always rounds with integer ops")
+        counts = [c + c % 2 for c in counts]
+    dev = torch.device("cuda")
+    x = _rows(sum(counts), 200, seed=7, device=dev)
+    _check(x, _offsets(counts, dev), elem, rule, rounding=rounding)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rounding", ["integer", "native"])
+def test_cuda_special_values(poisoned, rounding):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dev = torch.device("cuda")
+    x = _rows(256, 160, seed=9).float()
+    x[5, 2] = float("nan")
+    x[40, 3] = float("inf")
+    x[0:32, 5] = torch.linspace(-1, 1, 32) * 2.0**-130
+    x[0:32, 6] = 500.0
+    x[32:64, 6] = -1e-40
+    x[64:96, 7] = torch.linspace(-1, 1, 32) * 2.0**-120  # subnormal elements after scaling
+    x = x.to(torch.bfloat16).to(dev)
+    for elem, rule in (("e4m3", "ocp"), ("e4m3", "rceil"), ("e5m2", "ocp")):
+        _check(x, _offsets([100, 156], dev), elem, rule, rounding=rounding)

@@ -19,7 +19,16 @@ import pytest
 import torch
 
 import cuda_kernels
-from cuda_kernels.grouped_wgrad import api
+from cuda_kernels.grouped_wgrad import (
+    _env,
+    _types,
+    api,
+    classes,
+    dispatch,
+    launch,
+    validate,
+    wrappers,
+)
 from cuda_kernels.grouped_wgrad.torch_ref import grouped_wgrad_torch
 
 try:
@@ -95,7 +104,7 @@ class FakeKernels:
 
         def launcher(a, b, offsets, out, stream=None):
             self.launches += 1
-            dtype = api._NAME_TO_DTYPE[contract.out_dtype]
+            dtype = _types._NAME_TO_DTYPE[contract.out_dtype]
             shape = (contract.hidden, contract.intermediate)
             if contract.output_mode == "discrete":
                 views = [_tensor_at(int(p), shape, dtype) for p in out.tolist()]
@@ -127,10 +136,10 @@ def fake_device(monkeypatch):
     """Pretend the CPU is a CUDA device of capability ``fake.cc`` with CuTe DSL kernels."""
     fake = FakeKernels()
     fake.cc = 90
-    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": fake.cc)
-    monkeypatch.setattr(api, "_cutlass_dsl_missing", lambda: None)
-    monkeypatch.setattr(api, "_compile_sm90_kernel", fake.compile)
-    monkeypatch.setattr(api, "_compile_sm100_kernel", fake.compile)
+    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": fake.cc)
+    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(launch, "_compile_sm90_kernel", fake.compile)
+    monkeypatch.setattr(launch, "_compile_sm100_kernel", fake.compile)
     return fake
 
 
@@ -420,8 +429,8 @@ def test_capability_refused(arch, cc, regex, fake_device):
 
 
 def test_sm100_compile_says_kernel_not_built(monkeypatch):
-    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": 100)
-    monkeypatch.setattr(api, "_sm100_module", lambda: None)
+    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(_env, "sm100_module", lambda: None)
     a, b, off = _operands(COUNTS)
     op = api.GroupedGemmWgradSm100(a, b, None, None, off, sample_wgrad=torch.empty(3, H, I))
     assert op.check_support() is True
@@ -432,8 +441,8 @@ def test_sm100_compile_says_kernel_not_built(monkeypatch):
 
 
 def test_sm90_compile_without_cutlass(monkeypatch):
-    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": 90)
-    monkeypatch.setattr(api, "_cutlass_dsl_missing", lambda: "nvidia-cutlass-dsl is not installed")
+    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 90)
+    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: "nvidia-cutlass-dsl is not installed")
     a, b, off = _operands(COUNTS)
     op = api.GroupedGemmWgradSm90(a, b, None, None, off, sample_wgrad=torch.empty(3, H, I))
     with pytest.raises(RuntimeError, match="nvidia-cutlass-dsl is not installed"):
@@ -579,11 +588,11 @@ def test_sm90_key_is_static():
         out_dtype="float32", output_mode="dense", accumulate=True, input_order="tensor2d",
         mma_tiler_mn=None, cluster_shape_mn=None,
     )
-    key = api._sm90_key(c)
-    assert key == api._sm90_key(dataclasses.replace(c))
+    key = launch._sm90_key(c)
+    assert key == launch._sm90_key(dataclasses.replace(c))
     assert (key.hidden, key.intermediate, key.num_experts) == (256, 512, 8)
     assert key.out_dtype == "float32" and key.accumulate is True
-    key2 = api._sm90_key(dataclasses.replace(c, mma_tiler_mn=(64, 128)))
+    key2 = launch._sm90_key(dataclasses.replace(c, mma_tiler_mn=(64, 128)))
     assert (key2.tile.tile_m, key2.tile.tile_n) == (64, 128)
 
 
@@ -640,7 +649,7 @@ def test_wrapper_discrete_values(fake_device):
     _assert_close(stacked, ref, torch.bfloat16)
     stacked.fill_(float("nan"))
     op.execute(a, b, None, None, off, wgrad_tensor=stacked,
-               wgrad_ptrs=api._stacked_pointers(stacked))
+               wgrad_ptrs=classes._stacked_pointers(stacked))
     _assert_close(stacked, ref, torch.bfloat16)
     with pytest.raises(ValueError, match="not expert 0's slab"):
         op.execute(a, b, None, None, off, wgrad_tensor=stacked, wgrad_ptrs=ptrs)
@@ -948,7 +957,7 @@ def test_api_contract_compiles_offline_for_sm90a():
         out_dtype="float32", output_mode="discrete", accumulate=True,
         input_order="tensor2d", mma_tiler_mn=None, cluster_shape_mn=None,
     )
-    ptx = sm90_bf16.compile_sm90_wgrad_offline(api._sm90_key(c), arch="sm_90a")
+    ptx = sm90_bf16.compile_sm90_wgrad_offline(launch._sm90_key(c), arch="sm_90a")
     assert "wgmma.mma_async" in ptx
 
 
@@ -1006,7 +1015,7 @@ def test_gpu_sm90_graph_capture_replays_new_offsets():
     a, b, off = _cuda_operands(counts, seed=1)
     out = torch.empty(4, 256, 512, dtype=torch.float32, device="cuda")
     api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off, wgrad_tensor=out)  # compile
-    n_ops = len(api._OP_CACHE)
+    n_ops = len(wrappers._OP_CACHE)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -1018,7 +1027,7 @@ def test_gpu_sm90_graph_capture_replays_new_offsets():
         graph.replay()
         torch.cuda.synchronize()
         _close_gpu(out, a, b, off, torch.float32)
-    assert len(api._OP_CACHE) == n_ops
+    assert len(wrappers._OP_CACHE) == n_ops
 
 
 @pytest.mark.gpu
@@ -1049,7 +1058,7 @@ def test_grouped_wgrad_fp32_backend_choice(fake_device):
 # ------------------------------------------------------------------------------------------------
 # Issue 8 item 1: grouped_wgrad_fp32 / the cuda-sm100 backend's grouped_wgrad / the torch op never
 # hand the SM100 kernel offsets off its 256-row contract unless the caller states the alignment.
-# The routing below is the real decision (api._fp32_route, kernel_unsupported_reason); only the
+# The routing below is the real decision (dispatch._fp32_route, kernel_unsupported_reason); only the
 # capability query and the compiled launcher are faked (fake_device), never the choice.
 # ------------------------------------------------------------------------------------------------
 
@@ -1066,7 +1075,7 @@ def test_fp32_sm100_needs_stated_256_row_groups(fake_device, counts):
         assert "multiples of 256" in stats["torch_reason"] and f"={align}" in stats["torch_reason"]
         assert fake_device.launches == 0 and fake_device.compiles == []
         _assert_close(out, ref, torch.float32)
-    assert api._fp32_route("sm100", a, b, off, 512) == ("sm100", None)
+    assert dispatch._fp32_route("sm100", a, b, off, 512) == ("sm100", None)
     stats = {}
     out = api.grouped_wgrad_fp32(a, b, off, backend="sm100", stats=stats, group_align=256)
     assert stats == {"kernel": 1} and fake_device.launches == 1
@@ -1077,9 +1086,9 @@ def test_fp32_sm100_needs_stated_256_row_groups(fake_device, counts):
 
 def test_fp32_sm90_takes_any_alignment(fake_device):
     a, b, off = _operands([16, 0, 48], hidden=128, inter=128)
-    assert api._fp32_route("sm90", a, b, off) == ("sm90", None)
-    assert api._fp32_route("torch", a, b, off, 256) == ("torch", "backend='torch' requested")
-    assert api._fp32_route("auto", a, b, off, 256)[0] == "torch"  # a CPU tensor
+    assert dispatch._fp32_route("sm90", a, b, off) == ("sm90", None)
+    assert dispatch._fp32_route("torch", a, b, off, 256) == ("torch", "backend='torch' requested")
+    assert dispatch._fp32_route("auto", a, b, off, 256)[0] == "torch"  # a CPU tensor
     for bad in (0, -256, 1.5, True, None):
         with pytest.raises(ValueError, match="group_align"):
             api.grouped_wgrad_fp32(a, b, off, backend="sm90", group_align=bad)
@@ -1179,7 +1188,7 @@ def test_discrete_both_outputs_as_cudnn_passes_them(arch, fake_device):
     a, b, off = _operands(counts, hidden=256, inter=256)
     ref = _ref64(a, b, off)
     out = torch.full((3, 256, 256), float("nan"), dtype=torch.float32)
-    ptrs = api._stacked_pointers(out)
+    ptrs = classes._stacked_pointers(out)
     r = WRAPPERS[arch](
         a, b, None, None, off, output_mode="discrete", wgrad_tensor=out, wgrad_ptrs=ptrs,
         wgrad_dtype=torch.float32,
@@ -1234,9 +1243,9 @@ def test_cudnn_sized_workspace_is_accepted(arch, fake_device):
 
 def test_offsets_validated_once_per_tensor_version(fake_device, monkeypatch):
     reads = []
-    real = api._check_offsets_now
+    real = validate._check_offsets_now
     monkeypatch.setattr(
-        api, "_check_offsets_now", lambda *args: reads.append(args[0]) or real(*args)
+        validate, "_check_offsets_now", lambda *args: reads.append(args[0]) or real(*args)
     )
     a, b, off = _operands([16, 0, 48])
     run = functools.partial(api.grouped_gemm_wgrad_wrapper_sm90, a, b, None, None)
@@ -1271,10 +1280,10 @@ def test_offsets_validated_once_per_tensor_version(fake_device, monkeypatch):
 def test_validation_cache_never_trusts_a_new_tensor_at_a_freed_address(fake_device):
     a, b, off = _operands([16, 0, 48])
     api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off)
-    key = next(iter(api._VALIDATED))
+    key = next(iter(validate._VALIDATED))
     # forge the entry for a different live tensor object: the weak reference does not match
     other = torch.tensor([64, 0, 64], dtype=torch.int32)
-    api._VALIDATED[(*key[:-4], other.device, other.data_ptr(), other._version,
-                    tuple(other.shape))] = api._VALIDATED[key]
+    validate._VALIDATED[(*key[:-4], other.device, other.data_ptr(), other._version,
+                    tuple(other.shape))] = validate._VALIDATED[key]
     with pytest.raises(ValueError, match="non-decreasing"):
         api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, other)

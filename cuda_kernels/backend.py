@@ -72,7 +72,7 @@ def check_cuda_sm100() -> str | None:
                 f"hardware: on a Blackwell GPU it needs {_SM100_OPT_IN}=1"
             )
         return reason
-    module = _env.sm100_module()
+    module = _env.family_module("sm100")
     if module is None or not hasattr(module, "compile_sm100_wgrad"):
         return "the SM100 grouped wgrad kernel module (grouped_wgrad/sm100_bf16.py) is missing"
     return module.unverified_reason() or _triton_reason() or _cutlass_reason()

@@ -138,8 +138,7 @@ def fake_device(monkeypatch):
     fake.cc = 90
     monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": fake.cc)
     monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
-    monkeypatch.setattr(launch, "_compile_sm90_kernel", fake.compile)
-    monkeypatch.setattr(launch, "_compile_sm100_kernel", fake.compile)
+    monkeypatch.setattr(launch, "_compile_launcher", lambda contract, who: fake.compile(contract))
     return fake
 
 
@@ -430,7 +429,7 @@ def test_capability_refused(arch, cc, regex, fake_device):
 
 def test_sm100_compile_says_kernel_not_built(monkeypatch):
     monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 100)
-    monkeypatch.setattr(_env, "sm100_module", lambda: None)
+    monkeypatch.setattr(_env, "family_module", lambda arch: None)
     a, b, off = _operands(COUNTS)
     op = api.GroupedGemmWgradSm100(a, b, None, None, off, sample_wgrad=torch.empty(3, H, I))
     assert op.check_support() is True
@@ -588,11 +587,11 @@ def test_sm90_key_is_static():
         out_dtype="float32", output_mode="dense", accumulate=True, input_order="tensor2d",
         mma_tiler_mn=None, cluster_shape_mn=None,
     )
-    key = launch._sm90_key(c)
-    assert key == launch._sm90_key(dataclasses.replace(c))
+    key = launch._contract_key(c)
+    assert key == launch._contract_key(dataclasses.replace(c))
     assert (key.hidden, key.intermediate, key.num_experts) == (256, 512, 8)
     assert key.out_dtype == "float32" and key.accumulate is True
-    key2 = launch._sm90_key(dataclasses.replace(c, mma_tiler_mn=(64, 128)))
+    key2 = launch._contract_key(dataclasses.replace(c, mma_tiler_mn=(64, 128)))
     assert (key2.tile.tile_m, key2.tile.tile_n) == (64, 128)
 
 
@@ -957,7 +956,7 @@ def test_api_contract_compiles_offline_for_sm90a():
         out_dtype="float32", output_mode="discrete", accumulate=True,
         input_order="tensor2d", mma_tiler_mn=None, cluster_shape_mn=None,
     )
-    ptx = sm90_bf16.compile_sm90_wgrad_offline(launch._sm90_key(c), arch="sm_90a")
+    ptx = sm90_bf16.compile_sm90_wgrad_offline(launch._contract_key(c), arch="sm_90a")
     assert "wgmma.mma_async" in ptx
 
 

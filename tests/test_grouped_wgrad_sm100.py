@@ -21,7 +21,7 @@ import subprocess
 import pytest
 import torch
 
-from cuda_kernels.grouped_wgrad import _env, api
+from cuda_kernels.grouped_wgrad import _env, api, launch
 from cuda_kernels.grouped_wgrad import sm100_bf16 as sm100
 from cuda_kernels.grouped_wgrad.sm100_bf16 import (
     Sm100TileConfig,
@@ -312,7 +312,7 @@ def test_offline_compile_ignores_the_present_gpu_arch(gpu_arch_sm90a):
 def test_arch_pin_restores_state_on_error():
     from cutlass.base_dsl.dsl import BaseDSL
 
-    from cuda_kernels.grouped_wgrad._contract import pinned_cute_arch
+    from cuda_kernels.grouped_wgrad.launch import pinned_cute_arch
 
     envar = BaseDSL._get_dsl().envar
     saved = envar.__dict__.get("_arch")
@@ -327,7 +327,7 @@ def test_arch_pin_restores_state_on_error():
 
 
 def test_cross_compile_builds_no_engine_off_the_present_arch(monkeypatch):
-    from cuda_kernels.grouped_wgrad._contract import cross_compile_kwargs, present_cuda_arch
+    from cuda_kernels.grouped_wgrad.launch import cross_compile_kwargs, present_cuda_arch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert present_cuda_arch() is None
@@ -386,13 +386,13 @@ class _FakeCompiled:
 @pytest.fixture
 def fake_compile(monkeypatch):
     fake = _FakeCompiled()
-    sm100._compiled.cache_clear()
+    sm100.FAMILY.cache_clear()
     monkeypatch.setattr(
-        sm100, "_compile", lambda key, arch, dump_dir=None: fake.keys.append(key) or fake
+        sm100.FAMILY, "_compile", lambda key, arch, dump_dir=None: fake.keys.append(key) or fake
     )
-    monkeypatch.setattr(sm100, "_num_sms", lambda index: 148)
+    monkeypatch.setattr(launch, "_num_sms", lambda index: 148)
     yield fake
-    sm100._compiled.cache_clear()
+    sm100.FAMILY.cache_clear()
 
 
 def _operands(m=256, n=256, counts=(256, 0, 512)):

@@ -1,13 +1,10 @@
 """Host-side pieces shared by the SM90 and SM100 kernel families: the static-contract field
-rules of their compile keys, the tile-rule YAML reader and the CuTe DSL architecture pin of a
-compile. No CuTe DSL import at module level."""
+rules of their compile keys and the tile-rule YAML reader (the architecture pin of a compile is
+``launch.pinned_cute_arch``). No CuTe DSL import at module level."""
 
 from __future__ import annotations
 
-import contextlib
 import pathlib
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 OUT_DTYPES = ("bfloat16", "float16", "float32")
@@ -57,58 +54,3 @@ def load_tile_rules(path: pathlib.Path, config_cls: type, arch: str) -> tuple:
     except (OSError, KeyError, TypeError, ValueError) as exc:
         raise RuntimeError(f"cannot read {arch} tile configs from {path}: {exc}") from exc
     return tuple(rules)
-
-
-#: One CuTe DSL compile at a time may pin the DSL's architecture (it is process-global state).
-_ARCH_PIN_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def pinned_cute_arch(arch: str) -> Iterator[None]:
-    """Make CuTe DSL compile for ``arch`` (e.g. ``"sm_100a"``) whatever GPU is present; restore after.
-
-    CuTe DSL takes the target of its arch checks (``BaseDSL.get_arch_enum``: tcgen05 / wgmma /
-    TMA atoms built while tracing) from ``compile_options.gpu_arch`` and, where that is unset or
-    read outside a compile, from ``envar.arch``: ``CUTE_DSL_ARCH`` or, without it, the compute
-    capability of the GPU it finds (``sm_100`` when none). The execution-target check of the
-    compile backend compares ``envar.arch`` with the compile target as well. An offline compile
-    for another architecture than the present GPU's (``sm_100a`` on an H200) therefore pins
-    ``envar.arch`` for the duration of the compile, besides passing ``--gpu-arch``; the previous
-    value (including "not yet detected") is restored on exit, errors included. Pair it with
-    :func:`cross_compile_kwargs` so that no JIT engine is built for a target the present GPU
-    cannot run.
-    """
-    from cutlass.base_dsl.dsl import BaseDSL
-
-    envar = BaseDSL._get_dsl().envar
-    with _ARCH_PIN_LOCK:
-        saved = envar.__dict__.get("_arch", _MISSING)
-        envar.arch = arch
-        try:
-            yield
-        finally:
-            if saved is _MISSING:
-                del envar.arch
-            else:
-                envar._arch = saved
-
-
-_MISSING = object()
-
-
-def present_cuda_arch() -> str | None:
-    """The CuTe DSL arch name of the current CUDA device (``"sm_90a"``, ``"sm_100a"``), or None
-    without CUDA. A compile for another target builds no JIT engine (``cross_compile_kwargs``)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
-
-
-def cross_compile_kwargs(arch: str) -> dict:
-    """``cute.compile`` keywords for a compile targeting ``arch``: ``no_jit_engine=True`` unless
-    the present GPU is that arch, so that a binary the present GPU cannot run (sm_100a on an
-    H200, anything on a machine without GPU) is only compiled, never loaded."""
-    return {} if present_cuda_arch() == arch else {"no_jit_engine": True}

@@ -1,5 +1,5 @@
 """Environment queries of the grouped-wgrad API: compute capability, CUDA-graph capture, CuTe DSL
-presence, the kernel modules. Module functions, called as ``_env.<name>(...)``, so that tests can
+presence, the kernel family modules. Module functions, called as ``_env.<name>(...)``, so that tests can
 replace them in one place. Nothing runs at import time.
 """
 
@@ -50,10 +50,19 @@ def cutlass_dsl_missing() -> str | None:
     return None
 
 
+#: The kernel family module of each kernel arch. Each defines ``FAMILY``, a
+#: ``launch.KernelFamily`` (its compile key and kernel); a new family (the block-scaled ones)
+#: plugs in with a row here.
+FAMILY_MODULES = {
+    "sm90": "cuda_kernels.grouped_wgrad.sm90_bf16",
+    "sm100": "cuda_kernels.grouped_wgrad.sm100_bf16",
+}
+
+
 @functools.cache
-def sm100_module():
-    """The SM100 BF16 kernel module if it is built, else None."""
+def family_module(arch: str):
+    """The kernel family module of ``arch`` ("sm90" | "sm100") if it is built, else None."""
     try:
-        return importlib.import_module("cuda_kernels.grouped_wgrad.sm100_bf16")
+        return importlib.import_module(FAMILY_MODULES[arch])
     except ModuleNotFoundError:
         return None

@@ -234,7 +234,7 @@ class _GroupedGemmWgradBase:
         if not self._is_supported:
             self.check_support()
         if self._launcher is None:
-            self._launcher = launch._compile_kernel(self.contract)
+            self._launcher = launch._compile_kernel(self.contract, self._NAME)
 
     # -- execute --------------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ def select_grouped_wgrad_backend(device: torch.device | str) -> tuple[str, str]:
         return "torch", f"device {device} is not a CUDA device"
     cc = _env.query_arch(device)
     if cc >= 100:
-        module = _env.sm100_module()
+        module = _env.family_module("sm100")
         if module is None or not hasattr(module, "compile_sm100_wgrad"):
             return "torch", f"SM{cc}: the SM100 kernel is not built yet"
         unverified = getattr(module, "unverified_reason", lambda: None)()

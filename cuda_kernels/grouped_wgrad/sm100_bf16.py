@@ -52,7 +52,10 @@ with discrete outputs, a dynamic (atomic / CLC) tile scheduler.
 Public names (mirroring ``sm90_bf16``): ``Sm100TileConfig``, ``Sm100WgradKey``,
 ``select_sm100_tile_config``, ``compile_sm100_wgrad`` (cached; ``COMPILE_COUNT`` counts real
 compiles), ``compile_sm100_wgrad_offline`` (PTX text for ``sm_100a`` without a GPU),
-``unverified_reason``, ``ENABLE_ENV``. CuTe DSL is imported only inside the compile functions.
+``unverified_reason``, ``ENABLE_ENV``. The kernel's host side is its key and kernel plugged into
+``launch.KernelFamily`` (``FAMILY``: the opt-in gate, the no-token path and the SM100 compile
+target are its hooks), which compiles, caches and launches. CuTe DSL is imported only inside the
+compile functions.
 """
 
 import contextlib
@@ -60,19 +63,14 @@ import dataclasses
 import functools
 import os
 import pathlib
-import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import (
-    check_key_fields,
-    cross_compile_kwargs,
-    load_tile_rules,
-    pinned_cute_arch,
-)
+from ._contract import check_key_fields, load_tile_rules
+from .launch import KernelFamily, contract_key_fields
 
 __all__ = [
-    "COMPILE_COUNT",
+    "COMPILE_COUNT",  # noqa: F822 - served by the module __getattr__ (FAMILY.compile_count)
     "ENABLE_ENV",
     "Sm100TileConfig",
     "Sm100WgradKey",
@@ -83,9 +81,6 @@ __all__ = [
     "sm100_key_from_contract",
     "unverified_reason",
 ]
-
-#: Number of real (uncached) compiles done by :func:`compile_sm100_wgrad` in this process.
-COMPILE_COUNT = 0
 
 #: Environment variable that must be "1" before the launcher runs the (hardware-unverified) kernel.
 ENABLE_ENV = "MOE_BWD_ENABLE_UNVERIFIED_SM100"
@@ -349,18 +344,7 @@ def sm100_key_from_contract(contract: Any) -> Sm100WgradKey:
         mma_tiler_mn=contract.mma_tiler_mn,
         cluster_shape_mn=contract.cluster_shape_mn,
     )
-    return Sm100WgradKey(
-        hidden=contract.hidden,
-        intermediate=contract.intermediate,
-        num_experts=contract.num_experts,
-        a_major=contract.a_major,
-        b_major=contract.b_major,
-        out_dtype=contract.out_dtype,
-        output_mode=contract.output_mode,
-        accumulate=contract.accumulate,
-        input_order=contract.input_order,
-        tile=tile,
-    )
+    return Sm100WgradKey(**contract_key_fields(contract), tile=tile)
 
 
 # --------------------------------------------------------------------------------------------
@@ -946,35 +930,6 @@ def _kernel_class():
     return _build_kernel_class()
 
 
-def _fake_args(key: Sm100WgradKey):
-    """Fake (shape-only) tensors for an offline or cached compile of ``key``."""
-    from .sm90_bf16 import fake_wgrad_operands
-
-    return fake_wgrad_operands(key)
-
-
-def _compile(key: Sm100WgradKey, arch: str | None, dump_dir: str | None = None):
-    import cutlass
-    from cutlass import cute
-
-    # tensor_ragged with a K-major operand is repacked on the device by the launcher (see
-    # sm90_bf16._ragged_to_2d), so the compiled kernel is the tensor2d one.
-    kernel = _kernel_class()(key)
-    a, b, offsets, out = _fake_args(key)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    opts = "--enable-tvm-ffi"
-    if arch is None:
-        return cute.compile(kernel, a, b, offsets, out, cutlass.Int32(1), stream, options=opts)
-    opts += f" --gpu-arch {arch}"
-    if dump_dir is not None:
-        opts += f" --keep-ptx --dump-dir {dump_dir}"
-    with pinned_cute_arch(arch):  # not the arch of whatever GPU is present (an H200: sm_90a)
-        return cute.compile(
-            kernel, a, b, offsets, out, cutlass.Int32(1), stream, options=opts,
-            **cross_compile_kwargs(arch),
-        )
-
-
 #: Targets the kernel is built for (tcgen05 with the arch-specific feature set).
 _SM100_TARGETS = ("sm_100a", "sm_103a", "sm_110a")
 
@@ -995,17 +950,6 @@ def _target_arch() -> str:
     return "sm_100a"
 
 
-_LOCK = threading.Lock()
-
-
-@functools.cache
-def _compiled(key: Sm100WgradKey):
-    global COMPILE_COUNT
-    fn = _compile(key, _target_arch())
-    COMPILE_COUNT += 1
-    return fn
-
-
 def _as_key(key_or_contract: Any) -> Sm100WgradKey:
     if isinstance(key_or_contract, Sm100WgradKey):
         return key_or_contract
@@ -1015,6 +959,59 @@ def _as_key(key_or_contract: Any) -> Sm100WgradKey:
         f"compile_sm100_wgrad: expected a Sm100WgradKey or an api.WgradContract, got "
         f"{type(key_or_contract).__name__}"
     )
+
+
+def _zero_tokens(x, k_major: bool, transpose: bool):
+    """A 256-token zero stand-in for an operand with no tokens, in the operand's layout."""
+    import torch
+
+    rows = x.shape[1] if transpose else x.shape[0]
+    if k_major:
+        y = torch.zeros(rows, _GROUP_ALIGN, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.zeros(_GROUP_ALIGN, rows, dtype=x.dtype, device=x.device).t()
+    return y.t() if transpose else y
+
+
+def _no_tokens(key: Sm100WgradKey, a, b, out, stream):
+    """The launch hook of ``tokens_sum = 0`` (every expert empty; TMA has no 0-sized boxes):
+    nothing to do when accumulating, dense zeros written on the host side, and for discrete
+    outputs 256 zero tokens (never read: every expert's range is empty) so that the kernel's TMA
+    descriptors are valid while it writes the zeros through the pointers."""
+    if a.shape[1] != 0:
+        return a, b
+    if key.accumulate:
+        return None
+    if key.output_mode == "dense":
+        import torch
+
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            out.zero_()
+        return None
+    a = _zero_tokens(a, key.a_major == "k", transpose=False)
+    b = _zero_tokens(b, key.b_major == "k", transpose=True)
+    return a, b
+
+
+#: The SM100 family in the shared compile-cache / launch layer: static persistent scheduling (one
+#: (2, 1) cluster per SM pair for the 2-CTA tile), the runtime compile pinned to an SM100 target,
+#: every launch gated on the hardware opt-in (``unverified_reason``), tokens_sum = 0 on the host.
+FAMILY = KernelFamily(
+    "sm100",
+    lambda key: _kernel_class()(key),
+    sm100_key_from_contract,
+    runtime_arch=_target_arch,
+    gate=unverified_reason,
+    prepare=_no_tokens,
+    as_key=_as_key,
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "COMPILE_COUNT":  # real compiles, counted by the shared layer
+        return FAMILY.compile_count
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def compile_sm100_wgrad(key: Any) -> Callable[..., None]:
@@ -1042,70 +1039,7 @@ def compile_sm100_wgrad(key: Any) -> Callable[..., None]:
         RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.
         ValueError: the key / contract is outside what the kernel is built for.
     """
-    try:
-        import cutlass  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError(
-            "compile_sm100_wgrad needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
-        ) from exc
-    key = _as_key(key)
-    with _LOCK:
-        fn = _compiled(key)
-    return functools.partial(_launch, key, fn)
-
-
-@functools.lru_cache(maxsize=16)
-def _num_sms(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _zero_tokens(x, k_major: bool, transpose: bool):
-    """A 256-token zero stand-in for an operand with no tokens, in the operand's layout."""
-    import torch
-
-    rows = x.shape[1] if transpose else x.shape[0]
-    if k_major:
-        y = torch.zeros(rows, _GROUP_ALIGN, dtype=x.dtype, device=x.device)
-    else:
-        y = torch.zeros(_GROUP_ALIGN, rows, dtype=x.dtype, device=x.device).t()
-    return y.t() if transpose else y
-
-
-def _launch(key: Sm100WgradKey, fn: Any, a, b, offsets, out, stream=None) -> None:
-    reason = unverified_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
-    import torch
-
-    from .sm90_bf16 import _ragged_to_2d
-
-    if a.shape[1] == 0:  # tokens_sum = 0: every expert is empty (and TMA has no 0-sized boxes)
-        if key.accumulate:
-            return
-        if key.output_mode == "dense":
-            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-            with ctx:
-                out.zero_()
-            return
-        # discrete: the kernel writes the zeros through the pointers; give it 256 zero tokens
-        # (never read: every expert's range is empty) so that its TMA descriptors are valid
-        a = _zero_tokens(a, key.a_major == "k", transpose=False)
-        b = _zero_tokens(b, key.b_major == "k", transpose=True)
-    if key.input_order == "tensor_ragged":
-        if key.a_major == "k":
-            a = _ragged_to_2d(a, offsets, a.shape[0])
-        if key.b_major == "k":
-            b = _ragged_to_2d(b.t(), offsets, b.shape[1]).t()
-    cluster_m = key.tile.cluster_shape_mn[0]
-    max_clusters = max(1, _num_sms(a.device.index or 0) // cluster_m)
-    num_clusters = max(1, min(key.num_tiles, max_clusters))
-    if stream is None:
-        fn(a, b.t(), offsets, out, num_clusters)
-    else:
-        with torch.cuda.stream(stream):
-            fn(a, b.t(), offsets, out, num_clusters)
+    return FAMILY.launcher(key)
 
 
 def compile_sm100_wgrad_offline(key: Any, arch: str = "sm_100a") -> str:
@@ -1119,18 +1053,4 @@ def compile_sm100_wgrad_offline(key: Any, arch: str = "sm_100a") -> str:
         RuntimeError: CuTe DSL is not installed or produced no PTX.
         ValueError: the key / contract is outside what the kernel is built for.
     """
-    try:
-        import cutlass  # noqa: F401
-    except ImportError as exc:
-        raise RuntimeError(
-            "compile_sm100_wgrad_offline needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
-        ) from exc
-    import tempfile
-
-    key = _as_key(key)
-    with tempfile.TemporaryDirectory(prefix="sm100_wgrad_ptx_") as tmp:
-        fn = _compile(key, arch, dump_dir=tmp)
-        ptx = fn.__ptx__
-    if not ptx:
-        raise RuntimeError(f"CuTe DSL produced no PTX for {key} on {arch}")
-    return ptx
+    return FAMILY.offline_ptx(key, arch)

@@ -31,9 +31,10 @@ Structure (one CTA per SM, persistent, warp-specialized):
 - empty experts issue no loads and write zeros, or leave the output untouched when accumulating.
 
 Public names (docs/CONTRACTS.md): ``Sm90TileConfig``, ``Sm90WgradKey``, ``select_sm90_tile_config``,
-``compile_sm90_wgrad`` (cached; ``COMPILE_COUNT`` counts real compiles) and
-``compile_sm90_wgrad_offline`` (PTX text for ``sm_90a`` without a GPU). CuTe DSL is imported only
-inside the compile functions.
+``sm90_key_from_contract``, ``compile_sm90_wgrad`` (cached; ``COMPILE_COUNT`` counts real
+compiles) and ``compile_sm90_wgrad_offline`` (PTX text for ``sm_90a`` without a GPU): the kernel's
+host side is its key and kernel plugged into ``launch.KernelFamily`` (``FAMILY``), which compiles,
+caches and launches. CuTe DSL is imported only inside the compile functions.
 """
 
 
@@ -41,29 +42,22 @@ inside the compile functions.
 import dataclasses
 import functools
 import pathlib
-import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import (
-    check_key_fields,
-    cross_compile_kwargs,
-    load_tile_rules,
-    pinned_cute_arch,
-)
+from ._contract import check_key_fields, load_tile_rules
+from .launch import KernelFamily, contract_key_fields
 
 __all__ = [
-    "COMPILE_COUNT",
+    "COMPILE_COUNT",  # noqa: F822 - served by the module __getattr__ (FAMILY.compile_count)
     "Sm90TileConfig",
     "Sm90WgradKey",
     "compile_sm90_wgrad",
     "compile_sm90_wgrad_offline",
     "load_sm90_tile_rules",
     "select_sm90_tile_config",
+    "sm90_key_from_contract",
 ]
-
-#: Number of real (uncached) compiles done by :func:`compile_sm90_wgrad` in this process.
-COMPILE_COUNT = 0
 
 _TILES_YAML = pathlib.Path(__file__).resolve().parents[2] / "configs" / "cuda" / "sm90_tiles.yaml"
 _SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on H100/H200
@@ -895,110 +889,35 @@ def _kernel_class():
     return _build_kernel_class()
 
 
-def _fake_args(key: Sm90WgradKey):
-    """Fake (shape-only) tensors for an offline or cached compile of ``key``: the operands of
-    :func:`fake_wgrad_operands` plus the scheduler's tile counter."""
-    import cutlass
-    from cutlass import cute
+def sm90_key_from_contract(contract: Any) -> Sm90WgradKey:
+    """The :class:`Sm90WgradKey` of an ``api.WgradContract`` (tile from its ``mma_tiler_mn``,
+    else from ``configs/cuda/sm90_tiles.yaml``).
 
-    counter = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
-    return (*fake_wgrad_operands(key), counter)
-
-
-def fake_wgrad_operands(key):
-    """Fake (shape-only) ``a, b, offsets, out`` of a grouped wgrad key (SM90 or SM100: the same
-    field names), with a symbolic ``tokens_sum`` so one compile serves every split."""
-    import cutlass
-    from cutlass import cute
-
-    out_t = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
-    m, n, e = key.hidden, key.intermediate, key.num_experts
-    any_k_major = key.a_major == "k" or key.b_major == "k"
-    s = cute.sym_int32(divisibility=8 if any_k_major else 1, symbol="tokens_sum")
-    a = cute.runtime.make_fake_compact_tensor(
-        cutlass.BFloat16,
-        (m, s),
-        stride_order=(1, 0) if key.a_major == "k" else (0, 1),
-        assumed_align=16,
-    )
-    b = cute.runtime.make_fake_compact_tensor(
-        cutlass.BFloat16,
-        (n, s),
-        stride_order=(1, 0) if key.b_major == "k" else (0, 1),
-        assumed_align=16,
-    )
-    offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
-    if key.output_mode == "dense":
-        out = cute.runtime.make_fake_compact_tensor(
-            out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
-        )
-    else:
-        out = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (e,), assumed_align=8)
-    return a, b, offsets, out
-
-
-def _compile(key: Sm90WgradKey, arch: str | None, dump_dir: str | None = None):
-    import cutlass
-    from cutlass import cute
-
-    # tensor_ragged with a K-major operand has a per-expert row stride (K_e), not one TMA
-    # descriptor: the launcher repacks such operands on the device first (see _ragged_to_2d), so
-    # the compiled kernel is the tensor2d one.
-    kernel = _kernel_class()(key)
-    a, b, offsets, out, counter = _fake_args(key)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    opts = "--enable-tvm-ffi"
-    if arch is None:
-        return cute.compile(
-            kernel, a, b, offsets, out, counter, cutlass.Int32(1), stream, options=opts
-        )
-    opts += f" --gpu-arch {arch}"
-    if dump_dir is not None:
-        opts += f" --keep-ptx --dump-dir {dump_dir}"
-    with pinned_cute_arch(arch):  # not the arch of whatever GPU is present (none: sm_100)
-        return cute.compile(
-            kernel, a, b, offsets, out, counter, cutlass.Int32(1), stream, options=opts,
-            **cross_compile_kwargs(arch),
-        )
-
-
-_LOCK = threading.Lock()
-
-
-@functools.cache
-def _compiled(key: Sm90WgradKey):
-    global COMPILE_COUNT
-    # The runtime compile targets the present GPU (the path verified on the H200, 2026-12-01);
-    # only offline compiles pin an arch.
-    fn = _compile(key, None)
-    COMPILE_COUNT += 1
-    return fn
-
-
-def _ragged_to_2d(x_XS, offsets_E, k_major_rows: int):
-    """Repack a ``tensor_ragged`` K-major operand into the tensor2d ``(rows, S)`` layout, on device.
-
-    ``x_XS`` is the caller's ``(rows, S)`` view whose storage holds per-expert ``(rows, K_e)``
-    row-major blocks at element offset ``rows * begin_e``. No host read of ``offsets_E``.
+    Raises:
+        ValueError: no tile fits hidden / intermediate (the SM90 kernel writes whole output
+            tiles: hidden and intermediate must be multiples of the tile, 64 at least).
     """
-    import torch
-
-    rows, s = x_XS.shape
-    flat = torch.as_strided(x_XS, (rows * s,), (1,))
-    if s == 0:
-        return x_XS.new_empty((rows, 0)).as_strided((rows, 0), (0, 1))
-    ends = offsets_E.to(torch.int64)
-    begins = torch.cat([ends.new_zeros(1), ends[:-1]])
-    counts = ends - begins
-    col_expert = torch.repeat_interleave(
-        torch.arange(ends.numel(), device=x_XS.device), counts, output_size=s
+    tile = select_sm90_tile_config(
+        contract.hidden,
+        contract.intermediate,
+        contract.num_experts,
+        mma_tiler_mn=contract.mma_tiler_mn,
     )
-    col = torch.arange(s, device=x_XS.device)
-    local_k = col - begins[col_expert]  # (S,)
-    base = rows * begins[col_expert] + local_k  # (S,)
-    row = torch.arange(rows, device=x_XS.device)
-    idx = base[None, :] + row[:, None] * counts[col_expert][None, :]
-    return flat[idx]  # (rows, S) contiguous, K-major
+    return Sm90WgradKey(**contract_key_fields(contract), tile=tile)
+
+
+#: The SM90 family in the shared compile-cache / launch layer: a dynamic persistent scheduler
+#: (a zeroed tile counter per launch), compiled for the present GPU (the path verified on the
+#: H200, 2026-12-01; only offline compiles pin an arch).
+FAMILY = KernelFamily(
+    "sm90", lambda key: _kernel_class()(key), sm90_key_from_contract, tile_counter=True
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "COMPILE_COUNT":  # real compiles, counted by the shared layer
+        return FAMILY.compile_count
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def compile_sm90_wgrad(key: Sm90WgradKey) -> Callable[..., None]:
@@ -1017,9 +936,9 @@ def compile_sm90_wgrad(key: Sm90WgradKey) -> Callable[..., None]:
 
     ``input_order="tensor_ragged"``: an operand whose unit-stride axis is M / N has the same memory
     as tensor2d; a K-major ragged operand (per-expert ``(rows, K_e)`` blocks) is first repacked on
-    the device by torch ops into the tensor2d layout (no host read, CUDA-graph capturable, but an
-    extra pass over that operand and a ``rows x tokens_sum`` int64 index: a correctness path, not
-    a fast one).
+    the device by torch ops into the tensor2d layout (``launch.ragged_to_2d``: no host read,
+    CUDA-graph capturable, but an extra pass over that operand and a ``rows x tokens_sum`` int64
+    index: a correctness path, not a fast one).
 
     Each call allocates a 4-byte zeroed tile counter on the launch stream (the dynamic
     scheduler's), so concurrent launches on different streams do not share it.
@@ -1027,40 +946,7 @@ def compile_sm90_wgrad(key: Sm90WgradKey) -> Callable[..., None]:
     Raises:
         RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.
     """
-    try:
-        import cutlass  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError(
-            "compile_sm90_wgrad needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
-        ) from exc
-    with _LOCK:
-        fn = _compiled(key)
-    return functools.partial(_launch, key, fn)
-
-
-@functools.lru_cache(maxsize=16)
-def _num_sms(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _launch(key: Sm90WgradKey, fn: Any, a, b, offsets, out, stream=None) -> None:
-    import torch
-
-    if key.input_order == "tensor_ragged":
-        if key.a_major == "k":
-            a = _ragged_to_2d(a, offsets, a.shape[0])
-        if key.b_major == "k":
-            b = _ragged_to_2d(b.t(), offsets, b.shape[1]).t()
-    num_ctas = max(1, min(key.num_tiles, _num_sms(a.device.index or 0)))
-    if stream is None:
-        counter = torch.zeros(1, dtype=torch.int32, device=a.device)
-        fn(a, b.t(), offsets, out, counter, num_ctas)
-    else:
-        with torch.cuda.stream(stream):
-            counter = torch.zeros(1, dtype=torch.int32, device=a.device)
-            fn(a, b.t(), offsets, out, counter, num_ctas)
+    return FAMILY.launcher(key)
 
 
 def compile_sm90_wgrad_offline(key: Sm90WgradKey, arch: str = "sm_90a") -> str:
@@ -1069,17 +955,4 @@ def compile_sm90_wgrad_offline(key: Sm90WgradKey, arch: str = "sm_90a") -> str:
     Raises:
         RuntimeError: CuTe DSL is not installed or produced no PTX.
     """
-    try:
-        import cutlass  # noqa: F401
-    except ImportError as exc:
-        raise RuntimeError(
-            "compile_sm90_wgrad_offline needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
-        ) from exc
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="sm90_wgrad_ptx_") as tmp:
-        fn = _compile(key, arch, dump_dir=tmp)
-        ptx = fn.__ptx__
-    if not ptx:
-        raise RuntimeError(f"CuTe DSL produced no PTX for {key} on {arch}")
-    return ptx
+    return FAMILY.offline_ptx(key, arch)

@@ -1286,3 +1286,37 @@ def test_validation_cache_never_trusts_a_new_tensor_at_a_freed_address(fake_devi
                     tuple(other.shape))] = validate._VALIDATED[key]
     with pytest.raises(ValueError, match="non-decreasing"):
         api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, other)
+
+
+# ------------------------------------------------------------------------------------------------
+# One tile-rule source (issue 8 item 4): the API, the kernels' configs and the docs agree
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_tile_rules_have_one_source(arch):
+    from cuda_kernels.grouped_wgrad import sm90_bf16, sm100_bf16, tiles
+
+    rules = {"sm90": tiles.SM90_TILES, "sm100": tiles.SM100_TILES}[arch]
+    config_cls = {"sm90": sm90_bf16.Sm90TileConfig, "sm100": sm100_bf16.Sm100TileConfig}[arch]
+    for tile_m in (32, 64, 96, 128, 192, 256, 512):
+        for tile_n in range(8, 289, 8):
+            try:
+                validate._check_tiling(arch, (tile_m, tile_n), None)
+                api_ok = True
+            except ValueError:
+                api_ok = False
+            try:
+                config_cls(tile_m, tile_n, 64, 2)
+                kernel_ok = True
+            except ValueError:
+                kernel_ok = False
+            assert api_ok == kernel_ok, (tile_m, tile_n)
+            assert api_ok == (tile_m in rules.tile_m and tile_n in rules.tile_n)
+    for tile_m in rules.tile_m:  # the API's cluster for the kernel's tile is accepted
+        validate._check_tiling(arch, (tile_m, rules.tile_n[-1]), rules.cluster_for(tile_m))
+    doc = " ".join(CLASSES[arch].__doc__.split())
+    assert " ".join(rules.describe("").split()[2:]) in doc  # the docs are generated from it
+    for _name, _cond, config in {"sm90": sm90_bf16.load_sm90_tile_rules,
+                                 "sm100": sm100_bf16.load_sm100_tile_rules}[arch]():
+        assert config.tile_m in rules.tile_m and config.tile_n in rules.tile_n

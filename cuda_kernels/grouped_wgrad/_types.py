@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .tiles import SM100_TILES
+
 # ---------------------------------------------------------------------------------------------
 # Tables of the contract (seed, "BF16 contract"), each with why.
 # ---------------------------------------------------------------------------------------------
@@ -18,7 +20,7 @@ import torch
 #: Output dtypes of the BF16 contract, with the names the kernel keys use.
 OUTPUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 #: SM100 BF16 contract: every expert token count is a multiple of 256 (the kernel's fixed K pad).
-SM100_GROUP_ALIGN = 256
+SM100_GROUP_ALIGN = SM100_TILES.group_align
 #: TMA: global addresses and non-unit strides are multiples of 16 bytes (CUDA driver
 #: cuTensorMapEncodeTiled); the seed's "16-byte-aligned output address per expert" is the same rule.
 TMA_ALIGN_BYTES = 16
@@ -42,16 +44,7 @@ _BLOCK_SCALED_DTYPES = tuple(
     )
     if d is not None
 )
-#: SM100 tiling rules (CUTLASS Blackwell dense GEMM can_implement): tile M 128 (1-CTA) or 256
-#: (2-CTA, cluster M even); tile N a multiple of 32 in [32, 256]; cluster dims powers of two, <= 16.
-_SM100_TILE_M = (128, 256)
-_SM100_TILE_N = tuple(range(32, 257, 32))
-#: SM90 tiling rules (sm90_bf16.Sm90TileConfig): tile M 64 or 128 (one 64-row wgmma slab per
-#: consumer warp group); tile N a multiple of 16 in [16, 256]; no clusters (1 x 1). The tile must
-#: divide hidden and intermediate (no partial output tiles): checked by building Sm90WgradKey.
-_SM90_TILE_M = (64, 128)
-_SM90_TILE_N = tuple(range(16, 257, 16))
-_SM90_CLUSTERS = ((1, 1),)
+# The tiling rules (tile M / N / K, clusters, partial tiles) are tiles.py's, in one place.
 _OUTPUT_MODES = ("dense", "discrete")
 #: Kernel-key dtype names back to torch dtypes, and their element sizes.
 _NAME_TO_DTYPE = {v: k for k, v in OUTPUT_DTYPES.items()}

@@ -4,6 +4,7 @@ static contract; ``check_support()`` -> ``compile()`` -> ``execute(...)`` any nu
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ from ._types import (
     WgradContract,
     _elem_bytes,
 )
+from .tiles import SM90_TILES, SM100_TILES
 from .validate import (
     _Call,
     _check_dense_out,
@@ -420,6 +422,11 @@ def _torch_stream(stream: Any, device: torch.device):
     return torch.cuda.ExternalStream(int(stream), device=device)
 
 
+def _indented(text: str) -> str:
+    """``text`` as docstring lines under an argument (12 spaces, 100 columns)."""
+    return textwrap.fill(text, width=100, initial_indent=" " * 12, subsequent_indent=" " * 12)
+
+
 _CLASS_DOC = """{summary}
 
     Dimensions: H hidden, S tokens_sum (dynamic), I intermediate, E num_experts.
@@ -433,7 +440,8 @@ _CLASS_DOC = """{summary}
         num_experts, wgrad_shape=(H, I), wgrad_dtype (+ optional sample_wgrad_expert [H, I]
         contiguous) for discrete mode (one int64 address per expert at execute).
         acc_dtype: torch.float32 only. sf_vec_size: 16 only (BF16).
-        mma_tiler_mn, cluster_shape_mn: tiling ({tiling}).
+        mma_tiler_mn, cluster_shape_mn: tiling, from ``tiles.py``:
+{tiling}.
         accumulate_on_output: add to the output instead of overwriting (empty experts then leave
             it untouched; overwrite writes zeros for them).
         input_order: "tensor2d" or "tensor_ragged" (per-expert K-contiguous blocks).
@@ -461,8 +469,7 @@ class GroupedGemmWgradSm100(_GroupedGemmWgradBase):
         "    The SM100 BF16 kernel (sm100_bf16.py) is compiled offline for sm_100a but has never\n"
         "    run on hardware: ``execute()`` raises RuntimeError unless the environment sets\n"
         "    MOE_BWD_ENABLE_UNVERIFIED_SM100=1 (validation and support checks are complete).",
-        tiling="default (256, 256); tile M 128 or 256, N a multiple of 32 up to 256; clusters of "
-        "powers of two, <= 16 CTAs, M even for tile M 256",
+        tiling=_indented(SM100_TILES.describe("(256, 256)")),
         groups="every expert token count a multiple of 256",
     )
 
@@ -485,8 +492,7 @@ class GroupedGemmWgradSm90(_GroupedGemmWgradBase):
         summary="Grouped GEMM wgrad on Hopper (SM 9.x) with the CuTe DSL kernel of sm90_bf16.py.\n\n"
         "    Same surface and contract as GroupedGemmWgradSm100 except that expert token counts\n"
         "    may be any value >= 0. sm_90a code (wgmma) runs only on SM 9.x devices.",
-        tiling="default None: per shape from configs/cuda; tile M in (64, 128, 192, 256), N a "
-        "multiple of 16 up to 256; clusters (1, 1), (2, 1), (1, 2)",
+        tiling=_indented(SM90_TILES.describe("None: per shape from configs/cuda")),
         groups="any expert token count >= 0 (0 included)",
     )
 

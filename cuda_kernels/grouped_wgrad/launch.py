@@ -141,6 +141,17 @@ class KernelFamily:
                 self._compiled[key] = fn
             return fn
 
+    def module_getattr(self, module_name: str) -> Callable[[str], Any]:
+        """The family module's ``__getattr__``: ``COMPILE_COUNT`` is this family's count of real
+        compiles (read it as ``<module>.COMPILE_COUNT``, as before the shared layer)."""
+
+        def __getattr__(name: str) -> Any:
+            if name == "COMPILE_COUNT":
+                return self.compile_count
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+        return __getattr__
+
     def cache_clear(self) -> None:
         """Forget the compiled kernels (tests)."""
         with self._lock:

@@ -41,12 +41,12 @@ caches and launches. CuTe DSL is imported only inside the compile functions.
 
 import dataclasses
 import functools
-import pathlib
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import check_key_fields, load_tile_rules
+from ._contract import KernelKey
 from .launch import KernelFamily, contract_key_fields
+from .tiles import SM90_TILES, load_tile_rules, match_rule
 
 __all__ = [
     "COMPILE_COUNT",  # noqa: F822 - served by the module __getattr__ (FAMILY.compile_count)
@@ -59,8 +59,7 @@ __all__ = [
     "sm90_key_from_contract",
 ]
 
-_TILES_YAML = pathlib.Path(__file__).resolve().parents[2] / "configs" / "cuda" / "sm90_tiles.yaml"
-_SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on H100/H200
+_SMEM_BYTES = SM90_TILES.smem_bytes  # usable dynamic shared memory per CTA on H100/H200
 _SCHED_STAGES = 4  # depth of the tile-id ring between the producer warp and the consumers
 
 
@@ -68,7 +67,7 @@ _SCHED_STAGES = 4  # depth of the tile-id ring between the producer warp and the
 class Sm90TileConfig:
     """One CTA tile of the SM90 kernel (a row of ``configs/cuda/sm90_tiles.yaml``).
 
-    Attributes:
+    Attributes (accepted values: ``tiles.SM90_TILES``):
         tile_m: output rows (hidden) per CTA tile, 64 or 128 (= 64 x consumer warp groups).
         tile_n: output columns (intermediate) per CTA tile, a multiple of 16 in [16, 256].
         tile_k: tokens per pipeline stage, 64 (one 128-byte swizzle row of bf16).
@@ -88,26 +87,17 @@ class Sm90TileConfig:
     pingpong: bool = False
 
     def __post_init__(self) -> None:
-        if self.tile_m not in (64, 128):
-            raise ValueError(f"Sm90TileConfig.tile_m must be 64 or 128, got {self.tile_m}")
-        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
-            raise ValueError(
-                f"Sm90TileConfig.tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}"
-            )
-        if self.tile_k != 64:
-            raise ValueError(f"Sm90TileConfig.tile_k must be 64, got {self.tile_k}")
-        if self.stages < 2:
-            raise ValueError(f"Sm90TileConfig.stages must be >= 2, got {self.stages}")
-        if self.stage_bytes * self.stages + 1024 > _SMEM_BYTES:
-            raise ValueError(
-                f"Sm90TileConfig: {self.stages} stages of {self.stage_bytes} bytes overflow the "
-                f"{_SMEM_BYTES}-byte shared memory of an SM90 CTA"
-            )
+        SM90_TILES.check_config(self)
+
+    @property
+    def cluster_shape_mn(self) -> tuple[int, int]:
+        """The CTA cluster: (1, 1) (the SM90 kernel runs without clusters)."""
+        return SM90_TILES.cluster_for(self.tile_m)
 
     @property
     def stage_bytes(self) -> int:
         """Bytes of one pipeline stage: a bf16 A tile plus a bf16 B tile."""
-        return 2 * self.tile_k * (self.tile_m + self.tile_n)
+        return SM90_TILES.stage_bytes(self.tile_m, self.tile_n, self.tile_k)
 
     @property
     def consumer_groups(self) -> int:
@@ -126,64 +116,20 @@ class Sm90TileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm90WgradKey:
-    """Static contract of one compiled SM90 kernel (the compile-cache key).
-
-    The token dimension (``tokens_sum``) and the offsets values are dynamic and not part of it.
-
-    Attributes:
-        hidden: M, rows of each expert's Wgrad (and of A).
-        intermediate: N, columns of each expert's Wgrad (and of B).
-        num_experts: E.
-        a_major: ``"k"`` (A stride ``(tokens_sum, 1)``) or ``"m"`` (stride ``(1, hidden)``).
-        b_major: ``"k"`` (B stride ``(1, tokens_sum)``) or ``"n"`` (stride ``(intermediate, 1)``).
-        out_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
-        output_mode: ``"dense"`` (one ``(E, M, N)`` tensor) or ``"discrete"`` (``(E,)`` int64
-            pointers to ``(M, N)`` row-major outputs, 16-byte aligned).
-        accumulate: add into the output instead of overwriting it.
-        input_order: ``"tensor2d"`` or ``"tensor_ragged"`` (see :func:`compile_sm90_wgrad`).
-        tile: the :class:`Sm90TileConfig`.
+class Sm90WgradKey(KernelKey):
+    """Static contract of one compiled SM90 kernel (the compile-cache key): the fields of
+    ``_contract.KernelKey`` and the :class:`Sm90TileConfig` ``tile``, which must divide hidden
+    and intermediate (the SM90 kernel has no partial output tiles). ``input_order``: see
+    :func:`compile_sm90_wgrad`.
 
     Raises:
-        ValueError: a field outside the values above, or hidden / intermediate that the tile does
-            not divide.
+        ValueError: a field outside its values, or hidden / intermediate that the tile does not
+            divide.
     """
 
-    hidden: int
-    intermediate: int
-    num_experts: int
-    a_major: str = "k"
-    b_major: str = "n"
-    out_dtype: str = "bfloat16"
-    output_mode: str = "dense"
-    accumulate: bool = False
-    input_order: str = "tensor2d"
+    _TILES = SM90_TILES
+
     tile: Sm90TileConfig = Sm90TileConfig()
-
-    def __post_init__(self) -> None:
-        check_key_fields(self)
-        if not isinstance(self.tile, Sm90TileConfig):
-            msg = f"Sm90WgradKey.tile must be a Sm90TileConfig, got {self.tile!r}"
-            raise ValueError(msg)  # noqa: TRY004 - ValueError is the API contract
-        if self.hidden % self.tile.tile_m:
-            raise ValueError(
-                f"Sm90WgradKey: hidden={self.hidden} must be a multiple of tile_m="
-                f"{self.tile.tile_m} (the SM90 kernel has no partial output tiles)"
-            )
-        if self.intermediate % self.tile.tile_n:
-            raise ValueError(
-                f"Sm90WgradKey: intermediate={self.intermediate} must be a multiple of tile_n="
-                f"{self.tile.tile_n} (the SM90 kernel has no partial output tiles)"
-            )
-
-    @property
-    def num_tiles(self) -> int:
-        """Output tiles of one launch: ``E * (M / tile_m) * (N / tile_n)``."""
-        return (
-            self.num_experts
-            * (self.hidden // self.tile.tile_m)
-            * (self.intermediate // self.tile.tile_n)
-        )
 
 
 @functools.lru_cache(maxsize=1)
@@ -193,7 +139,7 @@ def load_sm90_tile_rules() -> tuple[tuple[str, dict, Sm90TileConfig], ...]:
     Raises:
         RuntimeError: the file is missing or malformed.
     """
-    return load_tile_rules(_TILES_YAML, Sm90TileConfig, "SM90")
+    return load_tile_rules(SM90_TILES.yaml, Sm90TileConfig, "SM90")
 
 
 def select_sm90_tile_config(
@@ -227,24 +173,15 @@ def select_sm90_tile_config(
         )
     if mma_tiler_mn is not None:
         tile_m, tile_n = mma_tiler_mn
-        stage_bytes = 2 * 64 * (tile_m + tile_n)
-        stages = max(2, min(8, (_SMEM_BYTES - 1024) // stage_bytes))
-        config = Sm90TileConfig(tile_m, tile_n, 64, stages)
+        config = Sm90TileConfig(tile_m, tile_n, 64, SM90_TILES.stages_for(tile_m, tile_n, 64))
         if hidden % tile_m or intermediate % tile_n:
             raise ValueError(
                 f"select_sm90_tile_config: mma_tiler_mn={mma_tiler_mn} must divide "
                 f"hidden={hidden} and intermediate={intermediate}"
             )
         return config
-    for _name, cond, config in load_sm90_tile_rules():
-        if hidden % cond.get("hidden_multiple", 1):
-            continue
-        if intermediate % cond.get("intermediate_multiple", 1):
-            continue
-        if intermediate < cond.get("min_intermediate", 0):
-            continue
-        if num_experts < cond.get("min_experts", 0):
-            continue
+    config = match_rule(load_sm90_tile_rules(), hidden, intermediate, num_experts)
+    if config is not None:
         return config
     raise ValueError(
         f"select_sm90_tile_config: no SM90 tile fits hidden={hidden}, intermediate={intermediate}"
@@ -914,10 +851,7 @@ FAMILY = KernelFamily(
 )
 
 
-def __getattr__(name: str) -> Any:
-    if name == "COMPILE_COUNT":  # real compiles, counted by the shared layer
-        return FAMILY.compile_count
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = FAMILY.module_getattr(__name__)  # COMPILE_COUNT: the family's count
 
 
 def compile_sm90_wgrad(key: Sm90WgradKey) -> Callable[..., None]:

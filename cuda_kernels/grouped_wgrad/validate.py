@@ -17,18 +17,17 @@ from ._types import (
     _BLOCK_SCALED_DTYPES,
     _DESCRIPTORS_PER_EXPERT,
     _OUTPUT_MODES,
-    _SM90_CLUSTERS,
-    _SM90_TILE_M,
-    _SM90_TILE_N,
-    _SM100_TILE_M,
-    _SM100_TILE_N,
     _TMA_DESCRIPTOR_BYTES,
     OFFSETS_ALIGN_BYTES,
     OUTPUT_DTYPES,
     POINTERS_ALIGN_BYTES,
     TMA_ALIGN_BYTES,
 )
+from .tiles import SM90_TILES, SM100_TILES
 from .torch_ref import INPUT_ORDERS
+
+#: The tile rules the API checks a caller's ``mma_tiler_mn`` / ``cluster_shape_mn`` against.
+_TILE_RULES = {"sm90": SM90_TILES, "sm100": SM100_TILES}
 
 
 def _a_majors(a: torch.Tensor, arg: str) -> tuple[str, ...]:
@@ -93,36 +92,41 @@ def _check_tiling(arch: str, mma_tiler_mn, cluster_shape_mn) -> tuple:
 
     tiler = as_pair(mma_tiler_mn, "mma_tiler_mn")
     cluster = as_pair(cluster_shape_mn, "cluster_shape_mn")
+    if arch not in _TILE_RULES:
+        return tiler, cluster
+    rules = _TILE_RULES[arch]
+    tiles_text = (
+        f"tile M in {rules.tile_m}, tile N a multiple of {rules.tile_n_step} in "
+        f"[{rules.tile_n_step}, {rules.tile_n_max}]"
+    )
     if arch == "sm100":
         if tiler is None:
             raise ValueError("mma_tiler_mn is required on SM100 (default (256, 256))")
-        if tiler[0] not in _SM100_TILE_M or tiler[1] not in _SM100_TILE_N:
-            raise ValueError(
-                f"mma_tiler_mn={tiler} unsupported on SM100: tile M in {_SM100_TILE_M}, tile N a "
-                "multiple of 32 in [32, 256]"
-            )
+        if tiler[0] not in rules.tile_m or tiler[1] not in rules.tile_n:
+            raise ValueError(f"mma_tiler_mn={tiler} unsupported on SM100: {tiles_text}")
         if cluster is not None:
             cm, cn = cluster
             pow2 = all(c >= 1 and (c & (c - 1)) == 0 for c in cluster)
-            if not pow2 or cm * cn > 16:
+            if not pow2 or cm * cn > rules.max_cluster_ctas:
                 raise ValueError(
-                    f"cluster_shape_mn={cluster} unsupported on SM100: powers of two, at most 16 "
-                    "CTAs"
+                    f"cluster_shape_mn={cluster} unsupported on SM100: powers of two, at most "
+                    f"{rules.max_cluster_ctas} CTAs"
                 )
-            if tiler[0] == 256 and cm % 2:
+            if tiler[0] == rules.two_cta_tile_m and cm % 2:
                 raise ValueError(
-                    f"cluster_shape_mn={cluster} unsupported with mma_tiler_mn M=256 (2-CTA MMA): "
-                    "cluster M must be even"
+                    f"cluster_shape_mn={cluster} unsupported with mma_tiler_mn "
+                    f"M={rules.two_cta_tile_m} (2-CTA MMA): cluster M must be even"
                 )
-    elif arch == "sm90":
-        if tiler is not None and (tiler[0] not in _SM90_TILE_M or tiler[1] not in _SM90_TILE_N):
+    else:
+        if tiler is not None and (tiler[0] not in rules.tile_m or tiler[1] not in rules.tile_n):
             raise ValueError(
-                f"mma_tiler_mn={tiler} unsupported on SM90: tile M in {_SM90_TILE_M}, tile N a "
-                "multiple of 16 in [16, 256] (or None: chosen per shape from configs/cuda)"
+                f"mma_tiler_mn={tiler} unsupported on SM90: {tiles_text} (or None: chosen per "
+                "shape from configs/cuda)"
             )
-        if cluster is not None and cluster not in _SM90_CLUSTERS:
+        clusters = tuple(sorted({rules.cluster_for(m) for m in rules.tile_m}))
+        if cluster is not None and cluster not in clusters:
             raise ValueError(
-                f"cluster_shape_mn={cluster} unsupported on SM90: one of {_SM90_CLUSTERS} or None"
+                f"cluster_shape_mn={cluster} unsupported on SM90: one of {clusters} or None"
             )
     return tiler, cluster
 

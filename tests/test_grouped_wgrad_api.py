@@ -19,7 +19,16 @@ import pytest
 import torch
 
 import cuda_kernels
-from cuda_kernels.grouped_wgrad import api
+from cuda_kernels.grouped_wgrad import (
+    _env,
+    _types,
+    api,
+    classes,
+    dispatch,
+    launch,
+    validate,
+    wrappers,
+)
 from cuda_kernels.grouped_wgrad.torch_ref import grouped_wgrad_torch
 
 try:
@@ -95,7 +104,7 @@ class FakeKernels:
 
         def launcher(a, b, offsets, out, stream=None):
             self.launches += 1
-            dtype = api._NAME_TO_DTYPE[contract.out_dtype]
+            dtype = _types._NAME_TO_DTYPE[contract.out_dtype]
             shape = (contract.hidden, contract.intermediate)
             if contract.output_mode == "discrete":
                 views = [_tensor_at(int(p), shape, dtype) for p in out.tolist()]
@@ -127,10 +136,9 @@ def fake_device(monkeypatch):
     """Pretend the CPU is a CUDA device of capability ``fake.cc`` with CuTe DSL kernels."""
     fake = FakeKernels()
     fake.cc = 90
-    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": fake.cc)
-    monkeypatch.setattr(api, "_cutlass_dsl_missing", lambda: None)
-    monkeypatch.setattr(api, "_compile_sm90_kernel", fake.compile)
-    monkeypatch.setattr(api, "_compile_sm100_kernel", fake.compile)
+    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": fake.cc)
+    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(launch, "_compile_launcher", lambda contract, who: fake.compile(contract))
     return fake
 
 
@@ -420,8 +428,8 @@ def test_capability_refused(arch, cc, regex, fake_device):
 
 
 def test_sm100_compile_says_kernel_not_built(monkeypatch):
-    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": 100)
-    monkeypatch.setattr(api, "_sm100_module", lambda: None)
+    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(_env, "family_module", lambda arch: None)
     a, b, off = _operands(COUNTS)
     op = api.GroupedGemmWgradSm100(a, b, None, None, off, sample_wgrad=torch.empty(3, H, I))
     assert op.check_support() is True
@@ -432,8 +440,8 @@ def test_sm100_compile_says_kernel_not_built(monkeypatch):
 
 
 def test_sm90_compile_without_cutlass(monkeypatch):
-    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": 90)
-    monkeypatch.setattr(api, "_cutlass_dsl_missing", lambda: "nvidia-cutlass-dsl is not installed")
+    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 90)
+    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: "nvidia-cutlass-dsl is not installed")
     a, b, off = _operands(COUNTS)
     op = api.GroupedGemmWgradSm90(a, b, None, None, off, sample_wgrad=torch.empty(3, H, I))
     with pytest.raises(RuntimeError, match="nvidia-cutlass-dsl is not installed"):
@@ -579,11 +587,11 @@ def test_sm90_key_is_static():
         out_dtype="float32", output_mode="dense", accumulate=True, input_order="tensor2d",
         mma_tiler_mn=None, cluster_shape_mn=None,
     )
-    key = api._sm90_key(c)
-    assert key == api._sm90_key(dataclasses.replace(c))
+    key = launch._contract_key(c)
+    assert key == launch._contract_key(dataclasses.replace(c))
     assert (key.hidden, key.intermediate, key.num_experts) == (256, 512, 8)
     assert key.out_dtype == "float32" and key.accumulate is True
-    key2 = api._sm90_key(dataclasses.replace(c, mma_tiler_mn=(64, 128)))
+    key2 = launch._contract_key(dataclasses.replace(c, mma_tiler_mn=(64, 128)))
     assert (key2.tile.tile_m, key2.tile.tile_n) == (64, 128)
 
 
@@ -640,7 +648,7 @@ def test_wrapper_discrete_values(fake_device):
     _assert_close(stacked, ref, torch.bfloat16)
     stacked.fill_(float("nan"))
     op.execute(a, b, None, None, off, wgrad_tensor=stacked,
-               wgrad_ptrs=api._stacked_pointers(stacked))
+               wgrad_ptrs=classes._stacked_pointers(stacked))
     _assert_close(stacked, ref, torch.bfloat16)
     with pytest.raises(ValueError, match="not expert 0's slab"):
         op.execute(a, b, None, None, off, wgrad_tensor=stacked, wgrad_ptrs=ptrs)
@@ -948,7 +956,7 @@ def test_api_contract_compiles_offline_for_sm90a():
         out_dtype="float32", output_mode="discrete", accumulate=True,
         input_order="tensor2d", mma_tiler_mn=None, cluster_shape_mn=None,
     )
-    ptx = sm90_bf16.compile_sm90_wgrad_offline(api._sm90_key(c), arch="sm_90a")
+    ptx = sm90_bf16.compile_sm90_wgrad_offline(launch._contract_key(c), arch="sm_90a")
     assert "wgmma.mma_async" in ptx
 
 
@@ -1006,7 +1014,7 @@ def test_gpu_sm90_graph_capture_replays_new_offsets():
     a, b, off = _cuda_operands(counts, seed=1)
     out = torch.empty(4, 256, 512, dtype=torch.float32, device="cuda")
     api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off, wgrad_tensor=out)  # compile
-    n_ops = len(api._OP_CACHE)
+    n_ops = len(wrappers._OP_CACHE)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -1018,7 +1026,7 @@ def test_gpu_sm90_graph_capture_replays_new_offsets():
         graph.replay()
         torch.cuda.synchronize()
         _close_gpu(out, a, b, off, torch.float32)
-    assert len(api._OP_CACHE) == n_ops
+    assert len(wrappers._OP_CACHE) == n_ops
 
 
 @pytest.mark.gpu
@@ -1049,7 +1057,7 @@ def test_grouped_wgrad_fp32_backend_choice(fake_device):
 # ------------------------------------------------------------------------------------------------
 # Issue 8 item 1: grouped_wgrad_fp32 / the cuda-sm100 backend's grouped_wgrad / the torch op never
 # hand the SM100 kernel offsets off its 256-row contract unless the caller states the alignment.
-# The routing below is the real decision (api._fp32_route, kernel_unsupported_reason); only the
+# The routing below is the real decision (dispatch._fp32_route, kernel_unsupported_reason); only the
 # capability query and the compiled launcher are faked (fake_device), never the choice.
 # ------------------------------------------------------------------------------------------------
 
@@ -1066,7 +1074,7 @@ def test_fp32_sm100_needs_stated_256_row_groups(fake_device, counts):
         assert "multiples of 256" in stats["torch_reason"] and f"={align}" in stats["torch_reason"]
         assert fake_device.launches == 0 and fake_device.compiles == []
         _assert_close(out, ref, torch.float32)
-    assert api._fp32_route("sm100", a, b, off, 512) == ("sm100", None)
+    assert dispatch._fp32_route("sm100", a, b, off, 512) == ("sm100", None)
     stats = {}
     out = api.grouped_wgrad_fp32(a, b, off, backend="sm100", stats=stats, group_align=256)
     assert stats == {"kernel": 1} and fake_device.launches == 1
@@ -1077,9 +1085,9 @@ def test_fp32_sm100_needs_stated_256_row_groups(fake_device, counts):
 
 def test_fp32_sm90_takes_any_alignment(fake_device):
     a, b, off = _operands([16, 0, 48], hidden=128, inter=128)
-    assert api._fp32_route("sm90", a, b, off) == ("sm90", None)
-    assert api._fp32_route("torch", a, b, off, 256) == ("torch", "backend='torch' requested")
-    assert api._fp32_route("auto", a, b, off, 256)[0] == "torch"  # a CPU tensor
+    assert dispatch._fp32_route("sm90", a, b, off) == ("sm90", None)
+    assert dispatch._fp32_route("torch", a, b, off, 256) == ("torch", "backend='torch' requested")
+    assert dispatch._fp32_route("auto", a, b, off, 256)[0] == "torch"  # a CPU tensor
     for bad in (0, -256, 1.5, True, None):
         with pytest.raises(ValueError, match="group_align"):
             api.grouped_wgrad_fp32(a, b, off, backend="sm90", group_align=bad)
@@ -1179,7 +1187,7 @@ def test_discrete_both_outputs_as_cudnn_passes_them(arch, fake_device):
     a, b, off = _operands(counts, hidden=256, inter=256)
     ref = _ref64(a, b, off)
     out = torch.full((3, 256, 256), float("nan"), dtype=torch.float32)
-    ptrs = api._stacked_pointers(out)
+    ptrs = classes._stacked_pointers(out)
     r = WRAPPERS[arch](
         a, b, None, None, off, output_mode="discrete", wgrad_tensor=out, wgrad_ptrs=ptrs,
         wgrad_dtype=torch.float32,
@@ -1234,9 +1242,9 @@ def test_cudnn_sized_workspace_is_accepted(arch, fake_device):
 
 def test_offsets_validated_once_per_tensor_version(fake_device, monkeypatch):
     reads = []
-    real = api._check_offsets_now
+    real = validate._check_offsets_now
     monkeypatch.setattr(
-        api, "_check_offsets_now", lambda *args: reads.append(args[0]) or real(*args)
+        validate, "_check_offsets_now", lambda *args: reads.append(args[0]) or real(*args)
     )
     a, b, off = _operands([16, 0, 48])
     run = functools.partial(api.grouped_gemm_wgrad_wrapper_sm90, a, b, None, None)
@@ -1271,10 +1279,44 @@ def test_offsets_validated_once_per_tensor_version(fake_device, monkeypatch):
 def test_validation_cache_never_trusts_a_new_tensor_at_a_freed_address(fake_device):
     a, b, off = _operands([16, 0, 48])
     api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, off)
-    key = next(iter(api._VALIDATED))
+    key = next(iter(validate._VALIDATED))
     # forge the entry for a different live tensor object: the weak reference does not match
     other = torch.tensor([64, 0, 64], dtype=torch.int32)
-    api._VALIDATED[(*key[:-4], other.device, other.data_ptr(), other._version,
-                    tuple(other.shape))] = api._VALIDATED[key]
+    validate._VALIDATED[(*key[:-4], other.device, other.data_ptr(), other._version,
+                    tuple(other.shape))] = validate._VALIDATED[key]
     with pytest.raises(ValueError, match="non-decreasing"):
         api.grouped_gemm_wgrad_wrapper_sm90(a, b, None, None, other)
+
+
+# ------------------------------------------------------------------------------------------------
+# One tile-rule source (issue 8 item 4): the API, the kernels' configs and the docs agree
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_tile_rules_have_one_source(arch):
+    from cuda_kernels.grouped_wgrad import sm90_bf16, sm100_bf16, tiles
+
+    rules = {"sm90": tiles.SM90_TILES, "sm100": tiles.SM100_TILES}[arch]
+    config_cls = {"sm90": sm90_bf16.Sm90TileConfig, "sm100": sm100_bf16.Sm100TileConfig}[arch]
+    for tile_m in (32, 64, 96, 128, 192, 256, 512):
+        for tile_n in range(8, 289, 8):
+            try:
+                validate._check_tiling(arch, (tile_m, tile_n), None)
+                api_ok = True
+            except ValueError:
+                api_ok = False
+            try:
+                config_cls(tile_m, tile_n, 64, 2)
+                kernel_ok = True
+            except ValueError:
+                kernel_ok = False
+            assert api_ok == kernel_ok, (tile_m, tile_n)
+            assert api_ok == (tile_m in rules.tile_m and tile_n in rules.tile_n)
+    for tile_m in rules.tile_m:  # the API's cluster for the kernel's tile is accepted
+        validate._check_tiling(arch, (tile_m, rules.tile_n[-1]), rules.cluster_for(tile_m))
+    doc = " ".join(CLASSES[arch].__doc__.split())
+    assert " ".join(rules.describe("").split()[2:]) in doc  # the docs are generated from it
+    for _name, _cond, config in {"sm90": sm90_bf16.load_sm90_tile_rules,
+                                 "sm100": sm100_bf16.load_sm100_tile_rules}[arch]():
+        assert config.tile_m in rules.tile_m and config.tile_n in rules.tile_n

@@ -21,7 +21,7 @@ import subprocess
 import pytest
 import torch
 
-from cuda_kernels.grouped_wgrad import api
+from cuda_kernels.grouped_wgrad import _env, api, launch
 from cuda_kernels.grouped_wgrad import sm100_bf16 as sm100
 from cuda_kernels.grouped_wgrad.sm100_bf16 import (
     Sm100TileConfig,
@@ -312,7 +312,7 @@ def test_offline_compile_ignores_the_present_gpu_arch(gpu_arch_sm90a):
 def test_arch_pin_restores_state_on_error():
     from cutlass.base_dsl.dsl import BaseDSL
 
-    from cuda_kernels.grouped_wgrad._contract import pinned_cute_arch
+    from cuda_kernels.grouped_wgrad.launch import pinned_cute_arch
 
     envar = BaseDSL._get_dsl().envar
     saved = envar.__dict__.get("_arch")
@@ -327,7 +327,7 @@ def test_arch_pin_restores_state_on_error():
 
 
 def test_cross_compile_builds_no_engine_off_the_present_arch(monkeypatch):
-    from cuda_kernels.grouped_wgrad._contract import cross_compile_kwargs, present_cuda_arch
+    from cuda_kernels.grouped_wgrad.launch import cross_compile_kwargs, present_cuda_arch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert present_cuda_arch() is None
@@ -386,13 +386,13 @@ class _FakeCompiled:
 @pytest.fixture
 def fake_compile(monkeypatch):
     fake = _FakeCompiled()
-    sm100._compiled.cache_clear()
+    sm100.FAMILY.cache_clear()
     monkeypatch.setattr(
-        sm100, "_compile", lambda key, arch, dump_dir=None: fake.keys.append(key) or fake
+        sm100.FAMILY, "_compile", lambda key, arch, dump_dir=None: fake.keys.append(key) or fake
     )
-    monkeypatch.setattr(sm100, "_num_sms", lambda index: 148)
+    monkeypatch.setattr(launch, "_num_sms", lambda index: 148)
     yield fake
-    sm100._compiled.cache_clear()
+    sm100.FAMILY.cache_clear()
 
 
 def _operands(m=256, n=256, counts=(256, 0, 512)):
@@ -492,8 +492,8 @@ def test_launcher_repacks_tensor_ragged_k_major_operands(monkeypatch, fake_compi
 
 def test_api_compiles_but_refuses_to_run_without_opt_in(monkeypatch, fake_compile):
     monkeypatch.delenv(sm100.ENABLE_ENV, raising=False)
-    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": 100)
-    monkeypatch.setattr(api, "_cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
     api.clear_grouped_wgrad_caches()
     try:
         a, b, off = _operands()
@@ -509,8 +509,8 @@ def test_api_compiles_but_refuses_to_run_without_opt_in(monkeypatch, fake_compil
 @pytest.mark.parametrize("mode", ["dense", "discrete"])
 def test_api_with_opt_in_launches_the_contract_key(monkeypatch, fake_compile, mode):
     monkeypatch.setenv(sm100.ENABLE_ENV, "1")
-    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": 100)
-    monkeypatch.setattr(api, "_cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
     api.clear_grouped_wgrad_caches()
     try:
         a, b, off = _operands()
@@ -538,9 +538,9 @@ def test_api_with_opt_in_launches_the_contract_key(monkeypatch, fake_compile, mo
 
 def test_auto_dispatch_skips_unverified_kernel(monkeypatch):
     monkeypatch.delenv(sm100.ENABLE_ENV, raising=False)
-    monkeypatch.setattr(api.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(api, "_query_arch", lambda device, arg="a_tensor": 100)
-    monkeypatch.setattr(api, "_cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
     name, reason = api.select_grouped_wgrad_backend("cuda")
     assert name == "torch" and "not yet verified on hardware" in reason
     monkeypatch.setenv(sm100.ENABLE_ENV, "1")

@@ -1,14 +1,11 @@
-"""Host-side pieces shared by the SM90 and SM100 kernel families: the static-contract field
-rules of their compile keys, the tile-rule YAML reader and the CuTe DSL architecture pin of a
-compile. No CuTe DSL import at module level."""
+"""The compile key every grouped-wgrad kernel family shares (``KernelKey``: the static-contract
+fields and their rules; each family adds its ``tile``). The tile rules are ``tiles.py``'s, the
+compile / launch plumbing ``launch.py``'s. No CuTe DSL import at module level."""
 
 from __future__ import annotations
 
-import contextlib
-import pathlib
-import threading
-from collections.abc import Iterator
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -40,75 +37,79 @@ def check_key_fields(key: Any) -> None:
         )
 
 
-def load_tile_rules(path: pathlib.Path, config_cls: type, arch: str) -> tuple:
-    """Rules of a ``configs/cuda/*_tiles.yaml`` as ``(name, conditions, config)`` in file order.
+@dataclasses.dataclass(frozen=True)
+class KernelKey:
+    """Static contract of one compiled grouped-wgrad kernel (a family's compile-cache key).
+
+    The token dimension (``tokens_sum``) and the offsets values are dynamic and not part of it.
+    A family subclasses it with a last field ``tile`` (its tile config) and ``_TILES`` (its
+    ``tiles.TileRules``).
+
+    Attributes:
+        hidden: M, rows of each expert's Wgrad (and of A).
+        intermediate: N, columns of each expert's Wgrad (and of B).
+        num_experts: E.
+        a_major: ``"k"`` (A stride ``(tokens_sum, 1)``) or ``"m"`` (stride ``(1, hidden)``).
+        b_major: ``"k"`` (B stride ``(1, tokens_sum)``) or ``"n"`` (stride ``(intermediate, 1)``).
+        out_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+        output_mode: ``"dense"`` (one ``(E, M, N)`` row-major tensor) or ``"discrete"`` (``(E,)``
+            int64 pointers to ``(M, N)`` row-major outputs, 16-byte aligned).
+        accumulate: add into the output instead of overwriting it.
+        input_order: ``"tensor2d"`` or ``"tensor_ragged"``.
 
     Raises:
-        RuntimeError: the file is missing or malformed.
+        ValueError: a field outside the values above, a ``tile`` of another family, or hidden /
+            intermediate that the tile does not divide where the family writes whole tiles.
     """
-    import yaml
 
-    try:
-        data = yaml.safe_load(path.read_text())
-        rules = []
-        for rule in data["rules"]:
-            cond = {k: v for k, v in rule.items() if k not in ("name", "config")}
-            rules.append((rule["name"], cond, config_cls(**rule["config"])))
-    except (OSError, KeyError, TypeError, ValueError) as exc:
-        raise RuntimeError(f"cannot read {arch} tile configs from {path}: {exc}") from exc
-    return tuple(rules)
+    _TILES: ClassVar[Any] = None
 
+    hidden: int
+    intermediate: int
+    num_experts: int
+    a_major: str = "k"
+    b_major: str = "n"
+    out_dtype: str = "bfloat16"
+    output_mode: str = "dense"
+    accumulate: bool = False
+    input_order: str = "tensor2d"
 
-#: One CuTe DSL compile at a time may pin the DSL's architecture (it is process-global state).
-_ARCH_PIN_LOCK = threading.RLock()
+    def __post_init__(self) -> None:
+        check_key_fields(self)
+        cls = type(self).__name__
+        tile_cls = type(self).__dataclass_fields__["tile"].default.__class__
+        if not isinstance(self.tile, tile_cls):
+            msg = f"{cls}.tile must be a {tile_cls.__name__}, got {self.tile!r}"
+            raise ValueError(msg)  # noqa: TRY004 - ValueError is the API contract
+        rules = self._TILES
+        if rules.dense_partial_tiles and self.output_mode == "dense":
+            return  # TMA zero-fills the loads and clips the stores of each expert's last tiles
+        why = (
+            "for discrete outputs (no partial output tiles)"
+            if rules.dense_partial_tiles
+            else f"(the {rules.arch} kernel has no partial output tiles)"
+        )
+        if self.hidden % self.tile.tile_m:
+            raise ValueError(
+                f"{cls}: hidden={self.hidden} must be a multiple of tile_m={self.tile.tile_m} {why}"
+            )
+        if self.intermediate % self.tile.tile_n:
+            raise ValueError(
+                f"{cls}: intermediate={self.intermediate} must be a multiple of tile_n="
+                f"{self.tile.tile_n} {why}"
+            )
 
+    @property
+    def m_tiles(self) -> int:
+        """MMA tiles along hidden: ``ceil(M / tile_m)``."""
+        return -(-self.hidden // self.tile.tile_m)
 
-@contextlib.contextmanager
-def pinned_cute_arch(arch: str) -> Iterator[None]:
-    """Make CuTe DSL compile for ``arch`` (e.g. ``"sm_100a"``) whatever GPU is present; restore after.
+    @property
+    def n_tiles(self) -> int:
+        """MMA tiles along intermediate: ``ceil(N / tile_n)``."""
+        return -(-self.intermediate // self.tile.tile_n)
 
-    CuTe DSL takes the target of its arch checks (``BaseDSL.get_arch_enum``: tcgen05 / wgmma /
-    TMA atoms built while tracing) from ``compile_options.gpu_arch`` and, where that is unset or
-    read outside a compile, from ``envar.arch``: ``CUTE_DSL_ARCH`` or, without it, the compute
-    capability of the GPU it finds (``sm_100`` when none). The execution-target check of the
-    compile backend compares ``envar.arch`` with the compile target as well. An offline compile
-    for another architecture than the present GPU's (``sm_100a`` on an H200) therefore pins
-    ``envar.arch`` for the duration of the compile, besides passing ``--gpu-arch``; the previous
-    value (including "not yet detected") is restored on exit, errors included. Pair it with
-    :func:`cross_compile_kwargs` so that no JIT engine is built for a target the present GPU
-    cannot run.
-    """
-    from cutlass.base_dsl.dsl import BaseDSL
-
-    envar = BaseDSL._get_dsl().envar
-    with _ARCH_PIN_LOCK:
-        saved = envar.__dict__.get("_arch", _MISSING)
-        envar.arch = arch
-        try:
-            yield
-        finally:
-            if saved is _MISSING:
-                del envar.arch
-            else:
-                envar._arch = saved
-
-
-_MISSING = object()
-
-
-def present_cuda_arch() -> str | None:
-    """The CuTe DSL arch name of the current CUDA device (``"sm_90a"``, ``"sm_100a"``), or None
-    without CUDA. A compile for another target builds no JIT engine (``cross_compile_kwargs``)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
-
-
-def cross_compile_kwargs(arch: str) -> dict:
-    """``cute.compile`` keywords for a compile targeting ``arch``: ``no_jit_engine=True`` unless
-    the present GPU is that arch, so that a binary the present GPU cannot run (sm_100a on an
-    H200, anything on a machine without GPU) is only compiled, never loaded."""
-    return {} if present_cuda_arch() == arch else {"no_jit_engine": True}
+    @property
+    def num_tiles(self) -> int:
+        """Output tiles of one launch: ``E * ceil(M / tile_m) * ceil(N / tile_n)``."""
+        return self.num_experts * self.m_tiles * self.n_tiles

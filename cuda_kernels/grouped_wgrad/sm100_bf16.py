@@ -52,27 +52,25 @@ with discrete outputs, a dynamic (atomic / CLC) tile scheduler.
 Public names (mirroring ``sm90_bf16``): ``Sm100TileConfig``, ``Sm100WgradKey``,
 ``select_sm100_tile_config``, ``compile_sm100_wgrad`` (cached; ``COMPILE_COUNT`` counts real
 compiles), ``compile_sm100_wgrad_offline`` (PTX text for ``sm_100a`` without a GPU),
-``unverified_reason``, ``ENABLE_ENV``. CuTe DSL is imported only inside the compile functions.
+``unverified_reason``, ``ENABLE_ENV``. The kernel's host side is its key and kernel plugged into
+``launch.KernelFamily`` (``FAMILY``: the opt-in gate, the no-token path and the SM100 compile
+target are its hooks), which compiles, caches and launches. CuTe DSL is imported only inside the
+compile functions.
 """
 
 import contextlib
 import dataclasses
 import functools
 import os
-import pathlib
-import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import (
-    check_key_fields,
-    cross_compile_kwargs,
-    load_tile_rules,
-    pinned_cute_arch,
-)
+from ._contract import KernelKey
+from .launch import KernelFamily, contract_key_fields
+from .tiles import SM100_TILES, load_tile_rules, match_rule
 
 __all__ = [
-    "COMPILE_COUNT",
+    "COMPILE_COUNT",  # noqa: F822 - served by the module __getattr__ (FAMILY.compile_count)
     "ENABLE_ENV",
     "Sm100TileConfig",
     "Sm100WgradKey",
@@ -84,22 +82,18 @@ __all__ = [
     "unverified_reason",
 ]
 
-#: Number of real (uncached) compiles done by :func:`compile_sm100_wgrad` in this process.
-COMPILE_COUNT = 0
-
 #: Environment variable that must be "1" before the launcher runs the (hardware-unverified) kernel.
 ENABLE_ENV = "MOE_BWD_ENABLE_UNVERIFIED_SM100"
 
-_TILES_YAML = pathlib.Path(__file__).resolve().parents[2] / "configs" / "cuda" / "sm100_tiles.yaml"
 #: Usable dynamic shared memory per CTA on B200 (CUDA programming guide, compute capability 10.0:
 #: 228 KiB per SM, 227 KiB per block).
-_SMEM_BYTES = 227 * 1024
+_SMEM_BYTES = SM100_TILES.smem_bytes
 #: Shared memory kept for mbarriers, the TMEM pointer and the expert sort (lens + perm per expert).
-_SMEM_HEADER = 1024
+_SMEM_HEADER = SM100_TILES.smem_reserved
 #: Epilogue staging buffers (TMA store sub-tiles) per CTA.
 _EPI_STAGES = 2
 #: SM100 contract: expert token counts are multiples of this (api.SM100_GROUP_ALIGN).
-_GROUP_ALIGN = 256
+_GROUP_ALIGN = SM100_TILES.group_align
 
 
 def unverified_reason() -> str | None:
@@ -119,7 +113,7 @@ def unverified_reason() -> str | None:
 class Sm100TileConfig:
     """One MMA tile of the SM100 kernel (a row of ``configs/cuda/sm100_tiles.yaml``).
 
-    Attributes:
+    Attributes (accepted values: ``tiles.SM100_TILES``):
         tile_m: output rows (hidden) per MMA tile: 128 (1-CTA tcgen05.mma) or 256 (2-CTA
             tcgen05.mma over a (2, 1) cluster, 128 rows per CTA).
         tile_n: output columns (intermediate) per MMA tile, a multiple of 32 in [32, 256].
@@ -138,34 +132,17 @@ class Sm100TileConfig:
     stages: int = 4
 
     def __post_init__(self) -> None:
-        if self.tile_m not in (128, 256):
-            raise ValueError(f"Sm100TileConfig.tile_m must be 128 or 256, got {self.tile_m}")
-        if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
-            raise ValueError(
-                f"Sm100TileConfig.tile_n must be a multiple of 32 in [32, 256], got {self.tile_n}"
-            )
-        if self.tile_k not in (64, 128):
-            raise ValueError(
-                f"Sm100TileConfig.tile_k must be 64 or 128 (a divisor of the {_GROUP_ALIGN}-token "
-                f"expert alignment), got {self.tile_k}"
-            )
-        if self.stages < 2:
-            raise ValueError(f"Sm100TileConfig.stages must be >= 2, got {self.stages}")
-        if self.stage_bytes * self.stages + _SMEM_HEADER > _SMEM_BYTES:
-            raise ValueError(
-                f"Sm100TileConfig: {self.stages} stages of {self.stage_bytes} bytes overflow the "
-                f"{_SMEM_BYTES}-byte shared memory of an SM100 CTA"
-            )
+        SM100_TILES.check_config(self)
 
     @property
     def use_2cta(self) -> bool:
         """True for ``tile_m = 256``: the 2-CTA tcgen05.mma (cta_group::2)."""
-        return self.tile_m == 256
+        return self.tile_m == SM100_TILES.two_cta_tile_m
 
     @property
     def cluster_shape_mn(self) -> tuple[int, int]:
         """The CTA cluster: (2, 1) for the 2-CTA MMA, else (1, 1)."""
-        return (2, 1) if self.use_2cta else (1, 1)
+        return SM100_TILES.cluster_for(self.tile_m)
 
     @property
     def cta_tile_mn(self) -> tuple[int, int]:
@@ -176,77 +153,25 @@ class Sm100TileConfig:
     def stage_bytes(self) -> int:
         """Bytes of one pipeline stage in one CTA: 128 bf16 A rows plus this CTA's B rows (the
         2-CTA MMA splits B between the pair)."""
-        b_rows = self.tile_n // 2 if self.use_2cta else self.tile_n
-        return 2 * self.tile_k * (128 + b_rows)
+        return SM100_TILES.stage_bytes(self.tile_m, self.tile_n, self.tile_k)
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm100WgradKey:
-    """Static contract of one compiled SM100 kernel (the compile-cache key).
-
-    The token dimension (``tokens_sum``) and the offsets values are dynamic and not part of it.
-
-    Attributes:
-        hidden: M, rows of each expert's Wgrad (and of A).
-        intermediate: N, columns of each expert's Wgrad (and of B).
-        num_experts: E.
-        a_major: ``"k"`` (A stride ``(tokens_sum, 1)``) or ``"m"`` (stride ``(1, hidden)``).
-        b_major: ``"k"`` (B stride ``(1, tokens_sum)``) or ``"n"`` (stride ``(intermediate, 1)``).
-        out_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
-        output_mode: ``"dense"`` (one ``(E, M, N)`` row-major tensor) or ``"discrete"`` (``(E,)``
-            int64 pointers to ``(M, N)`` row-major outputs, 16-byte aligned).
-        accumulate: add into the output (TMA reduce-add) instead of overwriting it.
-        input_order: ``"tensor2d"`` or ``"tensor_ragged"``.
-        tile: the :class:`Sm100TileConfig`.
+class Sm100WgradKey(KernelKey):
+    """Static contract of one compiled SM100 kernel (the compile-cache key): the fields of
+    ``_contract.KernelKey`` (``accumulate``: TMA reduce-add) and the :class:`Sm100TileConfig`
+    ``tile``. Dense outputs may end in partial tiles (TMA zero-fills loads and clips stores per
+    expert); discrete outputs are stored from registers without predication, so the tile must
+    divide hidden and intermediate.
 
     Raises:
-        ValueError: a field outside the values above, or hidden / intermediate that the tile
-            does not divide.
+        ValueError: a field outside its values, or hidden / intermediate that the tile does not
+            divide for discrete outputs.
     """
 
-    hidden: int
-    intermediate: int
-    num_experts: int
-    a_major: str = "k"
-    b_major: str = "n"
-    out_dtype: str = "bfloat16"
-    output_mode: str = "dense"
-    accumulate: bool = False
-    input_order: str = "tensor2d"
+    _TILES = SM100_TILES
+
     tile: Sm100TileConfig = Sm100TileConfig()
-
-    def __post_init__(self) -> None:
-        check_key_fields(self)
-        if not isinstance(self.tile, Sm100TileConfig):
-            msg = f"Sm100WgradKey.tile must be a Sm100TileConfig, got {self.tile!r}"
-            raise ValueError(msg)  # noqa: TRY004 - ValueError is the API contract
-        # Dense outputs may end in partial tiles (TMA zero-fills loads and clips stores per
-        # expert); discrete outputs are stored from registers without predication.
-        if self.output_mode == "discrete" and self.hidden % self.tile.tile_m:
-            raise ValueError(
-                f"Sm100WgradKey: hidden={self.hidden} must be a multiple of tile_m="
-                f"{self.tile.tile_m} for discrete outputs (no partial output tiles)"
-            )
-        if self.output_mode == "discrete" and self.intermediate % self.tile.tile_n:
-            raise ValueError(
-                f"Sm100WgradKey: intermediate={self.intermediate} must be a multiple of tile_n="
-                f"{self.tile.tile_n} for discrete outputs (no partial output tiles)"
-            )
-
-    @property
-    def m_tiles(self) -> int:
-        """MMA tiles along hidden: ``ceil(M / tile_m)``."""
-        return -(-self.hidden // self.tile.tile_m)
-
-    @property
-    def n_tiles(self) -> int:
-        """MMA tiles along intermediate: ``ceil(N / tile_n)``."""
-        return -(-self.intermediate // self.tile.tile_n)
-
-    @property
-    def num_tiles(self) -> int:
-        """MMA tiles of one launch: ``E * ceil(M / tile_m) * ceil(N / tile_n)``."""
-        return self.num_experts * self.m_tiles * self.n_tiles
 
 
 @functools.lru_cache(maxsize=1)
@@ -256,14 +181,7 @@ def load_sm100_tile_rules() -> tuple[tuple[str, dict, Sm100TileConfig], ...]:
     Raises:
         RuntimeError: the file is missing or malformed.
     """
-    return load_tile_rules(_TILES_YAML, Sm100TileConfig, "SM100")
-
-
-def _stages_for(tile_m: int, tile_n: int, tile_k: int) -> int:
-    """As many stages (2..8) as shared memory holds for one CTA of this tile."""
-    b_rows = tile_n // 2 if tile_m == 256 else tile_n
-    stage_bytes = 2 * tile_k * (128 + b_rows)
-    return max(2, min(8, (_SMEM_BYTES - _SMEM_HEADER) // stage_bytes))
+    return load_tile_rules(SM100_TILES.yaml, Sm100TileConfig, "SM100")
 
 
 def select_sm100_tile_config(
@@ -302,27 +220,17 @@ def select_sm100_tile_config(
         )
     if mma_tiler_mn is not None:
         tile_m, tile_n = (int(v) for v in mma_tiler_mn)
-        if tile_m not in (128, 256):
+        if tile_m not in SM100_TILES.tile_m:
             raise ValueError(
-                f"select_sm100_tile_config: mma_tiler_mn={mma_tiler_mn}: tile_m must be 128 or 256"
+                f"select_sm100_tile_config: mma_tiler_mn={mma_tiler_mn}: tile_m must be "
+                + " or ".join(str(m) for m in SM100_TILES.tile_m)
             )
-        config = Sm100TileConfig(tile_m, tile_n, 64, _stages_for(tile_m, tile_n, 64))
+        config = Sm100TileConfig(tile_m, tile_n, 64, SM100_TILES.stages_for(tile_m, tile_n, 64))
     else:
-        config = None
-        for _name, cond, rule_config in load_sm100_tile_rules():
-            if hidden % cond.get("hidden_multiple", 1):
-                continue
-            if intermediate % cond.get("intermediate_multiple", 1):
-                continue
-            if intermediate < cond.get("min_intermediate", 0):
-                continue
-            if num_experts < cond.get("min_experts", 0):
-                continue
-            config = rule_config
-            break
+        config = match_rule(load_sm100_tile_rules(), hidden, intermediate, num_experts)
         if config is None:
             raise ValueError(
-                f"select_sm100_tile_config: no rule of {_TILES_YAML.name} fits hidden={hidden}, "
+                f"select_sm100_tile_config: no rule of {SM100_TILES.yaml.name} fits hidden={hidden}, "
                 f"intermediate={intermediate}"
             )
     if cluster_shape_mn is not None and tuple(cluster_shape_mn) != config.cluster_shape_mn:
@@ -349,18 +257,7 @@ def sm100_key_from_contract(contract: Any) -> Sm100WgradKey:
         mma_tiler_mn=contract.mma_tiler_mn,
         cluster_shape_mn=contract.cluster_shape_mn,
     )
-    return Sm100WgradKey(
-        hidden=contract.hidden,
-        intermediate=contract.intermediate,
-        num_experts=contract.num_experts,
-        a_major=contract.a_major,
-        b_major=contract.b_major,
-        out_dtype=contract.out_dtype,
-        output_mode=contract.output_mode,
-        accumulate=contract.accumulate,
-        input_order=contract.input_order,
-        tile=tile,
-    )
+    return Sm100WgradKey(**contract_key_fields(contract), tile=tile)
 
 
 # --------------------------------------------------------------------------------------------
@@ -946,35 +843,6 @@ def _kernel_class():
     return _build_kernel_class()
 
 
-def _fake_args(key: Sm100WgradKey):
-    """Fake (shape-only) tensors for an offline or cached compile of ``key``."""
-    from .sm90_bf16 import fake_wgrad_operands
-
-    return fake_wgrad_operands(key)
-
-
-def _compile(key: Sm100WgradKey, arch: str | None, dump_dir: str | None = None):
-    import cutlass
-    from cutlass import cute
-
-    # tensor_ragged with a K-major operand is repacked on the device by the launcher (see
-    # sm90_bf16._ragged_to_2d), so the compiled kernel is the tensor2d one.
-    kernel = _kernel_class()(key)
-    a, b, offsets, out = _fake_args(key)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    opts = "--enable-tvm-ffi"
-    if arch is None:
-        return cute.compile(kernel, a, b, offsets, out, cutlass.Int32(1), stream, options=opts)
-    opts += f" --gpu-arch {arch}"
-    if dump_dir is not None:
-        opts += f" --keep-ptx --dump-dir {dump_dir}"
-    with pinned_cute_arch(arch):  # not the arch of whatever GPU is present (an H200: sm_90a)
-        return cute.compile(
-            kernel, a, b, offsets, out, cutlass.Int32(1), stream, options=opts,
-            **cross_compile_kwargs(arch),
-        )
-
-
 #: Targets the kernel is built for (tcgen05 with the arch-specific feature set).
 _SM100_TARGETS = ("sm_100a", "sm_103a", "sm_110a")
 
@@ -995,17 +863,6 @@ def _target_arch() -> str:
     return "sm_100a"
 
 
-_LOCK = threading.Lock()
-
-
-@functools.cache
-def _compiled(key: Sm100WgradKey):
-    global COMPILE_COUNT
-    fn = _compile(key, _target_arch())
-    COMPILE_COUNT += 1
-    return fn
-
-
 def _as_key(key_or_contract: Any) -> Sm100WgradKey:
     if isinstance(key_or_contract, Sm100WgradKey):
         return key_or_contract
@@ -1015,6 +872,56 @@ def _as_key(key_or_contract: Any) -> Sm100WgradKey:
         f"compile_sm100_wgrad: expected a Sm100WgradKey or an api.WgradContract, got "
         f"{type(key_or_contract).__name__}"
     )
+
+
+def _zero_tokens(x, k_major: bool, transpose: bool):
+    """A 256-token zero stand-in for an operand with no tokens, in the operand's layout."""
+    import torch
+
+    rows = x.shape[1] if transpose else x.shape[0]
+    if k_major:
+        y = torch.zeros(rows, _GROUP_ALIGN, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.zeros(_GROUP_ALIGN, rows, dtype=x.dtype, device=x.device).t()
+    return y.t() if transpose else y
+
+
+def _no_tokens(key: Sm100WgradKey, a, b, out, stream):
+    """The launch hook of ``tokens_sum = 0`` (every expert empty; TMA has no 0-sized boxes):
+    nothing to do when accumulating, dense zeros written on the host side, and for discrete
+    outputs 256 zero tokens (never read: every expert's range is empty) so that the kernel's TMA
+    descriptors are valid while it writes the zeros through the pointers."""
+    if a.shape[1] != 0:
+        return a, b
+    if key.accumulate:
+        return None
+    if key.output_mode == "dense":
+        import torch
+
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            out.zero_()
+        return None
+    a = _zero_tokens(a, key.a_major == "k", transpose=False)
+    b = _zero_tokens(b, key.b_major == "k", transpose=True)
+    return a, b
+
+
+#: The SM100 family in the shared compile-cache / launch layer: static persistent scheduling (one
+#: (2, 1) cluster per SM pair for the 2-CTA tile), the runtime compile pinned to an SM100 target,
+#: every launch gated on the hardware opt-in (``unverified_reason``), tokens_sum = 0 on the host.
+FAMILY = KernelFamily(
+    "sm100",
+    lambda key: _kernel_class()(key),
+    sm100_key_from_contract,
+    runtime_arch=_target_arch,
+    gate=unverified_reason,
+    prepare=_no_tokens,
+    as_key=_as_key,
+)
+
+
+__getattr__ = FAMILY.module_getattr(__name__)  # COMPILE_COUNT: the family's count
 
 
 def compile_sm100_wgrad(key: Any) -> Callable[..., None]:
@@ -1042,70 +949,7 @@ def compile_sm100_wgrad(key: Any) -> Callable[..., None]:
         RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.
         ValueError: the key / contract is outside what the kernel is built for.
     """
-    try:
-        import cutlass  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError(
-            "compile_sm100_wgrad needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
-        ) from exc
-    key = _as_key(key)
-    with _LOCK:
-        fn = _compiled(key)
-    return functools.partial(_launch, key, fn)
-
-
-@functools.lru_cache(maxsize=16)
-def _num_sms(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _zero_tokens(x, k_major: bool, transpose: bool):
-    """A 256-token zero stand-in for an operand with no tokens, in the operand's layout."""
-    import torch
-
-    rows = x.shape[1] if transpose else x.shape[0]
-    if k_major:
-        y = torch.zeros(rows, _GROUP_ALIGN, dtype=x.dtype, device=x.device)
-    else:
-        y = torch.zeros(_GROUP_ALIGN, rows, dtype=x.dtype, device=x.device).t()
-    return y.t() if transpose else y
-
-
-def _launch(key: Sm100WgradKey, fn: Any, a, b, offsets, out, stream=None) -> None:
-    reason = unverified_reason()
-    if reason is not None:
-        raise RuntimeError(reason)
-    import torch
-
-    from .sm90_bf16 import _ragged_to_2d
-
-    if a.shape[1] == 0:  # tokens_sum = 0: every expert is empty (and TMA has no 0-sized boxes)
-        if key.accumulate:
-            return
-        if key.output_mode == "dense":
-            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-            with ctx:
-                out.zero_()
-            return
-        # discrete: the kernel writes the zeros through the pointers; give it 256 zero tokens
-        # (never read: every expert's range is empty) so that its TMA descriptors are valid
-        a = _zero_tokens(a, key.a_major == "k", transpose=False)
-        b = _zero_tokens(b, key.b_major == "k", transpose=True)
-    if key.input_order == "tensor_ragged":
-        if key.a_major == "k":
-            a = _ragged_to_2d(a, offsets, a.shape[0])
-        if key.b_major == "k":
-            b = _ragged_to_2d(b.t(), offsets, b.shape[1]).t()
-    cluster_m = key.tile.cluster_shape_mn[0]
-    max_clusters = max(1, _num_sms(a.device.index or 0) // cluster_m)
-    num_clusters = max(1, min(key.num_tiles, max_clusters))
-    if stream is None:
-        fn(a, b.t(), offsets, out, num_clusters)
-    else:
-        with torch.cuda.stream(stream):
-            fn(a, b.t(), offsets, out, num_clusters)
+    return FAMILY.launcher(key)
 
 
 def compile_sm100_wgrad_offline(key: Any, arch: str = "sm_100a") -> str:
@@ -1119,18 +963,4 @@ def compile_sm100_wgrad_offline(key: Any, arch: str = "sm_100a") -> str:
         RuntimeError: CuTe DSL is not installed or produced no PTX.
         ValueError: the key / contract is outside what the kernel is built for.
     """
-    try:
-        import cutlass  # noqa: F401
-    except ImportError as exc:
-        raise RuntimeError(
-            "compile_sm100_wgrad_offline needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
-        ) from exc
-    import tempfile
-
-    key = _as_key(key)
-    with tempfile.TemporaryDirectory(prefix="sm100_wgrad_ptx_") as tmp:
-        fn = _compile(key, arch, dump_dir=tmp)
-        ptx = fn.__ptx__
-    if not ptx:
-        raise RuntimeError(f"CuTe DSL produced no PTX for {key} on {arch}")
-    return ptx
+    return FAMILY.offline_ptx(key, arch)

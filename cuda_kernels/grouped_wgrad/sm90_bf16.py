@@ -31,42 +31,35 @@ Structure (one CTA per SM, persistent, warp-specialized):
 - empty experts issue no loads and write zeros, or leave the output untouched when accumulating.
 
 Public names (docs/CONTRACTS.md): ``Sm90TileConfig``, ``Sm90WgradKey``, ``select_sm90_tile_config``,
-``compile_sm90_wgrad`` (cached; ``COMPILE_COUNT`` counts real compiles) and
-``compile_sm90_wgrad_offline`` (PTX text for ``sm_90a`` without a GPU). CuTe DSL is imported only
-inside the compile functions.
+``sm90_key_from_contract``, ``compile_sm90_wgrad`` (cached; ``COMPILE_COUNT`` counts real
+compiles) and ``compile_sm90_wgrad_offline`` (PTX text for ``sm_90a`` without a GPU): the kernel's
+host side is its key and kernel plugged into ``launch.KernelFamily`` (``FAMILY``), which compiles,
+caches and launches. CuTe DSL is imported only inside the compile functions.
 """
 
 
 
 import dataclasses
 import functools
-import pathlib
-import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import (
-    check_key_fields,
-    cross_compile_kwargs,
-    load_tile_rules,
-    pinned_cute_arch,
-)
+from ._contract import KernelKey
+from .launch import KernelFamily, contract_key_fields
+from .tiles import SM90_TILES, load_tile_rules, match_rule
 
 __all__ = [
-    "COMPILE_COUNT",
+    "COMPILE_COUNT",  # noqa: F822 - served by the module __getattr__ (FAMILY.compile_count)
     "Sm90TileConfig",
     "Sm90WgradKey",
     "compile_sm90_wgrad",
     "compile_sm90_wgrad_offline",
     "load_sm90_tile_rules",
     "select_sm90_tile_config",
+    "sm90_key_from_contract",
 ]
 
-#: Number of real (uncached) compiles done by :func:`compile_sm90_wgrad` in this process.
-COMPILE_COUNT = 0
-
-_TILES_YAML = pathlib.Path(__file__).resolve().parents[2] / "configs" / "cuda" / "sm90_tiles.yaml"
-_SMEM_BYTES = 227 * 1024  # usable dynamic shared memory per CTA on H100/H200
+_SMEM_BYTES = SM90_TILES.smem_bytes  # usable dynamic shared memory per CTA on H100/H200
 _SCHED_STAGES = 4  # depth of the tile-id ring between the producer warp and the consumers
 
 
@@ -74,7 +67,7 @@ _SCHED_STAGES = 4  # depth of the tile-id ring between the producer warp and the
 class Sm90TileConfig:
     """One CTA tile of the SM90 kernel (a row of ``configs/cuda/sm90_tiles.yaml``).
 
-    Attributes:
+    Attributes (accepted values: ``tiles.SM90_TILES``):
         tile_m: output rows (hidden) per CTA tile, 64 or 128 (= 64 x consumer warp groups).
         tile_n: output columns (intermediate) per CTA tile, a multiple of 16 in [16, 256].
         tile_k: tokens per pipeline stage, 64 (one 128-byte swizzle row of bf16).
@@ -94,26 +87,17 @@ class Sm90TileConfig:
     pingpong: bool = False
 
     def __post_init__(self) -> None:
-        if self.tile_m not in (64, 128):
-            raise ValueError(f"Sm90TileConfig.tile_m must be 64 or 128, got {self.tile_m}")
-        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
-            raise ValueError(
-                f"Sm90TileConfig.tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}"
-            )
-        if self.tile_k != 64:
-            raise ValueError(f"Sm90TileConfig.tile_k must be 64, got {self.tile_k}")
-        if self.stages < 2:
-            raise ValueError(f"Sm90TileConfig.stages must be >= 2, got {self.stages}")
-        if self.stage_bytes * self.stages + 1024 > _SMEM_BYTES:
-            raise ValueError(
-                f"Sm90TileConfig: {self.stages} stages of {self.stage_bytes} bytes overflow the "
-                f"{_SMEM_BYTES}-byte shared memory of an SM90 CTA"
-            )
+        SM90_TILES.check_config(self)
+
+    @property
+    def cluster_shape_mn(self) -> tuple[int, int]:
+        """The CTA cluster: (1, 1) (the SM90 kernel runs without clusters)."""
+        return SM90_TILES.cluster_for(self.tile_m)
 
     @property
     def stage_bytes(self) -> int:
         """Bytes of one pipeline stage: a bf16 A tile plus a bf16 B tile."""
-        return 2 * self.tile_k * (self.tile_m + self.tile_n)
+        return SM90_TILES.stage_bytes(self.tile_m, self.tile_n, self.tile_k)
 
     @property
     def consumer_groups(self) -> int:
@@ -132,64 +116,20 @@ class Sm90TileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm90WgradKey:
-    """Static contract of one compiled SM90 kernel (the compile-cache key).
-
-    The token dimension (``tokens_sum``) and the offsets values are dynamic and not part of it.
-
-    Attributes:
-        hidden: M, rows of each expert's Wgrad (and of A).
-        intermediate: N, columns of each expert's Wgrad (and of B).
-        num_experts: E.
-        a_major: ``"k"`` (A stride ``(tokens_sum, 1)``) or ``"m"`` (stride ``(1, hidden)``).
-        b_major: ``"k"`` (B stride ``(1, tokens_sum)``) or ``"n"`` (stride ``(intermediate, 1)``).
-        out_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
-        output_mode: ``"dense"`` (one ``(E, M, N)`` tensor) or ``"discrete"`` (``(E,)`` int64
-            pointers to ``(M, N)`` row-major outputs, 16-byte aligned).
-        accumulate: add into the output instead of overwriting it.
-        input_order: ``"tensor2d"`` or ``"tensor_ragged"`` (see :func:`compile_sm90_wgrad`).
-        tile: the :class:`Sm90TileConfig`.
+class Sm90WgradKey(KernelKey):
+    """Static contract of one compiled SM90 kernel (the compile-cache key): the fields of
+    ``_contract.KernelKey`` and the :class:`Sm90TileConfig` ``tile``, which must divide hidden
+    and intermediate (the SM90 kernel has no partial output tiles). ``input_order``: see
+    :func:`compile_sm90_wgrad`.
 
     Raises:
-        ValueError: a field outside the values above, or hidden / intermediate that the tile does
-            not divide.
+        ValueError: a field outside its values, or hidden / intermediate that the tile does not
+            divide.
     """
 
-    hidden: int
-    intermediate: int
-    num_experts: int
-    a_major: str = "k"
-    b_major: str = "n"
-    out_dtype: str = "bfloat16"
-    output_mode: str = "dense"
-    accumulate: bool = False
-    input_order: str = "tensor2d"
+    _TILES = SM90_TILES
+
     tile: Sm90TileConfig = Sm90TileConfig()
-
-    def __post_init__(self) -> None:
-        check_key_fields(self)
-        if not isinstance(self.tile, Sm90TileConfig):
-            msg = f"Sm90WgradKey.tile must be a Sm90TileConfig, got {self.tile!r}"
-            raise ValueError(msg)  # noqa: TRY004 - ValueError is the API contract
-        if self.hidden % self.tile.tile_m:
-            raise ValueError(
-                f"Sm90WgradKey: hidden={self.hidden} must be a multiple of tile_m="
-                f"{self.tile.tile_m} (the SM90 kernel has no partial output tiles)"
-            )
-        if self.intermediate % self.tile.tile_n:
-            raise ValueError(
-                f"Sm90WgradKey: intermediate={self.intermediate} must be a multiple of tile_n="
-                f"{self.tile.tile_n} (the SM90 kernel has no partial output tiles)"
-            )
-
-    @property
-    def num_tiles(self) -> int:
-        """Output tiles of one launch: ``E * (M / tile_m) * (N / tile_n)``."""
-        return (
-            self.num_experts
-            * (self.hidden // self.tile.tile_m)
-            * (self.intermediate // self.tile.tile_n)
-        )
 
 
 @functools.lru_cache(maxsize=1)
@@ -199,7 +139,7 @@ def load_sm90_tile_rules() -> tuple[tuple[str, dict, Sm90TileConfig], ...]:
     Raises:
         RuntimeError: the file is missing or malformed.
     """
-    return load_tile_rules(_TILES_YAML, Sm90TileConfig, "SM90")
+    return load_tile_rules(SM90_TILES.yaml, Sm90TileConfig, "SM90")
 
 
 def select_sm90_tile_config(
@@ -233,24 +173,15 @@ def select_sm90_tile_config(
         )
     if mma_tiler_mn is not None:
         tile_m, tile_n = mma_tiler_mn
-        stage_bytes = 2 * 64 * (tile_m + tile_n)
-        stages = max(2, min(8, (_SMEM_BYTES - 1024) // stage_bytes))
-        config = Sm90TileConfig(tile_m, tile_n, 64, stages)
+        config = Sm90TileConfig(tile_m, tile_n, 64, SM90_TILES.stages_for(tile_m, tile_n, 64))
         if hidden % tile_m or intermediate % tile_n:
             raise ValueError(
                 f"select_sm90_tile_config: mma_tiler_mn={mma_tiler_mn} must divide "
                 f"hidden={hidden} and intermediate={intermediate}"
             )
         return config
-    for _name, cond, config in load_sm90_tile_rules():
-        if hidden % cond.get("hidden_multiple", 1):
-            continue
-        if intermediate % cond.get("intermediate_multiple", 1):
-            continue
-        if intermediate < cond.get("min_intermediate", 0):
-            continue
-        if num_experts < cond.get("min_experts", 0):
-            continue
+    config = match_rule(load_sm90_tile_rules(), hidden, intermediate, num_experts)
+    if config is not None:
         return config
     raise ValueError(
         f"select_sm90_tile_config: no SM90 tile fits hidden={hidden}, intermediate={intermediate}"
@@ -895,110 +826,32 @@ def _kernel_class():
     return _build_kernel_class()
 
 
-def _fake_args(key: Sm90WgradKey):
-    """Fake (shape-only) tensors for an offline or cached compile of ``key``: the operands of
-    :func:`fake_wgrad_operands` plus the scheduler's tile counter."""
-    import cutlass
-    from cutlass import cute
+def sm90_key_from_contract(contract: Any) -> Sm90WgradKey:
+    """The :class:`Sm90WgradKey` of an ``api.WgradContract`` (tile from its ``mma_tiler_mn``,
+    else from ``configs/cuda/sm90_tiles.yaml``).
 
-    counter = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
-    return (*fake_wgrad_operands(key), counter)
-
-
-def fake_wgrad_operands(key):
-    """Fake (shape-only) ``a, b, offsets, out`` of a grouped wgrad key (SM90 or SM100: the same
-    field names), with a symbolic ``tokens_sum`` so one compile serves every split."""
-    import cutlass
-    from cutlass import cute
-
-    out_t = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
-    m, n, e = key.hidden, key.intermediate, key.num_experts
-    any_k_major = key.a_major == "k" or key.b_major == "k"
-    s = cute.sym_int32(divisibility=8 if any_k_major else 1, symbol="tokens_sum")
-    a = cute.runtime.make_fake_compact_tensor(
-        cutlass.BFloat16,
-        (m, s),
-        stride_order=(1, 0) if key.a_major == "k" else (0, 1),
-        assumed_align=16,
-    )
-    b = cute.runtime.make_fake_compact_tensor(
-        cutlass.BFloat16,
-        (n, s),
-        stride_order=(1, 0) if key.b_major == "k" else (0, 1),
-        assumed_align=16,
-    )
-    offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
-    if key.output_mode == "dense":
-        out = cute.runtime.make_fake_compact_tensor(
-            out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
-        )
-    else:
-        out = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (e,), assumed_align=8)
-    return a, b, offsets, out
-
-
-def _compile(key: Sm90WgradKey, arch: str | None, dump_dir: str | None = None):
-    import cutlass
-    from cutlass import cute
-
-    # tensor_ragged with a K-major operand has a per-expert row stride (K_e), not one TMA
-    # descriptor: the launcher repacks such operands on the device first (see _ragged_to_2d), so
-    # the compiled kernel is the tensor2d one.
-    kernel = _kernel_class()(key)
-    a, b, offsets, out, counter = _fake_args(key)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    opts = "--enable-tvm-ffi"
-    if arch is None:
-        return cute.compile(
-            kernel, a, b, offsets, out, counter, cutlass.Int32(1), stream, options=opts
-        )
-    opts += f" --gpu-arch {arch}"
-    if dump_dir is not None:
-        opts += f" --keep-ptx --dump-dir {dump_dir}"
-    with pinned_cute_arch(arch):  # not the arch of whatever GPU is present (none: sm_100)
-        return cute.compile(
-            kernel, a, b, offsets, out, counter, cutlass.Int32(1), stream, options=opts,
-            **cross_compile_kwargs(arch),
-        )
-
-
-_LOCK = threading.Lock()
-
-
-@functools.cache
-def _compiled(key: Sm90WgradKey):
-    global COMPILE_COUNT
-    # The runtime compile targets the present GPU (the path verified on the H200, 2026-12-01);
-    # only offline compiles pin an arch.
-    fn = _compile(key, None)
-    COMPILE_COUNT += 1
-    return fn
-
-
-def _ragged_to_2d(x_XS, offsets_E, k_major_rows: int):
-    """Repack a ``tensor_ragged`` K-major operand into the tensor2d ``(rows, S)`` layout, on device.
-
-    ``x_XS`` is the caller's ``(rows, S)`` view whose storage holds per-expert ``(rows, K_e)``
-    row-major blocks at element offset ``rows * begin_e``. No host read of ``offsets_E``.
+    Raises:
+        ValueError: no tile fits hidden / intermediate (the SM90 kernel writes whole output
+            tiles: hidden and intermediate must be multiples of the tile, 64 at least).
     """
-    import torch
-
-    rows, s = x_XS.shape
-    flat = torch.as_strided(x_XS, (rows * s,), (1,))
-    if s == 0:
-        return x_XS.new_empty((rows, 0)).as_strided((rows, 0), (0, 1))
-    ends = offsets_E.to(torch.int64)
-    begins = torch.cat([ends.new_zeros(1), ends[:-1]])
-    counts = ends - begins
-    col_expert = torch.repeat_interleave(
-        torch.arange(ends.numel(), device=x_XS.device), counts, output_size=s
+    tile = select_sm90_tile_config(
+        contract.hidden,
+        contract.intermediate,
+        contract.num_experts,
+        mma_tiler_mn=contract.mma_tiler_mn,
     )
-    col = torch.arange(s, device=x_XS.device)
-    local_k = col - begins[col_expert]  # (S,)
-    base = rows * begins[col_expert] + local_k  # (S,)
-    row = torch.arange(rows, device=x_XS.device)
-    idx = base[None, :] + row[:, None] * counts[col_expert][None, :]
-    return flat[idx]  # (rows, S) contiguous, K-major
+    return Sm90WgradKey(**contract_key_fields(contract), tile=tile)
+
+
+#: The SM90 family in the shared compile-cache / launch layer: a dynamic persistent scheduler
+#: (a zeroed tile counter per launch), compiled for the present GPU (the path verified on the
+#: H200, 2026-12-01; only offline compiles pin an arch).
+FAMILY = KernelFamily(
+    "sm90", lambda key: _kernel_class()(key), sm90_key_from_contract, tile_counter=True
+)
+
+
+__getattr__ = FAMILY.module_getattr(__name__)  # COMPILE_COUNT: the family's count
 
 
 def compile_sm90_wgrad(key: Sm90WgradKey) -> Callable[..., None]:
@@ -1017,9 +870,9 @@ def compile_sm90_wgrad(key: Sm90WgradKey) -> Callable[..., None]:
 
     ``input_order="tensor_ragged"``: an operand whose unit-stride axis is M / N has the same memory
     as tensor2d; a K-major ragged operand (per-expert ``(rows, K_e)`` blocks) is first repacked on
-    the device by torch ops into the tensor2d layout (no host read, CUDA-graph capturable, but an
-    extra pass over that operand and a ``rows x tokens_sum`` int64 index: a correctness path, not
-    a fast one).
+    the device by torch ops into the tensor2d layout (``launch.ragged_to_2d``: no host read,
+    CUDA-graph capturable, but an extra pass over that operand and a ``rows x tokens_sum`` int64
+    index: a correctness path, not a fast one).
 
     Each call allocates a 4-byte zeroed tile counter on the launch stream (the dynamic
     scheduler's), so concurrent launches on different streams do not share it.
@@ -1027,40 +880,7 @@ def compile_sm90_wgrad(key: Sm90WgradKey) -> Callable[..., None]:
     Raises:
         RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.
     """
-    try:
-        import cutlass  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError(
-            "compile_sm90_wgrad needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
-        ) from exc
-    with _LOCK:
-        fn = _compiled(key)
-    return functools.partial(_launch, key, fn)
-
-
-@functools.lru_cache(maxsize=16)
-def _num_sms(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _launch(key: Sm90WgradKey, fn: Any, a, b, offsets, out, stream=None) -> None:
-    import torch
-
-    if key.input_order == "tensor_ragged":
-        if key.a_major == "k":
-            a = _ragged_to_2d(a, offsets, a.shape[0])
-        if key.b_major == "k":
-            b = _ragged_to_2d(b.t(), offsets, b.shape[1]).t()
-    num_ctas = max(1, min(key.num_tiles, _num_sms(a.device.index or 0)))
-    if stream is None:
-        counter = torch.zeros(1, dtype=torch.int32, device=a.device)
-        fn(a, b.t(), offsets, out, counter, num_ctas)
-    else:
-        with torch.cuda.stream(stream):
-            counter = torch.zeros(1, dtype=torch.int32, device=a.device)
-            fn(a, b.t(), offsets, out, counter, num_ctas)
+    return FAMILY.launcher(key)
 
 
 def compile_sm90_wgrad_offline(key: Sm90WgradKey, arch: str = "sm_90a") -> str:
@@ -1069,17 +889,4 @@ def compile_sm90_wgrad_offline(key: Sm90WgradKey, arch: str = "sm_90a") -> str:
     Raises:
         RuntimeError: CuTe DSL is not installed or produced no PTX.
     """
-    try:
-        import cutlass  # noqa: F401
-    except ImportError as exc:
-        raise RuntimeError(
-            "compile_sm90_wgrad_offline needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
-        ) from exc
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="sm90_wgrad_ptx_") as tmp:
-        fn = _compile(key, arch, dump_dir=tmp)
-        ptx = fn.__ptx__
-    if not ptx:
-        raise RuntimeError(f"CuTe DSL produced no PTX for {key} on {arch}")
-    return ptx
+    return FAMILY.offline_ptx(key, arch)

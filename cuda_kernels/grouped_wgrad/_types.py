@@ -1,0 +1,140 @@
+"""Types and tables of the grouped-wgrad contract: output dtypes, alignment and workspace tables
+(each with why), ``TupleDict`` (the wrappers' result) and ``WgradContract`` (the static contract,
+the API's compile-cache key). Imports no CuTe DSL and queries no GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .tiles import SM100_TILES
+
+# ---------------------------------------------------------------------------------------------
+# Tables of the contract (seed, "BF16 contract"), each with why.
+# ---------------------------------------------------------------------------------------------
+
+#: Output dtypes of the BF16 contract, with the names the kernel keys use.
+OUTPUT_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+#: SM100 BF16 contract: every expert token count is a multiple of 256 (the kernel's fixed K pad).
+SM100_GROUP_ALIGN = SM100_TILES.group_align
+#: TMA: global addresses and non-unit strides are multiples of 16 bytes (CUDA driver
+#: cuTensorMapEncodeTiled); the seed's "16-byte-aligned output address per expert" is the same rule.
+TMA_ALIGN_BYTES = 16
+#: Offsets are int32 loaded by the scheduler: 4-byte aligned. The pointer array is int64: 8 bytes.
+OFFSETS_ALIGN_BYTES = 4
+POINTERS_ALIGN_BYTES = 8
+#: Per-expert runtime TMA descriptors of cuDNN's block-scaled wgrad, 128 bytes each (CUtensorMap
+#: size): A, B, SFA, SFB for every expert, plus the output's in discrete mode. cuDNN's test pins
+#: ``get_grouped_gemm_wgrad_workspace_size_sm100(2) == 1024`` (dense, either input order) and a
+#: discrete size that is a multiple of 128.
+_TMA_DESCRIPTOR_BYTES = 128
+_DESCRIPTORS_PER_EXPERT = {"dense": 4, "discrete": 5}
+#: Operand dtype pairs that select the block-scaled backend in the seed (not built here).
+_BLOCK_SCALED_DTYPES = tuple(
+    d
+    for d in (
+        getattr(torch, "float4_e2m1fn_x2", None),
+        torch.uint8,
+        torch.float8_e5m2,
+        torch.float8_e4m3fn,
+    )
+    if d is not None
+)
+# The tiling rules (tile M / N / K, clusters, partial tiles) are tiles.py's, in one place.
+_OUTPUT_MODES = ("dense", "discrete")
+#: Kernel-key dtype names back to torch dtypes, and their element sizes.
+_NAME_TO_DTYPE = {v: k for k, v in OUTPUT_DTYPES.items()}
+
+
+def _elem_bytes(dtype_name: str) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype_name]
+
+
+# ---------------------------------------------------------------------------------------------
+# TupleDict
+# ---------------------------------------------------------------------------------------------
+
+
+class TupleDict:
+    """Result of the wrappers: ordered named items with keyed access and tuple unpacking.
+
+    ``result["wgrad_tensor"]`` returns the item by name, ``result[0]`` by position, and
+    ``(wgrad,) = result`` unpacks the values in order. ``keys()``, ``values()``, ``items()``,
+    ``len()`` and ``in`` (on names) behave as for a dict. The wrappers return exactly one item,
+    ``wgrad_tensor``.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, **items: Any) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str | int) -> Any:
+        if isinstance(key, int):
+            return list(self._items.values())[key]
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._items.values()))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def keys(self):
+        return self._items.keys()
+
+    def values(self):
+        return self._items.values()
+
+    def items(self):
+        return self._items.items()
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={type(v).__name__}" for k, v in self._items.items())
+        return f"TupleDict({inner})"
+
+
+# ---------------------------------------------------------------------------------------------
+# The static contract = the compile-cache key
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WgradContract:
+    """Static contract of one grouped-wgrad operator; the compile-cache key.
+
+    The token dimension (tokens_sum and the split into experts) is dynamic and is NOT part of the
+    key: new splits never recompile.
+
+    Fields:
+        arch: "sm90" | "sm100" | "torch".
+        hidden: H (the GEMM's M). intermediate: I (the GEMM's N). num_experts: E.
+        a_major: "k" (A strides (S, 1)) | "m" (A strides (1, H)).
+        b_major: "k" (B strides (1, S)) | "n" (B strides (I, 1)).
+        out_dtype: "bfloat16" | "float16" | "float32".
+        output_mode: "dense" (E, H, I) tensor | "discrete" int64 pointer per expert.
+        accumulate: ``accumulate_on_output``.
+        input_order: "tensor2d" | "tensor_ragged".
+        mma_tiler_mn: (tile M, tile N) or None (SM90: chosen per shape from ``configs/cuda``).
+        cluster_shape_mn: (cluster M, cluster N) or None (default of the arch).
+    """
+
+    arch: str
+    hidden: int
+    intermediate: int
+    num_experts: int
+    a_major: str
+    b_major: str
+    out_dtype: str
+    output_mode: str
+    accumulate: bool
+    input_order: str
+    mma_tiler_mn: tuple[int, int] | None
+    cluster_shape_mn: tuple[int, int] | None

@@ -1,0 +1,419 @@
+"""The one compile-cache and launch layer of the grouped wgrad, for every kernel family.
+
+A kernel family (``sm90_bf16``, ``sm100_bf16``, the block-scaled ones to come) plugs in with a
+:class:`KernelFamily`: its compile key (a frozen dataclass, the cache key) and its kernel (the
+CuTe DSL kernel object of a key), plus the few hooks in which it really differs (a tile counter
+for a dynamic scheduler, a launch gate, a no-token path, the arch of its runtime compile). This
+layer owns the rest, once: the per-key compile cache and its count, the fake operands of a
+compile (a symbolic ``tokens_sum``: new splits never recompile), the architecture pin of an
+offline / cross compile, the offline PTX compile, and the launcher (``tensor_ragged`` repack,
+persistent grid size, launch stream).
+
+The API side sits on top: :func:`_compile_kernel` maps a static contract (``WgradContract``) to
+its family's key (:func:`_contract_key`) and caches the launcher per contract.
+
+No CuTe DSL import and no GPU query at import time: CuTe DSL is imported inside the compile
+functions, the family modules inside the API functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from . import _env
+from ._types import WgradContract
+
+__all__ = [
+    "KernelFamily",
+    "contract_key_fields",
+    "cross_compile_kwargs",
+    "fake_wgrad_operands",
+    "pinned_cute_arch",
+    "present_cuda_arch",
+]
+
+# ---------------------------------------------------------------------------------------------
+# The kernel-family layer
+# ---------------------------------------------------------------------------------------------
+
+
+class KernelFamily:
+    """One kernel family's host side: compile cache, offline compile and launcher.
+
+    The family provides its key type and kernel; the hooks default to "not needed".
+
+    Args:
+        name: "sm90", "sm100", ...: names ``compile_<name>_wgrad`` in messages.
+        kernel: ``kernel(key)`` -> the CuTe DSL kernel object, called as ``kernel(a, b_NS,
+            offsets, out, [tile_counter,] grid, stream)``. The key is a frozen dataclass with the
+            fields of :func:`contract_key_fields`, ``num_tiles`` and ``tile.cluster_shape_mn``.
+        key_from_contract: ``WgradContract -> key`` (the tile from the contract's
+            ``mma_tiler_mn``, else from ``configs/cuda``); raises ``ValueError`` when none fits.
+        runtime_arch: ``() -> arch | None``: the target of the runtime compile, pinned
+            (``"sm_100a"``), or None to compile for the present GPU without a pin.
+        tile_counter: the kernel's dynamic scheduler takes a zeroed int32 ``[1]`` counter after
+            ``out``; every launch allocates its own on the launch stream.
+        gate: ``() -> reason | None``: why the kernel must not run (checked first at every
+            launch; ``RuntimeError(reason)``, nothing launched nor written).
+        prepare: ``(key, a, b, out, stream) -> (a, b) | None``: operands to launch, or None when
+            the call is complete without a launch.
+        as_key: converts what ``launcher`` / ``offline_ptx`` accept into the key.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        kernel: Callable[[Any], Any],
+        key_from_contract: Callable[[Any], Any],
+        *,
+        runtime_arch: Callable[[], str | None] = lambda: None,
+        tile_counter: bool = False,
+        gate: Callable[[], str | None] | None = None,
+        prepare: Callable[..., tuple | None] | None = None,
+        as_key: Callable[[Any], Any] = lambda key: key,
+    ) -> None:
+        self.name = name
+        self.kernel = kernel
+        self.key_from_contract = key_from_contract
+        self.runtime_arch = runtime_arch
+        self.tile_counter = tile_counter
+        self.gate = gate
+        self.prepare = prepare
+        self.as_key = as_key
+        #: Real (uncached) compiles in this process.
+        self.compile_count = 0
+        self._compiled: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"KernelFamily({self.name!r})"
+
+    def _require_cute(self, fn_name: str) -> None:
+        try:
+            import cutlass  # noqa: F401
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise RuntimeError(
+                f"{fn_name} needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
+            ) from exc
+
+    def _compile(self, key: Any, arch: str | None, dump_dir: str | None = None):
+        """``cute.compile`` of ``key``'s kernel on fake operands: for the present GPU when ``arch``
+        is None, else for ``arch`` with the DSL's arch pinned (keeping PTX in ``dump_dir``)."""
+        import cutlass
+        from cutlass import cute
+
+        # tensor_ragged with a K-major operand has a per-expert row stride (K_e), not one TMA
+        # descriptor: the launcher repacks such operands on the device first (ragged_to_2d), so
+        # the compiled kernel is the tensor2d one.
+        kernel = self.kernel(key)
+        args = fake_wgrad_operands(key)
+        if self.tile_counter:
+            args += (cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4),)
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        opts = "--enable-tvm-ffi"
+        if arch is None:
+            return cute.compile(kernel, *args, cutlass.Int32(1), stream, options=opts)
+        opts += f" --gpu-arch {arch}"
+        if dump_dir is not None:
+            opts += f" --keep-ptx --dump-dir {dump_dir}"
+        with pinned_cute_arch(arch):  # not the arch of whatever GPU is present
+            return cute.compile(
+                kernel,
+                *args,
+                cutlass.Int32(1),
+                stream,
+                options=opts,
+                **cross_compile_kwargs(arch),
+            )
+
+    def compiled(self, key: Any):
+        """The compiled kernel of ``key``: compiled once per process (``compile_count``)."""
+        with self._lock:
+            fn = self._compiled.get(key)
+            if fn is None:
+                fn = self._compile(key, self.runtime_arch())
+                self.compile_count += 1
+                self._compiled[key] = fn
+            return fn
+
+    def module_getattr(self, module_name: str) -> Callable[[str], Any]:
+        """The family module's ``__getattr__``: ``COMPILE_COUNT`` is this family's count of real
+        compiles (read it as ``<module>.COMPILE_COUNT``, as before the shared layer)."""
+
+        def __getattr__(name: str) -> Any:
+            if name == "COMPILE_COUNT":
+                return self.compile_count
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+        return __getattr__
+
+    def cache_clear(self) -> None:
+        """Forget the compiled kernels (tests)."""
+        with self._lock:
+            self._compiled.clear()
+
+    def launcher(self, key: Any) -> Callable[..., None]:
+        """``launcher(a, b, offsets, out, stream=None)`` of ``key`` (compiled once per key); a
+        ``functools.partial`` whose ``args`` are ``(key, compiled kernel)``.
+
+        Raises:
+            RuntimeError: CuTe DSL is not installed or the compile fails.
+        """
+        self._require_cute(f"compile_{self.name}_wgrad")
+        key = self.as_key(key)
+        return functools.partial(self._launch, key, self.compiled(key))
+
+    def offline_ptx(self, key: Any, arch: str) -> str:
+        """Compile ``key`` for ``arch`` without a GPU (nothing loaded) and return the PTX text.
+
+        Raises:
+            RuntimeError: CuTe DSL is not installed or produced no PTX.
+        """
+        self._require_cute(f"compile_{self.name}_wgrad_offline")
+        key = self.as_key(key)
+        with tempfile.TemporaryDirectory(prefix=f"{self.name}_wgrad_ptx_") as tmp:
+            ptx = self._compile(key, arch, dump_dir=tmp).__ptx__
+        if not ptx:
+            raise RuntimeError(f"CuTe DSL produced no PTX for {key} on {arch}")
+        return ptx
+
+    def _launch(self, key: Any, fn: Any, a, b, offsets, out, stream=None) -> None:
+        if self.gate is not None:
+            reason = self.gate()
+            if reason is not None:
+                raise RuntimeError(reason)
+        import torch
+
+        if self.prepare is not None:
+            operands = self.prepare(key, a, b, out, stream)
+            if operands is None:
+                return
+            a, b = operands
+        if key.input_order == "tensor_ragged":
+            if key.a_major == "k":
+                a = ragged_to_2d(a, offsets, a.shape[0])
+            if key.b_major == "k":
+                b = ragged_to_2d(b.t(), offsets, b.shape[1]).t()
+        # persistent: one CTA (cluster) per SM (pair), no more than there are tiles
+        cluster_ctas = key.tile.cluster_shape_mn[0] * key.tile.cluster_shape_mn[1]
+        max_units = max(1, _num_sms(a.device.index or 0) // cluster_ctas)
+        grid = max(1, min(key.num_tiles, max_units))
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            if self.tile_counter:
+                counter = torch.zeros(1, dtype=torch.int32, device=a.device)
+                fn(a, b.t(), offsets, out, counter, grid)
+            else:
+                fn(a, b.t(), offsets, out, grid)
+
+
+def contract_key_fields(contract: Any) -> dict[str, Any]:
+    """The fields a kernel key shares with a ``WgradContract`` (every key field but ``tile``)."""
+    return {
+        "hidden": contract.hidden,
+        "intermediate": contract.intermediate,
+        "num_experts": contract.num_experts,
+        "a_major": contract.a_major,
+        "b_major": contract.b_major,
+        "out_dtype": contract.out_dtype,
+        "output_mode": contract.output_mode,
+        "accumulate": contract.accumulate,
+        "input_order": contract.input_order,
+    }
+
+
+def fake_wgrad_operands(key):
+    """Fake (shape-only) ``a, b, offsets, out`` of a grouped wgrad key (SM90 or SM100: the same
+    field names), with a symbolic ``tokens_sum`` so one compile serves every split."""
+    import cutlass
+    from cutlass import cute
+
+    out_t = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
+    m, n, e = key.hidden, key.intermediate, key.num_experts
+    any_k_major = key.a_major == "k" or key.b_major == "k"
+    s = cute.sym_int32(divisibility=8 if any_k_major else 1, symbol="tokens_sum")
+    a = cute.runtime.make_fake_compact_tensor(
+        cutlass.BFloat16,
+        (m, s),
+        stride_order=(1, 0) if key.a_major == "k" else (0, 1),
+        assumed_align=16,
+    )
+    b = cute.runtime.make_fake_compact_tensor(
+        cutlass.BFloat16,
+        (n, s),
+        stride_order=(1, 0) if key.b_major == "k" else (0, 1),
+        assumed_align=16,
+    )
+    offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+    if key.output_mode == "dense":
+        out = cute.runtime.make_fake_compact_tensor(
+            out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
+        )
+    else:
+        out = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (e,), assumed_align=8)
+    return a, b, offsets, out
+
+
+def ragged_to_2d(x_XS, offsets_E, k_major_rows: int):
+    """Repack a ``tensor_ragged`` K-major operand into the tensor2d ``(rows, S)`` layout, on device.
+
+    ``x_XS`` is the caller's ``(rows, S)`` view whose storage holds per-expert ``(rows, K_e)``
+    row-major blocks at element offset ``rows * begin_e``. No host read of ``offsets_E``.
+    """
+    import torch
+
+    rows, s = x_XS.shape
+    flat = torch.as_strided(x_XS, (rows * s,), (1,))
+    if s == 0:
+        return x_XS.new_empty((rows, 0)).as_strided((rows, 0), (0, 1))
+    ends = offsets_E.to(torch.int64)
+    begins = torch.cat([ends.new_zeros(1), ends[:-1]])
+    counts = ends - begins
+    col_expert = torch.repeat_interleave(
+        torch.arange(ends.numel(), device=x_XS.device), counts, output_size=s
+    )
+    col = torch.arange(s, device=x_XS.device)
+    local_k = col - begins[col_expert]  # (S,)
+    base = rows * begins[col_expert] + local_k  # (S,)
+    row = torch.arange(rows, device=x_XS.device)
+    idx = base[None, :] + row[:, None] * counts[col_expert][None, :]
+    return flat[idx]  # (rows, S) contiguous, K-major
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# ---------------------------------------------------------------------------------------------
+# The compile target: the architecture pin of an offline / cross compile
+# ---------------------------------------------------------------------------------------------
+
+#: One CuTe DSL compile at a time may pin the DSL's architecture (it is process-global state).
+_ARCH_PIN_LOCK = threading.RLock()
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def pinned_cute_arch(arch: str) -> Iterator[None]:
+    """Make CuTe DSL compile for ``arch`` (e.g. ``"sm_100a"``) whatever GPU is present; restore after.
+
+    CuTe DSL takes the target of its arch checks (``BaseDSL.get_arch_enum``: tcgen05 / wgmma /
+    TMA atoms built while tracing) from ``compile_options.gpu_arch`` and, where that is unset or
+    read outside a compile, from ``envar.arch``: ``CUTE_DSL_ARCH`` or, without it, the compute
+    capability of the GPU it finds (``sm_100`` when none). The execution-target check of the
+    compile backend compares ``envar.arch`` with the compile target as well. An offline compile
+    for another architecture than the present GPU's (``sm_100a`` on an H200) therefore pins
+    ``envar.arch`` for the duration of the compile, besides passing ``--gpu-arch``; the previous
+    value (including "not yet detected") is restored on exit, errors included. Pair it with
+    :func:`cross_compile_kwargs` so that no JIT engine is built for a target the present GPU
+    cannot run.
+    """
+    from cutlass.base_dsl.dsl import BaseDSL
+
+    envar = BaseDSL._get_dsl().envar
+    with _ARCH_PIN_LOCK:
+        saved = envar.__dict__.get("_arch", _MISSING)
+        envar.arch = arch
+        try:
+            yield
+        finally:
+            if saved is _MISSING:
+                del envar.arch
+            else:
+                envar._arch = saved
+
+
+def present_cuda_arch() -> str | None:
+    """The CuTe DSL arch name of the current CUDA device (``"sm_90a"``, ``"sm_100a"``), or None
+    without CUDA. A compile for another target builds no JIT engine (``cross_compile_kwargs``)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+
+
+def cross_compile_kwargs(arch: str) -> dict:
+    """``cute.compile`` keywords for a compile targeting ``arch``: ``no_jit_engine=True`` unless
+    the present GPU is that arch, so that a binary the present GPU cannot run (sm_100a on an
+    H200, anything on a machine without GPU) is only compiled, never loaded."""
+    return {} if present_cuda_arch() == arch else {"no_jit_engine": True}
+
+
+# ---------------------------------------------------------------------------------------------
+# The API side: a static contract's key and its launcher, cached per contract
+# ---------------------------------------------------------------------------------------------
+
+
+def _contract_key(contract: WgradContract):
+    """The family key of ``contract`` (``FAMILY.key_from_contract`` of its family module), or
+    None when the family is not built.
+
+    Raises:
+        ValueError: no tile of the family fits the contract (unsupported tiling).
+    """
+    module = _env.family_module(contract.arch)
+    if module is None:
+        return None
+    try:
+        return module.FAMILY.key_from_contract(contract)
+    except ValueError as exc:
+        raise ValueError(
+            f"mma_tiler_mn={contract.mma_tiler_mn}: unsupported {contract.arch.upper()} tiling "
+            f"for hidden={contract.hidden}, intermediate={contract.intermediate}: {exc}"
+        ) from exc
+
+
+def _check_contract_fits(contract: WgradContract) -> None:
+    """Arch-specific shape rules that need the whole static contract (unsupported tiling)."""
+    if contract.arch in _env.FAMILY_MODULES:
+        _contract_key(contract)
+
+
+def _compile_launcher(contract: WgradContract, who: str) -> Callable:
+    """Compile (or fetch from the family's cache) the launcher of ``contract``; ``who`` names the
+    class in messages.
+
+    Raises:
+        RuntimeError: the family's kernel module is not built, or CuTe DSL is missing.
+    """
+    module = _env.family_module(contract.arch)
+    if module is None:
+        raise RuntimeError(
+            f"{who}.compile: the {contract.arch.upper()} BF16 grouped wgrad kernel is not built in "
+            f"this package yet ({_env.FAMILY_MODULES[contract.arch]} is missing); use "
+            "grouped_gemm_wgrad(), which falls back to torch on this device"
+        )
+    missing = _env.cutlass_dsl_missing()
+    if missing:
+        raise RuntimeError(f"{who}.compile: {missing}")
+    return module.FAMILY.launcher(_contract_key(contract))
+
+
+def _compile_kernel(contract: WgradContract, who: str) -> Callable:
+    """Launcher for ``contract``, compiled once per process (cache keyed on the static contract)."""
+    with _CACHE_LOCK:
+        launcher = _LAUNCHER_CACHE.get(contract)
+        if launcher is None:
+            launcher = _compile_launcher(contract, who)
+            _LAUNCHER_CACHE[contract] = launcher
+        return launcher
+
+
+_CACHE_LOCK = threading.RLock()
+_LAUNCHER_CACHE: dict[WgradContract, Callable] = {}
+
+
+def clear_launcher_cache() -> None:
+    """Forget the per-contract launchers (the families keep their compiled kernels)."""
+    with _CACHE_LOCK:
+        _LAUNCHER_CACHE.clear()

@@ -1,0 +1,526 @@
+"""Validation of grouped-wgrad calls: shapes, dtypes, majors, alignment, tiling, outputs, devices,
+workspaces (host metadata, no sync) and the offsets / pointer values (a host read, once per
+tensor version). Every rule raises ``ValueError`` (or ``RuntimeError`` for the environment)
+naming the argument, before any output is written.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._types import (
+    _BLOCK_SCALED_DTYPES,
+    _DESCRIPTORS_PER_EXPERT,
+    _OUTPUT_MODES,
+    _TMA_DESCRIPTOR_BYTES,
+    OFFSETS_ALIGN_BYTES,
+    OUTPUT_DTYPES,
+    POINTERS_ALIGN_BYTES,
+    TMA_ALIGN_BYTES,
+)
+from .tiles import SM90_TILES, SM100_TILES
+from .torch_ref import INPUT_ORDERS
+
+#: The tile rules the API checks a caller's ``mma_tiler_mn`` / ``cluster_shape_mn`` against.
+_TILE_RULES = {"sm90": SM90_TILES, "sm100": SM100_TILES}
+
+
+def _a_majors(a: torch.Tensor, arg: str) -> tuple[str, ...]:
+    """Majors ("k", "m") that A's strides express, in order of preference; several only when the
+    layout is moot (size-1 dims or no elements)."""
+    hidden, tokens = a.shape
+    s0, s1 = a.stride()
+    majors = []
+    if (s1 == 1 or tokens == 1) and (s0 == tokens or hidden == 1):
+        majors.append("k")
+    if (s0 == 1 or hidden == 1) and (s1 == hidden or tokens == 1):
+        majors.append("m")
+    if not majors and a.numel() == 0:
+        majors = ["k", "m"]
+    if not majors:
+        raise ValueError(
+            f"{arg}: A (hidden={hidden}, tokens_sum={tokens}) must be K-major with strides "
+            f"({tokens}, 1) or M-major with strides (1, {hidden}); got strides {(s0, s1)}"
+        )
+    return tuple(majors)
+
+
+def _b_majors(b: torch.Tensor, arg: str) -> tuple[str, ...]:
+    """Majors ("k", "n") that B's strides express (see ``_a_majors``)."""
+    tokens, inter = b.shape
+    s0, s1 = b.stride()
+    majors = []
+    if (s0 == 1 or tokens == 1) and (s1 == tokens or inter == 1):
+        majors.append("k")
+    if (s1 == 1 or inter == 1) and (s0 == inter or tokens == 1):
+        majors.append("n")
+    if not majors and b.numel() == 0:
+        majors = ["k", "n"]
+    if not majors:
+        raise ValueError(
+            f"{arg}: B (tokens_sum={tokens}, intermediate={inter}) must be K-major with strides "
+            f"(1, {tokens}) or N-major with strides ({inter}, 1); got strides {(s0, s1)}"
+        )
+    return tuple(majors)
+
+
+def _check_ptr(t: torch.Tensor, arg: str, align: int) -> None:
+    if t.device.type == "meta" or t.numel() == 0:
+        return
+    if t.data_ptr() % align:
+        raise ValueError(f"{arg}: data pointer {t.data_ptr():#x} must be {align}-byte aligned")
+
+
+def _check_tiling(arch: str, mma_tiler_mn, cluster_shape_mn) -> tuple:
+    """Validate the tiling arguments; returns (mma_tiler_mn, cluster_shape_mn) as tuples/None."""
+
+    def as_pair(value, arg):
+        if value is None:
+            return None
+        try:
+            pair = tuple(int(v) for v in value)
+        except TypeError:
+            raise ValueError(f"{arg} must be a pair of ints, got {value!r}") from None
+        if len(pair) != 2:
+            raise ValueError(f"{arg} must be a pair of ints, got {value!r}")
+        return pair
+
+    tiler = as_pair(mma_tiler_mn, "mma_tiler_mn")
+    cluster = as_pair(cluster_shape_mn, "cluster_shape_mn")
+    if arch not in _TILE_RULES:
+        return tiler, cluster
+    rules = _TILE_RULES[arch]
+    tiles_text = (
+        f"tile M in {rules.tile_m}, tile N a multiple of {rules.tile_n_step} in "
+        f"[{rules.tile_n_step}, {rules.tile_n_max}]"
+    )
+    if arch == "sm100":
+        if tiler is None:
+            raise ValueError("mma_tiler_mn is required on SM100 (default (256, 256))")
+        if tiler[0] not in rules.tile_m or tiler[1] not in rules.tile_n:
+            raise ValueError(f"mma_tiler_mn={tiler} unsupported on SM100: {tiles_text}")
+        if cluster is not None:
+            cm, cn = cluster
+            pow2 = all(c >= 1 and (c & (c - 1)) == 0 for c in cluster)
+            if not pow2 or cm * cn > rules.max_cluster_ctas:
+                raise ValueError(
+                    f"cluster_shape_mn={cluster} unsupported on SM100: powers of two, at most "
+                    f"{rules.max_cluster_ctas} CTAs"
+                )
+            if tiler[0] == rules.two_cta_tile_m and cm % 2:
+                raise ValueError(
+                    f"cluster_shape_mn={cluster} unsupported with mma_tiler_mn "
+                    f"M={rules.two_cta_tile_m} (2-CTA MMA): cluster M must be even"
+                )
+    else:
+        if tiler is not None and (tiler[0] not in rules.tile_m or tiler[1] not in rules.tile_n):
+            raise ValueError(
+                f"mma_tiler_mn={tiler} unsupported on SM90: {tiles_text} (or None: chosen per "
+                "shape from configs/cuda)"
+            )
+        clusters = tuple(sorted({rules.cluster_for(m) for m in rules.tile_m}))
+        if cluster is not None and cluster not in clusters:
+            raise ValueError(
+                f"cluster_shape_mn={cluster} unsupported on SM90: one of {clusters} or None"
+            )
+    return tiler, cluster
+
+
+#: Tensors whose values passed a host-read check: key -> weak reference to the tensor checked.
+#: A key is (check, device, data_ptr, _version, shape, check arguments); a hit needs the same live
+#: tensor object, so a new tensor allocated at a freed address never inherits a verdict.
+_VALIDATED: dict[tuple, Any] = {}
+_VALIDATED_MAX = 1024
+_VALIDATED_LOCK = threading.RLock()
+
+
+def _validated_once(t: torch.Tensor, key: tuple, check: Callable[[], None]) -> None:
+    """Run ``check`` (a host read: one device sync) unless ``t`` passed it unchanged before.
+
+    "Unchanged" is torch's version counter (``t._version``), which every in-place torch op on
+    the tensor or a view of it bumps, as cuDNN caches its offsets validation; a write that
+    bypasses torch (a custom kernel writing through ``data_ptr()``) is not seen, so callers that
+    rewrite offsets that way must not rely on the cache (``clear_grouped_wgrad_caches()``).
+    """
+    import weakref
+
+    full = (*key, t.device, t.data_ptr(), t._version, tuple(t.shape))
+    with _VALIDATED_LOCK:
+        ref = _VALIDATED.get(full)
+        if ref is not None and ref() is t:
+            return
+    check()
+    with _VALIDATED_LOCK:
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            _VALIDATED.clear()
+        try:
+            _VALIDATED[full] = weakref.ref(t)
+        except TypeError:  # pragma: no cover - every torch.Tensor supports weak references
+            pass
+
+
+def _check_offsets_values(
+    offsets: torch.Tensor, tokens_sum: int, group_align: int, arg: str
+) -> None:
+    """Host read of the offsets: non-decreasing, >= 0, groups multiples of align, last == S.
+
+    Once per tensor version (``_validated_once``): repeated calls with the same unchanged
+    offsets tensor do not synchronise again.
+    """
+    _validated_once(
+        offsets,
+        ("offsets", tokens_sum, group_align, arg),
+        lambda: _check_offsets_now(offsets, tokens_sum, group_align, arg),
+    )
+
+
+def _check_offsets_now(offsets: torch.Tensor, tokens_sum: int, group_align: int, arg: str) -> None:
+    values = [int(v) for v in offsets.tolist()]
+    prev = 0
+    for e, end in enumerate(values):
+        if end < prev:
+            raise ValueError(
+                f"{arg} must be a non-decreasing cumulative sum starting at >= 0; {arg}[{e}] = "
+                f"{end} after {prev}"
+            )
+        if (end - prev) % group_align:
+            raise ValueError(
+                f"{arg}: expert {e} holds {end - prev} tokens; every expert token count must be a "
+                f"multiple of {group_align} on this kernel"
+            )
+        prev = end
+    if values and values[-1] != tokens_sum:
+        raise ValueError(
+            f"{arg}: last offset {values[-1]} must equal tokens_sum {tokens_sum} "
+            "(A.shape[1] == B.shape[0])"
+        )
+
+
+def _check_pointer_values(
+    ptrs: torch.Tensor, arg: str, stacked: torch.Tensor | None = None
+) -> None:
+    """Host read of the output addresses: non-null, 16-byte aligned and, when the caller passes
+    the stacked ``wgrad_tensor`` too (cuDNN's discrete calls pass both), exactly its expert
+    slabs, so the tensor returned is the memory written. Once per tensor version."""
+    slabs = None
+    if stacked is not None:
+        step = stacked[0].numel() * stacked.element_size() if stacked.shape[0] else 0
+        slabs = (stacked.data_ptr(), step)
+
+    def check() -> None:
+        values = [int(v) for v in ptrs.tolist()]
+        for e, p in enumerate(values):
+            if p == 0 or p % TMA_ALIGN_BYTES:
+                raise ValueError(
+                    f"{arg}[{e}] = {p:#x}: every output address must be non-null and "
+                    f"{TMA_ALIGN_BYTES}-byte aligned"
+                )
+            if slabs is not None and p != slabs[0] + e * slabs[1]:
+                raise ValueError(
+                    f"{arg}[{e}] = {p:#x} is not expert {e}'s slab of wgrad_tensor "
+                    f"({slabs[0] + e * slabs[1]:#x}): in discrete mode with both, the kernel "
+                    "writes through wgrad_ptrs and returns wgrad_tensor, so the pointers must "
+                    "address wgrad_tensor[e]"
+                )
+
+    _validated_once(ptrs, ("pointers", arg, slabs), check)
+
+
+def _check_dtype_pair(a_dtype, b_dtype, a_arg: str, b_arg: str) -> None:
+    if a_dtype == torch.bfloat16 and b_dtype == torch.bfloat16:
+        return
+    if a_dtype == b_dtype and a_dtype in _BLOCK_SCALED_DTYPES:
+        raise RuntimeError(
+            f"{a_arg}/{b_arg} dtype {a_dtype} selects the block-scaled (FP8/FP4) backend, which "
+            "is not built in this package yet; only the BF16 backend is available"
+        )
+    bad = a_arg if a_dtype != torch.bfloat16 else b_arg
+    raise ValueError(
+        f"{bad}: the BF16 backend needs torch.bfloat16 A and B; got {a_arg} {a_dtype} and "
+        f"{b_arg} {b_dtype}"
+    )
+
+
+def _check_scale_controls(controls: dict, sf_vec_size: int, acc_dtype) -> None:
+    for name, value in controls.items():
+        if value is not None:
+            raise ValueError(
+                f"{name} must be None: the BF16 grouped wgrad forbids scale-factor and global-scale "
+                "controls (it never falls through to the block-scaled backend)"
+            )
+    if sf_vec_size != 16:
+        raise ValueError(f"sf_vec_size must be 16 for BF16 (the seed's rule), got {sf_vec_size}")
+    if acc_dtype != torch.float32:
+        raise ValueError(f"acc_dtype must be torch.float32 (FP32 accumulation), got {acc_dtype}")
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call's resolved output arguments after validation."""
+
+    tokens_sum: int
+    out: torch.Tensor  # dense (E, H, I) tensor or (E,) int64 pointers
+    a: torch.Tensor  # A as launched (compact strides in tensor_ragged order)
+    b: torch.Tensor
+
+
+def _ragged_compact(
+    a: torch.Tensor, b: torch.Tensor, names: tuple[str, str] = ("a_tensor", "b_tensor")
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_order="tensor_ragged"``: only each operand's unit-stride axis is meaningful (seed);
+    return views with the compact strides of that major (same storage, no copy).
+
+    Raises:
+        ValueError: an operand has no unit-stride axis.
+    """
+    out = []
+    for t, arg, k_axis in ((a, names[0], 1), (b, names[1], 0)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            out.append(t)  # reported by _validate_operands
+            continue
+        rows, cols = t.shape
+        if t.stride(k_axis) == 1:  # K-major: per-expert K-contiguous blocks
+            stride = (cols, 1) if k_axis == 1 else (1, rows)
+        elif t.stride(1 - k_axis) == 1:  # M-/N-major: same memory as tensor2d
+            stride = (1, rows) if k_axis == 1 else (cols, 1)
+        elif t.numel() == 0:
+            out.append(t)
+            continue
+        else:
+            raise ValueError(
+                f"{arg}: tensor_ragged needs a unit stride along tokens (K-major) or along "
+                f"{'hidden' if k_axis == 1 else 'intermediate'}; got strides {tuple(t.stride())}"
+            )
+        out.append(t.as_strided(t.shape, stride, t.storage_offset()))
+    return out[0], out[1]
+
+
+def _validate_operands(
+    arch: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    names: tuple[str, str, str],
+) -> tuple[int, int, int, int, str, str]:
+    """Ranks, shapes, dtypes, majors and alignment of A, B, offsets (host metadata only).
+
+    Returns (hidden, tokens_sum, intermediate, num_experts, a_majors, b_majors); the majors are
+    tuples of the layouts the strides express (several only when the layout is moot).
+    """
+    a_arg, b_arg, off_arg = names
+    for t, arg in ((a, a_arg), (b, b_arg), (offsets, off_arg)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
+    if a.dim() != 2:
+        raise ValueError(f"{a_arg} must be rank-2 (hidden, tokens_sum), got shape {tuple(a.shape)}")
+    if b.dim() != 2:
+        raise ValueError(
+            f"{b_arg} must be rank-2 (tokens_sum, intermediate), got shape {tuple(b.shape)}"
+        )
+    hidden, tokens_sum = a.shape
+    if b.shape[0] != tokens_sum:
+        raise ValueError(
+            f"{a_arg} and {b_arg} token dimensions must match: {a_arg}.shape[1] = {tokens_sum}, "
+            f"{b_arg}.shape[0] = {b.shape[0]}"
+        )
+    intermediate = b.shape[1]
+    if hidden < 1 or intermediate < 1:
+        raise ValueError(
+            f"{a_arg}/{b_arg}: hidden and intermediate must be >= 1, got {hidden} and "
+            f"{intermediate}"
+        )
+    _check_dtype_pair(a.dtype, b.dtype, a_arg, b_arg)
+    if offsets.dim() != 1:
+        raise ValueError(f"{off_arg} must be rank-1 (num_experts,), got {tuple(offsets.shape)}")
+    if offsets.dtype != torch.int32:
+        raise ValueError(f"{off_arg} must be torch.int32, got {offsets.dtype}")
+    num_experts = offsets.shape[0]
+    if num_experts < 1:
+        raise ValueError(
+            f"{off_arg} must hold at least one expert, got shape {tuple(offsets.shape)}"
+        )
+    if offsets.stride(0) != 1:
+        raise ValueError(
+            f"{off_arg} must be contiguous (stride (1,)), got {tuple(offsets.stride())}"
+        )
+    a_majors = _a_majors(a, a_arg)
+    b_majors = _b_majors(b, b_arg)
+    a_major, b_major = a_majors[0], b_majors[0]
+    if arch != "torch":
+        elem = 2  # BF16 bytes
+        need = TMA_ALIGN_BYTES // elem
+        if a_major == "m" and hidden % need:
+            raise ValueError(
+                f"{a_arg}: M-major A needs hidden % {need} == 0 (16-byte TMA strides), got "
+                f"hidden={hidden}"
+            )
+        if b_major == "n" and intermediate % need:
+            raise ValueError(
+                f"{b_arg}: N-major B needs intermediate % {need} == 0 (16-byte TMA strides), got "
+                f"intermediate={intermediate}"
+            )
+        if "k" in (a_major, b_major) and tokens_sum % need:
+            which = a_arg if a_major == "k" else b_arg
+            raise ValueError(
+                f"{which}: a K-major operand needs tokens_sum % {need} == 0 (16-byte TMA strides), "
+                f"got tokens_sum={tokens_sum}"
+            )
+        _check_ptr(a, a_arg, TMA_ALIGN_BYTES)
+        _check_ptr(b, b_arg, TMA_ALIGN_BYTES)
+        _check_ptr(offsets, off_arg, OFFSETS_ALIGN_BYTES)
+    return hidden, tokens_sum, intermediate, num_experts, a_majors, b_majors
+
+
+def _check_dense_out(
+    arch: str, out: torch.Tensor, shape: tuple[int, int, int], arg: str, out_dtype=None
+) -> str:
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"{arg} must be a torch.Tensor, got {type(out).__name__}")  # noqa: TRY004
+    if tuple(out.shape) != shape:
+        raise ValueError(
+            f"{arg} must have shape (num_experts, hidden, intermediate) = {shape}, "
+            f"got {tuple(out.shape)}"
+        )
+    if out.dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"{arg} dtype must be one of bfloat16/float16/float32, got {out.dtype}")
+    if out_dtype is not None and out.dtype != out_dtype:
+        raise ValueError(
+            f"{arg} dtype {out.dtype} differs from the compiled wgrad_dtype {out_dtype}"
+        )
+    _e, h, i = shape
+    if out.numel() and tuple(out.stride()) != (h * i, i, 1):
+        raise ValueError(
+            f"{arg} must be contiguous with strides {(h * i, i, 1)}, got {tuple(out.stride())}"
+        )
+    if arch != "torch":
+        need = TMA_ALIGN_BYTES // out.element_size()
+        if i % need:
+            raise ValueError(
+                f"{arg}: intermediate % {need} == 0 needed for 16-byte TMA stores of "
+                f"{out.dtype}, got intermediate={i}"
+            )
+        _check_ptr(out, arg, TMA_ALIGN_BYTES)
+    return OUTPUT_DTYPES[out.dtype]
+
+
+def _check_expert_out(arch: str, out: torch.Tensor, shape: tuple[int, int], dtype, arg: str):
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"{arg} must be a torch.Tensor, got {type(out).__name__}")  # noqa: TRY004
+    if tuple(out.shape) != shape:
+        raise ValueError(
+            f"{arg} must have shape (hidden, intermediate) = {shape}, got {tuple(out.shape)}"
+        )
+    if tuple(out.stride()) != (shape[1], 1):
+        raise ValueError(
+            f"{arg} must be contiguous with strides {(shape[1], 1)}, got {tuple(out.stride())}"
+        )
+    if out.dtype != dtype:
+        raise ValueError(f"{arg} dtype {out.dtype} must equal wgrad_dtype {dtype}")
+    if arch != "torch":
+        _check_ptr(out, arg, TMA_ALIGN_BYTES)
+
+
+def _check_ptrs_tensor(ptrs: torch.Tensor, num_experts: int, arg: str = "wgrad_ptrs") -> None:
+    if not isinstance(ptrs, torch.Tensor):
+        raise ValueError(f"{arg} must be a torch.Tensor, got {type(ptrs).__name__}")  # noqa: TRY004
+    if ptrs.dtype != torch.int64:
+        raise ValueError(f"{arg} must be torch.int64, got {ptrs.dtype}")
+    if tuple(ptrs.shape) != (num_experts,):
+        raise ValueError(
+            f"{arg} must have shape (num_experts,) = ({num_experts},), got {tuple(ptrs.shape)}"
+        )
+    if ptrs.stride(0) != 1:
+        raise ValueError(f"{arg} must be contiguous (stride (1,)), got {tuple(ptrs.stride())}")
+    _check_ptr(ptrs, arg, POINTERS_ALIGN_BYTES)
+
+
+def _check_same_device(tensors: dict[str, torch.Tensor | None]) -> torch.device:
+    present = {k: v for k, v in tensors.items() if v is not None}
+    devices = {v.device for v in present.values()}
+    if len(devices) > 1:
+        listing = ", ".join(f"{k} on {v.device}" for k, v in present.items())
+        raise ValueError(f"inputs, offsets and outputs must be on one device; got {listing}")
+    return next(iter(devices))
+
+
+def _check_input_order(input_order) -> str:
+    value = getattr(input_order, "value", input_order)
+    if value not in INPUT_ORDERS:
+        raise ValueError(f"input_order must be one of {INPUT_ORDERS}, got {input_order!r}")
+    return value
+
+
+def _check_wgrad_dtype(wgrad_dtype, arg: str = "wgrad_dtype") -> str:
+    if wgrad_dtype not in OUTPUT_DTYPES:
+        raise ValueError(
+            f"{arg} must be torch.bfloat16, torch.float16 or torch.float32, got {wgrad_dtype}"
+        )
+    return OUTPUT_DTYPES[wgrad_dtype]
+
+
+def clear_validated() -> None:
+    with _VALIDATED_LOCK:
+        _VALIDATED.clear()
+
+
+def get_grouped_gemm_wgrad_workspace_size_sm100(
+    num_experts: int, output_mode: str = "dense", input_order: str = "tensor2d"
+) -> int:
+    """Bytes of the caller-owned ``descriptor_workspace``, cuDNN's size: per expert, 128-byte TMA
+    descriptors (CUtensorMap) of A, B, SFA and SFB, plus the output's in discrete mode; the same
+    for either ``input_order`` (1024 bytes for 2 dense experts, as cuDNN's test pins).
+
+    The BF16 kernels here build no runtime descriptors: they accept such a buffer (so code sized
+    the cuDNN way runs unchanged) and leave it untouched.
+
+    Raises:
+        ValueError: ``num_experts`` is not a positive int, or an unknown mode / order.
+    """
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be positive (an int >= 1), got {num_experts!r}")
+    if output_mode not in _OUTPUT_MODES:
+        raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
+    _check_input_order(input_order)
+    return num_experts * _DESCRIPTORS_PER_EXPERT[output_mode] * _TMA_DESCRIPTOR_BYTES
+
+
+def _check_workspace(
+    descriptor_workspace, workspace, num_experts: int, output_mode: str, input_order: str
+) -> torch.Tensor | None:
+    """The caller's workspace (``descriptor_workspace``, or cuDNN's ``workspace`` alias), checked:
+    uint8, contiguous, at least the size for ``num_experts``; both given must name one buffer."""
+    if descriptor_workspace is not None and workspace is not None:
+        same = (
+            isinstance(descriptor_workspace, torch.Tensor)
+            and isinstance(workspace, torch.Tensor)
+            and descriptor_workspace.data_ptr() == workspace.data_ptr()
+            and descriptor_workspace.numel() == workspace.numel()
+        )
+        if not same:
+            raise ValueError(
+                "workspace and descriptor_workspace must name the same buffer when both are given"
+            )
+    ws = descriptor_workspace if descriptor_workspace is not None else workspace
+    if ws is None:
+        return None
+    need = get_grouped_gemm_wgrad_workspace_size_sm100(
+        max(int(num_experts), 1), output_mode, input_order
+    )
+    if not isinstance(ws, torch.Tensor) or ws.dtype != torch.uint8:
+        raise ValueError(
+            f"descriptor_workspace must be a torch.uint8 tensor of at least {need} bytes "
+            "(get_grouped_gemm_wgrad_workspace_size_sm100)"
+        )
+    if not ws.is_contiguous():
+        raise ValueError("descriptor_workspace must be contiguous")
+    if ws.numel() < need:
+        raise ValueError(
+            f"descriptor_workspace requires at least {need} bytes "
+            f"(get_grouped_gemm_wgrad_workspace_size_sm100), got {ws.numel()}"
+        )
+    return ws

@@ -635,10 +635,10 @@ def _token_entry(arch, a, b, offsets, wgrad_ptrs, wgrad_dtype, accumulate_on_out
         wgrad_dtype=wgrad_dtype, accumulate_on_output=accumulate_on_output,
         mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn,
     )
-    named = {"a": a, "b": b, "offsets": offsets, "wgrad_ptrs": wgrad_ptrs}
-    device = _target_device(arch, named)
     if validate_offsets:
         _check_values(plan, offsets, wgrad_ptrs)
+    named = {"a": a, "b": b, "offsets": offsets, "wgrad_ptrs": wgrad_ptrs}
+    device = _target_device(arch, named)
     counter = jnp.zeros((1,), jnp.int32)
     (token,) = _ffi_launch(
         plan, device, [a, b, offsets, counter, wgrad_ptrs],
@@ -655,10 +655,10 @@ def _dense_entry(arch, a, b, offsets, wgrad_dtype, wgrad_init, validate_offsets,
         arch, a, b, offsets, wgrad_init=wgrad_init, output_mode="dense",
         wgrad_dtype=wgrad_dtype, mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn,
     )
-    named = {"a": a, "b": b, "offsets": offsets, "wgrad_init": wgrad_init}
-    device = _target_device(arch, named)
     if validate_offsets:
         _check_values(plan, offsets, None)
+    named = {"a": a, "b": b, "offsets": offsets, "wgrad_init": wgrad_init}
+    device = _target_device(arch, named)
     key = plan.key
     out_sd = jax.ShapeDtypeStruct((key.num_experts, key.hidden, key.intermediate),
                                   jnp.dtype(key.out_dtype))

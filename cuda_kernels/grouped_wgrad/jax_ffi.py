@@ -836,10 +836,11 @@ def grouped_wgrad_jax_reference(a: Any, b: Any, offsets: Any, *, wgrad_dtype: An
     return out.astype(wgrad_dtype)
 
 
-def _auto_arch() -> str | None:
+def _auto_arch(named: dict[str, Any]) -> str | None:
+    """The kernel family for the arrays' device (a concrete argument's, else JAX's default)."""
     import jax
 
-    device = jax.devices()[0]
+    device = _check_concrete_devices(named) or jax.devices()[0]
     if device.platform not in ("gpu", "cuda"):
         return None
     cc = _device_cc(device)
@@ -909,7 +910,7 @@ def grouped_wgrad_jax(
         raise ValueError(f"backend must be 'auto', 'sm90', 'sm100' or 'xla', got {backend!r}")
     arch = backend
     if backend == "auto":
-        arch = _auto_arch()
+        arch = _auto_arch({"a": a, "b": b, "offsets": offsets})
         if arch == "sm100" and group_align % SM100_GROUP_ALIGN:
             arch = None
         if arch is not None:

@@ -42,7 +42,6 @@ if [ "$what" = compare ] || [ "$what" = all ]; then
     python3 -m pytest -q -p no:cacheprovider tests/test_nki_twin.py tests/test_bundle.py || echo "twin tests rc=$?"
   } > "$OUT/compare.log" 2>&1
   tar -czf "$OUT/compare-h200.tar.gz" -C /tmp compare-h200 2>/dev/null
-  tar -czf "$OUT/bundle_meta.tar.gz" -C "$B" $(cd "$B" && ls -d */bundle.json) 2>/dev/null
   tail -40 "$OUT/compare.log"
 fi
 

@@ -266,6 +266,9 @@ def test_conversion_errors():
         wgrad_jax.jax_arrays_to_torch(base)
     with pytest.raises(ValueError, match="a_tensor is on .*CUDA device"):  # the wrapper hook
         wgrad_jax.call_wrapper_on_jax_arrays(api.grouped_gemm_wgrad_wrapper_sm90, **base)
+    for wrapper in (api.grouped_gemm_wgrad_wrapper_sm90, api.grouped_gemm_wgrad_wrapper_sm100):
+        with pytest.raises(ValueError, match="a_tensor is on .*CUDA device"):  # JAX arrays in
+            wrapper(sfa_tensor=None, sfb_tensor=None, **base)
     for arg in ("sfa_tensor", "global_scale_b"):
         with pytest.raises(ValueError, match=f"{arg}: the block-scaled .* not expressible"):
             wgrad_jax.jax_arrays_to_torch({**base, arg: _arr((4,), jnp.float32)})

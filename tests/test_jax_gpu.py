@@ -203,8 +203,9 @@ def test_unused_token_still_launches(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["dense", "discrete_uint8", "discrete_stacked"])
 def test_eager_wrapper_hook_on_jax_arrays(arch, mode):
-    """``call_wrapper_on_jax_arrays`` (the hook the wrappers call for JAX arrays) runs the real
-    wrapper on the CUDA legacy default stream and returns JAX arrays."""
+    """The wrappers take JAX arrays (the seed's eager JAX support, through
+    ``call_wrapper_on_jax_arrays``): the real kernel on the CUDA legacy default stream, JAX
+    arrays back."""
     (a, b, off), (a_t, b_t, off_t) = _operands(arch, [64, 0, 192, 256], seed=8)
     wrapper = (api.grouped_gemm_wgrad_wrapper_sm90 if arch == "sm90"
                else api.grouped_gemm_wgrad_wrapper_sm100)
@@ -212,19 +213,17 @@ def test_eager_wrapper_hook_on_jax_arrays(arch, mode):
     kw = dict(a_tensor=a, b_tensor=b, sfa_tensor=None, sfb_tensor=None, offsets_tensor=off,
               wgrad_dtype=torch.float32)
     if mode == "dense":
-        (w,) = wgrad_jax.call_wrapper_on_jax_arrays(wrapper, output_mode="dense", **kw)
+        (w,) = wrapper(output_mode="dense", **kw)
         _check(w, ref, "float32")
     elif mode == "discrete_stacked":
         w0 = jnp.zeros((E, H, I), jnp.float32)
-        (w,) = wgrad_jax.call_wrapper_on_jax_arrays(
-            wrapper, output_mode="discrete", wgrad_tensor=w0, **kw)
+        (w,) = wrapper(output_mode="discrete", wgrad_tensor=w0, **kw)
         _check(w, ref, "float32")
         assert float(jnp.abs(w0).max()) == 0.0  # the JAX input array is never written
     else:
         outs, addrs = _caller_buffers("float32")
         ptrs = jax.device_put(jnp.asarray(jax_ffi.pack_pointers_uint8(addrs)),
                               jax.devices("gpu")[0])
-        res = wgrad_jax.call_wrapper_on_jax_arrays(
-            wrapper, output_mode="discrete", wgrad_ptrs=ptrs, **kw)
+        res = wrapper(output_mode="discrete", wgrad_ptrs=ptrs, **kw)
         assert res["wgrad_tensor"] is None
         _check(_read(outs), ref, "float32")

@@ -578,7 +578,7 @@ def compile_adapter_offline(plan: JaxWgradPlan, inputs: list, outputs: list,
     from cutlass import cute
     from cutlass.jax import compile as cjc
 
-    from ._contract import cross_compile_kwargs, pinned_cute_arch
+    from .launch import cross_compile_kwargs, pinned_cute_arch
 
     spec = build_spec(plan, inputs, outputs, aliases, num_ctas)
     options = f"--gpu-arch {gpu_arch}"

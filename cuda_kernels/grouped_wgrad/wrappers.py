@@ -5,6 +5,7 @@ per static contract, then launch), the hot-path ``grouped_wgrad_into`` and the o
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from typing import Any
 
@@ -262,6 +263,12 @@ def grouped_gemm_wgrad_wrapper_sm100(
     descriptor_workspace: torch.Tensor | None = None,
     validate_offsets: bool = True,
 ) -> TupleDict:
+    if "jax" in sys.modules:  # the seed's eager JAX support (JAX arrays exist only once loaded)
+        args = dict(locals())
+        from . import jax as jax_entry
+
+        if jax_entry.has_jax_arrays(*args.values()):
+            return jax_entry.call_wrapper_on_jax_arrays(grouped_gemm_wgrad_wrapper_sm100, **args)
     return _wrapper(
         GroupedGemmWgradSm100,
         a_tensor,
@@ -312,6 +319,12 @@ def grouped_gemm_wgrad_wrapper_sm90(
     descriptor_workspace: torch.Tensor | None = None,
     validate_offsets: bool = True,
 ) -> TupleDict:
+    if "jax" in sys.modules:  # the seed's eager JAX support (JAX arrays exist only once loaded)
+        args = dict(locals())
+        from . import jax as jax_entry
+
+        if jax_entry.has_jax_arrays(*args.values()):
+            return jax_entry.call_wrapper_on_jax_arrays(grouped_gemm_wgrad_wrapper_sm90, **args)
     return _wrapper(
         GroupedGemmWgradSm90,
         a_tensor,

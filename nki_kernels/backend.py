@@ -213,7 +213,9 @@ def _grads_from_outputs(problem: MoEBackwardProblem, outputs: tuple) -> MoEGrads
     dx = outs[0][:T]
     da = outs[1].reshape(-1, E)[:T].clone()
     if p.b_down_EH is not None:
-        bias_term = p.output_grad_TH.float() @ p.b_down_EH.float().T
+        # <dY_t, b_down[e]>, which the kernel does not compute; on the host so that every device
+        # gets the CPU's fp32 sum order (on the H200 cuBLAS gave 1-ULP different dA cells)
+        bias_term = (p.output_grad_TH.float().cpu() @ p.b_down_EH.float().cpu().T).to(da.device)
         da = da + torch.where(_routed_mask_TE(p), bias_term, torch.zeros((), dtype=da.dtype))
     return MoEGrads(
         hidden_states_grad_TH=dx,

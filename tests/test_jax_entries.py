@@ -368,8 +368,11 @@ def test_custom_vjp_example_matches_autodiff():
     def loss(f, x, w):
         return (f(x, w, sizes) ** 2).sum()
 
-    dx, dw = jax.jit(jax.grad(lambda x, w: loss(expert_linear, x, w), argnums=(0, 1)))(x, w)
-    rx, rw = jax.grad(lambda x, w: loss(jax.lax.ragged_dot, x, w), argnums=(0, 1))(x, w)
+    # fp32 products at full precision: on a GPU, JAX's default fp32 matmul precision is TF32-like
+    # (the H200 run differed by 1e-4 relative without this)
+    with jax.default_matmul_precision("highest"):
+        dx, dw = jax.jit(jax.grad(lambda x, w: loss(expert_linear, x, w), argnums=(0, 1)))(x, w)
+        rx, rw = jax.grad(lambda x, w: loss(jax.lax.ragged_dot, x, w), argnums=(0, 1))(x, w)
     np.testing.assert_allclose(np.asarray(dw), np.asarray(rw), rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(np.asarray(dx), np.asarray(rx), rtol=1e-4, atol=1e-3)
 

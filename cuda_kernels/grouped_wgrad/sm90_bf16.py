@@ -197,7 +197,8 @@ def select_sm90_tile_config(
 def _build_kernel_class():
     import cutlass
     import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass import cute, pipeline, utils
+    from cutlass import cute, memory, pipeline
+    from cutlass.tensor_utils import LayoutEnum
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
@@ -351,8 +352,8 @@ def _build_kernel_class():
             num_ctas: cutlass.Int32,
             stream,
         ):
-            a_layout = utils.LayoutEnum.from_tensor(mA)
-            b_layout = utils.LayoutEnum.from_tensor(mB)
+            a_layout = LayoutEnum.from_tensor(mA)
+            b_layout = LayoutEnum.from_tensor(mB)
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 self.ab_dtype,
                 self.ab_dtype,
@@ -376,7 +377,7 @@ def _build_kernel_class():
             if cutlass.const_expr(self.tma_epi):
                 epi_smem_staged = sm90_utils.make_smem_layout_epi(
                     self.out_dtype,
-                    utils.LayoutEnum.ROW_MAJOR,
+                    LayoutEnum.ROW_MAJOR,
                     self.epi_tile,
                     self.epi_stages * self.num_groups,
                 )
@@ -481,7 +482,7 @@ def _build_kernel_class():
                 self.ab_dtype, b_smem_one
             )
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
             ab_pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(),
@@ -538,7 +539,7 @@ def _build_kernel_class():
 
             if wg_idx == 0:
                 # ---------------- producer warp group: TMA loads ----------------
-                cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+                cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
                     prod_state = pipeline.make_pipeline_state(
                         pipeline.PipelineUserType.Producer, self.stages
@@ -602,7 +603,7 @@ def _build_kernel_class():
                     ab_pipe.producer_tail(prod_state)
             else:
                 # ---------------- consumer warp groups: wgmma + epilogue ----------------
-                cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+                cute.arch.setmaxregister_increase(self.consumer_regs)
                 group = (wg_idx - 1) // self.wgs_per_group
                 ctid = tidx - 128 - group * self.group_threads  # thread index in its group
                 mask_barrier = pipeline.NamedBarrier(
@@ -626,7 +627,7 @@ def _build_kernel_class():
                         epi_smem_staged.outer, swizzle=epi_smem_staged.inner
                     )
                     r2s_atom = sm90_utils.get_smem_store_op(
-                        utils.LayoutEnum.ROW_MAJOR, self.out_dtype, self.acc_dtype
+                        LayoutEnum.ROW_MAJOR, self.out_dtype, self.acc_dtype
                     )
                     c_atom = cute.make_copy_atom(
                         cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype

@@ -122,9 +122,14 @@ def main(argv=None) -> int:
             if peer is not None and split == "even" and s % 128 == 0 and h % 128 == 0:
                 cast, swz = peer
                 offs_sc = offs // 32
-                t_cast = bench(lambda: cast(x, 32, scaling_mode=mode))
-                _, scales = cast(x, 32, scaling_mode=mode)
-                t_all = bench(lambda: swz(cast(x, 32, scaling_mode=mode)[1], offs_sc))
+                try:
+                    t_cast = bench(lambda: cast(x, 32, scaling_mode=mode))
+                    t_all = bench(lambda: swz(cast(x, 32, scaling_mode=mode)[1], offs_sc))
+                except Exception as exc:  # noqa: BLE001 - e.g. torchao gates the kernel to SM100
+                    print(f"# torchao's kernel did not run here ({type(exc).__name__}: {exc}); "
+                          "printing ours alone")
+                    peer = None
+            if peer is not None and split == "even" and s % 128 == 0 and h % 128 == 0:
                 ao_bytes = 3 * s * h + s * h // 32
                 row.update(torchao_cast_us=t_cast, torchao_total_us=t_all,
                            torchao_gbs=ao_bytes / t_all / 1e3, ratio=t_all / t_nat)

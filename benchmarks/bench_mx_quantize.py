@@ -75,12 +75,50 @@ def _torchao():
         return None
 
 
+def _sweep(args, bench, quantize, dev) -> int:
+    """Ours under each launch configuration of ``quantize.LAUNCH`` on every (quick) shape, even
+    split, native rounding; each configuration's bytes must equal the default's."""
+    from cuda_kernels.grouped_wgrad import quantize as qmod
+
+    configs = [(bh, nw) for bh in (32, 64, 128) for nw in (4, 8)]
+    default = dict(qmod.LAUNCH)
+    print(f"{'shape':<20}" + "".join(f"{f'{bh}r/{nw}w µs':>12}" for bh, nw in configs))
+    totals = dict.fromkeys(configs, 0.0)
+    for name, s, h, e in SHAPES:
+        if args.quick and name not in QUICK:
+            continue
+        x = torch.randn(s, h, device=dev).to(torch.bfloat16)
+        offs = torch.tensor(_even(s, e), dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+        kw = dict(elem="e4m3", scale_rule=args.rule, validate=False, rounding="native")
+        ref = quantize(x, offs, **kw)
+        line = f"{name:<20}"
+        for bh, nw in configs:
+            qmod.LAUNCH.update(block_h=bh, num_warps=nw)
+            d, sc = quantize(x, offs, **kw)
+            same = torch.equal(d.view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(
+                sc.view(torch.uint8), ref[1].view(torch.uint8))
+            t = bench(lambda: quantize(x, offs, **kw))
+            totals[(bh, nw)] += t
+            line += f"{t:>11.1f}{'' if same else '!'}"
+            if not same:
+                print(f"# {name}: {bh} rows / {nw} warps wrote other bytes than the default")
+        qmod.LAUNCH.update(default)
+        print(line)
+    best = min(totals, key=totals.get)
+    print(f"# best over these shapes: block_h={best[0]}, num_warps={best[1]} "
+          f"({totals[best]:.0f} µs total vs default {totals[(default['block_h'], default['num_warps'])]:.0f})")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="two shapes only")
     p.add_argument("--rule", default="rceil", choices=("ocp", "rceil"),
                    help="scale rule for both sides (torchao: ocp = 'floor')")
     p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--sweep", action="store_true",
+                   help="time every launch configuration (rows per program x warps) of ours, "
+                        "check each writes the default's bytes, and print the best")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_mx_quantize: needs a CUDA device")
@@ -102,6 +140,9 @@ def main(argv=None) -> int:
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+    if args.sweep:
+        return _sweep(args, bench, quantize_wgrad_operand, dev)
 
     for name, s, h, e in SHAPES:
         if args.quick and name not in QUICK:

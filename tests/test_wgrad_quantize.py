@@ -86,6 +86,17 @@ def test_interpreter_matches_twin(poisoned, split, elem, rule):
 
 
 @interpreted
+@pytest.mark.parametrize("block_h,num_warps", [(64, 4), (128, 8)])
+def test_launch_configs_give_the_same_bytes(poisoned, monkeypatch, block_h, num_warps):
+    """Every launch configuration the benchmark may pick (rows per program dividing 128) writes
+    the twin's bytes; H = 200 leaves a partial row block."""
+    monkeypatch.setitem(qmod.LAUNCH, "block_h", block_h)
+    monkeypatch.setitem(qmod.LAUNCH, "num_warps", num_warps)
+    counts = SPLITS["uneven"]
+    _check(_rows(sum(counts), 200, seed=3), _offsets(counts), "e4m3", "ocp")
+
+
+@interpreted
 def test_special_values_and_cudnn_shape(poisoned):
     """NaN / Inf groups, zero groups, subnormal and saturating amax, signed zeros; cuDNN's exact
     scale shape for aligned counts."""

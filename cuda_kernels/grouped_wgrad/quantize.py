@@ -51,7 +51,10 @@ _FMT = {
     "e2m1": (2, 1, 1, 2, 6.0, 0x7, 0x0),
 }
 _ELEM_ID = {"e4m3": 0, "e5m2": 1, "e2m1": 2}
-BLOCK_H = 32  # rows per program; divides 128 so every scale row block is whole
+BLOCK_H = 32  # default rows per program; divides 128 so every scale row block is whole
+# Launch configuration (rows per program: 32, 64 or 128; warps). benchmarks/bench_mx_quantize.py
+# --sweep times the alternatives on a GPU and checks they give the same bytes.
+LAUNCH = {"block_h": BLOCK_H, "num_warps": 4}
 
 
 def _interpreting() -> bool:
@@ -291,14 +294,17 @@ def quantize_wgrad_operand(
     n_atoms = scale_cols // 4
     if m_pad:
         ebits, mbits, bias, emax, maxv, maxcode, nancode = _FMT[elem]
-        grid = (n_atoms + 1, m_pad // BLOCK_H)
+        block_h, num_warps = LAUNCH["block_h"], LAUNCH["num_warps"]
+        if 128 % block_h:
+            raise _err(f"LAUNCH['block_h'] must divide 128, got {block_h}")
+        grid = (n_atoms + 1, m_pad // block_h)
         _quant_kernel[grid](
             x_SH, offsets_E, buf, scales,
             tokens_sum, hidden, num_experts, x_SH.stride(0), buf.stride(0), s_pad, m_pad, n_atoms,
-            BLOCK_E=triton.next_power_of_2(max(num_experts, 2)), BLOCK_H=BLOCK_H, SF=SF_VEC,
+            BLOCK_E=triton.next_power_of_2(max(num_experts, 2)), BLOCK_H=block_h, SF=SF_VEC,
             EBITS=ebits, MBITS=mbits, BIAS=bias, EMAX=emax, MAXV=maxv, MAXCODE=maxcode,
             NANCODE=nancode, RCEIL=scale_rule == "rceil", FP4=fp4, NATIVE=native,
-            num_warps=4,
+            num_warps=num_warps,
         )
     storage = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "e2m1": torch.uint8}[elem]
     return buf.view(storage)[:, : tokens_sum // pack], scales.view(torch.float8_e8m0fnu)

@@ -607,12 +607,10 @@ def _load_block(n: int, g: _Geo, tpti, b2e, ea, hidden_states, dy_hbm, ckpt, tok
     valid = nl.ndarray((P, C), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=valid, data=ids, op0=nl.less, operand0=float(g.T))
     nisa.tensor_tensor(dst=valid, data1=valid, data2=v_lo, op=nl.multiply)
-    # slot position inside the block for valid slots, -1 for padding (checkpoint gather index)
-    pos = nl.ndarray((P, C), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.iota(dst=pos, pattern=[[P, C]], offset=1, channel_multiplier=1)
-    nisa.tensor_tensor(dst=pos, data1=pos, data2=valid, op=nl.multiply)
-    nisa.tensor_scalar(dst=pos, data=pos, op0=nl.add, operand0=-1.0)
-    b.pos = pos
+    # valid-slot predicate (uint8 1/0): clears the padding slots of the checkpoint tile
+    valid_u = nl.ndarray((P, C), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=valid_u, src=valid)
+    b.valid_u = valid_u
     # number of valid slots (TensorE sums the mask over partitions) -> live flag
     valid_bf = nl.ndarray((P, C), dtype=nl.bfloat16, buffer=nl.sbuf)
     nisa.tensor_copy(dst=valid_bf, src=valid)
@@ -641,7 +639,8 @@ def _load_block(n: int, g: _Geo, tpti, b2e, ea, hidden_states, dy_hbm, ckpt, tok
 def _body_state(b):
     """A fresh :class:`_Block` with the prologue's tiles and values of ``b`` (no new tiles)."""
     s = _Block()
-    s.ids, s.ids_s, s.e_sb, s.pos, s.live, s.idx_ea = b.ids, b.ids_s, b.e_sb, b.pos, b.live, b.idx_ea
+    s.ids, s.ids_s, s.e_sb, s.live, s.idx_ea = b.ids, b.ids_s, b.e_sb, b.live, b.idx_ea
+    s.valid_u = b.valid_u
     s.token_oob, s.tpti, s.hidden_states, s.dy_hbm = b.token_oob, b.tpti, b.hidden_states, b.dy_hbm
     s.ea, s.ckpt, s.n = b.ea, b.ckpt, b.n
     return s
@@ -671,7 +670,7 @@ def _sub_block(b, g: _Geo, k: int):
     cs = k * g.SC
     s.cs = cs
     s.ids = b.ids[:, cs : cs + g.SC]
-    s.pos = b.pos[:, cs : cs + g.SC]
+    s.valid_u = b.valid_u[:, cs : cs + g.SC]
     s.idx_ea = b.idx_ea[:, cs : cs + g.SC]
     s.alpha = b.alpha[:, cs : cs + g.SC]
     s.e_sb, s.token_oob, s.dy_hbm, s.ckpt, s.n = b.e_sb, b.token_oob, b.dy_hbm, b.ckpt, b.n
@@ -694,22 +693,27 @@ def _gather_sub_block(b, g: _Geo):
             oob_mode=b.token_oob,
         )
     b.dy_n = dy
-    # checkpoint: gu[p, c, k, f] = ckpt[n, k, I0 + f, (cs + c)*128 + p] for valid slots, else 0
-    # (b.pos holds the slot's position in the whole block, -1 for padding)
+    # checkpoint: gu[p, c, k, f] = ckpt[n, k, I0 + f, (cs + c)*128 + p]. In HBM a slot's I run
+    # is strided by B, so a copy into the natural layout would move 2-byte elements; one DMA
+    # transpose per 128-slot chunk instead (src [16, 2, Is/16, 128], 256-byte slot runs ->
+    # dst [128, 2, Is/16, 16], axes (3, 1, 2, 0); nki-library transposes its checkpoint tiles
+    # the same way). Padding slots (any bits, NaN included) are then cleared by a predicated
+    # copy, so they never reach a gradient.
     gu = nl.ndarray((P, C, 2, g.Is), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.memset(dst=gu, value=0.0, engine=VEC)
     ck_flat = b.ckpt.reshape((g.N * 2 * I * g.B, 1))
     for c in range(C):
-        nisa.dma_copy(
-            dst=gu[:, c, :, :],
+        nisa.dma_transpose(
+            dst=gu[:, c, :, :].reshape((P, 2, g.Is // 16, 16)),
             src=ck_flat.ap(
-                pattern=[[1, P], [I * g.B, 2], [g.B, g.Is]],
-                offset=b.n * 2 * I * g.B + g.I0 * g.B,
-                vector_offset=b.pos[:, c : c + 1],
-                indirect_dim=0,
+                pattern=[[g.B, 16], [I * g.B, 2], [16 * g.B, g.Is // 16], [1, P]],
+                offset=b.n * 2 * I * g.B + g.I0 * g.B + (b.cs + c) * P,
             ),
-            oob_mode=nisa.oob_mode.skip,
+            axes=(3, 1, 2, 0),
+            dge_mode=nisa.dge_mode.hwdge,
         )
+    nisa.tensor_copy_predicated(
+        dst=gu.reshape((P, C, 2 * g.Is)), src=0.0,
+        predicate=b.valid_u.expand_dim(2).broadcast(2, 2 * g.Is), reverse_pred=True)
     b.gu = gu
 
 

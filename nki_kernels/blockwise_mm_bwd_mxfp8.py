@@ -1129,7 +1129,7 @@ def blockwise_mm_bwd_mxfp8(
     phase4_config: MatmulMxfp8KernelConfig | None = None,
     fp8_x4_dtype=float8_e4m3fn_x4,
     spill_reload: bool = False,
-    use_scale_packing: bool = True,
+    use_scale_packing: bool = False,
     run_with_lnc2: bool = True,
     shard_option: ShardOption = ShardOption.SHARD_ON_FREE,
     affinity_option: AffinityOption = AffinityOption.AFFINITY_ON_I,
@@ -1169,8 +1169,11 @@ def blockwise_mm_bwd_mxfp8(
             :func:`nki_kernels.blockwise_mm_bwd_mxfp8_torch.prequantize_weight_k_major`.
         phase1_config .. phase4_config: per-phase tiling (None = AWS defaults).
         fp8_x4_dtype: ``float8_e4m3fn_x4`` (the only one accepted).
-        spill_reload, use_scale_packing: accepted; tiles stay resident and scale tiles are not
-            shared in this implementation (no numerical effect).
+        spill_reload, use_scale_packing: must stay False (validation raises
+            UnsupportedOptionError): tiles stay resident and every quantized operand has its own
+            scale tile. ``use_scale_packing`` defaults to False here, AWS's wrapper to True
+            (scale packing changes no value; issue 11 decision, see
+            :func:`nki_kernels.validation.check_phase_config_supported`).
         run_with_lnc2: shard over 2 NeuronCores (takes effect when launched with ``kernel[2]``).
         shard_option: SHARD_ON_FREE only.  affinity_option: AFFINITY_ON_I only.
         compute_dtype: BF16 only.

@@ -13,8 +13,8 @@ Per block n of expert e = ``block_to_expert[n]`` (REFERENCE §2-§3; each phase 
 * prologue: the block's token ids, a per-slot valid mask and live flag, affinity gather
   (indirect DMA at ``t*E + e``, exact int32 index), gather of the dY rows (indirect DMA,
   ``oob_mode.skip`` when ``skip_dma.skip_token``; X rows are gathered in phase 3), and the
-  checkpoint slots (indirect DMA that skips padding slots, so garbage in a padding slot of the
-  checkpoint never reaches a gradient).
+  checkpoint slots (one DMA transpose per 128-slot chunk, then a predicated copy clears the
+  padding slots, so garbage in a padding slot of the checkpoint never reaches a gradient).
 * phase1: ``dh_raw[B, I] = dY_blk @ W_down[e]^T`` (MX along H), SwiGLU backward with clamp masks,
   ``dA[t, e] = <dh_raw, h>`` (summed on TensorE, 128 columns per instruction, per half of I),
   ``d_gate_up = (dg || du)`` and ``alpha*h`` in BF16.
@@ -40,7 +40,9 @@ Slot streaming (B up to 4096, AWS's default; issue 11 item 4): a block of B slot
 per sub-block of SB slots (``_sub_block_slots``: the largest of 512/256/128 whose per-slot tiles
 fit the SBUF plan; slots are independent there, so dA and dX rows are computed per sub-block);
 each sub-block's d_gate_up and alpha*h go to a block scratch in shared HBM (natural layout
-``[128, B/128, *]``, also the LNC2 exchange buffer). Phases 3-4 then contract over all B slots:
+``[128, B/128, *]``, also the LNC2 exchange buffer), and its quantized d_gate_up^T to an HBM
+stash, so phase 2 runs once per block after the sub-blocks, loading each W_gate_up column block
+once (phase 1 still reloads W_down per sub-block). Phases 3-4 then contract over all B slots:
 for each output tile the PSUM chain runs over the WRAPX tiles along B in order, exactly as for a
 resident block, so no value depends on SB or on the slabs and the golden twin is unchanged. With
 one sub-block (SB = B) d_gate_up and alpha*h stay in SBUF as before.

@@ -1323,6 +1323,7 @@ def blockwise_mm_bwd_mxfp8(
                         # quantize d_gate_up^T once, stash it; the matmuls run after the loop
                         _stash_k_major(_k_major_from_natural(sub.dgu_n, g, 2 * I), dgu_q, g, k)
             if g.NSUB > 1:
+                sub = None  # free the last sub-block's tiles (now in the block scratch / stash)
                 with region("phase2"):
                     _phase2(blk, g, gate_up_proj_weight, tilings[1], dx_acc,
                             is_tensor_update_accumulating, gate_up_weight_scales, dgu_q)

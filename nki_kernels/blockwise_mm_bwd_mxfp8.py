@@ -13,8 +13,8 @@ Per block n of expert e = ``block_to_expert[n]`` (REFERENCE §2-§3; each phase 
 * prologue: the block's token ids, a per-slot valid mask and live flag, affinity gather
   (indirect DMA at ``t*E + e``, exact int32 index), gather of the dY rows (indirect DMA,
   ``oob_mode.skip`` when ``skip_dma.skip_token``; X rows are gathered in phase 3), and the
-  checkpoint slots (indirect DMA that skips padding slots, so garbage in a padding slot of the
-  checkpoint never reaches a gradient).
+  checkpoint slots (one DMA transpose per 128-slot chunk, then a predicated copy clears the
+  padding slots, so garbage in a padding slot of the checkpoint never reaches a gradient).
 * phase1: ``dh_raw[B, I] = dY_blk @ W_down[e]^T`` (MX along H), SwiGLU backward with clamp masks,
   ``dA[t, e] = <dh_raw, h>`` (summed on TensorE, 128 columns per instruction, per half of I),
   ``d_gate_up = (dg || du)`` and ``alpha*h`` in BF16.
@@ -40,7 +40,9 @@ Slot streaming (B up to 4096, AWS's default; issue 11 item 4): a block of B slot
 per sub-block of SB slots (``_sub_block_slots``: the largest of 512/256/128 whose per-slot tiles
 fit the SBUF plan; slots are independent there, so dA and dX rows are computed per sub-block);
 each sub-block's d_gate_up and alpha*h go to a block scratch in shared HBM (natural layout
-``[128, B/128, *]``, also the LNC2 exchange buffer). Phases 3-4 then contract over all B slots:
+``[128, B/128, *]``, also the LNC2 exchange buffer), and its quantized d_gate_up^T to an HBM
+stash, so phase 2 runs once per block after the sub-blocks, loading each W_gate_up column block
+once (phase 1 still reloads W_down per sub-block). Phases 3-4 then contract over all B slots:
 for each output tile the PSUM chain runs over the WRAPX tiles along B in order, exactly as for a
 resident block, so no value depends on SB or on the slabs and the golden twin is unchanged. With
 one sub-block (SB = B) d_gate_up and alpha*h stay in SBUF as before.
@@ -266,11 +268,17 @@ def _k_major_from_natural(src_n, g: _Geo, K: int):
     """TensorE-transpose a natural-layout BF16 tile ``[128, C, K]`` (slot c*128 + p at partition
     p) into K-major MX operands: for every WRAPX K tile (k0, TK),
     ``t[p, j, i] = src[slot j, k0 + i*TK/4 + p]`` built from ``[128, TK/4]`` slabs (one PSUM tile
-    per (tile, i), one copy to SBUF), then quantized. Returns (x4 [TK/4, B], scales, TK/4)s."""
+    per (tile, i), one copy to SBUF), then quantized. All K tiles share one x4 tile and one scale
+    tile ``[128, tiles, slots]`` (a remainder tile uses its first TK/4 partitions), so the
+    operand moves to and from HBM in one DMA each (:func:`_stash_k_major`). Returns
+    ``(ops, x4 tile, scale tile)``, ops = (x4 [TK/4, slots], scales, TK/4) views per K tile."""
     out = []
     nc = src_n.shape[1]  # 128-slot chunks of the (sub-)block
     ns = nc * PMAX
-    for k0, TK in _k_tiles(K):
+    tiles = _k_tiles(K)
+    q_all = nl.ndarray((PMAX, len(tiles), ns), dtype=float8_e4m3fn_x4, buffer=nl.sbuf)
+    s_all = nl.ndarray((PMAX, len(tiles), ns), dtype=nl.uint8, buffer=nl.sbuf)
+    for kt, (k0, TK) in enumerate(tiles):
         vsk = TK // 4
         t = nl.ndarray((vsk, ns, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
         for i in range(4):
@@ -280,9 +288,10 @@ def _k_major_from_natural(src_n, g: _Geo, K: int):
                 nisa.nc_transpose(dst=ps[:, c * PMAX : (c + 1) * PMAX],
                                   data=src_n[:, c, c0 : c0 + vsk])
             nisa.tensor_copy(dst=t[:, :, i], src=ps, engine=ACT if i % 2 else VEC)
-        q, sc = _quantize_k_major(t, vsk, ns)
+        q, sc = q_all[0:vsk, kt, :], s_all[0:vsk, kt, :]
+        nisa.quantize_mx(dst=q, src=t.reshape((vsk, ns * 4)), dst_scale=sc)
         out.append((q, sc, vsk))
-    return out
+    return out, q_all, s_all
 
 
 def _to_slot_layout_kt(src_n, g: _Geo, c0: int, F: int, kt: int):
@@ -607,12 +616,10 @@ def _load_block(n: int, g: _Geo, tpti, b2e, ea, hidden_states, dy_hbm, ckpt, tok
     valid = nl.ndarray((P, C), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=valid, data=ids, op0=nl.less, operand0=float(g.T))
     nisa.tensor_tensor(dst=valid, data1=valid, data2=v_lo, op=nl.multiply)
-    # slot position inside the block for valid slots, -1 for padding (checkpoint gather index)
-    pos = nl.ndarray((P, C), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.iota(dst=pos, pattern=[[P, C]], offset=1, channel_multiplier=1)
-    nisa.tensor_tensor(dst=pos, data1=pos, data2=valid, op=nl.multiply)
-    nisa.tensor_scalar(dst=pos, data=pos, op0=nl.add, operand0=-1.0)
-    b.pos = pos
+    # valid-slot predicate (uint8 1/0): clears the padding slots of the checkpoint tile
+    valid_u = nl.ndarray((P, C), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=valid_u, src=valid)
+    b.valid_u = valid_u
     # number of valid slots (TensorE sums the mask over partitions) -> live flag
     valid_bf = nl.ndarray((P, C), dtype=nl.bfloat16, buffer=nl.sbuf)
     nisa.tensor_copy(dst=valid_bf, src=valid)
@@ -641,7 +648,8 @@ def _load_block(n: int, g: _Geo, tpti, b2e, ea, hidden_states, dy_hbm, ckpt, tok
 def _body_state(b):
     """A fresh :class:`_Block` with the prologue's tiles and values of ``b`` (no new tiles)."""
     s = _Block()
-    s.ids, s.ids_s, s.e_sb, s.pos, s.live, s.idx_ea = b.ids, b.ids_s, b.e_sb, b.pos, b.live, b.idx_ea
+    s.ids, s.ids_s, s.e_sb, s.live, s.idx_ea = b.ids, b.ids_s, b.e_sb, b.live, b.idx_ea
+    s.valid_u = b.valid_u
     s.token_oob, s.tpti, s.hidden_states, s.dy_hbm = b.token_oob, b.tpti, b.hidden_states, b.dy_hbm
     s.ea, s.ckpt, s.n = b.ea, b.ckpt, b.n
     return s
@@ -671,7 +679,7 @@ def _sub_block(b, g: _Geo, k: int):
     cs = k * g.SC
     s.cs = cs
     s.ids = b.ids[:, cs : cs + g.SC]
-    s.pos = b.pos[:, cs : cs + g.SC]
+    s.valid_u = b.valid_u[:, cs : cs + g.SC]
     s.idx_ea = b.idx_ea[:, cs : cs + g.SC]
     s.alpha = b.alpha[:, cs : cs + g.SC]
     s.e_sb, s.token_oob, s.dy_hbm, s.ckpt, s.n = b.e_sb, b.token_oob, b.dy_hbm, b.ckpt, b.n
@@ -694,22 +702,27 @@ def _gather_sub_block(b, g: _Geo):
             oob_mode=b.token_oob,
         )
     b.dy_n = dy
-    # checkpoint: gu[p, c, k, f] = ckpt[n, k, I0 + f, (cs + c)*128 + p] for valid slots, else 0
-    # (b.pos holds the slot's position in the whole block, -1 for padding)
+    # checkpoint: gu[p, c, k, f] = ckpt[n, k, I0 + f, (cs + c)*128 + p]. In HBM a slot's I run
+    # is strided by B, so a copy into the natural layout would move 2-byte elements; one DMA
+    # transpose per 128-slot chunk instead (src [16, 2, Is/16, 128], 256-byte slot runs ->
+    # dst [128, 2, Is/16, 16], axes (3, 1, 2, 0); nki-library transposes its checkpoint tiles
+    # the same way). Padding slots (any bits, NaN included) are then cleared by a predicated
+    # copy, so they never reach a gradient.
     gu = nl.ndarray((P, C, 2, g.Is), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.memset(dst=gu, value=0.0, engine=VEC)
     ck_flat = b.ckpt.reshape((g.N * 2 * I * g.B, 1))
     for c in range(C):
-        nisa.dma_copy(
-            dst=gu[:, c, :, :],
+        nisa.dma_transpose(
+            dst=gu[:, c, :, :].reshape((P, 2, g.Is // 16, 16)),
             src=ck_flat.ap(
-                pattern=[[1, P], [I * g.B, 2], [g.B, g.Is]],
-                offset=b.n * 2 * I * g.B + g.I0 * g.B,
-                vector_offset=b.pos[:, c : c + 1],
-                indirect_dim=0,
+                pattern=[[g.B, 16], [I * g.B, 2], [16 * g.B, g.Is // 16], [1, P]],
+                offset=b.n * 2 * I * g.B + g.I0 * g.B + (b.cs + c) * P,
             ),
-            oob_mode=nisa.oob_mode.skip,
+            axes=(3, 1, 2, 0),
+            dge_mode=nisa.dge_mode.hwdge,
         )
+    nisa.tensor_copy_predicated(
+        dst=gu.reshape((P, C, 2 * g.Is)), src=0.0,
+        predicate=b.valid_u.expand_dim(2).broadcast(2, 2 * g.Is), reverse_pred=True)
     b.gu = gu
 
 
@@ -734,7 +747,7 @@ def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_scales=None):
     n_block = _weight_cols(g.H, max(tn, tl.n_block // tn * tn), tn)
     half = I // 2
     halves = [0, 1] if g.S == 1 else [g.shard]
-    dyT = _k_major_from_natural(b.dy_n, g, g.H)  # stationary: dY^T, H on partitions
+    dyT = _k_major_from_natural(b.dy_n, g, g.H)[0]  # stationary: dY^T, H on partitions
     ws = _Workspace(tl, tn)
     for hf in halves:
         h0 = hf * half
@@ -885,19 +898,28 @@ def _store_da(b, g: _Geo, da_out):
 
 
 # ------------------------------------------------------------------------------------- phase 2
-def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scales=None):
+def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scales=None,
+            dgu_q=None):
     """dX_blk = d_gate_up @ W_gate_up[e]^T (MX along 2I), scattered into dX rows (this core's H).
 
     Stationary columns are the block's slots in natural order, 128 per PSUM tile (tile_m per
     instruction), so each result row is one token row of dX: read-add-write by indirect DMA
     with the natural-order token ids, once per ``TILES_IN_BLOCK_N x tile_n`` columns.
     ``dx_acc``: the [T, H] accumulator in HBM (the BF16 output, or the fp32 scratch).
+
+    ``dgu_q=None``: ``b`` is the (only) sub-block, its d_gate_up^T is quantized here. Otherwise
+    (a streamed block) ``b`` is the whole block and ``dgu_q`` the HBM stash of every sub-block's
+    quantized d_gate_up^T (:func:`_stash_k_major`): each weight column block is loaded and
+    quantized once per block and multiplied with every sub-block's stashed operand, instead of
+    once per sub-block. Each output tile's PSUM chain is the same either way.
     """
-    I2, H = 2 * g.I, g.H
-    dguT = _k_major_from_natural(b.dgu_n, g, I2)  # stationary: d_gate_up^T, 2I on partitions
-    nch, ids_nat = g.SC, b.ids
+    I2 = 2 * g.I
     ws = _Workspace(tl, min(tl.tn, g.Hs))
     n_block = _weight_cols(I2, tl.n_block, PMAX)
+    dguT = None
+    if dgu_q == None:  # noqa: E711
+        dguT = _k_major_from_natural(b.dgu_n, g, I2)[0]  # stationary: d_gate_up^T, 2I on partitions
+    nsub = 1 if dgu_q == None else g.NSUB  # noqa: E711
     for nb0 in range(0, g.Hs, n_block):
         nbw = min(n_block, g.Hs - nb0)
         # moving: W_gate_up[e] viewed [H, 2I]: 2I on partitions (stride 1), H columns (stride 2I)
@@ -906,24 +928,61 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scal
             wguT = _load_weight_k_major(w_gate_up, b.e_sb, I2, 1, I2, g.H0 + nb0, nbw)
         else:
             wguT = _load_prequantized_k_major(w_gate_up, w_scales, b.e_sb, I2, g.H0 + nb0, nbw)
-        for c in range(nch):
-            rows = dx_acc.ap(
-                pattern=[[H, PMAX], [1, nbw]], offset=g.H0 + nb0,
-                vector_offset=ids_nat[:, c : c + 1], indirect_dim=0,
-            )
-            new = nl.ndarray((PMAX, nbw), dtype=dx_acc.dtype, buffer=nl.sbuf)
-            if accumulate:
-                nisa.memset(dst=new, value=0.0, engine=POOL)
-                nisa.dma_copy(dst=new, src=rows, oob_mode=b.token_oob)
-            for j, n0 in enumerate(range(0, nbw, tl.tn)):
-                nw = min(tl.tn, nbw - n0)
-                res = _matmul_rows(dguT, wguT, PMAX, n0, nw, tl, c * PMAX, ws)
-                if accumulate:
-                    _add_result(new[:, n0 : n0 + nw], res, j)
-                else:
-                    nisa.tensor_copy(dst=new[:, n0 : n0 + nw], src=res,
-                                     engine=ACT if j % 2 else VEC)
-            nisa.dma_copy(dst=rows, src=new, oob_mode=b.token_oob)
+        for k in range(nsub):
+            if dgu_q != None:  # noqa: E711
+                dguT = None
+                dguT = _unstash_k_major(dgu_q, g, I2, k)
+            for c in range(g.SC):
+                _dx_rows(b, g, dguT, wguT, tl, ws, dx_acc, accumulate, k * g.SC + c, c, nb0,
+                         nbw)
+
+
+def _dx_rows(b, g: _Geo, dguT, wguT, tl: _Tiling, ws: _Workspace, dx_acc, accumulate: bool,
+             cid: int, c: int, nb0: int, nbw: int):
+    """dX rows of 128-slot chunk ``cid`` of ``b.ids`` (stationary columns ``c*128..`` of
+    ``dguT``) x this core's H columns ``nb0..nb0+nbw``: matmul, then write or read-add-write."""
+    H = g.H
+    rows = dx_acc.ap(
+        pattern=[[H, PMAX], [1, nbw]], offset=g.H0 + nb0,
+        vector_offset=b.ids[:, cid : cid + 1], indirect_dim=0,
+    )
+    new = nl.ndarray((PMAX, nbw), dtype=dx_acc.dtype, buffer=nl.sbuf)
+    if accumulate:
+        nisa.memset(dst=new, value=0.0, engine=POOL)
+        nisa.dma_copy(dst=new, src=rows, oob_mode=b.token_oob)
+    for j, n0 in enumerate(range(0, nbw, tl.tn)):
+        nw = min(tl.tn, nbw - n0)
+        res = _matmul_rows(dguT, wguT, PMAX, n0, nw, tl, c * PMAX, ws)
+        if accumulate:
+            _add_result(new[:, n0 : n0 + nw], res, j)
+        else:
+            nisa.tensor_copy(dst=new[:, n0 : n0 + nw], src=res, engine=ACT if j % 2 else VEC)
+    nisa.dma_copy(dst=rows, src=new, oob_mode=b.token_oob)
+
+
+def _stash_k_major(kmaj, dgu_q, g: _Geo, k: int):
+    """Write sub-block ``k``'s quantized K-major operand (x4 words + scales of
+    :func:`_k_major_from_natural`, one ``[128, tiles, SB]`` tile each) to this core's slice of
+    the HBM stash ``dgu_q`` = (words, scales), each [S, NSUB, 128, tiles, SB]: one DMA each."""
+    qw, qs = dgu_q
+    nisa.dma_copy(dst=qw[g.shard, k], src=kmaj[1])
+    nisa.dma_copy(dst=qs[g.shard, k], src=kmaj[2])
+
+
+def _unstash_k_major(dgu_q, g: _Geo, K: int, k: int):
+    """Sub-block ``k``'s quantized K-major operand back from the HBM stash (two DMAs, runs of
+    ``tiles x SB`` x4 words per partition); the same views as :func:`_k_major_from_natural`."""
+    qw, qs = dgu_q
+    tiles = _k_tiles(K)
+    q_all = nl.ndarray((PMAX, len(tiles), g.SB), dtype=float8_e4m3fn_x4, buffer=nl.sbuf)
+    s_all = nl.ndarray((PMAX, len(tiles), g.SB), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.dma_copy(dst=q_all, src=qw[g.shard, k])
+    nisa.dma_copy(dst=s_all, src=qs[g.shard, k])
+    out = []
+    for kt, (k0, TK) in enumerate(tiles):
+        vsk = TK // 4
+        out.append((q_all[0:vsk, kt, :], s_all[0:vsk, kt, :], vsk))
+    return out
 
 
 # ------------------------------------------------------------------------------------- phase 3
@@ -1072,7 +1131,7 @@ def blockwise_mm_bwd_mxfp8(
     phase4_config: MatmulMxfp8KernelConfig | None = None,
     fp8_x4_dtype=float8_e4m3fn_x4,
     spill_reload: bool = False,
-    use_scale_packing: bool = True,
+    use_scale_packing: bool = False,
     run_with_lnc2: bool = True,
     shard_option: ShardOption = ShardOption.SHARD_ON_FREE,
     affinity_option: AffinityOption = AffinityOption.AFFINITY_ON_I,
@@ -1112,8 +1171,11 @@ def blockwise_mm_bwd_mxfp8(
             :func:`nki_kernels.blockwise_mm_bwd_mxfp8_torch.prequantize_weight_k_major`.
         phase1_config .. phase4_config: per-phase tiling (None = AWS defaults).
         fp8_x4_dtype: ``float8_e4m3fn_x4`` (the only one accepted).
-        spill_reload, use_scale_packing: accepted; tiles stay resident and scale tiles are not
-            shared in this implementation (no numerical effect).
+        spill_reload, use_scale_packing: must stay False (validation raises
+            UnsupportedOptionError): tiles stay resident and every quantized operand has its own
+            scale tile. ``use_scale_packing`` defaults to False here, AWS's wrapper to True
+            (scale packing changes no value; issue 11 decision, see
+            :func:`nki_kernels.validation.check_phase_config_supported`).
         run_with_lnc2: shard over 2 NeuronCores (takes effect when launched with ``kernel[2]``).
         shard_option: SHARD_ON_FREE only.  affinity_option: AFFINITY_ON_I only.
         compute_dtype: BF16 only.
@@ -1194,10 +1256,16 @@ def blockwise_mm_bwd_mxfp8(
     else:
         dx_acc, dwgu_acc, dwd_acc = dx, dwgu, dwd
         dbgu_acc, dbd_acc = (dbgu, dbd) if bias else (None, None)
-    scratch_dgu = scratch_ah = None
+    scratch_dgu = scratch_ah = dgu_q = None
     if num_shards > 1 or g.NSUB > 1:  # LNC2 exchange and/or the streamed block's d_gate_up
         scratch_dgu = nl.ndarray((PMAX, g.C, 2 * I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
         scratch_ah = nl.ndarray((PMAX, g.C, I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    if g.NSUB > 1:  # streamed block: every sub-block's quantized d_gate_up^T (phase 2)
+        nkt2 = len(_k_tiles(2 * I))
+        dgu_q = (nl.ndarray((num_shards, g.NSUB, PMAX, nkt2, g.SB), dtype=float8_e4m3fn_x4,
+                            buffer=nl.shared_hbm),
+                 nl.ndarray((num_shards, g.NSUB, PMAX, nkt2, g.SB), dtype=nl.uint8,
+                            buffer=nl.shared_hbm))
 
     # zero-initialise this core's share of every accumulator (dA: core 0)
     if not skip_grad_initialization:
@@ -1248,8 +1316,17 @@ def blockwise_mm_bwd_mxfp8(
                     _store_da(sub, g, da)
                     del sub.gu  # checkpoint tile: phase 1 only
                 with region("phase2"):
-                    _phase2(sub, g, gate_up_proj_weight, tilings[1], dx_acc,
-                            is_tensor_update_accumulating, gate_up_weight_scales)
+                    if g.NSUB == 1:
+                        _phase2(sub, g, gate_up_proj_weight, tilings[1], dx_acc,
+                                is_tensor_update_accumulating, gate_up_weight_scales)
+                    else:
+                        # quantize d_gate_up^T once, stash it; the matmuls run after the loop
+                        _stash_k_major(_k_major_from_natural(sub.dgu_n, g, 2 * I), dgu_q, g, k)
+            if g.NSUB > 1:
+                sub = None  # free the last sub-block's tiles (now in the block scratch / stash)
+                with region("phase2"):
+                    _phase2(blk, g, gate_up_proj_weight, tilings[1], dx_acc,
+                            is_tensor_update_accumulating, gate_up_weight_scales, dgu_q)
             # phases 3-4 contract over all of the block's slots: d_gate_up and alpha*h from
             # SBUF (one sub-block) or from the block scratch in HBM (streamed block)
             dgu_src, ah_src = scratch_dgu, scratch_ah

@@ -178,7 +178,8 @@ class MatmulMxfp8KernelConfig(_NKIObject):
         TILES_IN_LOAD_M/N: tiles per DMA load along M/N (>= 1, dividing the block's), or None.
         block_loop_order, tile_loop_order: a permutation of ``"mnk"``.
         float8_dtype: ``"float8_e4m3fn"`` or ``"float8_e5m2"``.
-        enable_scale_packing: 4 tensors share one scale tile (offsets 0/4/8/12, NKI_API.md §4.5).
+        enable_scale_packing: 4 tensors share one scale tile (offsets 0/4/8/12, NKI_API.md §4.5);
+            not implemented by our kernel: True raises UnsupportedOptionError.
         run_with_lnc2: run the phase sharded over 2 NeuronCores.
         lnc_2_shard_rhs: shard the moving (rhs) operand under LNC2; None = auto (N >= M).
         spill_reload: spill quantized tiles to HBM for reuse across K blocks.
@@ -366,7 +367,7 @@ def default_phase_configs(
     phase_configs: tuple[MatmulMxfp8KernelConfig | None, ...] = (None, None, None, None),
     *,
     spill_reload: bool = False,
-    use_scale_packing: bool = True,
+    use_scale_packing: bool = False,
 ) -> tuple[MatmulMxfp8KernelConfig, ...]:
     """Resolve the four phase configs as AWS's kernel entry does (``_resolve_phase_configs``).
 

@@ -188,7 +188,7 @@ def test_default_phase_configs_qwen3_lnc2():
     ]
     for c in cfgs:
         assert c.is_resolved and c.run_with_lnc2 is True
-        assert c.enable_scale_packing is True and c.spill_reload is False  # wrapper defaults
+        assert c.enable_scale_packing is False and c.spill_reload is False  # wrapper defaults
         assert c.TILES_IN_BLOCK_M == c.TILES_IN_LOAD_N == c.TILES_IN_LOAD_K == 1
 
 
@@ -201,7 +201,8 @@ def test_default_phase_configs_lnc1_small_and_given_configs_kept():
     )
     given = MatmulMxfp8KernelConfig(M=0, K=0, N=0, tile_k=128, TILES_IN_BLOCK_K=2)
     before = given.key()
-    cfgs = default_phase_configs(256, 128, 128, False, (None, None, given, None), spill_reload=True)
+    cfgs = default_phase_configs(256, 128, 128, False, (None, None, given, None), spill_reload=True,
+                                 use_scale_packing=True)
     assert given.key() == before  # the caller's config is not mutated
     p3 = cfgs[2]
     assert (p3.M, p3.K, p3.N, p3.tile_k, p3.TILES_IN_BLOCK_K) == (128, 128, 256, 128, 2)
@@ -824,7 +825,9 @@ def test_kernel_signature_is_the_seed_and_package_exports_the_function():
     assert defaults["activation_type"] is ActFnType.SiLU
     flags = ("gate_up_weight_is_swizzled", "down_weight_is_swizzled", "spill_reload")
     assert all(defaults[n] is False for n in flags + ("skip_grad_initialization", "bias"))
-    assert all(defaults[n] is True for n in ("use_scale_packing", "run_with_lnc2"))
+    # use_scale_packing: AWS's default is True; ours is False (packing is not implemented and
+    # raises UnsupportedOptionError rather than being ignored; issue 11 decision)
+    assert defaults["use_scale_packing"] is False and defaults["run_with_lnc2"] is True
     assert defaults["is_tensor_update_accumulating"] is True
 
 
@@ -879,6 +882,7 @@ UNSUPPORTED_FIELDS = {
     "float8_dtype": "float8_e5m2",
     "lnc_2_shard_rhs": False,
     "spill_reload": True,
+    "enable_scale_packing": True,
     "lhs_is_swizzled": False,
     "rhs_is_swizzled": False,
     "load_with_PE_swizzle": True,
@@ -900,10 +904,22 @@ def test_load_tiles_must_match_block_tiles_and_wrapper_spill_reload_raises():
     args = _valid_args()
     ok = MatmulMxfp8KernelConfig(0, 0, 0, TILES_IN_BLOCK_N=2, TILES_IN_LOAD_N=2,
                                  TILES_IN_BLOCK_M=1, TILES_IN_LOAD_M=1, TILES_IN_LOAD_K=1,
-                                 enable_scale_packing=True, lnc_2_shard_rhs=True)
+                                 lnc_2_shard_rhs=True)
     validate_blockwise_mm_bwd_args(**args, phase2_config=ok)
     bad = MatmulMxfp8KernelConfig(0, 0, 0, TILES_IN_BLOCK_N=4, TILES_IN_LOAD_N=2)
     with pytest.raises(UnsupportedOptionError, match="phase2_config.TILES_IN_LOAD_N=2"):
         validate_blockwise_mm_bwd_args(**args, phase2_config=bad)
     with pytest.raises(UnsupportedOptionError, match="phase1_config.spill_reload=True"):
         validate_blockwise_mm_bwd_args(**args, spill_reload=True)
+
+
+def test_scale_packing_raises_instead_of_being_ignored():
+    """Issue 11 decision: enable_scale_packing / the wrapper's use_scale_packing are refused
+    (UnsupportedOptionError naming the field), not accepted and ignored; the default is off."""
+    args = _valid_args()
+    validate_blockwise_mm_bwd_args(**args)  # defaults: no packing
+    with pytest.raises(UnsupportedOptionError, match="phase1_config.enable_scale_packing=True"):
+        validate_blockwise_mm_bwd_args(**args, use_scale_packing=True)
+    cfg = MatmulMxfp8KernelConfig(0, 0, 0, enable_scale_packing=True)
+    with pytest.raises(UnsupportedOptionError, match="phase4_config.enable_scale_packing=True"):
+        validate_blockwise_mm_bwd_args(**args, phase4_config=cfg)

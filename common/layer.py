@@ -84,6 +84,9 @@ class MoEExpertsOptions:
             host read on CUDA; pass False inside CUDA-graph capture).
         accumulate_main_grad: add the weight gradients into the weights' ``main_grad`` buffers
             and return None for the weights (module docstring, "Megatron main_grad").
+        backend_options: ``(name, value)`` pairs passed to the backend's run in backward (e.g.
+            ``(("block_size", 256), ("run_with_lnc2", False))`` for ``nki``/``nki-sim``); an
+            unknown name is the backend's ValueError, in backward.
 
     Raises:
         ValueError: a field of the wrong type or an unknown backend name.
@@ -94,6 +97,7 @@ class MoEExpertsOptions:
     backend: str = "auto"
     validate_routing: bool = True
     accumulate_main_grad: bool = False
+    backend_options: tuple = ()
 
     def __post_init__(self) -> None:
         if self.clamp_limits is not None and not isinstance(self.clamp_limits, ClampLimits):
@@ -113,6 +117,13 @@ class MoEExpertsOptions:
         for name in ("validate_routing", "accumulate_main_grad"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        pairs = self.backend_options
+        if not isinstance(pairs, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs
+        ):
+            raise ValueError(
+                f"backend_options must be a tuple of (name, value) pairs, got {pairs!r}"
+            )
 
 
 # --------------------------------------------------------------------------------- validation
@@ -345,21 +356,17 @@ class MoEExpertsFunction(torch.autograd.Function):
         )
         backend = ctx.backend
         accumulated = False
+        run_opts: dict[str, Any] = dict(opts.backend_options)
         if backend.name in _CUDA_BACKENDS:
             same = wgu.dtype == wd.dtype and wgu.dtype in _GRAD_DTYPES
-            run_opts: dict[str, Any] = {
-                "grad_dtype": wgu.dtype if same else torch.float32,
-                "layout": ctx.layout,
-                "x_rows_S": x_rows_S,
-            }
+            run_opts.setdefault("grad_dtype", wgu.dtype if same else torch.float32)
+            run_opts.update(layout=ctx.layout, x_rows_S=x_rows_S)
             if main is not None and all(
                 m.dtype == torch.float32 and m.is_contiguous() for m in main
             ):
                 run_opts["accumulate_into"] = main
                 accumulated = True
-            grads = backend.run(problem, **run_opts)
-        else:
-            grads = backend.run(problem)
+        grads = backend.run(problem, **run_opts)
         if main is not None and not accumulated:
             main[0].add_(grads.w_gate_up_grad_EH2I.to(main[0].dtype))
             main[1].add_(grads.w_down_grad_EIH.to(main[1].dtype))

@@ -9,7 +9,8 @@ Public names:
   :class:`ShardOption`, :class:`AffinityOption`, :class:`ActFnType`, :class:`QuantScheme`,
   :func:`default_phase_configs`, :func:`load_tuned_phase_configs` (:mod:`nki_kernels.config`).
 - :func:`validate_blockwise_mm_bwd_args` (:mod:`nki_kernels.validation`).
-- :class:`MoEExpertMLPFunction` / :func:`moe_expert_mlp` (:mod:`nki_kernels.autograd`), lazily.
+- :func:`moe_expert_mlp` (:mod:`nki_kernels.autograd`: :func:`common.layer.moe_experts` with NKI
+  defaults), lazily.
 
 Backends ``nki`` and ``nki-sim`` live in :mod:`nki_kernels.backend`, imported by
 :mod:`common.dispatch` on demand.
@@ -39,7 +40,6 @@ __all__ = [
     "AffinityOption",
     "ClampLimits",
     "MatmulMxfp8KernelConfig",
-    "MoEExpertMLPFunction",
     "QuantScheme",
     "ShardOption",
     "SkipMode",
@@ -52,7 +52,6 @@ __all__ = [
 
 _LAZY = {
     "blockwise_mm_bwd_mxfp8": ("nki_kernels.blockwise_mm_bwd_mxfp8", "blockwise_mm_bwd_mxfp8"),
-    "MoEExpertMLPFunction": ("nki_kernels.autograd", "MoEExpertMLPFunction"),
     "moe_expert_mlp": ("nki_kernels.autograd", "moe_expert_mlp"),
 }
 

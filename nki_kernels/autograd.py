@@ -1,12 +1,12 @@
-"""Autograd wrapper: a SwiGLU expert MLP whose backward is the NKI blockwise MXFP8 kernel.
+"""A SwiGLU expert MLP whose backward is the NKI blockwise MXFP8 kernel.
 
-In the style of training stacks' MoE layers (e.g. NxD / torchtitan expert MLPs with a custom
-backward): the forward computes the expert MLP in torch and saves the activation checkpoint
-(clamped gate/up pre-activations per routed pair); the backward builds a
-:class:`~common.problem.MoEBackwardProblem` and runs a backend (``nki-sim`` by default: the
-kernel on our CPU interpreter; ``nki`` on Trainium), which slices padding and returns gradients
-in the model's layouts: W_gate_up grads ``[E, H, 2, I]``, W_down ``[E, I, H]``, and per-slot
-affinity grads ``[T, K]`` through ``plan.slot_affinity_grad``.
+:func:`moe_expert_mlp` is :func:`common.layer.moe_experts` (one autograd Function for every
+backend: BF16-operand forward that saves the activation checkpoint, backward through
+:mod:`common.dispatch`) with the NKI defaults: backend ``nki-sim`` (the kernel on our CPU
+interpreter; ``nki`` on Trainium) and the kernel's options (block_size, padding, run_with_lnc2,
+accumulation_dtype, phase_configs, ...) passed through. Gradients come back in the model's
+layouts: W_gate_up ``[E, H, 2, I]``, W_down ``[E, I, H]``, per-slot affinity ``[T, K]``.
+:func:`expert_mlp_forward` is the fp32 forward (output and checkpoint) for references.
 
 Math (REFERENCE §2), per routed pair (t, e) with affinity a:
 ``g = clamp_gate(x Wg + bg)``, ``u = clamp_up(x Wu + bu)``, ``h = silu(g) * u``,
@@ -18,14 +18,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from common.layer import first_order_only
-from common.problem import ClampLimits, MoEBackwardProblem
-from common.routing import RoutingPlan, plan_routing
+from common.layer import MoEExpertsOptions, moe_experts
+from common.problem import ClampLimits
+from common.routing import RoutingPlan
 from common.torch_backward import moe_forward_torch
 
-__all__ = ["MoEExpertMLPFunction", "expert_mlp_forward", "moe_expert_mlp"]
+__all__ = ["expert_mlp_forward", "moe_expert_mlp"]
 
 
 def expert_mlp_forward(
@@ -78,86 +77,6 @@ def expert_mlp_forward(
     return y.to(hidden_states_TH.dtype), act.to(hidden_states_TH.dtype)
 
 
-class MoEExpertMLPFunction(torch.autograd.Function):
-    """``y = MoE expert MLP(x)`` with the NKI blockwise MXFP8 kernel as its backward.
-
-    ``apply(hidden_states_TH, affinity_TK, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH,
-    expert_index_TK, clamp_limits, backend, options)``; differentiable in the first six
-    (biases may be None). Gradients: dX [T, H], d_affinity [T, K] (per router slot; dropped
-    slots 0), dW_gate_up [E, H, 2, I], dW_down [E, I, H], d_b_gate_up [E, 2, I], d_b_down [E, H],
-    each in its input's dtype. First order only: the backward is marked ``once_differentiable``,
-    so differentiating the gradients (double backward) raises RuntimeError.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden_states_TH: torch.Tensor,
-        affinity_TK: torch.Tensor,
-        w_gate_up_EH2I: torch.Tensor,
-        w_down_EIH: torch.Tensor,
-        b_gate_up_E2I: torch.Tensor | None,
-        b_down_EH: torch.Tensor | None,
-        expert_index_TK: torch.Tensor,
-        clamp_limits: ClampLimits | None,
-        backend: str,
-        options: dict,
-    ) -> torch.Tensor:
-        from common.dispatch import resolve_backend
-
-        # Resolve the backward's backend now, so an unusable one fails before any work.
-        chosen = resolve_backend(backend, hidden_states_TH.device)
-        plan = plan_routing(expert_index_TK, affinity_TK.detach(), w_down_EIH.shape[0])
-        y_TH, act_R2I = expert_mlp_forward(
-            hidden_states_TH,
-            w_gate_up_EH2I,
-            w_down_EIH,
-            plan,
-            b_gate_up_E2I,
-            b_down_EH,
-            clamp_limits,
-        )
-        ctx.save_for_backward(
-            hidden_states_TH, w_gate_up_EH2I, w_down_EIH, act_R2I, b_gate_up_E2I, b_down_EH
-        )
-        ctx.plan = plan
-        ctx.clamp_limits = clamp_limits
-        ctx.backend = chosen
-        ctx.options = dict(options)
-        ctx.affinity_dtype = affinity_TK.dtype
-        return y_TH
-
-    @staticmethod
-    @first_order_only
-    @once_differentiable
-    def backward(ctx: Any, grad_y_TH: torch.Tensor):
-        x, wgu, wd, act, bgu, bd = ctx.saved_tensors
-        problem = MoEBackwardProblem(
-            hidden_states_TH=x,
-            output_grad_TH=grad_y_TH.contiguous(),
-            w_gate_up_EH2I=wgu,
-            w_down_EIH=wd,
-            plan=ctx.plan,
-            act_checkpoint_R2I=act,
-            b_gate_up_E2I=bgu,
-            b_down_EH=bd,
-            clamp_limits=ctx.clamp_limits,
-        )
-        grads = ctx.backend.run(problem, **ctx.options)
-        need = ctx.needs_input_grad
-        dx = grads.hidden_states_grad_TH.to(x.dtype) if need[0] else None
-        d_aff = (
-            ctx.plan.slot_affinity_grad(grads.affinity_grad_TE).to(ctx.affinity_dtype)
-            if need[1]
-            else None
-        )
-        dwgu = grads.w_gate_up_grad_EH2I.to(wgu.dtype) if need[2] else None
-        dwd = grads.w_down_grad_EIH.to(wd.dtype) if need[3] else None
-        dbgu = grads.b_gate_up_grad_E2I.to(bgu.dtype) if need[4] and bgu is not None else None
-        dbd = grads.b_down_grad_EH.to(bd.dtype) if need[5] and bd is not None else None
-        return dx, d_aff, dwgu, dwd, dbgu, dbd, None, None, None, None
-
-
 def moe_expert_mlp(
     hidden_states_TH: torch.Tensor,
     expert_index_TK: torch.Tensor,
@@ -171,7 +90,9 @@ def moe_expert_mlp(
     backend: str = "nki-sim",
     **options: Any,
 ) -> torch.Tensor:
-    """MoE expert MLP (SwiGLU, affinity-weighted sum over top_k) with the NKI MXFP8 backward.
+    """MoE expert MLP (SwiGLU, affinity-weighted sum over top_k) with the NKI MXFP8 backward:
+    :func:`common.layer.moe_experts` with ``backend`` and ``options`` as its
+    :class:`~common.layer.MoEExpertsOptions`.
 
     Args:
         hidden_states_TH: [T, H] float (BF16 in training).
@@ -188,18 +109,12 @@ def moe_expert_mlp(
         y [T, H] in ``hidden_states_TH.dtype``.
 
     Raises:
-        ValueError: bad routing or shapes (from :func:`common.routing.plan_routing` and the
-            forward); RuntimeError in backward when the backend cannot run here.
+        ValueError: bad routing, shapes or options (named), in forward; a backend option the
+            backend does not know, in backward. RuntimeError: a backend that cannot run here
+            (in forward); a double backward.
     """
-    return MoEExpertMLPFunction.apply(
-        hidden_states_TH,
-        affinity_TK,
-        w_gate_up_EH2I,
-        w_down_EIH,
-        b_gate_up_E2I,
-        b_down_EH,
-        expert_index_TK,
-        clamp_limits,
-        backend,
-        options,
+    opts = MoEExpertsOptions(
+        clamp_limits=clamp_limits, backend=backend, backend_options=tuple(sorted(options.items()))
     )
+    return moe_experts(hidden_states_TH, expert_index_TK, affinity_TK, w_gate_up_EH2I,
+                       w_down_EIH, b_gate_up_E2I, b_down_EH, options=opts)

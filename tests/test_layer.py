@@ -9,6 +9,8 @@ of an independent float64 forward written here.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -382,6 +384,30 @@ def test_bad_options_and_module_args():
         _call(options=MoEExpertsOptions(backend="nope"))
     # skipping validation is allowed (CUDA-graph capture): good routing still works
     _call(options=MoEExpertsOptions(backend="torch", validate_routing=False))
+    for bad in ({"block_size": 128}, (("block_size",),), ((1, 2),)):
+        with pytest.raises(ValueError, match="backend_options"):
+            MoEExpertsOptions(backend_options=bad)
+
+
+def test_backend_options_reach_the_backend(monkeypatch):
+    """``backend_options`` go to the backend's run in backward, as keyword arguments."""
+    import common.layer as layer_mod
+    from common import dispatch
+
+    d = _leaves(12, bias=False)
+    seen = []
+    real = dispatch.resolve_backend("torch", "cpu")
+
+    def run(problem, **options):
+        seen.append(options)
+        return real.run(problem)
+
+    monkeypatch.setattr(layer_mod, "resolve_backend",
+                        lambda name, device: dataclasses.replace(real, run=run))
+    opts = MoEExpertsOptions(backend="torch", backend_options=(("block_size", 256),))
+    x = d["x"].clone().requires_grad_()
+    moe_experts(x, EXPERT_INDEX_TK, d["aff"], d["wgu"], d["wd"], options=opts).sum().backward()
+    assert seen == [{"block_size": 256}] and x.grad is not None
 
 
 # --------------------------------------------------------------------------------- torchtitan

@@ -681,11 +681,13 @@ def test_autograd_wiring_matches_torch_autograd_with_reference_backend():
         a[0], idx, a[1], a[2], a[3], a[4], a[5], clamp_limits=clamp, backend="reference"
     )
     y_ref = _torch_forward(b[0], b[1], b[2], b[3], b[4], b[5], idx, clamp)
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    # the forward (common.layer's) runs BF16 GEMM operands, the float64 backward its BF16
+    # checkpoint: wiring is judged by SQNR against fp32 torch autograd, not to fp32 rounding
+    assert sqnr_db(y.double(), y_ref.double()) > 40
     (y * dy).sum().backward()
     (y_ref * dy).sum().backward()
     for name, ta, tb in zip(("dX", "dA", "dWgu", "dWd", "dBgu", "dBd"), a, b):
-        torch.testing.assert_close(ta.grad, tb.grad, rtol=1e-4, atol=1e-4, msg=name)
+        assert sqnr_db(ta.grad.double(), tb.grad.double()) > 35, name
     assert a[2].grad.shape == (E, H, 2, I)
     assert a[1].grad[1, 1] == 0  # dropped slot
 

@@ -227,7 +227,7 @@ def _build_kernel_class():
     class Sm90MxGroupedWgradKernel(base):
         """The BF16 kernel's scheduler (``next_tile``) with an FP8 + MX-promotion mainloop."""
 
-        def __init__(self, key: Sm90MxWgradKey):  # noqa: PLW0231 - own fields, base's methods
+        def __init__(self, key: Sm90MxWgradKey):
             self.key = key
             t = key.tile
             self.tile_m, self.tile_n, self.tile_k = t.tile_m, t.tile_n, t.tile_k
@@ -671,7 +671,7 @@ def _build_kernel_class():
                     # ---------------- epilogue: registers -> global ----------------
                     if cutlass.const_expr(self.key.output_mode == "dense"):
                         m, n = self.key.hidden, self.key.intermediate
-                        out_ptr = mOut.iterator + e * (m * n)
+                        out_ptr = mOut.iterator + cutlass.Int64(e) * (m * n)
                     else:
                         out_ptr = cute.make_ptr(
                             self.out_dtype, mOut[e], cute.AddressSpace.gmem, assumed_align=16
@@ -730,11 +730,12 @@ def _fake_operands(key: Sm90MxWgradKey):
 
     out_t = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
     m, n, e = key.hidden, key.intermediate, key.num_experts
-    s = cute.sym_int32(divisibility=1, symbol="tokens")
+    s_a = cute.sym_int32(divisibility=1, symbol="tokens_a")  # padded layouts may differ
+    s_b = cute.sym_int32(divisibility=1, symbol="tokens_b")
     lda = cute.sym_int32(divisibility=16, symbol="lda")
     ldb = cute.sym_int32(divisibility=16, symbol="ldb")
-    a = cute.runtime.make_fake_tensor(cutlass.Uint8, (m, s), (lda, 1), assumed_align=16)
-    b = cute.runtime.make_fake_tensor(cutlass.Uint8, (n, s), (ldb, 1), assumed_align=16)
+    a = cute.runtime.make_fake_tensor(cutlass.Uint8, (m, s_a), (lda, 1), assumed_align=16)
+    b = cute.runtime.make_fake_tensor(cutlass.Uint8, (n, s_b), (ldb, 1), assumed_align=16)
     sfa = cute.runtime.make_fake_compact_tensor(
         cutlass.Uint8, (cute.sym_int32(symbol="sfa_rows"), 256), stride_order=(1, 0),
         assumed_align=16,
@@ -929,6 +930,10 @@ def grouped_wgrad_mxfp8_sm90(
     from common.mx_atoms import grouped_scale_cols, round_up
 
     fp8 = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+    if output_mode not in ("dense", "discrete"):
+        raise _err(f"output_mode must be 'dense' or 'discrete'; got {output_mode!r}")
+    if token_layout not in ("auto", *TOKEN_LAYOUTS):
+        raise _err(f"token_layout must be 'auto', 'direct' or 'padded'; got {token_layout!r}")
     for name, t in (("a_data", a_data), ("b_data", b_data), ("a_scales", a_scales),
                     ("b_scales", b_scales), ("offsets", offsets)):
         if not isinstance(t, torch.Tensor):
@@ -974,10 +979,6 @@ def grouped_wgrad_mxfp8_sm90(
     if len(devs) != 1 or next(iter(devs)).type != "cuda":
         raise _err(f"every tensor must be on one CUDA device; got {sorted(map(str, devs))}")
     num_e = offsets.numel()
-    if output_mode not in ("dense", "discrete"):
-        raise _err(f"output_mode must be 'dense' or 'discrete'; got {output_mode!r}")
-    if token_layout not in ("auto", *TOKEN_LAYOUTS):
-        raise _err(f"token_layout must be 'auto', 'direct' or 'padded'; got {token_layout!r}")
     out_dtypes = {torch.bfloat16: "bfloat16", torch.float16: "float16",
                   torch.float32: "float32"}
     if output_mode == "dense":
@@ -1037,6 +1038,13 @@ def grouped_wgrad_mxfp8_sm90(
     key = dataclasses.replace(key_probe, token_layout=layout)
     if out is None:
         out = torch.empty((num_e, m, n), dtype=out_dtype, device=a_data.device)
+    if s == 0:  # no tokens at all: zeros (nothing to add when accumulating); no launch
+        if not accumulate:
+            if output_mode == "dense":
+                out.zero_()
+            else:
+                raise _err("tokens_sum == 0 with discrete outputs: nothing to launch; zero them")
+        return out
     a_rs = a_data.view(torch.uint8)  # [M, S]
     b_rs = b_data.t().view(torch.uint8)  # [N, S]
     if layout == "padded":

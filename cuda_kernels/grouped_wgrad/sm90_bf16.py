@@ -819,6 +819,8 @@ def _build_kernel_class():
                     if warp_idx == store_warp:
                         store_pipe.producer_tail()  # all TMA stores done before exit
 
+    # shared with the MXFP8 kernel (sm90_mxfp8), which promotes fresh wgmma fragments
+    Sm90GroupedWgradKernel.fence_accumulators = staticmethod(fence_accumulators)
     return Sm90GroupedWgradKernel
 
 

@@ -1,0 +1,1057 @@
+"""Hopper (SM90) MXFP8 grouped weight gradient in CuTe DSL: FP8 wgmma with MX promotion.
+
+``out[e] = deq(A)[:, begin:end] @ deq(B)[begin:end, :]`` for every expert ``e``, with ``deq`` the
+MXFP8 decoding (element times its 32-token group's E8M0 scale); the results are those of the twin
+``blockscaled_ref.grouped_wgrad_blockscaled_torch`` up to fp32 summation order.
+
+Hopper has no block-scaled MMA, so the scales are applied in registers (the DeepGEMM promotion
+pattern at MX granularity): every wgmma instruction is ``64 x tile_n x 32`` FP8 (E4M3 or E5M2,
+both operands K-major along tokens, as FP8 wgmma requires) and covers exactly one MX group; its
+product goes into a fresh fp32 fragment (``ACCUMULATE`` off), which is then added to the main fp32
+accumulator multiplied by ``2^(sa-127) * 2^(sb-127)`` (the row's and the column's group scales, a
+product of two powers of two: exact in fp32 away from its under/overflow). Two fresh fragments
+alternate, so group ``g``'s promotion overlaps group ``g+1``'s wgmma.
+
+Structure (shared with ``sm90_bf16``: the tile order, the scheduler and ``next_tile`` are its):
+
+- warp group 0 is the producer: one warp takes tile ids from a global atomic counter (dynamic
+  persistent scheduler over experts sorted by token count, largest first) and issues, per stage of
+  128 tokens (4 MX groups), the TMA loads of the ``(tile_m, 128)`` A and ``(tile_n, 128)`` B FP8
+  tiles and of the scale atoms: one stage of an expert is exactly one 128x4 scale atom column
+  (``common/mx_atoms``: 512 contiguous bytes per 128 rows), loaded by TMA through a
+  ``(bytes / 256, 256)`` view of the scale tensor; everything completes on the stage's mbarrier;
+- consumer warp groups (cooperative, one 64-row slab each) run the wgmma + promotion mainloop and
+  store the fp32 accumulator from registers (dense or discrete outputs, optional accumulate);
+- every expert's stages start at its first token (``token_layout="direct"``) or, in the padded
+  layout (``token_layout="padded"``), at ``32 * s_e`` where ``s_e`` is its first scale column:
+  then every stage is 128-token aligned and the partial group's missing tokens are the zero
+  padding of the repacked operand (:func:`pad_tokens_to_scale_layout`);
+- direct layout: the tokens past an expert's end inside its partial last group (the next expert's
+  or TMA's zero fill) are zeroed in shared memory in both operands (``0 * NaN`` is NaN), the async
+  proxy fenced, and groups past the expert's last group are neither promoted nor read for scales
+  (their padding scale bytes may hold anything);
+- empty experts write zeros, or leave the output untouched when accumulating.
+
+Host side: :class:`Sm90MxWgradKey` (``_contract.KernelKey`` + ``elem`` + ``token_layout`` +
+:class:`Sm90MxTileConfig`), ``FAMILY`` (a :class:`launch.KernelFamily` whose compile / launch
+hooks take the scale operands), :func:`compile_sm90_mxfp8_wgrad`,
+:func:`compile_sm90_mxfp8_wgrad_offline` (PTX for ``sm_90a`` without a GPU) and the python entry
+:func:`grouped_wgrad_mxfp8_sm90`. CuTe DSL is imported only inside the compile functions.
+"""
+
+
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from ._contract import KernelKey
+from .launch import KernelFamily, cross_compile_kwargs, pinned_cute_arch
+from .tiles import SM90_TILES, TileRules
+
+__all__ = [
+    "COMPILE_COUNT",  # noqa: F822 - served by the module __getattr__ (FAMILY.compile_count)
+    "SM90_MX_TILES",
+    "Sm90MxTileConfig",
+    "Sm90MxWgradKey",
+    "compile_sm90_mxfp8_wgrad",
+    "compile_sm90_mxfp8_wgrad_offline",
+    "grouped_wgrad_mxfp8_sm90",
+    "pad_tokens_to_scale_layout",
+    "select_sm90_mx_tile_config",
+]
+
+SF_VEC = 32  # tokens per MX group = the k of one FP8 wgmma instruction
+TILE_K = 128  # tokens per pipeline stage = 4 groups = one 128x4 scale atom column
+ATOM_BYTES = 512
+ELEMS = ("e4m3", "e5m2")
+TOKEN_LAYOUTS = ("direct", "padded")
+_SCHED_STAGES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class _MxTileRules(TileRules):
+    """The SM90 tile rules with FP8 stages: 1-byte A and B tiles plus their scale atoms."""
+
+    def stage_bytes(self, tile_m: int, tile_n: int, tile_k: int) -> int:
+        atoms = -(-tile_m // 128) + -(-tile_n // 128)
+        return tile_k * (tile_m + tile_n) + ATOM_BYTES * atoms
+
+
+#: Tiles of the SM90 MXFP8 kernel: tile_m 64 / 128 (one consumer warp group per 64 rows),
+#: tile_n 64 or 128 (two fresh fp32 fragments + the accumulator stay in registers), 128 tokens
+#: per stage; hidden and intermediate must be multiples of the tile.
+SM90_MX_TILES = _MxTileRules(
+    arch="SM90",
+    tile_m=(64, 128),
+    tile_n_step=64,
+    tile_k=(TILE_K,),
+    two_cta_tile_m=None,
+    max_cluster_ctas=1,
+    group_align=1,
+    dense_partial_tiles=False,
+    yaml=SM90_TILES.yaml,
+    tile_n_max=128,
+    smem_reserved=4096,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90MxTileConfig:
+    """One CTA tile of the SM90 MXFP8 kernel (values: :data:`SM90_MX_TILES`).
+
+    Attributes:
+        tile_m: output rows per tile, 64 or 128 (64 x consumer warp groups).
+        tile_n: output columns per tile, 64 or 128.
+        tile_k: tokens per stage, 128 (4 MX groups, one scale atom column).
+        stages: depth of the shared-memory ring, >= 2.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = TILE_K
+    stages: int = 6
+
+    def __post_init__(self) -> None:
+        SM90_MX_TILES.check_config(self)
+
+    @property
+    def cluster_shape_mn(self) -> tuple[int, int]:
+        return (1, 1)
+
+    @property
+    def stage_bytes(self) -> int:
+        return SM90_MX_TILES.stage_bytes(self.tile_m, self.tile_n, self.tile_k)
+
+    @property
+    def consumer_warp_groups(self) -> int:
+        return self.tile_m // 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90MxWgradKey(KernelKey):
+    """Static contract of one compiled SM90 MXFP8 kernel (its compile-cache key).
+
+    The ``_contract.KernelKey`` fields with FP8 wgmma's rules (``a_major = b_major = "k"``:
+    both operands K-major along tokens; ``input_order="tensor2d"``), plus:
+
+    Attributes:
+        elem: ``"e4m3"`` or ``"e5m2"`` (both operands).
+        token_layout: ``"direct"`` (stages start at each expert's first token) or ``"padded"``
+            (expert ``e`` starts at token column ``32 * s_e``, :func:`pad_tokens_to_scale_layout`).
+        tile: :class:`Sm90MxTileConfig`, dividing hidden and intermediate.
+
+    Raises:
+        ValueError: a field outside its values.
+    """
+
+    _TILES = SM90_MX_TILES
+
+    a_major: str = "k"
+    b_major: str = "k"
+    out_dtype: str = "float32"
+    elem: str = "e4m3"
+    token_layout: str = "direct"
+    tile: Sm90MxTileConfig = Sm90MxTileConfig()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        cls = type(self).__name__
+        if self.a_major != "k" or self.b_major != "k":
+            raise ValueError(
+                f"{cls}: FP8 wgmma needs both operands K-major along tokens (a_major='k', "
+                f"b_major='k'); got a_major={self.a_major!r}, b_major={self.b_major!r}"
+            )
+        if self.input_order != "tensor2d":
+            raise ValueError(f"{cls}.input_order must be 'tensor2d', got {self.input_order!r}")
+        if self.elem not in ELEMS:
+            raise ValueError(f"{cls}.elem must be one of {ELEMS}, got {self.elem!r}")
+        if self.token_layout not in TOKEN_LAYOUTS:
+            raise ValueError(
+                f"{cls}.token_layout must be one of {TOKEN_LAYOUTS}, got {self.token_layout!r}"
+            )
+
+
+def select_sm90_mx_tile_config(hidden: int, intermediate: int) -> Sm90MxTileConfig:
+    """The largest tile dividing ``(hidden, intermediate)`` (stages: as many as fit, <= 8).
+
+    Raises:
+        ValueError: hidden or intermediate is not a multiple of 64.
+    """
+    for tm in (128, 64):
+        for tn in (128, 64):
+            if hidden % tm == 0 and intermediate % tn == 0:
+                return Sm90MxTileConfig(tm, tn, TILE_K, SM90_MX_TILES.stages_for(tm, tn, TILE_K))
+    raise ValueError(
+        f"select_sm90_mx_tile_config: no SM90 MXFP8 tile fits hidden={hidden}, "
+        f"intermediate={intermediate} (both must be multiples of 64)"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel (CuTe DSL imported lazily)
+# --------------------------------------------------------------------------------------------
+
+
+def _build_kernel_class():
+    import cutlass
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import cute, memory, pipeline
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+    from cutlass.tensor_utils import LayoutEnum
+
+    from .sm90_bf16 import _kernel_class as _bf16_kernel_class
+
+    base = _bf16_kernel_class()
+    fence_accumulators = base.fence_accumulators
+
+    @cute.jit
+    def scale_of(word: cutlass.Int32, g: cutlass.Constexpr) -> cutlass.Float32:
+        """2^(s-127) of byte g of a little-endian word of 4 E8M0 scales (exact: the byte is the
+        fp32 exponent field; byte 0 gives 0, byte 255 gives inf, both only where the group is
+        all zero or NaN)."""
+        bits = (word >> (8 * g)) & 0xFF
+        bits = bits << 23
+        return cutlass.Float32(llvm.bitcast(T.f32(), cutlass.Int32(bits).ir_value()))
+
+    elem_types = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
+    out_types = {
+        "bfloat16": cutlass.BFloat16,
+        "float16": cutlass.Float16,
+        "float32": cutlass.Float32,
+    }
+
+    class Sm90MxGroupedWgradKernel(base):
+        """The BF16 kernel's scheduler (``next_tile``) with an FP8 + MX-promotion mainloop."""
+
+        def __init__(self, key: Sm90MxWgradKey):
+            self.key = key
+            t = key.tile
+            self.tile_m, self.tile_n, self.tile_k = t.tile_m, t.tile_n, t.tile_k
+            self.num_consumer_wgs = t.tile_m // 64
+            self.wgs_per_group = self.num_consumer_wgs
+            self.threads = 128 * (1 + self.num_consumer_wgs)
+            self.group_threads = 128 * self.num_consumer_wgs
+            self.m_tiles = key.hidden // self.tile_m
+            self.n_tiles = key.intermediate // self.tile_n
+            self.tiles_per_expert = self.m_tiles * self.n_tiles
+            self.num_tiles = key.num_tiles
+            self.out_dtype = out_types[key.out_dtype]
+            self.ab_dtype = elem_types[key.elem]
+            self.acc_dtype = cutlass.Float32
+            self.m_pad_atoms = -(-key.hidden // 128)  # 128-row blocks of A's scales
+            self.n_pad_atoms = -(-key.intermediate // 128)
+            header = 4096 + 12 * key.num_experts + 16 * t.stages
+            self.stages = min(t.stages, (SM90_MX_TILES.smem_bytes - header) // t.stage_bytes)
+            if self.stages < 2:
+                raise ValueError(f"{t} leaves no room for 2 pipeline stages")
+            self.producer_regs = 40
+            self.consumer_regs = 232 if self.num_consumer_wgs == 2 else 160
+
+        @cute.jit
+        def expert_range(self, mOffsets, sStart, e: cutlass.Int32):
+            """(k0, k_len, n_k, atom0) of expert e: its first token column, token count, stages
+            (= scale atom columns, ceil(k_len / 128)) and first atom column s_e / 4."""
+            k_end = mOffsets[e]
+            k_begin = cutlass.Int32(0)
+            if e > 0:
+                k_begin = mOffsets[e - 1]
+            k_len = k_end - k_begin
+            if k_len < 0:
+                k_len = cutlass.Int32(0)
+            n_k = (k_len + self.tile_k - 1) // self.tile_k
+            atom0 = sStart[e]
+            k0 = k_begin
+            if cutlass.const_expr(self.key.token_layout == "padded"):
+                k0 = atom0 * self.tile_k
+            return k0, k_len, n_k, atom0
+
+        @cute.jit
+        def zero_tail(self, sX, extent: cutlass.Constexpr, lo, hi, stage, ctid):
+            """Zero token columns [lo, hi) of one K-major (extent, 128) FP8 stage."""
+            zero = cute.make_rmem_tensor((1,), self.ab_dtype)
+            zero.fill(0.0)
+            for i in cutlass.range(ctid, extent * (hi - lo), self.group_threads, unroll=1):
+                r = i // extent
+                mm = i - r * extent
+                sX[(mm, lo + r, stage)] = zero[0]
+
+        @cute.jit
+        def __call__(
+            self,
+            mA8: cute.Tensor,  # (M, S_data) uint8 (FP8 bytes), K-major
+            mB8: cute.Tensor,  # (N, S_data) uint8, K-major
+            mSFA: cute.Tensor,  # (bytes / 256, 256) uint8: A's scales, 128x4 atoms
+            mSFB: cute.Tensor,  # (bytes / 256, 256) uint8: B's scales
+            mOffsets: cute.Tensor,  # (E,) int32
+            mOut: cute.Tensor,  # (E, M, N) dense or (E,) int64 pointers
+            mCounter: cute.Tensor,  # (1,) int32, zero at launch
+            num_ctas: cutlass.Int32,
+            stream,
+        ):
+            mA = cute.make_tensor(cute.recast_ptr(mA8.iterator, dtype=self.ab_dtype), mA8.layout)
+            mB = cute.make_tensor(cute.recast_ptr(mB8.iterator, dtype=self.ab_dtype), mB8.layout)
+            a_layout = LayoutEnum.from_tensor(mA)
+            b_layout = LayoutEnum.from_tensor(mB)
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                self.ab_dtype,
+                self.ab_dtype,
+                a_layout.sm90_mma_major_mode(),
+                b_layout.sm90_mma_major_mode(),
+                self.acc_dtype,
+                (self.num_consumer_wgs, 1, 1),
+                tiler_mn=(64, self.tile_n),
+            )
+            tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
+            a_smem_staged = sm90_utils.make_smem_layout_a(
+                a_layout, tile_mnk, self.ab_dtype, self.stages
+            )
+            b_smem_staged = sm90_utils.make_smem_layout_b(
+                b_layout, tile_mnk, self.ab_dtype, self.stages
+            )
+            tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                mA,
+                cute.slice_(a_smem_staged, (None, None, 0)),
+                (self.tile_m, self.tile_k),
+            )
+            tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                mB,
+                cute.slice_(b_smem_staged, (None, None, 0)),
+                (self.tile_n, self.tile_k),
+            )
+            # one scale atom (512 bytes) = a (2, 256) box of the scale tensor's byte view
+            atom_smem = cute.make_layout((2, 256), stride=(256, 1))
+            tma_atom_sfa, tma_sfa = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mSFA, atom_smem, (2, 256)
+            )
+            tma_atom_sfb, tma_sfb = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mSFB, atom_smem, (2, 256)
+            )
+
+            @cute.struct
+            class SharedStorage:
+                mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+                sched_mbar: cute.struct.MemRange[cutlass.Int64, _SCHED_STAGES * 2]
+                sched: cute.struct.MemRange[cutlass.Int32, _SCHED_STAGES]
+                lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
+                perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
+                start: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
+                sSFA: cute.struct.Align[
+                    cute.struct.MemRange[cutlass.Uint8, ATOM_BYTES * self.stages], 128
+                ]
+                sSFB: cute.struct.Align[
+                    cute.struct.MemRange[cutlass.Uint8, ATOM_BYTES * self.stages], 128
+                ]
+                sA: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], 1024
+                ]
+                sB: cute.struct.Align[
+                    cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], 1024
+                ]
+
+            self.shared_storage = SharedStorage
+            self.kernel(
+                tma_atom_a,
+                tma_a,
+                tma_atom_b,
+                tma_b,
+                tma_atom_sfa,
+                tma_sfa,
+                tma_atom_sfb,
+                tma_sfb,
+                mOffsets,
+                mOut,
+                mCounter,
+                tiled_mma,
+                a_smem_staged,
+                b_smem_staged,
+            ).launch(
+                grid=[num_ctas, 1, 1],
+                block=[self.threads, 1, 1],
+                smem=SharedStorage.size_in_bytes(),
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
+
+        @cute.kernel
+        def kernel(
+            self,
+            tma_atom_a: cute.CopyAtom,
+            tma_a: cute.Tensor,
+            tma_atom_b: cute.CopyAtom,
+            tma_b: cute.Tensor,
+            tma_atom_sfa: cute.CopyAtom,
+            tma_sfa: cute.Tensor,
+            tma_atom_sfb: cute.CopyAtom,
+            tma_sfb: cute.Tensor,
+            mOffsets: cute.Tensor,
+            mOut: cute.Tensor,
+            mCounter: cute.Tensor,
+            tiled_mma: cute.TiledMma,
+            a_smem_staged: cute.ComposedLayout,
+            b_smem_staged: cute.ComposedLayout,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+            if warp_idx == 0:
+                for atom in (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb):
+                    cute.nvgpu.cpasync.prefetch_descriptor(atom)
+
+            a_smem_one = cute.slice_(a_smem_staged, (None, None, 0))
+            b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
+            tx_bytes = (
+                cute.size_in_bytes(self.ab_dtype, a_smem_one)
+                + cute.size_in_bytes(self.ab_dtype, b_smem_one)
+                + 2 * ATOM_BYTES
+            )
+
+            smem = memory.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            ab_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar.data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.num_consumer_wgs * 4
+                ),
+                tx_count=tx_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
+            sched_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.sched_mbar.data_ptr(),
+                num_stages=_SCHED_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, 128 * self.num_consumer_wgs
+                ),
+                defer_sync=True,
+            )
+            sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+            sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+            atom_stages = cute.make_layout((2, 256, self.stages), stride=(256, 1, ATOM_BYTES))
+            sSFA = storage.sSFA.get_tensor(atom_stages)
+            sSFB = storage.sSFB.get_tensor(atom_stages)
+            # the same bytes as 32-bit words: word (r % 32) * 4 + (r % 128) // 32 of an atom
+            # holds row r's 4 group scales
+            words = cute.make_layout(ATOM_BYTES // 4 * self.stages)
+            wSFA = cute.make_tensor(
+                cute.recast_ptr(storage.sSFA.data_ptr(), dtype=cutlass.Int32), words
+            )
+            wSFB = cute.make_tensor(
+                cute.recast_ptr(storage.sSFB.data_ptr(), dtype=cutlass.Int32), words
+            )
+
+            # Expert token counts, the size order (the BF16 kernel's) and the first scale atom
+            # column of each expert (prefix sum of ceil(count / 128)).
+            num_e = self.key.num_experts
+            sLens = storage.lens.get_tensor(cute.make_layout(num_e))
+            sPerm = storage.perm.get_tensor(cute.make_layout(num_e))
+            sStart = storage.start.get_tensor(cute.make_layout(num_e))
+            for ei in cutlass.range(tidx, num_e, self.threads, unroll=1):
+                prev = cutlass.Int32(0)
+                if ei > 0:
+                    prev = mOffsets[ei - 1]
+                ln = mOffsets[ei] - prev
+                if ln < 0:
+                    ln = cutlass.Int32(0)
+                sLens[ei] = ln
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))  # also syncs the CTA
+            for ei in cutlass.range(tidx, num_e, self.threads, unroll=1):
+                my_len = sLens[ei]
+                rank = cutlass.Int32(0)
+                start = cutlass.Int32(0)
+                for e2 in cutlass.range(num_e, unroll=4):
+                    l2 = sLens[e2]
+                    if l2 > my_len or (l2 == my_len and e2 < ei):
+                        rank += 1
+                    if e2 < ei:
+                        start += (l2 + self.tile_k - 1) // self.tile_k
+                sPerm[rank] = ei
+                sStart[ei] = start
+            cute.arch.sync_threads()
+
+            tiles_per_expert = self.tiles_per_expert
+            m_tiles = self.m_tiles
+            tk = self.tile_k
+
+            if wg_idx == 0:
+                # ---------------- producer warp group: TMA loads ----------------
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    prod_state = pipeline.make_pipeline_state(
+                        pipeline.PipelineUserType.Producer, self.stages
+                    )
+                    lane = cute.arch.lane_idx()
+                    sched_state = pipeline.make_pipeline_state(
+                        pipeline.PipelineUserType.Producer, _SCHED_STAGES
+                    )
+                    gSFA = cute.local_tile(tma_sfa, (2, 256), (None, 0))
+                    gSFB = cute.local_tile(tma_sfb, (2, 256), (None, 0))
+                    tFsA, tFgA = cute.nvgpu.cpasync.tma_partition(
+                        tma_atom_sfa,
+                        0,
+                        cute.make_layout(1),
+                        cute.group_modes(sSFA, 0, 2),
+                        cute.group_modes(gSFA, 0, 2),
+                    )
+                    tFsB, tFgB = cute.nvgpu.cpasync.tma_partition(
+                        tma_atom_sfb,
+                        0,
+                        cute.make_layout(1),
+                        cute.group_modes(sSFB, 0, 2),
+                        cute.group_modes(gSFB, 0, 2),
+                    )
+                    tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                    sched_state.advance()
+                    while tile < self.num_tiles:
+                        rank_e = tile // tiles_per_expert
+                        e = sPerm[rank_e]
+                        rem = tile - rank_e * tiles_per_expert
+                        n_idx = rem // m_tiles
+                        m_idx = rem - n_idx * m_tiles
+                        k0, _k_len, n_k, atom0 = self.expert_range(mOffsets, sStart, e)
+                        # atom index of (row block rb, atom column c): blocks * atom0 + rb * n_k + c
+                        sfa0 = self.m_pad_atoms * atom0 + (m_idx * self.tile_m // 128) * n_k
+                        sfb0 = self.n_pad_atoms * atom0 + (n_idx * self.tile_n // 128) * n_k
+                        gA = cute.local_tile(
+                            cute.domain_offset((0, k0), tma_a), (self.tile_m, tk), (m_idx, None)
+                        )
+                        gB = cute.local_tile(
+                            cute.domain_offset((0, k0), tma_b), (self.tile_n, tk), (n_idx, None)
+                        )
+                        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                            tma_atom_a,
+                            0,
+                            cute.make_layout(1),
+                            cute.group_modes(sA, 0, 2),
+                            cute.group_modes(gA, 0, 2),
+                        )
+                        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                            tma_atom_b,
+                            0,
+                            cute.make_layout(1),
+                            cute.group_modes(sB, 0, 2),
+                            cute.group_modes(gB, 0, 2),
+                        )
+                        for kt in cutlass.range(n_k, unroll=1):
+                            ab_pipe.producer_acquire(prod_state)
+                            bar = ab_pipe.producer_get_barrier(prod_state)
+                            st = prod_state.index
+                            cute.copy(
+                                tma_atom_a, tAgA[(None, kt)], tAsA[(None, st)], tma_bar_ptr=bar
+                            )
+                            cute.copy(
+                                tma_atom_b, tBgB[(None, kt)], tBsB[(None, st)], tma_bar_ptr=bar
+                            )
+                            cute.copy(
+                                tma_atom_sfa,
+                                tFgA[(None, sfa0 + kt)],
+                                tFsA[(None, st)],
+                                tma_bar_ptr=bar,
+                            )
+                            cute.copy(
+                                tma_atom_sfb,
+                                tFgB[(None, sfb0 + kt)],
+                                tFsB[(None, st)],
+                                tma_bar_ptr=bar,
+                            )
+                            ab_pipe.producer_commit(prod_state)
+                            prod_state.advance()
+                        tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                        sched_state.advance()
+                    ab_pipe.producer_tail(prod_state)
+            else:
+                # ---------------- consumer warp groups: wgmma + MX promotion ----------------
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                ctid = tidx - 128  # thread index among the consumers
+                mask_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.group_threads)
+                thr_mma = tiled_mma.get_slice((wg_idx - 1) * 128)
+                thr_mma_epi = tiled_mma.get_slice(ctid)
+                tCsA = thr_mma.partition_A(sA)
+                tCsB = thr_mma.partition_B(sB)
+                tCrA = tiled_mma.make_fragment_A(tCsA)
+                tCrB = tiled_mma.make_fragment_B(tCsB)
+                num_k_blocks = cute.size(tCrA, mode=[2])  # = 4 groups of 32 tokens
+
+                ref_tile = cute.make_identity_tensor((self.tile_m, self.tile_n))
+                tCcC = thr_mma_epi.partition_C(ref_tile)
+                acc_shape = tCcC.shape
+                n_acc = cute.size(acc_shape)
+                acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                tmp0 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                tmp1 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                r_out = cute.make_rmem_tensor(acc_shape, self.out_dtype)
+                # This thread's scale words: one per accumulator element (row / column of the
+                # tile -> word of its atom); the row's atom row is (m_idx * tile_m) % 128 + r.
+                wa = cute.make_rmem_tensor(acc_shape, cutlass.Int32)
+                wb = cute.make_rmem_tensor(acc_shape, cutlass.Int32)
+                fab = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+
+                read_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, self.stages
+                )
+                sched_cstate = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+                )
+                sched_pipe.consumer_wait(sched_cstate)
+                tile = sSched[sched_cstate.index]
+                sched_pipe.consumer_release(sched_cstate)
+                sched_cstate.advance()
+                while tile < self.num_tiles:
+                    rank_e = tile // tiles_per_expert
+                    e = sPerm[rank_e]
+                    rem = tile - rank_e * tiles_per_expert
+                    n_idx = rem // m_tiles
+                    m_idx = rem - n_idx * m_tiles
+                    _k0, k_len, n_k, _atom0 = self.expert_range(mOffsets, sStart, e)
+                    row0 = (m_idx * self.tile_m) % 128
+                    col0 = (n_idx * self.tile_n) % 128
+                    acc.fill(0.0)
+                    for kt in cutlass.range(n_k, unroll=1):
+                        ab_pipe.consumer_wait(read_state)
+                        stage = read_state.index
+                        rest = k_len - kt * tk  # tokens of the expert in this stage (> 0)
+                        if cutlass.const_expr(self.key.token_layout == "direct"):
+                            hi = ((rest + SF_VEC - 1) // SF_VEC) * SF_VEC
+                            if rest < hi and rest < tk:
+                                # the partial group's missing tokens: zero in both operands
+                                self.zero_tail(sA, self.tile_m, rest, hi, stage, ctid)
+                                self.zero_tail(sB, self.tile_n, rest, hi, stage, ctid)
+                                cute.arch.fence_proxy("async.shared", space="cta")
+                                mask_barrier.arrive_and_wait()
+                        for i in cutlass.range_constexpr(n_acc):
+                            r, c = tCcC[i]
+                            ra = row0 + r
+                            cb = col0 + c
+                            wa[i] = wSFA[stage * 128 + (ra % 32) * 4 + ra // 32]
+                            wb[i] = wSFB[stage * 128 + (cb % 32) * 4 + cb // 32]
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            tmp = tmp0 if kb % 2 == 0 else tmp1
+                            fence_accumulators(tmp)
+                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                            cute.nvgpu.warpgroup.fence()
+                            cute.gemm(
+                                tiled_mma,
+                                tmp,
+                                tCrA[(None, None, kb, stage)],
+                                tCrB[(None, None, kb, stage)],
+                                tmp,
+                            )
+                            cute.nvgpu.warpgroup.commit_group()
+                            if cutlass.const_expr(kb > 0):
+                                cute.nvgpu.warpgroup.wait_group(1)
+                                self.promote(
+                                    acc, tmp1 if kb % 2 == 0 else tmp0, wa, wb, fab,
+                                    kb - 1, rest, n_acc,
+                                )
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        self.promote(
+                            acc,
+                            tmp0 if (num_k_blocks - 1) % 2 == 0 else tmp1,
+                            wa, wb, fab, num_k_blocks - 1, rest, n_acc,
+                        )
+                        ab_pipe.consumer_release(read_state)
+                        read_state.advance()
+                    sched_pipe.consumer_wait(sched_cstate)
+                    next_tile = sSched[sched_cstate.index]
+                    sched_pipe.consumer_release(sched_cstate)
+                    sched_cstate.advance()
+
+                    # ---------------- epilogue: registers -> global ----------------
+                    if cutlass.const_expr(self.key.output_mode == "dense"):
+                        m, n = self.key.hidden, self.key.intermediate
+                        out_ptr = mOut.iterator + cutlass.Int64(e) * (m * n)
+                    else:
+                        out_ptr = cute.make_ptr(
+                            self.out_dtype, mOut[e], cute.AddressSpace.gmem, assumed_align=16
+                        )
+                    mC = cute.make_tensor(
+                        out_ptr,
+                        cute.make_layout(
+                            (self.key.hidden, self.key.intermediate),
+                            stride=(self.key.intermediate, 1),
+                        ),
+                    )
+                    gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_idx, n_idx))
+                    tCgC = thr_mma_epi.partition_C(gC)
+                    if cutlass.const_expr(self.key.accumulate):
+                        if n_k > 0:
+                            cute.autovec_copy(tCgC, r_out)
+                            acc.store(acc.load() + r_out.load().to(self.acc_dtype))
+                            r_out.store(acc.load().to(self.out_dtype))
+                            cute.autovec_copy(r_out, tCgC)
+                    else:
+                        r_out.store(acc.load().to(self.out_dtype))
+                        cute.autovec_copy(r_out, tCgC)
+                    tile = next_tile
+
+        @cute.jit
+        def promote(self, acc, tmp, wa, wb, fab, g: cutlass.Constexpr, rest, n_acc):
+            """acc += tmp * 2^(sa-127) * 2^(sb-127) for group g of the stage, when the group
+            holds tokens of the expert (a group past the expert's end is skipped: its scales are
+            padding)."""
+            fence_accumulators(tmp)
+            if rest > g * SF_VEC:
+                for i in cutlass.range_constexpr(n_acc):
+                    fab[i] = scale_of(wa[i], g) * scale_of(wb[i], g)
+                for i in cutlass.range_constexpr(n_acc):
+                    acc[i] = acc[i] + tmp[i] * fab[i]
+
+    return Sm90MxGroupedWgradKernel
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_class():
+    return _build_kernel_class()
+
+
+# --------------------------------------------------------------------------------------------
+# Host side: the kernel family (compile cache, offline PTX, launcher)
+# --------------------------------------------------------------------------------------------
+
+
+def _fake_operands(key: Sm90MxWgradKey):
+    """Fake (shape-only) operands of a compile: FP8 data as uint8 ``(rows, S_data)`` with a
+    symbolic token count and row stride (the quantizer's rows are padded to 32 tokens), the scale
+    tensors as ``(bytes / 256, 256)`` uint8 views, offsets, output."""
+    import cutlass
+    from cutlass import cute
+
+    out_t = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
+    m, n, e = key.hidden, key.intermediate, key.num_experts
+    s_a = cute.sym_int32(divisibility=1, symbol="tokens_a")  # padded layouts may differ
+    s_b = cute.sym_int32(divisibility=1, symbol="tokens_b")
+    lda = cute.sym_int32(divisibility=16, symbol="lda")
+    ldb = cute.sym_int32(divisibility=16, symbol="ldb")
+    a = cute.runtime.make_fake_tensor(cutlass.Uint8, (m, s_a), (lda, 1), assumed_align=16)
+    b = cute.runtime.make_fake_tensor(cutlass.Uint8, (n, s_b), (ldb, 1), assumed_align=16)
+    sfa = cute.runtime.make_fake_compact_tensor(
+        cutlass.Uint8, (cute.sym_int32(symbol="sfa_rows"), 256), stride_order=(1, 0),
+        assumed_align=16,
+    )
+    sfb = cute.runtime.make_fake_compact_tensor(
+        cutlass.Uint8, (cute.sym_int32(symbol="sfb_rows"), 256), stride_order=(1, 0),
+        assumed_align=16,
+    )
+    offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+    if key.output_mode == "dense":
+        out = cute.runtime.make_fake_compact_tensor(
+            out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
+        )
+    else:
+        out = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (e,), assumed_align=8)
+    counter = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
+    return a, b, sfa, sfb, offsets, out, counter
+
+
+class _MxFamily(KernelFamily):
+    """``launch.KernelFamily`` with the MXFP8 operands: the cache, offline PTX, module
+    ``COMPILE_COUNT`` and launcher plumbing are the shared layer's; the fake operands of a compile
+    and the launch call carry the two scale tensors."""
+
+    def _compile(self, key: Any, arch: str | None, dump_dir: str | None = None):
+        import cutlass
+        from cutlass import cute
+
+        kernel = self.kernel(key)
+        args = _fake_operands(key)
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        opts = "--enable-tvm-ffi"
+        if arch is None:
+            return cute.compile(kernel, *args, cutlass.Int32(1), stream, options=opts)
+        opts += f" --gpu-arch {arch}"
+        if dump_dir is not None:
+            opts += f" --keep-ptx --dump-dir {dump_dir}"
+        with pinned_cute_arch(arch):
+            return cute.compile(
+                kernel, *args, cutlass.Int32(1), stream, options=opts,
+                **cross_compile_kwargs(arch),
+            )
+
+    def _launch(self, key, fn, a, b, sfa, sfb, offsets, out, stream=None) -> None:  # noqa: PLR0913
+        import torch
+
+        from .launch import _num_sms
+
+        grid = max(1, min(key.num_tiles, _num_sms(a.device.index or 0)))
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            counter = torch.zeros(1, dtype=torch.int32, device=a.device)
+            fn(a, b, sfa, sfb, offsets, out, counter, grid)
+
+
+def _key_from_contract(contract: Any) -> Sm90MxWgradKey:
+    raise ValueError(
+        "the SM90 MXFP8 kernel is reached through grouped_wgrad_mxfp8_sm90 (the block-scaled "
+        "contract is not wired to it yet)"
+    )
+
+
+#: The SM90 MXFP8 family: a dynamic persistent scheduler (a zeroed tile counter per launch),
+#: compiled for the present GPU (only offline compiles pin an arch). Not verified on a GPU yet.
+FAMILY = _MxFamily(
+    "sm90_mxfp8", lambda key: _kernel_class()(key), _key_from_contract, tile_counter=True
+)
+
+__getattr__ = FAMILY.module_getattr(__name__)  # COMPILE_COUNT: the family's count
+
+
+def compile_sm90_mxfp8_wgrad(key: Sm90MxWgradKey) -> Callable[..., None]:
+    """Compile (once per key, cached) the SM90 MXFP8 kernel and return its raw launcher.
+
+    ``launcher(a, b, sfa, sfb, offsets, out, stream=None)`` on already-validated CUDA tensors:
+    ``a`` ``(M, S_data)`` uint8 (FP8 bytes, unit stride along tokens, row stride a multiple of
+    16), ``b`` ``(N, S_data)`` likewise, ``sfa`` / ``sfb`` the scale tensors as contiguous
+    ``(bytes / 256, 256)`` uint8 views, ``offsets`` ``(E,)`` int32, ``out`` dense ``(E, M, N)`` or
+    ``(E,)`` int64 pointers. :func:`grouped_wgrad_mxfp8_sm90` is the checked entry.
+
+    Raises:
+        RuntimeError: CuTe DSL is not installed or the compile fails.
+    """
+    return FAMILY.launcher(key)
+
+
+def compile_sm90_mxfp8_wgrad_offline(key: Sm90MxWgradKey, arch: str = "sm_90a") -> str:
+    """Compile ``key`` for ``arch`` without a GPU and return the PTX text (CI).
+
+    Raises:
+        RuntimeError: CuTe DSL is not installed or produced no PTX.
+    """
+    return FAMILY.offline_ptx(key, arch)
+
+
+# --------------------------------------------------------------------------------------------
+# The python entry
+# --------------------------------------------------------------------------------------------
+
+
+def _err(msg: str) -> ValueError:
+    return ValueError(f"grouped_wgrad_mxfp8_sm90: {msg}")
+
+
+def _expert_atom_starts(offsets_E):
+    """(begins, counts, first atom column s_e / 4) per expert, int64 on the offsets' device."""
+    import torch
+
+    ends = offsets_E.to(torch.int64)
+    begins = torch.cat([ends.new_zeros(1), ends[:-1]])
+    counts = (ends - begins).clamp_min(0)
+    atoms = (counts + TILE_K - 1) // TILE_K
+    starts = torch.cumsum(atoms, 0) - atoms
+    return begins, counts, starts
+
+
+def pad_tokens_to_scale_layout(data_RS, offsets_E, scale_cols: int):
+    """Repack a K-major MX operand ``[rows, S]`` so that expert ``e`` starts at token column
+    ``32 * s_e`` (``s_e`` its first scale column, ``common/mx_atoms``): ``[rows, 32 *
+    scale_cols]`` uint8, zero outside the experts' tokens. On the device, no host read (CUDA-graph
+    capturable); every expert then starts 128-token aligned, like its scale atoms."""
+    import torch
+
+    rows, s = data_RS.shape
+    out = torch.zeros((rows, SF_VEC * scale_cols), dtype=torch.uint8, device=data_RS.device)
+    if s == 0 or rows == 0:
+        return out
+    begins, counts, starts = _expert_atom_starts(offsets_E)
+    col_expert = torch.repeat_interleave(
+        torch.arange(counts.numel(), device=data_RS.device), counts, output_size=s
+    )
+    col = torch.arange(s, device=data_RS.device)
+    dest = starts[col_expert] * TILE_K + (col - begins[col_expert])
+    out.index_copy_(1, dest, data_RS.view(torch.uint8))
+    return out
+
+
+def grouped_wgrad_mxfp8_sm90(
+    a_data,
+    a_scales,
+    b_data,
+    b_scales,
+    offsets,
+    out=None,
+    *,
+    out_dtype=None,
+    accumulate: bool = False,
+    output_mode: str = "dense",
+    token_layout: str = "auto",
+    tile: Sm90MxTileConfig | None = None,
+    validate: bool = True,
+    stream=None,
+):
+    """MXFP8 grouped weight gradient on an SM90 GPU (FP8 wgmma + MX promotion).
+
+    Dimensions: M hidden, N intermediate, S tokens_sum, E experts.
+
+    Args:
+        a_data: ``[M, S]`` ``float8_e4m3fn`` / ``float8_e5m2``, unit stride along tokens, row
+            stride a multiple of 16, 16-byte aligned (``quantize_wgrad_operand``'s data).
+        a_scales: ``float8_e8m0fnu`` ``[round_up(M,128), cols]`` contiguous, K-grouped 128x4
+            atoms (``common/mx_atoms``), cols a multiple of 4 holding every expert's columns.
+        b_data: ``[S, N]`` same dtype, unit stride along tokens (the dY operand's data ``.t()``).
+        b_scales: ``[round_up(N,128), cols']`` like ``a_scales``.
+        offsets: ``[E]`` int32 cumulative token ends on the device: non-decreasing, last == S,
+            any count per expert (0 included).
+        out: optional ``[E, M, N]`` contiguous bf16 / fp16 / fp32 (dense), or with
+            ``output_mode="discrete"`` an ``(E,)`` int64 tensor of 16-byte aligned row-major
+            ``(M, N)`` output addresses (then ``out_dtype`` names their dtype). Required when
+            ``accumulate``.
+        out_dtype: dtype of an allocated output (default float32).
+        accumulate: ``out[e] += result`` (fp32 sum, rounded once); empty experts untouched.
+        token_layout: ``"direct"`` (the kernel reads each expert at its first token),
+            ``"padded"`` (the operands are first repacked on the device so that every expert
+            starts at its scale column: :func:`pad_tokens_to_scale_layout`) or ``"auto"``
+            (direct when the offsets, read for validation, start every expert at a multiple of
+            16 tokens; padded otherwise or without validation).
+        tile: a :class:`Sm90MxTileConfig` (default: :func:`select_sm90_mx_tile_config`).
+        validate: read the offsets on the host to check them (one sync); False: nothing read on
+            the host, the caller guarantees the rules.
+        stream: a ``torch.cuda.Stream`` (default: the current one).
+
+    Returns:
+        The ``[E, M, N]`` output (``out`` when given; the pointer tensor for discrete outputs).
+
+    Raises:
+        ValueError: a rule above, before anything is written.
+        RuntimeError: CuTe DSL missing or the compile fails.
+    """
+    import torch
+
+    from common.mx_atoms import grouped_scale_cols, round_up
+
+    fp8 = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+    if output_mode not in ("dense", "discrete"):
+        raise _err(f"output_mode must be 'dense' or 'discrete'; got {output_mode!r}")
+    if token_layout not in ("auto", *TOKEN_LAYOUTS):
+        raise _err(f"token_layout must be 'auto', 'direct' or 'padded'; got {token_layout!r}")
+    for name, t in (("a_data", a_data), ("b_data", b_data), ("a_scales", a_scales),
+                    ("b_scales", b_scales), ("offsets", offsets)):
+        if not isinstance(t, torch.Tensor):
+            raise _err(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if a_data.dim() != 2 or b_data.dim() != 2:
+        raise _err(f"a_data and b_data must be rank-2; got {tuple(a_data.shape)} and "
+                   f"{tuple(b_data.shape)}")
+    if a_data.dtype not in fp8 or b_data.dtype != a_data.dtype:
+        raise _err(f"a_data and b_data must share one FP8 dtype (float8_e4m3fn or float8_e5m2); "
+                   f"got {a_data.dtype} and {b_data.dtype}")
+    elem = fp8[a_data.dtype]
+    m, s = a_data.shape
+    s_b, n = b_data.shape
+    if s_b != s:
+        raise _err(f"token dims differ: a_data has S={s}, b_data has S={s_b}")
+    if m < 1 or n < 1:
+        raise _err(f"hidden and intermediate must be positive; got M={m}, N={n}")
+    for name, t, stride_t, ld in (("a_data", a_data, 1, 0), ("b_data", b_data, 0, 1)):
+        if s > 1 and t.stride(stride_t) != 1:
+            raise _err(f"{name} must have unit stride along tokens (K-major: FP8 wgmma needs "
+                       f"both operands K-major); got strides {tuple(t.stride())}")
+        if t.stride(ld) % 16 or t.data_ptr() % 16:
+            raise _err(f"{name}'s row stride ({t.stride(ld)}) and address must be multiples of "
+                       "16 bytes (TMA)")
+    for name, sf, rows in (("a_scales", a_scales, m), ("b_scales", b_scales, n)):
+        rp = round_up(rows, 128)
+        if sf.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+            raise _err(f"{name} must be float8_e8m0fnu (or its uint8 bytes); got {sf.dtype}")
+        if sf.dim() != 2 or sf.shape[0] != rp or sf.shape[1] % 4 or sf.shape[1] < 4:
+            raise _err(f"{name} must be [round_up(rows,128)={rp}, cols] with cols a positive "
+                       f"multiple of 4; got {tuple(sf.shape)}")
+        if not sf.is_contiguous() or sf.data_ptr() % 16:
+            raise _err(f"{name} must be contiguous and 16-byte aligned (128x4 atoms)")
+    if offsets.dim() != 1 or offsets.dtype != torch.int32 or offsets.numel() == 0:
+        raise _err("offsets must be a non-empty rank-1 int32 tensor")
+    if not offsets.is_contiguous():
+        raise _err("offsets must be contiguous")
+    devs = {t.device for t in (a_data, b_data, a_scales, b_scales, offsets)}
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise _err(f"out must be a torch.Tensor; got {type(out).__name__}")
+        devs.add(out.device)
+    if len(devs) != 1 or next(iter(devs)).type != "cuda":
+        raise _err(f"every tensor must be on one CUDA device; got {sorted(map(str, devs))}")
+    num_e = offsets.numel()
+    out_dtypes = {torch.bfloat16: "bfloat16", torch.float16: "float16",
+                  torch.float32: "float32"}
+    if output_mode == "dense":
+        if out is not None:
+            if tuple(out.shape) != (num_e, m, n) or not out.is_contiguous():
+                raise _err(f"out must be a contiguous [E, M, N] = {(num_e, m, n)} tensor; got "
+                           f"{tuple(out.shape)}")
+            if out.dtype not in out_dtypes:
+                raise _err(f"out dtype must be bfloat16, float16 or float32; got {out.dtype}")
+            if out_dtype is not None and out_dtype != out.dtype:
+                raise _err(f"out_dtype={out_dtype} differs from out.dtype={out.dtype}")
+            out_dtype = out.dtype
+        elif accumulate:
+            raise _err("accumulate=True needs an initialized out tensor")
+    else:
+        if out is None or out.dtype != torch.int64 or tuple(out.shape) != (num_e,):
+            raise _err("output_mode='discrete' needs out as an (E,) int64 tensor of addresses")
+    out_dtype = torch.float32 if out_dtype is None else out_dtype
+    if out_dtype not in out_dtypes:
+        raise _err(f"out_dtype must be bfloat16, float16 or float32; got {out_dtype}")
+    if tile is None:
+        try:
+            tile = select_sm90_mx_tile_config(m, n)
+        except ValueError as exc:
+            raise _err(str(exc)) from exc
+    try:
+        key_probe = Sm90MxWgradKey(m, n, num_e, out_dtype=out_dtypes[out_dtype],
+                                   output_mode=output_mode, accumulate=accumulate, elem=elem,
+                                   tile=tile)
+    except ValueError as exc:
+        raise _err(str(exc)) from exc
+    aligned = False
+    if validate:
+        ends = [int(v) for v in offsets.tolist()]
+        prev = 0
+        for e, end in enumerate(ends):
+            if end < prev:
+                raise _err(f"offsets must be non-decreasing and >= 0; offsets[{e}] = {end} "
+                           f"after {prev}")
+            prev = end
+        if ends[-1] != s:
+            raise _err(f"offsets[-1] = {ends[-1]} must equal tokens_sum = {s}")
+        need = grouped_scale_cols(ends, SF_VEC)[2]
+        for name, sf in (("a_scales", a_scales), ("b_scales", b_scales)):
+            if sf.shape[1] < need:
+                raise _err(f"{name} has {sf.shape[1]} columns; these offsets need {need} (the "
+                           "experts' padded scale columns)")
+        aligned = all(b % 16 == 0 for b in [0, *ends[:-1]])
+        if output_mode == "discrete":
+            for e, p in enumerate(out.tolist()):
+                if p == 0 or p % 16:
+                    raise _err(f"discrete output address {e} must be non-null and 16-byte "
+                               f"aligned; got {p:#x}")
+    layout = token_layout
+    if layout == "auto":
+        layout = "direct" if aligned else "padded"
+    key = dataclasses.replace(key_probe, token_layout=layout)
+    if out is None:
+        out = torch.empty((num_e, m, n), dtype=out_dtype, device=a_data.device)
+    if s == 0:  # no tokens at all: zeros (nothing to add when accumulating); no launch
+        if not accumulate:
+            if output_mode == "dense":
+                out.zero_()
+            else:
+                raise _err("tokens_sum == 0 with discrete outputs: nothing to launch; zero them")
+        return out
+    a_rs = a_data.view(torch.uint8)  # [M, S]
+    b_rs = b_data.t().view(torch.uint8)  # [N, S]
+    if layout == "padded":
+        a_rs = pad_tokens_to_scale_layout(a_rs, offsets, a_scales.shape[1])
+        b_rs = pad_tokens_to_scale_layout(b_rs, offsets, b_scales.shape[1])
+    sfa = a_scales.view(torch.uint8).view(-1, 256)
+    sfb = b_scales.view(torch.uint8).view(-1, 256)
+    launcher = compile_sm90_mxfp8_wgrad(key)
+    launcher(a_rs, b_rs, sfa, sfb, offsets, out, stream=stream)
+    return out

@@ -28,6 +28,7 @@ from .classes import (
     _torch_stream,
 )
 from .validate import (
+    _check_blockscaled_values,
     _check_dense_out,
     _check_input_order,
     _check_offsets_values,
@@ -38,7 +39,9 @@ from .validate import (
     _check_tiling,
     _check_wgrad_dtype,
     _check_workspace,
+    _is_blockscaled_pair,
     _ragged_compact,
+    _validate_blockscaled,
     _validate_operands,
     clear_validated,
 )
@@ -85,26 +88,40 @@ def _wrapper(
     # 1. Every rule of the call, environment-free (CPU-testable), before any output is written.
     if output_mode not in _OUTPUT_MODES:
         raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
-    _check_scale_controls(
-        {
-            "sfa_tensor": sfa_tensor,
-            "sfb_tensor": sfb_tensor,
-            "global_scale_a": global_scale_a,
-            "global_scale_b": global_scale_b,
-            "sf_fp8_dtype_override": sf_fp8_dtype_override,
-        },
-        sf_vec_size,
-        acc_dtype,
-    )
+    block_scaled = _is_blockscaled_pair(a_tensor, b_tensor)
+    if not block_scaled:
+        _check_scale_controls(
+            {
+                "sfa_tensor": sfa_tensor,
+                "sfb_tensor": sfb_tensor,
+                "global_scale_a": global_scale_a,
+                "global_scale_b": global_scale_b,
+                "sf_fp8_dtype_override": sf_fp8_dtype_override,
+            },
+            sf_vec_size,
+            acc_dtype,
+        )
     input_order = _check_input_order(input_order)
     tiler, cluster = _check_tiling(
         arch, cls._DEFAULT_TILER if mma_tiler_mn is None else mma_tiler_mn, cluster_shape_mn
     )
     if input_order == "tensor_ragged":
         a_tensor, b_tensor = _ragged_compact(a_tensor, b_tensor)
-    hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
-        arch, a_tensor, b_tensor, offsets_tensor, ("a_tensor", "b_tensor", "offsets_tensor")
-    )
+    spec = None
+    if block_scaled:
+        ops = _validate_blockscaled(
+            arch, a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor, global_scale_a,
+            global_scale_b, sf_vec_size=sf_vec_size,
+            sf_fp8_dtype_override=sf_fp8_dtype_override, acc_dtype=acc_dtype,
+        )
+        hidden, tokens_sum, inter = ops.hidden, ops.tokens_sum, ops.intermediate
+        num_experts, a_majors, b_majors, spec = (
+            ops.num_experts, ops.a_majors, ops.b_majors, ops.spec
+        )
+    else:
+        hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
+            arch, a_tensor, b_tensor, offsets_tensor, ("a_tensor", "b_tensor", "offsets_tensor")
+        )
     out_name = _check_wgrad_dtype(wgrad_dtype)
     if output_mode == "dense" and wgrad_ptrs is not None:
         raise ValueError("wgrad_ptrs must be None in dense output mode (dense output forbids it)")
@@ -128,10 +145,19 @@ def _wrapper(
             "wgrad_tensor": wgrad_tensor,
             "wgrad_ptrs": wgrad_ptrs,
             "descriptor_workspace": descriptor_workspace,
+            "sfa_tensor": sfa_tensor if block_scaled else None,
+            "sfb_tensor": sfb_tensor if block_scaled else None,
+            "global_scale_a": global_scale_a if block_scaled else None,
+            "global_scale_b": global_scale_b if block_scaled else None,
         }
     )
     if validate_offsets and not _env.capturing(device):
-        _check_offsets_values(offsets_tensor, tokens_sum, cls._GROUP_ALIGN, "offsets_tensor")
+        if spec is not None:
+            _check_blockscaled_values(
+                arch, spec, offsets_tensor, tokens_sum, sfa_tensor, sfb_tensor
+            )
+        else:
+            _check_offsets_values(offsets_tensor, tokens_sum, cls._GROUP_ALIGN, "offsets_tensor")
         if wgrad_ptrs is not None:
             _check_pointer_values(wgrad_ptrs, "wgrad_ptrs", wgrad_tensor)
 
@@ -151,6 +177,7 @@ def _wrapper(
             input_order=input_order,
             mma_tiler_mn=tiler,
             cluster_shape_mn=cluster,
+            block_scaled=spec,
         )
         for am in a_majors
         for bm in b_majors
@@ -160,7 +187,8 @@ def _wrapper(
             (_OP_CACHE[(c, str(device))] for c in contracts if (c, str(device)) in _OP_CACHE), None
         )
     if op is None:
-        launch._check_contract_fits(contracts[0])
+        if spec is None:  # the BF16 families' tile fit; block-scaled: the hook's concern
+            launch._check_contract_fits(contracts[0])
         op = cls._from_contract(contracts[0], device)
         op.compile()
         with _CACHE_LOCK:
@@ -191,6 +219,8 @@ def _wrapper(
         out,
         current_stream,
         pointers=out if output_mode == "discrete" else None,
+        scales=(sfa_tensor, sfb_tensor, global_scale_a, global_scale_b) if block_scaled else None,
+        workspace=descriptor_workspace,
     )
     if _ops_out is not None:
         _ops_out.append(op)

@@ -125,7 +125,7 @@ class _GroupedGemmWgradBase:
     def _static_contract(self) -> WgradContract:
         s = self._samples
         sc = self._scale_controls
-        block_scaled = _is_blockscaled_pair(s["a"], s["b"])
+        block_scaled = _is_blockscaled_pair(s["a"], s["b"], "sample_a", "sample_b")
         if not block_scaled:
             _check_scale_controls(sc, self.sf_vec_size, self.acc_dtype)
         input_order = _check_input_order(self.input_order)

@@ -571,15 +571,20 @@ _FORMAT_TEXT = (
 _FORMAT_NAMES = {"mxfp8": "MXFP8", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
 
 
-def _is_blockscaled_pair(a, b) -> bool:
+def _is_blockscaled_pair(a, b, a_arg: str = "a_tensor", b_arg: str = "b_tensor") -> bool:
     """True when A and B are one FP8 / FP4 dtype: the pair that selects the block-scaled backend
-    (seed: only a supported matching FP4/FP8 operand pair selects it)."""
-    return (
-        isinstance(a, torch.Tensor)
-        and isinstance(b, torch.Tensor)
-        and a.dtype == b.dtype
-        and a.dtype in _BLOCK_SCALED_DTYPES
-    )
+    (seed: only a supported matching FP4/FP8 operand pair selects it).
+
+    Raises:
+        ValueError: A and B are two different FP8 / FP4 dtypes (no backend takes the mix).
+    """
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if a.dtype in _BLOCK_SCALED_DTYPES and b.dtype in _BLOCK_SCALED_DTYPES:
+        if a.dtype != b.dtype:
+            _check_dtype_pair(a.dtype, b.dtype, a_arg, b_arg)
+        return True
+    return False
 
 
 def _check_sf_fp8_dtype_override(value) -> None:

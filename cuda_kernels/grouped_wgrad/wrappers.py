@@ -241,6 +241,22 @@ def _wrapper_doc(name: str, cls_name: str, extra: str) -> str:
         sfa_tensor, sfb_tensor, global_scale_a, global_scale_b, sf_fp8_dtype_override: must be
             None (BF16). The positional order is cuDNN's (``sf_fp8_dtype_override`` between
             ``sf_vec_size`` and ``accumulate_on_output``; keywords after ``current_stream``).
+
+    Block-scaled (the seed's legacy surface, selected only by a matching FP8 / FP4 A/B pair):
+        a_tensor / b_tensor: float8_e4m3fn or float8_e5m2 [H, S] / [S, I] (majors as BF16), or
+            packed FP4 (uint8 / float4_e2m1fn_x2, two tokens per byte, even token in the low
+            nibble) [H, S/2] / [S/2, I], K-major.
+        sfa_tensor / sfb_tensor: [round_up(H,128), cols] / [round_up(I,128), cols] contiguous,
+            cuDNN's 128x4-atom layout (per expert round_up(ceil(k_e / sf_vec_size), 4) columns,
+            concatenated; cols = round_up(ceil(S / sf_vec_size), 4) for aligned counts):
+            float8_e8m0fnu with sf_vec_size=32 (MXFP8, MXFP4) or float8_e4m3fn with
+            sf_vec_size=16 (NVFP4; then global_scale_a / global_scale_b [E] float32 are
+            required, the epilogue multiplies by global_scale_a[e] * global_scale_b[e]).
+        sf_fp8_dtype_override: None only (cuDNN's Rubin-only override); part of the cache key.
+        descriptor_workspace: as below; a native kernel gets it for its per-expert descriptors.
+        Execution: the native kernel of ``dispatch._blockscaled_kernel`` when one is built,
+        else the torch twin ``blockscaled_ref.grouped_wgrad_blockscaled_torch`` on the tensors'
+        device (today: always; it reads offsets on the host, so it is not graph-capturable).
         offsets_tensor: [E] torch.int32 contiguous cumulative ends; {extra}
         output_mode: "dense" (wgrad_tensor [E, H, I], allocated when omitted; wgrad_ptrs
             forbidden) or "discrete": wgrad_ptrs [E] int64 caller-owned addresses (then
@@ -264,8 +280,7 @@ def _wrapper_doc(name: str, cls_name: str, extra: str) -> str:
 
     Raises:
         ValueError: any contract rule (argument named in the message), before any output write.
-        RuntimeError: no CUDA, unsupported device, kernel or CuTe DSL missing, FP8/FP4 operands
-            (block-scaled backend not built).
+        RuntimeError: no CUDA, unsupported device, kernel or CuTe DSL missing.
     """
 
 
@@ -384,14 +399,14 @@ def grouped_gemm_wgrad_wrapper_sm90(
 grouped_gemm_wgrad_wrapper_sm100.__doc__ = _wrapper_doc(
     "grouped_gemm_wgrad_wrapper_sm100",
     "GroupedGemmWgradSm100",
-    "every expert token count a multiple of 256, non-decreasing, last == tokens_sum. Refuses "
-    "devices below SM100.",
+    "every expert token count a multiple of 256 (BF16), 128 (MXFP8 / MXFP4) or 64 (NVFP4), "
+    "non-decreasing, last == tokens_sum. Refuses devices below SM100.",
 )
 grouped_gemm_wgrad_wrapper_sm90.__doc__ = _wrapper_doc(
     "grouped_gemm_wgrad_wrapper_sm90",
     "GroupedGemmWgradSm90",
-    "any expert token count >= 0, non-decreasing, last == tokens_sum. Refuses devices that are "
-    "not SM 9.x.",
+    "any expert token count >= 0 (even for FP4), non-decreasing, last == tokens_sum. Refuses "
+    "devices that are not SM 9.x.",
 )
 
 

@@ -251,8 +251,8 @@ def _case_table():
          "b_tensor.*bfloat16", both),
         ("fp8 pair", lambda c: {
             **c, "a_tensor": c["a_tensor"].to(torch.float8_e4m3fn),
-            "b_tensor": c["b_tensor"].to(torch.float8_e4m3fn)}, RuntimeError, "block-scaled",
-         both),
+            "b_tensor": c["b_tensor"].to(torch.float8_e4m3fn)}, ValueError,
+         "sfa_tensor is required.*block-scaled", both),
         ("offsets dtype", lambda c: {**c, "offsets_tensor": c["offsets_tensor"].long()},
          ValueError, "offsets_tensor.*int32", both),
         ("offsets rank", lambda c: {**c, "offsets_tensor": c["offsets_tensor"][None]},

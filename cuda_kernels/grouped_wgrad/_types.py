@@ -33,7 +33,8 @@ POINTERS_ALIGN_BYTES = 8
 #: discrete size that is a multiple of 128.
 _TMA_DESCRIPTOR_BYTES = 128
 _DESCRIPTORS_PER_EXPERT = {"dense": 4, "discrete": 5}
-#: Operand dtype pairs that select the block-scaled backend in the seed (not built here).
+#: Operand dtypes whose matching pair selects the block-scaled backend (seed, "Block-scaled
+#: contract"): FP8 E4M3 / E5M2, FP4 E2M1 packed two per byte (uint8 or ``float4_e2m1fn_x2``).
 _BLOCK_SCALED_DTYPES = tuple(
     d
     for d in (
@@ -44,6 +45,28 @@ _BLOCK_SCALED_DTYPES = tuple(
     )
     if d is not None
 )
+#: Block-scaled formats: (element kind, scale dtype, sf_vec_size) -> name. Source: the seed and
+#: cuDNN frontend's dtype / sf_vec_size rule (FP8 only with E8M0 scales at 32; E4M3 scales only
+#: for FP4 at 16, with per-expert fp32 global scales); the twin's table (blockscaled_ref.py).
+BLOCKSCALED_FORMATS = {
+    ("e4m3", torch.float8_e8m0fnu, 32): "mxfp8",
+    ("e5m2", torch.float8_e8m0fnu, 32): "mxfp8",
+    ("e2m1", torch.float8_e8m0fnu, 32): "mxfp4",
+    ("e2m1", torch.float8_e4m3fn, 16): "nvfp4",
+}
+#: Scale-factor dtypes of the block-scaled contract, with their key names.
+SF_DTYPES = {torch.float8_e8m0fnu: "float8_e8m0fnu", torch.float8_e4m3fn: "float8_e4m3fn"}
+#: Per-expert token-count rule of the block-scaled backend, per API arch and format: every
+#: expert's tokens a multiple of this. SM100 (cuDNN's kernel, the seed): whole 128x4 scale atoms
+#: per expert, 4 * sf_vec_size tokens (128 MXFP8 / MXFP4, 64 NVFP4), so that each expert's scales
+#: start at column begin / sf_vec_size. SM90 and the generic entry ("torch"): any count for
+#: MXFP8 (a partial group is zero-padded and each expert's scales start at its own atom column:
+#: ``common.mx_atoms``), even counts for FP4 (two tokens per byte).
+BLOCKSCALED_TOKEN_ALIGN = {
+    "sm100": {"mxfp8": 128, "mxfp4": 128, "nvfp4": 64},
+    "sm90": {"mxfp8": 1, "mxfp4": 2, "nvfp4": 2},
+    "torch": {"mxfp8": 1, "mxfp4": 2, "nvfp4": 2},
+}
 # The tiling rules (tile M / N / K, clusters, partial tiles) are tiles.py's, in one place.
 _OUTPUT_MODES = ("dense", "discrete")
 #: Kernel-key dtype names back to torch dtypes, and their element sizes.
@@ -107,6 +130,34 @@ class TupleDict:
 
 
 @dataclass(frozen=True)
+class BlockScaledSpec:
+    """The block-scaled part of a static contract (part of the cache key).
+
+    Fields:
+        fmt: "mxfp8" | "mxfp4" | "nvfp4".
+        ab_dtype: torch dtype name of A and B ("float8_e4m3fn", "float8_e5m2", "uint8",
+            "float4_e2m1fn_x2").
+        sf_dtype: "float8_e8m0fnu" (MX) | "float8_e4m3fn" (NVFP4).
+        sf_vec_size: tokens per scale group: 32 (MX) | 16 (NVFP4).
+        token_align: the per-expert token multiple the call's offsets obey
+            (:data:`BLOCKSCALED_TOKEN_ALIGN`; 1 = any count).
+        sf_fp8_dtype_override: cuDNN's keyword; only None is supported (no Rubin kernel).
+    """
+
+    fmt: str
+    ab_dtype: str
+    sf_dtype: str
+    sf_vec_size: int
+    token_align: int
+    sf_fp8_dtype_override: str | None = None
+
+    @property
+    def packed_fp4(self) -> bool:
+        """Two E2M1 tokens per byte: the token axis of A / B is ``tokens_sum / 2`` long."""
+        return self.fmt in ("mxfp4", "nvfp4")
+
+
+@dataclass(frozen=True)
 class WgradContract:
     """Static contract of one grouped-wgrad operator; the compile-cache key.
 
@@ -124,6 +175,8 @@ class WgradContract:
         input_order: "tensor2d" | "tensor_ragged".
         mma_tiler_mn: (tile M, tile N) or None (SM90: chosen per shape from ``configs/cuda``).
         cluster_shape_mn: (cluster M, cluster N) or None (default of the arch).
+        block_scaled: None (BF16 operands) or the :class:`BlockScaledSpec` of FP8 / FP4
+            operands; the BF16 kernel families never see a block-scaled contract.
     """
 
     arch: str
@@ -138,3 +191,4 @@ class WgradContract:
     input_order: str
     mma_tiler_mn: tuple[int, int] | None
     cluster_shape_mn: tuple[int, int] | None
+    block_scaled: BlockScaledSpec | None = None

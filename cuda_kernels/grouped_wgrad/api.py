@@ -19,6 +19,11 @@ Public names:
         be any value >= 0. Refuse devices that are not SM 9.x (sm_90a code does not run elsewhere).
     ``grouped_gemm_wgrad`` — picks the SM100 or SM90 kernel by device and falls back to the torch
         implementation (``torch_ref.grouped_wgrad_torch``) elsewhere, CPU included.
+
+Block-scaled (MXFP8 / MXFP4 / NVFP4, the seed's legacy surface) in the same classes, wrappers and
+``grouped_gemm_wgrad`` (which takes any MXFP8 token count per expert). No native block-scaled
+kernel is built yet: calls run the torch twin (``blockscaled_ref``) on the tensors' device; the
+native kernels plug in at ``dispatch._blockscaled_kernel``.
     ``get_grouped_gemm_wgrad_workspace_size_sm100``, ``TupleDict``, ``WgradContract``.
 
 Validation of offsets VALUES and pointer VALUES needs a host read (a device sync). It runs only in

@@ -21,6 +21,7 @@ from ._types import (
 from .tiles import SM90_TILES, SM100_TILES
 from .validate import (
     _Call,
+    _check_blockscaled_values,
     _check_dense_out,
     _check_expert_out,
     _check_input_order,
@@ -32,7 +33,9 @@ from .validate import (
     _check_tiling,
     _check_wgrad_dtype,
     _check_workspace,
+    _is_blockscaled_pair,
     _ragged_compact,
+    _validate_blockscaled,
     _validate_operands,
 )
 
@@ -112,20 +115,43 @@ class _GroupedGemmWgradBase:
         self.device: torch.device | None = None
         self._is_supported = False
         self._launcher: Callable | None = None
+        #: After ``compile()``: the implementation that runs ("sm100" / "sm90": a native kernel;
+        #: "torch": the block-scaled twin while no native block-scaled kernel is built) and why.
+        self.backend: str | None = None
+        self.backend_reason = ""
 
     # -- check_support --------------------------------------------------------------------------
 
     def _static_contract(self) -> WgradContract:
         s = self._samples
-        _check_scale_controls(self._scale_controls, self.sf_vec_size, self.acc_dtype)
+        sc = self._scale_controls
+        block_scaled = _is_blockscaled_pair(s["a"], s["b"], "sample_a", "sample_b")
+        if not block_scaled:
+            _check_scale_controls(sc, self.sf_vec_size, self.acc_dtype)
         input_order = _check_input_order(self.input_order)
         tiler, cluster = _check_tiling(self._ARCH, self.mma_tiler_mn, self.cluster_shape_mn)
         sample_a, sample_b = s["a"], s["b"]
         if input_order == "tensor_ragged":
             sample_a, sample_b = _ragged_compact(sample_a, sample_b, ("sample_a", "sample_b"))
-        hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
-            self._ARCH, sample_a, sample_b, s["offsets"], ("sample_a", "sample_b", "sample_offsets")
-        )
+        spec = None
+        if block_scaled:
+            ops = _validate_blockscaled(
+                self._ARCH, sample_a, sample_b, sc["sample_sfa"], sc["sample_sfb"],
+                s["offsets"], sc["sample_global_scale_a"], sc["sample_global_scale_b"],
+                sf_vec_size=self.sf_vec_size,
+                sf_fp8_dtype_override=sc["sf_fp8_dtype_override"], acc_dtype=self.acc_dtype,
+                names=("sample_a", "sample_b", "sample_sfa", "sample_sfb", "sample_offsets",
+                       "sample_global_scale_a", "sample_global_scale_b"),
+            )
+            hidden, tokens_sum, inter = ops.hidden, ops.tokens_sum, ops.intermediate
+            num_experts, a_majors, b_majors, spec = (
+                ops.num_experts, ops.a_majors, ops.b_majors, ops.spec
+            )
+        else:
+            hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
+                self._ARCH, sample_a, sample_b, s["offsets"],
+                ("sample_a", "sample_b", "sample_offsets"),
+            )
         if self.output_mode == "dense":
             out_dtype = _check_dense_out(
                 self._ARCH, s["wgrad"], (num_experts, hidden, inter), "sample_wgrad"
@@ -162,10 +188,20 @@ class _GroupedGemmWgradBase:
                 "sample_offsets": s["offsets"],
                 "sample_wgrad": s["wgrad"],
                 "sample_wgrad_expert": s["wgrad_expert"],
+                **({k: v for k, v in sc.items() if isinstance(v, torch.Tensor)}
+                   if block_scaled else {}),
             }
         )
         if self.validate_offsets and not _env.capturing(s["offsets"].device):
-            _check_offsets_values(s["offsets"], tokens_sum, self._GROUP_ALIGN, "sample_offsets")
+            if spec is not None:
+                _check_blockscaled_values(
+                    self._ARCH, spec, s["offsets"], tokens_sum, sc["sample_sfa"],
+                    sc["sample_sfb"], "sample_offsets", ("sample_sfa", "sample_sfb"),
+                )
+            else:
+                _check_offsets_values(
+                    s["offsets"], tokens_sum, self._GROUP_ALIGN, "sample_offsets"
+                )
         contract = WgradContract(
             arch=self._ARCH,
             hidden=hidden,
@@ -179,8 +215,10 @@ class _GroupedGemmWgradBase:
             input_order=input_order,
             mma_tiler_mn=tiler,
             cluster_shape_mn=cluster,
+            block_scaled=spec,
         )
-        launch._check_contract_fits(contract)
+        if spec is None:  # the BF16 families' tile fit; block-scaled: the hook's concern
+            launch._check_contract_fits(contract)
         return contract
 
     def _check_arch(self, device: torch.device) -> None:
@@ -196,7 +234,8 @@ class _GroupedGemmWgradBase:
         op.acc_dtype = torch.float32
         op.mma_tiler_mn = contract.mma_tiler_mn
         op.cluster_shape_mn = contract.cluster_shape_mn
-        op.sf_vec_size = 16
+        op.sf_vec_size = contract.block_scaled.sf_vec_size if contract.block_scaled else 16
+        op.backend, op.backend_reason = None, ""
         op.accumulate_on_output = contract.accumulate
         op.input_order = contract.input_order
         op.validate_offsets = False
@@ -236,7 +275,15 @@ class _GroupedGemmWgradBase:
         if not self._is_supported:
             self.check_support()
         if self._launcher is None:
-            self._launcher = launch._compile_kernel(self.contract, self._NAME)
+            if self.contract.block_scaled is not None:
+                from . import dispatch  # the hook of the native block-scaled kernels
+
+                self._launcher, self.backend, self.backend_reason = (
+                    dispatch._blockscaled_launcher(self.contract)
+                )
+            else:
+                self._launcher = launch._compile_kernel(self.contract, self._NAME)
+                self.backend = self.contract.arch
 
     # -- execute --------------------------------------------------------------------------------
 
@@ -255,21 +302,47 @@ class _GroupedGemmWgradBase:
         workspaces=(),
     ) -> _Call:
         c = self.contract
-        _check_scale_controls(
-            {
-                "sfa_tensor": sfa_tensor,
-                "sfb_tensor": sfb_tensor,
-                "global_scale_a": global_scale_a,
-                "global_scale_b": global_scale_b,
-            },
-            16,
-            torch.float32,
-        )
+        spec = c.block_scaled
+        if spec is None:
+            _check_scale_controls(
+                {
+                    "sfa_tensor": sfa_tensor,
+                    "sfb_tensor": sfb_tensor,
+                    "global_scale_a": global_scale_a,
+                    "global_scale_b": global_scale_b,
+                },
+                16,
+                torch.float32,
+            )
+        elif not _is_blockscaled_pair(a_tensor, b_tensor):
+            raise ValueError(
+                f"a_tensor/b_tensor: this operator was compiled for block-scaled {spec.fmt} "
+                f"operands ({spec.ab_dtype}); got {getattr(a_tensor, 'dtype', a_tensor)} and "
+                f"{getattr(b_tensor, 'dtype', b_tensor)}; build another operator"
+            )
         if c.input_order == "tensor_ragged":
             a_tensor, b_tensor = _ragged_compact(a_tensor, b_tensor)
-        hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
-            c.arch, a_tensor, b_tensor, offsets_tensor, ("a_tensor", "b_tensor", "offsets_tensor")
-        )
+        if spec is not None:
+            ops = _validate_blockscaled(
+                c.arch, a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor,
+                global_scale_a, global_scale_b, sf_vec_size=spec.sf_vec_size,
+                sf_fp8_dtype_override=spec.sf_fp8_dtype_override, acc_dtype=torch.float32,
+            )
+            if ops.spec != spec:
+                raise ValueError(
+                    f"a_tensor/sfa_tensor: the block-scaled format of this call ({ops.spec.fmt}, "
+                    f"{ops.spec.ab_dtype}, scales {ops.spec.sf_dtype}) differs from the compiled "
+                    f"contract ({spec.fmt}, {spec.ab_dtype}, scales {spec.sf_dtype}); build "
+                    "another operator for a new static contract"
+                )
+            hidden, tokens_sum, inter = ops.hidden, ops.tokens_sum, ops.intermediate
+            num_experts, a_majors, b_majors = ops.num_experts, ops.a_majors, ops.b_majors
+        else:
+            hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
+                c.arch, a_tensor, b_tensor, offsets_tensor,
+                ("a_tensor", "b_tensor", "offsets_tensor"),
+            )
+        scales = (sfa_tensor, sfb_tensor, global_scale_a, global_scale_b) if spec else None
         static = {
             "hidden": (hidden,),
             "intermediate": (inter,),
@@ -316,6 +389,18 @@ class _GroupedGemmWgradBase:
                 "wgrad_tensor": wgrad_tensor,
                 "wgrad_ptrs": wgrad_ptrs,
                 **{name: ws for name, ws in workspaces if ws is not None},
+                **(
+                    {
+                        k: v
+                        for k, v in zip(
+                            ("sfa_tensor", "sfb_tensor", "global_scale_a", "global_scale_b"),
+                            scales,
+                        )
+                        if v is not None
+                    }
+                    if scales
+                    else {}
+                ),
             }
         )
         if self.device is not None and device != self.device:
@@ -323,10 +408,17 @@ class _GroupedGemmWgradBase:
                 f"a_tensor is on {device} but this operator was compiled for {self.device}"
             )
         if validate_offsets and not _env.capturing(device):
-            _check_offsets_values(offsets_tensor, tokens_sum, self._GROUP_ALIGN, "offsets_tensor")
+            if spec is not None:
+                _check_blockscaled_values(
+                    c.arch, spec, offsets_tensor, tokens_sum, sfa_tensor, sfb_tensor
+                )
+            else:
+                _check_offsets_values(
+                    offsets_tensor, tokens_sum, self._GROUP_ALIGN, "offsets_tensor"
+                )
             if wgrad_ptrs is not None:
                 _check_pointer_values(wgrad_ptrs, "wgrad_ptrs", wgrad_tensor)
-        return _Call(tokens_sum=tokens_sum, out=out, a=a_tensor, b=b_tensor)
+        return _Call(tokens_sum=tokens_sum, out=out, a=a_tensor, b=b_tensor, scales=scales)
 
     def execute(
         self,
@@ -402,15 +494,26 @@ class _GroupedGemmWgradBase:
             call.out,
             current_stream,
             pointers=call.out if c.output_mode == "discrete" else None,
+            scales=call.scales,
+            workspace=ws,
         )
 
-    def _launch(self, a, b, offsets, out, current_stream, pointers=None) -> None:
+    def _launch(
+        self, a, b, offsets, out, current_stream, pointers=None, scales=None, workspace=None
+    ) -> None:
         stream = current_stream
         if a.device.type == "cuda" and current_stream is not None:
             stream = _torch_stream(current_stream, a.device)
         if pointers is not None and pointers.device.type == "cuda":
             # The seed: the API records the pointer tensor on the launch stream.
             pointers.record_stream(_torch_stream(stream, pointers.device))
+        if self.contract.block_scaled is not None:
+            sfa, sfb, gsa, gsb = scales
+            self._launcher(
+                a, b, sfa, sfb, offsets, out, global_scale_a=gsa, global_scale_b=gsb,
+                descriptor_workspace=workspace, stream=stream,
+            )
+            return
         self._launcher(a, b, offsets, out, stream=stream)
 
 

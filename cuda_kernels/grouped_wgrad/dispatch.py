@@ -1,24 +1,48 @@
 """Device dispatch of the grouped wgrad: which implementation runs on a device
-(``select_grouped_wgrad_backend``), ``grouped_gemm_wgrad`` (any device, torch fallback),
-``kernel_unsupported_reason`` and the dispatcher's ``grouped_wgrad_fp32``.
+(``select_grouped_wgrad_backend``, ``select_blockscaled_backend``), ``grouped_gemm_wgrad`` (any
+device, torch fallback), ``kernel_unsupported_reason`` and the dispatcher's
+``grouped_wgrad_fp32``.
+
+Block-scaled (FP8 / FP4) calls: no native kernel is built yet. :func:`_blockscaled_kernel` is the
+one hook where a native block-scaled kernel family (``sm100_blockscaled.py``, ``sm90_mxfp8.py``)
+plugs in; while it returns None every block-scaled call — through the classes, the wrappers or
+``grouped_gemm_wgrad`` — runs the torch twin ``blockscaled_ref.grouped_wgrad_blockscaled_torch``
+on the tensors' device (backend name "torch"), after the same validation.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import _env, launch
-from ._types import _OUTPUT_MODES, SM100_GROUP_ALIGN, TupleDict, WgradContract
-from .torch_ref import grouped_wgrad_torch
+from ._types import (
+    _NAME_TO_DTYPE,
+    _OUTPUT_MODES,
+    BLOCKSCALED_TOKEN_ALIGN,
+    SM100_GROUP_ALIGN,
+    TupleDict,
+    WgradContract,
+)
+from .blockscaled_ref import grouped_wgrad_blockscaled_torch
+from .torch_ref import grouped_wgrad_torch, ragged_expert_views
 from .validate import (
+    _FORMAT_NAMES,
+    _check_blockscaled_values,
     _check_dense_out,
     _check_input_order,
     _check_offsets_values,
+    _check_ptrs_tensor,
     _check_same_device,
     _check_wgrad_dtype,
+    _check_workspace,
+    _is_blockscaled_pair,
     _ragged_compact,
+    _validate_blockscaled,
     _validate_operands,
 )
 from .wrappers import grouped_gemm_wgrad_wrapper_sm90, grouped_gemm_wgrad_wrapper_sm100
@@ -65,10 +89,30 @@ def grouped_gemm_wgrad(
     backend: str = "auto",
     validate_offsets: bool = True,
     current_stream: Any = None,
+    sfa_tensor: torch.Tensor | None = None,
+    sfb_tensor: torch.Tensor | None = None,
+    global_scale_a: torch.Tensor | None = None,
+    global_scale_b: torch.Tensor | None = None,
+    sf_vec_size: int | None = None,
+    sf_fp8_dtype_override: str | None = None,
+    descriptor_workspace: torch.Tensor | None = None,
+    stats: dict | None = None,
 ) -> TupleDict:
     """Grouped wgrad on any device: SM100 kernel on SM100+, SM90 kernel on Hopper, torch elsewhere.
 
     ``wgrad[e] (+)= A[:, begin:end] @ B[begin:end, :]``, fp32 accumulation.
+
+    Block-scaled operands (A and B one FP8 E4M3 / E5M2 or packed FP4 dtype, with ``sfa_tensor``
+    / ``sfb_tensor``; the seed's block-scaled contract, see ``grouped_gemm_wgrad_wrapper_sm100``)
+    take ANY per-expert token count here (0 included) for MXFP8 and any even count for FP4 —
+    beyond the ``_sm100`` surface's multiples of 128 / 64: each expert's partial last scale group
+    stands for a zero-padded one and its scales start at its own atom column
+    (``common.mx_atoms``; size the scale tensors with ``grouped_scale_cols_bound``). ``backend``
+    "auto" runs the device's native block-scaled kernel when ``dispatch._blockscaled_kernel``
+    has one for the contract, else the torch twin on the tensors' device (any device, CPU
+    included); "sm100" / "sm90" go through that wrapper (its rules), "torch" runs the twin.
+    ``sf_vec_size`` defaults from the scale dtype (E4M3 -> 16, E8M0 -> 32); ``stats`` (a dict)
+    receives the block-scaled ``"backend"`` and ``"reason"``.
 
     Args:
         a_tensor: [H, S] torch.bfloat16, K-major (S, 1) or M-major (1, H) strides.
@@ -90,6 +134,21 @@ def grouped_gemm_wgrad(
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if _is_blockscaled_pair(a_tensor, b_tensor) and backend in ("auto", "torch"):
+        return _blockscaled_generic(
+            a_tensor, b_tensor, offsets_tensor, sfa_tensor=sfa_tensor, sfb_tensor=sfb_tensor,
+            global_scale_a=global_scale_a, global_scale_b=global_scale_b,
+            sf_vec_size=sf_vec_size, sf_fp8_dtype_override=sf_fp8_dtype_override,
+            output_mode=output_mode, wgrad_tensor=wgrad_tensor, wgrad_ptrs=wgrad_ptrs,
+            wgrad_dtype=wgrad_dtype, accumulate_on_output=accumulate_on_output,
+            input_order=input_order, validate_offsets=validate_offsets,
+            current_stream=current_stream, descriptor_workspace=descriptor_workspace,
+            stats=stats,
+        )
+    scale_args = {
+        "sfa_tensor": sfa_tensor, "sfb_tensor": sfb_tensor, "global_scale_a": global_scale_a,
+        "global_scale_b": global_scale_b, "sf_fp8_dtype_override": sf_fp8_dtype_override,
+    }
     if backend == "auto":
         if not isinstance(a_tensor, torch.Tensor):
             raise ValueError(f"a_tensor must be a torch.Tensor, got {type(a_tensor).__name__}")
@@ -100,21 +159,44 @@ def grouped_gemm_wgrad(
             if backend == "sm100"
             else (grouped_gemm_wgrad_wrapper_sm90)
         )
+        extra = {} if sf_vec_size is None else {"sf_vec_size": sf_vec_size}
+        if _is_blockscaled_pair(a_tensor, b_tensor) and sf_vec_size is None:
+            extra["sf_vec_size"] = 16 if getattr(sfa_tensor, "dtype", None) == (
+                torch.float8_e4m3fn) else 32
         return fn(
             a_tensor,
             b_tensor,
-            None,
-            None,
+            sfa_tensor,
+            sfb_tensor,
             offsets_tensor,
             output_mode=output_mode,
             wgrad_tensor=wgrad_tensor,
             wgrad_ptrs=wgrad_ptrs,
+            global_scale_a=global_scale_a,
+            global_scale_b=global_scale_b,
             wgrad_dtype=wgrad_dtype,
             accumulate_on_output=accumulate_on_output,
             input_order=input_order,
             current_stream=current_stream,
             validate_offsets=validate_offsets,
+            sf_fp8_dtype_override=sf_fp8_dtype_override,
+            descriptor_workspace=descriptor_workspace,
+            **extra,
         )
+    for name, value in scale_args.items():
+        if value is not None:
+            raise ValueError(
+                f"{name} must be None: BF16 operands forbid scale-factor and global-scale "
+                "controls (only an FP8/FP4 operand pair selects the block-scaled backend)"
+            )
+    if sf_vec_size not in (None, 16):
+        raise ValueError(f"sf_vec_size must be 16 (or None) for BF16, got {sf_vec_size}")
+    if descriptor_workspace is not None and output_mode in _OUTPUT_MODES:
+        _check_workspace(
+            descriptor_workspace, None,
+            offsets_tensor.numel() if isinstance(offsets_tensor, torch.Tensor) else 1,
+            output_mode, _check_input_order(input_order),
+        )  # accepted (cuDNN-sized) and unused by the torch fallback
     return _torch_path(
         a_tensor,
         b_tensor,
@@ -182,13 +264,32 @@ def _torch_path(
 
 
 def kernel_unsupported_reason(
-    arch: str, a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor
+    arch: str,
+    a_HS: torch.Tensor,
+    b_SI: torch.Tensor,
+    offsets_E: torch.Tensor,
+    *,
+    sfa_tensor: torch.Tensor | None = None,
+    sfb_tensor: torch.Tensor | None = None,
+    global_scale_a: torch.Tensor | None = None,
+    global_scale_b: torch.Tensor | None = None,
+    sf_vec_size: int | None = None,
 ) -> str | None:
     """Why the ``arch`` ("sm90" | "sm100") kernel's static contract does not cover this call.
 
     Checks host metadata only (dtypes, layouts, alignment, tile fit), never offsets values nor the
-    device. Returns None when the call fits.
+    device. Returns None when the call fits. Block-scaled operands (an FP8 / FP4 pair, with the
+    scale tensors): the reason names the twin while :func:`_blockscaled_kernel` has no native
+    kernel for the contract (today: always).
     """
+    if _is_blockscaled_pair(a_HS, b_SI):
+        try:
+            return _blockscaled_unsupported_reason(
+                arch, a_HS, b_SI, offsets_E, sfa_tensor, sfb_tensor, global_scale_a,
+                global_scale_b, sf_vec_size,
+            )
+        except (ValueError, RuntimeError) as exc:
+            return str(exc)
     try:
         _, _, inter, num_experts, a_majors, b_majors = _validate_operands(
             arch, a_HS, b_SI, offsets_E, ("a_HS", "b_SI", "offsets_E")
@@ -313,3 +414,251 @@ def grouped_wgrad_fp32(
     if stats is not None:
         stats[key] = stats.get(key, 0) + 1
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Block-scaled (FP8 / FP4): the native-kernel hook and the twin that runs until one plugs in
+# ---------------------------------------------------------------------------------------------
+
+#: Signature of a block-scaled launcher (native kernel or the twin):
+#: ``launcher(a, b, sfa, sfb, offsets, out, *, global_scale_a, global_scale_b,
+#: descriptor_workspace, stream) -> None`` with ``out`` the dense [E, H, I] tensor or, in
+#: discrete mode, the [E] int64 output addresses; ``stream`` a torch.cuda.Stream or None.
+BlockScaledLauncher = Callable[..., None]
+
+
+def _blockscaled_kernel(contract: WgradContract) -> BlockScaledLauncher | None:
+    """THE hook of the native block-scaled kernels: the launcher of ``contract``, or None.
+
+    ``contract.block_scaled`` is set (format, dtypes, ``sf_vec_size``, the per-expert
+    ``token_align`` the offsets obey: 128 / 64 from the ``_sm100`` surface, 1 (MXFP8) / 2 (FP4)
+    from ``grouped_gemm_wgrad`` and the ``_sm90`` surface); ``contract.arch`` is "sm100" or
+    "sm90" (the device's kernel arch). A family returns a launcher (signature
+    :data:`BlockScaledLauncher`, compiled once per contract) only for contracts it supports —
+    e.g. ``sm100_blockscaled`` for MXFP8 / NVFP4 on "sm100", ``sm90_mxfp8`` for MXFP8 on "sm90" —
+    and None otherwise; it receives the caller's ``descriptor_workspace`` (or None) at launch.
+
+    Today no native kernel is built: always None, and the caller runs the torch twin.
+    """
+    del contract
+    return None
+
+
+def select_blockscaled_backend(contract: WgradContract) -> tuple[str, str]:
+    """Which implementation runs the block-scaled ``contract``: ``(name, reason)``.
+
+    ``name`` is ``contract.arch`` when :func:`_blockscaled_kernel` has a native launcher, else
+    "torch" (the twin ``blockscaled_ref.grouped_wgrad_blockscaled_torch`` on the tensors'
+    device), with the reason.
+    """
+    spec = contract.block_scaled
+    if spec is None:
+        raise ValueError("select_blockscaled_backend needs a block-scaled contract")
+    if contract.arch in ("sm100", "sm90") and _blockscaled_kernel(contract) is not None:
+        return contract.arch, ""
+    where = contract.arch.upper() if contract.arch != "torch" else "this device"
+    return "torch", (
+        f"no native block-scaled {_FORMAT_NAMES[spec.fmt]} kernel is built for {where} yet "
+        "(dispatch._blockscaled_kernel returned None): block-scaled calls run the torch twin "
+        "blockscaled_ref.grouped_wgrad_blockscaled_torch on the tensors' device"
+    )
+
+
+def _blockscaled_launcher(contract: WgradContract) -> tuple[BlockScaledLauncher, str, str]:
+    """(launcher, backend name, reason) of a block-scaled contract: the native kernel from the
+    hook, else the twin."""
+    name, reason = select_blockscaled_backend(contract)
+    if name != "torch":
+        return _blockscaled_kernel(contract), name, ""
+
+    def launcher(a, b, sfa, sfb, offsets, out, **kw):
+        _twin_launch(contract, a, b, sfa, sfb, offsets, out, **kw)
+
+    return launcher, "torch", reason
+
+
+def _tensor_at(address: int, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor viewing the caller-owned output at an integer ``address`` on ``device``."""
+    nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type == "cuda":
+
+        class _Mem:  # __cuda_array_interface__ v3: one byte array
+            __cuda_array_interface__ = {  # noqa: RUF012
+                "shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3,
+                "strides": None,
+            }
+
+        raw = torch.as_tensor(_Mem(), device=device)
+    else:
+        raw = torch.frombuffer((ctypes.c_byte * nbytes).from_address(address), dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
+
+
+def _ragged_to_2d(a: torch.Tensor, b: torch.Tensor, ends: list[int], pack: int):
+    """``input_order="tensor_ragged"`` operands as tensor2d ones (per-expert blocks gathered)."""
+    if not ends or ends[-1] == 0:
+        return a, b
+    a_parts, b_parts, begin = [], [], 0
+    for end in ends:
+        a_e, b_e = ragged_expert_views(a, b, begin // pack, end // pack)
+        a_parts.append(a_e)
+        b_parts.append(b_e)
+        begin = end
+    return torch.cat(a_parts, 1), torch.cat(b_parts, 0)
+
+
+def _twin_launch(
+    contract: WgradContract,
+    a, b, sfa, sfb, offsets, out, *,
+    global_scale_a=None, global_scale_b=None, descriptor_workspace=None, stream=None,
+) -> None:
+    """Run the block-scaled twin as a launcher would: dense ``out`` or, in discrete mode, write
+    through the int64 addresses ``out`` (host-read here: the twin reads offsets on the host too,
+    so it is not CUDA-graph capturable). ``descriptor_workspace`` is unused (no descriptors)."""
+    del descriptor_workspace
+    spec = contract.block_scaled
+    pack = 2 if spec.packed_fp4 else 1
+    ctx = (
+        torch.cuda.stream(stream)
+        if stream is not None and a.device.type == "cuda"
+        else _nullcontext()
+    )
+    with ctx:
+        if contract.input_order == "tensor_ragged":
+            a, b = _ragged_to_2d(a, b, [int(v) for v in offsets.tolist()], pack)
+        kw = dict(
+            sf_vec_size=spec.sf_vec_size, global_scale_a=global_scale_a,
+            global_scale_b=global_scale_b, accumulate=contract.accumulate,
+        )
+        if contract.output_mode == "dense":
+            grouped_wgrad_blockscaled_torch(a, b, sfa, sfb, offsets, out=out, **kw)
+            return
+        dtype = _NAME_TO_DTYPE[contract.out_dtype]
+        shape = (contract.hidden, contract.intermediate)
+        addrs = [int(p) for p in out.tolist()]
+        for e, p in enumerate(addrs):
+            if p == 0 or p % 16:
+                raise ValueError(
+                    f"wgrad_ptrs[{e}] = {p:#x}: every output address must be non-null and "
+                    "16-byte aligned"
+                )
+        views = [_tensor_at(p, shape, dtype, a.device) for p in addrs]
+        tmp = (
+            torch.stack(views) if contract.accumulate
+            else torch.empty((len(views), *shape), dtype=dtype, device=a.device)
+        )
+        grouped_wgrad_blockscaled_torch(a, b, sfa, sfb, offsets, out=tmp, **kw)
+        for v, r in zip(views, tmp):
+            v.copy_(r)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _device_kernel_arch(device: torch.device) -> str | None:
+    """"sm100" / "sm90" for a CUDA device of that generation, else None (no GPU query off CUDA)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    cc = _env.query_arch(device)
+    return "sm100" if cc >= 100 else "sm90" if cc >= 90 else None
+
+
+def _blockscaled_generic(
+    a_tensor, b_tensor, offsets_tensor, *, sfa_tensor, sfb_tensor, global_scale_a,
+    global_scale_b, sf_vec_size, sf_fp8_dtype_override, output_mode, wgrad_tensor, wgrad_ptrs,
+    wgrad_dtype, accumulate_on_output, input_order, validate_offsets, current_stream,
+    descriptor_workspace, stats,
+) -> TupleDict:
+    """``grouped_gemm_wgrad``'s block-scaled path: any per-expert token count for MXFP8 (0
+    included), even counts for FP4; the native kernel of the device when the hook has one for
+    this contract, else the twin."""
+    if output_mode not in _OUTPUT_MODES:
+        raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
+    input_order = _check_input_order(input_order)
+    if sf_vec_size is None:  # the scale dtype says it: E4M3 scales -> NVFP4 (16), else 32
+        sf_vec_size = 16 if getattr(sfa_tensor, "dtype", None) == torch.float8_e4m3fn else 32
+    if input_order == "tensor_ragged":
+        a_tensor, b_tensor = _ragged_compact(a_tensor, b_tensor)
+    ops = _validate_blockscaled(
+        "torch", a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor, global_scale_a,
+        global_scale_b, sf_vec_size=sf_vec_size, sf_fp8_dtype_override=sf_fp8_dtype_override,
+        acc_dtype=torch.float32,
+    )
+    e, h, i = ops.num_experts, ops.hidden, ops.intermediate
+    out_name = _check_wgrad_dtype(wgrad_dtype)
+    if output_mode == "dense" and wgrad_ptrs is not None:
+        raise ValueError("wgrad_ptrs must be None in dense output mode (dense output forbids it)")
+    if wgrad_tensor is not None:
+        out_name = _check_dense_out("torch", wgrad_tensor, (e, h, i), "wgrad_tensor")
+    if wgrad_ptrs is not None:
+        _check_ptrs_tensor(wgrad_ptrs, e)
+    _check_workspace(descriptor_workspace, None, e, output_mode, input_order)
+    device = _check_same_device(
+        {
+            "a_tensor": a_tensor, "b_tensor": b_tensor, "sfa_tensor": sfa_tensor,
+            "sfb_tensor": sfb_tensor, "offsets_tensor": offsets_tensor,
+            "global_scale_a": global_scale_a, "global_scale_b": global_scale_b,
+            "wgrad_tensor": wgrad_tensor, "wgrad_ptrs": wgrad_ptrs,
+            "descriptor_workspace": descriptor_workspace,
+        }
+    )
+    contract = WgradContract(
+        arch=_device_kernel_arch(device) or "torch", hidden=h, intermediate=i, num_experts=e,
+        a_major=ops.a_majors[0], b_major=ops.b_majors[0], out_dtype=out_name,
+        output_mode=output_mode, accumulate=bool(accumulate_on_output), input_order=input_order,
+        mma_tiler_mn=None, cluster_shape_mn=None, block_scaled=ops.spec,
+    )
+    launcher, name, reason = _blockscaled_launcher(contract)
+    if name == "torch" or (validate_offsets and not _env.capturing(device)):
+        # The twin reads the offsets on the host anyway: check them (once per version) first.
+        _check_blockscaled_values("torch", ops.spec, offsets_tensor, ops.tokens_sum, sfa_tensor,
+                                  sfb_tensor)
+    if stats is not None:
+        stats["backend"], stats["reason"] = name, reason
+    if wgrad_tensor is None and wgrad_ptrs is None:
+        alloc = torch.zeros if accumulate_on_output else torch.empty
+        wgrad_tensor = alloc((e, h, i), dtype=_NAME_TO_DTYPE[out_name], device=device)
+    if output_mode == "dense":
+        out = wgrad_tensor
+    elif wgrad_ptrs is not None:
+        out = wgrad_ptrs
+    else:
+        from .classes import _stacked_pointers
+
+        out = _stacked_pointers(wgrad_tensor)
+    stream = None
+    if current_stream is not None and device.type == "cuda":
+        from .classes import _torch_stream
+
+        stream = _torch_stream(current_stream, device)
+    launcher(
+        a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor, out,
+        global_scale_a=global_scale_a, global_scale_b=global_scale_b,
+        descriptor_workspace=descriptor_workspace, stream=stream,
+    )
+    return TupleDict(wgrad_tensor=wgrad_tensor)
+
+
+def _blockscaled_unsupported_reason(arch, a, b, offsets, sfa, sfb, gsa, gsb, sf_vec_size):
+    if sf_vec_size is None:
+        sf_vec_size = 16 if getattr(sfa, "dtype", None) == torch.float8_e4m3fn else 32
+    names = ("a_HS", "b_SI", "sfa_tensor", "sfb_tensor", "offsets_E", "global_scale_a",
+             "global_scale_b")
+    ops = _validate_blockscaled(
+        arch, a, b, sfa, sfb, offsets, gsa, gsb, sf_vec_size=sf_vec_size,
+        sf_fp8_dtype_override=None, acc_dtype=torch.float32, names=names,
+    )
+    spec = dataclasses.replace(ops.spec, token_align=BLOCKSCALED_TOKEN_ALIGN["torch"][ops.spec.fmt])
+    contract = WgradContract(
+        arch=arch, hidden=ops.hidden, intermediate=ops.intermediate, num_experts=ops.num_experts,
+        a_major=ops.a_majors[0], b_major=ops.b_majors[0], out_dtype="float32",
+        output_mode="dense", accumulate=False, input_order="tensor2d", mma_tiler_mn=None,
+        cluster_shape_mn=None, block_scaled=spec,
+    )
+    name, reason = select_blockscaled_backend(contract)
+    return None if name != "torch" else reason

@@ -13,8 +13,14 @@ from typing import Any
 
 import torch
 
+from common.mx_atoms import ATOM_COLS, ATOM_ROWS, grouped_scale_cols, round_up
+
 from ._types import (
     _BLOCK_SCALED_DTYPES,
+    BLOCKSCALED_FORMATS,
+    BLOCKSCALED_TOKEN_ALIGN,
+    SF_DTYPES,
+    BlockScaledSpec,
     _DESCRIPTORS_PER_EXPERT,
     _OUTPUT_MODES,
     _TMA_DESCRIPTOR_BYTES,
@@ -165,7 +171,7 @@ def _validated_once(t: torch.Tensor, key: tuple, check: Callable[[], None]) -> N
 
 
 def _check_offsets_values(
-    offsets: torch.Tensor, tokens_sum: int, group_align: int, arg: str
+    offsets: torch.Tensor, tokens_sum: int, group_align: int, arg: str, why: str = "on this kernel"
 ) -> None:
     """Host read of the offsets: non-decreasing, >= 0, groups multiples of align, last == S.
 
@@ -175,11 +181,13 @@ def _check_offsets_values(
     _validated_once(
         offsets,
         ("offsets", tokens_sum, group_align, arg),
-        lambda: _check_offsets_now(offsets, tokens_sum, group_align, arg),
+        lambda: _check_offsets_now(offsets, tokens_sum, group_align, arg, why),
     )
 
 
-def _check_offsets_now(offsets: torch.Tensor, tokens_sum: int, group_align: int, arg: str) -> None:
+def _check_offsets_now(
+    offsets: torch.Tensor, tokens_sum: int, group_align: int, arg: str, why: str = "on this kernel"
+) -> None:
     values = [int(v) for v in offsets.tolist()]
     prev = 0
     for e, end in enumerate(values):
@@ -191,7 +199,7 @@ def _check_offsets_now(offsets: torch.Tensor, tokens_sum: int, group_align: int,
         if (end - prev) % group_align:
             raise ValueError(
                 f"{arg}: expert {e} holds {end - prev} tokens; every expert token count must be a "
-                f"multiple of {group_align} on this kernel"
+                f"multiple of {group_align} {why}"
             )
         prev = end
     if values and values[-1] != tokens_sum:
@@ -234,10 +242,16 @@ def _check_pointer_values(
 def _check_dtype_pair(a_dtype, b_dtype, a_arg: str, b_arg: str) -> None:
     if a_dtype == torch.bfloat16 and b_dtype == torch.bfloat16:
         return
-    if a_dtype == b_dtype and a_dtype in _BLOCK_SCALED_DTYPES:
-        raise RuntimeError(
-            f"{a_arg}/{b_arg} dtype {a_dtype} selects the block-scaled (FP8/FP4) backend, which "
-            "is not built in this package yet; only the BF16 backend is available"
+    if a_dtype in _BLOCK_SCALED_DTYPES and b_dtype in _BLOCK_SCALED_DTYPES:
+        if a_dtype != b_dtype:
+            raise ValueError(
+                f"{a_arg}/{b_arg}: block-scaled operands need one dtype for A and B (FP8 E4M3, "
+                f"FP8 E5M2 or packed FP4); got {a_arg} {a_dtype} and {b_arg} {b_dtype}"
+            )
+        raise ValueError(
+            f"{a_arg}/{b_arg} dtype {a_dtype} is a block-scaled (FP8/FP4) operand pair; this "
+            "entry takes BF16 operands only (block-scaled calls go through the wrappers, the "
+            "classes or grouped_gemm_wgrad with sfa_tensor and sfb_tensor)"
         )
     bad = a_arg if a_dtype != torch.bfloat16 else b_arg
     raise ValueError(
@@ -267,6 +281,7 @@ class _Call:
     out: torch.Tensor  # dense (E, H, I) tensor or (E,) int64 pointers
     a: torch.Tensor  # A as launched (compact strides in tensor_ragged order)
     b: torch.Tensor
+    scales: tuple | None = None  # block-scaled: (sfa, sfb, global_scale_a, global_scale_b)
 
 
 def _ragged_compact(
@@ -306,8 +321,12 @@ def _validate_operands(
     b: torch.Tensor,
     offsets: torch.Tensor,
     names: tuple[str, str, str],
+    spec: BlockScaledSpec | None = None,
 ) -> tuple[int, int, int, int, str, str]:
     """Ranks, shapes, dtypes, majors and alignment of A, B, offsets (host metadata only).
+
+    ``spec`` (block-scaled operands, dtypes already checked by :func:`_validate_blockscaled`):
+    1-byte elements, and packed FP4 holds two tokens per byte along the token axis.
 
     Returns (hidden, tokens_sum, intermediate, num_experts, a_majors, b_majors); the majors are
     tuples of the layouts the strides express (several only when the layout is moot).
@@ -322,11 +341,14 @@ def _validate_operands(
         raise ValueError(
             f"{b_arg} must be rank-2 (tokens_sum, intermediate), got shape {tuple(b.shape)}"
         )
-    hidden, tokens_sum = a.shape
-    if b.shape[0] != tokens_sum:
+    hidden, k_len = a.shape
+    pack = 2 if spec is not None and spec.packed_fp4 else 1
+    tokens_sum = k_len * pack
+    if b.shape[0] != k_len:
         raise ValueError(
-            f"{a_arg} and {b_arg} token dimensions must match: {a_arg}.shape[1] = {tokens_sum}, "
+            f"{a_arg} and {b_arg} token dimensions must match: {a_arg}.shape[1] = {k_len}, "
             f"{b_arg}.shape[0] = {b.shape[0]}"
+            + (" (packed FP4: tokens_sum / 2 bytes each)" if pack == 2 else "")
         )
     intermediate = b.shape[1]
     if hidden < 1 or intermediate < 1:
@@ -334,7 +356,8 @@ def _validate_operands(
             f"{a_arg}/{b_arg}: hidden and intermediate must be >= 1, got {hidden} and "
             f"{intermediate}"
         )
-    _check_dtype_pair(a.dtype, b.dtype, a_arg, b_arg)
+    if spec is None:
+        _check_dtype_pair(a.dtype, b.dtype, a_arg, b_arg)
     if offsets.dim() != 1:
         raise ValueError(f"{off_arg} must be rank-1 (num_experts,), got {tuple(offsets.shape)}")
     if offsets.dtype != torch.int32:
@@ -350,9 +373,18 @@ def _validate_operands(
         )
     a_majors = _a_majors(a, a_arg)
     b_majors = _b_majors(b, b_arg)
+    if arch != "torch" and spec is not None and spec.packed_fp4:
+        for arg, majors, rule in ((a_arg, a_majors, f"({k_len}, 1)"), (b_arg, b_majors,
+                                                                        f"(1, {k_len})")):
+            if "k" not in majors:
+                raise ValueError(
+                    f"{arg}: packed FP4 operands must be K-major (two tokens per byte along "
+                    f"tokens, the FP4 MMA reads K-major only): strides {rule}"
+                )
+        a_majors, b_majors = ("k",), ("k",)
     a_major, b_major = a_majors[0], b_majors[0]
     if arch != "torch":
-        elem = 2  # BF16 bytes
+        elem = 2 if spec is None else 1  # bytes per stored element (BF16 / FP8 / two FP4)
         need = TMA_ALIGN_BYTES // elem
         if a_major == "m" and hidden % need:
             raise ValueError(
@@ -364,11 +396,11 @@ def _validate_operands(
                 f"{b_arg}: N-major B needs intermediate % {need} == 0 (16-byte TMA strides), got "
                 f"intermediate={intermediate}"
             )
-        if "k" in (a_major, b_major) and tokens_sum % need:
+        if "k" in (a_major, b_major) and k_len % need:
             which = a_arg if a_major == "k" else b_arg
             raise ValueError(
-                f"{which}: a K-major operand needs tokens_sum % {need} == 0 (16-byte TMA strides), "
-                f"got tokens_sum={tokens_sum}"
+                f"{which}: a K-major operand needs tokens_sum % {need * pack} == 0 (16-byte TMA "
+                f"strides), got tokens_sum={tokens_sum}"
             )
         _check_ptr(a, a_arg, TMA_ALIGN_BYTES)
         _check_ptr(b, b_arg, TMA_ALIGN_BYTES)
@@ -524,3 +556,219 @@ def _check_workspace(
             f"(get_grouped_gemm_wgrad_workspace_size_sm100), got {ws.numel()}"
         )
     return ws
+
+
+# ---------------------------------------------------------------------------------------------
+# The block-scaled (FP8 / FP4) contract
+# ---------------------------------------------------------------------------------------------
+
+_ELEM_KIND = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+_FORMAT_TEXT = (
+    "float8_e4m3fn / float8_e5m2 operands + float8_e8m0fnu scales at sf_vec_size=32 (MXFP8), "
+    "packed FP4 (uint8 / float4_e2m1fn_x2) + float8_e8m0fnu at 32 (MXFP4), packed FP4 + "
+    "float8_e4m3fn at 16 with global_scale_a / global_scale_b (NVFP4)"
+)
+_FORMAT_NAMES = {"mxfp8": "MXFP8", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
+
+
+def _is_blockscaled_pair(a, b, a_arg: str = "a_tensor", b_arg: str = "b_tensor") -> bool:
+    """True when A and B are one FP8 / FP4 dtype: the pair that selects the block-scaled backend
+    (seed: only a supported matching FP4/FP8 operand pair selects it).
+
+    Raises:
+        ValueError: A and B are two different FP8 / FP4 dtypes (no backend takes the mix).
+    """
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if a.dtype in _BLOCK_SCALED_DTYPES and b.dtype in _BLOCK_SCALED_DTYPES:
+        if a.dtype != b.dtype:
+            _check_dtype_pair(a.dtype, b.dtype, a_arg, b_arg)
+        return True
+    return False
+
+
+def _check_sf_fp8_dtype_override(value) -> None:
+    if value is not None:
+        raise ValueError(
+            f"sf_fp8_dtype_override must be None, got {value!r}: cuDNN's override of the FP8 "
+            "scale-factor dtype applies to Rubin GPUs only, and this package has no Rubin kernel"
+        )
+
+
+def _blockscaled_spec(
+    arch: str, a, sfa, sfb, sf_vec_size, sf_fp8_dtype_override, acc_dtype, names
+) -> BlockScaledSpec:
+    """The format of a block-scaled call (dtype pair already matched): scale dtypes, vector size,
+    override and accumulator rules."""
+    a_arg, sfa_arg, sfb_arg = names
+    for name, sf in ((sfa_arg, sfa), (sfb_arg, sfb)):
+        if sf is None:
+            raise ValueError(
+                f"{name} is required: {a.dtype} operands select the block-scaled backend, which "
+                "needs the scale factors of A and B (sfa / sfb)"
+            )
+        if not isinstance(sf, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(sf).__name__}")  # noqa: TRY004
+        if sf.dtype not in SF_DTYPES:
+            raise ValueError(
+                f"{name} dtype must be torch.float8_e8m0fnu (MX) or torch.float8_e4m3fn (NVFP4), "
+                f"got {sf.dtype}"
+            )
+    if sfa.dtype != sfb.dtype:
+        raise ValueError(
+            f"{sfa_arg} and {sfb_arg} need one dtype; got {sfa.dtype} and {sfb.dtype}"
+        )
+    if isinstance(sf_vec_size, bool) or not isinstance(sf_vec_size, int):
+        raise ValueError(f"sf_vec_size must be an int (16 or 32), got {sf_vec_size!r}")
+    kind = _ELEM_KIND.get(a.dtype, "e2m1")
+    fmt = BLOCKSCALED_FORMATS.get((kind, sfa.dtype, sf_vec_size))
+    if fmt is None:
+        raise ValueError(
+            f"{a_arg} {a.dtype} with {sfa_arg} {sfa.dtype} at sf_vec_size={sf_vec_size} is not a "
+            f"supported block-scaled format; supported: {_FORMAT_TEXT}"
+        )
+    _check_sf_fp8_dtype_override(sf_fp8_dtype_override)
+    if acc_dtype != torch.float32:
+        raise ValueError(f"acc_dtype must be torch.float32 (FP32 accumulation), got {acc_dtype}")
+    return BlockScaledSpec(
+        fmt=fmt,
+        ab_dtype=str(a.dtype).removeprefix("torch."),
+        sf_dtype=SF_DTYPES[sfa.dtype],
+        sf_vec_size=sf_vec_size,
+        token_align=BLOCKSCALED_TOKEN_ALIGN[arch][fmt],
+        sf_fp8_dtype_override=sf_fp8_dtype_override,
+    )
+
+
+def _check_sf_tensor(arch: str, sf: torch.Tensor, rows: int, tokens_sum: int, sf_vec: int,
+                     arg: str, rows_name: str) -> None:
+    """Shape, layout and alignment of one scale tensor (host metadata only): cuDNN's
+    ``[round_up(rows, 128), cols]`` 128x4-atom layout, ``cols`` a multiple of 4 and at least
+    ``round_up(ceil(tokens_sum / sf_vec), 4)`` (what every split needs; the per-split need is
+    checked with the offsets values)."""
+    rp = round_up(rows, ATOM_ROWS)
+    min_cols = round_up(-(-tokens_sum // sf_vec), ATOM_COLS)
+    if sf.dim() != 2 or sf.shape[0] != rp:
+        raise ValueError(
+            f"{arg} must be rank-2 [round_up({rows_name}, 128), cols] = [{rp}, cols] (128x4 "
+            f"scale atoms, cuDNN's layout), got shape {tuple(sf.shape)}"
+        )
+    if sf.shape[1] % ATOM_COLS or sf.shape[1] < min_cols:
+        raise ValueError(
+            f"{arg} needs a multiple of 4 columns, at least round_up(ceil(tokens_sum / "
+            f"sf_vec_size), 4) = {min_cols} (tokens_sum={tokens_sum}, sf_vec_size={sf_vec}); "
+            f"got {sf.shape[1]}"
+        )
+    if not sf.is_contiguous():
+        raise ValueError(
+            f"{arg} must be contiguous (the atom layout is a byte order), got strides "
+            f"{tuple(sf.stride())}"
+        )
+    if arch != "torch":
+        _check_ptr(sf, arg, TMA_ALIGN_BYTES)
+
+
+def _check_global_scale(g, num_experts: int, arg: str) -> None:
+    if not isinstance(g, torch.Tensor):
+        raise ValueError(
+            f"{arg} is required for NVFP4: a torch.float32 tensor of shape (num_experts,) = "
+            f"({num_experts},) (per-expert global scale), got {type(g).__name__}"
+        )
+    if g.dtype != torch.float32 or tuple(g.shape) != (num_experts,) or g.stride(0) != 1:
+        raise ValueError(
+            f"{arg} must be a contiguous torch.float32 tensor of shape ({num_experts},) "
+            f"(per-expert global scale), got {g.dtype} {tuple(g.shape)} strides {tuple(g.stride())}"
+        )
+
+
+@dataclass(frozen=True)
+class _BlockScaledOperands:
+    """Host metadata of a validated block-scaled call."""
+
+    hidden: int
+    tokens_sum: int
+    intermediate: int
+    num_experts: int
+    a_majors: tuple[str, ...]
+    b_majors: tuple[str, ...]
+    spec: BlockScaledSpec
+
+
+def _validate_blockscaled(
+    arch: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sfa,
+    sfb,
+    offsets: torch.Tensor,
+    global_scale_a,
+    global_scale_b,
+    *,
+    sf_vec_size,
+    sf_fp8_dtype_override,
+    acc_dtype,
+    names: tuple[str, ...] = (
+        "a_tensor", "b_tensor", "sfa_tensor", "sfb_tensor", "offsets_tensor", "global_scale_a",
+        "global_scale_b",
+    ),
+) -> _BlockScaledOperands:
+    """Every host-metadata rule of a block-scaled call (A / B one FP8 or FP4 dtype): format,
+    scales, global scales, shapes, majors, alignment. No device read; see
+    :func:`_check_blockscaled_values` for the offsets values."""
+    a_arg, b_arg, sfa_arg, sfb_arg, off_arg, gsa_arg, gsb_arg = names
+    spec = _blockscaled_spec(
+        arch, a, sfa, sfb, sf_vec_size, sf_fp8_dtype_override, acc_dtype, (a_arg, sfa_arg, sfb_arg)
+    )
+    hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
+        arch, a, b, offsets, (a_arg, b_arg, off_arg), spec
+    )
+    _check_sf_tensor(arch, sfa, hidden, tokens_sum, spec.sf_vec_size, sfa_arg, "hidden")
+    _check_sf_tensor(arch, sfb, inter, tokens_sum, spec.sf_vec_size, sfb_arg, "intermediate")
+    if spec.fmt == "nvfp4":
+        _check_global_scale(global_scale_a, num_experts, gsa_arg)
+        _check_global_scale(global_scale_b, num_experts, gsb_arg)
+    else:
+        for arg, g in ((gsa_arg, global_scale_a), (gsb_arg, global_scale_b)):
+            if g is not None:
+                raise ValueError(
+                    f"{arg} must be None for {_FORMAT_NAMES[spec.fmt]}: per-expert global scales "
+                    "belong to NVFP4 (FP4 with float8_e4m3fn scales at sf_vec_size=16)"
+                )
+    return _BlockScaledOperands(
+        hidden, tokens_sum, inter, num_experts, tuple(a_majors), tuple(b_majors), spec
+    )
+
+
+def _check_blockscaled_values(
+    arch: str, spec: BlockScaledSpec, offsets: torch.Tensor, tokens_sum: int, sfa, sfb,
+    off_arg: str = "offsets_tensor", sf_args: tuple[str, str] = ("sfa_tensor", "sfb_tensor"),
+) -> None:
+    """Host read of the offsets of a block-scaled call (once per tensor version): the offsets
+    rule with the format's per-expert token multiple, and enough scale columns for the split
+    (each expert's scales start at its own atom column: ``common.mx_atoms``)."""
+    align = spec.token_align
+    if align > 1:
+        fmt = _FORMAT_NAMES[spec.fmt]
+        why = (
+            f"for {fmt} on SM100 (cuDNN's rule: whole 128x4 scale atoms per expert; "
+            "grouped_gemm_wgrad accepts any MXFP8 count)" if arch == "sm100"
+            else f"for {fmt} (packed FP4: two tokens per byte)"
+        )
+    else:
+        why = ""
+    _check_offsets_values(offsets, tokens_sum, align, off_arg, why)
+
+    def check() -> None:
+        need = grouped_scale_cols(offsets.tolist(), spec.sf_vec_size)[2]
+        for arg, sf in zip(sf_args, (sfa, sfb)):
+            if sf.shape[1] < need:
+                raise ValueError(
+                    f"{arg} has {sf.shape[1]} scale columns; this split of the experts' tokens "
+                    f"needs {need} (each expert's round_up(ceil(tokens / sf_vec_size), 4) "
+                    "columns; common.mx_atoms.grouped_scale_cols_bound sizes a buffer for any "
+                    "split)"
+                )
+
+    _validated_once(
+        offsets, ("sf_cols", spec.sf_vec_size, sfa.shape[1], sfb.shape[1], off_arg), check
+    )

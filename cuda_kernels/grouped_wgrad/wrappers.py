@@ -28,6 +28,7 @@ from .classes import (
     _torch_stream,
 )
 from .validate import (
+    _check_blockscaled_values,
     _check_dense_out,
     _check_input_order,
     _check_offsets_values,
@@ -38,7 +39,9 @@ from .validate import (
     _check_tiling,
     _check_wgrad_dtype,
     _check_workspace,
+    _is_blockscaled_pair,
     _ragged_compact,
+    _validate_blockscaled,
     _validate_operands,
     clear_validated,
 )
@@ -85,26 +88,40 @@ def _wrapper(
     # 1. Every rule of the call, environment-free (CPU-testable), before any output is written.
     if output_mode not in _OUTPUT_MODES:
         raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
-    _check_scale_controls(
-        {
-            "sfa_tensor": sfa_tensor,
-            "sfb_tensor": sfb_tensor,
-            "global_scale_a": global_scale_a,
-            "global_scale_b": global_scale_b,
-            "sf_fp8_dtype_override": sf_fp8_dtype_override,
-        },
-        sf_vec_size,
-        acc_dtype,
-    )
+    block_scaled = _is_blockscaled_pair(a_tensor, b_tensor)
+    if not block_scaled:
+        _check_scale_controls(
+            {
+                "sfa_tensor": sfa_tensor,
+                "sfb_tensor": sfb_tensor,
+                "global_scale_a": global_scale_a,
+                "global_scale_b": global_scale_b,
+                "sf_fp8_dtype_override": sf_fp8_dtype_override,
+            },
+            sf_vec_size,
+            acc_dtype,
+        )
     input_order = _check_input_order(input_order)
     tiler, cluster = _check_tiling(
         arch, cls._DEFAULT_TILER if mma_tiler_mn is None else mma_tiler_mn, cluster_shape_mn
     )
     if input_order == "tensor_ragged":
         a_tensor, b_tensor = _ragged_compact(a_tensor, b_tensor)
-    hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
-        arch, a_tensor, b_tensor, offsets_tensor, ("a_tensor", "b_tensor", "offsets_tensor")
-    )
+    spec = None
+    if block_scaled:
+        ops = _validate_blockscaled(
+            arch, a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor, global_scale_a,
+            global_scale_b, sf_vec_size=sf_vec_size,
+            sf_fp8_dtype_override=sf_fp8_dtype_override, acc_dtype=acc_dtype,
+        )
+        hidden, tokens_sum, inter = ops.hidden, ops.tokens_sum, ops.intermediate
+        num_experts, a_majors, b_majors, spec = (
+            ops.num_experts, ops.a_majors, ops.b_majors, ops.spec
+        )
+    else:
+        hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
+            arch, a_tensor, b_tensor, offsets_tensor, ("a_tensor", "b_tensor", "offsets_tensor")
+        )
     out_name = _check_wgrad_dtype(wgrad_dtype)
     if output_mode == "dense" and wgrad_ptrs is not None:
         raise ValueError("wgrad_ptrs must be None in dense output mode (dense output forbids it)")
@@ -128,10 +145,19 @@ def _wrapper(
             "wgrad_tensor": wgrad_tensor,
             "wgrad_ptrs": wgrad_ptrs,
             "descriptor_workspace": descriptor_workspace,
+            "sfa_tensor": sfa_tensor if block_scaled else None,
+            "sfb_tensor": sfb_tensor if block_scaled else None,
+            "global_scale_a": global_scale_a if block_scaled else None,
+            "global_scale_b": global_scale_b if block_scaled else None,
         }
     )
     if validate_offsets and not _env.capturing(device):
-        _check_offsets_values(offsets_tensor, tokens_sum, cls._GROUP_ALIGN, "offsets_tensor")
+        if spec is not None:
+            _check_blockscaled_values(
+                arch, spec, offsets_tensor, tokens_sum, sfa_tensor, sfb_tensor
+            )
+        else:
+            _check_offsets_values(offsets_tensor, tokens_sum, cls._GROUP_ALIGN, "offsets_tensor")
         if wgrad_ptrs is not None:
             _check_pointer_values(wgrad_ptrs, "wgrad_ptrs", wgrad_tensor)
 
@@ -151,6 +177,7 @@ def _wrapper(
             input_order=input_order,
             mma_tiler_mn=tiler,
             cluster_shape_mn=cluster,
+            block_scaled=spec,
         )
         for am in a_majors
         for bm in b_majors
@@ -160,7 +187,8 @@ def _wrapper(
             (_OP_CACHE[(c, str(device))] for c in contracts if (c, str(device)) in _OP_CACHE), None
         )
     if op is None:
-        launch._check_contract_fits(contracts[0])
+        if spec is None:  # the BF16 families' tile fit; block-scaled: the hook's concern
+            launch._check_contract_fits(contracts[0])
         op = cls._from_contract(contracts[0], device)
         op.compile()
         with _CACHE_LOCK:
@@ -191,6 +219,8 @@ def _wrapper(
         out,
         current_stream,
         pointers=out if output_mode == "discrete" else None,
+        scales=(sfa_tensor, sfb_tensor, global_scale_a, global_scale_b) if block_scaled else None,
+        workspace=descriptor_workspace,
     )
     if _ops_out is not None:
         _ops_out.append(op)
@@ -211,6 +241,22 @@ def _wrapper_doc(name: str, cls_name: str, extra: str) -> str:
         sfa_tensor, sfb_tensor, global_scale_a, global_scale_b, sf_fp8_dtype_override: must be
             None (BF16). The positional order is cuDNN's (``sf_fp8_dtype_override`` between
             ``sf_vec_size`` and ``accumulate_on_output``; keywords after ``current_stream``).
+
+    Block-scaled (the seed's legacy surface, selected only by a matching FP8 / FP4 A/B pair):
+        a_tensor / b_tensor: float8_e4m3fn or float8_e5m2 [H, S] / [S, I] (majors as BF16), or
+            packed FP4 (uint8 / float4_e2m1fn_x2, two tokens per byte, even token in the low
+            nibble) [H, S/2] / [S/2, I], K-major.
+        sfa_tensor / sfb_tensor: [round_up(H,128), cols] / [round_up(I,128), cols] contiguous,
+            cuDNN's 128x4-atom layout (per expert round_up(ceil(k_e / sf_vec_size), 4) columns,
+            concatenated; cols = round_up(ceil(S / sf_vec_size), 4) for aligned counts):
+            float8_e8m0fnu with sf_vec_size=32 (MXFP8, MXFP4) or float8_e4m3fn with
+            sf_vec_size=16 (NVFP4; then global_scale_a / global_scale_b [E] float32 are
+            required, the epilogue multiplies by global_scale_a[e] * global_scale_b[e]).
+        sf_fp8_dtype_override: None only (cuDNN's Rubin-only override); part of the cache key.
+        descriptor_workspace: as below; a native kernel gets it for its per-expert descriptors.
+        Execution: the native kernel of ``dispatch._blockscaled_kernel`` when one is built,
+        else the torch twin ``blockscaled_ref.grouped_wgrad_blockscaled_torch`` on the tensors'
+        device (today: always; it reads offsets on the host, so it is not graph-capturable).
         offsets_tensor: [E] torch.int32 contiguous cumulative ends; {extra}
         output_mode: "dense" (wgrad_tensor [E, H, I], allocated when omitted; wgrad_ptrs
             forbidden) or "discrete": wgrad_ptrs [E] int64 caller-owned addresses (then
@@ -234,8 +280,7 @@ def _wrapper_doc(name: str, cls_name: str, extra: str) -> str:
 
     Raises:
         ValueError: any contract rule (argument named in the message), before any output write.
-        RuntimeError: no CUDA, unsupported device, kernel or CuTe DSL missing, FP8/FP4 operands
-            (block-scaled backend not built).
+        RuntimeError: no CUDA, unsupported device, kernel or CuTe DSL missing.
     """
 
 
@@ -354,14 +399,14 @@ def grouped_gemm_wgrad_wrapper_sm90(
 grouped_gemm_wgrad_wrapper_sm100.__doc__ = _wrapper_doc(
     "grouped_gemm_wgrad_wrapper_sm100",
     "GroupedGemmWgradSm100",
-    "every expert token count a multiple of 256, non-decreasing, last == tokens_sum. Refuses "
-    "devices below SM100.",
+    "every expert token count a multiple of 256 (BF16), 128 (MXFP8 / MXFP4) or 64 (NVFP4), "
+    "non-decreasing, last == tokens_sum. Refuses devices below SM100.",
 )
 grouped_gemm_wgrad_wrapper_sm90.__doc__ = _wrapper_doc(
     "grouped_gemm_wgrad_wrapper_sm90",
     "GroupedGemmWgradSm90",
-    "any expert token count >= 0, non-decreasing, last == tokens_sum. Refuses devices that are "
-    "not SM 9.x.",
+    "any expert token count >= 0 (even for FP4), non-decreasing, last == tokens_sum. Refuses "
+    "devices that are not SM 9.x.",
 )
 
 

@@ -482,3 +482,29 @@ def test_gpu_sm90_class_on_hopper():
     stream.synchronize()
     assert op.backend == "torch"
     assert torch.equal(out, _twin(c))
+
+
+def test_hook_routes_sm90_mxfp8_only_when_enabled(monkeypatch):
+    """dispatch's hook picks the SM90 MXFP8 kernel for MXFP8, K-major, tensor2d contracts on SM90
+    once the kernel is enabled (verified, or the opt-in variable); never for FP4 or SM100."""
+    from cuda_kernels.grouped_wgrad import sm90_mxfp8
+    from cuda_kernels.grouped_wgrad._types import WgradContract
+
+    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
+    mx = BlockScaledSpec("mxfp8", "float8_e4m3fn", "float8_e8m0fnu", 32, 1)
+    nv = BlockScaledSpec("nvfp4", "uint8", "float8_e4m3fn", 16, 2)
+
+    def contract(arch="sm90", spec=mx, a="k", b="k", order="tensor2d"):
+        return WgradContract(arch, 256, 256, 4, a, b, "float32", "dense", False, order, None,
+                             None, block_scaled=spec)
+
+    monkeypatch.setattr(sm90_mxfp8, "VERIFIED_ON_GPU", False)
+    monkeypatch.delenv(sm90_mxfp8.ENABLE_ENV, raising=False)
+    assert dispatch._blockscaled_kernel(contract()) is None
+    assert dispatch.select_blockscaled_backend(contract())[0] == "torch"
+    monkeypatch.setenv(sm90_mxfp8.ENABLE_ENV, "1")
+    assert callable(dispatch._blockscaled_kernel(contract()))
+    assert dispatch.select_blockscaled_backend(contract()) == ("sm90", "")
+    for other in (contract(spec=nv), contract(arch="sm100"), contract(a="m"),
+                  contract(order="tensor_ragged")):
+        assert dispatch._blockscaled_kernel(other) is None

@@ -44,6 +44,7 @@ hooks take the scale operands), :func:`compile_sm90_mxfp8_wgrad`,
 import contextlib
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -834,6 +835,18 @@ def compile_sm90_mxfp8_wgrad_offline(key: Sm90MxWgradKey, arch: str = "sm_90a") 
 # --------------------------------------------------------------------------------------------
 # The python entry
 # --------------------------------------------------------------------------------------------
+
+
+#: True once the GPU tests (tests/test_grouped_wgrad_sm90_mxfp8.py, the block-scaled API's GPU
+#: tests through dispatch's hook) have passed on an H200 with this source.
+VERIFIED_ON_GPU = False
+ENABLE_ENV = "MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8"
+
+
+def enabled() -> bool:
+    """Whether the block-scaled API may route MXFP8 calls to this kernel (dispatch's hook):
+    verified on a GPU, or opted in with ``MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1``."""
+    return VERIFIED_ON_GPU or os.environ.get(ENABLE_ENV) == "1"
 
 
 def _err(msg: str) -> ValueError:

@@ -61,7 +61,7 @@ class KernelFamily:
         gate: ``() -> reason | None``: why the kernel must not run (checked first at every
             launch; ``RuntimeError(reason)``, nothing launched nor written).
         prepare: ``(key, a, b, out, stream) -> (a, b) | None``: operands to launch, or None when
-            the call is complete without a launch.
+            the call is complete without a launch; called with the launch stream current.
         as_key: converts what ``launcher`` / ``offline_ptx`` accept into the key.
     """
 
@@ -183,33 +183,58 @@ class KernelFamily:
         return ptx
 
     def _launch(self, key: Any, fn: Any, a, b, offsets, out, stream=None) -> None:
+        """One launch, every step of it on the launch stream (``stream``, else the current one).
+
+        The compiled kernel takes its stream from the TVM-FFI environment stream, i.e. torch's
+        current stream, so the launch enters ``stream`` (:func:`_on_stream`) BEFORE anything is
+        enqueued or allocated: the family's ``prepare`` hook (zero stand-ins, zero fills), the
+        ``tensor_ragged`` repack, the tile counter and the kernel then run in stream order, and
+        the temporaries (repacked operands, counter, stand-ins) are allocated on the stream that
+        reads them, so the caching allocator reuses their blocks only after that stream's later
+        work (what ``record_stream`` would arrange for a tensor allocated elsewhere). Inputs are
+        read on the launch stream, as the kernel itself reads them: the caller orders their
+        producers before it (the contract of ``current_stream`` in cuDNN's API).
+        """
         if self.gate is not None:
             reason = self.gate()
             if reason is not None:
                 raise RuntimeError(reason)
-        import torch
-
-        if self.prepare is not None:
-            operands = self.prepare(key, a, b, out, stream)
-            if operands is None:
-                return
-            a, b = operands
-        if key.input_order == "tensor_ragged":
-            if key.a_major == "k":
-                a = ragged_to_2d(a, offsets, a.shape[0])
-            if key.b_major == "k":
-                b = ragged_to_2d(b.t(), offsets, b.shape[1]).t()
-        # persistent: one CTA (cluster) per SM (pair), no more than there are tiles
-        cluster_ctas = key.tile.cluster_shape_mn[0] * key.tile.cluster_shape_mn[1]
-        max_units = max(1, _num_sms(a.device.index or 0) // cluster_ctas)
-        grid = max(1, min(key.num_tiles, max_units))
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
+        with _on_stream(stream):
+            if self.prepare is not None:
+                operands = self.prepare(key, a, b, out, stream)
+                if operands is None:
+                    return
+                a, b = operands
+            if key.input_order == "tensor_ragged":
+                if key.a_major == "k":
+                    a = ragged_to_2d(a, offsets, a.shape[0])
+                if key.b_major == "k":
+                    b = ragged_to_2d(b.t(), offsets, b.shape[1]).t()
+            # persistent: one CTA (cluster) per SM (pair), no more than there are tiles
+            cluster_ctas = key.tile.cluster_shape_mn[0] * key.tile.cluster_shape_mn[1]
+            max_units = max(1, _num_sms(a.device.index or 0) // cluster_ctas)
+            grid = max(1, min(key.num_tiles, max_units))
             if self.tile_counter:
-                counter = torch.zeros(1, dtype=torch.int32, device=a.device)
-                fn(a, b.t(), offsets, out, counter, grid)
+                fn(a, b.t(), offsets, out, _zeroed_counter(a.device), grid)
             else:
                 fn(a, b.t(), offsets, out, grid)
+
+
+def _on_stream(stream):
+    """Context in which ``stream`` (a ``torch.cuda.Stream``) is torch's current stream (and its
+    device the current device); a no-op for None (the current stream is the launch stream)."""
+    import torch
+
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _zeroed_counter(device):
+    """A zeroed int32 ``[1]`` tile counter of a dynamic scheduler, allocated and zeroed on the
+    current (= launch) stream: each launch gets its own, so concurrent launches on different
+    streams never share one, and no reset kernel is needed after a launch."""
+    import torch
+
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def contract_key_fields(contract: Any) -> dict[str, Any]:

@@ -58,7 +58,6 @@ target are its hooks), which compiles, caches and launches. CuTe DSL is imported
 compile functions.
 """
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -887,7 +886,8 @@ def _zero_tokens(x, k_major: bool, transpose: bool):
 
 
 def _no_tokens(key: Sm100WgradKey, a, b, out, stream):
-    """The launch hook of ``tokens_sum = 0`` (every expert empty; TMA has no 0-sized boxes):
+    """The launch hook of ``tokens_sum = 0`` (every expert empty; TMA has no 0-sized boxes; called
+    with the launch ``stream`` already current, so its fills and stand-ins are ordered with it):
     nothing to do when accumulating, dense zeros written on the host side, and for discrete
     outputs 256 zero tokens (never read: every expert's range is empty) so that the kernel's TMA
     descriptors are valid while it writes the zeros through the pointers."""
@@ -896,11 +896,7 @@ def _no_tokens(key: Sm100WgradKey, a, b, out, stream):
     if key.accumulate:
         return None
     if key.output_mode == "dense":
-        import torch
-
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            out.zero_()
+        out.zero_()  # on the launch stream: the launcher runs its hooks inside that stream
         return None
     a = _zero_tokens(a, key.a_major == "k", transpose=False)
     b = _zero_tokens(b, key.b_major == "k", transpose=True)

@@ -606,3 +606,38 @@ def test_gpu_matches_reference(mn, tile_mn, a_major, b_major, out_dtype, accumul
         ref += 1.0
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err < {"bfloat16": 1e-2, "float16": 3e-3, "float32": 1e-5}[out_dtype], err
+
+
+# ------------------------------------------------------------------------------------------------
+# Docs: nothing says the SM100 kernel is missing (it is built, compiled offline, gated)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_no_docstring_says_the_sm100_kernel_is_not_built():
+    """Docstrings of the package (module, class, function) and the user docs must not say the SM100
+    kernel "is not built yet"; messages for a module that cannot be imported are code, not docs."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    stale = re.compile(r"not (yet )?(built|implemented|written)( yet)?", re.IGNORECASE)
+    found = []
+    for path in sorted((root / "cuda_kernels").rglob("*.py")) + sorted(
+        (root / "common").rglob("*.py")
+    ):
+        tree = ast.parse(path.read_text())
+        nodes = [tree, *ast.walk(tree)]
+        for node in nodes:
+            if not isinstance(
+                node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+            ):
+                continue
+            doc = ast.get_docstring(node) or ""
+            for para in doc.split("\n\n"):
+                if re.search(r"sm100|blackwell", para, re.IGNORECASE) and stale.search(para):
+                    found.append(f"{path.relative_to(root)}:{getattr(node, 'lineno', 1)}")
+    for doc in ("README.md", "docs/CONTRACTS.md"):
+        for i, line in enumerate((root / doc).read_text().splitlines(), 1):
+            if re.search(r"sm100|blackwell", line, re.IGNORECASE) and stale.search(line):
+                found.append(f"{doc}:{i}")
+    assert found == [], f"stale 'not built' docs about the SM100 kernel: {found}"

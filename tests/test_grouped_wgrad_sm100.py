@@ -641,3 +641,42 @@ def test_no_docstring_says_the_sm100_kernel_is_not_built():
             if re.search(r"sm100|blackwell", line, re.IGNORECASE) and stale.search(line):
                 found.append(f"{doc}:{i}")
     assert found == [], f"stale 'not built' docs about the SM100 kernel: {found}"
+
+
+# ------------------------------------------------------------------------------------------------
+# configs/cuda/sm100_tiles.yaml: every row is a tile the kernel compiles, chosen per shape
+# ------------------------------------------------------------------------------------------------
+
+#: One shape per rule of sm100_tiles.yaml (hidden, intermediate, experts) -> the rule's name.
+_YAML_SHAPES = {
+    "wide-2cta": (4096, 1536, 8),
+    "medium-2cta": (2048, 1152, 128),
+    "medium-1cta": (2944, 1408, 64),
+    "narrow-1cta": (384, 96, 4),
+    "fallback-1cta": (2880, 2880, 32),
+}
+
+
+def test_every_yaml_rule_is_chosen_for_its_shape_and_carried_by_the_key():
+    rules = {name: config for name, _cond, config in sm100.load_sm100_tile_rules()}
+    assert set(rules) == set(_YAML_SHAPES)
+    tiles = set()
+    for name, (m, n, e) in _YAML_SHAPES.items():
+        contract = _contract(hidden=m, intermediate=n, num_experts=e, mma_tiler_mn=None)
+        key = sm100.sm100_key_from_contract(contract)  # the launch layer's key of the contract
+        assert key.tile == rules[name], name  # the rule's tile, in the compile-cache key
+        assert launch._contract_key(contract) == key
+        tiles.add(key.tile)
+    assert tiles == set(rules.values())  # a compiled kernel per distinct tile of the file
+
+
+@needs_cute
+@pytest.mark.parametrize("name", list(_YAML_SHAPES))
+def test_every_yaml_rule_compiles_for_sm100a(name):
+    m, n, e = _YAML_SHAPES[name]
+    key = sm100.sm100_key_from_contract(
+        _contract(hidden=m, intermediate=n, num_experts=e, mma_tiler_mn=None, out_dtype="bfloat16")
+    )
+    ptx = sm100.compile_sm100_wgrad_offline(key, arch="sm_100a")
+    group = "cta_group::2" if key.tile.use_2cta else "cta_group::1"
+    assert _ops(ptx, "tcgen05.mma") == {f"tcgen05.mma.{group}.kind::f16.collector::a::discard"}

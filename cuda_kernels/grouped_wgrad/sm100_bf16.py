@@ -243,7 +243,12 @@ def select_sm100_tile_config(
 
 def sm100_key_from_contract(contract: Any) -> Sm100WgradKey:
     """The :class:`Sm100WgradKey` of an ``api.WgradContract`` (tile from its ``mma_tiler_mn``,
-    else from ``configs/cuda/sm100_tiles.yaml``).
+    else from ``configs/cuda/sm100_tiles.yaml`` per shape through ``tiles.match_rule``); the
+    tile is part of the key, so each rule's tile is its own compiled kernel.
+
+    Note: the API layer (``classes.GroupedGemmWgradSm100._DEFAULT_TILER``, ``validate._check_tiling``,
+    ``wrappers.grouped_wgrad_into``, ``dispatch``) still fills a missing SM100 tile with cuDNN's
+    (256, 256); only a contract with ``mma_tiler_mn=None`` reaches the YAML rules.
 
     Raises:
         ValueError: the contract is outside what :class:`Sm100WgradKey` accepts (tiles that do

@@ -67,6 +67,7 @@ def rec(monkeypatch):
     rec = _StreamRecorder()
     monkeypatch.setattr(launch, "_on_stream", rec.on_stream)
     monkeypatch.setattr(launch, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(launch, "_max_active_clusters", lambda index, cluster: None)
     real_repack, real_counter = launch.ragged_to_2d, launch._zeroed_counter
 
     def repack(*args):
@@ -187,6 +188,78 @@ def test_on_stream_is_torch_stream_context():
     ctx = launch._on_stream(marker)
     assert isinstance(ctx, torch.cuda.StreamContext) and ctx.stream is marker
     assert isinstance(launch._on_stream(None), contextlib.nullcontext)
+
+
+# ------------------------------------------------------------------------------------------------
+# Persistent grid: as many clusters as can be resident
+# ------------------------------------------------------------------------------------------------
+
+
+def test_resident_clusters(monkeypatch):
+    monkeypatch.setattr(launch, "_num_sms", lambda index: 148)
+    asked = []
+
+    def driver(index, cluster):
+        asked.append((index, cluster))
+        return 70  # e.g. GPCs with an odd SM count: fewer than 148 // 2 pairs
+
+    monkeypatch.setattr(launch, "_max_active_clusters", driver)
+    assert launch.resident_clusters(0, 1) == 148  # 1-CTA "clusters": SMs x CTAs per SM
+    assert launch.resident_clusters(0, 1, 2) == 296
+    assert asked == []  # no driver query without a real cluster
+    assert launch.resident_clusters(1, 2) == 70  # the driver's cluster occupancy
+    assert asked == [(1, 2)]
+    assert launch.resident_clusters(0, 2, 3) == 148 * 3 // 2  # several CTAs per SM: the bound
+    monkeypatch.setattr(launch, "_max_active_clusters", lambda index, cluster: None)
+    assert launch.resident_clusters(0, 2) == 74  # no driver answer: the GPC-blind bound
+    assert launch.resident_clusters(0, 4) == 37
+
+
+def test_max_active_clusters_is_not_asked_during_capture(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(launch, "_OCCUPANCY", {})
+    assert launch._max_active_clusters(0, 2) is None
+    assert launch._OCCUPANCY == {}  # nothing cached from a capture
+
+
+def test_max_active_clusters_caches_and_survives_driver_errors(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(launch, "_OCCUPANCY", {(0, 2): 66})
+    assert launch._max_active_clusters(0, 2) == 66
+    if not torch.cuda.is_available():  # the real query fails without a GPU: no answer, no cache
+        assert launch._max_active_clusters(0, 4) is None
+        assert (0, 4) not in launch._OCCUPANCY
+
+
+def test_sm100_grid_is_the_resident_cluster_count(monkeypatch):
+    monkeypatch.setattr(launch, "_num_sms", lambda index: 148)
+    monkeypatch.setattr(launch, "_max_active_clusters", lambda index, cluster: 70)
+    many = sm100.Sm100WgradKey(4096, 4096, 8, tile=sm100.Sm100TileConfig(256, 256, 64, 6))
+    assert many.num_tiles == 8 * 16 * 16
+    assert sm100.FAMILY.grid_size(many, torch.device("cpu")) == 70
+    one_cta = sm100.Sm100WgradKey(4096, 4096, 8, tile=sm100.Sm100TileConfig(128, 128, 64, 6))
+    assert sm100.FAMILY.grid_size(one_cta, torch.device("cpu")) == 148
+    few = sm100.Sm100WgradKey(256, 256, 2, tile=sm100.Sm100TileConfig(256, 256, 64, 6))
+    assert sm100.FAMILY.grid_size(few, torch.device("cpu")) == 2  # never more than the tiles
+    # SM90 (cluster (1, 1), one CTA per SM): unchanged, one CTA per SM
+    sm90_key = sm90.Sm90WgradKey(4096, 4096, 8, tile=sm90.Sm90TileConfig(128, 128, 64, 6))
+    assert sm90.FAMILY.grid_size(sm90_key, torch.device("cpu")) == 148
+
+
+def test_sm100_ctas_per_sm_is_one_for_every_accepted_tile():
+    rules = sm100.SM100_TILES
+    configs = [config for _n, _c, config in sm100.load_sm100_tile_rules()]
+    for tile_m in rules.tile_m:
+        for tile_n in rules.tile_n:
+            for tile_k in rules.tile_k:
+                stages = rules.stages_for(tile_m, tile_n, tile_k)
+                configs.append(sm100.Sm100TileConfig(tile_m, tile_n, tile_k, stages))
+    for config in configs:
+        key = sm100.Sm100WgradKey(1024, 1024, 128, tile=config)
+        assert sm100.ctas_per_sm(key) == 1, config
+    # the formula is live: a 2-stage 128 x 32 ring (40 KiB) would leave room for 5 CTAs
+    tiny = sm100.Sm100WgradKey(1024, 1024, 8, tile=sm100.Sm100TileConfig(128, 32, 64, 2))
+    assert sm100.ctas_per_sm(tiny) == 228 * 1024 // (2 * 20480 + 1024 + 64 + 1024)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -391,6 +391,7 @@ def fake_compile(monkeypatch):
         sm100.FAMILY, "_compile", lambda key, arch, dump_dir=None: fake.keys.append(key) or fake
     )
     monkeypatch.setattr(launch, "_num_sms", lambda index: 148)
+    monkeypatch.setattr(launch, "_max_active_clusters", lambda index, cluster: None)
     yield fake
     sm100.FAMILY.cache_clear()
 

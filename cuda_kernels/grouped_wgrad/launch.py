@@ -7,7 +7,7 @@ for a dynamic scheduler, a launch gate, a no-token path, the arch of its runtime
 layer owns the rest, once: the per-key compile cache and its count, the fake operands of a
 compile (a symbolic ``tokens_sum``: new splits never recompile), the architecture pin of an
 offline / cross compile, the offline PTX compile, and the launcher (``tensor_ragged`` repack,
-persistent grid size, launch stream).
+persistent grid size from occupancy, launch stream).
 
 The API side sits on top: :func:`_compile_kernel` maps a static contract (``WgradContract``) to
 its family's key (:func:`_contract_key`) and caches the launcher per contract.
@@ -63,6 +63,9 @@ class KernelFamily:
         prepare: ``(key, a, b, out, stream) -> (a, b) | None``: operands to launch, or None when
             the call is complete without a launch; called with the launch stream current.
         as_key: converts what ``launcher`` / ``offline_ptx`` accept into the key.
+        ctas_per_sm: ``key -> int``: CTAs of the kernel that fit one SM at once (its shared
+            memory / TMEM footprint); the persistent grid is :func:`resident_clusters` of it.
+            Default 1 (both families size their pipelines to fill an SM's shared memory).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class KernelFamily:
         gate: Callable[[], str | None] | None = None,
         prepare: Callable[..., tuple | None] | None = None,
         as_key: Callable[[Any], Any] = lambda key: key,
+        ctas_per_sm: Callable[[Any], int] = lambda key: 1,
     ) -> None:
         self.name = name
         self.kernel = kernel
@@ -85,6 +89,7 @@ class KernelFamily:
         self.gate = gate
         self.prepare = prepare
         self.as_key = as_key
+        self.ctas_per_sm = ctas_per_sm
         #: Real (uncached) compiles in this process.
         self.compile_count = 0
         self._compiled: dict[Any, Any] = {}
@@ -210,14 +215,71 @@ class KernelFamily:
                     a = ragged_to_2d(a, offsets, a.shape[0])
                 if key.b_major == "k":
                     b = ragged_to_2d(b.t(), offsets, b.shape[1]).t()
-            # persistent: one CTA (cluster) per SM (pair), no more than there are tiles
-            cluster_ctas = key.tile.cluster_shape_mn[0] * key.tile.cluster_shape_mn[1]
-            max_units = max(1, _num_sms(a.device.index or 0) // cluster_ctas)
-            grid = max(1, min(key.num_tiles, max_units))
+            grid = self.grid_size(key, a.device)
             if self.tile_counter:
                 fn(a, b.t(), offsets, out, _zeroed_counter(a.device), grid)
             else:
                 fn(a, b.t(), offsets, out, grid)
+
+
+    def grid_size(self, key: Any, device) -> int:
+        """The persistent grid, in clusters: as many as can be resident at once
+        (:func:`resident_clusters` of the SM count, the key's cluster and ``ctas_per_sm``), and
+        no more than there are tiles."""
+        cluster_ctas = key.tile.cluster_shape_mn[0] * key.tile.cluster_shape_mn[1]
+        units = resident_clusters(device.index or 0, cluster_ctas, self.ctas_per_sm(key))
+        return max(1, min(key.num_tiles, units))
+
+
+def resident_clusters(device_index: int, cluster_ctas: int, ctas_per_sm: int = 1) -> int:
+    """How many ``cluster_ctas``-CTA clusters of a kernel can be resident at once on a device.
+
+    - ``cluster_ctas == 1``: ``SMs x ctas_per_sm`` (CUDA occupancy: the blocks per SM that
+      shared memory, registers and threads allow times the SM count).
+    - a real cluster, one CTA per SM: the CUDA driver's ``cuOccupancyMaxActiveClusters`` (a
+      cluster's CTAs must sit in one GPC, so an odd GPC leaves an SM idle and the count can be
+      below ``SMs // cluster_ctas``), queried the way CUTLASS's persistent Blackwell GEMMs size
+      their grid: ``cutlass.utils.HardwareInfo().get_max_active_clusters(cluster_size)`` (a
+      dummy kernel holding an SM's whole shared memory, i.e. one CTA per SM, as ours do), once
+      per device and cluster size, never during CUDA-graph capture (module load).
+    - otherwise, or where that query is unavailable: ``(SMs x ctas_per_sm) // cluster_ctas``
+      (the GPC-blind bound; a non-resident cluster of a persistent kernel only starts late).
+    """
+    sms = _num_sms(device_index)
+    if cluster_ctas == 1:
+        return max(1, sms * ctas_per_sm)
+    if ctas_per_sm == 1:
+        queried = _max_active_clusters(device_index, cluster_ctas)
+        if queried:
+            return queried
+    return max(1, sms * ctas_per_sm // cluster_ctas)
+
+
+_OCCUPANCY: dict[tuple[int, int], int] = {}
+
+
+def _max_active_clusters(device_index: int, cluster_ctas: int) -> int | None:
+    """``cuOccupancyMaxActiveClusters`` of a 1-CTA-per-SM kernel with ``cluster_ctas``-CTA
+    clusters on ``device_index`` (through CUTLASS's ``HardwareInfo``), cached; None when it
+    cannot be asked (no cuda-python driver bindings, capture in progress, a driver error)."""
+    key = (device_index, cluster_ctas)
+    if key in _OCCUPANCY:
+        return _OCCUPANCY[key]
+    import torch
+
+    if torch.cuda.is_current_stream_capturing():
+        return None  # the query loads a module: not while a graph is being captured
+    try:
+        from cutlass.utils import HardwareInfo
+
+        with torch.cuda.device(device_index):
+            value = int(HardwareInfo(device_index).get_max_active_clusters(cluster_ctas))
+    except Exception:  # noqa: BLE001 - any failure falls back to the GPC-blind bound
+        return None
+    if value < 1:
+        return None
+    _OCCUPANCY[key] = value
+    return value
 
 
 def _on_stream(stream):

@@ -75,6 +75,7 @@ __all__ = [
     "Sm100WgradKey",
     "compile_sm100_wgrad",
     "compile_sm100_wgrad_offline",
+    "ctas_per_sm",
     "load_sm100_tile_rules",
     "select_sm100_tile_config",
     "sm100_key_from_contract",
@@ -878,6 +879,36 @@ def _as_key(key_or_contract: Any) -> Sm100WgradKey:
     )
 
 
+#: Shared memory of one SM and what the hardware keeps per resident CTA (CUDA C++ Programming
+#: Guide, "Technical Specifications per Compute Capability", 10.0: 228 KiB per SM, at most 227 KiB
+#: per block, 1 KiB reserved per block).
+_SM_SMEM_BYTES = 228 * 1024
+_CTA_SMEM_RESERVED = 1024
+#: Tensor memory columns per SM (PTX ISA, tcgen05 "Tensor Memory": 128 lanes x 512 columns).
+_TMEM_COLUMNS = 512
+
+
+def ctas_per_sm(key: Sm100WgradKey) -> int:
+    """CTAs of ``key``'s kernel that fit one SM at once: the smaller of what shared memory and
+    tensor memory allow (``launch.resident_clusters`` sizes the persistent grid with it).
+
+    Shared memory: a CTA holds at least its A/B ring (``stages`` stages, or as many as fit next to
+    the header, whichever is fewer: the kernel only lowers ``stages``) plus the header, and the
+    hardware keeps 1 KiB per CTA; ``228 KiB // (footprint + 1 KiB)``. Tensor memory: two fp32
+    accumulators of ``tile_n`` columns each, allocated as a power of two >= 32 columns, out of
+    512. Every tile the rules accept has a ring above half an SM's shared memory (the smallest,
+    128 x 32 with 8 stages of 20 KiB, holds 160 KiB), so this is 1 for each of them.
+    """
+    tile = key.tile
+    header = _SMEM_HEADER + 8 * key.num_experts
+    ring_stages = min(tile.stages, max(1, (_SMEM_BYTES - header) // tile.stage_bytes))
+    smem = ring_stages * tile.stage_bytes + header
+    by_smem = _SM_SMEM_BYTES // (smem + _CTA_SMEM_RESERVED)
+    cols = max(32, 1 << (2 * tile.tile_n - 1).bit_length())
+    by_tmem = _TMEM_COLUMNS // cols
+    return max(1, min(by_smem, by_tmem))
+
+
 def _zero_tokens(x, k_major: bool, transpose: bool):
     """A 256-token zero stand-in for an operand with no tokens, in the operand's layout."""
     import torch
@@ -908,8 +939,9 @@ def _no_tokens(key: Sm100WgradKey, a, b, out, stream):
     return a, b
 
 
-#: The SM100 family in the shared compile-cache / launch layer: static persistent scheduling (one
-#: (2, 1) cluster per SM pair for the 2-CTA tile), the runtime compile pinned to an SM100 target,
+#: The SM100 family in the shared compile-cache / launch layer: a persistent grid of as many
+#: clusters as can be resident (``ctas_per_sm``; the driver's cluster occupancy for the (2, 1)
+#: cluster of the 2-CTA tile), the runtime compile pinned to an SM100 target,
 #: every launch gated on the hardware opt-in (``unverified_reason``), tokens_sum = 0 on the host.
 FAMILY = KernelFamily(
     "sm100",
@@ -919,6 +951,7 @@ FAMILY = KernelFamily(
     gate=unverified_reason,
     prepare=_no_tokens,
     as_key=_as_key,
+    ctas_per_sm=ctas_per_sm,
 )
 
 

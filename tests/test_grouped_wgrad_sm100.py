@@ -196,6 +196,10 @@ def test_offline_compile_sm100a(shape_mn, tile_mn, a_major, b_major, out_dtype, 
     nan_bits = {"float32": 0x7FC00000, "bfloat16": 0x7FC07FC0, "float16": 0x7E007E00}[out_dtype]
     # the quiet NaN (packed pairs for 16-bit outputs), as an integer or a float immediate
     assert f", {nan_bits};" in ptx or f", 0f{nan_bits:08X};" in ptx
+    # 1-CTA tiles: dynamic persistent scheduler, tile ids from a global atomic counter (one
+    # atom.add per tile taken); 2-CTA: the static cluster stride, no atomic
+    atoms = _ops(ptx, "atom.global.add")
+    assert atoms == (set() if tile.use_2cta else {"atom.global.add.u32"}), atoms
     loads = _ops(ptx, "cp.async.bulk.tensor.2d.shared")  # TMA loads of A and B tiles
     assert loads and all("mbarrier::complete_tx::bytes" in op for op in loads)
     if tile.use_2cta:
@@ -426,7 +430,8 @@ def test_launcher_refuses_without_opt_in(monkeypatch, fake_compile):
 
     monkeypatch.setenv(sm100.ENABLE_ENV, "1")
     launcher(a, b, off, out)
-    ((fa, fb, foff, fout, clusters),) = fake_compile.calls
+    ((fa, fb, foff, fout, counter, clusters),) = fake_compile.calls
+    assert counter.dtype == torch.int32 and counter.tolist() == [0]  # dynamic scheduler's
     assert fa is a and foff is off and fout is out
     assert fb.shape == (256, 768) and fb.stride() == (1, 256)  # B passed as its (N, S) view
     # 3 experts x 1 x 2 tiles of 256 x 128 = 6 MMA tiles -> 6 clusters of 2 CTAs (<= 148 SMs)
@@ -458,7 +463,7 @@ def test_launcher_no_tokens_discrete_runs_on_zero_stand_ins(
     ptrs = torch.tensor([4096, 8192], dtype=torch.int64)
     off = torch.zeros(2, dtype=torch.int32)
     sm100.compile_sm100_wgrad(key)(a, b, off, ptrs)
-    ((fa, fb_nk, foff, fout, clusters),) = fake_compile.calls
+    ((fa, fb_nk, foff, fout, _counter, clusters),) = fake_compile.calls
     assert fout is ptrs and foff is off and clusters == 4  # the kernel writes the zeros
     assert fa.shape == (256, 256) and not fa.any()
     assert fa.stride() == ((256, 1) if a_major == "k" else (1, 256))
@@ -486,7 +491,7 @@ def test_launcher_repacks_tensor_ragged_k_major_operands(monkeypatch, fake_compi
         tile=Sm100TileConfig(128, 64, 64, 4),
     )
     sm100.compile_sm100_wgrad(key)(ragged(a2d), ragged(b2d_t).t(), off, torch.empty(3, m, n))
-    ((fa, fb_nk, _off, _out, _clusters),) = fake_compile.calls
+    ((fa, fb_nk, _off, _out, _counter, _clusters),) = fake_compile.calls
     assert torch.equal(fa, a2d) and fa.stride() == (s, 1)
     assert torch.equal(fb_nk, b2d_t) and fb_nk.stride() == (s, 1)
 
@@ -520,7 +525,7 @@ def test_api_with_opt_in_launches_the_contract_key(monkeypatch, fake_compile, mo
             a_m, b, None, None, off, wgrad_dtype=torch.float32, mma_tiler_mn=(256, 128),
             cluster_shape_mn=(2, 1), accumulate_on_output=True, output_mode=mode,
         )
-        ((fa, fb_nk, foff, fout, clusters),) = fake_compile.calls
+        ((fa, fb_nk, foff, fout, _counter, clusters),) = fake_compile.calls
         (key,) = fake_compile.keys
         assert key == Sm100WgradKey(
             256, 256, 3, a_major="m", b_major="n", out_dtype="float32", output_mode=mode,

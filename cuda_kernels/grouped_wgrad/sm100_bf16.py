@@ -19,7 +19,8 @@ contract makes every ``K_e`` a multiple of 256, so with ``tile_k`` dividing 256 
 inside one expert: no masking of rows, and an expert's first K tile index is simply ``begin /
 tile_k``.
 
-Structure (one CTA per SM, or one 2-CTA cluster per SM pair, persistent, warp-specialized; the
+Structure (persistent: as many CTAs / 2-CTA clusters as can be resident, ``launch.resident_clusters``;
+warp-specialized; the
 idioms of CUTLASS's Blackwell CuTe DSL dense GEMM, written for this operation):
 
 - warp 5 (TMA): issues TMA loads of ``(tile_m, tile_k)`` A and ``(tile_n, tile_k)`` B tiles into a
@@ -32,8 +33,13 @@ idioms of CUTLASS's Blackwell CuTe DSL dense GEMM, written for this operation):
   sub-tiles in shared memory and TMA-store them, or TMA reduce-add when ``accumulate``; discrete
   outputs (an int64 pointer per expert, read on the device) are stored from registers (loaded
   and added first when accumulating);
-- scheduling: static persistent; tile ids run over the experts sorted by token count (largest
-  first, sorted on the device from ``offsets``), cluster ``c`` takes ids ``c, c + C, ...``;
+- scheduling: tile ids run over the experts sorted by token count (largest first, sorted on the
+  device from ``offsets``). 1-CTA tiles (``tile_m = 128``): dynamic persistent, as in the SM90
+  kernel: the TMA warp takes the next id from a global int32 atomic counter (zeroed per launch by
+  the launcher, on the launch stream) and passes it to the MMA and epilogue warps through a
+  4-deep shared-memory ring, so greedy taking is LPT list scheduling and uneven experts balance.
+  2-CTA tiles (``tile_m = 256``): static, cluster ``c`` takes ids ``c, c + C, ...`` (both CTAs of
+  a pair must take the same id: a cluster-wide broadcast, or cluster launch control, is not built);
 - every tile's token range is read from ``offsets`` on the device (no host read, CUDA-graph
   capturable); the token dimension is dynamic, so new splits never recompile;
 - empty experts issue no loads and no MMAs; their tiles are written as zeros (overwrite) or left
@@ -47,7 +53,7 @@ per expert) output in BF16 / FP16 / FP32, overwrite or accumulate, ``input_order
 module). Dense outputs may end in partial tiles (hidden / intermediate not multiples of the
 tile: TMA zero-fills the loads and clips the stores of each expert). Not supported: clusters other
 than (1, 1) for ``tile_m = 128`` and (2, 1) for ``tile_m = 256`` (no TMA multicast), partial tiles
-with discrete outputs, a dynamic (atomic / CLC) tile scheduler.
+with discrete outputs, a dynamic tile scheduler for the 2-CTA tile.
 
 Public names (mirroring ``sm90_bf16``): ``Sm100TileConfig``, ``Sm100WgradKey``,
 ``select_sm100_tile_config``, ``compile_sm100_wgrad`` (cached; ``COMPILE_COUNT`` counts real
@@ -92,6 +98,8 @@ _SMEM_BYTES = SM100_TILES.smem_bytes
 _SMEM_HEADER = SM100_TILES.smem_reserved
 #: Epilogue staging buffers (TMA store sub-tiles) per CTA.
 _EPI_STAGES = 2
+#: Depth of the tile-id ring between the scheduling (TMA) warp and the MMA / epilogue warps.
+_SCHED_STAGES = 4
 #: SM100 contract: expert token counts are multiples of this (api.SM100_GROUP_ALIGN).
 _GROUP_ALIGN = SM100_TILES.group_align
 
@@ -317,6 +325,10 @@ def _build_kernel_class():
             self.stages = t.stages
             # dense output: TMA store epilogue; discrete (a pointer per expert): register stores
             self.tma_epi = key.output_mode == "dense"
+            # dynamic persistent scheduling (a global atomic tile counter, as the SM90 kernel)
+            # on one CTA; a (2, 1) cluster keeps the static stride (both CTAs of a pair must
+            # take the same tile, i.e. a cluster-wide broadcast of the id: not built yet)
+            self.dynamic = not t.use_2cta
 
         def _setup(self, a_major_mode, b_major_mode):
             tiled_mma = sm100_utils.make_trivial_tiled_mma(
@@ -371,6 +383,7 @@ def _build_kernel_class():
             mB: cute.Tensor,  # (N, S) bf16 (B transposed view)
             mOffsets: cute.Tensor,  # (E,) int32
             mOut: cute.Tensor,  # (E, M, N) dense
+            mCounter: cute.Tensor,  # (1,) int32, zero at launch: the dynamic tile counter
             num_clusters: cutlass.Int32,
             stream,
         ):
@@ -420,6 +433,8 @@ def _build_kernel_class():
                 tmem_holding_buf: cutlass.Int32
                 lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
                 perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
+                sched_mbar: cute.struct.MemRange[cutlass.Int64, _SCHED_STAGES * 2]
+                sched: cute.struct.MemRange[cutlass.Int32, _SCHED_STAGES]
 
             self.shared_storage = SharedStorage
             self.kernel(
@@ -431,6 +446,7 @@ def _build_kernel_class():
                 tma_atom_c,
                 tma_c,
                 mOffsets,
+                mCounter,
                 self.cluster_layout_vmnk,
                 self.a_smem_layout_staged,
                 self.b_smem_layout_staged,
@@ -443,6 +459,30 @@ def _build_kernel_class():
                 min_blocks_per_mp=1,
                 stream=stream,
             )
+
+        @cute.jit
+        def next_tile(self, mCounter, lane, sched_pipe, sched_state, sSched):
+            """Scheduling (TMA) warp: take the next tile id from the global counter (lane 0) and
+            publish it to the MMA and epilogue warps. Ids run over experts sorted by size,
+            largest first, so taking them greedily is LPT list scheduling (uneven experts
+            balance); an id >= num_tiles tells every warp to stop."""
+            t = cutlass.Int32(0)
+            if lane == 0:
+                t = cute.arch.atomic_add(mCounter.iterator, cutlass.Int32(1))
+            t = cute.arch.shuffle_sync(t, 0)
+            sched_pipe.producer_acquire(sched_state)
+            if lane == 0:
+                sSched[sched_state.index] = t
+            sched_pipe.producer_commit(sched_state)
+            return t
+
+        @cute.jit
+        def take_tile(self, sched_pipe, sched_cstate, sSched):
+            """MMA / epilogue warps: the next tile id the scheduling warp published."""
+            sched_pipe.consumer_wait(sched_cstate)
+            t = sSched[sched_cstate.index]
+            sched_pipe.consumer_release(sched_cstate)
+            return t
 
         @cute.jit
         def tile_coords(self, tile: cutlass.Int32, sPerm: cute.Tensor, mOffsets: cute.Tensor):
@@ -494,6 +534,7 @@ def _build_kernel_class():
             tma_atom_c: cute.CopyAtom,
             mC: cute.Tensor,  # dense: the TMA view of (M, N, E); discrete: (E,) int64 pointers
             mOffsets: cute.Tensor,
+            mCounter: cute.Tensor,
             cluster_layout_vmnk: cute.Layout,
             a_smem_layout_staged: cute.ComposedLayout,
             b_smem_layout_staged: cute.ComposedLayout,
@@ -539,6 +580,19 @@ def _build_kernel_class():
                 cta_layout_vmnk=cluster_layout_vmnk,
                 defer_sync=True,
             )
+            # Dynamic tile scheduler (1-CTA tiles): the TMA warp takes tile ids from the global
+            # atomic counter and passes them to the MMA warp and the epilogue warps through a
+            # small shared-memory ring (every thread of those warps waits and releases).
+            sched_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.sched_mbar.data_ptr(),
+                num_stages=_SCHED_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, 32 * (1 + len(self.epilogue_warp_id))
+                ),
+                defer_sync=True,
+            )
+            sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
             tmem_alloc_barrier = pipeline.NamedBarrier(
                 barrier_id=self.tmem_alloc_sync_bar_id,
                 num_threads=32 * (1 + len(self.epilogue_warp_id)),
@@ -655,7 +709,14 @@ def _build_kernel_class():
                 prod_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.num_ab_stage
                 )
+                lane = cute.arch.lane_idx()
+                sched_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, _SCHED_STAGES
+                )
                 tile = cluster_id
+                if cutlass.const_expr(self.dynamic):
+                    tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                    sched_state.advance()
                 while tile < self.num_tiles:
                     _e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
                     tAgA_t = tAgA[(None, m_idx, None)]
@@ -679,7 +740,11 @@ def _build_kernel_class():
                         )
                         ab_pipe.producer_commit(prod_state)
                         prod_state.advance()
-                    tile += num_clusters
+                    if cutlass.const_expr(self.dynamic):
+                        tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                        sched_state.advance()
+                    else:
+                        tile += num_clusters
                 ab_pipe.producer_tail(prod_state)
 
             # ---------------- MMA warp ----------------
@@ -694,7 +759,13 @@ def _build_kernel_class():
                     pipeline.PipelineUserType.Producer, self.num_acc_stage
                 )
                 num_kblocks = cute.size(tCrA, mode=[2])
+                sched_cstate = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+                )
                 tile = cluster_id
+                if cutlass.const_expr(self.dynamic):
+                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                    sched_cstate.advance()
                 while tile < self.num_tiles:
                     _e, _m, _n, _k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
                     if n_k > 0:
@@ -714,7 +785,11 @@ def _build_kernel_class():
                         if is_leader_cta:
                             acc_pipe.producer_commit(acc_state)
                         acc_state.advance()
-                    tile += num_clusters
+                    if cutlass.const_expr(self.dynamic):
+                        tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                        sched_cstate.advance()
+                    else:
+                        tile += num_clusters
                 acc_pipe.producer_tail(acc_state)
 
             # ---------------- epilogue warps ----------------
@@ -761,7 +836,13 @@ def _build_kernel_class():
                     pipeline.PipelineUserType.Consumer, self.num_acc_stage
                 )
                 epi_count = cutlass.Int32(0)
+                sched_cstate = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+                )
                 tile = cluster_id
+                if cutlass.const_expr(self.dynamic):
+                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                    sched_cstate.advance()
                 while tile < self.num_tiles:
                     e, m_idx, n_idx, _k0, n_k, bad = self.tile_coords(tile, sPerm, mOffsets)
                     # 2-CTA: this CTA writes rows [128 v, 128 v + 128) of the 256-row MMA tile.
@@ -832,7 +913,11 @@ def _build_kernel_class():
                         with cute.arch.elect_one():
                             acc_pipe.consumer_release(acc_cstate)
                         acc_cstate.advance()
-                    tile += num_clusters
+                    if cutlass.const_expr(self.dynamic):
+                        tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                        sched_cstate.advance()
+                    else:
+                        tile += num_clusters
                 if cutlass.const_expr(self.tma_epi):
                     c_pipe.producer_tail()
                 # every epilogue warp's last TMEM load is done before the allocator warp frees
@@ -951,6 +1036,7 @@ FAMILY = KernelFamily(
     gate=unverified_reason,
     prepare=_no_tokens,
     as_key=_as_key,
+    tile_counter=True,
     ctas_per_sm=ctas_per_sm,
 )
 

@@ -483,13 +483,13 @@ def _adapter():
         else:
             ptrs = cute.recast_ptr(out.iterator, dtype=cutlass.Int64)
             m_out = cute.make_tensor(ptrs, cute.make_layout((e,)))
+        # both kernels take the zeroed tile counter of their dynamic scheduler
+        m_cnt = cute.make_tensor(counter.iterator, cute.make_layout((1,)))
         if cutlass.const_expr(arch == "sm90"):
-            m_cnt = cute.make_tensor(counter.iterator, cute.make_layout((1,)))
             kernel = sm90_kernel_class(key)
-            kernel(m_a, m_b, m_off, m_out, m_cnt, cutlass.Int32(num_ctas), stream)
         else:
             kernel = sm100_kernel_class(key)
-            kernel(m_a, m_b, m_off, m_out, cutlass.Int32(num_ctas), stream)
+        kernel(m_a, m_b, m_off, m_out, m_cnt, cutlass.Int32(num_ctas), stream)
 
     return grouped_wgrad_xla_adapter
 

@@ -7,7 +7,7 @@ for a dynamic scheduler, a launch gate, a no-token path, the arch of its runtime
 layer owns the rest, once: the per-key compile cache and its count, the fake operands of a
 compile (a symbolic ``tokens_sum``: new splits never recompile), the architecture pin of an
 offline / cross compile, the offline PTX compile, and the launcher (``tensor_ragged`` repack,
-persistent grid size, launch stream).
+persistent grid size from occupancy, launch stream).
 
 The API side sits on top: :func:`_compile_kernel` maps a static contract (``WgradContract``) to
 its family's key (:func:`_contract_key`) and caches the launcher per contract.
@@ -61,8 +61,11 @@ class KernelFamily:
         gate: ``() -> reason | None``: why the kernel must not run (checked first at every
             launch; ``RuntimeError(reason)``, nothing launched nor written).
         prepare: ``(key, a, b, out, stream) -> (a, b) | None``: operands to launch, or None when
-            the call is complete without a launch.
+            the call is complete without a launch; called with the launch stream current.
         as_key: converts what ``launcher`` / ``offline_ptx`` accept into the key.
+        ctas_per_sm: ``key -> int``: CTAs of the kernel that fit one SM at once (its shared
+            memory / TMEM footprint); the persistent grid is :func:`resident_clusters` of it.
+            Default 1 (both families size their pipelines to fill an SM's shared memory).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class KernelFamily:
         gate: Callable[[], str | None] | None = None,
         prepare: Callable[..., tuple | None] | None = None,
         as_key: Callable[[Any], Any] = lambda key: key,
+        ctas_per_sm: Callable[[Any], int] = lambda key: 1,
     ) -> None:
         self.name = name
         self.kernel = kernel
@@ -85,6 +89,7 @@ class KernelFamily:
         self.gate = gate
         self.prepare = prepare
         self.as_key = as_key
+        self.ctas_per_sm = ctas_per_sm
         #: Real (uncached) compiles in this process.
         self.compile_count = 0
         self._compiled: dict[Any, Any] = {}
@@ -183,33 +188,115 @@ class KernelFamily:
         return ptx
 
     def _launch(self, key: Any, fn: Any, a, b, offsets, out, stream=None) -> None:
+        """One launch, every step of it on the launch stream (``stream``, else the current one).
+
+        The compiled kernel takes its stream from the TVM-FFI environment stream, i.e. torch's
+        current stream, so the launch enters ``stream`` (:func:`_on_stream`) BEFORE anything is
+        enqueued or allocated: the family's ``prepare`` hook (zero stand-ins, zero fills), the
+        ``tensor_ragged`` repack, the tile counter and the kernel then run in stream order, and
+        the temporaries (repacked operands, counter, stand-ins) are allocated on the stream that
+        reads them, so the caching allocator reuses their blocks only after that stream's later
+        work (what ``record_stream`` would arrange for a tensor allocated elsewhere). Inputs are
+        read on the launch stream, as the kernel itself reads them: the caller orders their
+        producers before it (the contract of ``current_stream`` in cuDNN's API).
+        """
         if self.gate is not None:
             reason = self.gate()
             if reason is not None:
                 raise RuntimeError(reason)
-        import torch
-
-        if self.prepare is not None:
-            operands = self.prepare(key, a, b, out, stream)
-            if operands is None:
-                return
-            a, b = operands
-        if key.input_order == "tensor_ragged":
-            if key.a_major == "k":
-                a = ragged_to_2d(a, offsets, a.shape[0])
-            if key.b_major == "k":
-                b = ragged_to_2d(b.t(), offsets, b.shape[1]).t()
-        # persistent: one CTA (cluster) per SM (pair), no more than there are tiles
-        cluster_ctas = key.tile.cluster_shape_mn[0] * key.tile.cluster_shape_mn[1]
-        max_units = max(1, _num_sms(a.device.index or 0) // cluster_ctas)
-        grid = max(1, min(key.num_tiles, max_units))
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
+        with _on_stream(stream):
+            if self.prepare is not None:
+                operands = self.prepare(key, a, b, out, stream)
+                if operands is None:
+                    return
+                a, b = operands
+            if key.input_order == "tensor_ragged":
+                if key.a_major == "k":
+                    a = ragged_to_2d(a, offsets, a.shape[0])
+                if key.b_major == "k":
+                    b = ragged_to_2d(b.t(), offsets, b.shape[1]).t()
+            grid = self.grid_size(key, a.device)
             if self.tile_counter:
-                counter = torch.zeros(1, dtype=torch.int32, device=a.device)
-                fn(a, b.t(), offsets, out, counter, grid)
+                fn(a, b.t(), offsets, out, _zeroed_counter(a.device), grid)
             else:
                 fn(a, b.t(), offsets, out, grid)
+
+
+    def grid_size(self, key: Any, device) -> int:
+        """The persistent grid, in clusters: as many as can be resident at once
+        (:func:`resident_clusters` of the SM count, the key's cluster and ``ctas_per_sm``), and
+        no more than there are tiles."""
+        cluster_ctas = key.tile.cluster_shape_mn[0] * key.tile.cluster_shape_mn[1]
+        units = resident_clusters(device.index or 0, cluster_ctas, self.ctas_per_sm(key))
+        return max(1, min(key.num_tiles, units))
+
+
+def resident_clusters(device_index: int, cluster_ctas: int, ctas_per_sm: int = 1) -> int:
+    """How many ``cluster_ctas``-CTA clusters of a kernel can be resident at once on a device.
+
+    - ``cluster_ctas == 1``: ``SMs x ctas_per_sm`` (CUDA occupancy: the blocks per SM that
+      shared memory, registers and threads allow times the SM count).
+    - a real cluster, one CTA per SM: the CUDA driver's ``cuOccupancyMaxActiveClusters`` (a
+      cluster's CTAs must sit in one GPC, so an odd GPC leaves an SM idle and the count can be
+      below ``SMs // cluster_ctas``), queried the way CUTLASS's persistent Blackwell GEMMs size
+      their grid: ``cutlass.utils.HardwareInfo().get_max_active_clusters(cluster_size)`` (a
+      dummy kernel holding an SM's whole shared memory, i.e. one CTA per SM, as ours do), once
+      per device and cluster size, never during CUDA-graph capture (module load).
+    - otherwise, or where that query is unavailable: ``(SMs x ctas_per_sm) // cluster_ctas``
+      (the GPC-blind bound; a non-resident cluster of a persistent kernel only starts late).
+    """
+    sms = _num_sms(device_index)
+    if cluster_ctas == 1:
+        return max(1, sms * ctas_per_sm)
+    if ctas_per_sm == 1:
+        queried = _max_active_clusters(device_index, cluster_ctas)
+        if queried:
+            return queried
+    return max(1, sms * ctas_per_sm // cluster_ctas)
+
+
+_OCCUPANCY: dict[tuple[int, int], int] = {}
+
+
+def _max_active_clusters(device_index: int, cluster_ctas: int) -> int | None:
+    """``cuOccupancyMaxActiveClusters`` of a 1-CTA-per-SM kernel with ``cluster_ctas``-CTA
+    clusters on ``device_index`` (through CUTLASS's ``HardwareInfo``), cached; None when it
+    cannot be asked (no cuda-python driver bindings, capture in progress, a driver error)."""
+    key = (device_index, cluster_ctas)
+    if key in _OCCUPANCY:
+        return _OCCUPANCY[key]
+    import torch
+
+    if torch.cuda.is_current_stream_capturing():
+        return None  # the query loads a module: not while a graph is being captured
+    try:
+        from cutlass.utils import HardwareInfo
+
+        with torch.cuda.device(device_index):
+            value = int(HardwareInfo(device_index).get_max_active_clusters(cluster_ctas))
+    except Exception:  # noqa: BLE001 - any failure falls back to the GPC-blind bound
+        return None
+    if value < 1:
+        return None
+    _OCCUPANCY[key] = value
+    return value
+
+
+def _on_stream(stream):
+    """Context in which ``stream`` (a ``torch.cuda.Stream``) is torch's current stream (and its
+    device the current device); a no-op for None (the current stream is the launch stream)."""
+    import torch
+
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _zeroed_counter(device):
+    """A zeroed int32 ``[1]`` tile counter of a dynamic scheduler, allocated and zeroed on the
+    current (= launch) stream: each launch gets its own, so concurrent launches on different
+    streams never share one, and no reset kernel is needed after a launch."""
+    import torch
+
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def contract_key_fields(contract: Any) -> dict[str, Any]:

@@ -19,7 +19,8 @@ contract makes every ``K_e`` a multiple of 256, so with ``tile_k`` dividing 256 
 inside one expert: no masking of rows, and an expert's first K tile index is simply ``begin /
 tile_k``.
 
-Structure (one CTA per SM, or one 2-CTA cluster per SM pair, persistent, warp-specialized; the
+Structure (persistent: as many CTAs / 2-CTA clusters as can be resident, ``launch.resident_clusters``;
+warp-specialized; the
 idioms of CUTLASS's Blackwell CuTe DSL dense GEMM, written for this operation):
 
 - warp 5 (TMA): issues TMA loads of ``(tile_m, tile_k)`` A and ``(tile_n, tile_k)`` B tiles into a
@@ -32,8 +33,13 @@ idioms of CUTLASS's Blackwell CuTe DSL dense GEMM, written for this operation):
   sub-tiles in shared memory and TMA-store them, or TMA reduce-add when ``accumulate``; discrete
   outputs (an int64 pointer per expert, read on the device) are stored from registers (loaded
   and added first when accumulating);
-- scheduling: static persistent; tile ids run over the experts sorted by token count (largest
-  first, sorted on the device from ``offsets``), cluster ``c`` takes ids ``c, c + C, ...``;
+- scheduling: tile ids run over the experts sorted by token count (largest first, sorted on the
+  device from ``offsets``). 1-CTA tiles (``tile_m = 128``): dynamic persistent, as in the SM90
+  kernel: the TMA warp takes the next id from a global int32 atomic counter (zeroed per launch by
+  the launcher, on the launch stream) and passes it to the MMA and epilogue warps through a
+  4-deep shared-memory ring, so greedy taking is LPT list scheduling and uneven experts balance.
+  2-CTA tiles (``tile_m = 256``): static, cluster ``c`` takes ids ``c, c + C, ...`` (both CTAs of
+  a pair must take the same id: a cluster-wide broadcast, or cluster launch control, is not built);
 - every tile's token range is read from ``offsets`` on the device (no host read, CUDA-graph
   capturable); the token dimension is dynamic, so new splits never recompile;
 - empty experts issue no loads and no MMAs; their tiles are written as zeros (overwrite) or left
@@ -47,7 +53,7 @@ per expert) output in BF16 / FP16 / FP32, overwrite or accumulate, ``input_order
 module). Dense outputs may end in partial tiles (hidden / intermediate not multiples of the
 tile: TMA zero-fills the loads and clips the stores of each expert). Not supported: clusters other
 than (1, 1) for ``tile_m = 128`` and (2, 1) for ``tile_m = 256`` (no TMA multicast), partial tiles
-with discrete outputs, a dynamic (atomic / CLC) tile scheduler.
+with discrete outputs, a dynamic tile scheduler for the 2-CTA tile.
 
 Public names (mirroring ``sm90_bf16``): ``Sm100TileConfig``, ``Sm100WgradKey``,
 ``select_sm100_tile_config``, ``compile_sm100_wgrad`` (cached; ``COMPILE_COUNT`` counts real
@@ -58,7 +64,6 @@ target are its hooks), which compiles, caches and launches. CuTe DSL is imported
 compile functions.
 """
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -76,6 +81,7 @@ __all__ = [
     "Sm100WgradKey",
     "compile_sm100_wgrad",
     "compile_sm100_wgrad_offline",
+    "ctas_per_sm",
     "load_sm100_tile_rules",
     "select_sm100_tile_config",
     "sm100_key_from_contract",
@@ -92,6 +98,8 @@ _SMEM_BYTES = SM100_TILES.smem_bytes
 _SMEM_HEADER = SM100_TILES.smem_reserved
 #: Epilogue staging buffers (TMA store sub-tiles) per CTA.
 _EPI_STAGES = 2
+#: Depth of the tile-id ring between the scheduling (TMA) warp and the MMA / epilogue warps.
+_SCHED_STAGES = 4
 #: SM100 contract: expert token counts are multiples of this (api.SM100_GROUP_ALIGN).
 _GROUP_ALIGN = SM100_TILES.group_align
 
@@ -244,7 +252,12 @@ def select_sm100_tile_config(
 
 def sm100_key_from_contract(contract: Any) -> Sm100WgradKey:
     """The :class:`Sm100WgradKey` of an ``api.WgradContract`` (tile from its ``mma_tiler_mn``,
-    else from ``configs/cuda/sm100_tiles.yaml``).
+    else from ``configs/cuda/sm100_tiles.yaml`` per shape through ``tiles.match_rule``); the
+    tile is part of the key, so each rule's tile is its own compiled kernel.
+
+    Note: the API layer (``classes.GroupedGemmWgradSm100._DEFAULT_TILER``, ``validate._check_tiling``,
+    ``wrappers.grouped_wgrad_into``, ``dispatch``) still fills a missing SM100 tile with cuDNN's
+    (256, 256); only a contract with ``mma_tiler_mn=None`` reaches the YAML rules.
 
     Raises:
         ValueError: the contract is outside what :class:`Sm100WgradKey` accepts (tiles that do
@@ -312,6 +325,10 @@ def _build_kernel_class():
             self.stages = t.stages
             # dense output: TMA store epilogue; discrete (a pointer per expert): register stores
             self.tma_epi = key.output_mode == "dense"
+            # dynamic persistent scheduling (a global atomic tile counter, as the SM90 kernel)
+            # on one CTA; a (2, 1) cluster keeps the static stride (both CTAs of a pair must
+            # take the same tile, i.e. a cluster-wide broadcast of the id: not built yet)
+            self.dynamic = not t.use_2cta
 
         def _setup(self, a_major_mode, b_major_mode):
             tiled_mma = sm100_utils.make_trivial_tiled_mma(
@@ -366,6 +383,7 @@ def _build_kernel_class():
             mB: cute.Tensor,  # (N, S) bf16 (B transposed view)
             mOffsets: cute.Tensor,  # (E,) int32
             mOut: cute.Tensor,  # (E, M, N) dense
+            mCounter: cute.Tensor,  # (1,) int32, zero at launch: the dynamic tile counter
             num_clusters: cutlass.Int32,
             stream,
         ):
@@ -415,6 +433,8 @@ def _build_kernel_class():
                 tmem_holding_buf: cutlass.Int32
                 lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
                 perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
+                sched_mbar: cute.struct.MemRange[cutlass.Int64, _SCHED_STAGES * 2]
+                sched: cute.struct.MemRange[cutlass.Int32, _SCHED_STAGES]
 
             self.shared_storage = SharedStorage
             self.kernel(
@@ -426,6 +446,7 @@ def _build_kernel_class():
                 tma_atom_c,
                 tma_c,
                 mOffsets,
+                mCounter,
                 self.cluster_layout_vmnk,
                 self.a_smem_layout_staged,
                 self.b_smem_layout_staged,
@@ -438,6 +459,30 @@ def _build_kernel_class():
                 min_blocks_per_mp=1,
                 stream=stream,
             )
+
+        @cute.jit
+        def next_tile(self, mCounter, lane, sched_pipe, sched_state, sSched):
+            """Scheduling (TMA) warp: take the next tile id from the global counter (lane 0) and
+            publish it to the MMA and epilogue warps. Ids run over experts sorted by size,
+            largest first, so taking them greedily is LPT list scheduling (uneven experts
+            balance); an id >= num_tiles tells every warp to stop."""
+            t = cutlass.Int32(0)
+            if lane == 0:
+                t = cute.arch.atomic_add(mCounter.iterator, cutlass.Int32(1))
+            t = cute.arch.shuffle_sync(t, 0)
+            sched_pipe.producer_acquire(sched_state)
+            if lane == 0:
+                sSched[sched_state.index] = t
+            sched_pipe.producer_commit(sched_state)
+            return t
+
+        @cute.jit
+        def take_tile(self, sched_pipe, sched_cstate, sSched):
+            """MMA / epilogue warps: the next tile id the scheduling warp published."""
+            sched_pipe.consumer_wait(sched_cstate)
+            t = sSched[sched_cstate.index]
+            sched_pipe.consumer_release(sched_cstate)
+            return t
 
         @cute.jit
         def tile_coords(self, tile: cutlass.Int32, sPerm: cute.Tensor, mOffsets: cute.Tensor):
@@ -489,6 +534,7 @@ def _build_kernel_class():
             tma_atom_c: cute.CopyAtom,
             mC: cute.Tensor,  # dense: the TMA view of (M, N, E); discrete: (E,) int64 pointers
             mOffsets: cute.Tensor,
+            mCounter: cute.Tensor,
             cluster_layout_vmnk: cute.Layout,
             a_smem_layout_staged: cute.ComposedLayout,
             b_smem_layout_staged: cute.ComposedLayout,
@@ -534,6 +580,19 @@ def _build_kernel_class():
                 cta_layout_vmnk=cluster_layout_vmnk,
                 defer_sync=True,
             )
+            # Dynamic tile scheduler (1-CTA tiles): the TMA warp takes tile ids from the global
+            # atomic counter and passes them to the MMA warp and the epilogue warps through a
+            # small shared-memory ring (every thread of those warps waits and releases).
+            sched_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.sched_mbar.data_ptr(),
+                num_stages=_SCHED_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, 32 * (1 + len(self.epilogue_warp_id))
+                ),
+                defer_sync=True,
+            )
+            sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
             tmem_alloc_barrier = pipeline.NamedBarrier(
                 barrier_id=self.tmem_alloc_sync_bar_id,
                 num_threads=32 * (1 + len(self.epilogue_warp_id)),
@@ -650,7 +709,14 @@ def _build_kernel_class():
                 prod_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.num_ab_stage
                 )
+                lane = cute.arch.lane_idx()
+                sched_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, _SCHED_STAGES
+                )
                 tile = cluster_id
+                if cutlass.const_expr(self.dynamic):
+                    tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                    sched_state.advance()
                 while tile < self.num_tiles:
                     _e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
                     tAgA_t = tAgA[(None, m_idx, None)]
@@ -674,7 +740,11 @@ def _build_kernel_class():
                         )
                         ab_pipe.producer_commit(prod_state)
                         prod_state.advance()
-                    tile += num_clusters
+                    if cutlass.const_expr(self.dynamic):
+                        tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                        sched_state.advance()
+                    else:
+                        tile += num_clusters
                 ab_pipe.producer_tail(prod_state)
 
             # ---------------- MMA warp ----------------
@@ -689,7 +759,13 @@ def _build_kernel_class():
                     pipeline.PipelineUserType.Producer, self.num_acc_stage
                 )
                 num_kblocks = cute.size(tCrA, mode=[2])
+                sched_cstate = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+                )
                 tile = cluster_id
+                if cutlass.const_expr(self.dynamic):
+                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                    sched_cstate.advance()
                 while tile < self.num_tiles:
                     _e, _m, _n, _k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
                     if n_k > 0:
@@ -709,7 +785,11 @@ def _build_kernel_class():
                         if is_leader_cta:
                             acc_pipe.producer_commit(acc_state)
                         acc_state.advance()
-                    tile += num_clusters
+                    if cutlass.const_expr(self.dynamic):
+                        tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                        sched_cstate.advance()
+                    else:
+                        tile += num_clusters
                 acc_pipe.producer_tail(acc_state)
 
             # ---------------- epilogue warps ----------------
@@ -756,7 +836,13 @@ def _build_kernel_class():
                     pipeline.PipelineUserType.Consumer, self.num_acc_stage
                 )
                 epi_count = cutlass.Int32(0)
+                sched_cstate = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+                )
                 tile = cluster_id
+                if cutlass.const_expr(self.dynamic):
+                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                    sched_cstate.advance()
                 while tile < self.num_tiles:
                     e, m_idx, n_idx, _k0, n_k, bad = self.tile_coords(tile, sPerm, mOffsets)
                     # 2-CTA: this CTA writes rows [128 v, 128 v + 128) of the 256-row MMA tile.
@@ -827,7 +913,11 @@ def _build_kernel_class():
                         with cute.arch.elect_one():
                             acc_pipe.consumer_release(acc_cstate)
                         acc_cstate.advance()
-                    tile += num_clusters
+                    if cutlass.const_expr(self.dynamic):
+                        tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                        sched_cstate.advance()
+                    else:
+                        tile += num_clusters
                 if cutlass.const_expr(self.tma_epi):
                     c_pipe.producer_tail()
                 # every epilogue warp's last TMEM load is done before the allocator warp frees
@@ -874,6 +964,36 @@ def _as_key(key_or_contract: Any) -> Sm100WgradKey:
     )
 
 
+#: Shared memory of one SM and what the hardware keeps per resident CTA (CUDA C++ Programming
+#: Guide, "Technical Specifications per Compute Capability", 10.0: 228 KiB per SM, at most 227 KiB
+#: per block, 1 KiB reserved per block).
+_SM_SMEM_BYTES = 228 * 1024
+_CTA_SMEM_RESERVED = 1024
+#: Tensor memory columns per SM (PTX ISA, tcgen05 "Tensor Memory": 128 lanes x 512 columns).
+_TMEM_COLUMNS = 512
+
+
+def ctas_per_sm(key: Sm100WgradKey) -> int:
+    """CTAs of ``key``'s kernel that fit one SM at once: the smaller of what shared memory and
+    tensor memory allow (``launch.resident_clusters`` sizes the persistent grid with it).
+
+    Shared memory: a CTA holds at least its A/B ring (``stages`` stages, or as many as fit next to
+    the header, whichever is fewer: the kernel only lowers ``stages``) plus the header, and the
+    hardware keeps 1 KiB per CTA; ``228 KiB // (footprint + 1 KiB)``. Tensor memory: two fp32
+    accumulators of ``tile_n`` columns each, allocated as a power of two >= 32 columns, out of
+    512. Every tile the rules accept has a ring above half an SM's shared memory (the smallest,
+    128 x 32 with 8 stages of 20 KiB, holds 160 KiB), so this is 1 for each of them.
+    """
+    tile = key.tile
+    header = _SMEM_HEADER + 8 * key.num_experts
+    ring_stages = min(tile.stages, max(1, (_SMEM_BYTES - header) // tile.stage_bytes))
+    smem = ring_stages * tile.stage_bytes + header
+    by_smem = _SM_SMEM_BYTES // (smem + _CTA_SMEM_RESERVED)
+    cols = max(32, 1 << (2 * tile.tile_n - 1).bit_length())
+    by_tmem = _TMEM_COLUMNS // cols
+    return max(1, min(by_smem, by_tmem))
+
+
 def _zero_tokens(x, k_major: bool, transpose: bool):
     """A 256-token zero stand-in for an operand with no tokens, in the operand's layout."""
     import torch
@@ -887,7 +1007,8 @@ def _zero_tokens(x, k_major: bool, transpose: bool):
 
 
 def _no_tokens(key: Sm100WgradKey, a, b, out, stream):
-    """The launch hook of ``tokens_sum = 0`` (every expert empty; TMA has no 0-sized boxes):
+    """The launch hook of ``tokens_sum = 0`` (every expert empty; TMA has no 0-sized boxes; called
+    with the launch ``stream`` already current, so its fills and stand-ins are ordered with it):
     nothing to do when accumulating, dense zeros written on the host side, and for discrete
     outputs 256 zero tokens (never read: every expert's range is empty) so that the kernel's TMA
     descriptors are valid while it writes the zeros through the pointers."""
@@ -896,19 +1017,16 @@ def _no_tokens(key: Sm100WgradKey, a, b, out, stream):
     if key.accumulate:
         return None
     if key.output_mode == "dense":
-        import torch
-
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            out.zero_()
+        out.zero_()  # on the launch stream: the launcher runs its hooks inside that stream
         return None
     a = _zero_tokens(a, key.a_major == "k", transpose=False)
     b = _zero_tokens(b, key.b_major == "k", transpose=True)
     return a, b
 
 
-#: The SM100 family in the shared compile-cache / launch layer: static persistent scheduling (one
-#: (2, 1) cluster per SM pair for the 2-CTA tile), the runtime compile pinned to an SM100 target,
+#: The SM100 family in the shared compile-cache / launch layer: a persistent grid of as many
+#: clusters as can be resident (``ctas_per_sm``; the driver's cluster occupancy for the (2, 1)
+#: cluster of the 2-CTA tile), the runtime compile pinned to an SM100 target,
 #: every launch gated on the hardware opt-in (``unverified_reason``), tokens_sum = 0 on the host.
 FAMILY = KernelFamily(
     "sm100",
@@ -918,6 +1036,8 @@ FAMILY = KernelFamily(
     gate=unverified_reason,
     prepare=_no_tokens,
     as_key=_as_key,
+    tile_counter=True,
+    ctas_per_sm=ctas_per_sm,
 )
 
 

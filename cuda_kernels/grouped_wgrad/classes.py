@@ -565,14 +565,14 @@ class GroupedGemmWgradSm100(_GroupedGemmWgradBase):
     _ARCH = "sm100"
     _NAME = "GroupedGemmWgradSm100"
     _GROUP_ALIGN = SM100_GROUP_ALIGN
-    _DEFAULT_TILER = (256, 256)
+    _DEFAULT_TILER = None  # chosen per shape from configs/cuda/sm100_tiles.yaml
 
     __doc__ = _CLASS_DOC.format(
         summary="Grouped GEMM wgrad on SM100+ (the seed's class); refuses devices below SM100.\n\n"
         "    The SM100 BF16 kernel (sm100_bf16.py) is compiled offline for sm_100a but has never\n"
         "    run on hardware: ``execute()`` raises RuntimeError unless the environment sets\n"
         "    MOE_BWD_ENABLE_UNVERIFIED_SM100=1 (validation and support checks are complete).",
-        tiling=_indented(SM100_TILES.describe("(256, 256)")),
+        tiling=_indented(SM100_TILES.describe("None: per shape from configs/cuda")),
         groups="every expert token count a multiple of 256",
     )
 

@@ -63,7 +63,7 @@ def select_grouped_wgrad_backend(device: torch.device | str) -> tuple[str, str]:
     if cc >= 100:
         module = _env.family_module("sm100")
         if module is None or not hasattr(module, "compile_sm100_wgrad"):
-            return "torch", f"SM{cc}: the SM100 kernel is not built yet"
+            return "torch", f"SM{cc}: the SM100 kernel cannot be imported"
         unverified = getattr(module, "unverified_reason", lambda: None)()
         if unverified:  # compiled but never run on hardware: only with the explicit opt-in
             return "torch", f"SM{cc}: {unverified}"
@@ -306,7 +306,7 @@ def kernel_unsupported_reason(
                 output_mode="dense",
                 accumulate=False,
                 input_order="tensor2d",
-                mma_tiler_mn=(256, 256) if arch == "sm100" else None,
+                mma_tiler_mn=None,  # per shape from configs/cuda
                 cluster_shape_mn=None,
             )
         )

@@ -106,9 +106,7 @@ def _check_tiling(arch: str, mma_tiler_mn, cluster_shape_mn) -> tuple:
         f"[{rules.tile_n_step}, {rules.tile_n_max}]"
     )
     if arch == "sm100":
-        if tiler is None:
-            raise ValueError("mma_tiler_mn is required on SM100 (default (256, 256))")
-        if tiler[0] not in rules.tile_m or tiler[1] not in rules.tile_n:
+        if tiler is not None and (tiler[0] not in rules.tile_m or tiler[1] not in rules.tile_n):
             raise ValueError(f"mma_tiler_mn={tiler} unsupported on SM100: {tiles_text}")
         if cluster is not None:
             cm, cn = cluster
@@ -118,7 +116,7 @@ def _check_tiling(arch: str, mma_tiler_mn, cluster_shape_mn) -> tuple:
                     f"cluster_shape_mn={cluster} unsupported on SM100: powers of two, at most "
                     f"{rules.max_cluster_ctas} CTAs"
                 )
-            if tiler[0] == rules.two_cta_tile_m and cm % 2:
+            if tiler is not None and tiler[0] == rules.two_cta_tile_m and cm % 2:
                 raise ValueError(
                     f"cluster_shape_mn={cluster} unsupported with mma_tiler_mn "
                     f"M={rules.two_cta_tile_m} (2-CTA MMA): cluster M must be even"

@@ -289,7 +289,7 @@ def test_sm90_ragged_launch_on_a_side_stream_is_ordered(accumulate):
                                                                              device="cuda")
     key = sm90.Sm90WgradKey(
         m, n, e, a_major="k", b_major="k", input_order="tensor_ragged", accumulate=accumulate,
-        tile=sm90.select_sm90_tile_config(m, n, e),
+        out_dtype="float32", tile=sm90.select_sm90_tile_config(m, n, e),
     )
     launcher = sm90.compile_sm90_wgrad(key)
     for _ in range(3):

@@ -1045,9 +1045,11 @@ def grouped_wgrad_mxfp8_sm90(
                 if p == 0 or p % 16:
                     raise _err(f"discrete output address {e} must be non-null and 16-byte "
                                f"aligned; got {p:#x}")
-    layout = token_layout
-    if layout == "auto":
-        layout = "direct" if aligned else "padded"
+    if token_layout == "direct":
+        raise _err("token_layout='direct' hit an illegal instruction on the H200 (2026-12-01) and "
+                   "is disabled; use 'padded' (or 'auto')")
+    del aligned  # 'auto' = 'padded' until the direct layout works
+    layout = "padded"
     key = dataclasses.replace(key_probe, token_layout=layout)
     if out is None:
         out = torch.empty((num_e, m, n), dtype=out_dtype, device=a_data.device)

@@ -35,11 +35,16 @@ from cuda_kernels.grouped_wgrad.sm90_mxfp8 import (
 
 HAS_CUTE = importlib.util.find_spec("cutlass") is not None
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+# The kernel is gated until its GPU tests pass on an H200 (sm90_mxfp8.enabled()): on 2026-12-01
+# one padded case passed (78 dB) and the direct layout hit an illegal instruction, which poisons
+# the process; its GPU tests run only where the kernel is enabled.
+_ENABLED = mx.enabled()
 needs_cute = pytest.mark.skipif(not HAS_CUTE, reason="nvidia-cutlass-dsl (CuTe DSL) not installed")
 gpu_sm90 = [
     pytest.mark.gpu,
     pytest.mark.sm90,
-    pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and CuTe DSL"),
+    pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE and _ENABLED), reason="needs an SM90 device, "
+                       "CuTe DSL and MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1"),
 ]
 
 
@@ -290,7 +295,8 @@ def _run_case(case, gen, nan_token=None, counts=None):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and CuTe DSL")
+@pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE and _ENABLED), reason="needs an SM90 device, CuTe DSL "
+                    "and the kernel enabled (MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1)")
 @pytest.mark.parametrize("case", _GRID, ids=lambda c: "-".join(str(x) for x in c))
 def test_grid_matches_twin(case):
     gen = torch.Generator().manual_seed(sum(ord(ch) for ch in str(case)))
@@ -311,7 +317,8 @@ def test_grid_matches_twin(case):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and CuTe DSL")
+@pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE and _ENABLED), reason="needs an SM90 device, CuTe DSL "
+                    "and the kernel enabled (MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1)")
 @pytest.mark.parametrize("layout", [pytest.param("direct", marks=_DIRECT_DISABLED), "padded"])
 def test_nan_in_next_expert_does_not_leak(layout):
     # expert 0 ends inside a partial group (37 tokens); expert 1's first token is NaN (its

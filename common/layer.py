@@ -42,6 +42,7 @@ the dispatcher's registry.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +50,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from common.dispatch import BACKEND_NAMES, resolve_backend
+from common.dispatch import BACKEND_NAMES, registered_backends, resolve_backend
 from common.problem import SWIGLU, Activation, ClampLimits, MoEBackwardProblem
 from common.routing import _INT_DTYPES, plan_routing  # the one list of accepted id dtypes
 from common.torch_backward import grouped_layout, moe_forward_torch
@@ -110,9 +111,10 @@ class MoEExpertsOptions:
                 "activation must be a common.problem.Activation, got "
                 f"{type(self.activation).__name__}"
             )
-        if not isinstance(self.backend, str) or not self.backend:
+        if not isinstance(self.backend, str) or not _known_backend(self.backend):
             raise ValueError(
-                f"backend must be 'auto' or a backend name {BACKEND_NAMES}, got {self.backend!r}"
+                f"backend {self.backend!r} is unknown: backend must be 'auto' or one of "
+                f"{', '.join(BACKEND_NAMES)}"
             )
         for name in ("validate_routing", "accumulate_main_grad"):
             if not isinstance(getattr(self, name), bool):
@@ -127,6 +129,35 @@ class MoEExpertsOptions:
 
 
 # --------------------------------------------------------------------------------- validation
+def _known_backend(name: str) -> bool:
+    """``"auto"``, a built-in backend name, or one registered with
+    :func:`common.dispatch.register_backend` (the registry is consulted only for other names)."""
+    if name == "auto" or name in BACKEND_NAMES:
+        return True
+    return bool(name) and name in registered_backends()
+
+
+_CLI_ADVICE = re.compile(r";?\s*--shrink N[^;]*")
+"""Command-line advice inside a backend's ``check_shape`` reason (``--shrink N rounds H and I
+...``): meaningless to a Python caller, so the layer drops it from its message."""
+
+
+def _check_backend_shape(backend, T: int, H: int, I: int, E: int, K: int,
+                         activation: Activation) -> None:
+    """The backend's ``check_shape`` on this problem, before any work (ValueError naming the
+    backend, the dimensions and the rule)."""
+    check = getattr(backend, "check_shape", None)
+    if check is None:
+        return
+    why = check({"T": T, "H": H, "I": I, "E": E, "K": K, "activation": activation.name})
+    if why is not None:
+        why = _CLI_ADVICE.sub("", why).strip("; ")
+        raise ValueError(
+            f"backend {backend.name!r} cannot run this layer (H={H}, I={I}, activation "
+            f"{activation.name!r}): {why}"
+        )
+
+
 def _shape(t: Any) -> str:
     return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
@@ -270,7 +301,9 @@ class MoEExpertsFunction(torch.autograd.Function):
         slots; None if affinity does not require grad); weight and bias grads in their dtypes;
         None for the weights when they were accumulated into ``main_grad`` (module docstring).
     Raises:
-        ValueError: a bad argument (named), in forward.
+        ValueError: a bad argument (named), in forward; a problem the backend does not take
+            (its ``check_shape``: e.g. H or I not multiples of 128, or gpt-oss's activation, on
+            the NKI backends), in forward.
         RuntimeError: an explicitly requested backend that cannot run here (in forward); a
             double backward (``once_differentiable``).
     """
@@ -296,6 +329,10 @@ class MoEExpertsFunction(torch.autograd.Function):
             _check_routing(expert_index_TK, affinity_TK, E)
         # Resolve now so that an unusable backend fails before any work (and before backward).
         backend = resolve_backend(options.backend, hidden_states_TH.device)
+        T, H = hidden_states_TH.shape
+        _check_backend_shape(
+            backend, T, H, w_down_EIH.shape[1], E, expert_index_TK.shape[1], options.activation
+        )
         plan = plan_routing(expert_index_TK, affinity_TK.detach(), E, validate=False)
         # The grouped layout and the BF16 X rows of the first GEMM are kept for the fused CUDA
         # backward (it then skips rebuilding the layout and re-gathering X; torchtitan's
@@ -663,6 +700,28 @@ def down_from_torchtitan(w2_EHI: torch.Tensor) -> torch.Tensor:
 _TORCHTITAN_OPTIONS = MoEExpertsOptions(validate_routing=False)
 
 
+def _check_counts_on_host(num_tokens_per_expert: torch.Tensor, rows: int) -> None:
+    """Counts >= 0 summing to at most ``rows`` (reads the counts: CPU tensors only)."""
+    n = num_tokens_per_expert.to(torch.int64)
+    if n.numel() and int(n.min()) < 0:
+        bad = [int(i) for i in torch.nonzero(n < 0).flatten()[:4]]
+        raise ValueError(
+            f"num_tokens_per_expert must be >= 0 (rows of each expert), got negative counts "
+            f"at experts {bad}: {n.tolist() if n.numel() <= 16 else '...'}"
+        )
+    big = int(n.max()) if n.numel() else 0
+    if big > rows:  # checked before the sum, which could overflow int64
+        raise ValueError(
+            f"num_tokens_per_expert must sum to at most the rows of x ({rows}), got a count "
+            f"of {big}"
+        )
+    total = int(n.sum())
+    if total > rows:
+        raise ValueError(
+            f"num_tokens_per_expert must sum to at most the rows of x ({rows}), got sum {total}"
+        )
+
+
 def run_experts_grouped_mm(
     w1: torch.Tensor,
     w2: torch.Tensor,
@@ -679,20 +738,24 @@ def run_experts_grouped_mm(
     ``(silu(x W1[e]^T) * (x W3[e]^T)) W2[e]^T`` with BF16 GEMM operands and returns
     ``[rows, H]`` in ``x.dtype``. Here every row is routed to its expert with top_k = 1 and
     affinity 1 and run through :class:`MoEExpertsFunction` (backward by ``common.dispatch``
-    "auto"); padding rows give 0 (as torchtitan's for-loop path). No host synchronisation: the
-    row -> expert map is ``repeat_interleave`` with a static ``output_size``.
+    "auto"); padding rows give 0 (as torchtitan's for-loop path). No host synchronisation on a
+    device: the row -> expert map is ``repeat_interleave`` with a static ``output_size`` (CPU
+    counts are read once, to check them).
 
     Args:
         w1: [E, I, H] float.  w2: [E, H, I] float.  w3: [E, I, H] float.
         x: [rows, H] float, rows in expert order.
-        num_tokens_per_expert: [E] int, rows of each expert; their sum must not exceed rows
-            (on the CPU a larger sum raises RuntimeError in ``repeat_interleave``; on CUDA it
-            is undefined).
+        num_tokens_per_expert: [E] int, rows of each expert: each >= 0, their sum <= rows.
+            Checked on CPU tensors (ValueError). On a device they are not read back (no host
+            synchronisation, CUDA-graph capturable) and bad counts cannot be refused: they are
+            clamped instead, memory-safely -- a negative count counts as 0 and rows past
+            ``rows`` are cut off -- so the result is then that of the clamped counts.
     Returns:
         [rows, H] in ``x.dtype``. Gradients flow to x, w1, w2 and w3 (through the differentiable
         views/copies of :func:`gate_up_from_torchtitan` and :func:`down_from_torchtitan`).
     Raises:
-        ValueError: a bad argument, named.
+        ValueError: a bad argument, named (on CPU tensors also a negative count or counts
+            summing to more than ``rows``).
 
     Example (not run in CI: torchtitan is not a dependency)::
 
@@ -719,9 +782,14 @@ def run_experts_grouped_mm(
         if t.device != x.device:
             raise ValueError(f"{name} is on device {t.device} but x is on {x.device}")
     rows = x.shape[0]
-    counts = n.to(torch.int64)
-    # One extra group E of padding rows (rows - sum) keeps the total static: no host read.
-    counts = torch.cat([counts, (rows - counts.sum()).reshape(1)])
+    if n.device.type == "cpu":  # a host read costs nothing here: refuse bad counts by name
+        _check_counts_on_host(n, rows)
+    # Memory-safe for any counts (the device path reads nothing back): each count clamped to
+    # [0, rows], the groups' ends to rows, and one extra group E of padding rows (rows - end)
+    # >= 0, so the E + 1 repeats always sum to exactly ``output_size=rows``.
+    counts = n.to(torch.int64).clamp(0, rows)
+    ends = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0).clamp(max=rows)])
+    counts = torch.cat([torch.diff(ends), (rows - ends[-1]).reshape(1)])
     expert_R = torch.repeat_interleave(
         torch.arange(E + 1, device=x.device), counts, output_size=rows
     )

@@ -528,6 +528,105 @@ def test_torchtitan_adapter_bad_input(over, match):
         down_from_torchtitan(torch.zeros(E, H))
 
 
+_ADAPTER_CRASH = """
+import torch
+from common.layer import run_experts_grouped_mm
+E, I, H = 4, 16, 32
+try:
+    run_experts_grouped_mm(torch.zeros(E, I, H), torch.zeros(E, H, I), torch.zeros(E, I, H),
+                           torch.zeros(8, H), torch.tensor([3, 3, 3, 3]))
+except ValueError as exc:
+    print("ValueError:", exc)
+"""
+
+
+def test_torchtitan_adapter_counts_beyond_rows_do_not_crash_the_process():
+    """Counts summing past x's rows once made ``repeat_interleave`` write past its output
+    (``free(): invalid next size``, the interpreter aborted): run in a subprocess so that a
+    regression fails this test instead of killing the suite."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _ADAPTER_CRASH], cwd=root, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "ValueError: num_tokens_per_expert must sum to at most the rows of x (8)" in r.stdout
+    assert "sum 12" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "counts, match",
+    [
+        ([3, 3, 3, 3], r"num_tokens_per_expert must sum to at most the rows of x \(8\), got sum 12"),
+        ([9, 0, 0, 0], r"num_tokens_per_expert must sum to at most the rows of x \(8\)"),
+        ([2**62] * 4, rf"must sum to at most the rows of x \(8\), got a count of {2**62}"),
+        ([-1, 2, 2, 2], r"num_tokens_per_expert must be >= 0 .*experts \[0\]"),
+        ([2, -5, 9, 0], r"num_tokens_per_expert must be >= 0 .*experts \[1\]"),
+    ],
+)
+def test_torchtitan_adapter_bad_counts_on_cpu(counts, match):
+    w1, w3, w2 = torch.zeros(E, I, H), torch.zeros(E, I, H), torch.zeros(E, H, I)
+    with pytest.raises(ValueError, match=match):
+        run_experts_grouped_mm(w1, w2, w3, torch.zeros(8, H), torch.tensor(counts))
+
+
+@pytest.mark.parametrize(
+    "counts, effective",
+    [
+        ([3, 3, 3, 3], [3, 3, 2, 0]),  # cut off at the rows of x
+        ([-4, 2, 2, 2], [0, 2, 2, 2]),  # a negative count counts as 0
+        ([2**62, -(2**62), 1, 1], [8, 0, 0, 0]),
+        ([1, 1, 1, 1], [1, 1, 1, 1]),  # valid counts: unchanged, the rest is padding
+    ],
+)
+def test_torchtitan_adapter_device_path_is_memory_safe(monkeypatch, counts, effective):
+    """Where counts are not read back (a device), any counts give the result of the clamped
+    counts and never an out-of-bounds write; exercised on the CPU with the host check off."""
+    import common.layer as layer_mod
+
+    monkeypatch.setattr(layer_mod, "_check_counts_on_host", lambda n, rows: None)
+    g = torch.Generator().manual_seed(5)
+    w1, w3 = torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g)
+    w2, x = torch.randn(E, H, I, generator=g), torch.randn(8, H, generator=g)
+    y = run_experts_grouped_mm(w1, w2, w3, x, torch.tensor(counts))
+    want = run_experts_grouped_mm(w1, w2, w3, x, torch.tensor(effective))
+    assert torch.equal(y, want)
+
+
+def test_unknown_backend_refused_at_construction():
+    for make in (lambda: MoEExpertsOptions(backend="bogus"),
+                 lambda: MoEExperts(4, 64, 32, backend="bogus")):
+        with pytest.raises(ValueError, match=r"backend 'bogus' is unknown.*'auto' or one of"):
+            make()
+    MoEExpertsOptions(backend="auto"), MoEExpertsOptions(backend="nki-twin")  # known names pass
+
+
+def test_backend_registered_by_a_plugin_is_accepted(monkeypatch):
+    monkeypatch.setattr(dispatch, "_REGISTRY", dict(dispatch._REGISTRY))
+    dispatch.register_backend(dataclasses.replace(dispatch.resolve_backend("torch"), name="mine"))
+    assert MoEExpertsOptions(backend="mine").backend == "mine"
+
+
+def test_backend_shape_check_runs_in_forward_without_cli_advice():
+    """An NKI backend refuses H, I not multiples of 128 and gpt-oss's activation in forward
+    (not first in backward), and the message speaks to a Python caller (no ``--shrink``)."""
+    torch.manual_seed(0)
+    m = MoEExperts(4, 64, 32, backend="nki-twin", dtype=torch.float32)
+    x, idx, aff = torch.randn(8, 64), torch.randint(0, 4, (8, 2)), torch.rand(8, 2)
+    with pytest.raises(ValueError) as exc:
+        m(x, idx, aff)
+    msg = str(exc.value)
+    assert "backend 'nki-twin'" in msg and "H=64 and I=32 must be multiples of 128" in msg
+    assert "--shrink" not in msg
+    gpt = MoEExperts.from_model(load_model("gpt-oss-20b").scaled(hidden=128, intermediate=128),
+                                backend="nki-twin", dtype=torch.float32)
+    x, idx = torch.randn(8, 128), torch.randint(0, gpt.num_experts, (8, 2))
+    with pytest.raises(ValueError, match=r"backend 'nki-twin'.*activation 'gpt_oss'"):
+        gpt(x, idx, aff)
+
+
 # ------------------------------------------------------------------------ double backward
 def _double_backward(loss, params):
     grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)

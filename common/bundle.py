@@ -49,6 +49,7 @@ __all__ = [
     "Bundle",
     "ProblemSpec",
     "build_problem",
+    "check_bundle_destination",
     "collect_metadata",
     "input_digests",
     "load_bundle",
@@ -384,32 +385,83 @@ class Bundle:
         return f"{self.backend}@{dn}" if dn else self.backend
 
 
+def check_bundle_destination(
+    path: str | os.PathLike, spec: ProblemSpec | None = None, *, force: bool = False,
+    force_hint: str = "force=True",
+) -> None:
+    """Whether :func:`save_bundle` may write a bundle of ``spec`` to ``path``; cheap, writes
+    nothing that stays (a probe directory is made and removed where the bundle would go).
+
+    Allowed: a new path (its parents are created), an empty directory, or a bundle of the same
+    problem (replaced). Refused: a file, a directory holding other files than a bundle's, a
+    place that cannot be written, and -- unless ``force`` -- a bundle of another problem (or one
+    whose manifest cannot be read). ``spec=None`` skips the problem comparison.
+
+    Raises:
+        ValueError: ``"<path>: <the rule>"``; ``force_hint`` names how to replace another
+            problem's bundle (``"--force"`` on the command line).
+    """
+    dest = Path(path)
+    if dest.exists() or dest.is_symlink():
+        if not dest.is_dir():
+            raise ValueError(f"{dest}: exists and is not a directory")
+        entries = set(os.listdir(dest))
+        if entries and not entries <= {MANIFEST, GRADIENTS}:
+            raise ValueError(
+                f"{dest}: the directory exists and holds other files than a bundle's "
+                f"({sorted(entries - {MANIFEST, GRADIENTS})[:3]}); choose an empty or new one"
+            )
+        if MANIFEST in entries and spec is not None and not force:
+            try:
+                other = read_manifest(dest)["spec"]
+            except ValueError as exc:
+                raise ValueError(
+                    f"{dest}: holds a bundle whose manifest cannot be read ({exc}); {force_hint} "
+                    "replaces it"
+                ) from None
+            if other != spec:
+                new, old = spec.to_json(), other.to_json()
+                diff = ", ".join(
+                    f"{k} {old.get(k)!r} -> {new.get(k)!r}"
+                    for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)
+                )
+                raise ValueError(
+                    f"{dest}: holds a bundle of another problem ({diff}); choose another "
+                    f"directory, or {force_hint} replaces it"
+                )
+    # The nearest existing ancestor must be a directory we can create entries in.
+    anc = dest if dest.is_dir() else dest.parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ValueError(f"{dest}: {anc} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".moe-bwd-probe.", dir=anc))
+    except OSError as exc:
+        raise ValueError(
+            f"{dest}: cannot create a directory in {anc} ({exc.strerror or exc})"
+        ) from None
+
+
 def save_bundle(
     path: str | os.PathLike, spec: ProblemSpec, problem: MoEBackwardProblem, grads: MoEGrads,
-    metadata: dict[str, Any],
+    metadata: dict[str, Any], *, force: bool = False,
 ) -> Path:
     """Write a bundle directory (see the module docstring); return its path.
 
     Written to a temporary sibling directory and renamed into place, so a failure leaves no
-    half-written bundle. An existing bundle at ``path`` is replaced; an existing non-empty
-    directory that is not a bundle is refused.
+    half-written bundle. An existing bundle of the same problem at ``path`` is replaced; one of
+    another problem only with ``force=True``; an existing file or non-empty directory that is
+    not a bundle is refused (:func:`check_bundle_destination`).
 
     Raises:
-        ValueError: ``path`` is a file or a non-bundle directory, or a required gradient is
-            missing.
+        ValueError: ``path`` refused (see above) or not writable (the message names ``path``,
+            never the temporary directory), or a required gradient is missing.
     """
     from safetensors.torch import save_file
 
     dest = Path(path)
-    if dest.exists():
-        if not dest.is_dir():
-            raise ValueError(f"--save {dest}: exists and is not a directory")
-        entries = set(os.listdir(dest))
-        if entries and not entries <= {MANIFEST, GRADIENTS}:
-            raise ValueError(
-                f"--save {dest}: the directory exists and holds other files than a bundle's "
-                f"({sorted(entries - {MANIFEST, GRADIENTS})[:3]}); choose an empty or new one"
-            )
+    check_bundle_destination(dest, spec, force=force)
     tensors = {}
     for name in GRAD_FIELDS:
         t = getattr(grads, name)
@@ -418,8 +470,11 @@ def save_bundle(
                 raise ValueError(f"save_bundle: gradient {name} is missing")
             continue
         tensors[name] = t.detach().to("cpu").contiguous()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    except OSError as exc:
+        raise ValueError(f"{dest}: cannot write the bundle ({exc.strerror or exc})") from None
     try:
         save_file(tensors, str(tmp / GRADIENTS))
         manifest = {
@@ -450,6 +505,8 @@ def save_bundle(
             shutil.rmtree(old)
         else:
             tmp.rename(dest)
+    except OSError as exc:  # the message names dest, not the temporary sibling
+        raise ValueError(f"{dest}: cannot write the bundle ({exc.strerror or exc})") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -182,11 +182,17 @@ def _run(args, console: Console) -> int:
         raise _Failed(str(exc)) from None
     if args.tokens is not None and args.tokens < 1:
         raise _Failed(f"--tokens must be >= 1, got {args.tokens}")
+    if args.shrink < 1:
+        raise _Failed(f"--shrink must be an int >= 1, got {args.shrink}")
+    if args.layer is not None and args.weights is None:
+        raise _Failed("--layer is only used with --weights PATH")
+    if args.save is not None:  # before any work: the cheap checks (file, other files, access)
+        _check_save_target(args.save, None, args.force)
     full_model = model
     try:
         model = model.shrink(args.shrink)  # shrink(1) is the identity, as in the API
     except ValueError as exc:
-        raise _Failed(f"--shrink: {exc}") from None
+        raise _Failed(str(exc)) from None
     try:
         routing = _load_routing_arg(args, model)
     except ValueError as exc:
@@ -218,17 +224,23 @@ def _run(args, console: Console) -> int:
             f"(weights, gradients and their float64 reference for E={model.experts} experts), "
             f"{have / 2**30:.0f} GiB are available; pass --shrink N to divide H and I by N"
         )
+    spec = None
+    if args.save is not None:  # the problem's spec, then whether --save may hold its bundle
+        try:
+            spec = ProblemSpec.for_model(
+                model, args.tokens, seed=args.seed, skew=args.skew, shrink=args.shrink,
+                **_file_digests(args, model),
+            )
+        except (ValueError, OSError) as exc:
+            raise _Failed(str(exc)) from None
+        _check_save_target(args.save, spec, args.force)
     times: dict[str, float] = {}
     run_start = time.perf_counter()
     with _Steps(console, 2 if args.no_reference else 3) as steps:
         steps.step("building inputs (weights, router, forward checkpoint)")
         t0 = time.perf_counter()
         try:
-            if args.save is not None:  # on the CPU: the same bits on every machine
-                spec = ProblemSpec.for_model(
-                    model, args.tokens, seed=args.seed, skew=args.skew, shrink=args.shrink,
-                    **_file_digests(args, model),
-                )
+            if spec is not None:  # --save: on the CPU, the same bits on every machine
                 problem = build_problem(spec, device, routing_file=args.routing,
                                         weights_file=args.weights)
             else:
@@ -236,7 +248,7 @@ def _run(args, console: Console) -> int:
                 if args.weights is not None:
                     from common.loaders import load_expert_weights
 
-                    weights = load_expert_weights(args.weights, model, layer=args.layer)
+                    weights = load_expert_weights(args.weights, model, layer=args.layer or 0)
                 problem = make_problem_for_model(
                     model, args.tokens, seed=args.seed, device=device, skew=args.skew,
                     routing=routing, weights=weights,
@@ -251,7 +263,9 @@ def _run(args, console: Console) -> int:
         try:
             grads = backend.run(problem)
         except (ValueError, RuntimeError) as exc:
-            raise _Failed(f"backend {backend.name}: {exc}") from None
+            msg = str(exc)  # a backend's own message may already name it
+            named = msg.startswith((f"backend {backend.name}", f"backend {backend.name!r}"))
+            raise _Failed(msg if named else f"backend {backend.name}: {msg}") from None
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         times["backend"] = time.perf_counter() - t0
@@ -284,10 +298,10 @@ def _run(args, console: Console) -> int:
         try:
             saved = save_bundle(
                 args.save, spec, problem, grads,
-                collect_metadata(backend.name, device, times, grads.info),
+                collect_metadata(backend.name, device, times, grads.info), force=args.force,
             )
         except (ValueError, OSError) as exc:
-            raise _Failed(f"--save: {exc}") from None
+            raise _Failed(f"--save {exc}") from None  # the message starts with the path
         times["save"] = time.perf_counter() - t0
     times["total"] = time.perf_counter() - run_start
 
@@ -373,6 +387,40 @@ def _run(args, console: Console) -> int:
     return 0
 
 
+def _check_save_target(path: str, spec, force: bool) -> None:
+    """``--save DIR`` can hold this problem's bundle (:func:`common.bundle.check_bundle_destination`):
+    _Failed (exit 2) naming the option once, before any work."""
+    from common.bundle import check_bundle_destination
+
+    try:
+        check_bundle_destination(path, spec, force=force, force_hint="--force")
+    except ValueError as exc:
+        raise _Failed(f"--save {exc}") from None  # the message starts with the path
+
+
+def _check_report_target(path: str) -> None:
+    """``--report DIR`` is a directory, or can become one, that we can write into: _Failed
+    (exit 2) before any work. Nothing stays behind (a probe directory is made and removed)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    dest = Path(path)
+    if dest.exists() and not dest.is_dir():
+        raise _Failed(f"--report {dest}: exists and is not a directory")
+    anc = dest if dest.is_dir() else dest.parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise _Failed(f"--report {dest}: {anc} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".moe-bwd-probe.", dir=anc))
+    except OSError as exc:
+        raise _Failed(
+            f"--report {dest}: cannot create a directory in {anc} ({exc.strerror or exc})"
+        ) from None
+
+
 def _load_routing_arg(args, model):
     """``(expert_index, affinity)`` of ``--routing`` (checked against the model and
     ``--tokens``), or None."""
@@ -410,8 +458,8 @@ def _add_real_input_args(p, *, compare: bool = False) -> None:
         "weights: a .safetensors file, a sharded checkpoint's index .json or its directory "
         "(only the layer's shards are read; H and I must match the model, after --shrink)",
     )
-    p.add_argument("--layer", type=int, default=None if compare else 0, metavar="N",
-                   help="decoder layer read from --weights")
+    p.add_argument("--layer", type=int, default=None, metavar="N",
+                   help="decoder layer read from --weights" + ("" if compare else " (default 0)"))
 
 
 def _bytes_needed(model, num_tokens: int, reference: bool = True) -> int:
@@ -467,6 +515,8 @@ def _compare_problem(args, bundle_paths: list[str]):
         model = load_model(args.model)
         if args.tokens is not None and args.tokens < 1:
             raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+        if args.shrink < 1:
+            raise ValueError(f"--shrink must be an int >= 1, got {args.shrink}")
         model = model.shrink(args.shrink)  # shrink(1) is the identity
         routing = _load_routing_arg(args, model)  # checks it before any work
         tokens = args.tokens if args.tokens is not None else int(routing[0].shape[0])
@@ -493,6 +543,13 @@ def _cmd_compare(args, console: Console) -> int:
     )
     from common.compare import GRAD_LABELS, compare_grads, routed_mask_TE
 
+    if args.min_sqnr is not None and not math.isfinite(args.min_sqnr):
+        return _error(f"--min-sqnr must be a finite number (dB), got {args.min_sqnr}")
+    if args.report is not None:
+        try:
+            _check_report_target(args.report)
+        except _Failed as exc:
+            return _error(str(exc))
     operands = list(args.operands)
     baseline = args.baseline
     names = set(dispatch.BACKEND_NAMES) | set(dispatch.registered_backends())
@@ -521,7 +578,8 @@ def _cmd_compare(args, console: Console) -> int:
             if kinds[op] == "bundle":
                 b = load_bundle(op, check_inputs=False)
                 check_digests(b.inputs_sha256, digests, where=str(b.path / "bundle.json"))
-                results[op] = (b.label, b.grads, b.metadata)
+                # backend@device plus the directory: two CPU bundles stay apart
+                results[op] = (f"{b.label} ({b.path.resolve().name})", b.grads, b.metadata)
             else:
                 backend = dispatch.resolve_backend(op, device)
                 dims = {"T": spec.tokens, "H": spec.hidden, "I": spec.intermediate,
@@ -584,8 +642,8 @@ def _cmd_compare(args, console: Console) -> int:
                 args.report, comparison, {labels[op]: results[op][1] for op in operands
                                           if op != baseline}, base_grads,
             )
-        except OSError as exc:
-            return _error(f"--report: {exc}")
+        except OSError as exc:  # checked before any work; a race or a full disk
+            return _error(f"--report {args.report}: cannot write the report ({exc.strerror or exc})")
         comparison["report"] = str(md)
     if args.json:
         print(json.dumps(comparison, indent=2, allow_nan=True))
@@ -737,7 +795,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="write a gradient bundle (spec, input digests, gradients, metadata) to DIR; "
-        "inputs are then built on the CPU",
+        "inputs are then built on the CPU. DIR may be new, empty, or hold a bundle of the same "
+        "problem (replaced); checked before any work",
+    )
+    run.add_argument(
+        "--force", action="store_true",
+        help="let --save replace a bundle of another problem",
     )
     run.add_argument(
         "--no-reference", action="store_true",

@@ -174,9 +174,8 @@ def _read_mapping(path: Path, what: str) -> dict[str, Any]:
         try:
             data = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # pickle errors of every kind: refuse, name the file
-            raise ValueError(
-                f"{path}: not a readable torch file (torch.load with weights_only=True): {exc}"
-            ) from None
+            raise ValueError(f"{path}: not a readable torch file: {_torch_load_failure(exc)}"
+                             ) from None
         if not isinstance(data, dict):
             raise ValueError(
                 f"{path}: a .pt {what} must hold a dict of tensors, got {type(data).__name__}"
@@ -203,6 +202,26 @@ def _read_mapping(path: Path, what: str) -> dict[str, Any]:
     raise ValueError(
         f"{path}: unknown {what} file type {suffix!r}; use .pt, .safetensors or .npz"
     )
+
+
+def _torch_load_failure(exc: BaseException) -> str:
+    """What went wrong in ``torch.load(weights_only=True)``, in words (its raw errors can be a
+    bare ``KeyError: 101`` -- a byte the unpickler does not know -- or a page of advice)."""
+    import pickle
+
+    text = str(exc).strip()
+    if isinstance(exc, EOFError):
+        return "the file is empty or ends too early (truncated?)"
+    if "Weights only load failed" in text:
+        return ("it holds Python objects other than tensors and plain containers, which "
+                "torch.load(weights_only=True) refuses to unpickle; save a dict of tensors")
+    if isinstance(exc, (KeyError, IndexError, pickle.UnpicklingError)) or (
+        isinstance(exc, RuntimeError) and "zip archive" in text
+    ):
+        return ("its bytes are neither a torch.save zip archive nor a pickle (another format, "
+                "or a corrupt file)")
+    first = text.splitlines()[0] if text else ""
+    return f"torch.load failed ({type(exc).__name__}{': ' + first if first else ''})"
 
 
 def _as_tensor(v: Any, path: Path, name: str) -> torch.Tensor:
@@ -332,6 +351,14 @@ def family_of_model(model: MoEModelShape | str) -> str:
 
 
 _LAYER_RE = re.compile(r"^(?:(.*)\.)?layers\.(\d+)\.(.+)$")
+# One tensor name (after ``layers.N.``) that tells each family's layout apart, for messages only.
+_FAMILY_MARKERS: dict[str, re.Pattern] = {
+    "qwen3_moe": re.compile(r"^mlp\.experts\.\d+\.gate_proj\.weight$"),
+    "deepseek_v3": re.compile(r"^mlp\.experts\.\d+\.gate_proj\.weight$"),
+    "mixtral": re.compile(r"^block_sparse_moe\.experts\.\d+\.w1\.weight$"),
+    "llama4": re.compile(r"^feed_forward\.experts\.gate_up_proj$"),
+    "gpt_oss": re.compile(r"^mlp\.experts\.gate_up_proj(?:_blocks)?$"),
+}
 
 
 INDEX_NAME = "model.safetensors.index.json"  # transformers' SAFE_WEIGHTS_INDEX_NAME
@@ -371,8 +398,16 @@ def _resolve_weights(path: Path) -> tuple[Path | None, Path | None]:
             f"{path}: a --weights directory must hold {INDEX_NAME} or exactly one .safetensors "
             f"file; it holds no index and {len(shards)} .safetensors files"
         )
+    if not path.exists():
+        raise ValueError(
+            f"{path}: --weights path does not exist (give a .safetensors file, a "
+            f"{INDEX_NAME} or a checkpoint directory)"
+        )
     if not path.is_file():
-        raise ValueError(f"{path}: weights file does not exist or is not a file")
+        raise ValueError(
+            f"{path}: --weights path is neither a file nor a directory (give a .safetensors "
+            f"file, a {INDEX_NAME} or a checkpoint directory)"
+        )
     if path.name.lower().endswith(".json"):
         return path, None
     if path.suffix.lower() == ".safetensors":
@@ -429,6 +464,7 @@ class _Source:
     def __init__(self, path: Path, layer: int) -> None:
         self.path = path
         self.layer = layer
+        self.family: str | None = None  # the layout asked for (set by load_expert_weights)
         self._handles: dict[Path, tuple[Any, set[str]]] = {}
         self.index, single = _resolve_weights(path)
         if self.index is not None:
@@ -477,6 +513,19 @@ class _Source:
     def has(self, rest: str) -> bool:
         return rest in self.by_rest
 
+    def other_family(self) -> str | None:
+        """For a missing tensor: the families whose layout the layer's tensor names follow when
+        that is not the one asked for (e.g. ``"mixtral (mixtral-8x7b)"``), else None."""
+        own = _FAMILY_MARKERS.get(self.family or "")
+        if own is None:
+            return None
+        found = [
+            f"{fam} ({', '.join(FAMILIES[fam])})"
+            for fam, rx in _FAMILY_MARKERS.items()
+            if rx.pattern != own.pattern and any(rx.match(r) for r in self.by_rest)
+        ]
+        return " or ".join(found) or None
+
     def key(self, rest: str) -> str:
         """The full tensor name of ``layers.N.<rest>``; a ValueError when absent or ambiguous."""
         where = self.index or self.path
@@ -486,11 +535,19 @@ class _Source:
                 f"{'...' if len(self.layers_present) > 6 else ''}"
                 if self.layers_present else "it holds no 'layers.N.' tensors"
             )
-            hint = (
-                "" if self.index is not None else
-                f"; experts may sit in another shard: pass the checkpoint's {INDEX_NAME} or "
-                "its directory"
-            )
+            other = self.other_family()
+            if other is not None:
+                hint = (
+                    f"; its tensor names follow the {other} layout, not the {self.family} layout "
+                    "of the model asked for: is the model the checkpoint's?"
+                )
+            elif self.index is None:
+                hint = (
+                    f"; experts may sit in another shard: pass the checkpoint's {INDEX_NAME} or "
+                    "its directory"
+                )
+            else:
+                hint = ""
             raise ValueError(
                 f"{where}: tensor 'layers.{self.layer}.{rest}' is missing ({held}{hint})"
             )
@@ -608,10 +665,13 @@ def _gpt_oss_weight(src: _Source, rest: str, E: int, in_dim: int, out_dim: int,
     if plain:
         return _float(src, rest, src.get(rest, (E, in_dim, out_dim))).to(dtype)
     if not packed:
+        other = src.other_family()
         raise ValueError(
             f"{where}: tensor 'layers.{src.layer}.{rest}' is missing: "
             f"neither {rest!r} nor its MXFP4 '{bn}' / '{sn}' is there (layers held: "
             f"{src.layers_present[:6]}{'...' if len(src.layers_present) > 6 else ''})"
+            + (f"; its tensor names follow the {other} layout, not the {src.family} layout of "
+               "the model asked for: is the model the checkpoint's?" if other else "")
         )
     src.key(bn), src.key(sn)  # both halves present, before any read
     # MXFP4 tensors are [E, out, in] (nn.Linear order); the parameter is their transpose
@@ -691,6 +751,7 @@ def load_expert_weights(
         raise ValueError(f"unknown weight family {fam!r}; known: {sorted(FAMILIES)}")
     p = Path(path)
     src = _Source(p, layer)
+    src.family = fam
     where = src.index or src.path
     E, H, I = model.experts, model.hidden, model.intermediate
     b_gu = b_dn = None

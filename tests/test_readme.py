@@ -19,3 +19,21 @@ def test_readme_has_python_blocks():
 def test_readme_python_block_runs(index, monkeypatch):
     monkeypatch.setenv("MOE_BWD_BACKEND", "auto")
     exec(compile(BLOCKS[index], f"README.md python block {index}", "exec"), {"__name__": "readme"})
+
+
+def test_nki_results_rows_name_what_the_kernel_computes():
+    """The NKI backends refuse gpt-oss's activation: no row of the NKI results table may call
+    its shape "gpt-oss-like"; the clamped, biased SwiGLU row says it is SwiGLU."""
+    text = README.read_text()
+    table = text[text.index("NKI MXFP8 kernel on the interpreter"):]
+    rows = [line for line in table.split("\n\n")[1].splitlines() if line.startswith("|")]
+    assert rows and not any("gpt-oss-like" in r for r in rows)
+    assert any(r.startswith("| SwiGLU with clamp 7 and biases") for r in rows)
+
+
+def test_quick_start_time_is_a_range_a_fresh_two_core_run_meets():
+    """A fresh 2-core run of the quick start took 136 s: the stated range must hold it."""
+    text = README.read_text()
+    m = re.search(r"takes (\d+(?:\.\d+)?)–(\d+(?:\.\d+)?) minutes on 2 CPU cores", text)
+    assert m, "the quick start states its time as 'takes A–B minutes on 2 CPU cores'"
+    assert float(m.group(1)) * 60 <= 136 <= float(m.group(2)) * 60

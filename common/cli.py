@@ -214,7 +214,8 @@ def _run(args, console: Console) -> int:
             "K": model.top_k, "activation": _activation_name(model)}
     why = backend.check_shape(dims) if backend.check_shape is not None else None
     if why is not None:  # before any input is built
-        raise _Failed(f"backend {backend.name} cannot run {model.display_name}: {why}")
+        hint = "; --shrink N rounds H and I to multiples of 128" if "multiples of" in why else ""
+        raise _Failed(f"backend {backend.name} cannot run {model.display_name}: {why}{hint}")
 
     need = _bytes_needed(model, args.tokens, reference=not args.no_reference)
     have = _memory_available(device)

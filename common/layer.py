@@ -42,7 +42,6 @@ the dispatcher's registry.
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,11 +136,6 @@ def _known_backend(name: str) -> bool:
     return bool(name) and name in registered_backends()
 
 
-_CLI_ADVICE = re.compile(r";?\s*--shrink N[^;]*")
-"""Command-line advice inside a backend's ``check_shape`` reason (``--shrink N rounds H and I
-...``): meaningless to a Python caller, so the layer drops it from its message."""
-
-
 def _check_backend_shape(backend, T: int, H: int, I: int, E: int, K: int,
                          activation: Activation) -> None:
     """The backend's ``check_shape`` on this problem, before any work (ValueError naming the
@@ -151,7 +145,6 @@ def _check_backend_shape(backend, T: int, H: int, I: int, E: int, K: int,
         return
     why = check({"T": T, "H": H, "I": I, "E": E, "K": K, "activation": activation.name})
     if why is not None:
-        why = _CLI_ADVICE.sub("", why).strip("; ")
         raise ValueError(
             f"backend {backend.name!r} cannot run this layer (H={H}, I={I}, activation "
             f"{activation.name!r}): {why}"

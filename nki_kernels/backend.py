@@ -96,7 +96,7 @@ def check_shape(dims: dict[str, Any]) -> str | None:
     if bad:
         reasons.append(
             f"{' and '.join(bad)} must be multiples of {DIM_ALIGN} (the kernel's partition "
-            "tile); --shrink N rounds H and I to multiples of 128"
+            "tile)"
         )
     act = dims.get("activation")
     if act not in (None, "swiglu"):

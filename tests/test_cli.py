@@ -126,6 +126,7 @@ def test_backend_refuses_shape_before_inputs(capsys, monkeypatch):
     rc = cli.main(["run", "--model", "gpt-oss-20b", "--tokens", "8", "--backend", "nki-sim"])
     err = capsys.readouterr().err
     assert rc == 2 and "H=2880 and I=2880 must be multiples of 128" in err, err
+    assert "--shrink N rounds H and I to multiples of 128" in err  # the CLI's own advice
 
 
 def test_run_shrunk_header_json_no_reference(capsys):

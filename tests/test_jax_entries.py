@@ -448,6 +448,57 @@ def test_reference_under_jit_values_are_data():
     assert "cannot be checked" in wgrad_jax.grouped_wgrad_jax_reference.__doc__
 
 
+def _largest_intermediate(jaxpr) -> int:
+    """Elements of the largest value any equation of ``jaxpr`` (sub-jaxprs included) makes."""
+    from jax.extend import core as jcore
+
+    best = 0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            shape = getattr(v.aval, "shape", ())
+            best = max(best, int(np.prod(shape)) if shape else 1)
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jcore.Jaxpr):
+                    best = max(best, _largest_intermediate(inner))
+    return best
+
+
+def test_reference_has_no_expert_times_tokens_blowup():
+    """The twin's work and memory do not grow as E x the dense product: no [S, E, ...] one-hot
+    intermediate (the former einsum formed [S, E] and E x the FLOPs). With S >> H, I the
+    largest value made is the [E, H, I] result or the padded operands, not E * S * I."""
+    s, h, i, e = 2048, 16, 16, 32
+    a, b = _ref_ops(s=s, h=h, i=i)
+    off = jnp.asarray(np.linspace(0, s, e + 1)[1:].astype(np.int32))
+    jaxpr = jax.make_jaxpr(wgrad_jax.grouped_wgrad_jax_reference)(a, b, off).jaxpr
+    bound = 2 * max(e * h * i, (h + i) * (s + 256))
+    assert _largest_intermediate(jaxpr) <= bound
+
+
+@pytest.mark.parametrize("s,e", [(1, 1), (300, 3), (1000, 64), (37, 100), (2048, 2)])
+def test_reference_random_splits_and_grad(s, e):
+    """Random splits across chunk boundaries (S not a multiple of the chunk, E > S, experts
+    spanning many chunks) against float64 numpy, jitted; the twin stays differentiable: its
+    gradient equals the per-expert products' (d/da sum(w * out) = sum_e w_e b_e^T)."""
+    g = np.random.default_rng(s + e)
+    h, i = 12, 20
+    a64, b64 = g.standard_normal((h, s)), g.standard_normal((s, i))
+    ends = np.append(np.sort(g.integers(0, s + 1, e - 1)), s).astype(np.int32)
+    begins = np.concatenate([[0], ends[:-1]])
+    want = np.stack([a64[:, lo:hi] @ b64[lo:hi] for lo, hi in zip(begins, ends)])
+    a, b, off = jnp.asarray(a64, jnp.float32), jnp.asarray(b64, jnp.float32), jnp.asarray(ends)
+    got = jax.jit(wgrad_jax.grouped_wgrad_jax_reference)(a, b, off)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    w = jnp.asarray(g.standard_normal(want.shape), jnp.float32)
+    da = jax.grad(lambda a: (wgrad_jax.grouped_wgrad_jax_reference(a, b, off) * w).sum())(a)
+    want_da = np.zeros((h, s))
+    for k, (lo, hi) in enumerate(zip(begins, ends)):
+        want_da[:, lo:hi] = np.asarray(w[k], np.float64) @ b64[lo:hi].T
+    np.testing.assert_allclose(np.asarray(da), want_da, rtol=1e-5, atol=1e-4)
+
+
 def test_custom_vjp_example_matches_autodiff():
     """The docstring example of ``grouped_wgrad_jax``: the weight gradient of a ragged expert
     projection through the grouped wgrad equals JAX's own autodiff of ``ragged_dot``."""

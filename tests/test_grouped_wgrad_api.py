@@ -1320,3 +1320,22 @@ def test_tile_rules_have_one_source(arch):
     for _name, _cond, config in {"sm90": sm90_bf16.load_sm90_tile_rules,
                                  "sm100": sm100_bf16.load_sm100_tile_rules}[arch]():
         assert config.tile_m in rules.tile_m and config.tile_n in rules.tile_n
+
+
+def test_dispatch_reason_without_cuda(monkeypatch):
+    """A CUDA device where CUDA is unavailable: the reason says so (not "is not a CUDA
+    device")."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for dev in ("cuda", "cuda:0", torch.device("cuda", 1)):
+        name, reason = api.select_grouped_wgrad_backend(dev)
+        assert name == "torch" and reason.startswith("CUDA is not available"), reason
+    assert "not a CUDA device" in api.select_grouped_wgrad_backend("meta")[1]
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(2), None, 1.5, "nodevice", ["cpu"]],
+                         ids=["tensor", "none", "float", "bad-string", "list"])
+def test_dispatch_rejects_non_devices(bad):
+    """Anything but a device, a device string or a CUDA ordinal: ValueError naming ``device``
+    and what it accepts (was a raw TypeError / RuntimeError from torch.device)."""
+    with pytest.raises(ValueError, match=r"device must be a torch\.device, a device string"):
+        api.select_grouped_wgrad_backend(bad)

@@ -475,7 +475,7 @@ def test_class_constructor_rules(fake_device):
     cls = api.GroupedGemmWgradSm90
     with pytest.raises(ValueError, match="not both"):
         cls(a, b, None, None, off, sample_wgrad=w, num_experts=3)
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="no output sample"):
         cls(a, b, None, None, off)
     with pytest.raises(ValueError, match="wgrad_shape and wgrad_dtype"):
         cls(a, b, None, None, off, num_experts=3)
@@ -1320,3 +1320,51 @@ def test_tile_rules_have_one_source(arch):
     for _name, _cond, config in {"sm90": sm90_bf16.load_sm90_tile_rules,
                                  "sm100": sm100_bf16.load_sm100_tile_rules}[arch]():
         assert config.tile_m in rules.tile_m and config.tile_n in rules.tile_n
+
+
+def test_dispatch_reason_without_cuda(monkeypatch):
+    """A CUDA device where CUDA is unavailable: the reason says so (not "is not a CUDA
+    device")."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for dev in ("cuda", "cuda:0", torch.device("cuda", 1)):
+        name, reason = api.select_grouped_wgrad_backend(dev)
+        assert name == "torch" and reason.startswith("CUDA is not available"), reason
+    assert "not a CUDA device" in api.select_grouped_wgrad_backend("meta")[1]
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(2), None, 1.5, "nodevice", ["cpu"]],
+                         ids=["tensor", "none", "float", "bad-string", "list"])
+def test_dispatch_rejects_non_devices(bad):
+    """Anything but a device, a device string or a CUDA ordinal: ValueError naming ``device``
+    and what it accepts (was a raw TypeError / RuntimeError from torch.device)."""
+    with pytest.raises(ValueError, match=r"device must be a torch\.device, a device string"):
+        api.select_grouped_wgrad_backend(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+@pytest.mark.parametrize("arch", ["sm100", "sm90"])
+def test_device_rule_comes_first(arch):
+    """CPU tensors with offsets that break the SM100 256 rule (then int64 offsets, a static
+    rule): both wrappers and both classes say they need CUDA first, not a data rule
+    that does not matter until there is a device to run on."""
+    a, b, off = _operands([100, 0, 156])
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        WRAPPERS[arch](a, b, None, None, off)
+    off = off.long()  # a static rule broken too (int64 offsets)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        WRAPPERS[arch](a, b, None, None, off)
+    op = CLASSES[arch](a, b, None, None, off, sample_wgrad=torch.empty(3, H, I))
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        op.check_support()
+
+
+@pytest.mark.parametrize("arch", ["sm100", "sm90"])
+def test_class_output_sample_neither_and_both(arch):
+    """Neither output sample: a message for that case (it said "..., not both"); both: the
+    "not both" message."""
+    a, b, off = _operands(COUNTS)
+    with pytest.raises(ValueError, match="no output sample: give sample_wgrad"):
+        CLASSES[arch](a, b, None, None, off)
+    with pytest.raises(ValueError, match="not both"):
+        CLASSES[arch](a, b, None, None, off, sample_wgrad=torch.empty(3, H, I), num_experts=3,
+                      wgrad_shape=(H, I), wgrad_dtype=torch.bfloat16)

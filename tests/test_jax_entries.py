@@ -302,7 +302,7 @@ _SPLITS = {
     "uneven with empty": [64, 0, 192, 256],
     "one expert takes all": [0, 512, 0, 0],
     "every expert empty": [0, 0, 0, 0],
-    "tail past the last offset": [128, 128, 0, 64],
+    "many small experts": [1, 7, 0, 33, 200, 3, 0, 268],
 }
 
 
@@ -310,33 +310,193 @@ _SPLITS = {
 def test_reference_twin_matches_torch_twin(split):
     counts = _SPLITS[split]
     g = torch.Generator().manual_seed(7)
-    s = 512
+    s = sum(counts)  # last offset == S (every expert empty: no tokens)
     a_t = torch.randn(H, s, generator=g).to(torch.bfloat16)
     b_t = torch.randn(s, I, generator=g).to(torch.bfloat16)
     off_t = torch.tensor(np.cumsum(counts), dtype=torch.int32)
-    ref = torch.zeros(E, H, I)
-    for e in range(E):
+    e_count = len(counts)
+    ref = torch.zeros(e_count, H, I)
+    for e in range(e_count):
         lo = 0 if e == 0 else int(off_t[e - 1])
         ref[e] = a_t[:, lo:int(off_t[e])].double().mm(b_t[lo:int(off_t[e])].double()).float()
     a = jnp.asarray(a_t.float().numpy(), jnp.bfloat16)
     b = jnp.asarray(b_t.float().numpy(), jnp.bfloat16)
     off = jnp.asarray(off_t.numpy())
     got = jax.jit(wgrad_jax.grouped_wgrad_jax_reference)(a, b, off)
-    assert got.shape == (E, H, I) and got.dtype == jnp.float32
+    assert got.shape == (e_count, H, I) and got.dtype == jnp.float32
     torch.testing.assert_close(torch.from_numpy(np.asarray(got)), ref, rtol=1e-5, atol=1e-4)
-    if counts[-1] or split == "every expert empty":  # the torch twin needs last == S or any
-        tw = grouped_wgrad_torch(a_t, b_t, off_t, out_dtype=torch.float32)
-        torch.testing.assert_close(torch.from_numpy(np.asarray(got)), tw, rtol=1e-5, atol=1e-3)
+    tw = grouped_wgrad_torch(a_t, b_t, off_t, out_dtype=torch.float32)
+    torch.testing.assert_close(torch.from_numpy(np.asarray(got)), tw, rtol=1e-5, atol=1e-3)
+    eager = wgrad_jax.grouped_wgrad_jax_reference(a, b, off)
+    torch.testing.assert_close(torch.from_numpy(np.asarray(eager)), tw, rtol=1e-5, atol=1e-3)
 
 
 def test_grouped_wgrad_jax_backends_on_cpu():
-    a, b, off = _ops()
+    a, b, _ = _ops()
+    off = jnp.asarray([128, 256, 384, 512], jnp.int32)
     out = wgrad_jax.grouped_wgrad_jax(a, b, off, wgrad_dtype=jnp.bfloat16)  # auto: the twin
     assert out.shape == (E, H, I) and out.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="backend must be"):
         wgrad_jax.grouped_wgrad_jax(a, b, off, backend="cuda")
     with pytest.raises(RuntimeError, match="runs a CUDA kernel"):
         wgrad_jax.grouped_wgrad_jax(a, b, off, backend="sm90")
+
+
+def _ref_ops(s=64, h=8, i=8):
+    g = np.random.default_rng(1)
+    return (jnp.asarray(g.standard_normal((h, s)), jnp.bfloat16),
+            jnp.asarray(g.standard_normal((s, i)), jnp.bfloat16))
+
+
+#: Offsets values the torch ``grouped_gemm_wgrad`` rejects: (case, offsets for S = 64, message).
+_BAD_VALUES = [
+    ("last < S", [16, 32, 48, 60], r"offsets\[-1\] \(60\) must equal tokens_sum"),
+    ("last > S", [16, 32, 48, 70], r"offsets\[-1\] \(70\) must equal tokens_sum"),
+    ("decreasing", [16, 40, 32, 64], "offsets must be non-decreasing"),
+    ("negative first", [-4, 32, 48, 64], "offsets must be non-decreasing"),
+]
+_ENTRIES = {
+    "reference": lambda a, b, o, **kw: wgrad_jax.grouped_wgrad_jax_reference(a, b, o, **kw),
+    "grouped_wgrad_jax": lambda a, b, o, **kw: wgrad_jax.grouped_wgrad_jax(a, b, o, **kw),
+}
+
+
+@pytest.mark.parametrize("entry", list(_ENTRIES))
+@pytest.mark.parametrize("case,offsets,pattern", _BAD_VALUES, ids=[c[0] for c in _BAD_VALUES])
+def test_reference_rejects_bad_offsets_values_eagerly(entry, case, offsets, pattern):
+    """Concrete offsets are checked as the torch entry checks them (no silent zeroed tail, no
+    silently wrong split); ``validate_offsets=False`` skips the host read."""
+    a, b = _ref_ops()
+    off = jnp.asarray(offsets, jnp.int32)
+    with pytest.raises(ValueError, match=pattern):
+        _ENTRIES[entry](a, b, off)
+    out = _ENTRIES[entry](a, b, off, validate_offsets=False)  # opt-out: the caller's contract
+    assert out.shape == (4, 8, 8)
+
+
+#: Static rules of the jnp twin (dtype / shape / type): checked eagerly AND under jit.
+_BAD_STATIC_REF = [
+    ("int16 offsets", dict(off_dtype=jnp.int16), "offsets must be a 1-D .* int32"),
+    ("int64-like offsets", dict(off_dtype=jnp.uint32), "offsets must be a 1-D .* int32"),
+    ("2-D offsets", dict(off_2d=True), "offsets must be a 1-D"),
+    ("no experts", dict(no_experts=True), "num_experts >= 1"),
+    ("S mismatch", dict(b_rows=56), r"b.shape\[0\] \(56\) must equal a.shape\[1\]"),
+    ("a 3-D", dict(a_3d=True), "a must be a 2-D"),
+    ("int a", dict(a_int=True), "a must be a 2-D .* floating"),
+    ("int wgrad_dtype", dict(wgrad_dtype="int8"), "wgrad_dtype must be a floating"),
+]
+
+
+@pytest.mark.parametrize("entry", list(_ENTRIES))
+@pytest.mark.parametrize("case,change,pattern", _BAD_STATIC_REF,
+                         ids=[c[0] for c in _BAD_STATIC_REF])
+def test_reference_static_rules_eager_and_under_jit(entry, case, change, pattern):
+    a, b = _ref_ops()
+    off = jnp.asarray([16, 32, 48, 64], change.get("off_dtype", jnp.int32))
+    if change.get("off_2d"):
+        off = off[None]
+    if change.get("no_experts"):
+        off = off[:0]
+    if "b_rows" in change:
+        b = b[: change["b_rows"]]
+    if change.get("a_3d"):
+        a = a[None]
+    if change.get("a_int"):
+        a = a.astype(jnp.int32)
+    kw = {"wgrad_dtype": change["wgrad_dtype"]} if "wgrad_dtype" in change else {}
+    fn = _ENTRIES[entry]
+    with pytest.raises(ValueError, match=pattern):
+        fn(a, b, off, **kw)
+    with pytest.raises(ValueError, match=pattern):
+        jax.jit(lambda a, b, o: fn(a, b, o, **kw)).trace(a, b, off)
+
+
+@pytest.mark.parametrize("entry", list(_ENTRIES))
+@pytest.mark.parametrize("arg", ["a", "b", "offsets"])
+def test_reference_torch_tensor_is_a_clear_error(entry, arg):
+    """A torch tensor passed in: a ValueError naming the argument (was an AttributeError
+    ``'Tensor' object has no attribute 'astype'``)."""
+    a, b = _ref_ops()
+    args = {"a": a, "b": b, "offsets": jnp.asarray([16, 32, 48, 64], jnp.int32)}
+    args[arg] = torch.from_numpy(np.asarray(args[arg]).astype(np.float32 if arg != "offsets"
+                                                              else np.int32))
+    with pytest.raises(ValueError, match=f"{arg} must be a JAX array .* got Tensor"):
+        _ENTRIES[entry](args["a"], args["b"], args["offsets"])
+
+
+def test_reference_under_jit_values_are_data():
+    """Under jit the offsets are tracers: static rules only (documented); new offsets values
+    neither retrace nor recompile and give the right split."""
+    a, b = _ref_ops(s=96, h=16, i=24)
+    traces = []
+
+    def f(a, b, o):
+        traces.append(1)
+        return wgrad_jax.grouped_wgrad_jax_reference(a, b, o)
+
+    fn = jax.jit(f)
+    a_t = torch.from_numpy(np.asarray(a.astype(jnp.float32)))
+    b_t = torch.from_numpy(np.asarray(b.astype(jnp.float32)))
+    for counts in ([96, 0, 0], [1, 94, 1], [0, 0, 96], [40, 17, 39]):
+        off = jnp.asarray(np.cumsum(counts), jnp.int32)
+        got = torch.from_numpy(np.asarray(fn(a, b, off)))
+        want = grouped_wgrad_torch(a_t.to(torch.bfloat16), b_t.to(torch.bfloat16),
+                                   torch.tensor(np.cumsum(counts), dtype=torch.int32),
+                                   out_dtype=torch.float32)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert len(traces) == 1
+    assert "cannot be checked" in wgrad_jax.grouped_wgrad_jax_reference.__doc__
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """Elements of the largest value any equation of ``jaxpr`` (sub-jaxprs included) makes."""
+    from jax.extend import core as jcore
+
+    best = 0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            shape = getattr(v.aval, "shape", ())
+            best = max(best, int(np.prod(shape)) if shape else 1)
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jcore.Jaxpr):
+                    best = max(best, _largest_intermediate(inner))
+    return best
+
+
+def test_reference_has_no_expert_times_tokens_blowup():
+    """The twin's work and memory do not grow as E x the dense product: no [S, E, ...] one-hot
+    intermediate (the former einsum formed [S, E] and E x the FLOPs). With S >> H, I the
+    largest value made is the [E, H, I] result or the padded operands, not E * S * I."""
+    s, h, i, e = 2048, 16, 16, 32
+    a, b = _ref_ops(s=s, h=h, i=i)
+    off = jnp.asarray(np.linspace(0, s, e + 1)[1:].astype(np.int32))
+    jaxpr = jax.make_jaxpr(wgrad_jax.grouped_wgrad_jax_reference)(a, b, off).jaxpr
+    bound = 2 * max(e * h * i, (h + i) * (s + 256))
+    assert _largest_intermediate(jaxpr) <= bound
+
+
+@pytest.mark.parametrize("s,e", [(1, 1), (300, 3), (1000, 64), (37, 100), (2048, 2)])
+def test_reference_random_splits_and_grad(s, e):
+    """Random splits across chunk boundaries (S not a multiple of the chunk, E > S, experts
+    spanning many chunks) against float64 numpy, jitted; the twin stays differentiable: its
+    gradient equals the per-expert products' (d/da sum(w * out) = sum_e w_e b_e^T)."""
+    g = np.random.default_rng(s + e)
+    h, i = 12, 20
+    a64, b64 = g.standard_normal((h, s)), g.standard_normal((s, i))
+    ends = np.append(np.sort(g.integers(0, s + 1, e - 1)), s).astype(np.int32)
+    begins = np.concatenate([[0], ends[:-1]])
+    want = np.stack([a64[:, lo:hi] @ b64[lo:hi] for lo, hi in zip(begins, ends)])
+    a, b, off = jnp.asarray(a64, jnp.float32), jnp.asarray(b64, jnp.float32), jnp.asarray(ends)
+    got = jax.jit(wgrad_jax.grouped_wgrad_jax_reference)(a, b, off)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    w = jnp.asarray(g.standard_normal(want.shape), jnp.float32)
+    da = jax.grad(lambda a: (wgrad_jax.grouped_wgrad_jax_reference(a, b, off) * w).sum())(a)
+    want_da = np.zeros((h, s))
+    for k, (lo, hi) in enumerate(zip(begins, ends)):
+        want_da[:, lo:hi] = np.asarray(w[k], np.float64) @ b64[lo:hi].T
+    np.testing.assert_allclose(np.asarray(da), want_da, rtol=1e-5, atol=1e-4)
 
 
 def test_custom_vjp_example_matches_autodiff():

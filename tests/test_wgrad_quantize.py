@@ -142,6 +142,65 @@ def test_validation():
             quantize_wgrad_operand(kw.pop("x_SH"), kw.pop("offsets_E"), **kw)
 
 
+#: Input rules both quantizer entries share (``validate.check_quantize_args``): (change, message).
+_SHARED_RULES = [
+    ("fp32 rows", dict(x_SH="f32"), "x_SH must be a rank-2 bfloat16"),
+    ("rank-1 rows", dict(x_SH="1d"), "x_SH must be a rank-2 bfloat16"),
+    ("int64 offsets", dict(offsets_E=[32, 64], off_dtype=torch.int64), "int32"),
+    ("no experts", dict(offsets_E=[]), "non-empty"),
+    ("decreasing", dict(offsets_E=[40, 30]), "non-decreasing"),
+    ("negative", dict(offsets_E=[-2, 64]), "non-decreasing and >= 0"),
+    ("last < S", dict(offsets_E=[32, 60]), r"offsets_E\[-1\] = 60 must equal tokens_sum = 64"),
+    ("last > S", dict(offsets_E=[32, 70]), r"offsets_E\[-1\] = 70 must equal tokens_sum"),
+    ("odd offset e2m1", dict(elem="e2m1", offsets_E=[31, 64]), "must be even"),
+    ("unknown elem", dict(elem="e3m2"), "elem must be one of"),
+    ("unknown rule", dict(scale_rule="trainium"), "scale_rule must be one of"),
+    ("scale_cols not /4", dict(scale_cols=6), "multiple of 4"),
+    ("scale_cols small", dict(scale_cols=0), "too small"),
+]
+
+
+@pytest.mark.parametrize("entry", ["triton", "torch twin"])
+@pytest.mark.parametrize("change,msg", [r[1:] for r in _SHARED_RULES],
+                         ids=[r[0] for r in _SHARED_RULES])
+def test_shared_input_rules(entry, change, msg):
+    """The Triton quantizer and its torch twin reject the same inputs with the same
+    ``ValueError`` (one validation function), before anything is written: a short last offset
+    is not silently dropped tokens, a decreasing one not a raw torch error, fp32 not accepted
+    by the twin alone."""
+    change = dict(change)
+    x = _rows(64, 8)
+    if change.get("x_SH") == "f32":
+        x = x.float()
+    elif change.get("x_SH") == "1d":
+        x = x[:, 0]
+    change.pop("x_SH", None)
+    off_dtype = change.pop("off_dtype", torch.int32)
+    offs = torch.tensor(change.pop("offsets_E", [32, 64]), dtype=off_dtype)
+    fn = quantize_wgrad_operand if entry == "triton" else quantize_wgrad_operand_torch
+    with pytest.raises(ValueError, match=msg):
+        fn(x, offs, **change)
+
+
+def test_twin_shares_the_validation_code(monkeypatch):
+    """One function validates both entries (no copy that can drift)."""
+    from cuda_kernels.grouped_wgrad import blockscaled_ref, validate
+
+    calls = []
+    real = validate.check_quantize_args
+
+    def spy(*args, **kw):
+        calls.append(kw.get("fn"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(validate, "check_quantize_args", spy)
+    x, offs = _rows(64, 8), _offsets([32, 32])
+    blockscaled_ref.quantize_wgrad_operand_torch(x, offs)
+    with pytest.raises(ValueError):
+        quantize_wgrad_operand(x, offs, elem="bad")
+    assert calls == ["quantize_wgrad_operand_torch", "quantize_wgrad_operand"]
+
+
 @interpreted
 def test_unvalidated_bad_offsets_stay_in_bounds(poisoned):
     """validate=False with out-of-contract offsets: unspecified bytes, no out-of-bounds access."""

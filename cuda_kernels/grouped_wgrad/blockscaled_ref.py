@@ -30,11 +30,13 @@ from common import mx
 from common.mx_atoms import (
     ATOM_ROWS,
     grouped_scale_cols,
-    grouped_scale_cols_bound,
     pack_grouped_scales,
     round_up,
     unpack_grouped_scales,
 )
+
+from . import validate
+from .validate import QUANT_SF_VEC
 
 __all__ = [
     "BLOCKSCALED_FORMATS",
@@ -268,13 +270,23 @@ def quantize_wgrad_operand_torch(
     expert's tokens zero-padded to a whole group. Padding scale bytes are 0.
 
     ``scale_cols`` defaults to :func:`common.mx_atoms.grouped_scale_cols_bound`.
+
+    Inputs follow the Triton entry's rules, checked by the same function
+    (:func:`.validate.check_quantize_args`, always with the host read of the offsets): ``x_SH``
+    [S, H] bfloat16 (any strides), ``offsets_E`` [E] int32 non-decreasing with last == S (even
+    for ``elem="e2m1"``) on x's device, ``elem`` in e4m3 / e5m2 / e2m1, ``scale_rule`` ocp /
+    rceil, ``scale_cols`` a multiple of 4 large enough for the offsets.
+
+    Raises:
+        ValueError: any of those rules, naming the argument, before anything is computed.
     """
-    sf_vec = 32
+    sf_vec = QUANT_SF_VEC
+    scale_cols = validate.check_quantize_args(
+        x_SH, offsets_E, elem=elem, scale_rule=scale_rule, scale_cols=scale_cols,
+        fn="quantize_wgrad_operand_torch")
     ends = [int(v) for v in offsets_E.tolist()]
-    tokens_sum, hidden = x_SH.shape
-    num_experts = len(ends)
-    if scale_cols is None:
-        scale_cols = grouped_scale_cols_bound(tokens_sum, num_experts, sf_vec)
+    hidden = x_SH.shape[1]
+    tokens_sum = x_SH.shape[0]
     pack = 2 if elem == "e2m1" else 1
     s_pad = round_up(tokens_sum, 32)
     buf = torch.zeros((hidden, s_pad // pack), dtype=torch.uint8, device=x_SH.device)

@@ -80,6 +80,12 @@ class _GroupedGemmWgradBase:
                 raise ValueError(
                     f"{self._NAME}: discrete output needs num_experts, wgrad_shape and wgrad_dtype"
                 )
+        elif sample_wgrad is None:
+            raise ValueError(
+                f"{self._NAME}: no output sample: give sample_wgrad (the dense [E, H, I] output) "
+                "or num_experts + wgrad_shape + wgrad_dtype (+ optional sample_wgrad_expert) for "
+                "discrete output"
+            )
         else:
             raise ValueError(
                 f"{self._NAME}: give sample_wgrad (dense output) or num_experts + wgrad_shape + "
@@ -221,7 +227,11 @@ class _GroupedGemmWgradBase:
             launch._check_contract_fits(contract)
         return contract
 
-    def _check_arch(self, device: torch.device) -> None:
+    @classmethod
+    def _check_arch(cls, device: torch.device, arg: str = "sample_a") -> None:
+        """The device rule (CUDA available, a CUDA device, the compute capability): RuntimeError
+        / ValueError. Checked FIRST by ``check_support()`` and the wrappers, before any rule on
+        the tensors, so a call that cannot run here says so before a data rule."""
         raise NotImplementedError
 
     @classmethod
@@ -247,7 +257,10 @@ class _GroupedGemmWgradBase:
         return op
 
     def check_support(self) -> bool:
-        """Validate the samples against the contract and the device; True or raises.
+        """Validate the samples against the device, then the contract; True or raises.
+
+        The device rule (CUDA, compute capability) comes first, then the static rules, then the
+        offsets values.
 
         Raises:
             ValueError: a sample, dtype, layout, tiling, scale control or offsets rule is broken
@@ -256,9 +269,11 @@ class _GroupedGemmWgradBase:
         """
         if self._is_supported:
             return True
+        sample_a = self._samples["a"]
+        if isinstance(sample_a, torch.Tensor):  # the device rule first (else: the type rule)
+            self._check_arch(sample_a.device)
         contract = self._static_contract()
-        device = self._samples["a"].device
-        self._check_arch(device)
+        device = sample_a.device
         self.contract = contract
         self.device = device
         self._is_supported = True
@@ -576,11 +591,12 @@ class GroupedGemmWgradSm100(_GroupedGemmWgradBase):
         groups="every expert token count a multiple of 256",
     )
 
-    def _check_arch(self, device: torch.device) -> None:
-        cc = _env.query_arch(device, "sample_a")
+    @classmethod
+    def _check_arch(cls, device: torch.device, arg: str = "sample_a") -> None:
+        cc = _env.query_arch(device, arg)
         if cc < 100:
             raise RuntimeError(
-                f"{self._NAME} requires SM100 or newer, found SM{cc} on {device}; use "
+                f"{cls._NAME} requires SM100 or newer, found SM{cc} on {device}; use "
                 "GroupedGemmWgradSm90 on Hopper or grouped_gemm_wgrad() for any device"
             )
 
@@ -599,15 +615,16 @@ class GroupedGemmWgradSm90(_GroupedGemmWgradBase):
         groups="any expert token count >= 0 (0 included)",
     )
 
-    def _check_arch(self, device: torch.device) -> None:
-        cc = _env.query_arch(device, "sample_a")
+    @classmethod
+    def _check_arch(cls, device: torch.device, arg: str = "sample_a") -> None:
+        cc = _env.query_arch(device, arg)
         if cc < 90:
             raise RuntimeError(
-                f"{self._NAME} requires SM90 (Hopper), found SM{cc} on {device} (below SM90)"
+                f"{cls._NAME} requires SM90 (Hopper), found SM{cc} on {device} (below SM90)"
             )
         if cc >= 100:
             raise RuntimeError(
-                f"{self._NAME} runs sm_90a code (wgmma) only on SM 9.x, found SM{cc} on "
+                f"{cls._NAME} runs sm_90a code (wgmma) only on SM 9.x, found SM{cc} on "
                 f"{device}; use GroupedGemmWgradSm100 or grouped_gemm_wgrad()"
             )
 

@@ -50,15 +50,52 @@ from .wrappers import grouped_gemm_wgrad_wrapper_sm90, grouped_gemm_wgrad_wrappe
 _BACKENDS = ("auto", "sm100", "sm90", "torch")
 
 
-def select_grouped_wgrad_backend(device: torch.device | str) -> tuple[str, str]:
+_DEVICE_RULE = (
+    "device must be a torch.device, a device string (\"cuda\", \"cuda:1\", \"cpu\") or a CUDA "
+    "device index (int)"
+)
+
+
+def _as_device(device: Any) -> torch.device:
+    """``device`` as a torch.device, or ValueError naming the argument and what it accepts."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            raise ValueError(f"{_DEVICE_RULE}; got the negative index {device}")
+        return torch.device("cuda", device)
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(f"{_DEVICE_RULE}; got {device!r} ({exc})") from None
+    hint = " (for a tensor pass tensor.device)" if isinstance(device, torch.Tensor) else ""
+    raise ValueError(f"{_DEVICE_RULE}; got {type(device).__name__}{hint}")
+
+
+def select_grouped_wgrad_backend(device: torch.device | str | int) -> tuple[str, str]:
     """Which implementation ``grouped_gemm_wgrad(backend="auto")`` uses on ``device``.
 
+    Args:
+        device: a torch.device, a device string ("cuda", "cuda:1", "cpu", ...) or a CUDA
+            device index.
+
     Returns:
-        (name, reason): name in {"sm100", "sm90", "torch"}; reason says why torch was chosen.
+        (name, reason): name in {"sm100", "sm90", "torch"}; reason says why torch was chosen
+        ("device cpu is not a CUDA device", "CUDA is not available ...", the SM rule, ...).
+
+    Raises:
+        ValueError: ``device`` is none of those (a tensor, None, an unknown device string).
     """
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    device = _as_device(device)
+    if device.type != "cuda":
         return "torch", f"device {device} is not a CUDA device"
+    if not torch.cuda.is_available():
+        return "torch", (f"CUDA is not available (torch.cuda.is_available() is False), so "
+                         f"device {device} cannot run a kernel")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        return "torch", (f"device {device} does not exist ({torch.cuda.device_count()} CUDA "
+                         "device(s) visible)")
     cc = _env.query_arch(device)
     if cc >= 100:
         module = _env.family_module("sm100")

@@ -35,14 +35,15 @@ import torch
 import triton
 import triton.language as tl
 
-from common.mx_atoms import ATOM_ROWS, grouped_scale_cols, grouped_scale_cols_bound, round_up
+from common.mx_atoms import ATOM_ROWS, round_up
+
+from . import validate as validate_mod
+from .validate import QUANT_ELEMS, QUANT_SCALE_RULES, QUANT_SF_VEC
 
 __all__ = ["QUANT_ELEMS", "QUANT_ROUNDING", "QUANT_SCALE_RULES", "quantize_wgrad_operand"]
 
-QUANT_ELEMS = ("e4m3", "e5m2", "e2m1")
-QUANT_SCALE_RULES = ("ocp", "rceil")
 QUANT_ROUNDING = ("auto", "integer", "native")
-SF_VEC = 32
+SF_VEC = QUANT_SF_VEC  # QUANT_ELEMS, QUANT_SCALE_RULES: validate.py (shared with the twin)
 # per element format: (exponent bits, mantissa bits, bias, OCP emax, max value, max code, NaN code)
 # Source: OCP MX v1.0 Table 1 / OFP8 (common/mx.ELEMENT_FORMATS); NaN codes as torch's casts give.
 _FMT = {
@@ -234,50 +235,21 @@ def quantize_wgrad_operand(
         ValueError: any rule above, before anything is written.
         RuntimeError: CPU tensors without ``TRITON_INTERPRET=1``.
     """
-    if elem not in QUANT_ELEMS:
-        raise _err(f"elem must be one of {QUANT_ELEMS}; got {elem!r}")
-    if scale_rule not in QUANT_SCALE_RULES:
-        raise _err(f"scale_rule must be one of {QUANT_SCALE_RULES}; got {scale_rule!r}")
     if rounding not in QUANT_ROUNDING:
         raise _err(f"rounding must be one of {QUANT_ROUNDING}; got {rounding!r}")
-    if not isinstance(x_SH, torch.Tensor) or x_SH.dim() != 2 or x_SH.dtype != torch.bfloat16:
-        raise _err("x_SH must be a rank-2 bfloat16 tensor [tokens_sum, H]")
-    if x_SH.shape[1] > 1 and x_SH.stride(1) != 1:
-        raise _err(f"x_SH needs unit stride along H; got strides {tuple(x_SH.stride())}")
-    if not isinstance(offsets_E, torch.Tensor) or offsets_E.dim() != 1 or \
-            offsets_E.dtype != torch.int32 or offsets_E.numel() == 0:
-        raise _err("offsets_E must be a non-empty rank-1 int32 tensor")
-    if not offsets_E.is_contiguous():
-        raise _err("offsets_E must be contiguous")
-    if offsets_E.device != x_SH.device:
-        raise _err(f"offsets_E is on {offsets_E.device} but x_SH is on {x_SH.device}")
+
+    def layout_check() -> None:  # the kernel's own layout rules (the twin reads any strides)
+        if x_SH.shape[1] > 1 and x_SH.stride(1) != 1:
+            raise _err(f"x_SH needs unit stride along H; got strides {tuple(x_SH.stride())}")
+        if not offsets_E.is_contiguous():
+            raise _err("offsets_E must be contiguous")
+
+    scale_cols = validate_mod.check_quantize_args(
+        x_SH, offsets_E, elem=elem, scale_rule=scale_rule, scale_cols=scale_cols,
+        validate=validate, fn="quantize_wgrad_operand", layout_check=layout_check)
     tokens_sum, hidden = x_SH.shape
     num_experts = offsets_E.numel()
     fp4 = elem == "e2m1"
-    bound = grouped_scale_cols_bound(tokens_sum, num_experts, SF_VEC)
-    if scale_cols is None:
-        scale_cols = bound
-    if not isinstance(scale_cols, int) or isinstance(scale_cols, bool) or scale_cols < 0 or \
-            scale_cols % 4:
-        raise _err(f"scale_cols must be a non-negative multiple of 4; got {scale_cols!r}")
-    if validate:
-        ends = [int(v) for v in offsets_E.tolist()]
-        prev = 0
-        for e, end in enumerate(ends):
-            if end < prev:
-                raise _err(f"offsets_E must be non-decreasing and >= 0; offsets_E[{e}] = {end} "
-                           f"after {prev}")
-            if fp4 and end % 2:
-                raise _err(f"elem='e2m1' packs token pairs: offsets must be even; "
-                           f"offsets_E[{e}] = {end}")
-            prev = end
-        if ends[-1] != tokens_sum:
-            raise _err(f"offsets_E[-1] = {ends[-1]} must equal tokens_sum = {tokens_sum}")
-        need = grouped_scale_cols(ends, SF_VEC)[2]
-        if scale_cols < need:
-            raise _err(f"scale_cols={scale_cols} is too small: these offsets need {need}")
-    elif fp4 and tokens_sum % 2:
-        raise _err(f"elem='e2m1' needs an even tokens_sum; got {tokens_sum}")
 
     if x_SH.device.type != "cuda" and not _interpreting():
         raise RuntimeError("quantize_wgrad_operand: the Triton kernel needs CUDA tensors (or "

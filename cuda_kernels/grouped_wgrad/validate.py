@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from common.mx_atoms import ATOM_COLS, ATOM_ROWS, grouped_scale_cols, round_up
+from common.mx_atoms import (
+    ATOM_COLS,
+    ATOM_ROWS,
+    grouped_scale_cols,
+    grouped_scale_cols_bound,
+    round_up,
+)
 
 from ._types import (
     _BLOCK_SCALED_DTYPES,
@@ -235,6 +241,98 @@ def _check_pointer_values(
                 )
 
     _validated_once(ptrs, ("pointers", arg, slabs), check)
+
+
+#: The MX wgrad operand quantizer's choices (``quantize.py`` and its torch twin
+#: ``blockscaled_ref.quantize_wgrad_operand_torch``): element formats, scale rules, tokens per
+#: scale group (MX: 32).
+QUANT_ELEMS = ("e4m3", "e5m2", "e2m1")
+QUANT_SCALE_RULES = ("ocp", "rceil")
+QUANT_SF_VEC = 32
+
+
+def check_quantize_args(
+    x_SH: Any,
+    offsets_E: Any,
+    *,
+    elem: str,
+    scale_rule: str,
+    scale_cols: int | None,
+    validate: bool = True,
+    fn: str = "quantize_wgrad_operand",
+    layout_check: Callable[[], None] | None = None,
+) -> int:
+    """The input rules of the MX wgrad operand quantizer, shared by the Triton entry
+    (``quantize.quantize_wgrad_operand``) and its torch twin
+    (``blockscaled_ref.quantize_wgrad_operand_torch``), so the two cannot drift apart.
+
+    Rules: ``elem`` in :data:`QUANT_ELEMS`, ``scale_rule`` in :data:`QUANT_SCALE_RULES`;
+    ``x_SH`` a rank-2 bfloat16 tensor [S, H]; ``offsets_E`` a non-empty rank-1 int32 tensor on
+    x's device; ``scale_cols`` a non-negative multiple of 4 (default
+    ``grouped_scale_cols_bound(S, E, 32)``). With ``validate`` (one host read of the offsets):
+    non-decreasing, >= 0, even for ``elem="e2m1"``, last == S, and ``scale_cols`` large enough
+    for these offsets; without it only an even S for e2m1.
+
+    Args:
+        fn: the public function's name, the prefix of every message.
+        layout_check: the caller's own static rules (the Triton kernel's layouts: unit stride
+            along H, contiguous offsets), run after the shared static rules and before the host
+            read of the offsets.
+
+    Returns:
+        The resolved ``scale_cols``.
+
+    Raises:
+        ValueError: ``"{fn}: ..."`` naming the argument and the rule.
+    """
+    def err(msg: str) -> ValueError:
+        return ValueError(f"{fn}: {msg}")
+
+    if elem not in QUANT_ELEMS:
+        raise err(f"elem must be one of {QUANT_ELEMS}; got {elem!r}")
+    if scale_rule not in QUANT_SCALE_RULES:
+        raise err(f"scale_rule must be one of {QUANT_SCALE_RULES}; got {scale_rule!r}")
+    if not isinstance(x_SH, torch.Tensor) or x_SH.dim() != 2 or x_SH.dtype != torch.bfloat16:
+        got = (f"{tuple(x_SH.shape)} {x_SH.dtype}" if isinstance(x_SH, torch.Tensor)
+               else type(x_SH).__name__)
+        raise err(f"x_SH must be a rank-2 bfloat16 tensor [tokens_sum, H]; got {got}")
+    if not isinstance(offsets_E, torch.Tensor) or offsets_E.dim() != 1 or \
+            offsets_E.dtype != torch.int32 or offsets_E.numel() == 0:
+        got = (f"{tuple(offsets_E.shape)} {offsets_E.dtype}"
+               if isinstance(offsets_E, torch.Tensor) else type(offsets_E).__name__)
+        raise err(f"offsets_E must be a non-empty rank-1 int32 tensor; got {got}")
+    if offsets_E.device != x_SH.device:
+        raise err(f"offsets_E is on {offsets_E.device} but x_SH is on {x_SH.device}")
+    tokens_sum = x_SH.shape[0]
+    num_experts = offsets_E.numel()
+    fp4 = elem == "e2m1"
+    if scale_cols is None:
+        scale_cols = grouped_scale_cols_bound(tokens_sum, num_experts, QUANT_SF_VEC)
+    if not isinstance(scale_cols, int) or isinstance(scale_cols, bool) or scale_cols < 0 or \
+            scale_cols % 4:
+        raise err(f"scale_cols must be a non-negative multiple of 4; got {scale_cols!r}")
+    if layout_check is not None:
+        layout_check()
+    if validate:
+        ends = [int(v) for v in offsets_E.tolist()]
+        prev = 0
+        for e, end in enumerate(ends):
+            if end < prev:
+                raise err(f"offsets_E must be non-decreasing and >= 0; offsets_E[{e}] = {end} "
+                          f"after {prev}")
+            if fp4 and end % 2:
+                raise err(f"elem='e2m1' packs token pairs: offsets must be even; "
+                          f"offsets_E[{e}] = {end}")
+            prev = end
+        if ends[-1] != tokens_sum:
+            raise err(f"offsets_E[-1] = {ends[-1]} must equal tokens_sum = {tokens_sum} "
+                      "(x_SH.shape[0])")
+        need = grouped_scale_cols(ends, QUANT_SF_VEC)[2]
+        if scale_cols < need:
+            raise err(f"scale_cols={scale_cols} is too small: these offsets need {need}")
+    elif fp4 and tokens_sum % 2:
+        raise err(f"elem='e2m1' needs an even tokens_sum; got {tokens_sum}")
+    return scale_cols
 
 
 def _check_dtype_pair(a_dtype, b_dtype, a_arg: str, b_arg: str) -> None:

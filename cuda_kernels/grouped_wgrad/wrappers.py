@@ -85,7 +85,12 @@ def _wrapper(
     sf_fp8_dtype_override: str | None = None,
 ) -> TupleDict:
     arch = cls._ARCH
-    # 1. Every rule of the call, environment-free (CPU-testable), before any output is written.
+    # 0. The device rule first (CUDA available, the compute capability), as check_support(): a
+    #    call that cannot run here says so before any rule on its data (a few µs per call).
+    if isinstance(a_tensor, torch.Tensor):
+        cls._check_arch(a_tensor.device, "a_tensor")
+    # 1. Every rule of the call (CPU-testable with a faked _env.query_arch), before any output is
+    #    written.
     if output_mode not in _OUTPUT_MODES:
         raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
     block_scaled = _is_blockscaled_pair(a_tensor, b_tensor)

@@ -234,6 +234,18 @@ def _wrapper(
     return TupleDict(wgrad_tensor=wgrad_tensor)
 
 
+def _seed_wrapper(cls, wrapper, args: dict) -> TupleDict:
+    """The body of both seed wrappers (``args``: the wrapper's own arguments, by name): JAX arrays
+    go through :func:`jax.call_wrapper_on_jax_arrays` (the seed's eager JAX support; JAX arrays
+    exist only once JAX is loaded), everything else through :func:`_wrapper` with ``cls``."""
+    if "jax" in sys.modules:
+        from . import jax as jax_entry
+
+        if jax_entry.has_jax_arrays(*args.values()):
+            return jax_entry.call_wrapper_on_jax_arrays(wrapper, **args)
+    return _wrapper(cls, **args)
+
+
 def _wrapper_doc(name: str, cls_name: str, extra: str) -> str:
     return f"""Compile (once per static contract) and run the grouped wgrad: the seed's wrapper.
 
@@ -313,36 +325,7 @@ def grouped_gemm_wgrad_wrapper_sm100(
     descriptor_workspace: torch.Tensor | None = None,
     validate_offsets: bool = True,
 ) -> TupleDict:
-    if "jax" in sys.modules:  # the seed's eager JAX support (JAX arrays exist only once loaded)
-        args = dict(locals())
-        from . import jax as jax_entry
-
-        if jax_entry.has_jax_arrays(*args.values()):
-            return jax_entry.call_wrapper_on_jax_arrays(grouped_gemm_wgrad_wrapper_sm100, **args)
-    return _wrapper(
-        GroupedGemmWgradSm100,
-        a_tensor,
-        b_tensor,
-        sfa_tensor,
-        sfb_tensor,
-        offsets_tensor,
-        output_mode,
-        wgrad_tensor,
-        wgrad_ptrs,
-        global_scale_a,
-        global_scale_b,
-        acc_dtype,
-        wgrad_dtype,
-        mma_tiler_mn,
-        cluster_shape_mn,
-        sf_vec_size,
-        accumulate_on_output,
-        input_order,
-        current_stream,
-        validate_offsets,
-        descriptor_workspace,
-        sf_fp8_dtype_override=sf_fp8_dtype_override,
-    )
+    return _seed_wrapper(GroupedGemmWgradSm100, grouped_gemm_wgrad_wrapper_sm100, locals())
 
 
 def grouped_gemm_wgrad_wrapper_sm90(
@@ -369,36 +352,7 @@ def grouped_gemm_wgrad_wrapper_sm90(
     descriptor_workspace: torch.Tensor | None = None,
     validate_offsets: bool = True,
 ) -> TupleDict:
-    if "jax" in sys.modules:  # the seed's eager JAX support (JAX arrays exist only once loaded)
-        args = dict(locals())
-        from . import jax as jax_entry
-
-        if jax_entry.has_jax_arrays(*args.values()):
-            return jax_entry.call_wrapper_on_jax_arrays(grouped_gemm_wgrad_wrapper_sm90, **args)
-    return _wrapper(
-        GroupedGemmWgradSm90,
-        a_tensor,
-        b_tensor,
-        sfa_tensor,
-        sfb_tensor,
-        offsets_tensor,
-        output_mode,
-        wgrad_tensor,
-        wgrad_ptrs,
-        global_scale_a,
-        global_scale_b,
-        acc_dtype,
-        wgrad_dtype,
-        mma_tiler_mn,
-        cluster_shape_mn,
-        sf_vec_size,
-        accumulate_on_output,
-        input_order,
-        current_stream,
-        validate_offsets,
-        descriptor_workspace,
-        sf_fp8_dtype_override=sf_fp8_dtype_override,
-    )
+    return _seed_wrapper(GroupedGemmWgradSm90, grouped_gemm_wgrad_wrapper_sm90, locals())
 
 
 grouped_gemm_wgrad_wrapper_sm100.__doc__ = _wrapper_doc(

@@ -194,7 +194,12 @@ def _tile_for(fmt: str) -> Sm100BsTileConfig:
 
 
 def supports(contract: Any) -> str | None:
-    """Why the kernel cannot serve the block-scaled ``contract`` (a sentence), or None."""
+    """Why the kernel cannot serve the block-scaled ``contract`` (a sentence), or None.
+
+    The contract's ``mma_tiler_mn`` / ``cluster_shape_mn`` (cuDNN's performance knobs, which the
+    API fills with its (256, 256) default) do not change results and are not binding here: the
+    kernel runs its own (128, 128) 1-CTA tile.
+    """
     spec = getattr(contract, "block_scaled", None)
     if spec is None:
         return "not a block-scaled contract"
@@ -220,10 +225,6 @@ def supports(contract: Any) -> str | None:
         return "only input_order='tensor2d' is built"
     if contract.output_mode != "dense":
         return "only dense outputs are built"
-    if contract.mma_tiler_mn not in (None, (128, 128)):
-        return f"only the (128, 128) tile is built, got {contract.mma_tiler_mn}"
-    if contract.cluster_shape_mn not in (None, (1, 1)):
-        return f"only cluster (1, 1) is built, got {contract.cluster_shape_mn}"
     return None
 
 
@@ -343,8 +344,8 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             self,
             mA: cute.Tensor,  # (M, S) FP8 / FP4, K-major
             mB: cute.Tensor,  # (N, S) FP8 / FP4, K-major (B transposed view)
-            mSFA: cute.Tensor,  # (bytes,) scales of A in 128x4 atoms
-            mSFB: cute.Tensor,  # (bytes,) scales of B in 128x4 atoms
+            mSFA: cute.Tensor,  # (round_up(M, 128), cols) scales of A in 128x4 atoms
+            mSFB: cute.Tensor,  # (round_up(N, 128), cols') scales of B in 128x4 atoms
             mGs: cute.Tensor,  # (E,) fp32 gsa * gsb (NVFP4; unread for MXFP8)
             mOffsets: cute.Tensor,  # (E,) int32
             mOut: cute.Tensor,  # (E, M, N) dense
@@ -357,11 +358,15 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             tiled_mma = self._setup(a_major_mode, b_major_mode)
             atom_thr_size = cute.size(tiled_mma.thr_id.shape)
 
-            # scale tensors: the 128x4 atom layout of the whole (rows, tokens) operand
-            m_rows, s_tok = mA.shape
+            # scale tensors: the 128x4 atom layout of (rows, cols * sf_vec) tokens; ``cols`` is
+            # the caller's column count (>= tokens_sum / sf_vec: the API accepts more), so the
+            # row-block stride of the atoms is the tensor's, not one derived from tokens_sum
+            m_rows = mA.shape[0]
             n_rows = mB.shape[0]
-            sfa_layout = bs_layout.tile_atom_to_shape_SF((m_rows, s_tok, 1), self.sf_vec)
-            sfb_layout = bs_layout.tile_atom_to_shape_SF((n_rows, s_tok, 1), self.sf_vec)
+            sfa_k = mSFA.shape[1] * self.sf_vec
+            sfb_k = mSFB.shape[1] * self.sf_vec
+            sfa_layout = bs_layout.tile_atom_to_shape_SF((m_rows, sfa_k, 1), self.sf_vec)
+            sfb_layout = bs_layout.tile_atom_to_shape_SF((n_rows, sfb_k, 1), self.sf_vec)
             mSFA_mkl = cute.make_tensor(mSFA.iterator, sfa_layout)
             mSFB_nkl = cute.make_tensor(mSFB.iterator, sfb_layout)
 
@@ -880,7 +885,7 @@ def _kernel_class():
 def _fake_operands(key: Sm100BlockScaledKey):
     """Shape-only operands of a compile: A ``(M, S)`` / B ``(N, S)`` in the element type with a
     symbolic token count (a multiple of the stage) and unit stride along tokens, the scale tensors
-    as flat byte ranges of the scale dtype, the global-scale product, offsets, output, counter."""
+    ``(round_up(rows, 128), cols)`` in the scale dtype (cols symbolic), the global-scale product, offsets, output, counter."""
     import cutlass
     from cutlass import cute
 
@@ -896,10 +901,16 @@ def _fake_operands(key: Sm100BlockScaledKey):
     a = cute.runtime.make_fake_tensor(elem_t, (m, s), (s, 1), assumed_align=16)
     b = cute.runtime.make_fake_tensor(elem_t, (n, s), (s, 1), assumed_align=16)
     sfa = cute.runtime.make_fake_compact_tensor(
-        sf_t, (cute.sym_int32(divisibility=512, symbol="sfa_bytes"),), assumed_align=16
+        sf_t,
+        (-(-m // 128) * 128, cute.sym_int32(divisibility=4, symbol="sfa_cols")),
+        stride_order=(1, 0),
+        assumed_align=16,
     )
     sfb = cute.runtime.make_fake_compact_tensor(
-        sf_t, (cute.sym_int32(divisibility=512, symbol="sfb_bytes"),), assumed_align=16
+        sf_t,
+        (-(-n // 128) * 128, cute.sym_int32(divisibility=4, symbol="sfb_cols")),
+        stride_order=(1, 0),
+        assumed_align=16,
     )
     gs = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (e,), assumed_align=4)
     offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
@@ -982,8 +993,8 @@ class _BsFamily(KernelFamily):
             fn(
                 a,
                 b.t(),
-                sfa.reshape(-1),
-                sfb.reshape(-1),
+                sfa,
+                sfb,
                 gs,
                 offsets,
                 out,

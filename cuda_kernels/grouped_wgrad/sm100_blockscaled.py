@@ -283,6 +283,7 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
         def _setup(self, a_major_mode, b_major_mode):
             tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
                 self.ab_dtype,
+                self.ab_dtype,
                 a_major_mode,
                 b_major_mode,
                 self.sf_dtype,

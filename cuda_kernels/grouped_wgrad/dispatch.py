@@ -3,8 +3,8 @@
 device, torch fallback), ``kernel_unsupported_reason`` and the dispatcher's
 ``grouped_wgrad_fp32``.
 
-Block-scaled (FP8 / FP4) calls: no native kernel is built yet. :func:`_blockscaled_kernel` is the
-one hook where a native block-scaled kernel family (``sm100_blockscaled.py``, ``sm90_mxfp8.py``)
+Block-scaled (FP8 / FP4) calls: :func:`_blockscaled_kernel` is the one hook where a native
+block-scaled kernel family (``sm100_blockscaled.py``, ``sm90_mxfp8.py``, each behind its opt-in)
 plugs in; while it returns None every block-scaled call — through the classes, the wrappers or
 ``grouped_gemm_wgrad`` — runs the torch twin ``blockscaled_ref.grouped_wgrad_blockscaled_torch``
 on the tensors' device (backend name "torch"), after the same validation.
@@ -477,9 +477,19 @@ def _blockscaled_kernel(contract: WgradContract) -> BlockScaledLauncher | None:
 
     Built today: ``sm90_mxfp8`` (MXFP8, both operands K-major along tokens, ``tensor2d``) on an
     SM90 GPU with CuTe DSL, while :func:`sm90_mxfp8.enabled` (verified on the H200, or
-    ``MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1``); no SM100 block-scaled kernel yet.
+    ``MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1``); ``sm100_blockscaled`` (MXFP8 / NVFP4, both
+    operands K-major, ``tensor2d``, dense output, the ``_sm100`` token multiples 128 / 64:
+    :func:`sm100_blockscaled.supports`) on "sm100" with CuTe DSL, gated exactly like the BF16
+    SM100 kernel: only with ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1`` (compiled, never run on a
+    B200); without it SM100 block-scaled calls run the twin.
     """
     spec = contract.block_scaled
+    if contract.arch == "sm100" and spec is not None and _env.cutlass_dsl_missing() is None:
+        from . import sm100_blockscaled, sm100_bf16
+
+        if sm100_bf16.unverified_reason() is None and sm100_blockscaled.supports(contract) is None:
+            return _sm100_blockscaled_launcher(contract)
+        return None
     if (
         contract.arch == "sm90"
         and spec is not None
@@ -494,6 +504,17 @@ def _blockscaled_kernel(contract: WgradContract) -> BlockScaledLauncher | None:
         if sm90_mxfp8.enabled():
             return _sm90_mxfp8_launcher(contract)
     return None
+
+
+def _sm100_blockscaled_launcher(contract: WgradContract) -> BlockScaledLauncher:
+    """The SM100 block-scaled kernel behind :data:`BlockScaledLauncher`'s signature, compiled on
+    its first launch (cached per key by its ``KernelFamily``; the launch re-checks the opt-in)."""
+    from .sm100_blockscaled import compile_sm100_blockscaled_wgrad
+
+    def launcher(a, b, sfa, sfb, offsets, out, **kw):
+        compile_sm100_blockscaled_wgrad(contract)(a, b, sfa, sfb, offsets, out, **kw)
+
+    return launcher
 
 
 def _sm90_mxfp8_launcher(contract: WgradContract) -> BlockScaledLauncher:

@@ -1,0 +1,1055 @@
+"""Blackwell (SM100) block-scaled grouped weight gradient in CuTe DSL: compiled, NOT hardware-verified.
+
+``out[e] = deq(A)[:, begin:end] @ deq(B)[begin:end, :]`` (times ``gsa[e] * gsb[e]`` for NVFP4) for
+every expert ``e``; ``deq`` is the MX / NVFP4 decoding (element times its group's scale). The twin
+``blockscaled_ref.grouped_wgrad_blockscaled_torch`` defines the results.
+
+Status (read first): compiled offline for ``sm_100a`` (PTX checked for the block-scaled
+``tcgen05.mma`` kinds ``mxf8f6f4`` / ``mxf4nvf4`` with ``block_scale`` and for ``tcgen05.cp``
+of the scale factors into tensor memory) but it has NEVER RUN on a Blackwell GPU. Its launcher
+refuses to run unless ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1`` (the same gate as ``sm100_bf16``),
+and ``dispatch._blockscaled_kernel`` routes SM100 block-scaled contracts to it only then.
+
+Formats (``BlockScaledSpec.fmt``):
+
+- ``"mxfp8"``: A, B FP8 E4M3 or E5M2 with E8M0 scales, ``sf_vec = 32``; ``tcgen05.mma`` kind
+  ``mxf8f6f4`` (k = 32 per instruction, one scale per row per instruction); a pipeline stage is
+  128 tokens = 4 scale columns = one 128x4 scale atom column;
+- ``"nvfp4"``: A, B FP4 E2M1 (two tokens per byte) with E4M3 scales, ``sf_vec = 16``, plus
+  per-expert fp32 global scales; kind ``mxf4nvf4`` (k = 64 per instruction, 4 scales per row);
+  a stage is 64 tokens = one scale atom column; the epilogue multiplies the fp32 accumulator by
+  ``gsa[e] * gsb[e]`` (computed on the launch stream) before the conversion.
+
+Contract (the seed's ``_sm100`` surface, ``BlockScaledSpec.token_align``): every expert's token
+count is a multiple of 128 (MXFP8) / 64 (NVFP4), so every stage lies inside one expert and an
+expert's scale columns start at ``begin / sf_vec``, a multiple of 4: the per-expert scale blocks
+``(round_up(rows, 128), k_e / sf_vec)`` concatenate into exactly the 128x4-atom layout of the
+whole ``(round_up(rows, 128), tokens_sum / sf_vec)`` matrix (SWIZZLE_32_4_4: atom ``(i, j)`` at
+``512 * (i * cols / 4 + j)``, inside it row ``r`` column ``c`` at ``16 * (r % 32) + 4 * (r // 32)
++ c``), which the kernel reads with CuTe's ``blockscaled_layout.tile_atom_to_shape_SF``. Both
+operands are K-major along tokens (``a`` ``(M, S)``, ``b`` ``(S, N)`` with stride ``(1, S)``).
+
+Structure: the BF16 kernel's (``sm100_bf16``), whose kernel class this one subclasses; reused
+unchanged: the expert sort (largest first), ``tile_coords`` (tile id -> expert / m / n / K range,
+contract breaches poisoned with NaN), the dynamic persistent scheduler (``next_tile`` /
+``take_tile``: a global atomic counter read by the TMA warp, handed to the MMA and epilogue warps
+through a shared-memory ring), the warp roles (TMA warp 5, MMA warp 4, epilogue warps 0-3), the
+two TMEM accumulators and the TMA-store epilogue. What differs: the TMA warp also loads the scale
+atoms of the stage (``(128, 4)`` scales of A and of B, 512 bytes each) on the stage's mbarrier;
+the MMA warp copies them from shared memory into tensor memory with ``tcgen05.cp``
+(``Cp4x32x128bOp``; the 32x4x4 "warpx4" broadcast the MMA's scale layout expects) and points the
+block-scaled MMA at them (``tcgen05.Field.SFA`` / ``SFB``); the NVFP4 epilogue scales.
+
+Built: ``tile = (128, 128)`` (1-CTA tcgen05, cluster (1, 1), dynamic scheduler), dense outputs in
+BF16 / FP16 / FP32, overwrite or TMA reduce-add. Not built (the hook returns None for them, the
+twin runs): the 2-CTA 256-row tile, ``tile_n = 256`` (two 128-column accumulators plus the scale
+columns exceed TMEM without the overlapped-accumulator trick), discrete outputs, MXFP4,
+``tensor_ragged``, token counts that are not multiples of the stage.
+
+Public names: :class:`Sm100BsTileConfig`, :class:`Sm100BlockScaledKey`,
+:func:`sm100_blockscaled_key_from_contract`, :func:`compile_sm100_blockscaled_wgrad`,
+:func:`compile_sm100_blockscaled_wgrad_offline`, :func:`supports`, ``FAMILY`` (a
+:class:`launch.KernelFamily`). CuTe DSL is imported only inside the compile functions.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from ._contract import KernelKey
+from .launch import KernelFamily, contract_key_fields, cross_compile_kwargs, pinned_cute_arch
+from .sm100_bf16 import ENABLE_ENV, _target_arch, unverified_reason
+from .tiles import SM100_TILES
+
+__all__ = [
+    "COMPILE_COUNT",  # noqa: F822 - served by the module __getattr__ (FAMILY.compile_count)
+    "ENABLE_ENV",
+    "FORMATS",
+    "Sm100BlockScaledKey",
+    "Sm100BsTileConfig",
+    "compile_sm100_blockscaled_wgrad",
+    "compile_sm100_blockscaled_wgrad_offline",
+    "sm100_blockscaled_key_from_contract",
+    "supports",
+]
+
+#: fmt -> (element names, scale dtype name, sf_vec, tokens per stage = token_align of ``_sm100``)
+FORMATS = {
+    "mxfp8": (("e4m3", "e5m2"), "float8_e8m0fnu", 32, 128),
+    "nvfp4": (("e2m1",), "float8_e4m3fn", 16, 64),
+}
+#: torch dtype names of A / B (``BlockScaledSpec.ab_dtype``) -> element name
+_AB_DTYPE_ELEM = {
+    "float8_e4m3fn": "e4m3",
+    "float8_e5m2": "e5m2",
+    "uint8": "e2m1",
+    "float4_e2m1fn_x2": "e2m1",
+}
+_SMEM_BYTES = SM100_TILES.smem_bytes
+_SMEM_HEADER = SM100_TILES.smem_reserved
+_EPI_STAGES = 2
+_SCHED_STAGES = 4  # the BF16 kernel's tile-id ring depth (its next_tile / take_tile)
+_MAX_STAGES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm100BsTileConfig:
+    """One MMA tile of the block-scaled kernel.
+
+    Attributes:
+        tile_m: 128 (1-CTA tcgen05; the 2-CTA tile is not built).
+        tile_n: 128 (one scale atom of B; 256 needs the overlapped accumulator, not built).
+        tile_k: tokens per stage: 128 (MXFP8) or 64 (NVFP4), one scale atom column.
+        stages: depth of the shared-memory ring, 2..8 (lowered when shared memory is short).
+
+    Raises:
+        ValueError: a field outside those values.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 128
+    stages: int = 6
+
+    def __post_init__(self) -> None:
+        if self.tile_m != 128:
+            raise ValueError(f"Sm100BsTileConfig.tile_m must be 128, got {self.tile_m!r}")
+        if self.tile_n != 128:
+            raise ValueError(f"Sm100BsTileConfig.tile_n must be 128, got {self.tile_n!r}")
+        if self.tile_k not in (64, 128):
+            raise ValueError(f"Sm100BsTileConfig.tile_k must be 64 or 128, got {self.tile_k!r}")
+        if not isinstance(self.stages, int) or not 2 <= self.stages <= _MAX_STAGES:
+            raise ValueError(
+                f"Sm100BsTileConfig.stages must be an int in [2, {_MAX_STAGES}], got "
+                f"{self.stages!r}"
+            )
+
+    @property
+    def use_2cta(self) -> bool:
+        return False
+
+    @property
+    def cluster_shape_mn(self) -> tuple[int, int]:
+        return (1, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm100BlockScaledKey(KernelKey):
+    """Static contract of one compiled SM100 block-scaled kernel (its compile-cache key): the
+    ``_contract.KernelKey`` fields, plus
+
+    Attributes:
+        fmt: ``"mxfp8"`` or ``"nvfp4"``.
+        elem: ``"e4m3"`` / ``"e5m2"`` (MXFP8), ``"e2m1"`` (NVFP4).
+        tile: :class:`Sm100BsTileConfig` whose ``tile_k`` is the format's stage (128 / 64).
+
+    Both operands are K-major along tokens (``a_major = b_major = "k"``), ``tensor2d``, dense
+    output (discrete outputs are not built).
+
+    Raises:
+        ValueError: a field outside its values.
+    """
+
+    _TILES = SM100_TILES
+
+    a_major: str = "k"
+    b_major: str = "k"
+    out_dtype: str = "float32"
+    fmt: str = "mxfp8"
+    elem: str = "e4m3"
+    tile: Sm100BsTileConfig = Sm100BsTileConfig()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        cls = type(self).__name__
+        if self.fmt not in FORMATS:
+            raise ValueError(f"{cls}.fmt must be one of {tuple(FORMATS)}, got {self.fmt!r}")
+        elems, _sf, _vec, stage = FORMATS[self.fmt]
+        if self.elem not in elems:
+            raise ValueError(f"{cls}.elem must be one of {elems} for {self.fmt}, got {self.elem!r}")
+        if self.a_major != "k" or self.b_major != "k":
+            raise ValueError(
+                f"{cls}: block-scaled operands must both be K-major along tokens (a_major='k', "
+                f"b_major='k'); got a_major={self.a_major!r}, b_major={self.b_major!r}"
+            )
+        if self.input_order != "tensor2d":
+            raise ValueError(f"{cls}.input_order must be 'tensor2d', got {self.input_order!r}")
+        if self.output_mode != "dense":
+            raise ValueError(f"{cls}.output_mode must be 'dense' (discrete is not built)")
+        if self.tile.tile_k != stage:
+            raise ValueError(
+                f"{cls}: {self.fmt} stages are {stage} tokens (one scale atom column); got "
+                f"tile_k={self.tile.tile_k}"
+            )
+
+    @property
+    def sf_vec(self) -> int:
+        return FORMATS[self.fmt][2]
+
+
+def _tile_for(fmt: str) -> Sm100BsTileConfig:
+    stage = FORMATS[fmt][3]
+    return Sm100BsTileConfig(128, 128, stage, 6 if fmt == "mxfp8" else _MAX_STAGES)
+
+
+def supports(contract: Any) -> str | None:
+    """Why the kernel cannot serve the block-scaled ``contract`` (a sentence), or None.
+
+    The contract's ``mma_tiler_mn`` / ``cluster_shape_mn`` (cuDNN's performance knobs, which the
+    API fills with its (256, 256) default) do not change results and are not binding here: the
+    kernel runs its own (128, 128) 1-CTA tile.
+    """
+    spec = getattr(contract, "block_scaled", None)
+    if spec is None:
+        return "not a block-scaled contract"
+    if contract.arch != "sm100":
+        return f"arch {contract.arch!r} is not sm100"
+    if spec.fmt not in FORMATS:
+        return f"format {spec.fmt!r} is not built (mxfp8, nvfp4)"
+    _elems, sf_dtype, sf_vec, stage = FORMATS[spec.fmt]
+    if spec.sf_dtype != sf_dtype or spec.sf_vec_size != sf_vec:
+        return f"{spec.fmt} needs {sf_dtype} scales at sf_vec {sf_vec}"
+    if spec.ab_dtype not in _AB_DTYPE_ELEM:
+        return f"operand dtype {spec.ab_dtype!r} is not built"
+    if spec.sf_fp8_dtype_override is not None:
+        return "sf_fp8_dtype_override is not supported"
+    if spec.token_align % stage:
+        return (
+            f"token counts must be multiples of {stage} (the _sm100 surface); this call allows "
+            f"multiples of {spec.token_align}"
+        )
+    if contract.a_major != "k" or contract.b_major != "k":
+        return "both operands must be K-major along tokens"
+    if contract.input_order != "tensor2d":
+        return "only input_order='tensor2d' is built"
+    if contract.output_mode != "dense":
+        return "only dense outputs are built"
+    return None
+
+
+def sm100_blockscaled_key_from_contract(contract: Any) -> Sm100BlockScaledKey:
+    """The :class:`Sm100BlockScaledKey` of a block-scaled ``api.WgradContract``.
+
+    Raises:
+        ValueError: the contract is outside what the kernel is built for (:func:`supports`).
+    """
+    why = supports(contract)
+    if why is not None:
+        raise ValueError(f"sm100_blockscaled: {why}")
+    spec = contract.block_scaled
+    return Sm100BlockScaledKey(
+        **contract_key_fields(contract),
+        fmt=spec.fmt,
+        elem=_AB_DTYPE_ELEM[spec.ab_dtype],
+        tile=_tile_for(spec.fmt),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel (CuTe DSL imported lazily)
+# --------------------------------------------------------------------------------------------
+
+
+def _build_kernel_class():  # noqa: PLR0915 - one kernel body
+    import cutlass
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    import cutlass.utils.blockscaled_layout as bs_layout
+    from cutlass import cute, memory, pipeline
+    from cutlass.cute.nvgpu import cpasync, tcgen05
+    from cutlass.tensor_utils import LayoutEnum
+    from cutlass.utils.gemm import sm100 as sm100_epi
+
+    from .sm100_bf16 import _kernel_class as _bf16_kernel_class
+
+    elem_types = {
+        "e4m3": cutlass.Float8E4M3FN,
+        "e5m2": cutlass.Float8E5M2,
+        "e2m1": cutlass.Float4E2M1FN,
+    }
+    sf_types = {"mxfp8": cutlass.Float8E8M0FNU, "nvfp4": cutlass.Float8E4M3FN}
+    base = _bf16_kernel_class()
+
+    class Sm100BlockScaledWgradKernel(base):
+        """The BF16 kernel's persistent tcgen05 structure with block-scaled MMAs."""
+
+        def __init__(self, key: Sm100BlockScaledKey):
+            super().__init__(key)  # tile fields, warp roles, dynamic scheduler (1-CTA)
+            self.ab_dtype = elem_types[key.elem]
+            self.sf_dtype = sf_types[key.fmt]
+            self.sf_vec = key.sf_vec
+            self.nvfp4 = key.fmt == "nvfp4"
+
+        def _setup(self, a_major_mode, b_major_mode):
+            tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
+                self.ab_dtype,
+                self.ab_dtype,
+                a_major_mode,
+                b_major_mode,
+                self.sf_dtype,
+                self.sf_vec,
+                self.cta_group,
+                self.mma_tiler[:2],
+            )
+            self.cluster_layout_vmnk = cute.tiled_divide(
+                cute.make_layout((*self.cluster_shape_mn, 1)), (tiled_mma.thr_id.shape,)
+            )
+            self.epi_tile = sm100_utils.compute_epilogue_tile_shape(
+                self.cta_tile_shape_mnk, self.use_2cta_instrs, self.c_layout, self.c_dtype
+            )
+            c_one = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
+            c_bytes = cute.size_in_bytes(self.c_dtype, c_one) * self.num_c_stage
+            a_one = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
+            b_one = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
+            sfa_one = bs_layout.make_smem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec, 1)
+            sfb_one = bs_layout.make_smem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec, 1)
+            stage_bytes = (
+                cute.size_in_bytes(self.ab_dtype, a_one)
+                + cute.size_in_bytes(self.ab_dtype, b_one)
+                + cute.size_in_bytes(self.sf_dtype, sfa_one)
+                + cute.size_in_bytes(self.sf_dtype, sfb_one)
+            )
+            header = _SMEM_HEADER + 8 * self.key.num_experts
+            fit = (_SMEM_BYTES - header - c_bytes) // stage_bytes
+            self.num_ab_stage = min(self.stages, fit)
+            if self.num_ab_stage < 2:
+                raise ValueError(f"{self.key.tile} leaves no room for 2 pipeline stages")
+            n_st = self.num_ab_stage
+            self.a_smem_layout_staged = sm100_utils.make_smem_layout_a(
+                tiled_mma, self.mma_tiler, self.ab_dtype, n_st
+            )
+            self.b_smem_layout_staged = sm100_utils.make_smem_layout_b(
+                tiled_mma, self.mma_tiler, self.ab_dtype, n_st
+            )
+            self.sfa_smem_layout_staged = bs_layout.make_smem_layout_sfa(
+                tiled_mma, self.mma_tiler, self.sf_vec, n_st
+            )
+            self.sfb_smem_layout_staged = bs_layout.make_smem_layout_sfb(
+                tiled_mma, self.mma_tiler, self.sf_vec, n_st
+            )
+            self.c_smem_layout_staged = sm100_utils.make_smem_layout_epi(
+                self.c_dtype, self.c_layout, self.epi_tile, self.num_c_stage
+            )
+            # TMEM: two fp32 accumulators (tile_n columns each), then the scales of A and B
+            # (32 rows per column group: (128 / 32) columns per MMA instruction of the stage).
+            k_insts = self.mma_tiler[2] // cute.size(tiled_mma.shape_mnk, mode=[2])
+            self.num_acc_tmem_cols = self.mma_tiler[1] * self.num_acc_stage
+            self.num_sfa_tmem_cols = (self.mma_tiler[0] // 32) * k_insts
+            self.num_sfb_tmem_cols = (self.mma_tiler[1] // 32) * k_insts
+            used = self.num_acc_tmem_cols + self.num_sfa_tmem_cols + self.num_sfb_tmem_cols
+            self.num_tmem_alloc_cols = max(32, 1 << (used - 1).bit_length())
+            return tiled_mma
+
+        @cute.jit
+        def __call__(
+            self,
+            mA: cute.Tensor,  # (M, S) FP8 / FP4, K-major
+            mB: cute.Tensor,  # (N, S) FP8 / FP4, K-major (B transposed view)
+            mSFA: cute.Tensor,  # (round_up(M, 128), cols) scales of A in 128x4 atoms
+            mSFB: cute.Tensor,  # (round_up(N, 128), cols') scales of B in 128x4 atoms
+            mGs: cute.Tensor,  # (E,) fp32 gsa * gsb (NVFP4; unread for MXFP8)
+            mOffsets: cute.Tensor,  # (E,) int32
+            mOut: cute.Tensor,  # (E, M, N) dense
+            mCounter: cute.Tensor,  # (1,) int32, zero at launch
+            num_clusters: cutlass.Int32,
+            stream,
+        ):
+            a_major_mode = LayoutEnum.from_tensor(mA).mma_major_mode()
+            b_major_mode = LayoutEnum.from_tensor(mB).mma_major_mode()
+            tiled_mma = self._setup(a_major_mode, b_major_mode)
+            atom_thr_size = cute.size(tiled_mma.thr_id.shape)
+
+            # scale tensors: the 128x4 atom layout of (rows, cols * sf_vec) tokens; ``cols`` is
+            # the caller's column count (>= tokens_sum / sf_vec: the API accepts more), so the
+            # row-block stride of the atoms is the tensor's, not one derived from tokens_sum
+            m_rows = mA.shape[0]
+            n_rows = mB.shape[0]
+            sfa_k = mSFA.shape[1] * self.sf_vec
+            sfb_k = mSFB.shape[1] * self.sf_vec
+            sfa_layout = bs_layout.tile_atom_to_shape_SF((m_rows, sfa_k, 1), self.sf_vec)
+            sfb_layout = bs_layout.tile_atom_to_shape_SF((n_rows, sfb_k, 1), self.sf_vec)
+            mSFA_mkl = cute.make_tensor(mSFA.iterator, sfa_layout)
+            mSFB_nkl = cute.make_tensor(mSFB.iterator, sfb_layout)
+
+            a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, tiled_mma.thr_id)
+            a_smem_one = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
+            tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
+                a_op, mA, a_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+            )
+            b_op = sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id)
+            b_smem_one = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
+            tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
+                b_op, mB, b_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+            )
+            sfa_smem_one = cute.slice_(self.sfa_smem_layout_staged, (None, None, None, 0))
+            tma_atom_sfa, tma_sfa = cute.nvgpu.make_tiled_tma_atom_A(
+                a_op,
+                mSFA_mkl,
+                sfa_smem_one,
+                self.mma_tiler,
+                tiled_mma,
+                self.cluster_layout_vmnk.shape,
+                internal_type=cutlass.Int16,
+            )
+            sfb_op = sm100_utils.cluster_shape_to_tma_atom_SFB(
+                self.cluster_shape_mn, tiled_mma.thr_id
+            )
+            sfb_smem_one = cute.slice_(self.sfb_smem_layout_staged, (None, None, None, 0))
+            tma_atom_sfb, tma_sfb = cute.nvgpu.make_tiled_tma_atom_B(
+                sfb_op,
+                mSFB_nkl,
+                sfb_smem_one,
+                self.mma_tiler,
+                tiled_mma,
+                self.cluster_layout_vmnk.shape,
+                internal_type=cutlass.Int16,
+            )
+            self.num_tma_load_bytes = (
+                cute.size_in_bytes(self.ab_dtype, a_smem_one)
+                + cute.size_in_bytes(self.ab_dtype, b_smem_one)
+                + cute.size_in_bytes(self.sf_dtype, sfa_smem_one)
+                + cute.size_in_bytes(self.sf_dtype, sfb_smem_one)
+            ) * atom_thr_size
+
+            m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
+            mC_mne = cute.make_tensor(
+                mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
+            )
+            store_op = cpasync.CopyBulkTensorTileS2GOp()
+            if cutlass.const_expr(self.key.accumulate):
+                store_op = cpasync.CopyReduceBulkTensorTileS2GOp()
+            epi_smem_one = cute.select(self.c_smem_layout_staged, mode=[0, 1])
+            tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
+                store_op, mC_mne, epi_smem_one, self.epi_tile
+            )
+
+            @cute.struct
+            class SharedStorage:
+                ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
+                acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
+                tmem_dealloc_mbar: cutlass.Int64
+                tmem_holding_buf: cutlass.Int32
+                lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
+                perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
+                sched_mbar: cute.struct.MemRange[cutlass.Int64, _SCHED_STAGES * 2]
+                sched: cute.struct.MemRange[cutlass.Int32, _SCHED_STAGES]
+
+            self.shared_storage = SharedStorage
+            self.kernel(
+                tiled_mma,
+                tma_atom_a,
+                tma_a,
+                tma_atom_b,
+                tma_b,
+                tma_atom_sfa,
+                tma_sfa,
+                tma_atom_sfb,
+                tma_sfb,
+                tma_atom_c,
+                tma_c,
+                mGs,
+                mOffsets,
+                mCounter,
+                self.cluster_layout_vmnk,
+                self.a_smem_layout_staged,
+                self.b_smem_layout_staged,
+                self.sfa_smem_layout_staged,
+                self.sfb_smem_layout_staged,
+                self.c_smem_layout_staged,
+                self.epi_tile,
+            ).launch(
+                grid=[num_clusters * self.cluster_m, 1, 1],
+                block=[self.threads_per_cta, 1, 1],
+                cluster=(*self.cluster_shape_mn, 1),
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
+
+        def s2t_partition(self, sSF, tSF):
+            """tcgen05.cp (shared -> tensor memory) of one scale operand: the tiled copy, the
+            staged shared-memory source (as smem descriptors) and the TMEM destination."""
+            sSF_c = cute.filter_zeros(sSF)
+            tSF_c = cute.filter_zeros(tSF)
+            atom = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(self.cta_group), self.sf_dtype)
+            tiled = tcgen05.make_s2t_copy(atom, tSF_c)
+            thr = tiled.get_slice(0)
+            src = tcgen05.get_s2t_smem_desc_tensor(tiled, thr.partition_S(sSF_c))
+            return tiled, src, thr.partition_D(tSF_c)
+
+        @cute.kernel
+        def kernel(  # noqa: PLR0913, PLR0915
+            self,
+            tiled_mma: cute.TiledMma,
+            tma_atom_a: cute.CopyAtom,
+            mA_mk: cute.Tensor,
+            tma_atom_b: cute.CopyAtom,
+            mB_nk: cute.Tensor,
+            tma_atom_sfa: cute.CopyAtom,
+            mSFA_mkl: cute.Tensor,
+            tma_atom_sfb: cute.CopyAtom,
+            mSFB_nkl: cute.Tensor,
+            tma_atom_c: cute.CopyAtom,
+            mC: cute.Tensor,  # the TMA view of (M, N, E)
+            mGs: cute.Tensor,
+            mOffsets: cute.Tensor,
+            mCounter: cute.Tensor,
+            cluster_layout_vmnk: cute.Layout,
+            a_smem_layout_staged: cute.ComposedLayout,
+            b_smem_layout_staged: cute.ComposedLayout,
+            sfa_smem_layout_staged: cute.Layout,
+            sfb_smem_layout_staged: cute.Layout,
+            c_smem_layout_staged: cute.ComposedLayout,
+            epi_tile: cute.Tile,
+        ):
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            tidx, _, _ = cute.arch.thread_idx()
+            if warp_idx == self.tma_warp_id:
+                cpasync.prefetch_descriptor(tma_atom_a)
+                cpasync.prefetch_descriptor(tma_atom_b)
+                cpasync.prefetch_descriptor(tma_atom_sfa)
+                cpasync.prefetch_descriptor(tma_atom_sfb)
+                cpasync.prefetch_descriptor(tma_atom_c)
+
+            cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            block_in_cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank_in_cluster)
+
+            smem = memory.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            ab_pipe = pipeline.PipelineTmaUmma.create(
+                barrier_storage=storage.ab_mbar.data_ptr(),
+                num_stages=self.num_ab_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                tx_count=self.num_tma_load_bytes,
+                cta_layout_vmnk=cluster_layout_vmnk,
+                defer_sync=True,
+            )
+            acc_pipe = pipeline.PipelineUmmaAsync.create(
+                barrier_storage=storage.acc_mbar.data_ptr(),
+                num_stages=self.num_acc_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, len(self.epilogue_warp_id)
+                ),
+                cta_layout_vmnk=cluster_layout_vmnk,
+                defer_sync=True,
+            )
+            sched_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.sched_mbar.data_ptr(),
+                num_stages=_SCHED_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, 32 * (1 + len(self.epilogue_warp_id))
+                ),
+                defer_sync=True,
+            )
+            sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
+            tmem_alloc_barrier = pipeline.NamedBarrier(
+                barrier_id=self.tmem_alloc_sync_bar_id,
+                num_threads=32 * (1 + len(self.epilogue_warp_id)),
+            )
+            tmem = memory.TmemAllocator(
+                storage.tmem_holding_buf.ptr,
+                barrier_for_retrieve=tmem_alloc_barrier,
+                allocator_warp_id=self.epilogue_warp_id[0],
+                is_two_cta=False,
+                two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
+            )
+            pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+
+            sA = smem.allocate_tensor(
+                element_type=self.ab_dtype,
+                layout=a_smem_layout_staged.outer,
+                byte_alignment=128,
+                swizzle=a_smem_layout_staged.inner,
+            )
+            sB = smem.allocate_tensor(
+                element_type=self.ab_dtype,
+                layout=b_smem_layout_staged.outer,
+                byte_alignment=128,
+                swizzle=b_smem_layout_staged.inner,
+            )
+            sSFA = smem.allocate_tensor(
+                element_type=self.sf_dtype, layout=sfa_smem_layout_staged, byte_alignment=128
+            )
+            sSFB = smem.allocate_tensor(
+                element_type=self.sf_dtype, layout=sfb_smem_layout_staged, byte_alignment=128
+            )
+            sC = smem.allocate_tensor(
+                element_type=self.c_dtype,
+                layout=c_smem_layout_staged.outer,
+                byte_alignment=128,
+                swizzle=c_smem_layout_staged.inner,
+            )
+
+            # Global tiles: (bM, bK, RestM, RestK), (bN, bK, RestN, RestK), scale tiles with a
+            # trailing L = 1 mode, (bM, bN, RestM, RestN, E)
+            gA = cute.local_tile(mA_mk, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None))
+            gB = cute.local_tile(mB_nk, cute.slice_(self.mma_tiler, (0, None, None)), (None, None))
+            gSFA = cute.local_tile(
+                mSFA_mkl, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None)
+            )
+            gSFB = cute.local_tile(
+                mSFB_nkl, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None)
+            )
+            gC = cute.local_tile(
+                mC, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
+            )
+            thr_mma = tiled_mma.get_slice(0)
+            tCgA = thr_mma.partition_A(gA)
+            tCgB = thr_mma.partition_B(gB)
+            tCgSFA = thr_mma.partition_A(gSFA)
+            tCgSFB = thr_mma.partition_B(gSFB)
+            tCgC = thr_mma.partition_C(gC)
+
+            a_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape)
+            b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_atom_a,
+                block_in_cluster_coord_vmnk[2],
+                a_cta_layout,
+                cute.group_modes(sA, 0, 3),
+                cute.group_modes(tCgA, 0, 3),
+            )
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_atom_b,
+                block_in_cluster_coord_vmnk[1],
+                b_cta_layout,
+                cute.group_modes(sB, 0, 3),
+                cute.group_modes(tCgB, 0, 3),
+            )
+            tAsSFA, tAgSFA = cpasync.tma_partition(
+                tma_atom_sfa,
+                block_in_cluster_coord_vmnk[2],
+                a_cta_layout,
+                cute.group_modes(sSFA, 0, 3),
+                cute.group_modes(tCgSFA, 0, 3),
+            )
+            tAsSFA = cute.filter_zeros(tAsSFA)
+            tAgSFA = cute.filter_zeros(tAgSFA)
+            tBsSFB, tBgSFB = cpasync.tma_partition(
+                tma_atom_sfb,
+                block_in_cluster_coord_vmnk[1],
+                b_cta_layout,
+                cute.group_modes(sSFB, 0, 3),
+                cute.group_modes(tCgSFB, 0, 3),
+            )
+            tBsSFB = cute.filter_zeros(tBsSFB)
+            tBgSFB = cute.filter_zeros(tBgSFB)
+
+            tCrA = tiled_mma.make_fragment_A(sA)
+            tCrB = tiled_mma.make_fragment_B(sB)
+            acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+            tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+
+            # Experts sorted by token count, largest first (the BF16 kernel's order)
+            num_e = self.key.num_experts
+            sLens = storage.lens.get_tensor(cute.make_layout(num_e))
+            sPerm = storage.perm.get_tensor(cute.make_layout(num_e))
+            for ei in cutlass.range(tidx, num_e, self.threads_per_cta, unroll=1):
+                prev = cutlass.Int32(0)
+                if ei > 0:
+                    prev = mOffsets[ei - 1]
+                sLens[ei] = mOffsets[ei] - prev
+            pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
+            cute.arch.sync_threads()
+            for ei in cutlass.range(tidx, num_e, self.threads_per_cta, unroll=1):
+                my_len = sLens[ei]
+                rank = cutlass.Int32(0)
+                for e2 in cutlass.range(num_e, unroll=4):
+                    l2 = sLens[e2]
+                    if l2 > my_len or (l2 == my_len and e2 < ei):
+                        rank += 1
+                sPerm[rank] = ei
+            cute.arch.sync_threads()
+
+            # ---------------- TMA warp: A, B and their scale atoms per stage ----------------
+            if warp_idx == self.tma_warp_id:
+                prod_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.num_ab_stage
+                )
+                lane = cute.arch.lane_idx()
+                sched_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, _SCHED_STAGES
+                )
+                tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                sched_state.advance()
+                while tile < self.num_tiles:
+                    _e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
+                    tAgA_t = tAgA[(None, m_idx, None)]
+                    tBgB_t = tBgB[(None, n_idx, None)]
+                    tAgSFA_t = tAgSFA[(None, m_idx, None, 0)]
+                    tBgSFB_t = tBgSFB[(None, n_idx, None, 0)]
+                    for kt in cutlass.range(n_k, unroll=1):
+                        ab_pipe.producer_acquire(prod_state)
+                        bar = ab_pipe.producer_get_barrier(prod_state)
+                        s = prod_state.index
+                        cute.copy(
+                            tma_atom_a, tAgA_t[(None, k0 + kt)], tAsA[(None, s)], tma_bar_ptr=bar
+                        )
+                        cute.copy(
+                            tma_atom_b, tBgB_t[(None, k0 + kt)], tBsB[(None, s)], tma_bar_ptr=bar
+                        )
+                        cute.copy(
+                            tma_atom_sfa,
+                            tAgSFA_t[(None, k0 + kt)],
+                            tAsSFA[(None, s)],
+                            tma_bar_ptr=bar,
+                        )
+                        cute.copy(
+                            tma_atom_sfb,
+                            tBgSFB_t[(None, k0 + kt)],
+                            tBsSFB[(None, s)],
+                            tma_bar_ptr=bar,
+                        )
+                        ab_pipe.producer_commit(prod_state)
+                        prod_state.advance()
+                    tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                    sched_state.advance()
+                ab_pipe.producer_tail(prod_state)
+
+            # ---------------- MMA warp: tcgen05.cp scales, block-scaled tcgen05.mma ----------
+            if warp_idx == self.mma_warp_id:
+                tmem.wait_for_alloc()
+                acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
+                tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
+                sfa_ptr = cute.recast_ptr(acc_ptr + self.num_acc_tmem_cols, dtype=self.sf_dtype)
+                tCtSFA = cute.make_tensor(
+                    sfa_ptr,
+                    bs_layout.make_tmem_layout_sfa(
+                        tiled_mma,
+                        self.mma_tiler,
+                        self.sf_vec,
+                        cute.slice_(sfa_smem_layout_staged, (None, None, None, 0)),
+                    ),
+                )
+                sfb_ptr = cute.recast_ptr(
+                    acc_ptr + self.num_acc_tmem_cols + self.num_sfa_tmem_cols,
+                    dtype=self.sf_dtype,
+                )
+                tCtSFB = cute.make_tensor(
+                    sfb_ptr,
+                    bs_layout.make_tmem_layout_sfb(
+                        tiled_mma,
+                        self.mma_tiler,
+                        self.sf_vec,
+                        cute.slice_(sfb_smem_layout_staged, (None, None, None, 0)),
+                    ),
+                )
+                s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self.s2t_partition(sSFA, tCtSFA)
+                s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self.s2t_partition(sSFB, tCtSFB)
+
+                cons_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, self.num_ab_stage
+                )
+                acc_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.num_acc_stage
+                )
+                num_kblocks = cute.size(tCrA, mode=[2])
+                sched_cstate = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+                )
+                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                sched_cstate.advance()
+                while tile < self.num_tiles:
+                    _e, _m, _n, _k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
+                    if n_k > 0:
+                        tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
+                        acc_pipe.producer_acquire(acc_state)
+                        tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                        for _kt in cutlass.range(n_k, unroll=1):
+                            ab_pipe.consumer_wait(cons_state)
+                            s_crd = (None, None, None, None, cons_state.index)
+                            cute.copy(s2t_sfa, tCsSFA_s2t[s_crd], tCtSFA_s2t)
+                            cute.copy(s2t_sfb, tCsSFB_s2t[s_crd], tCtSFB_s2t)
+                            for kb in cutlass.range(num_kblocks, unroll_full=True):
+                                crd = (None, None, kb, cons_state.index)
+                                sf_crd = (None, None, kb)
+                                tiled_mma.set(tcgen05.Field.SFA, tCtSFA[sf_crd].iterator)
+                                tiled_mma.set(tcgen05.Field.SFB, tCtSFB[sf_crd].iterator)
+                                cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
+                                tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                            ab_pipe.consumer_release(cons_state)
+                            cons_state.advance()
+                        acc_pipe.producer_commit(acc_state)
+                        acc_state.advance()
+                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                    sched_cstate.advance()
+                acc_pipe.producer_tail(acc_state)
+
+            # ---------------- epilogue warps (TMA store / reduce-add) ----------------
+            if warp_idx < self.mma_warp_id:
+                tmem.allocate(self.num_tmem_alloc_cols)
+                tmem.wait_for_alloc()
+                tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+                tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+                tCtAcc_mn = sm100_epi.transform_partitioned_tensor_layout(tCtAcc_base)
+                tCgC_mn = sm100_epi.transform_partitioned_tensor_layout(tCgC)
+                tiled_t2r, tTR_tAcc_base, tTR_rAcc = sm100_epi.epilogue_tmem_copy_and_partition(
+                    self, tidx, tCtAcc_mn, tCgC_mn, epi_tile, False
+                )
+                tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+                epi_barrier = pipeline.NamedBarrier(
+                    barrier_id=self.epilog_sync_bar_id,
+                    num_threads=32 * len(self.epilogue_warp_id),
+                )
+                tiled_r2s, tRS_rC, tRS_sC = sm100_epi.epilogue_smem_copy_and_partition(
+                    self, tiled_t2r, tTR_rC, tidx, sC
+                )
+                tCgC_epi = cute.flat_divide(tCgC_mn, epi_tile)
+                bSG_sC, bSG_gC_all = cpasync.tma_partition(
+                    tma_atom_c,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sC, 0, 2),
+                    cute.group_modes(tCgC_epi, 0, 2),
+                )
+                c_pipe = pipeline.PipelineTmaStore.create(
+                    num_stages=self.num_c_stage,
+                    producer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, 32 * len(self.epilogue_warp_id)
+                    ),
+                )
+                acc_cstate = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, self.num_acc_stage
+                )
+                epi_count = cutlass.Int32(0)
+                sched_cstate = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+                )
+                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                sched_cstate.advance()
+                while tile < self.num_tiles:
+                    e, m_idx, n_idx, _k0, n_k, bad = self.tile_coords(tile, sPerm, mOffsets)
+                    tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cstate.index)]
+                    tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
+                    subtiles = cute.size(tTR_tAcc.shape, mode=[3])
+                    gscale = cutlass.Float32(1.0)
+                    if cutlass.const_expr(self.nvfp4):
+                        gscale = mGs[e]
+                    write = cutlass.Boolean(True)
+                    if cutlass.const_expr(self.key.accumulate):
+                        write = n_k > 0  # empty expert: leave the output untouched
+                        if bad:
+                            write = cutlass.Boolean(True)
+                    if n_k > 0:
+                        acc_pipe.consumer_wait(acc_cstate)
+                    bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e)]
+                    bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
+                    if write:
+                        for sub in cutlass.range_constexpr(subtiles):
+                            if n_k > 0:
+                                cute.copy(tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
+                                vals = tiled_r2s.retile(tTR_rAcc).load()
+                                if cutlass.const_expr(self.nvfp4):
+                                    vals = vals * gscale
+                                tRS_rC.store(vals.to(self.c_dtype))
+                            elif bad:
+                                tRS_rC.fill(float("nan"))  # offsets broke the contract
+                            else:
+                                tRS_rC.fill(0.0)  # empty expert, overwrite: zeros
+                            buf = epi_count % self.num_c_stage
+                            cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            epi_barrier.arrive_and_wait()
+                            if warp_idx == self.epilogue_warp_id[0]:
+                                cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, sub)])
+                                c_pipe.producer_commit()
+                                c_pipe.producer_acquire()
+                            epi_barrier.arrive_and_wait()
+                            epi_count += 1
+                    if n_k > 0:
+                        cute.arch.fence_view_async_tmem_load()
+                        with cute.arch.elect_one():
+                            acc_pipe.consumer_release(acc_cstate)
+                        acc_cstate.advance()
+                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                    sched_cstate.advance()
+                c_pipe.producer_tail()
+                epi_barrier.arrive_and_wait()
+                tmem.relinquish_alloc_permit()
+                tmem.free(tmem_ptr)
+
+    return Sm100BlockScaledWgradKernel
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_class():
+    return _build_kernel_class()
+
+
+# --------------------------------------------------------------------------------------------
+# Host side: the kernel family
+# --------------------------------------------------------------------------------------------
+
+
+def _fake_operands(key: Sm100BlockScaledKey):
+    """Shape-only operands of a compile: A ``(M, S)`` / B ``(N, S)`` in the element type with a
+    symbolic token count (a multiple of the stage) and unit stride along tokens, the scale tensors
+    ``(round_up(rows, 128), cols)`` in the scale dtype (cols symbolic), the global-scale product, offsets, output, counter."""
+    import cutlass
+    from cutlass import cute
+
+    elem_t = {
+        "e4m3": cutlass.Float8E4M3FN,
+        "e5m2": cutlass.Float8E5M2,
+        "e2m1": cutlass.Float4E2M1FN,
+    }[key.elem]
+    sf_t = {"mxfp8": cutlass.Float8E8M0FNU, "nvfp4": cutlass.Float8E4M3FN}[key.fmt]
+    out_t = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
+    m, n, e = key.hidden, key.intermediate, key.num_experts
+    s = cute.sym_int32(divisibility=key.tile.tile_k, symbol="tokens_sum")
+    a = cute.runtime.make_fake_tensor(elem_t, (m, s), (s, 1), assumed_align=16)
+    b = cute.runtime.make_fake_tensor(elem_t, (n, s), (s, 1), assumed_align=16)
+    sfa = cute.runtime.make_fake_compact_tensor(
+        sf_t,
+        (-(-m // 128) * 128, cute.sym_int32(divisibility=4, symbol="sfa_cols")),
+        stride_order=(1, 0),
+        assumed_align=16,
+    )
+    sfb = cute.runtime.make_fake_compact_tensor(
+        sf_t,
+        (-(-n // 128) * 128, cute.sym_int32(divisibility=4, symbol="sfb_cols")),
+        stride_order=(1, 0),
+        assumed_align=16,
+    )
+    gs = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (e,), assumed_align=4)
+    offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+    out = cute.runtime.make_fake_compact_tensor(
+        out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
+    )
+    counter = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
+    return a, b, sfa, sfb, gs, offsets, out, counter
+
+
+class _BsFamily(KernelFamily):
+    """``launch.KernelFamily`` with the block-scaled operands (the cache, offline PTX, module
+    ``COMPILE_COUNT``, grid sizing and the opt-in gate are the shared layer's)."""
+
+    def _compile(self, key: Any, arch: str | None, dump_dir: str | None = None):
+        import cutlass
+        from cutlass import cute
+
+        kernel = self.kernel(key)
+        args = _fake_operands(key)
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        opts = "--enable-tvm-ffi"
+        if arch is None:
+            return cute.compile(kernel, *args, cutlass.Int32(1), stream, options=opts)
+        opts += f" --gpu-arch {arch}"
+        if dump_dir is not None:
+            opts += f" --keep-ptx --dump-dir {dump_dir}"
+        with pinned_cute_arch(arch):
+            return cute.compile(
+                kernel,
+                *args,
+                cutlass.Int32(1),
+                stream,
+                options=opts,
+                **cross_compile_kwargs(arch),
+            )
+
+    def _launch(  # noqa: PLR0913
+        self,
+        key,
+        fn,
+        a,
+        b,
+        sfa,
+        sfb,
+        offsets,
+        out,
+        *,
+        global_scale_a=None,
+        global_scale_b=None,
+        descriptor_workspace=None,
+        stream=None,
+    ) -> None:
+        """One launch on validated CUDA tensors (``dispatch.BlockScaledLauncher``'s signature):
+        ``a`` ``(M, S)`` / ``b`` ``(S, N)`` K-major along tokens (FP4: packed bytes, two tokens per
+        byte), ``sfa`` / ``sfb`` the 128x4-atom scale tensors, ``offsets`` ``(E,)`` int32 (every
+        count a multiple of the stage), ``out`` dense ``(E, M, N)``. The descriptors are built per
+        launch by the TVM-FFI entry (nothing mutable is shared between call sites), so
+        ``descriptor_workspace`` is not needed."""
+        import torch
+
+        from .launch import _on_stream, _zeroed_counter
+
+        del descriptor_workspace
+        reason = unverified_reason()
+        if reason is not None:
+            raise RuntimeError(reason)
+        with _on_stream(stream):
+            if a.shape[-1] == 0:  # no tokens: nothing to read (TMA has no 0-sized boxes)
+                if not key.accumulate:
+                    out.zero_()
+                return
+            if key.fmt == "nvfp4":
+                gs = (global_scale_a.float() * global_scale_b.float()).contiguous()
+                a = a.view(torch.float4_e2m1fn_x2)
+                b = b.view(torch.float4_e2m1fn_x2)
+            else:
+                gs = torch.ones(key.num_experts, dtype=torch.float32, device=a.device)
+            grid = self.grid_size(key, a.device)
+            fn(
+                a,
+                b.t(),
+                sfa,
+                sfb,
+                gs,
+                offsets,
+                out,
+                _zeroed_counter(a.device),
+                grid,
+            )
+
+
+def _as_key(key_or_contract: Any) -> Sm100BlockScaledKey:
+    if isinstance(key_or_contract, Sm100BlockScaledKey):
+        return key_or_contract
+    if getattr(key_or_contract, "block_scaled", None) is not None:
+        return sm100_blockscaled_key_from_contract(key_or_contract)
+    raise ValueError(
+        "compile_sm100_blockscaled_wgrad: expected a Sm100BlockScaledKey or a block-scaled "
+        f"api.WgradContract, got {type(key_or_contract).__name__}"
+    )
+
+
+#: The SM100 block-scaled family: dynamic persistent (a zeroed tile counter per launch), one
+#: 1-CTA cluster per SM, runtime compiles pinned to an SM100 target, launches gated on
+#: ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1`` (the BF16 SM100 kernel's gate).
+FAMILY = _BsFamily(
+    "sm100_blockscaled",
+    lambda key: _kernel_class()(key),
+    sm100_blockscaled_key_from_contract,
+    runtime_arch=_target_arch,
+    gate=unverified_reason,
+    as_key=_as_key,
+    tile_counter=True,
+    ctas_per_sm=lambda key: 1,
+)
+
+__getattr__ = FAMILY.module_getattr(__name__)  # COMPILE_COUNT: the family's count
+
+
+def compile_sm100_blockscaled_wgrad(key: Any) -> Callable[..., None]:
+    """Compile (once per key, cached) and return the launcher
+    ``launcher(a, b, sfa, sfb, offsets, out, *, global_scale_a=None, global_scale_b=None,
+    descriptor_workspace=None, stream=None)`` (see ``_BsFamily._launch``); it raises
+    ``RuntimeError`` unless ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1``.
+
+    Raises:
+        RuntimeError: CuTe DSL is not installed or the compile fails.
+        ValueError: the key / contract is outside what the kernel is built for.
+    """
+    return FAMILY.launcher(key)
+
+
+def compile_sm100_blockscaled_wgrad_offline(key: Any, arch: str = "sm_100a") -> str:
+    """Compile ``key`` for ``arch`` without a GPU and return the PTX text (CI).
+
+    Raises:
+        RuntimeError: CuTe DSL is not installed or produced no PTX.
+        ValueError: the key / contract is outside what the kernel is built for.
+    """
+    return FAMILY.offline_ptx(key, arch)

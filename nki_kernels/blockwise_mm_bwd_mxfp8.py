@@ -131,6 +131,9 @@ PSUM_TILE_MAX_N = 2048  # fp32 columns of one PSUM tile (4 of the 8 banks)
 ZERO_TILE_COLS = 2048  # free size of the zero tile used to clear HBM outputs
 WGRAD_COL_BLOCK = 2048  # d_gate_up columns / alpha*h rows quantized at a time in phases 3/4
 WEIGHT_BLOCK_BYTES = 64 * 1024  # SBUF per partition for one resident weight column block (x4+scale)
+# A streamed block's phase 1 (W_down column blocks outermost) takes W_down column blocks up to
+# this size: every column block after the first reloads the stashed dY^T of all sub-blocks.
+PHASE1_STREAM_WEIGHT_BYTES = 96 * 1024
 WEIGHT_T_COLS = 512  # weight columns staged (natural layout) and TensorE-transposed at a time
 # Slot streaming (block sizes up to 4096): phases 1-2 run per sub-block of SB slots; phases 3-4
 # contract over the whole block with operands streamed per WRAPX tile along B, column slab by
@@ -161,13 +164,13 @@ def _wgrad_cols(nkt: int, width: int, step: int) -> int:
     return min(width, fit)
 
 
-def _weight_cols(K: int, n_block: int, step: int) -> int:
+def _weight_cols(K: int, n_block: int, step: int, budget: int = WEIGHT_BLOCK_BYTES) -> int:
     """Columns of a weight block: the config's ``TILES_IN_BLOCK_N x tile_n``, shrunk (in
     multiples of ``step``) so all K tiles of the block fit ``WEIGHT_BLOCK_BYTES`` per partition
     (5 B per column and K tile: an x4 word and a scale byte). Columns are independent, so this
     never changes a value."""
     per_col = 5 * len(_k_tiles(K))
-    fit = max(step, WEIGHT_BLOCK_BYTES // per_col // step * step)
+    fit = max(step, budget // per_col // step * step)
     return min(n_block, fit)
 
 
@@ -790,11 +793,16 @@ def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_scales=None):
 
 
 def _phase1_passes(g: _Geo, tl: _Tiling):
-    """Phase-1 moving-column blocks ``(half, nb0, width)`` of this core's I columns, in order,
-    and the moving columns per instruction (``tile_n`` rounded down to a multiple of 128)."""
+    """Phase-1 moving-column blocks ``(half, nb0, width)`` of a streamed block, in order, and
+    the moving columns per instruction (``tile_n`` rounded down to a multiple of 128). A column
+    block is a whole half of I if it fits ``PHASE1_STREAM_WEIGHT_BYTES`` (else the largest
+    multiple of ``tn`` that does; never below the config's ``TILES_IN_BLOCK_N x tile_n``), as
+    every further column block reloads the stashed dY^T; columns are independent and the dA
+    chunks stay 128 columns in ascending order, so no value depends on it."""
     tn = max(PMAX, tl.tn // PMAX * PMAX)
-    n_block = _weight_cols(g.H, max(tn, tl.n_block // tn * tn), tn)
     half = g.I // 2
+    n_cfg = _weight_cols(g.H, max(tn, tl.n_block // tn * tn), tn)
+    n_block = max(n_cfg, _weight_cols(g.H, half, tn, PHASE1_STREAM_WEIGHT_BYTES))
     halves = [0, 1] if g.S == 1 else [g.shard]
     passes = []
     for hf in halves:

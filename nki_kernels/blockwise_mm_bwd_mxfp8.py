@@ -38,11 +38,15 @@ On-chip layouts (all MX groups follow Trainium's WRAPX layout, NKI_API.md §4.6)
 
 Slot streaming (B up to 4096, AWS's default; issue 11 item 4): a block of B slots runs phases 1-2
 per sub-block of SB slots (``_sub_block_slots``: the largest of 512/256/128 whose per-slot tiles
-fit the SBUF plan; slots are independent there, so dA and dX rows are computed per sub-block);
-each sub-block's d_gate_up and alpha*h go to a block scratch in shared HBM (natural layout
-``[128, B/128, *]``, also the LNC2 exchange buffer), and its quantized d_gate_up^T to an HBM
-stash, so phase 2 runs once per block after the sub-blocks, loading each W_gate_up column block
-once (phase 1 still reloads W_down per sub-block). Phases 3-4 then contract over all B slots:
+fit the SBUF plan; slots are independent there). Phase 1 (``_phase1_streamed``) runs with the
+W_down column blocks outermost (each loaded and TensorE-transposed once per block; a column
+block is this core's whole half of I when it fits ``PHASE1_STREAM_WEIGHT_BYTES``) and the
+sub-blocks inside: dY^T per sub-block (stashed in HBM when there is more than one column block),
+checkpoint columns per (column block, sub-block), dA per slot in one PSUM tile for the block.
+The d_gate_up and alpha*h columns go to a block scratch in shared HBM (natural layout
+``[128, B/128, *]``, also the LNC2 exchange buffer); each sub-block's quantized d_gate_up^T is
+then built from it and stashed in HBM, so phase 2 runs once per block, loading each W_gate_up
+column block once. Phases 3-4 then contract over all B slots:
 for each output tile the PSUM chain runs over the WRAPX tiles along B in order, exactly as for a
 resident block, so no value depends on SB or on the slabs and the golden twin is unchanged. With
 one sub-block (SB = B) d_gate_up and alpha*h stay in SBUF as before.
@@ -94,11 +98,14 @@ I_TP 2048), Qwen3-235B-A22B (4096, 1536), Llama-4-Scout (5120, 8192) and Mixtral
 ================  ===  ==================================
 model (H, I_TP)    SB  SBUF peak, B = 1024 / 2048 / 4096
 ================  ===  ==================================
-DeepSeek-V3        256  134344 / 134536 / 134920
-Qwen3-235B-A22B    512  142024 / 142216 / 142600
-Llama-4-Scout      128  140360 / 140552 / 140936
-Mixtral-8x7B       128  167624 / 167816 / 168200
+DeepSeek-V3        256  134344 / 134536 / 129704
+Qwen3-235B-A22B    512  142024 / 142216 / 101544
+Llama-4-Scout      128  140360 / 140552 / 118184
+Mixtral-8x7B       128  167624 / 167816 / 127144
 ================  ===  ==================================
+
+(B = 1024 / 2048 measured before the streamed phase 1 was reordered, 2026-12-01; B = 4096
+after it.)
 
 LNC2 (SHARD_ON_FREE): core c computes phase 1 for its half of I (dA partial sums exchanged with
 ``sendrecv``; d_gate_up and alpha*h halves exchanged through a shared-HBM scratch and

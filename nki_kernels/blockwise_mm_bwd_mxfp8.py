@@ -38,11 +38,15 @@ On-chip layouts (all MX groups follow Trainium's WRAPX layout, NKI_API.md §4.6)
 
 Slot streaming (B up to 4096, AWS's default; issue 11 item 4): a block of B slots runs phases 1-2
 per sub-block of SB slots (``_sub_block_slots``: the largest of 512/256/128 whose per-slot tiles
-fit the SBUF plan; slots are independent there, so dA and dX rows are computed per sub-block);
-each sub-block's d_gate_up and alpha*h go to a block scratch in shared HBM (natural layout
-``[128, B/128, *]``, also the LNC2 exchange buffer), and its quantized d_gate_up^T to an HBM
-stash, so phase 2 runs once per block after the sub-blocks, loading each W_gate_up column block
-once (phase 1 still reloads W_down per sub-block). Phases 3-4 then contract over all B slots:
+fit the SBUF plan; slots are independent there). Phase 1 (``_phase1_streamed``) runs with the
+W_down column blocks outermost (each loaded and TensorE-transposed once per block; a column
+block is this core's whole half of I when it fits ``PHASE1_STREAM_WEIGHT_BYTES``) and the
+sub-blocks inside: dY^T per sub-block (stashed in HBM when there is more than one column block),
+checkpoint columns per (column block, sub-block), dA per slot in one PSUM tile for the block.
+The d_gate_up and alpha*h columns go to a block scratch in shared HBM (natural layout
+``[128, B/128, *]``, also the LNC2 exchange buffer); each sub-block's quantized d_gate_up^T is
+then built from it and stashed in HBM, so phase 2 runs once per block, loading each W_gate_up
+column block once. Phases 3-4 then contract over all B slots:
 for each output tile the PSUM chain runs over the WRAPX tiles along B in order, exactly as for a
 resident block, so no value depends on SB or on the slabs and the golden twin is unchanged. With
 one sub-block (SB = B) d_gate_up and alpha*h stay in SBUF as before.
@@ -94,11 +98,14 @@ I_TP 2048), Qwen3-235B-A22B (4096, 1536), Llama-4-Scout (5120, 8192) and Mixtral
 ================  ===  ==================================
 model (H, I_TP)    SB  SBUF peak, B = 1024 / 2048 / 4096
 ================  ===  ==================================
-DeepSeek-V3        256  134344 / 134536 / 134920
-Qwen3-235B-A22B    512  142024 / 142216 / 142600
-Llama-4-Scout      128  140360 / 140552 / 140936
-Mixtral-8x7B       128  167624 / 167816 / 168200
+DeepSeek-V3        256  134344 / 134536 / 129704
+Qwen3-235B-A22B    512  142024 / 142216 / 101544
+Llama-4-Scout      128  140360 / 140552 / 118184
+Mixtral-8x7B       128  167624 / 167816 / 127144
 ================  ===  ==================================
+
+(B = 1024 / 2048 measured before the streamed phase 1 was reordered, 2026-12-01; B = 4096
+after it.)
 
 LNC2 (SHARD_ON_FREE): core c computes phase 1 for its half of I (dA partial sums exchanged with
 ``sendrecv``; d_gate_up and alpha*h halves exchanged through a shared-HBM scratch and
@@ -131,6 +138,9 @@ PSUM_TILE_MAX_N = 2048  # fp32 columns of one PSUM tile (4 of the 8 banks)
 ZERO_TILE_COLS = 2048  # free size of the zero tile used to clear HBM outputs
 WGRAD_COL_BLOCK = 2048  # d_gate_up columns / alpha*h rows quantized at a time in phases 3/4
 WEIGHT_BLOCK_BYTES = 64 * 1024  # SBUF per partition for one resident weight column block (x4+scale)
+# A streamed block's phase 1 (W_down column blocks outermost) takes W_down column blocks up to
+# this size: every column block after the first reloads the stashed dY^T of all sub-blocks.
+PHASE1_STREAM_WEIGHT_BYTES = 96 * 1024
 WEIGHT_T_COLS = 512  # weight columns staged (natural layout) and TensorE-transposed at a time
 # Slot streaming (block sizes up to 4096): phases 1-2 run per sub-block of SB slots; phases 3-4
 # contract over the whole block with operands streamed per WRAPX tile along B, column slab by
@@ -161,13 +171,13 @@ def _wgrad_cols(nkt: int, width: int, step: int) -> int:
     return min(width, fit)
 
 
-def _weight_cols(K: int, n_block: int, step: int) -> int:
+def _weight_cols(K: int, n_block: int, step: int, budget: int = WEIGHT_BLOCK_BYTES) -> int:
     """Columns of a weight block: the config's ``TILES_IN_BLOCK_N x tile_n``, shrunk (in
     multiples of ``step``) so all K tiles of the block fit ``WEIGHT_BLOCK_BYTES`` per partition
     (5 B per column and K tile: an x4 word and a scale byte). Columns are independent, so this
     never changes a value."""
     per_col = 5 * len(_k_tiles(K))
-    fit = max(step, WEIGHT_BLOCK_BYTES // per_col // step * step)
+    fit = max(step, budget // per_col // step * step)
     return min(n_block, fit)
 
 
@@ -689,7 +699,13 @@ def _sub_block(b, g: _Geo, k: int):
 def _gather_sub_block(b, g: _Geo):
     """Indirect-DMA gathers of one sub-block (natural layout ``[128, SC, *]``): dY rows and the
     checkpoint slots (X and the slot-layout dY are gathered in phases 3 / 4)."""
-    P, C, H, I = PMAX, g.SC, g.H, g.I
+    _gather_dy(b, g)
+    b.gu = _gather_ckpt(b, g, g.I0, g.Is)
+
+
+def _gather_dy(b, g: _Geo):
+    """dY rows of one sub-block (natural layout ``[128, SC, H]``) into ``b.dy_n``."""
+    P, C, H = PMAX, g.SC, g.H
     # dY rows [128, SC, H]; skipped rows stay 0
     dy = nl.ndarray((P, C, H), dtype=nl.bfloat16, buffer=nl.sbuf)
     if b.token_oob == nisa.oob_mode.skip:
@@ -702,28 +718,34 @@ def _gather_sub_block(b, g: _Geo):
             oob_mode=b.token_oob,
         )
     b.dy_n = dy
-    # checkpoint: gu[p, c, k, f] = ckpt[n, k, I0 + f, (cs + c)*128 + p]. In HBM a slot's I run
+
+
+def _gather_ckpt(b, g: _Geo, col0: int, ncols: int):
+    """Checkpoint columns ``col0 .. col0+ncols`` of I (gate and up) of the sub-block's slots:
+    ``[128, SC, 2, ncols]`` BF16, padding slots cleared."""
+    P, C, I = PMAX, g.SC, g.I
+    # checkpoint: gu[p, c, k, f] = ckpt[n, k, col0 + f, (cs + c)*128 + p]. In HBM a slot's I run
     # is strided by B, so a copy into the natural layout would move 2-byte elements; one DMA
     # transpose per 128-slot chunk instead (src [16, 2, Is/16, 128], 256-byte slot runs ->
-    # dst [128, 2, Is/16, 16], axes (3, 1, 2, 0); nki-library transposes its checkpoint tiles
-    # the same way). Padding slots (any bits, NaN included) are then cleared by a predicated
-    # copy, so they never reach a gradient.
-    gu = nl.ndarray((P, C, 2, g.Is), dtype=nl.bfloat16, buffer=nl.sbuf)
+    # dst [128, 2, ncols/16, 16], axes (3, 1, 2, 0); nki-library transposes its checkpoint
+    # tiles the same way). Padding slots (any bits, NaN included) are then cleared by a
+    # predicated copy, so they never reach a gradient.
+    gu = nl.ndarray((P, C, 2, ncols), dtype=nl.bfloat16, buffer=nl.sbuf)
     ck_flat = b.ckpt.reshape((g.N * 2 * I * g.B, 1))
     for c in range(C):
         nisa.dma_transpose(
-            dst=gu[:, c, :, :].reshape((P, 2, g.Is // 16, 16)),
+            dst=gu[:, c, :, :].reshape((P, 2, ncols // 16, 16)),
             src=ck_flat.ap(
-                pattern=[[g.B, 16], [I * g.B, 2], [16 * g.B, g.Is // 16], [1, P]],
-                offset=b.n * 2 * I * g.B + g.I0 * g.B + (b.cs + c) * P,
+                pattern=[[g.B, 16], [I * g.B, 2], [16 * g.B, ncols // 16], [1, P]],
+                offset=b.n * 2 * I * g.B + col0 * g.B + (b.cs + c) * P,
             ),
             axes=(3, 1, 2, 0),
             dge_mode=nisa.dge_mode.hwdge,
         )
     nisa.tensor_copy_predicated(
-        dst=gu.reshape((P, C, 2 * g.Is)), src=0.0,
-        predicate=b.valid_u.expand_dim(2).broadcast(2, 2 * g.Is), reverse_pred=True)
-    b.gu = gu
+        dst=gu.reshape((P, C, 2 * ncols)), src=0.0,
+        predicate=b.valid_u.expand_dim(2).broadcast(2, 2 * ncols), reverse_pred=True)
+    return gu
 
 
 # ------------------------------------------------------------------------------------- phase 1
@@ -763,8 +785,12 @@ def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_scales=None):
                 for n0 in range(0, nbw, tn):
                     nw = min(tn, nbw - n0)
                     dh_raw = _matmul_rows(dyT, wdT, P, n0, nw, tl, c * P, ws)
-                    _swiglu_bwd(b, g, c, dh_raw, nb0 + n0, nw, clamp,
-                                da_ps[:, hf * C + c : hf * C + c + 1], ones)
+                    ci = nb0 + n0
+                    c0 = ci - g.I0  # column in this core's share (the checkpoint tile)
+                    _swiglu_bwd(dh_raw, b.gu[:, c, 0, c0 : c0 + nw], b.gu[:, c, 1, c0 : c0 + nw],
+                                b.alpha[:, c : c + 1], b.dgu_n[:, c, ci : ci + nw],
+                                b.dgu_n[:, c, I + ci : I + ci + nw], b.ah_n[:, c, ci : ci + nw],
+                                nw, clamp, da_ps[:, hf * C + c : hf * C + c + 1], ones)
     b.da = nl.ndarray((P, C), dtype=nl.float32, buffer=nl.sbuf)
     if g.S == 1:
         nisa.tensor_copy(dst=b.da, src=da_ps[:, C : 2 * C])
@@ -773,19 +799,124 @@ def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_scales=None):
         nisa.tensor_copy(dst=b.da, src=da_ps[:, g.shard * C : (g.shard + 1) * C])
 
 
-def _swiglu_bwd(b, g: _Geo, c: int, dh_raw, ci: int, nw: int, clamp: ClampLimits, da_col,
-                ones):
-    """SwiGLU backward of one chunk's [128, nw] tile (slots c*128.., columns ci.. of I).
+def _phase1_passes(g: _Geo, tl: _Tiling):
+    """Phase-1 moving-column blocks ``(half, nb0, width)`` of a streamed block, in order, and
+    the moving columns per instruction (``tile_n`` rounded down to a multiple of 128). A column
+    block is a whole half of I if it fits ``PHASE1_STREAM_WEIGHT_BYTES`` (else the largest
+    multiple of ``tn`` that does; never below the config's ``TILES_IN_BLOCK_N x tile_n``), as
+    every further column block reloads the stashed dY^T; columns are independent and the dA
+    chunks stay 128 columns in ascending order, so no value depends on it."""
+    tn = max(PMAX, tl.tn // PMAX * PMAX)
+    half = g.I // 2
+    n_cfg = _weight_cols(g.H, max(tn, tl.n_block // tn * tn), tn)
+    n_block = max(n_cfg, _weight_cols(g.H, half, tn, PHASE1_STREAM_WEIGHT_BYTES))
+    halves = [0, 1] if g.S == 1 else [g.shard]
+    passes = []
+    for hf in halves:
+        for nb0 in range(hf * half, hf * half + half, n_block):
+            passes.append((hf, nb0, min(n_block, hf * half + half - nb0)))
+    return passes, tn
+
+
+def _phase1_streamed(blk, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_scales,
+                     scratch_dgu, scratch_ah, dyq):
+    """Phase 1 of a streamed block (B > SB), W_down column block outermost.
+
+    Each W_down column block is loaded, TensorE-transposed and quantized once per block (not
+    once per sub-block). Per column block, every sub-block's dY^T operand is multiplied with
+    it: on the first column block the sub-block's dY rows are gathered and turned K-major (and,
+    when there are more column blocks, stashed in HBM as phase 2's d_gate_up^T is: ``dyq``);
+    later column blocks reload the stash. The sub-block's checkpoint columns of the column block
+    are gathered per (column block, sub-block); d_gate_up / alpha*h columns go straight to the
+    block scratch (natural layout). dA stays in one PSUM tile [128, 2C] for the whole block: each
+    slot's chain still runs over the 128-column chunks of its half of I in ascending order, so
+    every value equals the per-sub-block order's. Sets ``blk.da`` [128, C] (fp32, both halves
+    summed as in :func:`_phase1`); the LNC2 exchange of dA happens in :func:`_exchange_da`.
+    """
+    P, C, SC, I = PMAX, g.C, g.SC, g.I
+    passes, tn = _phase1_passes(g, tl)
+    da_ps = nl.ndarray((P, 2 * C), dtype=nl.float32, buffer=nl.psum)
+    ones = nl.ndarray((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    ws = _Workspace(tl, tn)
+    for pi, (hf, nb0, nbw) in enumerate(passes):
+        wdT = None  # release the previous column block before loading the next
+        if w_scales == None:  # noqa: E711
+            wdT = _load_weight_k_major(w_down, blk.e_sb, g.H, 1, g.H, nb0, nbw)
+        else:
+            wdT = _load_prequantized_k_major(w_down, w_scales, blk.e_sb, g.H, nb0, nbw)
+        for k in range(g.NSUB):
+            sub = _sub_block(blk, g, k)
+            dyT = None
+            if pi == 0:
+                _gather_dy(sub, g)
+                kmaj = _k_major_from_natural(sub.dy_n, g, g.H)  # stationary: dY^T
+                del sub.dy_n
+                if len(passes) > 1:
+                    _stash_k_major(kmaj, dyq, g, k)
+                dyT = kmaj[0]
+                del kmaj
+            else:
+                dyT = _unstash_k_major(dyq, g, g.H, k)
+            gu = _gather_ckpt(sub, g, nb0, nbw)
+            dgu = nl.ndarray((P, SC, 2, nbw), dtype=nl.bfloat16, buffer=nl.sbuf)
+            ah = nl.ndarray((P, SC, nbw), dtype=nl.bfloat16, buffer=nl.sbuf)
+            for c in range(SC):
+                cid = k * SC + c
+                for n0 in range(0, nbw, tn):
+                    nw = min(tn, nbw - n0)
+                    dh_raw = _matmul_rows(dyT, wdT, P, n0, nw, tl, c * P, ws)
+                    _swiglu_bwd(dh_raw, gu[:, c, 0, n0 : n0 + nw], gu[:, c, 1, n0 : n0 + nw],
+                                blk.alpha[:, cid : cid + 1], dgu[:, c, 0, n0 : n0 + nw],
+                                dgu[:, c, 1, n0 : n0 + nw], ah[:, c, n0 : n0 + nw], nw, clamp,
+                                da_ps[:, hf * C + cid : hf * C + cid + 1], ones)
+            cs = k * SC
+            for j, c0 in enumerate((nb0, I + nb0)):
+                nisa.dma_copy(dst=scratch_dgu[:, cs : cs + SC, c0 : c0 + nbw], src=dgu[:, :, j, :])
+            nisa.dma_copy(dst=scratch_ah[:, cs : cs + SC, nb0 : nb0 + nbw], src=ah)
+            del gu, dgu, ah, dyT, sub
+    blk.da = nl.ndarray((P, C), dtype=nl.float32, buffer=nl.sbuf)
+    if g.S == 1:
+        nisa.tensor_copy(dst=blk.da, src=da_ps[:, C : 2 * C])
+        nisa.tensor_tensor(dst=blk.da, data1=da_ps[:, 0:C], data2=blk.da, op=nl.add)
+    else:
+        nisa.tensor_copy(dst=blk.da, src=da_ps[:, g.shard * C : (g.shard + 1) * C])
+
+
+def _exchange_da(b, g: _Geo, nch: int):
+    """LNC2: add the peer's dA partials ([128, nch] fp32) to this core's (no-op under LNC1)."""
+    if g.S == 1:
+        return
+    other = 1 - g.shard
+    recv = nl.ndarray((PMAX, nch), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.sendrecv(src=b.da, dst=recv, send_to_rank=other, recv_from_rank=other, pipe_id=0)
+    nisa.tensor_tensor(dst=b.da, data1=b.da, data2=recv, op=nl.add)
+
+
+def _stash_dgu_streamed(blk, g: _Geo, scratch_dgu, dgu_q):
+    """Phase 2's quantized d_gate_up^T of every sub-block of a streamed block, from the block
+    scratch (all of 2I; LNC2: after the barrier that makes the peer's columns visible)."""
+    if g.S > 1:
+        nisa.core_barrier(scratch_dgu, (0, 1))
+    for k in range(g.NSUB):
+        cs = k * g.SC
+        dgu_n = nl.ndarray((PMAX, g.SC, 2 * g.I), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=dgu_n, src=scratch_dgu[:, cs : cs + g.SC, :])
+        _stash_k_major(_k_major_from_natural(dgu_n, g, 2 * g.I), dgu_q, g, k)
+        del dgu_n
+
+
+def _swiglu_bwd(dh_raw, gt, ut, alpha, dg_out, du_out, ah_out, nw: int, clamp: ClampLimits,
+                da_col, ones):
+    """SwiGLU backward of one chunk's [128, nw] tile: ``gt``/``ut`` the checkpoint's gate/up
+    columns, ``alpha`` [128, 1] the slots' affinities, outputs into the BF16 views
+    ``dg_out``/``du_out``/``ah_out`` and the dA partial into the PSUM column ``da_col``.
 
     fp32, in the golden's operation order: s = sigmoid(g); silu = g*s; h = silu*u;
     dA += sum(dh_raw*h); dh = dh_raw*alpha; silu' = s*(1 + g*(1 - s)); dg = dh*u*silu'*mask_g;
     du = dh*silu*mask_u (both rounded once to BF16); h*alpha rounded once to BF16.
     """
     P = PMAX
-    c0 = ci - g.I0  # column in this core's share (the checkpoint tile)
-    gt = b.gu[:, c, 0, c0 : c0 + nw]
-    ut = b.gu[:, c, 1, c0 : c0 + nw]
-    alpha = b.alpha[:, c : c + 1]
 
     def f32():
         return nl.ndarray((P, nw), dtype=nl.float32, buffer=nl.sbuf)
@@ -816,8 +947,6 @@ def _swiglu_bwd(b, g: _Geo, c: int, dh_raw, ci: int, nw: int, clamp: ClampLimits
     nisa.tensor_tensor(dst=dsilu, data1=s, data2=dsilu, op=nl.multiply, engine=POOL)
     dg = f32()
     nisa.tensor_tensor(dst=dg, data1=dh, data2=ut, op=nl.multiply, engine=VEC)
-    dg_out = b.dgu_n[:, c, ci : ci + nw]
-    du_out = b.dgu_n[:, c, g.I + ci : g.I + ci + nw]
     mask_g = _clamp_mask(gt, P, nw, clamp.non_linear_clamp_lower_limit,
                          clamp.non_linear_clamp_upper_limit)
     mask_u = _clamp_mask(ut, P, nw, clamp.linear_clamp_lower_limit,
@@ -832,8 +961,7 @@ def _swiglu_bwd(b, g: _Geo, c: int, dh_raw, ci: int, nw: int, clamp: ClampLimits
     else:
         nisa.tensor_tensor(dst=dh, data1=dh, data2=silu, op=nl.multiply, engine=VEC)
         nisa.tensor_tensor(dst=du_out, data1=dh, data2=mask_u, op=nl.multiply, engine=POOL)
-    nisa.tensor_scalar(dst=b.ah_n[:, c, ci : ci + nw], data=h, op0=nl.multiply,
-                       operand0=alpha, engine=ACT)
+    nisa.tensor_scalar(dst=ah_out, data=h, op0=nl.multiply, operand0=alpha, engine=ACT)
 
 
 def _clamp_mask(v, P: int, F: int, lo: float | None, hi: float | None):
@@ -882,13 +1010,16 @@ def _exchange_phase1(b, g: _Geo, scratch_dgu, scratch_ah):
     nisa.core_barrier(scratch_dgu, (0, 1))
 
 
-def _store_da(b, g: _Geo, da_out):
-    """dA[t*E + e] = <dh_raw, h> for the block's valid slots (core 0 writes under LNC2)."""
+def _store_da(b, g: _Geo, da_out, nch=None):
+    """dA[t*E + e] = <dh_raw, h> for the (sub-)block's valid slots (``nch`` 128-slot chunks,
+    default SC; core 0 writes under LNC2)."""
     if g.shard != 0:
         return
-    da_t = nl.ndarray((PMAX, g.SC), dtype=da_out.dtype, buffer=nl.sbuf)
+    if nch == None:  # noqa: E711
+        nch = g.SC
+    da_t = nl.ndarray((PMAX, nch), dtype=da_out.dtype, buffer=nl.sbuf)
     nisa.tensor_copy(dst=da_t, src=b.da)
-    for c in range(g.SC):
+    for c in range(nch):
         nisa.dma_copy(
             dst=da_out.ap(pattern=[[1, PMAX], [1, 1]], offset=0,
                           vector_offset=b.idx_ea[:, c : c + 1], indirect_dim=0),
@@ -1260,12 +1391,20 @@ def blockwise_mm_bwd_mxfp8(
     if num_shards > 1 or g.NSUB > 1:  # LNC2 exchange and/or the streamed block's d_gate_up
         scratch_dgu = nl.ndarray((PMAX, g.C, 2 * I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
         scratch_ah = nl.ndarray((PMAX, g.C, I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    dyq = None
     if g.NSUB > 1:  # streamed block: every sub-block's quantized d_gate_up^T (phase 2)
         nkt2 = len(_k_tiles(2 * I))
         dgu_q = (nl.ndarray((num_shards, g.NSUB, PMAX, nkt2, g.SB), dtype=float8_e4m3fn_x4,
                             buffer=nl.shared_hbm),
                  nl.ndarray((num_shards, g.NSUB, PMAX, nkt2, g.SB), dtype=nl.uint8,
                             buffer=nl.shared_hbm))
+        if len(_phase1_passes(g, tilings[0])[0]) > 1:
+            # and its dY^T (phase 1 reloads it per W_down column block after the first)
+            nkth = len(_k_tiles(H))
+            dyq = (nl.ndarray((num_shards, g.NSUB, PMAX, nkth, g.SB), dtype=float8_e4m3fn_x4,
+                              buffer=nl.shared_hbm),
+                   nl.ndarray((num_shards, g.NSUB, PMAX, nkth, g.SB), dtype=nl.uint8,
+                              buffer=nl.shared_hbm))
 
     # zero-initialise this core's share of every accumulator (dA: core 0)
     if not skip_grad_initialization:
@@ -1304,9 +1443,22 @@ def blockwise_mm_bwd_mxfp8(
             with region("prologue"):
                 _gather_alpha(blk, g)
             sub = None
-            for k in range(g.NSUB):
-                # phases 1-2 per sub-block of SB slots (slots are independent there)
-                sub = _sub_block(blk, g, k)
+            if g.NSUB > 1:
+                # streamed block: phase 1 with the W_down column blocks outermost (one weight
+                # load per block), every sub-block's d_gate_up^T quantized and stashed, then
+                # phase 2 once per block (one W_gate_up load per block)
+                with region("phase1"):
+                    _phase1_streamed(blk, g, down_proj_weight, tilings[0], clamp,
+                                     down_weight_scales, scratch_dgu, scratch_ah, dyq)
+                    _exchange_da(blk, g, g.C)
+                    _store_da(blk, g, da, g.C)
+                with region("phase2"):
+                    _stash_dgu_streamed(blk, g, scratch_dgu, dgu_q)
+                    _phase2(blk, g, gate_up_proj_weight, tilings[1], dx_acc,
+                            is_tensor_update_accumulating, gate_up_weight_scales, dgu_q)
+            else:
+                # one sub-block: the whole block stays resident in SBUF
+                sub = _sub_block(blk, g, 0)
                 with region("prologue"):
                     _gather_sub_block(sub, g)
                 with region("phase1"):
@@ -1316,17 +1468,8 @@ def blockwise_mm_bwd_mxfp8(
                     _store_da(sub, g, da)
                     del sub.gu  # checkpoint tile: phase 1 only
                 with region("phase2"):
-                    if g.NSUB == 1:
-                        _phase2(sub, g, gate_up_proj_weight, tilings[1], dx_acc,
-                                is_tensor_update_accumulating, gate_up_weight_scales)
-                    else:
-                        # quantize d_gate_up^T once, stash it; the matmuls run after the loop
-                        _stash_k_major(_k_major_from_natural(sub.dgu_n, g, 2 * I), dgu_q, g, k)
-            if g.NSUB > 1:
-                sub = None  # free the last sub-block's tiles (now in the block scratch / stash)
-                with region("phase2"):
-                    _phase2(blk, g, gate_up_proj_weight, tilings[1], dx_acc,
-                            is_tensor_update_accumulating, gate_up_weight_scales, dgu_q)
+                    _phase2(sub, g, gate_up_proj_weight, tilings[1], dx_acc,
+                            is_tensor_update_accumulating, gate_up_weight_scales)
             # phases 3-4 contract over all of the block's slots: d_gate_up and alpha*h from
             # SBUF (one sub-block) or from the block scratch in HBM (streamed block)
             dgu_src, ah_src = scratch_dgu, scratch_ah

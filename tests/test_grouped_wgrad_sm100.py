@@ -196,10 +196,24 @@ def test_offline_compile_sm100a(shape_mn, tile_mn, a_major, b_major, out_dtype, 
     nan_bits = {"float32": 0x7FC00000, "bfloat16": 0x7FC07FC0, "float16": 0x7E007E00}[out_dtype]
     # the quiet NaN (packed pairs for 16-bit outputs), as an integer or a float immediate
     assert f", {nan_bits};" in ptx or f", 0f{nan_bits:08X};" in ptx
-    # 1-CTA tiles: dynamic persistent scheduler, tile ids from a global atomic counter (one
-    # atom.add per tile taken); 2-CTA: the static cluster stride, no atomic
+    # dynamic persistent scheduler: tile ids from a global atomic counter (one atom.add per tile
+    # taken), on 1-CTA and 2-CTA tiles alike
     atoms = _ops(ptx, "atom.global.add")
-    assert atoms == (set() if tile.use_2cta else {"atom.global.add.u32"}), atoms
+    assert atoms == {"atom.global.add.u32"}, atoms
+    # 2-CTA: the leader broadcasts each id into both CTAs' rings (mapa + st.async to the peer's
+    # shared memory, completing its slot mbarrier; the consumers' releases arrive on the
+    # leader's mbarrier through the cluster window); the CTAs leave together (cluster barrier).
+    # 1-CTA: the ring stays CTA-local.
+    st_async = _ops(ptx, "st.async")
+    remote_arrive = _ops(ptx, "mbarrier.arrive.shared::cluster")
+    if tile.use_2cta:
+        assert st_async == {"st.async.shared::cluster.mbarrier::complete_tx::bytes.b32"}, st_async
+        assert _ops(ptx, "mapa.shared::cluster")
+        assert _ops(ptx, "mbarrier.arrive.expect_tx.shared::cluster")  # arms the peer's slot
+        assert remote_arrive
+        assert _ops(ptx, "barrier.cluster.wait")
+    else:
+        assert not st_async and not remote_arrive and not _ops(ptx, "mapa")
     loads = _ops(ptx, "cp.async.bulk.tensor.2d.shared")  # TMA loads of A and B tiles
     assert loads and all("mbarrier::complete_tx::bytes" in op for op in loads)
     if tile.use_2cta:

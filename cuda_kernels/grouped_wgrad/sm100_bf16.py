@@ -38,8 +38,12 @@ idioms of CUTLASS's Blackwell CuTe DSL dense GEMM, written for this operation):
   kernel: the TMA warp takes the next id from a global int32 atomic counter (zeroed per launch by
   the launcher, on the launch stream) and passes it to the MMA and epilogue warps through a
   4-deep shared-memory ring, so greedy taking is LPT list scheduling and uneven experts balance.
-  2-CTA tiles (``tile_m = 256``): static, cluster ``c`` takes ids ``c, c + C, ...`` (both CTAs of
-  a pair must take the same id: a cluster-wide broadcast, or cluster launch control, is not built);
+  2-CTA tiles (``tile_m = 256``): dynamic too; both CTAs of a pair must take the same id, so the
+  leader CTA's (cluster rank 0) TMA warp takes it from the counter and broadcasts it into both
+  CTAs' rings (``st.async.shared::cluster`` with complete_tx on each CTA's slot mbarrier; every
+  consumer thread of the pair releases the slot on the leader's mbarrier, a remote arrive), and
+  the pair leaves through a cluster barrier. Cluster launch control (``try_cancel``) is not used:
+  it steals not-yet-launched clusters, and the persistent grid launches all of them at once;
 - every tile's token range is read from ``offsets`` on the device (no host read, CUDA-graph
   capturable); the token dimension is dynamic, so new splits never recompile;
 - empty experts issue no loads and no MMAs; their tiles are written as zeros (overwrite) or left
@@ -325,10 +329,13 @@ def _build_kernel_class():
             self.stages = t.stages
             # dense output: TMA store epilogue; discrete (a pointer per expert): register stores
             self.tma_epi = key.output_mode == "dense"
-            # dynamic persistent scheduling (a global atomic tile counter, as the SM90 kernel)
-            # on one CTA; a (2, 1) cluster keeps the static stride (both CTAs of a pair must
-            # take the same tile, i.e. a cluster-wide broadcast of the id: not built yet)
+            # dynamic persistent scheduling (a global atomic tile counter, as the SM90 kernel).
+            # One CTA (``dynamic``): its TMA warp takes the ids and rings them to its own warps.
+            # A (2, 1) cluster (``cluster_sched``): both CTAs of a pair must take the same id, so
+            # the leader's TMA warp takes it and broadcasts it into both CTAs' rings
+            # (``st.async`` to the peer's shared memory, completing the slot's mbarrier).
             self.dynamic = not t.use_2cta
+            self.cluster_sched = t.use_2cta
 
         def _setup(self, a_major_mode, b_major_mode):
             tiled_mma = sm100_utils.make_trivial_tiled_mma(
@@ -477,6 +484,28 @@ def _build_kernel_class():
             return t
 
         @cute.jit
+        def publish_tile(self, mCounter, lane, sched_pipe, sched_state, sSched):
+            """Leader CTA's scheduling (TMA) warp, (2, 1) cluster: take the next tile id from
+            the global counter (lane 0) and broadcast it into slot ``sched_state`` of both CTAs'
+            rings. Lane ``r`` < 2 arms CTA ``r``'s full mbarrier (arrive + expect 4 bytes) and
+            stores the id there with ``st.async.shared::cluster``, whose completion (complete_tx)
+            fills the slot; the slot is free again once every consumer thread of both CTAs has
+            arrived on the leader's empty mbarrier (``take_tile``). Every warp of both CTAs,
+            this one included, reads the id back with ``take_tile``."""
+            t = cutlass.Int32(0)
+            if lane == 0:
+                t = cute.arch.atomic_add(mCounter.iterator, cutlass.Int32(1))
+            t = cute.arch.shuffle_sync(t, 0)
+            sched_pipe.producer_acquire(sched_state)
+            if lane < self.cluster_m:
+                cute.arch.store_async_dsmem(
+                    sSched.iterator + sched_state.index,
+                    t,
+                    sched_pipe.producer_get_barrier(sched_state),
+                    lane,
+                )
+
+        @cute.jit
         def take_tile(self, sched_pipe, sched_cstate, sSched):
             """MMA / epilogue warps: the next tile id the scheduling warp published."""
             sched_pipe.consumer_wait(sched_cstate)
@@ -551,13 +580,11 @@ def _build_kernel_class():
 
             use_2cta = cute.size(tiled_mma.thr_id.shape) == 2
             bidx, _, _ = cute.arch.block_idx()
-            gdimx, _, _ = cute.arch.grid_dim()
             mma_tile_coord_v = bidx % cute.size(tiled_mma.thr_id.shape)
             is_leader_cta = mma_tile_coord_v == 0
             cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             block_in_cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank_in_cluster)
             cluster_id = bidx // self.cluster_m
-            num_clusters = gdimx // self.cluster_m
 
             smem = memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
@@ -580,18 +607,35 @@ def _build_kernel_class():
                 cta_layout_vmnk=cluster_layout_vmnk,
                 defer_sync=True,
             )
-            # Dynamic tile scheduler (1-CTA tiles): the TMA warp takes tile ids from the global
+            # Dynamic tile scheduler: the (leader) TMA warp takes tile ids from the global
             # atomic counter and passes them to the MMA warp and the epilogue warps through a
             # small shared-memory ring (every thread of those warps waits and releases).
-            sched_pipe = pipeline.PipelineAsync.create(
-                barrier_storage=storage.sched_mbar.data_ptr(),
-                num_stages=_SCHED_STAGES,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, 32 * (1 + len(self.epilogue_warp_id))
-                ),
-                defer_sync=True,
-            )
+            if cutlass.const_expr(self.cluster_sched):
+                # (2, 1) cluster: the leader broadcasts each id into both CTAs' rings (one
+                # st.async of 4 bytes per CTA); the consumers are every thread of the TMA, MMA
+                # and epilogue warps of both CTAs, arriving on the leader's empty mbarrier.
+                sched_pipe = pipeline.PipelineClcFetchAsync.create(
+                    barrier_storage=storage.sched_mbar.data_ptr(),
+                    num_stages=_SCHED_STAGES,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                    consumer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread,
+                        32 * (2 + len(self.epilogue_warp_id)) * self.cluster_m,
+                    ),
+                    tx_count=4,
+                    cta_layout_vmnk=cluster_layout_vmnk,
+                    defer_sync=True,
+                )
+            else:
+                sched_pipe = pipeline.PipelineAsync.create(
+                    barrier_storage=storage.sched_mbar.data_ptr(),
+                    num_stages=_SCHED_STAGES,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                    consumer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, 32 * (1 + len(self.epilogue_warp_id))
+                    ),
+                    defer_sync=True,
+                )
             sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
             tmem_alloc_barrier = pipeline.NamedBarrier(
                 barrier_id=self.tmem_alloc_sync_bar_id,
@@ -713,10 +757,20 @@ def _build_kernel_class():
                 sched_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, _SCHED_STAGES
                 )
+                sched_cstate = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+                )
+                is_sched_leader = cta_rank_in_cluster == 0
                 tile = cluster_id
                 if cutlass.const_expr(self.dynamic):
                     tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
                     sched_state.advance()
+                if cutlass.const_expr(self.cluster_sched):
+                    if is_sched_leader:
+                        self.publish_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                    sched_state.advance()
+                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                    sched_cstate.advance()
                 while tile < self.num_tiles:
                     _e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
                     tAgA_t = tAgA[(None, m_idx, None)]
@@ -744,7 +798,11 @@ def _build_kernel_class():
                         tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
                         sched_state.advance()
                     else:
-                        tile += num_clusters
+                        if is_sched_leader:
+                            self.publish_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                        sched_state.advance()
+                        tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                        sched_cstate.advance()
                 ab_pipe.producer_tail(prod_state)
 
             # ---------------- MMA warp ----------------
@@ -762,10 +820,8 @@ def _build_kernel_class():
                 sched_cstate = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, _SCHED_STAGES
                 )
-                tile = cluster_id
-                if cutlass.const_expr(self.dynamic):
-                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                    sched_cstate.advance()
+                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                sched_cstate.advance()
                 while tile < self.num_tiles:
                     _e, _m, _n, _k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
                     if n_k > 0:
@@ -785,11 +841,8 @@ def _build_kernel_class():
                         if is_leader_cta:
                             acc_pipe.producer_commit(acc_state)
                         acc_state.advance()
-                    if cutlass.const_expr(self.dynamic):
-                        tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                        sched_cstate.advance()
-                    else:
-                        tile += num_clusters
+                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                    sched_cstate.advance()
                 acc_pipe.producer_tail(acc_state)
 
             # ---------------- epilogue warps ----------------
@@ -839,10 +892,8 @@ def _build_kernel_class():
                 sched_cstate = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, _SCHED_STAGES
                 )
-                tile = cluster_id
-                if cutlass.const_expr(self.dynamic):
-                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                    sched_cstate.advance()
+                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                sched_cstate.advance()
                 while tile < self.num_tiles:
                     e, m_idx, n_idx, _k0, n_k, bad = self.tile_coords(tile, sPerm, mOffsets)
                     # 2-CTA: this CTA writes rows [128 v, 128 v + 128) of the 256-row MMA tile.
@@ -913,17 +964,20 @@ def _build_kernel_class():
                         with cute.arch.elect_one():
                             acc_pipe.consumer_release(acc_cstate)
                         acc_cstate.advance()
-                    if cutlass.const_expr(self.dynamic):
-                        tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                        sched_cstate.advance()
-                    else:
-                        tile += num_clusters
+                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                    sched_cstate.advance()
                 if cutlass.const_expr(self.tma_epi):
                     c_pipe.producer_tail()
                 # every epilogue warp's last TMEM load is done before the allocator warp frees
                 epi_barrier.arrive_and_wait()
                 tmem.relinquish_alloc_permit()
                 tmem.free(tmem_ptr)
+
+            if cutlass.const_expr(self.cluster_sched):
+                # (2, 1) cluster: no CTA exits while the other may still arrive on its ring
+                # mbarriers (the peer's releases go to the leader's shared memory)
+                cute.arch.cluster_arrive_relaxed()
+                cute.arch.cluster_wait()
 
     return Sm100GroupedWgradKernel
 

@@ -50,6 +50,7 @@ __all__ = [
     "ProblemSpec",
     "build_problem",
     "check_bundle_destination",
+    "check_creatable_dir",
     "collect_metadata",
     "input_digests",
     "load_bundle",
@@ -429,7 +430,20 @@ def check_bundle_destination(
                     f"{dest}: holds a bundle of another problem ({diff}); choose another "
                     f"directory, or {force_hint} replaces it"
                 )
-    # The nearest existing ancestor must be a directory we can create entries in.
+    check_creatable_dir(dest)
+
+
+def check_creatable_dir(path: str | os.PathLike) -> None:
+    """``path`` is a directory, or can become one, that this process can write into: the nearest
+    existing ancestor is a directory in which a probe directory is made and removed (nothing
+    stays).
+
+    Raises:
+        ValueError: ``"<path>: <the rule>"`` (a file in the way; no permission).
+    """
+    dest = Path(path)
+    if dest.exists() and not dest.is_dir():
+        raise ValueError(f"{dest}: exists and is not a directory")
     anc = dest if dest.is_dir() else dest.parent
     while not anc.exists() and anc != anc.parent:
         anc = anc.parent

@@ -401,25 +401,13 @@ def _check_save_target(path: str, spec, force: bool) -> None:
 
 def _check_report_target(path: str) -> None:
     """``--report DIR`` is a directory, or can become one, that we can write into: _Failed
-    (exit 2) before any work. Nothing stays behind (a probe directory is made and removed)."""
-    import os
-    import tempfile
-    from pathlib import Path
+    (exit 2) before any work. Nothing stays behind (:func:`common.bundle.check_creatable_dir`)."""
+    from common.bundle import check_creatable_dir
 
-    dest = Path(path)
-    if dest.exists() and not dest.is_dir():
-        raise _Failed(f"--report {dest}: exists and is not a directory")
-    anc = dest if dest.is_dir() else dest.parent
-    while not anc.exists() and anc != anc.parent:
-        anc = anc.parent
-    if not anc.is_dir():
-        raise _Failed(f"--report {dest}: {anc} is not a directory")
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".moe-bwd-probe.", dir=anc))
-    except OSError as exc:
-        raise _Failed(
-            f"--report {dest}: cannot create a directory in {anc} ({exc.strerror or exc})"
-        ) from None
+        check_creatable_dir(path)
+    except ValueError as exc:
+        raise _Failed(f"--report {exc}") from None  # the message starts with the path
 
 
 def _load_routing_arg(args, model):

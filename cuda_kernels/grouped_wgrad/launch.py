@@ -66,6 +66,9 @@ class KernelFamily:
         ctas_per_sm: ``key -> int``: CTAs of the kernel that fit one SM at once (its shared
             memory / TMEM footprint); the persistent grid is :func:`resident_clusters` of it.
             Default 1 (both families size their pipelines to fill an SM's shared memory).
+        fake_operands: ``key -> tuple``: the kernel's tensor arguments for a compile (before
+            the CTA count and stream); default :func:`fake_wgrad_operands` (A, B, offsets, out)
+            plus the tile counter when ``tile_counter``. Block-scaled families add their scales.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class KernelFamily:
         prepare: Callable[..., tuple | None] | None = None,
         as_key: Callable[[Any], Any] = lambda key: key,
         ctas_per_sm: Callable[[Any], int] = lambda key: 1,
+        fake_operands: Callable[[Any], tuple] | None = None,
     ) -> None:
         self.name = name
         self.kernel = kernel
@@ -90,6 +94,7 @@ class KernelFamily:
         self.prepare = prepare
         self.as_key = as_key
         self.ctas_per_sm = ctas_per_sm
+        self.fake_operands = fake_operands
         #: Real (uncached) compiles in this process.
         self.compile_count = 0
         self._compiled: dict[Any, Any] = {}
@@ -116,9 +121,14 @@ class KernelFamily:
         # descriptor: the launcher repacks such operands on the device first (ragged_to_2d), so
         # the compiled kernel is the tensor2d one.
         kernel = self.kernel(key)
-        args = fake_wgrad_operands(key)
-        if self.tile_counter:
-            args += (cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4),)
+        if self.fake_operands is not None:
+            args = tuple(self.fake_operands(key))
+        else:
+            args = fake_wgrad_operands(key)
+            if self.tile_counter:
+                counter = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,),
+                                                                assumed_align=4)
+                args += (counter,)
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
         opts = "--enable-tvm-ffi"
         if arch is None:

@@ -58,7 +58,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._contract import KernelKey
-from .launch import KernelFamily, contract_key_fields, cross_compile_kwargs, pinned_cute_arch
+from .launch import KernelFamily, contract_key_fields
 from .sm100_bf16 import ENABLE_ENV, _target_arch, unverified_reason
 from .tiles import SM100_TILES
 
@@ -923,31 +923,9 @@ def _fake_operands(key: Sm100BlockScaledKey):
 
 
 class _BsFamily(KernelFamily):
-    """``launch.KernelFamily`` with the block-scaled operands (the cache, offline PTX, module
-    ``COMPILE_COUNT``, grid sizing and the opt-in gate are the shared layer's)."""
-
-    def _compile(self, key: Any, arch: str | None, dump_dir: str | None = None):
-        import cutlass
-        from cutlass import cute
-
-        kernel = self.kernel(key)
-        args = _fake_operands(key)
-        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-        opts = "--enable-tvm-ffi"
-        if arch is None:
-            return cute.compile(kernel, *args, cutlass.Int32(1), stream, options=opts)
-        opts += f" --gpu-arch {arch}"
-        if dump_dir is not None:
-            opts += f" --keep-ptx --dump-dir {dump_dir}"
-        with pinned_cute_arch(arch):
-            return cute.compile(
-                kernel,
-                *args,
-                cutlass.Int32(1),
-                stream,
-                options=opts,
-                **cross_compile_kwargs(arch),
-            )
+    """``launch.KernelFamily`` with the block-scaled launch call (the cache, compile with
+    ``fake_operands=_fake_operands``, offline PTX, module ``COMPILE_COUNT``, grid sizing and the
+    opt-in gate are the shared layer's)."""
 
     def _launch(  # noqa: PLR0913
         self,
@@ -1027,6 +1005,7 @@ FAMILY = _BsFamily(
     as_key=_as_key,
     tile_counter=True,
     ctas_per_sm=lambda key: 1,
+    fake_operands=_fake_operands,
 )
 
 __getattr__ = FAMILY.module_getattr(__name__)  # COMPILE_COUNT: the family's count

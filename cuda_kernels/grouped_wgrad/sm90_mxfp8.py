@@ -49,7 +49,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._contract import KernelKey
-from .launch import KernelFamily, cross_compile_kwargs, pinned_cute_arch
+from .launch import KernelFamily
 from .tiles import SM90_TILES, TileRules
 
 __all__ = [
@@ -757,28 +757,9 @@ def _fake_operands(key: Sm90MxWgradKey):
 
 
 class _MxFamily(KernelFamily):
-    """``launch.KernelFamily`` with the MXFP8 operands: the cache, offline PTX, module
-    ``COMPILE_COUNT`` and launcher plumbing are the shared layer's; the fake operands of a compile
-    and the launch call carry the two scale tensors."""
-
-    def _compile(self, key: Any, arch: str | None, dump_dir: str | None = None):
-        import cutlass
-        from cutlass import cute
-
-        kernel = self.kernel(key)
-        args = _fake_operands(key)
-        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-        opts = "--enable-tvm-ffi"
-        if arch is None:
-            return cute.compile(kernel, *args, cutlass.Int32(1), stream, options=opts)
-        opts += f" --gpu-arch {arch}"
-        if dump_dir is not None:
-            opts += f" --keep-ptx --dump-dir {dump_dir}"
-        with pinned_cute_arch(arch):
-            return cute.compile(
-                kernel, *args, cutlass.Int32(1), stream, options=opts,
-                **cross_compile_kwargs(arch),
-            )
+    """``launch.KernelFamily`` with the MXFP8 launch call (it carries the two scale tensors); the
+    cache, compile (``fake_operands=_fake_operands``), offline PTX, module ``COMPILE_COUNT`` and
+    launcher plumbing are the shared layer's."""
 
     def _launch(self, key, fn, a, b, sfa, sfb, offsets, out, stream=None) -> None:  # noqa: PLR0913
         import torch
@@ -802,7 +783,8 @@ def _key_from_contract(contract: Any) -> Sm90MxWgradKey:
 #: The SM90 MXFP8 family: a dynamic persistent scheduler (a zeroed tile counter per launch),
 #: compiled for the present GPU (only offline compiles pin an arch). Not verified on a GPU yet.
 FAMILY = _MxFamily(
-    "sm90_mxfp8", lambda key: _kernel_class()(key), _key_from_contract, tile_counter=True
+    "sm90_mxfp8", lambda key: _kernel_class()(key), _key_from_contract, tile_counter=True,
+    fake_operands=_fake_operands,
 )
 
 __getattr__ = FAMILY.module_getattr(__name__)  # COMPILE_COUNT: the family's count

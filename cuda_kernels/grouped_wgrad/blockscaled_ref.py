@@ -101,18 +101,8 @@ def _check_offsets(offsets_E: torch.Tensor, tokens_sum: int, fp4: bool) -> list[
         raise _err("offsets_tensor must be a rank-1 int32 tensor")
     if offsets_E.numel() == 0:
         raise _err("offsets_tensor must hold at least one expert")
-    ends = [int(v) for v in offsets_E.tolist()]
-    prev = 0
-    for e, end in enumerate(ends):
-        if end < prev:
-            raise _err(f"offsets_tensor must be non-decreasing and >= 0; offsets[{e}] = {end} "
-                       f"after {prev}")
-        if fp4 and end % 2:
-            raise _err(f"FP4 packs token pairs, so every offset must be even; offsets[{e}] = {end}")
-        prev = end
-    if ends[-1] != tokens_sum:
-        raise _err(f"offsets_tensor[-1] = {ends[-1]} must equal tokens_sum = {tokens_sum}")
-    return ends
+    return validate.host_offset_ends(offsets_E, tokens_sum, arg="offsets_tensor", err=_err,
+                                     even=fp4)
 
 
 def _check_scales(sf, rows, offsets_E, sf_vec, name) -> None:

@@ -1007,15 +1007,9 @@ def grouped_wgrad_mxfp8_sm90(
         raise _err(str(exc)) from exc
     aligned = False
     if validate:
-        ends = [int(v) for v in offsets.tolist()]
-        prev = 0
-        for e, end in enumerate(ends):
-            if end < prev:
-                raise _err(f"offsets must be non-decreasing and >= 0; offsets[{e}] = {end} "
-                           f"after {prev}")
-            prev = end
-        if ends[-1] != s:
-            raise _err(f"offsets[-1] = {ends[-1]} must equal tokens_sum = {s}")
+        from .validate import host_offset_ends
+
+        ends = host_offset_ends(offsets, s, arg="offsets", err=_err)
         need = grouped_scale_cols(ends, SF_VEC)[2]
         for name, sf in (("a_scales", a_scales), ("b_scales", b_scales)):
             if sf.shape[1] < need:

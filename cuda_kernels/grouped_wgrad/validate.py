@@ -251,6 +251,31 @@ QUANT_SCALE_RULES = ("ocp", "rceil")
 QUANT_SF_VEC = 32
 
 
+def host_offset_ends(
+    offsets: torch.Tensor, tokens_sum: int, *, arg: str, err: Callable[[str], Exception],
+    even: bool = False,
+) -> list[int]:
+    """Read cumulative expert ends on the host (one device sync on CUDA) and check them:
+    non-decreasing from >= 0, even where FP4 packs token pairs (``even``), the last equal to
+    ``tokens_sum``. Shared by the quantizer entries, the block-scaled twin and the SM90 MXFP8
+    entry; ``err(message)`` makes the caller's exception.
+
+    Returns:
+        The ends as Python ints.
+    """
+    ends = [int(v) for v in offsets.tolist()]
+    prev = 0
+    for e, end in enumerate(ends):
+        if end < prev:
+            raise err(f"{arg} must be non-decreasing and >= 0; {arg}[{e}] = {end} after {prev}")
+        if even and end % 2:
+            raise err(f"FP4 packs token pairs, so every offset must be even; {arg}[{e}] = {end}")
+        prev = end
+    if ends and ends[-1] != tokens_sum:
+        raise err(f"{arg}[-1] = {ends[-1]} must equal tokens_sum = {tokens_sum}")
+    return ends
+
+
 def check_quantize_args(
     x_SH: Any,
     offsets_E: Any,
@@ -314,19 +339,7 @@ def check_quantize_args(
     if layout_check is not None:
         layout_check()
     if validate:
-        ends = [int(v) for v in offsets_E.tolist()]
-        prev = 0
-        for e, end in enumerate(ends):
-            if end < prev:
-                raise err(f"offsets_E must be non-decreasing and >= 0; offsets_E[{e}] = {end} "
-                          f"after {prev}")
-            if fp4 and end % 2:
-                raise err(f"elem='e2m1' packs token pairs: offsets must be even; "
-                          f"offsets_E[{e}] = {end}")
-            prev = end
-        if ends[-1] != tokens_sum:
-            raise err(f"offsets_E[-1] = {ends[-1]} must equal tokens_sum = {tokens_sum} "
-                      "(x_SH.shape[0])")
+        ends = host_offset_ends(offsets_E, tokens_sum, arg="offsets_E", err=err, even=fp4)
         need = grouped_scale_cols(ends, QUANT_SF_VEC)[2]
         if scale_cols < need:
             raise err(f"scale_cols={scale_cols} is too small: these offsets need {need}")

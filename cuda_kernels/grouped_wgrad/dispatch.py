@@ -45,7 +45,11 @@ from .validate import (
     _validate_blockscaled,
     _validate_operands,
 )
-from .wrappers import grouped_gemm_wgrad_wrapper_sm90, grouped_gemm_wgrad_wrapper_sm100
+from .wrappers import (
+    _outputs,
+    grouped_gemm_wgrad_wrapper_sm90,
+    grouped_gemm_wgrad_wrapper_sm100,
+)
 
 _BACKENDS = ("auto", "sm100", "sm90", "torch")
 
@@ -712,17 +716,8 @@ def _blockscaled_generic(
                                   sfb_tensor)
     if stats is not None:
         stats["backend"], stats["reason"] = name, reason
-    if wgrad_tensor is None and wgrad_ptrs is None:
-        alloc = torch.zeros if accumulate_on_output else torch.empty
-        wgrad_tensor = alloc((e, h, i), dtype=_NAME_TO_DTYPE[out_name], device=device)
-    if output_mode == "dense":
-        out = wgrad_tensor
-    elif wgrad_ptrs is not None:
-        out = wgrad_ptrs
-    else:
-        from .classes import _stacked_pointers
-
-        out = _stacked_pointers(wgrad_tensor)
+    wgrad_tensor, out = _outputs(output_mode, wgrad_tensor, wgrad_ptrs, (e, h, i), out_name,
+                                 accumulate_on_output, device)
     stream = None
     if current_stream is not None and device.type == "cuda":
         from .classes import _torch_stream

@@ -206,17 +206,9 @@ def _wrapper(
         else contextlib.nullcontext()
     )
     with alloc_ctx:
-        if wgrad_tensor is None and wgrad_ptrs is None:
-            alloc = torch.zeros if accumulate_on_output else torch.empty
-            wgrad_tensor = alloc(
-                (num_experts, hidden, inter), dtype=_NAME_TO_DTYPE[out_name], device=device
-            )
-        if output_mode == "dense":
-            out = wgrad_tensor
-        elif wgrad_ptrs is not None:
-            out = wgrad_ptrs
-        else:
-            out = _stacked_pointers(wgrad_tensor)
+        wgrad_tensor, out = _outputs(output_mode, wgrad_tensor, wgrad_ptrs,
+                                     (num_experts, hidden, inter), out_name,
+                                     accumulate_on_output, device)
     op._launch(
         a_tensor,
         b_tensor,
@@ -232,6 +224,20 @@ def _wrapper(
     # Discrete with wgrad_ptrs only: caller-owned memory, nothing to return (the seed); with both
     # (cuDNN's calls), the kernel wrote through the pointers and the given tensor is returned.
     return TupleDict(wgrad_tensor=wgrad_tensor)
+
+
+def _outputs(output_mode, wgrad_tensor, wgrad_ptrs, shape, out_name, accumulate, device):
+    """``(wgrad_tensor, out)`` of a validated call: the dense output allocated when the caller
+    gave none (zeros when accumulating), and what the launcher writes through: the dense tensor,
+    the caller's pointers, or the stacked output's per-expert addresses."""
+    if wgrad_tensor is None and wgrad_ptrs is None:
+        alloc = torch.zeros if accumulate else torch.empty
+        wgrad_tensor = alloc(shape, dtype=_NAME_TO_DTYPE[out_name], device=device)
+    if output_mode == "dense":
+        return wgrad_tensor, wgrad_tensor
+    if wgrad_ptrs is not None:
+        return wgrad_tensor, wgrad_ptrs
+    return wgrad_tensor, _stacked_pointers(wgrad_tensor)
 
 
 def _seed_wrapper(cls, wrapper, args: dict) -> TupleDict:

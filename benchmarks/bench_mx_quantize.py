@@ -19,7 +19,9 @@ torchao (µs of torchao / µs of ours) for the same scale rule.
 
 Usage: ``python benchmarks/bench_mx_quantize.py [--quick] [--rule ocp|rceil] [--json out.json]``.
 torchao is not on the H200 image: without it only our rows are printed (install its wheel to
-compare: ``pip install torchao==0.18.0 --no-deps``).
+compare: ``pip install torchao==0.18.0 --no-deps``). torchao gates its Triton MX kernels to SM100;
+on SM90 the bench lifts that gate before importing them (``--rule ocp``: the floor-rule cast is
+portable Triton; the rceil cast uses an SM100-only PTX conversion).
 """
 
 from __future__ import annotations
@@ -62,6 +64,19 @@ def _uneven(total, e, gen):
 
 
 def _torchao():
+    """torchao's dim-1 cast + K-group scale rearrange, or None where torchao is not importable.
+
+    torchao defines its Triton MX kernels only where ``is_sm_at_least_100()`` holds; on SM90 this
+    turns that gate on before the import (the floor-rule cast is portable Triton; the rceil one
+    emits an SM100-only ``cvt ... ue8m0x2`` and is reported as not running)."""
+    try:
+        import torchao.utils as ao_utils
+
+        if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+            ao_utils.is_sm_at_least_100 = lambda: True
+            print("# torchao's Triton MX kernels force-enabled on SM90 (torchao gates them to SM100)")
+    except Exception:  # noqa: BLE001 - torchao missing: reported below
+        pass
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -333,7 +333,7 @@ def test_reference_twin_matches_torch_twin(split):
 
 def test_grouped_wgrad_jax_backends_on_cpu():
     a, b, _ = _ops()
-    off = jnp.asarray([128, 256, 384, 512], jnp.int32)
+    off = jax.device_put(jnp.asarray([128, 256, 384, 512], jnp.int32), CPU)  # all on the CPU
     out = wgrad_jax.grouped_wgrad_jax(a, b, off, wgrad_dtype=jnp.bfloat16)  # auto: the twin
     assert out.shape == (E, H, I) and out.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="backend must be"):

@@ -960,7 +960,11 @@ def _ragged_wgrad_chunked(a: Any, b: Any, offsets: Any) -> Any:
     pad = n_chunks * tile - tokens_sum
     a_HS = jnp.pad(a.astype(jnp.float32), ((0, 0), (0, pad)))
     b_SI = jnp.pad(b.astype(jnp.float32), ((0, pad), (0, 0)))
-    ends_E = offsets.astype(jnp.int32)
+    # The barrier keeps XLA from treating offsets known at trace time (a closed-over constant) as
+    # constants: jax 0.11.2's GPU compiler sank them into the loop body and then failed to
+    # evaluate the dynamic-slice offsets ("Failed to evaluate instruction ... depends on
+    # parameters", H200, 2026-12-01). Data offsets, the usual case, are unaffected.
+    ends_E = lax.optimization_barrier(offsets.astype(jnp.int32))
     begins_E = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_E[:-1]])
     first_chunk_E = begins_E // tile
     pairs_E = jnp.where(ends_E > begins_E, (ends_E - 1) // tile - first_chunk_E + 1, 0)

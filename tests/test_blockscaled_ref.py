@@ -19,6 +19,7 @@ from common.mx_atoms import (
     unpack_grouped_scales,
 )
 from cuda_kernels.grouped_wgrad.blockscaled_ref import (
+    dequantize_wgrad_operand,
     grouped_wgrad_blockscaled_torch,
     quantize_wgrad_operand_torch,
 )
@@ -363,3 +364,32 @@ def test_validation_nvfp4_rules():
         grouped_wgrad_blockscaled_torch(a, b, sfa, sfb, offs, global_scale_a=gsa,
                                         global_scale_b=gsb[:1], out=out)
     assert bool((out == 3).all())  # nothing written before the error
+
+
+@pytest.mark.parametrize("counts", [[37, 0, 100, 300, 1], [128, 256], [0, 0, 64]])
+def test_vectorized_dequantize_equals_per_expert_decoding(counts):
+    # dequantize_wgrad_operand (whole-tensor ops) == common.mx per expert, element for element in
+    # fp32; a NaN scale (byte 255) of a real group gives NaN only in that group's tokens
+    gen = torch.Generator().manual_seed(len(counts))
+    s, h = sum(counts), 200
+    x = torch.randn(s, h, generator=gen) * torch.exp2(
+        torch.randint(-20, 20, (s, 1), generator=gen).float())
+    off = torch.tensor(counts).cumsum(0).to(torch.int32)
+    data, sf = quantize_wgrad_operand_torch(x.to(torch.bfloat16), off)
+    sf_u8 = sf.view(torch.uint8).clone()
+    sf_u8.view(-1)[16 * 5] = 255  # row 5's first group of the first expert with tokens
+    got = dequantize_wgrad_operand(data, sf_u8.view(sf.dtype), off, out_dtype=torch.float32)
+    scales = unpack_grouped_scales(sf_u8.view(sf.dtype), h, off.tolist(), 32)
+    begin = 0
+    for e, end in enumerate(off.tolist()):
+        if end > begin:
+            c = scales[e].shape[1]
+            pad = torch.zeros((h, 32 * c), dtype=data.dtype)
+            pad[:, : end - begin] = data[:, begin:end]
+            ref = mx.dequantize_mx(pad, scales[e], elem="e4m3", block_size=32, axis=1)
+            torch.testing.assert_close(got[:, begin:end], ref[:, : end - begin], rtol=0, atol=0,
+                                       equal_nan=True)
+        begin = end
+    assert got.isnan().any()
+    with pytest.raises(ValueError, match="offsets_E"):
+        dequantize_wgrad_operand(data, sf, off - 1)

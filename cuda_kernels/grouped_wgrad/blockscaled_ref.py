@@ -42,6 +42,7 @@ __all__ = [
     "BLOCKSCALED_FORMATS",
     "OUT_DTYPES",
     "blockscaled_format",
+    "dequantize_wgrad_operand",
     "grouped_wgrad_blockscaled_torch",
     "quantize_wgrad_operand_torch",
 ]
@@ -295,3 +296,69 @@ def quantize_wgrad_operand_torch(
     sf = pack_grouped_scales(scales, hidden, scale_cols) if scales else None
     storage = torch.uint8 if elem == "e2m1" else mx.ELEMENT_FORMATS[elem].storage_dtype
     return buf.view(storage)[:, : tokens_sum // pack], sf
+
+
+def dequantize_wgrad_operand(
+    data_RS: torch.Tensor,
+    sf: torch.Tensor,
+    offsets_E: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """MXFP8 wgrad operand → dense [R, S] values, vectorized (a few whole-tensor ops, no loop
+    over experts): element times its group's E8M0 scale ``2^(byte-127)`` (byte 255: NaN).
+
+    The inverse direction of :func:`quantize_wgrad_operand_torch` and the decoding the twin
+    applies (:func:`common.mx.dequantize_mx` per expert, OCP MX v1.0 §5.3); equal to it element
+    for element in fp32. Used as the "dequantize to BF16, then the BF16 kernel" baseline.
+
+    Args:
+        data_RS: [R, S] ``float8_e4m3fn`` / ``float8_e5m2`` (rows, tokens; any strides).
+        sf: [round_up(R, 128), cols] E8M0 (``float8_e8m0fnu`` or uint8) scales in the K-grouped
+            128x4 atom layout, contiguous, with the columns these offsets need.
+        offsets_E: [E] int32 cumulative token ends (non-decreasing, last == S), any device.
+        out_dtype: floating dtype of the result (bfloat16 default; float32 is exact).
+
+    Returns:
+        [R, S] tensor of ``out_dtype`` on data's device.
+
+    Raises:
+        ValueError: a non-FP8 ``data_RS``, offsets that do not end at S, or ``sf`` of the wrong
+            shape / too few columns.
+    """
+    if data_RS.dtype not in _ELEM_OF or data_RS.dim() != 2:
+        raise _err(f"data_RS must be a 2-D float8_e4m3fn / float8_e5m2 tensor; got "
+                   f"{data_RS.dtype} {tuple(data_RS.shape)}")
+    rows, tokens_sum = data_RS.shape
+    ends = [int(v) for v in offsets_E.tolist()]
+    if not ends or ends[-1] != tokens_sum or any(b > a for b, a in zip([0, *ends], ends)):
+        raise _err(f"offsets_E must be non-decreasing cumulative ends with last == S="
+                   f"{tokens_sum}; got {ends[:8]}{'...' if len(ends) > 8 else ''}")
+    groups, starts, total = grouped_scale_cols(ends, QUANT_SF_VEC)
+    rp = round_up(rows, ATOM_ROWS)
+    if sf.dim() != 2 or sf.shape[0] != rp or sf.shape[1] < total or not sf.is_contiguous():
+        raise _err(f"sf must be a contiguous [{rp}, >= {total}] scale tensor for these offsets; "
+                   f"got {tuple(sf.shape)}")
+    dev = data_RS.device
+    # one entry per (expert, group): its atom column, the expert's first atom and atom count
+    g_e = torch.tensor(groups, dtype=torch.int64)
+    e_of_g = torch.repeat_interleave(torch.arange(len(ends)), g_e)
+    first = torch.tensor(starts, dtype=torch.int64)[e_of_g]  # expert's first scale column
+    ncols = torch.tensor([round_up(c, 4) for c in groups], dtype=torch.int64)[e_of_g]
+    g_loc = torch.arange(int(g_e.sum())) - torch.repeat_interleave(g_e.cumsum(0) - g_e, g_e)
+    col_part = rp * first + (g_loc // 4) * 512 + g_loc % 4  # byte offset without the row part
+    r = torch.arange(rows, dtype=torch.int64)
+    row_block = r // ATOM_ROWS
+    row_part = (r % 32) * 16 + ((r % ATOM_ROWS) // 32) * 4
+    off = (row_block[:, None] * (ncols[None, :] // 4) * 512 + row_part[:, None]
+           + col_part[None, :])  # [R, G] byte offsets (common.mx_atoms layout)
+    scale_RG = sf.view(torch.uint8).reshape(-1)[off.to(dev)]
+    # token → its global group index
+    begins = [0, *ends[:-1]]
+    g_first = torch.tensor([0, *torch.tensor(groups).cumsum(0).tolist()[:-1]], dtype=torch.int64)
+    tok = torch.arange(tokens_sum, dtype=torch.int64)
+    e_of_t = torch.searchsorted(torch.tensor(ends, dtype=torch.int64), tok, right=True)
+    gidx = g_first[e_of_t] + (tok - torch.tensor(begins, dtype=torch.int64)[e_of_t]) // QUANT_SF_VEC
+    byte = scale_RG[:, gidx.to(dev)].to(torch.int32)
+    factor = torch.where(byte == 255, torch.nan, torch.exp2((byte - 127).to(torch.float32)))
+    return (data_RS.to(torch.float32) * factor).to(out_dtype)

@@ -58,14 +58,15 @@ _ELEM_ID = {"e4m3": 0, "e5m2": 1, "e2m1": 2}
 #   table: 1 = a tiny kernel first writes each atom column's (first token, expert end, expert's
 #     first atom column, atom count) into an int32 table that each program reads with 4 scalar
 #     loads; 0 = every program derives them from the offsets (BLOCK_E-wide loads + cumsum);
-#   body: 0 = transpose, groups as [BLOCK_H, 4, 32]; 1 = transpose, groups as [BLOCK_H*4, 32];
-#     2 = no transpose, groups as [4, 32, BLOCK_H] in the load's orientation;
 #   vec_store: 1 = columns whose first token and token limit are multiples of 16 (32 for FP4)
 #     store through offsets the compiler sees as 16-byte aligned (vector stores), others byte by
 #     byte; 0 = every column byte by byte (the compiler cannot prove alignment of expert starts).
 # History: 128 rows / 4 warps beat 32 / 64 rows and 8 warps on the H200 (2026-12-01, table=0,
-# body=0, vec_store=0: the layout of that date).
-_LAUNCH_DEFAULTS = {"block_h": 128, "num_warps": 4, "table": 1, "body": 0, "vec_store": 1}
+# vec_store=0: the kernel of that date). Grouping the transposed tile as [BLOCK_H*4, 32] or
+# reducing [4, 32, BLOCK_H] in the load's orientation compiled to the same SASS (sm_90, Triton
+# 3.6), so only [BLOCK_H, 4, 32] is kept; compiling the whole column twice (aligned / not) rather
+# than its store only raised registers to spilling (128 rows / 4 warps).
+_LAUNCH_DEFAULTS = {"block_h": 128, "num_warps": 4, "table": 1, "vec_store": 1}
 LAUNCH = dict(_LAUNCH_DEFAULTS)
 BLOCK_H = _LAUNCH_DEFAULTS["block_h"]
 
@@ -185,7 +186,7 @@ def _quant_kernel(
     EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, EMAX: tl.constexpr,
     MAXV: tl.constexpr, MAXCODE: tl.constexpr, NANCODE: tl.constexpr,
     RCEIL: tl.constexpr, FP4: tl.constexpr, NATIVE: tl.constexpr,
-    TABLE: tl.constexpr, BODY: tl.constexpr, VEC_STORE: tl.constexpr, IDX64: tl.constexpr,
+    TABLE: tl.constexpr, VEC_STORE: tl.constexpr, IDX64: tl.constexpr,
 ):
     TOK: tl.constexpr = 4 * SF
     j = tl.program_id(0)
@@ -251,23 +252,10 @@ def _quant_kernel(
             x_off = t[:, None] * stride_x + h[None, :]
         x = tl.load(x_ptr + x_off, mask=ld, other=0.0)
         xb = x.to(tl.int16, bitcast=True).to(tl.int32) << 16  # exact fp32 bits of the BF16 values
-        if BODY == 0:  # [BLOCK_H, 4, SF]: transpose, then groups along the last axis
-            g = tl.reshape(tl.trans(xb), (BLOCK_H, 4, SF))
-            codes, byte = _codes_and_scales(g, EBITS, MBITS, BIAS, EMAX, MAXV, MAXCODE, NANCODE,
-                                            RCEIL, NATIVE, 2)
-            codes = tl.reshape(codes, (BLOCK_H, TOK))
-        elif BODY == 1:  # [BLOCK_H * 4, SF]: transpose, groups as rows (2-D reduction)
-            g = tl.reshape(tl.trans(xb), (BLOCK_H * 4, SF))
-            codes, byte = _codes_and_scales(g, EBITS, MBITS, BIAS, EMAX, MAXV, MAXCODE, NANCODE,
-                                            RCEIL, NATIVE, 1)
-            codes = tl.reshape(codes, (BLOCK_H, TOK))
-            byte = tl.reshape(byte, (BLOCK_H, 4))
-        else:  # [4, SF, BLOCK_H]: groups along the middle axis in the load's orientation
-            g = tl.reshape(xb, (4, SF, BLOCK_H))
-            codes, byte = _codes_and_scales(g, EBITS, MBITS, BIAS, EMAX, MAXV, MAXCODE, NANCODE,
-                                            RCEIL, NATIVE, 1)
-            codes = tl.trans(tl.reshape(codes, (TOK, BLOCK_H)))
-            byte = tl.trans(byte)
+        g = tl.reshape(tl.trans(xb), (BLOCK_H, 4, SF))  # [rows, groups, tokens of a group]
+        codes, byte = _codes_and_scales(g, EBITS, MBITS, BIAS, EMAX, MAXV, MAXCODE, NANCODE,
+                                        RCEIL, NATIVE, 2)
+        codes = tl.reshape(codes, (BLOCK_H, TOK))
         tl.store(sc_ptr, byte.to(tl.uint8), mask=sc_rows)
 
         lim = tl.minimum(end, tok0 + TOK)  # this column's tokens: [tok0, lim)
@@ -377,8 +365,8 @@ def quantize_wgrad_operand(
         ebits, mbits, bias, emax, maxv, maxcode, nancode = _FMT[elem]
         cfg = {**_LAUNCH_DEFAULTS, **LAUNCH}
         block_h, num_warps = cfg["block_h"], cfg["num_warps"]
-        if block_h not in (32, 64, 128, 256, 512) or cfg["body"] not in (0, 1, 2):
-            raise _err(f"bad LAUNCH {LAUNCH}: block_h in 32..512 (power of two), body in 0..2")
+        if block_h not in (32, 64, 128, 256, 512):
+            raise _err(f"bad LAUNCH {LAUNCH}: block_h must be a power of two in 32..512")
         n_cols = n_atoms + 1  # + one padding column (data padding, any atoms left unused)
         block_e = triton.next_power_of_2(max(num_experts, 2))
         tab = offsets_E  # unused by the kernel without the table
@@ -399,7 +387,7 @@ def quantize_wgrad_operand(
             BLOCK_E=block_e, BLOCK_H=block_h, SF=SF_VEC,
             EBITS=ebits, MBITS=mbits, BIAS=bias, EMAX=emax, MAXV=maxv, MAXCODE=maxcode,
             NANCODE=nancode, RCEIL=scale_rule == "rceil", FP4=fp4, NATIVE=native,
-            TABLE=bool(cfg["table"]), BODY=cfg["body"], VEC_STORE=bool(cfg["vec_store"]),
+            TABLE=bool(cfg["table"]), VEC_STORE=bool(cfg["vec_store"]),
             IDX64=idx64, num_warps=num_warps,
         )
     storage = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "e2m1": torch.uint8}[elem]

@@ -369,6 +369,8 @@ def quantize_wgrad_operand(
             raise _err(f"bad LAUNCH {LAUNCH}: block_h must be a power of two in 32..512")
         n_cols = n_atoms + 1  # + one padding column (data padding, any atoms left unused)
         block_e = triton.next_power_of_2(max(num_experts, 2))
+        # the main kernel reads BLOCK_E only without the table (one compile for every E with it)
+        block_e_main = 2 if cfg["table"] else block_e
         tab = offsets_E  # unused by the kernel without the table
         if cfg["table"]:
             tab = torch.empty((n_cols, 4), dtype=torch.int32, device=x_SH.device)
@@ -384,7 +386,7 @@ def quantize_wgrad_operand(
         _quant_kernel[grid](
             x_SH, offsets_E, tab, buf, scales,
             tokens_sum, hidden, num_experts, x_SH.stride(0), buf.stride(0), s_pad, m_pad, n_atoms,
-            BLOCK_E=block_e, BLOCK_H=block_h, SF=SF_VEC,
+            BLOCK_E=block_e_main, BLOCK_H=block_h, SF=SF_VEC,
             EBITS=ebits, MBITS=mbits, BIAS=bias, EMAX=emax, MAXV=maxv, MAXCODE=maxcode,
             NANCODE=nancode, RCEIL=scale_rule == "rceil", FP4=fp4, NATIVE=native,
             TABLE=bool(cfg["table"]), VEC_STORE=bool(cfg["vec_store"]),

@@ -15,9 +15,12 @@ on the zero-padded group (twin: :func:`.blockscaled_ref.quantize_wgrad_operand_t
 ``"ocp"`` (OCP v1.0 floor, torchao FLOOR) and ``"rceil"`` (Blackwell / cuBLAS, torchao RCEIL)
 scale rules, NaN / Inf groups included (scale byte 255, FP8 elements NaN 0x7F, FP4 elements 0).
 
-Program ``(j, hb)`` handles atom column ``j`` (4 groups = 128 tokens of one expert, found from the
-offsets inside the kernel) and rows ``[hb·BLOCK_H, (hb+1)·BLOCK_H)``; programs past the experts'
-atoms write zero scales and the data padding. Nothing is read on the host in the hot path (CUDA
+Program ``(j, hb)`` handles atom column ``j`` (4 groups = 128 tokens of one expert) and rows
+``[hb·BLOCK_H, (hb+1)·BLOCK_H)``. By default a tiny first kernel writes each column's (first token,
+expert end, expert's first column, atom count) into an int32 table (``LAUNCH["table"]``; else each
+program derives them from the offsets); programs past the experts' atoms only write zero scales
+and the data padding. Columns whose first token and end are multiples of 16 store 16-byte vectors
+(``LAUNCH["vec_store"]``), others byte by byte. Nothing is read on the host in the hot path (CUDA
 graph capturable with ``validate=False``); the grid depends on ``tokens_sum``, E and H only.
 
 Element rounding: ``"integer"`` computes round-to-nearest-even with integer ops on the fp32 bits

@@ -90,39 +90,86 @@ def _torchao():
         return None
 
 
-def _sweep(args, bench, quantize, dev) -> int:
-    """Ours under each launch configuration of ``quantize.LAUNCH`` on every (quick) shape, even
-    split, native rounding; each configuration's bytes must equal the default's."""
+#: --sweep candidates: every combination of rows per program, warps, atom table (1) or in-kernel
+#: lookup (0), aligned vector stores (1) or byte stores (0); keys of quantize.LAUNCH
+#: (byte stores only with the table: 24 configurations, about 4 minutes on an H200 with a cold
+#: Triton cache; 256 rows on 4 warps is left out: it spills registers on sm_90)
+SWEEP = [dict(block_h=bh, num_warps=nw, table=tb, vec_store=vs)
+         for bh, nw in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (128, 16), (256, 8),
+                        (256, 16))
+         for tb, vs in ((1, 1), (0, 1), (1, 0))]
+
+
+def _cfg_name(c):
+    return f"{c['block_h']}r/{c['num_warps']}w/t{c['table']}/v{c['vec_store']}"
+
+
+def _sweep(args, bench, quantize, dev, peer) -> int:
+    """Ours under each launch configuration of ``quantize.LAUNCH`` (``SWEEP``) on every (quick)
+    shape, even split, native rounding; each configuration's bytes must equal the default's (on
+    the even split and on an uneven split with empty experts and unaligned expert starts). One
+    row per configuration, sorted by total µs; then the best, and per-shape ratios to torchao
+    when it runs."""
     from cuda_kernels.grouped_wgrad import quantize as qmod
 
-    configs = [(bh, nw) for bh in (32, 64, 128) for nw in (4, 8)]
+    mode = {"ocp": "floor", "rceil": "rceil"}[args.rule]
     default = dict(qmod.LAUNCH)
-    print(f"{'shape':<20}" + "".join(f"{f'{bh}r/{nw}w µs':>12}" for bh, nw in configs))
-    totals = dict.fromkeys(configs, 0.0)
-    for name, s, h, e in SHAPES:
-        if args.quick and name not in QUICK:
-            continue
+    gen = torch.Generator().manual_seed(1)
+    shapes = [sh for sh in SHAPES if not args.quick or sh[0] in QUICK]
+    times = {_cfg_name(c): {} for c in SWEEP}
+    bad = set()
+    ao = {}
+    for name, s, h, e in shapes:
         x = torch.randn(s, h, device=dev).to(torch.bfloat16)
-        offs = torch.tensor(_even(s, e), dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
         kw = dict(elem="e4m3", scale_rule=args.rule, validate=False, rounding="native")
-        ref = quantize(x, offs, **kw)
-        line = f"{name:<20}"
-        for bh, nw in configs:
-            qmod.LAUNCH.update(block_h=bh, num_warps=nw)
-            d, sc = quantize(x, offs, **kw)
-            same = torch.equal(d.view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(
-                sc.view(torch.uint8), ref[1].view(torch.uint8))
-            t = bench(lambda: quantize(x, offs, **kw))
-            totals[(bh, nw)] += t
-            line += f"{t:>11.1f}{'' if same else '!'}"
-            if not same:
-                print(f"# {name}: {bh} rows / {nw} warps wrote other bytes than the default")
+        offs = torch.tensor(_even(s, e), dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+        offs_u = torch.tensor(_uneven(s, e, gen), dtype=torch.int64).cumsum(0).to(torch.int32)
+        offs_u = offs_u.to(dev)
         qmod.LAUNCH.update(default)
-        print(line)
-    best = min(totals, key=totals.get)
-    print(f"# best over these shapes: block_h={best[0]}, num_warps={best[1]} "
-          f"({totals[best]:.0f} µs total vs default {totals[(default['block_h'], default['num_warps'])]:.0f})")
-    return 0
+        refs = [quantize(x, o, **kw) for o in (offs, offs_u)]
+        for c in SWEEP:
+            qmod.LAUNCH.update(c)
+            for o, (rd, rs) in zip((offs, offs_u), refs):
+                d, sc = quantize(x, o, **kw)
+                if not (torch.equal(d.view(torch.uint8), rd.view(torch.uint8))
+                        and torch.equal(sc.view(torch.uint8), rs.view(torch.uint8))):
+                    bad.add(_cfg_name(c))
+                    print(f"# {name}: {_cfg_name(c)} wrote other bytes than the default")
+                del d, sc
+            times[_cfg_name(c)][name] = bench(lambda: quantize(x, offs, **kw))
+        qmod.LAUNCH.update(default)
+        if peer is not None and s % 128 == 0 and h % 128 == 0:
+            cast, swz = peer
+            try:
+                ao[name] = bench(lambda: swz(cast(x, 32, scaling_mode=mode)[1], offs // 32))
+            except Exception as exc:  # noqa: BLE001 - e.g. torchao gates the kernel to SM100
+                print(f"# torchao did not run ({type(exc).__name__}: {exc})")
+                peer = None
+    names = [sh[0] for sh in shapes]
+    print(f"{'config (rows/warps/table/vec)':<26}" + "".join(f"{n[:14]:>15}" for n in names)
+          + f"{'total µs':>10}")
+    if ao:
+        print(f"{'torchao cast+swizzle':<26}" + "".join(f"{ao.get(n, float('nan')):>15.1f}"
+                                                      for n in names)
+              + f"{sum(ao.values()):>10.0f}")
+    order = sorted(times, key=lambda k: sum(times[k].values()))
+    for k in order:
+        mark = "!" if k in bad else ""
+        print(f"{k + mark:<26}" + "".join(f"{times[k][n]:>15.1f}" for n in names)
+              + f"{sum(times[k].values()):>10.0f}")
+    dname = _cfg_name({**qmod._LAUNCH_DEFAULTS, **default})
+    good = [k for k in order if k not in bad]
+    best = good[0] if good else order[0]
+    dtot = f"{sum(times[dname].values()):.0f} µs" if dname in times else "not swept"
+    print(f"# best (lowest total, same bytes): {best} ({sum(times[best].values()):.0f} µs) vs "
+          f"default {dname} ({dtot})")
+    if ao:
+        print("# ratio torchao µs / ours µs, best config: " + ", ".join(
+            f"{n} {ao[n] / times[best][n]:.2f}" for n in names if n in ao))
+        # the fastest same-bytes config per shape
+        print("# best per shape: " + ", ".join(
+            f"{n} {min(good, key=lambda k: times[k][n])}" for n in names))
+    return 1 if bad else 0
 
 
 def main(argv=None) -> int:
@@ -132,8 +179,9 @@ def main(argv=None) -> int:
                    help="scale rule for both sides (torchao: ocp = 'floor')")
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument("--sweep", action="store_true",
-                   help="time every launch configuration (rows per program x warps) of ours, "
-                        "check each writes the default's bytes, and print the best")
+                   help="time every launch configuration of ours (SWEEP: rows per program x "
+                        "warps x atom table x vector stores), check each writes the default's "
+                        "bytes, print them sorted with torchao's time, and the best")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_mx_quantize: needs a CUDA device")
@@ -151,13 +199,13 @@ def main(argv=None) -> int:
     hdr = (f"{'shape':<20}{'split':<8}{'S':>7}{'H':>6}{'E':>5} | {'ours native µs':>14}"
            f"{'GB/s':>7} | {'ours int µs':>11}{'GB/s':>7} | {'ao cast µs':>10}"
            f"{'ao +swz µs':>11}{'GB/s':>7} | {'ratio':>6}")
-    print(hdr)
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
     if args.sweep:
-        return _sweep(args, bench, quantize_wgrad_operand, dev)
+        return _sweep(args, bench, quantize_wgrad_operand, dev, peer)
+    print(hdr)
 
     for name, s, h, e in SHAPES:
         if args.quick and name not in QUICK:

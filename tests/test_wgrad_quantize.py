@@ -85,15 +85,28 @@ def test_interpreter_matches_twin(poisoned, split, elem, rule):
     assert s.shape == (128, grouped_scale_cols_bound(sum(counts), len(counts), 32))
 
 
+#: launch variants of quantize.LAUNCH the benchmark's sweep may pick (each must write the twin's
+#: bytes): rows per program x warps x atom table or in-kernel lookup x aligned vector stores
+LAUNCH_VARIANTS = [
+    dict(block_h=32, num_warps=4, table=0, vec_store=0),
+    dict(block_h=64, num_warps=8, table=1, vec_store=1),
+    dict(block_h=128, num_warps=4, table=0, vec_store=1),
+    dict(block_h=256, num_warps=8, table=1, vec_store=0),
+]
+
+
 @interpreted
-@pytest.mark.parametrize("block_h,num_warps", [(32, 4), (64, 8)])
-def test_launch_configs_give_the_same_bytes(poisoned, monkeypatch, block_h, num_warps):
-    """Every launch configuration the benchmark may pick (rows per program dividing 128) writes
-    the twin's bytes; H = 200 leaves a partial row block."""
-    monkeypatch.setitem(qmod.LAUNCH, "block_h", block_h)
-    monkeypatch.setitem(qmod.LAUNCH, "num_warps", num_warps)
-    counts = SPLITS["uneven"]
+@pytest.mark.parametrize("cfg", LAUNCH_VARIANTS, ids=str)
+@pytest.mark.parametrize("split", ["uneven", "aligned"])
+def test_launch_configs_give_the_same_bytes(poisoned, monkeypatch, cfg, split):
+    """Every launch configuration the benchmark may pick writes the twin's bytes; H = 200 leaves
+    a partial row block; the aligned split takes the vector-store columns, the uneven one both."""
+    for k, v in cfg.items():
+        monkeypatch.setitem(qmod.LAUNCH, k, v)
+    counts = SPLITS[split]
     _check(_rows(sum(counts), 200, seed=3), _offsets(counts), "e4m3", "ocp")
+    fp4 = [c + c % 2 for c in counts]
+    _check(_rows(sum(fp4), 72, seed=4), _offsets(fp4), "e2m1", "rceil")
 
 
 @interpreted
@@ -236,6 +249,23 @@ def test_cuda_matches_twin(poisoned, counts, elem, rule, rounding):
     dev = torch.device("cuda")
     x = _rows(sum(counts), 200, seed=7, device=dev)
     _check(x, _offsets(counts, dev), elem, rule, rounding=rounding)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", LAUNCH_VARIANTS, ids=str)
+@pytest.mark.parametrize("counts", [GPU_SPLITS[0], [16, 48, 0, 4000, 32, 96]])
+def test_cuda_launch_variants(poisoned, monkeypatch, cfg, counts):
+    """Every launch variant on the GPU, unaligned expert starts (byte stores) and 16-aligned ones
+    whose ends are not (vector stores on some columns only)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for k, v in cfg.items():
+        monkeypatch.setitem(qmod.LAUNCH, k, v)
+    dev = torch.device("cuda")
+    x = _rows(sum(counts), 200, seed=11, device=dev)
+    for elem, rule, rounding in (("e4m3", "ocp", "native"), ("e5m2", "rceil", "integer"),
+                                 ("e2m1", "ocp", "integer")):
+        _check(x, _offsets(counts, dev), elem, rule, rounding=rounding)
 
 
 @pytest.mark.gpu

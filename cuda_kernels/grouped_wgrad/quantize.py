@@ -15,9 +15,12 @@ on the zero-padded group (twin: :func:`.blockscaled_ref.quantize_wgrad_operand_t
 ``"ocp"`` (OCP v1.0 floor, torchao FLOOR) and ``"rceil"`` (Blackwell / cuBLAS, torchao RCEIL)
 scale rules, NaN / Inf groups included (scale byte 255, FP8 elements NaN 0x7F, FP4 elements 0).
 
-Program ``(j, hb)`` handles atom column ``j`` (4 groups = 128 tokens of one expert, found from the
-offsets inside the kernel) and rows ``[hb·BLOCK_H, (hb+1)·BLOCK_H)``; programs past the experts'
-atoms write zero scales and the data padding. Nothing is read on the host in the hot path (CUDA
+Program ``(j, hb)`` handles atom column ``j`` (4 groups = 128 tokens of one expert) and rows
+``[hb·BLOCK_H, (hb+1)·BLOCK_H)``. By default a tiny first kernel writes each column's (first token,
+expert end, expert's first column, atom count) into an int32 table (``LAUNCH["table"]``; else each
+program derives them from the offsets); programs past the experts' atoms only write zero scales
+and the data padding. Columns whose first token and end are multiples of 16 store 16-byte vectors
+(``LAUNCH["vec_store"]``), others byte by byte. Nothing is read on the host in the hot path (CUDA
 graph capturable with ``validate=False``); the grid depends on ``tokens_sum``, E and H only.
 
 Element rounding: ``"integer"`` computes round-to-nearest-even with integer ops on the fp32 bits
@@ -52,11 +55,23 @@ _FMT = {
     "e2m1": (2, 1, 1, 2, 6.0, 0x7, 0x0),
 }
 _ELEM_ID = {"e4m3": 0, "e5m2": 1, "e2m1": 2}
-BLOCK_H = 128  # default rows per program; divides 128 so every scale row block is whole
-# Launch configuration (rows per program: 32, 64 or 128; warps). benchmarks/bench_mx_quantize.py
-# --sweep times the alternatives on a GPU and checks they give the same bytes: on the H200
-# (2026-12-01) 128 rows / 4 warps was fastest on every shape (1.6x the 32 / 4 it replaced).
-LAUNCH = {"block_h": BLOCK_H, "num_warps": 4}
+# Launch configuration, every key selectable (benchmarks/bench_mx_quantize.py --sweep times the
+# alternatives on a GPU and checks they write the same bytes):
+#   block_h: rows of H per program (power of two, 32..512); num_warps;
+#   table: 1 = a tiny kernel first writes each atom column's (first token, expert end, expert's
+#     first atom column, atom count) into an int32 table that each program reads with 4 scalar
+#     loads; 0 = every program derives them from the offsets (BLOCK_E-wide loads + cumsum);
+#   vec_store: 1 = columns whose first token and token limit are multiples of 16 (32 for FP4)
+#     store through offsets the compiler sees as 16-byte aligned (vector stores), others byte by
+#     byte; 0 = every column byte by byte (the compiler cannot prove alignment of expert starts).
+# History: 128 rows / 4 warps beat 32 / 64 rows and 8 warps on the H200 (2026-12-01, table=0,
+# vec_store=0: the kernel of that date). Grouping the transposed tile as [BLOCK_H*4, 32] or
+# reducing [4, 32, BLOCK_H] in the load's orientation compiled to the same SASS (sm_90, Triton
+# 3.6), so only [BLOCK_H, 4, 32] is kept; compiling the whole column twice (aligned / not) rather
+# than its store only raised registers to spilling (128 rows / 4 warps).
+_LAUNCH_DEFAULTS = {"block_h": 128, "num_warps": 4, "table": 1, "vec_store": 1}
+LAUNCH = dict(_LAUNCH_DEFAULTS)
+BLOCK_H = _LAUNCH_DEFAULTS["block_h"]
 
 
 def _interpreting() -> bool:
@@ -85,18 +100,9 @@ def _round_codes(xb, e, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.const
 
 
 @triton.jit
-def _quant_kernel(
-    x_ptr, offs_ptr, data_ptr, scale_ptr,
-    S, H, E, stride_x, stride_d, S_PAD, M_PAD, N_ATOMS,
-    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, SF: tl.constexpr,
-    EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, EMAX: tl.constexpr,
-    MAXV: tl.constexpr, MAXCODE: tl.constexpr, NANCODE: tl.constexpr,
-    RCEIL: tl.constexpr, FP4: tl.constexpr, NATIVE: tl.constexpr,
-):
-    TOK: tl.constexpr = 4 * SF
-    j = tl.program_id(0)
-    hb = tl.program_id(1)
-    # ---- which expert owns atom column j (offsets clamped into [0, S]: memory-safe for any input)
+def _expert_atoms(offs_ptr, S, E, BLOCK_E: tl.constexpr, TOK: tl.constexpr):
+    """Per expert (padded to BLOCK_E): clamped token begins / ends, atom columns, inclusive cumsum
+    of the atom columns (offsets clamped into [0, S]: memory-safe for any input)."""
     eidx = tl.arange(0, BLOCK_E)
     ends = tl.load(offs_ptr + eidx, mask=eidx < E, other=0)
     begins = tl.load(offs_ptr + eidx - 1, mask=(eidx >= 1) & (eidx < E), other=0)
@@ -104,33 +110,47 @@ def _quant_kernel(
     begins = tl.minimum(tl.maximum(begins, 0), S)
     counts = tl.maximum(ends - begins, 0)
     atoms = (counts + TOK - 1) // TOK
-    cum = tl.cumsum(atoms, 0)
+    return eidx, begins, ends, atoms, tl.cumsum(atoms, 0)
+
+
+@triton.jit
+def _atom_table_kernel(offs_ptr, tab_ptr, S, E, S_PAD, N_COLS,
+                       BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr, TOK: tl.constexpr):
+    """``tab[j] = (tok0, end, start, n_at)`` of atom column j < N_COLS (the main kernel's grid
+    columns): the expert's first atom column ``start`` and atom count ``n_at``, the column's first
+    token ``tok0`` and the expert's token end. Columns past the experts' atoms get ``n_at = 0``,
+    ``tok0 = S`` and ``end = S_PAD`` for the first of them (it writes the data padding), else S."""
+    eidx, begins, ends, atoms, cum = _expert_atoms(offs_ptr, S, E, BLOCK_E, TOK)
     total = tl.sum(atoms, 0)
-    e = tl.sum((cum <= j).to(tl.int32), 0)
-    sel = eidx == e
-    is_pad = j >= total
-    start = tl.sum(tl.where(sel, cum - atoms, 0), 0)
-    n_at = tl.sum(tl.where(sel, atoms, 0), 0)
-    begin = tl.sum(tl.where(sel, begins, 0), 0)
-    end = tl.sum(tl.where(sel, ends, 0), 0)
-    start = tl.where(is_pad, j, start)
-    n_at = tl.where(is_pad, 1, n_at)
-    loc = j - start
-    tok0 = tl.where(is_pad, S, begin + loc * TOK)
-    ld_end = tl.where(is_pad, S, end)
-    st_end = tl.where(is_pad, tl.where(j == total, S_PAD, S), end)
+    j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
+    e = tl.sum((cum[None, :] <= j[:, None]).to(tl.int32), 1)
+    sel = eidx[None, :] == e[:, None]
+    start = tl.sum(tl.where(sel, (cum - atoms)[None, :], 0), 1)
+    n_at = tl.sum(tl.where(sel, atoms[None, :], 0), 1)
+    begin = tl.sum(tl.where(sel, begins[None, :], 0), 1)
+    end = tl.sum(tl.where(sel, ends[None, :], 0), 1)
+    pad = j >= total
+    tok0 = tl.where(pad, S, begin + (j - start) * TOK)
+    end = tl.where(pad, tl.where(j == total, S_PAD, S), end)
+    start = tl.where(pad, j, start)
+    n_at = tl.where(pad, 0, n_at)
+    ok = j < N_COLS
+    tl.store(tab_ptr + 4 * j, tok0, mask=ok)
+    tl.store(tab_ptr + 4 * j + 1, end, mask=ok)
+    tl.store(tab_ptr + 4 * j + 2, start, mask=ok)
+    tl.store(tab_ptr + 4 * j + 3, n_at, mask=ok)
 
-    t = tok0 + tl.arange(0, TOK)
-    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    ld = (t < ld_end)[:, None] & (h < H)[None, :]
-    x = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + h[None, :], mask=ld, other=0.0)
-    xb = x.to(tl.int16, bitcast=True).to(tl.int32) << 16  # exact fp32 bits of the BF16 values
-    xb = tl.reshape(tl.trans(xb), (BLOCK_H, 4, SF))
 
-    # ---- per-group scale exponent (integer max of magnitudes: exact, NaN/Inf detected by bits)
+@triton.jit
+def _codes_and_scales(xb, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+                      EMAX: tl.constexpr, MAXV: tl.constexpr, MAXCODE: tl.constexpr,
+                      NANCODE: tl.constexpr, RCEIL: tl.constexpr, NATIVE: tl.constexpr,
+                      AXIS: tl.constexpr):
+    """Element codes (int32, shape of ``xb``) and E8M0 scale bytes (``xb`` reduced along AXIS) of
+    the fp32 bits ``xb`` whose axis AXIS (size SF) is one MX group."""
     mag = xb & 0x7FFFFFFF
-    amax = tl.max(mag, axis=2)  # [BLOCK_H, 4]
-    bad = amax >= 0x7F800000
+    amax = tl.max(mag, axis=AXIS)
+    bad = amax >= 0x7F800000  # NaN / Inf in the group (integer max of magnitudes: exact)
     if RCEIL:
         q = tl.math.div_rn(amax.to(tl.float32, bitcast=True), MAXV).to(tl.int32, bitcast=True)
         qf = q >> 23
@@ -143,9 +163,8 @@ def _quant_kernel(
     ex = tl.maximum(ex, -127)
     ex = tl.where(bad, 0, ex)
     byte = tl.where(bad, 255, ex + 127)
-
-    # ---- elements
-    e3 = ex[:, :, None]
+    e3 = tl.expand_dims(ex, AXIS)
+    bad3 = tl.expand_dims(bad, AXIS)
     if NATIVE:
         pw = ((127 - e3) << 23).to(tl.float32, bitcast=True)
         v = xb.to(tl.float32, bitcast=True) * pw
@@ -155,34 +174,114 @@ def _quant_kernel(
         else:
             c8 = v.to(tl.float8e5)
         codes = c8.to(tl.uint8, bitcast=True).to(tl.int32)
-        codes = tl.where(bad[:, :, None], NANCODE, codes)
     else:
         codes = _round_codes(xb, e3, EBITS, MBITS, BIAS, MAXCODE)
-        sign = (xb >> 31) & 1
-        codes = codes | (sign << (EBITS + MBITS))
-        codes = tl.where(bad[:, :, None], NANCODE, codes)
-    codes = tl.reshape(codes, (BLOCK_H, TOK))
+        codes = codes | (((xb >> 31) & 1) << (EBITS + MBITS))
+    codes = tl.where(bad3, NANCODE, codes)
+    return codes, byte
 
-    st_h = (h < H)[:, None]
-    if FP4:
-        lo, hi = tl.split(tl.reshape(codes, (BLOCK_H, TOK // 2, 2)))
-        packed = (lo | (hi << 4)).to(tl.uint8)
-        tp = tok0 // 2 + tl.arange(0, TOK // 2)
-        st = st_h & (tp < st_end // 2)[None, :]
-        tl.store(data_ptr + h.to(tl.int64)[:, None] * stride_d + tp[None, :], packed, mask=st)
+
+@triton.jit
+def _quant_kernel(
+    x_ptr, offs_ptr, tab_ptr, data_ptr, scale_ptr,
+    S, H, E, stride_x, stride_d, S_PAD, M_PAD, N_ATOMS,
+    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, SF: tl.constexpr,
+    EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, EMAX: tl.constexpr,
+    MAXV: tl.constexpr, MAXCODE: tl.constexpr, NANCODE: tl.constexpr,
+    RCEIL: tl.constexpr, FP4: tl.constexpr, NATIVE: tl.constexpr,
+    TABLE: tl.constexpr, VEC_STORE: tl.constexpr, IDX64: tl.constexpr,
+):
+    TOK: tl.constexpr = 4 * SF
+    j = tl.program_id(0)
+    hb = tl.program_id(1)
+    # ---- atom column j: first token, the expert's token end, its atom columns [start, +n_at)
+    if TABLE:
+        tok0 = tl.load(tab_ptr + 4 * j)
+        end = tl.load(tab_ptr + 4 * j + 1)
+        start = tl.load(tab_ptr + 4 * j + 2)
+        n_at = tl.load(tab_ptr + 4 * j + 3)
     else:
-        st = st_h & (t < st_end)[None, :]
-        tl.store(data_ptr + h.to(tl.int64)[:, None] * stride_d + t[None, :],
-                 codes.to(tl.uint8), mask=st)
+        eidx, begins, ends, atoms, cum = _expert_atoms(offs_ptr, S, E, BLOCK_E, TOK)
+        total = tl.sum(atoms, 0)
+        e = tl.sum((cum <= j).to(tl.int32), 0)
+        sel = eidx == e
+        pad = j >= total
+        start = tl.sum(tl.where(sel, cum - atoms, 0), 0)
+        n_at = tl.sum(tl.where(sel, atoms, 0), 0)
+        begin = tl.sum(tl.where(sel, begins, 0), 0)
+        end = tl.sum(tl.where(sel, ends, 0), 0)
+        tok0 = tl.where(pad, S, begin + (j - start) * TOK)
+        end = tl.where(pad, tl.where(j == total, S_PAD, S), end)
+        start = tl.where(pad, j, start)
+        n_at = tl.where(pad, 0, n_at)
 
-    # ---- scales: expert's atom matrix [M_PAD, 4 * n_at] at byte M_PAD * 4 * start
-    c = tl.arange(0, 4)
-    r = h
-    off = (M_PAD.to(tl.int64) * 4 * start + ((r // 128) * n_at + loc).to(tl.int64) * 512
-           + (r % 32) * 16 + ((r % 128) // 32) * 4)
-    fits = (start + n_at) <= N_ATOMS
-    tl.store(scale_ptr + off[:, None] + c[None, :], byte.to(tl.uint8),
-             mask=(r < M_PAD)[:, None] & fits)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    if IDX64:
+        h_row = h.to(tl.int64) * stride_d
+    else:
+        h_row = h * stride_d
+    st_h = (h < H)[:, None]
+    # ---- scales: expert's atom matrix [M_PAD, 4 * n_at] at byte M_PAD * 4 * start (padding
+    # columns: zero bytes, one atom column each, while it fits the scale tensor)
+    is_pad = n_at == 0
+    n_sc = tl.maximum(n_at, 1)
+    fits = (start + n_sc) <= N_ATOMS
+    sc_rows = (h < M_PAD)[:, None] & fits
+    if IDX64:
+        sc_off = (M_PAD.to(tl.int64) * 4 * start + ((h // 128) * n_sc + (j - start)).to(tl.int64)
+                  * 512 + (h % 32) * 16 + ((h % 128) // 32) * 4)
+    else:
+        sc_off = (M_PAD * 4 * start + ((h // 128) * n_sc + (j - start)) * 512 + (h % 32) * 16
+                  + ((h % 128) // 32) * 4)
+    sc_ptr = scale_ptr + sc_off[:, None] + tl.arange(0, 4)[None, :]
+
+    if is_pad:
+        tl.store(sc_ptr, tl.zeros((BLOCK_H, 4), tl.uint8), mask=sc_rows)
+        # data padding columns [S, S_PAD) (end == S_PAD on the first padding column only)
+        if FP4:
+            tp = S // 2 + tl.arange(0, SF // 2)
+            tl.store(data_ptr + h_row[:, None] + tp[None, :], tl.zeros((BLOCK_H, SF // 2), tl.uint8),
+                     mask=st_h & (tp < end // 2)[None, :])
+        else:
+            tp = S + tl.arange(0, SF)
+            tl.store(data_ptr + h_row[:, None] + tp[None, :], tl.zeros((BLOCK_H, SF), tl.uint8),
+                     mask=st_h & (tp < end)[None, :])
+    else:
+        t = tok0 + tl.arange(0, TOK)
+        ld = (t < end)[:, None] & (h < H)[None, :]
+        if IDX64:
+            x_off = t.to(tl.int64)[:, None] * stride_x + h[None, :]
+        else:
+            x_off = t[:, None] * stride_x + h[None, :]
+        x = tl.load(x_ptr + x_off, mask=ld, other=0.0)
+        xb = x.to(tl.int16, bitcast=True).to(tl.int32) << 16  # exact fp32 bits of the BF16 values
+        g = tl.reshape(tl.trans(xb), (BLOCK_H, 4, SF))  # [rows, groups, tokens of a group]
+        codes, byte = _codes_and_scales(g, EBITS, MBITS, BIAS, EMAX, MAXV, MAXCODE, NANCODE,
+                                        RCEIL, NATIVE, 2)
+        codes = tl.reshape(codes, (BLOCK_H, TOK))
+        tl.store(sc_ptr, byte.to(tl.uint8), mask=sc_rows)
+
+        lim = tl.minimum(end, tok0 + TOK)  # this column's tokens: [tok0, lim)
+        if FP4:
+            lo, hi = tl.split(tl.reshape(codes, (BLOCK_H, TOK // 2, 2)))
+            packed = (lo | (hi << 4)).to(tl.uint8)
+            if ((tok0 % 32) == 0) & ((lim % 32) == 0) & VEC_STORE:
+                # 16-byte aligned runs: offsets built from multiples of 16 (vector stores)
+                tp = (tok0 // 32) * 16 + tl.arange(0, TOK // 2)
+                tl.store(data_ptr + h_row[:, None] + tp[None, :], packed,
+                         mask=st_h & (tp < (lim // 32) * 16)[None, :])
+            else:
+                tp = tok0 // 2 + tl.arange(0, TOK // 2)
+                tl.store(data_ptr + h_row[:, None] + tp[None, :], packed,
+                         mask=st_h & (tp < lim // 2)[None, :])
+        else:
+            c8 = codes.to(tl.uint8)
+            if ((tok0 % 16) == 0) & ((lim % 16) == 0) & VEC_STORE:
+                ta = (tok0 // 16) * 16 + tl.arange(0, TOK)
+                tl.store(data_ptr + h_row[:, None] + ta[None, :], c8,
+                         mask=st_h & (ta < (lim // 16) * 16)[None, :])
+            else:
+                tl.store(data_ptr + h_row[:, None] + t[None, :], c8, mask=st_h & (t < lim)[None, :])
 
 
 def _alloc(shape, device) -> torch.Tensor:
@@ -267,17 +366,34 @@ def quantize_wgrad_operand(
     n_atoms = scale_cols // 4
     if m_pad:
         ebits, mbits, bias, emax, maxv, maxcode, nancode = _FMT[elem]
-        block_h, num_warps = LAUNCH["block_h"], LAUNCH["num_warps"]
-        if 128 % block_h:
-            raise _err(f"LAUNCH['block_h'] must divide 128, got {block_h}")
-        grid = (n_atoms + 1, m_pad // block_h)
+        cfg = {**_LAUNCH_DEFAULTS, **LAUNCH}
+        block_h, num_warps = cfg["block_h"], cfg["num_warps"]
+        if block_h not in (32, 64, 128, 256, 512):
+            raise _err(f"bad LAUNCH {LAUNCH}: block_h must be a power of two in 32..512")
+        n_cols = n_atoms + 1  # + one padding column (data padding, any atoms left unused)
+        block_e = triton.next_power_of_2(max(num_experts, 2))
+        # the main kernel reads BLOCK_E only without the table (one compile for every E with it)
+        block_e_main = 2 if cfg["table"] else block_e
+        tab = offsets_E  # unused by the kernel without the table
+        if cfg["table"]:
+            tab = torch.empty((n_cols, 4), dtype=torch.int32, device=x_SH.device)
+            block_j = max(16, min(256, 8192 // block_e))
+            _atom_table_kernel[(triton.cdiv(n_cols, block_j),)](
+                offsets_E, tab, tokens_sum, num_experts, s_pad, n_cols,
+                BLOCK_E=block_e, BLOCK_J=block_j, TOK=4 * SF_VEC, num_warps=4)
+        # 32-bit offsets where every byte offset fits (x, data and scales)
+        idx64 = max((tokens_sum + 4 * SF_VEC) * x_SH.stride(0) + hidden,
+                    (m_pad + block_h) * buf.stride(0) + s_pad,
+                    (m_pad + block_h) * 4 * (n_cols + 1)) >= 2**31
+        grid = (n_cols, triton.cdiv(m_pad, block_h))
         _quant_kernel[grid](
-            x_SH, offsets_E, buf, scales,
+            x_SH, offsets_E, tab, buf, scales,
             tokens_sum, hidden, num_experts, x_SH.stride(0), buf.stride(0), s_pad, m_pad, n_atoms,
-            BLOCK_E=triton.next_power_of_2(max(num_experts, 2)), BLOCK_H=block_h, SF=SF_VEC,
+            BLOCK_E=block_e_main, BLOCK_H=block_h, SF=SF_VEC,
             EBITS=ebits, MBITS=mbits, BIAS=bias, EMAX=emax, MAXV=maxv, MAXCODE=maxcode,
             NANCODE=nancode, RCEIL=scale_rule == "rceil", FP4=fp4, NATIVE=native,
-            num_warps=num_warps,
+            TABLE=bool(cfg["table"]), VEC_STORE=bool(cfg["vec_store"]),
+            IDX64=idx64, num_warps=num_warps,
         )
     storage = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "e2m1": torch.uint8}[elem]
     return buf.view(storage)[:, : tokens_sum // pack], scales.view(torch.float8_e8m0fnu)

@@ -90,18 +90,17 @@ def _torchao():
         return None
 
 
-#: --sweep candidates: every combination of rows per program, warps, atom table (1) or in-kernel
-#: lookup (0), aligned vector stores (1) or byte stores (0); keys of quantize.LAUNCH
-#: (byte stores only with the table: 24 configurations, about 4 minutes on an H200 with a cold
-#: Triton cache; 256 rows on 4 warps is left out: it spills registers on sm_90)
-SWEEP = [dict(block_h=bh, num_warps=nw, table=tb, vec_store=vs)
-         for bh, nw in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (128, 16), (256, 8),
-                        (256, 16))
-         for tb, vs in ((1, 1), (0, 1), (1, 0))]
+#: --sweep candidates: rows per program x warps x atom table (1) or in-kernel lookup (0); keys of
+#: quantize.LAUNCH (256 rows on 4 warps is left out: it spills registers on sm_90). A third
+#: variant, 16-byte vector stores for aligned columns, was 8-15 % slower in every setting on the
+#: H200 (2026-12-01) and was removed from the kernel.
+SWEEP = [dict(block_h=bh, num_warps=nw, table=tb)
+         for bh, nw in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8))
+         for tb in (1, 0)]
 
 
 def _cfg_name(c):
-    return f"{c['block_h']}r/{c['num_warps']}w/t{c['table']}/v{c['vec_store']}"
+    return f"{c['block_h']}r/{c['num_warps']}w/t{c['table']}"
 
 
 def _sweep(args, bench, quantize, dev, peer) -> int:
@@ -146,7 +145,7 @@ def _sweep(args, bench, quantize, dev, peer) -> int:
                 print(f"# torchao did not run ({type(exc).__name__}: {exc})")
                 peer = None
     names = [sh[0] for sh in shapes]
-    print(f"{'config (rows/warps/table/vec)':<26}" + "".join(f"{n[:14]:>15}" for n in names)
+    print(f"{'config (rows/warps/table)':<26}" + "".join(f"{n[:14]:>15}" for n in names)
           + f"{'total µs':>10}")
     if ao:
         print(f"{'torchao cast+swizzle':<26}" + "".join(f"{ao.get(n, float('nan')):>15.1f}"
@@ -180,7 +179,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument("--sweep", action="store_true",
                    help="time every launch configuration of ours (SWEEP: rows per program x "
-                        "warps x atom table x vector stores), check each writes the default's "
+                        "warps x atom table), check each writes the default's "
                         "bytes, print them sorted with torchao's time, and the best")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -19,8 +19,7 @@ Program ``(j, hb)`` handles atom column ``j`` (4 groups = 128 tokens of one expe
 ``[hb·BLOCK_H, (hb+1)·BLOCK_H)``. By default a tiny first kernel writes each column's (first token,
 expert end, expert's first column, atom count) into an int32 table (``LAUNCH["table"]``; else each
 program derives them from the offsets); programs past the experts' atoms only write zero scales
-and the data padding. Columns whose first token and end are multiples of 16 store 16-byte vectors
-(``LAUNCH["vec_store"]``), others byte by byte. Nothing is read on the host in the hot path (CUDA
+and the data padding. Nothing is read on the host in the hot path (CUDA
 graph capturable with ``validate=False``); the grid depends on ``tokens_sum``, E and H only.
 
 Element rounding: ``"integer"`` computes round-to-nearest-even with integer ops on the fp32 bits
@@ -61,15 +60,16 @@ _ELEM_ID = {"e4m3": 0, "e5m2": 1, "e2m1": 2}
 #   table: 1 = a tiny kernel first writes each atom column's (first token, expert end, expert's
 #     first atom column, atom count) into an int32 table that each program reads with 4 scalar
 #     loads; 0 = every program derives them from the offsets (BLOCK_E-wide loads + cumsum);
-#   vec_store: 1 = columns whose first token and token limit are multiples of 16 (32 for FP4)
-#     store through offsets the compiler sees as 16-byte aligned (vector stores), others byte by
-#     byte; 0 = every column byte by byte (the compiler cannot prove alignment of expert starts).
 # History: 128 rows / 4 warps beat 32 / 64 rows and 8 warps on the H200 (2026-12-01, table=0,
-# vec_store=0: the kernel of that date). Grouping the transposed tile as [BLOCK_H*4, 32] or
+# the kernel of that date). Grouping the transposed tile as [BLOCK_H*4, 32] or
 # reducing [4, 32, BLOCK_H] in the load's orientation compiled to the same SASS (sm_90, Triton
 # 3.6), so only [BLOCK_H, 4, 32] is kept; compiling the whole column twice (aligned / not) rather
 # than its store only raised registers to spilling (128 rows / 4 warps).
-_LAUNCH_DEFAULTS = {"block_h": 128, "num_warps": 4, "table": 1, "vec_store": 1}
+# H200, 2026-12-01 (`bench_mx_quantize.py --sweep`, 24 settings, floor rule): 64 rows / 4 warps
+# with the table fastest on all six MoE shapes (1843 µs total vs 2095 for 128 / 4, 2383 for
+# 32 / 4; 8 and 16 warps 1.6-3x slower); a variant storing 16-aligned columns through vector
+# stores was 8-15 % slower in every setting and was removed.
+_LAUNCH_DEFAULTS = {"block_h": 64, "num_warps": 4, "table": 1}
 LAUNCH = dict(_LAUNCH_DEFAULTS)
 BLOCK_H = _LAUNCH_DEFAULTS["block_h"]
 
@@ -189,7 +189,7 @@ def _quant_kernel(
     EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, EMAX: tl.constexpr,
     MAXV: tl.constexpr, MAXCODE: tl.constexpr, NANCODE: tl.constexpr,
     RCEIL: tl.constexpr, FP4: tl.constexpr, NATIVE: tl.constexpr,
-    TABLE: tl.constexpr, VEC_STORE: tl.constexpr, IDX64: tl.constexpr,
+    TABLE: tl.constexpr, IDX64: tl.constexpr,
 ):
     TOK: tl.constexpr = 4 * SF
     j = tl.program_id(0)
@@ -238,14 +238,15 @@ def _quant_kernel(
     if is_pad:
         tl.store(sc_ptr, tl.zeros((BLOCK_H, 4), tl.uint8), mask=sc_rows)
         # data padding columns [S, S_PAD) (end == S_PAD on the first padding column only)
+        # (names of their own: a name bound in both arms of this runtime `if` must keep one type)
         if FP4:
-            tp = S // 2 + tl.arange(0, SF // 2)
-            tl.store(data_ptr + h_row[:, None] + tp[None, :], tl.zeros((BLOCK_H, SF // 2), tl.uint8),
-                     mask=st_h & (tp < end // 2)[None, :])
+            tz = S // 2 + tl.arange(0, SF // 2)
+            tl.store(data_ptr + h_row[:, None] + tz[None, :], tl.zeros((BLOCK_H, SF // 2), tl.uint8),
+                     mask=st_h & (tz < end // 2)[None, :])
         else:
-            tp = S + tl.arange(0, SF)
-            tl.store(data_ptr + h_row[:, None] + tp[None, :], tl.zeros((BLOCK_H, SF), tl.uint8),
-                     mask=st_h & (tp < end)[None, :])
+            tz = S + tl.arange(0, SF)
+            tl.store(data_ptr + h_row[:, None] + tz[None, :], tl.zeros((BLOCK_H, SF), tl.uint8),
+                     mask=st_h & (tz < end)[None, :])
     else:
         t = tok0 + tl.arange(0, TOK)
         ld = (t < end)[:, None] & (h < H)[None, :]
@@ -265,23 +266,12 @@ def _quant_kernel(
         if FP4:
             lo, hi = tl.split(tl.reshape(codes, (BLOCK_H, TOK // 2, 2)))
             packed = (lo | (hi << 4)).to(tl.uint8)
-            if ((tok0 % 32) == 0) & ((lim % 32) == 0) & VEC_STORE:
-                # 16-byte aligned runs: offsets built from multiples of 16 (vector stores)
-                tp = (tok0 // 32) * 16 + tl.arange(0, TOK // 2)
-                tl.store(data_ptr + h_row[:, None] + tp[None, :], packed,
-                         mask=st_h & (tp < (lim // 32) * 16)[None, :])
-            else:
-                tp = tok0 // 2 + tl.arange(0, TOK // 2)
-                tl.store(data_ptr + h_row[:, None] + tp[None, :], packed,
-                         mask=st_h & (tp < lim // 2)[None, :])
+            tp = tok0 // 2 + tl.arange(0, TOK // 2)
+            tl.store(data_ptr + h_row[:, None] + tp[None, :], packed,
+                     mask=st_h & (tp < lim // 2)[None, :])
         else:
-            c8 = codes.to(tl.uint8)
-            if ((tok0 % 16) == 0) & ((lim % 16) == 0) & VEC_STORE:
-                ta = (tok0 // 16) * 16 + tl.arange(0, TOK)
-                tl.store(data_ptr + h_row[:, None] + ta[None, :], c8,
-                         mask=st_h & (ta < (lim // 16) * 16)[None, :])
-            else:
-                tl.store(data_ptr + h_row[:, None] + t[None, :], c8, mask=st_h & (t < lim)[None, :])
+            tl.store(data_ptr + h_row[:, None] + t[None, :], codes.to(tl.uint8),
+                     mask=st_h & (t < lim)[None, :])
 
 
 def _alloc(shape, device) -> torch.Tensor:
@@ -392,7 +382,7 @@ def quantize_wgrad_operand(
             BLOCK_E=block_e_main, BLOCK_H=block_h, SF=SF_VEC,
             EBITS=ebits, MBITS=mbits, BIAS=bias, EMAX=emax, MAXV=maxv, MAXCODE=maxcode,
             NANCODE=nancode, RCEIL=scale_rule == "rceil", FP4=fp4, NATIVE=native,
-            TABLE=bool(cfg["table"]), VEC_STORE=bool(cfg["vec_store"]),
+            TABLE=bool(cfg["table"]),
             IDX64=idx64, num_warps=num_warps,
         )
     storage = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "e2m1": torch.uint8}[elem]

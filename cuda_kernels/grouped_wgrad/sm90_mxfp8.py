@@ -108,15 +108,42 @@ class Sm90MxTileConfig:
         tile_n: output columns per tile, 64 or 128.
         tile_k: tokens per stage, 128 (4 MX groups, one scale atom column).
         stages: depth of the shared-memory ring, >= 2.
+        cross_stage: software-pipeline the promotion across stages: the last group of stage
+            ``kt`` is promoted (and the stage released) after stage ``kt+1``'s first wgmma is
+            issued, so the tensor cores are not idle at every stage boundary (False: the
+            original loop, ``wait_group(0)`` + promotion at the end of every stage).
+        ctas_per_sm: persistent CTAs per SM (1 or 2; 2 only with ``tile_m == 64``, one consumer
+            warp group: two co-resident CTAs overlap one's epilogue / promotion with the
+            other's wgmma, a pingpong by occupancy). Shared memory per CTA is then halved.
     """
 
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = TILE_K
     stages: int = 6
+    cross_stage: bool = False
+    ctas_per_sm: int = 1
 
     def __post_init__(self) -> None:
         SM90_MX_TILES.check_config(self)
+        cls = type(self).__name__
+        if self.ctas_per_sm not in (1, 2):
+            raise ValueError(f"{cls}.ctas_per_sm must be 1 or 2, got {self.ctas_per_sm}")
+        if self.ctas_per_sm == 2:
+            if self.tile_m != 64:
+                raise ValueError(f"{cls}.ctas_per_sm=2 needs tile_m=64 (registers)")
+            need = self.stage_bytes * self.stages + SM90_MX_TILES.smem_reserved
+            if 2 * need > SM90_MX_TILES.smem_bytes:
+                raise ValueError(
+                    f"{cls}: ctas_per_sm=2 with {self.stages} stages of {self.stage_bytes} bytes "
+                    f"overflows the {SM90_MX_TILES.smem_bytes}-byte shared memory of an SM"
+                )
+
+    @property
+    def variant(self) -> str:
+        """Short name of the config (benchmark sweeps)."""
+        return (f"{self.tile_m}x{self.tile_n}s{self.stages}"
+                f"{'-xs' if self.cross_stage else ''}{'-2cta' if self.ctas_per_sm == 2 else ''}")
 
     @property
     def cluster_shape_mn(self) -> tuple[int, int]:
@@ -191,6 +218,35 @@ def select_sm90_mx_tile_config(hidden: int, intermediate: int) -> Sm90MxTileConf
     )
 
 
+def sweep_tile_configs(hidden: int, intermediate: int) -> list[Sm90MxTileConfig]:
+    """The tile configs a benchmark sweep measures for ``(hidden, intermediate)``: the current
+    default first, then the cross-stage pipelined loop, 64-row tiles with one or two CTAs per
+    SM and both tile widths (those that divide the problem)."""
+    out: list[Sm90MxTileConfig] = []
+
+    def add(*args, **kw):
+        try:
+            cfg = Sm90MxTileConfig(*args, **kw)
+        except ValueError:
+            return
+        if hidden % cfg.tile_m == 0 and intermediate % cfg.tile_n == 0 and cfg not in out:
+            out.append(cfg)
+
+    with contextlib.suppress(ValueError):
+        out.append(select_sm90_mx_tile_config(hidden, intermediate))
+    for tn in (128, 64):
+        st = SM90_MX_TILES.stages_for(128, tn, TILE_K)
+        add(128, tn, TILE_K, st)
+        add(128, tn, TILE_K, st, cross_stage=True)
+        add(128, tn, TILE_K, 4, cross_stage=True)
+        st64 = SM90_MX_TILES.stages_for(64, tn, TILE_K)
+        add(64, tn, TILE_K, st64, cross_stage=True)
+        for st2 in (4, 3):
+            add(64, tn, TILE_K, st2, cross_stage=True, ctas_per_sm=2)
+        add(64, tn, TILE_K, 4, cross_stage=False, ctas_per_sm=2)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # The kernel (CuTe DSL imported lazily)
 # --------------------------------------------------------------------------------------------
@@ -249,8 +305,17 @@ def _build_kernel_class():
             self.stages = min(t.stages, (SM90_MX_TILES.smem_bytes - header) // t.stage_bytes)
             if self.stages < 2:
                 raise ValueError(f"{t} leaves no room for 2 pipeline stages")
+            self.ctas_per_sm = t.ctas_per_sm
+            if self.ctas_per_sm == 2:
+                self.stages = t.stages  # checked by the config: two CTAs fit an SM
             self.producer_regs = 40
-            self.consumer_regs = 232 if self.num_consumer_wgs == 2 else 160
+            # one consumer warp group: 160 spilled 1.4 KB at 64x128 (ptxas -v); 232 fits the
+            # pool (128 * 40 + 128 * 232 <= 65536)
+            self.consumer_regs = 232
+            if self.ctas_per_sm == 2:
+                # launch cap 65536 / (2 * 256) = 128 per thread; the consumer warp group takes
+                # the half-SM pool minus the producer's 40: (32768 - 128 * 40) / 128 = 216
+                self.consumer_regs = 216
 
         @cute.jit
         def expert_range(self, mOffsets, sStart, e: cutlass.Int32):
@@ -375,7 +440,10 @@ def _build_kernel_class():
                 grid=[num_ctas, 1, 1],
                 block=[self.threads, 1, 1],
                 smem=SharedStorage.size_in_bytes(),
-                min_blocks_per_mp=1,
+                min_blocks_per_mp=self.ctas_per_sm,
+                # set explicitly: with min_blocks_per_mp > 1 the DSL otherwise asks the driver
+                # for the SM's shared memory (no offline compile)
+                preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None,
                 stream=stream,
             )
 
@@ -602,6 +670,9 @@ def _build_kernel_class():
                 read_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, self.stages
                 )
+                release_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, self.stages
+                )
                 sched_cstate = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, _SCHED_STAGES
                 )
@@ -619,51 +690,58 @@ def _build_kernel_class():
                     row0 = (m_idx * self.tile_m) % 128
                     col0 = (n_idx * self.tile_n) % 128
                     acc.fill(0.0)
-                    for kt in cutlass.range(n_k, unroll=1):
-                        ab_pipe.consumer_wait(read_state)
-                        stage = read_state.index
-                        rest = k_len - kt * tk  # tokens of the expert in this stage (> 0)
-                        if cutlass.const_expr(self.key.token_layout == "direct"):
-                            hi = ((rest + SF_VEC - 1) // SF_VEC) * SF_VEC
-                            if rest < hi and rest < tk:
-                                # the partial group's missing tokens: zero in both operands
-                                self.zero_tail(sA, self.tile_m, rest, hi, stage, ctid)
-                                self.zero_tail(sB, self.tile_n, rest, hi, stage, ctid)
-                                cute.arch.fence_proxy("async.shared", space="cta")
-                                mask_barrier.arrive_and_wait()
-                        for i in cutlass.range_constexpr(n_acc):
-                            r, c = tCcC[i]
-                            ra = row0 + r
-                            cb = col0 + c
-                            wa[i] = wSFA[stage * 128 + (ra % 32) * 4 + ra // 32]
-                            wb[i] = wSFB[stage * 128 + (cb % 32) * 4 + cb // 32]
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            tmp = tmp0 if kb % 2 == 0 else tmp1
-                            fence_accumulators(tmp)
-                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                            cute.nvgpu.warpgroup.fence()
-                            cute.gemm(
-                                tiled_mma,
-                                tmp,
-                                tCrA[(None, None, kb, stage)],
-                                tCrB[(None, None, kb, stage)],
-                                tmp,
-                            )
-                            cute.nvgpu.warpgroup.commit_group()
-                            if cutlass.const_expr(kb > 0):
-                                cute.nvgpu.warpgroup.wait_group(1)
-                                self.promote(
-                                    acc, tmp1 if kb % 2 == 0 else tmp0, wa, wb, fab,
-                                    kb - 1, rest, n_acc,
-                                )
-                        cute.nvgpu.warpgroup.wait_group(0)
-                        self.promote(
-                            acc,
-                            tmp0 if (num_k_blocks - 1) % 2 == 0 else tmp1,
-                            wa, wb, fab, num_k_blocks - 1, rest, n_acc,
+                    if cutlass.const_expr(self.key.tile.cross_stage):
+                        read_state, release_state = self.mainloop_cross_stage(
+                            tiled_mma, tCrA, tCrB, acc, tmp0, tmp1, wa, wb, fab, tCcC, wSFA,
+                            wSFB, sA, sB, ab_pipe, read_state, release_state, mask_barrier,
+                            k_len, n_k, row0, col0, ctid, num_k_blocks, n_acc,
                         )
-                        ab_pipe.consumer_release(read_state)
-                        read_state.advance()
+                    else:
+                        for kt in cutlass.range(n_k, unroll=1):
+                            ab_pipe.consumer_wait(read_state)
+                            stage = read_state.index
+                            rest = k_len - kt * tk  # tokens of the expert in this stage (> 0)
+                            if cutlass.const_expr(self.key.token_layout == "direct"):
+                                hi = ((rest + SF_VEC - 1) // SF_VEC) * SF_VEC
+                                if rest < hi and rest < tk:
+                                    # the partial group's missing tokens: zero in both operands
+                                    self.zero_tail(sA, self.tile_m, rest, hi, stage, ctid)
+                                    self.zero_tail(sB, self.tile_n, rest, hi, stage, ctid)
+                                    cute.arch.fence_proxy("async.shared", space="cta")
+                                    mask_barrier.arrive_and_wait()
+                            for i in cutlass.range_constexpr(n_acc):
+                                r, c = tCcC[i]
+                                ra = row0 + r
+                                cb = col0 + c
+                                wa[i] = wSFA[stage * 128 + (ra % 32) * 4 + ra // 32]
+                                wb[i] = wSFB[stage * 128 + (cb % 32) * 4 + cb // 32]
+                            for kb in cutlass.range_constexpr(num_k_blocks):
+                                tmp = tmp0 if kb % 2 == 0 else tmp1
+                                fence_accumulators(tmp)
+                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                                cute.nvgpu.warpgroup.fence()
+                                cute.gemm(
+                                    tiled_mma,
+                                    tmp,
+                                    tCrA[(None, None, kb, stage)],
+                                    tCrB[(None, None, kb, stage)],
+                                    tmp,
+                                )
+                                cute.nvgpu.warpgroup.commit_group()
+                                if cutlass.const_expr(kb > 0):
+                                    cute.nvgpu.warpgroup.wait_group(1)
+                                    self.promote(
+                                        acc, tmp1 if kb % 2 == 0 else tmp0, wa, wb, fab,
+                                        kb - 1, rest, n_acc,
+                                    )
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            self.promote(
+                                acc,
+                                tmp0 if (num_k_blocks - 1) % 2 == 0 else tmp1,
+                                wa, wb, fab, num_k_blocks - 1, rest, n_acc,
+                            )
+                            ab_pipe.consumer_release(read_state)
+                            read_state.advance()
                     sched_pipe.consumer_wait(sched_cstate)
                     next_tile = sSched[sched_cstate.index]
                     sched_pipe.consumer_release(sched_cstate)
@@ -696,6 +774,79 @@ def _build_kernel_class():
                         r_out.store(acc.load().to(self.out_dtype))
                         cute.autovec_copy(r_out, tCgC)
                     tile = next_tile
+
+        @cute.jit
+        def load_words(self, wa, wb, tCcC, wSFA, wSFB, stage, row0, col0, n_acc):
+            """This thread's scale words of one stage: per accumulator element its row's and its
+            column's 32-bit word (4 group scales); equal words are loaded once (CSE)."""
+            for i in cutlass.range_constexpr(n_acc):
+                r, c = tCcC[i]
+                ra = row0 + r
+                cb = col0 + c
+                wa[i] = wSFA[stage * 128 + (ra % 32) * 4 + ra // 32]
+                wb[i] = wSFB[stage * 128 + (cb % 32) * 4 + cb // 32]
+
+        @cute.jit
+        def zero_partial_group(self, sA, sB, k_len, kt, stage, ctid, mask_barrier):
+            """Direct layout: zero the tokens past the expert's end inside its partial last
+            group in both operands (uniform condition over the consumer warp groups)."""
+            rest = k_len - kt * self.tile_k
+            hi = ((rest + SF_VEC - 1) // SF_VEC) * SF_VEC
+            if rest < hi and rest < self.tile_k:
+                self.zero_tail(sA, self.tile_m, rest, hi, stage, ctid)
+                self.zero_tail(sB, self.tile_n, rest, hi, stage, ctid)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                mask_barrier.arrive_and_wait()
+
+        @cute.jit
+        def mainloop_cross_stage(  # noqa: PLR0913
+            self, tiled_mma, tCrA, tCrB, acc, tmp0, tmp1, wa, wb, fab, tCcC, wSFA, wSFB, sA,
+            sB, ab_pipe, read_state, release_state, mask_barrier, k_len, n_k, row0, col0, ctid,
+            num_k_blocks: cutlass.Constexpr, n_acc: cutlass.Constexpr,
+        ):
+            """One tile's mainloop with the promotion software-pipelined across stages: group g
+            is promoted while group g+1's wgmma runs, including g = 3 of stage kt, promoted
+            after stage kt+1's first wgmma is issued (then stage kt is released). Groups
+            alternate tmp0 / tmp1, so group 3 always lands in tmp1."""
+            tk = self.tile_k
+            prev_rest = cutlass.Int32(0)
+            for kt in cutlass.range(n_k, unroll=1):
+                ab_pipe.consumer_wait(read_state)
+                stage = read_state.index
+                rest = k_len - kt * tk
+                if cutlass.const_expr(self.key.token_layout == "direct"):
+                    self.zero_partial_group(sA, sB, k_len, kt, stage, ctid, mask_barrier)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    tmp = tmp0 if kb % 2 == 0 else tmp1
+                    fence_accumulators(tmp)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                    cute.nvgpu.warpgroup.fence()
+                    cute.gemm(
+                        tiled_mma, tmp, tCrA[(None, None, kb, stage)],
+                        tCrB[(None, None, kb, stage)], tmp,
+                    )
+                    cute.nvgpu.warpgroup.commit_group()
+                    if cutlass.const_expr(kb == 0):
+                        # unconditional wait + promotion (prev_rest = 0 at kt = 0 skips it): a
+                        # wgmma wait under a dynamic branch makes ptxas serialize (C7514)
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        self.promote(acc, tmp1, wa, wb, fab, num_k_blocks - 1, prev_rest, n_acc)
+                        if kt > 0:
+                            ab_pipe.consumer_release(release_state)
+                            release_state.advance()
+                        self.load_words(wa, wb, tCcC, wSFA, wSFB, stage, row0, col0, n_acc)
+                    else:
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        self.promote(acc, tmp1 if kb % 2 == 0 else tmp0, wa, wb, fab, kb - 1,
+                                     rest, n_acc)
+                prev_rest = rest
+                read_state.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            if n_k > 0:
+                self.promote(acc, tmp1, wa, wb, fab, num_k_blocks - 1, prev_rest, n_acc)
+                ab_pipe.consumer_release(release_state)
+                release_state.advance()
+            return read_state, release_state
 
         @cute.jit
         def promote(self, acc, tmp, wa, wb, fab, g: cutlass.Constexpr, rest, n_acc):
@@ -766,7 +917,8 @@ class _MxFamily(KernelFamily):
 
         from .launch import _num_sms
 
-        grid = max(1, min(key.num_tiles, _num_sms(a.device.index or 0)))
+        sms = _num_sms(a.device.index or 0) * key.tile.ctas_per_sm
+        grid = max(1, min(key.num_tiles, sms))
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             counter = torch.zeros(1, dtype=torch.int32, device=a.device)

@@ -983,6 +983,15 @@ def enabled() -> bool:
     return VERIFIED_ON_GPU or os.environ.get(ENABLE_ENV) == "1"
 
 
+DIRECT_ENV = "MOE_BWD_SM90_MXFP8_DIRECT"
+
+
+def direct_enabled() -> bool:
+    """Whether the python entry may use ``token_layout="direct"`` (``MOE_BWD_SM90_MXFP8_DIRECT=1``
+    until the direct layout's GPU tests pass on an H200)."""
+    return os.environ.get(DIRECT_ENV) == "1"
+
+
 def _err(msg: str) -> ValueError:
     return ValueError(f"grouped_wgrad_mxfp8_sm90: {msg}")
 
@@ -1055,11 +1064,15 @@ def grouped_wgrad_mxfp8_sm90(
             ``accumulate``.
         out_dtype: dtype of an allocated output (default float32).
         accumulate: ``out[e] += result`` (fp32 sum, rounded once); empty experts untouched.
-        token_layout: ``"direct"`` (the kernel reads each expert at its first token),
-            ``"padded"`` (the operands are first repacked on the device so that every expert
-            starts at its scale column: :func:`pad_tokens_to_scale_layout`) or ``"auto"``
-            (direct when the offsets, read for validation, start every expert at a multiple of
-            16 tokens; padded otherwise or without validation).
+        token_layout: ``"direct"`` (the kernel reads each expert at its first token, which
+            must be a multiple of 16 tokens: TMA's 16-byte aligned innermost coordinate;
+            checked when validating; disabled unless ``MOE_BWD_SM90_MXFP8_DIRECT=1`` until
+            verified on the H200), ``"padded"`` (the operands are first repacked on the device
+            so that every expert starts at its scale column:
+            :func:`pad_tokens_to_scale_layout`) or ``"auto"`` (with validation: no repack when
+            every expert but the last holds a multiple of 128 tokens (the operands already are
+            in the padded layout), else direct when every expert begins at a multiple of 16
+            tokens and direct is enabled, else padded; without validation: padded).
         tile: a :class:`Sm90MxTileConfig` (default: :func:`select_sm90_mx_tile_config`).
         validate: read the offsets on the host to check them (one sync); False: nothing read on
             the host, the caller guarantees the rules.
@@ -1157,7 +1170,7 @@ def grouped_wgrad_mxfp8_sm90(
                                    tile=tile)
     except ValueError as exc:
         raise _err(str(exc)) from exc
-    aligned = False
+    aligned = identity = False
     if validate:
         from .validate import host_offset_ends
 
@@ -1168,16 +1181,34 @@ def grouped_wgrad_mxfp8_sm90(
                 raise _err(f"{name} has {sf.shape[1]} columns; these offsets need {need} (the "
                            "experts' padded scale columns)")
         aligned = all(b % 16 == 0 for b in [0, *ends[:-1]])
+        # every expert but the last holds a multiple of 128 tokens: each begins at 32 * s_e,
+        # i.e. the operands already are in the padded layout (the last expert's tail is past
+        # the data: TMA's zero fill)
+        counts = [b - a for a, b in zip([0, *ends[:-1]], ends)]
+        identity = all(c % TILE_K == 0 for c in counts[:-1])
         if output_mode == "discrete":
             for e, p in enumerate(out.tolist()):
                 if p == 0 or p % 16:
                     raise _err(f"discrete output address {e} must be non-null and 16-byte "
                                f"aligned; got {p:#x}")
+    direct_ok = direct_enabled()
     if token_layout == "direct":
-        raise _err("token_layout='direct' hit an illegal instruction on the H200 (2026-12-01) and "
-                   "is disabled; use 'padded' (or 'auto')")
-    del aligned  # 'auto' = 'padded' until the direct layout works
-    layout = "padded"
+        if not direct_ok:
+            raise _err(f"token_layout='direct' is disabled until verified on the H200 (it hit an "
+                       f"illegal instruction on 2026-12-01 with expert begins that are not "
+                       f"multiples of 16 tokens: misaligned TMA coordinates); {DIRECT_ENV}=1 "
+                       "enables it")
+        if validate and not aligned:
+            raise _err("token_layout='direct' needs every expert to begin at a multiple of 16 "
+                       "tokens (TMA: 16-byte aligned innermost coordinate); use 'padded' or "
+                       "'auto'")
+    layout, repack = token_layout, token_layout == "padded"
+    if token_layout == "auto":
+        layout, repack = "padded", True
+        if validate and identity:
+            repack = False  # the operands already are in the padded layout
+        elif validate and aligned and direct_ok:
+            layout, repack = "direct", False
     key = dataclasses.replace(key_probe, token_layout=layout)
     if out is None:
         out = torch.empty((num_e, m, n), dtype=out_dtype, device=a_data.device)
@@ -1190,7 +1221,7 @@ def grouped_wgrad_mxfp8_sm90(
         return out
     a_rs = a_data.view(torch.uint8)  # [M, S]
     b_rs = b_data.t().view(torch.uint8)  # [N, S]
-    if layout == "padded":
+    if repack:
         a_rs = pad_tokens_to_scale_layout(a_rs, offsets, a_scales.shape[1])
         b_rs = pad_tokens_to_scale_layout(b_rs, offsets, b_scales.shape[1])
     sfa = a_scales.view(torch.uint8).view(-1, 256)

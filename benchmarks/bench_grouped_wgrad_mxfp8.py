@@ -134,7 +134,9 @@ def _sweep_child(variant_json, layout, all_shapes):
             del ref
             us = bench(lambda f=launch, args=(a_rs, b_rs, sfa8, sfb8, off, out): f(*args))
             tf = 2.0 * m * n * s / us / 1e6
-            print(f"{tag} us={us:.1f} tflops={tf:.1f} sqnr={sq:.1f} ok={sq >= 60.0}", flush=True)
+            diag = " DIAG(wrong results on purpose)" if cfg.diagnostic else ""
+            print(f"{tag} us={us:.1f} tflops={tf:.1f} sqnr={sq:.1f} ok={sq >= 60.0}{diag}",
+                  flush=True)
         except Exception as exc:  # noqa: BLE001 - a variant reports, never stops the sweep
             print(f"{tag} ERROR {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             if "CUDA error" in str(exc) or "illegal" in str(exc):

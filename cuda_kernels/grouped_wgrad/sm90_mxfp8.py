@@ -32,6 +32,19 @@ Structure (shared with ``sm90_bf16``: the tile order, the scheduler and ``next_t
   (their padding scale bytes may hold anything);
 - empty experts write zeros, or leave the output untouched when accumulating.
 
+Direct layout and TMA: the A / B boxes start at the expert's first token, the innermost (token)
+coordinate, which TMA needs 16-byte aligned: the direct layout is only valid when every expert
+begins at a multiple of 16 tokens (the python entry checks it; the 2026-12-01 illegal instruction
+came from direct cases with begins such as 37). Until re-verified on the H200 it is off unless
+``MOE_BWD_SM90_MXFP8_DIRECT=1``. ``"auto"`` uses the raw operands as the padded layout when every
+expert but the last holds a multiple of 128 tokens (no repack).
+
+Variants (:class:`Sm90MxTileConfig` fields, swept by ``benchmarks/bench_grouped_wgrad_mxfp8.py
+--sweep``): ``promote`` (``"scaled"``: per-thread scale words decoded per group; ``"table"``: the
+stage's scales decoded once into an fp32 table in shared memory; two diagnostics),
+``ctas_per_sm`` (2 co-resident 64-row CTAs), ``cross_stage`` (promotion pipelined across stages;
+ptxas serializes its wgmmas, C7514), tile and stages.
+
 Host side: :class:`Sm90MxWgradKey` (``_contract.KernelKey`` + ``elem`` + ``token_layout`` +
 :class:`Sm90MxTileConfig`), ``FAMILY`` (a :class:`launch.KernelFamily` whose compile / launch
 hooks take the scale operands), :func:`compile_sm90_mxfp8_wgrad`,
@@ -45,6 +58,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +83,7 @@ TILE_K = 128  # tokens per pipeline stage = 4 groups = one 128x4 scale atom colu
 ATOM_BYTES = 512
 ELEMS = ("e4m3", "e5m2")
 TOKEN_LAYOUTS = ("direct", "padded")
+PROMOTE_MODES = ("scaled", "table", "unscaled", "none")
 _SCHED_STAGES = 4
 
 
@@ -115,6 +130,15 @@ class Sm90MxTileConfig:
         ctas_per_sm: persistent CTAs per SM (1 or 2; 2 only with ``tile_m == 64``, one consumer
             warp group: two co-resident CTAs overlap one's epilogue / promotion with the
             other's wgmma, a pingpong by occupancy). Shared memory per CTA is then halved.
+        promote: how a group's fresh fragment is added to the accumulator. ``"scaled"``: the
+            thread loads its rows' and columns' 32-bit scale words once per stage and decodes
+            the E8M0 byte of group g into an fp32 power of two per distinct row / column (int
+            shift + mask), then ``acc += tmp * (fa * fb)``; ``"table"``: each consumer warp
+            group decodes the stage's scales once into an fp32 table in shared memory
+            (double-buffered, one word per thread per stage, then a warp-group barrier), the
+            promotion then only loads fa / fb; ``"unscaled"`` / ``"none"``: DIAGNOSTICS ONLY,
+            wrong results (``acc += tmp`` / no promotion at all): the sweep's bounds on what
+            the scaling / the whole promotion costs.
     """
 
     tile_m: int = 128
@@ -123,16 +147,24 @@ class Sm90MxTileConfig:
     stages: int = 6
     cross_stage: bool = False
     ctas_per_sm: int = 1
+    promote: str = "scaled"
 
     def __post_init__(self) -> None:
         SM90_MX_TILES.check_config(self)
         cls = type(self).__name__
+        if self.promote not in PROMOTE_MODES:
+            raise ValueError(f"{cls}.promote must be one of {PROMOTE_MODES}, got {self.promote!r}")
+        if self.cross_stage and self.promote == "table":
+            raise ValueError(f"{cls}: cross_stage with promote='table' is not built (the DSL "
+                             "cannot carry the table's state out of the stage loop)")
         if self.ctas_per_sm not in (1, 2):
             raise ValueError(f"{cls}.ctas_per_sm must be 1 or 2, got {self.ctas_per_sm}")
         if self.ctas_per_sm == 2:
             if self.tile_m != 64:
                 raise ValueError(f"{cls}.ctas_per_sm=2 needs tile_m=64 (registers)")
             need = self.stage_bytes * self.stages + SM90_MX_TILES.smem_reserved
+            if self.promote == "table":
+                need += 4 * 2 * 4 * (64 + self.tile_n) * (self.tile_m // 64)
             if 2 * need > SM90_MX_TILES.smem_bytes:
                 raise ValueError(
                     f"{cls}: ctas_per_sm=2 with {self.stages} stages of {self.stage_bytes} bytes "
@@ -143,7 +175,13 @@ class Sm90MxTileConfig:
     def variant(self) -> str:
         """Short name of the config (benchmark sweeps)."""
         return (f"{self.tile_m}x{self.tile_n}s{self.stages}"
-                f"{'-xs' if self.cross_stage else ''}{'-2cta' if self.ctas_per_sm == 2 else ''}")
+                f"{'-xs' if self.cross_stage else ''}{'-2cta' if self.ctas_per_sm == 2 else ''}"
+                f"{'' if self.promote == 'scaled' else '-' + self.promote}")
+
+    @property
+    def diagnostic(self) -> bool:
+        """True for the promotion modes that give wrong results on purpose (sweep bounds)."""
+        return self.promote in ("unscaled", "none")
 
     @property
     def cluster_shape_mn(self) -> tuple[int, int]:
@@ -219,14 +257,16 @@ def select_sm90_mx_tile_config(hidden: int, intermediate: int) -> Sm90MxTileConf
 
 
 def sweep_tile_configs(hidden: int, intermediate: int) -> list[Sm90MxTileConfig]:
-    """The tile configs a benchmark sweep measures for ``(hidden, intermediate)``: the current
-    default first, then the cross-stage pipelined loop, 64-row tiles with one or two CTAs per
-    SM and both tile widths (those that divide the problem)."""
+    """The tile configs a benchmark sweep measures for ``(hidden, intermediate)`` (those that
+    divide the problem): the current default first; the shared-memory factor table
+    (``promote="table"``); 64-row tiles with one or two CTAs per SM (occupancy pingpong); the
+    cross-stage loop (ptxas reports C7514 for it: wgmma serialized; measured anyway); and, last,
+    the two diagnostic promotions (wrong results on purpose: bounds on the promotion's cost)."""
     out: list[Sm90MxTileConfig] = []
 
-    def add(*args, **kw):
+    def add(tm, tn, st, **kw):
         try:
-            cfg = Sm90MxTileConfig(*args, **kw)
+            cfg = Sm90MxTileConfig(tm, tn, TILE_K, st, **kw)
         except ValueError:
             return
         if hidden % cfg.tile_m == 0 and intermediate % cfg.tile_n == 0 and cfg not in out:
@@ -234,16 +274,25 @@ def sweep_tile_configs(hidden: int, intermediate: int) -> list[Sm90MxTileConfig]
 
     with contextlib.suppress(ValueError):
         out.append(select_sm90_mx_tile_config(hidden, intermediate))
-    for tn in (128, 64):
-        st = SM90_MX_TILES.stages_for(128, tn, TILE_K)
-        add(128, tn, TILE_K, st)
-        add(128, tn, TILE_K, st, cross_stage=True)
-        add(128, tn, TILE_K, 4, cross_stage=True)
-        st64 = SM90_MX_TILES.stages_for(64, tn, TILE_K)
-        add(64, tn, TILE_K, st64, cross_stage=True)
-        for st2 in (4, 3):
-            add(64, tn, TILE_K, st2, cross_stage=True, ctas_per_sm=2)
-        add(64, tn, TILE_K, 4, cross_stage=False, ctas_per_sm=2)
+    s128 = SM90_MX_TILES.stages_for(128, 128, TILE_K)
+    s64 = SM90_MX_TILES.stages_for(128, 64, TILE_K)
+    add(128, 128, s128, promote="table")
+    add(128, 128, 4)
+    add(128, 64, s64)
+    add(128, 64, s64, promote="table")
+    add(64, 128, 8)
+    add(64, 128, 4, ctas_per_sm=2)
+    add(64, 128, 4, ctas_per_sm=2, promote="table")
+    add(64, 128, 3, ctas_per_sm=2)
+    add(64, 64, 4, ctas_per_sm=2)
+    add(64, 64, 4, ctas_per_sm=2, promote="table")
+    add(128, 128, s128, cross_stage=True)
+    add(64, 128, 4, cross_stage=True, ctas_per_sm=2)
+    if out:
+        base = out[0]
+        for mode in ("unscaled", "none"):
+            add(base.tile_m, base.tile_n, base.stages, promote=mode)
+        add(64, 128, 4, ctas_per_sm=2, promote="none")
     return out
 
 
@@ -301,7 +350,13 @@ def _build_kernel_class():
             self.acc_dtype = cutlass.Float32
             self.m_pad_atoms = -(-key.hidden // 128)  # 128-row blocks of A's scales
             self.n_pad_atoms = -(-key.intermediate // 128)
-            header = 4096 + 12 * key.num_experts + 16 * t.stages
+            # promote="table": per consumer warp group 2 buffers x 4 groups x (64 rows +
+            # tile_n columns) fp32 factors
+            self.fac_row = 64 + t.tile_n
+            self.fac_len = 4
+            if t.promote == "table":
+                self.fac_len = self.num_consumer_wgs * 2 * 4 * self.fac_row
+            header = 4096 + 12 * key.num_experts + 16 * t.stages + 4 * self.fac_len
             self.stages = min(t.stages, (SM90_MX_TILES.smem_bytes - header) // t.stage_bytes)
             if self.stages < 2:
                 raise ValueError(f"{t} leaves no room for 2 pipeline stages")
@@ -413,6 +468,7 @@ def _build_kernel_class():
                 sSFB: cute.struct.Align[
                     cute.struct.MemRange[cutlass.Uint8, ATOM_BYTES * self.stages], 128
                 ]
+                fac: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.fac_len], 16]
                 sA: cute.struct.Align[
                     cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], 1024
                 ]
@@ -666,6 +722,24 @@ def _build_kernel_class():
                 wa = cute.make_rmem_tensor(acc_shape, cutlass.Int32)
                 wb = cute.make_rmem_tensor(acc_shape, cutlass.Int32)
                 fab = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+                wgl = wg_idx - 1  # consumer warp group (its 64-row slab of the tile)
+                fac = storage.fac.get_tensor(cute.make_layout(self.fac_len))
+                # promote="table": per element its row in the warp group's slab and its column
+                # (+ 64) in the factor table, computed once outside the loops
+                fri = cute.make_rmem_tensor(acc_shape, cutlass.Int32)
+                fci = cute.make_rmem_tensor(acc_shape, cutlass.Int32)
+                if cutlass.const_expr(self.key.tile.promote == "table"):
+                    for i in cutlass.range_constexpr(n_acc):
+                        r, c = tCcC[i]
+                        fri[i] = r - 64 * wgl
+                        fci[i] = 64 + c
+                sc = types.SimpleNamespace(
+                    wa=wa, wb=wb, fab=fab, tCcC=tCcC, wSFA=wSFA, wSFB=wSFB, fac=fac, wgl=wgl,
+                    wtid=tidx % 128, fri=fri, fci=fci,
+                    # a static id (a dynamic one makes ptxas reserve all 16 named barriers, and
+                    # two CTAs per SM could not co-reside): all consumer warp groups
+                    bar=pipeline.NamedBarrier(barrier_id=2, num_threads=self.group_threads),
+                )
 
                 read_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, self.stages
@@ -692,9 +766,9 @@ def _build_kernel_class():
                     acc.fill(0.0)
                     if cutlass.const_expr(self.key.tile.cross_stage):
                         read_state, release_state = self.mainloop_cross_stage(
-                            tiled_mma, tCrA, tCrB, acc, tmp0, tmp1, wa, wb, fab, tCcC, wSFA,
-                            wSFB, sA, sB, ab_pipe, read_state, release_state, mask_barrier,
-                            k_len, n_k, row0, col0, ctid, num_k_blocks, n_acc,
+                            tiled_mma, tCrA, tCrB, acc, tmp0, tmp1, sc, sA, sB, ab_pipe,
+                            read_state, release_state, mask_barrier, k_len, n_k, row0, col0,
+                            ctid, num_k_blocks,
                         )
                     else:
                         for kt in cutlass.range(n_k, unroll=1):
@@ -709,12 +783,7 @@ def _build_kernel_class():
                                     self.zero_tail(sB, self.tile_n, rest, hi, stage, ctid)
                                     cute.arch.fence_proxy("async.shared", space="cta")
                                     mask_barrier.arrive_and_wait()
-                            for i in cutlass.range_constexpr(n_acc):
-                                r, c = tCcC[i]
-                                ra = row0 + r
-                                cb = col0 + c
-                                wa[i] = wSFA[stage * 128 + (ra % 32) * 4 + ra // 32]
-                                wb[i] = wSFB[stage * 128 + (cb % 32) * 4 + cb // 32]
+                            self.stage_scales(sc, stage, kt % 2, row0, col0)
                             for kb in cutlass.range_constexpr(num_k_blocks):
                                 tmp = tmp0 if kb % 2 == 0 else tmp1
                                 fence_accumulators(tmp)
@@ -731,14 +800,13 @@ def _build_kernel_class():
                                 if cutlass.const_expr(kb > 0):
                                     cute.nvgpu.warpgroup.wait_group(1)
                                     self.promote(
-                                        acc, tmp1 if kb % 2 == 0 else tmp0, wa, wb, fab,
-                                        kb - 1, rest, n_acc,
+                                        acc, tmp1 if kb % 2 == 0 else tmp0, sc, kb - 1, rest,
+                                        kt % 2,
                                     )
                             cute.nvgpu.warpgroup.wait_group(0)
                             self.promote(
-                                acc,
-                                tmp0 if (num_k_blocks - 1) % 2 == 0 else tmp1,
-                                wa, wb, fab, num_k_blocks - 1, rest, n_acc,
+                                acc, tmp0 if (num_k_blocks - 1) % 2 == 0 else tmp1, sc,
+                                num_k_blocks - 1, rest, kt % 2,
                             )
                             ab_pipe.consumer_release(read_state)
                             read_state.advance()
@@ -776,15 +844,35 @@ def _build_kernel_class():
                     tile = next_tile
 
         @cute.jit
-        def load_words(self, wa, wb, tCcC, wSFA, wSFB, stage, row0, col0, n_acc):
-            """This thread's scale words of one stage: per accumulator element its row's and its
-            column's 32-bit word (4 group scales); equal words are loaded once (CSE)."""
-            for i in cutlass.range_constexpr(n_acc):
-                r, c = tCcC[i]
-                ra = row0 + r
-                cb = col0 + c
-                wa[i] = wSFA[stage * 128 + (ra % 32) * 4 + ra // 32]
-                wb[i] = wSFB[stage * 128 + (cb % 32) * 4 + cb // 32]
+        def stage_scales(self, sc, stage, buf, row0, col0):
+            """Make one stage's scales ready for its promotions. ``scaled``: this thread's
+            row / column words (per accumulator element; equal words load once, CSE).
+            ``table``: the warp group decodes its 64 rows' and tile_n columns' E8M0 scales
+            into fp32 factors in shared memory buffer ``buf`` (one word per thread), then
+            syncs the warp group (the other buffer may still be read by late promotions)."""
+            if cutlass.const_expr(self.key.tile.promote == "scaled"):
+                for i in cutlass.range_constexpr(cute.size(sc.fab)):
+                    r, c = sc.tCcC[i]
+                    ra = row0 + r
+                    cb = col0 + c
+                    sc.wa[i] = sc.wSFA[stage * 128 + (ra % 32) * 4 + ra // 32]
+                    sc.wb[i] = sc.wSFB[stage * 128 + (cb % 32) * 4 + cb // 32]
+            if cutlass.const_expr(self.key.tile.promote == "table"):
+                L = self.fac_row  # noqa: N806
+                base = (sc.wgl * 2 + buf) * 4 * L
+                for it in cutlass.range_constexpr(-(-L // 128)):
+                    i = sc.wtid + 128 * it
+                    if i < L:
+                        w = cutlass.Int32(0)
+                        if i < 64:
+                            t_ra = row0 + 64 * sc.wgl + i
+                            w = sc.wSFA[stage * 128 + (t_ra % 32) * 4 + t_ra // 32]
+                        else:
+                            t_cb = col0 + i - 64
+                            w = sc.wSFB[stage * 128 + (t_cb % 32) * 4 + t_cb // 32]
+                        for g in cutlass.range_constexpr(4):
+                            sc.fac[base + g * L + i] = scale_of(w, g)
+                sc.bar.arrive_and_wait()
 
         @cute.jit
         def zero_partial_group(self, sA, sB, k_len, kt, stage, ctid, mask_barrier):
@@ -800,9 +888,9 @@ def _build_kernel_class():
 
         @cute.jit
         def mainloop_cross_stage(  # noqa: PLR0913
-            self, tiled_mma, tCrA, tCrB, acc, tmp0, tmp1, wa, wb, fab, tCcC, wSFA, wSFB, sA,
-            sB, ab_pipe, read_state, release_state, mask_barrier, k_len, n_k, row0, col0, ctid,
-            num_k_blocks: cutlass.Constexpr, n_acc: cutlass.Constexpr,
+            self, tiled_mma, tCrA, tCrB, acc, tmp0, tmp1, sc, sA, sB, ab_pipe, read_state,
+            release_state, mask_barrier, k_len, n_k, row0, col0, ctid,
+            num_k_blocks: cutlass.Constexpr,
         ):
             """One tile's mainloop with the promotion software-pipelined across stages: group g
             is promoted while group g+1's wgmma runs, including g = 3 of stage kt, promoted
@@ -810,7 +898,11 @@ def _build_kernel_class():
             alternate tmp0 / tmp1, so group 3 always lands in tmp1."""
             tk = self.tile_k
             prev_rest = cutlass.Int32(0)
+            # the register fragments as plain locals rebound in the loop body, so that the DSL
+            # carries them out of the loop (the last promotion follows it)
+            wa, wb, fab = sc.wa, sc.wb, sc.fab
             for kt in cutlass.range(n_k, unroll=1):
+                sc = types.SimpleNamespace(**{**vars(sc), "wa": wa, "wb": wb, "fab": fab})
                 ab_pipe.consumer_wait(read_state)
                 stage = read_state.index
                 rest = k_len - kt * tk
@@ -830,35 +922,48 @@ def _build_kernel_class():
                         # unconditional wait + promotion (prev_rest = 0 at kt = 0 skips it): a
                         # wgmma wait under a dynamic branch makes ptxas serialize (C7514)
                         cute.nvgpu.warpgroup.wait_group(1)
-                        self.promote(acc, tmp1, wa, wb, fab, num_k_blocks - 1, prev_rest, n_acc)
+                        self.promote(acc, tmp1, sc, num_k_blocks - 1, prev_rest, (kt + 1) % 2)
                         if kt > 0:
                             ab_pipe.consumer_release(release_state)
                             release_state.advance()
-                        self.load_words(wa, wb, tCcC, wSFA, wSFB, stage, row0, col0, n_acc)
+                        self.stage_scales(sc, stage, kt % 2, row0, col0)
                     else:
                         cute.nvgpu.warpgroup.wait_group(1)
-                        self.promote(acc, tmp1 if kb % 2 == 0 else tmp0, wa, wb, fab, kb - 1,
-                                     rest, n_acc)
+                        self.promote(acc, tmp1 if kb % 2 == 0 else tmp0, sc, kb - 1, rest,
+                                     kt % 2)
                 prev_rest = rest
                 read_state.advance()
+                wa, wb, fab = sc.wa, sc.wb, sc.fab
+            sc = types.SimpleNamespace(**{**vars(sc), "wa": wa, "wb": wb, "fab": fab})
             cute.nvgpu.warpgroup.wait_group(0)
             if n_k > 0:
-                self.promote(acc, tmp1, wa, wb, fab, num_k_blocks - 1, prev_rest, n_acc)
+                self.promote(acc, tmp1, sc, num_k_blocks - 1, prev_rest, (n_k + 1) % 2)
                 ab_pipe.consumer_release(release_state)
                 release_state.advance()
             return read_state, release_state
 
         @cute.jit
-        def promote(self, acc, tmp, wa, wb, fab, g: cutlass.Constexpr, rest, n_acc):
+        def promote(self, acc, tmp, sc, g: cutlass.Constexpr, rest, buf):
             """acc += tmp * 2^(sa-127) * 2^(sb-127) for group g of the stage, when the group
             holds tokens of the expert (a group past the expert's end is skipped: its scales are
-            padding)."""
+            padding). ``buf``: the stage's factor buffer (``promote="table"``)."""
             fence_accumulators(tmp)
+            mode = self.key.tile.promote
             if rest > g * SF_VEC:
-                for i in cutlass.range_constexpr(n_acc):
-                    fab[i] = scale_of(wa[i], g) * scale_of(wb[i], g)
-                for i in cutlass.range_constexpr(n_acc):
-                    acc[i] = acc[i] + tmp[i] * fab[i]
+                if cutlass.const_expr(mode == "scaled"):
+                    for i in cutlass.range_constexpr(cute.size(sc.fab)):
+                        sc.fab[i] = scale_of(sc.wa[i], g) * scale_of(sc.wb[i], g)
+                if cutlass.const_expr(mode == "table"):
+                    L = self.fac_row  # noqa: N806
+                    base = (sc.wgl * 2 + buf) * 4 * L + g * L
+                    for i in cutlass.range_constexpr(cute.size(sc.fab)):
+                        sc.fab[i] = sc.fac[base + sc.fri[i]] * sc.fac[base + sc.fci[i]]
+                if cutlass.const_expr(mode in ("scaled", "table")):
+                    for i in cutlass.range_constexpr(cute.size(sc.fab)):
+                        acc[i] = acc[i] + tmp[i] * sc.fab[i]
+                if cutlass.const_expr(mode == "unscaled"):
+                    for i in cutlass.range_constexpr(cute.size(sc.fab)):
+                        acc[i] = acc[i] + tmp[i]
 
     return Sm90MxGroupedWgradKernel
 

@@ -436,11 +436,15 @@ def _copy_prefix(dst, src):
 @pytest.mark.sm90
 @pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE and _ENABLED), reason="needs an SM90 device, CuTe DSL "
                     "and the kernel enabled (MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1)")
-def test_cuda_graph_two_call_sites_replay_new_offsets():
+@pytest.mark.parametrize("via", ["entry", "api"])
+def test_cuda_graph_two_call_sites_replay_new_offsets(via):
     """Two call sites in one graph (different operands, outputs, offsets: two sets of TMA
-    descriptors), padded layout repacked inside the graph; replayed, then replayed again after
-    new splits (same tokens_sum) and new data were copied into the static buffers."""
+    descriptors; through the API each with its own descriptor workspace), padded layout
+    repacked inside the graph; replayed, then replayed again after new splits (same
+    tokens_sum) and new data were copied into the static buffers."""
+    from cuda_kernels.grouped_wgrad import api
     from cuda_kernels.grouped_wgrad.blockscaled_ref import grouped_wgrad_blockscaled_torch
+    from cuda_kernels.grouped_wgrad.validate import get_grouped_gemm_wgrad_workspace_size_sm100
 
     gen = torch.Generator().manual_seed(11)
     sites = [(4, 256, 256, [100, 0, 333, 67]), (6, 128, 384, [64, 0, 0, 300, 0, 124])]
@@ -455,17 +459,30 @@ def test_cuda_graph_two_call_sites_replay_new_offsets():
         _copy_prefix(sfa_s, sfa)
         _copy_prefix(sfb_s, sfb)
         out = torch.full((e, m, n), float("nan"), device="cuda")
+        # a workspace per call site (cuDNN's size; the SM90 kernel builds its TMA descriptors
+        # as kernel parameters and leaves it alone)
+        ws = torch.zeros(get_grouped_gemm_wgrad_workspace_size_sm100(e), dtype=torch.uint8,
+                         device="cuda")
         static.append([a, sfa_s.view(torch.float8_e8m0fnu), bt, sfb_s.view(torch.float8_e8m0fnu),
-                       off, out])
+                       off, out, ws])
 
     def call(st):
-        a, sfa, bt, sfb, off, out = st
-        grouped_wgrad_mxfp8_sm90(a, sfa, bt.t(), sfb, off, out, token_layout="padded",
-                                 validate=False)
+        a, sfa, bt, sfb, off, out, ws = st
+        if via == "entry":
+            grouped_wgrad_mxfp8_sm90(a, sfa, bt.t(), sfb, off, out, token_layout="padded",
+                                     validate=False)
+        else:
+            api.grouped_gemm_wgrad_wrapper_sm90(
+                a, bt.t(), sfa, sfb, off, wgrad_tensor=out, wgrad_dtype=torch.float32,
+                sf_vec_size=32, descriptor_workspace=ws, validate_offsets=False)
+
+    before = mx.FAMILY.compile_count
 
     for st in static:  # compile outside the capture
         call(st)
     torch.cuda.synchronize()
+    # the API routed to this kernel (not the twin): it compiled (or had compiled) an SM90 key
+    assert mx.FAMILY.compile_count > before or mx.FAMILY.compile_count > 0
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -479,7 +496,7 @@ def test_cuda_graph_two_call_sites_replay_new_offsets():
             st[5].fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        for i, (a, sfa, bt, sfb, off, out) in enumerate(static):
+        for i, (a, sfa, bt, sfb, off, out, _ws) in enumerate(static):
             ref = grouped_wgrad_blockscaled_torch(a, bt.t(), sfa, sfb, off,
                                                   out_dtype=torch.float32)
             sq = _sqnr_db(out, ref)

@@ -545,3 +545,22 @@ def test_compute_sanitizer_memcheck_clean_on_a_small_case(case):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr
     assert " passed" in proc.stdout, "the case under the sanitizer was skipped: " + proc.stdout[-500:]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE and _ENABLED), reason="needs an SM90 device, CuTe DSL "
+                    "and the kernel enabled (MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1)")
+def test_direct_rejects_begins_not_multiples_of_16(monkeypatch):
+    # the 2026-12-01 illegal instruction: TMA boxes at token 37 (innermost coordinate not 16-byte
+    # aligned); the entry refuses before launching (and without the env switch, always)
+    gen = torch.Generator().manual_seed(3)
+    a, sfa, bt, sfb, off = _quantized(128, 128, [37, 100, 0, 60], gen)
+    out = torch.zeros(4, 128, 128, device="cuda")
+    monkeypatch.delenv(mx.DIRECT_ENV, raising=False)
+    with pytest.raises(ValueError, match=mx.DIRECT_ENV):
+        grouped_wgrad_mxfp8_sm90(a, sfa, bt.t(), sfb, off, out, token_layout="direct")
+    monkeypatch.setenv(mx.DIRECT_ENV, "1")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        grouped_wgrad_mxfp8_sm90(a, sfa, bt.t(), sfb, off, out, token_layout="direct")
+    assert bool((out == 0).all())

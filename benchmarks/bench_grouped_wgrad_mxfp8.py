@@ -3,8 +3,10 @@
 Rows: the BF16 shapes of ``bench_grouped_wgrad.py`` (not its fp32-accumulate rows), bf16 out. Columns, all in one process with ``triton.testing.do_bench`` (median):
 
 - ``mx``: ours, MXFP8 operands given (quantized by ``quantize_wgrad_operand``), token layout
-  ``direct`` (reads each expert at its first token) and ``padded`` (repacks the operands so that
-  every expert starts 128-token aligned; the repack is timed with it);
+  ``auto`` (validated: no repack when every expert but the last holds k*128 tokens),
+  ``direct`` (reads each expert at its first token; needs MOE_BWD_SM90_MXFP8_DIRECT=1, else the
+  row reports the error) and ``padded`` (repacks the operands so that every expert starts
+  128-token aligned; the repack is timed with it);
 - ``bf16``: our BF16 SM90 kernel on the BF16 token rows (A M-major, B N-major, as in
   ``bench_grouped_wgrad.py``) and the ratio ``bf16 / mx`` (target >= 0.6);
 - ``deq+bf16``: dequantize both MX operands to BF16 (torch, ``common/mx``) + our BF16 kernel:
@@ -253,11 +255,13 @@ def main(argv=None):
         out = torch.empty((e, m, n), dtype=torch.bfloat16, device="cuda")
         flops = 2.0 * m * n * s
         row = {"shape": name, "tokens": s}
-        for layout in ("direct", "padded"):
+        for layout in ("auto", "direct", "padded"):
             try:
                 grouped_wgrad_mxfp8_sm90(a, sfa, b, sfb, off, out, token_layout=layout)
+                # auto decides from the offsets read on the host (validate=True: one sync)
                 t = bench(lambda layout=layout: grouped_wgrad_mxfp8_sm90(
-                    a, sfa, b, sfb, off, out, token_layout=layout, validate=False))
+                    a, sfa, b, sfb, off, out, token_layout=layout,
+                    validate=layout == "auto"))
                 row[f"mx_{layout}_us"] = t
                 row[f"mx_{layout}_tflops"] = flops / t / 1e6
             except Exception as exc:  # noqa: BLE001 - a row reports, never stops the bench
@@ -287,7 +291,7 @@ def main(argv=None):
             row["deq_bf16_us"] = bench(deq_bf16)
         except Exception as exc:  # noqa: BLE001 - a row reports, never stops the bench
             row["deq_bf16_error"] = f"{type(exc).__name__}: {exc}"[:200]
-        best = min(row.get("mx_direct_us", float("inf")), row.get("mx_padded_us", float("inf")))
+        best = min(row.get(f"mx_{lay}_us", float("inf")) for lay in ("auto", "direct", "padded"))
         row["mx_vs_bf16"] = row["bf16_us"] / best
         row["mx_vs_deq_bf16"] = row.get("deq_bf16_us", float("nan")) / best
         rows.append(row)

@@ -66,10 +66,13 @@ _SWEEP_SHAPES = ("128x2048x1536 even", "128x2048x1536 skewed")
 
 
 def _sweep_shapes(all_shapes):
+    import os
+
     from benchmarks.bench_grouped_wgrad import shapes
 
+    only = os.environ.get("MX_SWEEP_SHAPE")  # substring filter, e.g. "even" (set by --shape)
     return [r for r in shapes(False)
-            if not r[6] and (all_shapes or r[0] in _SWEEP_SHAPES)]
+            if not r[6] and (all_shapes or r[0] in _SWEEP_SHAPES) and (not only or only in r[0])]
 
 
 def _sweep_operands(shape):
@@ -224,9 +227,14 @@ def main(argv=None):
     p.add_argument("--direct", action="store_true", help="sweep the direct layout too")
     p.add_argument("--all-shapes", action="store_true", help="sweep every non-accumulate shape")
     p.add_argument("--variants", default=None, help="comma-separated variant names to sweep")
+    p.add_argument("--shape", default=None, help="sweep only shapes whose name contains this")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--layout", default="padded", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.shape:
+        import os
+
+        os.environ["MX_SWEEP_SHAPE"] = args.shape  # inherited by the sweep's subprocesses
     if args.child:
         return _sweep_child(args.child, args.layout, args.all_shapes)
     if args.sweep:

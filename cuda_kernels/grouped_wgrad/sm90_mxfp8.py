@@ -32,6 +32,19 @@ Structure (shared with ``sm90_bf16``: the tile order, the scheduler and ``next_t
   (their padding scale bytes may hold anything);
 - empty experts write zeros, or leave the output untouched when accumulating.
 
+Direct layout and TMA: the A / B boxes start at the expert's first token, the innermost (token)
+coordinate, which TMA needs 16-byte aligned: the direct layout is only valid when every expert
+begins at a multiple of 16 tokens (the python entry checks it; the 2026-12-01 illegal instruction
+came from direct cases with begins such as 37). Until re-verified on the H200 it is off unless
+``MOE_BWD_SM90_MXFP8_DIRECT=1``. ``"auto"`` uses the raw operands as the padded layout when every
+expert but the last holds a multiple of 128 tokens (no repack).
+
+Variants (:class:`Sm90MxTileConfig` fields, swept by ``benchmarks/bench_grouped_wgrad_mxfp8.py
+--sweep``): ``promote`` (``"scaled"``: per-thread scale words decoded per group; ``"table"``: the
+stage's scales decoded once into an fp32 table in shared memory; two diagnostics),
+``ctas_per_sm`` (2 co-resident 64-row CTAs), ``cross_stage`` (promotion pipelined across stages;
+ptxas serializes its wgmmas, C7514), tile and stages.
+
 Host side: :class:`Sm90MxWgradKey` (``_contract.KernelKey`` + ``elem`` + ``token_layout`` +
 :class:`Sm90MxTileConfig`), ``FAMILY`` (a :class:`launch.KernelFamily` whose compile / launch
 hooks take the scale operands), :func:`compile_sm90_mxfp8_wgrad`,
@@ -45,6 +58,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +83,7 @@ TILE_K = 128  # tokens per pipeline stage = 4 groups = one 128x4 scale atom colu
 ATOM_BYTES = 512
 ELEMS = ("e4m3", "e5m2")
 TOKEN_LAYOUTS = ("direct", "padded")
+PROMOTE_MODES = ("scaled", "table", "unscaled", "none")
 _SCHED_STAGES = 4
 
 
@@ -108,15 +123,65 @@ class Sm90MxTileConfig:
         tile_n: output columns per tile, 64 or 128.
         tile_k: tokens per stage, 128 (4 MX groups, one scale atom column).
         stages: depth of the shared-memory ring, >= 2.
+        cross_stage: software-pipeline the promotion across stages: the last group of stage
+            ``kt`` is promoted (and the stage released) after stage ``kt+1``'s first wgmma is
+            issued, so the tensor cores are not idle at every stage boundary (False: the
+            original loop, ``wait_group(0)`` + promotion at the end of every stage).
+        ctas_per_sm: persistent CTAs per SM (1 or 2; 2 only with ``tile_m == 64``, one consumer
+            warp group: two co-resident CTAs overlap one's epilogue / promotion with the
+            other's wgmma, a pingpong by occupancy). Shared memory per CTA is then halved.
+        promote: how a group's fresh fragment is added to the accumulator. ``"scaled"``: the
+            thread loads its rows' and columns' 32-bit scale words once per stage and decodes
+            the E8M0 byte of group g into an fp32 power of two per distinct row / column (int
+            shift + mask), then ``acc += tmp * (fa * fb)``; ``"table"``: each consumer warp
+            group decodes the stage's scales once into an fp32 table in shared memory
+            (double-buffered, one word per thread per stage, then a warp-group barrier), the
+            promotion then only loads fa / fb; ``"unscaled"`` / ``"none"``: DIAGNOSTICS ONLY,
+            wrong results (``acc += tmp`` / no promotion at all): the sweep's bounds on what
+            the scaling / the whole promotion costs.
     """
 
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = TILE_K
     stages: int = 6
+    cross_stage: bool = False
+    ctas_per_sm: int = 1
+    promote: str = "scaled"
 
     def __post_init__(self) -> None:
         SM90_MX_TILES.check_config(self)
+        cls = type(self).__name__
+        if self.promote not in PROMOTE_MODES:
+            raise ValueError(f"{cls}.promote must be one of {PROMOTE_MODES}, got {self.promote!r}")
+        if self.cross_stage and self.promote == "table":
+            raise ValueError(f"{cls}: cross_stage with promote='table' is not built (the DSL "
+                             "cannot carry the table's state out of the stage loop)")
+        if self.ctas_per_sm not in (1, 2):
+            raise ValueError(f"{cls}.ctas_per_sm must be 1 or 2, got {self.ctas_per_sm}")
+        if self.ctas_per_sm == 2:
+            if self.tile_m != 64:
+                raise ValueError(f"{cls}.ctas_per_sm=2 needs tile_m=64 (registers)")
+            need = self.stage_bytes * self.stages + SM90_MX_TILES.smem_reserved
+            if self.promote == "table":
+                need += 4 * 2 * 4 * (64 + self.tile_n) * (self.tile_m // 64)
+            if 2 * need > SM90_MX_TILES.smem_bytes:
+                raise ValueError(
+                    f"{cls}: ctas_per_sm=2 with {self.stages} stages of {self.stage_bytes} bytes "
+                    f"overflows the {SM90_MX_TILES.smem_bytes}-byte shared memory of an SM"
+                )
+
+    @property
+    def variant(self) -> str:
+        """Short name of the config (benchmark sweeps)."""
+        return (f"{self.tile_m}x{self.tile_n}s{self.stages}"
+                f"{'-xs' if self.cross_stage else ''}{'-2cta' if self.ctas_per_sm == 2 else ''}"
+                f"{'' if self.promote == 'scaled' else '-' + self.promote}")
+
+    @property
+    def diagnostic(self) -> bool:
+        """True for the promotion modes that give wrong results on purpose (sweep bounds)."""
+        return self.promote in ("unscaled", "none")
 
     @property
     def cluster_shape_mn(self) -> tuple[int, int]:
@@ -191,6 +256,46 @@ def select_sm90_mx_tile_config(hidden: int, intermediate: int) -> Sm90MxTileConf
     )
 
 
+def sweep_tile_configs(hidden: int, intermediate: int) -> list[Sm90MxTileConfig]:
+    """The tile configs a benchmark sweep measures for ``(hidden, intermediate)`` (those that
+    divide the problem): the current default first; the shared-memory factor table
+    (``promote="table"``); 64-row tiles with one or two CTAs per SM (occupancy pingpong); the
+    cross-stage loop (ptxas reports C7514 for it: wgmma serialized; measured anyway); and, last,
+    the two diagnostic promotions (wrong results on purpose: bounds on the promotion's cost)."""
+    out: list[Sm90MxTileConfig] = []
+
+    def add(tm, tn, st, **kw):
+        try:
+            cfg = Sm90MxTileConfig(tm, tn, TILE_K, st, **kw)
+        except ValueError:
+            return
+        if hidden % cfg.tile_m == 0 and intermediate % cfg.tile_n == 0 and cfg not in out:
+            out.append(cfg)
+
+    with contextlib.suppress(ValueError):
+        out.append(select_sm90_mx_tile_config(hidden, intermediate))
+    s128 = SM90_MX_TILES.stages_for(128, 128, TILE_K)
+    s64 = SM90_MX_TILES.stages_for(128, 64, TILE_K)
+    add(128, 128, s128, promote="table")
+    add(128, 128, 4)
+    add(128, 64, s64)
+    add(128, 64, s64, promote="table")
+    add(64, 128, 8)
+    add(64, 128, 4, ctas_per_sm=2)
+    add(64, 128, 4, ctas_per_sm=2, promote="table")
+    add(64, 128, 3, ctas_per_sm=2)
+    add(64, 64, 4, ctas_per_sm=2)
+    add(64, 64, 4, ctas_per_sm=2, promote="table")
+    add(128, 128, s128, cross_stage=True)
+    add(64, 128, 4, cross_stage=True, ctas_per_sm=2)
+    if out:
+        base = out[0]
+        for mode in ("unscaled", "none"):
+            add(base.tile_m, base.tile_n, base.stages, promote=mode)
+        add(64, 128, 4, ctas_per_sm=2, promote="none")
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # The kernel (CuTe DSL imported lazily)
 # --------------------------------------------------------------------------------------------
@@ -245,12 +350,27 @@ def _build_kernel_class():
             self.acc_dtype = cutlass.Float32
             self.m_pad_atoms = -(-key.hidden // 128)  # 128-row blocks of A's scales
             self.n_pad_atoms = -(-key.intermediate // 128)
-            header = 4096 + 12 * key.num_experts + 16 * t.stages
+            # promote="table": per consumer warp group 2 buffers x 4 groups x (64 rows +
+            # tile_n columns) fp32 factors
+            self.fac_row = 64 + t.tile_n
+            self.fac_len = 4
+            if t.promote == "table":
+                self.fac_len = self.num_consumer_wgs * 2 * 4 * self.fac_row
+            header = 4096 + 12 * key.num_experts + 16 * t.stages + 4 * self.fac_len
             self.stages = min(t.stages, (SM90_MX_TILES.smem_bytes - header) // t.stage_bytes)
             if self.stages < 2:
                 raise ValueError(f"{t} leaves no room for 2 pipeline stages")
+            self.ctas_per_sm = t.ctas_per_sm
+            if self.ctas_per_sm == 2:
+                self.stages = t.stages  # checked by the config: two CTAs fit an SM
             self.producer_regs = 40
-            self.consumer_regs = 232 if self.num_consumer_wgs == 2 else 160
+            # one consumer warp group: 160 spilled 1.4 KB at 64x128 (ptxas -v); 232 fits the
+            # pool (128 * 40 + 128 * 232 <= 65536)
+            self.consumer_regs = 232
+            if self.ctas_per_sm == 2:
+                # launch cap 65536 / (2 * 256) = 128 per thread; the consumer warp group takes
+                # the half-SM pool minus the producer's 40: (32768 - 128 * 40) / 128 = 216
+                self.consumer_regs = 216
 
         @cute.jit
         def expert_range(self, mOffsets, sStart, e: cutlass.Int32):
@@ -348,6 +468,7 @@ def _build_kernel_class():
                 sSFB: cute.struct.Align[
                     cute.struct.MemRange[cutlass.Uint8, ATOM_BYTES * self.stages], 128
                 ]
+                fac: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.fac_len], 16]
                 sA: cute.struct.Align[
                     cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], 1024
                 ]
@@ -375,7 +496,10 @@ def _build_kernel_class():
                 grid=[num_ctas, 1, 1],
                 block=[self.threads, 1, 1],
                 smem=SharedStorage.size_in_bytes(),
-                min_blocks_per_mp=1,
+                min_blocks_per_mp=self.ctas_per_sm,
+                # set explicitly: with min_blocks_per_mp > 1 the DSL otherwise asks the driver
+                # for the SM's shared memory (no offline compile)
+                preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None,
                 stream=stream,
             )
 
@@ -598,8 +722,29 @@ def _build_kernel_class():
                 wa = cute.make_rmem_tensor(acc_shape, cutlass.Int32)
                 wb = cute.make_rmem_tensor(acc_shape, cutlass.Int32)
                 fab = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+                wgl = wg_idx - 1  # consumer warp group (its 64-row slab of the tile)
+                fac = storage.fac.get_tensor(cute.make_layout(self.fac_len))
+                # promote="table": per element its row in the warp group's slab and its column
+                # (+ 64) in the factor table, computed once outside the loops
+                fri = cute.make_rmem_tensor(acc_shape, cutlass.Int32)
+                fci = cute.make_rmem_tensor(acc_shape, cutlass.Int32)
+                if cutlass.const_expr(self.key.tile.promote == "table"):
+                    for i in cutlass.range_constexpr(n_acc):
+                        r, c = tCcC[i]
+                        fri[i] = r - 64 * wgl
+                        fci[i] = 64 + c
+                sc = types.SimpleNamespace(
+                    wa=wa, wb=wb, fab=fab, tCcC=tCcC, wSFA=wSFA, wSFB=wSFB, fac=fac, wgl=wgl,
+                    wtid=tidx % 128, fri=fri, fci=fci,
+                    # a static id (a dynamic one makes ptxas reserve all 16 named barriers, and
+                    # two CTAs per SM could not co-reside): all consumer warp groups
+                    bar=pipeline.NamedBarrier(barrier_id=2, num_threads=self.group_threads),
+                )
 
                 read_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Consumer, self.stages
+                )
+                release_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, self.stages
                 )
                 sched_cstate = pipeline.make_pipeline_state(
@@ -619,51 +764,52 @@ def _build_kernel_class():
                     row0 = (m_idx * self.tile_m) % 128
                     col0 = (n_idx * self.tile_n) % 128
                     acc.fill(0.0)
-                    for kt in cutlass.range(n_k, unroll=1):
-                        ab_pipe.consumer_wait(read_state)
-                        stage = read_state.index
-                        rest = k_len - kt * tk  # tokens of the expert in this stage (> 0)
-                        if cutlass.const_expr(self.key.token_layout == "direct"):
-                            hi = ((rest + SF_VEC - 1) // SF_VEC) * SF_VEC
-                            if rest < hi and rest < tk:
-                                # the partial group's missing tokens: zero in both operands
-                                self.zero_tail(sA, self.tile_m, rest, hi, stage, ctid)
-                                self.zero_tail(sB, self.tile_n, rest, hi, stage, ctid)
-                                cute.arch.fence_proxy("async.shared", space="cta")
-                                mask_barrier.arrive_and_wait()
-                        for i in cutlass.range_constexpr(n_acc):
-                            r, c = tCcC[i]
-                            ra = row0 + r
-                            cb = col0 + c
-                            wa[i] = wSFA[stage * 128 + (ra % 32) * 4 + ra // 32]
-                            wb[i] = wSFB[stage * 128 + (cb % 32) * 4 + cb // 32]
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            tmp = tmp0 if kb % 2 == 0 else tmp1
-                            fence_accumulators(tmp)
-                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                            cute.nvgpu.warpgroup.fence()
-                            cute.gemm(
-                                tiled_mma,
-                                tmp,
-                                tCrA[(None, None, kb, stage)],
-                                tCrB[(None, None, kb, stage)],
-                                tmp,
-                            )
-                            cute.nvgpu.warpgroup.commit_group()
-                            if cutlass.const_expr(kb > 0):
-                                cute.nvgpu.warpgroup.wait_group(1)
-                                self.promote(
-                                    acc, tmp1 if kb % 2 == 0 else tmp0, wa, wb, fab,
-                                    kb - 1, rest, n_acc,
-                                )
-                        cute.nvgpu.warpgroup.wait_group(0)
-                        self.promote(
-                            acc,
-                            tmp0 if (num_k_blocks - 1) % 2 == 0 else tmp1,
-                            wa, wb, fab, num_k_blocks - 1, rest, n_acc,
+                    if cutlass.const_expr(self.key.tile.cross_stage):
+                        read_state, release_state = self.mainloop_cross_stage(
+                            tiled_mma, tCrA, tCrB, acc, tmp0, tmp1, sc, sA, sB, ab_pipe,
+                            read_state, release_state, mask_barrier, k_len, n_k, row0, col0,
+                            ctid, num_k_blocks,
                         )
-                        ab_pipe.consumer_release(read_state)
-                        read_state.advance()
+                    else:
+                        for kt in cutlass.range(n_k, unroll=1):
+                            ab_pipe.consumer_wait(read_state)
+                            stage = read_state.index
+                            rest = k_len - kt * tk  # tokens of the expert in this stage (> 0)
+                            if cutlass.const_expr(self.key.token_layout == "direct"):
+                                hi = ((rest + SF_VEC - 1) // SF_VEC) * SF_VEC
+                                if rest < hi and rest < tk:
+                                    # the partial group's missing tokens: zero in both operands
+                                    self.zero_tail(sA, self.tile_m, rest, hi, stage, ctid)
+                                    self.zero_tail(sB, self.tile_n, rest, hi, stage, ctid)
+                                    cute.arch.fence_proxy("async.shared", space="cta")
+                                    mask_barrier.arrive_and_wait()
+                            self.stage_scales(sc, stage, kt % 2, row0, col0)
+                            for kb in cutlass.range_constexpr(num_k_blocks):
+                                tmp = tmp0 if kb % 2 == 0 else tmp1
+                                fence_accumulators(tmp)
+                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                                cute.nvgpu.warpgroup.fence()
+                                cute.gemm(
+                                    tiled_mma,
+                                    tmp,
+                                    tCrA[(None, None, kb, stage)],
+                                    tCrB[(None, None, kb, stage)],
+                                    tmp,
+                                )
+                                cute.nvgpu.warpgroup.commit_group()
+                                if cutlass.const_expr(kb > 0):
+                                    cute.nvgpu.warpgroup.wait_group(1)
+                                    self.promote(
+                                        acc, tmp1 if kb % 2 == 0 else tmp0, sc, kb - 1, rest,
+                                        kt % 2,
+                                    )
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            self.promote(
+                                acc, tmp0 if (num_k_blocks - 1) % 2 == 0 else tmp1, sc,
+                                num_k_blocks - 1, rest, kt % 2,
+                            )
+                            ab_pipe.consumer_release(read_state)
+                            read_state.advance()
                     sched_pipe.consumer_wait(sched_cstate)
                     next_tile = sSched[sched_cstate.index]
                     sched_pipe.consumer_release(sched_cstate)
@@ -698,16 +844,126 @@ def _build_kernel_class():
                     tile = next_tile
 
         @cute.jit
-        def promote(self, acc, tmp, wa, wb, fab, g: cutlass.Constexpr, rest, n_acc):
+        def stage_scales(self, sc, stage, buf, row0, col0):
+            """Make one stage's scales ready for its promotions. ``scaled``: this thread's
+            row / column words (per accumulator element; equal words load once, CSE).
+            ``table``: the warp group decodes its 64 rows' and tile_n columns' E8M0 scales
+            into fp32 factors in shared memory buffer ``buf`` (one word per thread), then
+            syncs the warp group (the other buffer may still be read by late promotions)."""
+            if cutlass.const_expr(self.key.tile.promote == "scaled"):
+                for i in cutlass.range_constexpr(cute.size(sc.fab)):
+                    r, c = sc.tCcC[i]
+                    ra = row0 + r
+                    cb = col0 + c
+                    sc.wa[i] = sc.wSFA[stage * 128 + (ra % 32) * 4 + ra // 32]
+                    sc.wb[i] = sc.wSFB[stage * 128 + (cb % 32) * 4 + cb // 32]
+            if cutlass.const_expr(self.key.tile.promote == "table"):
+                L = self.fac_row  # noqa: N806
+                base = (sc.wgl * 2 + buf) * 4 * L
+                for it in cutlass.range_constexpr(-(-L // 128)):
+                    i = sc.wtid + 128 * it
+                    if i < L:
+                        w = cutlass.Int32(0)
+                        if i < 64:
+                            t_ra = row0 + 64 * sc.wgl + i
+                            w = sc.wSFA[stage * 128 + (t_ra % 32) * 4 + t_ra // 32]
+                        else:
+                            t_cb = col0 + i - 64
+                            w = sc.wSFB[stage * 128 + (t_cb % 32) * 4 + t_cb // 32]
+                        for g in cutlass.range_constexpr(4):
+                            sc.fac[base + g * L + i] = scale_of(w, g)
+                sc.bar.arrive_and_wait()
+
+        @cute.jit
+        def zero_partial_group(self, sA, sB, k_len, kt, stage, ctid, mask_barrier):
+            """Direct layout: zero the tokens past the expert's end inside its partial last
+            group in both operands (uniform condition over the consumer warp groups)."""
+            rest = k_len - kt * self.tile_k
+            hi = ((rest + SF_VEC - 1) // SF_VEC) * SF_VEC
+            if rest < hi and rest < self.tile_k:
+                self.zero_tail(sA, self.tile_m, rest, hi, stage, ctid)
+                self.zero_tail(sB, self.tile_n, rest, hi, stage, ctid)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                mask_barrier.arrive_and_wait()
+
+        @cute.jit
+        def mainloop_cross_stage(  # noqa: PLR0913
+            self, tiled_mma, tCrA, tCrB, acc, tmp0, tmp1, sc, sA, sB, ab_pipe, read_state,
+            release_state, mask_barrier, k_len, n_k, row0, col0, ctid,
+            num_k_blocks: cutlass.Constexpr,
+        ):
+            """One tile's mainloop with the promotion software-pipelined across stages: group g
+            is promoted while group g+1's wgmma runs, including g = 3 of stage kt, promoted
+            after stage kt+1's first wgmma is issued (then stage kt is released). Groups
+            alternate tmp0 / tmp1, so group 3 always lands in tmp1."""
+            tk = self.tile_k
+            prev_rest = cutlass.Int32(0)
+            # the register fragments as plain locals rebound in the loop body, so that the DSL
+            # carries them out of the loop (the last promotion follows it)
+            wa, wb, fab = sc.wa, sc.wb, sc.fab
+            for kt in cutlass.range(n_k, unroll=1):
+                sc = types.SimpleNamespace(**{**vars(sc), "wa": wa, "wb": wb, "fab": fab})
+                ab_pipe.consumer_wait(read_state)
+                stage = read_state.index
+                rest = k_len - kt * tk
+                if cutlass.const_expr(self.key.token_layout == "direct"):
+                    self.zero_partial_group(sA, sB, k_len, kt, stage, ctid, mask_barrier)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    tmp = tmp0 if kb % 2 == 0 else tmp1
+                    fence_accumulators(tmp)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                    cute.nvgpu.warpgroup.fence()
+                    cute.gemm(
+                        tiled_mma, tmp, tCrA[(None, None, kb, stage)],
+                        tCrB[(None, None, kb, stage)], tmp,
+                    )
+                    cute.nvgpu.warpgroup.commit_group()
+                    if cutlass.const_expr(kb == 0):
+                        # unconditional wait + promotion (prev_rest = 0 at kt = 0 skips it): a
+                        # wgmma wait under a dynamic branch makes ptxas serialize (C7514)
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        self.promote(acc, tmp1, sc, num_k_blocks - 1, prev_rest, (kt + 1) % 2)
+                        if kt > 0:
+                            ab_pipe.consumer_release(release_state)
+                            release_state.advance()
+                        self.stage_scales(sc, stage, kt % 2, row0, col0)
+                    else:
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        self.promote(acc, tmp1 if kb % 2 == 0 else tmp0, sc, kb - 1, rest,
+                                     kt % 2)
+                prev_rest = rest
+                read_state.advance()
+                wa, wb, fab = sc.wa, sc.wb, sc.fab
+            sc = types.SimpleNamespace(**{**vars(sc), "wa": wa, "wb": wb, "fab": fab})
+            cute.nvgpu.warpgroup.wait_group(0)
+            if n_k > 0:
+                self.promote(acc, tmp1, sc, num_k_blocks - 1, prev_rest, (n_k + 1) % 2)
+                ab_pipe.consumer_release(release_state)
+                release_state.advance()
+            return read_state, release_state
+
+        @cute.jit
+        def promote(self, acc, tmp, sc, g: cutlass.Constexpr, rest, buf):
             """acc += tmp * 2^(sa-127) * 2^(sb-127) for group g of the stage, when the group
             holds tokens of the expert (a group past the expert's end is skipped: its scales are
-            padding)."""
+            padding). ``buf``: the stage's factor buffer (``promote="table"``)."""
             fence_accumulators(tmp)
+            mode = self.key.tile.promote
             if rest > g * SF_VEC:
-                for i in cutlass.range_constexpr(n_acc):
-                    fab[i] = scale_of(wa[i], g) * scale_of(wb[i], g)
-                for i in cutlass.range_constexpr(n_acc):
-                    acc[i] = acc[i] + tmp[i] * fab[i]
+                if cutlass.const_expr(mode == "scaled"):
+                    for i in cutlass.range_constexpr(cute.size(sc.fab)):
+                        sc.fab[i] = scale_of(sc.wa[i], g) * scale_of(sc.wb[i], g)
+                if cutlass.const_expr(mode == "table"):
+                    L = self.fac_row  # noqa: N806
+                    base = (sc.wgl * 2 + buf) * 4 * L + g * L
+                    for i in cutlass.range_constexpr(cute.size(sc.fab)):
+                        sc.fab[i] = sc.fac[base + sc.fri[i]] * sc.fac[base + sc.fci[i]]
+                if cutlass.const_expr(mode in ("scaled", "table")):
+                    for i in cutlass.range_constexpr(cute.size(sc.fab)):
+                        acc[i] = acc[i] + tmp[i] * sc.fab[i]
+                if cutlass.const_expr(mode == "unscaled"):
+                    for i in cutlass.range_constexpr(cute.size(sc.fab)):
+                        acc[i] = acc[i] + tmp[i]
 
     return Sm90MxGroupedWgradKernel
 
@@ -766,7 +1022,8 @@ class _MxFamily(KernelFamily):
 
         from .launch import _num_sms
 
-        grid = max(1, min(key.num_tiles, _num_sms(a.device.index or 0)))
+        sms = _num_sms(a.device.index or 0) * key.tile.ctas_per_sm
+        grid = max(1, min(key.num_tiles, sms))
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             counter = torch.zeros(1, dtype=torch.int32, device=a.device)
@@ -829,6 +1086,15 @@ def enabled() -> bool:
     """Whether the block-scaled API may route MXFP8 calls to this kernel (dispatch's hook):
     verified on a GPU, or opted in with ``MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1``."""
     return VERIFIED_ON_GPU or os.environ.get(ENABLE_ENV) == "1"
+
+
+DIRECT_ENV = "MOE_BWD_SM90_MXFP8_DIRECT"
+
+
+def direct_enabled() -> bool:
+    """Whether the python entry may use ``token_layout="direct"`` (``MOE_BWD_SM90_MXFP8_DIRECT=1``
+    until the direct layout's GPU tests pass on an H200)."""
+    return os.environ.get(DIRECT_ENV) == "1"
 
 
 def _err(msg: str) -> ValueError:
@@ -903,11 +1169,15 @@ def grouped_wgrad_mxfp8_sm90(
             ``accumulate``.
         out_dtype: dtype of an allocated output (default float32).
         accumulate: ``out[e] += result`` (fp32 sum, rounded once); empty experts untouched.
-        token_layout: ``"direct"`` (the kernel reads each expert at its first token),
-            ``"padded"`` (the operands are first repacked on the device so that every expert
-            starts at its scale column: :func:`pad_tokens_to_scale_layout`) or ``"auto"``
-            (direct when the offsets, read for validation, start every expert at a multiple of
-            16 tokens; padded otherwise or without validation).
+        token_layout: ``"direct"`` (the kernel reads each expert at its first token, which
+            must be a multiple of 16 tokens: TMA's 16-byte aligned innermost coordinate;
+            checked when validating; disabled unless ``MOE_BWD_SM90_MXFP8_DIRECT=1`` until
+            verified on the H200), ``"padded"`` (the operands are first repacked on the device
+            so that every expert starts at its scale column:
+            :func:`pad_tokens_to_scale_layout`) or ``"auto"`` (with validation: no repack when
+            every expert but the last holds a multiple of 128 tokens (the operands already are
+            in the padded layout), else direct when every expert begins at a multiple of 16
+            tokens and direct is enabled, else padded; without validation: padded).
         tile: a :class:`Sm90MxTileConfig` (default: :func:`select_sm90_mx_tile_config`).
         validate: read the offsets on the host to check them (one sync); False: nothing read on
             the host, the caller guarantees the rules.
@@ -1005,7 +1275,7 @@ def grouped_wgrad_mxfp8_sm90(
                                    tile=tile)
     except ValueError as exc:
         raise _err(str(exc)) from exc
-    aligned = False
+    aligned = identity = False
     if validate:
         from .validate import host_offset_ends
 
@@ -1016,16 +1286,34 @@ def grouped_wgrad_mxfp8_sm90(
                 raise _err(f"{name} has {sf.shape[1]} columns; these offsets need {need} (the "
                            "experts' padded scale columns)")
         aligned = all(b % 16 == 0 for b in [0, *ends[:-1]])
+        # every expert but the last holds a multiple of 128 tokens: each begins at 32 * s_e,
+        # i.e. the operands already are in the padded layout (the last expert's tail is past
+        # the data: TMA's zero fill)
+        counts = [b - a for a, b in zip([0, *ends[:-1]], ends)]
+        identity = all(c % TILE_K == 0 for c in counts[:-1])
         if output_mode == "discrete":
             for e, p in enumerate(out.tolist()):
                 if p == 0 or p % 16:
                     raise _err(f"discrete output address {e} must be non-null and 16-byte "
                                f"aligned; got {p:#x}")
+    direct_ok = direct_enabled()
     if token_layout == "direct":
-        raise _err("token_layout='direct' hit an illegal instruction on the H200 (2026-12-01) and "
-                   "is disabled; use 'padded' (or 'auto')")
-    del aligned  # 'auto' = 'padded' until the direct layout works
-    layout = "padded"
+        if not direct_ok:
+            raise _err(f"token_layout='direct' is disabled until verified on the H200 (it hit an "
+                       f"illegal instruction on 2026-12-01 with expert begins that are not "
+                       f"multiples of 16 tokens: misaligned TMA coordinates); {DIRECT_ENV}=1 "
+                       "enables it")
+        if validate and not aligned:
+            raise _err("token_layout='direct' needs every expert to begin at a multiple of 16 "
+                       "tokens (TMA: 16-byte aligned innermost coordinate); use 'padded' or "
+                       "'auto'")
+    layout, repack = token_layout, token_layout == "padded"
+    if token_layout == "auto":
+        layout, repack = "padded", True
+        if validate and identity:
+            repack = False  # the operands already are in the padded layout
+        elif validate and aligned and direct_ok:
+            layout, repack = "direct", False
     key = dataclasses.replace(key_probe, token_layout=layout)
     if out is None:
         out = torch.empty((num_e, m, n), dtype=out_dtype, device=a_data.device)
@@ -1038,7 +1326,7 @@ def grouped_wgrad_mxfp8_sm90(
         return out
     a_rs = a_data.view(torch.uint8)  # [M, S]
     b_rs = b_data.t().view(torch.uint8)  # [N, S]
-    if layout == "padded":
+    if repack:
         a_rs = pad_tokens_to_scale_layout(a_rs, offsets, a_scales.shape[1])
         b_rs = pad_tokens_to_scale_layout(b_rs, offsets, b_scales.shape[1])
     sfa = a_scales.view(torch.uint8).view(-1, 256)

@@ -522,3 +522,36 @@ def test_hook_routes_sm90_mxfp8_only_when_enabled(monkeypatch):
     for other in (contract(spec=nv), contract(arch="sm100"), contract(a="m"),
                   contract(order="tensor_ragged")):
         assert dispatch._blockscaled_kernel(other) is None
+
+
+def test_pitched_k_major_rows_as_the_quantizer_writes_them(fake_cc):
+    # quantize_wgrad_operand pads rows to 32 tokens (16-byte TMA strides): tokens_sum = 500 gives
+    # data views with row stride 512; the generic entry and the _sm90 wrapper take them as they
+    # are (results equal the compact operands'); a pitch that is not 16-byte aligned and the
+    # SM100 surface (compact kernels) refuse them before any write
+    fake_cc[0] = 90
+    c = _case("e4m3", [37, 0, 300, 163], m=128, n=128)
+    s = sum(c["counts"])
+    assert s == 500
+
+    def pitched(t_rs, pitch):
+        buf = torch.full((t_rs.shape[0], pitch), 0x7F, dtype=torch.uint8)  # NaN bytes beyond S
+        buf[:, :s] = t_rs.view(torch.uint8)
+        return buf.view(t_rs.dtype)[:, :s]
+
+    a_p, b_p = pitched(c["a"], 512), pitched(c["b"].t(), 512).t()
+    assert a_p.stride() == (512, 1) and b_p.stride() == (1, 512)
+    want = _twin(c)
+    (w,) = api.grouped_gemm_wgrad(a_p, b_p, c["offs"], sfa_tensor=c["sfa"], sfb_tensor=c["sfb"],
+                                  wgrad_dtype=torch.float32)
+    assert torch.equal(w, want)
+    (w,) = api.grouped_gemm_wgrad_wrapper_sm90(
+        a_p, b_p, c["sfa"], c["sfb"], c["offs"], sf_vec_size=32, wgrad_dtype=torch.float32)
+    assert torch.equal(w, want)
+    with pytest.raises(ValueError, match="row stride % 16"):
+        api.grouped_gemm_wgrad_wrapper_sm90(pitched(c["a"], 504), b_p, c["sfa"], c["sfb"],
+                                            c["offs"], sf_vec_size=32)
+    fake_cc[0] = 100
+    with pytest.raises(ValueError, match="K-major with strides"):
+        api.grouped_gemm_wgrad_wrapper_sm100(a_p, b_p, c["sfa"], c["sfb"], c["offs"],
+                                             sf_vec_size=32)

@@ -15,11 +15,11 @@ import dataclasses
 import importlib.util
 import itertools
 import re
-import shutil
 import subprocess
 
 import pytest
 import torch
+from _ptxas import ptxas_for as _ptxas_for
 
 from cuda_kernels.grouped_wgrad import _env, api, launch
 from cuda_kernels.grouped_wgrad import sm100_bf16 as sm100
@@ -229,51 +229,6 @@ def test_offline_compile_sm100a(shape_mn, tile_mn, a_major, b_major, out_dtype, 
     else:
         assert _ops(ptx, "cp.async.bulk.tensor.3d.global.shared::cta")
         assert not _ops(ptx, "cp.reduce.async.bulk.tensor")
-
-
-def _ptxas_candidates() -> list[str]:
-    """ptxas binaries to try, in order: PATH, $CUDA_HOME / $CUDA_PATH, /usr/local/cuda, the
-    ones Triton bundles (``ptxas-blackwell`` knows newer PTX ISAs than its plain ``ptxas``)."""
-    import os
-    import pathlib
-
-    found = [shutil.which("ptxas")]
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(env):
-            found.append(str(pathlib.Path(os.environ[env]) / "bin" / "ptxas"))
-    found.append("/usr/local/cuda/bin/ptxas")
-    spec = importlib.util.find_spec("triton")
-    if spec is not None and spec.origin:
-        bin_dir = pathlib.Path(spec.origin).parent / "backends" / "nvidia" / "bin"
-        found += [str(bin_dir / "ptxas-blackwell"), str(bin_dir / "ptxas")]
-    out = []
-    for p in found:
-        if p and os.path.isfile(p) and os.access(p, os.X_OK) and p not in out:
-            out.append(p)
-    return out
-
-
-def _ptxas_for(ptx: str, tmp_path) -> str:
-    """A ptxas that assembles the PTX ISA version ``ptx`` declares for sm_100a, or skip saying
-    which versions were tried (an older CUDA toolkit rejects a newer ``.version``)."""
-    version = re.search(r"^\s*\.version\s+(\d+\.\d+)", ptx, re.M)
-    assert version, "the PTX declares no .version"
-    probe = tmp_path / "probe.ptx"
-    probe.write_text(f".version {version.group(1)}\n.target sm_100a\n.address_size 64\n")
-    tried = []
-    for exe in _ptxas_candidates():
-        res = subprocess.run(
-            [exe, "-arch=sm_100a", str(probe), "-o", str(tmp_path / "probe.cubin")],
-            capture_output=True, text=True, timeout=60, check=False,
-        )
-        if res.returncode == 0:
-            return exe
-        ver = subprocess.run([exe, "--version"], capture_output=True, text=True, check=False)
-        tried.append(f"{exe} ({ver.stdout.strip().splitlines()[-1] if ver.stdout else '?'})")
-    pytest.skip(
-        f"no ptxas here assembles PTX ISA {version.group(1)} for sm_100a (tried: "
-        f"{'; '.join(tried) or 'none found'}); install a CUDA toolkit that knows it"
-    )
 
 
 @needs_cute

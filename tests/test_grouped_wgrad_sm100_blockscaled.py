@@ -19,7 +19,7 @@ import subprocess
 
 import pytest
 import torch
-from test_grouped_wgrad_sm100 import _ptxas_for
+from _ptxas import ptxas_for as _ptxas_for
 
 from cuda_kernels.grouped_wgrad import _env, dispatch, sm100_bf16
 from cuda_kernels.grouped_wgrad import sm100_blockscaled as bs

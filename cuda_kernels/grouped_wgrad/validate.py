@@ -42,13 +42,14 @@ from .torch_ref import INPUT_ORDERS
 _TILE_RULES = {"sm90": SM90_TILES, "sm100": SM100_TILES}
 
 
-def _a_majors(a: torch.Tensor, arg: str) -> tuple[str, ...]:
+def _a_majors(a: torch.Tensor, arg: str, pitched: bool = False) -> tuple[str, ...]:
     """Majors ("k", "m") that A's strides express, in order of preference; several only when the
-    layout is moot (size-1 dims or no elements)."""
+    layout is moot (size-1 dims or no elements). ``pitched``: a K-major row stride may exceed
+    tokens_sum (rows padded, as ``quantize_wgrad_operand`` writes them)."""
     hidden, tokens = a.shape
     s0, s1 = a.stride()
     majors = []
-    if (s1 == 1 or tokens == 1) and (s0 == tokens or hidden == 1):
+    if (s1 == 1 or tokens == 1) and (s0 == tokens or hidden == 1 or (pitched and s0 > tokens)):
         majors.append("k")
     if (s0 == 1 or hidden == 1) and (s1 == hidden or tokens == 1):
         majors.append("m")
@@ -62,12 +63,12 @@ def _a_majors(a: torch.Tensor, arg: str) -> tuple[str, ...]:
     return tuple(majors)
 
 
-def _b_majors(b: torch.Tensor, arg: str) -> tuple[str, ...]:
+def _b_majors(b: torch.Tensor, arg: str, pitched: bool = False) -> tuple[str, ...]:
     """Majors ("k", "n") that B's strides express (see ``_a_majors``)."""
     tokens, inter = b.shape
     s0, s1 = b.stride()
     majors = []
-    if (s0 == 1 or tokens == 1) and (s1 == tokens or inter == 1):
+    if (s0 == 1 or tokens == 1) and (s1 == tokens or inter == 1 or (pitched and s1 > tokens)):
         majors.append("k")
     if (s1 == 1 or inter == 1) and (s0 == inter or tokens == 1):
         majors.append("n")
@@ -480,8 +481,12 @@ def _validate_operands(
         raise ValueError(
             f"{off_arg} must be contiguous (stride (1,)), got {tuple(offsets.stride())}"
         )
-    a_majors = _a_majors(a, a_arg)
-    b_majors = _b_majors(b, b_arg)
+    # block-scaled K-major rows may be pitched (the quantizer pads rows to 32 tokens for 16-byte
+    # TMA strides): the twin and the SM90 MXFP8 kernel read any row stride; the SM100 kernels
+    # compile a compact layout, so they keep the compact rule
+    pitched = spec is not None and arch in ("torch", "sm90")
+    a_majors = _a_majors(a, a_arg, pitched)
+    b_majors = _b_majors(b, b_arg, pitched)
     if arch != "torch" and spec is not None and spec.packed_fp4:
         for arg, majors, rule in ((a_arg, a_majors, f"({k_len}, 1)"), (b_arg, b_majors,
                                                                         f"(1, {k_len})")):
@@ -505,7 +510,17 @@ def _validate_operands(
                 f"{b_arg}: N-major B needs intermediate % {need} == 0 (16-byte TMA strides), got "
                 f"intermediate={intermediate}"
             )
-        if "k" in (a_major, b_major) and k_len % need:
+        pitches = [(arg, t.stride(d)) for arg, t, d, mj in ((a_arg, a, 0, a_major),
+                                                            (b_arg, b, 1, b_major))
+                   if mj == "k" and t.stride(d) != k_len]
+        for arg, pitch in pitches:
+            if pitch % need:
+                raise ValueError(
+                    f"{arg}: a pitched K-major operand needs its row stride % {need} == 0 "
+                    f"(16-byte TMA strides), got {pitch}")
+        if any(mj == "k" and t.stride(d) == k_len for t, d, mj in ((a, 0, a_major),
+                                                                    (b, 1, b_major))) \
+                and k_len % need:
             which = a_arg if a_major == "k" else b_arg
             raise ValueError(
                 f"{which}: a K-major operand needs tokens_sum % {need * pack} == 0 (16-byte TMA "

@@ -688,6 +688,41 @@ def test_api_with_opt_in_launches_the_contract_key(monkeypatch, fake_compile, mo
         api.clear_grouped_wgrad_caches()
 
 
+def test_api_tensor_ragged_discrete_uses_the_cudnn_sized_workspace(monkeypatch, fake_compile):
+    """The wrapper's tensor_ragged K-major call with discrete outputs: the caller's operands go
+    to the kernel as they are (no repack), and a workspace sized the cuDNN way (5 descriptors
+    per expert in discrete mode) carries the kernel's 3 per expert."""
+    monkeypatch.setenv(sm100.ENABLE_ENV, "1")
+    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(launch, "ragged_to_2d", lambda *a, **k: pytest.fail("repacked"))
+    api.clear_grouped_wgrad_caches()
+    try:
+        counts = (256, 0, 512)
+        m, n, s = 256, 128, sum(counts)
+        off = torch.tensor(counts).cumsum(0).to(torch.int32)
+        bounds = [0, *off.tolist()]
+        a = _ragged(torch.ones(m, s, dtype=torch.bfloat16), bounds)
+        b = _ragged(torch.ones(n, s, dtype=torch.bfloat16), bounds).t()
+        outs = torch.zeros(3, m, n, dtype=torch.bfloat16)
+        ptrs = torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64)
+        size = api.get_grouped_gemm_wgrad_workspace_size_sm100(3, "discrete", "tensor_ragged")
+        ws = torch.zeros(size, dtype=torch.uint8)
+        res = api.grouped_gemm_wgrad_wrapper_sm100(
+            a, b, None, None, off, output_mode="discrete", wgrad_ptrs=ptrs,
+            wgrad_dtype=torch.bfloat16, input_order="tensor_ragged", mma_tiler_mn=(128, 128),
+            descriptor_workspace=ws,
+        )
+        assert res["wgrad_tensor"] is None
+        ((fa, fb_nk, _off, fout, counter, _clusters, fws),) = fake_compile.calls
+        assert fa.data_ptr() == a.data_ptr() and fa.stride() == (s, 1)
+        assert fb_nk.data_ptr() == b.data_ptr() and fb_nk.stride() == (s, 1)
+        assert fout is ptrs and counter.tolist() == [0] * 4
+        assert fws.data_ptr() == ws.data_ptr() and fws.numel() * 8 == 3 * 3 * 128 < size
+    finally:
+        api.clear_grouped_wgrad_caches()
+
+
 def test_auto_dispatch_skips_unverified_kernel(monkeypatch):
     monkeypatch.delenv(sm100.ENABLE_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

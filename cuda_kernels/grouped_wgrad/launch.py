@@ -436,7 +436,8 @@ def fake_wgrad_operands(key):
 
 
 def ragged_to_2d(x_XS, offsets_E, k_major_rows: int):
-    """Repack a ``tensor_ragged`` K-major operand into the tensor2d ``(rows, S)`` layout, on device.
+    """Repack a ``tensor_ragged`` K-major operand into the tensor2d ``(rows, S)`` layout, on device
+    (families without ``ragged_in_place``: SM90; it builds a ``(rows, S)`` int64 index tensor).
 
     ``x_XS`` is the caller's ``(rows, S)`` view whose storage holds per-expert ``(rows, K_e)``
     row-major blocks at element offset ``rows * begin_e``. No host read of ``offsets_E``.

@@ -3,9 +3,10 @@
 ``Wgrad[e] = A[:, begin:end] @ B[begin:end, :]`` for every expert ``e``.
 
 Status (read first): this kernel has been compiled offline for ``sm_100a`` (PTX checked for
-tcgen05.mma, tcgen05.alloc / TMEM loads and TMA bulk-tensor copies, and assembled by ptxas for
-sm_100a without spills) but it has NEVER RUN on a Blackwell GPU; no numerical result of it has
-been checked. The API may compile it, but its
+tcgen05.mma, tcgen05.alloc / TMEM loads, TMA bulk-tensor copies and, where used, the per-expert
+descriptor build (tensormap.replace, tensormap proxy fences), and assembled by ptxas for sm_100a
+without spills) but it has NEVER RUN on a Blackwell GPU; no numerical result of it has been
+checked, nor the device-built descriptors. The API may compile it, but its
 launcher refuses to run unless the environment sets ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1``; without
 that it raises ``RuntimeError`` ("compiled but not yet verified on hardware"), and
 :func:`unverified_reason` tells dispatchers to use another backend.
@@ -30,9 +31,23 @@ idioms of CUTLASS's Blackwell CuTe DSL dense GEMM, written for this operation):
   ``tile_m = 256`` uses the 2-CTA MMA (cta_group::2, a (2, 1) cluster: each CTA holds 128 rows of
   A and half of B);
 - warps 0-3 (epilogue): allocate TMEM, load the accumulator (``tcgen05.ld``), convert, stage
-  sub-tiles in shared memory and TMA-store them, or TMA reduce-add when ``accumulate``; discrete
-  outputs (an int64 pointer per expert, read on the device) are stored from registers (loaded
-  and added first when accumulating);
+  sub-tiles in shared memory and TMA-store them, or TMA reduce-add when ``accumulate``; dense
+  outputs through one ``(M, N, E)`` descriptor, discrete outputs (an int64 pointer per expert)
+  through the expert's own ``(M, N)`` descriptor (below). Only the JAX adapter, which passes no
+  descriptor workspace, still stores discrete outputs from registers (loaded and added first
+  when accumulating);
+- per-expert TMA descriptors (discrete outputs; ``tensor_ragged`` K-major operands, whose
+  per-expert row stride ``K_e`` no single descriptor can express): built on the device, in the
+  descriptor workspace (``descriptor_workspace_bytes``: 128 bytes each, expert-major, at most 3
+  per expert), as CUTLASS's Blackwell grouped GEMM updates its tensormaps: the TMA warp that
+  first takes a tile of expert ``e`` claims the expert's flag (``atom.cas`` on a per-launch
+  zeroed word after the tile counter), copies each host-encoded template descriptor into the
+  expert's slot, patches in the expert's address, dims and strides (``tensormap.replace``),
+  releases it (``fence.proxy.tensormap::generic.release``) and publishes the flag; every other
+  warp that needs it waits for the flag (``ld.acquire``) and every user acquires the
+  descriptor (``fence.proxy.tensormap::generic.acquire``) before its first TMA through it. A
+  claimant builds at once, so no wait depends on a CTA that is not resident. Ragged operands
+  are thus read in place: no repack, no ``(rows, S)`` index tensor;
 - scheduling: tile ids run over the experts sorted by token count (largest first, sorted on the
   device from ``offsets``). 1-CTA tiles (``tile_m = 128``): dynamic persistent, as in the SM90
   kernel: the TMA warp takes the next id from a global int32 atomic counter (zeroed per launch by
@@ -53,8 +68,8 @@ idioms of CUTLASS's Blackwell CuTe DSL dense GEMM, written for this operation):
 
 Supported: A K-major or M-major, B K-major or N-major, dense ``(E, M, N)`` or discrete (pointer
 per expert) output in BF16 / FP16 / FP32, overwrite or accumulate, ``input_order`` "tensor2d" and
-"tensor_ragged" (K-major ragged operands are repacked on the device first, as in the SM90
-module). Dense outputs may end in partial tiles (hidden / intermediate not multiples of the
+"tensor_ragged" (K-major ragged operands through per-expert descriptors, in place; M-/N-major
+ragged operands are the tensor2d memory). Dense outputs may end in partial tiles (hidden / intermediate not multiples of the
 tile: TMA zero-fills the loads and clips the stores of each expert). Not supported: clusters other
 than (1, 1) for ``tile_m = 128`` and (2, 1) for ``tile_m = 256`` (no TMA multicast), partial tiles
 with discrete outputs, a dynamic tile scheduler for the 2-CTA tile.
@@ -62,9 +77,11 @@ with discrete outputs, a dynamic tile scheduler for the 2-CTA tile.
 Public names (mirroring ``sm90_bf16``): ``Sm100TileConfig``, ``Sm100WgradKey``,
 ``select_sm100_tile_config``, ``compile_sm100_wgrad`` (cached; ``COMPILE_COUNT`` counts real
 compiles), ``compile_sm100_wgrad_offline`` (PTX text for ``sm_100a`` without a GPU),
-``unverified_reason``, ``ENABLE_ENV``. The kernel's host side is its key and kernel plugged into
-``launch.KernelFamily`` (``FAMILY``: the opt-in gate, the no-token path and the SM100 compile
-target are its hooks), which compiles, caches and launches. CuTe DSL is imported only inside the
+``descriptors_per_expert`` / ``descriptor_workspace_bytes``, ``unverified_reason``,
+``ENABLE_ENV``. The kernel's host side is its key and kernel plugged into
+``launch.KernelFamily`` (``FAMILY``: the opt-in gate, the no-token path, the SM100 compile
+target, the counter's per-expert flags, the descriptor workspace and in-place ragged operands
+are its hooks), which compiles, caches and launches. CuTe DSL is imported only inside the
 compile functions.
 """
 
@@ -179,8 +196,8 @@ class Sm100WgradKey(KernelKey):
     """Static contract of one compiled SM100 kernel (the compile-cache key): the fields of
     ``_contract.KernelKey`` (``accumulate``: TMA reduce-add) and the :class:`Sm100TileConfig`
     ``tile``. Dense outputs may end in partial tiles (TMA zero-fills loads and clips stores per
-    expert); discrete outputs are stored from registers without predication, so the tile must
-    divide hidden and intermediate.
+    expert); discrete outputs keep the rule that the tile divides hidden and intermediate: the
+    JAX adapter (no descriptor workspace) still stores them from registers without predication.
 
     Raises:
         ValueError: a field outside its values, or hidden / intermediate that the tile does not
@@ -1352,10 +1369,17 @@ def compile_sm100_wgrad(key: Any) -> Callable[..., None]:
     - ``out``: dense ``(E, M, N)`` contiguous tensor of ``key.out_dtype``, or for
       ``output_mode="discrete"`` an ``(E,)`` int64 tensor of 16-byte aligned ``(M, N)`` row-major
       output addresses;
-    - ``stream``: a ``torch.cuda.Stream`` (default: the current stream).
+    - ``stream``: a ``torch.cuda.Stream`` (default: the current stream);
+    - ``descriptor_workspace`` (keyword): the caller's uint8 buffer (contiguous, 64-byte aligned,
+      at least :func:`descriptor_workspace_bytes`; cuDNN's
+      ``get_grouped_gemm_wgrad_workspace_size_sm100`` is always enough) for the per-expert TMA
+      descriptors of discrete outputs and ``tensor_ragged`` K-major operands, rewritten at each
+      launch (do not share it between launches that may overlap); None: one is allocated per
+      launch on the launch stream. Unused (may be None) when the key needs no descriptors.
 
     The launcher raises ``RuntimeError`` unless ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1``: the kernel
-    is compiled but has never been verified on Blackwell hardware.
+    is compiled but has never been verified on Blackwell hardware; ``ValueError`` for a
+    ``descriptor_workspace`` it cannot use (nothing launched).
 
     Raises:
         RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.

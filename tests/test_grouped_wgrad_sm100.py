@@ -227,9 +227,11 @@ def test_offline_compile_sm100a(shape_mn, tile_mn, a_major, b_major, out_dtype, 
         else:
             assert _ops(ptx, "cp.async.bulk.tensor.2d.global.shared::cta")
             assert not _ops(ptx, "cp.reduce.async.bulk.tensor")
-        # no register stores / read-modify-write of the output: only the 128-byte descriptor
-        # template copies (st.global.v4.b64) write global memory from registers
-        assert _ops(ptx, "st.global") == {"st.global.v4.b64"}, _ops(ptx, "st.global")
+        # no register stores / read-modify-write of the output: only the descriptor slots
+        # (template copy st.global.v4.b64, zeroed upper half st.global.b64) are written so
+        assert _ops(ptx, "st.global") == {"st.global.v4.b64", "st.global.b64"}, _ops(
+            ptx, "st.global"
+        )
         assert not any(op.startswith("ld.global.v") for op in _ops(ptx, "ld.global"))
     elif accumulate:  # TMA reduce-add of the (M, N, E) output
         assert _ops(ptx, "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add")
@@ -244,6 +246,9 @@ def _assert_per_expert_descriptors(ptx: str) -> None:
     copied, its address / dims / strides replaced (tensormap.replace on global memory), released
     to the tensormap proxy, the expert's flag claimed (atom.cas) and published (atom.exch,
     release) or awaited (ld.acquire), and each descriptor acquired before a TMA uses it."""
+    # the template's 64 bytes copied, the slot's other 64 zeroed (up to byte 120)
+    assert re.search(r"st\.global\.v4\.b64\s+\[%rd\d+\+32\]", ptx)
+    assert re.search(r"st\.global\.b64\s+\[%rd\d+\+120\], 0;", ptx)
     replaced = _ops(ptx, "tensormap.replace")
     for field in ("global_address", "global_dim", "global_stride"):
         assert f"tensormap.replace.tile.{field}.global.b1024" in " ".join(replaced), replaced

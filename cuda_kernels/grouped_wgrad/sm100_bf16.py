@@ -648,6 +648,22 @@ def _build_kernel_class():
             return tm.get_tensormap_ptr(p, space)
 
         @cute.jit
+        def init_descriptor(self, tm, tma_atom, mDesc, e, slot: int):
+            """Copy ``tma_atom``'s host-encoded descriptor (the template) into expert ``e``'s
+            ``slot`` and return the slot's pointer. The DSL's copy moves the descriptor's first
+            64 bytes; one lane zeroes the other 64 of the 128-byte slot, so that no byte of it
+            is left from an earlier use of the workspace."""
+            ptr = self.desc_ptr(mDesc, e, slot)
+            tm.init_tensormap_from_atom(tma_atom, ptr, self.tma_warp_id)
+            base = (e * self.num_desc + slot) * (_TMA_DESC_BYTES // 8)
+            with cute.arch.elect_one():
+                for w in cutlass.range_constexpr(_TMA_DESC_BYTES // 16, _TMA_DESC_BYTES // 8):
+                    mDesc[base + w] = cutlass.Int64(0)
+            cute.arch.sync_warp()
+            tm.fence_tensormap_initialization()
+            return ptr
+
+        @cute.jit
         def build_descriptors(
             self, e, k_begin, n_k, mA_g, mB_g, mPtrs, mDesc, tma_atom_a, tma_atom_b, tma_atom_c
         ):
@@ -667,26 +683,20 @@ def _build_kernel_class():
             off_b = cutlass.Int64(k_begin) * n
             if cutlass.const_expr(self.desc_a):
                 if n_k > 0:
-                    ptr = self.desc_ptr(mDesc, e, 0)
-                    tm.init_tensormap_from_atom(tma_atom_a, ptr, warp)
-                    tm.fence_tensormap_initialization()
+                    ptr = self.init_descriptor(tm, tma_atom_a, mDesc, e, 0)
                     a_e = cute.make_tensor(
                         mA_g.iterator + off_a, cute.make_layout((m, k_len), stride=(k_len, 1))
                     )
                     tm.update_tensormap((a_e,), (tma_atom_a,), (ptr,), warp, (None,))
             if cutlass.const_expr(self.desc_b):
                 if n_k > 0:
-                    ptr = self.desc_ptr(mDesc, e, int(self.desc_a))
-                    tm.init_tensormap_from_atom(tma_atom_b, ptr, warp)
-                    tm.fence_tensormap_initialization()
+                    ptr = self.init_descriptor(tm, tma_atom_b, mDesc, e, int(self.desc_a))
                     b_e = cute.make_tensor(
                         mB_g.iterator + off_b, cute.make_layout((n, k_len), stride=(k_len, 1))
                     )
                     tm.update_tensormap((b_e,), (tma_atom_b,), (ptr,), warp, (None,))
             if cutlass.const_expr(self.desc_c):
-                ptr = self.desc_ptr(mDesc, e, self.num_desc - 1)
-                tm.init_tensormap_from_atom(tma_atom_c, ptr, warp)
-                tm.fence_tensormap_initialization()
+                ptr = self.init_descriptor(tm, tma_atom_c, mDesc, e, self.num_desc - 1)
                 c_e = cute.make_tensor(
                     cute.make_ptr(
                         self.c_dtype, mPtrs[e], cute.AddressSpace.gmem, assumed_align=16

@@ -623,6 +623,8 @@ def get_grouped_gemm_wgrad_workspace_size_sm100(
     way is accepted. Without a buffer the launcher allocates one per launch (on the launch
     stream). The SM90 BF16 kernel builds no runtime descriptors and leaves the buffer untouched.
     A buffer the SM100 kernel writes must be 64-byte aligned (CUtensorMap), checked at launch.
+    The kernel's per-expert "descriptor ready" flags are not kept here: they follow the tile
+    counter in the int32 word buffer the launcher allocates and zeroes per launch.
 
     Raises:
         ValueError: ``num_experts`` is not a positive int, or an unknown mode / order.

@@ -69,8 +69,9 @@ idioms of CUTLASS's Blackwell CuTe DSL dense GEMM, written for this operation):
 Supported: A K-major or M-major, B K-major or N-major, dense ``(E, M, N)`` or discrete (pointer
 per expert) output in BF16 / FP16 / FP32, overwrite or accumulate, ``input_order`` "tensor2d" and
 "tensor_ragged" (K-major ragged operands through per-expert descriptors, in place; M-/N-major
-ragged operands are the tensor2d memory). Dense outputs may end in partial tiles (hidden / intermediate not multiples of the
-tile: TMA zero-fills the loads and clips the stores of each expert). Not supported: clusters other
+ragged operands are the tensor2d memory). Dense outputs may end in partial tiles (hidden /
+intermediate not multiples of the tile: TMA zero-fills the loads and clips the stores of each
+expert). Not supported: clusters other
 than (1, 1) for ``tile_m = 128`` and (2, 1) for ``tile_m = 256`` (no TMA multicast), partial tiles
 with discrete outputs, a dynamic tile scheduler for the 2-CTA tile.
 
@@ -126,9 +127,9 @@ _SCHED_STAGES = 4
 #: SM100 contract: expert token counts are multiples of this (api.SM100_GROUP_ALIGN).
 _GROUP_ALIGN = SM100_TILES.group_align
 #: One TMA descriptor (CUtensorMap) in the descriptor workspace: 128 bytes, 64-byte aligned
-#: (CUDA driver API, ``CUtensorMap``: ``alignas(64)``, 16 x 64-bit words).
+#: (CUDA driver API, ``CUtensorMap``: ``alignas(64)``, 16 x 64-bit words; the launcher checks
+#: the workspace's alignment, ``launch.descriptor_workspace_view``).
 _TMA_DESC_BYTES = 128
-_TMA_DESC_ALIGN = 64
 
 
 def unverified_reason() -> str | None:

@@ -74,9 +74,9 @@ def rec(monkeypatch):
         rec.event("repack")
         return real_repack(*args)
 
-    def counter(device):
+    def counter(device, *length):
         rec.event("counter")
-        return real_counter(device)
+        return real_counter(device, *length)
 
     monkeypatch.setattr(launch, "ragged_to_2d", repack)
     monkeypatch.setattr(launch, "_zeroed_counter", counter)
@@ -135,6 +135,43 @@ def test_sm90_each_launch_gets_its_own_zeroed_counter(monkeypatch, rec):
     launcher(a, b, off, torch.empty(2, 128, 64), stream=_SIDE)
     c0, c1 = fake.calls[0][4], fake.calls[1][4]
     assert c1 is not c0 and c1.tolist() == [0]
+
+
+@pytest.mark.parametrize("stream", [None, _SIDE])
+def test_sm100_ragged_in_place_workspace_and_kernel_run_on_the_launch_stream(
+    monkeypatch, rec, stream
+):
+    """SM100: tensor_ragged K-major operands are not repacked (per-expert TMA descriptors
+    address them in place); the descriptor workspace (none given: allocated per launch) and the
+    counter with its per-expert flags are allocated on the launch stream, before the kernel."""
+    monkeypatch.setenv(sm100.ENABLE_ENV, "1")
+    fake = _family(monkeypatch, sm100.FAMILY, rec)
+    real_ws = launch.descriptor_workspace_view
+
+    def workspace(*args):
+        rec.event("workspace")
+        return real_ws(*args)
+
+    monkeypatch.setattr(launch, "descriptor_workspace_view", workspace)
+    counts = (256, 0, 512)
+    m, n, s = 128, 64, sum(counts)
+    a2d = torch.randn(m, s).to(torch.bfloat16)
+    b2d_t = torch.randn(n, s).to(torch.bfloat16)
+    off = torch.tensor(counts).cumsum(0).to(torch.int32)
+    key = sm100.Sm100WgradKey(
+        m, n, 3, a_major="k", b_major="k", input_order="tensor_ragged",
+        tile=sm100.Sm100TileConfig(128, 64, 64, 4),
+    )
+    a, b = _ragged(a2d, counts), _ragged(b2d_t, counts).t()
+    sm100.compile_sm100_wgrad(key)(a, b, off, torch.empty(3, m, n), stream=stream)
+    want = _DEFAULT if stream is None else _SIDE
+    assert rec.log == [
+        ("enter", want), ("workspace", want), ("counter", want), ("kernel", want),
+        ("exit", _DEFAULT),
+    ]  # no ("repack", ...)
+    ((fa, fb_nk, _off, _out, counter, _grid, ws),) = fake.calls
+    assert fa is a and fb_nk.data_ptr() == b.data_ptr()
+    assert counter.tolist() == [0] * 4 and ws.numel() * 8 == 3 * 2 * 128
 
 
 @pytest.mark.parametrize("stream", [None, _SIDE])

@@ -218,11 +218,21 @@ def test_offline_compile_sm100a(shape_mn, tile_mn, a_major, b_major, out_dtype, 
     assert loads and all("mbarrier::complete_tx::bytes" in op for op in loads)
     if tile.use_2cta:
         assert all("shared::cluster" in op for op in loads)  # 2-CTA loads signal the leader
-    if mode == "discrete":  # stores from registers through the expert's pointer
-        assert not _ops(ptx, "cp.async.bulk.tensor.3d") and not _ops(ptx, "cp.reduce.async")
-        assert any(op.startswith("st.global.v") for op in _ops(ptx, "st.global"))
-        # accumulating reads the old output first (16-byte vector loads)
-        assert any(op.startswith("ld.global.v") for op in _ops(ptx, "ld.global")) == accumulate
+    if mode == "discrete":  # TMA stores through each expert's own (M, N) descriptor
+        _assert_per_expert_descriptors(ptx)
+        assert not _ops(ptx, "cp.async.bulk.tensor.3d")  # no stacked (M, N, E) view
+        if accumulate:
+            assert _ops(ptx, "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add")
+            assert not _ops(ptx, "cp.async.bulk.tensor.2d.global")
+        else:
+            assert _ops(ptx, "cp.async.bulk.tensor.2d.global.shared::cta")
+            assert not _ops(ptx, "cp.reduce.async.bulk.tensor")
+        # no register stores / read-modify-write of the output: only the descriptor slots
+        # (template copy st.global.v4.b64, zeroed upper half st.global.b64) are written so
+        assert _ops(ptx, "st.global") == {"st.global.v4.b64", "st.global.b64"}, _ops(
+            ptx, "st.global"
+        )
+        assert not any(op.startswith("ld.global.v") for op in _ops(ptx, "ld.global"))
     elif accumulate:  # TMA reduce-add of the (M, N, E) output
         assert _ops(ptx, "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add")
         assert not _ops(ptx, "cp.async.bulk.tensor.3d.global")
@@ -231,14 +241,40 @@ def test_offline_compile_sm100a(shape_mn, tile_mn, a_major, b_major, out_dtype, 
         assert not _ops(ptx, "cp.reduce.async.bulk.tensor")
 
 
+def _assert_per_expert_descriptors(ptx: str) -> None:
+    """The PTX of a kernel that builds per-expert TMA descriptors in the workspace: the template
+    copied, its address / dims / strides replaced (tensormap.replace on global memory), released
+    to the tensormap proxy, the expert's flag claimed (atom.cas) and published (atom.exch,
+    release) or awaited (ld.acquire), and each descriptor acquired before a TMA uses it."""
+    # the template's 64 bytes copied, the slot's other 64 zeroed (up to byte 120)
+    assert re.search(r"st\.global\.v4\.b64\s+\[%rd\d+\+32\]", ptx)
+    assert re.search(r"st\.global\.b64\s+\[%rd\d+\+120\], 0;", ptx)
+    replaced = _ops(ptx, "tensormap.replace")
+    for field in ("global_address", "global_dim", "global_stride"):
+        assert f"tensormap.replace.tile.{field}.global.b1024" in " ".join(replaced), replaced
+    assert "fence.proxy.tensormap::generic.release.gpu" in ptx
+    assert re.search(r"fence\.proxy\.tensormap::generic\.acquire\.gpu \[%rd\d+\], 128;", ptx)
+    assert _ops(ptx, "atom.global.acq_rel.cas") and _ops(ptx, "atom.global.release.exch")
+    assert _ops(ptx, "ld.acquire.gpu.global")
+
+
 @needs_cute
 @pytest.mark.parametrize(
-    ("tile_mn", "mode"), [((256, 256), "dense"), ((128, 128), "dense"), ((256, 256), "discrete")]
+    ("tile_mn", "mode", "order"),
+    [
+        ((256, 256), "dense", "tensor2d"),
+        ((128, 128), "dense", "tensor2d"),
+        ((256, 256), "discrete", "tensor2d"),
+        ((256, 256), "discrete", "tensor_ragged"),  # every per-expert descriptor (A, B, out)
+        ((128, 128), "dense", "tensor_ragged"),
+    ],
 )
-def test_ptx_assembles_for_sm100a_without_spills(tmp_path, tile_mn, mode):
+def test_ptx_assembles_for_sm100a_without_spills(tmp_path, tile_mn, mode, order):
+    major = "k" if order == "tensor_ragged" else None  # ragged: K-major, addressed in place
     key = Sm100WgradKey(
-        512, 512, 4, a_major="m", b_major="n", out_dtype="float32", accumulate=True,
-        output_mode=mode, tile=select_sm100_tile_config(512, 512, 4, mma_tiler_mn=tile_mn),
+        512, 512, 4, a_major=major or "m", b_major=major or "n", out_dtype="float32",
+        accumulate=True, output_mode=mode, input_order=order,
+        tile=select_sm100_tile_config(512, 512, 4, mma_tiler_mn=tile_mn),
     )
     ptx = sm100.compile_sm100_wgrad_offline(key)
     ptxas = _ptxas_for(ptx, tmp_path)
@@ -253,6 +289,41 @@ def test_ptx_assembles_for_sm100a_without_spills(tmp_path, tile_mn, mode):
     regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
     assert regs <= 255
     assert (tmp_path / "k.cubin").stat().st_size > 0
+
+
+@needs_cute
+@pytest.mark.parametrize(
+    ("tile_mn", "a_major", "b_major", "mode", "accumulate"),
+    [
+        ((128, 128), "k", "k", "discrete", False),  # both operands and the output per expert
+        ((256, 256), "k", "n", "dense", True),  # 2-CTA, ragged A only
+        ((128, 64), "m", "k", "dense", False),  # ragged B only
+        ((256, 128), "k", "k", "discrete", True),
+    ],
+)
+def test_offline_compile_tensor_ragged_sm100a(tile_mn, a_major, b_major, mode, accumulate):
+    """tensor_ragged K-major operands are loaded in place through per-expert descriptors (the
+    TMA loads take the workspace descriptor's address, a register, not a kernel parameter);
+    M-/N-major operands of ragged order keep the kernel's one descriptor (same memory as
+    tensor2d)."""
+    m, n = 512, 512
+    key = Sm100WgradKey(
+        m, n, 4, a_major=a_major, b_major=b_major, out_dtype="bfloat16", accumulate=accumulate,
+        output_mode=mode, input_order="tensor_ragged",
+        tile=select_sm100_tile_config(m, n, 4, mma_tiler_mn=tile_mn),
+    )
+    assert sm100.descriptors_per_expert(key) == (
+        (a_major == "k") + (b_major == "k") + (mode == "discrete")
+    )
+    ptx = sm100.compile_sm100_wgrad_offline(key, arch="sm_100a")
+    _assert_per_expert_descriptors(ptx)
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared\S+ \[[^\]]+\], \[(%rd\d+)", ptx)
+    assert loads  # TMA loads of A and B
+    acquired = set(re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.gpu \[(%rd\d+)\]", ptx))
+    # the loads of each per-expert operand use an acquired workspace descriptor
+    assert len(set(loads) & acquired) >= 1
+    stores = _ops(ptx, "cp.async.bulk.tensor.3d.global") | _ops(ptx, "cp.reduce.async.bulk.tensor.3d")
+    assert bool(stores) == (mode == "dense")  # dense: the stacked (M, N, E) output descriptor
 
 
 @needs_cute
@@ -432,37 +503,102 @@ def test_launcher_no_tokens_discrete_runs_on_zero_stand_ins(
     ptrs = torch.tensor([4096, 8192], dtype=torch.int64)
     off = torch.zeros(2, dtype=torch.int32)
     sm100.compile_sm100_wgrad(key)(a, b, off, ptrs)
-    ((fa, fb_nk, foff, fout, _counter, clusters),) = fake_compile.calls
+    ((fa, fb_nk, foff, fout, counter, clusters, ws),) = fake_compile.calls
     assert fout is ptrs and foff is off and clusters == 4  # the kernel writes the zeros
+    # one output descriptor per expert, built on the device; the flags after the tile counter
+    assert ws.dtype == torch.int64 and ws.numel() * 8 == 2 * 128
+    assert counter.tolist() == [0, 0, 0]
     assert fa.shape == (256, 256) and not fa.any()
     assert fa.stride() == ((256, 1) if a_major == "k" else (1, 256))
     assert fb_nk.shape == (128, 256) and not fb_nk.any()  # B's (N, S) view
     assert fb_nk.t().stride() == ((1, 256) if b_major == "k" else (128, 1))
 
 
-def test_launcher_repacks_tensor_ragged_k_major_operands(monkeypatch, fake_compile):
+def _ragged(x_XS, bounds):
+    """Per-expert (rows, K_e) row-major blocks of ``x_XS`` concatenated (the tensor_ragged
+    layout of a K-major operand), as the caller's (rows, S) view with compact strides."""
+    s = x_XS.shape[1]
+    blocks = [x_XS[:, lo:hi].contiguous().flatten() for lo, hi in itertools.pairwise(bounds)]
+    return torch.cat(blocks).as_strided(x_XS.shape, (s, 1))
+
+
+@pytest.mark.parametrize("mode", ["dense", "discrete"])
+def test_launcher_addresses_tensor_ragged_in_place(monkeypatch, fake_compile, mode):
+    """No repack (and no index tensor of rows x tokens) for tensor_ragged K-major operands: the
+    kernel gets the caller's storage and a descriptor workspace for its per-expert TMA
+    descriptors (A, B, and the output in discrete mode), plus one zeroed flag per expert."""
     monkeypatch.setenv(sm100.ENABLE_ENV, "1")
+
+    def no_repack(*args, **kwargs):
+        raise AssertionError("tensor_ragged operands must not be repacked")
+
+    monkeypatch.setattr(launch, "ragged_to_2d", no_repack)
+    monkeypatch.setattr(torch, "repeat_interleave", no_repack)  # the repack's index build
     counts = (256, 0, 512)
     m, n, s = 128, 64, sum(counts)
     gen = torch.Generator().manual_seed(0)
-    a2d = torch.randn(m, s, generator=gen).to(torch.bfloat16)  # (M, S) K-major
-    b2d_t = torch.randn(n, s, generator=gen).to(torch.bfloat16)  # B^T (N, S): B is K-major
     off = torch.tensor(counts).cumsum(0).to(torch.int32)
     bounds = [0, *off.tolist()]
-
-    def ragged(x_XS):  # per-expert (rows, K_e) row-major blocks, concatenated
-        blocks = [x_XS[:, lo:hi].contiguous().flatten() for lo, hi in itertools.pairwise(bounds)]
-        flat = torch.cat(blocks)
-        return flat.as_strided(x_XS.shape, (s, 1))
-
+    a = _ragged(torch.randn(m, s, generator=gen).to(torch.bfloat16), bounds)
+    b = _ragged(torch.randn(n, s, generator=gen).to(torch.bfloat16), bounds).t()  # (S, N)
     key = Sm100WgradKey(
-        m, n, 3, a_major="k", b_major="k", input_order="tensor_ragged",
+        m, n, 3, a_major="k", b_major="k", input_order="tensor_ragged", output_mode=mode,
         tile=Sm100TileConfig(128, 64, 64, 4),
     )
-    sm100.compile_sm100_wgrad(key)(ragged(a2d), ragged(b2d_t).t(), off, torch.empty(3, m, n))
-    ((fa, fb_nk, _off, _out, _counter, _clusters),) = fake_compile.calls
-    assert torch.equal(fa, a2d) and fa.stride() == (s, 1)
-    assert torch.equal(fb_nk, b2d_t) and fb_nk.stride() == (s, 1)
+    out = torch.empty(3, m, n) if mode == "dense" else torch.arange(1, 4) * 4096
+    sm100.compile_sm100_wgrad(key)(a, b, off, out)
+    ((fa, fb_nk, foff, fout, counter, _clusters, ws),) = fake_compile.calls
+    assert fa is a and fa.stride() == (s, 1)  # the caller's tensor, as given
+    assert fb_nk.data_ptr() == b.data_ptr() and fb_nk.stride() == (s, 1)  # B's (N, S) view
+    assert foff is off and fout is out
+    per_expert = 3 if mode == "discrete" else 2
+    assert sm100.descriptors_per_expert(key) == per_expert
+    assert ws.dtype == torch.int64 and ws.numel() * 8 == 3 * per_expert * 128
+    assert counter.dtype == torch.int32 and counter.tolist() == [0] * 4  # tile counter + flags
+
+
+def test_launcher_uses_the_callers_descriptor_workspace(monkeypatch, fake_compile):
+    monkeypatch.setenv(sm100.ENABLE_ENV, "1")
+    key = Sm100WgradKey(
+        256, 128, 2, output_mode="discrete", tile=Sm100TileConfig(128, 128, 64, 4)
+    )
+    launcher = sm100.compile_sm100_wgrad(key)
+    a, b, off = _operands(m=256, n=128, counts=(256, 256))
+    ptrs = torch.tensor([4096, 8192], dtype=torch.int64)
+    ws = torch.zeros(api.get_grouped_gemm_wgrad_workspace_size_sm100(2, "discrete") + 64,
+                     dtype=torch.uint8)
+    launcher(a, b, off, ptrs, descriptor_workspace=ws)
+    ((*_, fws),) = fake_compile.calls
+    assert fws.data_ptr() == ws.data_ptr() and fws.dtype == torch.int64
+    assert fws.numel() * 8 == sm100.descriptor_workspace_bytes(key) == 2 * 128
+    bad = [
+        (ws[1:], "64-byte aligned"),
+        (ws[:255], "need 256"),
+        (ws.view(torch.int64), "uint8"),
+    ]
+    for buf, word in bad:
+        with pytest.raises(ValueError, match=word):
+            launcher(a, b, off, ptrs, descriptor_workspace=buf)
+    assert len(fake_compile.calls) == 1  # nothing launched
+
+
+def test_descriptors_fit_the_cudnn_workspace_size():
+    """Every SM100 BF16 key builds at most 3 descriptors per expert (ragged A, ragged B, the
+    discrete output), within cuDNN's documented 4 (dense) / 5 (discrete) per expert: a
+    workspace sized with ``get_grouped_gemm_wgrad_workspace_size_sm100`` always holds them."""
+    tile = Sm100TileConfig(128, 128, 64, 4)
+    for mode, order, am, bm in itertools.product(
+        ("dense", "discrete"), ("tensor2d", "tensor_ragged"), "km", "kn"
+    ):
+        key = Sm100WgradKey(
+            256, 256, 7, a_major=am, b_major=bm, output_mode=mode, input_order=order,
+            tile=tile,
+        )
+        need = sm100.descriptor_workspace_bytes(key)
+        assert need <= api.get_grouped_gemm_wgrad_workspace_size_sm100(7, mode, order)
+        ragged_k = (order == "tensor_ragged") * ((am == "k") + (bm == "k"))
+        assert need == 7 * 128 * (ragged_k + (mode == "discrete"))
+        assert sm100.FAMILY.counter_len(key) == (1 + 7 if need else 1)
 
 
 def test_api_compiles_but_refuses_to_run_without_opt_in(monkeypatch, fake_compile):
@@ -494,8 +630,9 @@ def test_api_with_opt_in_launches_the_contract_key(monkeypatch, fake_compile, mo
             a_m, b, None, None, off, wgrad_dtype=torch.float32, mma_tiler_mn=(256, 128),
             cluster_shape_mn=(2, 1), accumulate_on_output=True, output_mode=mode,
         )
-        ((fa, fb_nk, foff, fout, _counter, clusters),) = fake_compile.calls
+        ((fa, fb_nk, foff, fout, _counter, clusters, *ws),) = fake_compile.calls
         (key,) = fake_compile.keys
+        assert len(ws) == (mode == "discrete")  # discrete: the descriptor workspace
         assert key == Sm100WgradKey(
             256, 256, 3, a_major="m", b_major="n", out_dtype="float32", output_mode=mode,
             accumulate=True, tile=select_sm100_tile_config(256, 256, 3, mma_tiler_mn=(256, 128)),
@@ -507,6 +644,41 @@ def test_api_with_opt_in_launches_the_contract_key(monkeypatch, fake_compile, mo
             assert fout.dtype == torch.float32 and torch.all(fout == 0)  # zeros to accumulate on
         else:
             assert fout.dtype == torch.int64 and fout.shape == (3,)
+    finally:
+        api.clear_grouped_wgrad_caches()
+
+
+def test_api_tensor_ragged_discrete_uses_the_cudnn_sized_workspace(monkeypatch, fake_compile):
+    """The wrapper's tensor_ragged K-major call with discrete outputs: the caller's operands go
+    to the kernel as they are (no repack), and a workspace sized the cuDNN way (5 descriptors
+    per expert in discrete mode) carries the kernel's 3 per expert."""
+    monkeypatch.setenv(sm100.ENABLE_ENV, "1")
+    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(launch, "ragged_to_2d", lambda *a, **k: pytest.fail("repacked"))
+    api.clear_grouped_wgrad_caches()
+    try:
+        counts = (256, 0, 512)
+        m, n, s = 256, 128, sum(counts)
+        off = torch.tensor(counts).cumsum(0).to(torch.int32)
+        bounds = [0, *off.tolist()]
+        a = _ragged(torch.ones(m, s, dtype=torch.bfloat16), bounds)
+        b = _ragged(torch.ones(n, s, dtype=torch.bfloat16), bounds).t()
+        outs = torch.zeros(3, m, n, dtype=torch.bfloat16)
+        ptrs = torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64)
+        size = api.get_grouped_gemm_wgrad_workspace_size_sm100(3, "discrete", "tensor_ragged")
+        ws = torch.zeros(size, dtype=torch.uint8)
+        res = api.grouped_gemm_wgrad_wrapper_sm100(
+            a, b, None, None, off, output_mode="discrete", wgrad_ptrs=ptrs,
+            wgrad_dtype=torch.bfloat16, input_order="tensor_ragged", mma_tiler_mn=(128, 128),
+            descriptor_workspace=ws,
+        )
+        assert res["wgrad_tensor"] is None
+        ((fa, fb_nk, _off, fout, counter, _clusters, fws),) = fake_compile.calls
+        assert fa.data_ptr() == a.data_ptr() and fa.stride() == (s, 1)
+        assert fb_nk.data_ptr() == b.data_ptr() and fb_nk.stride() == (s, 1)
+        assert fout is ptrs and counter.tolist() == [0] * 4
+        assert fws.data_ptr() == ws.data_ptr() and fws.numel() * 8 == 3 * 3 * 128 < size
     finally:
         api.clear_grouped_wgrad_caches()
 

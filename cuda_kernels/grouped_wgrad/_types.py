@@ -30,7 +30,9 @@ POINTERS_ALIGN_BYTES = 8
 #: Per-expert runtime TMA descriptors of cuDNN's block-scaled wgrad, 128 bytes each (CUtensorMap
 #: size): A, B, SFA, SFB for every expert, plus the output's in discrete mode. cuDNN's test pins
 #: ``get_grouped_gemm_wgrad_workspace_size_sm100(2) == 1024`` (dense, either input order) and a
-#: discrete size that is a multiple of 128.
+#: discrete size that is a multiple of 128. The SM100 BF16 kernel builds at most 3 per expert
+#: (ragged K-major A and B, the discrete output: ``sm100_bf16.descriptors_per_expert``), so this
+#: size, kept as cuDNN documents it, always holds them.
 _TMA_DESCRIPTOR_BYTES = 128
 _DESCRIPTORS_PER_EXPERT = {"dense": 4, "discrete": 5}
 #: Operand dtypes whose matching pair selects the block-scaled backend (seed, "Block-scaled

@@ -463,8 +463,11 @@ class _GroupedGemmWgradBase:
         ``wgrad_tensor``'s expert slabs.
         ``descriptor_workspace`` / ``workspace`` (keywords, cuDNN's): caller-owned uint8
         buffers of at least ``get_grouped_gemm_wgrad_workspace_size_sm100(E, output_mode,
-        input_order)`` bytes on the inputs' device; both given must be the same buffer. The BF16
-        kernels build no runtime descriptors and leave them untouched.
+        input_order)`` bytes on the inputs' device; both given must be the same buffer. The SM100
+        BF16 kernel writes its per-expert TMA descriptors there (discrete outputs, tensor_ragged
+        K-major operands: at most 3 x 128 bytes per expert, within that size; the buffer must
+        then be 64-byte aligned) and allocates its own when none is given; the SM90 BF16 kernel
+        builds no runtime descriptors and leaves it untouched.
         ``validate_offsets``: host-read offsets (and pointer) values, once per tensor version;
         default: the value given at construction. Skipped while the stream is capturing a CUDA
         graph.
@@ -529,7 +532,9 @@ class _GroupedGemmWgradBase:
                 descriptor_workspace=workspace, stream=stream,
             )
             return
-        self._launcher(a, b, offsets, out, stream=stream)
+        # the SM100 BF16 kernel builds its per-expert TMA descriptors (discrete outputs,
+        # tensor_ragged K-major operands) in this buffer, or in one of its own when None
+        self._launcher(a, b, offsets, out, stream=stream, descriptor_workspace=workspace)
 
 
 def _torch_stream(stream: Any, device: torch.device):

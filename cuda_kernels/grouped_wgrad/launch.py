@@ -6,8 +6,9 @@ CuTe DSL kernel object of a key), plus the few hooks in which it really differs 
 for a dynamic scheduler, a launch gate, a no-token path, the arch of its runtime compile). This
 layer owns the rest, once: the per-key compile cache and its count, the fake operands of a
 compile (a symbolic ``tokens_sum``: new splits never recompile), the architecture pin of an
-offline / cross compile, the offline PTX compile, and the launcher (``tensor_ragged`` repack,
-persistent grid size from occupancy, launch stream).
+offline / cross compile, the offline PTX compile, and the launcher (``tensor_ragged`` repack
+where the family does not address ragged operands in place, the descriptor workspace where the
+family builds per-expert TMA descriptors, persistent grid size from occupancy, launch stream).
 
 The API side sits on top: :func:`_compile_kernel` maps a static contract (``WgradContract``) to
 its family's key (:func:`_contract_key`) and caches the launcher per contract.
@@ -69,6 +70,15 @@ class KernelFamily:
         fake_operands: ``key -> tuple``: the kernel's tensor arguments for a compile (before
             the CTA count and stream); default :func:`fake_wgrad_operands` (A, B, offsets, out)
             plus the tile counter when ``tile_counter``. Block-scaled families add their scales.
+        counter_len: ``key -> int``: int32 words of the zeroed counter (default 1, the tile
+            counter; a kernel that builds per-expert descriptors adds one flag per expert).
+        workspace_bytes: ``key -> int``: bytes of the descriptor workspace the kernel takes
+            after the stream (default 0: none). The launcher passes the caller's
+            ``descriptor_workspace`` (checked: uint8, contiguous, 64-byte aligned, large
+            enough) or allocates one per launch on the launch stream, as an int64 view of
+            exactly this size.
+        ragged_in_place: the kernel addresses ``tensor_ragged`` K-major operands in place
+            (per-expert descriptors); otherwise the launcher repacks them (:func:`ragged_to_2d`).
     """
 
     def __init__(
@@ -84,6 +94,9 @@ class KernelFamily:
         as_key: Callable[[Any], Any] = lambda key: key,
         ctas_per_sm: Callable[[Any], int] = lambda key: 1,
         fake_operands: Callable[[Any], tuple] | None = None,
+        counter_len: Callable[[Any], int] = lambda key: 1,
+        workspace_bytes: Callable[[Any], int] = lambda key: 0,
+        ragged_in_place: bool = False,
     ) -> None:
         self.name = name
         self.kernel = kernel
@@ -95,6 +108,9 @@ class KernelFamily:
         self.as_key = as_key
         self.ctas_per_sm = ctas_per_sm
         self.fake_operands = fake_operands
+        self.counter_len = counter_len
+        self.workspace_bytes = workspace_bytes
+        self.ragged_in_place = ragged_in_place
         #: Real (uncached) compiles in this process.
         self.compile_count = 0
         self._compiled: dict[Any, Any] = {}
@@ -118,21 +134,31 @@ class KernelFamily:
         from cutlass import cute
 
         # tensor_ragged with a K-major operand has a per-expert row stride (K_e), not one TMA
-        # descriptor: the launcher repacks such operands on the device first (ragged_to_2d), so
-        # the compiled kernel is the tensor2d one.
+        # descriptor: a family with ``ragged_in_place`` builds per-expert descriptors on the
+        # device (in the descriptor workspace); otherwise the launcher repacks such operands
+        # first (ragged_to_2d), so the compiled kernel is the tensor2d one.
         kernel = self.kernel(key)
         if self.fake_operands is not None:
             args = tuple(self.fake_operands(key))
         else:
             args = fake_wgrad_operands(key)
             if self.tile_counter:
-                counter = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,),
-                                                                assumed_align=4)
+                counter = cute.runtime.make_fake_compact_tensor(
+                    cutlass.Int32, (self.counter_len(key),), assumed_align=4
+                )
                 args += (counter,)
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        tail = ()
+        ws_bytes = self.workspace_bytes(key)
+        if ws_bytes:
+            tail = (
+                cute.runtime.make_fake_compact_tensor(
+                    cutlass.Int64, (ws_bytes // 8,), assumed_align=_DESC_ALIGN
+                ),
+            )
         opts = "--enable-tvm-ffi"
         if arch is None:
-            return cute.compile(kernel, *args, cutlass.Int32(1), stream, options=opts)
+            return cute.compile(kernel, *args, cutlass.Int32(1), stream, *tail, options=opts)
         opts += f" --gpu-arch {arch}"
         if dump_dir is not None:
             opts += f" --keep-ptx --dump-dir {dump_dir}"
@@ -142,6 +168,7 @@ class KernelFamily:
                 *args,
                 cutlass.Int32(1),
                 stream,
+                *tail,
                 options=opts,
                 **cross_compile_kwargs(arch),
             )
@@ -173,8 +200,9 @@ class KernelFamily:
             self._compiled.clear()
 
     def launcher(self, key: Any) -> Callable[..., None]:
-        """``launcher(a, b, offsets, out, stream=None)`` of ``key`` (compiled once per key); a
-        ``functools.partial`` whose ``args`` are ``(key, compiled kernel)``.
+        """``launcher(a, b, offsets, out, stream=None, descriptor_workspace=None)`` of ``key``
+        (compiled once per key); a ``functools.partial`` whose ``args`` are ``(key, compiled
+        kernel)``. ``descriptor_workspace`` is used only by a family with ``workspace_bytes``.
 
         Raises:
             RuntimeError: CuTe DSL is not installed or the compile fails.
@@ -197,14 +225,18 @@ class KernelFamily:
             raise RuntimeError(f"CuTe DSL produced no PTX for {key} on {arch}")
         return ptx
 
-    def _launch(self, key: Any, fn: Any, a, b, offsets, out, stream=None) -> None:
+    def _launch(
+        self, key: Any, fn: Any, a, b, offsets, out, stream=None, descriptor_workspace=None
+    ) -> None:
         """One launch, every step of it on the launch stream (``stream``, else the current one).
 
         The compiled kernel takes its stream from the TVM-FFI environment stream, i.e. torch's
         current stream, so the launch enters ``stream`` (:func:`_on_stream`) BEFORE anything is
         enqueued or allocated: the family's ``prepare`` hook (zero stand-ins, zero fills), the
-        ``tensor_ragged`` repack, the tile counter and the kernel then run in stream order, and
-        the temporaries (repacked operands, counter, stand-ins) are allocated on the stream that
+        ``tensor_ragged`` repack (families without ``ragged_in_place``), the tile counter, the
+        descriptor workspace (when the caller gives none) and the kernel then run in stream
+        order, and the temporaries (repacked operands, counter, workspace, stand-ins) are
+        allocated on the stream that
         reads them, so the caching allocator reuses their blocks only after that stream's later
         work (what ``record_stream`` would arrange for a tensor allocated elsewhere). Inputs are
         read on the launch stream, as the kernel itself reads them: the caller orders their
@@ -220,16 +252,21 @@ class KernelFamily:
                 if operands is None:
                     return
                 a, b = operands
-            if key.input_order == "tensor_ragged":
+            if key.input_order == "tensor_ragged" and not self.ragged_in_place:
                 if key.a_major == "k":
                     a = ragged_to_2d(a, offsets, a.shape[0])
                 if key.b_major == "k":
                     b = ragged_to_2d(b.t(), offsets, b.shape[1]).t()
             grid = self.grid_size(key, a.device)
+            tail = ()
+            ws_bytes = self.workspace_bytes(key)
+            if ws_bytes:
+                tail = (descriptor_workspace_view(descriptor_workspace, ws_bytes, a.device),)
             if self.tile_counter:
-                fn(a, b.t(), offsets, out, _zeroed_counter(a.device), grid)
+                counter = _zeroed_counter(a.device, self.counter_len(key))
+                fn(a, b.t(), offsets, out, counter, grid, *tail)
             else:
-                fn(a, b.t(), offsets, out, grid)
+                fn(a, b.t(), offsets, out, grid, *tail)
 
 
     def grid_size(self, key: Any, device) -> int:
@@ -300,13 +337,55 @@ def _on_stream(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def _zeroed_counter(device):
-    """A zeroed int32 ``[1]`` tile counter of a dynamic scheduler, allocated and zeroed on the
-    current (= launch) stream: each launch gets its own, so concurrent launches on different
-    streams never share one, and no reset kernel is needed after a launch."""
+def _zeroed_counter(device, length: int = 1):
+    """A zeroed int32 ``[length]`` tile counter of a dynamic scheduler (and, past word 0, the
+    per-expert descriptor flags of a kernel that builds descriptors), allocated and zeroed on
+    the current (= launch) stream: each launch gets its own, so concurrent launches on
+    different streams never share one, and no reset kernel is needed after a launch."""
     import torch
 
-    return torch.zeros(1, dtype=torch.int32, device=device)
+    return torch.zeros(length, dtype=torch.int32, device=device)
+
+
+#: A TMA descriptor (CUtensorMap) is 128 bytes, aligned to 64 (CUDA driver API).
+_DESC_ALIGN = 64
+
+
+def descriptor_workspace_view(workspace, nbytes: int, device):
+    """The int64 view of the first ``nbytes`` of the caller's ``descriptor_workspace`` (uint8,
+    contiguous, on ``device``, 64-byte aligned: each 128-byte descriptor slot must be), or a
+    fresh one allocated on the current (= launch) stream when ``workspace`` is None. The kernel
+    rewrites every descriptor it uses at each launch, so nothing needs to persist.
+
+    Raises:
+        ValueError: the buffer is not uint8 / contiguous, too small, on another device, or
+            not 64-byte aligned.
+    """
+    import torch
+
+    if workspace is None:
+        return torch.empty(nbytes // 8, dtype=torch.int64, device=device)
+    if (
+        not isinstance(workspace, torch.Tensor)
+        or workspace.dtype != torch.uint8
+        or not workspace.is_contiguous()
+    ):
+        raise ValueError("descriptor_workspace must be a contiguous torch.uint8 tensor")
+    if workspace.numel() < nbytes:
+        raise ValueError(
+            f"descriptor_workspace holds {workspace.numel()} bytes; this kernel's per-expert "
+            f"TMA descriptors need {nbytes}"
+        )
+    if workspace.device != torch.device(device):
+        raise ValueError(
+            f"descriptor_workspace is on {workspace.device}, the operands on {device}"
+        )
+    if workspace.data_ptr() % _DESC_ALIGN:
+        raise ValueError(
+            f"descriptor_workspace must be {_DESC_ALIGN}-byte aligned (TMA descriptors), got "
+            f"address {workspace.data_ptr():#x}"
+        )
+    return workspace[:nbytes].view(torch.int64)
 
 
 def contract_key_fields(contract: Any) -> dict[str, Any]:
@@ -357,7 +436,8 @@ def fake_wgrad_operands(key):
 
 
 def ragged_to_2d(x_XS, offsets_E, k_major_rows: int):
-    """Repack a ``tensor_ragged`` K-major operand into the tensor2d ``(rows, S)`` layout, on device.
+    """Repack a ``tensor_ragged`` K-major operand into the tensor2d ``(rows, S)`` layout, on device
+    (families without ``ragged_in_place``: SM90; it builds a ``(rows, S)`` int64 index tensor).
 
     ``x_XS`` is the caller's ``(rows, S)`` view whose storage holds per-expert ``(rows, K_e)``
     row-major blocks at element offset ``rows * begin_e``. No host read of ``offsets_E``.

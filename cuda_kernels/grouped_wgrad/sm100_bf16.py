@@ -3,9 +3,10 @@
 ``Wgrad[e] = A[:, begin:end] @ B[begin:end, :]`` for every expert ``e``.
 
 Status (read first): this kernel has been compiled offline for ``sm_100a`` (PTX checked for
-tcgen05.mma, tcgen05.alloc / TMEM loads and TMA bulk-tensor copies, and assembled by ptxas for
-sm_100a without spills) but it has NEVER RUN on a Blackwell GPU; no numerical result of it has
-been checked. The API may compile it, but its
+tcgen05.mma, tcgen05.alloc / TMEM loads, TMA bulk-tensor copies and, where used, the per-expert
+descriptor build (tensormap.replace, tensormap proxy fences), and assembled by ptxas for sm_100a
+without spills) but it has NEVER RUN on a Blackwell GPU; no numerical result of it has been
+checked, nor the device-built descriptors. The API may compile it, but its
 launcher refuses to run unless the environment sets ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1``; without
 that it raises ``RuntimeError`` ("compiled but not yet verified on hardware"), and
 :func:`unverified_reason` tells dispatchers to use another backend.
@@ -30,9 +31,23 @@ idioms of CUTLASS's Blackwell CuTe DSL dense GEMM, written for this operation):
   ``tile_m = 256`` uses the 2-CTA MMA (cta_group::2, a (2, 1) cluster: each CTA holds 128 rows of
   A and half of B);
 - warps 0-3 (epilogue): allocate TMEM, load the accumulator (``tcgen05.ld``), convert, stage
-  sub-tiles in shared memory and TMA-store them, or TMA reduce-add when ``accumulate``; discrete
-  outputs (an int64 pointer per expert, read on the device) are stored from registers (loaded
-  and added first when accumulating);
+  sub-tiles in shared memory and TMA-store them, or TMA reduce-add when ``accumulate``; dense
+  outputs through one ``(M, N, E)`` descriptor, discrete outputs (an int64 pointer per expert)
+  through the expert's own ``(M, N)`` descriptor (below). Only the JAX adapter, which passes no
+  descriptor workspace, still stores discrete outputs from registers (loaded and added first
+  when accumulating);
+- per-expert TMA descriptors (discrete outputs; ``tensor_ragged`` K-major operands, whose
+  per-expert row stride ``K_e`` no single descriptor can express): built on the device, in the
+  descriptor workspace (``descriptor_workspace_bytes``: 128 bytes each, expert-major, at most 3
+  per expert), as CUTLASS's Blackwell grouped GEMM updates its tensormaps: the TMA warp that
+  first takes a tile of expert ``e`` claims the expert's flag (``atom.cas`` on a per-launch
+  zeroed word after the tile counter), copies each host-encoded template descriptor into the
+  expert's slot, patches in the expert's address, dims and strides (``tensormap.replace``),
+  releases it (``fence.proxy.tensormap::generic.release``) and publishes the flag; every other
+  warp that needs it waits for the flag (``ld.acquire``) and every user acquires the
+  descriptor (``fence.proxy.tensormap::generic.acquire``) before its first TMA through it. A
+  claimant builds at once, so no wait depends on a CTA that is not resident. Ragged operands
+  are thus read in place: no repack, no ``(rows, S)`` index tensor;
 - scheduling: tile ids run over the experts sorted by token count (largest first, sorted on the
   device from ``offsets``). 1-CTA tiles (``tile_m = 128``): dynamic persistent, as in the SM90
   kernel: the TMA warp takes the next id from a global int32 atomic counter (zeroed per launch by
@@ -53,18 +68,21 @@ idioms of CUTLASS's Blackwell CuTe DSL dense GEMM, written for this operation):
 
 Supported: A K-major or M-major, B K-major or N-major, dense ``(E, M, N)`` or discrete (pointer
 per expert) output in BF16 / FP16 / FP32, overwrite or accumulate, ``input_order`` "tensor2d" and
-"tensor_ragged" (K-major ragged operands are repacked on the device first, as in the SM90
-module). Dense outputs may end in partial tiles (hidden / intermediate not multiples of the
-tile: TMA zero-fills the loads and clips the stores of each expert). Not supported: clusters other
+"tensor_ragged" (K-major ragged operands through per-expert descriptors, in place; M-/N-major
+ragged operands are the tensor2d memory). Dense outputs may end in partial tiles (hidden /
+intermediate not multiples of the tile: TMA zero-fills the loads and clips the stores of each
+expert). Not supported: clusters other
 than (1, 1) for ``tile_m = 128`` and (2, 1) for ``tile_m = 256`` (no TMA multicast), partial tiles
 with discrete outputs, a dynamic tile scheduler for the 2-CTA tile.
 
 Public names (mirroring ``sm90_bf16``): ``Sm100TileConfig``, ``Sm100WgradKey``,
 ``select_sm100_tile_config``, ``compile_sm100_wgrad`` (cached; ``COMPILE_COUNT`` counts real
 compiles), ``compile_sm100_wgrad_offline`` (PTX text for ``sm_100a`` without a GPU),
-``unverified_reason``, ``ENABLE_ENV``. The kernel's host side is its key and kernel plugged into
-``launch.KernelFamily`` (``FAMILY``: the opt-in gate, the no-token path and the SM100 compile
-target are its hooks), which compiles, caches and launches. CuTe DSL is imported only inside the
+``descriptors_per_expert`` / ``descriptor_workspace_bytes``, ``unverified_reason``,
+``ENABLE_ENV``. The kernel's host side is its key and kernel plugged into
+``launch.KernelFamily`` (``FAMILY``: the opt-in gate, the no-token path, the SM100 compile
+target, the counter's per-expert flags, the descriptor workspace and in-place ragged operands
+are its hooks), which compiles, caches and launches. CuTe DSL is imported only inside the
 compile functions.
 """
 
@@ -86,6 +104,8 @@ __all__ = [
     "compile_sm100_wgrad",
     "compile_sm100_wgrad_offline",
     "ctas_per_sm",
+    "descriptor_workspace_bytes",
+    "descriptors_per_expert",
     "load_sm100_tile_rules",
     "select_sm100_tile_config",
     "sm100_key_from_contract",
@@ -106,6 +126,10 @@ _EPI_STAGES = 2
 _SCHED_STAGES = 4
 #: SM100 contract: expert token counts are multiples of this (api.SM100_GROUP_ALIGN).
 _GROUP_ALIGN = SM100_TILES.group_align
+#: One TMA descriptor (CUtensorMap) in the descriptor workspace: 128 bytes, 64-byte aligned
+#: (CUDA driver API, ``CUtensorMap``: ``alignas(64)``, 16 x 64-bit words; the launcher checks
+#: the workspace's alignment, ``launch.descriptor_workspace_view``).
+_TMA_DESC_BYTES = 128
 
 
 def unverified_reason() -> str | None:
@@ -173,8 +197,8 @@ class Sm100WgradKey(KernelKey):
     """Static contract of one compiled SM100 kernel (the compile-cache key): the fields of
     ``_contract.KernelKey`` (``accumulate``: TMA reduce-add) and the :class:`Sm100TileConfig`
     ``tile``. Dense outputs may end in partial tiles (TMA zero-fills loads and clips stores per
-    expert); discrete outputs are stored from registers without predication, so the tile must
-    divide hidden and intermediate.
+    expert); discrete outputs keep the rule that the tile divides hidden and intermediate: the
+    JAX adapter (no descriptor workspace) still stores them from registers without predication.
 
     Raises:
         ValueError: a field outside its values, or hidden / intermediate that the tile does not
@@ -254,6 +278,41 @@ def select_sm100_tile_config(
     return config
 
 
+def _descriptor_slots(key: Any) -> tuple[str, ...]:
+    """The per-expert TMA descriptors the kernel of ``key`` builds on the device, in slot order:
+    ``"a"`` / ``"b"`` for a ``tensor_ragged`` K-major A / B (the expert's ``(rows, K_e)`` block,
+    addressed in place), ``"c"`` for a discrete output (the expert's pointer)."""
+    slots = []
+    if key.input_order == "tensor_ragged":
+        if key.a_major == "k":
+            slots.append("a")
+        if key.b_major == "k":
+            slots.append("b")
+    if key.output_mode == "discrete":
+        slots.append("c")
+    return tuple(slots)
+
+
+def descriptors_per_expert(key: Any) -> int:
+    """TMA descriptors (128 bytes each) the kernel of ``key`` builds per expert: 0 to 3 (A and B
+    of ``tensor_ragged`` K-major operands, the output in discrete mode)."""
+    return len(_descriptor_slots(key))
+
+
+def descriptor_workspace_bytes(key: Any) -> int:
+    """Bytes of descriptor workspace the kernel of ``key`` writes: ``E x descriptors_per_expert x
+    128``, at most 3 descriptors per expert, within cuDNN's documented size
+    (``get_grouped_gemm_wgrad_workspace_size_sm100``: 4 per expert dense, 5 discrete), so any
+    buffer sized the cuDNN way holds them."""
+    return key.num_experts * descriptors_per_expert(key) * _TMA_DESC_BYTES
+
+
+def _counter_len(key: Any) -> int:
+    """Int32 words of the zeroed per-launch counter: the tile counter, then one descriptor flag
+    per expert when the kernel builds descriptors."""
+    return 1 + (key.num_experts if descriptors_per_expert(key) else 0)
+
+
 def sm100_key_from_contract(contract: Any) -> Sm100WgradKey:
     """The :class:`Sm100WgradKey` of an ``api.WgradContract`` (tile from its ``mma_tiler_mn``,
     else from ``configs/cuda/sm100_tiles.yaml`` per shape through ``tiles.match_rule``); the
@@ -285,7 +344,7 @@ def sm100_key_from_contract(contract: Any) -> Sm100WgradKey:
 def _build_kernel_class():
     import cutlass
     import cutlass.utils.blackwell_helpers as sm100_utils
-    from cutlass import cute, memory, pipeline
+    from cutlass import cute, memory, pipeline, tensor_utils
     from cutlass.cute.nvgpu import cpasync, tcgen05
     from cutlass.tensor_utils import LayoutEnum
     from cutlass.utils.gemm import sm100 as sm100_epi
@@ -327,8 +386,18 @@ def _build_kernel_class():
             self.tmem_alloc_sync_bar_id = 2
             self.occupancy = 1
             self.stages = t.stages
-            # dense output: TMA store epilogue; discrete (a pointer per expert): register stores
-            self.tma_epi = key.output_mode == "dense"
+            # Per-expert TMA descriptors, built on the device into the descriptor workspace
+            # (``descriptors_per_expert``): the discrete output of each expert (its pointer), and
+            # each tensor_ragged K-major operand (its (rows, K_e) block addressed in place).
+            # Without a workspace (the JAX adapter, tensor2d only) discrete outputs are stored
+            # from registers instead; ``__call__`` settles that.
+            desc = _descriptor_slots(key)
+            self.desc_a = "a" in desc
+            self.desc_b = "b" in desc
+            self.desc_c = "c" in desc
+            self.num_desc = len(desc)
+            # TMA store epilogue: dense outputs, and discrete ones with per-expert descriptors
+            self.tma_epi = key.output_mode == "dense" or self.desc_c
             # dynamic persistent scheduling (a global atomic tile counter, as the SM90 kernel).
             # One CTA (``dynamic``): its TMA warp takes the ids and rings them to its own warps.
             # A (2, 1) cluster (``cluster_sched``): both CTAs of a pair must take the same id, so
@@ -356,7 +425,7 @@ def _build_kernel_class():
             c_one = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
             c_bytes = cute.size_in_bytes(self.c_dtype, c_one) * self.num_c_stage
             if not self.tma_epi:
-                c_bytes = 0  # discrete outputs are stored from registers
+                c_bytes = 0  # discrete outputs without a workspace: stored from registers
             a_one = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
             b_one = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
             ab_bytes = cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(
@@ -390,10 +459,21 @@ def _build_kernel_class():
             mB: cute.Tensor,  # (N, S) bf16 (B transposed view)
             mOffsets: cute.Tensor,  # (E,) int32
             mOut: cute.Tensor,  # (E, M, N) dense
-            mCounter: cute.Tensor,  # (1,) int32, zero at launch: the dynamic tile counter
+            mCounter: cute.Tensor,  # (1,) int32 zeroed at launch: the tile counter; (1 + E,)
+            # with descriptors: then [1 + e] is expert e's descriptor flag (0 / 1 building / 2)
             num_clusters: cutlass.Int32,
             stream,
+            mDesc: cute.Tensor = None,  # (16 * slots,) int64, 64-byte aligned: the workspace
         ):
+            if cutlass.const_expr(mDesc is None):
+                # no descriptor workspace (the JAX adapter: tensor2d, discrete from registers)
+                if cutlass.const_expr(self.desc_a or self.desc_b):
+                    raise ValueError(
+                        "tensor_ragged K-major operands need the descriptor workspace"
+                    )
+                self.desc_c = False
+                self.num_desc = 0
+                self.tma_epi = self.key.output_mode == "dense"
             a_major_mode = LayoutEnum.from_tensor(mA).mma_major_mode()
             b_major_mode = LayoutEnum.from_tensor(mB).mma_major_mode()
             tiled_mma = self._setup(a_major_mode, b_major_mode)
@@ -418,12 +498,21 @@ def _build_kernel_class():
                 + cute.size_in_bytes(self.ab_dtype, b_smem_one)
             ) * atom_thr_size
 
-            tma_atom_c, tma_c = tma_atom_a, mOut  # discrete: stores from registers
+            tma_atom_c, tma_c = tma_atom_a, mOut  # discrete without workspace: registers
             if cutlass.const_expr(self.tma_epi):
                 m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
-                mC_mne = cute.make_tensor(
-                    mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
-                )
+                if cutlass.const_expr(self.desc_c):
+                    # a template (M, N, 1) descriptor: each expert's copy in the workspace gets
+                    # its own base address on the device (``build_descriptors``); the template's
+                    # address (the 64-byte aligned workspace) is never accessed through it
+                    mC_mne = cute.make_tensor(
+                        cute.recast_ptr(mDesc.iterator, dtype=self.c_dtype),
+                        cute.make_layout((m, n, 1), stride=(n, 1, m * n)),
+                    )
+                else:
+                    mC_mne = cute.make_tensor(
+                        mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
+                    )
                 store_op = cpasync.CopyBulkTensorTileS2GOp()
                 if cutlass.const_expr(self.key.accumulate):
                     store_op = cpasync.CopyReduceBulkTensorTileS2GOp()
@@ -454,6 +543,10 @@ def _build_kernel_class():
                 tma_c,
                 mOffsets,
                 mCounter,
+                mA,
+                mB,
+                mOut,
+                mDesc if cutlass.const_expr(mDesc is not None) else mOffsets,
                 self.cluster_layout_vmnk,
                 self.a_smem_layout_staged,
                 self.b_smem_layout_staged,
@@ -542,6 +635,118 @@ def _build_kernel_class():
                 n_k = cutlass.Int32(0)
             return e, m_idx, n_idx, k_begin // self.tile_k, n_k, bad
 
+        def desc_ptr(self, mDesc, e, slot: int, space=None):
+            """Pointer to expert ``e``'s descriptor ``slot`` (its index in
+            ``_descriptor_slots``) in the workspace: 128 bytes (16 int64) per descriptor,
+            ``num_desc`` per expert, expert-major. ``space``: None for the gmem pointer that
+            tensormap.replace / the fences take, ``generic`` for the TMA copies."""
+            p = mDesc.iterator + (e * self.num_desc + slot) * (_TMA_DESC_BYTES // 8)
+            tm = tensor_utils.TensorMapManager(
+                tensor_utils.TensorMapUpdateMode.GMEM, _TMA_DESC_BYTES
+            )
+            if space is None:
+                return tm.get_tensormap_ptr(p)
+            return tm.get_tensormap_ptr(p, space)
+
+        @cute.jit
+        def init_descriptor(self, tm, tma_atom, mDesc, e, slot: int):
+            """Copy ``tma_atom``'s host-encoded descriptor (the template) into expert ``e``'s
+            ``slot`` and return the slot's pointer. The DSL's copy moves the descriptor's first
+            64 bytes; one lane zeroes the other 64 of the 128-byte slot, so that no byte of it
+            is left from an earlier use of the workspace."""
+            ptr = self.desc_ptr(mDesc, e, slot)
+            tm.init_tensormap_from_atom(tma_atom, ptr, self.tma_warp_id)
+            base = (e * self.num_desc + slot) * (_TMA_DESC_BYTES // 8)
+            with cute.arch.elect_one():
+                for w in cutlass.range_constexpr(_TMA_DESC_BYTES // 16, _TMA_DESC_BYTES // 8):
+                    mDesc[base + w] = cutlass.Int64(0)
+            cute.arch.sync_warp()
+            tm.fence_tensormap_initialization()
+            return ptr
+
+        @cute.jit
+        def build_descriptors(
+            self, e, k_begin, n_k, mA_g, mB_g, mPtrs, mDesc, tma_atom_a, tma_atom_b, tma_atom_c
+        ):
+            """One warp writes expert ``e``'s descriptors into the workspace: each is the
+            host-encoded template of its TMA atom (copied by one lane), then the expert's base
+            address, shape and strides patched in (``tensormap.replace``, the whole warp), then
+            released to the tensormap proxy (``fence.proxy.tensormap::generic.release.gpu``).
+            The output's (discrete) always; the ragged operands' only when the expert has K
+            tiles (a TMA box needs a non-empty tensor, and an empty expert loads nothing)."""
+            warp = self.tma_warp_id
+            tm = tensor_utils.TensorMapManager(
+                tensor_utils.TensorMapUpdateMode.GMEM, _TMA_DESC_BYTES
+            )
+            m, n = self.key.hidden, self.key.intermediate
+            k_len = n_k * self.tile_k
+            off_a = cutlass.Int64(k_begin) * m  # expert e's (M, K_e) block, element offset
+            off_b = cutlass.Int64(k_begin) * n
+            if cutlass.const_expr(self.desc_a):
+                if n_k > 0:
+                    ptr = self.init_descriptor(tm, tma_atom_a, mDesc, e, 0)
+                    a_e = cute.make_tensor(
+                        mA_g.iterator + off_a, cute.make_layout((m, k_len), stride=(k_len, 1))
+                    )
+                    tm.update_tensormap((a_e,), (tma_atom_a,), (ptr,), warp, (None,))
+            if cutlass.const_expr(self.desc_b):
+                if n_k > 0:
+                    ptr = self.init_descriptor(tm, tma_atom_b, mDesc, e, int(self.desc_a))
+                    b_e = cute.make_tensor(
+                        mB_g.iterator + off_b, cute.make_layout((n, k_len), stride=(k_len, 1))
+                    )
+                    tm.update_tensormap((b_e,), (tma_atom_b,), (ptr,), warp, (None,))
+            if cutlass.const_expr(self.desc_c):
+                ptr = self.init_descriptor(tm, tma_atom_c, mDesc, e, self.num_desc - 1)
+                c_e = cute.make_tensor(
+                    cute.make_ptr(
+                        self.c_dtype, mPtrs[e], cute.AddressSpace.gmem, assumed_align=16
+                    ),
+                    cute.make_layout((m, n, 1), stride=(n, 1, m * n)),
+                )
+                tm.update_tensormap((c_e,), (tma_atom_c,), (ptr,), warp, (None,))
+
+        @cute.jit
+        def ensure_descriptors(
+            self, e, k_begin, n_k, lane, mCounter, mA_g, mB_g, mPtrs, mDesc,
+            tma_atom_a, tma_atom_b, tma_atom_c,
+        ):
+            """TMA warp, for each tile it takes: expert ``e``'s descriptors exist once this
+            returns. The first warp (of any CTA) that needs them claims the expert's flag
+            (``mCounter[1 + e]``: 0 -> 1, ``atom.cas`` acq_rel), builds them and publishes
+            (flag 2, release); every other warp spins on the flag (ld.acquire). A claimant
+            builds at once, waiting on nothing, so no spin can wait on a CTA that is not
+            resident. The caller still acquires each descriptor for the tensormap proxy
+            (``fence.proxy.tensormap::generic.acquire``) before a TMA uses it."""
+            flag = mCounter.iterator + 1 + e
+            state = cutlass.Int32(0)
+            if lane == 0:
+                state = cute.arch.atomic_cas(
+                    flag, cmp=cutlass.Int32(0), val=cutlass.Int32(1), sem="acq_rel", scope="gpu"
+                )
+            state = cute.arch.shuffle_sync(state, 0)
+            if state == 0:
+                self.build_descriptors(
+                    e, k_begin, n_k, mA_g, mB_g, mPtrs, mDesc, tma_atom_a, tma_atom_b,
+                    tma_atom_c,
+                )
+                if lane == 0:
+                    cute.arch.atomic_exch(flag, cutlass.Int32(2), sem="release", scope="gpu")
+            else:
+                self.wait_descriptors(e, lane, mCounter)
+            cute.arch.sync_warp()
+
+        @cute.jit
+        def wait_descriptors(self, e, lane, mCounter):
+            """Lane 0 spins until expert ``e``'s descriptors are published (flag 2, ld.acquire
+            at gpu scope); the warp then proceeds together."""
+            if lane == 0:
+                flag = mCounter.iterator + 1 + e
+                state = cute.arch.load(flag, cutlass.Int32, sem="acquire", scope="gpu")
+                while state != 2:
+                    state = cute.arch.load(flag, cutlass.Int32, sem="acquire", scope="gpu")
+            cute.arch.sync_warp()
+
         def expert_c(self, ptr_int, thr_mma):
             """This CTA's ((MMA_M), (MMA_N), RestM, RestN, 1) view of one discrete (M, N) row-major
             output at address ``ptr_int`` (16-byte aligned; traced inline, not a device call)."""
@@ -561,9 +766,14 @@ def _build_kernel_class():
             tma_atom_b: cute.CopyAtom,
             mB_nk: cute.Tensor,
             tma_atom_c: cute.CopyAtom,
-            mC: cute.Tensor,  # dense: the TMA view of (M, N, E); discrete: (E,) int64 pointers
+            mC: cute.Tensor,  # TMA view of (M, N, E) dense / (M, N, 1) per-expert descriptor;
+            # discrete without workspace: (E,) int64 pointers
             mOffsets: cute.Tensor,
             mCounter: cute.Tensor,
+            mA_g: cute.Tensor,  # A, B and the output as passed (ragged / per-expert addresses)
+            mB_g: cute.Tensor,
+            mPtrs: cute.Tensor,
+            mDesc: cute.Tensor,  # the descriptor workspace (unused without descriptors)
             cluster_layout_vmnk: cute.Layout,
             a_smem_layout_staged: cute.ComposedLayout,
             b_smem_layout_staged: cute.ComposedLayout,
@@ -573,9 +783,11 @@ def _build_kernel_class():
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             tidx, _, _ = cute.arch.thread_idx()
             if warp_idx == self.tma_warp_id:
-                cpasync.prefetch_descriptor(tma_atom_a)
-                cpasync.prefetch_descriptor(tma_atom_b)
-                if cutlass.const_expr(self.tma_epi):
+                if cutlass.const_expr(not self.desc_a):
+                    cpasync.prefetch_descriptor(tma_atom_a)
+                if cutlass.const_expr(not self.desc_b):
+                    cpasync.prefetch_descriptor(tma_atom_b)
+                if cutlass.const_expr(self.tma_epi and not self.desc_c):
                     cpasync.prefetch_descriptor(tma_atom_c)
 
             use_2cta = cute.size(tiled_mma.thr_id.shape) == 2
@@ -771,26 +983,56 @@ def _build_kernel_class():
                     sched_state.advance()
                     tile = self.take_tile(sched_pipe, sched_cstate, sSched)
                     sched_cstate.advance()
+                last_e = cutlass.Int32(-1)
                 while tile < self.num_tiles:
-                    _e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
+                    e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
                     tAgA_t = tAgA[(None, m_idx, None)]
                     tBgB_t = tBgB[(None, n_idx, None)]
+                    # per-expert descriptors address the expert's operand from its first token
+                    k0_a = k0
+                    k0_b = k0
+                    desc_a = None
+                    desc_b = None
+                    if cutlass.const_expr(self.desc_a):
+                        k0_a = cutlass.Int32(0)
+                        desc_a = self.desc_ptr(mDesc, e, 0, cute.AddressSpace.generic)
+                    if cutlass.const_expr(self.desc_b):
+                        k0_b = cutlass.Int32(0)
+                        desc_b = self.desc_ptr(
+                            mDesc, e, int(self.desc_a), cute.AddressSpace.generic
+                        )
+                    if cutlass.const_expr(self.num_desc > 0):
+                        if e != last_e:
+                            self.ensure_descriptors(
+                                e, k0 * self.tile_k, n_k, lane, mCounter, mA_g, mB_g, mPtrs,
+                                mDesc, tma_atom_a, tma_atom_b, tma_atom_c,
+                            )
+                            if n_k > 0:
+                                if cutlass.const_expr(self.desc_a):
+                                    cpasync.fence_tma_desc_acquire(self.desc_ptr(mDesc, e, 0))
+                                if cutlass.const_expr(self.desc_b):
+                                    cpasync.fence_tma_desc_acquire(
+                                        self.desc_ptr(mDesc, e, int(self.desc_a))
+                                    )
+                            last_e = e
                     for kt in cutlass.range(n_k, unroll=1):
                         ab_pipe.producer_acquire(prod_state)
                         bar = ab_pipe.producer_get_barrier(prod_state)
                         cute.copy(
                             tma_atom_a,
-                            tAgA_t[(None, k0 + kt)],
+                            tAgA_t[(None, k0_a + kt)],
                             tAsA[(None, prod_state.index)],
                             tma_bar_ptr=bar,
                             mcast_mask=a_mcast_mask,
+                            tma_desc_ptr=desc_a,
                         )
                         cute.copy(
                             tma_atom_b,
-                            tBgB_t[(None, k0 + kt)],
+                            tBgB_t[(None, k0_b + kt)],
                             tBsB[(None, prod_state.index)],
                             tma_bar_ptr=bar,
                             mcast_mask=b_mcast_mask,
+                            tma_desc_ptr=desc_b,
                         )
                         ab_pipe.producer_commit(prod_state)
                         prod_state.advance()
@@ -894,8 +1136,25 @@ def _build_kernel_class():
                 )
                 tile = self.take_tile(sched_pipe, sched_cstate, sSched)
                 sched_cstate.advance()
+                epi_last_e = cutlass.Int32(-1)
                 while tile < self.num_tiles:
                     e, m_idx, n_idx, _k0, n_k, bad = self.tile_coords(tile, sPerm, mOffsets)
+                    e_c = e  # the output's expert coordinate: 0 with per-expert descriptors
+                    desc_c = None
+                    if cutlass.const_expr(self.desc_c):
+                        e_c = cutlass.Int32(0)
+                        desc_c = self.desc_ptr(
+                            mDesc, e, self.num_desc - 1, cute.AddressSpace.generic
+                        )
+                        # the storing warp: this CTA's TMA warp ensures every expert it takes
+                        # (empty ones too); wait for the flag, then acquire the descriptor
+                        if warp_idx == self.epilogue_warp_id[0]:
+                            if e != epi_last_e:
+                                self.wait_descriptors(e, cute.arch.lane_idx(), mCounter)
+                                cpasync.fence_tma_desc_acquire(
+                                    self.desc_ptr(mDesc, e, self.num_desc - 1)
+                                )
+                                epi_last_e = e
                     # 2-CTA: this CTA writes rows [128 v, 128 v + 128) of the 256-row MMA tile.
                     tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cstate.index)]
                     tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
@@ -909,7 +1168,7 @@ def _build_kernel_class():
                         acc_pipe.consumer_wait(acc_cstate)
                     if cutlass.const_expr(self.tma_epi):
                         # registers -> smem sub-tile -> TMA store (TMA reduce-add if accumulate)
-                        bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e)]
+                        bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e_c)]
                         bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
                         if write:
                             for sub in cutlass.range_constexpr(subtiles):
@@ -929,14 +1188,18 @@ def _build_kernel_class():
                                 epi_barrier.arrive_and_wait()
                                 if warp_idx == self.epilogue_warp_id[0]:
                                     cute.copy(
-                                        tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, sub)]
+                                        tma_atom_c,
+                                        bSG_sC[(None, buf)],
+                                        bSG_gC[(None, sub)],
+                                        tma_desc_ptr=desc_c,
                                     )
                                     c_pipe.producer_commit()
                                     c_pipe.producer_acquire()
                                 epi_barrier.arrive_and_wait()
                                 epi_count += 1
                     else:
-                        # discrete: registers -> the expert's own (M, N) output (pointer mC[e])
+                        # discrete without a descriptor workspace (the JAX adapter): registers
+                        # -> the expert's own (M, N) output (pointer mC[e])
                         gC_e = self.expert_c(mC[e], thr_mma)
                         tTR_gC = thr_t2r.partition_D(cute.flat_divide(gC_e, epi_tile))
                         tTR_gC = tTR_gC[(None, None, None, None, None, m_idx, n_idx, 0)]
@@ -1092,6 +1355,9 @@ FAMILY = KernelFamily(
     as_key=_as_key,
     tile_counter=True,
     ctas_per_sm=ctas_per_sm,
+    counter_len=_counter_len,
+    workspace_bytes=descriptor_workspace_bytes,
+    ragged_in_place=True,
 )
 
 
@@ -1114,10 +1380,17 @@ def compile_sm100_wgrad(key: Any) -> Callable[..., None]:
     - ``out``: dense ``(E, M, N)`` contiguous tensor of ``key.out_dtype``, or for
       ``output_mode="discrete"`` an ``(E,)`` int64 tensor of 16-byte aligned ``(M, N)`` row-major
       output addresses;
-    - ``stream``: a ``torch.cuda.Stream`` (default: the current stream).
+    - ``stream``: a ``torch.cuda.Stream`` (default: the current stream);
+    - ``descriptor_workspace`` (keyword): the caller's uint8 buffer (contiguous, 64-byte aligned,
+      at least :func:`descriptor_workspace_bytes`; cuDNN's
+      ``get_grouped_gemm_wgrad_workspace_size_sm100`` is always enough) for the per-expert TMA
+      descriptors of discrete outputs and ``tensor_ragged`` K-major operands, rewritten at each
+      launch (do not share it between launches that may overlap); None: one is allocated per
+      launch on the launch stream. Unused (may be None) when the key needs no descriptors.
 
     The launcher raises ``RuntimeError`` unless ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1``: the kernel
-    is compiled but has never been verified on Blackwell hardware.
+    is compiled but has never been verified on Blackwell hardware; ``ValueError`` for a
+    ``descriptor_workspace`` it cannot use (nothing launched).
 
     Raises:
         RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.

@@ -631,8 +631,15 @@ def get_grouped_gemm_wgrad_workspace_size_sm100(
     descriptors (CUtensorMap) of A, B, SFA and SFB, plus the output's in discrete mode; the same
     for either ``input_order`` (1024 bytes for 2 dense experts, as cuDNN's test pins).
 
-    The BF16 kernels here build no runtime descriptors: they accept such a buffer (so code sized
-    the cuDNN way runs unchanged) and leave it untouched.
+    The SM100 BF16 kernel builds per-expert TMA descriptors on the device in this buffer: the
+    output's in discrete mode and each ``tensor_ragged`` K-major operand's, at most 3 per expert
+    (``sm100_bf16.descriptors_per_expert``), so cuDNN's size (4 dense, 5 discrete per expert)
+    always holds them and stays the documented size: no growth, and every buffer sized the cuDNN
+    way is accepted. Without a buffer the launcher allocates one per launch (on the launch
+    stream). The SM90 BF16 kernel builds no runtime descriptors and leaves the buffer untouched.
+    A buffer the SM100 kernel writes must be 64-byte aligned (CUtensorMap), checked at launch.
+    The kernel's per-expert "descriptor ready" flags are not kept here: they follow the tile
+    counter in the int32 word buffer the launcher allocates and zeroes per launch.
 
     Raises:
         ValueError: ``num_experts`` is not a positive int, or an unknown mode / order.

@@ -299,7 +299,11 @@ def _wrapper_doc(name: str, cls_name: str, extra: str) -> str:
             skipped while a CUDA graph is being captured. Pass False in the hot path.
         descriptor_workspace (keyword): accepted as cuDNN's block-scaled callers size it (uint8,
             contiguous, at least ``get_grouped_gemm_wgrad_workspace_size_sm100(E, output_mode,
-            input_order)`` bytes, same device); unused by BF16 (cuDNN refuses it for BF16).
+            input_order)`` bytes, same device). BF16: the SM100 kernel writes its per-expert TMA
+            descriptors there (discrete outputs, tensor_ragged K-major operands; at most 3 x 128
+            bytes per expert, within that size; the buffer must then be 64-byte aligned) and
+            allocates its own per launch when it is omitted; the SM90 kernel leaves it untouched
+            (cuDNN refuses it for BF16; accepting it lets code sized the cuDNN way run).
 
     Raises:
         ValueError: any contract rule (argument named in the message), before any output write.

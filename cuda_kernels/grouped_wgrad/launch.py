@@ -227,10 +227,15 @@ class KernelFamily:
                     b = ragged_to_2d(b.t(), offsets, b.shape[1]).t()
             grid = self.grid_size(key, a.device)
             if self.tile_counter:
-                fn(a, b.t(), offsets, out, _zeroed_counter(a.device), grid)
+                fn(a, b.t(), offsets, out, self.counter_for(key, a.device), grid)
             else:
                 fn(a, b.t(), offsets, out, grid)
 
+    def counter_for(self, key: Any, device):
+        """The dynamic scheduler's int32 ``[1]`` tile counter of one launch (``tile_counter``
+        families): a zeroed one on the launch stream (:func:`_zeroed_counter`); a family whose
+        kernel resets its counter overrides this."""
+        return _zeroed_counter(device)
 
     def grid_size(self, key: Any, device) -> int:
         """The persistent grid, in clusters: as many as can be resident at once

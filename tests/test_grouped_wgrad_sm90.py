@@ -160,6 +160,7 @@ def test_variant_field_validation():
         ({"epi_n": 24}, "epi_n"),
         ({"tile_n": 128, "epi_n": 256}, "epi_n"),
         ({"tile_n": 192, "epi_n": 128}, "epi_n"),
+        ({"tile_n": 64, "epi_n": 48}, "epi_n"),
         ({"epi_stages": 9}, "epi_stages"),
         ({"cluster_m": 4}, "cluster_m"),
     ]:

@@ -84,8 +84,8 @@ class Sm90TileConfig:
             consumers add it to the accumulators in registers and store with plain TMA stores
             from the same buffer: the whole tile is the store staging). Dense FP32 outputs only
             (others keep the reduce-add).
-        epi_n: columns of one epilogue sub-tile (TMA store box), a multiple of 16 dividing
-            tile_n (default 32).
+        epi_n: columns of one epilogue sub-tile (TMA store box): 32 (default, as measured), or
+            a multiple of 16 dividing tile_n.
         epi_stages: TMA-store staging buffers per consumer group of the store / reduce-add
             epilogues, 1..8, or 0 (as many as fit, at most 2: the measured default).
         cluster_m: 1, or 2 for (2, 1) clusters: the two CTAs take the same expert and N tile and
@@ -122,7 +122,9 @@ class Sm90TileConfig:
             raise ValueError(
                 f"{cls}.acc_epilogue must be 'reduce' or 'prefetch', got {self.acc_epilogue!r}"
             )
-        if self.epi_n % 16 or not 16 <= self.epi_n <= self.tile_n or self.tile_n % self.epi_n:
+        if self.epi_n != 32 and (  # (32: the measured kernel's width, for every tile_n)
+            self.epi_n % 16 or not 16 <= self.epi_n <= self.tile_n or self.tile_n % self.epi_n
+        ):
             raise ValueError(
                 f"{cls}.epi_n must be a multiple of 16 dividing tile_n={self.tile_n}, "
                 f"got {self.epi_n}"
@@ -510,6 +512,27 @@ def _build_kernel_class():
             return t
 
         @cute.jit
+        def load_old_tile(self, tma_atom_cl, bGS_sC, bGS_gC, c_full, c_empty, c_phases, g):
+            """Producer warp, prefetch epilogue: TMA-load the old output tile into consumer group
+            g's buffer (its n_sub sub-tiles) once the group's previous stores have read it.
+            Returns the producer phase bits with g's flipped."""
+            cute.arch.mbarrier_wait(c_empty + g, (c_phases >> g) & 1)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    c_full + g, self.tile_m * self.tile_n * 4  # an fp32 tile
+                )
+            sub_shape = (self.tile_m // self.epi_tile[0], self.tile_n // self.epi_tile[1])
+            sub_layout = cute.make_layout(sub_shape, stride=(sub_shape[1], 1))
+            for si in cutlass.range_constexpr(self.n_sub):
+                cute.copy(
+                    tma_atom_cl,
+                    bGS_gC[(None, sub_layout.get_hier_coord(si))],
+                    bGS_sC[(None, g * self.n_sub + si)],
+                    tma_bar_ptr=c_full + g,
+                )
+            return c_phases ^ (1 << g)
+
+        @cute.jit
         def tile_coords(self, tile, sPerm, cta_rank):
             """(e, m_idx, n_idx, valid) of scheduler tile ``tile`` in this CTA: ids run over
             experts sorted by size (largest first), then N tiles, then M units (one M tile, or an
@@ -794,38 +817,6 @@ def _build_kernel_class():
                             pending = self.fetch_tile(mCounter, lane, cta_rank)
                         e, m_idx, n_idx, valid = self.tile_coords(tile, sPerm, cta_rank)
                         k_base, _head, _k_len, n_k = self.k_range(mOffsets, e)
-                        if cutlass.const_expr(self.prefetch_c):
-                            # the old output tile, for the consumer group of this tile
-                            if n_k > 0 and valid:
-                                g = jp % self.num_groups
-                                cute.arch.mbarrier_wait(c_empty + g, (c_phases >> g) & 1)
-                                c_phases = c_phases ^ (1 << g)
-                                with cute.arch.elect_one():
-                                    cute.arch.mbarrier_arrive_and_expect_tx(
-                                        c_full + g,
-                                        self.tile_m * self.tile_n * 4,  # fp32 tile
-                                    )
-                                gCl_epi = cute.zipped_divide(
-                                    gCl_all[(None, None, m_idx, n_idx, e)], self.epi_tile
-                                )
-                                bGS_sC, bGS_gC = cute.nvgpu.cpasync.tma_partition(
-                                    tma_atom_cl,
-                                    0,
-                                    cute.make_layout(1),
-                                    cute.group_modes(sC, 0, 2),
-                                    gCl_epi,
-                                )
-                                sub_shape_p = gCl_epi.shape[1]
-                                sub_layout_p = cute.make_layout(
-                                    sub_shape_p, stride=(sub_shape_p[1], 1)
-                                )
-                                for si in cutlass.range_constexpr(self.n_sub):
-                                    cute.copy(
-                                        tma_atom_cl,
-                                        bGS_gC[(None, sub_layout_p.get_hier_coord(si))],
-                                        bGS_sC[(None, g * self.n_sub + si)],
-                                        tma_bar_ptr=c_full + g,
-                                    )
                         gA = cute.local_tile(
                             cute.domain_offset((0, k_base), tma_a),
                             (self.tile_m, tk),
@@ -850,6 +841,31 @@ def _build_kernel_class():
                             cute.group_modes(sB, 0, 2),
                             cute.group_modes(gB, 0, 2),
                         )
+                        has_c = cutlass.Boolean(False)
+                        c_at = cutlass.Int32(0)
+                        g = cutlass.Int32(0)
+                        bGS_sC, bGS_gC = None, None
+                        if cutlass.const_expr(self.prefetch_c):
+                            # The old output tile, for this tile's consumer group, loaded once
+                            # the ring holds the tile's first stages (min(n_k, stages) - 1 is the
+                            # last of them): by then the previous tile of the group has stored
+                            # from the buffer (a cooperative CTA's epilogue) or is about to, and
+                            # the load still has the rest of the mainloop to land.
+                            has_c = n_k > 0 and valid
+                            c_at = n_k - 1
+                            if c_at > self.stages - 1:
+                                c_at = cutlass.Int32(self.stages - 1)
+                            g = jp % self.num_groups
+                            gCl_epi = cute.zipped_divide(
+                                gCl_all[(None, None, m_idx, n_idx, e)], self.epi_tile
+                            )
+                            bGS_sC, bGS_gC = cute.nvgpu.cpasync.tma_partition(
+                                tma_atom_cl,
+                                0,
+                                cute.make_layout(1),
+                                cute.group_modes(sC, 0, 2),
+                                gCl_epi,
+                            )
                         for kt in cutlass.range(n_k, unroll=1):
                             ab_pipe.producer_acquire(prod_state)
                             bar = ab_pipe.producer_get_barrier(prod_state)
@@ -876,6 +892,11 @@ def _build_kernel_class():
                                 )
                             ab_pipe.producer_commit(prod_state)
                             prod_state.advance()
+                            if cutlass.const_expr(self.prefetch_c):
+                                if has_c and kt == c_at:
+                                    c_phases = self.load_old_tile(
+                                        tma_atom_cl, bGS_sC, bGS_gC, c_full, c_empty, c_phases, g
+                                    )
                         if cutlass.const_expr(not self.sched_ahead):
                             pending = self.fetch_tile(mCounter, lane, cta_rank)
                         tile = self.publish_tile(

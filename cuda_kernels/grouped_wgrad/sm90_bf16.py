@@ -28,7 +28,14 @@ Structure (one CTA per SM, persistent, warp-specialized):
   the expert's begin rounded down to 8 tokens (TMA needs a 16-byte aligned innermost coordinate).
   The consumers zero the rows outside the expert in shared memory (both operands: ``0 * NaN`` is
   NaN), fence the async proxy and sync before the wgmma reads them;
-- empty experts issue no loads and write zeros, or leave the output untouched when accumulating.
+- empty experts issue no loads and write zeros, or leave the output untouched when accumulating;
+- speed variants, fields of :class:`Sm90TileConfig` (defaults: the kernel above): an FP32
+  accumulate epilogue that prefetches the old tile by TMA during the mainloop and stores plainly
+  (``acc_epilogue="prefetch"``), epilogue sub-tile width / store stages (``epi_n``,
+  ``epi_stages``), (2, 1) clusters over M-tile pairs with the B tile multicast (``cluster_m=2``;
+  rank 0 takes the tile ids and passes them to rank 1 through a DSMEM mailbox), the next tile
+  id fetched one tile ahead (``sched_ahead``) and a self-resetting tile counter
+  (``self_reset_counter``).
 
 Public names (docs/CONTRACTS.md): ``Sm90TileConfig``, ``Sm90WgradKey``, ``select_sm90_tile_config``,
 ``sm90_key_from_contract``, ``compile_sm90_wgrad`` (cached; ``COMPILE_COUNT`` counts real

@@ -23,8 +23,9 @@ fetch one ahead, self-resetting tile counter) on the quick shapes (one of them F
 a small odd-M-tile correctness row, in one process: each variant is checked against an fp32
 reference over ALL experts (accumulating rows from a random old output) before and after timing,
 then timed; torch._grouped_mm and quack (autotuned) once per shape; a failing variant prints its
-error and the sweep goes on. ``--variant-filter a,b`` keeps the variants whose name contains any
-of the substrings.
+error and the sweep goes on; each variant's name is printed before it runs (a hang names itself).
+``--variant-filter a,b,-c`` keeps the variants whose name contains a or b and not c (the default
+tile always runs).
 """
 
 import argparse
@@ -396,7 +397,11 @@ def run_variants(args, bench, dev, copy_bw):
         t_default = None
         for tile in tiles:
             vname = tile.variant_name
-            if filters and not any(f in vname for f in filters) and tile != tiles[0]:
+            keep = [f for f in filters if not f.startswith("-")]
+            drop = [f[1:] for f in filters if f.startswith("-")]
+            if tile != tiles[0] and (
+                (keep and not any(f in vname for f in keep)) or any(f in vname for f in drop)
+            ):
                 continue
             row = dict(shape=name, variant=vname, tile=dataclasses.asdict(tile))
             print(f"# {name}: {vname} ...", flush=True)
@@ -469,8 +474,8 @@ def main(argv=None):
     p.add_argument(
         "--variant-filter",
         default=None,
-        help="with --variants: keep variants whose name contains one of these "
-        "comma-separated substrings (the default tile always runs)",
+        help="with --variants: comma-separated name substrings to keep; '-x' drops names "
+        "containing x (the default tile always runs)",
     )
     args = p.parse_args(argv)
 

@@ -16,9 +16,20 @@ Layouts: A M-major and B N-major (A = X_sorted^T, B = dY_sorted, both row-major 
 MoE backward holds), out bf16 unless the row says fp32.
 
 Usage: ``python benchmarks/bench_grouped_wgrad.py [--quick] [--json out.json]``.
+
+``--variants``: every speed variant of the SM90 kernel (``Sm90TileConfig`` fields: prefetch / reduce
+fp32-accumulate epilogue, epilogue sub-tile and store stages, (2, 1) clusters with B multicast, tile
+fetch one ahead, self-resetting tile counter) on the quick shapes (one of them FP32-accumulate) and
+a small odd-M-tile correctness row, in one process: each variant is checked against an fp32
+reference over ALL experts (accumulating rows from a random old output) before and after timing,
+then timed; torch._grouped_mm and quack (autotuned) once per shape; a failing variant prints its
+error and the sweep goes on; each variant's name is printed before it runs (a hang names itself).
+``--variant-filter a,b,-c`` keeps the variants whose name contains a or b and not c (the default
+tile always runs).
 """
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -114,7 +125,7 @@ def _run_row(args, bench, sm90, dev, copy_bw, shape):
             m, n, e, a_major="m", b_major="n", out_dtype=out_dtype, accumulate=accumulate,
             tile=tile,
         )
-        name_t = f"{tile.tile_m}x{tile.tile_n}s{tile.stages}{'pp' if tile.pingpong else ''}"
+        name_t = tile.variant_name
         launcher = sm90.compile_sm90_wgrad(key)
         # correctness spot check against torch on the largest and the smallest expert
         launcher(a, b, offsets, out.zero_())
@@ -233,6 +244,217 @@ def _quack_columns(row, bench, a, b, offsets, ours_once, accumulate, flops, t_ou
         row[f"{tag}_vs_ours_rel_diff"] = diff
 
 
+def variant_tiles(m, n, e, accumulate, out_dtype):
+    """The SM90 tile variants swept by ``--variants`` for one shape, safest first (a kernel that
+    faults poisons the CUDA context for the rest): the YAML default, its scheduler variants, the
+    epilogue variants (FP32-accumulate rows), then (2, 1) clusters. Variants that do not fit the
+    shape or shared memory are dropped."""
+    from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+
+    base = sm90.select_sm90_tile_config(m, n, e)
+    r = dataclasses.replace
+    sched = dict(sched_ahead=True, self_reset_counter=True)
+    out = [
+        base,
+        r(base, sched_ahead=True),
+        r(base, self_reset_counter=True),
+        r(base, **sched),
+        sm90.Sm90TileConfig(128, 128, 64, 6, False),
+        sm90.Sm90TileConfig(128, 128, 64, 6, True, **sched),
+        sm90.Sm90TileConfig(128, 256, 64, 4, False, **sched),
+    ]
+    if accumulate and out_dtype == "float32":
+        out += [
+            r(base, epi_n=64),
+            r(base, epi_n=64, epi_stages=3),
+            r(base, epi_n=32, epi_stages=4),
+            sm90.Sm90TileConfig(128, 128, 64, 6, False, epi_n=64, epi_stages=3),
+            sm90.Sm90TileConfig(128, 256, 64, 4, False, epi_n=64, epi_stages=2),
+        ]
+        for cfg in (
+            sm90.Sm90TileConfig(128, 128, 64, 6, False),
+            sm90.Sm90TileConfig(128, 64, 64, 8, True),
+            sm90.Sm90TileConfig(128, 128, 64, 6, True),  # 2 stages left: a probe
+        ):
+            for epi_n in (32, 64):
+                if cfg.tile_n % epi_n == 0:
+                    out.append(r(cfg, acc_epilogue="prefetch", epi_n=epi_n))
+                    out.append(r(cfg, acc_epilogue="prefetch", epi_n=epi_n, **sched))
+    clusters = [
+        r(base, cluster_m=2),
+        r(base, cluster_m=2, **sched),
+        sm90.Sm90TileConfig(128, 128, 64, 6, False, cluster_m=2, **sched),
+        sm90.Sm90TileConfig(128, 256, 64, 4, False, cluster_m=2, **sched),
+    ]
+    if accumulate and out_dtype == "float32":
+        clusters += [
+            sm90.Sm90TileConfig(
+                128, 128, 64, 6, False, acc_epilogue="prefetch", epi_n=64, cluster_m=2, **sched
+            ),
+            sm90.Sm90TileConfig(
+                128, 64, 64, 8, True, acc_epilogue="prefetch", cluster_m=2, **sched
+            ),
+        ]
+    out += clusters
+    seen, keep = set(), []
+    for cfg in out:
+        if cfg in seen or m % cfg.tile_m or n % cfg.tile_n:
+            continue
+        seen.add(cfg)
+        keep.append(cfg)
+    return keep
+
+
+def _variant_shapes():
+    """Quick shapes (one bf16, one FP32-accumulate) and a small correctness row: 64-row tiles
+    over hidden 192 (3 M tiles: the (2, 1) clusters' odd pair), skewed experts with empty ones,
+    FP32 accumulate."""
+    rows = list(shapes(quick=True))
+    rows.append(
+        ("6x192x256 odd-M fp32-acc", 6, 192, 256, [300, 0, 77, 1000, 5, 0], "float32", True)
+    )
+    return rows
+
+
+def _small_tiles(m, n, e):
+    """Variants of the small odd-M row: 64x128 tiles (3 M tiles), every switch."""
+    from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+
+    t = sm90.Sm90TileConfig(64, 128, 64, 8, False)
+    r = dataclasses.replace
+    sched = dict(sched_ahead=True, self_reset_counter=True)
+    return [
+        t,
+        r(t, **sched),
+        r(t, acc_epilogue="prefetch"),
+        r(t, acc_epilogue="prefetch", epi_n=64, **sched),
+        r(t, cluster_m=2),
+        r(t, cluster_m=2, **sched),
+        r(t, cluster_m=2, acc_epilogue="prefetch", **sched),
+        r(t, cluster_m=2, epi_n=64, epi_stages=3),
+        sm90.Sm90TileConfig(64, 128, 64, 8, True, cluster_m=2, sched_ahead=True),
+    ]
+
+
+def run_variants(args, bench, dev, copy_bw):
+    """``--variants``: see the module docstring. Returns the rows (one per shape and variant)."""
+    from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+
+    filters = [f for f in (args.variant_filter or "").split(",") if f]
+    rows = []
+    for name, e, m, n, counts, out_dtype, accumulate in _variant_shapes():
+        s = int(sum(counts))
+        gen = torch.Generator(device=dev).manual_seed(1)
+        x_SM = torch.randn(s, m, device=dev, dtype=torch.bfloat16, generator=gen)
+        dy_SN = torch.randn(s, n, device=dev, dtype=torch.bfloat16, generator=gen)
+        a, b = x_SM.t(), dy_SN
+        offsets = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
+        odt = getattr(torch, out_dtype)
+        flops = 2.0 * m * n * s
+        begins = [0] + offsets.tolist()[:-1]
+        ref = torch.zeros(e, m, n, device=dev, dtype=torch.float32)
+        for i, (b0, c) in enumerate(zip(begins, counts)):
+            if c:
+                ref[i] = a[:, b0 : b0 + c].float() @ b[b0 : b0 + c].float()
+        old = (
+            torch.randn(e, m, n, device=dev, generator=gen).to(odt)
+            if accumulate
+            else torch.zeros(e, m, n, device=dev, dtype=odt)
+        )
+        want = ref + old.float() if accumulate else ref
+        want_norm = ref.norm().clamp_min(1e-30)
+        out = torch.empty(e, m, n, device=dev, dtype=odt)
+
+        def check(launcher, out=out, old=old, want=want, want_norm=want_norm, a=a, b=b,
+                  offsets=offsets):
+            out.copy_(old) if accumulate else out.fill_(float("nan"))
+            launcher(a, b, offsets, out)
+            torch.cuda.synchronize()
+            return float((out.float() - want).norm() / want_norm)
+
+        shape_row = {"shape": name, "E": e, "M": m, "N": n, "tokens_sum": s, "out": out_dtype,
+                     "accumulate": accumulate}
+        # peers, once per shape
+        if name.startswith("6x"):
+            tiles = _small_tiles(m, n, e)
+        else:
+            tiles = variant_tiles(m, n, e, accumulate, out_dtype)
+            try:
+                if accumulate:
+                    t_g = bench(lambda: out.add_(torch._grouped_mm(a, b, offs=offsets)))
+                else:
+                    t_g = bench(lambda: torch._grouped_mm(a, b, offs=offsets))
+                shape_row["grouped_mm_us"] = t_g
+            except Exception as exc:  # noqa: BLE001
+                shape_row["grouped_mm_error"] = f"{exc}"[:160]
+            if not args.no_quack:
+                _quack_columns(shape_row, bench, a, b, offsets, ref, accumulate, flops, 1.0)
+            if accumulate:  # the floor of the main table: dense torch.mm of the same FLOPs
+                nbytes = 2 * (m + n) * s + 2 * e * m * n * odt.itemsize
+                t_d = bench(lambda: torch.mm(a, b))
+                shape_row["floor_us"] = max(t_d, nbytes / copy_bw * 1e6)
+        print(json.dumps({"variants_shape": shape_row}), flush=True)
+        t_default = None
+        for tile in tiles:
+            vname = tile.variant_name
+            keep = [f for f in filters if not f.startswith("-")]
+            drop = [f[1:] for f in filters if f.startswith("-")]
+            if tile != tiles[0] and (
+                (keep and not any(f in vname for f in keep)) or any(f in vname for f in drop)
+            ):
+                continue
+            row = dict(shape=name, variant=vname, tile=dataclasses.asdict(tile))
+            print(f"# {name}: {vname} ...", flush=True)
+            try:
+                key = sm90.Sm90WgradKey(
+                    m, n, e, a_major="m", b_major="n", out_dtype=out_dtype,
+                    accumulate=accumulate, tile=tile,
+                )
+                kernel = sm90._kernel_class()(key)  # effective pipeline / store stages
+                row["stages_eff"], row["epi_stages_eff"] = kernel.stages, kernel.epi_stages
+                launcher = sm90.compile_sm90_wgrad(key)
+                row["err_before"] = check(launcher)
+                t = bench(functools.partial(launcher, a, b, offsets, out))
+                row["err_after"] = check(launcher)  # a self-reset counter must be back at 0
+                row["us"] = t
+                row["TFLOPs"] = flops / (t * 1e-6) / 1e12
+                if t_default is None:
+                    t_default = t
+                row["over_default"] = t_default / t
+                if "grouped_mm_us" in shape_row:
+                    row["over_grouped_mm"] = shape_row["grouped_mm_us"] / t
+                if "quack_tuned_us" in shape_row:
+                    row["over_quack_tuned"] = shape_row["quack_tuned_us"] / t
+                if "floor_us" in shape_row:
+                    row["over_floor"] = shape_row["floor_us"] / t
+                tol = 2e-2 if out_dtype != "float32" else 1e-3
+                row["ok"] = max(row["err_before"], row["err_after"]) < tol
+            except Exception as exc:  # noqa: BLE001 - print and go on with the next variant
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                row["ok"] = False
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+
+    print()
+    print(f"{'shape':26s} {'variant':36s} {'st/es':>5s} {'TFLOP/s':>7s} {'us':>8s} {'/dflt':>6s} "
+          f"{'/gmm':>5s} {'/qk':>5s} {'/floor':>6s} {'err':>8s} ok")
+    nan = float("nan")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:26s} {r['variant']:36s} FAILED {r['error'][:120]}")
+            continue
+        print(
+            f"{r['shape']:26s} {r['variant']:36s} "
+            f"{str(r['stages_eff']) + '/' + str(r['epi_stages_eff']):>5s} "
+            f"{r['TFLOPs']:7.0f} {r['us']:8.1f} "
+            f"{r['over_default']:6.3f} {r.get('over_grouped_mm', nan):5.2f} "
+            f"{r.get('over_quack_tuned', nan):5.2f} {r.get('over_floor', nan):6.2f} "
+            f"{max(r['err_before'], r['err_after']):8.1e} {'ok' if r['ok'] else 'WRONG'}"
+        )
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="two shapes only")
@@ -244,6 +466,17 @@ def main(argv=None):
     )
     p.add_argument("--only", default=None, help="comma-separated row indices to run")
     p.add_argument("--no-quack", action="store_true", help="skip the quack columns")
+    p.add_argument(
+        "--variants",
+        action="store_true",
+        help="sweep every SM90 speed variant on the quick shapes (+ a small odd-M row)",
+    )
+    p.add_argument(
+        "--variant-filter",
+        default=None,
+        help="with --variants: comma-separated name substrings to keep; '-x' drops names "
+        "containing x (the default tile always runs)",
+    )
     args = p.parse_args(argv)
 
     import triton.testing
@@ -266,6 +499,13 @@ def main(argv=None):
         "mm8192_TFLOPs": mm_rate / 1e12,
     }
     print(json.dumps(header), flush=True)
+
+    if args.variants:
+        vrows = run_variants(args, bench, dev, copy_bw)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"header": header, "variants": vrows}, f, indent=1)
+        return 0
 
     results = []
     only = None if args.only is None else {int(v) for v in args.only.split(",")}

@@ -263,11 +263,15 @@ class KernelFamily:
             if ws_bytes:
                 tail = (descriptor_workspace_view(descriptor_workspace, ws_bytes, a.device),)
             if self.tile_counter:
-                counter = _zeroed_counter(a.device, self.counter_len(key))
-                fn(a, b.t(), offsets, out, counter, grid, *tail)
+                fn(a, b.t(), offsets, out, self.counter_for(key, a.device), grid, *tail)
             else:
                 fn(a, b.t(), offsets, out, grid, *tail)
 
+    def counter_for(self, key: Any, device):
+        """The dynamic scheduler's int32 ``[counter_len(key)]`` tile counter (and per-expert flags)
+        of one launch (``tile_counter`` families): a zeroed one on the launch stream
+        (:func:`_zeroed_counter`); a family whose kernel resets its counter overrides this."""
+        return _zeroed_counter(device, self.counter_len(key))
 
     def grid_size(self, key: Any, device) -> int:
         """The persistent grid, in clusters: as many as can be resident at once

@@ -524,11 +524,14 @@ def test_hook_routes_sm90_mxfp8_only_when_enabled(monkeypatch):
         assert dispatch._blockscaled_kernel(other) is None
 
 
-def test_pitched_k_major_rows_as_the_quantizer_writes_them(fake_cc):
+def test_pitched_k_major_rows_as_the_quantizer_writes_them(fake_cc, monkeypatch):
     # quantize_wgrad_operand pads rows to 32 tokens (16-byte TMA strides): tokens_sum = 500 gives
     # data views with row stride 512; the generic entry and the _sm90 wrapper take them as they
     # are (results equal the compact operands'); a pitch that is not 16-byte aligned and the
     # SM100 surface (compact kernels) refuse them before any write
+    from cuda_kernels.grouped_wgrad import sm90_mxfp8
+
+    monkeypatch.setattr(sm90_mxfp8, "enabled", lambda: False)  # CPU tensors: the twin, always
     fake_cc[0] = 90
     c = _case("e4m3", [37, 0, 300, 163], m=128, n=128)
     s = sum(c["counts"])

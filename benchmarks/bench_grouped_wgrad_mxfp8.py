@@ -9,7 +9,8 @@ Rows: the BF16 shapes of ``bench_grouped_wgrad.py`` (not its fp32-accumulate row
   128-token aligned; the repack is timed with it);
 - ``bf16``: our BF16 SM90 kernel on the BF16 token rows (A M-major, B N-major, as in
   ``bench_grouped_wgrad.py``) and the ratio ``bf16 / mx`` (target >= 0.6);
-- ``deq+bf16``: dequantize both MX operands to BF16 (torch, ``common/mx``) + our BF16 kernel:
+- ``deq+bf16``: dequantize both MX operands to BF16 (``blockscaled_ref.dequantize_wgrad_operand``,
+  vectorized torch on the GPU) + our BF16 kernel:
   the end-to-end alternative that MXFP8 must beat.
 
 Usage: ``python benchmarks/bench_grouped_wgrad_mxfp8.py [--quick] [--json out.json]``.
@@ -42,24 +43,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 
 def _dequant(data_RS, sf, rows, offsets):
-    """BF16 [rows, S] K-major from an MX operand (per-expert common/mx dequantization)."""
-    from common import mx
-    from common.mx_atoms import unpack_grouped_scales
+    """BF16 [rows, S] K-major from an MX operand: the twin module's vectorized decoding (a few
+    whole-tensor ops on the GPU, one host read of the offsets), what a user would write."""
+    from cuda_kernels.grouped_wgrad.blockscaled_ref import dequantize_wgrad_operand
 
-    ends = offsets.tolist()
-    scales = unpack_grouped_scales(sf, rows, ends, 32)
-    out = torch.empty(data_RS.shape, dtype=torch.bfloat16, device=data_RS.device)
-    begin = 0
-    for e, end in enumerate(ends):
-        k = end - begin
-        if k:
-            c = scales[e].shape[1]
-            pad = torch.zeros((rows, 32 * c), dtype=data_RS.dtype, device=data_RS.device)
-            pad[:, :k] = data_RS[:, begin:end]
-            deq = mx.dequantize_mx(pad, scales[e], elem="e4m3", block_size=32, axis=1)
-            out[:, begin:end] = deq[:, :k].to(torch.bfloat16)
-        begin = end
-    return out
+    return dequantize_wgrad_operand(data_RS, sf, offsets)
 
 
 _SWEEP_SHAPES = ("128x2048x1536 even", "128x2048x1536 skewed")

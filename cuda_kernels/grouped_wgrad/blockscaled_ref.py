@@ -340,25 +340,29 @@ def dequantize_wgrad_operand(
         raise _err(f"sf must be a contiguous [{rp}, >= {total}] scale tensor for these offsets; "
                    f"got {tuple(sf.shape)}")
     dev = data_RS.device
-    # one entry per (expert, group): its atom column, the expert's first atom and atom count
-    g_e = torch.tensor(groups, dtype=torch.int64)
-    e_of_g = torch.repeat_interleave(torch.arange(len(ends)), g_e)
-    first = torch.tensor(starts, dtype=torch.int64)[e_of_g]  # expert's first scale column
-    ncols = torch.tensor([round_up(c, 4) for c in groups], dtype=torch.int64)[e_of_g]
-    g_loc = torch.arange(int(g_e.sum())) - torch.repeat_interleave(g_e.cumsum(0) - g_e, g_e)
+    n_groups = sum(groups)
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int64, device=dev)
+
+    # one entry per (expert, group): its atom column, the expert's first atom and atom count (all
+    # index math on data's device; sizes known on the host, so no further sync)
+    g_e = ints(groups)
+    e_of_g = torch.repeat_interleave(torch.arange(len(ends), device=dev), g_e,
+                                     output_size=n_groups)
+    first = ints(starts)[e_of_g]  # expert's first scale column
+    ncols = ints([round_up(c, 4) for c in groups])[e_of_g]
+    g_loc = torch.arange(n_groups, device=dev) - (g_e.cumsum(0) - g_e)[e_of_g]
     col_part = rp * first + (g_loc // 4) * 512 + g_loc % 4  # byte offset without the row part
-    r = torch.arange(rows, dtype=torch.int64)
-    row_block = r // ATOM_ROWS
+    r = torch.arange(rows, dtype=torch.int64, device=dev)
     row_part = (r % 32) * 16 + ((r % ATOM_ROWS) // 32) * 4
-    off = (row_block[:, None] * (ncols[None, :] // 4) * 512 + row_part[:, None]
+    off = ((r // ATOM_ROWS)[:, None] * (ncols[None, :] // 4) * 512 + row_part[:, None]
            + col_part[None, :])  # [R, G] byte offsets (common.mx_atoms layout)
-    scale_RG = sf.view(torch.uint8).reshape(-1)[off.to(dev)]
-    # token → its global group index
-    begins = [0, *ends[:-1]]
-    g_first = torch.tensor([0, *torch.tensor(groups).cumsum(0).tolist()[:-1]], dtype=torch.int64)
-    tok = torch.arange(tokens_sum, dtype=torch.int64)
-    e_of_t = torch.searchsorted(torch.tensor(ends, dtype=torch.int64), tok, right=True)
-    gidx = g_first[e_of_t] + (tok - torch.tensor(begins, dtype=torch.int64)[e_of_t]) // QUANT_SF_VEC
-    byte = scale_RG[:, gidx.to(dev)].to(torch.int32)
+    scale_RG = sf.view(torch.uint8).reshape(-1)[off]
+    # token -> its global group index
+    tok = torch.arange(tokens_sum, dtype=torch.int64, device=dev)
+    e_of_t = torch.searchsorted(ints(ends), tok, right=True)
+    gidx = (g_e.cumsum(0) - g_e)[e_of_t] + (tok - ints([0, *ends[:-1]])[e_of_t]) // QUANT_SF_VEC
+    byte = scale_RG[:, gidx].to(torch.int32)
     factor = torch.where(byte == 255, torch.nan, torch.exp2((byte - 127).to(torch.float32)))
     return (data_RS.to(torch.float32) * factor).to(out_dtype)

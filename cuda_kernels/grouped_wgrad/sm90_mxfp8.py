@@ -35,8 +35,9 @@ Structure (shared with ``sm90_bf16``: the tile order, the scheduler and ``next_t
 Direct layout and TMA: the A / B boxes start at the expert's first token, the innermost (token)
 coordinate, which TMA needs 16-byte aligned: the direct layout is only valid when every expert
 begins at a multiple of 16 tokens (the python entry checks it; the 2026-12-01 illegal instruction
-came from direct cases with begins such as 37). Until re-verified on the H200 it is off unless
-``MOE_BWD_SM90_MXFP8_DIRECT=1``. ``"auto"`` uses the raw operands as the padded layout when every
+came from direct cases with begins such as 37). With that rule the direct layout was verified on
+the H200 (2026-12, whole grid, compute-sanitizer) and ``"auto"`` picks it when every expert begins
+at a multiple of 16 tokens (no opt-in switch any more). ``"auto"`` uses the raw operands as the padded layout when every
 expert but the last holds a multiple of 128 tokens (no repack).
 
 Variants (:class:`Sm90MxTileConfig` fields, swept by ``benchmarks/bench_grouped_wgrad_mxfp8.py
@@ -279,8 +280,9 @@ def sweep_tile_configs(hidden: int, intermediate: int) -> list[Sm90MxTileConfig]
     """The tile configs a benchmark sweep measures for ``(hidden, intermediate)`` (those that
     divide the problem): the current default first; the shared-memory factor table
     (``promote="table"``); 64-row tiles with one or two CTAs per SM (occupancy pingpong); the
-    cross-stage loop (ptxas reports C7514 for it: wgmma serialized; measured anyway); and, last,
-    the two diagnostic promotions (wrong results on purpose: bounds on the promotion's cost)."""
+    cross-stage loop (ptxas reports C7514 for it: wgmma serialized; measured anyway); the packed
+    epilogue (``-pk``) and deep-issue (``-deep``, tile_n 64) variants; and, last, the diagnostic
+    promotions (wrong results on purpose: bounds on the promotion's cost)."""
     out: list[Sm90MxTileConfig] = []
 
     def add(tm, tn, st, **kw):
@@ -307,11 +309,22 @@ def sweep_tile_configs(hidden: int, intermediate: int) -> list[Sm90MxTileConfig]
     add(64, 64, 4, ctas_per_sm=2, promote="table")
     add(128, 128, s128, cross_stage=True)
     add(64, 128, 4, cross_stage=True, ctas_per_sm=2)
+    # packed 32-bit epilogue stores (the autovec epilogue stores bf16 element by element) and
+    # the deep-issue mainloop (tile_n = 64: 4 fragments in registers)
+    add(128, 128, s128, epilogue="packed")
+    add(128, 128, s128, promote="table", epilogue="packed")
+    add(64, 128, 4, ctas_per_sm=2, promote="table", epilogue="packed")
+    add(128, 64, s64, deep=True, epilogue="packed")
+    add(128, 64, s64, promote="table", deep=True, epilogue="packed")
+    add(64, 64, 4, ctas_per_sm=2, deep=True, epilogue="packed")
+    add(64, 64, 4, ctas_per_sm=2, promote="table", deep=True, epilogue="packed")
     if out:
         base = out[0]
         for mode in ("unscaled", "none"):
             add(base.tile_m, base.tile_n, base.stages, promote=mode)
         add(64, 128, 4, ctas_per_sm=2, promote="none")
+        add(base.tile_m, base.tile_n, base.stages, promote="none", epilogue="packed")
+        add(128, 64, s64, promote="none", deep=True, epilogue="packed")
     return out
 
 
@@ -1184,15 +1197,6 @@ def enabled() -> bool:
     return VERIFIED_ON_GPU or os.environ.get(ENABLE_ENV) == "1"
 
 
-DIRECT_ENV = "MOE_BWD_SM90_MXFP8_DIRECT"
-
-
-def direct_enabled() -> bool:
-    """Whether the python entry may use ``token_layout="direct"`` (``MOE_BWD_SM90_MXFP8_DIRECT=1``
-    until the direct layout's GPU tests pass on an H200)."""
-    return os.environ.get(DIRECT_ENV) == "1"
-
-
 def _err(msg: str) -> ValueError:
     return ValueError(f"grouped_wgrad_mxfp8_sm90: {msg}")
 
@@ -1267,13 +1271,12 @@ def grouped_wgrad_mxfp8_sm90(
         accumulate: ``out[e] += result`` (fp32 sum, rounded once); empty experts untouched.
         token_layout: ``"direct"`` (the kernel reads each expert at its first token, which
             must be a multiple of 16 tokens: TMA's 16-byte aligned innermost coordinate;
-            checked when validating; disabled unless ``MOE_BWD_SM90_MXFP8_DIRECT=1`` until
-            verified on the H200), ``"padded"`` (the operands are first repacked on the device
+            checked when validating), ``"padded"`` (the operands are first repacked on the device
             so that every expert starts at its scale column:
             :func:`pad_tokens_to_scale_layout`) or ``"auto"`` (with validation: no repack when
             every expert but the last holds a multiple of 128 tokens (the operands already are
             in the padded layout), else direct when every expert begins at a multiple of 16
-            tokens and direct is enabled, else padded; without validation: padded).
+            tokens, else padded; without validation: padded).
         tile: a :class:`Sm90MxTileConfig` (default: :func:`select_sm90_mx_tile_config`).
         validate: read the offsets on the host to check them (one sync); False: nothing read on
             the host, the caller guarantees the rules.
@@ -1392,13 +1395,7 @@ def grouped_wgrad_mxfp8_sm90(
                 if p == 0 or p % 16:
                     raise _err(f"discrete output address {e} must be non-null and 16-byte "
                                f"aligned; got {p:#x}")
-    direct_ok = direct_enabled()
     if token_layout == "direct":
-        if not direct_ok:
-            raise _err(f"token_layout='direct' is disabled until verified on the H200 (it hit an "
-                       f"illegal instruction on 2026-12-01 with expert begins that are not "
-                       f"multiples of 16 tokens: misaligned TMA coordinates); {DIRECT_ENV}=1 "
-                       "enables it")
         if validate and not aligned:
             raise _err("token_layout='direct' needs every expert to begin at a multiple of 16 "
                        "tokens (TMA: 16-byte aligned innermost coordinate); use 'padded' or "
@@ -1408,7 +1405,7 @@ def grouped_wgrad_mxfp8_sm90(
         layout, repack = "padded", True
         if validate and identity:
             repack = False  # the operands already are in the padded layout
-        elif validate and aligned and direct_ok:
+        elif validate and aligned:
             layout, repack = "direct", False
     key = dataclasses.replace(key_probe, token_layout=layout)
     if out is None:

@@ -4,8 +4,8 @@ Rows: the BF16 shapes of ``bench_grouped_wgrad.py`` (not its fp32-accumulate row
 
 - ``mx``: ours, MXFP8 operands given (quantized by ``quantize_wgrad_operand``), token layout
   ``auto`` (validated: no repack when every expert but the last holds k*128 tokens),
-  ``direct`` (reads each expert at its first token; needs MOE_BWD_SM90_MXFP8_DIRECT=1, else the
-  row reports the error) and ``padded`` (repacks the operands so that every expert starts
+  ``direct`` (reads each expert at its first token; expert begins must be multiples of 16 tokens,
+  else the row reports the error) and ``padded`` (repacks the operands so that every expert starts
   128-token aligned; the repack is timed with it);
 - ``bf16``: our BF16 SM90 kernel on the BF16 token rows (A M-major, B N-major, as in
   ``bench_grouped_wgrad.py``) and the ratio ``bf16 / mx`` (target >= 0.6);
@@ -28,8 +28,8 @@ line::
 or the raw operands when every expert but the last holds a multiple of 128 tokens); the repack
 cost is printed once per shape as ``[sweep] <shape> repack us=..``, our BF16 kernel as
 ``[sweep] <shape> bf16 us=.. tflops=..``. A failed variant prints ``ERROR <message>`` (or its exit
-code) and the sweep goes on. ``--direct`` adds the direct layout (sets MOE_BWD_SM90_MXFP8_DIRECT=1
-in the subprocess; shapes whose expert begins are not multiples of 16 tokens are skipped).
+code) and the sweep goes on. ``--direct`` adds the direct layout (shapes whose expert begins are not multiples of 16 tokens
+are skipped).
 """
 
 import argparse
@@ -178,8 +178,6 @@ def _sweep(args):
     for cfg in cfgs:
         for layout in layouts:
             env = dict(os.environ)
-            if layout == "direct":
-                env[mx.DIRECT_ENV] = "1"
             cmd = [sys.executable, __file__, "--child", json.dumps(dataclasses.asdict(cfg)),
                    "--layout", layout] + (["--all-shapes"] if args.all_shapes else [])
             try:

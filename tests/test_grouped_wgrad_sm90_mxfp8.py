@@ -202,11 +202,10 @@ def test_sweep_configs_and_variant_fields():
         "64x128s4-xs-2cta")
 
 
-def test_direct_layout_gate(monkeypatch):
-    monkeypatch.delenv(mx.DIRECT_ENV, raising=False)
-    assert not mx.direct_enabled()
-    monkeypatch.setenv(mx.DIRECT_ENV, "1")
-    assert mx.direct_enabled()
+def test_direct_layout_has_no_opt_in_switch():
+    # verified on the H200 (whole grid, compute-sanitizer) with 16-token aligned expert begins:
+    # no env switch any more, "auto" picks direct when the begins allow it
+    assert not hasattr(mx, "DIRECT_ENV") and not hasattr(mx, "direct_enabled")
 
 
 _VARIANTS = mx.sweep_tile_configs(256, 256)
@@ -327,16 +326,6 @@ _GRID = [
 ]
 
 
-_DIRECT_DISABLED = pytest.mark.skipif(
-    os.environ.get("MOE_BWD_TEST_SM90_MXFP8_DIRECT", "0") != "1",
-    reason="token_layout='direct' hit an illegal instruction on the H200 (2026-12-01: expert "
-           "begins not multiples of 16 tokens, now rejected); disabled until re-verified "
-           "(MOE_BWD_TEST_SM90_MXFP8_DIRECT=1 runs it, one case per process; the tests set "
-           "MOE_BWD_SM90_MXFP8_DIRECT=1 for the entry)")
-_GRID = [pytest.param(*[c], marks=_DIRECT_DISABLED) if c[-1].startswith("direct") else c
-         for c in _GRID]
-
-
 def _run_case(case, gen, nan_token=None, counts=None):
     from cuda_kernels.grouped_wgrad.blockscaled_ref import grouped_wgrad_blockscaled_torch
 
@@ -344,8 +333,6 @@ def _run_case(case, gen, nan_token=None, counts=None):
     if counts is None:
         counts = _counts(e, gen, mean, aligned16=layout.startswith("direct"))
     layout = "direct" if layout == "direct-aligned" else layout
-    if layout == "direct":
-        os.environ[mx.DIRECT_ENV] = "1"  # the direct tests run one case per process
     a, sfa, b, sfb, off = _operands(m, n, counts, elem, gen, nan_token)
     dt = getattr(torch, out_dtype)
     init = torch.randn(e, m, n, generator=gen).to(dt).cuda() if accumulate else None
@@ -395,7 +382,7 @@ def test_grid_matches_twin(case):
 @pytest.mark.sm90
 @pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE and _ENABLED), reason="needs an SM90 device, CuTe DSL "
                     "and the kernel enabled (MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1)")
-@pytest.mark.parametrize("layout", [pytest.param("direct", marks=_DIRECT_DISABLED), "padded"])
+@pytest.mark.parametrize("layout", ["direct", "padded"])
 def test_nan_in_next_expert_does_not_leak(layout):
     # expert 0 ends inside a partial group (37 tokens); expert 1's first token is NaN (its
     # whole first group is NaN): expert 0 must be finite and equal the twin.
@@ -529,7 +516,7 @@ _SANITIZER_CASES = [
     shutil.which("compute-sanitizer") is None, reason="compute-sanitizer is not on PATH"
 )
 @pytest.mark.parametrize(
-    "case", [_SANITIZER_CASES[0], pytest.param(_SANITIZER_CASES[1], marks=_DIRECT_DISABLED)],
+    "case", _SANITIZER_CASES,
     ids=["padded", "direct"],
 )
 def test_compute_sanitizer_memcheck_clean_on_a_small_case(case):
@@ -552,16 +539,52 @@ def test_compute_sanitizer_memcheck_clean_on_a_small_case(case):
 @pytest.mark.sm90
 @pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE and _ENABLED), reason="needs an SM90 device, CuTe DSL "
                     "and the kernel enabled (MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1)")
-def test_direct_rejects_begins_not_multiples_of_16(monkeypatch):
+def test_direct_rejects_begins_not_multiples_of_16():
     # the 2026-12-01 illegal instruction: TMA boxes at token 37 (innermost coordinate not 16-byte
-    # aligned); the entry refuses before launching (and without the env switch, always)
+    # aligned); the entry refuses before launching
     gen = torch.Generator().manual_seed(3)
     a, sfa, bt, sfb, off = _quantized(128, 128, [37, 100, 0, 60], gen)
     out = torch.zeros(4, 128, 128, device="cuda")
-    monkeypatch.delenv(mx.DIRECT_ENV, raising=False)
-    with pytest.raises(ValueError, match=mx.DIRECT_ENV):
-        grouped_wgrad_mxfp8_sm90(a, sfa, bt.t(), sfb, off, out, token_layout="direct")
-    monkeypatch.setenv(mx.DIRECT_ENV, "1")
     with pytest.raises(ValueError, match="multiple of 16"):
         grouped_wgrad_mxfp8_sm90(a, sfa, bt.t(), sfb, off, out, token_layout="direct")
     assert bool((out == 0).all())
+
+
+_NEW_VARIANTS = [c for c in mx.sweep_tile_configs(2048, 1536)
+                 if (c.deep or c.epilogue == "packed") and not c.diagnostic]
+
+
+@needs_cute
+@pytest.mark.parametrize("cfg", _NEW_VARIANTS, ids=lambda c: c.variant)
+def test_offline_deep_and_packed_variants_ptxas_clean(tmp_path, cfg):
+    # the bench shape (128 experts x 2048 x 1536, bf16 out): deep issue = 4 back-to-back wgmmas
+    # into 4 fragments, then wait_group 3, 2, 1, 0; packed = 32-bit bf16x2 stores, no 16-bit
+    # ones; ptxas: no serialization (C7514 / C7515) and no spills (128x128s6-pk: no more than the
+    # default 128x128s6, whose scaled promotion already spills a few words)
+    key = Sm90MxWgradKey(2048, 1536, 128, out_dtype="bfloat16", token_layout="padded", tile=cfg)
+    ptx = mx.compile_sm90_mxfp8_wgrad_offline(key, arch="sm_90a")
+    assert len(re.findall(r"wgmma\.mma_async[\w.:]*", ptx)) == 4
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
+    if cfg.deep:
+        assert ["3", "2", "1", "0"] == waits[:4], waits
+    assert "st.global.b32" in ptx and "st.global.b16" not in ptx
+    ptxas = ptxas_for(ptx, tmp_path, arch="sm_90a")
+    f = tmp_path / "v.ptx"
+    f.write_text(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(f), "-o", os.devnull],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "C7514" not in r.stderr and "C7515" not in r.stderr, r.stderr[-2000:]
+    spill = int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
+    assert spill <= (52 if cfg.variant == "128x128s6-pk" else 0), r.stderr[-1000:]
+
+
+@needs_cute
+def test_default_config_ptx_unchanged_by_new_fields():
+    # the new fields default off: the default key's PTX does not use them (no packed stores,
+    # the original 2-in-flight wait pattern)
+    key = Sm90MxWgradKey(2048, 1536, 128, out_dtype="bfloat16", token_layout="padded")
+    assert key.tile == Sm90MxTileConfig(deep=False, epilogue="autovec")
+    ptx = mx.compile_sm90_mxfp8_wgrad_offline(key, arch="sm_90a")
+    assert "st.global.b32" not in ptx and "st.global.b16" in ptx
+    assert "3" not in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)

@@ -35,8 +35,9 @@ Structure (shared with ``sm90_bf16``: the tile order, the scheduler and ``next_t
 Direct layout and TMA: the A / B boxes start at the expert's first token, the innermost (token)
 coordinate, which TMA needs 16-byte aligned: the direct layout is only valid when every expert
 begins at a multiple of 16 tokens (the python entry checks it; the 2026-12-01 illegal instruction
-came from direct cases with begins such as 37). Until re-verified on the H200 it is off unless
-``MOE_BWD_SM90_MXFP8_DIRECT=1``. ``"auto"`` uses the raw operands as the padded layout when every
+came from direct cases with begins such as 37). With that rule the direct layout was verified on
+the H200 (2026-12, whole grid, compute-sanitizer) and ``"auto"`` picks it when every expert begins
+at a multiple of 16 tokens (no opt-in switch any more). ``"auto"`` uses the raw operands as the padded layout when every
 expert but the last holds a multiple of 128 tokens (no repack).
 
 Variants (:class:`Sm90MxTileConfig` fields, swept by ``benchmarks/bench_grouped_wgrad_mxfp8.py
@@ -84,6 +85,7 @@ ATOM_BYTES = 512
 ELEMS = ("e4m3", "e5m2")
 TOKEN_LAYOUTS = ("direct", "padded")
 PROMOTE_MODES = ("scaled", "table", "unscaled", "none")
+EPILOGUES = ("autovec", "packed")
 _SCHED_STAGES = 4
 
 
@@ -139,6 +141,15 @@ class Sm90MxTileConfig:
             promotion then only loads fa / fb; ``"unscaled"`` / ``"none"``: DIAGNOSTICS ONLY,
             wrong results (``acc += tmp`` / no promotion at all): the sweep's bounds on what
             the scaling / the whole promotion costs.
+        deep: deep issue (needs ``tile_n == 64``: 4 fragments of 32 fp32 + the accumulator
+            fit the registers): the stage's 4 wgmmas go out back to back into 4 fresh
+            fragments, then ``wait_group(3)``, promote group 0, ``wait_group(2)``, promote 1,
+            ... (the tensor cores run the whole stage while the promotions follow; the original
+            loop keeps at most 2 wgmmas in flight and drains at every stage boundary).
+        epilogue: ``"autovec"`` (the original register -> global copy: with a 16-bit output
+            it emits one 2-byte store per element, 64 ``STG.U16`` per thread at 128x128) or
+            ``"packed"`` (each thread's two adjacent columns packed into one 32-bit store for
+            bf16 / fp16 outputs, one 64-bit store for fp32).
     """
 
     tile_m: int = 128
@@ -148,6 +159,8 @@ class Sm90MxTileConfig:
     cross_stage: bool = False
     ctas_per_sm: int = 1
     promote: str = "scaled"
+    deep: bool = False
+    epilogue: str = "autovec"
 
     def __post_init__(self) -> None:
         SM90_MX_TILES.check_config(self)
@@ -157,6 +170,12 @@ class Sm90MxTileConfig:
         if self.cross_stage and self.promote == "table":
             raise ValueError(f"{cls}: cross_stage with promote='table' is not built (the DSL "
                              "cannot carry the table's state out of the stage loop)")
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"{cls}.epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
+        if self.deep and self.tile_n != 64:
+            raise ValueError(f"{cls}: deep=True needs tile_n=64 (4 fragments in registers)")
+        if self.deep and self.cross_stage:
+            raise ValueError(f"{cls}: deep and cross_stage are exclusive")
         if self.ctas_per_sm not in (1, 2):
             raise ValueError(f"{cls}.ctas_per_sm must be 1 or 2, got {self.ctas_per_sm}")
         if self.ctas_per_sm == 2:
@@ -176,7 +195,8 @@ class Sm90MxTileConfig:
         """Short name of the config (benchmark sweeps)."""
         return (f"{self.tile_m}x{self.tile_n}s{self.stages}"
                 f"{'-xs' if self.cross_stage else ''}{'-2cta' if self.ctas_per_sm == 2 else ''}"
-                f"{'' if self.promote == 'scaled' else '-' + self.promote}")
+                f"{'' if self.promote == 'scaled' else '-' + self.promote}"
+                f"{'-deep' if self.deep else ''}{'-pk' if self.epilogue == 'packed' else ''}")
 
     @property
     def diagnostic(self) -> bool:
@@ -260,8 +280,9 @@ def sweep_tile_configs(hidden: int, intermediate: int) -> list[Sm90MxTileConfig]
     """The tile configs a benchmark sweep measures for ``(hidden, intermediate)`` (those that
     divide the problem): the current default first; the shared-memory factor table
     (``promote="table"``); 64-row tiles with one or two CTAs per SM (occupancy pingpong); the
-    cross-stage loop (ptxas reports C7514 for it: wgmma serialized; measured anyway); and, last,
-    the two diagnostic promotions (wrong results on purpose: bounds on the promotion's cost)."""
+    cross-stage loop (ptxas reports C7514 for it: wgmma serialized; measured anyway); the packed
+    epilogue (``-pk``) and deep-issue (``-deep``, tile_n 64) variants; and, last, the diagnostic
+    promotions (wrong results on purpose: bounds on the promotion's cost)."""
     out: list[Sm90MxTileConfig] = []
 
     def add(tm, tn, st, **kw):
@@ -288,11 +309,22 @@ def sweep_tile_configs(hidden: int, intermediate: int) -> list[Sm90MxTileConfig]
     add(64, 64, 4, ctas_per_sm=2, promote="table")
     add(128, 128, s128, cross_stage=True)
     add(64, 128, 4, cross_stage=True, ctas_per_sm=2)
+    # packed 32-bit epilogue stores (the autovec epilogue stores bf16 element by element) and
+    # the deep-issue mainloop (tile_n = 64: 4 fragments in registers)
+    add(128, 128, s128, epilogue="packed")
+    add(128, 128, s128, promote="table", epilogue="packed")
+    add(64, 128, 4, ctas_per_sm=2, promote="table", epilogue="packed")
+    add(128, 64, s64, deep=True, epilogue="packed")
+    add(128, 64, s64, promote="table", deep=True, epilogue="packed")
+    add(64, 64, 4, ctas_per_sm=2, deep=True, epilogue="packed")
+    add(64, 64, 4, ctas_per_sm=2, promote="table", deep=True, epilogue="packed")
     if out:
         base = out[0]
         for mode in ("unscaled", "none"):
             add(base.tile_m, base.tile_n, base.stages, promote=mode)
         add(64, 128, 4, ctas_per_sm=2, promote="none")
+        add(base.tile_m, base.tile_n, base.stages, promote="none", epilogue="packed")
+        add(128, 64, s64, promote="none", deep=True, epilogue="packed")
     return out
 
 
@@ -716,6 +748,9 @@ def _build_kernel_class():
                 acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
                 tmp0 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
                 tmp1 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                frags = [tmp0, tmp1]
+                if cutlass.const_expr(self.key.tile.deep):
+                    frags += [cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(2)]
                 r_out = cute.make_rmem_tensor(acc_shape, self.out_dtype)
                 # This thread's scale words: one per accumulator element (row / column of the
                 # tile -> word of its atom); the row's atom row is (m_idx * tile_m) % 128 + r.
@@ -769,6 +804,11 @@ def _build_kernel_class():
                             tiled_mma, tCrA, tCrB, acc, tmp0, tmp1, sc, sA, sB, ab_pipe,
                             read_state, release_state, mask_barrier, k_len, n_k, row0, col0,
                             ctid, num_k_blocks,
+                        )
+                    elif cutlass.const_expr(self.key.tile.deep):
+                        read_state = self.mainloop_deep(
+                            tiled_mma, tCrA, tCrB, acc, frags, sc, sA, sB, ab_pipe, read_state,
+                            mask_barrier, k_len, n_k, row0, col0, ctid, num_k_blocks,
                         )
                     else:
                         for kt in cutlass.range(n_k, unroll=1):
@@ -832,7 +872,9 @@ def _build_kernel_class():
                     )
                     gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_idx, n_idx))
                     tCgC = thr_mma_epi.partition_C(gC)
-                    if cutlass.const_expr(self.key.accumulate):
+                    if cutlass.const_expr(self.key.tile.epilogue == "packed"):
+                        self.store_packed(acc, r_out, out_ptr, tCcC, m_idx, n_idx, n_k)
+                    elif cutlass.const_expr(self.key.accumulate):
                         if n_k > 0:
                             cute.autovec_copy(tCgC, r_out)
                             acc.store(acc.load() + r_out.load().to(self.acc_dtype))
@@ -941,6 +983,73 @@ def _build_kernel_class():
                 ab_pipe.consumer_release(release_state)
                 release_state.advance()
             return read_state, release_state
+
+        @cute.jit
+        def mainloop_deep(  # noqa: PLR0913
+            self, tiled_mma, tCrA, tCrB, acc, frags, sc, sA, sB, ab_pipe, read_state,
+            mask_barrier, k_len, n_k, row0, col0, ctid, num_k_blocks: cutlass.Constexpr,
+        ):
+            """One tile's mainloop with deep issue: the stage's 4 wgmmas (one per MX group) go
+            out back to back into 4 fresh fragments, then group g is promoted after
+            ``wait_group(3 - g)`` (the later groups' wgmmas still run); the stage is released
+            after its last promotion (the scale words / factor table of the stage are read
+            until then)."""
+            tk = self.tile_k
+            for kt in cutlass.range(n_k, unroll=1):
+                ab_pipe.consumer_wait(read_state)
+                stage = read_state.index
+                rest = k_len - kt * tk
+                if cutlass.const_expr(self.key.token_layout == "direct"):
+                    self.zero_partial_group(sA, sB, k_len, kt, stage, ctid, mask_barrier)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    fence_accumulators(frags[kb])
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                cute.nvgpu.warpgroup.fence()
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    cute.gemm(
+                        tiled_mma, frags[kb], tCrA[(None, None, kb, stage)],
+                        tCrB[(None, None, kb, stage)], frags[kb],
+                    )
+                    cute.nvgpu.warpgroup.commit_group()
+                # the scale words load while the wgmmas run
+                self.stage_scales(sc, stage, kt % 2, row0, col0)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    cute.nvgpu.warpgroup.wait_group(num_k_blocks - 1 - kb)
+                    self.promote(acc, frags[kb], sc, kb, rest, kt % 2)
+                ab_pipe.consumer_release(read_state)
+                read_state.advance()
+            return read_state
+
+        @cute.jit
+        def store_packed(self, acc, r_out, out_ptr, tCcC, m_idx, n_idx, n_k):
+            """Epilogue ``"packed"``: the thread's two adjacent columns (fragment elements 2j,
+            2j+1: the wgmma C layout's innermost mode) go out as one 32-bit word (bf16 / fp16)
+            or one 64-bit word (fp32); ``accumulate`` reads the old pair the same way."""
+            m, n = self.key.hidden, self.key.intermediate
+            wide = cutlass.Int64 if cutlass.const_expr(self.out_dtype.width == 32) else (
+                cutlass.Int32)
+            # the expert's output base is 16-byte aligned (dense: E x M x N with M, N multiples
+            # of 64; discrete: checked), so every packed word is naturally aligned
+            mW = cute.make_tensor(
+                cute.make_ptr(wide, out_ptr.toint(), cute.AddressSpace.gmem, assumed_align=16),
+                cute.make_layout((m, n // 2), stride=(n // 2, 1)),
+            )
+            r0 = m_idx * self.tile_m
+            c0 = (n_idx * self.tile_n) // 2
+            rW = cute.recast_tensor(r_out, wide)
+            do_store = True
+            if cutlass.const_expr(self.key.accumulate):
+                do_store = n_k > 0
+            if do_store:
+                if cutlass.const_expr(self.key.accumulate):
+                    for j in cutlass.range_constexpr(cute.size(rW)):
+                        r, c = tCcC[2 * j]
+                        rW[j] = mW[(r0 + r, c0 + c // 2)]
+                    acc.store(acc.load() + r_out.load().to(self.acc_dtype))
+                r_out.store(acc.load().to(self.out_dtype))
+                for j in cutlass.range_constexpr(cute.size(rW)):
+                    r, c = tCcC[2 * j]
+                    mW[(r0 + r, c0 + c // 2)] = rW[j]
 
         @cute.jit
         def promote(self, acc, tmp, sc, g: cutlass.Constexpr, rest, buf):
@@ -1088,15 +1197,6 @@ def enabled() -> bool:
     return VERIFIED_ON_GPU or os.environ.get(ENABLE_ENV) == "1"
 
 
-DIRECT_ENV = "MOE_BWD_SM90_MXFP8_DIRECT"
-
-
-def direct_enabled() -> bool:
-    """Whether the python entry may use ``token_layout="direct"`` (``MOE_BWD_SM90_MXFP8_DIRECT=1``
-    until the direct layout's GPU tests pass on an H200)."""
-    return os.environ.get(DIRECT_ENV) == "1"
-
-
 def _err(msg: str) -> ValueError:
     return ValueError(f"grouped_wgrad_mxfp8_sm90: {msg}")
 
@@ -1171,13 +1271,12 @@ def grouped_wgrad_mxfp8_sm90(
         accumulate: ``out[e] += result`` (fp32 sum, rounded once); empty experts untouched.
         token_layout: ``"direct"`` (the kernel reads each expert at its first token, which
             must be a multiple of 16 tokens: TMA's 16-byte aligned innermost coordinate;
-            checked when validating; disabled unless ``MOE_BWD_SM90_MXFP8_DIRECT=1`` until
-            verified on the H200), ``"padded"`` (the operands are first repacked on the device
+            checked when validating), ``"padded"`` (the operands are first repacked on the device
             so that every expert starts at its scale column:
             :func:`pad_tokens_to_scale_layout`) or ``"auto"`` (with validation: no repack when
             every expert but the last holds a multiple of 128 tokens (the operands already are
             in the padded layout), else direct when every expert begins at a multiple of 16
-            tokens and direct is enabled, else padded; without validation: padded).
+            tokens, else padded; without validation: padded).
         tile: a :class:`Sm90MxTileConfig` (default: :func:`select_sm90_mx_tile_config`).
         validate: read the offsets on the host to check them (one sync); False: nothing read on
             the host, the caller guarantees the rules.
@@ -1296,13 +1395,7 @@ def grouped_wgrad_mxfp8_sm90(
                 if p == 0 or p % 16:
                     raise _err(f"discrete output address {e} must be non-null and 16-byte "
                                f"aligned; got {p:#x}")
-    direct_ok = direct_enabled()
     if token_layout == "direct":
-        if not direct_ok:
-            raise _err(f"token_layout='direct' is disabled until verified on the H200 (it hit an "
-                       f"illegal instruction on 2026-12-01 with expert begins that are not "
-                       f"multiples of 16 tokens: misaligned TMA coordinates); {DIRECT_ENV}=1 "
-                       "enables it")
         if validate and not aligned:
             raise _err("token_layout='direct' needs every expert to begin at a multiple of 16 "
                        "tokens (TMA: 16-byte aligned innermost coordinate); use 'padded' or "
@@ -1312,7 +1405,7 @@ def grouped_wgrad_mxfp8_sm90(
         layout, repack = "padded", True
         if validate and identity:
             repack = False  # the operands already are in the padded layout
-        elif validate and aligned and direct_ok:
+        elif validate and aligned:
             layout, repack = "direct", False
     key = dataclasses.replace(key_probe, token_layout=layout)
     if out is None:

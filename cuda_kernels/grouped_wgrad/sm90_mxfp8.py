@@ -261,25 +261,15 @@ class Sm90MxWgradKey(KernelKey):
 
 
 def select_sm90_mx_tile_config(hidden: int, intermediate: int) -> Sm90MxTileConfig:
-    """The measured-best tile that divides ``(hidden, intermediate)``.
-
-    H200, 2026-12-01 (``bench_grouped_wgrad_mxfp8.py --sweep``, 128 x 2048 x 1536, 65536 tokens):
-    64 x 128 tiles, two CTAs per SM, the shared-memory scale-factor table and packed epilogue
-    stores ran at 0.41x our BF16 kernel (the old 128 x 128 default 0.25x; packed stores alone
-    took 128 x 128 + table from 0.27x to 0.39x). Other shapes fall back to the largest dividing
-    tile with the table and packed stores (stages: as many as fit, <= 8).
+    """The largest tile dividing ``(hidden, intermediate)`` (stages: as many as fit, <= 8).
 
     Raises:
         ValueError: hidden or intermediate is not a multiple of 64.
     """
-    if hidden % 64 == 0 and intermediate % 128 == 0:
-        return Sm90MxTileConfig(64, 128, TILE_K, 4, ctas_per_sm=2, promote="table",
-                                epilogue="packed")
     for tm in (128, 64):
         for tn in (128, 64):
             if hidden % tm == 0 and intermediate % tn == 0:
-                return Sm90MxTileConfig(tm, tn, TILE_K, SM90_MX_TILES.stages_for(tm, tn, TILE_K),
-                                        promote="table", epilogue="packed")
+                return Sm90MxTileConfig(tm, tn, TILE_K, SM90_MX_TILES.stages_for(tm, tn, TILE_K))
     raise ValueError(
         f"select_sm90_mx_tile_config: no SM90 MXFP8 tile fits hidden={hidden}, "
         f"intermediate={intermediate} (both must be multiples of 64)"

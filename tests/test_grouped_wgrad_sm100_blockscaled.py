@@ -477,35 +477,44 @@ def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
     not (HAS_SM100 and HAS_CUTE and os.environ.get(sm100_bf16.ENABLE_ENV) == "1"),
     reason="needs an SM100 GPU, CuTe DSL and MOE_BWD_ENABLE_UNVERIFIED_SM100=1",
 )
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4", "mxfp4"])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_kernel_matches_twin(fmt, accumulate):
+@pytest.mark.parametrize("mode", ["dense", "discrete"])
+def test_kernel_matches_twin(fmt, accumulate, mode):
     from test_blockscaled_ref import _random_operands
 
     from cuda_kernels.grouped_wgrad.blockscaled_ref import grouped_wgrad_blockscaled_torch
 
     align = 64 if fmt == "nvfp4" else 128
     counts = [4 * align, 0, align, 7 * align, 2 * align]
-    m, n = 384, 320
+    m, n = (384, 320) if mode == "dense" else (384, 256)  # discrete: whole 128x128 tiles
     a, b, sfa, sfb, gsa, gsb, *_ = _random_operands(fmt, m, n, counts, seed=3)
-    if fmt != "nvfp4":
+    if fmt in ("e4m3", "e5m2"):
         b = b.t().contiguous().t()  # K-major along tokens
     dev = torch.device("cuda")
     a, b, sfa, sfb = (t.to(dev) for t in (a, b, sfa, sfb))
     if gsa is not None:
         gsa, gsb = gsa.to(dev), gsb.to(dev)
     offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(dev)
-    spec = NV if fmt == "nvfp4" else dataclasses.replace(
+    spec = {"nvfp4": NV, "mxfp4": MX4}.get(fmt) or dataclasses.replace(
         MX, ab_dtype="float8_e5m2" if fmt == "e5m2" else "float8_e4m3fn"
     )
     contract = _contract(
-        spec, hidden=m, intermediate=n, num_experts=len(counts), accumulate=accumulate
+        spec, hidden=m, intermediate=n, num_experts=len(counts), accumulate=accumulate,
+        output_mode=mode,
     )
     launcher = dispatch._blockscaled_kernel(contract)
     assert launcher is not None
     init = torch.randn(len(counts), m, n, device=dev)
     out = init.clone() if accumulate else torch.full_like(init, float("nan"))
-    launcher(a, b, sfa, sfb, offsets, out, global_scale_a=gsa, global_scale_b=gsb)
+    target, kw = out, {}
+    if mode == "discrete":  # per-expert addresses, descriptors in the caller's workspace
+        target = torch.tensor([o.data_ptr() for o in out], dtype=torch.int64, device=dev)
+        kw["descriptor_workspace"] = torch.zeros(
+            api.get_grouped_gemm_wgrad_workspace_size_sm100(len(counts), "discrete"),
+            dtype=torch.uint8, device=dev,
+        )
+    launcher(a, b, sfa, sfb, offsets, target, global_scale_a=gsa, global_scale_b=gsb, **kw)
     torch.cuda.synchronize()
     ref = init.clone() if accumulate else torch.empty_like(init)
     grouped_wgrad_blockscaled_torch(

@@ -5,8 +5,10 @@ every expert ``e``; ``deq`` is the MX / NVFP4 decoding (element times its group'
 ``blockscaled_ref.grouped_wgrad_blockscaled_torch`` defines the results.
 
 Status (read first): compiled offline for ``sm_100a`` (PTX checked for the block-scaled
-``tcgen05.mma`` kinds ``mxf8f6f4`` / ``mxf4nvf4`` with ``block_scale`` and for ``tcgen05.cp``
-of the scale factors into tensor memory) but it has NEVER RUN on a Blackwell GPU. Its launcher
+``tcgen05.mma`` kinds ``mxf8f6f4`` / ``mxf4nvf4`` with ``block_scale``, for ``tcgen05.cp`` of the
+scale factors into tensor memory and, for discrete outputs, for the per-expert descriptor build
+(tensormap.replace, tensormap proxy fences) and the TMA stores through those descriptors;
+assembled by ptxas for sm_100a without spills) but it has NEVER RUN on a Blackwell GPU. Its launcher
 refuses to run unless ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1`` (the same gate as ``sm100_bf16``),
 and ``dispatch._blockscaled_kernel`` routes SM100 block-scaled contracts to it only then.
 
@@ -18,10 +20,15 @@ Formats (``BlockScaledSpec.fmt``):
 - ``"nvfp4"``: A, B FP4 E2M1 (two tokens per byte) with E4M3 scales, ``sf_vec = 16``, plus
   per-expert fp32 global scales; kind ``mxf4nvf4`` (k = 64 per instruction, 4 scales per row);
   a stage is 64 tokens = one scale atom column; the epilogue multiplies the fp32 accumulator by
-  ``gsa[e] * gsb[e]`` (computed on the launch stream) before the conversion.
+  ``gsa[e] * gsb[e]`` (computed on the launch stream) before the conversion;
+- ``"mxfp4"``: A, B FP4 E2M1 (two tokens per byte) with E8M0 scales, ``sf_vec = 32``; CuTe DSL's
+  ``MmaMXF4Op`` (k = 64 per instruction, 2 scales per row), which it emits as
+  ``tcgen05.mma ... kind::mxf4nvf4.block_scale.block32`` (the PTX ISA's mxf4nvf4 kind with
+  UE8M0 scales at block 32, i.e. MXFP4; ``kind::mxf4`` is the same operation); a stage is 128
+  tokens = 4 scale columns = one atom column, as for MXFP8.
 
 Contract (the seed's ``_sm100`` surface, ``BlockScaledSpec.token_align``): every expert's token
-count is a multiple of 128 (MXFP8) / 64 (NVFP4), so every stage lies inside one expert and an
+count is a multiple of 128 (MXFP8, MXFP4) / 64 (NVFP4), so every stage lies inside one expert and an
 expert's scale columns start at ``begin / sf_vec``, a multiple of 4: the per-expert scale blocks
 ``(round_up(rows, 128), k_e / sf_vec)`` concatenate into exactly the 128x4-atom layout of the
 whole ``(round_up(rows, 128), tokens_sum / sf_vec)`` matrix (SWIZZLE_32_4_4: atom ``(i, j)`` at
@@ -40,11 +47,23 @@ the MMA warp copies them from shared memory into tensor memory with ``tcgen05.cp
 (``Cp4x32x128bOp``; the 32x4x4 "warpx4" broadcast the MMA's scale layout expects) and points the
 block-scaled MMA at them (``tcgen05.Field.SFA`` / ``SFB``); the NVFP4 epilogue scales.
 
-Built: ``tile = (128, 128)`` (1-CTA tcgen05, cluster (1, 1), dynamic scheduler), dense outputs in
-BF16 / FP16 / FP32, overwrite or TMA reduce-add. Not built (the hook returns None for them, the
-twin runs): the 2-CTA 256-row tile, ``tile_n = 256`` (two 128-column accumulators plus the scale
-columns exceed TMEM without the overlapped-accumulator trick), discrete outputs, MXFP4,
-``tensor_ragged``, token counts that are not multiples of the stage.
+Discrete outputs (an int64 address per expert) reuse the BF16 kernel's per-expert TMA
+descriptors unchanged (its ``ensure_descriptors`` / ``build_descriptors`` / ``wait_descriptors``
+/ ``desc_ptr``): the TMA warp that first takes a tile of expert ``e`` claims the expert's flag
+(the counter's word ``1 + e``), copies the host-encoded ``(M, N, 1)`` template of the output's
+TMA store into the expert's 128-byte slot of the caller's descriptor workspace, patches in the
+expert's address (``tensormap.replace``) and releases it; the storing epilogue warp waits for the
+flag and acquires the descriptor before its first TMA store (or reduce-add) through it. The
+workspace thus holds real per-expert descriptors, rewritten at every launch: each call site
+(and each CUDA-graph replay of it) uses its own workspace, so nothing mutable is shared.
+
+Built: ``tile = (128, 128)`` (1-CTA tcgen05, cluster (1, 1), dynamic scheduler), dense outputs
+(partial tiles clipped by TMA) and discrete outputs (whole tiles: hidden and intermediate
+multiples of 128) in BF16 / FP16 / FP32, overwrite or TMA reduce-add. Not built (the hook
+returns None for them, the twin runs): the 2-CTA 256-row tile and ``tile_n = 256`` (two
+128-column accumulators plus the scale columns exceed TMEM's 512 columns without the
+overlapped-accumulator trick; the 2-CTA tile needs the scale atoms split / multicast across the
+pair), ``tensor_ragged``, token counts that are not multiples of the stage.
 
 Public names: :class:`Sm100BsTileConfig`, :class:`Sm100BlockScaledKey`,
 :func:`sm100_blockscaled_key_from_contract`, :func:`compile_sm100_blockscaled_wgrad`,
@@ -112,7 +131,7 @@ class Sm100BsTileConfig:
     Attributes:
         tile_m: 128 (1-CTA tcgen05; the 2-CTA tile is not built).
         tile_n: 128 (one scale atom of B; 256 needs the overlapped accumulator, not built).
-        tile_k: tokens per stage: 128 (MXFP8) or 64 (NVFP4), one scale atom column.
+        tile_k: tokens per stage: 128 (MXFP8, MXFP4) or 64 (NVFP4), one scale atom column.
         stages: depth of the shared-memory ring, 2..8 (lowered when shared memory is short).
 
     Raises:
@@ -152,12 +171,14 @@ class Sm100BlockScaledKey(KernelKey):
     ``_contract.KernelKey`` fields, plus
 
     Attributes:
-        fmt: ``"mxfp8"`` or ``"nvfp4"``.
-        elem: ``"e4m3"`` / ``"e5m2"`` (MXFP8), ``"e2m1"`` (NVFP4).
-        tile: :class:`Sm100BsTileConfig` whose ``tile_k`` is the format's stage (128 / 64).
+        fmt: ``"mxfp8"``, ``"mxfp4"`` or ``"nvfp4"``.
+        elem: ``"e4m3"`` / ``"e5m2"`` (MXFP8), ``"e2m1"`` (MXFP4, NVFP4).
+        tile: :class:`Sm100BsTileConfig` whose ``tile_k`` is the format's stage (128 / 128 /
+            64).
 
-    Both operands are K-major along tokens (``a_major = b_major = "k"``), ``tensor2d``, dense
-    output (discrete outputs are not built).
+    Both operands are K-major along tokens (``a_major = b_major = "k"``), ``tensor2d``; dense
+    or discrete output (discrete: hidden and intermediate multiples of the 128x128 tile, the
+    ``_contract.KernelKey`` rule of the SM100 family).
 
     Raises:
         ValueError: a field outside its values.

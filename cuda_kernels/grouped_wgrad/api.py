@@ -23,8 +23,8 @@ Public names:
 Block-scaled (MXFP8 / MXFP4 / NVFP4, the seed's legacy surface) in the same classes, wrappers and
 ``grouped_gemm_wgrad`` (which takes any MXFP8 token count per expert). Native block-scaled
 kernels plug in at ``dispatch._blockscaled_kernel``: ``sm90_mxfp8`` (MXFP8 on SM90) and
-``sm100_blockscaled`` (MXFP8 / NVFP4 on SM100), each behind an opt-in until verified on a GPU;
-every other call runs the torch twin (``blockscaled_ref``) on the tensors' device.
+``sm100_blockscaled`` (MXFP8 / MXFP4 / NVFP4 on SM100), each behind an opt-in until verified on a
+GPU; every other call runs the torch twin (``blockscaled_ref``) on the tensors' device.
     ``get_grouped_gemm_wgrad_workspace_size_sm100``, ``TupleDict``, ``WgradContract``.
 
 Validation of offsets VALUES and pointer VALUES needs a host read (a device sync). It runs only in

@@ -476,13 +476,15 @@ def _blockscaled_kernel(contract: WgradContract) -> BlockScaledLauncher | None:
     from ``grouped_gemm_wgrad`` and the ``_sm90`` surface); ``contract.arch`` is "sm100" or
     "sm90" (the device's kernel arch). A family returns a launcher (signature
     :data:`BlockScaledLauncher`, compiled once per contract) only for contracts it supports —
-    e.g. ``sm100_blockscaled`` for MXFP8 / NVFP4 on "sm100", ``sm90_mxfp8`` for MXFP8 on "sm90" —
+    e.g. ``sm100_blockscaled`` for MXFP8 / MXFP4 / NVFP4 on "sm100", ``sm90_mxfp8`` for MXFP8 on
+    "sm90" —
     and None otherwise; it receives the caller's ``descriptor_workspace`` (or None) at launch.
 
     Built today: ``sm90_mxfp8`` (MXFP8, both operands K-major along tokens, ``tensor2d``) on an
     SM90 GPU with CuTe DSL, while :func:`sm90_mxfp8.enabled` (verified on the H200, or
-    ``MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1``); ``sm100_blockscaled`` (MXFP8 / NVFP4, both
-    operands K-major, ``tensor2d``, dense output, the ``_sm100`` token multiples 128 / 64:
+    ``MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1``); ``sm100_blockscaled`` (MXFP8 / MXFP4 / NVFP4,
+    both operands K-major, ``tensor2d``, dense output or discrete through per-expert TMA
+    descriptors in the caller's ``descriptor_workspace``, the ``_sm100`` token multiples 128 / 64:
     :func:`sm100_blockscaled.supports`) on "sm100" with CuTe DSL, gated exactly like the BF16
     SM100 kernel: only with ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1`` (compiled, never run on a
     B200); without it SM100 block-scaled calls run the twin.

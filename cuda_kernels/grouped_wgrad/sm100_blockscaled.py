@@ -5,8 +5,10 @@ every expert ``e``; ``deq`` is the MX / NVFP4 decoding (element times its group'
 ``blockscaled_ref.grouped_wgrad_blockscaled_torch`` defines the results.
 
 Status (read first): compiled offline for ``sm_100a`` (PTX checked for the block-scaled
-``tcgen05.mma`` kinds ``mxf8f6f4`` / ``mxf4nvf4`` with ``block_scale`` and for ``tcgen05.cp``
-of the scale factors into tensor memory) but it has NEVER RUN on a Blackwell GPU. Its launcher
+``tcgen05.mma`` kinds ``mxf8f6f4`` / ``mxf4nvf4`` with ``block_scale``, for ``tcgen05.cp`` of the
+scale factors into tensor memory and, for discrete outputs, for the per-expert descriptor build
+(tensormap.replace, tensormap proxy fences) and the TMA stores through those descriptors;
+assembled by ptxas for sm_100a without spills) but it has NEVER RUN on a Blackwell GPU. Its launcher
 refuses to run unless ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1`` (the same gate as ``sm100_bf16``),
 and ``dispatch._blockscaled_kernel`` routes SM100 block-scaled contracts to it only then.
 
@@ -18,10 +20,15 @@ Formats (``BlockScaledSpec.fmt``):
 - ``"nvfp4"``: A, B FP4 E2M1 (two tokens per byte) with E4M3 scales, ``sf_vec = 16``, plus
   per-expert fp32 global scales; kind ``mxf4nvf4`` (k = 64 per instruction, 4 scales per row);
   a stage is 64 tokens = one scale atom column; the epilogue multiplies the fp32 accumulator by
-  ``gsa[e] * gsb[e]`` (computed on the launch stream) before the conversion.
+  ``gsa[e] * gsb[e]`` (computed on the launch stream) before the conversion;
+- ``"mxfp4"``: A, B FP4 E2M1 (two tokens per byte) with E8M0 scales, ``sf_vec = 32``; CuTe DSL's
+  ``MmaMXF4Op`` (k = 64 per instruction, 2 scales per row), which it emits as
+  ``tcgen05.mma ... kind::mxf4nvf4.block_scale.block32`` (the PTX ISA's mxf4nvf4 kind with
+  UE8M0 scales at block 32, i.e. MXFP4; ``kind::mxf4`` is the same operation); a stage is 128
+  tokens = 4 scale columns = one atom column, as for MXFP8.
 
 Contract (the seed's ``_sm100`` surface, ``BlockScaledSpec.token_align``): every expert's token
-count is a multiple of 128 (MXFP8) / 64 (NVFP4), so every stage lies inside one expert and an
+count is a multiple of 128 (MXFP8, MXFP4) / 64 (NVFP4), so every stage lies inside one expert and an
 expert's scale columns start at ``begin / sf_vec``, a multiple of 4: the per-expert scale blocks
 ``(round_up(rows, 128), k_e / sf_vec)`` concatenate into exactly the 128x4-atom layout of the
 whole ``(round_up(rows, 128), tokens_sum / sf_vec)`` matrix (SWIZZLE_32_4_4: atom ``(i, j)`` at
@@ -40,11 +47,23 @@ the MMA warp copies them from shared memory into tensor memory with ``tcgen05.cp
 (``Cp4x32x128bOp``; the 32x4x4 "warpx4" broadcast the MMA's scale layout expects) and points the
 block-scaled MMA at them (``tcgen05.Field.SFA`` / ``SFB``); the NVFP4 epilogue scales.
 
-Built: ``tile = (128, 128)`` (1-CTA tcgen05, cluster (1, 1), dynamic scheduler), dense outputs in
-BF16 / FP16 / FP32, overwrite or TMA reduce-add. Not built (the hook returns None for them, the
-twin runs): the 2-CTA 256-row tile, ``tile_n = 256`` (two 128-column accumulators plus the scale
-columns exceed TMEM without the overlapped-accumulator trick), discrete outputs, MXFP4,
-``tensor_ragged``, token counts that are not multiples of the stage.
+Discrete outputs (an int64 address per expert) reuse the BF16 kernel's per-expert TMA
+descriptors unchanged (its ``ensure_descriptors`` / ``build_descriptors`` / ``wait_descriptors``
+/ ``desc_ptr``): the TMA warp that first takes a tile of expert ``e`` claims the expert's flag
+(the counter's word ``1 + e``), copies the host-encoded ``(M, N, 1)`` template of the output's
+TMA store into the expert's 128-byte slot of the caller's descriptor workspace, patches in the
+expert's address (``tensormap.replace``) and releases it; the storing epilogue warp waits for the
+flag and acquires the descriptor before its first TMA store (or reduce-add) through it. The
+workspace thus holds real per-expert descriptors, rewritten at every launch: each call site
+(and each CUDA-graph replay of it) uses its own workspace, so nothing mutable is shared.
+
+Built: ``tile = (128, 128)`` (1-CTA tcgen05, cluster (1, 1), dynamic scheduler), dense outputs
+(partial tiles clipped by TMA) and discrete outputs (whole tiles: hidden and intermediate
+multiples of 128) in BF16 / FP16 / FP32, overwrite or TMA reduce-add. Not built (the hook
+returns None for them, the twin runs): the 2-CTA 256-row tile and ``tile_n = 256`` (two
+128-column accumulators plus the scale columns exceed TMEM's 512 columns without the
+overlapped-accumulator trick; the 2-CTA tile needs the scale atoms split / multicast across the
+pair), ``tensor_ragged``, token counts that are not multiples of the stage.
 
 Public names: :class:`Sm100BsTileConfig`, :class:`Sm100BlockScaledKey`,
 :func:`sm100_blockscaled_key_from_contract`, :func:`compile_sm100_blockscaled_wgrad`,
@@ -59,7 +78,13 @@ from typing import Any
 
 from ._contract import KernelKey
 from .launch import KernelFamily, contract_key_fields
-from .sm100_bf16 import ENABLE_ENV, _target_arch, unverified_reason
+from .sm100_bf16 import (
+    ENABLE_ENV,
+    _counter_len,
+    _target_arch,
+    descriptor_workspace_bytes,
+    unverified_reason,
+)
 from .tiles import SM100_TILES
 
 __all__ = [
@@ -75,10 +100,16 @@ __all__ = [
 ]
 
 #: fmt -> (element names, scale dtype name, sf_vec, tokens per stage = token_align of ``_sm100``)
+#: MXFP4 (FP4 E2M1 with E8M0 scales at sf_vec 32): ``tcgen05.mma`` kind ``mxf4`` (CuTe DSL's
+#: ``MmaMXF4Op``, k = 64 per instruction, 2 scales per row); a stage is 128 tokens = 4 scale
+#: columns = one 128x4 atom column, as for MXFP8.
 FORMATS = {
     "mxfp8": (("e4m3", "e5m2"), "float8_e8m0fnu", 32, 128),
+    "mxfp4": (("e2m1",), "float8_e8m0fnu", 32, 128),
     "nvfp4": (("e2m1",), "float8_e4m3fn", 16, 64),
 }
+#: fmt -> the CuTe DSL scale dtype name (``cutlass.<name>``)
+_SF_CUTLASS = {"mxfp8": "Float8E8M0FNU", "mxfp4": "Float8E8M0FNU", "nvfp4": "Float8E4M3FN"}
 #: torch dtype names of A / B (``BlockScaledSpec.ab_dtype``) -> element name
 _AB_DTYPE_ELEM = {
     "float8_e4m3fn": "e4m3",
@@ -100,7 +131,7 @@ class Sm100BsTileConfig:
     Attributes:
         tile_m: 128 (1-CTA tcgen05; the 2-CTA tile is not built).
         tile_n: 128 (one scale atom of B; 256 needs the overlapped accumulator, not built).
-        tile_k: tokens per stage: 128 (MXFP8) or 64 (NVFP4), one scale atom column.
+        tile_k: tokens per stage: 128 (MXFP8, MXFP4) or 64 (NVFP4), one scale atom column.
         stages: depth of the shared-memory ring, 2..8 (lowered when shared memory is short).
 
     Raises:
@@ -140,12 +171,14 @@ class Sm100BlockScaledKey(KernelKey):
     ``_contract.KernelKey`` fields, plus
 
     Attributes:
-        fmt: ``"mxfp8"`` or ``"nvfp4"``.
-        elem: ``"e4m3"`` / ``"e5m2"`` (MXFP8), ``"e2m1"`` (NVFP4).
-        tile: :class:`Sm100BsTileConfig` whose ``tile_k`` is the format's stage (128 / 64).
+        fmt: ``"mxfp8"``, ``"mxfp4"`` or ``"nvfp4"``.
+        elem: ``"e4m3"`` / ``"e5m2"`` (MXFP8), ``"e2m1"`` (MXFP4, NVFP4).
+        tile: :class:`Sm100BsTileConfig` whose ``tile_k`` is the format's stage (128 / 128 /
+            64).
 
-    Both operands are K-major along tokens (``a_major = b_major = "k"``), ``tensor2d``, dense
-    output (discrete outputs are not built).
+    Both operands are K-major along tokens (``a_major = b_major = "k"``), ``tensor2d``; dense
+    or discrete output (discrete: hidden and intermediate multiples of the 128x128 tile, the
+    ``_contract.KernelKey`` rule of the SM100 family).
 
     Raises:
         ValueError: a field outside its values.
@@ -175,8 +208,6 @@ class Sm100BlockScaledKey(KernelKey):
             )
         if self.input_order != "tensor2d":
             raise ValueError(f"{cls}.input_order must be 'tensor2d', got {self.input_order!r}")
-        if self.output_mode != "dense":
-            raise ValueError(f"{cls}.output_mode must be 'dense' (discrete is not built)")
         if self.tile.tile_k != stage:
             raise ValueError(
                 f"{cls}: {self.fmt} stages are {stage} tokens (one scale atom column); got "
@@ -187,10 +218,20 @@ class Sm100BlockScaledKey(KernelKey):
     def sf_vec(self) -> int:
         return FORMATS[self.fmt][2]
 
+    @property
+    def packed_fp4(self) -> bool:
+        """FP4 operands (MXFP4, NVFP4): two tokens per byte."""
+        return self.elem == "e2m1"
+
 
 def _tile_for(fmt: str) -> Sm100BsTileConfig:
     stage = FORMATS[fmt][3]
     return Sm100BsTileConfig(128, 128, stage, 6 if fmt == "mxfp8" else _MAX_STAGES)
+
+
+#: The output tile of every built config (discrete outputs have no partial tiles: the
+#: ``_contract.KernelKey`` rule of the SM100 family).
+_TILE_MN = (128, 128)
 
 
 def supports(contract: Any) -> str | None:
@@ -206,12 +247,12 @@ def supports(contract: Any) -> str | None:
     if contract.arch != "sm100":
         return f"arch {contract.arch!r} is not sm100"
     if spec.fmt not in FORMATS:
-        return f"format {spec.fmt!r} is not built (mxfp8, nvfp4)"
-    _elems, sf_dtype, sf_vec, stage = FORMATS[spec.fmt]
+        return f"format {spec.fmt!r} is not built ({', '.join(FORMATS)})"
+    elems, sf_dtype, sf_vec, stage = FORMATS[spec.fmt]
     if spec.sf_dtype != sf_dtype or spec.sf_vec_size != sf_vec:
         return f"{spec.fmt} needs {sf_dtype} scales at sf_vec {sf_vec}"
-    if spec.ab_dtype not in _AB_DTYPE_ELEM:
-        return f"operand dtype {spec.ab_dtype!r} is not built"
+    if _AB_DTYPE_ELEM.get(spec.ab_dtype) not in elems:
+        return f"operand dtype {spec.ab_dtype!r} is not built for {spec.fmt}"
     if spec.sf_fp8_dtype_override is not None:
         return "sf_fp8_dtype_override is not supported"
     if spec.token_align % stage:
@@ -223,8 +264,14 @@ def supports(contract: Any) -> str | None:
         return "both operands must be K-major along tokens"
     if contract.input_order != "tensor2d":
         return "only input_order='tensor2d' is built"
-    if contract.output_mode != "dense":
-        return "only dense outputs are built"
+    if contract.output_mode == "discrete" and (
+        contract.hidden % _TILE_MN[0] or contract.intermediate % _TILE_MN[1]
+    ):
+        return (
+            f"discrete outputs need hidden and intermediate multiples of the {_TILE_MN[0]}x"
+            f"{_TILE_MN[1]} tile (no partial tiles); got {contract.hidden}x"
+            f"{contract.intermediate}"
+        )
     return None
 
 
@@ -267,16 +314,17 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
         "e5m2": cutlass.Float8E5M2,
         "e2m1": cutlass.Float4E2M1FN,
     }
-    sf_types = {"mxfp8": cutlass.Float8E8M0FNU, "nvfp4": cutlass.Float8E4M3FN}
     base = _bf16_kernel_class()
 
     class Sm100BlockScaledWgradKernel(base):
         """The BF16 kernel's persistent tcgen05 structure with block-scaled MMAs."""
 
         def __init__(self, key: Sm100BlockScaledKey):
-            super().__init__(key)  # tile fields, warp roles, dynamic scheduler (1-CTA)
+            # tile fields, warp roles, dynamic scheduler (1-CTA), and the per-expert descriptor
+            # slots (``sm100_bf16._descriptor_slots``: the output's, in discrete mode)
+            super().__init__(key)
             self.ab_dtype = elem_types[key.elem]
-            self.sf_dtype = sf_types[key.fmt]
+            self.sf_dtype = getattr(cutlass, _SF_CUTLASS[key.fmt])
             self.sf_vec = key.sf_vec
             self.nvfp4 = key.fmt == "nvfp4"
 
@@ -349,11 +397,15 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             mSFB: cute.Tensor,  # (round_up(N, 128), cols') scales of B in 128x4 atoms
             mGs: cute.Tensor,  # (E,) fp32 gsa * gsb (NVFP4; unread for MXFP8)
             mOffsets: cute.Tensor,  # (E,) int32
-            mOut: cute.Tensor,  # (E, M, N) dense
-            mCounter: cute.Tensor,  # (1,) int32, zero at launch
+            mOut: cute.Tensor,  # (E, M, N) dense, or (E,) int64 output addresses (discrete)
+            mCounter: cute.Tensor,  # (1,) int32, zero at launch: the tile counter; (1 + E,)
+            # with descriptors: then [1 + e] is expert e's descriptor flag (0 / 1 building / 2)
             num_clusters: cutlass.Int32,
             stream,
+            mDesc: cute.Tensor = None,  # (16 * E,) int64, 64-byte aligned: the workspace
         ):
+            if cutlass.const_expr(self.desc_c and mDesc is None):
+                raise ValueError("discrete outputs need the descriptor workspace")
             a_major_mode = LayoutEnum.from_tensor(mA).mma_major_mode()
             b_major_mode = LayoutEnum.from_tensor(mB).mma_major_mode()
             tiled_mma = self._setup(a_major_mode, b_major_mode)
@@ -412,9 +464,17 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             ) * atom_thr_size
 
             m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
-            mC_mne = cute.make_tensor(
-                mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
-            )
+            if cutlass.const_expr(self.desc_c):
+                # the BF16 kernel's template (M, N, 1) descriptor: each expert's copy in the
+                # workspace gets its own base address on the device (``build_descriptors``)
+                mC_mne = cute.make_tensor(
+                    cute.recast_ptr(mDesc.iterator, dtype=self.c_dtype),
+                    cute.make_layout((m, n, 1), stride=(n, 1, m * n)),
+                )
+            else:
+                mC_mne = cute.make_tensor(
+                    mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
+                )
             store_op = cpasync.CopyBulkTensorTileS2GOp()
             if cutlass.const_expr(self.key.accumulate):
                 store_op = cpasync.CopyReduceBulkTensorTileS2GOp()
@@ -450,6 +510,8 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
                 mGs,
                 mOffsets,
                 mCounter,
+                mOut,
+                mDesc if cutlass.const_expr(mDesc is not None) else mOffsets,
                 self.cluster_layout_vmnk,
                 self.a_smem_layout_staged,
                 self.b_smem_layout_staged,
@@ -489,10 +551,12 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             tma_atom_sfb: cute.CopyAtom,
             mSFB_nkl: cute.Tensor,
             tma_atom_c: cute.CopyAtom,
-            mC: cute.Tensor,  # the TMA view of (M, N, E)
+            mC: cute.Tensor,  # the TMA view of (M, N, E) dense / (M, N, 1) per-expert descriptor
             mGs: cute.Tensor,
             mOffsets: cute.Tensor,
             mCounter: cute.Tensor,
+            mPtrs: cute.Tensor,  # the output as passed ((E,) int64 addresses when discrete)
+            mDesc: cute.Tensor,  # the descriptor workspace (unused without descriptors)
             cluster_layout_vmnk: cute.Layout,
             a_smem_layout_staged: cute.ComposedLayout,
             b_smem_layout_staged: cute.ComposedLayout,
@@ -508,7 +572,8 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
                 cpasync.prefetch_descriptor(tma_atom_b)
                 cpasync.prefetch_descriptor(tma_atom_sfa)
                 cpasync.prefetch_descriptor(tma_atom_sfb)
-                cpasync.prefetch_descriptor(tma_atom_c)
+                if cutlass.const_expr(not self.desc_c):
+                    cpasync.prefetch_descriptor(tma_atom_c)
 
             cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             block_in_cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank_in_cluster)
@@ -674,8 +739,19 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
                 )
                 tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
                 sched_state.advance()
+                last_e = cutlass.Int32(-1)
                 while tile < self.num_tiles:
-                    _e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
+                    e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
+                    if cutlass.const_expr(self.num_desc > 0):
+                        # the BF16 kernel's per-expert descriptors (discrete: the output's),
+                        # for every expert this CTA takes, empty ones too: claim and build, or
+                        # wait for the builder's flag; the epilogue acquires them
+                        if e != last_e:
+                            self.ensure_descriptors(
+                                e, k0 * self.tile_k, n_k, lane, mCounter, mA_mk, mB_nk, mPtrs,
+                                mDesc, tma_atom_a, tma_atom_b, tma_atom_c,
+                            )
+                            last_e = e
                     tAgA_t = tAgA[(None, m_idx, None)]
                     tBgB_t = tBgB[(None, n_idx, None)]
                     tAgSFA_t = tAgSFA[(None, m_idx, None, 0)]
@@ -819,8 +895,25 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
                 )
                 tile = self.take_tile(sched_pipe, sched_cstate, sSched)
                 sched_cstate.advance()
+                epi_last_e = cutlass.Int32(-1)
                 while tile < self.num_tiles:
                     e, m_idx, n_idx, _k0, n_k, bad = self.tile_coords(tile, sPerm, mOffsets)
+                    e_c = e  # the output's expert coordinate: 0 with per-expert descriptors
+                    desc_c = None
+                    if cutlass.const_expr(self.desc_c):
+                        e_c = cutlass.Int32(0)
+                        desc_c = self.desc_ptr(
+                            mDesc, e, self.num_desc - 1, cute.AddressSpace.generic
+                        )
+                        # the storing warp (as in the BF16 kernel): wait for the expert's flag
+                        # (this CTA's TMA warp ensured the descriptor), then acquire it
+                        if warp_idx == self.epilogue_warp_id[0]:
+                            if e != epi_last_e:
+                                self.wait_descriptors(e, cute.arch.lane_idx(), mCounter)
+                                cpasync.fence_tma_desc_acquire(
+                                    self.desc_ptr(mDesc, e, self.num_desc - 1)
+                                )
+                                epi_last_e = e
                     tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cstate.index)]
                     tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
                     subtiles = cute.size(tTR_tAcc.shape, mode=[3])
@@ -834,7 +927,7 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
                             write = cutlass.Boolean(True)
                     if n_k > 0:
                         acc_pipe.consumer_wait(acc_cstate)
-                    bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e)]
+                    bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e_c)]
                     bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
                     if write:
                         for sub in cutlass.range_constexpr(subtiles):
@@ -853,7 +946,12 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
                             cute.arch.fence_proxy("async.shared", space="cta")
                             epi_barrier.arrive_and_wait()
                             if warp_idx == self.epilogue_warp_id[0]:
-                                cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, sub)])
+                                cute.copy(
+                                    tma_atom_c,
+                                    bSG_sC[(None, buf)],
+                                    bSG_gC[(None, sub)],
+                                    tma_desc_ptr=desc_c,
+                                )
                                 c_pipe.producer_commit()
                                 c_pipe.producer_acquire()
                             epi_barrier.arrive_and_wait()
@@ -886,7 +984,9 @@ def _kernel_class():
 def _fake_operands(key: Sm100BlockScaledKey):
     """Shape-only operands of a compile: A ``(M, S)`` / B ``(N, S)`` in the element type with a
     symbolic token count (a multiple of the stage) and unit stride along tokens, the scale tensors
-    ``(round_up(rows, 128), cols)`` in the scale dtype (cols symbolic), the global-scale product, offsets, output, counter."""
+    ``(round_up(rows, 128), cols)`` in the scale dtype (cols symbolic), the global-scale product, offsets, output (dense ``(E, M, N)`` or discrete ``(E,)``
+    int64 addresses), counter (plus one descriptor flag per expert in discrete mode). The
+    descriptor workspace (discrete) is appended by ``KernelFamily._compile``."""
     import cutlass
     from cutlass import cute
 
@@ -895,7 +995,7 @@ def _fake_operands(key: Sm100BlockScaledKey):
         "e5m2": cutlass.Float8E5M2,
         "e2m1": cutlass.Float4E2M1FN,
     }[key.elem]
-    sf_t = {"mxfp8": cutlass.Float8E8M0FNU, "nvfp4": cutlass.Float8E4M3FN}[key.fmt]
+    sf_t = getattr(cutlass, _SF_CUTLASS[key.fmt])
     out_t = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
     m, n, e = key.hidden, key.intermediate, key.num_experts
     s = cute.sym_int32(divisibility=key.tile.tile_k, symbol="tokens_sum")
@@ -915,10 +1015,15 @@ def _fake_operands(key: Sm100BlockScaledKey):
     )
     gs = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (e,), assumed_align=4)
     offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
-    out = cute.runtime.make_fake_compact_tensor(
-        out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
+    if key.output_mode == "dense":
+        out = cute.runtime.make_fake_compact_tensor(
+            out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
+        )
+    else:  # discrete: (E,) int64 output addresses
+        out = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (e,), assumed_align=8)
+    counter = cute.runtime.make_fake_compact_tensor(
+        cutlass.Int32, (_counter_len(key),), assumed_align=4
     )
-    counter = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
     return a, b, sfa, sfb, gs, offsets, out, counter
 
 
@@ -946,29 +1051,49 @@ class _BsFamily(KernelFamily):
         """One launch on validated CUDA tensors (``dispatch.BlockScaledLauncher``'s signature):
         ``a`` ``(M, S)`` / ``b`` ``(S, N)`` K-major along tokens (FP4: packed bytes, two tokens per
         byte), ``sfa`` / ``sfb`` the 128x4-atom scale tensors, ``offsets`` ``(E,)`` int32 (every
-        count a multiple of the stage), ``out`` dense ``(E, M, N)``. The descriptors are built per
-        launch by the TVM-FFI entry (nothing mutable is shared between call sites), so
-        ``descriptor_workspace`` is not needed."""
+        count a multiple of the stage), ``out`` dense ``(E, M, N)`` or, discrete, ``(E,)`` int64
+        16-byte aligned ``(M, N)`` row-major output addresses.
+
+        Dense outputs and the operands go through the kernel-parameter TMA descriptors the
+        TVM-FFI entry encodes per launch. Discrete outputs go through per-expert descriptors that
+        the kernel builds on the device in ``descriptor_workspace`` (the caller's uint8 buffer,
+        contiguous, 64-byte aligned, at least ``descriptor_workspace_bytes(key)``: 128 bytes per
+        expert, within cuDNN's ``get_grouped_gemm_wgrad_workspace_size_sm100``; None: one is
+        allocated per launch on the launch stream), as the BF16 kernel does
+        (``launch.descriptor_workspace_view``); each call site owns its workspace, so CUDA-graph
+        replays of several call sites never share mutable descriptors. The counter gets one
+        zeroed descriptor flag per expert after the tile counter.
+        """
         import torch
 
-        from .launch import _on_stream, _zeroed_counter
+        from .launch import _on_stream, descriptor_workspace_view
 
-        del descriptor_workspace
         reason = unverified_reason()
         if reason is not None:
             raise RuntimeError(reason)
         with _on_stream(stream):
             if a.shape[-1] == 0:  # no tokens: nothing to read (TMA has no 0-sized boxes)
-                if not key.accumulate:
+                if key.accumulate:
+                    return
+                if key.output_mode == "dense":
                     out.zero_()
-                return
-            if key.fmt == "nvfp4":
-                gs = (global_scale_a.float() * global_scale_b.float()).contiguous()
+                    return
+                # discrete: the kernel writes the zeros through the pointers (no host read of
+                # them); one stage of zero stand-ins keeps its TMA descriptors valid, and no
+                # expert has a token to read
+                a, b, sfa, sfb = _zero_stage(key, a, b, sfa, sfb)
+            if key.packed_fp4:
                 a = a.view(torch.float4_e2m1fn_x2)
                 b = b.view(torch.float4_e2m1fn_x2)
+            if key.fmt == "nvfp4":
+                gs = (global_scale_a.float() * global_scale_b.float()).contiguous()
             else:
                 gs = torch.ones(key.num_experts, dtype=torch.float32, device=a.device)
             grid = self.grid_size(key, a.device)
+            tail = ()
+            ws_bytes = self.workspace_bytes(key)
+            if ws_bytes:
+                tail = (descriptor_workspace_view(descriptor_workspace, ws_bytes, a.device),)
             fn(
                 a,
                 b.t(),
@@ -977,9 +1102,24 @@ class _BsFamily(KernelFamily):
                 gs,
                 offsets,
                 out,
-                _zeroed_counter(a.device),
+                self.counter_for(key, a.device),
                 grid,
+                *tail,
             )
+
+
+def _zero_stage(key: Sm100BlockScaledKey, a, b, sfa, sfb):
+    """Zero stand-ins of one stage (``tile_k`` tokens; FP4 packed two per byte) for operands and
+    scales without tokens, in their layouts (A ``(M, k)`` and B ``(k, N)`` with stride ``(1, k)``
+    K-major, scales ``(rows, 4)``: one 128x4 atom column)."""
+    import torch
+
+    cols = key.tile.tile_k // (2 if key.packed_fp4 else 1)
+    a0 = torch.zeros(a.shape[0], cols, dtype=a.dtype, device=a.device)
+    b0 = torch.zeros(b.shape[1], cols, dtype=b.dtype, device=b.device).t()
+    sfa0 = torch.zeros(sfa.shape[0], 4, dtype=sfa.dtype, device=sfa.device)
+    sfb0 = torch.zeros(sfb.shape[0], 4, dtype=sfb.dtype, device=sfb.device)
+    return a0, b0, sfa0, sfb0
 
 
 def _as_key(key_or_contract: Any) -> Sm100BlockScaledKey:
@@ -1006,6 +1146,8 @@ FAMILY = _BsFamily(
     tile_counter=True,
     ctas_per_sm=lambda key: 1,
     fake_operands=_fake_operands,
+    counter_len=_counter_len,
+    workspace_bytes=descriptor_workspace_bytes,
 )
 
 __getattr__ = FAMILY.module_getattr(__name__)  # COMPILE_COUNT: the family's count

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import datetime
 import importlib.util
+import multiprocessing
 import socket
 import time
 
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-SPAWN_TIMEOUT_S = 120  # 4 forked processes take 5-12 s on 2 cores; a hang fails, not stalls
+SPAWN_TIMEOUT_S = 120  # 4 processes take 4-12 s on 2 cores; a hang fails, not stalls
 PG_TIMEOUT_S = 60  # a rank stuck in a collective raises instead of blocking the run
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-6}
 """EP vs one process, fp32 parameters and activations: the same BF16 GEMM operands, the same
@@ -61,11 +62,16 @@ def _free_port() -> int:
 
 def _spawn(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, port, *args)`` in ``world`` processes, bounded in time; a child's
-    exception fails the test with its traceback. Forked (as torch's own ``MultiProcessTestCase``
-    on CPU): a spawned child re-imports torch (and torchtitan), 4-5x slower on 2 cores; the
-    children run one intra-op thread (``_init``)."""
+    exception fails the test with its traceback. Started from a fork server that imported torch
+    (and torchtitan) once: a spawned child re-imports them (4-5x slower on 2 cores), and a plain
+    fork of the pytest process is unsafe once other tests have started threads (JAX's)."""
+    preload = ["torch", "torch.distributed", "common.expert_parallel"]
+    if _torchtitan_missing() is None:
+        preload += ["torchtitan.models.common.moe", "torchtitan.models.common.token_dispatcher"]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     ctx = mp.start_processes(
-        fn, args=(world, _free_port(), *args), nprocs=world, join=False, start_method="fork"
+        fn, args=(world, _free_port(), *args), nprocs=world, join=False,
+        start_method="forkserver",
     )
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
@@ -292,6 +298,4 @@ def _tt_worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.skipif(_torchtitan_missing() is not None,
                     reason="torchtitan not installed (pip install moe-bwd-kernels[torchtitan])")
 def test_torchtitan_expert_parallel_with_our_experts():
-    import torchtitan.models.common.moe  # noqa: F401  once, before the fork (~5 s)
-
     _spawn(_tt_worker, 4)

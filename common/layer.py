@@ -750,12 +750,10 @@ def run_experts_grouped_mm(
         ValueError: a bad argument, named (on CPU tensors also a negative count or counts
             summing to more than ``rows``).
 
-    Example (not run in CI: torchtitan is not a dependency)::
-
-        import torchtitan.models.moe.moe as tt_moe
-        from common.layer import run_experts_grouped_mm
-
-        tt_moe._run_experts_grouped_mm = run_experts_grouped_mm   # GroupedExperts now uses it
+    Example: torchtitan before 0.3 had this seam as a module function
+    (``torchtitan.models.moe.moe._run_experts_grouped_mm = run_experts_grouped_mm``); in
+    torchtitan 0.3.0 it is ``GroupedExperts.forward`` (``torchtitan.models.common.moe``), which
+    :func:`common.expert_parallel.use_moe_experts_in_torchtitan` replaces on a built model.
     """
     _check_pair(w1, w3)
     E, I, H = w1.shape

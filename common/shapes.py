@@ -9,6 +9,7 @@ T        tokens (after flattening batch and sequence)
 H        hidden size (model dimension)
 I        expert intermediate size (per tensor-parallel shard: ``I_TP`` in AWS's docs)
 E        number of routed experts
+e        local experts of one expert-parallel rank, ``E / ep`` (:mod:`common.expert_parallel`)
 K        top_k: routed experts per token (slots per token)
 R        routed rows, ``T * K`` (slots, including dropped ones)
 B        block_size: token slots per block of the NKI blockwise layout

@@ -757,6 +757,33 @@ def _build_kernel_class():
             gC_e = cute.local_tile(mC_e, tile_mn, (None, None, None))
             return sm100_epi.transform_partitioned_tensor_layout(thr_mma.partition_C(gC_e))
 
+        @cute.jit
+        def sort_experts(self, storage, mOffsets, tidx, cluster_layout_vmnk):
+            """Every thread: the experts sorted by token count, largest first (ties by index),
+            from the device offsets: returns ``sPerm`` (``sPerm[rank] = expert``). Both CTAs of
+            a cluster compute the same order. Waits for the pipelines' barrier init (cluster
+            wide) between the two passes."""
+            num_e = self.key.num_experts
+            sLens = storage.lens.get_tensor(cute.make_layout(num_e))
+            sPerm = storage.perm.get_tensor(cute.make_layout(num_e))
+            for ei in cutlass.range(tidx, num_e, self.threads_per_cta, unroll=1):
+                prev = cutlass.Int32(0)
+                if ei > 0:
+                    prev = mOffsets[ei - 1]
+                sLens[ei] = mOffsets[ei] - prev
+            pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
+            cute.arch.sync_threads()
+            for ei in cutlass.range(tidx, num_e, self.threads_per_cta, unroll=1):
+                my_len = sLens[ei]
+                rank = cutlass.Int32(0)
+                for e2 in cutlass.range(num_e, unroll=4):
+                    l2 = sLens[e2]
+                    if l2 > my_len or (l2 == my_len and e2 < ei):
+                        rank += 1
+                sPerm[rank] = ei
+            cute.arch.sync_threads()
+            return sPerm
+
         @cute.kernel
         def kernel(
             self,
@@ -938,27 +965,7 @@ def _build_kernel_class():
             acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
             tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
 
-            # Experts sorted by token count, largest first (ties by index), from the device
-            # offsets: sPerm[rank] = expert. Both CTAs of a cluster compute the same order.
-            num_e = self.key.num_experts
-            sLens = storage.lens.get_tensor(cute.make_layout(num_e))
-            sPerm = storage.perm.get_tensor(cute.make_layout(num_e))
-            for ei in cutlass.range(tidx, num_e, self.threads_per_cta, unroll=1):
-                prev = cutlass.Int32(0)
-                if ei > 0:
-                    prev = mOffsets[ei - 1]
-                sLens[ei] = mOffsets[ei] - prev
-            pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
-            cute.arch.sync_threads()
-            for ei in cutlass.range(tidx, num_e, self.threads_per_cta, unroll=1):
-                my_len = sLens[ei]
-                rank = cutlass.Int32(0)
-                for e2 in cutlass.range(num_e, unroll=4):
-                    l2 = sLens[e2]
-                    if l2 > my_len or (l2 == my_len and e2 < ei):
-                        rank += 1
-                sPerm[rank] = ei
-            cute.arch.sync_threads()
+            sPerm = self.sort_experts(storage, mOffsets, tidx, cluster_layout_vmnk)
 
             # ---------------- TMA warp ----------------
             if warp_idx == self.tma_warp_id:

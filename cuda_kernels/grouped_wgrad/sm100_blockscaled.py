@@ -708,25 +708,7 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
 
             # Experts sorted by token count, largest first (the BF16 kernel's order)
-            num_e = self.key.num_experts
-            sLens = storage.lens.get_tensor(cute.make_layout(num_e))
-            sPerm = storage.perm.get_tensor(cute.make_layout(num_e))
-            for ei in cutlass.range(tidx, num_e, self.threads_per_cta, unroll=1):
-                prev = cutlass.Int32(0)
-                if ei > 0:
-                    prev = mOffsets[ei - 1]
-                sLens[ei] = mOffsets[ei] - prev
-            pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
-            cute.arch.sync_threads()
-            for ei in cutlass.range(tidx, num_e, self.threads_per_cta, unroll=1):
-                my_len = sLens[ei]
-                rank = cutlass.Int32(0)
-                for e2 in cutlass.range(num_e, unroll=4):
-                    l2 = sLens[e2]
-                    if l2 > my_len or (l2 == my_len and e2 < ei):
-                        rank += 1
-                sPerm[rank] = ei
-            cute.arch.sync_threads()
+            sPerm = self.sort_experts(storage, mOffsets, tidx, cluster_layout_vmnk)
 
             # ---------------- TMA warp: A, B and their scale atoms per stage ----------------
             if warp_idx == self.tma_warp_id:

@@ -758,6 +758,73 @@ def _build_kernel_class():
             return sm100_epi.transform_partitioned_tensor_layout(thr_mma.partition_C(gC_e))
 
         @cute.jit
+        def make_pipelines(self, storage, cluster_layout_vmnk, use_2cta):
+            """The A/B stage ring (TMA -> MMA), the accumulator ring (MMA -> epilogue), the
+            tile-id ring of the dynamic scheduler, and the TMEM allocator; then the cluster-wide
+            init arrive (``sort_experts`` waits for it)."""
+            ab_pipe = pipeline.PipelineTmaUmma.create(
+                barrier_storage=storage.ab_mbar.data_ptr(),
+                num_stages=self.num_ab_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                tx_count=self.num_tma_load_bytes,
+                cta_layout_vmnk=cluster_layout_vmnk,
+                defer_sync=True,
+            )
+            acc_consumers = len(self.epilogue_warp_id) * (2 if use_2cta else 1)
+            acc_pipe = pipeline.PipelineUmmaAsync.create(
+                barrier_storage=storage.acc_mbar.data_ptr(),
+                num_stages=self.num_acc_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, acc_consumers),
+                cta_layout_vmnk=cluster_layout_vmnk,
+                defer_sync=True,
+            )
+            # Dynamic tile scheduler: the (leader) TMA warp takes tile ids from the global
+            # atomic counter and passes them to the MMA warp and the epilogue warps through a
+            # small shared-memory ring (every thread of those warps waits and releases).
+            if cutlass.const_expr(self.cluster_sched):
+                # (2, 1) cluster: the leader broadcasts each id into both CTAs' rings (one
+                # st.async of 4 bytes per CTA); the consumers are every thread of the TMA, MMA
+                # and epilogue warps of both CTAs, arriving on the leader's empty mbarrier.
+                sched_pipe = pipeline.PipelineClcFetchAsync.create(
+                    barrier_storage=storage.sched_mbar.data_ptr(),
+                    num_stages=_SCHED_STAGES,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                    consumer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread,
+                        32 * (2 + len(self.epilogue_warp_id)) * self.cluster_m,
+                    ),
+                    tx_count=4,
+                    cta_layout_vmnk=cluster_layout_vmnk,
+                    defer_sync=True,
+                )
+            else:
+                sched_pipe = pipeline.PipelineAsync.create(
+                    barrier_storage=storage.sched_mbar.data_ptr(),
+                    num_stages=_SCHED_STAGES,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                    consumer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, 32 * (1 + len(self.epilogue_warp_id))
+                    ),
+                    defer_sync=True,
+                )
+            sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
+            tmem_alloc_barrier = pipeline.NamedBarrier(
+                barrier_id=self.tmem_alloc_sync_bar_id,
+                num_threads=32 * (1 + len(self.epilogue_warp_id)),
+            )
+            tmem = memory.TmemAllocator(
+                storage.tmem_holding_buf.ptr,
+                barrier_for_retrieve=tmem_alloc_barrier,
+                allocator_warp_id=self.epilogue_warp_id[0],
+                is_two_cta=use_2cta,
+                two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
+            )
+            pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+            return ab_pipe, acc_pipe, sched_pipe, sSched, tmem
+
+        @cute.jit
         def sort_experts(self, storage, mOffsets, tidx, cluster_layout_vmnk):
             """Every thread: the experts sorted by token count, largest first (ties by index),
             from the device offsets: returns ``sPerm`` (``sPerm[rank] = expert``). Both CTAs of
@@ -828,66 +895,9 @@ def _build_kernel_class():
             smem = memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
 
-            ab_pipe = pipeline.PipelineTmaUmma.create(
-                barrier_storage=storage.ab_mbar.data_ptr(),
-                num_stages=self.num_ab_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                tx_count=self.num_tma_load_bytes,
-                cta_layout_vmnk=cluster_layout_vmnk,
-                defer_sync=True,
+            ab_pipe, acc_pipe, sched_pipe, sSched, tmem = self.make_pipelines(
+                storage, cluster_layout_vmnk, use_2cta
             )
-            acc_consumers = len(self.epilogue_warp_id) * (2 if use_2cta else 1)
-            acc_pipe = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=storage.acc_mbar.data_ptr(),
-                num_stages=self.num_acc_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, acc_consumers),
-                cta_layout_vmnk=cluster_layout_vmnk,
-                defer_sync=True,
-            )
-            # Dynamic tile scheduler: the (leader) TMA warp takes tile ids from the global
-            # atomic counter and passes them to the MMA warp and the epilogue warps through a
-            # small shared-memory ring (every thread of those warps waits and releases).
-            if cutlass.const_expr(self.cluster_sched):
-                # (2, 1) cluster: the leader broadcasts each id into both CTAs' rings (one
-                # st.async of 4 bytes per CTA); the consumers are every thread of the TMA, MMA
-                # and epilogue warps of both CTAs, arriving on the leader's empty mbarrier.
-                sched_pipe = pipeline.PipelineClcFetchAsync.create(
-                    barrier_storage=storage.sched_mbar.data_ptr(),
-                    num_stages=_SCHED_STAGES,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                    consumer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread,
-                        32 * (2 + len(self.epilogue_warp_id)) * self.cluster_m,
-                    ),
-                    tx_count=4,
-                    cta_layout_vmnk=cluster_layout_vmnk,
-                    defer_sync=True,
-                )
-            else:
-                sched_pipe = pipeline.PipelineAsync.create(
-                    barrier_storage=storage.sched_mbar.data_ptr(),
-                    num_stages=_SCHED_STAGES,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                    consumer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, 32 * (1 + len(self.epilogue_warp_id))
-                    ),
-                    defer_sync=True,
-                )
-            sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
-            tmem_alloc_barrier = pipeline.NamedBarrier(
-                barrier_id=self.tmem_alloc_sync_bar_id,
-                num_threads=32 * (1 + len(self.epilogue_warp_id)),
-            )
-            tmem = memory.TmemAllocator(
-                storage.tmem_holding_buf.ptr,
-                barrier_for_retrieve=tmem_alloc_barrier,
-                allocator_warp_id=self.epilogue_warp_id[0],
-                is_two_cta=use_2cta,
-                two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
-            )
-            pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
             sA = smem.allocate_tensor(
                 element_type=self.ab_dtype,

@@ -580,47 +580,9 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
 
             smem = memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
-            ab_pipe = pipeline.PipelineTmaUmma.create(
-                barrier_storage=storage.ab_mbar.data_ptr(),
-                num_stages=self.num_ab_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                tx_count=self.num_tma_load_bytes,
-                cta_layout_vmnk=cluster_layout_vmnk,
-                defer_sync=True,
+            ab_pipe, acc_pipe, sched_pipe, sSched, tmem = self.make_pipelines(
+                storage, cluster_layout_vmnk, False
             )
-            acc_pipe = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=storage.acc_mbar.data_ptr(),
-                num_stages=self.num_acc_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, len(self.epilogue_warp_id)
-                ),
-                cta_layout_vmnk=cluster_layout_vmnk,
-                defer_sync=True,
-            )
-            sched_pipe = pipeline.PipelineAsync.create(
-                barrier_storage=storage.sched_mbar.data_ptr(),
-                num_stages=_SCHED_STAGES,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, 32 * (1 + len(self.epilogue_warp_id))
-                ),
-                defer_sync=True,
-            )
-            sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
-            tmem_alloc_barrier = pipeline.NamedBarrier(
-                barrier_id=self.tmem_alloc_sync_bar_id,
-                num_threads=32 * (1 + len(self.epilogue_warp_id)),
-            )
-            tmem = memory.TmemAllocator(
-                storage.tmem_holding_buf.ptr,
-                barrier_for_retrieve=tmem_alloc_barrier,
-                allocator_warp_id=self.epilogue_warp_id[0],
-                is_two_cta=False,
-                two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
-            )
-            pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
             sA = smem.allocate_tensor(
                 element_type=self.ab_dtype,

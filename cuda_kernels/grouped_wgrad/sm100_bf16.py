@@ -757,6 +757,87 @@ def _build_kernel_class():
             gC_e = cute.local_tile(mC_e, tile_mn, (None, None, None))
             return sm100_epi.transform_partitioned_tensor_layout(thr_mma.partition_C(gC_e))
 
+        def allocate_ab(self, smem, a_smem_layout_staged, b_smem_layout_staged):
+            """The staged A and B tiles in shared memory (swizzled, 128-byte aligned)."""
+            sA = smem.allocate_tensor(
+                element_type=self.ab_dtype,
+                layout=a_smem_layout_staged.outer,
+                byte_alignment=128,
+                swizzle=a_smem_layout_staged.inner,
+            )
+            sB = smem.allocate_tensor(
+                element_type=self.ab_dtype,
+                layout=b_smem_layout_staged.outer,
+                byte_alignment=128,
+                swizzle=b_smem_layout_staged.inner,
+            )
+            return sA, sB
+
+        def allocate_c(self, smem, c_smem_layout_staged):
+            """The epilogue's staged output sub-tiles (None without a TMA-store epilogue)."""
+            sC = None
+            if self.tma_epi:
+                sC = smem.allocate_tensor(
+                    element_type=self.c_dtype,
+                    layout=c_smem_layout_staged.outer,
+                    byte_alignment=128,
+                    swizzle=c_smem_layout_staged.inner,
+                )
+            return sC
+
+        def partition_ab(self, thr_mma, mA_mk, mB_nk):
+            """This CTA's MMA partitions of the global A (bM, bK, RestM, RestK) and
+            B (bN, bK, RestN, RestK) tiles: (MMA, MMA_M, MMA_K, RestM, RestK) and
+            (MMA, MMA_N, MMA_K, RestN, RestK)."""
+            gA = cute.local_tile(
+                mA_mk, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None)
+            )
+            gB = cute.local_tile(
+                mB_nk, cute.slice_(self.mma_tiler, (0, None, None)), (None, None)
+            )
+            return thr_mma.partition_A(gA), thr_mma.partition_B(gB)
+
+        def partition_c(self, thr_mma, mC):
+            """The MMA partition (MMA, MMA_M, MMA_N, RestM, RestN, E) of the output's
+            (bM, bN, RestM, RestN, E) tiles (None without a TMA-store epilogue)."""
+            tCgC = None
+            if self.tma_epi:
+                gC = cute.local_tile(
+                    mC, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
+                )
+                tCgC = thr_mma.partition_C(gC)
+            return tCgC
+
+        def cta_layouts(self, cluster_layout_vmnk):
+            """The cluster's CTA layouts along which A (and its scales) / B are multicast."""
+            a_cta_layout = cute.make_layout(
+                cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape
+            )
+            b_cta_layout = cute.make_layout(
+                cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape
+            )
+            return a_cta_layout, b_cta_layout
+
+        def tma_partition(self, tma_atom, cta_coord, cta_layout, sX, tCgX):
+            """(smem, gmem) TMA partitions of one staged operand and its MMA-partitioned
+            global tiles."""
+            return cpasync.tma_partition(
+                tma_atom,
+                cta_coord,
+                cta_layout,
+                cute.group_modes(sX, 0, 3),
+                cute.group_modes(tCgX, 0, 3),
+            )
+
+        def mma_fragments(self, tiled_mma, sA, sB):
+            """The MMA's A / B smem descriptors (MMA, MMA_M|N, MMA_K, STAGE) and the layout of
+            the staged TMEM accumulators."""
+            tCrA = tiled_mma.make_fragment_A(sA)
+            tCrB = tiled_mma.make_fragment_B(sB)
+            acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+            tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+            return tCrA, tCrB, tCtAcc_fake
+
         @cute.jit
         def make_pipelines(self, storage, cluster_layout_vmnk, use_2cta):
             """The A/B stage ring (TMA -> MMA), the accumulator ring (MMA -> epilogue), the
@@ -899,26 +980,8 @@ def _build_kernel_class():
                 storage, cluster_layout_vmnk, use_2cta
             )
 
-            sA = smem.allocate_tensor(
-                element_type=self.ab_dtype,
-                layout=a_smem_layout_staged.outer,
-                byte_alignment=128,
-                swizzle=a_smem_layout_staged.inner,
-            )
-            sB = smem.allocate_tensor(
-                element_type=self.ab_dtype,
-                layout=b_smem_layout_staged.outer,
-                byte_alignment=128,
-                swizzle=b_smem_layout_staged.inner,
-            )
-            sC = None
-            if cutlass.const_expr(self.tma_epi):
-                sC = smem.allocate_tensor(
-                    element_type=self.c_dtype,
-                    layout=c_smem_layout_staged.outer,
-                    byte_alignment=128,
-                    swizzle=c_smem_layout_staged.inner,
-                )
+            sA, sB = self.allocate_ab(smem, a_smem_layout_staged, b_smem_layout_staged)
+            sC = self.allocate_c(smem, c_smem_layout_staged)
 
             a_mcast_mask = None
             b_mcast_mask = None
@@ -930,50 +993,18 @@ def _build_kernel_class():
                     cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=1
                 )
 
-            # Global tiles: (bM, bK, RestM, RestK), (bN, bK, RestN, RestK),
-            # (bM, bN, RestM, RestN, E)
-            gA = cute.local_tile(
-                mA_mk, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None)
-            )
-            gB = cute.local_tile(
-                mB_nk, cute.slice_(self.mma_tiler, (0, None, None)), (None, None)
-            )
-            gC = None
-            if cutlass.const_expr(self.tma_epi):
-                gC = cute.local_tile(
-                    mC, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
-                )
+            # Global tiles, partitioned for the MMA and the TMA loads
             thr_mma = tiled_mma.get_slice(mma_tile_coord_v)
-            tCgA = thr_mma.partition_A(gA)  # (MMA, MMA_M, MMA_K, RestM, RestK)
-            tCgB = thr_mma.partition_B(gB)  # (MMA, MMA_N, MMA_K, RestN, RestK)
-            tCgC = None
-            if cutlass.const_expr(self.tma_epi):
-                tCgC = thr_mma.partition_C(gC)  # (MMA, MMA_M, MMA_N, RestM, RestN, E)
-
-            a_cta_layout = cute.make_layout(
-                cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape
+            tCgA, tCgB = self.partition_ab(thr_mma, mA_mk, mB_nk)
+            tCgC = self.partition_c(thr_mma, mC)
+            a_cta_layout, b_cta_layout = self.cta_layouts(cluster_layout_vmnk)
+            tAsA, tAgA = self.tma_partition(
+                tma_atom_a, block_in_cluster_coord_vmnk[2], a_cta_layout, sA, tCgA
             )
-            tAsA, tAgA = cpasync.tma_partition(
-                tma_atom_a,
-                block_in_cluster_coord_vmnk[2],
-                a_cta_layout,
-                cute.group_modes(sA, 0, 3),
-                cute.group_modes(tCgA, 0, 3),
+            tBsB, tBgB = self.tma_partition(
+                tma_atom_b, block_in_cluster_coord_vmnk[1], b_cta_layout, sB, tCgB
             )
-            b_cta_layout = cute.make_layout(
-                cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape
-            )
-            tBsB, tBgB = cpasync.tma_partition(
-                tma_atom_b,
-                block_in_cluster_coord_vmnk[1],
-                b_cta_layout,
-                cute.group_modes(sB, 0, 3),
-                cute.group_modes(tCgB, 0, 3),
-            )
-            tCrA = tiled_mma.make_fragment_A(sA)  # (MMA, MMA_M, MMA_K, STAGE)
-            tCrB = tiled_mma.make_fragment_B(sB)  # (MMA, MMA_N, MMA_K, STAGE)
-            acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-            tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+            tCrA, tCrB, tCtAcc_fake = self.mma_fragments(tiled_mma, sA, sB)
 
             sPerm = self.sort_experts(storage, mOffsets, tidx, cluster_layout_vmnk)
 

@@ -584,90 +584,40 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
                 storage, cluster_layout_vmnk, False
             )
 
-            sA = smem.allocate_tensor(
-                element_type=self.ab_dtype,
-                layout=a_smem_layout_staged.outer,
-                byte_alignment=128,
-                swizzle=a_smem_layout_staged.inner,
-            )
-            sB = smem.allocate_tensor(
-                element_type=self.ab_dtype,
-                layout=b_smem_layout_staged.outer,
-                byte_alignment=128,
-                swizzle=b_smem_layout_staged.inner,
-            )
+            sA, sB = self.allocate_ab(smem, a_smem_layout_staged, b_smem_layout_staged)
             sSFA = smem.allocate_tensor(
                 element_type=self.sf_dtype, layout=sfa_smem_layout_staged, byte_alignment=128
             )
             sSFB = smem.allocate_tensor(
                 element_type=self.sf_dtype, layout=sfb_smem_layout_staged, byte_alignment=128
             )
-            sC = smem.allocate_tensor(
-                element_type=self.c_dtype,
-                layout=c_smem_layout_staged.outer,
-                byte_alignment=128,
-                swizzle=c_smem_layout_staged.inner,
-            )
+            sC = self.allocate_c(smem, c_smem_layout_staged)
 
-            # Global tiles: (bM, bK, RestM, RestK), (bN, bK, RestN, RestK), scale tiles with a
-            # trailing L = 1 mode, (bM, bN, RestM, RestN, E)
-            gA = cute.local_tile(mA_mk, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None))
-            gB = cute.local_tile(mB_nk, cute.slice_(self.mma_tiler, (0, None, None)), (None, None))
+            # Global tiles (the BF16 kernel's), and the scale tiles with a trailing L = 1 mode
+            thr_mma = tiled_mma.get_slice(0)
+            tCgA, tCgB = self.partition_ab(thr_mma, mA_mk, mB_nk)
             gSFA = cute.local_tile(
                 mSFA_mkl, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None)
             )
             gSFB = cute.local_tile(
                 mSFB_nkl, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None)
             )
-            gC = cute.local_tile(
-                mC, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
-            )
-            thr_mma = tiled_mma.get_slice(0)
-            tCgA = thr_mma.partition_A(gA)
-            tCgB = thr_mma.partition_B(gB)
             tCgSFA = thr_mma.partition_A(gSFA)
             tCgSFB = thr_mma.partition_B(gSFB)
-            tCgC = thr_mma.partition_C(gC)
+            tCgC = self.partition_c(thr_mma, mC)
 
-            a_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape)
-            b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
-            tAsA, tAgA = cpasync.tma_partition(
-                tma_atom_a,
-                block_in_cluster_coord_vmnk[2],
-                a_cta_layout,
-                cute.group_modes(sA, 0, 3),
-                cute.group_modes(tCgA, 0, 3),
-            )
-            tBsB, tBgB = cpasync.tma_partition(
-                tma_atom_b,
-                block_in_cluster_coord_vmnk[1],
-                b_cta_layout,
-                cute.group_modes(sB, 0, 3),
-                cute.group_modes(tCgB, 0, 3),
-            )
-            tAsSFA, tAgSFA = cpasync.tma_partition(
-                tma_atom_sfa,
-                block_in_cluster_coord_vmnk[2],
-                a_cta_layout,
-                cute.group_modes(sSFA, 0, 3),
-                cute.group_modes(tCgSFA, 0, 3),
-            )
+            a_cta_layout, b_cta_layout = self.cta_layouts(cluster_layout_vmnk)
+            a_coord = block_in_cluster_coord_vmnk[2]
+            b_coord = block_in_cluster_coord_vmnk[1]
+            tAsA, tAgA = self.tma_partition(tma_atom_a, a_coord, a_cta_layout, sA, tCgA)
+            tBsB, tBgB = self.tma_partition(tma_atom_b, b_coord, b_cta_layout, sB, tCgB)
+            tAsSFA, tAgSFA = self.tma_partition(tma_atom_sfa, a_coord, a_cta_layout, sSFA, tCgSFA)
             tAsSFA = cute.filter_zeros(tAsSFA)
             tAgSFA = cute.filter_zeros(tAgSFA)
-            tBsSFB, tBgSFB = cpasync.tma_partition(
-                tma_atom_sfb,
-                block_in_cluster_coord_vmnk[1],
-                b_cta_layout,
-                cute.group_modes(sSFB, 0, 3),
-                cute.group_modes(tCgSFB, 0, 3),
-            )
+            tBsSFB, tBgSFB = self.tma_partition(tma_atom_sfb, b_coord, b_cta_layout, sSFB, tCgSFB)
             tBsSFB = cute.filter_zeros(tBsSFB)
             tBgSFB = cute.filter_zeros(tBgSFB)
-
-            tCrA = tiled_mma.make_fragment_A(sA)
-            tCrB = tiled_mma.make_fragment_B(sB)
-            acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-            tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+            tCrA, tCrB, tCtAcc_fake = self.mma_fragments(tiled_mma, sA, sB)
 
             # Experts sorted by token count, largest first (the BF16 kernel's order)
             sPerm = self.sort_experts(storage, mOffsets, tidx, cluster_layout_vmnk)

@@ -405,6 +405,10 @@ def _build_kernel_class():
             # (``st.async`` to the peer's shared memory, completing the slot's mbarrier).
             self.dynamic = not t.use_2cta
             self.cluster_sched = t.use_2cta
+            # TMA warp: slice the tile's global views before (True) or after (False) the
+            # per-expert descriptor work; either is correct, each kernel keeps the order its
+            # generated code was verified with (the emitted instruction order follows it)
+            self.tile_views_first = True
 
         def _setup(self, a_major_mode, b_major_mode):
             tiled_mma = sm100_utils.make_trivial_tiled_mma(
@@ -906,6 +910,120 @@ def _build_kernel_class():
             return ab_pipe, acc_pipe, sched_pipe, sSched, tmem
 
         @cute.jit
+        def tma_warp(
+            self, ab_pipe, sched_pipe, sSched, sPerm, mOffsets, mCounter, mA_g, mB_g, mPtrs,
+            mDesc, tma_atom_a, tAgA, tAsA, a_mcast_mask, tma_atom_b, tBgB, tBsB, b_mcast_mask,
+            tma_atom_c, cta_rank_in_cluster, cluster_id, extra=None,
+        ):
+            """The TMA (scheduling) warp: takes the tile ids (``next_tile`` / ``publish_tile``),
+            ensures each expert's per-expert descriptors, and loads the A / B tiles of every K
+            tile into the stage ring; ``extra`` (None here) is what the subclass's
+            ``tma_tile_extra`` / ``tma_stage_extra`` load on the same stage mbarrier."""
+            prod_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.num_ab_stage
+            )
+            lane = cute.arch.lane_idx()
+            sched_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, _SCHED_STAGES
+            )
+            sched_cstate = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+            )
+            is_sched_leader = cta_rank_in_cluster == 0
+            tile = cluster_id
+            if cutlass.const_expr(self.dynamic):
+                tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                sched_state.advance()
+            if cutlass.const_expr(self.cluster_sched):
+                if is_sched_leader:
+                    self.publish_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                sched_state.advance()
+                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                sched_cstate.advance()
+            last_e = cutlass.Int32(-1)
+            while tile < self.num_tiles:
+                e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
+                if cutlass.const_expr(self.tile_views_first):
+                    tAgA_t, tBgB_t, extra_t = self.tma_tile_views(tAgA, tBgB, extra, m_idx, n_idx)
+                # per-expert descriptors address the expert's operand from its first token
+                k0_a = k0
+                k0_b = k0
+                desc_a = None
+                desc_b = None
+                if cutlass.const_expr(self.desc_a):
+                    k0_a = cutlass.Int32(0)
+                    desc_a = self.desc_ptr(mDesc, e, 0, cute.AddressSpace.generic)
+                if cutlass.const_expr(self.desc_b):
+                    k0_b = cutlass.Int32(0)
+                    desc_b = self.desc_ptr(
+                        mDesc, e, int(self.desc_a), cute.AddressSpace.generic
+                    )
+                if cutlass.const_expr(self.num_desc > 0):
+                    if e != last_e:
+                        self.ensure_descriptors(
+                            e, k0 * self.tile_k, n_k, lane, mCounter, mA_g, mB_g, mPtrs,
+                            mDesc, tma_atom_a, tma_atom_b, tma_atom_c,
+                        )
+                        if n_k > 0:
+                            if cutlass.const_expr(self.desc_a):
+                                cpasync.fence_tma_desc_acquire(self.desc_ptr(mDesc, e, 0))
+                            if cutlass.const_expr(self.desc_b):
+                                cpasync.fence_tma_desc_acquire(
+                                    self.desc_ptr(mDesc, e, int(self.desc_a))
+                                )
+                        last_e = e
+                if cutlass.const_expr(not self.tile_views_first):
+                    tAgA_t, tBgB_t, extra_t = self.tma_tile_views(tAgA, tBgB, extra, m_idx, n_idx)
+                for kt in cutlass.range(n_k, unroll=1):
+                    ab_pipe.producer_acquire(prod_state)
+                    bar = ab_pipe.producer_get_barrier(prod_state)
+                    cute.copy(
+                        tma_atom_a,
+                        tAgA_t[(None, k0_a + kt)],
+                        tAsA[(None, prod_state.index)],
+                        tma_bar_ptr=bar,
+                        mcast_mask=a_mcast_mask,
+                        tma_desc_ptr=desc_a,
+                    )
+                    cute.copy(
+                        tma_atom_b,
+                        tBgB_t[(None, k0_b + kt)],
+                        tBsB[(None, prod_state.index)],
+                        tma_bar_ptr=bar,
+                        mcast_mask=b_mcast_mask,
+                        tma_desc_ptr=desc_b,
+                    )
+                    self.tma_stage_extra(extra_t, k0 + kt, prod_state.index, bar)
+                    ab_pipe.producer_commit(prod_state)
+                    prod_state.advance()
+                if cutlass.const_expr(self.dynamic):
+                    tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                    sched_state.advance()
+                else:
+                    if is_sched_leader:
+                        self.publish_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                    sched_state.advance()
+                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                    sched_cstate.advance()
+            ab_pipe.producer_tail(prod_state)
+
+        def tma_tile_views(self, tAgA, tBgB, extra, m_idx, n_idx):
+            """TMA warp, per tile: the tile's A / B global views (all K tiles) and
+            ``tma_tile_extra``'s."""
+            tAgA_t = tAgA[(None, m_idx, None)]
+            tBgB_t = tBgB[(None, n_idx, None)]
+            return tAgA_t, tBgB_t, self.tma_tile_extra(extra, m_idx, n_idx)
+
+        def tma_tile_extra(self, extra, m_idx, n_idx):
+            """Hook (TMA warp, per tile): the tile's views of the ``extra`` operands loaded
+            with each stage. None: the BF16 kernel loads only A and B."""
+            return None
+
+        def tma_stage_extra(self, extra_t, k, stage, bar):
+            """Hook (TMA warp, per K tile ``k``): extra TMA loads into ring slot ``stage`` on
+            the stage's mbarrier ``bar``, after A and B. Nothing for the BF16 kernel."""
+
+        @cute.jit
         def sort_experts(self, storage, mOffsets, tidx, cluster_layout_vmnk):
             """Every thread: the experts sorted by token count, largest first (ties by index),
             from the device offsets: returns ``sPerm`` (``sPerm[rank] = expert``). Both CTAs of
@@ -1010,90 +1128,11 @@ def _build_kernel_class():
 
             # ---------------- TMA warp ----------------
             if warp_idx == self.tma_warp_id:
-                prod_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.num_ab_stage
+                self.tma_warp(
+                    ab_pipe, sched_pipe, sSched, sPerm, mOffsets, mCounter, mA_g, mB_g, mPtrs,
+                    mDesc, tma_atom_a, tAgA, tAsA, a_mcast_mask, tma_atom_b, tBgB, tBsB,
+                    b_mcast_mask, tma_atom_c, cta_rank_in_cluster, cluster_id,
                 )
-                lane = cute.arch.lane_idx()
-                sched_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, _SCHED_STAGES
-                )
-                sched_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
-                )
-                is_sched_leader = cta_rank_in_cluster == 0
-                tile = cluster_id
-                if cutlass.const_expr(self.dynamic):
-                    tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
-                    sched_state.advance()
-                if cutlass.const_expr(self.cluster_sched):
-                    if is_sched_leader:
-                        self.publish_tile(mCounter, lane, sched_pipe, sched_state, sSched)
-                    sched_state.advance()
-                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                    sched_cstate.advance()
-                last_e = cutlass.Int32(-1)
-                while tile < self.num_tiles:
-                    e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
-                    tAgA_t = tAgA[(None, m_idx, None)]
-                    tBgB_t = tBgB[(None, n_idx, None)]
-                    # per-expert descriptors address the expert's operand from its first token
-                    k0_a = k0
-                    k0_b = k0
-                    desc_a = None
-                    desc_b = None
-                    if cutlass.const_expr(self.desc_a):
-                        k0_a = cutlass.Int32(0)
-                        desc_a = self.desc_ptr(mDesc, e, 0, cute.AddressSpace.generic)
-                    if cutlass.const_expr(self.desc_b):
-                        k0_b = cutlass.Int32(0)
-                        desc_b = self.desc_ptr(
-                            mDesc, e, int(self.desc_a), cute.AddressSpace.generic
-                        )
-                    if cutlass.const_expr(self.num_desc > 0):
-                        if e != last_e:
-                            self.ensure_descriptors(
-                                e, k0 * self.tile_k, n_k, lane, mCounter, mA_g, mB_g, mPtrs,
-                                mDesc, tma_atom_a, tma_atom_b, tma_atom_c,
-                            )
-                            if n_k > 0:
-                                if cutlass.const_expr(self.desc_a):
-                                    cpasync.fence_tma_desc_acquire(self.desc_ptr(mDesc, e, 0))
-                                if cutlass.const_expr(self.desc_b):
-                                    cpasync.fence_tma_desc_acquire(
-                                        self.desc_ptr(mDesc, e, int(self.desc_a))
-                                    )
-                            last_e = e
-                    for kt in cutlass.range(n_k, unroll=1):
-                        ab_pipe.producer_acquire(prod_state)
-                        bar = ab_pipe.producer_get_barrier(prod_state)
-                        cute.copy(
-                            tma_atom_a,
-                            tAgA_t[(None, k0_a + kt)],
-                            tAsA[(None, prod_state.index)],
-                            tma_bar_ptr=bar,
-                            mcast_mask=a_mcast_mask,
-                            tma_desc_ptr=desc_a,
-                        )
-                        cute.copy(
-                            tma_atom_b,
-                            tBgB_t[(None, k0_b + kt)],
-                            tBsB[(None, prod_state.index)],
-                            tma_bar_ptr=bar,
-                            mcast_mask=b_mcast_mask,
-                            tma_desc_ptr=desc_b,
-                        )
-                        ab_pipe.producer_commit(prod_state)
-                        prod_state.advance()
-                    if cutlass.const_expr(self.dynamic):
-                        tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
-                        sched_state.advance()
-                    else:
-                        if is_sched_leader:
-                            self.publish_tile(mCounter, lane, sched_pipe, sched_state, sSched)
-                        sched_state.advance()
-                        tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                        sched_cstate.advance()
-                ab_pipe.producer_tail(prod_state)
 
             # ---------------- MMA warp ----------------
             if warp_idx == self.mma_warp_id:

@@ -327,6 +327,7 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             self.sf_dtype = getattr(cutlass, _SF_CUTLASS[key.fmt])
             self.sf_vec = key.sf_vec
             self.nvfp4 = key.fmt == "nvfp4"
+            self.tile_views_first = False  # the TMA warp slices after the descriptor work
 
         def _setup(self, a_major_mode, b_major_mode):
             tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
@@ -527,6 +528,19 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
                 stream=stream,
             )
 
+        def tma_tile_extra(self, extra, m_idx, n_idx):
+            """The tile's scale-atom views (A's rows ``m_idx``, B's rows ``n_idx``)."""
+            tma_atom_sfa, tAgSFA, tAsSFA, tma_atom_sfb, tBgSFB, tBsSFB = extra
+            tAgSFA_t = tAgSFA[(None, m_idx, None, 0)]
+            tBgSFB_t = tBgSFB[(None, n_idx, None, 0)]
+            return tma_atom_sfa, tAgSFA_t, tAsSFA, tma_atom_sfb, tBgSFB_t, tBsSFB
+
+        def tma_stage_extra(self, extra_t, k, stage, bar):
+            """The stage's scale atoms of A and B, on the stage's mbarrier after A and B."""
+            tma_atom_sfa, tAgSFA_t, tAsSFA, tma_atom_sfb, tBgSFB_t, tBsSFB = extra_t
+            cute.copy(tma_atom_sfa, tAgSFA_t[(None, k)], tAsSFA[(None, stage)], tma_bar_ptr=bar)
+            cute.copy(tma_atom_sfb, tBgSFB_t[(None, k)], tBsSFB[(None, stage)], tma_bar_ptr=bar)
+
         def s2t_partition(self, sSF, tSF):
             """tcgen05.cp (shared -> tensor memory) of one scale operand: the tiled copy, the
             staged shared-memory source (as smem descriptors) and the TMEM destination."""
@@ -624,59 +638,12 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
 
             # ---------------- TMA warp: A, B and their scale atoms per stage ----------------
             if warp_idx == self.tma_warp_id:
-                prod_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.num_ab_stage
+                self.tma_warp(
+                    ab_pipe, sched_pipe, sSched, sPerm, mOffsets, mCounter, mA_mk, mB_nk, mPtrs,
+                    mDesc, tma_atom_a, tAgA, tAsA, None, tma_atom_b, tBgB, tBsB, None,
+                    tma_atom_c, cta_rank_in_cluster, None,
+                    extra=(tma_atom_sfa, tAgSFA, tAsSFA, tma_atom_sfb, tBgSFB, tBsSFB),
                 )
-                lane = cute.arch.lane_idx()
-                sched_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, _SCHED_STAGES
-                )
-                tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
-                sched_state.advance()
-                last_e = cutlass.Int32(-1)
-                while tile < self.num_tiles:
-                    e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
-                    if cutlass.const_expr(self.num_desc > 0):
-                        # the BF16 kernel's per-expert descriptors (discrete: the output's),
-                        # for every expert this CTA takes, empty ones too: claim and build, or
-                        # wait for the builder's flag; the epilogue acquires them
-                        if e != last_e:
-                            self.ensure_descriptors(
-                                e, k0 * self.tile_k, n_k, lane, mCounter, mA_mk, mB_nk, mPtrs,
-                                mDesc, tma_atom_a, tma_atom_b, tma_atom_c,
-                            )
-                            last_e = e
-                    tAgA_t = tAgA[(None, m_idx, None)]
-                    tBgB_t = tBgB[(None, n_idx, None)]
-                    tAgSFA_t = tAgSFA[(None, m_idx, None, 0)]
-                    tBgSFB_t = tBgSFB[(None, n_idx, None, 0)]
-                    for kt in cutlass.range(n_k, unroll=1):
-                        ab_pipe.producer_acquire(prod_state)
-                        bar = ab_pipe.producer_get_barrier(prod_state)
-                        s = prod_state.index
-                        cute.copy(
-                            tma_atom_a, tAgA_t[(None, k0 + kt)], tAsA[(None, s)], tma_bar_ptr=bar
-                        )
-                        cute.copy(
-                            tma_atom_b, tBgB_t[(None, k0 + kt)], tBsB[(None, s)], tma_bar_ptr=bar
-                        )
-                        cute.copy(
-                            tma_atom_sfa,
-                            tAgSFA_t[(None, k0 + kt)],
-                            tAsSFA[(None, s)],
-                            tma_bar_ptr=bar,
-                        )
-                        cute.copy(
-                            tma_atom_sfb,
-                            tBgSFB_t[(None, k0 + kt)],
-                            tBsSFB[(None, s)],
-                            tma_bar_ptr=bar,
-                        )
-                        ab_pipe.producer_commit(prod_state)
-                        prod_state.advance()
-                    tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
-                    sched_state.advance()
-                ab_pipe.producer_tail(prod_state)
 
             # ---------------- MMA warp: tcgen05.cp scales, block-scaled tcgen05.mma ----------
             if warp_idx == self.mma_warp_id:

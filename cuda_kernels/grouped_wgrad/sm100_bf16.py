@@ -1024,6 +1024,67 @@ def _build_kernel_class():
             the stage's mbarrier ``bar``, after A and B. Nothing for the BF16 kernel."""
 
         @cute.jit
+        def mma_warp(
+            self, tiled_mma, tmem, tCtAcc_fake, tCrA, tCrB, ab_pipe, acc_pipe, sched_pipe,
+            sSched, sPerm, mOffsets, is_leader_cta, extra=None,
+        ):
+            """The MMA warp: for each tile with K tiles, accumulate every stage into the next
+            TMEM accumulator (the leader CTA issues the 2-CTA MMAs) and hand it to the
+            epilogue. Hooks for what a subclass adds: ``mma_extra_setup`` (once),
+            ``mma_stage_extra`` (per stage, after its wait) and ``mma_kblock_extra`` (before
+            each MMA instruction); ``extra`` (None here) is passed to ``mma_extra_setup``."""
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+            mma_extra = self.mma_extra_setup(tiled_mma, tmem_ptr, extra)
+            cons_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.num_ab_stage
+            )
+            acc_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.num_acc_stage
+            )
+            num_kblocks = cute.size(tCrA, mode=[2])
+            sched_cstate = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+            )
+            tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+            sched_cstate.advance()
+            while tile < self.num_tiles:
+                _e, _m, _n, _k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
+                if n_k > 0:
+                    tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
+                    if is_leader_cta:
+                        acc_pipe.producer_acquire(acc_state)
+                    tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                    for _kt in cutlass.range(n_k, unroll=1):
+                        if is_leader_cta:
+                            ab_pipe.consumer_wait(cons_state)
+                            self.mma_stage_extra(mma_extra, cons_state.index)
+                            for kb in cutlass.range(num_kblocks, unroll_full=True):
+                                crd = (None, None, kb, cons_state.index)
+                                self.mma_kblock_extra(tiled_mma, mma_extra, kb)
+                                cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
+                                tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                            ab_pipe.consumer_release(cons_state)
+                        cons_state.advance()
+                    if is_leader_cta:
+                        acc_pipe.producer_commit(acc_state)
+                    acc_state.advance()
+                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                sched_cstate.advance()
+            acc_pipe.producer_tail(acc_state)
+
+        def mma_extra_setup(self, tiled_mma, tmem_ptr, extra):
+            """Hook (MMA warp, once): state for the other MMA hooks. None for the BF16 kernel."""
+            return None
+
+        def mma_stage_extra(self, mma_extra, stage):
+            """Hook (MMA warp, per stage ``stage`` once it is full). Nothing for the BF16 kernel."""
+
+        def mma_kblock_extra(self, tiled_mma, mma_extra, kb):
+            """Hook (MMA warp, before the MMA of k-block ``kb``). Nothing for the BF16 kernel."""
+
+        @cute.jit
         def sort_experts(self, storage, mOffsets, tidx, cluster_layout_vmnk):
             """Every thread: the experts sorted by token count, largest first (ties by index),
             from the device offsets: returns ``sPerm`` (``sPerm[rank] = expert``). Both CTAs of
@@ -1136,43 +1197,10 @@ def _build_kernel_class():
 
             # ---------------- MMA warp ----------------
             if warp_idx == self.mma_warp_id:
-                tmem.wait_for_alloc()
-                tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-                tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
-                cons_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.num_ab_stage
+                self.mma_warp(
+                    tiled_mma, tmem, tCtAcc_fake, tCrA, tCrB, ab_pipe, acc_pipe, sched_pipe,
+                    sSched, sPerm, mOffsets, is_leader_cta,
                 )
-                acc_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.num_acc_stage
-                )
-                num_kblocks = cute.size(tCrA, mode=[2])
-                sched_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
-                )
-                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                sched_cstate.advance()
-                while tile < self.num_tiles:
-                    _e, _m, _n, _k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
-                    if n_k > 0:
-                        tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
-                        if is_leader_cta:
-                            acc_pipe.producer_acquire(acc_state)
-                        tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-                        for _kt in cutlass.range(n_k, unroll=1):
-                            if is_leader_cta:
-                                ab_pipe.consumer_wait(cons_state)
-                                for kb in cutlass.range(num_kblocks, unroll_full=True):
-                                    crd = (None, None, kb, cons_state.index)
-                                    cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
-                                    tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                                ab_pipe.consumer_release(cons_state)
-                            cons_state.advance()
-                        if is_leader_cta:
-                            acc_pipe.producer_commit(acc_state)
-                        acc_state.advance()
-                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                    sched_cstate.advance()
-                acc_pipe.producer_tail(acc_state)
 
             # ---------------- epilogue warps ----------------
             if warp_idx < self.mma_warp_id:

@@ -541,6 +541,55 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             cute.copy(tma_atom_sfa, tAgSFA_t[(None, k)], tAsSFA[(None, stage)], tma_bar_ptr=bar)
             cute.copy(tma_atom_sfb, tBgSFB_t[(None, k)], tBsSFB[(None, stage)], tma_bar_ptr=bar)
 
+        def mma_extra_setup(self, tiled_mma, tmem_ptr, extra):
+            """The scales' TMEM columns (after the two accumulators: A's, then B's) and their
+            tcgen05.cp (shared -> tensor memory) partitions."""
+            sSFA, sSFB, sfa_smem_layout_staged, sfb_smem_layout_staged = extra
+            sfa_ptr = cute.recast_ptr(tmem_ptr + self.num_acc_tmem_cols, dtype=self.sf_dtype)
+            tCtSFA = cute.make_tensor(
+                sfa_ptr,
+                bs_layout.make_tmem_layout_sfa(
+                    tiled_mma,
+                    self.mma_tiler,
+                    self.sf_vec,
+                    cute.slice_(sfa_smem_layout_staged, (None, None, None, 0)),
+                ),
+            )
+            sfb_ptr = cute.recast_ptr(
+                tmem_ptr + self.num_acc_tmem_cols + self.num_sfa_tmem_cols,
+                dtype=self.sf_dtype,
+            )
+            tCtSFB = cute.make_tensor(
+                sfb_ptr,
+                bs_layout.make_tmem_layout_sfb(
+                    tiled_mma,
+                    self.mma_tiler,
+                    self.sf_vec,
+                    cute.slice_(sfb_smem_layout_staged, (None, None, None, 0)),
+                ),
+            )
+            s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self.s2t_partition(sSFA, tCtSFA)
+            s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self.s2t_partition(sSFB, tCtSFB)
+            return (
+                tCtSFA, tCtSFB, s2t_sfa, tCsSFA_s2t, tCtSFA_s2t, s2t_sfb, tCsSFB_s2t, tCtSFB_s2t
+            )
+
+        def mma_stage_extra(self, mma_extra, stage):
+            """tcgen05.cp of the stage's scale atoms into tensor memory (before its MMAs)."""
+            _sfa, _sfb, s2t_sfa, tCsSFA_s2t, tCtSFA_s2t, s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = (
+                mma_extra
+            )
+            s_crd = (None, None, None, None, stage)
+            cute.copy(s2t_sfa, tCsSFA_s2t[s_crd], tCtSFA_s2t)
+            cute.copy(s2t_sfb, tCsSFB_s2t[s_crd], tCtSFB_s2t)
+
+        def mma_kblock_extra(self, tiled_mma, mma_extra, kb):
+            """Point the block-scaled MMA of k-block ``kb`` at its scales in tensor memory."""
+            tCtSFA, tCtSFB = mma_extra[0], mma_extra[1]
+            sf_crd = (None, None, kb)
+            tiled_mma.set(tcgen05.Field.SFA, tCtSFA[sf_crd].iterator)
+            tiled_mma.set(tcgen05.Field.SFB, tCtSFB[sf_crd].iterator)
+
         def s2t_partition(self, sSF, tSF):
             """tcgen05.cp (shared -> tensor memory) of one scale operand: the tiled copy, the
             staged shared-memory source (as smem descriptors) and the TMEM destination."""
@@ -647,72 +696,11 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
 
             # ---------------- MMA warp: tcgen05.cp scales, block-scaled tcgen05.mma ----------
             if warp_idx == self.mma_warp_id:
-                tmem.wait_for_alloc()
-                acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
-                tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
-                sfa_ptr = cute.recast_ptr(acc_ptr + self.num_acc_tmem_cols, dtype=self.sf_dtype)
-                tCtSFA = cute.make_tensor(
-                    sfa_ptr,
-                    bs_layout.make_tmem_layout_sfa(
-                        tiled_mma,
-                        self.mma_tiler,
-                        self.sf_vec,
-                        cute.slice_(sfa_smem_layout_staged, (None, None, None, 0)),
-                    ),
+                self.mma_warp(
+                    tiled_mma, tmem, tCtAcc_fake, tCrA, tCrB, ab_pipe, acc_pipe, sched_pipe,
+                    sSched, sPerm, mOffsets, cutlass.Boolean(True),
+                    extra=(sSFA, sSFB, sfa_smem_layout_staged, sfb_smem_layout_staged),
                 )
-                sfb_ptr = cute.recast_ptr(
-                    acc_ptr + self.num_acc_tmem_cols + self.num_sfa_tmem_cols,
-                    dtype=self.sf_dtype,
-                )
-                tCtSFB = cute.make_tensor(
-                    sfb_ptr,
-                    bs_layout.make_tmem_layout_sfb(
-                        tiled_mma,
-                        self.mma_tiler,
-                        self.sf_vec,
-                        cute.slice_(sfb_smem_layout_staged, (None, None, None, 0)),
-                    ),
-                )
-                s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self.s2t_partition(sSFA, tCtSFA)
-                s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self.s2t_partition(sSFB, tCtSFB)
-
-                cons_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.num_ab_stage
-                )
-                acc_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.num_acc_stage
-                )
-                num_kblocks = cute.size(tCrA, mode=[2])
-                sched_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
-                )
-                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                sched_cstate.advance()
-                while tile < self.num_tiles:
-                    _e, _m, _n, _k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
-                    if n_k > 0:
-                        tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
-                        acc_pipe.producer_acquire(acc_state)
-                        tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-                        for _kt in cutlass.range(n_k, unroll=1):
-                            ab_pipe.consumer_wait(cons_state)
-                            s_crd = (None, None, None, None, cons_state.index)
-                            cute.copy(s2t_sfa, tCsSFA_s2t[s_crd], tCtSFA_s2t)
-                            cute.copy(s2t_sfb, tCsSFB_s2t[s_crd], tCtSFB_s2t)
-                            for kb in cutlass.range(num_kblocks, unroll_full=True):
-                                crd = (None, None, kb, cons_state.index)
-                                sf_crd = (None, None, kb)
-                                tiled_mma.set(tcgen05.Field.SFA, tCtSFA[sf_crd].iterator)
-                                tiled_mma.set(tcgen05.Field.SFB, tCtSFB[sf_crd].iterator)
-                                cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
-                                tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                            ab_pipe.consumer_release(cons_state)
-                            cons_state.advance()
-                        acc_pipe.producer_commit(acc_state)
-                        acc_state.advance()
-                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                    sched_cstate.advance()
-                acc_pipe.producer_tail(acc_state)
 
             # ---------------- epilogue warps (TMA store / reduce-add) ----------------
             if warp_idx < self.mma_warp_id:

@@ -1085,6 +1085,176 @@ def _build_kernel_class():
             """Hook (MMA warp, before the MMA of k-block ``kb``). Nothing for the BF16 kernel."""
 
         @cute.jit
+        def epilogue_warps(
+            self, tidx, warp_idx, tmem, tCtAcc_fake, tCgC, thr_mma, sC, epi_tile, tma_atom_c,
+            mC, acc_pipe, sched_pipe, sSched, sPerm, mOffsets, mCounter, mDesc, extra=None,
+        ):
+            """The epilogue warps (they also allocate and free the TMEM): for each tile, the
+            accumulator (zeros for an empty expert, NaN for a contract breach) through
+            registers into the output: staged in shared memory and TMA-stored (reduce-add when
+            accumulating), or, discrete without a descriptor workspace, stored from registers.
+            Hooks: ``epi_tile_scale`` (per tile, from ``extra``; None here) and ``epi_scale``
+            (the fp32 accumulator values before the conversion)."""
+            tmem.allocate(self.num_tmem_alloc_cols)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+
+            tCtAcc_mn = sm100_epi.transform_partitioned_tensor_layout(tCtAcc_base)
+            if cutlass.const_expr(self.tma_epi):
+                tCgC_mn = sm100_epi.transform_partitioned_tensor_layout(tCgC)
+            else:
+                tCgC_mn = self.expert_c(mC[0], thr_mma)  # shapes only
+            tiled_t2r, tTR_tAcc_base, tTR_rAcc = sm100_epi.epilogue_tmem_copy_and_partition(
+                self, tidx, tCtAcc_mn, tCgC_mn, epi_tile, self.use_2cta_instrs
+            )
+            thr_t2r = tiled_t2r.get_slice(tidx)
+            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+            tTR_rOld = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+            epi_barrier = pipeline.NamedBarrier(
+                barrier_id=self.epilog_sync_bar_id,
+                num_threads=32 * len(self.epilogue_warp_id),
+            )
+            if cutlass.const_expr(self.tma_epi):
+                tiled_r2s, tRS_rC, tRS_sC = sm100_epi.epilogue_smem_copy_and_partition(
+                    self, tiled_t2r, tTR_rC, tidx, sC
+                )
+                tCgC_epi = cute.flat_divide(tCgC_mn, epi_tile)
+                bSG_sC, bSG_gC_all = cpasync.tma_partition(
+                    tma_atom_c,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sC, 0, 2),
+                    cute.group_modes(tCgC_epi, 0, 2),
+                )
+                c_pipe = pipeline.PipelineTmaStore.create(
+                    num_stages=self.num_c_stage,
+                    producer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, 32 * len(self.epilogue_warp_id)
+                    ),
+                )
+            acc_cstate = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.num_acc_stage
+            )
+            epi_count = cutlass.Int32(0)
+            sched_cstate = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+            )
+            tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+            sched_cstate.advance()
+            epi_last_e = cutlass.Int32(-1)
+            while tile < self.num_tiles:
+                e, m_idx, n_idx, _k0, n_k, bad = self.tile_coords(tile, sPerm, mOffsets)
+                e_c = e  # the output's expert coordinate: 0 with per-expert descriptors
+                desc_c = None
+                if cutlass.const_expr(self.desc_c):
+                    e_c = cutlass.Int32(0)
+                    desc_c = self.desc_ptr(
+                        mDesc, e, self.num_desc - 1, cute.AddressSpace.generic
+                    )
+                    # the storing warp: this CTA's TMA warp ensures every expert it takes
+                    # (empty ones too); wait for the flag, then acquire the descriptor
+                    if warp_idx == self.epilogue_warp_id[0]:
+                        if e != epi_last_e:
+                            self.wait_descriptors(e, cute.arch.lane_idx(), mCounter)
+                            cpasync.fence_tma_desc_acquire(
+                                self.desc_ptr(mDesc, e, self.num_desc - 1)
+                            )
+                            epi_last_e = e
+                # 2-CTA: this CTA writes rows [128 v, 128 v + 128) of the 256-row MMA tile.
+                tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cstate.index)]
+                tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
+                subtiles = cute.size(tTR_tAcc.shape, mode=[3])
+                gscale = self.epi_tile_scale(extra, e)
+                write = cutlass.Boolean(True)
+                if cutlass.const_expr(self.key.accumulate):
+                    write = n_k > 0  # empty expert: leave the output untouched
+                    if bad:
+                        write = cutlass.Boolean(True)
+                if n_k > 0:
+                    acc_pipe.consumer_wait(acc_cstate)
+                if cutlass.const_expr(self.tma_epi):
+                    # registers -> smem sub-tile -> TMA store (TMA reduce-add if accumulate)
+                    bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e_c)]
+                    bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
+                    if write:
+                        for sub in cutlass.range_constexpr(subtiles):
+                            if n_k > 0:
+                                cute.copy(
+                                    tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc
+                                )
+                                vals = tiled_r2s.retile(tTR_rAcc).load()
+                                vals = self.epi_scale(vals, gscale)
+                                tRS_rC.store(vals.to(self.c_dtype))
+                            elif bad:
+                                tRS_rC.fill(float("nan"))  # offsets broke the contract
+                            else:
+                                tRS_rC.fill(0.0)  # empty expert, overwrite: zeros
+                            buf = epi_count % self.num_c_stage
+                            cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            epi_barrier.arrive_and_wait()
+                            if warp_idx == self.epilogue_warp_id[0]:
+                                cute.copy(
+                                    tma_atom_c,
+                                    bSG_sC[(None, buf)],
+                                    bSG_gC[(None, sub)],
+                                    tma_desc_ptr=desc_c,
+                                )
+                                c_pipe.producer_commit()
+                                c_pipe.producer_acquire()
+                            epi_barrier.arrive_and_wait()
+                            epi_count += 1
+                else:
+                    # discrete without a descriptor workspace (the JAX adapter): registers
+                    # -> the expert's own (M, N) output (pointer mC[e])
+                    gC_e = self.expert_c(mC[e], thr_mma)
+                    tTR_gC = thr_t2r.partition_D(cute.flat_divide(gC_e, epi_tile))
+                    tTR_gC = tTR_gC[(None, None, None, None, None, m_idx, n_idx, 0)]
+                    tTR_gC = cute.group_modes(tTR_gC, 3, cute.rank(tTR_gC))
+                    if write:
+                        for sub in cutlass.range_constexpr(subtiles):
+                            g_sub = tTR_gC[(None, None, None, sub)]
+                            if n_k > 0:
+                                cute.copy(
+                                    tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc
+                                )
+                                acc_vec = self.epi_scale(tTR_rAcc.load(), gscale)
+                                if cutlass.const_expr(self.key.accumulate):
+                                    cute.autovec_copy(g_sub, tTR_rOld)
+                                    acc_vec = acc_vec + tTR_rOld.load().to(self.acc_dtype)
+                                tTR_rC.store(acc_vec.to(self.c_dtype))
+                            elif bad:
+                                tTR_rC.fill(float("nan"))  # offsets broke the contract
+                            else:
+                                tTR_rC.fill(0.0)  # empty expert, overwrite: zeros
+                            cute.autovec_copy(tTR_rC, g_sub)
+                if n_k > 0:
+                    # all tcgen05.ld of this buffer complete before the MMA may overwrite it
+                    cute.arch.fence_view_async_tmem_load()
+                    with cute.arch.elect_one():
+                        acc_pipe.consumer_release(acc_cstate)
+                    acc_cstate.advance()
+                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                sched_cstate.advance()
+            if cutlass.const_expr(self.tma_epi):
+                c_pipe.producer_tail()
+            # every epilogue warp's last TMEM load is done before the allocator warp frees
+            epi_barrier.arrive_and_wait()
+            tmem.relinquish_alloc_permit()
+            tmem.free(tmem_ptr)
+
+        def epi_tile_scale(self, extra, e):
+            """Hook (epilogue, per tile of expert ``e``): the tile's scale for ``epi_scale``.
+            None for the BF16 kernel."""
+            return None
+
+        def epi_scale(self, vals, scale):
+            """Hook (epilogue): the fp32 accumulator values ``vals`` scaled by the tile's
+            ``scale`` before the output conversion. The BF16 kernel's are unscaled."""
+            return vals
+
+        @cute.jit
         def sort_experts(self, storage, mOffsets, tidx, cluster_layout_vmnk):
             """Every thread: the experts sorted by token count, largest first (ties by index),
             from the device offsets: returns ``sPerm`` (``sPerm[rank] = expert``). Both CTAs of
@@ -1204,152 +1374,10 @@ def _build_kernel_class():
 
             # ---------------- epilogue warps ----------------
             if warp_idx < self.mma_warp_id:
-                tmem.allocate(self.num_tmem_alloc_cols)
-                tmem.wait_for_alloc()
-                tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-                tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
-
-                tCtAcc_mn = sm100_epi.transform_partitioned_tensor_layout(tCtAcc_base)
-                if cutlass.const_expr(self.tma_epi):
-                    tCgC_mn = sm100_epi.transform_partitioned_tensor_layout(tCgC)
-                else:
-                    tCgC_mn = self.expert_c(mC[0], thr_mma)  # shapes only
-                tiled_t2r, tTR_tAcc_base, tTR_rAcc = sm100_epi.epilogue_tmem_copy_and_partition(
-                    self, tidx, tCtAcc_mn, tCgC_mn, epi_tile, self.use_2cta_instrs
+                self.epilogue_warps(
+                    tidx, warp_idx, tmem, tCtAcc_fake, tCgC, thr_mma, sC, epi_tile, tma_atom_c,
+                    mC, acc_pipe, sched_pipe, sSched, sPerm, mOffsets, mCounter, mDesc,
                 )
-                thr_t2r = tiled_t2r.get_slice(tidx)
-                tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-                tTR_rOld = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-                epi_barrier = pipeline.NamedBarrier(
-                    barrier_id=self.epilog_sync_bar_id,
-                    num_threads=32 * len(self.epilogue_warp_id),
-                )
-                if cutlass.const_expr(self.tma_epi):
-                    tiled_r2s, tRS_rC, tRS_sC = sm100_epi.epilogue_smem_copy_and_partition(
-                        self, tiled_t2r, tTR_rC, tidx, sC
-                    )
-                    tCgC_epi = cute.flat_divide(tCgC_mn, epi_tile)
-                    bSG_sC, bSG_gC_all = cpasync.tma_partition(
-                        tma_atom_c,
-                        0,
-                        cute.make_layout(1),
-                        cute.group_modes(sC, 0, 2),
-                        cute.group_modes(tCgC_epi, 0, 2),
-                    )
-                    c_pipe = pipeline.PipelineTmaStore.create(
-                        num_stages=self.num_c_stage,
-                        producer_group=pipeline.CooperativeGroup(
-                            pipeline.Agent.Thread, 32 * len(self.epilogue_warp_id)
-                        ),
-                    )
-                acc_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.num_acc_stage
-                )
-                epi_count = cutlass.Int32(0)
-                sched_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
-                )
-                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                sched_cstate.advance()
-                epi_last_e = cutlass.Int32(-1)
-                while tile < self.num_tiles:
-                    e, m_idx, n_idx, _k0, n_k, bad = self.tile_coords(tile, sPerm, mOffsets)
-                    e_c = e  # the output's expert coordinate: 0 with per-expert descriptors
-                    desc_c = None
-                    if cutlass.const_expr(self.desc_c):
-                        e_c = cutlass.Int32(0)
-                        desc_c = self.desc_ptr(
-                            mDesc, e, self.num_desc - 1, cute.AddressSpace.generic
-                        )
-                        # the storing warp: this CTA's TMA warp ensures every expert it takes
-                        # (empty ones too); wait for the flag, then acquire the descriptor
-                        if warp_idx == self.epilogue_warp_id[0]:
-                            if e != epi_last_e:
-                                self.wait_descriptors(e, cute.arch.lane_idx(), mCounter)
-                                cpasync.fence_tma_desc_acquire(
-                                    self.desc_ptr(mDesc, e, self.num_desc - 1)
-                                )
-                                epi_last_e = e
-                    # 2-CTA: this CTA writes rows [128 v, 128 v + 128) of the 256-row MMA tile.
-                    tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cstate.index)]
-                    tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
-                    subtiles = cute.size(tTR_tAcc.shape, mode=[3])
-                    write = cutlass.Boolean(True)
-                    if cutlass.const_expr(self.key.accumulate):
-                        write = n_k > 0  # empty expert: leave the output untouched
-                        if bad:
-                            write = cutlass.Boolean(True)
-                    if n_k > 0:
-                        acc_pipe.consumer_wait(acc_cstate)
-                    if cutlass.const_expr(self.tma_epi):
-                        # registers -> smem sub-tile -> TMA store (TMA reduce-add if accumulate)
-                        bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e_c)]
-                        bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
-                        if write:
-                            for sub in cutlass.range_constexpr(subtiles):
-                                if n_k > 0:
-                                    cute.copy(
-                                        tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc
-                                    )
-                                    vals = tiled_r2s.retile(tTR_rAcc).load()
-                                    tRS_rC.store(vals.to(self.c_dtype))
-                                elif bad:
-                                    tRS_rC.fill(float("nan"))  # offsets broke the contract
-                                else:
-                                    tRS_rC.fill(0.0)  # empty expert, overwrite: zeros
-                                buf = epi_count % self.num_c_stage
-                                cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-                                cute.arch.fence_proxy("async.shared", space="cta")
-                                epi_barrier.arrive_and_wait()
-                                if warp_idx == self.epilogue_warp_id[0]:
-                                    cute.copy(
-                                        tma_atom_c,
-                                        bSG_sC[(None, buf)],
-                                        bSG_gC[(None, sub)],
-                                        tma_desc_ptr=desc_c,
-                                    )
-                                    c_pipe.producer_commit()
-                                    c_pipe.producer_acquire()
-                                epi_barrier.arrive_and_wait()
-                                epi_count += 1
-                    else:
-                        # discrete without a descriptor workspace (the JAX adapter): registers
-                        # -> the expert's own (M, N) output (pointer mC[e])
-                        gC_e = self.expert_c(mC[e], thr_mma)
-                        tTR_gC = thr_t2r.partition_D(cute.flat_divide(gC_e, epi_tile))
-                        tTR_gC = tTR_gC[(None, None, None, None, None, m_idx, n_idx, 0)]
-                        tTR_gC = cute.group_modes(tTR_gC, 3, cute.rank(tTR_gC))
-                        if write:
-                            for sub in cutlass.range_constexpr(subtiles):
-                                g_sub = tTR_gC[(None, None, None, sub)]
-                                if n_k > 0:
-                                    cute.copy(
-                                        tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc
-                                    )
-                                    acc_vec = tTR_rAcc.load()
-                                    if cutlass.const_expr(self.key.accumulate):
-                                        cute.autovec_copy(g_sub, tTR_rOld)
-                                        acc_vec = acc_vec + tTR_rOld.load().to(self.acc_dtype)
-                                    tTR_rC.store(acc_vec.to(self.c_dtype))
-                                elif bad:
-                                    tTR_rC.fill(float("nan"))  # offsets broke the contract
-                                else:
-                                    tTR_rC.fill(0.0)  # empty expert, overwrite: zeros
-                                cute.autovec_copy(tTR_rC, g_sub)
-                    if n_k > 0:
-                        # all tcgen05.ld of this buffer complete before the MMA may overwrite it
-                        cute.arch.fence_view_async_tmem_load()
-                        with cute.arch.elect_one():
-                            acc_pipe.consumer_release(acc_cstate)
-                        acc_cstate.advance()
-                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                    sched_cstate.advance()
-                if cutlass.const_expr(self.tma_epi):
-                    c_pipe.producer_tail()
-                # every epilogue warp's last TMEM load is done before the allocator warp frees
-                epi_barrier.arrive_and_wait()
-                tmem.relinquish_alloc_permit()
-                tmem.free(tmem_ptr)
 
             if cutlass.const_expr(self.cluster_sched):
                 # (2, 1) cluster: no CTA exits while the other may still arrive on its ring

@@ -590,6 +590,20 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             tiled_mma.set(tcgen05.Field.SFA, tCtSFA[sf_crd].iterator)
             tiled_mma.set(tcgen05.Field.SFB, tCtSFB[sf_crd].iterator)
 
+        def epi_tile_scale(self, extra, e):
+            """NVFP4: the expert's global-scale product ``gsa[e] * gsb[e]`` (``extra`` is the
+            (E,) fp32 tensor ``mGs``); 1 for the MX formats (unused)."""
+            gscale = cutlass.Float32(1.0)
+            if self.nvfp4:
+                gscale = extra[e]
+            return gscale
+
+        def epi_scale(self, vals, scale):
+            """NVFP4: the accumulator times the expert's global-scale product."""
+            if self.nvfp4:
+                vals = vals * scale
+            return vals
+
         def s2t_partition(self, sSF, tSF):
             """tcgen05.cp (shared -> tensor memory) of one scale operand: the tiled copy, the
             staged shared-memory source (as smem descriptors) and the TMEM destination."""
@@ -704,118 +718,11 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
 
             # ---------------- epilogue warps (TMA store / reduce-add) ----------------
             if warp_idx < self.mma_warp_id:
-                tmem.allocate(self.num_tmem_alloc_cols)
-                tmem.wait_for_alloc()
-                tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-                tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
-                tCtAcc_mn = sm100_epi.transform_partitioned_tensor_layout(tCtAcc_base)
-                tCgC_mn = sm100_epi.transform_partitioned_tensor_layout(tCgC)
-                tiled_t2r, tTR_tAcc_base, tTR_rAcc = sm100_epi.epilogue_tmem_copy_and_partition(
-                    self, tidx, tCtAcc_mn, tCgC_mn, epi_tile, False
+                self.epilogue_warps(
+                    tidx, warp_idx, tmem, tCtAcc_fake, tCgC, thr_mma, sC, epi_tile, tma_atom_c,
+                    mC, acc_pipe, sched_pipe, sSched, sPerm, mOffsets, mCounter, mDesc,
+                    extra=mGs,
                 )
-                tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-                epi_barrier = pipeline.NamedBarrier(
-                    barrier_id=self.epilog_sync_bar_id,
-                    num_threads=32 * len(self.epilogue_warp_id),
-                )
-                tiled_r2s, tRS_rC, tRS_sC = sm100_epi.epilogue_smem_copy_and_partition(
-                    self, tiled_t2r, tTR_rC, tidx, sC
-                )
-                tCgC_epi = cute.flat_divide(tCgC_mn, epi_tile)
-                bSG_sC, bSG_gC_all = cpasync.tma_partition(
-                    tma_atom_c,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sC, 0, 2),
-                    cute.group_modes(tCgC_epi, 0, 2),
-                )
-                c_pipe = pipeline.PipelineTmaStore.create(
-                    num_stages=self.num_c_stage,
-                    producer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, 32 * len(self.epilogue_warp_id)
-                    ),
-                )
-                acc_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.num_acc_stage
-                )
-                epi_count = cutlass.Int32(0)
-                sched_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
-                )
-                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                sched_cstate.advance()
-                epi_last_e = cutlass.Int32(-1)
-                while tile < self.num_tiles:
-                    e, m_idx, n_idx, _k0, n_k, bad = self.tile_coords(tile, sPerm, mOffsets)
-                    e_c = e  # the output's expert coordinate: 0 with per-expert descriptors
-                    desc_c = None
-                    if cutlass.const_expr(self.desc_c):
-                        e_c = cutlass.Int32(0)
-                        desc_c = self.desc_ptr(
-                            mDesc, e, self.num_desc - 1, cute.AddressSpace.generic
-                        )
-                        # the storing warp (as in the BF16 kernel): wait for the expert's flag
-                        # (this CTA's TMA warp ensured the descriptor), then acquire it
-                        if warp_idx == self.epilogue_warp_id[0]:
-                            if e != epi_last_e:
-                                self.wait_descriptors(e, cute.arch.lane_idx(), mCounter)
-                                cpasync.fence_tma_desc_acquire(
-                                    self.desc_ptr(mDesc, e, self.num_desc - 1)
-                                )
-                                epi_last_e = e
-                    tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cstate.index)]
-                    tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
-                    subtiles = cute.size(tTR_tAcc.shape, mode=[3])
-                    gscale = cutlass.Float32(1.0)
-                    if cutlass.const_expr(self.nvfp4):
-                        gscale = mGs[e]
-                    write = cutlass.Boolean(True)
-                    if cutlass.const_expr(self.key.accumulate):
-                        write = n_k > 0  # empty expert: leave the output untouched
-                        if bad:
-                            write = cutlass.Boolean(True)
-                    if n_k > 0:
-                        acc_pipe.consumer_wait(acc_cstate)
-                    bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e_c)]
-                    bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
-                    if write:
-                        for sub in cutlass.range_constexpr(subtiles):
-                            if n_k > 0:
-                                cute.copy(tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
-                                vals = tiled_r2s.retile(tTR_rAcc).load()
-                                if cutlass.const_expr(self.nvfp4):
-                                    vals = vals * gscale
-                                tRS_rC.store(vals.to(self.c_dtype))
-                            elif bad:
-                                tRS_rC.fill(float("nan"))  # offsets broke the contract
-                            else:
-                                tRS_rC.fill(0.0)  # empty expert, overwrite: zeros
-                            buf = epi_count % self.num_c_stage
-                            cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            epi_barrier.arrive_and_wait()
-                            if warp_idx == self.epilogue_warp_id[0]:
-                                cute.copy(
-                                    tma_atom_c,
-                                    bSG_sC[(None, buf)],
-                                    bSG_gC[(None, sub)],
-                                    tma_desc_ptr=desc_c,
-                                )
-                                c_pipe.producer_commit()
-                                c_pipe.producer_acquire()
-                            epi_barrier.arrive_and_wait()
-                            epi_count += 1
-                    if n_k > 0:
-                        cute.arch.fence_view_async_tmem_load()
-                        with cute.arch.elect_one():
-                            acc_pipe.consumer_release(acc_cstate)
-                        acc_cstate.advance()
-                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                    sched_cstate.advance()
-                c_pipe.producer_tail()
-                epi_barrier.arrive_and_wait()
-                tmem.relinquish_alloc_permit()
-                tmem.free(tmem_ptr)
 
     return Sm100BlockScaledWgradKernel
 

@@ -302,10 +302,9 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
     import cutlass
     import cutlass.utils.blackwell_helpers as sm100_utils
     import cutlass.utils.blockscaled_layout as bs_layout
-    from cutlass import cute, memory, pipeline
+    from cutlass import cute, memory
     from cutlass.cute.nvgpu import cpasync, tcgen05
     from cutlass.tensor_utils import LayoutEnum
-    from cutlass.utils.gemm import sm100 as sm100_epi
 
     from .sm100_bf16 import _kernel_class as _bf16_kernel_class
 

@@ -410,8 +410,9 @@ def _build_kernel_class():
             # generated code was verified with (the emitted instruction order follows it)
             self.tile_views_first = True
 
-        def _setup(self, a_major_mode, b_major_mode):
-            tiled_mma = sm100_utils.make_trivial_tiled_mma(
+        def make_tiled_mma(self, a_major_mode, b_major_mode):
+            """The tcgen05 MMA of the kernel (BF16 inputs, fp32 accumulator)."""
+            return sm100_utils.make_trivial_tiled_mma(
                 self.ab_dtype,
                 self.ab_dtype,
                 a_major_mode,
@@ -420,6 +421,14 @@ def _build_kernel_class():
                 self.cta_group,
                 self.mma_tiler[:2],
             )
+
+        #: what the "no room for 2 pipeline stages" error adds
+        _no_room_detail = " with its epilogue"
+
+        def _setup(self, a_major_mode, b_major_mode):
+            """The MMA, the cluster layout, the epilogue tile and the staged shared-memory
+            layouts (as many stages as fit, at most ``stages``), the TMEM columns."""
+            tiled_mma = self.make_tiled_mma(a_major_mode, b_major_mode)
             self.cluster_layout_vmnk = cute.tiled_divide(
                 cute.make_layout((*self.cluster_shape_mn, 1)), (tiled_mma.thr_id.shape,)
             )
@@ -432,15 +441,17 @@ def _build_kernel_class():
                 c_bytes = 0  # discrete outputs without a workspace: stored from registers
             a_one = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
             b_one = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
-            ab_bytes = cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(
-                self.ab_dtype, b_one
+            stage_bytes = (
+                cute.size_in_bytes(self.ab_dtype, a_one)
+                + cute.size_in_bytes(self.ab_dtype, b_one)
+                + self.extra_stage_bytes(tiled_mma)
             )
             header = _SMEM_HEADER + 8 * self.key.num_experts
-            fit = (_SMEM_BYTES - header - c_bytes) // ab_bytes
+            fit = (_SMEM_BYTES - header - c_bytes) // stage_bytes
             self.num_ab_stage = min(self.stages, fit)
             if self.num_ab_stage < 2:
                 raise ValueError(
-                    f"{self.key.tile} leaves no room for 2 pipeline stages with its epilogue"
+                    f"{self.key.tile} leaves no room for 2 pipeline stages{self._no_room_detail}"
                 )
             self.a_smem_layout_staged = sm100_utils.make_smem_layout_a(
                 tiled_mma, self.mma_tiler, self.ab_dtype, self.num_ab_stage
@@ -448,13 +459,96 @@ def _build_kernel_class():
             self.b_smem_layout_staged = sm100_utils.make_smem_layout_b(
                 tiled_mma, self.mma_tiler, self.ab_dtype, self.num_ab_stage
             )
+            self.setup_extra_layouts(tiled_mma)
             self.c_smem_layout_staged = sm100_utils.make_smem_layout_epi(
                 self.c_dtype, self.c_layout, self.epi_tile, self.num_c_stage
             )
+            self.num_tmem_alloc_cols = self.tmem_alloc_cols(tiled_mma)
+            return tiled_mma
+
+        def extra_stage_bytes(self, tiled_mma):
+            """Hook: shared-memory bytes a stage holds beyond A and B (0: none)."""
+            return 0
+
+        def setup_extra_layouts(self, tiled_mma):
+            """Hook: staged shared-memory layouts beyond A, B and the output (none)."""
+
+        def tmem_alloc_cols(self, tiled_mma):
+            """TMEM columns to allocate: the two fp32 accumulators."""
             acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
             acc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
-            self.num_tmem_alloc_cols = memory.get_num_tmem_alloc_cols(acc_fake, arch="sm_100")
-            return tiled_mma
+            return memory.get_num_tmem_alloc_cols(acc_fake, arch="sm_100")
+
+        def make_ab_load_atoms(self, tiled_mma, mA, mB):
+            """The TMA load atoms (and TMA views) of A and B (multicast along the cluster), the
+            A atom's op (the scales of A share it) and the bytes of one stage of A and B."""
+            a_op = sm100_utils.cluster_shape_to_tma_atom_A(
+                self.cluster_shape_mn, tiled_mma.thr_id
+            )
+            a_smem_one = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
+            tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
+                a_op, mA, a_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+            )
+            b_op = sm100_utils.cluster_shape_to_tma_atom_B(
+                self.cluster_shape_mn, tiled_mma.thr_id
+            )
+            b_smem_one = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
+            tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
+                b_op, mB, b_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+            )
+            ab_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + cute.size_in_bytes(
+                self.ab_dtype, b_smem_one
+            )
+            return tma_atom_a, tma_a, tma_atom_b, tma_b, a_op, ab_bytes
+
+        def make_store_atom(self, mOut, mDesc):
+            """The TMA store (reduce-add when accumulating) atom of the output and its view:
+            the stacked (M, N, E) dense output, or with per-expert descriptors a template
+            (M, N, 1) descriptor: each expert's copy in the workspace gets its own base address
+            on the device (``build_descriptors``); the template's address (the 64-byte aligned
+            workspace) is never accessed through it."""
+            m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
+            if self.desc_c:
+                mC_mne = cute.make_tensor(
+                    cute.recast_ptr(mDesc.iterator, dtype=self.c_dtype),
+                    cute.make_layout((m, n, 1), stride=(n, 1, m * n)),
+                )
+            else:
+                mC_mne = cute.make_tensor(
+                    mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
+                )
+            store_op = cpasync.CopyBulkTensorTileS2GOp()
+            if self.key.accumulate:
+                store_op = cpasync.CopyReduceBulkTensorTileS2GOp()
+            epi_smem_one = cute.select(self.c_smem_layout_staged, mode=[0, 1])
+            return cpasync.make_tiled_tma_atom(store_op, mC_mne, epi_smem_one, self.epi_tile)
+
+        def make_shared_storage(self):
+            """The kernel's shared-memory header: the rings' mbarriers, the TMEM handshake, the
+            expert sort (lengths, order) and the tile-id ring."""
+
+            @cute.struct
+            class SharedStorage:
+                ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
+                acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
+                tmem_dealloc_mbar: cutlass.Int64
+                tmem_holding_buf: cutlass.Int32
+                lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
+                perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
+                sched_mbar: cute.struct.MemRange[cutlass.Int64, _SCHED_STAGES * 2]
+                sched: cute.struct.MemRange[cutlass.Int32, _SCHED_STAGES]
+
+            return SharedStorage
+
+        def launch_kernel(self, kernel, num_clusters, stream):
+            """Launch the persistent grid (``num_clusters`` clusters) of ``kernel``."""
+            kernel.launch(
+                grid=[num_clusters * self.cluster_m, 1, 1],
+                block=[self.threads_per_cta, 1, 1],
+                cluster=(*self.cluster_shape_mn, 1),
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
 
         @cute.jit
         def __call__(
@@ -483,61 +577,17 @@ def _build_kernel_class():
             tiled_mma = self._setup(a_major_mode, b_major_mode)
             atom_thr_size = cute.size(tiled_mma.thr_id.shape)
 
-            a_op = sm100_utils.cluster_shape_to_tma_atom_A(
-                self.cluster_shape_mn, tiled_mma.thr_id
+            tma_atom_a, tma_a, tma_atom_b, tma_b, _a_op, ab_bytes = self.make_ab_load_atoms(
+                tiled_mma, mA, mB
             )
-            a_smem_one = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
-            tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
-                a_op, mA, a_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
-            )
-            b_op = sm100_utils.cluster_shape_to_tma_atom_B(
-                self.cluster_shape_mn, tiled_mma.thr_id
-            )
-            b_smem_one = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
-            tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
-                b_op, mB, b_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
-            )
-            self.num_tma_load_bytes = (
-                cute.size_in_bytes(self.ab_dtype, a_smem_one)
-                + cute.size_in_bytes(self.ab_dtype, b_smem_one)
-            ) * atom_thr_size
+            self.num_tma_load_bytes = ab_bytes * atom_thr_size
 
             tma_atom_c, tma_c = tma_atom_a, mOut  # discrete without workspace: registers
             if cutlass.const_expr(self.tma_epi):
-                m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
-                if cutlass.const_expr(self.desc_c):
-                    # a template (M, N, 1) descriptor: each expert's copy in the workspace gets
-                    # its own base address on the device (``build_descriptors``); the template's
-                    # address (the 64-byte aligned workspace) is never accessed through it
-                    mC_mne = cute.make_tensor(
-                        cute.recast_ptr(mDesc.iterator, dtype=self.c_dtype),
-                        cute.make_layout((m, n, 1), stride=(n, 1, m * n)),
-                    )
-                else:
-                    mC_mne = cute.make_tensor(
-                        mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
-                    )
-                store_op = cpasync.CopyBulkTensorTileS2GOp()
-                if cutlass.const_expr(self.key.accumulate):
-                    store_op = cpasync.CopyReduceBulkTensorTileS2GOp()
-                epi_smem_one = cute.select(self.c_smem_layout_staged, mode=[0, 1])
-                tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
-                    store_op, mC_mne, epi_smem_one, self.epi_tile
-                )
+                tma_atom_c, tma_c = self.make_store_atom(mOut, mDesc)
 
-            @cute.struct
-            class SharedStorage:
-                ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
-                acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
-                tmem_dealloc_mbar: cutlass.Int64
-                tmem_holding_buf: cutlass.Int32
-                lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
-                perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
-                sched_mbar: cute.struct.MemRange[cutlass.Int64, _SCHED_STAGES * 2]
-                sched: cute.struct.MemRange[cutlass.Int32, _SCHED_STAGES]
-
-            self.shared_storage = SharedStorage
-            self.kernel(
+            self.shared_storage = self.make_shared_storage()
+            kernel = self.kernel(
                 tiled_mma,
                 tma_atom_a,
                 tma_a,
@@ -556,13 +606,8 @@ def _build_kernel_class():
                 self.b_smem_layout_staged,
                 self.c_smem_layout_staged,
                 self.epi_tile,
-            ).launch(
-                grid=[num_clusters * self.cluster_m, 1, 1],
-                block=[self.threads_per_cta, 1, 1],
-                cluster=(*self.cluster_shape_mn, 1),
-                min_blocks_per_mp=1,
-                stream=stream,
             )
+            self.launch_kernel(kernel, num_clusters, stream)
 
         @cute.jit
         def next_tile(self, mCounter, lane, sched_pipe, sched_state, sSched):

@@ -328,8 +328,11 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             self.nvfp4 = key.fmt == "nvfp4"
             self.tile_views_first = False  # the TMA warp slices after the descriptor work
 
-        def _setup(self, a_major_mode, b_major_mode):
-            tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
+        _no_room_detail = ""
+
+        def make_tiled_mma(self, a_major_mode, b_major_mode):
+            """The block-scaled tcgen05 MMA (scale dtype and vector size of the format)."""
+            return sm100_utils.make_blockscaled_trivial_tiled_mma(
                 self.ab_dtype,
                 self.ab_dtype,
                 a_major_mode,
@@ -339,54 +342,33 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
                 self.cta_group,
                 self.mma_tiler[:2],
             )
-            self.cluster_layout_vmnk = cute.tiled_divide(
-                cute.make_layout((*self.cluster_shape_mn, 1)), (tiled_mma.thr_id.shape,)
-            )
-            self.epi_tile = sm100_utils.compute_epilogue_tile_shape(
-                self.cta_tile_shape_mnk, self.use_2cta_instrs, self.c_layout, self.c_dtype
-            )
-            c_one = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
-            c_bytes = cute.size_in_bytes(self.c_dtype, c_one) * self.num_c_stage
-            a_one = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
-            b_one = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
+
+        def extra_stage_bytes(self, tiled_mma):
+            """A stage also holds the scale atoms of A and of B."""
             sfa_one = bs_layout.make_smem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec, 1)
             sfb_one = bs_layout.make_smem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec, 1)
-            stage_bytes = (
-                cute.size_in_bytes(self.ab_dtype, a_one)
-                + cute.size_in_bytes(self.ab_dtype, b_one)
-                + cute.size_in_bytes(self.sf_dtype, sfa_one)
-                + cute.size_in_bytes(self.sf_dtype, sfb_one)
+            return cute.size_in_bytes(self.sf_dtype, sfa_one) + cute.size_in_bytes(
+                self.sf_dtype, sfb_one
             )
-            header = _SMEM_HEADER + 8 * self.key.num_experts
-            fit = (_SMEM_BYTES - header - c_bytes) // stage_bytes
-            self.num_ab_stage = min(self.stages, fit)
-            if self.num_ab_stage < 2:
-                raise ValueError(f"{self.key.tile} leaves no room for 2 pipeline stages")
-            n_st = self.num_ab_stage
-            self.a_smem_layout_staged = sm100_utils.make_smem_layout_a(
-                tiled_mma, self.mma_tiler, self.ab_dtype, n_st
-            )
-            self.b_smem_layout_staged = sm100_utils.make_smem_layout_b(
-                tiled_mma, self.mma_tiler, self.ab_dtype, n_st
-            )
+
+        def setup_extra_layouts(self, tiled_mma):
+            """The staged scale-atom layouts of A and B."""
             self.sfa_smem_layout_staged = bs_layout.make_smem_layout_sfa(
-                tiled_mma, self.mma_tiler, self.sf_vec, n_st
+                tiled_mma, self.mma_tiler, self.sf_vec, self.num_ab_stage
             )
             self.sfb_smem_layout_staged = bs_layout.make_smem_layout_sfb(
-                tiled_mma, self.mma_tiler, self.sf_vec, n_st
+                tiled_mma, self.mma_tiler, self.sf_vec, self.num_ab_stage
             )
-            self.c_smem_layout_staged = sm100_utils.make_smem_layout_epi(
-                self.c_dtype, self.c_layout, self.epi_tile, self.num_c_stage
-            )
-            # TMEM: two fp32 accumulators (tile_n columns each), then the scales of A and B
-            # (32 rows per column group: (128 / 32) columns per MMA instruction of the stage).
+
+        def tmem_alloc_cols(self, tiled_mma):
+            """TMEM: two fp32 accumulators (tile_n columns each), then the scales of A and B
+            (32 rows per column group: (128 / 32) columns per MMA instruction of the stage)."""
             k_insts = self.mma_tiler[2] // cute.size(tiled_mma.shape_mnk, mode=[2])
             self.num_acc_tmem_cols = self.mma_tiler[1] * self.num_acc_stage
             self.num_sfa_tmem_cols = (self.mma_tiler[0] // 32) * k_insts
             self.num_sfb_tmem_cols = (self.mma_tiler[1] // 32) * k_insts
             used = self.num_acc_tmem_cols + self.num_sfa_tmem_cols + self.num_sfb_tmem_cols
-            self.num_tmem_alloc_cols = max(32, 1 << (used - 1).bit_length())
-            return tiled_mma
+            return max(32, 1 << (used - 1).bit_length())
 
         @cute.jit
         def __call__(
@@ -423,15 +405,8 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             mSFA_mkl = cute.make_tensor(mSFA.iterator, sfa_layout)
             mSFB_nkl = cute.make_tensor(mSFB.iterator, sfb_layout)
 
-            a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, tiled_mma.thr_id)
-            a_smem_one = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
-            tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
-                a_op, mA, a_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
-            )
-            b_op = sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id)
-            b_smem_one = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
-            tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
-                b_op, mB, b_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+            tma_atom_a, tma_a, tma_atom_b, tma_b, a_op, ab_bytes = self.make_ab_load_atoms(
+                tiled_mma, mA, mB
             )
             sfa_smem_one = cute.slice_(self.sfa_smem_layout_staged, (None, None, None, 0))
             tma_atom_sfa, tma_sfa = cute.nvgpu.make_tiled_tma_atom_A(
@@ -457,45 +432,16 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
                 internal_type=cutlass.Int16,
             )
             self.num_tma_load_bytes = (
-                cute.size_in_bytes(self.ab_dtype, a_smem_one)
-                + cute.size_in_bytes(self.ab_dtype, b_smem_one)
+                ab_bytes
                 + cute.size_in_bytes(self.sf_dtype, sfa_smem_one)
                 + cute.size_in_bytes(self.sf_dtype, sfb_smem_one)
             ) * atom_thr_size
 
-            m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
-            if cutlass.const_expr(self.desc_c):
-                # the BF16 kernel's template (M, N, 1) descriptor: each expert's copy in the
-                # workspace gets its own base address on the device (``build_descriptors``)
-                mC_mne = cute.make_tensor(
-                    cute.recast_ptr(mDesc.iterator, dtype=self.c_dtype),
-                    cute.make_layout((m, n, 1), stride=(n, 1, m * n)),
-                )
-            else:
-                mC_mne = cute.make_tensor(
-                    mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
-                )
-            store_op = cpasync.CopyBulkTensorTileS2GOp()
-            if cutlass.const_expr(self.key.accumulate):
-                store_op = cpasync.CopyReduceBulkTensorTileS2GOp()
-            epi_smem_one = cute.select(self.c_smem_layout_staged, mode=[0, 1])
-            tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
-                store_op, mC_mne, epi_smem_one, self.epi_tile
-            )
+            # the BF16 kernel's output store (per-expert template descriptor when discrete)
+            tma_atom_c, tma_c = self.make_store_atom(mOut, mDesc)
 
-            @cute.struct
-            class SharedStorage:
-                ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
-                acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
-                tmem_dealloc_mbar: cutlass.Int64
-                tmem_holding_buf: cutlass.Int32
-                lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
-                perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
-                sched_mbar: cute.struct.MemRange[cutlass.Int64, _SCHED_STAGES * 2]
-                sched: cute.struct.MemRange[cutlass.Int32, _SCHED_STAGES]
-
-            self.shared_storage = SharedStorage
-            self.kernel(
+            self.shared_storage = self.make_shared_storage()
+            kernel = self.kernel(
                 tiled_mma,
                 tma_atom_a,
                 tma_a,
@@ -519,13 +465,8 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
                 self.sfb_smem_layout_staged,
                 self.c_smem_layout_staged,
                 self.epi_tile,
-            ).launch(
-                grid=[num_clusters * self.cluster_m, 1, 1],
-                block=[self.threads_per_cta, 1, 1],
-                cluster=(*self.cluster_shape_mn, 1),
-                min_blocks_per_mp=1,
-                stream=stream,
             )
+            self.launch_kernel(kernel, num_clusters, stream)
 
         def tma_tile_extra(self, extra, m_idx, n_idx):
             """The tile's scale-atom views (A's rows ``m_idx``, B's rows ``n_idx``)."""

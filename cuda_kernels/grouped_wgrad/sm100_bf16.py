@@ -806,6 +806,18 @@ def _build_kernel_class():
             gC_e = cute.local_tile(mC_e, tile_mn, (None, None, None))
             return sm100_epi.transform_partitioned_tensor_layout(thr_mma.partition_C(gC_e))
 
+        def prefetch_descriptors(self, tma_atom_a, tma_atom_b, tma_atom_c, extra_atoms=()):
+            """TMA warp: prefetch the kernel-parameter descriptors it uses (not the per-expert
+            ones in the workspace): A's, B's, then ``extra_atoms``', then the output's."""
+            if not self.desc_a:
+                cpasync.prefetch_descriptor(tma_atom_a)
+            if not self.desc_b:
+                cpasync.prefetch_descriptor(tma_atom_b)
+            for atom in extra_atoms:
+                cpasync.prefetch_descriptor(atom)
+            if self.tma_epi and not self.desc_c:
+                cpasync.prefetch_descriptor(tma_atom_c)
+
         def allocate_ab(self, smem, a_smem_layout_staged, b_smem_layout_staged):
             """The staged A and B tiles in shared memory (swizzled, 128-byte aligned)."""
             sA = smem.allocate_tensor(
@@ -1352,12 +1364,7 @@ def _build_kernel_class():
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             tidx, _, _ = cute.arch.thread_idx()
             if warp_idx == self.tma_warp_id:
-                if cutlass.const_expr(not self.desc_a):
-                    cpasync.prefetch_descriptor(tma_atom_a)
-                if cutlass.const_expr(not self.desc_b):
-                    cpasync.prefetch_descriptor(tma_atom_b)
-                if cutlass.const_expr(self.tma_epi and not self.desc_c):
-                    cpasync.prefetch_descriptor(tma_atom_c)
+                self.prefetch_descriptors(tma_atom_a, tma_atom_b, tma_atom_c)
 
             use_2cta = cute.size(tiled_mma.thr_id.shape) == 2
             bidx, _, _ = cute.arch.block_idx()

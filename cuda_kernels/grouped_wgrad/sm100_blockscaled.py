@@ -36,8 +36,13 @@ whole ``(round_up(rows, 128), tokens_sum / sf_vec)`` matrix (SWIZZLE_32_4_4: ato
 + c``), which the kernel reads with CuTe's ``blockscaled_layout.tile_atom_to_shape_SF``. Both
 operands are K-major along tokens (``a`` ``(M, S)``, ``b`` ``(S, N)`` with stride ``(1, S)``).
 
-Structure: the BF16 kernel's (``sm100_bf16``), whose kernel class this one subclasses; reused
-unchanged: the expert sort (largest first), ``tile_coords`` (tile id -> expert / m / n / K range,
+Structure: the BF16 kernel's (``sm100_bf16``), whose kernel class this one subclasses. Its kernel
+body is the BF16 class's, once: ``_setup``, the load / store atoms, ``make_pipelines``,
+``sort_experts``, the partitions, ``tma_warp``, ``mma_warp`` and ``epilogue_warps``; this class
+overrides only their hooks (``make_tiled_mma``, ``extra_stage_bytes`` / ``setup_extra_layouts`` /
+``tmem_alloc_cols``, ``tma_tile_extra`` / ``tma_stage_extra``, ``mma_extra_setup`` /
+``mma_stage_extra`` / ``mma_kblock_extra``, ``epi_tile_scale`` / ``epi_scale``) and keeps its own
+``__call__`` / ``kernel`` (its extra operands). Reused unchanged: the expert sort (largest first), ``tile_coords`` (tile id -> expert / m / n / K range,
 contract breaches poisoned with NaN), the dynamic persistent scheduler (``next_tile`` /
 ``take_tile``: a global atomic counter read by the TMA warp, handed to the MMA and epilogue warps
 through a shared-memory ring), the warp roles (TMA warp 5, MMA warp 4, epilogue warps 0-3), the
@@ -298,12 +303,12 @@ def sm100_blockscaled_key_from_contract(contract: Any) -> Sm100BlockScaledKey:
 # --------------------------------------------------------------------------------------------
 
 
-def _build_kernel_class():  # noqa: PLR0915 - one kernel body
+def _build_kernel_class():
     import cutlass
     import cutlass.utils.blackwell_helpers as sm100_utils
     import cutlass.utils.blockscaled_layout as bs_layout
     from cutlass import cute, memory
-    from cutlass.cute.nvgpu import cpasync, tcgen05
+    from cutlass.cute.nvgpu import tcgen05
     from cutlass.tensor_utils import LayoutEnum
 
     from .sm100_bf16 import _kernel_class as _bf16_kernel_class
@@ -585,12 +590,9 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             tidx, _, _ = cute.arch.thread_idx()
             if warp_idx == self.tma_warp_id:
-                cpasync.prefetch_descriptor(tma_atom_a)
-                cpasync.prefetch_descriptor(tma_atom_b)
-                cpasync.prefetch_descriptor(tma_atom_sfa)
-                cpasync.prefetch_descriptor(tma_atom_sfb)
-                if cutlass.const_expr(not self.desc_c):
-                    cpasync.prefetch_descriptor(tma_atom_c)
+                self.prefetch_descriptors(
+                    tma_atom_a, tma_atom_b, tma_atom_c, extra_atoms=(tma_atom_sfa, tma_atom_sfb)
+                )
 
             cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             block_in_cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank_in_cluster)

@@ -302,10 +302,20 @@ def test_bf16_kernel_untouched_by_the_subclass():
         # the per-expert descriptor mechanism (discrete outputs), reused as it is
         "desc_ptr", "init_descriptor", "build_descriptors", "ensure_descriptors",
         "wait_descriptors",
+        # the kernel body: one copy of each part, the subclass adds through the hooks below
+        "_setup", "make_ab_load_atoms", "make_store_atom", "make_shared_storage",
+        "launch_kernel", "make_pipelines", "sort_experts", "allocate_ab", "allocate_c",
+        "partition_ab", "partition_c", "tma_partition", "mma_fragments", "tma_warp",
+        "tma_tile_views", "mma_warp", "epilogue_warps",
     )
     for name in shared:
         assert getattr(sub, name) is getattr(base, name)
-    for name in ("_setup", "__call__", "kernel"):
+    hooks = (
+        "make_tiled_mma", "extra_stage_bytes", "setup_extra_layouts", "tmem_alloc_cols",
+        "tma_tile_extra", "tma_stage_extra", "mma_extra_setup", "mma_stage_extra",
+        "mma_kblock_extra", "epi_tile_scale", "epi_scale",
+    )
+    for name in ("__call__", "kernel", *hooks):
         assert getattr(sub, name) is not getattr(base, name)
 
 

@@ -405,9 +405,14 @@ def _build_kernel_class():
             # (``st.async`` to the peer's shared memory, completing the slot's mbarrier).
             self.dynamic = not t.use_2cta
             self.cluster_sched = t.use_2cta
+            # TMA warp: slice the tile's global views before (True) or after (False) the
+            # per-expert descriptor work; either is correct, each kernel keeps the order its
+            # generated code was verified with (the emitted instruction order follows it)
+            self.tile_views_first = True
 
-        def _setup(self, a_major_mode, b_major_mode):
-            tiled_mma = sm100_utils.make_trivial_tiled_mma(
+        def make_tiled_mma(self, a_major_mode, b_major_mode):
+            """The tcgen05 MMA of the kernel (BF16 inputs, fp32 accumulator)."""
+            return sm100_utils.make_trivial_tiled_mma(
                 self.ab_dtype,
                 self.ab_dtype,
                 a_major_mode,
@@ -416,6 +421,14 @@ def _build_kernel_class():
                 self.cta_group,
                 self.mma_tiler[:2],
             )
+
+        #: what the "no room for 2 pipeline stages" error adds
+        _no_room_detail = " with its epilogue"
+
+        def _setup(self, a_major_mode, b_major_mode):
+            """The MMA, the cluster layout, the epilogue tile and the staged shared-memory
+            layouts (as many stages as fit, at most ``stages``), the TMEM columns."""
+            tiled_mma = self.make_tiled_mma(a_major_mode, b_major_mode)
             self.cluster_layout_vmnk = cute.tiled_divide(
                 cute.make_layout((*self.cluster_shape_mn, 1)), (tiled_mma.thr_id.shape,)
             )
@@ -428,15 +441,17 @@ def _build_kernel_class():
                 c_bytes = 0  # discrete outputs without a workspace: stored from registers
             a_one = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
             b_one = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
-            ab_bytes = cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(
-                self.ab_dtype, b_one
+            stage_bytes = (
+                cute.size_in_bytes(self.ab_dtype, a_one)
+                + cute.size_in_bytes(self.ab_dtype, b_one)
+                + self.extra_stage_bytes(tiled_mma)
             )
             header = _SMEM_HEADER + 8 * self.key.num_experts
-            fit = (_SMEM_BYTES - header - c_bytes) // ab_bytes
+            fit = (_SMEM_BYTES - header - c_bytes) // stage_bytes
             self.num_ab_stage = min(self.stages, fit)
             if self.num_ab_stage < 2:
                 raise ValueError(
-                    f"{self.key.tile} leaves no room for 2 pipeline stages with its epilogue"
+                    f"{self.key.tile} leaves no room for 2 pipeline stages{self._no_room_detail}"
                 )
             self.a_smem_layout_staged = sm100_utils.make_smem_layout_a(
                 tiled_mma, self.mma_tiler, self.ab_dtype, self.num_ab_stage
@@ -444,13 +459,96 @@ def _build_kernel_class():
             self.b_smem_layout_staged = sm100_utils.make_smem_layout_b(
                 tiled_mma, self.mma_tiler, self.ab_dtype, self.num_ab_stage
             )
+            self.setup_extra_layouts(tiled_mma)
             self.c_smem_layout_staged = sm100_utils.make_smem_layout_epi(
                 self.c_dtype, self.c_layout, self.epi_tile, self.num_c_stage
             )
+            self.num_tmem_alloc_cols = self.tmem_alloc_cols(tiled_mma)
+            return tiled_mma
+
+        def extra_stage_bytes(self, tiled_mma):
+            """Hook: shared-memory bytes a stage holds beyond A and B (0: none)."""
+            return 0
+
+        def setup_extra_layouts(self, tiled_mma):
+            """Hook: staged shared-memory layouts beyond A, B and the output (none)."""
+
+        def tmem_alloc_cols(self, tiled_mma):
+            """TMEM columns to allocate: the two fp32 accumulators."""
             acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
             acc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
-            self.num_tmem_alloc_cols = memory.get_num_tmem_alloc_cols(acc_fake, arch="sm_100")
-            return tiled_mma
+            return memory.get_num_tmem_alloc_cols(acc_fake, arch="sm_100")
+
+        def make_ab_load_atoms(self, tiled_mma, mA, mB):
+            """The TMA load atoms (and TMA views) of A and B (multicast along the cluster), the
+            A atom's op (the scales of A share it) and the bytes of one stage of A and B."""
+            a_op = sm100_utils.cluster_shape_to_tma_atom_A(
+                self.cluster_shape_mn, tiled_mma.thr_id
+            )
+            a_smem_one = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
+            tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
+                a_op, mA, a_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+            )
+            b_op = sm100_utils.cluster_shape_to_tma_atom_B(
+                self.cluster_shape_mn, tiled_mma.thr_id
+            )
+            b_smem_one = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
+            tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
+                b_op, mB, b_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+            )
+            ab_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + cute.size_in_bytes(
+                self.ab_dtype, b_smem_one
+            )
+            return tma_atom_a, tma_a, tma_atom_b, tma_b, a_op, ab_bytes
+
+        def make_store_atom(self, mOut, mDesc):
+            """The TMA store (reduce-add when accumulating) atom of the output and its view:
+            the stacked (M, N, E) dense output, or with per-expert descriptors a template
+            (M, N, 1) descriptor: each expert's copy in the workspace gets its own base address
+            on the device (``build_descriptors``); the template's address (the 64-byte aligned
+            workspace) is never accessed through it."""
+            m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
+            if self.desc_c:
+                mC_mne = cute.make_tensor(
+                    cute.recast_ptr(mDesc.iterator, dtype=self.c_dtype),
+                    cute.make_layout((m, n, 1), stride=(n, 1, m * n)),
+                )
+            else:
+                mC_mne = cute.make_tensor(
+                    mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
+                )
+            store_op = cpasync.CopyBulkTensorTileS2GOp()
+            if self.key.accumulate:
+                store_op = cpasync.CopyReduceBulkTensorTileS2GOp()
+            epi_smem_one = cute.select(self.c_smem_layout_staged, mode=[0, 1])
+            return cpasync.make_tiled_tma_atom(store_op, mC_mne, epi_smem_one, self.epi_tile)
+
+        def make_shared_storage(self):
+            """The kernel's shared-memory header: the rings' mbarriers, the TMEM handshake, the
+            expert sort (lengths, order) and the tile-id ring."""
+
+            @cute.struct
+            class SharedStorage:
+                ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
+                acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
+                tmem_dealloc_mbar: cutlass.Int64
+                tmem_holding_buf: cutlass.Int32
+                lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
+                perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
+                sched_mbar: cute.struct.MemRange[cutlass.Int64, _SCHED_STAGES * 2]
+                sched: cute.struct.MemRange[cutlass.Int32, _SCHED_STAGES]
+
+            return SharedStorage
+
+        def launch_kernel(self, kernel, num_clusters, stream):
+            """Launch the persistent grid (``num_clusters`` clusters) of ``kernel``."""
+            kernel.launch(
+                grid=[num_clusters * self.cluster_m, 1, 1],
+                block=[self.threads_per_cta, 1, 1],
+                cluster=(*self.cluster_shape_mn, 1),
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
 
         @cute.jit
         def __call__(
@@ -479,61 +577,17 @@ def _build_kernel_class():
             tiled_mma = self._setup(a_major_mode, b_major_mode)
             atom_thr_size = cute.size(tiled_mma.thr_id.shape)
 
-            a_op = sm100_utils.cluster_shape_to_tma_atom_A(
-                self.cluster_shape_mn, tiled_mma.thr_id
+            tma_atom_a, tma_a, tma_atom_b, tma_b, _a_op, ab_bytes = self.make_ab_load_atoms(
+                tiled_mma, mA, mB
             )
-            a_smem_one = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
-            tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
-                a_op, mA, a_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
-            )
-            b_op = sm100_utils.cluster_shape_to_tma_atom_B(
-                self.cluster_shape_mn, tiled_mma.thr_id
-            )
-            b_smem_one = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
-            tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
-                b_op, mB, b_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
-            )
-            self.num_tma_load_bytes = (
-                cute.size_in_bytes(self.ab_dtype, a_smem_one)
-                + cute.size_in_bytes(self.ab_dtype, b_smem_one)
-            ) * atom_thr_size
+            self.num_tma_load_bytes = ab_bytes * atom_thr_size
 
             tma_atom_c, tma_c = tma_atom_a, mOut  # discrete without workspace: registers
             if cutlass.const_expr(self.tma_epi):
-                m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
-                if cutlass.const_expr(self.desc_c):
-                    # a template (M, N, 1) descriptor: each expert's copy in the workspace gets
-                    # its own base address on the device (``build_descriptors``); the template's
-                    # address (the 64-byte aligned workspace) is never accessed through it
-                    mC_mne = cute.make_tensor(
-                        cute.recast_ptr(mDesc.iterator, dtype=self.c_dtype),
-                        cute.make_layout((m, n, 1), stride=(n, 1, m * n)),
-                    )
-                else:
-                    mC_mne = cute.make_tensor(
-                        mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
-                    )
-                store_op = cpasync.CopyBulkTensorTileS2GOp()
-                if cutlass.const_expr(self.key.accumulate):
-                    store_op = cpasync.CopyReduceBulkTensorTileS2GOp()
-                epi_smem_one = cute.select(self.c_smem_layout_staged, mode=[0, 1])
-                tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
-                    store_op, mC_mne, epi_smem_one, self.epi_tile
-                )
+                tma_atom_c, tma_c = self.make_store_atom(mOut, mDesc)
 
-            @cute.struct
-            class SharedStorage:
-                ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
-                acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
-                tmem_dealloc_mbar: cutlass.Int64
-                tmem_holding_buf: cutlass.Int32
-                lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
-                perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
-                sched_mbar: cute.struct.MemRange[cutlass.Int64, _SCHED_STAGES * 2]
-                sched: cute.struct.MemRange[cutlass.Int32, _SCHED_STAGES]
-
-            self.shared_storage = SharedStorage
-            self.kernel(
+            self.shared_storage = self.make_shared_storage()
+            kernel = self.kernel(
                 tiled_mma,
                 tma_atom_a,
                 tma_a,
@@ -552,13 +606,8 @@ def _build_kernel_class():
                 self.b_smem_layout_staged,
                 self.c_smem_layout_staged,
                 self.epi_tile,
-            ).launch(
-                grid=[num_clusters * self.cluster_m, 1, 1],
-                block=[self.threads_per_cta, 1, 1],
-                cluster=(*self.cluster_shape_mn, 1),
-                min_blocks_per_mp=1,
-                stream=stream,
             )
+            self.launch_kernel(kernel, num_clusters, stream)
 
         @cute.jit
         def next_tile(self, mCounter, lane, sched_pipe, sched_state, sSched):
@@ -757,50 +806,104 @@ def _build_kernel_class():
             gC_e = cute.local_tile(mC_e, tile_mn, (None, None, None))
             return sm100_epi.transform_partitioned_tensor_layout(thr_mma.partition_C(gC_e))
 
-        @cute.kernel
-        def kernel(
-            self,
-            tiled_mma: cute.TiledMma,
-            tma_atom_a: cute.CopyAtom,
-            mA_mk: cute.Tensor,
-            tma_atom_b: cute.CopyAtom,
-            mB_nk: cute.Tensor,
-            tma_atom_c: cute.CopyAtom,
-            mC: cute.Tensor,  # TMA view of (M, N, E) dense / (M, N, 1) per-expert descriptor;
-            # discrete without workspace: (E,) int64 pointers
-            mOffsets: cute.Tensor,
-            mCounter: cute.Tensor,
-            mA_g: cute.Tensor,  # A, B and the output as passed (ragged / per-expert addresses)
-            mB_g: cute.Tensor,
-            mPtrs: cute.Tensor,
-            mDesc: cute.Tensor,  # the descriptor workspace (unused without descriptors)
-            cluster_layout_vmnk: cute.Layout,
-            a_smem_layout_staged: cute.ComposedLayout,
-            b_smem_layout_staged: cute.ComposedLayout,
-            c_smem_layout_staged: cute.ComposedLayout,
-            epi_tile: cute.Tile,
-        ):
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            tidx, _, _ = cute.arch.thread_idx()
-            if warp_idx == self.tma_warp_id:
-                if cutlass.const_expr(not self.desc_a):
-                    cpasync.prefetch_descriptor(tma_atom_a)
-                if cutlass.const_expr(not self.desc_b):
-                    cpasync.prefetch_descriptor(tma_atom_b)
-                if cutlass.const_expr(self.tma_epi and not self.desc_c):
-                    cpasync.prefetch_descriptor(tma_atom_c)
+        def prefetch_descriptors(self, tma_atom_a, tma_atom_b, tma_atom_c, extra_atoms=()):
+            """TMA warp: prefetch the kernel-parameter descriptors it uses (not the per-expert
+            ones in the workspace): A's, B's, then ``extra_atoms``', then the output's."""
+            if not self.desc_a:
+                cpasync.prefetch_descriptor(tma_atom_a)
+            if not self.desc_b:
+                cpasync.prefetch_descriptor(tma_atom_b)
+            for atom in extra_atoms:
+                cpasync.prefetch_descriptor(atom)
+            if self.tma_epi and not self.desc_c:
+                cpasync.prefetch_descriptor(tma_atom_c)
 
-            use_2cta = cute.size(tiled_mma.thr_id.shape) == 2
-            bidx, _, _ = cute.arch.block_idx()
-            mma_tile_coord_v = bidx % cute.size(tiled_mma.thr_id.shape)
-            is_leader_cta = mma_tile_coord_v == 0
-            cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            block_in_cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank_in_cluster)
-            cluster_id = bidx // self.cluster_m
+        def allocate_ab(self, smem, a_smem_layout_staged, b_smem_layout_staged):
+            """The staged A and B tiles in shared memory (swizzled, 128-byte aligned)."""
+            sA = smem.allocate_tensor(
+                element_type=self.ab_dtype,
+                layout=a_smem_layout_staged.outer,
+                byte_alignment=128,
+                swizzle=a_smem_layout_staged.inner,
+            )
+            sB = smem.allocate_tensor(
+                element_type=self.ab_dtype,
+                layout=b_smem_layout_staged.outer,
+                byte_alignment=128,
+                swizzle=b_smem_layout_staged.inner,
+            )
+            return sA, sB
 
-            smem = memory.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
+        def allocate_c(self, smem, c_smem_layout_staged):
+            """The epilogue's staged output sub-tiles (None without a TMA-store epilogue)."""
+            sC = None
+            if self.tma_epi:
+                sC = smem.allocate_tensor(
+                    element_type=self.c_dtype,
+                    layout=c_smem_layout_staged.outer,
+                    byte_alignment=128,
+                    swizzle=c_smem_layout_staged.inner,
+                )
+            return sC
 
+        def partition_ab(self, thr_mma, mA_mk, mB_nk):
+            """This CTA's MMA partitions of the global A (bM, bK, RestM, RestK) and
+            B (bN, bK, RestN, RestK) tiles: (MMA, MMA_M, MMA_K, RestM, RestK) and
+            (MMA, MMA_N, MMA_K, RestN, RestK)."""
+            gA = cute.local_tile(
+                mA_mk, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None)
+            )
+            gB = cute.local_tile(
+                mB_nk, cute.slice_(self.mma_tiler, (0, None, None)), (None, None)
+            )
+            return thr_mma.partition_A(gA), thr_mma.partition_B(gB)
+
+        def partition_c(self, thr_mma, mC):
+            """The MMA partition (MMA, MMA_M, MMA_N, RestM, RestN, E) of the output's
+            (bM, bN, RestM, RestN, E) tiles (None without a TMA-store epilogue)."""
+            tCgC = None
+            if self.tma_epi:
+                gC = cute.local_tile(
+                    mC, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
+                )
+                tCgC = thr_mma.partition_C(gC)
+            return tCgC
+
+        def cta_layouts(self, cluster_layout_vmnk):
+            """The cluster's CTA layouts along which A (and its scales) / B are multicast."""
+            a_cta_layout = cute.make_layout(
+                cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape
+            )
+            b_cta_layout = cute.make_layout(
+                cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape
+            )
+            return a_cta_layout, b_cta_layout
+
+        def tma_partition(self, tma_atom, cta_coord, cta_layout, sX, tCgX):
+            """(smem, gmem) TMA partitions of one staged operand and its MMA-partitioned
+            global tiles."""
+            return cpasync.tma_partition(
+                tma_atom,
+                cta_coord,
+                cta_layout,
+                cute.group_modes(sX, 0, 3),
+                cute.group_modes(tCgX, 0, 3),
+            )
+
+        def mma_fragments(self, tiled_mma, sA, sB):
+            """The MMA's A / B smem descriptors (MMA, MMA_M|N, MMA_K, STAGE) and the layout of
+            the staged TMEM accumulators."""
+            tCrA = tiled_mma.make_fragment_A(sA)
+            tCrB = tiled_mma.make_fragment_B(sB)
+            acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+            tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+            return tCrA, tCrB, tCtAcc_fake
+
+        @cute.jit
+        def make_pipelines(self, storage, cluster_layout_vmnk, use_2cta):
+            """The A/B stage ring (TMA -> MMA), the accumulator ring (MMA -> epilogue), the
+            tile-id ring of the dynamic scheduler, and the TMEM allocator; then the cluster-wide
+            init arrive (``sort_experts`` waits for it)."""
             ab_pipe = pipeline.PipelineTmaUmma.create(
                 barrier_storage=storage.ab_mbar.data_ptr(),
                 num_stages=self.num_ab_stage,
@@ -861,85 +964,359 @@ def _build_kernel_class():
                 two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
             )
             pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
+            return ab_pipe, acc_pipe, sched_pipe, sSched, tmem
 
-            sA = smem.allocate_tensor(
-                element_type=self.ab_dtype,
-                layout=a_smem_layout_staged.outer,
-                byte_alignment=128,
-                swizzle=a_smem_layout_staged.inner,
+        @cute.jit
+        def tma_warp(
+            self, ab_pipe, sched_pipe, sSched, sPerm, mOffsets, mCounter, mA_g, mB_g, mPtrs,
+            mDesc, tma_atom_a, tAgA, tAsA, a_mcast_mask, tma_atom_b, tBgB, tBsB, b_mcast_mask,
+            tma_atom_c, cta_rank_in_cluster, cluster_id, extra=None,
+        ):
+            """The TMA (scheduling) warp: takes the tile ids (``next_tile`` / ``publish_tile``),
+            ensures each expert's per-expert descriptors, and loads the A / B tiles of every K
+            tile into the stage ring; ``extra`` (None here) is what the subclass's
+            ``tma_tile_extra`` / ``tma_stage_extra`` load on the same stage mbarrier."""
+            prod_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.num_ab_stage
             )
-            sB = smem.allocate_tensor(
-                element_type=self.ab_dtype,
-                layout=b_smem_layout_staged.outer,
-                byte_alignment=128,
-                swizzle=b_smem_layout_staged.inner,
+            lane = cute.arch.lane_idx()
+            sched_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, _SCHED_STAGES
             )
-            sC = None
+            sched_cstate = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+            )
+            is_sched_leader = cta_rank_in_cluster == 0
+            tile = cluster_id
+            if cutlass.const_expr(self.dynamic):
+                tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                sched_state.advance()
+            if cutlass.const_expr(self.cluster_sched):
+                if is_sched_leader:
+                    self.publish_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                sched_state.advance()
+                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                sched_cstate.advance()
+            last_e = cutlass.Int32(-1)
+            while tile < self.num_tiles:
+                e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
+                if cutlass.const_expr(self.tile_views_first):
+                    tAgA_t, tBgB_t, extra_t = self.tma_tile_views(tAgA, tBgB, extra, m_idx, n_idx)
+                # per-expert descriptors address the expert's operand from its first token
+                k0_a = k0
+                k0_b = k0
+                desc_a = None
+                desc_b = None
+                if cutlass.const_expr(self.desc_a):
+                    k0_a = cutlass.Int32(0)
+                    desc_a = self.desc_ptr(mDesc, e, 0, cute.AddressSpace.generic)
+                if cutlass.const_expr(self.desc_b):
+                    k0_b = cutlass.Int32(0)
+                    desc_b = self.desc_ptr(
+                        mDesc, e, int(self.desc_a), cute.AddressSpace.generic
+                    )
+                if cutlass.const_expr(self.num_desc > 0):
+                    if e != last_e:
+                        self.ensure_descriptors(
+                            e, k0 * self.tile_k, n_k, lane, mCounter, mA_g, mB_g, mPtrs,
+                            mDesc, tma_atom_a, tma_atom_b, tma_atom_c,
+                        )
+                        if n_k > 0:
+                            if cutlass.const_expr(self.desc_a):
+                                cpasync.fence_tma_desc_acquire(self.desc_ptr(mDesc, e, 0))
+                            if cutlass.const_expr(self.desc_b):
+                                cpasync.fence_tma_desc_acquire(
+                                    self.desc_ptr(mDesc, e, int(self.desc_a))
+                                )
+                        last_e = e
+                if cutlass.const_expr(not self.tile_views_first):
+                    tAgA_t, tBgB_t, extra_t = self.tma_tile_views(tAgA, tBgB, extra, m_idx, n_idx)
+                for kt in cutlass.range(n_k, unroll=1):
+                    ab_pipe.producer_acquire(prod_state)
+                    bar = ab_pipe.producer_get_barrier(prod_state)
+                    cute.copy(
+                        tma_atom_a,
+                        tAgA_t[(None, k0_a + kt)],
+                        tAsA[(None, prod_state.index)],
+                        tma_bar_ptr=bar,
+                        mcast_mask=a_mcast_mask,
+                        tma_desc_ptr=desc_a,
+                    )
+                    cute.copy(
+                        tma_atom_b,
+                        tBgB_t[(None, k0_b + kt)],
+                        tBsB[(None, prod_state.index)],
+                        tma_bar_ptr=bar,
+                        mcast_mask=b_mcast_mask,
+                        tma_desc_ptr=desc_b,
+                    )
+                    self.tma_stage_extra(extra_t, k0 + kt, prod_state.index, bar)
+                    ab_pipe.producer_commit(prod_state)
+                    prod_state.advance()
+                if cutlass.const_expr(self.dynamic):
+                    tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                    sched_state.advance()
+                else:
+                    if is_sched_leader:
+                        self.publish_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+                    sched_state.advance()
+                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                    sched_cstate.advance()
+            ab_pipe.producer_tail(prod_state)
+
+        def tma_tile_views(self, tAgA, tBgB, extra, m_idx, n_idx):
+            """TMA warp, per tile: the tile's A / B global views (all K tiles) and
+            ``tma_tile_extra``'s."""
+            tAgA_t = tAgA[(None, m_idx, None)]
+            tBgB_t = tBgB[(None, n_idx, None)]
+            return tAgA_t, tBgB_t, self.tma_tile_extra(extra, m_idx, n_idx)
+
+        def tma_tile_extra(self, extra, m_idx, n_idx):
+            """Hook (TMA warp, per tile): the tile's views of the ``extra`` operands loaded
+            with each stage. None: the BF16 kernel loads only A and B."""
+            return None
+
+        def tma_stage_extra(self, extra_t, k, stage, bar):
+            """Hook (TMA warp, per K tile ``k``): extra TMA loads into ring slot ``stage`` on
+            the stage's mbarrier ``bar``, after A and B. Nothing for the BF16 kernel."""
+
+        @cute.jit
+        def mma_warp(
+            self, tiled_mma, tmem, tCtAcc_fake, tCrA, tCrB, ab_pipe, acc_pipe, sched_pipe,
+            sSched, sPerm, mOffsets, is_leader_cta, extra=None,
+        ):
+            """The MMA warp: for each tile with K tiles, accumulate every stage into the next
+            TMEM accumulator (the leader CTA issues the 2-CTA MMAs) and hand it to the
+            epilogue. Hooks for what a subclass adds: ``mma_extra_setup`` (once),
+            ``mma_stage_extra`` (per stage, after its wait) and ``mma_kblock_extra`` (before
+            each MMA instruction); ``extra`` (None here) is passed to ``mma_extra_setup``."""
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+            mma_extra = self.mma_extra_setup(tiled_mma, tmem_ptr, extra)
+            cons_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.num_ab_stage
+            )
+            acc_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.num_acc_stage
+            )
+            num_kblocks = cute.size(tCrA, mode=[2])
+            sched_cstate = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+            )
+            tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+            sched_cstate.advance()
+            while tile < self.num_tiles:
+                _e, _m, _n, _k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
+                if n_k > 0:
+                    tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
+                    if is_leader_cta:
+                        acc_pipe.producer_acquire(acc_state)
+                    tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                    for _kt in cutlass.range(n_k, unroll=1):
+                        if is_leader_cta:
+                            ab_pipe.consumer_wait(cons_state)
+                            self.mma_stage_extra(mma_extra, cons_state.index)
+                            for kb in cutlass.range(num_kblocks, unroll_full=True):
+                                crd = (None, None, kb, cons_state.index)
+                                self.mma_kblock_extra(tiled_mma, mma_extra, kb)
+                                cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
+                                tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                            ab_pipe.consumer_release(cons_state)
+                        cons_state.advance()
+                    if is_leader_cta:
+                        acc_pipe.producer_commit(acc_state)
+                    acc_state.advance()
+                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                sched_cstate.advance()
+            acc_pipe.producer_tail(acc_state)
+
+        def mma_extra_setup(self, tiled_mma, tmem_ptr, extra):
+            """Hook (MMA warp, once): state for the other MMA hooks. None for the BF16 kernel."""
+            return None
+
+        def mma_stage_extra(self, mma_extra, stage):
+            """Hook (MMA warp, per stage ``stage`` once it is full). Nothing for the BF16 kernel."""
+
+        def mma_kblock_extra(self, tiled_mma, mma_extra, kb):
+            """Hook (MMA warp, before the MMA of k-block ``kb``). Nothing for the BF16 kernel."""
+
+        @cute.jit
+        def epilogue_warps(
+            self, tidx, warp_idx, tmem, tCtAcc_fake, tCgC, thr_mma, sC, epi_tile, tma_atom_c,
+            mC, acc_pipe, sched_pipe, sSched, sPerm, mOffsets, mCounter, mDesc, extra=None,
+        ):
+            """The epilogue warps (they also allocate and free the TMEM): for each tile, the
+            accumulator (zeros for an empty expert, NaN for a contract breach) through
+            registers into the output: staged in shared memory and TMA-stored (reduce-add when
+            accumulating), or, discrete without a descriptor workspace, stored from registers.
+            Hooks: ``epi_tile_scale`` (per tile, from ``extra``; None here) and ``epi_scale``
+            (the fp32 accumulator values before the conversion)."""
+            tmem.allocate(self.num_tmem_alloc_cols)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+
+            tCtAcc_mn = sm100_epi.transform_partitioned_tensor_layout(tCtAcc_base)
             if cutlass.const_expr(self.tma_epi):
-                sC = smem.allocate_tensor(
-                    element_type=self.c_dtype,
-                    layout=c_smem_layout_staged.outer,
-                    byte_alignment=128,
-                    swizzle=c_smem_layout_staged.inner,
-                )
-
-            a_mcast_mask = None
-            b_mcast_mask = None
-            if cutlass.const_expr(self.use_2cta_instrs):
-                a_mcast_mask = cpasync.create_tma_multicast_mask(
-                    cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=2
-                )
-                b_mcast_mask = cpasync.create_tma_multicast_mask(
-                    cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=1
-                )
-
-            # Global tiles: (bM, bK, RestM, RestK), (bN, bK, RestN, RestK),
-            # (bM, bN, RestM, RestN, E)
-            gA = cute.local_tile(
-                mA_mk, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None)
+                tCgC_mn = sm100_epi.transform_partitioned_tensor_layout(tCgC)
+            else:
+                tCgC_mn = self.expert_c(mC[0], thr_mma)  # shapes only
+            tiled_t2r, tTR_tAcc_base, tTR_rAcc = sm100_epi.epilogue_tmem_copy_and_partition(
+                self, tidx, tCtAcc_mn, tCgC_mn, epi_tile, self.use_2cta_instrs
             )
-            gB = cute.local_tile(
-                mB_nk, cute.slice_(self.mma_tiler, (0, None, None)), (None, None)
+            thr_t2r = tiled_t2r.get_slice(tidx)
+            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+            tTR_rOld = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+            epi_barrier = pipeline.NamedBarrier(
+                barrier_id=self.epilog_sync_bar_id,
+                num_threads=32 * len(self.epilogue_warp_id),
             )
-            gC = None
             if cutlass.const_expr(self.tma_epi):
-                gC = cute.local_tile(
-                    mC, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
+                tiled_r2s, tRS_rC, tRS_sC = sm100_epi.epilogue_smem_copy_and_partition(
+                    self, tiled_t2r, tTR_rC, tidx, sC
                 )
-            thr_mma = tiled_mma.get_slice(mma_tile_coord_v)
-            tCgA = thr_mma.partition_A(gA)  # (MMA, MMA_M, MMA_K, RestM, RestK)
-            tCgB = thr_mma.partition_B(gB)  # (MMA, MMA_N, MMA_K, RestN, RestK)
-            tCgC = None
+                tCgC_epi = cute.flat_divide(tCgC_mn, epi_tile)
+                bSG_sC, bSG_gC_all = cpasync.tma_partition(
+                    tma_atom_c,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sC, 0, 2),
+                    cute.group_modes(tCgC_epi, 0, 2),
+                )
+                c_pipe = pipeline.PipelineTmaStore.create(
+                    num_stages=self.num_c_stage,
+                    producer_group=pipeline.CooperativeGroup(
+                        pipeline.Agent.Thread, 32 * len(self.epilogue_warp_id)
+                    ),
+                )
+            acc_cstate = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.num_acc_stage
+            )
+            epi_count = cutlass.Int32(0)
+            sched_cstate = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+            )
+            tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+            sched_cstate.advance()
+            epi_last_e = cutlass.Int32(-1)
+            while tile < self.num_tiles:
+                e, m_idx, n_idx, _k0, n_k, bad = self.tile_coords(tile, sPerm, mOffsets)
+                e_c = e  # the output's expert coordinate: 0 with per-expert descriptors
+                desc_c = None
+                if cutlass.const_expr(self.desc_c):
+                    e_c = cutlass.Int32(0)
+                    desc_c = self.desc_ptr(
+                        mDesc, e, self.num_desc - 1, cute.AddressSpace.generic
+                    )
+                    # the storing warp: this CTA's TMA warp ensures every expert it takes
+                    # (empty ones too); wait for the flag, then acquire the descriptor
+                    if warp_idx == self.epilogue_warp_id[0]:
+                        if e != epi_last_e:
+                            self.wait_descriptors(e, cute.arch.lane_idx(), mCounter)
+                            cpasync.fence_tma_desc_acquire(
+                                self.desc_ptr(mDesc, e, self.num_desc - 1)
+                            )
+                            epi_last_e = e
+                # 2-CTA: this CTA writes rows [128 v, 128 v + 128) of the 256-row MMA tile.
+                tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cstate.index)]
+                tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
+                subtiles = cute.size(tTR_tAcc.shape, mode=[3])
+                gscale = self.epi_tile_scale(extra, e)
+                write = cutlass.Boolean(True)
+                if cutlass.const_expr(self.key.accumulate):
+                    write = n_k > 0  # empty expert: leave the output untouched
+                    if bad:
+                        write = cutlass.Boolean(True)
+                if n_k > 0:
+                    acc_pipe.consumer_wait(acc_cstate)
+                if cutlass.const_expr(self.tma_epi):
+                    # registers -> smem sub-tile -> TMA store (TMA reduce-add if accumulate)
+                    bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e_c)]
+                    bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
+                    if write:
+                        for sub in cutlass.range_constexpr(subtiles):
+                            if n_k > 0:
+                                cute.copy(
+                                    tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc
+                                )
+                                vals = tiled_r2s.retile(tTR_rAcc).load()
+                                vals = self.epi_scale(vals, gscale)
+                                tRS_rC.store(vals.to(self.c_dtype))
+                            elif bad:
+                                tRS_rC.fill(float("nan"))  # offsets broke the contract
+                            else:
+                                tRS_rC.fill(0.0)  # empty expert, overwrite: zeros
+                            buf = epi_count % self.num_c_stage
+                            cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            epi_barrier.arrive_and_wait()
+                            if warp_idx == self.epilogue_warp_id[0]:
+                                cute.copy(
+                                    tma_atom_c,
+                                    bSG_sC[(None, buf)],
+                                    bSG_gC[(None, sub)],
+                                    tma_desc_ptr=desc_c,
+                                )
+                                c_pipe.producer_commit()
+                                c_pipe.producer_acquire()
+                            epi_barrier.arrive_and_wait()
+                            epi_count += 1
+                else:
+                    # discrete without a descriptor workspace (the JAX adapter): registers
+                    # -> the expert's own (M, N) output (pointer mC[e])
+                    gC_e = self.expert_c(mC[e], thr_mma)
+                    tTR_gC = thr_t2r.partition_D(cute.flat_divide(gC_e, epi_tile))
+                    tTR_gC = tTR_gC[(None, None, None, None, None, m_idx, n_idx, 0)]
+                    tTR_gC = cute.group_modes(tTR_gC, 3, cute.rank(tTR_gC))
+                    if write:
+                        for sub in cutlass.range_constexpr(subtiles):
+                            g_sub = tTR_gC[(None, None, None, sub)]
+                            if n_k > 0:
+                                cute.copy(
+                                    tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc
+                                )
+                                acc_vec = self.epi_scale(tTR_rAcc.load(), gscale)
+                                if cutlass.const_expr(self.key.accumulate):
+                                    cute.autovec_copy(g_sub, tTR_rOld)
+                                    acc_vec = acc_vec + tTR_rOld.load().to(self.acc_dtype)
+                                tTR_rC.store(acc_vec.to(self.c_dtype))
+                            elif bad:
+                                tTR_rC.fill(float("nan"))  # offsets broke the contract
+                            else:
+                                tTR_rC.fill(0.0)  # empty expert, overwrite: zeros
+                            cute.autovec_copy(tTR_rC, g_sub)
+                if n_k > 0:
+                    # all tcgen05.ld of this buffer complete before the MMA may overwrite it
+                    cute.arch.fence_view_async_tmem_load()
+                    with cute.arch.elect_one():
+                        acc_pipe.consumer_release(acc_cstate)
+                    acc_cstate.advance()
+                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
+                sched_cstate.advance()
             if cutlass.const_expr(self.tma_epi):
-                tCgC = thr_mma.partition_C(gC)  # (MMA, MMA_M, MMA_N, RestM, RestN, E)
+                c_pipe.producer_tail()
+            # every epilogue warp's last TMEM load is done before the allocator warp frees
+            epi_barrier.arrive_and_wait()
+            tmem.relinquish_alloc_permit()
+            tmem.free(tmem_ptr)
 
-            a_cta_layout = cute.make_layout(
-                cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape
-            )
-            tAsA, tAgA = cpasync.tma_partition(
-                tma_atom_a,
-                block_in_cluster_coord_vmnk[2],
-                a_cta_layout,
-                cute.group_modes(sA, 0, 3),
-                cute.group_modes(tCgA, 0, 3),
-            )
-            b_cta_layout = cute.make_layout(
-                cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape
-            )
-            tBsB, tBgB = cpasync.tma_partition(
-                tma_atom_b,
-                block_in_cluster_coord_vmnk[1],
-                b_cta_layout,
-                cute.group_modes(sB, 0, 3),
-                cute.group_modes(tCgB, 0, 3),
-            )
-            tCrA = tiled_mma.make_fragment_A(sA)  # (MMA, MMA_M, MMA_K, STAGE)
-            tCrB = tiled_mma.make_fragment_B(sB)  # (MMA, MMA_N, MMA_K, STAGE)
-            acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-            tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+        def epi_tile_scale(self, extra, e):
+            """Hook (epilogue, per tile of expert ``e``): the tile's scale for ``epi_scale``.
+            None for the BF16 kernel."""
+            return None
 
-            # Experts sorted by token count, largest first (ties by index), from the device
-            # offsets: sPerm[rank] = expert. Both CTAs of a cluster compute the same order.
+        def epi_scale(self, vals, scale):
+            """Hook (epilogue): the fp32 accumulator values ``vals`` scaled by the tile's
+            ``scale`` before the output conversion. The BF16 kernel's are unscaled."""
+            return vals
+
+        @cute.jit
+        def sort_experts(self, storage, mOffsets, tidx, cluster_layout_vmnk):
+            """Every thread: the experts sorted by token count, largest first (ties by index),
+            from the device offsets: returns ``sPerm`` (``sPerm[rank] = expert``). Both CTAs of
+            a cluster compute the same order. Waits for the pipelines' barrier init (cluster
+            wide) between the two passes."""
             num_e = self.key.num_experts
             sLens = storage.lens.get_tensor(cute.make_layout(num_e))
             sPerm = storage.perm.get_tensor(cute.make_layout(num_e))
@@ -959,282 +1336,100 @@ def _build_kernel_class():
                         rank += 1
                 sPerm[rank] = ei
             cute.arch.sync_threads()
+            return sPerm
+
+        @cute.kernel
+        def kernel(
+            self,
+            tiled_mma: cute.TiledMma,
+            tma_atom_a: cute.CopyAtom,
+            mA_mk: cute.Tensor,
+            tma_atom_b: cute.CopyAtom,
+            mB_nk: cute.Tensor,
+            tma_atom_c: cute.CopyAtom,
+            mC: cute.Tensor,  # TMA view of (M, N, E) dense / (M, N, 1) per-expert descriptor;
+            # discrete without workspace: (E,) int64 pointers
+            mOffsets: cute.Tensor,
+            mCounter: cute.Tensor,
+            mA_g: cute.Tensor,  # A, B and the output as passed (ragged / per-expert addresses)
+            mB_g: cute.Tensor,
+            mPtrs: cute.Tensor,
+            mDesc: cute.Tensor,  # the descriptor workspace (unused without descriptors)
+            cluster_layout_vmnk: cute.Layout,
+            a_smem_layout_staged: cute.ComposedLayout,
+            b_smem_layout_staged: cute.ComposedLayout,
+            c_smem_layout_staged: cute.ComposedLayout,
+            epi_tile: cute.Tile,
+        ):
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            tidx, _, _ = cute.arch.thread_idx()
+            if warp_idx == self.tma_warp_id:
+                self.prefetch_descriptors(tma_atom_a, tma_atom_b, tma_atom_c)
+
+            use_2cta = cute.size(tiled_mma.thr_id.shape) == 2
+            bidx, _, _ = cute.arch.block_idx()
+            mma_tile_coord_v = bidx % cute.size(tiled_mma.thr_id.shape)
+            is_leader_cta = mma_tile_coord_v == 0
+            cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            block_in_cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank_in_cluster)
+            cluster_id = bidx // self.cluster_m
+
+            smem = memory.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+
+            ab_pipe, acc_pipe, sched_pipe, sSched, tmem = self.make_pipelines(
+                storage, cluster_layout_vmnk, use_2cta
+            )
+
+            sA, sB = self.allocate_ab(smem, a_smem_layout_staged, b_smem_layout_staged)
+            sC = self.allocate_c(smem, c_smem_layout_staged)
+
+            a_mcast_mask = None
+            b_mcast_mask = None
+            if cutlass.const_expr(self.use_2cta_instrs):
+                a_mcast_mask = cpasync.create_tma_multicast_mask(
+                    cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=2
+                )
+                b_mcast_mask = cpasync.create_tma_multicast_mask(
+                    cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=1
+                )
+
+            # Global tiles, partitioned for the MMA and the TMA loads
+            thr_mma = tiled_mma.get_slice(mma_tile_coord_v)
+            tCgA, tCgB = self.partition_ab(thr_mma, mA_mk, mB_nk)
+            tCgC = self.partition_c(thr_mma, mC)
+            a_cta_layout, b_cta_layout = self.cta_layouts(cluster_layout_vmnk)
+            tAsA, tAgA = self.tma_partition(
+                tma_atom_a, block_in_cluster_coord_vmnk[2], a_cta_layout, sA, tCgA
+            )
+            tBsB, tBgB = self.tma_partition(
+                tma_atom_b, block_in_cluster_coord_vmnk[1], b_cta_layout, sB, tCgB
+            )
+            tCrA, tCrB, tCtAcc_fake = self.mma_fragments(tiled_mma, sA, sB)
+
+            sPerm = self.sort_experts(storage, mOffsets, tidx, cluster_layout_vmnk)
 
             # ---------------- TMA warp ----------------
             if warp_idx == self.tma_warp_id:
-                prod_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.num_ab_stage
+                self.tma_warp(
+                    ab_pipe, sched_pipe, sSched, sPerm, mOffsets, mCounter, mA_g, mB_g, mPtrs,
+                    mDesc, tma_atom_a, tAgA, tAsA, a_mcast_mask, tma_atom_b, tBgB, tBsB,
+                    b_mcast_mask, tma_atom_c, cta_rank_in_cluster, cluster_id,
                 )
-                lane = cute.arch.lane_idx()
-                sched_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, _SCHED_STAGES
-                )
-                sched_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
-                )
-                is_sched_leader = cta_rank_in_cluster == 0
-                tile = cluster_id
-                if cutlass.const_expr(self.dynamic):
-                    tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
-                    sched_state.advance()
-                if cutlass.const_expr(self.cluster_sched):
-                    if is_sched_leader:
-                        self.publish_tile(mCounter, lane, sched_pipe, sched_state, sSched)
-                    sched_state.advance()
-                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                    sched_cstate.advance()
-                last_e = cutlass.Int32(-1)
-                while tile < self.num_tiles:
-                    e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
-                    tAgA_t = tAgA[(None, m_idx, None)]
-                    tBgB_t = tBgB[(None, n_idx, None)]
-                    # per-expert descriptors address the expert's operand from its first token
-                    k0_a = k0
-                    k0_b = k0
-                    desc_a = None
-                    desc_b = None
-                    if cutlass.const_expr(self.desc_a):
-                        k0_a = cutlass.Int32(0)
-                        desc_a = self.desc_ptr(mDesc, e, 0, cute.AddressSpace.generic)
-                    if cutlass.const_expr(self.desc_b):
-                        k0_b = cutlass.Int32(0)
-                        desc_b = self.desc_ptr(
-                            mDesc, e, int(self.desc_a), cute.AddressSpace.generic
-                        )
-                    if cutlass.const_expr(self.num_desc > 0):
-                        if e != last_e:
-                            self.ensure_descriptors(
-                                e, k0 * self.tile_k, n_k, lane, mCounter, mA_g, mB_g, mPtrs,
-                                mDesc, tma_atom_a, tma_atom_b, tma_atom_c,
-                            )
-                            if n_k > 0:
-                                if cutlass.const_expr(self.desc_a):
-                                    cpasync.fence_tma_desc_acquire(self.desc_ptr(mDesc, e, 0))
-                                if cutlass.const_expr(self.desc_b):
-                                    cpasync.fence_tma_desc_acquire(
-                                        self.desc_ptr(mDesc, e, int(self.desc_a))
-                                    )
-                            last_e = e
-                    for kt in cutlass.range(n_k, unroll=1):
-                        ab_pipe.producer_acquire(prod_state)
-                        bar = ab_pipe.producer_get_barrier(prod_state)
-                        cute.copy(
-                            tma_atom_a,
-                            tAgA_t[(None, k0_a + kt)],
-                            tAsA[(None, prod_state.index)],
-                            tma_bar_ptr=bar,
-                            mcast_mask=a_mcast_mask,
-                            tma_desc_ptr=desc_a,
-                        )
-                        cute.copy(
-                            tma_atom_b,
-                            tBgB_t[(None, k0_b + kt)],
-                            tBsB[(None, prod_state.index)],
-                            tma_bar_ptr=bar,
-                            mcast_mask=b_mcast_mask,
-                            tma_desc_ptr=desc_b,
-                        )
-                        ab_pipe.producer_commit(prod_state)
-                        prod_state.advance()
-                    if cutlass.const_expr(self.dynamic):
-                        tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
-                        sched_state.advance()
-                    else:
-                        if is_sched_leader:
-                            self.publish_tile(mCounter, lane, sched_pipe, sched_state, sSched)
-                        sched_state.advance()
-                        tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                        sched_cstate.advance()
-                ab_pipe.producer_tail(prod_state)
 
             # ---------------- MMA warp ----------------
             if warp_idx == self.mma_warp_id:
-                tmem.wait_for_alloc()
-                tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-                tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
-                cons_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.num_ab_stage
+                self.mma_warp(
+                    tiled_mma, tmem, tCtAcc_fake, tCrA, tCrB, ab_pipe, acc_pipe, sched_pipe,
+                    sSched, sPerm, mOffsets, is_leader_cta,
                 )
-                acc_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.num_acc_stage
-                )
-                num_kblocks = cute.size(tCrA, mode=[2])
-                sched_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
-                )
-                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                sched_cstate.advance()
-                while tile < self.num_tiles:
-                    _e, _m, _n, _k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
-                    if n_k > 0:
-                        tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
-                        if is_leader_cta:
-                            acc_pipe.producer_acquire(acc_state)
-                        tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-                        for _kt in cutlass.range(n_k, unroll=1):
-                            if is_leader_cta:
-                                ab_pipe.consumer_wait(cons_state)
-                                for kb in cutlass.range(num_kblocks, unroll_full=True):
-                                    crd = (None, None, kb, cons_state.index)
-                                    cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
-                                    tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                                ab_pipe.consumer_release(cons_state)
-                            cons_state.advance()
-                        if is_leader_cta:
-                            acc_pipe.producer_commit(acc_state)
-                        acc_state.advance()
-                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                    sched_cstate.advance()
-                acc_pipe.producer_tail(acc_state)
 
             # ---------------- epilogue warps ----------------
             if warp_idx < self.mma_warp_id:
-                tmem.allocate(self.num_tmem_alloc_cols)
-                tmem.wait_for_alloc()
-                tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-                tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
-
-                tCtAcc_mn = sm100_epi.transform_partitioned_tensor_layout(tCtAcc_base)
-                if cutlass.const_expr(self.tma_epi):
-                    tCgC_mn = sm100_epi.transform_partitioned_tensor_layout(tCgC)
-                else:
-                    tCgC_mn = self.expert_c(mC[0], thr_mma)  # shapes only
-                tiled_t2r, tTR_tAcc_base, tTR_rAcc = sm100_epi.epilogue_tmem_copy_and_partition(
-                    self, tidx, tCtAcc_mn, tCgC_mn, epi_tile, self.use_2cta_instrs
+                self.epilogue_warps(
+                    tidx, warp_idx, tmem, tCtAcc_fake, tCgC, thr_mma, sC, epi_tile, tma_atom_c,
+                    mC, acc_pipe, sched_pipe, sSched, sPerm, mOffsets, mCounter, mDesc,
                 )
-                thr_t2r = tiled_t2r.get_slice(tidx)
-                tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-                tTR_rOld = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-                epi_barrier = pipeline.NamedBarrier(
-                    barrier_id=self.epilog_sync_bar_id,
-                    num_threads=32 * len(self.epilogue_warp_id),
-                )
-                if cutlass.const_expr(self.tma_epi):
-                    tiled_r2s, tRS_rC, tRS_sC = sm100_epi.epilogue_smem_copy_and_partition(
-                        self, tiled_t2r, tTR_rC, tidx, sC
-                    )
-                    tCgC_epi = cute.flat_divide(tCgC_mn, epi_tile)
-                    bSG_sC, bSG_gC_all = cpasync.tma_partition(
-                        tma_atom_c,
-                        0,
-                        cute.make_layout(1),
-                        cute.group_modes(sC, 0, 2),
-                        cute.group_modes(tCgC_epi, 0, 2),
-                    )
-                    c_pipe = pipeline.PipelineTmaStore.create(
-                        num_stages=self.num_c_stage,
-                        producer_group=pipeline.CooperativeGroup(
-                            pipeline.Agent.Thread, 32 * len(self.epilogue_warp_id)
-                        ),
-                    )
-                acc_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.num_acc_stage
-                )
-                epi_count = cutlass.Int32(0)
-                sched_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
-                )
-                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                sched_cstate.advance()
-                epi_last_e = cutlass.Int32(-1)
-                while tile < self.num_tiles:
-                    e, m_idx, n_idx, _k0, n_k, bad = self.tile_coords(tile, sPerm, mOffsets)
-                    e_c = e  # the output's expert coordinate: 0 with per-expert descriptors
-                    desc_c = None
-                    if cutlass.const_expr(self.desc_c):
-                        e_c = cutlass.Int32(0)
-                        desc_c = self.desc_ptr(
-                            mDesc, e, self.num_desc - 1, cute.AddressSpace.generic
-                        )
-                        # the storing warp: this CTA's TMA warp ensures every expert it takes
-                        # (empty ones too); wait for the flag, then acquire the descriptor
-                        if warp_idx == self.epilogue_warp_id[0]:
-                            if e != epi_last_e:
-                                self.wait_descriptors(e, cute.arch.lane_idx(), mCounter)
-                                cpasync.fence_tma_desc_acquire(
-                                    self.desc_ptr(mDesc, e, self.num_desc - 1)
-                                )
-                                epi_last_e = e
-                    # 2-CTA: this CTA writes rows [128 v, 128 v + 128) of the 256-row MMA tile.
-                    tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cstate.index)]
-                    tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
-                    subtiles = cute.size(tTR_tAcc.shape, mode=[3])
-                    write = cutlass.Boolean(True)
-                    if cutlass.const_expr(self.key.accumulate):
-                        write = n_k > 0  # empty expert: leave the output untouched
-                        if bad:
-                            write = cutlass.Boolean(True)
-                    if n_k > 0:
-                        acc_pipe.consumer_wait(acc_cstate)
-                    if cutlass.const_expr(self.tma_epi):
-                        # registers -> smem sub-tile -> TMA store (TMA reduce-add if accumulate)
-                        bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e_c)]
-                        bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
-                        if write:
-                            for sub in cutlass.range_constexpr(subtiles):
-                                if n_k > 0:
-                                    cute.copy(
-                                        tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc
-                                    )
-                                    vals = tiled_r2s.retile(tTR_rAcc).load()
-                                    tRS_rC.store(vals.to(self.c_dtype))
-                                elif bad:
-                                    tRS_rC.fill(float("nan"))  # offsets broke the contract
-                                else:
-                                    tRS_rC.fill(0.0)  # empty expert, overwrite: zeros
-                                buf = epi_count % self.num_c_stage
-                                cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-                                cute.arch.fence_proxy("async.shared", space="cta")
-                                epi_barrier.arrive_and_wait()
-                                if warp_idx == self.epilogue_warp_id[0]:
-                                    cute.copy(
-                                        tma_atom_c,
-                                        bSG_sC[(None, buf)],
-                                        bSG_gC[(None, sub)],
-                                        tma_desc_ptr=desc_c,
-                                    )
-                                    c_pipe.producer_commit()
-                                    c_pipe.producer_acquire()
-                                epi_barrier.arrive_and_wait()
-                                epi_count += 1
-                    else:
-                        # discrete without a descriptor workspace (the JAX adapter): registers
-                        # -> the expert's own (M, N) output (pointer mC[e])
-                        gC_e = self.expert_c(mC[e], thr_mma)
-                        tTR_gC = thr_t2r.partition_D(cute.flat_divide(gC_e, epi_tile))
-                        tTR_gC = tTR_gC[(None, None, None, None, None, m_idx, n_idx, 0)]
-                        tTR_gC = cute.group_modes(tTR_gC, 3, cute.rank(tTR_gC))
-                        if write:
-                            for sub in cutlass.range_constexpr(subtiles):
-                                g_sub = tTR_gC[(None, None, None, sub)]
-                                if n_k > 0:
-                                    cute.copy(
-                                        tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc
-                                    )
-                                    acc_vec = tTR_rAcc.load()
-                                    if cutlass.const_expr(self.key.accumulate):
-                                        cute.autovec_copy(g_sub, tTR_rOld)
-                                        acc_vec = acc_vec + tTR_rOld.load().to(self.acc_dtype)
-                                    tTR_rC.store(acc_vec.to(self.c_dtype))
-                                elif bad:
-                                    tTR_rC.fill(float("nan"))  # offsets broke the contract
-                                else:
-                                    tTR_rC.fill(0.0)  # empty expert, overwrite: zeros
-                                cute.autovec_copy(tTR_rC, g_sub)
-                    if n_k > 0:
-                        # all tcgen05.ld of this buffer complete before the MMA may overwrite it
-                        cute.arch.fence_view_async_tmem_load()
-                        with cute.arch.elect_one():
-                            acc_pipe.consumer_release(acc_cstate)
-                        acc_cstate.advance()
-                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                    sched_cstate.advance()
-                if cutlass.const_expr(self.tma_epi):
-                    c_pipe.producer_tail()
-                # every epilogue warp's last TMEM load is done before the allocator warp frees
-                epi_barrier.arrive_and_wait()
-                tmem.relinquish_alloc_permit()
-                tmem.free(tmem_ptr)
 
             if cutlass.const_expr(self.cluster_sched):
                 # (2, 1) cluster: no CTA exits while the other may still arrive on its ring

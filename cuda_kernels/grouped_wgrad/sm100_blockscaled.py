@@ -36,8 +36,13 @@ whole ``(round_up(rows, 128), tokens_sum / sf_vec)`` matrix (SWIZZLE_32_4_4: ato
 + c``), which the kernel reads with CuTe's ``blockscaled_layout.tile_atom_to_shape_SF``. Both
 operands are K-major along tokens (``a`` ``(M, S)``, ``b`` ``(S, N)`` with stride ``(1, S)``).
 
-Structure: the BF16 kernel's (``sm100_bf16``), whose kernel class this one subclasses; reused
-unchanged: the expert sort (largest first), ``tile_coords`` (tile id -> expert / m / n / K range,
+Structure: the BF16 kernel's (``sm100_bf16``), whose kernel class this one subclasses. Its kernel
+body is the BF16 class's, once: ``_setup``, the load / store atoms, ``make_pipelines``,
+``sort_experts``, the partitions, ``tma_warp``, ``mma_warp`` and ``epilogue_warps``; this class
+overrides only their hooks (``make_tiled_mma``, ``extra_stage_bytes`` / ``setup_extra_layouts`` /
+``tmem_alloc_cols``, ``tma_tile_extra`` / ``tma_stage_extra``, ``mma_extra_setup`` /
+``mma_stage_extra`` / ``mma_kblock_extra``, ``epi_tile_scale`` / ``epi_scale``) and keeps its own
+``__call__`` / ``kernel`` (its extra operands). Reused unchanged: the expert sort (largest first), ``tile_coords`` (tile id -> expert / m / n / K range,
 contract breaches poisoned with NaN), the dynamic persistent scheduler (``next_tile`` /
 ``take_tile``: a global atomic counter read by the TMA warp, handed to the MMA and epilogue warps
 through a shared-memory ring), the warp roles (TMA warp 5, MMA warp 4, epilogue warps 0-3), the
@@ -298,14 +303,13 @@ def sm100_blockscaled_key_from_contract(contract: Any) -> Sm100BlockScaledKey:
 # --------------------------------------------------------------------------------------------
 
 
-def _build_kernel_class():  # noqa: PLR0915 - one kernel body
+def _build_kernel_class():
     import cutlass
     import cutlass.utils.blackwell_helpers as sm100_utils
     import cutlass.utils.blockscaled_layout as bs_layout
-    from cutlass import cute, memory, pipeline
-    from cutlass.cute.nvgpu import cpasync, tcgen05
+    from cutlass import cute, memory
+    from cutlass.cute.nvgpu import tcgen05
     from cutlass.tensor_utils import LayoutEnum
-    from cutlass.utils.gemm import sm100 as sm100_epi
 
     from .sm100_bf16 import _kernel_class as _bf16_kernel_class
 
@@ -327,9 +331,13 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             self.sf_dtype = getattr(cutlass, _SF_CUTLASS[key.fmt])
             self.sf_vec = key.sf_vec
             self.nvfp4 = key.fmt == "nvfp4"
+            self.tile_views_first = False  # the TMA warp slices after the descriptor work
 
-        def _setup(self, a_major_mode, b_major_mode):
-            tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
+        _no_room_detail = ""
+
+        def make_tiled_mma(self, a_major_mode, b_major_mode):
+            """The block-scaled tcgen05 MMA (scale dtype and vector size of the format)."""
+            return sm100_utils.make_blockscaled_trivial_tiled_mma(
                 self.ab_dtype,
                 self.ab_dtype,
                 a_major_mode,
@@ -339,54 +347,33 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
                 self.cta_group,
                 self.mma_tiler[:2],
             )
-            self.cluster_layout_vmnk = cute.tiled_divide(
-                cute.make_layout((*self.cluster_shape_mn, 1)), (tiled_mma.thr_id.shape,)
-            )
-            self.epi_tile = sm100_utils.compute_epilogue_tile_shape(
-                self.cta_tile_shape_mnk, self.use_2cta_instrs, self.c_layout, self.c_dtype
-            )
-            c_one = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
-            c_bytes = cute.size_in_bytes(self.c_dtype, c_one) * self.num_c_stage
-            a_one = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
-            b_one = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
+
+        def extra_stage_bytes(self, tiled_mma):
+            """A stage also holds the scale atoms of A and of B."""
             sfa_one = bs_layout.make_smem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec, 1)
             sfb_one = bs_layout.make_smem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec, 1)
-            stage_bytes = (
-                cute.size_in_bytes(self.ab_dtype, a_one)
-                + cute.size_in_bytes(self.ab_dtype, b_one)
-                + cute.size_in_bytes(self.sf_dtype, sfa_one)
-                + cute.size_in_bytes(self.sf_dtype, sfb_one)
+            return cute.size_in_bytes(self.sf_dtype, sfa_one) + cute.size_in_bytes(
+                self.sf_dtype, sfb_one
             )
-            header = _SMEM_HEADER + 8 * self.key.num_experts
-            fit = (_SMEM_BYTES - header - c_bytes) // stage_bytes
-            self.num_ab_stage = min(self.stages, fit)
-            if self.num_ab_stage < 2:
-                raise ValueError(f"{self.key.tile} leaves no room for 2 pipeline stages")
-            n_st = self.num_ab_stage
-            self.a_smem_layout_staged = sm100_utils.make_smem_layout_a(
-                tiled_mma, self.mma_tiler, self.ab_dtype, n_st
-            )
-            self.b_smem_layout_staged = sm100_utils.make_smem_layout_b(
-                tiled_mma, self.mma_tiler, self.ab_dtype, n_st
-            )
+
+        def setup_extra_layouts(self, tiled_mma):
+            """The staged scale-atom layouts of A and B."""
             self.sfa_smem_layout_staged = bs_layout.make_smem_layout_sfa(
-                tiled_mma, self.mma_tiler, self.sf_vec, n_st
+                tiled_mma, self.mma_tiler, self.sf_vec, self.num_ab_stage
             )
             self.sfb_smem_layout_staged = bs_layout.make_smem_layout_sfb(
-                tiled_mma, self.mma_tiler, self.sf_vec, n_st
+                tiled_mma, self.mma_tiler, self.sf_vec, self.num_ab_stage
             )
-            self.c_smem_layout_staged = sm100_utils.make_smem_layout_epi(
-                self.c_dtype, self.c_layout, self.epi_tile, self.num_c_stage
-            )
-            # TMEM: two fp32 accumulators (tile_n columns each), then the scales of A and B
-            # (32 rows per column group: (128 / 32) columns per MMA instruction of the stage).
+
+        def tmem_alloc_cols(self, tiled_mma):
+            """TMEM: two fp32 accumulators (tile_n columns each), then the scales of A and B
+            (32 rows per column group: (128 / 32) columns per MMA instruction of the stage)."""
             k_insts = self.mma_tiler[2] // cute.size(tiled_mma.shape_mnk, mode=[2])
             self.num_acc_tmem_cols = self.mma_tiler[1] * self.num_acc_stage
             self.num_sfa_tmem_cols = (self.mma_tiler[0] // 32) * k_insts
             self.num_sfb_tmem_cols = (self.mma_tiler[1] // 32) * k_insts
             used = self.num_acc_tmem_cols + self.num_sfa_tmem_cols + self.num_sfb_tmem_cols
-            self.num_tmem_alloc_cols = max(32, 1 << (used - 1).bit_length())
-            return tiled_mma
+            return max(32, 1 << (used - 1).bit_length())
 
         @cute.jit
         def __call__(
@@ -423,15 +410,8 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             mSFA_mkl = cute.make_tensor(mSFA.iterator, sfa_layout)
             mSFB_nkl = cute.make_tensor(mSFB.iterator, sfb_layout)
 
-            a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, tiled_mma.thr_id)
-            a_smem_one = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
-            tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
-                a_op, mA, a_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
-            )
-            b_op = sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id)
-            b_smem_one = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
-            tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
-                b_op, mB, b_smem_one, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+            tma_atom_a, tma_a, tma_atom_b, tma_b, a_op, ab_bytes = self.make_ab_load_atoms(
+                tiled_mma, mA, mB
             )
             sfa_smem_one = cute.slice_(self.sfa_smem_layout_staged, (None, None, None, 0))
             tma_atom_sfa, tma_sfa = cute.nvgpu.make_tiled_tma_atom_A(
@@ -457,45 +437,16 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
                 internal_type=cutlass.Int16,
             )
             self.num_tma_load_bytes = (
-                cute.size_in_bytes(self.ab_dtype, a_smem_one)
-                + cute.size_in_bytes(self.ab_dtype, b_smem_one)
+                ab_bytes
                 + cute.size_in_bytes(self.sf_dtype, sfa_smem_one)
                 + cute.size_in_bytes(self.sf_dtype, sfb_smem_one)
             ) * atom_thr_size
 
-            m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
-            if cutlass.const_expr(self.desc_c):
-                # the BF16 kernel's template (M, N, 1) descriptor: each expert's copy in the
-                # workspace gets its own base address on the device (``build_descriptors``)
-                mC_mne = cute.make_tensor(
-                    cute.recast_ptr(mDesc.iterator, dtype=self.c_dtype),
-                    cute.make_layout((m, n, 1), stride=(n, 1, m * n)),
-                )
-            else:
-                mC_mne = cute.make_tensor(
-                    mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
-                )
-            store_op = cpasync.CopyBulkTensorTileS2GOp()
-            if cutlass.const_expr(self.key.accumulate):
-                store_op = cpasync.CopyReduceBulkTensorTileS2GOp()
-            epi_smem_one = cute.select(self.c_smem_layout_staged, mode=[0, 1])
-            tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
-                store_op, mC_mne, epi_smem_one, self.epi_tile
-            )
+            # the BF16 kernel's output store (per-expert template descriptor when discrete)
+            tma_atom_c, tma_c = self.make_store_atom(mOut, mDesc)
 
-            @cute.struct
-            class SharedStorage:
-                ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage * 2]
-                acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage * 2]
-                tmem_dealloc_mbar: cutlass.Int64
-                tmem_holding_buf: cutlass.Int32
-                lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
-                perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
-                sched_mbar: cute.struct.MemRange[cutlass.Int64, _SCHED_STAGES * 2]
-                sched: cute.struct.MemRange[cutlass.Int32, _SCHED_STAGES]
-
-            self.shared_storage = SharedStorage
-            self.kernel(
+            self.shared_storage = self.make_shared_storage()
+            kernel = self.kernel(
                 tiled_mma,
                 tma_atom_a,
                 tma_a,
@@ -519,13 +470,84 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
                 self.sfb_smem_layout_staged,
                 self.c_smem_layout_staged,
                 self.epi_tile,
-            ).launch(
-                grid=[num_clusters * self.cluster_m, 1, 1],
-                block=[self.threads_per_cta, 1, 1],
-                cluster=(*self.cluster_shape_mn, 1),
-                min_blocks_per_mp=1,
-                stream=stream,
             )
+            self.launch_kernel(kernel, num_clusters, stream)
+
+        def tma_tile_extra(self, extra, m_idx, n_idx):
+            """The tile's scale-atom views (A's rows ``m_idx``, B's rows ``n_idx``)."""
+            tma_atom_sfa, tAgSFA, tAsSFA, tma_atom_sfb, tBgSFB, tBsSFB = extra
+            tAgSFA_t = tAgSFA[(None, m_idx, None, 0)]
+            tBgSFB_t = tBgSFB[(None, n_idx, None, 0)]
+            return tma_atom_sfa, tAgSFA_t, tAsSFA, tma_atom_sfb, tBgSFB_t, tBsSFB
+
+        def tma_stage_extra(self, extra_t, k, stage, bar):
+            """The stage's scale atoms of A and B, on the stage's mbarrier after A and B."""
+            tma_atom_sfa, tAgSFA_t, tAsSFA, tma_atom_sfb, tBgSFB_t, tBsSFB = extra_t
+            cute.copy(tma_atom_sfa, tAgSFA_t[(None, k)], tAsSFA[(None, stage)], tma_bar_ptr=bar)
+            cute.copy(tma_atom_sfb, tBgSFB_t[(None, k)], tBsSFB[(None, stage)], tma_bar_ptr=bar)
+
+        def mma_extra_setup(self, tiled_mma, tmem_ptr, extra):
+            """The scales' TMEM columns (after the two accumulators: A's, then B's) and their
+            tcgen05.cp (shared -> tensor memory) partitions."""
+            sSFA, sSFB, sfa_smem_layout_staged, sfb_smem_layout_staged = extra
+            sfa_ptr = cute.recast_ptr(tmem_ptr + self.num_acc_tmem_cols, dtype=self.sf_dtype)
+            tCtSFA = cute.make_tensor(
+                sfa_ptr,
+                bs_layout.make_tmem_layout_sfa(
+                    tiled_mma,
+                    self.mma_tiler,
+                    self.sf_vec,
+                    cute.slice_(sfa_smem_layout_staged, (None, None, None, 0)),
+                ),
+            )
+            sfb_ptr = cute.recast_ptr(
+                tmem_ptr + self.num_acc_tmem_cols + self.num_sfa_tmem_cols,
+                dtype=self.sf_dtype,
+            )
+            tCtSFB = cute.make_tensor(
+                sfb_ptr,
+                bs_layout.make_tmem_layout_sfb(
+                    tiled_mma,
+                    self.mma_tiler,
+                    self.sf_vec,
+                    cute.slice_(sfb_smem_layout_staged, (None, None, None, 0)),
+                ),
+            )
+            s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self.s2t_partition(sSFA, tCtSFA)
+            s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self.s2t_partition(sSFB, tCtSFB)
+            return (
+                tCtSFA, tCtSFB, s2t_sfa, tCsSFA_s2t, tCtSFA_s2t, s2t_sfb, tCsSFB_s2t, tCtSFB_s2t
+            )
+
+        def mma_stage_extra(self, mma_extra, stage):
+            """tcgen05.cp of the stage's scale atoms into tensor memory (before its MMAs)."""
+            _sfa, _sfb, s2t_sfa, tCsSFA_s2t, tCtSFA_s2t, s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = (
+                mma_extra
+            )
+            s_crd = (None, None, None, None, stage)
+            cute.copy(s2t_sfa, tCsSFA_s2t[s_crd], tCtSFA_s2t)
+            cute.copy(s2t_sfb, tCsSFB_s2t[s_crd], tCtSFB_s2t)
+
+        def mma_kblock_extra(self, tiled_mma, mma_extra, kb):
+            """Point the block-scaled MMA of k-block ``kb`` at its scales in tensor memory."""
+            tCtSFA, tCtSFB = mma_extra[0], mma_extra[1]
+            sf_crd = (None, None, kb)
+            tiled_mma.set(tcgen05.Field.SFA, tCtSFA[sf_crd].iterator)
+            tiled_mma.set(tcgen05.Field.SFB, tCtSFB[sf_crd].iterator)
+
+        def epi_tile_scale(self, extra, e):
+            """NVFP4: the expert's global-scale product ``gsa[e] * gsb[e]`` (``extra`` is the
+            (E,) fp32 tensor ``mGs``); 1 for the MX formats (unused)."""
+            gscale = cutlass.Float32(1.0)
+            if self.nvfp4:
+                gscale = extra[e]
+            return gscale
+
+        def epi_scale(self, vals, scale):
+            """NVFP4: the accumulator times the expert's global-scale product."""
+            if self.nvfp4:
+                vals = vals * scale
+            return vals
 
         def s2t_partition(self, sSF, tSF):
             """tcgen05.cp (shared -> tensor memory) of one scale operand: the tiled copy, the
@@ -568,405 +590,81 @@ def _build_kernel_class():  # noqa: PLR0915 - one kernel body
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             tidx, _, _ = cute.arch.thread_idx()
             if warp_idx == self.tma_warp_id:
-                cpasync.prefetch_descriptor(tma_atom_a)
-                cpasync.prefetch_descriptor(tma_atom_b)
-                cpasync.prefetch_descriptor(tma_atom_sfa)
-                cpasync.prefetch_descriptor(tma_atom_sfb)
-                if cutlass.const_expr(not self.desc_c):
-                    cpasync.prefetch_descriptor(tma_atom_c)
+                self.prefetch_descriptors(
+                    tma_atom_a, tma_atom_b, tma_atom_c, extra_atoms=(tma_atom_sfa, tma_atom_sfb)
+                )
 
             cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             block_in_cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank_in_cluster)
 
             smem = memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
-            ab_pipe = pipeline.PipelineTmaUmma.create(
-                barrier_storage=storage.ab_mbar.data_ptr(),
-                num_stages=self.num_ab_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                tx_count=self.num_tma_load_bytes,
-                cta_layout_vmnk=cluster_layout_vmnk,
-                defer_sync=True,
+            ab_pipe, acc_pipe, sched_pipe, sSched, tmem = self.make_pipelines(
+                storage, cluster_layout_vmnk, False
             )
-            acc_pipe = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=storage.acc_mbar.data_ptr(),
-                num_stages=self.num_acc_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, len(self.epilogue_warp_id)
-                ),
-                cta_layout_vmnk=cluster_layout_vmnk,
-                defer_sync=True,
-            )
-            sched_pipe = pipeline.PipelineAsync.create(
-                barrier_storage=storage.sched_mbar.data_ptr(),
-                num_stages=_SCHED_STAGES,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, 32 * (1 + len(self.epilogue_warp_id))
-                ),
-                defer_sync=True,
-            )
-            sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
-            tmem_alloc_barrier = pipeline.NamedBarrier(
-                barrier_id=self.tmem_alloc_sync_bar_id,
-                num_threads=32 * (1 + len(self.epilogue_warp_id)),
-            )
-            tmem = memory.TmemAllocator(
-                storage.tmem_holding_buf.ptr,
-                barrier_for_retrieve=tmem_alloc_barrier,
-                allocator_warp_id=self.epilogue_warp_id[0],
-                is_two_cta=False,
-                two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
-            )
-            pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_layout_vmnk, is_relaxed=True)
 
-            sA = smem.allocate_tensor(
-                element_type=self.ab_dtype,
-                layout=a_smem_layout_staged.outer,
-                byte_alignment=128,
-                swizzle=a_smem_layout_staged.inner,
-            )
-            sB = smem.allocate_tensor(
-                element_type=self.ab_dtype,
-                layout=b_smem_layout_staged.outer,
-                byte_alignment=128,
-                swizzle=b_smem_layout_staged.inner,
-            )
+            sA, sB = self.allocate_ab(smem, a_smem_layout_staged, b_smem_layout_staged)
             sSFA = smem.allocate_tensor(
                 element_type=self.sf_dtype, layout=sfa_smem_layout_staged, byte_alignment=128
             )
             sSFB = smem.allocate_tensor(
                 element_type=self.sf_dtype, layout=sfb_smem_layout_staged, byte_alignment=128
             )
-            sC = smem.allocate_tensor(
-                element_type=self.c_dtype,
-                layout=c_smem_layout_staged.outer,
-                byte_alignment=128,
-                swizzle=c_smem_layout_staged.inner,
-            )
+            sC = self.allocate_c(smem, c_smem_layout_staged)
 
-            # Global tiles: (bM, bK, RestM, RestK), (bN, bK, RestN, RestK), scale tiles with a
-            # trailing L = 1 mode, (bM, bN, RestM, RestN, E)
-            gA = cute.local_tile(mA_mk, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None))
-            gB = cute.local_tile(mB_nk, cute.slice_(self.mma_tiler, (0, None, None)), (None, None))
+            # Global tiles (the BF16 kernel's), and the scale tiles with a trailing L = 1 mode
+            thr_mma = tiled_mma.get_slice(0)
+            tCgA, tCgB = self.partition_ab(thr_mma, mA_mk, mB_nk)
             gSFA = cute.local_tile(
                 mSFA_mkl, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None)
             )
             gSFB = cute.local_tile(
                 mSFB_nkl, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None)
             )
-            gC = cute.local_tile(
-                mC, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
-            )
-            thr_mma = tiled_mma.get_slice(0)
-            tCgA = thr_mma.partition_A(gA)
-            tCgB = thr_mma.partition_B(gB)
             tCgSFA = thr_mma.partition_A(gSFA)
             tCgSFB = thr_mma.partition_B(gSFB)
-            tCgC = thr_mma.partition_C(gC)
+            tCgC = self.partition_c(thr_mma, mC)
 
-            a_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape)
-            b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
-            tAsA, tAgA = cpasync.tma_partition(
-                tma_atom_a,
-                block_in_cluster_coord_vmnk[2],
-                a_cta_layout,
-                cute.group_modes(sA, 0, 3),
-                cute.group_modes(tCgA, 0, 3),
-            )
-            tBsB, tBgB = cpasync.tma_partition(
-                tma_atom_b,
-                block_in_cluster_coord_vmnk[1],
-                b_cta_layout,
-                cute.group_modes(sB, 0, 3),
-                cute.group_modes(tCgB, 0, 3),
-            )
-            tAsSFA, tAgSFA = cpasync.tma_partition(
-                tma_atom_sfa,
-                block_in_cluster_coord_vmnk[2],
-                a_cta_layout,
-                cute.group_modes(sSFA, 0, 3),
-                cute.group_modes(tCgSFA, 0, 3),
-            )
+            a_cta_layout, b_cta_layout = self.cta_layouts(cluster_layout_vmnk)
+            a_coord = block_in_cluster_coord_vmnk[2]
+            b_coord = block_in_cluster_coord_vmnk[1]
+            tAsA, tAgA = self.tma_partition(tma_atom_a, a_coord, a_cta_layout, sA, tCgA)
+            tBsB, tBgB = self.tma_partition(tma_atom_b, b_coord, b_cta_layout, sB, tCgB)
+            tAsSFA, tAgSFA = self.tma_partition(tma_atom_sfa, a_coord, a_cta_layout, sSFA, tCgSFA)
             tAsSFA = cute.filter_zeros(tAsSFA)
             tAgSFA = cute.filter_zeros(tAgSFA)
-            tBsSFB, tBgSFB = cpasync.tma_partition(
-                tma_atom_sfb,
-                block_in_cluster_coord_vmnk[1],
-                b_cta_layout,
-                cute.group_modes(sSFB, 0, 3),
-                cute.group_modes(tCgSFB, 0, 3),
-            )
+            tBsSFB, tBgSFB = self.tma_partition(tma_atom_sfb, b_coord, b_cta_layout, sSFB, tCgSFB)
             tBsSFB = cute.filter_zeros(tBsSFB)
             tBgSFB = cute.filter_zeros(tBgSFB)
-
-            tCrA = tiled_mma.make_fragment_A(sA)
-            tCrB = tiled_mma.make_fragment_B(sB)
-            acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-            tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+            tCrA, tCrB, tCtAcc_fake = self.mma_fragments(tiled_mma, sA, sB)
 
             # Experts sorted by token count, largest first (the BF16 kernel's order)
-            num_e = self.key.num_experts
-            sLens = storage.lens.get_tensor(cute.make_layout(num_e))
-            sPerm = storage.perm.get_tensor(cute.make_layout(num_e))
-            for ei in cutlass.range(tidx, num_e, self.threads_per_cta, unroll=1):
-                prev = cutlass.Int32(0)
-                if ei > 0:
-                    prev = mOffsets[ei - 1]
-                sLens[ei] = mOffsets[ei] - prev
-            pipeline.pipeline_init_wait(cluster_shape_mn=cluster_layout_vmnk)
-            cute.arch.sync_threads()
-            for ei in cutlass.range(tidx, num_e, self.threads_per_cta, unroll=1):
-                my_len = sLens[ei]
-                rank = cutlass.Int32(0)
-                for e2 in cutlass.range(num_e, unroll=4):
-                    l2 = sLens[e2]
-                    if l2 > my_len or (l2 == my_len and e2 < ei):
-                        rank += 1
-                sPerm[rank] = ei
-            cute.arch.sync_threads()
+            sPerm = self.sort_experts(storage, mOffsets, tidx, cluster_layout_vmnk)
 
             # ---------------- TMA warp: A, B and their scale atoms per stage ----------------
             if warp_idx == self.tma_warp_id:
-                prod_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.num_ab_stage
+                self.tma_warp(
+                    ab_pipe, sched_pipe, sSched, sPerm, mOffsets, mCounter, mA_mk, mB_nk, mPtrs,
+                    mDesc, tma_atom_a, tAgA, tAsA, None, tma_atom_b, tBgB, tBsB, None,
+                    tma_atom_c, cta_rank_in_cluster, None,
+                    extra=(tma_atom_sfa, tAgSFA, tAsSFA, tma_atom_sfb, tBgSFB, tBsSFB),
                 )
-                lane = cute.arch.lane_idx()
-                sched_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, _SCHED_STAGES
-                )
-                tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
-                sched_state.advance()
-                last_e = cutlass.Int32(-1)
-                while tile < self.num_tiles:
-                    e, m_idx, n_idx, k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
-                    if cutlass.const_expr(self.num_desc > 0):
-                        # the BF16 kernel's per-expert descriptors (discrete: the output's),
-                        # for every expert this CTA takes, empty ones too: claim and build, or
-                        # wait for the builder's flag; the epilogue acquires them
-                        if e != last_e:
-                            self.ensure_descriptors(
-                                e, k0 * self.tile_k, n_k, lane, mCounter, mA_mk, mB_nk, mPtrs,
-                                mDesc, tma_atom_a, tma_atom_b, tma_atom_c,
-                            )
-                            last_e = e
-                    tAgA_t = tAgA[(None, m_idx, None)]
-                    tBgB_t = tBgB[(None, n_idx, None)]
-                    tAgSFA_t = tAgSFA[(None, m_idx, None, 0)]
-                    tBgSFB_t = tBgSFB[(None, n_idx, None, 0)]
-                    for kt in cutlass.range(n_k, unroll=1):
-                        ab_pipe.producer_acquire(prod_state)
-                        bar = ab_pipe.producer_get_barrier(prod_state)
-                        s = prod_state.index
-                        cute.copy(
-                            tma_atom_a, tAgA_t[(None, k0 + kt)], tAsA[(None, s)], tma_bar_ptr=bar
-                        )
-                        cute.copy(
-                            tma_atom_b, tBgB_t[(None, k0 + kt)], tBsB[(None, s)], tma_bar_ptr=bar
-                        )
-                        cute.copy(
-                            tma_atom_sfa,
-                            tAgSFA_t[(None, k0 + kt)],
-                            tAsSFA[(None, s)],
-                            tma_bar_ptr=bar,
-                        )
-                        cute.copy(
-                            tma_atom_sfb,
-                            tBgSFB_t[(None, k0 + kt)],
-                            tBsSFB[(None, s)],
-                            tma_bar_ptr=bar,
-                        )
-                        ab_pipe.producer_commit(prod_state)
-                        prod_state.advance()
-                    tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
-                    sched_state.advance()
-                ab_pipe.producer_tail(prod_state)
 
             # ---------------- MMA warp: tcgen05.cp scales, block-scaled tcgen05.mma ----------
             if warp_idx == self.mma_warp_id:
-                tmem.wait_for_alloc()
-                acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
-                tCtAcc_base = cute.make_tensor(acc_ptr, tCtAcc_fake.layout)
-                sfa_ptr = cute.recast_ptr(acc_ptr + self.num_acc_tmem_cols, dtype=self.sf_dtype)
-                tCtSFA = cute.make_tensor(
-                    sfa_ptr,
-                    bs_layout.make_tmem_layout_sfa(
-                        tiled_mma,
-                        self.mma_tiler,
-                        self.sf_vec,
-                        cute.slice_(sfa_smem_layout_staged, (None, None, None, 0)),
-                    ),
+                self.mma_warp(
+                    tiled_mma, tmem, tCtAcc_fake, tCrA, tCrB, ab_pipe, acc_pipe, sched_pipe,
+                    sSched, sPerm, mOffsets, cutlass.Boolean(True),
+                    extra=(sSFA, sSFB, sfa_smem_layout_staged, sfb_smem_layout_staged),
                 )
-                sfb_ptr = cute.recast_ptr(
-                    acc_ptr + self.num_acc_tmem_cols + self.num_sfa_tmem_cols,
-                    dtype=self.sf_dtype,
-                )
-                tCtSFB = cute.make_tensor(
-                    sfb_ptr,
-                    bs_layout.make_tmem_layout_sfb(
-                        tiled_mma,
-                        self.mma_tiler,
-                        self.sf_vec,
-                        cute.slice_(sfb_smem_layout_staged, (None, None, None, 0)),
-                    ),
-                )
-                s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self.s2t_partition(sSFA, tCtSFA)
-                s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self.s2t_partition(sSFB, tCtSFB)
-
-                cons_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.num_ab_stage
-                )
-                acc_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.num_acc_stage
-                )
-                num_kblocks = cute.size(tCrA, mode=[2])
-                sched_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
-                )
-                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                sched_cstate.advance()
-                while tile < self.num_tiles:
-                    _e, _m, _n, _k0, n_k, _bad = self.tile_coords(tile, sPerm, mOffsets)
-                    if n_k > 0:
-                        tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
-                        acc_pipe.producer_acquire(acc_state)
-                        tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-                        for _kt in cutlass.range(n_k, unroll=1):
-                            ab_pipe.consumer_wait(cons_state)
-                            s_crd = (None, None, None, None, cons_state.index)
-                            cute.copy(s2t_sfa, tCsSFA_s2t[s_crd], tCtSFA_s2t)
-                            cute.copy(s2t_sfb, tCsSFB_s2t[s_crd], tCtSFB_s2t)
-                            for kb in cutlass.range(num_kblocks, unroll_full=True):
-                                crd = (None, None, kb, cons_state.index)
-                                sf_crd = (None, None, kb)
-                                tiled_mma.set(tcgen05.Field.SFA, tCtSFA[sf_crd].iterator)
-                                tiled_mma.set(tcgen05.Field.SFB, tCtSFB[sf_crd].iterator)
-                                cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
-                                tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                            ab_pipe.consumer_release(cons_state)
-                            cons_state.advance()
-                        acc_pipe.producer_commit(acc_state)
-                        acc_state.advance()
-                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                    sched_cstate.advance()
-                acc_pipe.producer_tail(acc_state)
 
             # ---------------- epilogue warps (TMA store / reduce-add) ----------------
             if warp_idx < self.mma_warp_id:
-                tmem.allocate(self.num_tmem_alloc_cols)
-                tmem.wait_for_alloc()
-                tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-                tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
-                tCtAcc_mn = sm100_epi.transform_partitioned_tensor_layout(tCtAcc_base)
-                tCgC_mn = sm100_epi.transform_partitioned_tensor_layout(tCgC)
-                tiled_t2r, tTR_tAcc_base, tTR_rAcc = sm100_epi.epilogue_tmem_copy_and_partition(
-                    self, tidx, tCtAcc_mn, tCgC_mn, epi_tile, False
+                self.epilogue_warps(
+                    tidx, warp_idx, tmem, tCtAcc_fake, tCgC, thr_mma, sC, epi_tile, tma_atom_c,
+                    mC, acc_pipe, sched_pipe, sSched, sPerm, mOffsets, mCounter, mDesc,
+                    extra=mGs,
                 )
-                tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-                epi_barrier = pipeline.NamedBarrier(
-                    barrier_id=self.epilog_sync_bar_id,
-                    num_threads=32 * len(self.epilogue_warp_id),
-                )
-                tiled_r2s, tRS_rC, tRS_sC = sm100_epi.epilogue_smem_copy_and_partition(
-                    self, tiled_t2r, tTR_rC, tidx, sC
-                )
-                tCgC_epi = cute.flat_divide(tCgC_mn, epi_tile)
-                bSG_sC, bSG_gC_all = cpasync.tma_partition(
-                    tma_atom_c,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sC, 0, 2),
-                    cute.group_modes(tCgC_epi, 0, 2),
-                )
-                c_pipe = pipeline.PipelineTmaStore.create(
-                    num_stages=self.num_c_stage,
-                    producer_group=pipeline.CooperativeGroup(
-                        pipeline.Agent.Thread, 32 * len(self.epilogue_warp_id)
-                    ),
-                )
-                acc_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.num_acc_stage
-                )
-                epi_count = cutlass.Int32(0)
-                sched_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
-                )
-                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                sched_cstate.advance()
-                epi_last_e = cutlass.Int32(-1)
-                while tile < self.num_tiles:
-                    e, m_idx, n_idx, _k0, n_k, bad = self.tile_coords(tile, sPerm, mOffsets)
-                    e_c = e  # the output's expert coordinate: 0 with per-expert descriptors
-                    desc_c = None
-                    if cutlass.const_expr(self.desc_c):
-                        e_c = cutlass.Int32(0)
-                        desc_c = self.desc_ptr(
-                            mDesc, e, self.num_desc - 1, cute.AddressSpace.generic
-                        )
-                        # the storing warp (as in the BF16 kernel): wait for the expert's flag
-                        # (this CTA's TMA warp ensured the descriptor), then acquire it
-                        if warp_idx == self.epilogue_warp_id[0]:
-                            if e != epi_last_e:
-                                self.wait_descriptors(e, cute.arch.lane_idx(), mCounter)
-                                cpasync.fence_tma_desc_acquire(
-                                    self.desc_ptr(mDesc, e, self.num_desc - 1)
-                                )
-                                epi_last_e = e
-                    tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_cstate.index)]
-                    tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
-                    subtiles = cute.size(tTR_tAcc.shape, mode=[3])
-                    gscale = cutlass.Float32(1.0)
-                    if cutlass.const_expr(self.nvfp4):
-                        gscale = mGs[e]
-                    write = cutlass.Boolean(True)
-                    if cutlass.const_expr(self.key.accumulate):
-                        write = n_k > 0  # empty expert: leave the output untouched
-                        if bad:
-                            write = cutlass.Boolean(True)
-                    if n_k > 0:
-                        acc_pipe.consumer_wait(acc_cstate)
-                    bSG_gC = bSG_gC_all[(None, None, None, m_idx, n_idx, e_c)]
-                    bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
-                    if write:
-                        for sub in cutlass.range_constexpr(subtiles):
-                            if n_k > 0:
-                                cute.copy(tiled_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
-                                vals = tiled_r2s.retile(tTR_rAcc).load()
-                                if cutlass.const_expr(self.nvfp4):
-                                    vals = vals * gscale
-                                tRS_rC.store(vals.to(self.c_dtype))
-                            elif bad:
-                                tRS_rC.fill(float("nan"))  # offsets broke the contract
-                            else:
-                                tRS_rC.fill(0.0)  # empty expert, overwrite: zeros
-                            buf = epi_count % self.num_c_stage
-                            cute.copy(tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            epi_barrier.arrive_and_wait()
-                            if warp_idx == self.epilogue_warp_id[0]:
-                                cute.copy(
-                                    tma_atom_c,
-                                    bSG_sC[(None, buf)],
-                                    bSG_gC[(None, sub)],
-                                    tma_desc_ptr=desc_c,
-                                )
-                                c_pipe.producer_commit()
-                                c_pipe.producer_acquire()
-                            epi_barrier.arrive_and_wait()
-                            epi_count += 1
-                    if n_k > 0:
-                        cute.arch.fence_view_async_tmem_load()
-                        with cute.arch.elect_one():
-                            acc_pipe.consumer_release(acc_cstate)
-                        acc_cstate.advance()
-                    tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                    sched_cstate.advance()
-                c_pipe.producer_tail()
-                epi_barrier.arrive_and_wait()
-                tmem.relinquish_alloc_permit()
-                tmem.free(tmem_ptr)
 
     return Sm100BlockScaledWgradKernel
 

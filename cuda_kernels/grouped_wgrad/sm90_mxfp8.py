@@ -85,7 +85,8 @@ ATOM_BYTES = 512
 ELEMS = ("e4m3", "e5m2")
 TOKEN_LAYOUTS = ("direct", "padded")
 PROMOTE_MODES = ("scaled", "table", "unscaled", "none")
-EPILOGUES = ("autovec", "packed")
+EPILOGUES = ("autovec", "packed", "tma")
+EPI_N = 32  # columns of one TMA-epilogue sub-tile (the BF16 kernel's measured default)
 _SCHED_STAGES = 4
 
 
@@ -149,7 +150,11 @@ class Sm90MxTileConfig:
         epilogue: ``"autovec"`` (the original register -> global copy: with a 16-bit output
             it emits one 2-byte store per element, 64 ``STG.U16`` per thread at 128x128) or
             ``"packed"`` (each thread's two adjacent columns packed into one 32-bit store for
-            bf16 / fp16 outputs, one 64-bit store for fp32).
+            bf16 / fp16 outputs, one 64-bit store for fp32) or ``"tma"`` (dense outputs: the
+            BF16 kernel's epilogue, ``sm90_bf16``'s ``epi_*`` methods: registers -> shared
+            memory (stmatrix) in (tile_m, 32) sub-tiles, one warp issues a TMA store, or a TMA
+            reduce-add when accumulating, 2 buffers in flight, so the global writes drain while
+            the next tile's mainloop runs; discrete outputs keep the ``"packed"`` stores).
     """
 
     tile_m: int = 128
@@ -184,6 +189,8 @@ class Sm90MxTileConfig:
             need = self.stage_bytes * self.stages + SM90_MX_TILES.smem_reserved
             if self.promote == "table":
                 need += 4 * 2 * 4 * (64 + self.tile_n) * (self.tile_m // 64)
+            if self.epilogue == "tma":  # 2 (tile_m, 32) 16-bit buffers (fp32 outputs: 1)
+                need += 2 * self.tile_m * EPI_N * 2
             if 2 * need > SM90_MX_TILES.smem_bytes:
                 raise ValueError(
                     f"{cls}: ctas_per_sm=2 with {self.stages} stages of {self.stage_bytes} bytes "
@@ -196,7 +203,8 @@ class Sm90MxTileConfig:
         return (f"{self.tile_m}x{self.tile_n}s{self.stages}"
                 f"{'-xs' if self.cross_stage else ''}{'-2cta' if self.ctas_per_sm == 2 else ''}"
                 f"{'' if self.promote == 'scaled' else '-' + self.promote}"
-                f"{'-deep' if self.deep else ''}{'-pk' if self.epilogue == 'packed' else ''}")
+                f"{'-deep' if self.deep else ''}"
+                f"{ {'autovec': '', 'packed': '-pk', 'tma': '-tma'}[self.epilogue]}")
 
     @property
     def diagnostic(self) -> bool:
@@ -395,6 +403,19 @@ def _build_kernel_class():
             if t.promote == "table":
                 self.fac_len = self.num_consumer_wgs * 2 * 4 * self.fac_row
             header = 4096 + 12 * key.num_experts + 16 * t.stages + 4 * self.fac_len
+            # epilogue="tma" (dense outputs): the BF16 kernel's epilogue methods (epi_*), one
+            # consumer group (cooperative), (tile_m, 32) sub-tiles (a 64-row tile: (64, 32)),
+            # 2 buffers (1 for fp32 outputs with two CTAs per SM: the config's budget)
+            self.tma_epi = t.epilogue == "tma" and key.output_mode == "dense"
+            self.prefetch_c = False
+            self.num_groups = 1
+            self.epi_tile = (self.tile_m, EPI_N)
+            self.epi_stages = 2
+            out_bytes = self.out_dtype.width // 8
+            if self.tma_epi and t.ctas_per_sm == 2 and out_bytes > 2:
+                self.epi_stages = 1
+            if self.tma_epi:
+                header += self.epi_stages * self.tile_m * EPI_N * out_bytes
             self.stages = min(t.stages, (SM90_MX_TILES.smem_bytes - header) // t.stage_bytes)
             if self.stages < 2:
                 raise ValueError(f"{t} leaves no room for 2 pipeline stages")
@@ -492,30 +513,15 @@ def _build_kernel_class():
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mSFB, atom_smem, (2, 256)
             )
 
-            @cute.struct
-            class SharedStorage:
-                mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-                sched_mbar: cute.struct.MemRange[cutlass.Int64, _SCHED_STAGES * 2]
-                sched: cute.struct.MemRange[cutlass.Int32, _SCHED_STAGES]
-                lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
-                perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
-                start: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
-                sSFA: cute.struct.Align[
-                    cute.struct.MemRange[cutlass.Uint8, ATOM_BYTES * self.stages], 128
-                ]
-                sSFB: cute.struct.Align[
-                    cute.struct.MemRange[cutlass.Uint8, ATOM_BYTES * self.stages], 128
-                ]
-                fac: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.fac_len], 16]
-                sA: cute.struct.Align[
-                    cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], 1024
-                ]
-                sB: cute.struct.Align[
-                    cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], 1024
-                ]
-
-            self.shared_storage = SharedStorage
-            self.kernel(
+            epi_cosize = 0
+            if cutlass.const_expr(self.tma_epi):
+                epi_smem_staged = self.epi_smem_layout()
+                epi_cosize = cute.cosize(epi_smem_staged)
+                tma_atom_c, tma_c = self.epi_tma_atom(self.epi_store_op(), mOut, epi_smem_staged)
+            self.shared_storage = self.make_storage(
+                cute.cosize(a_smem_staged), cute.cosize(b_smem_staged), epi_cosize
+            )
+            args = (
                 tma_atom_a,
                 tma_a,
                 tma_atom_b,
@@ -530,16 +536,43 @@ def _build_kernel_class():
                 tiled_mma,
                 a_smem_staged,
                 b_smem_staged,
-            ).launch(
+            )
+            launch_kw = dict(
                 grid=[num_ctas, 1, 1],
                 block=[self.threads, 1, 1],
-                smem=SharedStorage.size_in_bytes(),
+                smem=self.shared_storage.size_in_bytes(),
                 min_blocks_per_mp=self.ctas_per_sm,
                 # set explicitly: with min_blocks_per_mp > 1 the DSL otherwise asks the driver
                 # for the SM's shared memory (no offline compile)
                 preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None,
                 stream=stream,
             )
+            if cutlass.const_expr(self.tma_epi):
+                self.kernel_tma(*args, tma_atom_c, tma_c, epi_smem_staged).launch(**launch_kw)
+            else:
+                self.kernel(*args).launch(**launch_kw)
+
+        def make_storage(self, a_cosize: int, b_cosize: int, epi_cosize: int):
+            """The kernel's shared-memory struct (the TMA epilogue's buffers ``sC`` only with
+            ``epilogue="tma"``; a plain method: the DSL's preprocessor would turn a conditional
+            class body into code)."""
+            mem, align = cute.struct.MemRange, cute.struct.Align
+            fields = {
+                "mbar": mem[cutlass.Int64, self.stages * 2],
+                "sched_mbar": mem[cutlass.Int64, _SCHED_STAGES * 2],
+                "sched": mem[cutlass.Int32, _SCHED_STAGES],
+                "lens": mem[cutlass.Int32, self.key.num_experts],
+                "perm": mem[cutlass.Int32, self.key.num_experts],
+                "start": mem[cutlass.Int32, self.key.num_experts],
+                "sSFA": align[mem[cutlass.Uint8, ATOM_BYTES * self.stages], 128],
+                "sSFB": align[mem[cutlass.Uint8, ATOM_BYTES * self.stages], 128],
+                "fac": align[mem[cutlass.Float32, self.fac_len], 16],
+                "sA": align[mem[self.ab_dtype, a_cosize], 1024],
+                "sB": align[mem[self.ab_dtype, b_cosize], 1024],
+            }
+            if epi_cosize:
+                fields["sC"] = align[mem[self.out_dtype, epi_cosize], 1024]
+            return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         @cute.kernel
         def kernel(
@@ -559,6 +592,47 @@ def _build_kernel_class():
             a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout,
         ):
+            self.kernel_body(
+                tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
+                tma_sfb, mOffsets, mOut, mCounter, tiled_mma, a_smem_staged, b_smem_staged,
+                None, None, None,
+            )
+
+        @cute.kernel
+        def kernel_tma(
+            self,
+            tma_atom_a: cute.CopyAtom,
+            tma_a: cute.Tensor,
+            tma_atom_b: cute.CopyAtom,
+            tma_b: cute.Tensor,
+            tma_atom_sfa: cute.CopyAtom,
+            tma_sfa: cute.Tensor,
+            tma_atom_sfb: cute.CopyAtom,
+            tma_sfb: cute.Tensor,
+            mOffsets: cute.Tensor,
+            mOut: cute.Tensor,
+            mCounter: cute.Tensor,
+            tiled_mma: cute.TiledMma,
+            a_smem_staged: cute.ComposedLayout,
+            b_smem_staged: cute.ComposedLayout,
+            tma_atom_c: cute.CopyAtom,
+            tma_c: cute.Tensor,
+            epi_smem_staged: cute.ComposedLayout,
+        ):
+            """``epilogue="tma"`` with a dense output: the body plus the output's TMA store
+            atom and the epilogue's shared-memory layout."""
+            self.kernel_body(
+                tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
+                tma_sfb, mOffsets, mOut, mCounter, tiled_mma, a_smem_staged, b_smem_staged,
+                tma_atom_c, tma_c, epi_smem_staged,
+            )
+
+        @cute.jit
+        def kernel_body(  # noqa: PLR0913
+            self, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
+            tma_sfb, mOffsets, mOut, mCounter, tiled_mma, a_smem_staged, b_smem_staged,
+            tma_atom_c, tma_c, epi_smem_staged,
+        ):
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             wg_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -566,6 +640,8 @@ def _build_kernel_class():
             if warp_idx == 0:
                 for atom in (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb):
                     cute.nvgpu.cpasync.prefetch_descriptor(atom)
+                if cutlass.const_expr(self.tma_epi):
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
 
             a_smem_one = cute.slice_(a_smem_staged, (None, None, 0))
             b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
@@ -782,6 +858,18 @@ def _build_kernel_class():
                     bar=pipeline.NamedBarrier(barrier_id=2, num_threads=self.group_threads),
                 )
 
+                if cutlass.const_expr(self.tma_epi):
+                    # the BF16 kernel's TMA epilogue (sm90_bf16 epi_*): one consumer group, its
+                    # first warp issues the stores
+                    sC = storage.sC.get_tensor(
+                        epi_smem_staged.outer, swizzle=epi_smem_staged.inner
+                    )
+                    gC_all = cute.local_tile(tma_c, (self.tile_m, self.tile_n), (None,) * 3)
+                    epi = self.epi_setup(tiled_mma, sC, acc, ctid)
+                    store_pipe = epi.store_pipe
+                    store_warp = 4
+                    epi_count = cutlass.Int32(0)
+
                 read_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, self.stages
                 )
@@ -861,35 +949,73 @@ def _build_kernel_class():
                     sched_pipe.consumer_release(sched_cstate)
                     sched_cstate.advance()
 
-                    # ---------------- epilogue: registers -> global ----------------
-                    if cutlass.const_expr(self.key.output_mode == "dense"):
-                        m, n = self.key.hidden, self.key.intermediate
-                        out_ptr = mOut.iterator + cutlass.Int64(e) * (m * n)
+                    # ---------------- epilogue ----------------
+                    if cutlass.const_expr(self.tma_epi):
+                        # registers -> smem sub-tiles (stmatrix) -> TMA store / reduce-add
+                        if cutlass.const_expr(self.key.accumulate):
+                            if n_k > 0:  # empty expert: output untouched
+                                epi_count = self.store_tma(
+                                    epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, epi_count,
+                                    warp_idx, store_warp, mask_barrier,
+                                )
+                        else:
+                            epi_count = self.store_tma(
+                                epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, epi_count,
+                                warp_idx, store_warp, mask_barrier,
+                            )
                     else:
-                        out_ptr = cute.make_ptr(
-                            self.out_dtype, mOut[e], cute.AddressSpace.gmem, assumed_align=16
-                        )
-                    mC = cute.make_tensor(
-                        out_ptr,
-                        cute.make_layout(
-                            (self.key.hidden, self.key.intermediate),
-                            stride=(self.key.intermediate, 1),
-                        ),
-                    )
-                    gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_idx, n_idx))
-                    tCgC = thr_mma_epi.partition_C(gC)
-                    if cutlass.const_expr(self.key.tile.epilogue == "packed"):
-                        self.store_packed(acc, r_out, out_ptr, tCcC, m_idx, n_idx, n_k)
-                    elif cutlass.const_expr(self.key.accumulate):
-                        if n_k > 0:
-                            cute.autovec_copy(tCgC, r_out)
-                            acc.store(acc.load() + r_out.load().to(self.acc_dtype))
-                            r_out.store(acc.load().to(self.out_dtype))
-                            cute.autovec_copy(r_out, tCgC)
-                    else:
-                        r_out.store(acc.load().to(self.out_dtype))
-                        cute.autovec_copy(r_out, tCgC)
+                        self.store_regs(acc, r_out, mOut, thr_mma_epi, tCcC, e, m_idx, n_idx,
+                                        n_k)
                     tile = next_tile
+                if cutlass.const_expr(self.tma_epi):  # noqa: SIM102
+                    if warp_idx == store_warp:
+                        store_pipe.producer_tail()  # all TMA stores done before exit
+
+        @cute.jit
+        def store_tma(  # noqa: PLR0913
+            self, epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, epi_count, warp_idx,
+            store_warp, mask_barrier,
+        ):
+            """Epilogue ``"tma"``: the tile through the BF16 kernel's sub-tile TMA stores."""
+            bSG_sC, bSG_gC, n_sub, sub_layout = self.epi_partition(
+                tma_atom_c, sC, gC_all[(None, None, m_idx, n_idx, e)]
+            )
+            return self.epi_store_subtiles(
+                epi, tma_atom_c, bSG_sC, bSG_gC, n_sub, sub_layout, 0, epi_count, warp_idx,
+                store_warp, mask_barrier,
+            )
+
+        @cute.jit
+        def store_regs(self, acc, r_out, mOut, thr_mma_epi, tCcC, e, m_idx, n_idx, n_k):
+            """Epilogue from registers: ``"autovec"`` / ``"packed"`` (and ``"tma"`` with
+            discrete outputs: packed)."""
+            if cutlass.const_expr(self.key.output_mode == "dense"):
+                m, n = self.key.hidden, self.key.intermediate
+                out_ptr = mOut.iterator + cutlass.Int64(e) * (m * n)
+            else:
+                out_ptr = cute.make_ptr(
+                    self.out_dtype, mOut[e], cute.AddressSpace.gmem, assumed_align=16
+                )
+            mC = cute.make_tensor(
+                out_ptr,
+                cute.make_layout(
+                    (self.key.hidden, self.key.intermediate),
+                    stride=(self.key.intermediate, 1),
+                ),
+            )
+            gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_idx, n_idx))
+            tCgC = thr_mma_epi.partition_C(gC)
+            if cutlass.const_expr(self.key.tile.epilogue in ("packed", "tma")):
+                self.store_packed(acc, r_out, out_ptr, tCcC, m_idx, n_idx, n_k)
+            elif cutlass.const_expr(self.key.accumulate):
+                if n_k > 0:
+                    cute.autovec_copy(tCgC, r_out)
+                    acc.store(acc.load() + r_out.load().to(self.acc_dtype))
+                    r_out.store(acc.load().to(self.out_dtype))
+                    cute.autovec_copy(r_out, tCgC)
+            else:
+                r_out.store(acc.load().to(self.out_dtype))
+                cute.autovec_copy(r_out, tCgC)
 
         @cute.jit
         def stage_scales(self, sc, stage, buf, row0, col0):

@@ -200,6 +200,24 @@ def test_sweep_configs_and_variant_fields():
         Sm90MxTileConfig(64, 128, 128, 8, ctas_per_sm=2)
     assert Sm90MxTileConfig(64, 128, 128, 4, cross_stage=True, ctas_per_sm=2).variant == (
         "64x128s4-xs-2cta")
+    # the TMA epilogue and the producer-decoded table: opt-in, named -tma / -ptab, swept after
+    # the existing variants and before the diagnostics
+    names = [c.variant for c in cfgs]
+    for v in ("64x128s3-2cta-table-tma", "64x128s3-2cta-ptab-tma", "128x128s6-ptab-tma",
+              "128x64s8-ptab-deep-tma", "64x64s4-2cta-ptab-deep-tma"):
+        assert v in names, v
+    new = [i for i, c in enumerate(cfgs) if not c.diagnostic
+           and (c.epilogue == "tma" or c.promote == "producer_table")]
+    assert min(new) > names.index("64x64s4-2cta-table-deep-pk")
+    assert max(new) < min(i for i, c in enumerate(cfgs) if c.diagnostic)
+    assert Sm90MxTileConfig().epilogue == "autovec" and Sm90MxTileConfig().promote == "scaled"
+    with pytest.raises(ValueError, match="cross_stage"):
+        Sm90MxTileConfig(promote="producer_table", cross_stage=True)
+    with pytest.raises(ValueError, match="overflows"):  # the per-stage tables + epilogue buffers
+        Sm90MxTileConfig(64, 128, 128, 4, ctas_per_sm=2, promote="producer_table",
+                         epilogue="tma")
+    with pytest.raises(ValueError, match="epilogue"):
+        Sm90MxTileConfig(epilogue="smem")
 
 
 def test_direct_layout_has_no_opt_in_switch():
@@ -244,7 +262,8 @@ def test_offline_compile_every_sweep_variant(tmp_path, cfg, layout):
                      str(216 if cfg.ctas_per_sm == 2 else 232), ptx)
     if cfg.ctas_per_sm == 2:
         assert re.search(r"\.minnctapersm\s+2", ptx)
-    assert ("fence.proxy.async" in ptx) == (layout == "direct")  # the partial-group zeroing
+    if cfg.epilogue != "tma":  # (the TMA epilogue fences its smem writes too)
+        assert ("fence.proxy.async" in ptx) == (layout == "direct")  # partial-group zeroing
     if not cfg.cross_stage:  # the cross-stage loop is known to hit C7514
         ptxas = ptxas_for(ptx, tmp_path, arch="sm_90a")  # skips if no ptxas knows this PTX ISA
         f = tmp_path / f"mx_{cfg.variant}_{layout}.ptx"
@@ -563,7 +582,8 @@ def test_direct_rejects_begins_not_multiples_of_16():
 
 
 _NEW_VARIANTS = [c for c in mx.sweep_tile_configs(2048, 1536)
-                 if (c.deep or c.epilogue == "packed") and not c.diagnostic]
+                 if (c.deep or c.epilogue == "packed") and not c.diagnostic
+                 and c.epilogue != "tma"]
 
 
 @needs_cute
@@ -601,3 +621,63 @@ def test_default_config_ptx_unchanged_by_new_fields():
     ptx = mx.compile_sm90_mxfp8_wgrad_offline(key, arch="sm_90a")
     assert "st.global.b32" not in ptx and "st.global.b16" in ptx
     assert "3" not in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
+
+
+_T = Sm90MxTileConfig
+#: (tile, key kwargs) of the TMA epilogue / producer-table checks: CI compiles the first three
+#: (2-CTA ptab + TMA store, fp32 accumulate = TMA reduce-add with the consumer table, deep issue
+#: + ptab with a bf16 reduce-add); the others under MOE_BWD_ALL_VARIANT_COMPILES=1.
+_TMA_CASES = [
+    (_T(64, 128, 128, 3, ctas_per_sm=2, promote="producer_table", epilogue="tma"),
+     {"out_dtype": "bfloat16"}),
+    (_T(128, 128, 128, 6, promote="table", epilogue="tma"),
+     {"out_dtype": "float32", "accumulate": True}),
+    (_T(128, 64, 128, 8, promote="producer_table", deep=True, epilogue="tma"),
+     {"out_dtype": "bfloat16", "accumulate": True}),
+] + [
+    pytest.param(cfg, kw, marks=_ALL_ONLY) for cfg, kw in [
+        *[(c, {"out_dtype": "bfloat16"}) for c in mx.sweep_tile_configs(2048, 1536)
+          if not c.diagnostic and (c.epilogue == "tma" or c.promote == "producer_table")],
+        (_T(64, 128, 128, 3, ctas_per_sm=2, promote="producer_table", epilogue="tma"),
+         {"out_dtype": "float32", "accumulate": True}),
+        (_T(64, 64, 128, 4, ctas_per_sm=2, promote="producer_table", deep=True,
+            epilogue="tma"), {"output_mode": "discrete", "out_dtype": "bfloat16"}),
+        (_T(128, 128, 128, 6, promote="producer_table", epilogue="tma"),
+         {"out_dtype": "bfloat16", "token_layout": "direct"}),
+    ]
+]
+
+
+@needs_cute
+@pytest.mark.parametrize(("cfg", "kw"), _TMA_CASES,
+                         ids=lambda x: x.variant if isinstance(x, Sm90MxTileConfig) else
+                         "-".join(f"{v}" for v in x.values()))
+def test_offline_tma_epilogue_and_producer_table_ptxas_clean(tmp_path, cfg, kw):
+    # the bench shape: dense outputs leave by TMA (store, or reduce-add when accumulating) from
+    # the stmatrix-written smem sub-tiles, no st.global of the output; discrete outputs keep the
+    # packed register stores; producer_table: a 96-count table mbarrier per stage; ptxas: no
+    # wgmma serialization and no spills
+    kw = {"token_layout": "padded", **kw}
+    key = Sm90MxWgradKey(2048, 1536, 128, tile=cfg, **kw)
+    ptx = mx.compile_sm90_mxfp8_wgrad_offline(key, arch="sm_90a")
+    assert len(re.findall(r"wgmma\.mma_async[\w.:]*", ptx)) == 4
+    store = "cp.async.bulk.tensor.3d.global.shared::cta"
+    reduce = "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add"
+    if key.output_mode == "dense":
+        assert "st.global" not in ptx
+        assert (reduce in ptx) == key.accumulate and (store in ptx) == (not key.accumulate)
+        if key.out_dtype != "float32":
+            assert "stmatrix" in ptx
+    else:
+        assert store not in ptx and reduce not in ptx and "st.global.b32" in ptx
+    if cfg.promote == "producer_table":
+        assert re.search(r"mov\.b32\s+%r\d+, 96;", ptx)  # the table barriers' count
+    ptxas = ptxas_for(ptx, tmp_path, arch="sm_90a")
+    f = tmp_path / "v.ptx"
+    f.write_text(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(f), "-o", os.devnull],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "C7514" not in r.stderr and "C7515" not in r.stderr, r.stderr[-2000:]
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", r.stderr)]
+    assert spills and max(spills) == 0, r.stderr[-1000:]

@@ -21,7 +21,9 @@ Structure (shared with ``sm90_bf16``: the tile order, the scheduler and ``next_t
   (``common/mx_atoms``: 512 contiguous bytes per 128 rows), loaded by TMA through a
   ``(bytes / 256, 256)`` view of the scale tensor; everything completes on the stage's mbarrier;
 - consumer warp groups (cooperative, one 64-row slab each) run the wgmma + promotion mainloop and
-  store the fp32 accumulator from registers (dense or discrete outputs, optional accumulate);
+  store the fp32 accumulator from registers (dense or discrete outputs, optional accumulate), or
+  with ``epilogue="tma"`` (dense outputs) through shared memory and TMA stores / reduce-adds
+  (``sm90_bf16``'s ``epi_*`` methods, the BF16 kernel's epilogue);
 - every expert's stages start at its first token (``token_layout="direct"``) or, in the padded
   layout (``token_layout="padded"``), at ``32 * s_e`` where ``s_e`` is its first scale column:
   then every stage is 128-token aligned and the partial group's missing tokens are the zero
@@ -42,7 +44,9 @@ expert but the last holds a multiple of 128 tokens (no repack).
 
 Variants (:class:`Sm90MxTileConfig` fields, swept by ``benchmarks/bench_grouped_wgrad_mxfp8.py
 --sweep``): ``promote`` (``"scaled"``: per-thread scale words decoded per group; ``"table"``: the
-stage's scales decoded once into an fp32 table in shared memory; two diagnostics),
+stage's scales decoded once into an fp32 table in shared memory; ``"producer_table"``
+(``-ptab``): the producer warp group's idle warps decode it, ordered by a per-stage mbarrier; two
+diagnostics), ``epilogue`` (``-pk`` packed register stores, ``-tma`` smem + TMA),
 ``ctas_per_sm`` (2 co-resident 64-row CTAs), ``cross_stage`` (promotion pipelined across stages;
 ptxas serializes its wgmmas, C7514), tile and stages.
 
@@ -162,7 +166,9 @@ class Sm90MxTileConfig:
             BF16 kernel's epilogue, ``sm90_bf16``'s ``epi_*`` methods: registers -> shared
             memory (stmatrix) in (tile_m, 32) sub-tiles, one warp issues a TMA store, or a TMA
             reduce-add when accumulating, 2 buffers in flight, so the global writes drain while
-            the next tile's mainloop runs; discrete outputs keep the ``"packed"`` stores).
+            the next tile's mainloop runs; discrete outputs keep the ``"packed"`` stores). With
+            a 16-bit output and ``accumulate`` the TMA reduce-add rounds twice (the result, then
+            the sum), as the BF16 kernel's reduce epilogue does.
     """
 
     tile_m: int = 128

@@ -48,6 +48,7 @@ caches and launches. CuTe DSL is imported only inside the compile functions.
 
 import dataclasses
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -539,6 +540,126 @@ def _build_kernel_class():
                 )
             return c_phases ^ (1 << g)
 
+        # ---- the TMA epilogue (dense outputs), shared with the MXFP8 kernel (sm90_mxfp8) ----
+        # They use self.key / out_dtype / acc_dtype / epi_tile / epi_stages / num_groups /
+        # group_threads / prefetch_c.
+
+        def epi_smem_layout(self):
+            """Staged shared-memory layout of the epilogue sub-tiles: ``epi_stages`` buffers of
+            ``epi_tile`` per consumer group (row-major output)."""
+            return sm90_utils.make_smem_layout_epi(
+                self.out_dtype,
+                LayoutEnum.ROW_MAJOR,
+                self.epi_tile,
+                self.epi_stages * self.num_groups,
+            )
+
+        def epi_store_op(self):
+            """TMA store, or TMA reduce-add when accumulating (plain store for the prefetch
+            epilogue, which adds the old tile itself)."""
+            if self.key.accumulate and not self.prefetch_c:
+                return cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp()
+            return cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
+
+        def epi_tma_atom(self, op, mOut, epi_smem_staged):
+            """TMA atom of ``op`` over the dense ``(E, M, N)`` output viewed as ``(M, N, E)``,
+            one ``epi_tile`` box per copy."""
+            m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
+            mC_mne = cute.make_tensor(
+                mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
+            )
+            return cute.nvgpu.cpasync.make_tiled_tma_atom(
+                op,
+                mC_mne,
+                cute.slice_(epi_smem_staged, (None, None, 0)),
+                self.epi_tile,
+            )
+
+        def epi_setup(self, tiled_mma, sC, acc, ctid):
+            """A consumer thread's register -> shared copy (stmatrix) of the accumulator's
+            sub-tiles and the TMA store pipeline (``epi_stages`` buffers per group)."""
+            r2s_atom = sm90_utils.get_smem_store_op(
+                LayoutEnum.ROW_MAJOR, self.out_dtype, self.acc_dtype
+            )
+            c_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype
+            )
+            tiled_r2s = cute.make_tiled_copy_S(
+                r2s_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma)
+            )
+            thr_r2s = tiled_r2s.get_slice(ctid)
+            tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, buffer)
+            tRS_acc = tiled_r2s.retile(acc)
+            rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+            tRS_rC = cute.make_rmem_tensor(rC_shape, self.acc_dtype)
+            tRS_rC_out = cute.make_rmem_tensor(rC_shape, self.out_dtype)
+            tRS_rOld = cute.make_rmem_tensor(rC_shape, self.out_dtype)
+            sub_size = cute.size(tRS_rC)
+            store_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stages,
+                producer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.group_threads
+                ),
+            )
+            return types.SimpleNamespace(
+                tiled_r2s=tiled_r2s, tRS_sC=tRS_sC, tRS_acc=tRS_acc, tRS_rC=tRS_rC,
+                tRS_rC_out=tRS_rC_out, tRS_rOld=tRS_rOld, sub_size=sub_size,
+                store_pipe=store_pipe,
+            )
+
+        def epi_partition(self, tma_atom_c, sC, gC_t):
+            """(smem, gmem) TMA partitions of one ``(tile_m, tile_n)`` output tile ``gC_t`` in
+            ``epi_tile`` sub-tiles, their count and their (row-major) coordinate layout."""
+            gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
+            bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_c,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sC, 0, 2),
+                gC_epi,
+            )
+            n_sub = cute.size(gC_epi, mode=[1])
+            sub_shape = gC_epi.shape[1]
+            sub_layout = cute.make_layout(sub_shape, stride=(sub_shape[1], 1))
+            return bSG_sC, bSG_gC, n_sub, sub_layout
+
+        @cute.jit
+        def epi_store_subtiles(  # noqa: PLR0913
+            self, epi, tma_atom_c, bSG_sC, bSG_gC, n_sub: cutlass.Constexpr, sub_layout, group,
+            epi_count, warp_idx, store_warp, mask_barrier,
+        ):
+            """Store the accumulator (``epi.tRS_acc``) sub-tile by sub-tile: convert, stmatrix
+            into the group's next epilogue buffer, fence + group barrier, one warp issues the
+            TMA store (or reduce-add) and waits until a buffer is free again (``epi_stages``
+            stores in flight), group barrier. Returns the advanced buffer counter."""
+            sub_size, store_pipe = epi.sub_size, epi.store_pipe
+            for si in cutlass.range_constexpr(n_sub):
+                for v in cutlass.range_constexpr(sub_size):
+                    epi.tRS_rC[v] = epi.tRS_acc[si * sub_size + v]
+                epi.tRS_rC_out.store(epi.tRS_rC.load().to(self.out_dtype))
+                buf = (
+                    group * self.epi_stages
+                    + epi_count % self.epi_stages
+                )
+                cute.copy(
+                    epi.tiled_r2s,
+                    epi.tRS_rC_out,
+                    epi.tRS_sC[(None, None, None, buf)],
+                )
+                cute.arch.fence_proxy("async.shared", space="cta")
+                mask_barrier.arrive_and_wait()
+                if warp_idx == store_warp:
+                    cute.copy(
+                        tma_atom_c,
+                        bSG_sC[(None, buf)],
+                        bSG_gC[(None, sub_layout.get_hier_coord(si))],
+                    )
+                    store_pipe.producer_commit()
+                    store_pipe.producer_acquire()
+                mask_barrier.arrive_and_wait()
+                epi_count += 1
+            return epi_count
+
         @cute.jit
         def tile_coords(self, tile, sPerm, cta_rank):
             """(e, m_idx, n_idx, valid) of scheduler tile ``tile`` in this CTA: ids run over
@@ -593,12 +714,7 @@ def _build_kernel_class():
             epi_smem_staged = a_smem_staged  # placeholder when the epilogue stores from registers
             epi_cosize = 64
             if cutlass.const_expr(self.tma_epi):
-                epi_smem_staged = sm90_utils.make_smem_layout_epi(
-                    self.out_dtype,
-                    LayoutEnum.ROW_MAJOR,
-                    self.epi_tile,
-                    self.epi_stages * self.num_groups,
-                )
+                epi_smem_staged = self.epi_smem_layout()
                 epi_cosize = cute.cosize(epi_smem_staged)
             tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
@@ -620,26 +736,12 @@ def _build_kernel_class():
             tma_atom_c, tma_c = tma_atom_a, tma_a  # placeholders for the discrete mode
             tma_atom_cl, tma_cl = tma_atom_a, tma_a  # old-output loads of the prefetch epilogue
             if cutlass.const_expr(self.tma_epi):
-                m, n, e = self.key.hidden, self.key.intermediate, self.key.num_experts
-                mC_mne = cute.make_tensor(
-                    mOut.iterator, cute.make_layout((m, n, e), stride=(n, 1, m * n))
-                )
-                store_op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
-                if cutlass.const_expr(self.key.accumulate):
-                    store_op = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp()
                 if cutlass.const_expr(self.prefetch_c):
-                    store_op = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
-                    tma_atom_cl, tma_cl = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                        cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                        mC_mne,
-                        cute.slice_(epi_smem_staged, (None, None, 0)),
-                        self.epi_tile,
+                    tma_atom_cl, tma_cl = self.epi_tma_atom(
+                        cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mOut, epi_smem_staged
                     )
-                tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                    store_op,
-                    mC_mne,
-                    cute.slice_(epi_smem_staged, (None, None, 0)),
-                    self.epi_tile,
+                tma_atom_c, tma_c = self.epi_tma_atom(
+                    self.epi_store_op(), mOut, epi_smem_staged
                 )
 
             self.shared_storage = self.make_storage(
@@ -936,29 +1038,10 @@ def _build_kernel_class():
                 r_out = cute.make_rmem_tensor(acc_shape, self.out_dtype)
                 c_phase = cutlass.Int32(0)  # prefetch epilogue: this group's full-barrier phase
                 if cutlass.const_expr(self.tma_epi):
-                    r2s_atom = sm90_utils.get_smem_store_op(
-                        LayoutEnum.ROW_MAJOR, self.out_dtype, self.acc_dtype
-                    )
-                    c_atom = cute.make_copy_atom(
-                        cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype
-                    )
-                    tiled_r2s = cute.make_tiled_copy_S(
-                        r2s_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma)
-                    )
-                    thr_r2s = tiled_r2s.get_slice(ctid)
-                    tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, buffer)
-                    tRS_acc = tiled_r2s.retile(acc)
-                    rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
-                    tRS_rC = cute.make_rmem_tensor(rC_shape, self.acc_dtype)
-                    tRS_rC_out = cute.make_rmem_tensor(rC_shape, self.out_dtype)
-                    tRS_rOld = cute.make_rmem_tensor(rC_shape, self.out_dtype)
-                    sub_size = cute.size(tRS_rC)
-                    store_pipe = pipeline.PipelineTmaStore.create(
-                        num_stages=self.epi_stages,
-                        producer_group=pipeline.CooperativeGroup(
-                            pipeline.Agent.Thread, self.group_threads
-                        ),
-                    )
+                    epi = self.epi_setup(tiled_mma, sC, acc, ctid)
+                    tiled_r2s, tRS_sC, tRS_acc = epi.tiled_r2s, epi.tRS_sC, epi.tRS_acc
+                    tRS_rC, tRS_rOld, sub_size = epi.tRS_rC, epi.tRS_rOld, epi.sub_size
+                    store_pipe = epi.store_pipe
                     store_warp = 4 + group * 4 * self.wgs_per_group
                     epi_count = cutlass.Int32(0)
 
@@ -1048,19 +1131,8 @@ def _build_kernel_class():
                             if cutlass.const_expr(self.key.accumulate):
                                 skip = skip or n_k == 0  # empty expert: output untouched
                             if not skip:
-                                gC_t = gC_all[(None, None, m_idx, n_idx, e)]
-                                gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
-                                bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-                                    tma_atom_c,
-                                    0,
-                                    cute.make_layout(1),
-                                    cute.group_modes(sC, 0, 2),
-                                    gC_epi,
-                                )
-                                n_sub = cute.size(gC_epi, mode=[1])
-                                sub_shape = gC_epi.shape[1]
-                                sub_layout = cute.make_layout(
-                                    sub_shape, stride=(sub_shape[1], 1)
+                                bSG_sC, bSG_gC, n_sub, sub_layout = self.epi_partition(
+                                    tma_atom_c, sC, gC_all[(None, None, m_idx, n_idx, e)]
                                 )
                                 if cutlass.const_expr(self.prefetch_c):
                                     # old tile in smem (loaded during the mainloop): add it in
@@ -1093,31 +1165,10 @@ def _build_kernel_class():
                                         with cute.arch.elect_one():
                                             cute.arch.mbarrier_arrive(c_empty + group)
                                 else:
-                                    for si in cutlass.range_constexpr(n_sub):
-                                        for v in cutlass.range_constexpr(sub_size):
-                                            tRS_rC[v] = tRS_acc[si * sub_size + v]
-                                        tRS_rC_out.store(tRS_rC.load().to(self.out_dtype))
-                                        buf = (
-                                            group * self.epi_stages
-                                            + epi_count % self.epi_stages
-                                        )
-                                        cute.copy(
-                                            tiled_r2s,
-                                            tRS_rC_out,
-                                            tRS_sC[(None, None, None, buf)],
-                                        )
-                                        cute.arch.fence_proxy("async.shared", space="cta")
-                                        mask_barrier.arrive_and_wait()
-                                        if warp_idx == store_warp:
-                                            cute.copy(
-                                                tma_atom_c,
-                                                bSG_sC[(None, buf)],
-                                                bSG_gC[(None, sub_layout.get_hier_coord(si))],
-                                            )
-                                            store_pipe.producer_commit()
-                                            store_pipe.producer_acquire()
-                                        mask_barrier.arrive_and_wait()
-                                        epi_count += 1
+                                    epi_count = self.epi_store_subtiles(
+                                        epi, tma_atom_c, bSG_sC, bSG_gC, n_sub, sub_layout,
+                                        group, epi_count, warp_idx, store_warp, mask_barrier,
+                                    )
                         else:
                             # registers -> global (discrete outputs: a pointer per expert)
                             if valid:

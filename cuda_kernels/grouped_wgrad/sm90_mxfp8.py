@@ -21,7 +21,9 @@ Structure (shared with ``sm90_bf16``: the tile order, the scheduler and ``next_t
   (``common/mx_atoms``: 512 contiguous bytes per 128 rows), loaded by TMA through a
   ``(bytes / 256, 256)`` view of the scale tensor; everything completes on the stage's mbarrier;
 - consumer warp groups (cooperative, one 64-row slab each) run the wgmma + promotion mainloop and
-  store the fp32 accumulator from registers (dense or discrete outputs, optional accumulate);
+  store the fp32 accumulator from registers (dense or discrete outputs, optional accumulate), or
+  with ``epilogue="tma"`` (dense outputs) through shared memory and TMA stores / reduce-adds
+  (``sm90_bf16``'s ``epi_*`` methods, the BF16 kernel's epilogue);
 - every expert's stages start at its first token (``token_layout="direct"``) or, in the padded
   layout (``token_layout="padded"``), at ``32 * s_e`` where ``s_e`` is its first scale column:
   then every stage is 128-token aligned and the partial group's missing tokens are the zero
@@ -42,7 +44,9 @@ expert but the last holds a multiple of 128 tokens (no repack).
 
 Variants (:class:`Sm90MxTileConfig` fields, swept by ``benchmarks/bench_grouped_wgrad_mxfp8.py
 --sweep``): ``promote`` (``"scaled"``: per-thread scale words decoded per group; ``"table"``: the
-stage's scales decoded once into an fp32 table in shared memory; two diagnostics),
+stage's scales decoded once into an fp32 table in shared memory; ``"producer_table"``
+(``-ptab``): the producer warp group's idle warps decode it, ordered by a per-stage mbarrier; two
+diagnostics), ``epilogue`` (``-pk`` packed register stores, ``-tma`` smem + TMA),
 ``ctas_per_sm`` (2 co-resident 64-row CTAs), ``cross_stage`` (promotion pipelined across stages;
 ptxas serializes its wgmmas, C7514), tile and stages.
 
@@ -84,8 +88,11 @@ TILE_K = 128  # tokens per pipeline stage = 4 groups = one 128x4 scale atom colu
 ATOM_BYTES = 512
 ELEMS = ("e4m3", "e5m2")
 TOKEN_LAYOUTS = ("direct", "padded")
-PROMOTE_MODES = ("scaled", "table", "unscaled", "none")
-EPILOGUES = ("autovec", "packed")
+PROMOTE_MODES = ("scaled", "table", "producer_table", "unscaled", "none")
+DECODE_THREADS = 96  # promote="producer_table": the producer warp group's warps 1-3
+EPILOGUES = ("autovec", "packed", "tma")
+_PROMOTE_SUFFIX = {"producer_table": "ptab"}
+EPI_N = 32  # columns of one TMA-epilogue sub-tile (the BF16 kernel's measured default)
 _SCHED_STAGES = 4
 
 
@@ -138,7 +145,13 @@ class Sm90MxTileConfig:
             shift + mask), then ``acc += tmp * (fa * fb)``; ``"table"``: each consumer warp
             group decodes the stage's scales once into an fp32 table in shared memory
             (double-buffered, one word per thread per stage, then a warp-group barrier), the
-            promotion then only loads fa / fb; ``"unscaled"`` / ``"none"``: DIAGNOSTICS ONLY,
+            promotion then only loads fa / fb; ``"producer_table"`` (name suffix ``-ptab``):
+            the producer warp group's idle warps 1-3 decode every stage's scales into an fp32
+            table in shared memory (one table per pipeline stage, (tile_m + tile_n) x 4 words),
+            after the stage's full mbarrier, and arrive on a per-stage table mbarrier that the
+            consumers wait on after the stage's: their promotion is only the table loads and
+            FMUL + FFMA (the stage's refill waits for the consumers' release, which follows
+            their last table read); ``"unscaled"`` / ``"none"``: DIAGNOSTICS ONLY,
             wrong results (``acc += tmp`` / no promotion at all): the sweep's bounds on what
             the scaling / the whole promotion costs.
         deep: deep issue (needs ``tile_n == 64``: 4 fragments of 32 fp32 + the accumulator
@@ -149,7 +162,13 @@ class Sm90MxTileConfig:
         epilogue: ``"autovec"`` (the original register -> global copy: with a 16-bit output
             it emits one 2-byte store per element, 64 ``STG.U16`` per thread at 128x128) or
             ``"packed"`` (each thread's two adjacent columns packed into one 32-bit store for
-            bf16 / fp16 outputs, one 64-bit store for fp32).
+            bf16 / fp16 outputs, one 64-bit store for fp32) or ``"tma"`` (dense outputs: the
+            BF16 kernel's epilogue, ``sm90_bf16``'s ``epi_*`` methods: registers -> shared
+            memory (stmatrix) in (tile_m, 32) sub-tiles, one warp issues a TMA store, or a TMA
+            reduce-add when accumulating, 2 buffers in flight, so the global writes drain while
+            the next tile's mainloop runs; discrete outputs keep the ``"packed"`` stores). With
+            a 16-bit output and ``accumulate`` the TMA reduce-add rounds twice (the result, then
+            the sum), as the BF16 kernel's reduce epilogue does.
     """
 
     tile_m: int = 128
@@ -167,7 +186,7 @@ class Sm90MxTileConfig:
         cls = type(self).__name__
         if self.promote not in PROMOTE_MODES:
             raise ValueError(f"{cls}.promote must be one of {PROMOTE_MODES}, got {self.promote!r}")
-        if self.cross_stage and self.promote == "table":
+        if self.cross_stage and self.promote in ("table", "producer_table"):
             raise ValueError(f"{cls}: cross_stage with promote='table' is not built (the DSL "
                              "cannot carry the table's state out of the stage loop)")
         if self.epilogue not in EPILOGUES:
@@ -184,6 +203,10 @@ class Sm90MxTileConfig:
             need = self.stage_bytes * self.stages + SM90_MX_TILES.smem_reserved
             if self.promote == "table":
                 need += 4 * 2 * 4 * (64 + self.tile_n) * (self.tile_m // 64)
+            if self.promote == "producer_table":
+                need += 4 * self.stages * 4 * (self.tile_m + self.tile_n)
+            if self.epilogue == "tma":  # 2 (tile_m, 32) 16-bit buffers (fp32 outputs: 1)
+                need += 2 * self.tile_m * EPI_N * 2
             if 2 * need > SM90_MX_TILES.smem_bytes:
                 raise ValueError(
                     f"{cls}: ctas_per_sm=2 with {self.stages} stages of {self.stage_bytes} bytes "
@@ -195,8 +218,9 @@ class Sm90MxTileConfig:
         """Short name of the config (benchmark sweeps)."""
         return (f"{self.tile_m}x{self.tile_n}s{self.stages}"
                 f"{'-xs' if self.cross_stage else ''}{'-2cta' if self.ctas_per_sm == 2 else ''}"
-                f"{'' if self.promote == 'scaled' else '-' + self.promote}"
-                f"{'-deep' if self.deep else ''}{'-pk' if self.epilogue == 'packed' else ''}")
+                f"{'' if self.promote == 'scaled' else '-' + _PROMOTE_SUFFIX.get(self.promote, self.promote)}"
+                f"{'-deep' if self.deep else ''}"
+                f"{ {'autovec': '', 'packed': '-pk', 'tma': '-tma'}[self.epilogue]}")
 
     @property
     def diagnostic(self) -> bool:
@@ -287,7 +311,8 @@ def sweep_tile_configs(hidden: int, intermediate: int) -> list[Sm90MxTileConfig]
     divide the problem): the current default first; the shared-memory factor table
     (``promote="table"``); 64-row tiles with one or two CTAs per SM (occupancy pingpong); the
     cross-stage loop (ptxas reports C7514 for it: wgmma serialized; measured anyway); the packed
-    epilogue (``-pk``) and deep-issue (``-deep``, tile_n 64) variants; and, last, the diagnostic
+    epilogue (``-pk``) and deep-issue (``-deep``, tile_n 64) variants; the TMA epilogue
+    (``-tma``) and the producer-decoded factor table (``-ptab``); and, last, the diagnostic
     promotions (wrong results on purpose: bounds on the promotion's cost)."""
     out: list[Sm90MxTileConfig] = []
 
@@ -324,6 +349,19 @@ def sweep_tile_configs(hidden: int, intermediate: int) -> list[Sm90MxTileConfig]
     add(128, 64, s64, promote="table", deep=True, epilogue="packed")
     add(64, 64, 4, ctas_per_sm=2, deep=True, epilogue="packed")
     add(64, 64, 4, ctas_per_sm=2, promote="table", deep=True, epilogue="packed")
+    # dense outputs through shared memory + TMA stores (-tma: the BF16 kernel's epilogue, the
+    # stores drain during the next tile's mainloop) and the producer-decoded factor table
+    # (-ptab: the producer warp group's idle warps decode each stage's scales); two CTAs per SM
+    # need 3 stages at 64x128 for the epilogue buffers / the per-stage tables
+    add(64, 128, 3, ctas_per_sm=2, promote="table", epilogue="tma")
+    add(64, 128, 3, ctas_per_sm=2, promote="producer_table", epilogue="tma")
+    add(128, 128, s128, promote="table", epilogue="tma")
+    add(128, 128, s128, promote="producer_table", epilogue="tma")
+    add(128, 64, s64, promote="table", deep=True, epilogue="tma")
+    add(128, 64, s64, promote="producer_table", deep=True, epilogue="tma")
+    add(64, 64, 4, ctas_per_sm=2, promote="table", deep=True, epilogue="tma")
+    add(64, 64, 4, ctas_per_sm=2, promote="producer_table", deep=True, epilogue="tma")
+    add(64, 128, 3, ctas_per_sm=2, promote="producer_table", epilogue="packed")
     if out:
         base = out[0]
         for mode in ("unscaled", "none"):
@@ -331,6 +369,9 @@ def sweep_tile_configs(hidden: int, intermediate: int) -> list[Sm90MxTileConfig]
         add(64, 128, 4, ctas_per_sm=2, promote="none")
         add(base.tile_m, base.tile_n, base.stages, promote="none", epilogue="packed")
         add(128, 64, s64, promote="none", deep=True, epilogue="packed")
+        # the TMA epilogue without promotion: the bound the -tma variants can approach
+        add(64, 128, 3, ctas_per_sm=2, promote="none", epilogue="tma")
+        add(128, 128, s128, promote="none", epilogue="tma")
     return out
 
 
@@ -394,7 +435,24 @@ def _build_kernel_class():
             self.fac_len = 4
             if t.promote == "table":
                 self.fac_len = self.num_consumer_wgs * 2 * 4 * self.fac_row
+            self.ptab = t.promote == "producer_table"
+            self.ptab_row = t.tile_m + t.tile_n  # producer_table: words per group and stage
+            if self.ptab:
+                self.fac_len = t.stages * 4 * self.ptab_row
             header = 4096 + 12 * key.num_experts + 16 * t.stages + 4 * self.fac_len
+            # epilogue="tma" (dense outputs): the BF16 kernel's epilogue methods (epi_*), one
+            # consumer group (cooperative), (tile_m, 32) sub-tiles (a 64-row tile: (64, 32)),
+            # 2 buffers (1 for fp32 outputs with two CTAs per SM: the config's budget)
+            self.tma_epi = t.epilogue == "tma" and key.output_mode == "dense"
+            self.prefetch_c = False
+            self.num_groups = 1
+            self.epi_tile = (self.tile_m, EPI_N)
+            self.epi_stages = 2
+            out_bytes = self.out_dtype.width // 8
+            if self.tma_epi and t.ctas_per_sm == 2 and out_bytes > 2:
+                self.epi_stages = 1
+            if self.tma_epi:
+                header += self.epi_stages * self.tile_m * EPI_N * out_bytes
             self.stages = min(t.stages, (SM90_MX_TILES.smem_bytes - header) // t.stage_bytes)
             if self.stages < 2:
                 raise ValueError(f"{t} leaves no room for 2 pipeline stages")
@@ -492,30 +550,15 @@ def _build_kernel_class():
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mSFB, atom_smem, (2, 256)
             )
 
-            @cute.struct
-            class SharedStorage:
-                mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-                sched_mbar: cute.struct.MemRange[cutlass.Int64, _SCHED_STAGES * 2]
-                sched: cute.struct.MemRange[cutlass.Int32, _SCHED_STAGES]
-                lens: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
-                perm: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
-                start: cute.struct.MemRange[cutlass.Int32, self.key.num_experts]
-                sSFA: cute.struct.Align[
-                    cute.struct.MemRange[cutlass.Uint8, ATOM_BYTES * self.stages], 128
-                ]
-                sSFB: cute.struct.Align[
-                    cute.struct.MemRange[cutlass.Uint8, ATOM_BYTES * self.stages], 128
-                ]
-                fac: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.fac_len], 16]
-                sA: cute.struct.Align[
-                    cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], 1024
-                ]
-                sB: cute.struct.Align[
-                    cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], 1024
-                ]
-
-            self.shared_storage = SharedStorage
-            self.kernel(
+            epi_cosize = 0
+            if cutlass.const_expr(self.tma_epi):
+                epi_smem_staged = self.epi_smem_layout()
+                epi_cosize = cute.cosize(epi_smem_staged)
+                tma_atom_c, tma_c = self.epi_tma_atom(self.epi_store_op(), mOut, epi_smem_staged)
+            self.shared_storage = self.make_storage(
+                cute.cosize(a_smem_staged), cute.cosize(b_smem_staged), epi_cosize
+            )
+            args = (
                 tma_atom_a,
                 tma_a,
                 tma_atom_b,
@@ -530,16 +573,45 @@ def _build_kernel_class():
                 tiled_mma,
                 a_smem_staged,
                 b_smem_staged,
-            ).launch(
+            )
+            launch_kw = dict(
                 grid=[num_ctas, 1, 1],
                 block=[self.threads, 1, 1],
-                smem=SharedStorage.size_in_bytes(),
+                smem=self.shared_storage.size_in_bytes(),
                 min_blocks_per_mp=self.ctas_per_sm,
                 # set explicitly: with min_blocks_per_mp > 1 the DSL otherwise asks the driver
                 # for the SM's shared memory (no offline compile)
                 preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None,
                 stream=stream,
             )
+            if cutlass.const_expr(self.tma_epi):
+                self.kernel_tma(*args, tma_atom_c, tma_c, epi_smem_staged).launch(**launch_kw)
+            else:
+                self.kernel(*args).launch(**launch_kw)
+
+        def make_storage(self, a_cosize: int, b_cosize: int, epi_cosize: int):
+            """The kernel's shared-memory struct (the TMA epilogue's buffers ``sC`` only with
+            ``epilogue="tma"``; a plain method: the DSL's preprocessor would turn a conditional
+            class body into code)."""
+            mem, align = cute.struct.MemRange, cute.struct.Align
+            fields = {
+                "mbar": mem[cutlass.Int64, self.stages * 2],
+                "sched_mbar": mem[cutlass.Int64, _SCHED_STAGES * 2],
+                "sched": mem[cutlass.Int32, _SCHED_STAGES],
+                "lens": mem[cutlass.Int32, self.key.num_experts],
+                "perm": mem[cutlass.Int32, self.key.num_experts],
+                "start": mem[cutlass.Int32, self.key.num_experts],
+                "sSFA": align[mem[cutlass.Uint8, ATOM_BYTES * self.stages], 128],
+                "sSFB": align[mem[cutlass.Uint8, ATOM_BYTES * self.stages], 128],
+                "fac": align[mem[cutlass.Float32, self.fac_len], 16],
+                "sA": align[mem[self.ab_dtype, a_cosize], 1024],
+                "sB": align[mem[self.ab_dtype, b_cosize], 1024],
+            }
+            if self.ptab:
+                fields["tab_mbar"] = mem[cutlass.Int64, self.stages]
+            if epi_cosize:
+                fields["sC"] = align[mem[self.out_dtype, epi_cosize], 1024]
+            return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         @cute.kernel
         def kernel(
@@ -559,6 +631,47 @@ def _build_kernel_class():
             a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout,
         ):
+            self.kernel_body(
+                tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
+                tma_sfb, mOffsets, mOut, mCounter, tiled_mma, a_smem_staged, b_smem_staged,
+                None, None, None,
+            )
+
+        @cute.kernel
+        def kernel_tma(
+            self,
+            tma_atom_a: cute.CopyAtom,
+            tma_a: cute.Tensor,
+            tma_atom_b: cute.CopyAtom,
+            tma_b: cute.Tensor,
+            tma_atom_sfa: cute.CopyAtom,
+            tma_sfa: cute.Tensor,
+            tma_atom_sfb: cute.CopyAtom,
+            tma_sfb: cute.Tensor,
+            mOffsets: cute.Tensor,
+            mOut: cute.Tensor,
+            mCounter: cute.Tensor,
+            tiled_mma: cute.TiledMma,
+            a_smem_staged: cute.ComposedLayout,
+            b_smem_staged: cute.ComposedLayout,
+            tma_atom_c: cute.CopyAtom,
+            tma_c: cute.Tensor,
+            epi_smem_staged: cute.ComposedLayout,
+        ):
+            """``epilogue="tma"`` with a dense output: the body plus the output's TMA store
+            atom and the epilogue's shared-memory layout."""
+            self.kernel_body(
+                tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
+                tma_sfb, mOffsets, mOut, mCounter, tiled_mma, a_smem_staged, b_smem_staged,
+                tma_atom_c, tma_c, epi_smem_staged,
+            )
+
+        @cute.jit
+        def kernel_body(  # noqa: PLR0913
+            self, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
+            tma_sfb, mOffsets, mOut, mCounter, tiled_mma, a_smem_staged, b_smem_staged,
+            tma_atom_c, tma_c, epi_smem_staged,
+        ):
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             wg_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -566,6 +679,8 @@ def _build_kernel_class():
             if warp_idx == 0:
                 for atom in (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb):
                     cute.nvgpu.cpasync.prefetch_descriptor(atom)
+                if cutlass.const_expr(self.tma_epi):
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
 
             a_smem_one = cute.slice_(a_smem_staged, (None, None, 0))
             b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
@@ -593,11 +708,19 @@ def _build_kernel_class():
                 num_stages=_SCHED_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
                 consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, 128 * self.num_consumer_wgs
+                    pipeline.Agent.Thread,
+                    128 * self.num_consumer_wgs + (DECODE_THREADS if self.ptab else 0),
                 ),
                 defer_sync=True,
             )
             sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
+            tab_full = None  # promote="producer_table": a table-ready mbarrier per stage
+            if cutlass.const_expr(self.ptab):
+                tab_full = storage.tab_mbar.data_ptr()
+                if warp_idx == 0:
+                    with cute.arch.elect_one():
+                        for i in cutlass.range_constexpr(self.stages):
+                            cute.arch.mbarrier_init(tab_full + i, DECODE_THREADS)
             pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
             sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
@@ -734,6 +857,13 @@ def _build_kernel_class():
                         tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
                         sched_state.advance()
                     ab_pipe.producer_tail(prod_state)
+                if cutlass.const_expr(self.ptab):  # noqa: SIM102
+                    if warp_idx > 0:
+                        self.decode_tables(
+                            ab_pipe, sched_pipe, sSched, sPerm, mOffsets, sStart, wSFA, wSFB,
+                            storage.fac.get_tensor(cute.make_layout(self.fac_len)), tab_full,
+                            tidx - 32,
+                        )
             else:
                 # ---------------- consumer warp groups: wgmma + MX promotion ----------------
                 cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -774,13 +904,30 @@ def _build_kernel_class():
                         r, c = tCcC[i]
                         fri[i] = r - 64 * wgl
                         fci[i] = 64 + c
+                if cutlass.const_expr(self.ptab):  # the stage table: tile rows, then columns
+                    for i in cutlass.range_constexpr(n_acc):
+                        r, c = tCcC[i]
+                        fri[i] = r
+                        fci[i] = self.tile_m + c
                 sc = types.SimpleNamespace(
                     wa=wa, wb=wb, fab=fab, tCcC=tCcC, wSFA=wSFA, wSFB=wSFB, fac=fac, wgl=wgl,
-                    wtid=tidx % 128, fri=fri, fci=fci,
+                    wtid=tidx % 128, fri=fri, fci=fci, tab_full=tab_full,
                     # a static id (a dynamic one makes ptxas reserve all 16 named barriers, and
                     # two CTAs per SM could not co-reside): all consumer warp groups
                     bar=pipeline.NamedBarrier(barrier_id=2, num_threads=self.group_threads),
                 )
+
+                if cutlass.const_expr(self.tma_epi):
+                    # the BF16 kernel's TMA epilogue (sm90_bf16 epi_*): one consumer group, its
+                    # first warp issues the stores
+                    sC = storage.sC.get_tensor(
+                        epi_smem_staged.outer, swizzle=epi_smem_staged.inner
+                    )
+                    gC_all = cute.local_tile(tma_c, (self.tile_m, self.tile_n), (None,) * 3)
+                    epi = self.epi_setup(tiled_mma, sC, acc, ctid)
+                    store_pipe = epi.store_pipe
+                    store_warp = 4
+                    epi_count = cutlass.Int32(0)
 
                 read_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, self.stages
@@ -820,6 +967,8 @@ def _build_kernel_class():
                         for kt in cutlass.range(n_k, unroll=1):
                             ab_pipe.consumer_wait(read_state)
                             stage = read_state.index
+                            if cutlass.const_expr(self.ptab):  # the decoders' stage table
+                                cute.arch.mbarrier_wait(tab_full + stage, read_state.phase)
                             rest = k_len - kt * tk  # tokens of the expert in this stage (> 0)
                             if cutlass.const_expr(self.key.token_layout == "direct"):
                                 hi = ((rest + SF_VEC - 1) // SF_VEC) * SF_VEC
@@ -830,6 +979,7 @@ def _build_kernel_class():
                                     cute.arch.fence_proxy("async.shared", space="cta")
                                     mask_barrier.arrive_and_wait()
                             self.stage_scales(sc, stage, kt % 2, row0, col0)
+                            fbuf = self.fac_buf(kt, stage)
                             for kb in cutlass.range_constexpr(num_k_blocks):
                                 tmp = tmp0 if kb % 2 == 0 else tmp1
                                 fence_accumulators(tmp)
@@ -847,12 +997,12 @@ def _build_kernel_class():
                                     cute.nvgpu.warpgroup.wait_group(1)
                                     self.promote(
                                         acc, tmp1 if kb % 2 == 0 else tmp0, sc, kb - 1, rest,
-                                        kt % 2,
+                                        fbuf,
                                     )
                             cute.nvgpu.warpgroup.wait_group(0)
                             self.promote(
                                 acc, tmp0 if (num_k_blocks - 1) % 2 == 0 else tmp1, sc,
-                                num_k_blocks - 1, rest, kt % 2,
+                                num_k_blocks - 1, rest, fbuf,
                             )
                             ab_pipe.consumer_release(read_state)
                             read_state.advance()
@@ -861,35 +1011,73 @@ def _build_kernel_class():
                     sched_pipe.consumer_release(sched_cstate)
                     sched_cstate.advance()
 
-                    # ---------------- epilogue: registers -> global ----------------
-                    if cutlass.const_expr(self.key.output_mode == "dense"):
-                        m, n = self.key.hidden, self.key.intermediate
-                        out_ptr = mOut.iterator + cutlass.Int64(e) * (m * n)
+                    # ---------------- epilogue ----------------
+                    if cutlass.const_expr(self.tma_epi):
+                        # registers -> smem sub-tiles (stmatrix) -> TMA store / reduce-add
+                        if cutlass.const_expr(self.key.accumulate):
+                            if n_k > 0:  # empty expert: output untouched
+                                epi_count = self.store_tma(
+                                    epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, epi_count,
+                                    warp_idx, store_warp, mask_barrier,
+                                )
+                        else:
+                            epi_count = self.store_tma(
+                                epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, epi_count,
+                                warp_idx, store_warp, mask_barrier,
+                            )
                     else:
-                        out_ptr = cute.make_ptr(
-                            self.out_dtype, mOut[e], cute.AddressSpace.gmem, assumed_align=16
-                        )
-                    mC = cute.make_tensor(
-                        out_ptr,
-                        cute.make_layout(
-                            (self.key.hidden, self.key.intermediate),
-                            stride=(self.key.intermediate, 1),
-                        ),
-                    )
-                    gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_idx, n_idx))
-                    tCgC = thr_mma_epi.partition_C(gC)
-                    if cutlass.const_expr(self.key.tile.epilogue == "packed"):
-                        self.store_packed(acc, r_out, out_ptr, tCcC, m_idx, n_idx, n_k)
-                    elif cutlass.const_expr(self.key.accumulate):
-                        if n_k > 0:
-                            cute.autovec_copy(tCgC, r_out)
-                            acc.store(acc.load() + r_out.load().to(self.acc_dtype))
-                            r_out.store(acc.load().to(self.out_dtype))
-                            cute.autovec_copy(r_out, tCgC)
-                    else:
-                        r_out.store(acc.load().to(self.out_dtype))
-                        cute.autovec_copy(r_out, tCgC)
+                        self.store_regs(acc, r_out, mOut, thr_mma_epi, tCcC, e, m_idx, n_idx,
+                                        n_k)
                     tile = next_tile
+                if cutlass.const_expr(self.tma_epi):  # noqa: SIM102
+                    if warp_idx == store_warp:
+                        store_pipe.producer_tail()  # all TMA stores done before exit
+
+        @cute.jit
+        def store_tma(  # noqa: PLR0913
+            self, epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, epi_count, warp_idx,
+            store_warp, mask_barrier,
+        ):
+            """Epilogue ``"tma"``: the tile through the BF16 kernel's sub-tile TMA stores."""
+            bSG_sC, bSG_gC, n_sub, sub_layout = self.epi_partition(
+                tma_atom_c, sC, gC_all[(None, None, m_idx, n_idx, e)]
+            )
+            return self.epi_store_subtiles(
+                epi, tma_atom_c, bSG_sC, bSG_gC, n_sub, sub_layout, 0, epi_count, warp_idx,
+                store_warp, mask_barrier,
+            )
+
+        @cute.jit
+        def store_regs(self, acc, r_out, mOut, thr_mma_epi, tCcC, e, m_idx, n_idx, n_k):
+            """Epilogue from registers: ``"autovec"`` / ``"packed"`` (and ``"tma"`` with
+            discrete outputs: packed)."""
+            if cutlass.const_expr(self.key.output_mode == "dense"):
+                m, n = self.key.hidden, self.key.intermediate
+                out_ptr = mOut.iterator + cutlass.Int64(e) * (m * n)
+            else:
+                out_ptr = cute.make_ptr(
+                    self.out_dtype, mOut[e], cute.AddressSpace.gmem, assumed_align=16
+                )
+            mC = cute.make_tensor(
+                out_ptr,
+                cute.make_layout(
+                    (self.key.hidden, self.key.intermediate),
+                    stride=(self.key.intermediate, 1),
+                ),
+            )
+            gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_idx, n_idx))
+            tCgC = thr_mma_epi.partition_C(gC)
+            if cutlass.const_expr(self.key.tile.epilogue in ("packed", "tma")):
+                self.store_packed(acc, r_out, out_ptr, tCcC, m_idx, n_idx, n_k)
+            elif cutlass.const_expr(self.key.accumulate):
+                if n_k > 0:
+                    cute.autovec_copy(tCgC, r_out)
+                    acc.store(acc.load() + r_out.load().to(self.acc_dtype))
+                    r_out.store(acc.load().to(self.out_dtype))
+                    cute.autovec_copy(r_out, tCgC)
+            else:
+                r_out.store(acc.load().to(self.out_dtype))
+                cute.autovec_copy(r_out, tCgC)
 
         @cute.jit
         def stage_scales(self, sc, stage, buf, row0, col0):
@@ -1004,6 +1192,8 @@ def _build_kernel_class():
             for kt in cutlass.range(n_k, unroll=1):
                 ab_pipe.consumer_wait(read_state)
                 stage = read_state.index
+                if cutlass.const_expr(self.ptab):  # the decoders' stage table
+                    cute.arch.mbarrier_wait(sc.tab_full + stage, read_state.phase)
                 rest = k_len - kt * tk
                 if cutlass.const_expr(self.key.token_layout == "direct"):
                     self.zero_partial_group(sA, sB, k_len, kt, stage, ctid, mask_barrier)
@@ -1021,7 +1211,7 @@ def _build_kernel_class():
                 self.stage_scales(sc, stage, kt % 2, row0, col0)
                 for kb in cutlass.range_constexpr(num_k_blocks):
                     cute.nvgpu.warpgroup.wait_group(num_k_blocks - 1 - kb)
-                    self.promote(acc, frags[kb], sc, kb, rest, kt % 2)
+                    self.promote(acc, frags[kb], sc, kb, rest, self.fac_buf(kt, stage))
                 ab_pipe.consumer_release(read_state)
                 read_state.advance()
             return read_state
@@ -1057,11 +1247,71 @@ def _build_kernel_class():
                     r, c = tCcC[2 * j]
                     mW[(r0 + r, c0 + c // 2)] = rW[j]
 
+        def fac_buf(self, kt, stage):
+            """The factor buffer of stage ``kt`` (in pipeline slot ``stage``) for promote."""
+            if self.ptab:
+                return stage
+            return kt % 2
+
+        @cute.jit
+        def decode_tables(  # noqa: PLR0913
+            self, ab_pipe, sched_pipe, sSched, sPerm, mOffsets, sStart, wSFA, wSFB, fac,
+            tab_full, dtid,
+        ):
+            """``promote="producer_table"``: the producer warp group's warps 1-3 (``dtid`` in
+            [0, 96)) follow the tile sequence (the scheduler ring, as the consumers do) and, per
+            stage, wait for its full mbarrier, decode its (tile_m + tile_n) scale words into
+            4 x (tile_m + tile_n) fp32 factors in the stage's table and arrive on the stage's
+            table mbarrier. No release: the consumers' release of the stage (after their last
+            promotion) orders the refill, which orders this stage's next decode."""
+            L = self.ptab_row  # noqa: N806
+            dec_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.stages
+            )
+            sched_cstate = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+            )
+            sched_pipe.consumer_wait(sched_cstate)
+            tile = sSched[sched_cstate.index]
+            sched_pipe.consumer_release(sched_cstate)
+            sched_cstate.advance()
+            while tile < self.num_tiles:
+                rank_e = tile // self.tiles_per_expert
+                e = sPerm[rank_e]
+                rem = tile - rank_e * self.tiles_per_expert
+                n_idx = rem // self.m_tiles
+                m_idx = rem - n_idx * self.m_tiles
+                _k0, _k_len, n_k, _atom0 = self.expert_range(mOffsets, sStart, e)
+                row0 = (m_idx * self.tile_m) % 128
+                col0 = (n_idx * self.tile_n) % 128
+                for _kt in cutlass.range(n_k, unroll=1):
+                    ab_pipe.consumer_wait(dec_state)
+                    stage = dec_state.index
+                    for it in cutlass.range_constexpr(-(-L // DECODE_THREADS)):
+                        i = dtid + DECODE_THREADS * it
+                        if i < L:
+                            w = cutlass.Int32(0)
+                            if i < self.tile_m:
+                                t_ra = row0 + i
+                                w = wSFA[stage * 128 + (t_ra % 32) * 4 + t_ra // 32]
+                            else:
+                                t_cb = col0 + i - self.tile_m
+                                w = wSFB[stage * 128 + (t_cb % 32) * 4 + t_cb // 32]
+                            for g in cutlass.range_constexpr(4):
+                                fac[(stage * 4 + g) * L + i] = scale_of(w, g)
+                    cute.arch.mbarrier_arrive(tab_full + stage)
+                    dec_state.advance()
+                sched_pipe.consumer_wait(sched_cstate)
+                tile = sSched[sched_cstate.index]
+                sched_pipe.consumer_release(sched_cstate)
+                sched_cstate.advance()
+
         @cute.jit
         def promote(self, acc, tmp, sc, g: cutlass.Constexpr, rest, buf):
             """acc += tmp * 2^(sa-127) * 2^(sb-127) for group g of the stage, when the group
             holds tokens of the expert (a group past the expert's end is skipped: its scales are
-            padding). ``buf``: the stage's factor buffer (``promote="table"``)."""
+            padding). ``buf``: the stage's factor buffer (``promote="table"``: kt % 2;
+            ``"producer_table"``: the pipeline stage)."""
             fence_accumulators(tmp)
             mode = self.key.tile.promote
             if rest > g * SF_VEC:
@@ -1073,7 +1323,11 @@ def _build_kernel_class():
                     base = (sc.wgl * 2 + buf) * 4 * L + g * L
                     for i in cutlass.range_constexpr(cute.size(sc.fab)):
                         sc.fab[i] = sc.fac[base + sc.fri[i]] * sc.fac[base + sc.fci[i]]
-                if cutlass.const_expr(mode in ("scaled", "table")):
+                if cutlass.const_expr(mode == "producer_table"):
+                    base = (buf * 4 + g) * self.ptab_row
+                    for i in cutlass.range_constexpr(cute.size(sc.fab)):
+                        sc.fab[i] = sc.fac[base + sc.fri[i]] * sc.fac[base + sc.fci[i]]
+                if cutlass.const_expr(mode in ("scaled", "table", "producer_table")):
                     for i in cutlass.range_constexpr(cute.size(sc.fab)):
                         acc[i] = acc[i] + tmp[i] * sc.fab[i]
                 if cutlass.const_expr(mode == "unscaled"):

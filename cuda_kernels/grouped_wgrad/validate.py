@@ -510,21 +510,20 @@ def _validate_operands(
                 f"{b_arg}: N-major B needs intermediate % {need} == 0 (16-byte TMA strides), got "
                 f"intermediate={intermediate}"
             )
-        pitches = [(arg, t.stride(d)) for arg, t, d, mj in ((a_arg, a, 0, a_major),
-                                                            (b_arg, b, 1, b_major))
-                   if mj == "k" and t.stride(d) != k_len]
-        for arg, pitch in pitches:
+        k_ops = [(arg, t, d) for arg, t, d, mj in ((a_arg, a, 0, a_major), (b_arg, b, 1, b_major))
+                 if mj == "k"]
+        pitched_ops = {arg: t.stride(d) for arg, t, d in k_ops
+                       if pitched and t.shape[d] > 1 and t.stride(d) != k_len}
+        for arg, pitch in pitched_ops.items():
             if pitch % need:
                 raise ValueError(
                     f"{arg}: a pitched K-major operand needs its row stride % {need} == 0 "
                     f"(16-byte TMA strides), got {pitch}")
-        if any(mj == "k" and t.stride(d) == k_len for t, d, mj in ((a, 0, a_major),
-                                                                    (b, 1, b_major))) \
-                and k_len % need:
-            which = a_arg if a_major == "k" else b_arg
+        compact = [arg for arg, _, _ in k_ops if arg not in pitched_ops]
+        if compact and k_len % need:
             raise ValueError(
-                f"{which}: a K-major operand needs tokens_sum % {need * pack} == 0 (16-byte TMA "
-                f"strides), got tokens_sum={tokens_sum}"
+                f"{compact[0]}: a K-major operand needs tokens_sum % {need * pack} == 0 (16-byte "
+                f"TMA strides), got tokens_sum={tokens_sum}"
             )
         _check_ptr(a, a_arg, TMA_ALIGN_BYTES)
         _check_ptr(b, b_arg, TMA_ALIGN_BYTES)

@@ -413,8 +413,7 @@ def fake_wgrad_operands(key):
     import cutlass
     from cutlass import cute
 
-    out_t = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
-    m, n, e = key.hidden, key.intermediate, key.num_experts
+    m, n = key.hidden, key.intermediate
     any_k_major = key.a_major == "k" or key.b_major == "k"
     s = cute.sym_int32(divisibility=8 if any_k_major else 1, symbol="tokens_sum")
     a = cute.runtime.make_fake_compact_tensor(
@@ -429,14 +428,26 @@ def fake_wgrad_operands(key):
         stride_order=(1, 0) if key.b_major == "k" else (0, 1),
         assumed_align=16,
     )
+    return (a, b, *fake_offsets_and_out(key))
+
+
+def fake_offsets_and_out(key):
+    """Fake ``offsets`` ([E] int32) and ``out`` (dense: [E, M, N] of ``key.out_dtype``;
+    discrete: [E] int64 output addresses) of a grouped wgrad key, shared by every family's
+    fake operands."""
+    import cutlass
+    from cutlass import cute
+
+    out_t = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
+    m, n, e = key.hidden, key.intermediate, key.num_experts
     offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
     if key.output_mode == "dense":
         out = cute.runtime.make_fake_compact_tensor(
             out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
         )
-    else:
+    else:  # discrete: (E,) int64 output addresses
         out = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (e,), assumed_align=8)
-    return a, b, offsets, out
+    return offsets, out
 
 
 def ragged_to_2d(x_XS, offsets_E, k_major_rows: int):

@@ -82,7 +82,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._contract import KernelKey
-from .launch import KernelFamily, contract_key_fields
+from .launch import KernelFamily, contract_key_fields, fake_offsets_and_out
 from .sm100_bf16 import (
     ENABLE_ENV,
     _counter_len,
@@ -694,7 +694,6 @@ def _fake_operands(key: Sm100BlockScaledKey):
         "e2m1": cutlass.Float4E2M1FN,
     }[key.elem]
     sf_t = getattr(cutlass, _SF_CUTLASS[key.fmt])
-    out_t = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
     m, n, e = key.hidden, key.intermediate, key.num_experts
     s = cute.sym_int32(divisibility=key.tile.tile_k, symbol="tokens_sum")
     a = cute.runtime.make_fake_tensor(elem_t, (m, s), (s, 1), assumed_align=16)
@@ -712,13 +711,7 @@ def _fake_operands(key: Sm100BlockScaledKey):
         assumed_align=16,
     )
     gs = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (e,), assumed_align=4)
-    offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
-    if key.output_mode == "dense":
-        out = cute.runtime.make_fake_compact_tensor(
-            out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
-        )
-    else:  # discrete: (E,) int64 output addresses
-        out = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (e,), assumed_align=8)
+    offsets, out = fake_offsets_and_out(key)
     counter = cute.runtime.make_fake_compact_tensor(
         cutlass.Int32, (_counter_len(key),), assumed_align=4
     )

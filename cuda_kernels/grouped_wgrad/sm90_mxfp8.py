@@ -68,7 +68,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._contract import KernelKey
-from .launch import KernelFamily
+from .launch import KernelFamily, fake_offsets_and_out
 from .tiles import SM90_TILES, TileRules
 
 __all__ = [
@@ -1354,8 +1354,7 @@ def _fake_operands(key: Sm90MxWgradKey):
     import cutlass
     from cutlass import cute
 
-    out_t = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
-    m, n, e = key.hidden, key.intermediate, key.num_experts
+    m, n = key.hidden, key.intermediate
     s_a = cute.sym_int32(divisibility=1, symbol="tokens_a")  # padded layouts may differ
     s_b = cute.sym_int32(divisibility=1, symbol="tokens_b")
     lda = cute.sym_int32(divisibility=16, symbol="lda")
@@ -1370,13 +1369,7 @@ def _fake_operands(key: Sm90MxWgradKey):
         cutlass.Uint8, (cute.sym_int32(symbol="sfb_rows"), 256), stride_order=(1, 0),
         assumed_align=16,
     )
-    offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
-    if key.output_mode == "dense":
-        out = cute.runtime.make_fake_compact_tensor(
-            out_t[key.out_dtype], (e, m, n), stride_order=(2, 1, 0), assumed_align=16
-        )
-    else:
-        out = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (e,), assumed_align=8)
+    offsets, out = fake_offsets_and_out(key)
     counter = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
     return a, b, sfa, sfb, offsets, out, counter
 

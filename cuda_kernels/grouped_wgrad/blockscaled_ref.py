@@ -352,7 +352,8 @@ def dequantize_wgrad_operand(
                                      output_size=n_groups)
     first = ints(starts)[e_of_g]  # expert's first scale column
     ncols = ints([round_up(c, 4) for c in groups])[e_of_g]
-    g_loc = torch.arange(n_groups, device=dev) - (g_e.cumsum(0) - g_e)[e_of_g]
+    g_first = g_e.cumsum(0) - g_e  # each expert's first global group
+    g_loc = torch.arange(n_groups, device=dev) - g_first[e_of_g]
     col_part = rp * first + (g_loc // 4) * 512 + g_loc % 4  # byte offset without the row part
     r = torch.arange(rows, dtype=torch.int64, device=dev)
     row_part = (r % 32) * 16 + ((r % ATOM_ROWS) // 32) * 4
@@ -362,7 +363,7 @@ def dequantize_wgrad_operand(
     # token -> its global group index
     tok = torch.arange(tokens_sum, dtype=torch.int64, device=dev)
     e_of_t = torch.searchsorted(ints(ends), tok, right=True)
-    gidx = (g_e.cumsum(0) - g_e)[e_of_t] + (tok - ints([0, *ends[:-1]])[e_of_t]) // QUANT_SF_VEC
+    gidx = g_first[e_of_t] + (tok - ints([0, *ends[:-1]])[e_of_t]) // QUANT_SF_VEC
     byte = scale_RG[:, gidx].to(torch.int32)
     factor = torch.where(byte == 255, torch.nan, torch.exp2((byte - 127).to(torch.float32)))
     return (data_RS.to(torch.float32) * factor).to(out_dtype)

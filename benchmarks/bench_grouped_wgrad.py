@@ -94,6 +94,20 @@ def _ceilings(bench, dev):
     return copy_bw, 2 * 8192**3 / (t_mm * 1e-6)
 
 
+def parse_tile(sm90, spec):
+    """``"M,N,K,stages,pingpong[,field=value...]"`` -> ``Sm90TileConfig`` (extra fields: the speed
+    variants, e.g. ``cluster_m=2``, ``sched_ahead=1``, ``acc_epilogue=prefetch``)."""
+    parts = spec.split(",")
+    tm, tn, tk, st, pp = (int(v) for v in parts[:5])
+    extra = {}
+    for kv in parts[5:]:
+        k, v = kv.split("=")
+        extra[k] = v if k == "acc_epilogue" else int(v)
+        if k in ("sched_ahead", "self_reset_counter"):
+            extra[k] = bool(extra[k])
+    return sm90.Sm90TileConfig(tm, tn, tk, st, bool(pp), **extra)
+
+
 def _run_row(args, bench, sm90, dev, copy_bw, shape):
     """Time one benchmark shape: ours (each tile variant), grouped_mm, loop, dense mm."""
     name, e, m, n, counts, out_dtype, accumulate = shape
@@ -112,15 +126,12 @@ def _run_row(args, bench, sm90, dev, copy_bw, shape):
     if args.tiles:
         tiles = []
         for spec in args.tiles.split(";"):
-            tm, tn, tk, st, pp = (int(v) for v in spec.split(","))
-            tiles.append(sm90.Sm90TileConfig(tm, tn, tk, st, bool(pp)))
+            tiles.append(parse_tile(sm90, spec))
     else:
         tiles = [sm90.select_sm90_tile_config(m, n, e, s)]
     begins = [0] + offsets.tolist()[:-1]
     t_ours = float("inf")
-    for tile in tiles:
-        if m % tile.tile_m or n % tile.tile_n:
-            continue
+    for tile in tiles:  # dense outputs: a tile that does not divide M / N ends in partial tiles
         key = sm90.Sm90WgradKey(
             m, n, e, a_major="m", b_major="n", out_dtype=out_dtype, accumulate=accumulate,
             tile=tile,
@@ -242,6 +253,9 @@ def _quack_columns(row, bench, a, b, offsets, ours_once, accumulate, flops, t_ou
         row[f"{tag}_TFLOPs"] = flops / (t * 1e-6) / 1e12
         row[f"ours_over_{tag}"] = t / t_ours
         row[f"{tag}_vs_ours_rel_diff"] = diff
+        if tuned:  # the autotuner's pick for this shape (tile, pingpong, cluster, swap_ab)
+            best = getattr(qg.gemm_tuned, "best_config", None)
+            row["quack_tuned_config"] = str(best) if best is not None else None
 
 
 def variant_tiles(m, n, e, accumulate, out_dtype):
@@ -298,7 +312,7 @@ def variant_tiles(m, n, e, accumulate, out_dtype):
     out += clusters
     seen, keep = set(), []
     for cfg in out:
-        if cfg in seen or m % cfg.tile_m or n % cfg.tile_n:
+        if cfg in seen:
             continue
         seen.add(cfg)
         keep.append(cfg)
@@ -462,7 +476,8 @@ def main(argv=None):
     p.add_argument(
         "--tiles",
         default=None,
-        help="tile variants to time, 'M,N,K,stages,pingpong;...' (default: the YAML choice)",
+        help="tile variants to time, 'M,N,K,stages,pingpong[,field=value...];...' (default: the YAML "
+        "choice; fields: see parse_tile)",
     )
     p.add_argument("--only", default=None, help="comma-separated row indices to run")
     p.add_argument("--no-quack", action="store_true", help="skip the quack columns")
@@ -533,6 +548,11 @@ def main(argv=None):
             f"{r.get('ours_over_quack_tuned', float('nan')):5.2f} "
             f"{r.get('ours_over_quack_default', float('nan')):6.2f}"
         )
+    for r in results:
+        if len(r.get("variants", {})) > 1 or "quack_tuned_config" in r:
+            times = "  ".join(f"{k} {v['us']:.0f}" for k, v in r.get("variants", {}).items())
+            print(f"{r['shape']:26s} µs: {times}  | quack tuned {r.get('quack_tuned_us', 0):.0f} "
+                  f"default {r.get('quack_default_us', 0):.0f} {r.get('quack_tuned_config', '')}")
     ratios = [r["ours_over_quack_tuned"] for r in results if "ours_over_quack_tuned" in r]
     if ratios:
         geo = float(torch.tensor(ratios, dtype=torch.float64).log().mean().exp())

@@ -93,10 +93,12 @@ def test_key_validation_and_hashing():
     ]:
         with pytest.raises(ValueError, match=word):
             Sm90WgradKey(256, 512, 4, tile=tile, **kwargs)
+    # dense outputs may end in partial tiles (TMA clips); discrete outputs need whole tiles
+    assert Sm90WgradKey(192, 384, 4, tile=tile).num_tiles == 4 * 2 * 2
     with pytest.raises(ValueError, match="hidden"):
-        Sm90WgradKey(192, 512, 4, tile=tile)
+        Sm90WgradKey(192, 512, 4, tile=tile, output_mode="discrete")
     with pytest.raises(ValueError, match="intermediate"):
-        Sm90WgradKey(256, 384, 4, tile=tile)
+        Sm90WgradKey(256, 384, 4, tile=tile, output_mode="discrete")
     with pytest.raises(ValueError, match="num_experts"):
         Sm90WgradKey(256, 512, 0, tile=tile)
 
@@ -512,6 +514,17 @@ _GPU_VARIANTS = [
     ("cluster-odd-m-discrete", _T(64, 64, 64, 8, cluster_m=2), (5, 320, 128), "m", "k",
      "bfloat16", "discrete", True),
     ("cluster-single-m-tile", _T(128, 128, 64, 6, cluster_m=2, **_SCHED), (4, 128, 256), "m", "n",
+     "float32", "dense", True),
+    # partial output tiles at the M and N edges (dense outputs: TMA zero-fills, clips)
+    ("partial-n-192pp", _T(128, 192, 64, 4, True), (5, 256, 320), "m", "n", "bfloat16", "dense",
+     False),
+    ("partial-mn-192pp-acc", _T(128, 192, 64, 4, True), (6, 320, 400), "k", "k", "float32",
+     "dense", True),
+    ("partial-mn-prefetch", _T(128, 64, 64, 8, True, acc_epilogue="prefetch"), (5, 200, 200),
+     "m", "n", "float32", "dense", True),
+    ("partial-mn-coop-256", _T(128, 256, 64, 4), (4, 136, 264), "m", "k", "bfloat16", "dense",
+     False),
+    ("partial-mn-cluster", _T(128, 128, 64, 6, cluster_m=2), (5, 328, 264), "m", "n",
      "float32", "dense", True),
 ]
 

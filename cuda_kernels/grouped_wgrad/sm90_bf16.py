@@ -312,8 +312,8 @@ def _build_kernel_class():
             self.wgs_per_group = t.wgs_per_group
             self.threads = 128 * (1 + self.num_consumer_wgs)
             self.group_threads = 128 * self.wgs_per_group
-            self.m_tiles = key.hidden // self.tile_m
-            self.n_tiles = key.intermediate // self.tile_n
+            self.m_tiles = key.m_tiles  # dense outputs may end in partial tiles (TMA clips)
+            self.n_tiles = key.n_tiles
             self.tiles_per_expert = self.m_tiles * self.n_tiles
             self.num_tiles = key.num_tiles
             self.out_dtype = out_types[key.out_dtype]

@@ -136,7 +136,9 @@ class TileRules:
 
 #: SM90 (sm90_bf16.py): one 64-row wgmma slab per consumer warp group (tile M 64 or 128);
 #: wgmma N a multiple of 16 up to 256; tile K 64 bf16 = one 128-byte swizzle row; no clusters;
-#: whole output tiles only (the epilogue does not predicate); any expert token count.
+#: dense outputs may end in partial tiles (TMA zero-fills the loads and clips the stores and
+#: reduce-adds of each expert's last tiles); discrete outputs (register stores) need whole tiles;
+#: any expert token count.
 SM90_TILES = TileRules(
     arch="SM90",
     tile_m=(64, 128),
@@ -145,7 +147,7 @@ SM90_TILES = TileRules(
     two_cta_tile_m=None,
     max_cluster_ctas=1,
     group_align=1,
-    dense_partial_tiles=False,
+    dense_partial_tiles=True,
     yaml=_CONFIGS / "sm90_tiles.yaml",
 )
 

@@ -90,8 +90,10 @@ class Sm90TileConfig:
             ``"reduce"`` (TMA reduce-add of each fp32 sub-tile) or ``"prefetch"`` (the producer
             warp loads the old output tile into shared memory by TMA while the mainloop runs, the
             consumers add it to the accumulators in registers and store with plain TMA stores
-            from the same buffer: the whole tile is the store staging). Dense FP32 outputs only
-            (others keep the reduce-add).
+            from the same buffer: the whole tile is the store staging; dense FP32 outputs only,
+            others keep the reduce-add), or ``"l2prefetch"`` (the producer warp prefetches the
+            old output tile into L2 by TMA when the tile's loads start, so the epilogue's TMA
+            reduce-add finds it there instead of waiting on DRAM; any dense output).
         epi_n: columns of one epilogue sub-tile (TMA store box): 32 (default, as measured), or
             a multiple of 16 dividing tile_n.
         epi_stages: TMA-store staging buffers per consumer group of the store / reduce-add
@@ -126,9 +128,10 @@ class Sm90TileConfig:
     def __post_init__(self) -> None:
         SM90_TILES.check_config(self)
         cls = type(self).__name__
-        if self.acc_epilogue not in ("reduce", "prefetch"):
+        if self.acc_epilogue not in ("reduce", "prefetch", "l2prefetch"):
             raise ValueError(
-                f"{cls}.acc_epilogue must be 'reduce' or 'prefetch', got {self.acc_epilogue!r}"
+                f"{cls}.acc_epilogue must be 'reduce', 'prefetch' or 'l2prefetch', got "
+                f"{self.acc_epilogue!r}"
             )
         if self.epi_n != 32 and (  # (32: the measured kernel's width, for every tile_n)
             self.epi_n % 16 or not 16 <= self.epi_n <= self.tile_n or self.tile_n % self.epi_n
@@ -154,7 +157,7 @@ class Sm90TileConfig:
         """Short name of the tile and its speed variants (benchmark rows)."""
         name = f"{self.tile_m}x{self.tile_n}s{self.stages}{'pp' if self.pingpong else ''}"
         if self.acc_epilogue != "reduce":
-            name += "-pf"
+            name += {"prefetch": "-pf", "l2prefetch": "-l2pf"}[self.acc_epilogue]
         if self.epi_n != 32:
             name += f"-e{self.epi_n}"
         if self.epi_stages:
@@ -333,6 +336,8 @@ def _build_kernel_class():
                 and key.out_dtype == "float32"
                 and t.acc_epilogue == "prefetch"
             )
+            # accumulate with the reduce-add, the old tile prefetched into L2 by the producer
+            self.l2_prefetch_c = self.tma_epi and key.accumulate and t.acc_epilogue == "l2prefetch"
             # one warp group per tile (pingpong / 64-row tiles): its accumulator fragment is
             # ordered by 64-row wgmma slab, so the sub-tiles are (64, epi_n), n fastest
             self.epi_tile = (self.tile_m if self.wgs_per_group > 1 else 64, t.epi_n)
@@ -736,7 +741,7 @@ def _build_kernel_class():
             tma_atom_c, tma_c = tma_atom_a, tma_a  # placeholders for the discrete mode
             tma_atom_cl, tma_cl = tma_atom_a, tma_a  # old-output loads of the prefetch epilogue
             if cutlass.const_expr(self.tma_epi):
-                if cutlass.const_expr(self.prefetch_c):
+                if cutlass.const_expr(self.prefetch_c or self.l2_prefetch_c):
                     tma_atom_cl, tma_cl = self.epi_tma_atom(
                         cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mOut, epi_smem_staged
                     )
@@ -909,7 +914,7 @@ def _build_kernel_class():
                     if cutlass.const_expr(self.cluster_m > 1):
                         b_mask = cutlass.Int16((1 << self.cluster_m) - 1)
                     gCl_all = None
-                    if cutlass.const_expr(self.prefetch_c):
+                    if cutlass.const_expr(self.prefetch_c or self.l2_prefetch_c):
                         gCl_all = cute.local_tile(
                             tma_cl, (self.tile_m, self.tile_n), (None, None, None)
                         )
@@ -975,6 +980,21 @@ def _build_kernel_class():
                                 cute.group_modes(sC, 0, 2),
                                 gCl_epi,
                             )
+                        if cutlass.const_expr(self.l2_prefetch_c):
+                            if n_k > 0 and valid:
+                                # the old output tile into L2 (sub-tile boxes), for the
+                                # epilogue's reduce-add
+                                _sC_part, gC_part = cute.nvgpu.cpasync.tma_partition(
+                                    tma_atom_cl,
+                                    0,
+                                    cute.make_layout(1),
+                                    cute.group_modes(sC, 0, 2),
+                                    cute.zipped_divide(
+                                        gCl_all[(None, None, m_idx, n_idx, e)], self.epi_tile
+                                    ),
+                                )
+                                with cute.arch.elect_one():
+                                    cute.prefetch(tma_atom_cl, gC_part)
                         for kt in cutlass.range(n_k, unroll=1):
                             ab_pipe.producer_acquire(prod_state)
                             bar = ab_pipe.producer_get_barrier(prod_state)

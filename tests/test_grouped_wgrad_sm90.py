@@ -61,6 +61,7 @@ def test_select_tile_config_rules():
         select_sm90_tile_config(256, 512, 64, mma_tiler_mn=(128, 192))
     with pytest.raises(ValueError, match="tile_m"):
         select_sm90_tile_config(256, 512, 64, mma_tiler_mn=(96, 128))
+    assert select_sm90_tile_config(384, 512, 64, mma_tiler_mn=(192, 128)).pingpong
     with pytest.raises(ValueError, match="positive"):
         select_sm90_tile_config(0, 128, 2)
 
@@ -68,6 +69,9 @@ def test_select_tile_config_rules():
 def test_tile_config_validation():
     with pytest.raises(ValueError, match="tile_m"):
         Sm90TileConfig(tile_m=96)
+    with pytest.raises(ValueError, match="pingpong"):
+        Sm90TileConfig(tile_m=192, tile_n=128)
+    assert Sm90TileConfig(192, 128, 64, 5, True).consumer_warp_groups == 2
     with pytest.raises(ValueError, match="tile_n"):
         Sm90TileConfig(tile_n=260)
     with pytest.raises(ValueError, match="tile_k"):
@@ -526,6 +530,14 @@ _GPU_VARIANTS = [
      "m", "n", "float32", "dense", True),
     ("l2prefetch-bf16-partial", _T(128, 192, 64, 5, True, acc_epilogue="l2prefetch"),
      (5, 200, 400), "k", "k", "bfloat16", "dense", True),
+    ("tile-m-192-partial", _T(192, 128, 64, 5, True), (5, 320, 256), "m", "n", "bfloat16",
+     "dense", False),
+    ("tile-m-192-kk-acc-l2pf", _T(192, 128, 64, 5, True, acc_epilogue="l2prefetch"),
+     (6, 384, 200), "k", "k", "float32", "dense", True),
+    ("tile-m-192-discrete", _T(192, 64, 64, 6, True, **_SCHED), (5, 384, 128), "m", "k",
+     "float16", "discrete", True),
+    ("tile-m-192-cluster", _T(192, 128, 64, 5, True, cluster_m=2), (5, 576, 256), "m", "n",
+     "bfloat16", "dense", False),
     # partial output tiles at the M and N edges (dense outputs: TMA zero-fills, clips)
     ("partial-n-192pp", _T(128, 192, 64, 4, True), (5, 256, 320), "m", "n", "bfloat16", "dense",
      False),

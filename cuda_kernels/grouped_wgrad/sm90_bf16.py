@@ -76,7 +76,9 @@ class Sm90TileConfig:
     """One CTA tile of the SM90 kernel (a row of ``configs/cuda/sm90_tiles.yaml``).
 
     Attributes (accepted values: ``tiles.SM90_TILES``):
-        tile_m: output rows (hidden) per CTA tile, 64 or 128 (= 64 x consumer warp groups).
+        tile_m: output rows (hidden) per CTA tile, 64 or 128 (cooperative: 64 rows per consumer
+            warp group), or 192 (pingpong only: one warp group holds the 192-row tile, three
+            64-row wgmma slabs).
         tile_n: output columns (intermediate) per CTA tile, a multiple of 16 in [16, 256].
         tile_k: tokens per pipeline stage, 64 (one 128-byte swizzle row of bf16).
         stages: depth of the shared-memory ring of (A, B) tiles, >= 2.
@@ -128,6 +130,11 @@ class Sm90TileConfig:
     def __post_init__(self) -> None:
         SM90_TILES.check_config(self)
         cls = type(self).__name__
+        if self.tile_m == 192 and not self.pingpong:
+            raise ValueError(
+                f"{cls}.tile_m=192 runs only with pingpong=True (three 64-row wgmma slabs per "
+                "consumer warp group; cooperative tiles are 64 rows per warp group, at most two)"
+            )
         if self.acc_epilogue not in ("reduce", "prefetch", "l2prefetch"):
             raise ValueError(
                 f"{cls}.acc_epilogue must be 'reduce', 'prefetch' or 'l2prefetch', got "
@@ -232,7 +239,7 @@ def select_sm90_tile_config(
         hidden: M (rows of Wgrad). intermediate: N (columns). num_experts: E.
         tokens_hint: expected tokens_sum (unused by the current rules; kept for the contract).
         mma_tiler_mn: a caller's ``(tile_m, tile_n)`` instead of the rules: cooperative schedule
-            with as many stages (up to 8) as shared memory holds.
+            (pingpong for tile_m 192) with as many stages (up to 8) as shared memory holds.
 
     Returns:
         The first rule's :class:`Sm90TileConfig` whose divisibility conditions hold.
@@ -249,7 +256,9 @@ def select_sm90_tile_config(
         )
     if mma_tiler_mn is not None:
         tile_m, tile_n = mma_tiler_mn
-        config = Sm90TileConfig(tile_m, tile_n, 64, SM90_TILES.stages_for(tile_m, tile_n, 64))
+        config = Sm90TileConfig(
+            tile_m, tile_n, 64, SM90_TILES.stages_for(tile_m, tile_n, 64), pingpong=tile_m == 192
+        )
         if hidden % tile_m or intermediate % tile_n:
             raise ValueError(
                 f"select_sm90_tile_config: mma_tiler_mn={mma_tiler_mn} must divide "

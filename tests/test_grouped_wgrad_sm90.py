@@ -538,6 +538,10 @@ _GPU_VARIANTS = [
      "float16", "discrete", True),
     ("tile-m-192-cluster", _T(192, 128, 64, 5, True, cluster_m=2), (5, 576, 256), "m", "n",
      "bfloat16", "dense", False),
+    ("swizzle-partial-band", _T(64, 128, 64, 8, swizzle=3), (5, 448, 384), "m", "n", "float32",
+     "dense", True),
+    ("swizzle-cluster-pingpong", _T(128, 128, 64, 6, True, cluster_m=2, swizzle=2),
+     (6, 640, 256), "k", "n", "bfloat16", "dense", False),
     # partial output tiles at the M and N edges (dense outputs: TMA zero-fills, clips)
     ("partial-n-192pp", _T(128, 192, 64, 4, True), (5, 256, 320), "m", "n", "bfloat16", "dense",
      False),

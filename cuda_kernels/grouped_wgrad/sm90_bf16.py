@@ -110,6 +110,10 @@ class Sm90TileConfig:
         self_reset_counter: the launch passes a persistent per-(device, stream) tile counter
             instead of zeroing a new one (no memset per call); the last CTA to take a tile id
             resets it to zero.
+        swizzle: tile order inside an expert. 0: M tiles fastest, one N column after another
+            (the measured default); G > 0: bands of G M units (tiles, or pairs of a cluster),
+            each band walked N column by N column (an L2 working set of G A tiles and all of B
+            instead of all of A).
 
     Raises:
         ValueError: a field outside the ranges above or stages that overflow shared memory.
@@ -126,6 +130,7 @@ class Sm90TileConfig:
     cluster_m: int = 1
     sched_ahead: bool = False
     self_reset_counter: bool = False
+    swizzle: int = 0
 
     def __post_init__(self) -> None:
         SM90_TILES.check_config(self)
@@ -151,6 +156,8 @@ class Sm90TileConfig:
             raise ValueError(f"{cls}.epi_stages must be in [0, 8], got {self.epi_stages}")
         if self.cluster_m not in (1, 2):
             raise ValueError(f"{cls}.cluster_m must be 1 or 2, got {self.cluster_m}")
+        if not 0 <= self.swizzle <= 64:
+            raise ValueError(f"{cls}.swizzle must be in [0, 64], got {self.swizzle}")
 
     @property
     def cluster_shape_mn(self) -> tuple[int, int]:
@@ -175,6 +182,8 @@ class Sm90TileConfig:
             name += "-ahead"
         if self.self_reset_counter:
             name += "-rst"
+        if self.swizzle:
+            name += f"-sw{self.swizzle}"
         return name
 
     @property
@@ -359,6 +368,7 @@ def _build_kernel_class():
             self.sched_tiles_per_expert = self.m_units * self.n_tiles
             self.num_sched_tiles = key.num_experts * self.sched_tiles_per_expert
             self.sched_ahead = t.sched_ahead
+            self.swizzle = t.swizzle
             self.self_reset = t.self_reset_counter
             header = 2048 + 8 * key.num_experts + 16 * t.stages
             if self.cluster_m > 1:
@@ -685,6 +695,13 @@ def _build_kernel_class():
             rem = tile - rank_e * self.sched_tiles_per_expert
             n_idx = rem // self.m_units
             m_idx = rem - n_idx * self.m_units
+            if cutlass.const_expr(self.swizzle > 0):
+                # bands of `swizzle` M units, each walked N column by N column
+                band = rem // (self.swizzle * self.n_tiles)
+                inner = rem - band * (self.swizzle * self.n_tiles)
+                rows = cutlass.min(self.swizzle, self.m_units - band * self.swizzle)
+                n_idx = inner // rows
+                m_idx = band * self.swizzle + inner - n_idx * rows
             valid = cutlass.Boolean(True)
             if cutlass.const_expr(self.cluster_m > 1):
                 m_idx = m_idx * self.cluster_m + cta_rank

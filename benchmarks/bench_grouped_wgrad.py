@@ -128,7 +128,7 @@ def _run_row(args, bench, sm90, dev, copy_bw, shape):
         for spec in args.tiles.split(";"):
             tiles.append(parse_tile(sm90, spec))
     else:
-        tiles = [sm90.select_sm90_tile_config(m, n, e, s)]
+        tiles = [sm90.select_sm90_tile_config(m, n, e, s, accumulate=accumulate)]
     begins = [0] + offsets.tolist()[:-1]
     t_ours = float("inf")
     for tile in tiles:  # dense outputs: a tile that does not divide M / N ends in partial tiles

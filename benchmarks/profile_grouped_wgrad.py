@@ -51,7 +51,7 @@ def main(argv=None):
 
         tile = (
             bgw.parse_tile(sm90, args.tile) if args.tile
-            else sm90.select_sm90_tile_config(m, n, e, s)
+            else sm90.select_sm90_tile_config(m, n, e, s, accumulate=accumulate)
         )
         key = sm90.Sm90WgradKey(
             m, n, e, a_major="m", b_major="n", out_dtype=out_dtype, accumulate=accumulate,

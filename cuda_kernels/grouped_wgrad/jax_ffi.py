@@ -262,7 +262,8 @@ def _kernel_key(arch: str, hidden: int, inter: int, num_experts: int, out_name: 
             from . import sm90_bf16 as mod
 
             tile = mod.select_sm90_tile_config(
-                hidden, inter, num_experts, mma_tiler_mn=mma_tiler_mn
+                hidden, inter, num_experts, mma_tiler_mn=mma_tiler_mn, output_mode=output_mode,
+                accumulate=accumulate,
             )
             key_cls = mod.Sm90WgradKey
         else:

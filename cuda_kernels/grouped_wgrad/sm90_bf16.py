@@ -20,7 +20,9 @@ Structure (one CTA per SM, persistent, warp-specialized):
   and take turns on the pipeline, so one's epilogue overlaps the other's mainloop;
 - epilogue: dense outputs go registers -> shared memory (stmatrix) -> TMA store, or TMA reduce-add
   when accumulating (``accumulate_on_output``), in (rows, 32) sub-tiles; discrete outputs (one
-  pointer per expert, read on the device) are stored from registers;
+  pointer per expert, read on the device) are stored from registers. Dense outputs may end in
+  partial tiles (the TMA boxes zero-fill loads past hidden / intermediate and clip the stores);
+  discrete outputs need whole tiles;
 - every tile's token range is read from ``offsets`` on the device (no host read, CUDA-graph
   capturable); the token dimension is dynamic, so new splits never recompile;
 - ragged K: the TMA box of an expert's last K tile may straddle into the next expert's rows (or
@@ -34,8 +36,11 @@ Structure (one CTA per SM, persistent, warp-specialized):
   (``acc_epilogue="prefetch"``), epilogue sub-tile width / store stages (``epi_n``,
   ``epi_stages``), (2, 1) clusters over M-tile pairs with the B tile multicast (``cluster_m=2``;
   rank 0 takes the tile ids and passes them to rank 1 through a DSMEM mailbox), the next tile
-  id fetched one tile ahead (``sched_ahead``) and a self-resetting tile counter
-  (``self_reset_counter``).
+  id fetched one tile ahead (``sched_ahead``), a self-resetting tile counter
+  (``self_reset_counter``), the old output tile prefetched into L2 for the reduce-add
+  (``acc_epilogue="l2prefetch"``: the YAML's rule for accumulating with many experts) and bands
+  of M tiles walked N column by N column inside an expert (``swizzle``: the YAML's 128x192
+  rule); tile M 192 (pingpong) holds three 64-row wgmma slabs per warp group.
 
 Public names (docs/CONTRACTS.md): ``Sm90TileConfig``, ``Sm90WgradKey``, ``select_sm90_tile_config``,
 ``sm90_key_from_contract``, ``compile_sm90_wgrad`` (cached; ``COMPILE_COUNT`` counts real
@@ -210,8 +215,9 @@ class Sm90TileConfig:
 @dataclasses.dataclass(frozen=True)
 class Sm90WgradKey(KernelKey):
     """Static contract of one compiled SM90 kernel (the compile-cache key): the fields of
-    ``_contract.KernelKey`` and the :class:`Sm90TileConfig` ``tile``, which must divide hidden
-    and intermediate (the SM90 kernel has no partial output tiles). ``input_order``: see
+    ``_contract.KernelKey`` and the :class:`Sm90TileConfig` ``tile``; dense outputs may end in
+    partial tiles (TMA zero-fills the loads and clips the stores), discrete outputs need a tile
+    that divides hidden and intermediate. ``input_order``: see
     :func:`compile_sm90_wgrad`.
 
     Raises:
@@ -241,12 +247,17 @@ def select_sm90_tile_config(
     tokens_hint: int | None = None,
     *,
     mma_tiler_mn: tuple[int, int] | None = None,
+    output_mode: str = "dense",
+    accumulate: bool = False,
 ) -> Sm90TileConfig:
     """Pick the tile config for an ``(E, M, N)`` problem from ``configs/cuda/sm90_tiles.yaml``.
 
     Args:
         hidden: M (rows of Wgrad). intermediate: N (columns). num_experts: E.
         tokens_hint: expected tokens_sum (unused by the current rules; kept for the contract).
+        output_mode: "dense" outputs may end in partial tiles; "discrete" ones take the first
+            rule whose tile divides hidden and intermediate.
+        accumulate: accumulating into the output (rules may ask for it: their epilogue).
         mma_tiler_mn: a caller's ``(tile_m, tile_n)`` instead of the rules: cooperative schedule
             (pingpong for tile_m 192) with as many stages (up to 8) as shared memory holds.
 
@@ -274,7 +285,10 @@ def select_sm90_tile_config(
                 f"hidden={hidden} and intermediate={intermediate}"
             )
         return config
-    config = match_rule(load_sm90_tile_rules(), hidden, intermediate, num_experts)
+    config = match_rule(
+        load_sm90_tile_rules(), hidden, intermediate, num_experts, accumulate=accumulate,
+        whole_tiles=output_mode != "dense",
+    )
     if config is not None:
         return config
     raise ValueError(
@@ -1279,14 +1293,16 @@ def sm90_key_from_contract(contract: Any) -> Sm90WgradKey:
     else from ``configs/cuda/sm90_tiles.yaml``).
 
     Raises:
-        ValueError: no tile fits hidden / intermediate (the SM90 kernel writes whole output
-            tiles: hidden and intermediate must be multiples of the tile, 64 at least).
+        ValueError: no tile fits hidden / intermediate (multiples of 64 at least; discrete
+            outputs need whole tiles).
     """
     tile = select_sm90_tile_config(
         contract.hidden,
         contract.intermediate,
         contract.num_experts,
         mma_tiler_mn=contract.mma_tiler_mn,
+        output_mode=contract.output_mode,
+        accumulate=contract.accumulate,
     )
     return Sm90WgradKey(**contract_key_fields(contract), tile=tile)
 

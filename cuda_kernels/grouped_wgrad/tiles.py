@@ -190,10 +190,24 @@ def load_tile_rules(path: pathlib.Path, config_cls: type, arch: str) -> tuple:
     return tuple(rules)
 
 
-def match_rule(rules: tuple, hidden: int, intermediate: int, num_experts: int):
+def match_rule(
+    rules: tuple,
+    hidden: int,
+    intermediate: int,
+    num_experts: int,
+    *,
+    accumulate: bool = False,
+    whole_tiles: bool = False,
+):
     """The config of the first rule whose conditions hold (``hidden_multiple``,
-    ``intermediate_multiple``, ``min_intermediate``, ``min_experts``; all optional), or None."""
+    ``intermediate_multiple``, ``min_intermediate``, ``min_experts``, ``accumulate``; all
+    optional), or None. ``whole_tiles``: skip configs whose tile does not divide hidden and
+    intermediate (outputs that cannot end in partial tiles)."""
     for _name, cond, config in rules:
+        if "accumulate" in cond and bool(cond["accumulate"]) != accumulate:
+            continue
+        if whole_tiles and (hidden % config.tile_m or intermediate % config.tile_n):
+            continue
         if hidden % cond.get("hidden_multiple", 1):
             continue
         if intermediate % cond.get("intermediate_multiple", 1):

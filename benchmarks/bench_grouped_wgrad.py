@@ -17,12 +17,12 @@ MoE backward holds), out bf16 unless the row says fp32.
 
 Usage: ``python benchmarks/bench_grouped_wgrad.py [--quick] [--json out.json]``.
 
-``--variants``: every speed variant of the SM90 kernel (``Sm90TileConfig`` fields: prefetch / reduce
-fp32-accumulate epilogue, epilogue sub-tile and store stages, (2, 1) clusters with B multicast, tile
-fetch one ahead, self-resetting tile counter) on the quick shapes (one of them FP32-accumulate) and
-a small odd-M-tile correctness row, in one process: each variant is checked against an fp32
-reference over ALL experts (accumulating rows from a random old output) before and after timing,
-then timed; torch._grouped_mm and quack (autotuned) once per shape; a failing variant prints its
+``--variants``: the speed variants of the SM90 kernel (``Sm90TileConfig`` fields: the L2-prefetch
+reduce-add epilogue for accumulating rows, epilogue sub-tile width and store stages, the swizzled
+tile order; and the tile shapes 128x192 pingpong, 192x128 pingpong, 128x256, 128x128 pingpong) on
+the quick shapes (one of them FP32-accumulate) and a small odd-M-tile correctness row, in one
+process: each variant is checked against an fp32 reference over ALL experts (accumulating rows from
+a random old output) before and after timing, then timed; torch._grouped_mm and quack (autotuned) once per shape; a failing variant prints its
 error and the sweep goes on; each variant's name is printed before it runs (a hang names itself).
 ``--variant-filter a,b,-c`` keeps the variants whose name contains a or b and not c (the default
 tile always runs).
@@ -96,15 +96,13 @@ def _ceilings(bench, dev):
 
 def parse_tile(sm90, spec):
     """``"M,N,K,stages,pingpong[,field=value...]"`` -> ``Sm90TileConfig`` (extra fields: the speed
-    variants, e.g. ``cluster_m=2``, ``sched_ahead=1``, ``acc_epilogue=prefetch``)."""
+    variants, e.g. ``acc_epilogue=l2prefetch``, ``epi_n=64``, ``epi_stages=3``, ``swizzle=8``)."""
     parts = spec.split(",")
     tm, tn, tk, st, pp = (int(v) for v in parts[:5])
     extra = {}
     for kv in parts[5:]:
         k, v = kv.split("=")
         extra[k] = v if k == "acc_epilogue" else int(v)
-        if k in ("sched_ahead", "self_reset_counter"):
-            extra[k] = bool(extra[k])
     return sm90.Sm90TileConfig(tm, tn, tk, st, bool(pp), **extra)
 
 
@@ -258,70 +256,51 @@ def _quack_columns(row, bench, a, b, offsets, ours_once, accumulate, flops, t_ou
             row["quack_tuned_config"] = str(best) if best is not None else None
 
 
+def _variants(configs):
+    """The configs in order without repeats; ``(cfg, fields)`` pairs are ``replace``d, and those
+    whose fields do not fit the tile (``ValueError``) are dropped."""
+    seen, keep = set(), []
+    for item in configs:
+        cfg, fields = item if isinstance(item, tuple) else (item, {})
+        try:
+            cfg = dataclasses.replace(cfg, **fields)
+        except ValueError:
+            continue
+        if cfg not in seen:
+            seen.add(cfg)
+            keep.append(cfg)
+    return keep
+
+
 def variant_tiles(m, n, e, accumulate, out_dtype):
-    """The SM90 tile variants swept by ``--variants`` for one shape, safest first (a kernel that
-    faults poisons the CUDA context for the rest): the YAML default, its scheduler variants, the
-    epilogue variants (FP32-accumulate rows), then (2, 1) clusters. Variants that do not fit the
-    shape or shared memory are dropped."""
+    """The SM90 tile variants swept by ``--variants`` for one shape, the YAML default first: the
+    tile shapes (128x192 pingpong, 192x128 pingpong, 128x256, 128x128 pingpong) plain and with the
+    swizzled tile order, the epilogue sub-tile width / store stages, then (accumulating rows) the
+    L2-prefetch reduce-add. Variants that do not fit the tile are dropped."""
     from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
 
-    base = sm90.select_sm90_tile_config(m, n, e)
-    r = dataclasses.replace
-    sched = dict(sched_ahead=True, self_reset_counter=True)
-    out = [
-        base,
-        r(base, sched_ahead=True),
-        r(base, self_reset_counter=True),
-        r(base, **sched),
-        sm90.Sm90TileConfig(128, 128, 64, 6, False),
-        sm90.Sm90TileConfig(128, 128, 64, 6, True, **sched),
-        sm90.Sm90TileConfig(128, 256, 64, 4, False, **sched),
-    ]
-    if accumulate and out_dtype == "float32":
-        out += [
-            r(base, epi_n=64),
-            r(base, epi_n=64, epi_stages=3),
-            r(base, epi_n=32, epi_stages=4),
-            sm90.Sm90TileConfig(128, 128, 64, 6, False, epi_n=64, epi_stages=3),
-            sm90.Sm90TileConfig(128, 256, 64, 4, False, epi_n=64, epi_stages=2),
-        ]
-        for cfg in (
-            sm90.Sm90TileConfig(128, 128, 64, 6, False),
-            sm90.Sm90TileConfig(128, 64, 64, 8, True),
-            sm90.Sm90TileConfig(128, 128, 64, 6, True),  # 2 stages left: a probe
-        ):
-            for epi_n in (32, 64):
-                if cfg.tile_n % epi_n == 0:
-                    out.append(r(cfg, acc_epilogue="prefetch", epi_n=epi_n))
-                    out.append(r(cfg, acc_epilogue="prefetch", epi_n=epi_n, **sched))
-    clusters = [
-        r(base, cluster_m=2),
-        r(base, cluster_m=2, **sched),
-        sm90.Sm90TileConfig(128, 128, 64, 6, False, cluster_m=2, **sched),
-        sm90.Sm90TileConfig(128, 256, 64, 4, False, cluster_m=2, **sched),
-    ]
-    if accumulate and out_dtype == "float32":
-        clusters += [
-            sm90.Sm90TileConfig(
-                128, 128, 64, 6, False, acc_epilogue="prefetch", epi_n=64, cluster_m=2, **sched
-            ),
-            sm90.Sm90TileConfig(
-                128, 64, 64, 8, True, acc_epilogue="prefetch", cluster_m=2, **sched
-            ),
-        ]
-    out += clusters
-    seen, keep = set(), []
-    for cfg in out:
-        if cfg in seen:
-            continue
-        seen.add(cfg)
-        keep.append(cfg)
-    return keep
+    T = sm90.Sm90TileConfig
+    base = sm90.select_sm90_tile_config(m, n, e, accumulate=accumulate)
+    tiles = [T(128, 192, 64, 5, True), T(192, 128, 64, 5, True), T(128, 256, 64, 4, False),
+             T(128, 128, 64, 6, True)]
+    out = [base, (base, {"swizzle": 0}), (base, {"swizzle": 4}), (base, {"swizzle": 8})]
+    for cfg in tiles:
+        out += [cfg, (cfg, {"swizzle": 8})]
+    for cfg in (base, T(128, 128, 64, 6, True), T(128, 192, 64, 5, True)):
+        out += [(cfg, {"epi_n": 64}), (cfg, {"epi_n": 64, "epi_stages": 3}),
+                (cfg, {"epi_stages": 1}), (cfg, {"epi_stages": 3})]
+    if accumulate:
+        for cfg in (base, T(128, 128, 64, 6, True), T(128, 192, 64, 5, True),
+                    T(128, 256, 64, 4, False)):
+            for fields in ({"acc_epilogue": "reduce"}, {"acc_epilogue": "l2prefetch"},
+                           {"acc_epilogue": "l2prefetch", "epi_n": 64}):
+                out.append((cfg, fields))
+    return _variants(out)
 
 
 def _variant_shapes():
     """Quick shapes (one bf16, one FP32-accumulate) and a small correctness row: 64-row tiles
-    over hidden 192 (3 M tiles: the (2, 1) clusters' odd pair), skewed experts with empty ones,
+    over hidden 192 (3 M tiles; a partial one for 128-row tiles), skewed experts with empty ones,
     FP32 accumulate."""
     rows = list(shapes(quick=True))
     rows.append(
@@ -331,23 +310,24 @@ def _variant_shapes():
 
 
 def _small_tiles(m, n, e):
-    """Variants of the small odd-M row: 64x128 tiles (3 M tiles), every switch."""
+    """Variants of the small odd-M row: 64x128 tiles (3 M tiles), every switch, and the other
+    tile shapes (partial M tiles for 128 rows)."""
     from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
 
-    t = sm90.Sm90TileConfig(64, 128, 64, 8, False)
-    r = dataclasses.replace
-    sched = dict(sched_ahead=True, self_reset_counter=True)
-    return [
+    T = sm90.Sm90TileConfig
+    t = T(64, 128, 64, 8, False)
+    return _variants([
         t,
-        r(t, **sched),
-        r(t, acc_epilogue="prefetch"),
-        r(t, acc_epilogue="prefetch", epi_n=64, **sched),
-        r(t, cluster_m=2),
-        r(t, cluster_m=2, **sched),
-        r(t, cluster_m=2, acc_epilogue="prefetch", **sched),
-        r(t, cluster_m=2, epi_n=64, epi_stages=3),
-        sm90.Sm90TileConfig(64, 128, 64, 8, True, cluster_m=2, sched_ahead=True),
-    ]
+        (t, {"epi_n": 64}),
+        (t, {"epi_n": 64, "epi_stages": 3}),
+        (t, {"acc_epilogue": "l2prefetch"}),
+        (t, {"swizzle": 2}),
+        T(64, 128, 64, 8, True),
+        T(192, 128, 64, 5, True),
+        T(128, 128, 64, 6, True),
+        T(128, 128, 64, 6, True, acc_epilogue="l2prefetch", epi_n=64),
+        T(128, 192, 64, 5, True, swizzle=8),
+    ])
 
 
 def run_variants(args, bench, dev, copy_bw):
@@ -429,7 +409,7 @@ def run_variants(args, bench, dev, copy_bw):
                 launcher = sm90.compile_sm90_wgrad(key)
                 row["err_before"] = check(launcher)
                 t = bench(functools.partial(launcher, a, b, offsets, out))
-                row["err_after"] = check(launcher)  # a self-reset counter must be back at 0
+                row["err_after"] = check(launcher)
                 row["us"] = t
                 row["TFLOPs"] = flops / (t * 1e-6) / 1e12
                 if t_default is None:
@@ -484,7 +464,7 @@ def main(argv=None):
     p.add_argument(
         "--variants",
         action="store_true",
-        help="sweep every SM90 speed variant on the quick shapes (+ a small odd-M row)",
+        help="sweep the SM90 speed variants on the quick shapes (+ a small odd-M row)",
     )
     p.add_argument(
         "--variant-filter",

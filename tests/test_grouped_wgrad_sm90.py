@@ -157,29 +157,28 @@ def test_offline_compile_ignores_the_present_gpu_arch():
 
 def test_variant_fields_default_to_the_measured_kernel():
     t = Sm90TileConfig()
-    assert (t.acc_epilogue, t.epi_n, t.epi_stages, t.cluster_m) == ("reduce", 32, 0, 1)
-    assert not t.sched_ahead and not t.self_reset_counter
+    assert (t.acc_epilogue, t.epi_n, t.epi_stages, t.swizzle) == ("reduce", 32, 0, 0)
     assert t.cluster_shape_mn == (1, 1)
     # the YAML rows use only the variants measured to win (benchmarks/RESULTS.md, issue 12)
     won = {"accumulate-many-experts": "128x128s6pp-l2pf-e64", "pingpong-192": "128x192s5pp-sw8"}
     for name, _cond, cfg in sm90.load_sm90_tile_rules():
         plain = f"{cfg.tile_m}x{cfg.tile_n}s{cfg.stages}" + ("pp" if cfg.pingpong else "")
         assert cfg.variant_name == won.get(name, plain)
-    v = Sm90TileConfig(128, 128, 64, 6, acc_epilogue="prefetch", epi_n=64, cluster_m=2,
-                       sched_ahead=True, self_reset_counter=True)
-    assert v.cluster_shape_mn == (2, 1)
-    assert v.variant_name == "128x128s6-pf-e64-c2-ahead-rst"
+    v = Sm90TileConfig(128, 128, 64, 6, acc_epilogue="l2prefetch", epi_n=64, epi_stages=3,
+                       swizzle=4)
+    assert v.cluster_shape_mn == (1, 1)
+    assert v.variant_name == "128x128s6-l2pf-e64-es3-sw4"
 
 
 def test_variant_field_validation():
     for kwargs, word in [
         ({"acc_epilogue": "atomic"}, "acc_epilogue"),
+        ({"acc_epilogue": "prefetch"}, "acc_epilogue"),
         ({"epi_n": 24}, "epi_n"),
         ({"tile_n": 128, "epi_n": 256}, "epi_n"),
         ({"tile_n": 192, "epi_n": 128}, "epi_n"),
         ({"tile_n": 64, "epi_n": 48}, "epi_n"),
         ({"epi_stages": 9}, "epi_stages"),
-        ({"cluster_m": 4}, "cluster_m"),
     ]:
         with pytest.raises(ValueError, match=word):
             Sm90TileConfig(**kwargs)
@@ -194,17 +193,8 @@ def _variant_ptx(tile, **key_kwargs):
 
 
 _T = Sm90TileConfig
-_SCHED = {"sched_ahead": True, "self_reset_counter": True}
 _VARIANT_PTX = [
     # (id, tile, key kwargs, PTX that must appear, PTX that must not)
-    ("prefetch-coop", _T(128, 128, 64, 6, acc_epilogue="prefetch", epi_n=64),
-     {"out_dtype": "float32", "accumulate": True},
-     ["cp.async.bulk.tensor.3d.shared::cta.global", "cp.async.bulk.tensor.3d.global.shared::cta"],
-     ["cp.reduce.async.bulk", "multicast::cluster"]),
-    ("prefetch-pingpong", _T(128, 64, 64, 8, True, acc_epilogue="prefetch", **_SCHED),
-     {"out_dtype": "float32", "accumulate": True, "a_major": "k", "b_major": "k"},
-     ["cp.async.bulk.tensor.3d.shared::cta.global", "atom.global.exch"],
-     ["cp.reduce.async.bulk"]),
     ("reduce-e64-es3", _T(128, 128, 64, 5, True, epi_n=64, epi_stages=3),
      {"out_dtype": "float32", "accumulate": True},
      ["cp.reduce.async.bulk.tensor.3d.global.shared::cta.add"],
@@ -216,24 +206,6 @@ _VARIANT_PTX = [
     ("l2prefetch-not-without-accumulate", _T(128, 128, 64, 6, True, acc_epilogue="l2prefetch"),
      {"out_dtype": "float32"}, ["cp.async.bulk.tensor.3d.global.shared::cta"],
      ["cp.async.bulk.prefetch.tensor", "cp.reduce.async.bulk"]),
-    ("prefetch-bf16-out-keeps-reduce", _T(128, 128, 64, 6, acc_epilogue="prefetch"),
-     {"out_dtype": "bfloat16", "accumulate": True},
-     ["cp.reduce.async.bulk.tensor"], []),
-    ("ahead-reset", _T(128, 128, 64, 6, True, **_SCHED), {},
-     ["atom.global.exch", "atom.global.add"], ["multicast::cluster"]),
-    ("cluster-pingpong", _T(128, 128, 64, 6, True, cluster_m=2), {},
-     ["multicast::cluster", "st.async", "barrier.cluster.arrive", "barrier.cluster.wait",
-      "mbarrier.arrive"], ["atom.global.exch"]),
-    ("cluster-odd-m-kmajor", _T(64, 128, 64, 8, cluster_m=2, **_SCHED),
-     {"m": 192, "a_major": "k", "b_major": "k"},
-     ["multicast::cluster", "st.async", "atom.global.exch"], []),
-    ("cluster-prefetch", _T(128, 128, 64, 6, acc_epilogue="prefetch", epi_n=64, cluster_m=2,
-                            **_SCHED),
-     {"out_dtype": "float32", "accumulate": True},
-     ["multicast::cluster", "cp.async.bulk.tensor.3d.shared::cta.global"],
-     ["cp.reduce.async.bulk"]),
-    ("cluster-discrete", _T(128, 128, 64, 6, cluster_m=2),
-     {"output_mode": "discrete", "accumulate": True}, ["multicast::cluster"], []),
 ]
 
 
@@ -247,15 +219,13 @@ def test_offline_compile_speed_variants(case):
         assert text in ptx, f"{_id}: {text!r} missing from the PTX"
     for text in must_not:
         assert text not in ptx, f"{_id}: unexpected {text!r} in the PTX"
-    if tile.cluster_m > 1:  # B multicast: a (tile_n / 2)-row half per CTA, to both CTAs
-        assert ptx.count("multicast::cluster") >= 1
 
 
 @needs_cute
 def test_variant_that_leaves_no_pipeline_room_is_refused():
-    key = Sm90WgradKey(  # a 128 KiB fp32 prefetch tile leaves < 2 stages of 48 KiB
+    key = Sm90WgradKey(  # 4 fp32 (128, 128) store buffers (256 KiB) leave < 2 stages
         256, 256, 128, a_major="m", b_major="n", out_dtype="float32", accumulate=True,
-        tile=Sm90TileConfig(128, 256, 64, 4, acc_epilogue="prefetch"),
+        tile=Sm90TileConfig(128, 256, 64, 4, epi_n=128, epi_stages=4),
     )
     with pytest.raises(ValueError, match="no room"):
         sm90._kernel_class()(key)
@@ -517,25 +487,7 @@ def test_cuda_graph_replay_with_new_offsets():
 
 _GPU_VARIANTS = [
     # (id, tile, (E, M, N), a_major, b_major, out_dtype, mode, accumulate)
-    ("ahead-reset", _T(128, 128, 64, 6, True, **_SCHED), (8, 256, 256), "m", "n", "bfloat16",
-     "dense", False),
-    ("prefetch-coop", _T(128, 128, 64, 6, acc_epilogue="prefetch", epi_n=64), (5, 256, 256), "m",
-     "n", "float32", "dense", True),
-    ("prefetch-pingpong", _T(128, 64, 64, 8, True, acc_epilogue="prefetch", **_SCHED),
-     (7, 256, 256), "k", "k", "float32", "dense", True),
     ("reduce-e64-es3", _T(128, 128, 64, 5, True, epi_n=64, epi_stages=3), (7, 256, 256), "m", "n",
-     "float32", "dense", True),
-    ("cluster-even", _T(128, 128, 64, 6, cluster_m=2), (6, 256, 256), "m", "n", "bfloat16",
-     "dense", False),
-    ("cluster-pingpong-reset", _T(128, 128, 64, 6, True, cluster_m=2, **_SCHED), (9, 256, 384),
-     "k", "n", "float32", "dense", False),
-    ("cluster-odd-m", _T(64, 128, 64, 8, cluster_m=2, **_SCHED), (6, 192, 256), "k", "k",
-     "bfloat16", "dense", False),
-    ("cluster-odd-m-prefetch", _T(64, 128, 64, 8, acc_epilogue="prefetch", cluster_m=2),
-     (6, 192, 256), "m", "n", "float32", "dense", True),
-    ("cluster-odd-m-discrete", _T(64, 64, 64, 8, cluster_m=2), (5, 320, 128), "m", "k",
-     "bfloat16", "discrete", True),
-    ("cluster-single-m-tile", _T(128, 128, 64, 6, cluster_m=2, **_SCHED), (4, 128, 256), "m", "n",
      "float32", "dense", True),
     ("l2prefetch-pingpong", _T(128, 128, 64, 6, True, acc_epilogue="l2prefetch"), (7, 256, 320),
      "m", "n", "float32", "dense", True),
@@ -545,25 +497,23 @@ _GPU_VARIANTS = [
      "dense", False),
     ("tile-m-192-kk-acc-l2pf", _T(192, 128, 64, 5, True, acc_epilogue="l2prefetch"),
      (6, 384, 200), "k", "k", "float32", "dense", True),
-    ("tile-m-192-discrete", _T(192, 64, 64, 6, True, **_SCHED), (5, 384, 128), "m", "k",
-     "float16", "discrete", True),
-    ("tile-m-192-cluster", _T(192, 128, 64, 5, True, cluster_m=2), (5, 576, 256), "m", "n",
-     "bfloat16", "dense", False),
+    ("tile-m-192-discrete", _T(192, 64, 64, 6, True), (5, 384, 128), "m", "k", "float16",
+     "discrete", True),
     ("swizzle-partial-band", _T(64, 128, 64, 8, swizzle=3), (5, 448, 384), "m", "n", "float32",
      "dense", True),
-    ("swizzle-cluster-pingpong", _T(128, 128, 64, 6, True, cluster_m=2, swizzle=2),
-     (6, 640, 256), "k", "n", "bfloat16", "dense", False),
+    ("swizzle-pingpong", _T(128, 128, 64, 6, True, swizzle=2), (6, 640, 256), "k", "n",
+     "bfloat16", "dense", False),
     # partial output tiles at the M and N edges (dense outputs: TMA zero-fills, clips)
     ("partial-n-192pp", _T(128, 192, 64, 4, True), (5, 256, 320), "m", "n", "bfloat16", "dense",
      False),
     ("partial-mn-192pp-acc", _T(128, 192, 64, 4, True), (6, 320, 400), "k", "k", "float32",
      "dense", True),
-    ("partial-mn-prefetch", _T(128, 64, 64, 8, True, acc_epilogue="prefetch"), (5, 200, 200),
-     "m", "n", "float32", "dense", True),
+    ("partial-mn-64pp-acc", _T(128, 64, 64, 8, True), (5, 200, 200), "m", "n", "float32",
+     "dense", True),
     ("partial-mn-coop-256", _T(128, 256, 64, 4), (4, 136, 264), "m", "k", "bfloat16", "dense",
      False),
-    ("partial-mn-cluster", _T(128, 128, 64, 6, cluster_m=2), (5, 328, 264), "m", "n",
-     "float32", "dense", True),
+    ("partial-mn-coop-acc", _T(128, 128, 64, 6), (5, 328, 264), "m", "n", "float32", "dense",
+     True),
 ]
 
 
@@ -572,9 +522,8 @@ _GPU_VARIANTS = [
 @pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and CuTe DSL")
 @pytest.mark.parametrize("case", _GPU_VARIANTS, ids=[c[0] for c in _GPU_VARIANTS])
 def test_speed_variants_match_fp32_reference(case):
-    """Every variant against the fp32 reference on uneven splits with empty experts (odd M-tile
-    counts for the clusters: the phantom tile), three launches in a row (a self-resetting counter
-    must be back at zero after each)."""
+    """Every variant against the fp32 reference on uneven splits with empty experts, three
+    launches in a row (a zeroed tile counter per launch)."""
     _id, tile, (e, m, n), a_major, b_major, out_dtype, mode, accumulate = case
     gen = torch.Generator().manual_seed(7 + _GPU_VARIANTS.index(case))
     multiple = 8 if "k" in (a_major, b_major) else 1
@@ -599,39 +548,6 @@ def test_speed_variants_match_fp32_reference(case):
             if c == 0 and not accumulate:
                 assert (out[i] == 0).all(), f"empty expert {i} must be zeros"
         assert _rel_err(out, ref) < _TOL[out_dtype]
-
-
-@pytest.mark.gpu
-@pytest.mark.sm90
-@pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and CuTe DSL")
-def test_self_reset_counter_is_persistent_and_graph_safe():
-    m, n, e = 256, 256, 4
-    tile = Sm90TileConfig(128, 128, 64, 6, True, cluster_m=2, **_SCHED)
-    key = Sm90WgradKey(m, n, e, a_major="m", b_major="n", out_dtype="float32", tile=tile)
-    gen = torch.Generator().manual_seed(11)
-    counts = [100, 0, 300, 112]
-    a, b = _make_inputs(m, n, counts, "m", "n", gen)
-    offsets = _offsets_from_counts(counts, "cuda")
-    out = torch.full((e, m, n), float("nan"), device="cuda")
-    launcher = sm90.compile_sm90_wgrad(key)
-    launcher(a, b, offsets, out)
-    torch.cuda.synchronize()
-    dev = a.device
-    c1 = sm90.FAMILY.counter_for(key, dev)
-    assert c1 is sm90.FAMILY.counter_for(key, dev) and int(c1.item()) == 0
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    launcher(a, b, offsets, out, stream=stream)  # the stream's counter, outside the capture
-    torch.cuda.synchronize()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        launcher(a, b, offsets, out)
-    for counts2 in ([0, 256, 1, 255], counts, [512, 0, 0, 0]):
-        offsets.copy_(_offsets_from_counts(counts2, "cuda"))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert _rel_err(out, _reference(a, b, counts2)) < 1e-5
-    assert int(c1.item()) == 0
 
 
 # ------------------------------------------------------------------------------------------------

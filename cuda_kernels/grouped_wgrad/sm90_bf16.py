@@ -31,16 +31,14 @@ Structure (one CTA per SM, persistent, warp-specialized):
   The consumers zero the rows outside the expert in shared memory (both operands: ``0 * NaN`` is
   NaN), fence the async proxy and sync before the wgmma reads them;
 - empty experts issue no loads and write zeros, or leave the output untouched when accumulating;
-- speed variants, fields of :class:`Sm90TileConfig` (defaults: the kernel above): an FP32
-  accumulate epilogue that prefetches the old tile by TMA during the mainloop and stores plainly
-  (``acc_epilogue="prefetch"``), epilogue sub-tile width / store stages (``epi_n``,
-  ``epi_stages``), (2, 1) clusters over M-tile pairs with the B tile multicast (``cluster_m=2``;
-  rank 0 takes the tile ids and passes them to rank 1 through a DSMEM mailbox), the next tile
-  id fetched one tile ahead (``sched_ahead``), a self-resetting tile counter
-  (``self_reset_counter``), the old output tile prefetched into L2 for the reduce-add
-  (``acc_epilogue="l2prefetch"``: the YAML's rule for accumulating with many experts) and bands
-  of M tiles walked N column by N column inside an expert (``swizzle``: the YAML's 128x192
-  rule); tile M 192 (pingpong) holds three 64-row wgmma slabs per warp group.
+- speed variants, fields of :class:`Sm90TileConfig` (defaults: the kernel above): epilogue
+  sub-tile width / store stages (``epi_n``, ``epi_stages``), the old output tile prefetched into
+  L2 for the reduce-add (``acc_epilogue="l2prefetch"``: the YAML's rule for accumulating with
+  many experts) and bands of M tiles walked N column by N column inside an expert (``swizzle``:
+  the YAML's 128x192 rule); tile M 192 (pingpong) holds three 64-row wgmma slabs per warp group.
+  (Variants measured on the H200 that lost -- a shared-memory prefetch accumulate epilogue,
+  (2, 1) clusters with B multicast, a tile id fetched one tile ahead, a self-resetting tile
+  counter -- were removed; their numbers are in benchmarks/RESULTS.md.)
 
 Public names (docs/CONTRACTS.md): ``Sm90TileConfig``, ``Sm90WgradKey``, ``select_sm90_tile_config``,
 ``sm90_key_from_contract``, ``compile_sm90_wgrad`` (cached; ``COMPILE_COUNT`` counts real
@@ -94,31 +92,17 @@ class Sm90TileConfig:
     Speed variants (the defaults are the measured behaviour; ``benchmarks/bench_grouped_wgrad.py
     --variants`` sweeps them):
         acc_epilogue: how a dense output is accumulated into (``accumulate_on_output``):
-            ``"reduce"`` (TMA reduce-add of each fp32 sub-tile) or ``"prefetch"`` (the producer
-            warp loads the old output tile into shared memory by TMA while the mainloop runs, the
-            consumers add it to the accumulators in registers and store with plain TMA stores
-            from the same buffer: the whole tile is the store staging; dense FP32 outputs only,
-            others keep the reduce-add), or ``"l2prefetch"`` (the producer warp prefetches the
-            old output tile into L2 by TMA when the tile's loads start, so the epilogue's TMA
-            reduce-add finds it there instead of waiting on DRAM; any dense output).
+            ``"reduce"`` (TMA reduce-add of each sub-tile) or ``"l2prefetch"`` (the producer
+            warp prefetches the old output tile into L2 by TMA when the tile's loads start, so
+            the epilogue's TMA reduce-add finds it there instead of waiting on DRAM; any dense
+            output).
         epi_n: columns of one epilogue sub-tile (TMA store box): 32 (default, as measured), or
             a multiple of 16 dividing tile_n.
         epi_stages: TMA-store staging buffers per consumer group of the store / reduce-add
             epilogues, 1..8, or 0 (as many as fit, at most 2: the measured default).
-        cluster_m: 1, or 2 for (2, 1) clusters: the two CTAs take the same expert and N tile and
-            adjacent M tiles (the scheduler hands out M-tile pairs) and the B tile is loaded once
-            and multicast to both (each CTA loads one half); an expert with an odd number of M
-            tiles leaves the second CTA a phantom tile (it runs the mainloop on a clamped tile
-            to keep both CTAs' pipelines in step and writes nothing).
-        sched_ahead: the producer warp takes the next tile id from the global counter when a tile
-            starts (one tile ahead), so the atomic's latency hides behind the tile's loads.
-        self_reset_counter: the launch passes a persistent per-(device, stream) tile counter
-            instead of zeroing a new one (no memset per call); the last CTA to take a tile id
-            resets it to zero.
         swizzle: tile order inside an expert. 0: M tiles fastest, one N column after another
-            (the measured default); G > 0: bands of G M units (tiles, or pairs of a cluster),
-            each band walked N column by N column (an L2 working set of G A tiles and all of B
-            instead of all of A).
+            (the measured default); G > 0: bands of G M tiles, each band walked N column by N
+            column (an L2 working set of G A tiles and all of B instead of all of A).
 
     Raises:
         ValueError: a field outside the ranges above or stages that overflow shared memory.
@@ -132,9 +116,6 @@ class Sm90TileConfig:
     acc_epilogue: str = "reduce"
     epi_n: int = 32
     epi_stages: int = 0
-    cluster_m: int = 1
-    sched_ahead: bool = False
-    self_reset_counter: bool = False
     swizzle: int = 0
 
     def __post_init__(self) -> None:
@@ -145,10 +126,9 @@ class Sm90TileConfig:
                 f"{cls}.tile_m=192 runs only with pingpong=True (three 64-row wgmma slabs per "
                 "consumer warp group; cooperative tiles are 64 rows per warp group, at most two)"
             )
-        if self.acc_epilogue not in ("reduce", "prefetch", "l2prefetch"):
+        if self.acc_epilogue not in ("reduce", "l2prefetch"):
             raise ValueError(
-                f"{cls}.acc_epilogue must be 'reduce', 'prefetch' or 'l2prefetch', got "
-                f"{self.acc_epilogue!r}"
+                f"{cls}.acc_epilogue must be 'reduce' or 'l2prefetch', got {self.acc_epilogue!r}"
             )
         if self.epi_n != 32 and (  # (32: the measured kernel's width, for every tile_n)
             self.epi_n % 16 or not 16 <= self.epi_n <= self.tile_n or self.tile_n % self.epi_n
@@ -159,16 +139,12 @@ class Sm90TileConfig:
             )
         if not 0 <= self.epi_stages <= 8:
             raise ValueError(f"{cls}.epi_stages must be in [0, 8], got {self.epi_stages}")
-        if self.cluster_m not in (1, 2):
-            raise ValueError(f"{cls}.cluster_m must be 1 or 2, got {self.cluster_m}")
         if not 0 <= self.swizzle <= 64:
             raise ValueError(f"{cls}.swizzle must be in [0, 64], got {self.swizzle}")
 
     @property
     def cluster_shape_mn(self) -> tuple[int, int]:
-        """The CTA cluster: (1, 1), or (2, 1) with ``cluster_m=2`` (B multicast over M pairs)."""
-        if self.cluster_m > 1:
-            return (self.cluster_m, 1)
+        """The CTA cluster: (1, 1) (no clusters on SM90)."""
         return SM90_TILES.cluster_for(self.tile_m)
 
     @property
@@ -176,17 +152,11 @@ class Sm90TileConfig:
         """Short name of the tile and its speed variants (benchmark rows)."""
         name = f"{self.tile_m}x{self.tile_n}s{self.stages}{'pp' if self.pingpong else ''}"
         if self.acc_epilogue != "reduce":
-            name += {"prefetch": "-pf", "l2prefetch": "-l2pf"}[self.acc_epilogue]
+            name += {"l2prefetch": "-l2pf"}[self.acc_epilogue]
         if self.epi_n != 32:
             name += f"-e{self.epi_n}"
         if self.epi_stages:
             name += f"-es{self.epi_stages}"
-        if self.cluster_m > 1:
-            name += f"-c{self.cluster_m}"
-        if self.sched_ahead:
-            name += "-ahead"
-        if self.self_reset_counter:
-            name += "-rst"
         if self.swizzle:
             name += f"-sw{self.swizzle}"
         return name
@@ -307,7 +277,7 @@ def _build_kernel_class():
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass import cute, memory, pipeline
     from cutlass.tensor_utils import LayoutEnum
-    from cutlass._mlir.dialects import llvm, nvvm
+    from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
     @cute.jit
@@ -359,15 +329,6 @@ def _build_kernel_class():
             # accumulating), in (tile_m, epi_n) sub-tiles, epi_stages buffers per consumer group;
             # discrete outputs (a pointer per expert) are stored from registers.
             self.tma_epi = key.output_mode == "dense"
-            # accumulate by loading the old tile during the mainloop (see Sm90TileConfig)
-            # (fp32 outputs: their register -> smem copy is a per-thread one, so each thread
-            # reads back exactly the old values of its own accumulator elements)
-            self.prefetch_c = (
-                self.tma_epi
-                and key.accumulate
-                and key.out_dtype == "float32"
-                and t.acc_epilogue == "prefetch"
-            )
             # accumulate with the reduce-add, the old tile prefetched into L2 by the producer
             self.l2_prefetch_c = self.tma_epi and key.accumulate and t.acc_epilogue == "l2prefetch"
             # one warp group per tile (pingpong / 64-row tiles): its accumulator fragment is
@@ -376,22 +337,9 @@ def _build_kernel_class():
             self.n_sub = (self.tile_m // self.epi_tile[0]) * (self.tile_n // t.epi_n)
             out_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[key.out_dtype]
             sub_bytes = self.epi_tile[0] * t.epi_n * out_bytes
-            # cluster (cluster_m, 1): M-tile pairs of one expert and N tile, B multicast
-            self.cluster_m = t.cluster_m
-            self.m_units = -(-self.m_tiles // self.cluster_m)
-            self.sched_tiles_per_expert = self.m_units * self.n_tiles
-            self.num_sched_tiles = key.num_experts * self.sched_tiles_per_expert
-            self.sched_ahead = t.sched_ahead
             self.swizzle = t.swizzle
-            self.self_reset = t.self_reset_counter
             header = 2048 + 8 * key.num_experts + 16 * t.stages
-            if self.cluster_m > 1:
-                header += 16 * _SCHED_STAGES + 16
-            if self.prefetch_c:
-                # the whole output tile per consumer group is the prefetch and store buffer
-                self.epi_stages = self.n_sub
-                header += 16 * self.num_groups
-            elif t.epi_stages:
+            if t.epi_stages:
                 self.epi_stages = t.epi_stages
             else:
                 self.epi_stages = 2
@@ -410,27 +358,19 @@ def _build_kernel_class():
             self.consumer_regs = 232 if self.num_consumer_wgs == 2 else 160
 
         def make_storage(self, a_cosize: int, b_cosize: int, epi_cosize: int):
-            """The kernel's shared-memory struct; the cluster mailbox and the prefetch
-            epilogue's barriers only where a (2, 1) cluster / that epilogue uses them (a plain
-            method: the DSL's preprocessor would turn a conditional class body into code)."""
+            """The kernel's shared-memory struct (built in a plain method, outside the code the
+            DSL's preprocessor rewrites)."""
             mem, align = cute.struct.MemRange, cute.struct.Align
             fields = {
                 "mbar": mem[cutlass.Int64, self.stages * 2],
                 "sched_mbar": mem[cutlass.Int64, _SCHED_STAGES * 2],
                 "sched": mem[cutlass.Int32, _SCHED_STAGES],
+                "lens": mem[cutlass.Int32, self.key.num_experts],
+                "perm": mem[cutlass.Int32, self.key.num_experts],
+                "sA": align[mem[self.ab_dtype, a_cosize], 1024],
+                "sB": align[mem[self.ab_dtype, b_cosize], 1024],
+                "sC": align[mem[self.out_dtype, epi_cosize], 1024],
             }
-            if self.cluster_m > 1:
-                fields["mail_mbar"] = mem[cutlass.Int64, _SCHED_STAGES * 2]
-                fields["mail"] = mem[cutlass.Int32, _SCHED_STAGES]
-            if self.prefetch_c:
-                fields["c_mbar"] = mem[cutlass.Int64, 4]
-            fields.update(
-                lens=mem[cutlass.Int32, self.key.num_experts],
-                perm=mem[cutlass.Int32, self.key.num_experts],
-                sA=align[mem[self.ab_dtype, a_cosize], 1024],
-                sB=align[mem[self.ab_dtype, b_cosize], 1024],
-                sC=align[mem[self.out_dtype, epi_cosize], 1024],
-            )
             return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         @cute.jit
@@ -504,83 +444,9 @@ def _build_kernel_class():
             sched_pipe.producer_commit(sched_state)
             return t
 
-        @cute.jit
-        def fetch_tile(self, mCounter, lane, cta_rank):
-            """Producer warp of cluster rank 0: lane 0 takes a tile id from the global counter.
-            The value is only read by :meth:`publish_tile` (so a fetch one tile ahead keeps the
-            atomic in flight while the current tile's loads are issued)."""
-            t = cutlass.Int32(0)
-            if lane == 0 and cta_rank == 0:
-                t = cute.arch.atomic_add(mCounter.iterator, cutlass.Int32(1))
-            return t
-
-        @cute.jit
-        def publish_tile(  # noqa: PLR0913
-            self, t, mCounter, lane, cta_rank, num_units, sched_pipe, sched_state, sSched, sMail,
-            mail_full, mail_empty,
-        ):
-            """Producer warp: make the tile id ``t`` (lane 0 of rank 0, from :meth:`fetch_tile`)
-            the cluster's next tile and publish it to this CTA's consumers.
-
-            - self-resetting counter: every fetching unit (CTA or cluster) stops at its first id
-              past the end, so the counter ends at ``num_sched_tiles + num_units``; the unit that
-              took the last of those ids (all others have fetched for good) zeroes it;
-            - cluster: rank 0 sends the id to rank 1's mailbox slot (``st.async`` with complete_tx
-              on rank 1's full mbarrier); rank 1 arms that barrier, waits, reads the id and frees
-              the slot on rank 0 (remote arrive). The mailbox slots follow ``sched_state``.
-            """
-            if cutlass.const_expr(self.self_reset):
-                if lane == 0 and cta_rank == 0:  # noqa: SIM102
-                    if t == self.num_sched_tiles + num_units - 1:
-                        cute.arch.atomic_exch(mCounter.iterator, cutlass.Int32(0))
-            if cutlass.const_expr(self.cluster_m > 1):
-                idx = sched_state.index
-                if lane == 0:
-                    if cta_rank == 0:
-                        cute.arch.mbarrier_wait(mail_empty + idx, sched_state.phase)
-                        cute.arch.store_async_dsmem(
-                            sMail.iterator + idx, t, mail_full + idx, cutlass.Int32(1)
-                        )
-                    else:
-                        cute.arch.mbarrier_arrive_and_expect_tx(mail_full + idx, 4)
-                        cute.arch.mbarrier_wait(mail_full + idx, sched_state.phase ^ 1)
-                        t = sMail[idx]
-                        cute.arch.mbarrier_arrive(
-                            mail_empty + idx,
-                            cutlass.Int32(0),
-                            scope=nvvm.MemScopeKind.CLUSTER,
-                        )
-            t = cute.arch.shuffle_sync(t, 0)
-            sched_pipe.producer_acquire(sched_state)
-            if lane == 0:
-                sSched[sched_state.index] = t
-            sched_pipe.producer_commit(sched_state)
-            return t
-
-        @cute.jit
-        def load_old_tile(self, tma_atom_cl, bGS_sC, bGS_gC, c_full, c_empty, c_phases, g):
-            """Producer warp, prefetch epilogue: TMA-load the old output tile into consumer group
-            g's buffer (its n_sub sub-tiles) once the group's previous stores have read it.
-            Returns the producer phase bits with g's flipped."""
-            cute.arch.mbarrier_wait(c_empty + g, (c_phases >> g) & 1)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(
-                    c_full + g, self.tile_m * self.tile_n * 4  # an fp32 tile
-                )
-            sub_shape = (self.tile_m // self.epi_tile[0], self.tile_n // self.epi_tile[1])
-            sub_layout = cute.make_layout(sub_shape, stride=(sub_shape[1], 1))
-            for si in cutlass.range_constexpr(self.n_sub):
-                cute.copy(
-                    tma_atom_cl,
-                    bGS_gC[(None, sub_layout.get_hier_coord(si))],
-                    bGS_sC[(None, g * self.n_sub + si)],
-                    tma_bar_ptr=c_full + g,
-                )
-            return c_phases ^ (1 << g)
-
         # ---- the TMA epilogue (dense outputs), shared with the MXFP8 kernel (sm90_mxfp8) ----
         # They use self.key / out_dtype / acc_dtype / epi_tile / epi_stages / num_groups /
-        # group_threads / prefetch_c.
+        # group_threads.
 
         def epi_smem_layout(self):
             """Staged shared-memory layout of the epilogue sub-tiles: ``epi_stages`` buffers of
@@ -593,9 +459,8 @@ def _build_kernel_class():
             )
 
         def epi_store_op(self):
-            """TMA store, or TMA reduce-add when accumulating (plain store for the prefetch
-            epilogue, which adds the old tile itself)."""
-            if self.key.accumulate and not self.prefetch_c:
+            """TMA store, or TMA reduce-add when accumulating."""
+            if self.key.accumulate:
                 return cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp()
             return cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
 
@@ -631,7 +496,6 @@ def _build_kernel_class():
             rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
             tRS_rC = cute.make_rmem_tensor(rC_shape, self.acc_dtype)
             tRS_rC_out = cute.make_rmem_tensor(rC_shape, self.out_dtype)
-            tRS_rOld = cute.make_rmem_tensor(rC_shape, self.out_dtype)
             sub_size = cute.size(tRS_rC)
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_stages,
@@ -641,7 +505,7 @@ def _build_kernel_class():
             )
             return types.SimpleNamespace(
                 tiled_r2s=tiled_r2s, tRS_sC=tRS_sC, tRS_acc=tRS_acc, tRS_rC=tRS_rC,
-                tRS_rC_out=tRS_rC_out, tRS_rOld=tRS_rOld, sub_size=sub_size,
+                tRS_rC_out=tRS_rC_out, sub_size=sub_size,
                 store_pipe=store_pipe,
             )
 
@@ -699,31 +563,23 @@ def _build_kernel_class():
             return epi_count
 
         @cute.jit
-        def tile_coords(self, tile, sPerm, cta_rank):
-            """(e, m_idx, n_idx, valid) of scheduler tile ``tile`` in this CTA: ids run over
-            experts sorted by size (largest first), then N tiles, then M units (one M tile, or an
-            M-tile pair of a (2, 1) cluster: rank r takes M tile 2u + r). ``valid`` is False for
-            the phantom second tile of an odd pair, whose m_idx is clamped to the last M tile."""
-            rank_e = tile // self.sched_tiles_per_expert
+        def tile_coords(self, tile, sPerm):
+            """(e, m_idx, n_idx) of scheduler tile ``tile``: ids run over experts sorted by size
+            (largest first), then N tiles, then M tiles (or, with ``swizzle``, bands of M tiles
+            walked N column by N column)."""
+            rank_e = tile // self.tiles_per_expert
             e = sPerm[rank_e]
-            rem = tile - rank_e * self.sched_tiles_per_expert
-            n_idx = rem // self.m_units
-            m_idx = rem - n_idx * self.m_units
+            rem = tile - rank_e * self.tiles_per_expert
+            n_idx = rem // self.m_tiles
+            m_idx = rem - n_idx * self.m_tiles
             if cutlass.const_expr(self.swizzle > 0):
-                # bands of `swizzle` M units, each walked N column by N column
+                # bands of `swizzle` M tiles, each walked N column by N column
                 band = rem // (self.swizzle * self.n_tiles)
                 inner = rem - band * (self.swizzle * self.n_tiles)
-                rows = cutlass.min(self.swizzle, self.m_units - band * self.swizzle)
+                rows = cutlass.min(self.swizzle, self.m_tiles - band * self.swizzle)
                 n_idx = inner // rows
                 m_idx = band * self.swizzle + inner - n_idx * rows
-            valid = cutlass.Boolean(True)
-            if cutlass.const_expr(self.cluster_m > 1):
-                m_idx = m_idx * self.cluster_m + cta_rank
-                if cutlass.const_expr(self.m_tiles % self.cluster_m != 0):
-                    if m_idx >= self.m_tiles:
-                        valid = cutlass.Boolean(False)
-                        m_idx = cutlass.Int32(self.m_tiles - 1)
-            return e, m_idx, n_idx, valid
+            return e, m_idx, n_idx
 
         @cute.jit
         def __call__(
@@ -767,21 +623,18 @@ def _build_kernel_class():
                 a_smem_one,
                 (self.tile_m, self.tile_k),
             )
-            b_op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-            if cutlass.const_expr(self.cluster_m > 1):
-                b_op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
             tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                b_op,
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
                 mB,
                 b_smem_one,
                 (self.tile_n, self.tile_k),
-                num_multicast=self.cluster_m,
+                num_multicast=1,
             )
 
             tma_atom_c, tma_c = tma_atom_a, tma_a  # placeholders for the discrete mode
-            tma_atom_cl, tma_cl = tma_atom_a, tma_a  # old-output loads of the prefetch epilogue
+            tma_atom_cl, tma_cl = tma_atom_a, tma_a  # old-output L2 prefetches (l2prefetch)
             if cutlass.const_expr(self.tma_epi):
-                if cutlass.const_expr(self.prefetch_c or self.l2_prefetch_c):
+                if cutlass.const_expr(self.l2_prefetch_c):
                     tma_atom_cl, tma_cl = self.epi_tma_atom(
                         cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mOut, epi_smem_staged
                     )
@@ -810,9 +663,9 @@ def _build_kernel_class():
                 b_smem_staged,
                 epi_smem_staged,
             ).launch(
-                grid=[num_ctas * self.cluster_m, 1, 1],
+                grid=[num_ctas, 1, 1],
                 block=[self.threads, 1, 1],
-                cluster=[self.cluster_m, 1, 1] if self.cluster_m > 1 else None,
+                cluster=None,
                 smem=self.shared_storage.size_in_bytes(),
                 min_blocks_per_mp=1,
                 stream=stream,
@@ -832,7 +685,7 @@ def _build_kernel_class():
             mOffsets: cute.Tensor,
             mOut: cute.Tensor,
             mCounter: cute.Tensor,
-            num_units: cutlass.Int32,
+            num_ctas: cutlass.Int32,  # (unused by the kernel: the grid size)
             tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout,
@@ -841,17 +694,12 @@ def _build_kernel_class():
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             wg_idx = cute.arch.make_warp_uniform(tidx // 128)
-            cta_rank = cutlass.Int32(0)
-            if cutlass.const_expr(self.cluster_m > 1):
-                cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
 
             if warp_idx == 0:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
                 if cutlass.const_expr(self.tma_epi):
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
-                if cutlass.const_expr(self.prefetch_c):
-                    cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_cl)
 
             a_smem_one = cute.slice_(a_smem_staged, (None, None, 0))
             b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
@@ -861,18 +709,15 @@ def _build_kernel_class():
 
             smem = memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
-            # (2, 1) cluster: every consumer warp frees a stage in both CTAs (the partner's
-            # multicast B half lands in this CTA's stage too), so the empty barriers count the
-            # warps of both CTAs
             ab_pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(),
                 num_stages=self.stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.wgs_per_group * 4 * self.cluster_m
+                    pipeline.Agent.Thread, self.wgs_per_group * 4
                 ),
                 tx_count=tx_bytes,
-                cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
                 defer_sync=True,
             )
             # Dynamic tile scheduler: the producer warp takes tile ids from a global atomic
@@ -887,25 +732,7 @@ def _build_kernel_class():
                 defer_sync=True,
             )
             sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
-            # cluster mailbox (rank 0 -> rank 1 tile ids) and prefetch-epilogue barriers
-            sMail = mail_full = mail_empty = c_full = c_empty = None
-            if cutlass.const_expr(self.cluster_m > 1):
-                sMail = storage.mail.get_tensor(cute.make_layout(_SCHED_STAGES))
-                mail_full = storage.mail_mbar.data_ptr()
-                mail_empty = mail_full + _SCHED_STAGES
-            if cutlass.const_expr(self.prefetch_c):
-                c_full = storage.c_mbar.data_ptr()
-                c_empty = c_full + 2
-            if cutlass.const_expr(self.cluster_m > 1 or self.prefetch_c):
-                if warp_idx == 0:
-                    with cute.arch.elect_one():
-                        if cutlass.const_expr(self.cluster_m > 1):
-                            for i in cutlass.range_constexpr(2 * _SCHED_STAGES):
-                                cute.arch.mbarrier_init(mail_full + i, 1)
-                        if cutlass.const_expr(self.prefetch_c):
-                            for i in cutlass.range_constexpr(4):
-                                cute.arch.mbarrier_init(c_full + i, 1)
-            pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
             sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
             sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
@@ -920,9 +747,7 @@ def _build_kernel_class():
                 if ei > 0:
                     prev = mOffsets[ei - 1]
                 sLens[ei] = mOffsets[ei] - prev
-            pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))  # syncs the CTA
-            if cutlass.const_expr(self.cluster_m > 1):
-                cute.arch.sync_threads()  # sLens visible (the cluster barrier was relaxed)
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))  # syncs the CTA
             for ei in cutlass.range(tidx, num_e, self.threads, unroll=1):
                 my_len = sLens[ei]
                 rank = cutlass.Int32(0)
@@ -950,26 +775,15 @@ def _build_kernel_class():
                     sched_state = pipeline.make_pipeline_state(
                         pipeline.PipelineUserType.Producer, _SCHED_STAGES
                     )
-                    b_mask = None
-                    if cutlass.const_expr(self.cluster_m > 1):
-                        b_mask = cutlass.Int16((1 << self.cluster_m) - 1)
                     gCl_all = None
-                    if cutlass.const_expr(self.prefetch_c or self.l2_prefetch_c):
+                    if cutlass.const_expr(self.l2_prefetch_c):
                         gCl_all = cute.local_tile(
                             tma_cl, (self.tile_m, self.tile_n), (None, None, None)
                         )
-                    c_phases = cutlass.Int32(3)  # producer phase bit per consumer group
-                    jp = cutlass.Int32(0)  # local tile counter (consumer group = jp % groups)
-                    pending = self.fetch_tile(mCounter, lane, cta_rank)
-                    tile = self.publish_tile(
-                        pending, mCounter, lane, cta_rank, num_units, sched_pipe, sched_state,
-                        sSched, sMail, mail_full, mail_empty,
-                    )
+                    tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
                     sched_state.advance()
-                    while tile < self.num_sched_tiles:
-                        if cutlass.const_expr(self.sched_ahead):
-                            pending = self.fetch_tile(mCounter, lane, cta_rank)
-                        e, m_idx, n_idx, valid = self.tile_coords(tile, sPerm, cta_rank)
+                    while tile < self.num_tiles:
+                        e, m_idx, n_idx = self.tile_coords(tile, sPerm)
                         k_base, _head, _k_len, n_k = self.k_range(mOffsets, e)
                         gA = cute.local_tile(
                             cute.domain_offset((0, k_base), tma_a),
@@ -990,38 +804,13 @@ def _build_kernel_class():
                         )
                         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
                             tma_atom_b,
-                            cta_rank if self.cluster_m > 1 else 0,
-                            cute.make_layout(self.cluster_m),
+                            0,
+                            cute.make_layout(1),
                             cute.group_modes(sB, 0, 2),
                             cute.group_modes(gB, 0, 2),
                         )
-                        has_c = cutlass.Boolean(False)
-                        c_at = cutlass.Int32(0)
-                        g = cutlass.Int32(0)
-                        bGS_sC, bGS_gC = None, None
-                        if cutlass.const_expr(self.prefetch_c):
-                            # The old output tile, for this tile's consumer group, loaded once
-                            # the ring holds the tile's first stages (min(n_k, stages) - 1 is the
-                            # last of them): by then the previous tile of the group has stored
-                            # from the buffer (a cooperative CTA's epilogue) or is about to, and
-                            # the load still has the rest of the mainloop to land.
-                            has_c = n_k > 0 and valid
-                            c_at = n_k - 1
-                            if c_at > self.stages - 1:
-                                c_at = cutlass.Int32(self.stages - 1)
-                            g = jp % self.num_groups
-                            gCl_epi = cute.zipped_divide(
-                                gCl_all[(None, None, m_idx, n_idx, e)], self.epi_tile
-                            )
-                            bGS_sC, bGS_gC = cute.nvgpu.cpasync.tma_partition(
-                                tma_atom_cl,
-                                0,
-                                cute.make_layout(1),
-                                cute.group_modes(sC, 0, 2),
-                                gCl_epi,
-                            )
                         if cutlass.const_expr(self.l2_prefetch_c):
-                            if n_k > 0 and valid:
+                            if n_k > 0:
                                 # the old output tile into L2 (sub-tile boxes), for the
                                 # epilogue's reduce-add
                                 _sC_part, gC_part = cute.nvgpu.cpasync.tma_partition(
@@ -1044,36 +833,16 @@ def _build_kernel_class():
                                 tAsA[(None, prod_state.index)],
                                 tma_bar_ptr=bar,
                             )
-                            if cutlass.const_expr(self.cluster_m > 1):
-                                cute.copy(
-                                    tma_atom_b,
-                                    tBgB[(None, kt)],
-                                    tBsB[(None, prod_state.index)],
-                                    tma_bar_ptr=bar,
-                                    mcast_mask=b_mask,
-                                )
-                            else:
-                                cute.copy(
-                                    tma_atom_b,
-                                    tBgB[(None, kt)],
-                                    tBsB[(None, prod_state.index)],
-                                    tma_bar_ptr=bar,
-                                )
+                            cute.copy(
+                                tma_atom_b,
+                                tBgB[(None, kt)],
+                                tBsB[(None, prod_state.index)],
+                                tma_bar_ptr=bar,
+                            )
                             ab_pipe.producer_commit(prod_state)
                             prod_state.advance()
-                            if cutlass.const_expr(self.prefetch_c):
-                                if has_c and kt == c_at:
-                                    c_phases = self.load_old_tile(
-                                        tma_atom_cl, bGS_sC, bGS_gC, c_full, c_empty, c_phases, g
-                                    )
-                        if cutlass.const_expr(not self.sched_ahead):
-                            pending = self.fetch_tile(mCounter, lane, cta_rank)
-                        tile = self.publish_tile(
-                            pending, mCounter, lane, cta_rank, num_units, sched_pipe,
-                            sched_state, sSched, sMail, mail_full, mail_empty,
-                        )
+                        tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
                         sched_state.advance()
-                        jp += 1
                     ab_pipe.producer_tail(prod_state)
             else:
                 # ---------------- consumer warp groups: wgmma + epilogue ----------------
@@ -1096,11 +865,8 @@ def _build_kernel_class():
                 acc_shape = thr_mma_epi.partition_C(ref_tile).shape
                 acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
                 r_out = cute.make_rmem_tensor(acc_shape, self.out_dtype)
-                c_phase = cutlass.Int32(0)  # prefetch epilogue: this group's full-barrier phase
                 if cutlass.const_expr(self.tma_epi):
                     epi = self.epi_setup(tiled_mma, sC, acc, ctid)
-                    tiled_r2s, tRS_sC, tRS_acc = epi.tiled_r2s, epi.tRS_sC, epi.tRS_acc
-                    tRS_rC, tRS_rOld, sub_size = epi.tRS_rC, epi.tRS_rOld, epi.sub_size
                     store_pipe = epi.store_pipe
                     store_warp = 4 + group * 4 * self.wgs_per_group
                     epi_count = cutlass.Int32(0)
@@ -1119,8 +885,8 @@ def _build_kernel_class():
                 sched_pipe.consumer_release(sched_cstate)
                 sched_cstate.advance()
                 j = cutlass.Int32(0)  # local tile counter of this CTA
-                while tile < self.num_sched_tiles:
-                    e, m_idx, n_idx, valid = self.tile_coords(tile, sPerm, cta_rank)
+                while tile < self.num_tiles:
+                    e, m_idx, n_idx = self.tile_coords(tile, sPerm)
                     _k_base, head, k_len, n_k = self.k_range(mOffsets, e)
 
                     next_tile = cutlass.Int32(0)
@@ -1174,7 +940,7 @@ def _build_kernel_class():
                         sched_pipe.consumer_release(sched_cstate)
                         sched_cstate.advance()
                         if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
-                            if next_tile < self.num_sched_tiles:  # the other group's turn
+                            if next_tile < self.num_tiles:  # the other group's turn
                                 pipeline.NamedBarrier(
                                     barrier_id=4 - group, num_threads=2 * self.group_threads
                                 ).arrive()
@@ -1187,77 +953,45 @@ def _build_kernel_class():
                         # ---------------- epilogue ----------------
                         if cutlass.const_expr(self.tma_epi):
                             # registers -> smem sub-tile (stmatrix) -> TMA store / reduce-add
-                            skip = not valid  # a phantom tile (odd M-tile pair) writes nothing
+                            skip = cutlass.Boolean(False)
                             if cutlass.const_expr(self.key.accumulate):
-                                skip = skip or n_k == 0  # empty expert: output untouched
+                                skip = n_k == 0  # empty expert: output untouched
                             if not skip:
                                 bSG_sC, bSG_gC, n_sub, sub_layout = self.epi_partition(
                                     tma_atom_c, sC, gC_all[(None, None, m_idx, n_idx, e)]
                                 )
-                                if cutlass.const_expr(self.prefetch_c):
-                                    # old tile in smem (loaded during the mainloop): add it in
-                                    # registers, write back in place, plain TMA store per
-                                    # sub-tile; the buffer is free once the stores read it
-                                    cute.arch.mbarrier_wait(c_full + group, c_phase)
-                                    c_phase = c_phase ^ 1
-                                    for si in cutlass.range_constexpr(n_sub):
-                                        buf = group * self.n_sub + si
-                                        cute.autovec_copy(
-                                            tRS_sC[(None, None, None, buf)], tRS_rOld
-                                        )
-                                        for v in cutlass.range_constexpr(sub_size):
-                                            tRS_rC[v] = tRS_acc[si * sub_size + v]
-                                        tRS_rC.store(tRS_rC.load() + tRS_rOld.load())
-                                        cute.copy(
-                                            tiled_r2s, tRS_rC, tRS_sC[(None, None, None, buf)]
-                                        )
-                                        cute.arch.fence_proxy("async.shared", space="cta")
-                                        mask_barrier.arrive_and_wait()
-                                        if warp_idx == store_warp:
-                                            cute.copy(
-                                                tma_atom_c,
-                                                bSG_sC[(None, buf)],
-                                                bSG_gC[(None, sub_layout.get_hier_coord(si))],
-                                            )
-                                            store_pipe.producer_commit()
-                                    if warp_idx == store_warp:
-                                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                                        with cute.arch.elect_one():
-                                            cute.arch.mbarrier_arrive(c_empty + group)
-                                else:
-                                    epi_count = self.epi_store_subtiles(
-                                        epi, tma_atom_c, bSG_sC, bSG_gC, n_sub, sub_layout,
-                                        group, epi_count, warp_idx, store_warp, mask_barrier,
-                                    )
+                                epi_count = self.epi_store_subtiles(
+                                    epi, tma_atom_c, bSG_sC, bSG_gC, n_sub, sub_layout, group,
+                                    epi_count, warp_idx, store_warp, mask_barrier,
+                                )
                         else:
                             # registers -> global (discrete outputs: a pointer per expert)
-                            if valid:
-                                out_ptr = cute.make_ptr(
-                                    self.out_dtype,
-                                    mOut[e],
-                                    cute.AddressSpace.gmem,
-                                    assumed_align=16,
-                                )
-                                mC = cute.make_tensor(
-                                    out_ptr,
-                                    cute.make_layout(
-                                        (self.key.hidden, self.key.intermediate),
-                                        stride=(self.key.intermediate, 1),
-                                    ),
-                                )
-                                gC = cute.local_tile(
-                                    mC, (self.tile_m, self.tile_n), (m_idx, n_idx)
-                                )
-                                tCgC = thr_mma_epi.partition_C(gC)
-                                if cutlass.const_expr(self.key.accumulate):
-                                    if n_k > 0:
-                                        cute.autovec_copy(tCgC, r_out)
-                                        acc.store(acc.load() + r_out.load().to(self.acc_dtype))
-                                        r_out.store(acc.load().to(self.out_dtype))
-                                        cute.autovec_copy(r_out, tCgC)
-                                else:
+                            out_ptr = cute.make_ptr(
+                                self.out_dtype,
+                                mOut[e],
+                                cute.AddressSpace.gmem,
+                                assumed_align=16,
+                            )
+                            mC = cute.make_tensor(
+                                out_ptr,
+                                cute.make_layout(
+                                    (self.key.hidden, self.key.intermediate),
+                                    stride=(self.key.intermediate, 1),
+                                ),
+                            )
+                            gC = cute.local_tile(
+                                mC, (self.tile_m, self.tile_n), (m_idx, n_idx)
+                            )
+                            tCgC = thr_mma_epi.partition_C(gC)
+                            if cutlass.const_expr(self.key.accumulate):
+                                if n_k > 0:
+                                    cute.autovec_copy(tCgC, r_out)
+                                    acc.store(acc.load() + r_out.load().to(self.acc_dtype))
                                     r_out.store(acc.load().to(self.out_dtype))
                                     cute.autovec_copy(r_out, tCgC)
+                            else:
+                                r_out.store(acc.load().to(self.out_dtype))
+                                cute.autovec_copy(r_out, tCgC)
                     else:
                         # another consumer group's tile: step over its pipeline stages
                         for _kt in cutlass.range(n_k, unroll=1):
@@ -1272,11 +1006,6 @@ def _build_kernel_class():
                 if cutlass.const_expr(self.tma_epi):  # noqa: SIM102
                     if warp_idx == store_warp:
                         store_pipe.producer_tail()  # all TMA stores done before exit
-            if cutlass.const_expr(self.cluster_m > 1):
-                # neither CTA exits while its partner may still multicast into its shared
-                # memory or arrive on its barriers
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
 
     # shared with the MXFP8 kernel (sm90_mxfp8), which promotes fresh wgmma fragments
     Sm90GroupedWgradKernel.fence_accumulators = staticmethod(fence_accumulators)
@@ -1310,32 +1039,7 @@ def sm90_key_from_contract(contract: Any) -> Sm90WgradKey:
 #: The SM90 family in the shared compile-cache / launch layer: a dynamic persistent scheduler
 #: (a zeroed tile counter per launch), compiled for the present GPU (the path verified on the
 #: H200, 2026-12-01; only offline compiles pin an arch).
-class _Sm90Family(KernelFamily):
-    """``launch.KernelFamily`` whose keys with ``tile.self_reset_counter`` launch on a persistent
-    tile counter (one per device and stream, zeroed once; the kernel leaves it at zero)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._counters: dict[tuple[int, int], Any] = {}
-
-    def counter_for(self, key, device):
-        if not key.tile.self_reset_counter:
-            return super().counter_for(key, device)
-        import torch
-
-        stream = torch.cuda.current_stream(device)
-        slot = (device.index or 0, stream.cuda_stream)
-        counter = self._counters.get(slot)
-        if counter is None:
-            if torch.cuda.is_current_stream_capturing():
-                # no first allocation inside a graph capture (its pool): a zeroed one this time
-                return super().counter_for(key, device)
-            counter = torch.zeros(1, dtype=torch.int32, device=device)
-            self._counters[slot] = counter
-        return counter
-
-
-FAMILY = _Sm90Family(
+FAMILY = KernelFamily(
     "sm90", lambda key: _kernel_class()(key), sm90_key_from_contract, tile_counter=True
 )
 

@@ -446,7 +446,6 @@ def _build_kernel_class():
             # consumer group (cooperative), (tile_m, 32) sub-tiles (a 64-row tile: (64, 32)),
             # 2 buffers (1 for fp32 outputs with two CTAs per SM: the config's budget)
             self.tma_epi = t.epilogue == "tma" and key.output_mode == "dense"
-            self.prefetch_c = False
             self.num_groups = 1
             self.epi_tile = (self.tile_m, EPI_N)
             self.epi_stages = 2

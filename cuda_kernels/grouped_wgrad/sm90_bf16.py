@@ -362,16 +362,34 @@ def _build_kernel_class():
             DSL's preprocessor rewrites)."""
             mem, align = cute.struct.MemRange, cute.struct.Align
             fields = {
-                "mbar": mem[cutlass.Int64, self.stages * 2],
-                "sched_mbar": mem[cutlass.Int64, _SCHED_STAGES * 2],
-                "sched": mem[cutlass.Int32, _SCHED_STAGES],
-                "lens": mem[cutlass.Int32, self.key.num_experts],
-                "perm": mem[cutlass.Int32, self.key.num_experts],
+                **self.sched_storage_fields(),
                 "sA": align[mem[self.ab_dtype, a_cosize], 1024],
                 "sB": align[mem[self.ab_dtype, b_cosize], 1024],
                 "sC": align[mem[self.out_dtype, epi_cosize], 1024],
             }
             return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+        def sched_storage_fields(self):
+            """The head of the shared-memory struct (shared with the MXFP8 kernel): the (A, B)
+            ring's and the tile-id ring's mbarriers, the tile-id ring, the expert token counts
+            and the experts' size order."""
+            mem = cute.struct.MemRange
+            return {
+                "mbar": mem[cutlass.Int64, self.stages * 2],
+                "sched_mbar": mem[cutlass.Int64, _SCHED_STAGES * 2],
+                "sched": mem[cutlass.Int32, _SCHED_STAGES],
+                "lens": mem[cutlass.Int32, self.key.num_experts],
+                "perm": mem[cutlass.Int32, self.key.num_experts],
+            }
+
+        @cute.jit
+        def expert_bounds(self, mOffsets: cute.Tensor, e: cutlass.Int32):
+            """(k_begin, k_end): expert e's token range from the device offsets."""
+            k_end = mOffsets[e]
+            k_begin = cutlass.Int32(0)
+            if e > 0:
+                k_begin = mOffsets[e - 1]
+            return k_begin, k_end
 
         @cute.jit
         def k_range(self, mOffsets: cute.Tensor, e: cutlass.Int32):
@@ -379,10 +397,7 @@ def _build_kernel_class():
             down to 8 tokens = 16 bytes when an operand is K-major: TMA needs a 16-byte aligned
             innermost coordinate), head = rows of the previous expert in the first tile,
             k_len = rows from k_base to the expert's end, n_k = number of K tiles."""
-            k_end = mOffsets[e]
-            k_begin = cutlass.Int32(0)
-            if e > 0:
-                k_begin = mOffsets[e - 1]
+            k_begin, k_end = self.expert_bounds(mOffsets, e)
             k_base = k_begin
             if cutlass.const_expr(self.align_k > 1):
                 k_base = k_begin - k_begin % self.align_k
@@ -443,6 +458,103 @@ def _build_kernel_class():
                 sSched[sched_state.index] = t
             sched_pipe.producer_commit(sched_state)
             return t
+
+        @cute.jit
+        def take_tile(self, sched_pipe, sched_cstate, sSched):
+            """Consumers: the next tile id that the producer warp published (``next_tile``),
+            taken from the tile-id ring. The caller advances ``sched_cstate`` (a state advanced
+            inside a helper would not be carried out of the caller's loops)."""
+            sched_pipe.consumer_wait(sched_cstate)
+            tile = sSched[sched_cstate.index]
+            sched_pipe.consumer_release(sched_cstate)
+            return tile
+
+        # ---- the kernel prologue, shared with the MXFP8 kernel (sm90_mxfp8) ----
+
+        def setup_pipelines(
+            self, a_smem_staged, b_smem_staged, extra_tx_bytes: int = 0,
+            extra_sched_consumers: int = 0,
+        ):
+            """Allocate the shared-memory struct and create (deferred init) the (A, B) stage
+            ring and the tile-id ring. Every stage's loads complete ``extra_tx_bytes`` beyond
+            its A and B tiles (the MXFP8 scale atoms); ``extra_sched_consumers`` threads beyond
+            the consumer warp groups read the tile-id ring (the MXFP8 table decoders).
+            Returns (storage, ab_pipe, sched_pipe, sSched)."""
+            a_smem_one = cute.slice_(a_smem_staged, (None, None, 0))
+            b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
+            tx_bytes = (
+                cute.size_in_bytes(self.ab_dtype, a_smem_one)
+                + cute.size_in_bytes(self.ab_dtype, b_smem_one)
+                + extra_tx_bytes
+            )
+
+            smem = memory.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            ab_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar.data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.wgs_per_group * 4
+                ),
+                tx_count=tx_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
+            # Dynamic tile scheduler: the producer warp takes tile ids from a global atomic
+            # counter and passes them to the consumers through a small smem ring.
+            sched_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.sched_mbar.data_ptr(),
+                num_stages=_SCHED_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, 128 * self.num_consumer_wgs + extra_sched_consumers
+                ),
+                defer_sync=True,
+            )
+            sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
+            return storage, ab_pipe, sched_pipe, sSched
+
+        @cute.jit
+        def sort_experts(self, mOffsets, storage, tidx, scale_starts: cutlass.Constexpr = False):
+            """Experts sorted by token count, largest first (ties by index), from the device
+            offsets: sPerm[rank] = expert, so heavy experts' tiles go first (balance). Waits for
+            the pipelines' init (``pipeline_init_wait``, which syncs the CTA) between counting
+            and ranking, and syncs the CTA at the end. ``scale_starts`` (the MXFP8 kernel):
+            negative counts clamp to 0 and ``sStart[e]`` gets the expert's first scale atom
+            column (the prefix sum of ceil(count / tile_k)). Returns (sPerm, sStart or None)."""
+            num_e = self.key.num_experts
+            sLens = storage.lens.get_tensor(cute.make_layout(num_e))
+            sPerm = storage.perm.get_tensor(cute.make_layout(num_e))
+            sStart = None
+            if cutlass.const_expr(scale_starts):
+                sStart = storage.start.get_tensor(cute.make_layout(num_e))
+            for ei in cutlass.range(tidx, num_e, self.threads, unroll=1):
+                prev = cutlass.Int32(0)
+                if ei > 0:
+                    prev = mOffsets[ei - 1]
+                ln = mOffsets[ei] - prev
+                if cutlass.const_expr(scale_starts):  # noqa: SIM102
+                    if ln < 0:
+                        ln = cutlass.Int32(0)
+                sLens[ei] = ln
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))  # syncs the CTA
+            for ei in cutlass.range(tidx, num_e, self.threads, unroll=1):
+                my_len = sLens[ei]
+                rank = cutlass.Int32(0)
+                start = cutlass.Int32(0)
+                for e2 in cutlass.range(num_e, unroll=4):
+                    l2 = sLens[e2]
+                    if l2 > my_len or (l2 == my_len and e2 < ei):
+                        rank += 1
+                    if cutlass.const_expr(scale_starts):  # noqa: SIM102
+                        if e2 < ei:
+                            start += (l2 + self.tile_k - 1) // self.tile_k
+                sPerm[rank] = ei
+                if cutlass.const_expr(scale_starts):
+                    sStart[ei] = start
+            cute.arch.sync_threads()
+            return sPerm, sStart
 
         # ---- the TMA epilogue (dense outputs), shared with the MXFP8 kernel (sm90_mxfp8) ----
         # They use self.key / out_dtype / acc_dtype / epi_tile / epi_stages / num_groups /
@@ -701,62 +813,15 @@ def _build_kernel_class():
                 if cutlass.const_expr(self.tma_epi):
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
 
-            a_smem_one = cute.slice_(a_smem_staged, (None, None, 0))
-            b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
-            tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + cute.size_in_bytes(
-                self.ab_dtype, b_smem_one
+            storage, ab_pipe, sched_pipe, sSched = self.setup_pipelines(
+                a_smem_staged, b_smem_staged
             )
-
-            smem = memory.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
-            ab_pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar.data_ptr(),
-                num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.wgs_per_group * 4
-                ),
-                tx_count=tx_bytes,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-                defer_sync=True,
-            )
-            # Dynamic tile scheduler: the producer warp takes tile ids from a global atomic
-            # counter and passes them to the consumers through a small smem ring.
-            sched_pipe = pipeline.PipelineAsync.create(
-                barrier_storage=storage.sched_mbar.data_ptr(),
-                num_stages=_SCHED_STAGES,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, 128 * self.num_consumer_wgs
-                ),
-                defer_sync=True,
-            )
-            sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
             pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
             sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
             sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
 
-            # Experts sorted by token count, largest first (ties by index), from the device
-            # offsets: sPerm[rank] = expert. Heavy experts' tiles go first (balance).
-            num_e = self.key.num_experts
-            sLens = storage.lens.get_tensor(cute.make_layout(num_e))
-            sPerm = storage.perm.get_tensor(cute.make_layout(num_e))
-            for ei in cutlass.range(tidx, num_e, self.threads, unroll=1):
-                prev = cutlass.Int32(0)
-                if ei > 0:
-                    prev = mOffsets[ei - 1]
-                sLens[ei] = mOffsets[ei] - prev
-            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))  # syncs the CTA
-            for ei in cutlass.range(tidx, num_e, self.threads, unroll=1):
-                my_len = sLens[ei]
-                rank = cutlass.Int32(0)
-                for e2 in cutlass.range(num_e, unroll=4):
-                    l2 = sLens[e2]
-                    if l2 > my_len or (l2 == my_len and e2 < ei):
-                        rank += 1
-                sPerm[rank] = ei
-            cute.arch.sync_threads()
+            sPerm, _ = self.sort_experts(mOffsets, storage, tidx)
 
             tk = self.tile_k
             gC_all = None
@@ -880,9 +945,7 @@ def _build_kernel_class():
                 sched_cstate = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, _SCHED_STAGES
                 )
-                sched_pipe.consumer_wait(sched_cstate)
-                tile = sSched[sched_cstate.index]
-                sched_pipe.consumer_release(sched_cstate)
+                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
                 sched_cstate.advance()
                 j = cutlass.Int32(0)  # local tile counter of this CTA
                 while tile < self.num_tiles:
@@ -935,9 +998,7 @@ def _build_kernel_class():
                                 ab_pipe.consumer_release(release_state)
                                 release_state.advance()
                             read_state.advance()
-                        sched_pipe.consumer_wait(sched_cstate)
-                        next_tile = sSched[sched_cstate.index]
-                        sched_pipe.consumer_release(sched_cstate)
+                        next_tile = self.take_tile(sched_pipe, sched_cstate, sSched)
                         sched_cstate.advance()
                         if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
                             if next_tile < self.num_tiles:  # the other group's turn
@@ -997,9 +1058,7 @@ def _build_kernel_class():
                         for _kt in cutlass.range(n_k, unroll=1):
                             read_state.advance()
                             release_state.advance()
-                        sched_pipe.consumer_wait(sched_cstate)
-                        next_tile = sSched[sched_cstate.index]
-                        sched_pipe.consumer_release(sched_cstate)
+                        next_tile = self.take_tile(sched_pipe, sched_cstate, sSched)
                         sched_cstate.advance()
                     j += 1
                     tile = next_tile

@@ -385,7 +385,7 @@ def sweep_tile_configs(hidden: int, intermediate: int) -> list[Sm90MxTileConfig]
 def _build_kernel_class():
     import cutlass
     import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass import cute, memory, pipeline
+    from cutlass import cute, pipeline
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
     from cutlass.tensor_utils import LayoutEnum
@@ -425,6 +425,7 @@ def _build_kernel_class():
             self.m_tiles = key.hidden // self.tile_m
             self.n_tiles = key.intermediate // self.tile_n
             self.tiles_per_expert = self.m_tiles * self.n_tiles
+            self.swizzle = 0  # tile_coords: M tiles fastest, one N column after another
             self.num_tiles = key.num_tiles
             self.out_dtype = out_types[key.out_dtype]
             self.ab_dtype = elem_types[key.elem]
@@ -473,10 +474,7 @@ def _build_kernel_class():
         def expert_range(self, mOffsets, sStart, e: cutlass.Int32):
             """(k0, k_len, n_k, atom0) of expert e: its first token column, token count, stages
             (= scale atom columns, ceil(k_len / 128)) and first atom column s_e / 4."""
-            k_end = mOffsets[e]
-            k_begin = cutlass.Int32(0)
-            if e > 0:
-                k_begin = mOffsets[e - 1]
+            k_begin, k_end = self.expert_bounds(mOffsets, e)
             k_len = k_end - k_begin
             if k_len < 0:
                 k_len = cutlass.Int32(0)
@@ -596,11 +594,7 @@ def _build_kernel_class():
             class body into code)."""
             mem, align = cute.struct.MemRange, cute.struct.Align
             fields = {
-                "mbar": mem[cutlass.Int64, self.stages * 2],
-                "sched_mbar": mem[cutlass.Int64, _SCHED_STAGES * 2],
-                "sched": mem[cutlass.Int32, _SCHED_STAGES],
-                "lens": mem[cutlass.Int32, self.key.num_experts],
-                "perm": mem[cutlass.Int32, self.key.num_experts],
+                **self.sched_storage_fields(),
                 "start": mem[cutlass.Int32, self.key.num_experts],
                 "sSFA": align[mem[cutlass.Uint8, ATOM_BYTES * self.stages], 128],
                 "sSFB": align[mem[cutlass.Uint8, ATOM_BYTES * self.stages], 128],
@@ -683,38 +677,12 @@ def _build_kernel_class():
                 if cutlass.const_expr(self.tma_epi):
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
 
-            a_smem_one = cute.slice_(a_smem_staged, (None, None, 0))
-            b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
-            tx_bytes = (
-                cute.size_in_bytes(self.ab_dtype, a_smem_one)
-                + cute.size_in_bytes(self.ab_dtype, b_smem_one)
-                + 2 * ATOM_BYTES
+            # every stage also loads an A and a B scale atom; the decoders (producer_table)
+            # follow the tile-id ring too
+            storage, ab_pipe, sched_pipe, sSched = self.setup_pipelines(
+                a_smem_staged, b_smem_staged, extra_tx_bytes=2 * ATOM_BYTES,
+                extra_sched_consumers=DECODE_THREADS if self.ptab else 0,
             )
-
-            smem = memory.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
-            ab_pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar.data_ptr(),
-                num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_consumer_wgs * 4
-                ),
-                tx_count=tx_bytes,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-                defer_sync=True,
-            )
-            sched_pipe = pipeline.PipelineAsync.create(
-                barrier_storage=storage.sched_mbar.data_ptr(),
-                num_stages=_SCHED_STAGES,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread,
-                    128 * self.num_consumer_wgs + (DECODE_THREADS if self.ptab else 0),
-                ),
-                defer_sync=True,
-            )
-            sSched = storage.sched.get_tensor(cute.make_layout(_SCHED_STAGES))
             tab_full = None  # promote="producer_table": a table-ready mbarrier per stage
             if cutlass.const_expr(self.ptab):
                 tab_full = storage.tab_mbar.data_ptr()
@@ -739,37 +707,10 @@ def _build_kernel_class():
                 cute.recast_ptr(storage.sSFB.data_ptr(), dtype=cutlass.Int32), words
             )
 
-            # Expert token counts, the size order (the BF16 kernel's) and the first scale atom
-            # column of each expert (prefix sum of ceil(count / 128)).
-            num_e = self.key.num_experts
-            sLens = storage.lens.get_tensor(cute.make_layout(num_e))
-            sPerm = storage.perm.get_tensor(cute.make_layout(num_e))
-            sStart = storage.start.get_tensor(cute.make_layout(num_e))
-            for ei in cutlass.range(tidx, num_e, self.threads, unroll=1):
-                prev = cutlass.Int32(0)
-                if ei > 0:
-                    prev = mOffsets[ei - 1]
-                ln = mOffsets[ei] - prev
-                if ln < 0:
-                    ln = cutlass.Int32(0)
-                sLens[ei] = ln
-            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))  # also syncs the CTA
-            for ei in cutlass.range(tidx, num_e, self.threads, unroll=1):
-                my_len = sLens[ei]
-                rank = cutlass.Int32(0)
-                start = cutlass.Int32(0)
-                for e2 in cutlass.range(num_e, unroll=4):
-                    l2 = sLens[e2]
-                    if l2 > my_len or (l2 == my_len and e2 < ei):
-                        rank += 1
-                    if e2 < ei:
-                        start += (l2 + self.tile_k - 1) // self.tile_k
-                sPerm[rank] = ei
-                sStart[ei] = start
-            cute.arch.sync_threads()
+            # The size order (the BF16 kernel's) and the first scale atom column of each expert
+            # (prefix sum of ceil(count / 128)).
+            sPerm, sStart = self.sort_experts(mOffsets, storage, tidx, scale_starts=True)
 
-            tiles_per_expert = self.tiles_per_expert
-            m_tiles = self.m_tiles
             tk = self.tile_k
 
             if wg_idx == 0:
@@ -802,11 +743,7 @@ def _build_kernel_class():
                     tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
                     sched_state.advance()
                     while tile < self.num_tiles:
-                        rank_e = tile // tiles_per_expert
-                        e = sPerm[rank_e]
-                        rem = tile - rank_e * tiles_per_expert
-                        n_idx = rem // m_tiles
-                        m_idx = rem - n_idx * m_tiles
+                        e, m_idx, n_idx = self.tile_coords(tile, sPerm)
                         k0, _k_len, n_k, atom0 = self.expert_range(mOffsets, sStart, e)
                         # atom index of (row block rb, atom column c): blocks * atom0 + rb * n_k + c
                         sfa0 = self.m_pad_atoms * atom0 + (m_idx * self.tile_m // 128) * n_k
@@ -939,16 +876,10 @@ def _build_kernel_class():
                 sched_cstate = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Consumer, _SCHED_STAGES
                 )
-                sched_pipe.consumer_wait(sched_cstate)
-                tile = sSched[sched_cstate.index]
-                sched_pipe.consumer_release(sched_cstate)
+                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
                 sched_cstate.advance()
                 while tile < self.num_tiles:
-                    rank_e = tile // tiles_per_expert
-                    e = sPerm[rank_e]
-                    rem = tile - rank_e * tiles_per_expert
-                    n_idx = rem // m_tiles
-                    m_idx = rem - n_idx * m_tiles
+                    e, m_idx, n_idx = self.tile_coords(tile, sPerm)
                     _k0, k_len, n_k, _atom0 = self.expert_range(mOffsets, sStart, e)
                     row0 = (m_idx * self.tile_m) % 128
                     col0 = (n_idx * self.tile_n) % 128
@@ -1007,9 +938,7 @@ def _build_kernel_class():
                             )
                             ab_pipe.consumer_release(read_state)
                             read_state.advance()
-                    sched_pipe.consumer_wait(sched_cstate)
-                    next_tile = sSched[sched_cstate.index]
-                    sched_pipe.consumer_release(sched_cstate)
+                    next_tile = self.take_tile(sched_pipe, sched_cstate, sSched)
                     sched_cstate.advance()
 
                     # ---------------- epilogue ----------------
@@ -1272,16 +1201,10 @@ def _build_kernel_class():
             sched_cstate = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, _SCHED_STAGES
             )
-            sched_pipe.consumer_wait(sched_cstate)
-            tile = sSched[sched_cstate.index]
-            sched_pipe.consumer_release(sched_cstate)
+            tile = self.take_tile(sched_pipe, sched_cstate, sSched)
             sched_cstate.advance()
             while tile < self.num_tiles:
-                rank_e = tile // self.tiles_per_expert
-                e = sPerm[rank_e]
-                rem = tile - rank_e * self.tiles_per_expert
-                n_idx = rem // self.m_tiles
-                m_idx = rem - n_idx * self.m_tiles
+                e, m_idx, n_idx = self.tile_coords(tile, sPerm)
                 _k0, _k_len, n_k, _atom0 = self.expert_range(mOffsets, sStart, e)
                 row0 = (m_idx * self.tile_m) % 128
                 col0 = (n_idx * self.tile_n) % 128
@@ -1302,9 +1225,7 @@ def _build_kernel_class():
                                 fac[(stage * 4 + g) * L + i] = scale_of(w, g)
                     cute.arch.mbarrier_arrive(tab_full + stage)
                     dec_state.advance()
-                sched_pipe.consumer_wait(sched_cstate)
-                tile = sSched[sched_cstate.index]
-                sched_pipe.consumer_release(sched_cstate)
+                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
                 sched_cstate.advance()
 
         @cute.jit

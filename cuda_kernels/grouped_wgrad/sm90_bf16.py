@@ -675,6 +675,47 @@ def _build_kernel_class():
             return epi_count
 
         @cute.jit
+        def epi_store_tile(  # noqa: PLR0913
+            self, epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, group, epi_count, warp_idx,
+            store_warp, mask_barrier,
+        ):
+            """Store the accumulator as output tile (m_idx, n_idx) of expert e (``gC_all``:
+            the output's tiles) through ``group``'s sub-tile TMA stores (``epi_partition``,
+            ``epi_store_subtiles``). Returns the advanced buffer counter."""
+            bSG_sC, bSG_gC, n_sub, sub_layout = self.epi_partition(
+                tma_atom_c, sC, gC_all[(None, None, m_idx, n_idx, e)]
+            )
+            return self.epi_store_subtiles(
+                epi, tma_atom_c, bSG_sC, bSG_gC, n_sub, sub_layout, group, epi_count, warp_idx,
+                store_warp, mask_barrier,
+            )
+
+        @cute.jit
+        def store_regs_autovec(self, acc, r_out, out_ptr, thr_mma_epi, m_idx, n_idx, n_k):
+            """Store the accumulator from registers as output tile (m_idx, n_idx) of the
+            row-major (hidden, intermediate) output at ``out_ptr`` (this thread's elements,
+            converted in ``r_out``); when accumulating, add the old values first (an empty
+            expert, ``n_k == 0``, leaves the output untouched)."""
+            mC = cute.make_tensor(
+                out_ptr,
+                cute.make_layout(
+                    (self.key.hidden, self.key.intermediate),
+                    stride=(self.key.intermediate, 1),
+                ),
+            )
+            gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_idx, n_idx))
+            tCgC = thr_mma_epi.partition_C(gC)
+            if cutlass.const_expr(self.key.accumulate):
+                if n_k > 0:
+                    cute.autovec_copy(tCgC, r_out)
+                    acc.store(acc.load() + r_out.load().to(self.acc_dtype))
+                    r_out.store(acc.load().to(self.out_dtype))
+                    cute.autovec_copy(r_out, tCgC)
+            else:
+                r_out.store(acc.load().to(self.out_dtype))
+                cute.autovec_copy(r_out, tCgC)
+
+        @cute.jit
         def tile_coords(self, tile, sPerm):
             """(e, m_idx, n_idx) of scheduler tile ``tile``: ids run over experts sorted by size
             (largest first), then N tiles, then M tiles (or, with ``swizzle``, bands of M tiles
@@ -1018,11 +1059,8 @@ def _build_kernel_class():
                             if cutlass.const_expr(self.key.accumulate):
                                 skip = n_k == 0  # empty expert: output untouched
                             if not skip:
-                                bSG_sC, bSG_gC, n_sub, sub_layout = self.epi_partition(
-                                    tma_atom_c, sC, gC_all[(None, None, m_idx, n_idx, e)]
-                                )
-                                epi_count = self.epi_store_subtiles(
-                                    epi, tma_atom_c, bSG_sC, bSG_gC, n_sub, sub_layout, group,
+                                epi_count = self.epi_store_tile(
+                                    epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, group,
                                     epi_count, warp_idx, store_warp, mask_barrier,
                                 )
                         else:
@@ -1033,26 +1071,9 @@ def _build_kernel_class():
                                 cute.AddressSpace.gmem,
                                 assumed_align=16,
                             )
-                            mC = cute.make_tensor(
-                                out_ptr,
-                                cute.make_layout(
-                                    (self.key.hidden, self.key.intermediate),
-                                    stride=(self.key.intermediate, 1),
-                                ),
+                            self.store_regs_autovec(
+                                acc, r_out, out_ptr, thr_mma_epi, m_idx, n_idx, n_k
                             )
-                            gC = cute.local_tile(
-                                mC, (self.tile_m, self.tile_n), (m_idx, n_idx)
-                            )
-                            tCgC = thr_mma_epi.partition_C(gC)
-                            if cutlass.const_expr(self.key.accumulate):
-                                if n_k > 0:
-                                    cute.autovec_copy(tCgC, r_out)
-                                    acc.store(acc.load() + r_out.load().to(self.acc_dtype))
-                                    r_out.store(acc.load().to(self.out_dtype))
-                                    cute.autovec_copy(r_out, tCgC)
-                            else:
-                                r_out.store(acc.load().to(self.out_dtype))
-                                cute.autovec_copy(r_out, tCgC)
                     else:
                         # another consumer group's tile: step over its pipeline stages
                         for _kt in cutlass.range(n_k, unroll=1):

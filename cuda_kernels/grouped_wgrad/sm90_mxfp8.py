@@ -946,13 +946,13 @@ def _build_kernel_class():
                         # registers -> smem sub-tiles (stmatrix) -> TMA store / reduce-add
                         if cutlass.const_expr(self.key.accumulate):
                             if n_k > 0:  # empty expert: output untouched
-                                epi_count = self.store_tma(
-                                    epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, epi_count,
-                                    warp_idx, store_warp, mask_barrier,
+                                epi_count = self.epi_store_tile(
+                                    epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, 0,
+                                    epi_count, warp_idx, store_warp, mask_barrier,
                                 )
                         else:
-                            epi_count = self.store_tma(
-                                epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, epi_count,
+                            epi_count = self.epi_store_tile(
+                                epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, 0, epi_count,
                                 warp_idx, store_warp, mask_barrier,
                             )
                     else:
@@ -962,20 +962,6 @@ def _build_kernel_class():
                 if cutlass.const_expr(self.tma_epi):  # noqa: SIM102
                     if warp_idx == store_warp:
                         store_pipe.producer_tail()  # all TMA stores done before exit
-
-        @cute.jit
-        def store_tma(  # noqa: PLR0913
-            self, epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, epi_count, warp_idx,
-            store_warp, mask_barrier,
-        ):
-            """Epilogue ``"tma"``: the tile through the BF16 kernel's sub-tile TMA stores."""
-            bSG_sC, bSG_gC, n_sub, sub_layout = self.epi_partition(
-                tma_atom_c, sC, gC_all[(None, None, m_idx, n_idx, e)]
-            )
-            return self.epi_store_subtiles(
-                epi, tma_atom_c, bSG_sC, bSG_gC, n_sub, sub_layout, 0, epi_count, warp_idx,
-                store_warp, mask_barrier,
-            )
 
         @cute.jit
         def store_regs(self, acc, r_out, mOut, thr_mma_epi, tCcC, e, m_idx, n_idx, n_k):
@@ -988,26 +974,10 @@ def _build_kernel_class():
                 out_ptr = cute.make_ptr(
                     self.out_dtype, mOut[e], cute.AddressSpace.gmem, assumed_align=16
                 )
-            mC = cute.make_tensor(
-                out_ptr,
-                cute.make_layout(
-                    (self.key.hidden, self.key.intermediate),
-                    stride=(self.key.intermediate, 1),
-                ),
-            )
-            gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (m_idx, n_idx))
-            tCgC = thr_mma_epi.partition_C(gC)
             if cutlass.const_expr(self.key.tile.epilogue in ("packed", "tma")):
                 self.store_packed(acc, r_out, out_ptr, tCcC, m_idx, n_idx, n_k)
-            elif cutlass.const_expr(self.key.accumulate):
-                if n_k > 0:
-                    cute.autovec_copy(tCgC, r_out)
-                    acc.store(acc.load() + r_out.load().to(self.acc_dtype))
-                    r_out.store(acc.load().to(self.out_dtype))
-                    cute.autovec_copy(r_out, tCgC)
-            else:
-                r_out.store(acc.load().to(self.out_dtype))
-                cute.autovec_copy(r_out, tCgC)
+            else:  # the BF16 kernel's register epilogue
+                self.store_regs_autovec(acc, r_out, out_ptr, thr_mma_epi, m_idx, n_idx, n_k)
 
         @cute.jit
         def stage_scales(self, sc, stage, buf, row0, col0):

@@ -469,7 +469,35 @@ def _build_kernel_class():
             sched_pipe.consumer_release(sched_cstate)
             return tile
 
-        # ---- the kernel prologue, shared with the MXFP8 kernel (sm90_mxfp8) ----
+        # ---- the kernel prologue and loads, shared with the MXFP8 kernel (sm90_mxfp8) ----
+
+        def ab_load_partitions(  # noqa: PLR0913
+            self, tma_atom_a, tma_a, tma_atom_b, tma_b, sA, sB, k0, m_idx, n_idx
+        ):
+            """Producer: the TMA partitions (smem stages, gmem K tiles from token ``k0``) of
+            the A tiles of output row block ``m_idx`` and the B tiles of column block
+            ``n_idx``. Returns (tAsA, tAgA, tBsB, tBgB)."""
+            gA = cute.local_tile(
+                cute.domain_offset((0, k0), tma_a), (self.tile_m, self.tile_k), (m_idx, None)
+            )
+            gB = cute.local_tile(
+                cute.domain_offset((0, k0), tma_b), (self.tile_n, self.tile_k), (n_idx, None)
+            )
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_a,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sA, 0, 2),
+                cute.group_modes(gA, 0, 2),
+            )
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_b,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sB, 0, 2),
+                cute.group_modes(gB, 0, 2),
+            )
+            return tAsA, tAgA, tBsB, tBgB
 
         def setup_pipelines(
             self, a_smem_staged, b_smem_staged, extra_tx_bytes: int = 0,
@@ -734,17 +762,12 @@ def _build_kernel_class():
                 m_idx = band * self.swizzle + inner - n_idx * rows
             return e, m_idx, n_idx
 
-        @cute.jit
-        def __call__(
-            self,
-            mA: cute.Tensor,  # (M, S) bf16
-            mB: cute.Tensor,  # (N, S) bf16 (B transposed view)
-            mOffsets: cute.Tensor,  # (E,) int32
-            mOut: cute.Tensor,  # (E, M, N) dense or (E,) int64 pointers
-            mCounter: cute.Tensor,  # (1,) int32, zero at launch: the dynamic tile counter
-            num_ctas: cutlass.Int32,
-            stream,
-        ):
+        def make_mma_and_ab_loads(self, mA, mB):
+            """Host side (shared with the MXFP8 kernel): the tiled wgmma (``wgs_per_group``
+            64-row slabs of a tile, ``tile_n`` wide), the ``stages``-deep shared-memory layouts
+            of A and B and their TMA load atoms ((tile_m, tile_k) / (tile_n, tile_k) boxes).
+            Returns (tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b,
+            tma_b)."""
             a_layout = LayoutEnum.from_tensor(mA)
             b_layout = LayoutEnum.from_tensor(mB)
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -763,26 +786,39 @@ def _build_kernel_class():
             b_smem_staged = sm90_utils.make_smem_layout_b(
                 b_layout, tile_mnk, self.ab_dtype, self.stages
             )
-            a_smem_one = cute.slice_(a_smem_staged, (None, None, 0))
-            b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
-            epi_smem_staged = a_smem_staged  # placeholder when the epilogue stores from registers
-            epi_cosize = 64
-            if cutlass.const_expr(self.tma_epi):
-                epi_smem_staged = self.epi_smem_layout()
-                epi_cosize = cute.cosize(epi_smem_staged)
             tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
                 mA,
-                a_smem_one,
+                cute.slice_(a_smem_staged, (None, None, 0)),
                 (self.tile_m, self.tile_k),
             )
             tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
                 mB,
-                b_smem_one,
+                cute.slice_(b_smem_staged, (None, None, 0)),
                 (self.tile_n, self.tile_k),
-                num_multicast=1,
             )
+            return tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b, tma_b
+
+        @cute.jit
+        def __call__(
+            self,
+            mA: cute.Tensor,  # (M, S) bf16
+            mB: cute.Tensor,  # (N, S) bf16 (B transposed view)
+            mOffsets: cute.Tensor,  # (E,) int32
+            mOut: cute.Tensor,  # (E, M, N) dense or (E,) int64 pointers
+            mCounter: cute.Tensor,  # (1,) int32, zero at launch: the dynamic tile counter
+            num_ctas: cutlass.Int32,
+            stream,
+        ):
+            tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b, tma_b = (
+                self.make_mma_and_ab_loads(mA, mB)
+            )
+            epi_smem_staged = a_smem_staged  # placeholder when the epilogue stores from registers
+            epi_cosize = 64
+            if cutlass.const_expr(self.tma_epi):
+                epi_smem_staged = self.epi_smem_layout()
+                epi_cosize = cute.cosize(epi_smem_staged)
 
             tma_atom_c, tma_c = tma_atom_a, tma_a  # placeholders for the discrete mode
             tma_atom_cl, tma_cl = tma_atom_a, tma_a  # old-output L2 prefetches (l2prefetch)
@@ -891,29 +927,8 @@ def _build_kernel_class():
                     while tile < self.num_tiles:
                         e, m_idx, n_idx = self.tile_coords(tile, sPerm)
                         k_base, _head, _k_len, n_k = self.k_range(mOffsets, e)
-                        gA = cute.local_tile(
-                            cute.domain_offset((0, k_base), tma_a),
-                            (self.tile_m, tk),
-                            (m_idx, None),
-                        )
-                        gB = cute.local_tile(
-                            cute.domain_offset((0, k_base), tma_b),
-                            (self.tile_n, tk),
-                            (n_idx, None),
-                        )
-                        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                            tma_atom_a,
-                            0,
-                            cute.make_layout(1),
-                            cute.group_modes(sA, 0, 2),
-                            cute.group_modes(gA, 0, 2),
-                        )
-                        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                            tma_atom_b,
-                            0,
-                            cute.make_layout(1),
-                            cute.group_modes(sB, 0, 2),
-                            cute.group_modes(gB, 0, 2),
+                        tAsA, tAgA, tBsB, tBgB = self.ab_load_partitions(
+                            tma_atom_a, tma_a, tma_atom_b, tma_b, sA, sB, k_base, m_idx, n_idx
                         )
                         if cutlass.const_expr(self.l2_prefetch_c):
                             if n_k > 0:

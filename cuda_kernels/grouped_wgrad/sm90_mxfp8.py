@@ -384,11 +384,9 @@ def sweep_tile_configs(hidden: int, intermediate: int) -> list[Sm90MxTileConfig]
 
 def _build_kernel_class():
     import cutlass
-    import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass import cute, pipeline
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
-    from cutlass.tensor_utils import LayoutEnum
 
     from .sm90_bf16 import _kernel_class as _bf16_kernel_class
 
@@ -510,35 +508,9 @@ def _build_kernel_class():
         ):
             mA = cute.make_tensor(cute.recast_ptr(mA8.iterator, dtype=self.ab_dtype), mA8.layout)
             mB = cute.make_tensor(cute.recast_ptr(mB8.iterator, dtype=self.ab_dtype), mB8.layout)
-            a_layout = LayoutEnum.from_tensor(mA)
-            b_layout = LayoutEnum.from_tensor(mB)
-            tiled_mma = sm90_utils.make_trivial_tiled_mma(
-                self.ab_dtype,
-                self.ab_dtype,
-                a_layout.sm90_mma_major_mode(),
-                b_layout.sm90_mma_major_mode(),
-                self.acc_dtype,
-                (self.num_consumer_wgs, 1, 1),
-                tiler_mn=(64, self.tile_n),
-            )
-            tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
-            a_smem_staged = sm90_utils.make_smem_layout_a(
-                a_layout, tile_mnk, self.ab_dtype, self.stages
-            )
-            b_smem_staged = sm90_utils.make_smem_layout_b(
-                b_layout, tile_mnk, self.ab_dtype, self.stages
-            )
-            tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                mA,
-                cute.slice_(a_smem_staged, (None, None, 0)),
-                (self.tile_m, self.tile_k),
-            )
-            tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                mB,
-                cute.slice_(b_smem_staged, (None, None, 0)),
-                (self.tile_n, self.tile_k),
+            # the BF16 kernel's wgmma and A / B loads (one consumer group: wgs_per_group slabs)
+            tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b, tma_b = (
+                self.make_mma_and_ab_loads(mA, mB)
             )
             # one scale atom (512 bytes) = a (2, 256) box of the scale tensor's byte view
             atom_smem = cute.make_layout((2, 256), stride=(256, 1))
@@ -748,25 +720,8 @@ def _build_kernel_class():
                         # atom index of (row block rb, atom column c): blocks * atom0 + rb * n_k + c
                         sfa0 = self.m_pad_atoms * atom0 + (m_idx * self.tile_m // 128) * n_k
                         sfb0 = self.n_pad_atoms * atom0 + (n_idx * self.tile_n // 128) * n_k
-                        gA = cute.local_tile(
-                            cute.domain_offset((0, k0), tma_a), (self.tile_m, tk), (m_idx, None)
-                        )
-                        gB = cute.local_tile(
-                            cute.domain_offset((0, k0), tma_b), (self.tile_n, tk), (n_idx, None)
-                        )
-                        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                            tma_atom_a,
-                            0,
-                            cute.make_layout(1),
-                            cute.group_modes(sA, 0, 2),
-                            cute.group_modes(gA, 0, 2),
-                        )
-                        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                            tma_atom_b,
-                            0,
-                            cute.make_layout(1),
-                            cute.group_modes(sB, 0, 2),
-                            cute.group_modes(gB, 0, 2),
+                        tAsA, tAgA, tBsB, tBgB = self.ab_load_partitions(
+                            tma_atom_a, tma_a, tma_atom_b, tma_b, sA, sB, k0, m_idx, n_idx
                         )
                         for kt in cutlass.range(n_k, unroll=1):
                             ab_pipe.producer_acquire(prod_state)

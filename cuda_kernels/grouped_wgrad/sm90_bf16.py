@@ -483,21 +483,39 @@ def _build_kernel_class():
             gB = cute.local_tile(
                 cute.domain_offset((0, k0), tma_b), (self.tile_n, self.tile_k), (n_idx, None)
             )
-            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_a,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sA, 0, 2),
-                cute.group_modes(gA, 0, 2),
-            )
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_b,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sB, 0, 2),
-                cute.group_modes(gB, 0, 2),
-            )
+            tAsA, tAgA = self.stage_tma_partition(tma_atom_a, sA, gA)
+            tBsB, tBgB = self.stage_tma_partition(tma_atom_b, sB, gB)
             return tAsA, tAgA, tBsB, tBgB
+
+        @staticmethod
+        def stage_tma_partition(tma_atom, sX, gX):
+            """(smem, gmem) TMA partitions of staged tiles ``sX`` and global tiles ``gX`` (one
+            CTA, no multicast)."""
+            return cute.nvgpu.cpasync.tma_partition(
+                tma_atom,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sX, 0, 2),
+                cute.group_modes(gX, 0, 2),
+            )
+
+        def mma_fragments(self, tiled_mma, sA, sB, slab_thread):
+            """Consumer warp group: the wgmma operand fragments of its slab (``slab_thread``:
+            the slab's first thread in ``tiled_mma``) over the A / B stages and the number of
+            wgmma k blocks per stage. Returns (tCrA, tCrB, num_k_blocks)."""
+            thr_mma = tiled_mma.get_slice(slab_thread)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            return tCrA, tCrB, cute.size(tCrA, mode=[2])
+
+        def consumer_states(self):
+            """Consumer pipeline states: (read, release) of the (A, B) ring and the tile-id
+            ring's."""
+            return (
+                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages),
+                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages),
+                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, _SCHED_STAGES),
+            )
 
         def setup_pipelines(
             self, a_smem_staged, b_smem_staged, extra_tx_bytes: int = 0,
@@ -973,13 +991,10 @@ def _build_kernel_class():
                 mask_barrier = pipeline.NamedBarrier(
                     barrier_id=1 + group, num_threads=self.group_threads
                 )
-                thr_mma = tiled_mma.get_slice(((wg_idx - 1) % self.wgs_per_group) * 128)
                 thr_mma_epi = tiled_mma.get_slice(ctid)
-                tCsA = thr_mma.partition_A(sA)
-                tCsB = thr_mma.partition_B(sB)
-                tCrA = tiled_mma.make_fragment_A(tCsA)
-                tCrB = tiled_mma.make_fragment_B(tCsB)
-                num_k_blocks = cute.size(tCrA, mode=[2])
+                tCrA, tCrB, num_k_blocks = self.mma_fragments(
+                    tiled_mma, sA, sB, ((wg_idx - 1) % self.wgs_per_group) * 128
+                )
 
                 # Accumulator fragment shaped like this thread's share of one output tile.
                 ref_tile = cute.make_identity_tensor((self.tile_m, self.tile_n))
@@ -992,15 +1007,7 @@ def _build_kernel_class():
                     store_warp = 4 + group * 4 * self.wgs_per_group
                     epi_count = cutlass.Int32(0)
 
-                read_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.stages
-                )
-                release_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.stages
-                )
-                sched_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
-                )
+                read_state, release_state, sched_cstate = self.consumer_states()
                 tile = self.take_tile(sched_pipe, sched_cstate, sSched)
                 sched_cstate.advance()
                 j = cutlass.Int32(0)  # local tile counter of this CTA

@@ -698,20 +698,8 @@ def _build_kernel_class():
                     )
                     gSFA = cute.local_tile(tma_sfa, (2, 256), (None, 0))
                     gSFB = cute.local_tile(tma_sfb, (2, 256), (None, 0))
-                    tFsA, tFgA = cute.nvgpu.cpasync.tma_partition(
-                        tma_atom_sfa,
-                        0,
-                        cute.make_layout(1),
-                        cute.group_modes(sSFA, 0, 2),
-                        cute.group_modes(gSFA, 0, 2),
-                    )
-                    tFsB, tFgB = cute.nvgpu.cpasync.tma_partition(
-                        tma_atom_sfb,
-                        0,
-                        cute.make_layout(1),
-                        cute.group_modes(sSFB, 0, 2),
-                        cute.group_modes(gSFB, 0, 2),
-                    )
+                    tFsA, tFgA = self.stage_tma_partition(tma_atom_sfa, sSFA, gSFA)
+                    tFsB, tFgB = self.stage_tma_partition(tma_atom_sfb, sSFB, gSFB)
                     tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
                     sched_state.advance()
                     while tile < self.num_tiles:
@@ -762,13 +750,11 @@ def _build_kernel_class():
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 ctid = tidx - 128  # thread index among the consumers
                 mask_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.group_threads)
-                thr_mma = tiled_mma.get_slice((wg_idx - 1) * 128)
                 thr_mma_epi = tiled_mma.get_slice(ctid)
-                tCsA = thr_mma.partition_A(sA)
-                tCsB = thr_mma.partition_B(sB)
-                tCrA = tiled_mma.make_fragment_A(tCsA)
-                tCrB = tiled_mma.make_fragment_B(tCsB)
-                num_k_blocks = cute.size(tCrA, mode=[2])  # = 4 groups of 32 tokens
+                # num_k_blocks = 4 groups of 32 tokens
+                tCrA, tCrB, num_k_blocks = self.mma_fragments(
+                    tiled_mma, sA, sB, (wg_idx - 1) * 128
+                )
 
                 ref_tile = cute.make_identity_tensor((self.tile_m, self.tile_n))
                 tCcC = thr_mma_epi.partition_C(ref_tile)
@@ -822,15 +808,7 @@ def _build_kernel_class():
                     store_warp = 4
                     epi_count = cutlass.Int32(0)
 
-                read_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.stages
-                )
-                release_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, self.stages
-                )
-                sched_cstate = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Consumer, _SCHED_STAGES
-                )
+                read_state, release_state, sched_cstate = self.consumer_states()
                 tile = self.take_tile(sched_pipe, sched_cstate, sSched)
                 sched_cstate.advance()
                 while tile < self.num_tiles:

@@ -508,6 +508,13 @@ def _build_kernel_class():
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             return tCrA, tCrB, cute.size(tCrA, mode=[2])
 
+        def producer_states(self):
+            """Producer warp pipeline states: the (A, B) ring's and the tile-id ring's."""
+            return (
+                pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages),
+                pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, _SCHED_STAGES),
+            )
+
         def consumer_states(self):
             """Consumer pipeline states: (read, release) of the (A, B) ring and the tile-id
             ring's."""
@@ -928,13 +935,8 @@ def _build_kernel_class():
                 # ---------------- producer warp group: TMA loads ----------------
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
-                    prod_state = pipeline.make_pipeline_state(
-                        pipeline.PipelineUserType.Producer, self.stages
-                    )
+                    prod_state, sched_state = self.producer_states()
                     lane = cute.arch.lane_idx()
-                    sched_state = pipeline.make_pipeline_state(
-                        pipeline.PipelineUserType.Producer, _SCHED_STAGES
-                    )
                     gCl_all = None
                     if cutlass.const_expr(self.l2_prefetch_c):
                         gCl_all = cute.local_tile(

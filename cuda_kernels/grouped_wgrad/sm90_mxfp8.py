@@ -689,13 +689,8 @@ def _build_kernel_class():
                 # ---------------- producer warp group: TMA loads ----------------
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
-                    prod_state = pipeline.make_pipeline_state(
-                        pipeline.PipelineUserType.Producer, self.stages
-                    )
+                    prod_state, sched_state = self.producer_states()
                     lane = cute.arch.lane_idx()
-                    sched_state = pipeline.make_pipeline_state(
-                        pipeline.PipelineUserType.Producer, _SCHED_STAGES
-                    )
                     gSFA = cute.local_tile(tma_sfa, (2, 256), (None, 0))
                     gSFB = cute.local_tile(tma_sfb, (2, 256), (None, 0))
                     tFsA, tFgA = self.stage_tma_partition(tma_atom_sfa, sSFA, gSFA)

@@ -831,13 +831,9 @@ def _build_kernel_class():
                                 cute.arch.mbarrier_wait(tab_full + stage, read_state.phase)
                             rest = k_len - kt * tk  # tokens of the expert in this stage (> 0)
                             if cutlass.const_expr(self.key.token_layout == "direct"):
-                                hi = ((rest + SF_VEC - 1) // SF_VEC) * SF_VEC
-                                if rest < hi and rest < tk:
-                                    # the partial group's missing tokens: zero in both operands
-                                    self.zero_tail(sA, self.tile_m, rest, hi, stage, ctid)
-                                    self.zero_tail(sB, self.tile_n, rest, hi, stage, ctid)
-                                    cute.arch.fence_proxy("async.shared", space="cta")
-                                    mask_barrier.arrive_and_wait()
+                                self.zero_partial_group(
+                                    sA, sB, k_len, kt, stage, ctid, mask_barrier
+                                )
                             self.stage_scales(sc, stage, kt % 2, row0, col0)
                             fbuf = self.fac_buf(kt, stage)
                             for kb in cutlass.range_constexpr(num_k_blocks):

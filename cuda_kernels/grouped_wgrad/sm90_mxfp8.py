@@ -12,7 +12,9 @@ accumulator multiplied by ``2^(sa-127) * 2^(sb-127)`` (the row's and the column'
 product of two powers of two: exact in fp32 away from its under/overflow). Two fresh fragments
 alternate, so group ``g``'s promotion overlaps group ``g+1``'s wgmma.
 
-Structure (shared with ``sm90_bf16``: the tile order, the scheduler and ``next_tile`` are its):
+Structure (shared with ``sm90_bf16``: the kernel class inherits the BF16 kernel's, whose methods
+give the pipelines, the expert sort, the tile order, the scheduler, the A / B loads and the
+epilogues; the scale loads, the promotion mainloops and the packed stores are this module's):
 
 - warp group 0 is the producer: one warp takes tile ids from a global atomic counter (dynamic
   persistent scheduler over experts sorted by token count, largest first) and issues, per stage of
@@ -410,7 +412,8 @@ def _build_kernel_class():
     }
 
     class Sm90MxGroupedWgradKernel(base):
-        """The BF16 kernel's scheduler (``next_tile``) with an FP8 + MX-promotion mainloop."""
+        """The BF16 kernel (its prologue, scheduler, A / B loads and epilogue methods) with
+        scale loads and an FP8 + MX-promotion mainloop."""
 
         def __init__(self, key: Sm90MxWgradKey):
             self.key = key

@@ -71,6 +71,7 @@ from typing import Any
 
 from ._contract import KernelKey
 from .launch import KernelFamily, fake_offsets_and_out
+from .sm90_bf16 import _SCHED_STAGES  # the tile-id ring the BF16 class's setup_pipelines makes
 from .tiles import SM90_TILES, TileRules
 
 __all__ = [
@@ -95,7 +96,6 @@ DECODE_THREADS = 96  # promote="producer_table": the producer warp group's warps
 EPILOGUES = ("autovec", "packed", "tma")
 _PROMOTE_SUFFIX = {"producer_table": "ptab"}
 EPI_N = 32  # columns of one TMA-epilogue sub-tile (the BF16 kernel's measured default)
-_SCHED_STAGES = 4
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,8 +22,8 @@ reduce-add epilogue for accumulating rows, epilogue sub-tile width and store sta
 tile order; and the tile shapes 128x192 pingpong, 192x128 pingpong, 128x256, 128x128 pingpong) on
 the quick shapes (one of them FP32-accumulate) and a small odd-M-tile correctness row, in one
 process: each variant is checked against an fp32 reference over ALL experts (accumulating rows from
-a random old output) before and after timing, then timed; torch._grouped_mm and quack (autotuned) once per shape; a failing variant prints its
-error and the sweep goes on; each variant's name is printed before it runs (a hang names itself).
+a random old output) before and after timing, then timed; torch._grouped_mm and quack (autotuned)
+once per shape; a failing variant prints its error and the sweep goes on; each variant's name is printed before it runs (a hang names itself).
 ``--variant-filter a,b,-c`` keeps the variants whose name contains a or b and not c (the default
 tile always runs).
 """
@@ -272,7 +272,7 @@ def _variants(configs):
     return keep
 
 
-def variant_tiles(m, n, e, accumulate, out_dtype):
+def variant_tiles(m, n, e, accumulate):
     """The SM90 tile variants swept by ``--variants`` for one shape, the YAML default first: the
     tile shapes (128x192 pingpong, 192x128 pingpong, 128x256, 128x128 pingpong) plain and with the
     swizzled tile order, the epilogue sub-tile width / store stages, then (accumulating rows) the
@@ -372,7 +372,7 @@ def run_variants(args, bench, dev, copy_bw):
         if name.startswith("6x"):
             tiles = _small_tiles(m, n, e)
         else:
-            tiles = variant_tiles(m, n, e, accumulate, out_dtype)
+            tiles = variant_tiles(m, n, e, accumulate)
             try:
                 if accumulate:
                     t_g = bench(lambda: out.add_(torch._grouped_mm(a, b, offs=offsets)))

@@ -10,8 +10,8 @@ whose names contain ``cutlass``; the first launches are warm-up)::
 ``--impl ours`` runs our SM90 kernel with the YAML tile (or ``--tile``, the bench's tile spec);
 ``--impl quack`` runs quack's varlen-K GEMM with its default config (``tuned=False``) or
 ``--quack-config "tile_m,tile_n,pingpong,cluster_m,cluster_n"`` (no autotuning under the
-profiler). Shapes are the rows of ``bench_grouped_wgrad.shapes()``; FP32-accumulate rows call
-``gemm_add_inplace`` for quack.
+profiler). Shapes are the rows of ``bench_grouped_wgrad.shapes()``; on FP32-accumulate rows quack
+adds into the output (``add_to_output=True``).
 """
 
 import argparse

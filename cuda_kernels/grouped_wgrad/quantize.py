@@ -31,7 +31,6 @@ integer otherwise (FP4 and the interpreter always use integer).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -39,6 +38,7 @@ import triton.language as tl
 
 from common.mx_atoms import ATOM_ROWS, round_up
 
+from ..triton_launch import interpreting
 from . import validate as validate_mod
 from .validate import QUANT_ELEMS, QUANT_SCALE_RULES, QUANT_SF_VEC
 
@@ -72,10 +72,6 @@ _ELEM_ID = {"e4m3": 0, "e5m2": 1, "e2m1": 2}
 _LAUNCH_DEFAULTS = {"block_h": 64, "num_warps": 4, "table": 1}
 LAUNCH = dict(_LAUNCH_DEFAULTS)
 BLOCK_H = _LAUNCH_DEFAULTS["block_h"]
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -340,11 +336,11 @@ def quantize_wgrad_operand(
     num_experts = offsets_E.numel()
     fp4 = elem == "e2m1"
 
-    if x_SH.device.type != "cuda" and not _interpreting():
+    if x_SH.device.type != "cuda" and not interpreting():
         raise RuntimeError("quantize_wgrad_operand: the Triton kernel needs CUDA tensors (or "
                            "TRITON_INTERPRET=1 set before importing triton, for CPU tensors)")
     native = rounding == "native" or (rounding == "auto" and x_SH.device.type == "cuda")
-    if fp4 or _interpreting():
+    if fp4 or interpreting():
         if rounding == "native":
             raise _err("rounding='native' needs FP8 on a CUDA device (compiled Triton)")
         native = False

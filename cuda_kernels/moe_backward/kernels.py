@@ -21,53 +21,15 @@ CPU tests run the same kernel source with ``TRITON_INTERPRET=1``). Importing thi
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..triton_launch import TritonKernel, cast, rne_bf16
+
 __all__ = [
     "activation_backward", "gather_rows", "segment_colsum", "token_sum", "zero_empty_groups",
 ]
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-class _Kernel:
-    """A Triton kernel that runs compiled on CUDA tensors and, when the process runs Triton's
-    interpreter (``TRITON_INTERPRET=1`` set before Triton is imported, as the CPU tests do), on
-    CPU tensors."""
-
-    def __init__(self, fn):
-        self._fn = triton.jit(fn)
-
-    def launch(self, device: torch.device, grid, *args, **kwargs) -> None:
-        if device.type != "cuda" and not _interpreting():
-            raise RuntimeError(
-                f"the fused MoE backward's Triton kernels need CUDA tensors, got {device}; run "
-                "the portable 'torch' backend there (or set TRITON_INTERPRET=1 before importing "
-                "triton to interpret the kernels on the CPU, as the tests do)"
-            )
-        self._fn[grid](*args, **kwargs)
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
-    """``x.to(dtype)``; with ``RNE_BF16`` the fp32 -> BF16 rounding is done by integer ops
-    (round to nearest even), because Triton's interpreter truncates where the GPU rounds."""
-    if RNE_BF16:
-        b = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
-        x = b.to(tl.float32, bitcast=True)
-    return x.to(dtype)
-
-
-def _rne(dtype: torch.dtype) -> bool:
-    """RNE_BF16 for a store of ``dtype``: only under the interpreter (the GPU rounds itself)."""
-    return dtype == torch.bfloat16 and _interpreting()
 
 
 # ------------------------------------------------------------------------------------ gather
@@ -84,11 +46,11 @@ def _gather_rows_kernel(
     v = tl.load(src_ptr + idx[:, None] * stride_src + cols[None, :], mask=take, other=0.0)
     v = tl.where(take, v, 0.0)
     dst = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-    v = _cast(v, out_ptr.dtype.element_ty, RNE_BF16)
+    v = cast(v, out_ptr.dtype.element_ty, RNE_BF16)
     tl.store(dst, v, mask=in_rows[:, None] & in_cols[None, :])
 
 
-_GATHER = _Kernel(_gather_rows_kernel)
+_GATHER = TritonKernel(_gather_rows_kernel)
 
 
 def gather_rows(
@@ -115,7 +77,7 @@ def gather_rows(
     grid = (triton.cdiv(S, BLOCK_M), triton.cdiv(H, BLOCK_H))
     _GATHER.launch(
         src_TH.device, grid, src_TH, idx_S, out, S, H, src_TH.stride(0), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_H=BLOCK_H, RNE_BF16=_rne(dtype) and src_TH.dtype != dtype,
+        BLOCK_M=BLOCK_M, BLOCK_H=BLOCK_H, RNE_BF16=rne_bf16(dtype) and src_TH.dtype != dtype,
         num_warps=4,
     )
     return out
@@ -176,10 +138,10 @@ def _activation_backward_kernel(
         out_m = in_rows[:, None] & (cols < I)[None, :]
         dgu_row = dgu_ptr + rows64[:, None] * stride_dgu + cols[None, :]
         out_ty = dgu_ptr.dtype.element_ty
-        tl.store(dgu_row, _cast(dg, out_ty, RNE_BF16), mask=out_m)
-        tl.store(dgu_row + I, _cast(du, out_ty, RNE_BF16), mask=out_m)
+        tl.store(dgu_row, cast(dg, out_ty, RNE_BF16), mask=out_m)
+        tl.store(dgu_row + I, cast(du, out_ty, RNE_BF16), mask=out_m)
         ah_row = ah_ptr + rows64[:, None] * stride_ah + cols[None, :]
-        tl.store(ah_row, _cast(ah, out_ty, RNE_BF16), mask=out_m)
+        tl.store(ah_row, cast(ah, out_ty, RNE_BF16), mask=out_m)
     expert = tl.load(pair_expert_ptr + p, mask=valid, other=0).to(tl.int64)
     if HAS_BD:  # dA += <dY, b_down[e]> (the forward scales the down bias by the affinity)
         for h0 in range(0, H, BLOCK_H):
@@ -192,7 +154,7 @@ def _activation_backward_kernel(
     tl.store(da_ptr + token * E + expert, da, mask=valid)
 
 
-_ACTIVATION_BACKWARD = _Kernel(_activation_backward_kernel)
+_ACTIVATION_BACKWARD = TritonKernel(_activation_backward_kernel)
 
 
 def activation_backward(
@@ -274,7 +236,7 @@ def activation_backward(
         U_HAS_LO=cl.linear_clamp_lower_limit is not None,
         U_HAS_HI=cl.linear_clamp_upper_limit is not None,
         HAS_BD=has_bd,
-        BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_H=BLOCK_H, RNE_BF16=_rne(operand_dtype),
+        BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_H=BLOCK_H, RNE_BF16=rne_bf16(operand_dtype),
         num_warps=4,
     )
     return dgu, ah, da
@@ -297,11 +259,11 @@ def _token_sum_kernel(
         v = tl.load(rows_ptr + r[:, None] * stride_rows + cols[None, :], mask=m, other=0.0)
         acc += tl.where(m, v.to(tl.float32), 0.0)
     dst = out_ptr + toks64[:, None] * stride_out + cols[None, :]
-    acc = _cast(acc, out_ptr.dtype.element_ty, RNE_BF16)
+    acc = cast(acc, out_ptr.dtype.element_ty, RNE_BF16)
     tl.store(dst, acc, mask=in_t[:, None] & in_h[None, :])
 
 
-_TOKEN_SUM = _Kernel(_token_sum_kernel)
+_TOKEN_SUM = TritonKernel(_token_sum_kernel)
 
 
 def token_sum(
@@ -328,7 +290,7 @@ def token_sum(
     _TOKEN_SUM.launch(
         rows_SH.device, (triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H)),
         rows_SH, rows_SH.stride(0), slot_rows_TK.contiguous(), out, out.stride(0), T, H,
-        K=K, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, RNE_BF16=_rne(dtype), num_warps=4,
+        K=K, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, RNE_BF16=rne_bf16(dtype), num_warps=4,
     )
     return out
 
@@ -357,7 +319,7 @@ def _segment_colsum_kernel(
     tl.store(out_ptr + e * stride_out + cols, tl.sum(acc, axis=0), mask=in_n)
 
 
-_SEGMENT_COLSUM = _Kernel(_segment_colsum_kernel)
+_SEGMENT_COLSUM = TritonKernel(_segment_colsum_kernel)
 
 
 def segment_colsum(
@@ -402,7 +364,7 @@ def _zero_empty_groups_kernel(out_ptr, offs_ptr, MN, BLOCK: tl.constexpr, SPLIT:
             tl.store(base + idx, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty), mask=idx < MN)
 
 
-_ZERO_EMPTY_GROUPS = _Kernel(_zero_empty_groups_kernel)
+_ZERO_EMPTY_GROUPS = TritonKernel(_zero_empty_groups_kernel)
 
 
 def zero_empty_groups(out_EMN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,6 @@ integer otherwise (FP4 and the interpreter always use integer).
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

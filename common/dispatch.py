@@ -73,6 +73,11 @@ class Backend:
             problem of these dimensions before any input is built; ``dims`` has the ints
             ``T, H, I, E, K`` and ``activation`` (the :class:`~common.problem.Activation` name,
             ``"swiglu"`` or ``"gpt_oss"``). None = any shape.
+        forward: optional layer forward ``fn(x_TH, affinity_TK, expert_index_TK, w_gate_up,
+            w_down, b_gate_up, b_down, *, clamp_limits, activation, check_routing) ->
+            common.torch_backward.LayerForward`` (routing plan, grouped layout with
+            ``ALIGN``-row groups, y, BF16 checkpoint, X rows); None = the portable
+            :func:`common.torch_backward.moe_layer_forward_torch`.
     """
 
     name: str
@@ -82,6 +87,7 @@ class Backend:
     fallback_reason: str | None = None
     grouped_wgrad: Callable | None = None
     check_shape: Callable[[dict], str | None] | None = None
+    forward: Callable | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}

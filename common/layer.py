@@ -13,12 +13,19 @@ Math (REFERENCE §2), per routed (token t, expert e) with affinity a::
 Public names:
 
 * :class:`MoEExpertsOptions` -- the frozen non-tensor settings of one call.
-* :class:`MoEExpertsFunction` -- the ``torch.autograd.Function``: forward with
+* :func:`moe_experts` / :class:`MoEExperts` run through ``torch.ops.moe_bwd.experts_forward``
+  (:mod:`common.layer_ops`: a ``torch.library`` custom op with a fake implementation and an
+  autograd formula, so ``torch.compile(fullgraph=True)`` traces the layer without graph breaks).
+  The forward is the backend's (:mod:`common.dispatch`): on ``cuda-sm90`` / ``cuda-sm100`` the
+  fused GPU forward (:mod:`cuda_kernels.moe_forward`: routing, X gather, gate/up GEMM, one
+  activation pass, down GEMM, deterministic per-token combine; BF16 in HBM), elsewhere
   :func:`common.torch_backward.moe_forward_torch` (grouped GEMMs, BF16 operands, fp32
-  accumulation), saving only x, the weights, the BF16 checkpoint ``act [R, 2, I]`` and the
-  routing plan; backward through ``common.dispatch.resolve_backend(options.backend, device)``.
-  First-order only (``first_order_only`` over ``once_differentiable``): any backward with
-  ``create_graph=True`` (double backward, Hessians) raises RuntimeError.
+  accumulation). It saves only x, the weights, the BF16 checkpoint ``act [R, 2, I]``, the
+  routing plan and (CUDA) the BF16 X rows; the backward runs the backend's ``run``.
+  First-order only: any backward with ``create_graph=True`` (double backward, Hessians)
+  raises RuntimeError.
+* :class:`MoEExpertsFunction` -- the same as a ``torch.autograd.Function``: what the layer uses
+  for Megatron ``main_grad`` accumulation (below), which an opaque op cannot carry.
 * :func:`moe_experts` -- the functional form; :class:`MoEExperts` -- the ``nn.Module``.
 * :func:`gate_up_from_torchtitan`, :func:`down_from_torchtitan`,
   :func:`run_experts_grouped_mm` -- torchtitan's ``GroupedExperts`` weights and its grouped-mm
@@ -49,10 +56,10 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from common.dispatch import BACKEND_NAMES, registered_backends, resolve_backend
-from common.problem import SWIGLU, Activation, ClampLimits, MoEBackwardProblem
-from common.routing import _INT_DTYPES, plan_routing  # the one list of accepted id dtypes
-from common.torch_backward import grouped_layout, moe_forward_torch
+from common import layer_ops
+from common.dispatch import BACKEND_NAMES, registered_backends
+from common.problem import SWIGLU, Activation, ClampLimits
+from common.routing import _INT_DTYPES  # the one list of accepted id dtypes
 
 __all__ = [
     "MoEExperts",
@@ -65,10 +72,9 @@ __all__ = [
     "run_experts_grouped_mm",
 ]
 
-_CUDA_BACKENDS = ("cuda-sm90", "cuda-sm100")
-"""Backends whose ``run`` takes ``grad_dtype`` and ``accumulate_into`` (the fused backward)."""
-_GRAD_DTYPES = (torch.float32, torch.bfloat16)
-"""Gradient dtypes the fused CUDA backward writes directly; others are written fp32 and cast."""
+VALIDATE_ROUTING = ("device", "host", "off")
+"""``validate_routing`` modes (:mod:`common.layer_ops`): a device-side check (default), a host
+check raising ValueError, none. ``True`` means ``"host"`` and ``False`` ``"off"``."""
 
 
 # ------------------------------------------------------------------------------------ options
@@ -80,8 +86,12 @@ class MoEExpertsOptions:
         clamp_limits: optional :class:`~common.problem.ClampLimits` of g (gate) and u (up).
         activation: the :class:`~common.problem.Activation` (default SwiGLU).
         backend: the backward's backend, a :mod:`common.dispatch` name or ``"auto"``.
-        validate_routing: check expert ids lie in [-1, E) and routed affinities are finite (a
-            host read on CUDA; pass False inside CUDA-graph capture).
+        validate_routing: ``"device"`` (default: check expert ids lie in [-1, E) and routed
+            affinities are finite and >= 0 without a host read; on a GPU a bad routing surfaces
+            at the next synchronisation as a device-side assert, on the CPU as ValueError at
+            once), ``"host"`` (read them on the host first: ValueError naming the rule, one
+            synchronisation per call) or ``"off"``; ``True`` = ``"host"``, ``False`` =
+            ``"off"`` (:mod:`common.layer_ops`).
         accumulate_main_grad: add the weight gradients into the weights' ``main_grad`` buffers
             and return None for the weights (module docstring, "Megatron main_grad").
         backend_options: ``(name, value)`` pairs passed to the backend's run in backward (e.g.
@@ -95,7 +105,7 @@ class MoEExpertsOptions:
     clamp_limits: ClampLimits | None = None
     activation: Activation = SWIGLU
     backend: str = "auto"
-    validate_routing: bool = True
+    validate_routing: str = "device"
     accumulate_main_grad: bool = False
     backend_options: tuple = ()
 
@@ -115,9 +125,17 @@ class MoEExpertsOptions:
                 f"backend {self.backend!r} is unknown: backend must be 'auto' or one of "
                 f"{', '.join(BACKEND_NAMES)}"
             )
-        for name in ("validate_routing", "accumulate_main_grad"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        mode = self.validate_routing
+        if isinstance(mode, bool):
+            object.__setattr__(self, "validate_routing", "host" if mode else "off")
+        elif mode not in VALIDATE_ROUTING:
+            raise ValueError(
+                f"validate_routing must be one of {VALIDATE_ROUTING} (or a bool), got {mode!r}"
+            )
+        if not isinstance(self.accumulate_main_grad, bool):
+            raise ValueError(
+                f"accumulate_main_grad must be a bool, got {self.accumulate_main_grad!r}"
+            )
         pairs = self.backend_options
         if not isinstance(pairs, tuple) or not all(
             isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs
@@ -125,6 +143,17 @@ class MoEExpertsOptions:
             raise ValueError(
                 f"backend_options must be a tuple of (name, value) pairs, got {pairs!r}"
             )
+        try:  # the custom ops' key (common.layer_ops); unhashable options take the Function
+            key = layer_ops.options_key(self)
+        except TypeError:
+            key = None
+        object.__setattr__(self, "_op_key", key)
+
+    @property
+    def uses_custom_op(self) -> bool:
+        """True when calls go through ``torch.ops.moe_bwd.experts_forward`` (compilable): all
+        options but ``accumulate_main_grad`` and unhashable ``backend_options``."""
+        return self._op_key is not None and not self.accumulate_main_grad
 
 
 # --------------------------------------------------------------------------------- validation
@@ -134,21 +163,6 @@ def _known_backend(name: str) -> bool:
     if name == "auto" or name in BACKEND_NAMES:
         return True
     return bool(name) and name in registered_backends()
-
-
-def _check_backend_shape(backend, T: int, H: int, I: int, E: int, K: int,
-                         activation: Activation) -> None:
-    """The backend's ``check_shape`` on this problem, before any work (ValueError naming the
-    backend, the dimensions and the rule)."""
-    check = getattr(backend, "check_shape", None)
-    if check is None:
-        return
-    why = check({"T": T, "H": H, "I": I, "E": E, "K": K, "activation": activation.name})
-    if why is not None:
-        raise ValueError(
-            f"backend {backend.name!r} cannot run this layer (H={H}, I={I}, activation "
-            f"{activation.name!r}): {why}"
-        )
 
 
 def _shape(t: Any) -> str:
@@ -206,20 +220,6 @@ def _check_inputs(
             raise ValueError(f"{name} is on device {t.device} but hidden_states_TH is on {x.device}")
 
 
-def _check_routing(expert_index_TK: torch.Tensor, affinity_TK: torch.Tensor, E: int) -> None:
-    """Expert ids in [-1, E) and finite routed affinities (one host read on CUDA)."""
-    if expert_index_TK.numel() == 0:
-        return
-    lo, hi = int(expert_index_TK.min()), int(expert_index_TK.max())
-    if lo < -1 or hi >= E:
-        raise ValueError(
-            f"expert_index_TK values must lie in [-1, num_experts={E}) (-1 = dropped slot), "
-            f"found range [{lo}, {hi}]"
-        )
-    if not bool(torch.isfinite(affinity_TK.detach()[expert_index_TK >= 0]).all()):
-        raise ValueError("affinity_TK must be finite on routed slots (found NaN or inf)")
-
-
 def _main_grad_buffers(
     w_gate_up_EH2I: torch.Tensor, w_down_EIH: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -259,12 +259,7 @@ def first_order_only(backward):
 
     @functools.wraps(backward)
     def checked(ctx, *grads):
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                f"{type(ctx).__name__.removesuffix('Backward')} is first-order only: its "
-                "backward cannot be differentiated (create_graph=True, double backward, "
-                "Hessians); compute those through a differentiable forward instead"
-            )
+        layer_ops.refuse_grad_mode(type(ctx).__name__.removesuffix("Backward"))
         return backward(ctx, *grads)
 
     return checked
@@ -317,39 +312,15 @@ class MoEExpertsFunction(torch.autograd.Function):
             hidden_states_TH, affinity_TK, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH,
             expert_index_TK, options,
         )
-        E = w_gate_up_EH2I.shape[0]
-        if options.validate_routing:
-            _check_routing(expert_index_TK, affinity_TK, E)
-        # Resolve now so that an unusable backend fails before any work (and before backward).
-        backend = resolve_backend(options.backend, hidden_states_TH.device)
-        T, H = hidden_states_TH.shape
-        _check_backend_shape(
-            backend, T, H, w_down_EIH.shape[1], E, expert_index_TK.shape[1], options.activation
+        out, backend = layer_ops.layer_forward(
+            hidden_states_TH, affinity_TK, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH,
+            expert_index_TK, options,
         )
-        plan = plan_routing(expert_index_TK, affinity_TK.detach(), E, validate=False)
-        # The grouped layout and the BF16 X rows of the first GEMM are kept for the fused CUDA
-        # backward (it then skips rebuilding the layout and re-gathering X; torchtitan's
-        # grouped_mm autograd keeps the same rows).
-        layout = grouped_layout(plan, E)
-        x_rows_S = layout.gather_rows(hidden_states_TH.to(torch.bfloat16))
-        y_TH, act_R2I = moe_forward_torch(
-            hidden_states_TH,
-            w_gate_up_EH2I,
-            w_down_EIH,
-            plan,
-            b_gate_up_E2I=b_gate_up_E2I,
-            b_down_EH=b_down_EH,
-            clamp_limits=options.clamp_limits,
-            compute_dtype=torch.bfloat16,
-            activation=options.activation,
-            layout=layout,
-            x_rows_S=x_rows_S,
-        )
-        keep_rows = backend.name in _CUDA_BACKENDS
         ctx.save_for_backward(
-            hidden_states_TH, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH, act_R2I,
-            x_rows_S if keep_rows else None,
+            hidden_states_TH, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH, out.act_R2I,
+            out.x_rows_S,
         )
+        layout, plan = out.layout, out.plan
         ctx.layout = layout
         ctx.plan = plan
         ctx.options = options
@@ -360,7 +331,7 @@ class MoEExpertsFunction(torch.autograd.Function):
         ctx.main_grad_owners = (
             (w_gate_up_EH2I, w_down_EIH) if options.accumulate_main_grad else None
         )
-        return y_TH.to(hidden_states_TH.dtype)
+        return out.y_TH
 
     @staticmethod
     @first_order_only
@@ -372,31 +343,10 @@ class MoEExpertsFunction(torch.autograd.Function):
         main = None
         if ctx.main_grad_owners is not None and need[2] and need[3]:
             main = _main_grad_buffers(*ctx.main_grad_owners)
-        problem = MoEBackwardProblem(
-            hidden_states_TH=x,
-            output_grad_TH=grad_y_TH.contiguous(),
-            w_gate_up_EH2I=wgu,
-            w_down_EIH=wd,
-            plan=ctx.plan,
-            act_checkpoint_R2I=act,
-            b_gate_up_E2I=bgu,
-            b_down_EH=bd,
-            clamp_limits=opts.clamp_limits,
-            activation=opts.activation,
+        grads, accumulated = layer_ops.layer_backward(
+            grad_y_TH, x, wgu, wd, bgu, bd, act, x_rows_S, ctx.plan, ctx.layout, opts,
+            ctx.backend, main_grad=main,
         )
-        backend = ctx.backend
-        accumulated = False
-        run_opts: dict[str, Any] = dict(opts.backend_options)
-        if backend.name in _CUDA_BACKENDS:
-            same = wgu.dtype == wd.dtype and wgu.dtype in _GRAD_DTYPES
-            run_opts.setdefault("grad_dtype", wgu.dtype if same else torch.float32)
-            run_opts.update(layout=ctx.layout, x_rows_S=x_rows_S)
-            if main is not None and all(
-                m.dtype == torch.float32 and m.is_contiguous() for m in main
-            ):
-                run_opts["accumulate_into"] = main
-                accumulated = True
-        grads = backend.run(problem, **run_opts)
         if main is not None and not accumulated:
             main[0].add_(grads.w_gate_up_grad_EH2I.to(main[0].dtype))
             main[1].add_(grads.w_down_grad_EIH.to(main[1].dtype))
@@ -440,10 +390,26 @@ def moe_experts(
     Raises:
         ValueError: a bad argument, named.  RuntimeError: an unusable explicit backend.
     """
-    opts = MoEExpertsOptions() if options is None else options
-    return MoEExpertsFunction.apply(
+    opts = _DEFAULT_OPTIONS if options is None else options
+    return _apply(
         hidden_states_TH, affinity_TK, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH,
         expert_index_TK, opts,
+    )
+
+
+_DEFAULT_OPTIONS = MoEExpertsOptions()
+
+
+def _apply(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
+    """The layer through the compilable custom op (:mod:`common.layer_ops`) when the options
+    allow it, else through :class:`MoEExpertsFunction`; the inputs are checked first either way."""
+    if isinstance(options, MoEExpertsOptions) and options.uses_custom_op:
+        _check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options)
+        return layer_ops.moe_experts_op(
+            x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options
+        )
+    return MoEExpertsFunction.apply(
+        x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options
     )
 
 
@@ -459,7 +425,8 @@ class MoEExperts(nn.Module):
         backend: the backward's backend (:mod:`common.dispatch` name or ``"auto"``).
         dtype: parameter dtype (default BF16).  device: parameter device.
         accumulate_main_grad: Megatron ``main_grad`` accumulation (module docstring).
-        validate_routing: check expert ids and affinities each call (a host read on CUDA).
+        validate_routing: ``"device"`` (default, no host read), ``"host"`` or ``"off"``
+            (:class:`MoEExpertsOptions`).
 
     Parameters:
         w_gate_up: [E, H, 2, I] (gate at index 0, up at 1).  w_down: [E, I, H].
@@ -482,7 +449,7 @@ class MoEExperts(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
         accumulate_main_grad: bool = False,
-        validate_routing: bool = True,
+        validate_routing: str | bool = "device",
     ) -> None:
         super().__init__()
         for name, v in (("num_experts", num_experts), ("hidden", hidden),
@@ -538,7 +505,7 @@ class MoEExperts(nn.Module):
         affinity_TK [T, K] float (router weights, may require grad).
         Returns: y [T, H] in ``hidden_states_TH.dtype``.
         Raises: ValueError naming a bad argument (shape, dtype, device, expert id range)."""
-        return MoEExpertsFunction.apply(
+        return _apply(
             hidden_states_TH, affinity_TK, self.w_gate_up, self.w_down, self.b_gate_up,
             self.b_down, expert_index_TK, self.options,
         )
@@ -611,8 +578,9 @@ def _non_overlapping(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 def _pair_geometry(w1_EIH: torch.Tensor, w3_EIH: torch.Tensor):
     """``(size, stride, offset)`` of an [E, H, 2, I] view over the storage w1 and w3 share
-    (gate = w1, up = w3), or None when no such view exists."""
-    if w1_EIH.stride() != w3_EIH.stride():
+    (gate = w1, up = w3), or None when no such view exists (and while torch.compile traces:
+    storage identity is not traceable, so the compiled seam takes the copy)."""
+    if w1_EIH.stride() != w3_EIH.stride() or torch.compiler.is_compiling():
         return None
     if w1_EIH.untyped_storage().data_ptr() != w3_EIH.untyped_storage().data_ptr():
         return None
@@ -690,7 +658,7 @@ def down_from_torchtitan(w2_EHI: torch.Tensor) -> torch.Tensor:
     return w2_EHI.transpose(1, 2)
 
 
-_TORCHTITAN_OPTIONS = MoEExpertsOptions(validate_routing=False)
+_TORCHTITAN_OPTIONS = MoEExpertsOptions(validate_routing="off")
 
 
 def _check_counts_on_host(num_tokens_per_expert: torch.Tensor, rows: int) -> None:
@@ -773,7 +741,9 @@ def run_experts_grouped_mm(
         if t.device != x.device:
             raise ValueError(f"{name} is on device {t.device} but x is on {x.device}")
     rows = x.shape[0]
-    if n.device.type == "cpu":  # a host read costs nothing here: refuse bad counts by name
+    if n.device.type == "cpu" and not torch.compiler.is_compiling():
+        # a host read costs nothing here: refuse bad counts by name (not while tracing: the
+        # counts are data then, clamped below like device counts)
         _check_counts_on_host(n, rows)
     # Memory-safe for any counts (the device path reads nothing back): each count clamped to
     # [0, rows], the groups' ends to rows, and one extra group E of padding rows (rows - end)
@@ -786,14 +756,8 @@ def run_experts_grouped_mm(
     )
     expert_index_R1 = torch.where(expert_R < E, expert_R, -1).reshape(rows, 1)
     affinity_R1 = torch.ones(rows, 1, dtype=x.dtype, device=x.device)
-    return MoEExpertsFunction.apply(
-        x,
-        affinity_R1,
-        gate_up_from_torchtitan(w1, w3),
-        down_from_torchtitan(w2),
-        None,
-        None,
-        expert_index_R1,
-        _TORCHTITAN_OPTIONS,
+    return _apply(
+        x, affinity_R1, gate_up_from_torchtitan(w1, w3), down_from_torchtitan(w2), None, None,
+        expert_index_R1, _TORCHTITAN_OPTIONS,
     )
 

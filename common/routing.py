@@ -38,7 +38,16 @@ import torch
 
 from common.shapes import static_num_blocks
 
-__all__ = ["PADDING_MODES", "BlockwiseLayout", "GroupedLayout", "RoutingPlan", "plan_routing"]
+__all__ = [
+    "PADDING_MODES",
+    "ROUTING_ERRORS",
+    "BlockwiseLayout",
+    "GroupedLayout",
+    "RoutingPlan",
+    "assert_routing_async",
+    "plan_routing",
+    "routing_error_code",
+]
 
 PADDING_MODES = ("skip", "zero_row")
 """Blockwise padding conventions: ``skip`` marks padding slots -1 (the kernel skips them by
@@ -574,3 +583,46 @@ def plan_routing(
         tokens_per_expert_E=counts[:E],
         num_pairs=is_first.sum(),
     )
+
+
+ROUTING_ERRORS = (
+    (1, "expert_index_TK", "an expert id lies outside [-1, num_experts)"),
+    (2, "affinity_TK", "a routed slot's affinity is NaN or inf"),
+    (4, "affinity_TK", "a routed slot's affinity is negative"),
+)
+"""``(bit, argument, rule)`` of the routing error code (:func:`routing_error_code`)."""
+
+
+def routing_error_code(
+    expert_index_TK: torch.Tensor, affinity_TK: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """The routing's error code on its device, without a host read: a 0-d int32 tensor, 0 for
+    valid routing, else the OR of the :data:`ROUTING_ERRORS` bits (ids outside [-1, E);
+    non-finite or negative affinities on routed slots; dropped slots' affinities are ignored).
+
+    Args: expert_index_TK [T, K] integer; affinity_TK [T, K] float; num_experts E.
+    """
+    ids = expert_index_TK.to(torch.int64)
+    routed = (ids >= 0) & (ids < num_experts)
+    aff = affinity_TK.detach()
+    bad = torch.stack([
+        ((ids < -1) | (ids >= num_experts)).any(),
+        (routed & ~torch.isfinite(aff)).any(),
+        (routed & (aff < 0)).any(),
+    ]).to(torch.int32)
+    return (bad * torch.tensor([1, 2, 4], dtype=torch.int32, device=bad.device)).sum(
+        dtype=torch.int32
+    )
+
+
+def assert_routing_async(error_code: torch.Tensor) -> None:
+    """Queue a device-side assert that ``error_code`` (:func:`routing_error_code`) is 0.
+
+    No host read: on CUDA a bad routing surfaces at the next synchronisation as a device-side
+    assert (a RuntimeError; the CUDA context cannot be used afterwards, as with any device
+    assert). On the CPU it raises RuntimeError at once. The message names the arguments and the
+    rules of :data:`ROUTING_ERRORS`; pass ``validate_routing="host"`` to the layer for a
+    ValueError naming the exact rule before any work.
+    """
+    rules = "; ".join(f"{arg}: {rule}" for _, arg, rule in ROUTING_ERRORS)
+    torch._assert_async(error_code == 0, f"MoE routing is invalid ({rules})")

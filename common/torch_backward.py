@@ -25,6 +25,7 @@ kernel with fp32 output is given (the CUDA backends). The activation backward ru
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -32,12 +33,14 @@ from common.problem import Activation, ClampLimits, MoEBackwardProblem, MoEGrads
 
 __all__ = [
     "ALIGN",
+    "LayerForward",
     "grouped_layout",
     "grouped_mm_rows",
     "grouped_wgrad_default",
     "moe_backward_torch",
     "moe_forward_checkpoint_torch",
     "moe_forward_torch",
+    "moe_layer_forward_torch",
 ]
 
 ALIGN = 16
@@ -215,6 +218,58 @@ def moe_forward_torch(
     if b_down_EH is not None:
         out_S = out_S + alpha_S * b_down_EH.float()[row_expert]
     return layout.scatter_add_rows(out_S), act[:R]
+
+
+@dataclass(frozen=True)
+class LayerForward:
+    """What the layer's forward returns and its backward needs (a backend's ``forward`` hook,
+    :class:`common.dispatch.Backend`).
+
+    Attributes:
+        y_TH: [T, H] in the input's dtype.
+        act_R2I: [R, 2, I] BF16 checkpoint of the clamped pre-activations, plan pair order.
+        x_rows_S: [S, H] BF16 X in the layout's row order (padding rows 0), or None.
+        plan: the :class:`~common.routing.RoutingPlan`.
+        layout: its grouped layout (:func:`grouped_layout`).
+    """
+
+    y_TH: torch.Tensor
+    act_R2I: torch.Tensor
+    x_rows_S: torch.Tensor | None
+    plan: object
+    layout: object
+
+
+def moe_layer_forward_torch(
+    hidden_states_TH: torch.Tensor,
+    affinity_TK: torch.Tensor,
+    expert_index_TK: torch.Tensor,
+    w_gate_up_EH2I: torch.Tensor,
+    w_down_EIH: torch.Tensor,
+    b_gate_up_E2I: torch.Tensor | None = None,
+    b_down_EH: torch.Tensor | None = None,
+    *,
+    clamp_limits: ClampLimits | None = None,
+    activation: Activation | None = None,
+    check_routing: bool = False,
+) -> LayerForward:
+    """The portable layer forward: the routing plan and grouped layout in torch ops (no host
+    read on CUDA), then :func:`moe_forward_torch` with BF16 operands. ``check_routing`` queues
+    the device-side routing check (:func:`common.routing.assert_routing_async`)."""
+    from common.routing import assert_routing_async, plan_routing, routing_error_code
+
+    E = w_gate_up_EH2I.shape[0]
+    if check_routing:
+        assert_routing_async(routing_error_code(expert_index_TK, affinity_TK, E))
+    plan = plan_routing(expert_index_TK, affinity_TK.detach(), E, validate=False)
+    layout = grouped_layout(plan, E)
+    x_rows_S = layout.gather_rows(hidden_states_TH.to(torch.bfloat16))
+    y_TH, act_R2I = moe_forward_torch(
+        hidden_states_TH, w_gate_up_EH2I, w_down_EIH, plan,
+        b_gate_up_E2I=b_gate_up_E2I, b_down_EH=b_down_EH, clamp_limits=clamp_limits,
+        compute_dtype=torch.bfloat16, activation=activation, layout=layout, x_rows_S=x_rows_S,
+    )
+    return LayerForward(y_TH.to(hidden_states_TH.dtype), act_R2I, x_rows_S, plan, layout)
 
 
 def moe_forward_checkpoint_torch(

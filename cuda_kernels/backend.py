@@ -1,7 +1,7 @@
 """Dispatcher plugin: registers the ``cuda-sm90`` and ``cuda-sm100`` backends with ``common.dispatch``.
 
-Each backend runs the fused GPU backward (``cuda_kernels.moe_backward.moe_backward_fused``:
-grouped GEMMs, Triton kernels for everything between them, and this package's grouped wgrad kernel
+Each backend runs the fused GPU forward of the layer (``cuda_kernels.moe_forward``) and the fused
+GPU backward (``cuda_kernels.moe_backward.moe_backward_fused``: grouped GEMMs, Triton kernels for everything between them, and this package's grouped wgrad kernel
 through the public API ``cuda_kernels.grouped_wgrad.api``). ``check()`` says what is missing:
 CUDA, the right compute capability, Triton, the CuTe DSL package, or (SM100) the kernel itself.
 
@@ -94,6 +94,13 @@ def make_grouped_wgrad(arch: str, stats: dict | None = None, group_align: int = 
     )
 
 
+def _forward_fused(*args, **kwargs):
+    """The fused layer forward (``cuda_kernels.moe_forward.moe_forward_fused``)."""
+    from .moe_forward import moe_forward_fused  # imports triton: only when run
+
+    return moe_forward_fused(*args, **kwargs)
+
+
 def _run_fused(problem: MoEBackwardProblem, **options) -> MoEGrads:
     """The fused backward; ``options`` are :func:`moe_backward_fused`'s keywords."""
     from .moe_backward import moe_backward_fused  # imports triton: only when run
@@ -109,6 +116,7 @@ register_backend(
         check=check_cuda_sm90,
         run=_run_fused,
         grouped_wgrad=make_grouped_wgrad("sm90"),
+        forward=_forward_fused,
     )
 )
 register_backend(
@@ -119,5 +127,6 @@ register_backend(
         check=check_cuda_sm100,
         run=_run_fused,
         grouped_wgrad=make_grouped_wgrad("sm100"),
+        forward=_forward_fused,
     )
 )

@@ -372,6 +372,10 @@ def test_bad_options_and_module_args():
         MoEExpertsOptions(activation="gpt_oss")
     with pytest.raises(ValueError, match="validate_routing"):
         MoEExpertsOptions(validate_routing=1)
+    with pytest.raises(ValueError, match="validate_routing"):
+        MoEExpertsOptions(validate_routing="always")
+    assert MoEExpertsOptions(validate_routing=True).validate_routing == "host"
+    assert MoEExpertsOptions(validate_routing=False).validate_routing == "off"
     with pytest.raises(ValueError, match="backend"):
         MoEExpertsOptions(backend="")
     with pytest.raises(ValueError, match="num_experts"):
@@ -391,7 +395,7 @@ def test_bad_options_and_module_args():
 
 def test_backend_options_reach_the_backend(monkeypatch):
     """``backend_options`` go to the backend's run in backward, as keyword arguments."""
-    import common.layer as layer_mod
+    import common.layer_ops as layer_mod
     from common import dispatch
 
     d = _leaves(12, bias=False)

@@ -30,13 +30,13 @@ from common.torch_backward import ALIGN, _fits_grouped_mm, grouped_layout, group
 from ..grouped_wgrad import api
 from . import kernels
 
-__all__ = ["GRAD_DTYPES", "moe_backward_fused"]
+__all__ = ["GRAD_DTYPES", "moe_backward_fused", "rows_times_experts"]
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
 """Dtypes the fused backward writes its gradients in (dA is always fp32)."""
 
 
-def _rows_times_experts(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
+def rows_times_experts(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
     """``x_SK[s] @ w_EKN[e(s)]``: BF16 out of ``torch._grouped_mm`` on CUDA where its stride
     rules allow (no fp32 copy), the portable path elsewhere."""
     if x_SK.is_cuda and _fits_grouped_mm(x_SK.dtype, x_SK.device, *w_EKN.shape[1:]):
@@ -228,7 +228,7 @@ def moe_backward_fused(
         x_S = x_rows_S
     dy_S = kernels.gather_rows(dy_TH, layout.row_to_token_S, bf16)
     w_down_EHI = p.w_down_EIH.to(bf16).transpose(1, 2)
-    dh_raw = _rows_times_experts(dy_S, w_down_EHI, offs)
+    dh_raw = rows_times_experts(dy_S, w_down_EHI, offs)
     dgu_S, ah_S, dA_TE = kernels.activation_backward(
         dh_raw, p.act_checkpoint_R2I, r2p, plan,
         activation=p.activation, clamp_limits=p.clamp_limits or ClampLimits(),
@@ -247,7 +247,7 @@ def moe_backward_fused(
     )
     del ah_S, dy_S
     w_gu_E2IH = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I).transpose(1, 2)
-    dX_S = _rows_times_experts(dgu_S, w_gu_E2IH, offs)
+    dX_S = rows_times_experts(dgu_S, w_gu_E2IH, offs)
     dX = kernels.token_sum(dX_S, layout.slot_to_row_TK, grad_dtype)
     del dX_S
     dWgu = _wgrad(

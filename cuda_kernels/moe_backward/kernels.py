@@ -245,7 +245,9 @@ def activation_backward(
 # ------------------------------------------------------------------------------- token sum
 def _token_sum_kernel(
     rows_ptr, stride_rows, slot_rows_ptr, out_ptr, stride_out, T, H,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, RNE_BF16: tl.constexpr,
+    r2p_ptr, pair_expert_ptr, pair_alpha_ptr, bias_ptr, stride_bias,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -257,7 +259,16 @@ def _token_sum_kernel(
         r = tl.load(slot_rows_ptr + toks64 * K + k, mask=in_t, other=-1).to(tl.int64)
         m = (r >= 0)[:, None] & in_h[None, :]
         v = tl.load(rows_ptr + r[:, None] * stride_rows + cols[None, :], mask=m, other=0.0)
-        acc += tl.where(m, v.to(tl.float32), 0.0)
+        v = v.to(tl.float32)
+        if HAS_BIAS:  # + a * bias[e] of the row's pair (the forward's down bias)
+            p = tl.load(r2p_ptr + r, mask=r >= 0, other=-1).to(tl.int64)
+            ok = p >= 0
+            p = tl.where(ok, p, 0)
+            a = tl.load(pair_alpha_ptr + p, mask=ok, other=0.0).to(tl.float32)
+            e = tl.load(pair_expert_ptr + p, mask=ok, other=0).to(tl.int64)
+            b = tl.load(bias_ptr + e[:, None] * stride_bias + cols[None, :], mask=m, other=0.0)
+            v = v + a[:, None] * b.to(tl.float32)
+        acc += tl.where(m, v, 0.0)
     dst = out_ptr + toks64[:, None] * stride_out + cols[None, :]
     acc = cast(acc, out_ptr.dtype.element_ty, RNE_BF16)
     tl.store(dst, acc, mask=in_t[:, None] & in_h[None, :])
@@ -267,17 +278,29 @@ _TOKEN_SUM = TritonKernel(_token_sum_kernel)
 
 
 def token_sum(
-    rows_SH: torch.Tensor, slot_rows_TK: torch.Tensor, dtype: torch.dtype = torch.float32
+    rows_SH: torch.Tensor,
+    slot_rows_TK: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    *,
+    bias_EH: torch.Tensor | None = None,
+    row_to_pair_S: torch.Tensor | None = None,
+    plan=None,
 ) -> torch.Tensor:
-    """``out[t] = sum_k rows_SH[slot_rows_TK[t, k]]`` over ``slot_rows_TK[t, k] >= 0``.
+    """``out[t] = sum_k rows_SH[slot_rows_TK[t, k]]`` over ``slot_rows_TK[t, k] >= 0``; with
+    ``bias_EH`` each row adds ``a_p * bias_EH[e_p]`` of its pair p (the forward's affinity-scaled
+    down bias).
 
     Args:
         rows_SH: [S, H] float, unit stride along H.
         slot_rows_TK: [T, K] int64 contiguous, the grouped row of each router slot; -1 for
             dropped slots and for all but one slot of a merged duplicate pair.
         dtype: output dtype; the sum runs in fp32, in slot order (bitwise deterministic).
+        bias_EH: optional [E, H] float bias; needs ``row_to_pair_S`` ([S] int64, -1 on padding
+            rows) and ``plan`` (its ``pair_expert_R`` and ``pair_affinity_R``).
     Returns:
         [T, H] ``dtype``.
+    Raises:
+        ValueError: ``bias_EH`` without ``row_to_pair_S`` and ``plan``.
     """
     T, K = slot_rows_TK.shape
     H = rows_SH.shape[1]
@@ -286,11 +309,21 @@ def token_sum(
         return out
     if rows_SH.shape[0] == 0:
         return out.zero_()
+    has_bias = bias_EH is not None
+    if has_bias:
+        if row_to_pair_S is None or plan is None:
+            raise ValueError("token_sum: bias_EH needs row_to_pair_S and plan")
+        bias = bias_EH if bias_EH.stride(1) == 1 else bias_EH.contiguous()
+        r2p, p_e, p_a = row_to_pair_S, plan.pair_expert_R, plan.pair_affinity_R
+    else:
+        bias, r2p, p_e, p_a = rows_SH, slot_rows_TK, slot_rows_TK, rows_SH  # unused stand-ins
     BLOCK_T, BLOCK_H = 8, min(256, triton.next_power_of_2(H))
     _TOKEN_SUM.launch(
         rows_SH.device, (triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H)),
         rows_SH, rows_SH.stride(0), slot_rows_TK.contiguous(), out, out.stride(0), T, H,
-        K=K, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, RNE_BF16=rne_bf16(dtype), num_warps=4,
+        r2p, p_e, p_a, bias, bias.stride(0),
+        K=K, HAS_BIAS=has_bias, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, RNE_BF16=rne_bf16(dtype),
+        num_warps=4,
     )
     return out
 

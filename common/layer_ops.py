@@ -1,0 +1,305 @@
+"""The MoE layer's forward and backward: one implementation, two autograd entries.
+
+* :func:`layer_forward` / :func:`layer_backward` -- what one call of the layer does: resolve the
+  backend (:mod:`common.dispatch`), validate the routing (``validate_routing``: ``"device"``,
+  ``"host"`` or ``"off"``), run the backend's ``forward`` (the fused GPU forward on
+  ``cuda-sm90`` / ``cuda-sm100``; :func:`common.torch_backward.moe_layer_forward_torch`
+  elsewhere) and, in backward, its ``run``.
+* ``torch.ops.moe_bwd.experts_forward`` / ``experts_backward`` -- the same as ``torch.library``
+  custom ops with fake (meta) implementations and a registered autograd formula: the entry
+  :func:`moe_experts_op` that :class:`common.layer.MoEExperts` uses, so a module holding the
+  layer compiles with ``torch.compile(fullgraph=True)`` without graph breaks, and a new routing
+  (same T, K, E) does not recompile: every output shape is static given T, K, E.
+  :class:`common.layer.MoEExpertsFunction` (``torch.autograd.Function``) remains for what an
+  opaque op cannot carry (Megatron ``main_grad`` accumulation).
+
+Options reach the ops as an interned integer key (:func:`options_key`); the options object itself
+is frozen and hashable, so equal options share a key and a compiled graph holds a constant.
+
+Routing validation (``MoEExpertsOptions.validate_routing``):
+
+* ``"device"`` (default): no host read. CPU tensors are checked on the host (ValueError naming
+  the argument, free there). On a GPU the check is queued on the device
+  (:func:`common.routing.assert_routing_async`); bad ids or affinities surface at the latest at
+  the next synchronisation as a device-side assert (RuntimeError; the CUDA context is unusable
+  afterwards, so no gradient of that call is ever used). Passes
+  ``torch.cuda.set_sync_debug_mode("error")`` and CUDA-graph capture.
+* ``"host"``: reads ids and affinities on the host before any work (one synchronisation) and
+  raises ValueError naming the argument and the rule.
+* ``"off"``: no check (bad ids then give undefined layouts; memory-safe kernels only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from common.dispatch import resolve_backend
+from common.problem import MoEBackwardProblem
+from common.routing import GroupedLayout, RoutingPlan
+from common.torch_backward import ALIGN, LayerForward, moe_layer_forward_torch
+
+__all__ = [
+    "CUDA_BACKENDS",
+    "check_routing_on_host",
+    "layer_backward",
+    "layer_forward",
+    "moe_experts_op",
+    "options_key",
+]
+
+CUDA_BACKENDS = ("cuda-sm90", "cuda-sm100")
+"""Backends whose ``run`` takes ``grad_dtype``, ``accumulate_into``, ``layout`` and
+``x_rows_S`` (the fused backward)."""
+_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+"""Gradient dtypes the fused CUDA backward writes directly; others are written fp32 and cast."""
+
+# ------------------------------------------------------------------------------------- options
+_OPTIONS: list = []
+_OPTION_KEYS: dict = {}
+
+
+def options_key(options) -> int:
+    """The interned integer key of a hashable options object (equal options, equal key)."""
+    key = _OPTION_KEYS.get(options)
+    if key is None:
+        key = _OPTION_KEYS[options] = len(_OPTIONS)
+        _OPTIONS.append(options)
+    return key
+
+
+# ----------------------------------------------------------------------------------- checks
+def check_routing_on_host(expert_index_TK: torch.Tensor, affinity_TK: torch.Tensor, E: int) -> None:
+    """Expert ids in [-1, E), finite and non-negative routed affinities (one host read on a
+    device). Raises ValueError naming the argument and the rule."""
+    if expert_index_TK.numel() == 0:
+        return
+    ids = expert_index_TK.to(torch.int64)
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < -1 or hi >= E:
+        raise ValueError(
+            f"expert_index_TK values must lie in [-1, num_experts={E}) (-1 = dropped slot), "
+            f"found range [{lo}, {hi}]"
+        )
+    routed = affinity_TK.detach()[ids >= 0]
+    if not bool(torch.isfinite(routed).all()):
+        raise ValueError("affinity_TK must be finite on routed slots (found NaN or inf)")
+    if bool((routed < 0).any()):
+        raise ValueError("affinity_TK must be >= 0 on routed slots (found a negative affinity)")
+
+
+def _check_backend_shape(backend, T: int, H: int, I: int, E: int, K: int, activation) -> None:
+    """The backend's ``check_shape`` on this problem, before any work (ValueError naming the
+    backend, the dimensions and the rule)."""
+    check = getattr(backend, "check_shape", None)
+    if check is None:
+        return
+    why = check({"T": T, "H": H, "I": I, "E": E, "K": K, "activation": activation.name})
+    if why is not None:
+        raise ValueError(
+            f"backend {backend.name!r} cannot run this layer (H={H}, I={I}, activation "
+            f"{activation.name!r}): {why}"
+        )
+
+
+# -------------------------------------------------------------------------- forward, backward
+def layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
+    """One forward of the layer: ``(LayerForward, backend)``; ``x_rows_S`` is kept only for
+    the fused CUDA backward (else None). Raises as :class:`common.layer.MoEExpertsFunction`."""
+    E, H = w_gate_up.shape[0], x.shape[1]
+    backend = resolve_backend(options.backend, x.device)
+    T, K = expert_index.shape
+    _check_backend_shape(backend, T, H, w_down.shape[1], E, K, options.activation)
+    mode = options.validate_routing
+    on_host = mode == "host" or (mode == "device" and x.device.type == "cpu")
+    if on_host:
+        check_routing_on_host(expert_index, affinity, E)
+    forward = getattr(backend, "forward", None) or moe_layer_forward_torch
+    out = forward(
+        x, affinity.detach(), expert_index, w_gate_up, w_down, b_gate_up, b_down,
+        clamp_limits=options.clamp_limits, activation=options.activation,
+        check_routing=mode == "device" and not on_host,
+    )
+    if backend.name not in CUDA_BACKENDS and out.x_rows_S is not None:
+        out = LayerForward(out.y_TH, out.act_R2I, None, out.plan, out.layout)
+    return out, backend
+
+
+def layer_backward(
+    grad_y, x, w_gate_up, w_down, b_gate_up, b_down, act, x_rows, plan, layout, options, backend,
+    main_grad=None,
+):
+    """One backward: ``(MoEGrads, accumulated)``; ``accumulated`` says the weight gradients
+    were added into ``main_grad`` (a pair of fp32 buffers) inside the wgrad kernel."""
+    problem = MoEBackwardProblem(
+        hidden_states_TH=x,
+        output_grad_TH=grad_y.contiguous(),
+        w_gate_up_EH2I=w_gate_up,
+        w_down_EIH=w_down,
+        plan=plan,
+        act_checkpoint_R2I=act,
+        b_gate_up_E2I=b_gate_up,
+        b_down_EH=b_down,
+        clamp_limits=options.clamp_limits,
+        activation=options.activation,
+    )
+    run_opts: dict[str, Any] = dict(options.backend_options)
+    accumulated = False
+    if backend.name in CUDA_BACKENDS:
+        same = w_gate_up.dtype == w_down.dtype and w_gate_up.dtype in _GRAD_DTYPES
+        run_opts.setdefault("grad_dtype", w_gate_up.dtype if same else torch.float32)
+        run_opts.update(layout=layout, x_rows_S=x_rows)
+        if main_grad is not None and all(
+            m.dtype == torch.float32 and m.is_contiguous() for m in main_grad
+        ):
+            run_opts["accumulate_into"] = main_grad
+            accumulated = True
+    return backend.run(problem, **run_opts), accumulated
+
+
+def refuse_grad_mode(name: str) -> None:
+    """RuntimeError when a backward runs with grad mode on (create_graph=True)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name} is first-order only: its backward cannot be differentiated "
+            "(create_graph=True, double backward, Hessians); compute those through a "
+            "differentiable forward instead"
+        )
+
+
+# --------------------------------------------------------------------------------- custom ops
+_PLAN = ("pair_token_R", "pair_expert_R", "pair_affinity_R", "slot_to_pair_TK",
+         "tokens_per_expert_E", "num_pairs")
+_LAYOUT = ("offsets_E", "row_to_token_S", "row_to_pair_S", "slot_to_row_TK")
+
+
+def _rows(R: int, E: int):
+    """S, the grouped layout's static row count (:func:`common.torch_backward.grouped_layout`)."""
+    return (R + E * (ALIGN - 1) + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _flat_routing(plan, layout) -> list[torch.Tensor]:
+    return [getattr(plan, f) for f in _PLAN] + [getattr(layout, f) for f in _LAYOUT]
+
+
+def _routing_from_flat(tensors, T: int, E: int, K: int):
+    p, lay = tensors[: len(_PLAN)], tensors[len(_PLAN):]
+    plan = RoutingPlan(T, E, K, **dict(zip(_PLAN, p)))
+    S = lay[1].shape[0]
+    layout = GroupedLayout(**dict(zip(_LAYOUT, lay)), tokens_sum=S, align=ALIGN, num_tokens=T,
+                           num_pair_rows=T * K)
+    return plan, layout
+
+
+@torch.library.custom_op("moe_bwd::experts_forward", mutates_args=())
+def _experts_forward(
+    x: torch.Tensor, affinity: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None, expert_index: torch.Tensor,
+    options: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """``(y, act, x_rows, *plan, *layout)``: :func:`layer_forward` with flat outputs (x_rows is
+    [0, H] when the backend does not keep it)."""
+    out, _ = layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index,
+                           _OPTIONS[options])
+    S = _rows(expert_index.numel(), w_gate_up.shape[0])
+    if out.layout.tokens_sum != S:
+        raise RuntimeError(f"the backend's forward built {out.layout.tokens_sum} rows, not {S}")
+    rows = out.x_rows_S if out.x_rows_S is not None else x.new_empty(0, x.shape[1],
+                                                                      dtype=torch.bfloat16)
+    return (out.y_TH, out.act_R2I, rows, *_flat_routing(out.plan, out.layout))
+
+
+def _keeps_rows(options, device) -> bool:
+    return resolve_backend(options.backend, device).name in CUDA_BACKENDS
+
+
+@_experts_forward.register_fake
+def _(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
+    T, H = x.shape
+    K = expert_index.shape[1]
+    E, I = w_gate_up.shape[0], w_gate_up.shape[3]
+    R = T * K
+    S = _rows(R, E)
+    i64, bf16 = torch.int64, torch.bfloat16
+    rows = S if _keeps_rows(_OPTIONS[options], x.device) else 0
+    return (
+        x.new_empty(T, H), x.new_empty(R, 2, I, dtype=bf16), x.new_empty(rows, H, dtype=bf16),
+        x.new_empty(R, dtype=i64), x.new_empty(R, dtype=i64),
+        x.new_empty(R, dtype=affinity.dtype), x.new_empty(T, K, dtype=i64),
+        x.new_empty(E, dtype=i64), x.new_empty((), dtype=i64),
+        x.new_empty(E, dtype=torch.int32), x.new_empty(S, dtype=i64), x.new_empty(S, dtype=i64),
+        x.new_empty(T, K, dtype=i64),
+    )
+
+
+@torch.library.custom_op("moe_bwd::experts_backward", mutates_args=())
+def _experts_backward(
+    grad_y: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None, act: torch.Tensor,
+    x_rows: torch.Tensor, routing: list[torch.Tensor], top_k: int, options: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, d_affinity [T, K], dW_gate_up, dW_down, dB_gate_up, dB_down)`` in the inputs'
+    dtypes, contiguous (bias gradients of absent biases are empty [0] tensors)."""
+    opts = _OPTIONS[options]
+    T, E = x.shape[0], w_gate_up.shape[0]
+    plan, layout = _routing_from_flat(routing, T, E, top_k)
+    backend = resolve_backend(opts.backend, x.device)
+    grads, _ = layer_backward(
+        grad_y, x, w_gate_up, w_down, b_gate_up, b_down, act,
+        x_rows if x_rows.shape[0] else None, plan, layout, opts, backend,
+    )
+    aff_dtype = plan.pair_affinity_R.dtype
+
+    def bias(g, b):
+        return g.to(b.dtype).contiguous() if b is not None else x.new_empty(0)
+
+    return (
+        grads.hidden_states_grad_TH.to(x.dtype).contiguous(),
+        plan.slot_affinity_grad(grads.affinity_grad_TE).to(aff_dtype).contiguous(),
+        grads.w_gate_up_grad_EH2I.to(w_gate_up.dtype).contiguous(),
+        grads.w_down_grad_EIH.to(w_down.dtype).contiguous(),
+        bias(grads.b_gate_up_grad_E2I, b_gate_up),
+        bias(grads.b_down_grad_EH, b_down),
+    )
+
+
+@_experts_backward.register_fake
+def _(grad_y, x, w_gate_up, w_down, b_gate_up, b_down, act, x_rows, routing, top_k, options):
+    def like(t):
+        return x.new_empty(t.shape, dtype=t.dtype) if t is not None else x.new_empty(0)
+
+    T = x.shape[0]
+    return (like(x), x.new_empty(T, top_k, dtype=routing[2].dtype), like(w_gate_up),
+            like(w_down), like(b_gate_up), like(b_down))
+
+
+def _setup_context(ctx, inputs, output):
+    x, _aff, w_gate_up, w_down, b_gate_up, b_down, expert_index, options = inputs
+    _y, act, rows, *routing = output
+    ctx.has_bias = (b_gate_up is not None, b_down is not None)
+    ctx.top_k, ctx.options = expert_index.shape[1], options
+    ctx.save_for_backward(x, w_gate_up, w_down, b_gate_up, b_down, act, rows, *routing)
+    ctx.mark_non_differentiable(act, rows, *routing)
+
+
+def _backward(ctx, grad_y, *_unused):
+    refuse_grad_mode("MoEExperts")
+    x, wgu, wd, bgu, bd, act, rows, *routing = ctx.saved_tensors
+    dx, da, dwgu, dwd, dbgu, dbd = _experts_backward(
+        grad_y, x, wgu, wd, bgu, bd, act, rows, list(routing), ctx.top_k, ctx.options
+    )
+    has_bgu, has_bd = ctx.has_bias
+    return dx, da, dwgu, dwd, dbgu if has_bgu else None, dbd if has_bd else None, None, None
+
+
+_experts_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def moe_experts_op(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
+    """y [T, H]: the layer through ``torch.ops.moe_bwd.experts_forward`` (inputs already
+    checked by :func:`common.layer._check_inputs`; ``options`` hashable)."""
+    return _experts_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index,
+                            options_key(options))[0]

@@ -1,0 +1,93 @@
+"""The fused GPU MoE expert-MLP forward of the layer: two grouped GEMMs with one pass between them.
+
+Per call (rows in the grouped layout of the plan, REFERENCE §1.2; math REFERENCE §2)::
+
+    plan, layout, err = build_routing(expert_index, affinity)   # Triton, no host read
+    x_S      = gather_rows(X)                                   # BF16 (Triton)
+    gu_S     = x_S @ W_gate_up[e]                               # grouped GEMM, BF16 out (cuBLAS)
+    act, ah  = activation_forward(gu_S, b_gate_up, clamp, ...)  # one pass (Triton): checkpoint
+                                                                # [R, 2, I] + a*h rows, BF16
+    out_S    = ah @ W_down[e]                                   # grouped GEMM, BF16 out (cuBLAS)
+    y        = token_sum(out_S (+ a * b_down[e]))               # each token sums its rows (Triton)
+
+No fp32 intermediate goes through HBM, no atomics (bitwise deterministic), no host read of device
+values (CUDA-graph capturable). The backward (:mod:`cuda_kernels.moe_backward`) reuses the plan,
+the layout, the checkpoint and ``x_S``. On CPU tensors under ``TRITON_INTERPRET=1`` the Triton
+kernels run interpreted and the GEMMs in torch: how CPU CI tests this path against its twin,
+:func:`common.torch_backward.moe_layer_forward_torch`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.problem import Activation, ClampLimits
+from common.routing import assert_routing_async, plan_routing, routing_error_code
+from common.torch_backward import LayerForward, grouped_layout
+
+from ..moe_backward.fused import rows_times_experts
+from ..moe_backward.kernels import gather_rows, token_sum
+from .kernels import activation_forward
+
+__all__ = ["moe_forward_fused"]
+
+
+def _routing(expert_index_TK, affinity_TK, E, check_routing):
+    plan = plan_routing(expert_index_TK, affinity_TK, E, validate=False)
+    layout = grouped_layout(plan, E)
+    if check_routing:
+        assert_routing_async(routing_error_code(expert_index_TK, affinity_TK, E))
+    return plan, layout
+
+
+def moe_forward_fused(
+    hidden_states_TH: torch.Tensor,
+    affinity_TK: torch.Tensor,
+    expert_index_TK: torch.Tensor,
+    w_gate_up_EH2I: torch.Tensor,
+    w_down_EIH: torch.Tensor,
+    b_gate_up_E2I: torch.Tensor | None = None,
+    b_down_EH: torch.Tensor | None = None,
+    *,
+    clamp_limits: ClampLimits | None = None,
+    activation: Activation | None = None,
+    check_routing: bool = False,
+) -> LayerForward:
+    """The layer's forward, fused: BF16 GEMM operands, fp32 accumulation, BF16 in HBM.
+
+    Dimensions: T tokens, H hidden, I intermediate, E experts, K top_k, R = T*K, S grouped rows.
+
+    Args:
+        hidden_states_TH: [T, H] float (BF16 in training), unit stride along H.
+        affinity_TK: [T, K] float router weights (values of dropped slots ignored).
+        expert_index_TK: [T, K] integer expert ids, -1 = dropped slot.
+        w_gate_up_EH2I: [E, H, 2, I].  w_down_EIH: [E, I, H].  Any float dtype (BF16 operands).
+        b_gate_up_E2I: optional [E, 2, I].  b_down_EH: optional [E, H].
+        clamp_limits, activation: as :func:`common.torch_backward.moe_forward_torch`.
+        check_routing: queue the device-side routing check (bad ids or affinities surface at
+            the next synchronisation; :func:`common.routing.assert_routing_async`).
+    Returns:
+        :class:`~common.torch_backward.LayerForward`: y [T, H] in the input's dtype, the BF16
+        checkpoint [R, 2, I], the BF16 X rows [S, H], the plan and the layout.
+    Raises:
+        RuntimeError: CPU tensors without the Triton interpreter.
+    """
+    act_fn = Activation.resolve(activation)
+    E, H, _, I = w_gate_up_EH2I.shape
+    bf16 = torch.bfloat16
+    plan, layout = _routing(expert_index_TK, affinity_TK.detach(), E, check_routing)
+    offs = layout.offsets_E
+    x_S = gather_rows(hidden_states_TH, layout.row_to_token_S, bf16)
+    gu_S = rows_times_experts(x_S, w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I), offs)
+    act_R2I, ah_S = activation_forward(
+        gu_S, layout.row_to_pair_S, plan, activation=act_fn,
+        clamp_limits=clamp_limits or ClampLimits(), b_gate_up_E2I=b_gate_up_E2I,
+    )
+    del gu_S
+    out_S = rows_times_experts(ah_S, w_down_EIH.to(bf16), offs)
+    del ah_S
+    y_TH = token_sum(
+        out_S, layout.slot_to_row_TK, hidden_states_TH.dtype,
+        bias_EH=b_down_EH, row_to_pair_S=layout.row_to_pair_S, plan=plan,
+    )
+    return LayerForward(y_TH, act_R2I, x_S, plan, layout)

@@ -3,7 +3,9 @@
 ``build_autograd_baseline(problem, with_perm)`` returns the timed callable and a converter of its
 result into the gradients of :class:`~common.problem.MoEGrads` (for ``--check``). The forward is
 run once when the baseline is built (never timed); the timed call is
-``torch.autograd.grad(y, leaves, dY, retain_graph=True)``.
+``torch.autograd.grad(y, leaves, dY, retain_graph=True)``. ``build_autograd_recipe`` is the same
+recipe with its forward as a callable (``benchmarks/bench_moe_layer.py`` times it too);
+``build_sonicmoe_step`` likewise for SonicMoE.
 
 * ``with_perm=False`` (torchtitan-style experts): leaves ``x_S`` [S, H] bf16 (rows already in
   expert order, zero padding rows), ``w_gu`` [E, H, 2I] bf16, ``w_down`` [E, I, H] bf16,
@@ -23,13 +25,20 @@ or missing there); the segment bounds are read on the host once, at build time.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
 from common.problem import ClampLimits, MoEBackwardProblem
 from common.torch_backward import grouped_layout
 
-__all__ = ["build_autograd_baseline"]
+__all__ = [
+    "AutogradRecipe", "build_autograd_baseline", "build_autograd_recipe", "build_sonicmoe",
+    "build_sonicmoe_step",
+]
 
 
 def _gmm(x_SK: torch.Tensor, w_EKN: torch.Tensor, offs: torch.Tensor, segs) -> torch.Tensor:
@@ -54,9 +63,39 @@ def _leaf(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Ten
     return t.detach().to(dtype or t.dtype).requires_grad_()
 
 
+@dataclass
+class AutogradRecipe:
+    """The torchtitan-style recipe of one problem, its forward not yet run.
+
+    ``forward()`` builds the autograd graph (grad mode on) and returns ``y`` ([T, H] with the
+    permutation, else the [S, H] rows); ``leaves`` are the tensors its gradients are taken for
+    (x, w_gu, w_down, alpha[, b_gu, b_down]); ``dY`` the output gradient in ``y``'s layout;
+    ``to_grads(grads)`` maps gradients in ``leaves`` order to ``MoEGrads.named()``'s names and
+    ``to_y(y)`` maps ``y`` to the [T, H] token output."""
+
+    forward: Callable[[], torch.Tensor]
+    leaves: list
+    dY: torch.Tensor
+    to_grads: Callable
+    to_y: Callable[[torch.Tensor], torch.Tensor]
+
+
 def build_autograd_baseline(p: MoEBackwardProblem, with_perm: bool):
     """``(fn, to_grads)``: ``fn()`` runs the timed backward, ``to_grads(fn())`` maps its result
     to ``{"dX [T,H]": ..., "dA [T,E]": ..., ...}`` (the names of ``MoEGrads.named()``)."""
+    r = build_autograd_recipe(p, with_perm)
+    y = r.forward()  # once, at build time (never timed)
+
+    def fn():
+        return torch.autograd.grad(y, r.leaves, r.dY, retain_graph=True)
+
+    return fn, r.to_grads
+
+
+def build_autograd_recipe(p: MoEBackwardProblem, with_perm: bool) -> AutogradRecipe:
+    """The recipe of :func:`build_autograd_baseline` (module docstring) with its forward as a
+    callable: each ``forward()`` call runs the token gather (``with_perm``), both grouped GEMMs,
+    the activation and the scatter back, recording autograd."""
     plan = p.plan
     dev = p.hidden_states_TH.device
     T, H = p.hidden_states_TH.shape
@@ -78,15 +117,19 @@ def build_autograd_baseline(p: MoEBackwardProblem, with_perm: bool):
     if with_perm:
         x = _leaf(p.hidden_states_TH, bf)
         alpha = _leaf(plan.pair_affinity_R, torch.float32)
-        x_S = torch.cat([x, x.new_zeros(1, H)]).index_select(0, tok_S)
-        alpha_S = torch.cat([alpha, alpha.new_zeros(1)]).index_select(0, pair_S)
         dY = p.output_grad_TH.to(bf)
     else:
-        x = x_S = _leaf(layout.gather_rows(p.hidden_states_TH.to(bf)))
-        alpha = alpha_S = _leaf(layout.gather_pairs(plan.pair_affinity_R), torch.float32)
+        x = _leaf(layout.gather_rows(p.hidden_states_TH.to(bf)))
+        alpha = _leaf(layout.gather_pairs(plan.pair_affinity_R), torch.float32)
         dY = layout.gather_rows(p.output_grad_TH.to(bf))  # pre-sorted, not timed
 
-    with torch.enable_grad():
+    @torch.enable_grad()
+    def forward() -> torch.Tensor:
+        if with_perm:
+            x_S = torch.cat([x, x.new_zeros(1, H)]).index_select(0, tok_S)
+            alpha_S = torch.cat([alpha, alpha.new_zeros(1)]).index_select(0, pair_S)
+        else:
+            x_S, alpha_S = x, alpha
         gu = _gmm(x_S, w_gu, offs, segs)
         if b_gu is not None:
             gu = gu + b_gu.reshape(E, 2 * I).index_select(0, row_expert)  # bwd: index_add
@@ -100,11 +143,12 @@ def build_autograd_baseline(p: MoEBackwardProblem, with_perm: bool):
         y_S = _gmm((h * alpha_S[:, None]).to(bf), w_d, offs, segs)
         if b_d is not None:
             y_S = y_S + (alpha_S[:, None] * b_d.float().index_select(0, row_expert)).to(bf)
-        y = y_S.new_zeros(T + 1, H).index_add(0, tok_S, y_S)[:T] if with_perm else y_S
+        return y_S.new_zeros(T + 1, H).index_add(0, tok_S, y_S)[:T] if with_perm else y_S
+
     leaves = [x, w_gu, w_d, alpha] + [b for b in (b_gu, b_d) if b is not None]
 
-    def fn():
-        return torch.autograd.grad(y, leaves, dY, retain_graph=True)
+    def to_y(y: torch.Tensor) -> torch.Tensor:
+        return y if with_perm else layout.scatter_add_rows(y)
 
     def to_grads(res) -> dict[str, torch.Tensor]:
         dx, dwgu, dwd, dalpha = (r.float() for r in res[:4])
@@ -127,10 +171,10 @@ def build_autograd_baseline(p: MoEBackwardProblem, with_perm: bool):
             out["dB_down [E,H]"] = next(rest).float()
         return out
 
-    return fn, to_grads
+    return AutogradRecipe(forward, leaves, dY, to_grads, to_y)
 
 
-def build_sonicmoe(problem: MoEBackwardProblem):
+def build_sonicmoe(problem: MoEBackwardProblem, tuned: bool | None = None):
     """SonicMoE's expert layer (``sonicmoe.moe_general_routing_inputs``, on quack's CuTe DSL
     grouped GEMMs) on the problem's inputs; the timed call is its backward through autograd.
 
@@ -140,7 +184,35 @@ def build_sonicmoe(problem: MoEBackwardProblem):
     Clamp limits, gpt-oss's activation and biases are not offered: such problems raise
     ``NotImplementedError`` (the row is then skipped, saying so). Routing must have no dropped
     slots. Returns ``(fn, None)``: SonicMoE's gradients are not mapped back for ``--check``.
+    ``tuned``: see :func:`build_sonicmoe_step` (None: SonicMoE as installed).
     """
+    forward, leaves, dy = build_sonicmoe_step(problem, tuned)
+    out = forward()  # once, at build time (never timed)
+    return (lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True)), None
+
+
+def _set_sonic_tuning(tuned: bool) -> None:
+    """SonicMoE calls quack's ``gemm`` / ``gemm_gated`` / ``gemm_dgated`` without ``tuned``, so
+    quack's default ``tuned=True`` (its autotuner: ~100 s of compiles per shape, and again per
+    token count) applies. ``tuned=False`` rebinds those names in SonicMoE's modules to
+    ``partial(..., tuned=False)`` (quack's default config per call); True restores quack's."""
+    import quack.gemm_interface as qg
+    import sonicmoe.functional as sf
+    from sonicmoe.functional import backward as sb, forward as sw
+
+    for mod in (sf, sw, sb):
+        for name in ("gemm", "gemm_gated", "gemm_dgated"):
+            if hasattr(mod, name):
+                orig = getattr(qg, name)
+                setattr(mod, name, orig if tuned else functools.partial(orig, tuned=False))
+
+
+def build_sonicmoe_step(problem: MoEBackwardProblem, tuned: bool | None = None):
+    """``(forward, leaves, dy)`` of SonicMoE's expert layer on the problem's inputs (layout and
+    restrictions of :func:`build_sonicmoe`): ``forward()`` runs its forward through autograd and
+    returns ``out`` [T, H]; ``leaves`` = x, scores, c_fc, c_proj. ``tuned``: None leaves SonicMoE
+    as installed (quack autotunes), False/True switches quack's autotuner off/on for SonicMoE's
+    GEMMs (:func:`_set_sonic_tuning`)."""
     import sonicmoe
     from sonicmoe.enums import ActivationType
 
@@ -163,11 +235,18 @@ def build_sonicmoe(problem: MoEBackwardProblem):
     c_proj.requires_grad_()
     x = p.hidden_states_TH.bfloat16().detach().requires_grad_()
     scores = score_TK.reshape(-1).detach().requires_grad_()
-    out, _ = sonicmoe.moe_general_routing_inputs(
-        x, scores, token_R, expert_TK.reshape(-1).to(torch.int32),
-        c_fc.permute(1, 2, 0), None, c_proj.permute(1, 2, 0), None, E,
-        torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU,
-    )
-    dy = p.output_grad_TH.to(out.dtype)
-    leaves = [x, scores, c_fc, c_proj]
-    return (lambda: torch.autograd.grad(out, leaves, dy, retain_graph=True)), None
+    if tuned is not None:
+        _set_sonic_tuning(tuned)
+    expert_R = expert_TK.reshape(-1).to(torch.int32)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    @torch.enable_grad()
+    def forward() -> torch.Tensor:
+        out, _ = sonicmoe.moe_general_routing_inputs(
+            x, scores, token_R, expert_R, c_fc.permute(1, 2, 0), None, c_proj.permute(1, 2, 0),
+            None, E, stream, ActivationType.SWIGLU,
+        )
+        return out
+
+    dy = p.output_grad_TH.to(x.dtype)
+    return forward, [x, scores, c_fc, c_proj], dy

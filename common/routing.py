@@ -605,14 +605,15 @@ def routing_error_code(
     ids = expert_index_TK.to(torch.int64)
     routed = (ids >= 0) & (ids < num_experts)
     aff = affinity_TK.detach()
-    bad = torch.stack([
+    bits = (
         ((ids < -1) | (ids >= num_experts)).any(),
         (routed & ~torch.isfinite(aff)).any(),
         (routed & (aff < 0)).any(),
-    ]).to(torch.int32)
-    return (bad * torch.tensor([1, 2, 4], dtype=torch.int32, device=bad.device)).sum(
-        dtype=torch.int32
     )
+    code = bits[0].to(torch.int32)
+    for (bit, _, _), flag in zip(ROUTING_ERRORS[1:], bits[1:]):
+        code = code | (flag.to(torch.int32) * bit)
+    return code
 
 
 def assert_routing_async(error_code: torch.Tensor) -> None:

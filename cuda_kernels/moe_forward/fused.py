@@ -22,22 +22,14 @@ from __future__ import annotations
 import torch
 
 from common.problem import Activation, ClampLimits
-from common.routing import assert_routing_async, plan_routing, routing_error_code
-from common.torch_backward import LayerForward, grouped_layout
+from common.torch_backward import ALIGN, LayerForward
 
 from ..moe_backward.fused import rows_times_experts
 from ..moe_backward.kernels import gather_rows, token_sum
 from .kernels import activation_forward
+from .routing import build_routing, check_routing_async
 
 __all__ = ["moe_forward_fused"]
-
-
-def _routing(expert_index_TK, affinity_TK, E, check_routing):
-    plan = plan_routing(expert_index_TK, affinity_TK, E, validate=False)
-    layout = grouped_layout(plan, E)
-    if check_routing:
-        assert_routing_async(routing_error_code(expert_index_TK, affinity_TK, E))
-    return plan, layout
 
 
 def moe_forward_fused(
@@ -65,7 +57,9 @@ def moe_forward_fused(
         b_gate_up_E2I: optional [E, 2, I].  b_down_EH: optional [E, H].
         clamp_limits, activation: as :func:`common.torch_backward.moe_forward_torch`.
         check_routing: queue the device-side routing check (bad ids or affinities surface at
-            the next synchronisation; :func:`common.routing.assert_routing_async`).
+            the next synchronisation as a device-side assert naming the argument;
+            :func:`.routing.check_routing_async`). Unchecked bad ids are treated as dropped
+            slots (memory-safe).
     Returns:
         :class:`~common.torch_backward.LayerForward`: y [T, H] in the input's dtype, the BF16
         checkpoint [R, 2, I], the BF16 X rows [S, H], the plan and the layout.
@@ -75,7 +69,9 @@ def moe_forward_fused(
     act_fn = Activation.resolve(activation)
     E, H, _, I = w_gate_up_EH2I.shape
     bf16 = torch.bfloat16
-    plan, layout = _routing(expert_index_TK, affinity_TK.detach(), E, check_routing)
+    plan, layout, error_code = build_routing(expert_index_TK, affinity_TK.detach(), E, align=ALIGN)
+    if check_routing:
+        check_routing_async(error_code)
     offs = layout.offsets_E
     x_S = gather_rows(hidden_states_TH, layout.row_to_token_S, bf16)
     gu_S = rows_times_experts(x_S, w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I), offs)

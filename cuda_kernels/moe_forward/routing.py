@@ -1,0 +1,478 @@
+"""The MoE layer's routing build on the GPU: router output -> RoutingPlan + GroupedLayout.
+
+:func:`build_routing` replaces ``plan_routing(expert_index, affinity, E, validate=False)``
+followed by ``plan.grouped(align, max_tokens_sum=S)`` (about 60 small torch ops, one of which
+sorts) with three launches and no host read of a device value:
+
+1. ``_count_kernel`` -- program ``b`` takes the ``BLOCK_S`` router slots ``[b*BLOCK_S,
+   (b+1)*BLOCK_S)`` of the flattened ``[T*K]`` slots (token-major, so slot order is token
+   order). A slot is *first* when its id lies in ``[0, E)`` and no earlier slot of the same token
+   names the same expert; the program counts its first slots per expert (one-hot compare and
+   sum, looping over expert chunks) into row ``b + 1`` of ``counts [nb + 1, E]`` (row 0 is
+   zero) and writes its input-error bits into ``err_B [nb]``.
+2. ``torch.cumsum(counts, 0)`` -- row ``b`` is then block ``b``'s exclusive prefix per expert,
+   row ``nb`` the per-expert totals.
+3. ``_place_kernel`` -- every program recomputes the per-expert exclusive scans of the totals
+   (pair starts, and row starts with each group rounded up to ``align``), ranks its first slots
+   among the block's first slots of the same expert (an inclusive cumsum along the slots of the
+   one-hot), and writes each pair (token, expert, affinity summed over the token's duplicate
+   slots in slot order), each grouped row, and the slot maps. It also writes its static share of
+   the padding entries (pairs past ``num_pairs``, each expert's alignment rows, the surplus rows
+   past the last group), so every output entry is written exactly once. Program 0 writes the
+   per-expert tables, ``num_pairs`` and the error code (the bitwise OR of ``err_B``).
+
+It is a counting sort by expert (tokens ascend within an expert), so the layout matches
+:func:`common.routing.plan_routing`'s stable sort bit for bit; no atomics, so every run is
+bitwise identical; shapes depend only on ``T, K, E`` (and ``align``, ``tokens_sum``), so it is
+CUDA-graph capturable.
+
+Bad input never raises on the host (that would need a host read): out-of-range ids are treated
+as dropped slots (never used as an index) and the problem is reported in a device error code,
+which :func:`check_routing_async` turns into a device-side assert that surfaces at the next
+synchronisation.
+
+Each kernel runs compiled on CUDA tensors and through Triton's interpreter on CPU tensors (the
+CPU tests run the same kernel source with ``TRITON_INTERPRET=1``). Importing this module needs
+``triton``; it does not query the GPU.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import triton
+import triton.language as tl
+
+from common.routing import GroupedLayout, RoutingPlan
+
+from ..triton_launch import TritonKernel, cast, interpreting, rne_bf16
+
+__all__ = [
+    "ERR_AFFINITY_NEGATIVE", "ERR_AFFINITY_NONFINITE", "ERR_EXPERT_ID", "ERR_TOKENS_SUM",
+    "ERROR_MESSAGES", "build_routing", "check_routing_async", "default_tokens_sum",
+]
+
+ERR_EXPERT_ID = 1
+"""Error bit 0: an expert id lies outside ``[-1, num_experts)`` (after widening to int64)."""
+ERR_AFFINITY_NONFINITE = 2
+"""Error bit 1: a routed slot (id in ``[0, num_experts)``) has a NaN or infinite affinity."""
+ERR_AFFINITY_NEGATIVE = 4
+"""Error bit 2: a routed slot has a negative affinity."""
+ERR_TOKENS_SUM = 8
+"""Error bit 3: a caller-chosen ``tokens_sum`` is below the rows the routing needs (rows past
+``tokens_sum`` are not written; their slots get row -1)."""
+
+ERROR_MESSAGES = {
+    ERR_EXPERT_ID: "expert_index_TK: an expert id lies outside [-1, num_experts)",
+    ERR_AFFINITY_NONFINITE: "affinity_TK: a routed slot's affinity is NaN or inf",
+    ERR_AFFINITY_NEGATIVE: "affinity_TK: a routed slot's affinity is negative",
+    ERR_TOKENS_SUM: "tokens_sum: the routing needs more grouped rows than tokens_sum",
+}
+"""The message of each error bit, as :func:`check_routing_async` asserts it."""
+
+_BLOCK_S = 256  # router slots per program
+_BLOCK_E = 32  # experts per chunk of the one-hot (E up to any size loops over chunks)
+_PAD_W = 16  # alignment rows written per step of the per-expert padding loop
+_BLOCK_ERR = 1024  # err_B entries per step of program 0's reduction
+
+
+def _alloc(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output buffer comes from here (``torch.empty``: each entry is written by a kernel;
+    the tests patch this to poison the buffers)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def default_tokens_sum(num_pair_rows: int, num_experts: int, align: int) -> int:
+    """The static row bound S: ``(R + E*(align-1) + align-1) // align * align``, at least the
+    rows any routing of R slots needs (``grouped_layout``'s bound for ``align = 16``)."""
+    R, E, A = num_pair_rows, num_experts, align
+    return (R + E * (A - 1) + A - 1) // A * A
+
+
+# ----------------------------------------------------------------------------- shared pieces
+@triton.jit
+def _load_slots(ids_ptr, aff_ptr, s_id0, s_id1, s_aff0, s_aff1, s, R, E, K: tl.constexpr):
+    """The slots ``s`` [BLOCK_S] (flattened t*K + k): token, widened id, affinity, in-range and
+    first flags. Ids outside [0, E) count as dropped."""
+    live = s < R
+    t = s // K
+    k = s - t * K
+    eid = tl.load(ids_ptr + t * s_id0 + k * s_id1, mask=live, other=0).to(tl.int64)
+    aff = tl.load(aff_ptr + t * s_aff0 + k * s_aff1, mask=live, other=0.0)
+    valid = live & (eid >= 0) & (eid < E)
+    return t, k, eid, aff, valid
+
+
+@triton.jit
+def _first_and_sum(
+    ids_ptr, aff_ptr, s_id0, s_id1, s_aff0, s_aff1, t, k, eid, valid,
+    K: tl.constexpr, COMPUTE: tl.constexpr, RNE_BF16: tl.constexpr,
+):
+    """``first``: no earlier slot of the token names the same expert. ``acc``: the sum, in slot
+    order and rounded to the affinity dtype after every add (as ``index_add_`` sums the
+    duplicates), of the token's slots naming the slot's expert."""
+    out_ty = aff_ptr.dtype.element_ty
+    earlier = tl.zeros(eid.shape, dtype=tl.int1)
+    acc = tl.zeros(eid.shape, dtype=out_ty)
+    for j in tl.static_range(K):
+        ej = tl.load(ids_ptr + t * s_id0 + j * s_id1, mask=valid, other=0).to(tl.int64)
+        aj = tl.load(aff_ptr + t * s_aff0 + j * s_aff1, mask=valid, other=0.0)
+        same = valid & (ej == eid)
+        earlier = earlier | (same & (j < k))
+        summed = cast(acc.to(COMPUTE) + aj.to(COMPUTE), out_ty, RNE_BF16)
+        acc = tl.where(same, summed, acc)
+    return valid & (~earlier), acc
+
+
+# ------------------------------------------------------------------------------ kernel A
+def _count_kernel(
+    ids_ptr, aff_ptr, s_id0, s_id1, s_aff0, s_aff1, counts_ptr, err_ptr, R, E,
+    K: tl.constexpr, COMPUTE: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Per-block expert counts of first slots and input-error bits.
+
+    counts_ptr: [nb + 1, E] int64, block b's counts go to row b + 1, program 0 zeroes row 0.
+    err_ptr: [nb] int32, bit 0 bad id, bit 1 non-finite routed affinity, bit 2 negative one.
+    """
+    b = tl.program_id(0)
+    s = b.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    t, k, eid, aff, valid = _load_slots(ids_ptr, aff_ptr, s_id0, s_id1, s_aff0, s_aff1, s, R, E, K)
+    first, _ = _first_and_sum(
+        ids_ptr, aff_ptr, s_id0, s_id1, s_aff0, s_aff1, t, k, eid, valid, K, COMPUTE, False
+    )
+
+    live = s < R
+    bad_id = live & ((eid < -1) | (eid >= E))
+    a = aff.to(COMPUTE)
+    nonfinite = valid & ((a != a) | (tl.abs(a) == float("inf")))
+    negative = valid & (a < 0)
+    err = (tl.max(bad_id.to(tl.int32), axis=0) * 1
+           | tl.max(nonfinite.to(tl.int32), axis=0) * 2
+           | tl.max(negative.to(tl.int32), axis=0) * 4)
+    tl.store(err_ptr + b, err)
+
+    row = counts_ptr + (b.to(tl.int64) + 1) * E
+    for e0 in range(0, E, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        hit = first[:, None] & (eid[:, None] == e[None, :])
+        cnt = tl.sum(hit.to(tl.int64), axis=0)
+        tl.store(row + e, cnt, mask=e < E)
+        if b == 0:
+            tl.store(counts_ptr + e, tl.zeros([BLOCK_E], dtype=tl.int64), mask=e < E)
+
+
+# ------------------------------------------------------------------------------ kernel B
+def _place_kernel(
+    ids_ptr, aff_ptr, s_id0, s_id1, s_aff0, s_aff1, prefix_ptr, err_ptr,
+    pair_token_ptr, pair_expert_ptr, pair_aff_ptr, slot_pair_ptr,
+    r2t_ptr, r2p_ptr, slot_row_ptr, tpe_ptr, offsets_ptr, num_pairs_ptr, code_ptr,
+    R, E, S, A, nb, rows_per_prog,
+    K: tl.constexpr, COMPUTE: tl.constexpr, RNE_BF16: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, PAD_W: tl.constexpr, BLOCK_ERR: tl.constexpr,
+):
+    """Place every pair and grouped row, write the slot maps, the padding and the tables.
+
+    prefix_ptr: [nb + 1, E] int64, row b = block b's exclusive per-expert prefix, row nb = the
+    per-expert totals (``torch.cumsum`` of kernel A's counts).
+    """
+    b = tl.program_id(0)
+    s = b.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    t, k, eid, aff, valid = _load_slots(ids_ptr, aff_ptr, s_id0, s_id1, s_aff0, s_aff1, s, R, E, K)
+    first, acc = _first_and_sum(
+        ids_ptr, aff_ptr, s_id0, s_id1, s_aff0, s_aff1, t, k, eid, valid, K, COMPUTE, RNE_BF16
+    )
+
+    rank = tl.zeros([BLOCK_S], dtype=tl.int64)  # 1 + first slots of the expert before, in block
+    pair_base = tl.zeros([BLOCK_S], dtype=tl.int64)
+    row_base = tl.zeros([BLOCK_S], dtype=tl.int64)
+    carry_p = tl.zeros([], dtype=tl.int64)  # pairs of the experts before the chunk
+    carry_r = tl.zeros([], dtype=tl.int64)  # rows of the experts before the chunk
+    totals = prefix_ptr + nb * E
+    mine = prefix_ptr + b.to(tl.int64) * E
+    for e0 in range(0, E, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        in_e = e < E
+        tot = tl.load(totals + e, mask=in_e, other=0)
+        rnd = (tot + A - 1) // A * A
+        p_start = carry_p + tl.cumsum(tot, axis=0) - tot
+        r_start = carry_r + tl.cumsum(rnd, axis=0) - rnd
+        pre = tl.load(mine + e, mask=in_e, other=0)
+
+        hit = valid[:, None] & (eid[:, None] == e[None, :])
+        cnt = tl.cumsum((hit & first[:, None]).to(tl.int64), axis=0)
+        rank += tl.sum(tl.where(hit, cnt, 0), axis=1)
+        pair_base += tl.sum(tl.where(hit, (p_start + pre)[None, :], 0), axis=1)
+        row_base += tl.sum(tl.where(hit, (r_start + pre)[None, :], 0), axis=1)
+
+        # this program's experts (e % nb == b): their alignment rows are padding
+        pad_e = in_e & (e % nb == b)
+        for j0 in range(0, A, PAD_W):
+            j = j0 + tl.arange(0, PAD_W)
+            pad_row = (r_start + tot)[:, None] + j[None, :]
+            m = pad_e[:, None] & (j[None, :] < (rnd - tot)[:, None]) & (pad_row < S)
+            tl.store(r2t_ptr + pad_row, tl.full(pad_row.shape, -1, tl.int64), mask=m)
+            tl.store(r2p_ptr + pad_row, tl.full(pad_row.shape, -1, tl.int64), mask=m)
+        if b == 0:
+            end = tl.minimum(r_start + rnd, S)
+            end = tl.where(e == E - 1, S, end)
+            tl.store(tpe_ptr + e, tot, mask=in_e)
+            tl.store(offsets_ptr + e, end.to(tl.int32), mask=in_e)
+        carry_p += tl.sum(tot, axis=0)
+        carry_r += tl.sum(rnd, axis=0)
+
+    live = s < R
+    pair = pair_base + rank - 1
+    row = row_base + rank - 1
+    placed = first & (row < S)
+    tl.store(slot_pair_ptr + s, tl.where(valid, pair, -1), mask=live)
+    tl.store(slot_row_ptr + s, tl.where(placed, row, -1), mask=live)
+    pair_c = tl.where(first, pair, 0)
+    tl.store(pair_token_ptr + pair_c, t, mask=first)
+    tl.store(pair_expert_ptr + pair_c, eid, mask=first)
+    tl.store(pair_aff_ptr + pair_c, acc, mask=first)
+    row_c = tl.where(placed, row, 0)
+    tl.store(r2t_ptr + row_c, t, mask=placed)
+    tl.store(r2p_ptr + row_c, pair, mask=placed)
+
+    # padding pairs: this program's share [b*BLOCK_S, (b+1)*BLOCK_S) past num_pairs
+    pad_p = live & (s >= carry_p)
+    tl.store(pair_token_ptr + s, tl.full([BLOCK_S], -1, tl.int64), mask=pad_p)
+    tl.store(pair_expert_ptr + s, tl.full([BLOCK_S], 0, tl.int64) + E, mask=pad_p)
+    tl.store(pair_aff_ptr + s, tl.zeros([BLOCK_S], dtype=pair_aff_ptr.dtype.element_ty),
+             mask=pad_p)
+
+    # surplus rows past the last group: this program's share of [0, S)
+    lo = b.to(tl.int64) * rows_per_prog
+    hi = tl.minimum(lo + rows_per_prog, S)
+    for r0 in range(lo, hi, BLOCK_S):
+        r = r0 + tl.arange(0, BLOCK_S)
+        m = (r < hi) & (r >= carry_r)
+        tl.store(r2t_ptr + r, tl.full([BLOCK_S], -1, tl.int64), mask=m)
+        tl.store(r2p_ptr + r, tl.full([BLOCK_S], -1, tl.int64), mask=m)
+
+    if b == 0:
+        tl.store(num_pairs_ptr, carry_p)
+        code = tl.where(carry_r > S, 8, 0).to(tl.int32)
+        for i0 in range(0, nb, BLOCK_ERR):
+            i = i0 + tl.arange(0, BLOCK_ERR)
+            w = tl.load(err_ptr + i, mask=i < nb, other=0)
+            code = (code
+                    | tl.max(w & 1, axis=0)
+                    | tl.max(w & 2, axis=0)
+                    | tl.max(w & 4, axis=0))
+        tl.store(code_ptr, code)
+
+
+_COUNT = TritonKernel(_count_kernel)
+_PLACE = TritonKernel(_place_kernel)
+
+
+def _compute_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _check_args(expert_index_TK, affinity_TK, num_experts, align, tokens_sum):
+    for name, x in (("expert_index_TK", expert_index_TK), ("affinity_TK", affinity_TK)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2:
+            raise ValueError(f"{name} must be 2-D [T, top_k], got shape {tuple(x.shape)}")
+    if expert_index_TK.is_floating_point() or expert_index_TK.is_complex() or (
+        expert_index_TK.dtype == torch.bool
+    ):
+        raise ValueError(f"expert_index_TK must have an integer dtype, got {expert_index_TK.dtype}")
+    if not affinity_TK.is_floating_point():
+        raise ValueError(f"affinity_TK must have a floating dtype, got {affinity_TK.dtype}")
+    if affinity_TK.shape != expert_index_TK.shape:
+        raise ValueError(
+            f"affinity_TK shape {tuple(affinity_TK.shape)} must equal expert_index_TK shape "
+            f"{tuple(expert_index_TK.shape)}"
+        )
+    if affinity_TK.device != expert_index_TK.device:
+        raise ValueError(
+            f"expert_index_TK ({expert_index_TK.device}) and affinity_TK ({affinity_TK.device}) "
+            "must be on one device"
+        )
+    if expert_index_TK.shape[1] < 1:
+        raise ValueError("expert_index_TK must have top_k >= 1 columns")
+
+    def as_int(name, v, minimum):
+        if isinstance(v, (bool, float, torch.Tensor)):
+            raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+        try:
+            v = operator.index(v)
+        except TypeError:
+            raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}") from None
+        if v < minimum:
+            raise ValueError(f"{name} must be an int >= {minimum}, got {v}")
+        return v
+
+    E = as_int("num_experts", num_experts, 1)
+    A = as_int("align", align, 1)
+    T, K = expert_index_TK.shape
+    if tokens_sum is None:
+        S = default_tokens_sum(T * K, E, A)
+    else:
+        S = as_int("tokens_sum", tokens_sum, 0)
+        if S % A:
+            raise ValueError(f"tokens_sum={S} must be a multiple of align={A}")
+    return E, A, S
+
+
+def build_routing(
+    expert_index_TK: torch.Tensor,
+    affinity_TK: torch.Tensor,
+    num_experts: int,
+    *,
+    align: int = 16,
+    tokens_sum: int | None = None,
+) -> tuple[RoutingPlan, GroupedLayout, torch.Tensor]:
+    """Router output -> ``(plan, layout, error_code)`` in three launches, no host read.
+
+    Dimensions: T tokens, K top_k, E experts, R = T*K, S = ``tokens_sum``.
+
+    Every tensor of ``plan`` and ``layout`` is bit-identical (dtype and values) to
+    ``plan = plan_routing(expert_index_TK, affinity_TK, E, validate=False)`` and
+    ``layout = plan.grouped(align=align, max_tokens_sum=S)`` on valid input.
+
+    Args:
+        expert_index_TK: [T, K] integer tensor (any signed or unsigned dtype; read widened to
+            int64, so uint64 ids >= 2^63 are negative), -1 = dropped slot, any strides.
+        affinity_TK: [T, K] floating tensor on the same device, any strides; the values of
+            dropped slots are ignored (they may be NaN or inf).
+        num_experts: E >= 1.
+        align: every expert's row count is padded up to a multiple of ``align`` (>= 1).
+        tokens_sum: the static row count S, a multiple of ``align``; default
+            :func:`default_tokens_sum` ``(R, E, align)``, which always suffices. The last
+            expert owns the surplus rows (``offsets_E[-1] == S``).
+    Returns:
+        ``plan`` (:class:`~common.routing.RoutingPlan`: pair_token_R / pair_expert_R int64 [R],
+        pair_affinity_R [R] affinity dtype, slot_to_pair_TK int64 [T, K], tokens_per_expert_E
+        int64 [E], num_pairs 0-d int64), ``layout`` (:class:`~common.routing.GroupedLayout`:
+        offsets_E int32 [E], row_to_token_S / row_to_pair_S int64 [S], slot_to_row_TK int64
+        [T, K]), and ``error_code``: a 0-d int32 device tensor, 0 for valid input, else the OR
+        of :data:`ERR_EXPERT_ID` (an id outside [-1, E)), :data:`ERR_AFFINITY_NONFINITE` (a
+        routed slot's affinity is NaN or inf), :data:`ERR_AFFINITY_NEGATIVE` (a routed slot's
+        affinity is negative), :data:`ERR_TOKENS_SUM` (``tokens_sum`` too small). The code is
+        not read here (that would synchronise the host); pass it to
+        :func:`check_routing_async`. On bad input the outputs are still well-formed: an
+        out-of-range id is a dropped slot, every row and pair index is in range.
+    Raises:
+        ValueError: wrong types, ranks, dtypes, shapes or devices, bad ``num_experts``,
+            ``align`` or ``tokens_sum`` (host-side checks of static properties only).
+        RuntimeError: a non-CUDA device outside Triton's interpreter.
+    """
+    E, A, S = _check_args(expert_index_TK, affinity_TK, num_experts, align, tokens_sum)
+    T, K = expert_index_TK.shape
+    R = T * K
+    dev = expert_index_TK.device
+    i64 = torch.int64
+    aff_dtype = affinity_TK.dtype
+
+    pair_token = _alloc((R,), i64, dev)
+    pair_expert = _alloc((R,), i64, dev)
+    pair_aff = _alloc((R,), aff_dtype, dev)
+    slot_pair = _alloc((T, K), i64, dev)
+    r2t = _alloc((S,), i64, dev)
+    r2p = _alloc((S,), i64, dev)
+    slot_row = _alloc((T, K), i64, dev)
+    tpe = _alloc((E,), i64, dev)
+    offsets = _alloc((E,), torch.int32, dev)
+    num_pairs = _alloc((), i64, dev)
+    code = _alloc((), torch.int32, dev)
+
+    if R == 0:  # T = 0: nothing routed, every row is padding (torch fills, no kernel)
+        tpe.zero_()
+        offsets.zero_()
+        offsets[-1:].fill_(S)
+        num_pairs.zero_()
+        code.zero_()
+        r2t.fill_(-1)
+        r2p.fill_(-1)
+    else:
+        nb = triton.cdiv(R, _BLOCK_S)
+        counts = _alloc((nb + 1, E), i64, dev)
+        err = _alloc((nb,), torch.int32, dev)
+        ids, aff = expert_index_TK, affinity_TK
+        strides = (ids.stride(0), ids.stride(1), aff.stride(0), aff.stride(1))
+        compute = _compute_dtype(aff_dtype)
+        _COUNT.launch(
+            dev, (nb,), ids, aff, *strides, counts, err, R, E,
+            K=K, COMPUTE=compute, BLOCK_S=_BLOCK_S, BLOCK_E=_BLOCK_E, num_warps=8,
+        )
+        prefix = torch.cumsum(counts, 0)
+        _PLACE.launch(
+            dev, (nb,), ids, aff, *strides, prefix, err,
+            pair_token, pair_expert, pair_aff, slot_pair, r2t, r2p, slot_row,
+            tpe, offsets, num_pairs, code,
+            R, E, S, A, nb, triton.cdiv(S, nb),
+            K=K, COMPUTE=compute, RNE_BF16=rne_bf16(aff_dtype),
+            BLOCK_S=_BLOCK_S, BLOCK_E=_BLOCK_E, PAD_W=_PAD_W, BLOCK_ERR=_BLOCK_ERR,
+            num_warps=8,
+        )
+
+    plan = RoutingPlan(
+        num_tokens=T, num_experts=E, top_k=K,
+        pair_token_R=pair_token, pair_expert_R=pair_expert, pair_affinity_R=pair_aff,
+        slot_to_pair_TK=slot_pair, tokens_per_expert_E=tpe, num_pairs=num_pairs,
+    )
+    layout = GroupedLayout(
+        offsets_E=offsets, row_to_token_S=r2t, row_to_pair_S=r2p, slot_to_row_TK=slot_row,
+        tokens_sum=S, align=A, num_tokens=T, num_pair_rows=R,
+    )
+    return plan, layout, code
+
+
+# ----------------------------------------------------------------------------- the check
+def _check_kernel(code_ptr):
+    code = tl.load(code_ptr)
+    tl.device_assert(
+        (code & 1) == 0, "expert_index_TK: an expert id lies outside [-1, num_experts)"
+    )
+    tl.device_assert((code & 2) == 0, "affinity_TK: a routed slot's affinity is NaN or inf")
+    tl.device_assert((code & 4) == 0, "affinity_TK: a routed slot's affinity is negative")
+    tl.device_assert(
+        (code & 8) == 0, "tokens_sum: the routing needs more grouped rows than tokens_sum"
+    )
+
+
+# debug=True compiles the device_asserts in for this kernel only (Triton 3.6: JITFunction.run
+# uses ``debug = kernel's debug or TRITON_DEBUG``); every other kernel stays assert-free.
+_CHECK = TritonKernel(_check_kernel, debug=True)
+
+
+def check_routing_async(error_code: torch.Tensor) -> None:
+    """Assert on the device that :func:`build_routing`'s ``error_code`` (0-d int32) is 0.
+
+    On CUDA this launches one tiny kernel and returns at once: it raises nothing on the host,
+    because reading the code would synchronise the host with the GPU (and break CUDA-graph
+    capture). A nonzero code fails a ``tl.device_assert`` whose printed message names the
+    argument and the rule (:data:`ERROR_MESSAGES`); the failure surfaces at the next
+    synchronisation as ``RuntimeError: CUDA error: device-side assert triggered`` (the message
+    is printed on stderr by the device), after which the CUDA context is unusable, as for any
+    device-side assert.
+
+    On the CPU (Triton's interpreter, as in the tests) the kernel runs too, but Triton 3.6's
+    interpreter ignores ``device_assert`` (its builder's options have ``debug=False`` whatever
+    ``triton.jit(debug=...)`` or ``TRITON_DEBUG`` say), and a host read costs nothing there, so
+    the code is then read and a nonzero one raises ValueError joining the messages of its bits.
+
+    Raises:
+        ValueError: ``error_code`` is not a 0-d int32 tensor; on the CPU only, a nonzero code.
+        RuntimeError: a non-CUDA, non-CPU device, or a CPU tensor outside the interpreter.
+    """
+    if not isinstance(error_code, torch.Tensor) or error_code.dim() != 0 or (
+        error_code.dtype != torch.int32
+    ):
+        raise ValueError(f"error_code must be a 0-d int32 tensor, got {error_code!r}")
+    dev = error_code.device
+    if dev.type == "cpu" and not interpreting():
+        raise RuntimeError("check_routing_async needs a CUDA tensor or Triton's interpreter")
+    _CHECK.launch(dev, (1,), error_code, num_warps=1)
+    if dev.type == "cpu":
+        code = int(error_code)
+        msgs = [m for bit, m in ERROR_MESSAGES.items() if code & bit]
+        if msgs:
+            raise ValueError("; ".join(msgs))

@@ -355,7 +355,8 @@ def build_routing(
         [T, K]), and ``error_code``: a 0-d int32 device tensor, 0 for valid input, else the OR
         of :data:`ERR_EXPERT_ID` (an id outside [-1, E)), :data:`ERR_AFFINITY_NONFINITE` (a
         routed slot's affinity is NaN or inf), :data:`ERR_AFFINITY_NEGATIVE` (a routed slot's
-        affinity is negative), :data:`ERR_TOKENS_SUM` (``tokens_sum`` too small). The code is
+        affinity is negative; -inf sets this bit and the previous one),
+        :data:`ERR_TOKENS_SUM` (``tokens_sum`` too small). The code is
         not read here (that would synchronise the host); pass it to
         :func:`check_routing_async`. On bad input the outputs are still well-formed: an
         out-of-range id is a dropped slot, every row and pair index is in range.

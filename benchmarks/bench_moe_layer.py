@@ -5,7 +5,7 @@ Everything runs in one process on the same inputs: ``common.inputs.make_problem_
 
 - ``ours`` [ours]: the layer as the README tells a user to call it:
   ``layer = MoEExperts.from_model(shape, device=...)`` (E, H, I, biases, activation and clamp of
-  the shape; default options, so ``validate_routing=True`` and backend "auto"), the problem's
+  the shape; default options: ``validate_routing="device"``, backend "auto"), the problem's
   weights copied in; ``y = layer(x, expert_index_TK, affinity_TK)`` with ``x`` [T, H] BF16 and
   ``affinity_TK`` [T, K] fp32 leaves requiring grad, then ``y.backward(dy)``.
 - ``ours (seam)`` [seam]: ``common.layer.run_experts_grouped_mm(w1, w2, w3, x_rows, counts)``
@@ -21,10 +21,13 @@ Everything runs in one process on the same inputs: ``common.inputs.make_problem_
   activation, ``index_add`` back to [T, H]); ``recipe`` [recipe]: the same on pre-sorted rows
   (``benchmarks/_moe_baselines.build_autograd_recipe``).
 - ``sonicmoe`` [sonicmoe]: SonicMoE (``_moe_baselines.build_sonicmoe_step``) through autograd,
-  quack's autotuner OFF (``tuned=False`` on its GEMMs); SwiGLU problems only (no clamp, biases or
-  gpt-oss activation: the row says why it is skipped, or that the package does not import).
-  ``--sonic-tuned`` turns quack's autotuner on: it compiles ~100 s per shape and again per token
-  count, so run it in its own process (e.g. one shape per call).
+  as installed: SonicMoE calls quack's GEMMs without ``tuned``, so quack's autotuner runs (it
+  compiles ~100 s per shape and again per token count: run it in its own process, e.g. one shape
+  per call). ``--sonic-untuned`` passes ``tuned=False`` to those GEMMs instead; with quack 0.6.5
+  on CuTe DSL 4.8.1 that path fails to compile (``TypeError: epilogue fn depends on
+  <ContextVar _LOC_TRANSFORMS>``, H200, 2026-12-01), and the row then says so. SwiGLU problems
+  only (no clamp, biases or gpt-oss activation: the row says why it is skipped, or that the
+  package does not import).
 - ``dense mm`` [dense]: the ceiling, dense BF16 ``torch.mm`` with no routing: forward ``[R, H] @
   [H, 3I]`` (6 R H I FLOPs), backward ``[R, H] @ [H, 6I]`` (12 R H I), step ``[R, H] @ [H, 9I]``
   (18 R H I), each timed directly.
@@ -46,7 +49,7 @@ top kernels. ``--check`` compares y and every gradient of ``ours``, ``recipe`` a
 
 Usage: ``python benchmarks/bench_moe_layer.py [--shapes qwen3-30b-a3b:16384,deepseek-v3:2048:e32]
 [--tokens T] [--shrink N] [--impls ours,seam,torchtitan,recipe+perm,recipe,sonicmoe,dense]
-[--device cuda|cpu] [--sonic-tuned] [--check] [--profile auto|on|off] [--profile-detail]
+[--device cuda|cpu] [--sonic-untuned] [--check] [--profile auto|on|off] [--profile-detail]
 [--json PATH]``; CPU smoke run: ``--device cpu --shrink 16 --tokens 64``. On the H200:
 ``bash benchmarks/moe_layer_device_run.sh bench [args]``.
 """
@@ -219,7 +222,7 @@ def build_recipe(p, with_perm: bool) -> Step:
     return Step(r.forward, r.leaves, r.dY, to_check)
 
 
-def build_sonic(p, tuned: bool) -> Step:
+def build_sonic(p, tuned: bool | None) -> Step:
     try:
         forward, leaves, dy = build_sonicmoe_step(p, tuned=tuned)
     except ImportError as exc:
@@ -254,7 +257,7 @@ def build_row(impl: str, p, model, T: int, device: torch.device, args):
     if impl == "sonicmoe":
         if device.type != "cuda":
             raise _Skip("skipped: needs a CUDA device")
-        return build_sonic(p, tuned=args.sonic_tuned)
+        return build_sonic(p, tuned=False if args.sonic_untuned else None)
     if impl == "dense":
         return build_dense(model, T, device)
     raise ValueError(f"unknown impl {impl!r}; choose from {IMPLS}")
@@ -263,7 +266,7 @@ def build_row(impl: str, p, model, T: int, device: torch.device, args):
 # ---------------------------------------------------------------------------------- running
 def _label(impl: str, args) -> str:
     if impl == "sonicmoe":
-        return "sonicmoe (tuned)" if args.sonic_tuned else "sonicmoe"
+        return "sonicmoe (untuned)" if args.sonic_untuned else "sonicmoe"
     return LABEL.get(impl, impl)
 
 
@@ -386,8 +389,8 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default=",".join(IMPLS), help="rows to run (default: all)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=5, help="timed runs of the fallback timer")
-    ap.add_argument("--sonic-tuned", action="store_true",
-                    help="SonicMoE with quack's autotuner (~100 s/shape; own process)")  # fmt: skip
+    ap.add_argument("--sonic-untuned", action="store_true",
+                    help="SonicMoE's GEMMs with tuned=False (default: as installed, autotuned)")
     ap.add_argument("--profile", choices=("auto", "on", "off"), default="auto",
                     help="profile one forward of ours (auto: on CUDA only)")  # fmt: skip
     ap.add_argument("--profile-detail", action="store_true", help="print the top 12 kernels")

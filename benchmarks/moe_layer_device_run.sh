@@ -4,7 +4,7 @@
 # Installs the wheels carried in .device/whl (sonic-moe, quack-kernels, torchtitan, ...) into
 # /tmp/site-packages and unpacks CuTe DSL from .device/cute-dsl.tar.xz; the path must contain
 # /site-packages/ (quack's epilogue fusions fail elsewhere). Logs: $OUT/layer_bench.{md,json,err}.
-# SonicMoE with quack's autotuner (--sonic-tuned) compiles ~100 s per shape: one shape per call.
+# SonicMoE (as installed, quack autotunes) compiles ~100 s per shape: one shape per call.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

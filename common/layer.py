@@ -620,8 +620,10 @@ def gate_up_from_torchtitan(w1_EIH: torch.Tensor, w3_EIH: torch.Tensor) -> torch
     ``W [E, 2I, H]``, or its interleaved rows ``W[:, 0::2]``, ``W[:, 1::2]`` -- and, when
     autograd must track them, both are differentiable views of one base (the view is then taken
     on that base, so gradients reach it). Otherwise (torchtitan's separate ``w1``/``w3``
-    parameters, among others) a contiguous COPY built with ``torch.stack``. Either way the
-    result is differentiable: gradients flow back to w1 and w3.
+    parameters, among others) a COPY ``torch.cat([w1, w3], dim=1)`` [E, 2I, H] (a plain copy,
+    no transposition: torchtitan's own memory layout) returned as the [E, H, 2, I] view of it.
+    Either way the result is differentiable: gradients flow back to w1 and w3; the fused CUDA
+    backward writes the weight gradient in that same memory layout, so none is transposed.
 
     Raises:
         ValueError: w1/w3 not floating 3-D tensors of one shape, dtype and device.
@@ -643,7 +645,8 @@ def gate_up_from_torchtitan(w1_EIH: torch.Tensor, w3_EIH: torch.Tensor) -> torch
             and w3_EIH.grad_fn is not None
         ):
             return base.as_strided(*geo)
-    return torch.stack([w1_EIH.transpose(1, 2), w3_EIH.transpose(1, 2)], dim=2)
+    E, I, H = w1_EIH.shape
+    return torch.cat([w1_EIH, w3_EIH], dim=1).view(E, 2, I, H).permute(0, 3, 1, 2)
 
 
 def down_from_torchtitan(w2_EHI: torch.Tensor) -> torch.Tensor:

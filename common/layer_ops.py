@@ -242,7 +242,8 @@ def _experts_backward(
     x_rows: torch.Tensor, routing: list[torch.Tensor], top_k: int, options: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, d_affinity [T, K], dW_gate_up, dW_down, dB_gate_up, dB_down)`` in the inputs'
-    dtypes, contiguous (bias gradients of absent biases are empty [0] tensors)."""
+    dtypes and memory layouts (contiguous where an input's strides are not dense; gradients of
+    absent biases are empty [0] tensors)."""
     opts = _OPTIONS[options]
     T, E = x.shape[0], w_gate_up.shape[0]
     plan, layout = _routing_from_flat(routing, T, E, top_k)
@@ -254,22 +255,45 @@ def _experts_backward(
     aff_dtype = plan.pair_affinity_R.dtype
 
     def bias(g, b):
-        return g.to(b.dtype).contiguous() if b is not None else x.new_empty(0)
+        return _like(g, b) if b is not None else x.new_empty(0)
 
     return (
-        grads.hidden_states_grad_TH.to(x.dtype).contiguous(),
+        _like(grads.hidden_states_grad_TH, x),
         plan.slot_affinity_grad(grads.affinity_grad_TE).to(aff_dtype).contiguous(),
-        grads.w_gate_up_grad_EH2I.to(w_gate_up.dtype).contiguous(),
-        grads.w_down_grad_EIH.to(w_down.dtype).contiguous(),
+        _like(grads.w_gate_up_grad_EH2I, w_gate_up),
+        _like(grads.w_down_grad_EIH, w_down),
         bias(grads.b_gate_up_grad_E2I, b_gate_up),
         bias(grads.b_down_grad_EH, b_down),
     )
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the strides are a permutation of a contiguous tensor's."""
+    expect = 1
+    for st, sz in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if st != expect:
+            return False
+        expect *= sz
+    return True
+
+
+def _like(g: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The gradient ``g`` in ``t``'s dtype and memory layout (contiguous when ``t``'s strides
+    are not dense): what the fake implementation promises."""
+    g = g.to(t.dtype)
+    if g.stride() == t.stride() or not _dense(t):
+        return g if g.stride() == t.stride() else g.contiguous()
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=g.device).copy_(g)
+
+
 @_experts_backward.register_fake
 def _(grad_y, x, w_gate_up, w_down, b_gate_up, b_down, act, x_rows, routing, top_k, options):
     def like(t):
-        return x.new_empty(t.shape, dtype=t.dtype) if t is not None else x.new_empty(0)
+        if t is None:
+            return x.new_empty(0)
+        if _dense(t):
+            return x.new_empty_strided(t.shape, t.stride(), dtype=t.dtype)
+        return x.new_empty(t.shape, dtype=t.dtype)
 
     T = x.shape[0]
     return (like(x), x.new_empty(T, top_k, dtype=routing[2].dtype), like(w_gate_up),

@@ -306,3 +306,45 @@ def test_gpu_bad_routing_surfaces_at_the_next_synchronisation():
                        timeout=300)
     assert "QUEUED" in r.stdout and "NOT RAISED" not in r.stdout, r.stdout + r.stderr
     assert r.returncode != 0 and "device-side assert" in r.stderr, r.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ torchtitan weight layout
+def test_fused_backward_writes_grads_in_torchtitan_weight_layout():
+    """Weights whose memory is torchtitan's (``[w1; w3]`` [E, 2I, H] behind the [E, H, 2, I]
+    view, ``w2`` [E, H, I] behind [E, I, H]) get gradients in that memory layout, equal to the
+    contiguous weights' gradients."""
+    import dataclasses
+
+    from common.inputs import make_problem
+    from common.layer import down_from_torchtitan, gate_up_from_torchtitan
+    from cuda_kernels.moe_backward import moe_backward_fused
+
+    p = make_problem(24, 32, 16, 4, 2, seed=3, device=DEV)
+    E, H, _, I = p.w_gate_up_EH2I.shape
+    w1 = p.w_gate_up_EH2I[:, :, 0].transpose(1, 2).contiguous()
+    w3 = p.w_gate_up_EH2I[:, :, 1].transpose(1, 2).contiguous()
+    w2 = p.w_down_EIH.transpose(1, 2).contiguous()
+    tt = dataclasses.replace(p, w_gate_up_EH2I=gate_up_from_torchtitan(w1, w3),
+                             w_down_EIH=down_from_torchtitan(w2))
+    assert not tt.w_gate_up_EH2I.is_contiguous() and not tt.w_down_EIH.is_contiguous()
+    want = moe_backward_fused(p, grad_dtype=torch.bfloat16)
+    got = moe_backward_fused(tt, grad_dtype=torch.bfloat16)
+    assert got.w_gate_up_grad_EH2I.stride() == tt.w_gate_up_EH2I.stride()
+    assert got.w_down_grad_EIH.stride() == tt.w_down_EIH.stride()
+    for key, g in got.named().items():
+        torch.testing.assert_close(g.float(), want.named()[key].float(), rtol=0, atol=0, msg=key)
+
+
+def test_seam_grads_reach_torchtitan_weights_in_their_layout():
+    from common.layer import run_experts_grouped_mm
+
+    E, I, H = 3, 16, 32
+    g = torch.Generator().manual_seed(6)
+    w1, w3 = (torch.randn(E, I, H, generator=g).requires_grad_() for _ in range(2))
+    w2 = torch.randn(E, H, I, generator=g).requires_grad_()
+    x = torch.randn(12, H, generator=g).requires_grad_()
+    y = run_experts_grouped_mm(w1, w2, w3, x, torch.tensor([5, 0, 6]))
+    y.square().sum().backward()
+    for w in (w1, w2, w3):
+        assert w.grad.shape == w.shape and w.grad.is_contiguous()
+        assert bool(torch.isfinite(w.grad).all()) and bool(w.grad.abs().sum() > 0)

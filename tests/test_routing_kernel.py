@@ -363,7 +363,7 @@ def test_gpu_matches_cpu_twin_large(aff_dtype):
 def test_gpu_no_host_sync():
     ei, af = _routing(4096, 8, 64, seed=11)
     ei, af = ei.cuda(), af.cuda()
-    build_routing(ei, af, 64)  # compile outside the check
+    check_routing_async(build_routing(ei, af, 64)[2])  # compile both outside the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -384,7 +384,7 @@ def test_gpu_cuda_graph_replay_with_new_routing():
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        build_routing(ei, af, E)  # warm-up (compiles) outside the capture
+        check_routing_async(build_routing(ei, af, E)[2])  # warm-up (compiles) outside
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

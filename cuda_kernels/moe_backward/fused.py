@@ -44,6 +44,14 @@ def rows_times_experts(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch
     return grouped_mm_rows(x_SK, w_EKN, offsets_E)
 
 
+def _memory_is(w: torch.Tensor, order: tuple[int, ...]) -> bool:
+    """True when ``w`` is not contiguous but ``w.permute(order)`` is: its memory holds that
+    permutation (torchtitan's ``w1``/``w3``/``w2`` behind the layer's views). The weight gradient
+    is then computed straight into that memory layout (the wgrad's operands swapped), so neither
+    the backward nor autograd transposes a gradient."""
+    return not w.is_contiguous() and w.permute(order).is_contiguous()
+
+
 def _check_options(problem, grad_dtype, accumulate_into, wgrad_backend):
     if grad_dtype not in GRAD_DTYPES:
         raise ValueError(f"grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype!r}")
@@ -171,7 +179,9 @@ def moe_backward_fused(
             bias gradients. dA is fp32.
         accumulate_into: optional ``(dW_gate_up [E, H, 2, I], dW_down [E, I, H])`` fp32 buffers
             (Megatron ``main_grad`` style): the weight gradients are ADDED into them in fp32
-            inside the wgrad kernel, and the returned grads hold these same tensors.
+            inside the wgrad kernel, and the returned grads hold these same tensors. Without
+            it, a weight whose memory is torchtitan's (``w_gate_up`` a view of [E, 2I, H],
+            ``w_down`` of [E, H, I]) gets its gradient in that same memory layout.
         wgrad_backend: "auto" (our kernel when the device and the call allow; cuBLAS's grouped
             GEMM for BF16 outputs off the 128 grid, where it is faster, and for layouts off the
             SM100 kernel's 256-row contract; else the torch twin), "sm90" / "sm100" (that kernel
@@ -242,22 +252,30 @@ def moe_backward_fused(
         dBgu = kernels.segment_colsum(dgu_S, offs, r2p)
         dBd = kernels.segment_colsum(dy_S, offs, r2p, plan.pair_affinity_R)
     align = layout.align
-    dWd = _wgrad(
-        ah_S.t(), dy_S, offs, acc_d, acc is not None, grad_dtype, wgrad_backend, align, stats
-    )
+    if acc is None and _memory_is(p.w_down_EIH, (0, 2, 1)):  # w2 [E, H, I] (torchtitan)
+        dWd = _wgrad(dy_S.t(), ah_S, offs, None, False, grad_dtype, wgrad_backend, align,
+                     stats).transpose(1, 2)
+    else:
+        dWd = _wgrad(
+            ah_S.t(), dy_S, offs, acc_d, acc is not None, grad_dtype, wgrad_backend, align, stats
+        )
     del ah_S, dy_S
     w_gu_E2IH = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I).transpose(1, 2)
     dX_S = rows_times_experts(dgu_S, w_gu_E2IH, offs)
     dX = kernels.token_sum(dX_S, layout.slot_to_row_TK, grad_dtype)
     del dX_S
-    dWgu = _wgrad(
-        x_S.t(), dgu_S, offs, None if acc_gu is None else acc_gu.view(E, H, 2 * I),
-        acc is not None, grad_dtype, wgrad_backend, align, stats,
-    )
+    if acc is None and _memory_is(p.w_gate_up_EH2I, (0, 2, 3, 1)):  # [w1; w3] [E, 2I, H]
+        dWgu = _wgrad(dgu_S.t(), x_S, offs, None, False, grad_dtype, wgrad_backend, align,
+                      stats).view(E, 2, I, H).permute(0, 3, 1, 2)
+    else:
+        dWgu = _wgrad(
+            x_S.t(), dgu_S, offs, None if acc_gu is None else acc_gu.view(E, H, 2 * I),
+            acc is not None, grad_dtype, wgrad_backend, align, stats,
+        ).view(E, H, 2, I)
     grads = MoEGrads(
         hidden_states_grad_TH=dX,
         affinity_grad_TE=dA_TE,
-        w_gate_up_grad_EH2I=acc_gu if acc_gu is not None else dWgu.view(E, H, 2, I),
+        w_gate_up_grad_EH2I=acc_gu if acc_gu is not None else dWgu,
         w_down_grad_EIH=dWd,
         info=stats,
     )

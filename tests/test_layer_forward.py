@@ -291,8 +291,12 @@ import torch
 from common.layer import MoEExperts
 layer = MoEExperts(4, 64, 32, device="cuda")
 x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
-idx = torch.randint(0, 4, (8, 2), device="cuda"); idx[3, 1] = 7
-y = layer(x, idx, torch.rand(8, 2, device="cuda"))
+idx = torch.randint(0, 4, (8, 2), device="cuda")
+aff = torch.rand(8, 2, device="cuda")
+layer(x, idx, aff)  # warm-up: a kernel's first load would report the error early
+torch.cuda.synchronize()
+idx[3, 1] = 7
+y = layer(x, idx, aff)
 print("QUEUED", flush=True)
 torch.cuda.synchronize()
 print("NOT RAISED", flush=True)
@@ -306,6 +310,7 @@ def test_gpu_bad_routing_surfaces_at_the_next_synchronisation():
                        timeout=300)
     assert "QUEUED" in r.stdout and "NOT RAISED" not in r.stdout, r.stdout + r.stderr
     assert r.returncode != 0 and "device-side assert" in r.stderr, r.stderr[-2000:]
+    assert "expert_index_TK: an expert id lies outside [-1, num_experts)" in r.stderr
 
 
 # ------------------------------------------------------------------ torchtitan weight layout

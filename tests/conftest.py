@@ -8,6 +8,11 @@ import torch
 # a 2-core CI machine only adds synchronisation (measured here: 71 s with 2 threads, 16 s with 1).
 torch.set_num_threads(1)
 
+# JAX takes 75 % of a GPU's memory at its first use unless told not to; with pytest -n N on a GPU
+# machine every worker that imports JAX (tests/test_jax_entries.py too) would, and the other
+# workers' CUDA tests then fail with out-of-memory (seen on the H200, 2026-12-01).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 # Without a GPU, the Triton kernels of the fused backward run in Triton's interpreter on CPU
 # tensors (the same kernel source). The variable must be set before Triton is imported.
 if not torch.cuda.is_available():

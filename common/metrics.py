@@ -41,6 +41,9 @@ SQNR_MIN_DB: dict[tuple[str, str], float] = {
     ("fused", "dW_down"): 49.5,
     ("fused", "dB_gate_up"): 49.0,
     ("fused", "dB_down"): 120.0,
+    # the fused forward (cuda_kernels/moe_forward): y [T, H] in BF16, the BF16 checkpoint
+    ("fused", "y"): 45.0,
+    ("fused", "act"): 52.0,
     # NKI MXFP8 kernel (nki, nki-sim, nki-twin): MX E4M3 operands, fp32 PSUM, BF16 outputs
     ("nki", "dX"): 24.0,
     ("nki", "dA"): 24.5,
@@ -54,76 +57,10 @@ SQNR_MIN_DB: dict[tuple[str, str], float] = {
 Families: ``torch`` (the portable backend), ``fused`` (the fused CUDA backward: ``cuda-sm90``,
 ``cuda-sm100``, and its Triton-interpreter run on CPU), ``nki`` (the Trainium MXFP8 kernel:
 ``nki``, ``nki-sim``, ``nki-twin``). Gradients: ``dX dA dW_gate_up dW_down dB_gate_up
-dB_down``; ``(family, "default")`` is the single bar for callers that check all gradients
-against one number. Read a floor with :func:`sqnr_floor`, which also takes the display names
-(``"dX [T,H]"``) and field names (``"hidden_states_grad_TH"``).
-
-Noise model. Rounding a value to a format with m mantissa bits (round to nearest) costs about
-``6.02*m + 13.4`` dB for Gaussian-like data: one MXFP8 E4M3 quantization (m = 3, 32-element
-blocks with a shared power-of-two scale) measures 31.5 dB, one BF16 rounding (m = 7) 55.6 dB.
-Independent roundings add their noise powers, so n equal roundings give ``S1 - 10 log10(n)``:
-MX 2 -> 28.5, 4 -> 25.5 dB; BF16 1 -> 55.6, 2 -> 52.6, 3 -> 50.8 dB. fp32 summation is
-~140 dB and never matters next to those.
-
-Where the NKI kernel quantizes (per block; ``q`` = MX E4M3 along the contraction axis):
-
-* phase 1: ``dh_raw = q(dY) q(W_down)^T`` along H -> dh_raw carries 2 MX roundings; dA is
-  ``sum_i dh_raw * h`` (h from the BF16 checkpoint, not quantized) -> **dA: 2**;
-  ``dgu = dh * silu'/silu`` inherits dh_raw's 2;
-* phase 2: ``dX = q(dgu) q(W_gate_up)^T`` along 2I -> 2 new + dgu's 2 -> **dX: 4**;
-* phase 3: ``dW_gate_up = q(X)^T q(dgu)`` along the block's slots B -> 2 new + 2 -> **dW_gate_up:
-  4**;
-* phase 4: ``dW_down = q(a h)^T q(dY)`` along B; neither operand went through an MX matmul
-  -> **dW_down: 2**.
-
-So dA and dW_down sit 10 log10(4/2) = 3.0 dB above dX and dW_gate_up. The bias gradients use no
-MX matmul: dB_gate_up sums dgu (2, from phase 1); dB_down sums ``a dY`` in fp32 and only the BF16
-roundings remain (1 in the kernel test, whose reference gets the BF16 affinities; 2 through the
-backend, whose reference keeps fp32 affinities).
-
-Where the BF16 families round (inputs are BF16 already; accumulation fp32):
-
-* torch: dh_raw (GEMM output), dgu, a h, and every GEMM output (dX, dW_*; ``torch._grouped_mm``
-  has no fp32 output for BF16 inputs) -> dA 1, dX 3, dW_gate_up 3 (dh_raw, dgu, output),
-  dW_down 2 (a h, output); dB_gate_up sums the fp32 dg/du -> 1; dB_down fp32 only.
-* fused: as torch, but the weight gradients come out in fp32 -> dW_gate_up 2, dW_down 1, and
-  dB_gate_up sums the BF16 dgu rows -> 2.
-
-Floors = the lowest SQNR measured on the test shapes (seeds 0-2; tests/test_nki_kernel.py,
-test_nki_api.py, test_torch_backward.py, test_fused_backward.py, test_dispatch.py) minus 1.5 dB,
-rounded down to 0.5 dB; the MX floors never below 24 dB (torchao's MX weight-gradient bar),
-dB_down in the BF16 families 120 dB (fp32 rounding only; room for GPU summation order). The
-test shapes are small (tens to a few thousand values per gradient), so the measured minimum
-sits up to ~3 dB under the model; larger shapes converge to the model.
-
-============  ========================  ===========  ===========  ==========================
-family        gradient                  model (dB)   measured     floor (dB)
-                                                     min (dB)
-============  ========================  ===========  ===========  ==========================
-nki           dX                        25.5 (4 MX)  25.35        24.0
-nki           dW_gate_up                25.5 (4 MX)  25.40        24.0
-nki           dA                        28.5 (2 MX)  26.42 [1]    24.5
-nki           dW_down                   28.5 (2 MX)  28.31        26.5
-nki           dB_gate_up                28.5 (2 MX)  28.18        26.5
-nki           dB_down                   52.6 (2 BF)  52.42        50.5
-torch         dX                        50.8 (3 BF)  49.4         47.5
-torch         dA                        55.6 (1 BF)  52.4 [1]     50.5
-torch         dW_gate_up                50.8 (3 BF)  49.3         47.5
-torch         dW_down                   52.6 (2 BF)  51.7         50.0
-torch         dB_gate_up                55.6 (1 BF)  55.4         53.5
-torch         dB_down                   ~140 (fp32)  141.1        120.0
-fused         dX                        50.8 (3 BF)  49.4         47.5
-fused         dA                        55.6 (1 BF)  50.7 [1]     49.0
-fused         dW_gate_up                52.6 (2 BF)  50.0         48.5
-fused         dW_down                   55.6 (1 BF)  51.4 [2]     49.5
-fused         dB_gate_up                52.6 (2 BF)  50.8         49.0
-fused         dB_down                   ~140 (fp32)  140.9        120.0
-============  ========================  ===========  ===========  ==========================
-
-[1] dA has one value per (token, expert) pair: 48-1024 values on the test shapes, so its SQNR
-scatters ~2 dB around the model (the nki model shapes measure 28.2-29.0). [2] the one-token case.
-On the nki model-like shapes (H, I 256-512, T 128) every seed measures within 0.3 dB of the
-model for dX / dW_gate_up / dW_down (25.4-25.6, 28.4-28.5).
+dB_down`` (and the fused forward's ``y`` and checkpoint ``act``); ``(family, "default")`` is the
+single bar for callers that check all gradients against one number. Read a floor with
+:func:`sqnr_floor`, which also takes the display names (``"dX [T,H]"``) and field names
+(``"hidden_states_grad_TH"``).
 """
 
 SQNR_GRADIENTS = ("dX", "dA", "dW_gate_up", "dW_down", "dB_gate_up", "dB_down")

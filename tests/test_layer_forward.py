@@ -286,6 +286,33 @@ def test_gpu_cuda_graph_replay_with_new_routing_equals_eager():
             assert torch.equal(a, b)
 
 
+@gpu
+@needs_cuda
+def test_gpu_compile_fullgraph_inductor_no_recompile():
+    """torch.compile(fullgraph=True) with inductor of a block holding the layer, on the GPU:
+    one graph for two routings; loss and gradients equal to eager's up to inductor's own
+    reduction order in the square-sum around the layer (the layer's ops are opaque to it)."""
+    import torch._dynamo.testing
+
+    layer, x, idx0, aff0, dy = _gpu_layer(seed=5)
+    _, _, idx1, aff1, _ = _gpu_layer(seed=6)
+
+    def block(x, idx, aff):
+        return layer(x, idx, aff).float().square().sum()
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(block, fullgraph=True, backend=counter)
+    for idx, aff in ((idx0, aff0), (idx1, aff1)):
+        outs = []
+        for fn in (compiled, block):
+            xl, al = x.detach().requires_grad_(), aff.detach().requires_grad_()
+            loss = fn(xl, idx, al)
+            outs.append((loss.detach(), *torch.autograd.grad(loss, [xl, al, layer.w_down])))
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b)
+    assert counter.frame_count == 1
+
+
 _BAD_ROUTING = """
 import torch
 from common.layer import MoEExperts
@@ -353,3 +380,26 @@ def test_seam_grads_reach_torchtitan_weights_in_their_layout():
     for w in (w1, w2, w3):
         assert w.grad.shape == w.shape and w.grad.is_contiguous()
         assert bool(torch.isfinite(w.grad).all()) and bool(w.grad.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_forward_against_float64(name):
+    """y and the checkpoint against the float64 reference forward on the same (BF16) inputs;
+    floors in ``common.metrics.SQNR_MIN_DB`` (measured on CPU: y 48.0-52.0, act 54.6-58.0 dB)."""
+    from common.metrics import sqnr_floor
+    from common.reference import reference_forward
+
+    d, kw = _inputs(name)
+    got = fwd.moe_forward_fused(*_positional(d), **kw)
+    E = d["w_gate_up_EH2I"].shape[0]
+    plan = plan_routing(d["expert_index_TK"].cpu(), d["affinity_TK"].cpu(), E)
+
+    def f64(t):
+        return None if t is None else t.double().cpu()
+
+    y, act = reference_forward(
+        f64(d["hidden_states_TH"]), f64(d["w_gate_up_EH2I"]), f64(d["w_down_EIH"]), plan,
+        b_gate_up_E2I=f64(d["b_gate_up_E2I"]), b_down_EH=f64(d["b_down_EH"]), **kw,
+    )
+    assert sqnr_db(got.y_TH.double().cpu(), y) >= sqnr_floor("fused", "y")
+    assert sqnr_db(got.act_R2I.double().cpu(), act) >= sqnr_floor("fused", "act")

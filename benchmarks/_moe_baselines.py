@@ -198,7 +198,8 @@ def _set_sonic_tuning(tuned: bool) -> None:
     ``partial(..., tuned=False)`` (quack's default config per call); True restores quack's."""
     import quack.gemm_interface as qg
     import sonicmoe.functional as sf
-    from sonicmoe.functional import backward as sb, forward as sw
+    from sonicmoe.functional import backward as sb
+    from sonicmoe.functional import forward as sw
 
     for mod in (sf, sw, sb):
         for name in ("gemm", "gemm_gated", "gemm_dgated"):

@@ -44,7 +44,9 @@ __all__ = [
     "BlockwiseLayout",
     "GroupedLayout",
     "RoutingPlan",
+    "as_int",
     "assert_routing_async",
+    "check_router_output",
     "plan_routing",
     "routing_error_code",
 ]
@@ -62,7 +64,7 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
 
-def _as_int(name: str, value, minimum: int) -> int:
+def as_int(name: str, value, minimum: int) -> int:
     """``value`` as a Python int (numpy integers accepted) >= ``minimum``, else ValueError."""
     if isinstance(value, (bool, float, torch.Tensor)):
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -76,7 +78,7 @@ def _as_int(name: str, value, minimum: int) -> int:
 
 
 def _check_positive_int(name: str, value) -> int:
-    return _as_int(name, value, 1)
+    return as_int(name, value, 1)
 
 
 @dataclass(frozen=True)
@@ -423,7 +425,7 @@ class RoutingPlan:
         if max_tokens_sum is None:
             S = int(offsets[-1])  # host read (documented in the module docstring)
         else:
-            max_tokens_sum = _as_int("max_tokens_sum", max_tokens_sum, 0)
+            max_tokens_sum = as_int("max_tokens_sum", max_tokens_sum, 0)
             if max_tokens_sum % A:
                 raise ValueError(f"max_tokens_sum={max_tokens_sum} must be a multiple of align={A}")
             S = max_tokens_sum
@@ -467,6 +469,40 @@ _UNSIGNED_INT_DTYPES = (torch.uint8,) + tuple(
 _INT_DTYPES = _SIGNED_INT_DTYPES + _UNSIGNED_INT_DTYPES
 
 
+def check_router_output(
+    expert_index: torch.Tensor, affinity: torch.Tensor, names=("expert_index", "affinity")
+) -> None:
+    """The router output's static contract (no value is read): two tensors, ``expert_index``
+    [T, K >= 1] of an integer dtype, ``affinity`` of a floating dtype with the same shape, on
+    one device. ``names``: how the messages call the two arguments.
+
+    Raises:
+        ValueError: the first broken rule, naming the argument.
+    """
+    ni, na = names
+    for name, x in ((ni, expert_index), (na, affinity)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if expert_index.dim() != 2:
+        raise ValueError(f"{ni} must be 2-D [T, top_k], got shape {tuple(expert_index.shape)}")
+    if expert_index.dtype not in _INT_DTYPES:
+        dtypes = ", ".join(str(d).replace("torch.", "") for d in _INT_DTYPES)
+        raise ValueError(f"{ni} must have an integer dtype ({dtypes}), got {expert_index.dtype}")
+    if not affinity.is_floating_point():
+        raise ValueError(f"{na} must have a floating dtype, got {affinity.dtype}")
+    if affinity.shape != expert_index.shape:
+        raise ValueError(
+            f"{na} shape {tuple(affinity.shape)} must equal {ni} shape "
+            f"{tuple(expert_index.shape)}"
+        )
+    if affinity.device != expert_index.device:
+        raise ValueError(
+            f"{ni} ({expert_index.device}) and {na} ({affinity.device}) must be on one device"
+        )
+    if expert_index.shape[1] < 1:
+        raise ValueError(f"{ni} must have top_k >= 1 columns")
+
+
 def plan_routing(
     expert_index: torch.Tensor,
     affinity: torch.Tensor,
@@ -493,35 +529,9 @@ def plan_routing(
         ValueError: non-tensor input, wrong rank or dtype, mismatched shapes or devices,
             ``num_experts`` < 1, an id outside [-1, E), a non-finite affinity.
     """
-    if not isinstance(expert_index, torch.Tensor):
-        raise ValueError(f"expert_index must be a torch.Tensor, got {type(expert_index).__name__}")
-    if not isinstance(affinity, torch.Tensor):
-        raise ValueError(f"affinity must be a torch.Tensor, got {type(affinity).__name__}")
-    if expert_index.dim() != 2:
-        raise ValueError(
-            f"expert_index must be 2-D [T, top_k], got shape {tuple(expert_index.shape)}"
-        )
-    if expert_index.dtype not in _INT_DTYPES:
-        names = ", ".join(str(d).replace("torch.", "") for d in _INT_DTYPES)
-        raise ValueError(
-            f"expert_index must have an integer dtype ({names}), got {expert_index.dtype}"
-        )
-    if not affinity.is_floating_point():
-        raise ValueError(f"affinity must have a floating dtype, got {affinity.dtype}")
-    if affinity.shape != expert_index.shape:
-        raise ValueError(
-            f"affinity shape {tuple(affinity.shape)} must equal expert_index shape "
-            f"{tuple(expert_index.shape)}"
-        )
-    if affinity.device != expert_index.device:
-        raise ValueError(
-            f"expert_index ({expert_index.device}) and affinity ({affinity.device}) "
-            "must be on one device"
-        )
+    check_router_output(expert_index, affinity)
     E = _check_positive_int("num_experts", num_experts)
     T, K = expert_index.shape
-    if K < 1:
-        raise ValueError("expert_index must have top_k >= 1 columns")
     # Widen first: uint16/32/64 have no min/max kernels, and every dtype must plan alike.
     # uint64 ids >= 2^63 wrap to negative int64 values and are caught below.
     ids_TK = expert_index.to(torch.int64)

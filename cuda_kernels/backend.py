@@ -1,8 +1,9 @@
 """Dispatcher plugin: registers the ``cuda-sm90`` and ``cuda-sm100`` backends with ``common.dispatch``.
 
 Each backend runs the fused GPU forward of the layer (``cuda_kernels.moe_forward``) and the fused
-GPU backward (``cuda_kernels.moe_backward.moe_backward_fused``: grouped GEMMs, Triton kernels for everything between them, and this package's grouped wgrad kernel
-through the public API ``cuda_kernels.grouped_wgrad.api``). ``check()`` says what is missing:
+GPU backward (``cuda_kernels.moe_backward.moe_backward_fused``: grouped GEMMs, Triton kernels for
+everything between them, and this package's grouped wgrad kernel through the public API
+``cuda_kernels.grouped_wgrad.api``). ``check()`` says what is missing:
 CUDA, the right compute capability, Triton, the CuTe DSL package, or (SM100) the kernel itself.
 
 Imported lazily by ``common.dispatch`` by module name; importing it imports no CuTe DSL and does not

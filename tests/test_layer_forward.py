@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from test_torch_backward import routing  # the same seeded router as the twin's tests
 
 from common import layer_ops
 from common.layer import MoEExperts, MoEExpertsOptions, moe_experts
@@ -21,8 +22,6 @@ from common.metrics import sqnr_db
 from common.problem import GPT_OSS, ClampLimits
 from common.routing import ROUTING_ERRORS, plan_routing, routing_error_code
 from common.torch_backward import grouped_layout, moe_layer_forward_torch
-
-from test_torch_backward import routing  # the same seeded router as the twin's tests
 
 fwd = pytest.importorskip("cuda_kernels.moe_forward")
 from cuda_kernels.moe_forward.kernels import activation_forward  # noqa: E402
@@ -87,7 +86,7 @@ def test_fused_forward_matches_the_portable_forward(name):
 def test_activation_forward_writes_padding_zero_whatever_the_inputs():
     """NaN in the GEMM's padding rows never reaches a_h (padding rows exactly 0) and the
     checkpoint's slots past the real pairs are 0 (the kernel allocates with torch.empty)."""
-    d, kw = _inputs("duplicates_dropped_empty")
+    d, _ = _inputs("duplicates_dropped_empty")
     E = d["w_gate_up_EH2I"].shape[0]
     plan = plan_routing(d["expert_index_TK"], d["affinity_TK"], E)
     layout = grouped_layout(plan, E)
@@ -181,7 +180,8 @@ def test_routing_error_code_bits():
     cases = [
         (torch.tensor([[0, 4], [2, -1]]), aff, "an expert id lies outside [-1, num_experts)"),
         (torch.tensor([[0, -2], [2, -1]]), aff, "an expert id lies outside [-1, num_experts)"),
-        (idx, torch.tensor([[0.5, float("inf")], [1.0, 0.0]]), "a routed slot's affinity is NaN or inf"),
+        (idx, torch.tensor([[0.5, float("inf")], [1.0, 0.0]]),
+         "a routed slot's affinity is NaN or inf"),
         (idx, torch.tensor([[0.5, -0.1], [1.0, 0.0]]), "a routed slot's affinity is negative"),
     ]
     for i, a, rule in cases:
@@ -352,7 +352,6 @@ def test_fused_backward_writes_grads_in_torchtitan_weight_layout():
     from cuda_kernels.moe_backward import moe_backward_fused
 
     p = make_problem(24, 32, 16, 4, 2, seed=3, device=DEV)
-    E, H, _, I = p.w_gate_up_EH2I.shape
     w1 = p.w_gate_up_EH2I[:, :, 0].transpose(1, 2).contiguous()
     w3 = p.w_gate_up_EH2I[:, :, 1].transpose(1, 2).contiguous()
     w2 = p.w_down_EIH.transpose(1, 2).contiguous()

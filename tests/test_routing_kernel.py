@@ -181,7 +181,7 @@ def test_matches_plan_routing_and_grouped(case):
 
 # ------------------------------------------------------------------------------ bad input
 def _well_formed(plan, layout, E):
-    T, K, S, R = layout.num_tokens, plan.top_k, layout.tokens_sum, layout.num_pair_rows
+    T, S, R = layout.num_tokens, layout.tokens_sum, layout.num_pair_rows
     for x, lo, hi in ((layout.row_to_token_S, -1, T), (layout.row_to_pair_S, -1, R),
                       (layout.slot_to_row_TK, -1, S), (plan.slot_to_pair_TK, -1, R),
                       (plan.pair_token_R, -1, T), (plan.pair_expert_R, 0, E + 1)):

@@ -28,7 +28,8 @@ import triton.language as tl
 from ..triton_launch import TritonKernel, cast, rne_bf16
 
 __all__ = [
-    "activation_backward", "gather_rows", "segment_colsum", "token_sum", "zero_empty_groups",
+    "activation_args", "activation_backward", "gather_rows", "segment_colsum", "token_sum",
+    "zero_empty_groups",
 ]
 
 
@@ -84,6 +85,21 @@ def gather_rows(
 
 
 # ------------------------------------------------------------------- activation backward
+def activation_args(activation, clamp_limits) -> tuple[tuple[float, ...], dict]:
+    """The launch arguments every gated-activation kernel takes (forward and backward):
+    ``((g_lo, g_hi, u_lo, u_hi), {ACT_ALPHA, UP_OFFSET, G_HAS_LO, G_HAS_HI, U_HAS_LO,
+    U_HAS_HI})`` of an :class:`~common.problem.Activation` and a ClampLimits (absent limits: 0.0
+    and a False flag)."""
+    cl = clamp_limits
+    sides = (cl.non_linear_clamp_lower_limit, cl.non_linear_clamp_upper_limit,
+             cl.linear_clamp_lower_limit, cl.linear_clamp_upper_limit)
+    limits = tuple(0.0 if v is None else float(v) for v in sides)
+    meta = {"ACT_ALPHA": float(activation.alpha), "UP_OFFSET": float(activation.up_offset)}
+    meta.update(zip(("G_HAS_LO", "G_HAS_HI", "U_HAS_LO", "U_HAS_HI"),
+                    (v is not None for v in sides)))
+    return limits, meta
+
+
 def _activation_backward_kernel(
     dh_ptr, stride_dh,
     act_ptr, stride_act_r, stride_act_c,
@@ -212,11 +228,7 @@ def activation_backward(
         H = dy_SH.shape[1]
     else:
         dy_SH, b_down_EH, H = dh_raw_SI, dh_raw_SI, 1  # unused stand-ins
-    cl = clamp_limits
-
-    def lim(v):
-        return 0.0 if v is None else float(v)
-
+    limits, act_meta = activation_args(activation, clamp_limits)
     BLOCK_M = 16
     BLOCK_I = min(128, triton.next_power_of_2(I))
     BLOCK_H = min(256, triton.next_power_of_2(H))
@@ -227,14 +239,7 @@ def activation_backward(
         row_to_pair_S, plan.pair_token_R, plan.pair_expert_R, plan.pair_affinity_R,
         dy_SH, dy_SH.stride(0), b_down_EH, b_down_EH.stride(0),
         dgu, dgu.stride(0), ah, ah.stride(0), da,
-        S, I, H, E,
-        lim(cl.non_linear_clamp_lower_limit), lim(cl.non_linear_clamp_upper_limit),
-        lim(cl.linear_clamp_lower_limit), lim(cl.linear_clamp_upper_limit),
-        ACT_ALPHA=float(activation.alpha), UP_OFFSET=float(activation.up_offset),
-        G_HAS_LO=cl.non_linear_clamp_lower_limit is not None,
-        G_HAS_HI=cl.non_linear_clamp_upper_limit is not None,
-        U_HAS_LO=cl.linear_clamp_lower_limit is not None,
-        U_HAS_HI=cl.linear_clamp_upper_limit is not None,
+        S, I, H, E, *limits, **act_meta,
         HAS_BD=has_bd,
         BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_H=BLOCK_H, RNE_BF16=rne_bf16(operand_dtype),
         num_warps=4,

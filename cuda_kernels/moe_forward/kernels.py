@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..moe_backward.kernels import activation_args
 from ..triton_launch import TritonKernel, cast, rne_bf16
 
 __all__ = ["activation_forward"]
@@ -137,11 +138,7 @@ def activation_forward(
         gu_S2I = gu_S2I.contiguous()
     has_bias = b_gate_up_E2I is not None
     bgu = b_gate_up_E2I.reshape(-1, 2 * I).contiguous() if has_bias else gu_S2I
-    cl = clamp_limits
-
-    def lim(v):
-        return 0.0 if v is None else float(v)
-
+    limits, act_meta = activation_args(activation, clamp_limits)
     BLOCK_M = 16
     BLOCK_I = min(128, triton.next_power_of_2(I))
     _ACTIVATION_FORWARD.launch(
@@ -149,14 +146,7 @@ def activation_forward(
         gu_S2I, gu_S2I.stride(0), bgu, bgu.stride(0),
         row_to_pair_S, plan.pair_expert_R, plan.pair_affinity_R, plan.num_pairs,
         act, act.stride(0), act.stride(1), ah, ah.stride(0),
-        S, R, I,
-        lim(cl.non_linear_clamp_lower_limit), lim(cl.non_linear_clamp_upper_limit),
-        lim(cl.linear_clamp_lower_limit), lim(cl.linear_clamp_upper_limit),
-        ACT_ALPHA=float(activation.alpha), UP_OFFSET=float(activation.up_offset),
-        G_HAS_LO=cl.non_linear_clamp_lower_limit is not None,
-        G_HAS_HI=cl.non_linear_clamp_upper_limit is not None,
-        U_HAS_LO=cl.linear_clamp_lower_limit is not None,
-        U_HAS_HI=cl.linear_clamp_upper_limit is not None,
+        S, R, I, *limits, **act_meta,
         HAS_BIAS=has_bias,
         BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, RNE_BF16=rne_bf16(operand_dtype),
         num_warps=4,

@@ -38,19 +38,23 @@ CPU tests run the same kernel source with ``TRITON_INTERPRET=1``). Importing thi
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import triton
 import triton.language as tl
 
-from common.routing import GroupedLayout, RoutingPlan
+from common.routing import GroupedLayout, RoutingPlan, as_int, check_router_output
 
 from ..triton_launch import TritonKernel, cast, interpreting, rne_bf16
 
 __all__ = [
-    "ERR_AFFINITY_NEGATIVE", "ERR_AFFINITY_NONFINITE", "ERR_EXPERT_ID", "ERR_TOKENS_SUM",
-    "ERROR_MESSAGES", "build_routing", "check_routing_async", "default_tokens_sum",
+    "ERROR_MESSAGES",
+    "ERR_AFFINITY_NEGATIVE",
+    "ERR_AFFINITY_NONFINITE",
+    "ERR_EXPERT_ID",
+    "ERR_TOKENS_SUM",
+    "build_routing",
+    "check_routing_async",
+    "default_tokens_sum",
 ]
 
 ERR_EXPERT_ID = 1
@@ -274,40 +278,7 @@ def _compute_dtype(dtype: torch.dtype):
 
 
 def _check_args(expert_index_TK, affinity_TK, num_experts, align, tokens_sum):
-    for name, x in (("expert_index_TK", expert_index_TK), ("affinity_TK", affinity_TK)):
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 2:
-            raise ValueError(f"{name} must be 2-D [T, top_k], got shape {tuple(x.shape)}")
-    if expert_index_TK.is_floating_point() or expert_index_TK.is_complex() or (
-        expert_index_TK.dtype == torch.bool
-    ):
-        raise ValueError(f"expert_index_TK must have an integer dtype, got {expert_index_TK.dtype}")
-    if not affinity_TK.is_floating_point():
-        raise ValueError(f"affinity_TK must have a floating dtype, got {affinity_TK.dtype}")
-    if affinity_TK.shape != expert_index_TK.shape:
-        raise ValueError(
-            f"affinity_TK shape {tuple(affinity_TK.shape)} must equal expert_index_TK shape "
-            f"{tuple(expert_index_TK.shape)}"
-        )
-    if affinity_TK.device != expert_index_TK.device:
-        raise ValueError(
-            f"expert_index_TK ({expert_index_TK.device}) and affinity_TK ({affinity_TK.device}) "
-            "must be on one device"
-        )
-    if expert_index_TK.shape[1] < 1:
-        raise ValueError("expert_index_TK must have top_k >= 1 columns")
-
-    def as_int(name, v, minimum):
-        if isinstance(v, (bool, float, torch.Tensor)):
-            raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
-        try:
-            v = operator.index(v)
-        except TypeError:
-            raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}") from None
-        if v < minimum:
-            raise ValueError(f"{name} must be an int >= {minimum}, got {v}")
-        return v
+    check_router_output(expert_index_TK, affinity_TK, names=("expert_index_TK", "affinity_TK"))
 
     E = as_int("num_experts", num_experts, 1)
     A = as_int("align", align, 1)

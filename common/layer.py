@@ -13,7 +13,7 @@ Math (REFERENCE §2), per routed (token t, expert e) with affinity a::
 Public names:
 
 * :class:`MoEExpertsOptions` -- the frozen non-tensor settings of one call.
-* :func:`moe_experts` / :class:`MoEExperts` run through ``torch.ops.moe_bwd.experts_forward``
+* :func:`moe_experts` (functional) / :class:`MoEExperts` (``nn.Module``) run through ``torch.ops.moe_bwd.experts_forward``
   (:mod:`common.layer_ops`: a ``torch.library`` custom op with a fake implementation and an
   autograd formula, so ``torch.compile(fullgraph=True)`` traces the layer without graph breaks).
   The forward is the backend's (:mod:`common.dispatch`): on ``cuda-sm90`` / ``cuda-sm100`` the
@@ -26,7 +26,6 @@ Public names:
   raises RuntimeError.
 * :class:`MoEExpertsFunction` -- the same as a ``torch.autograd.Function``: what the layer uses
   for Megatron ``main_grad`` accumulation (below), which an opaque op cannot carry.
-* :func:`moe_experts` -- the functional form; :class:`MoEExperts` -- the ``nn.Module``.
 * :func:`gate_up_from_torchtitan`, :func:`down_from_torchtitan`,
   :func:`run_experts_grouped_mm` -- torchtitan's ``GroupedExperts`` weights and its grouped-mm
   seam on top of the layer.
@@ -48,6 +47,7 @@ the dispatcher's registry.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +148,10 @@ class MoEExpertsOptions:
         except TypeError:
             key = None
         object.__setattr__(self, "_op_key", key)
+
+    def __reduce__(self):
+        # Rebuilt from the fields (never the process-local op key) by pickle and deepcopy.
+        return (type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
 
     @property
     def uses_custom_op(self) -> bool:

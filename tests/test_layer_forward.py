@@ -117,6 +117,18 @@ def _layer_args(bias: bool, seed: int, device="cpu", T=16, H=32, I=16, E=4, K=2)
     return [a.to(device) if a is not None else None for a in args]
 
 
+def test_options_key_survives_pickle_and_copy():
+    """The ops' options key is process-local: pickle and deepcopy rebuild it from the fields."""
+    import copy
+    import pickle
+
+    o = MoEExpertsOptions(backend="torch", validate_routing="host", clamp_limits=CLAMP)
+    for c in (pickle.loads(pickle.dumps(o)), copy.deepcopy(o)):
+        assert c == o and c._op_key == o._op_key == layer_ops.options_key(o)
+    layer = MoEExperts(2, 8, 4, dtype=torch.float32)
+    assert pickle.loads(pickle.dumps(layer)).options._op_key == layer.options._op_key
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_opcheck_experts_forward(bias):
     key = layer_ops.options_key(MoEExpertsOptions(backend="torch"))

@@ -159,7 +159,7 @@ def shrink_note(full, small, factor: int) -> str:
 
 
 def _activation_name(model) -> str:
-    return "gpt_oss" if model.activation == "swiglu_clamped" else "swiglu"
+    return model.expert_activation()[0].name
 
 
 def _cmd_run(args, console: Console) -> int:

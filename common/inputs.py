@@ -147,11 +147,7 @@ def make_problem_for_model(
         expert_index, affinity = simulate_model_routing(
             model, num_tokens, seed=seed + 1, skew=skew
         )
-    limits = model.clamp_limits
-    if model.activation == "swiglu_clamped":
-        activation = Activation("gpt_oss", alpha=model.swiglu_alpha, up_offset=1.0)
-    else:
-        activation = SWIGLU
+    activation, clamp_limits = model.expert_activation()
     return make_problem(
         num_tokens,
         model.hidden,
@@ -160,7 +156,7 @@ def make_problem_for_model(
         model.top_k,
         seed=seed,
         bias=model.has_bias,
-        clamp_limits=ClampLimits(**limits) if limits else None,
+        clamp_limits=clamp_limits,
         dtype=dtype,
         device=device,
         expert_index=expert_index,

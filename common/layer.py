@@ -1,5 +1,5 @@
-"""The MoE expert MLP as a training layer: an ``nn.Module`` whose backward runs through
-:mod:`common.dispatch`, and a torchtitan adapter.
+"""The MoE expert MLP as a training layer: an ``nn.Module`` whose forward and backward run
+through :mod:`common.dispatch`, and a torchtitan adapter.
 
 Dimensions (legend in :mod:`common.shapes`): T tokens, H hidden, I expert intermediate,
 E experts, K top_k, R = T*K routed slots.
@@ -558,11 +558,7 @@ class MoEExperts(nn.Module):
                 f"model_shape {model_shape.name!r} has affinity_on={model_shape.affinity_on!r}: "
                 "this layer scales the expert output by the affinity, not the input"
             )
-        if model_shape.activation == "swiglu_clamped":
-            activation = Activation("gpt_oss", alpha=model_shape.swiglu_alpha, up_offset=1.0)
-            clamp = ClampLimits(**model_shape.clamp_limits)
-        else:
-            activation, clamp = SWIGLU, None
+        activation, clamp = model_shape.expert_activation()
         init = {"bias": model_shape.has_bias, "activation": activation, "clamp_limits": clamp}
         init.update(kwargs)
         return cls(model_shape.experts, model_shape.hidden, model_shape.intermediate, **init)

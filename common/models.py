@@ -154,6 +154,18 @@ class MoEModelShape:
             raise ValueError(f"is_aligned: multiple must be >= 1, got {multiple}")
         return self.hidden % multiple == 0 and self.intermediate % multiple == 0
 
+    def expert_activation(self):
+        """``(Activation, ClampLimits | None)`` of this model's experts: the one mapping from the
+        YAML's ``activation`` to :mod:`common.problem` (the layer, the CLI and the inputs all
+        read it). ``swiglu_clamped`` (gpt-oss) -> ``Activation("gpt_oss", alpha=swiglu_alpha,
+        up_offset=1.0)`` with :attr:`clamp_limits`; ``swiglu`` -> SwiGLU, no clamp."""
+        from common.problem import SWIGLU, Activation, ClampLimits
+
+        if self.activation == "swiglu_clamped":
+            act = Activation("gpt_oss", alpha=self.swiglu_alpha, up_offset=1.0)
+            return act, ClampLimits(**self.clamp_limits)
+        return SWIGLU, None
+
     @property
     def clamp_limits(self) -> dict[str, float | None] | None:
         """Clamp limits in AWS's field names (``common.problem.ClampLimits``), or None.

@@ -75,9 +75,17 @@ def _cmd_models(args, console: Console) -> int:
     console.print(table)
     console.print(
         "H hidden, I expert intermediate, E routed experts, K = top_k (experts per token), "
-        "shr shared experts; swiglu_clamped = gpt-oss's clamped SwiGLU",
+        "shr shared experts; swiglu_clamped = gpt-oss's clamped SwiGLU. The router weight "
+        "scales each expert's output, except:",
         highlight=False,
     )
+    for m in list_models():
+        if m.affinity_on != "output":
+            console.print(
+                f"  {m.name}: it scales the expert {m.affinity_on} (not computed here; "
+                "`moe-bwd run` refuses it)",
+                highlight=False,
+            )
     return 0
 
 
@@ -180,6 +188,12 @@ def _run(args, console: Console) -> int:
         model = load_model(args.model)
     except ValueError as exc:
         raise _Failed(str(exc)) from None
+    if model.affinity_on != "output":  # before any work (make_problem_for_model refuses too)
+        raise _Failed(
+            f"--model {model.name}: the model applies the router affinity to the expert input "
+            f"(affinity_on={model.affinity_on!r}); this package computes output-scaled experts "
+            "only, so its gradients would be of another function"
+        )
     if args.tokens is not None and args.tokens < 1:
         raise _Failed(f"--tokens must be >= 1, got {args.tokens}")
     if args.shrink < 1:

@@ -140,7 +140,20 @@ def make_problem_for_model(
 
     ``routing`` (``(expert_index, affinity)`` [T, K], e.g. :func:`common.loaders.load_routing`)
     replaces the router simulation; ``weights`` (:class:`common.loaders.ExpertWeights`) replaces
-    the seeded expert weights (and biases)."""
+    the seeded expert weights (and biases).
+
+    Raises:
+        ValueError: a model that applies the router affinity to the expert INPUT
+            (``affinity_on="input"``, Llama 4): every backend here scales the expert output, so
+            its gradients would be those of another function.
+    """
+    if model.affinity_on != "output":
+        raise ValueError(
+            f"model {model.name!r} applies the router affinity to the expert input "
+            f"(affinity_on={model.affinity_on!r}, as Llama 4 does); this package's forward, "
+            "reference and every backend scale the expert OUTPUT by it, so the gradients would "
+            "be those of another function: not run"
+        )
     if routing is not None:
         expert_index, affinity = routing
     else:

@@ -308,3 +308,18 @@ def test_backends_show_summary_and_sm100_opt_in(capsys, monkeypatch):
             assert "not here: " + " ".join(why.split()) in flat, name
     sm100 = " ".join(backends["cuda-sm100"].summary.split())
     assert "compiled but unverified" in sm100 and "MOE_BWD_ENABLE_UNVERIFIED_SM100=1" in sm100
+
+
+def test_input_affinity_model_is_refused_with_the_reason(capsys):
+    """llama-4-scout scales the expert INPUT by the affinity: run refuses it before any work
+    (exit 2, the reason on stderr) instead of computing another function; models shows it."""
+    assert cli.main(["run", "--model", "llama-4-scout", "--tokens", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "llama-4-scout" in err and "expert input" in err
+    assert cli.main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "llama-4-scout: it scales the expert input (not computed here" in out
+    from common.inputs import make_problem_for_model
+
+    with pytest.raises(ValueError, match="affinity to the expert input"):
+        make_problem_for_model(load_model("llama-4-scout").scaled(hidden=128, intermediate=128), 8)

@@ -629,6 +629,15 @@ def _cmd_compare(args, console: Console) -> int:
         "pairs": pairs,
         "wall_s": times,
     }
+    # Non-finite gradients fail the comparison whatever --min-sqnr says (as `run` fails).
+    non_finite = [
+        f"{labels[op]} {GRAD_LABELS[name].split()[0]}"
+        for op in results
+        for name in GRAD_LABELS
+        if getattr(results[op][1], name, None) is not None
+        and not bool(torch.isfinite(getattr(results[op][1], name)).all())
+    ]
+    comparison["non_finite"] = non_finite
     failing = []
     if args.min_sqnr is not None:
         for lab, pair in pairs.items():
@@ -652,13 +661,15 @@ def _cmd_compare(args, console: Console) -> int:
         print(json.dumps(comparison, indent=2, allow_nan=True))
     else:
         _print_comparison(console, comparison)
-    if failing:
-        if not args.json:
-            console.print(
-                f"[red]below --min-sqnr {args.min_sqnr:g} dB:[/red] " + "; ".join(failing)
-            )
-        return 1
-    return 0
+    if non_finite:
+        Console(stderr=True, highlight=False).print(
+            "[red]NaN or inf in the gradients of:[/red] " + "; ".join(non_finite)
+        )
+    if failing and not args.json:
+        console.print(
+            f"[red]below --min-sqnr {args.min_sqnr:g} dB:[/red] " + "; ".join(failing)
+        )
+    return 1 if failing or non_finite else 0
 
 
 def _print_comparison(console: Console, comparison: dict) -> None:

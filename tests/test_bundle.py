@@ -368,3 +368,18 @@ def test_per_expert_plot_keeps_identical_series_visible(problem, torch_grads):
         plt.close(fig)
     styles = [report.series_style(i) for i in range(6)]
     assert len({(s["marker"], str(s["linestyle"])) for s in styles}) == 6
+
+
+def test_cli_compare_fails_on_nan_gradients(tmp_path, capsys, problem, torch_grads):
+    """A bundle whose dX holds a NaN makes compare exit 1 naming the bundle and the gradient
+    (as `run` does), with or without --min-sqnr."""
+    import dataclasses
+
+    dx = torch_grads.hidden_states_grad_TH.clone()
+    dx[0, 0] = float("nan")
+    d = tmp_path / "nan-bundle"
+    _save(d, problem, dataclasses.replace(torch_grads, hidden_states_grad_TH=dx))
+    for extra in ([], ["--json"]):
+        assert cli.main(["compare", str(d), "--baseline", "torch", *extra]) == 1
+        err = capsys.readouterr().err
+        assert "NaN or inf" in err and "nan-bundle" in err and "dX" in err, err

@@ -110,7 +110,9 @@ class _Failed(Exception):
 
 
 def _error(msg: str) -> int:
-    Console(stderr=True, highlight=False).print(f"[red]error:[/red] {msg}")
+    from rich.markup import escape  # a message's own brackets ('[report]', '[T, K]') stay text
+
+    Console(stderr=True, highlight=False).print(f"[red]error:[/red] {escape(msg)}")
     return 2
 
 
@@ -415,9 +417,17 @@ def _check_save_target(path: str, spec, force: bool) -> None:
 
 def _check_report_target(path: str) -> None:
     """``--report DIR`` is a directory, or can become one, that we can write into: _Failed
-    (exit 2) before any work. Nothing stays behind (:func:`common.bundle.check_creatable_dir`)."""
+    (exit 2) before any work, as is a missing matplotlib (the ``report`` extra). Nothing stays
+    behind (:func:`common.bundle.check_creatable_dir`)."""
+    import importlib.util
+
     from common.bundle import check_creatable_dir
 
+    if importlib.util.find_spec("matplotlib") is None:
+        raise _Failed(
+            "--report draws its plots with matplotlib, which is not installed: "
+            "pip install 'moe-bwd-kernels[report]' (or matplotlib==3.11.2)"
+        )
     try:
         check_creatable_dir(path)
     except ValueError as exc:
@@ -662,8 +672,10 @@ def _cmd_compare(args, console: Console) -> int:
     else:
         _print_comparison(console, comparison)
     if non_finite:
+        from rich.markup import escape
+
         Console(stderr=True, highlight=False).print(
-            "[red]NaN or inf in the gradients of:[/red] " + "; ".join(non_finite)
+            "[red]NaN or inf in the gradients of:[/red] " + escape("; ".join(non_finite))
         )
     if failing and not args.json:
         console.print(

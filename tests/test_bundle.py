@@ -383,3 +383,17 @@ def test_cli_compare_fails_on_nan_gradients(tmp_path, capsys, problem, torch_gra
         assert cli.main(["compare", str(d), "--baseline", "torch", *extra]) == 1
         err = capsys.readouterr().err
         assert "NaN or inf" in err and "nan-bundle" in err and "dX" in err, err
+
+
+def test_cli_compare_report_without_matplotlib_fails_before_work(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(cli, "_compare_problem", lambda *a: pytest.fail("work started"))
+    out = tmp_path / "report"
+    assert cli.main(["compare", "torch", "--model", "mixtral-8x7b", "--tokens", "8",
+                     "--report", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "matplotlib" in err and "[report]" in err and not out.exists()

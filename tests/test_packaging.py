@@ -1,17 +1,22 @@
-"""Packaging (issue 21 item 3): the shipped YAMLs are package data found in one way, and the
-current working directory never changes which YAML is read."""
+"""Packaging (issue 21 items 3 and 5): the shipped YAMLs are package data found in one way, the
+current working directory never changes which YAML is read, and one version for every package."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 import common
+import cuda_kernels
+import nki_kernels
 from common import config_files
 from common.config_files import config_path, config_root, load_yaml_file, read_yaml
 from common.models import load_model
@@ -140,3 +145,31 @@ def test_working_directory_cannot_change_the_yaml_read(tmp_path, as_package, how
     assert out["paths"][0] == str(config_root())
     for path in out["paths"]:
         assert not Path(path).is_relative_to(tmp_path), path
+
+
+# ------------------------------------------------------------------------------ the version
+
+
+def test_one_version_for_every_package():
+    """pyproject's version is read from common/_version.py; the packages re-export it."""
+    project = PYPROJECT["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    attr = PYPROJECT["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    assert attr == "common._version.__version__"
+    tree = ast.parse((ROOT / "common" / "_version.py").read_text(encoding="utf-8"))
+    (literal,) = [n.value.value for n in tree.body if isinstance(n, ast.Assign)]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", literal)
+    assert common.__version__ == nki_kernels.__version__ == cuda_kernels.__version__ == literal
+
+
+def test_installed_metadata_agrees_when_installed_from_this_checkout():
+    try:
+        dist = metadata.distribution("moe-bwd-kernels")
+    except metadata.PackageNotFoundError:
+        pytest.skip("moe-bwd-kernels is not installed")
+    origin = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+    # an install from this checkout, or the egg-info an editable install leaves in it
+    here = origin == ROOT.as_uri() or Path(str(dist.locate_file(""))).resolve() == ROOT
+    if not here:
+        pytest.skip(f"the moe-bwd-kernels found is not this checkout's ({origin or 'no url'})")
+    assert dist.version == common.__version__

@@ -1,5 +1,6 @@
 """Packaging (issue 21 items 3 and 5): the shipped YAMLs are package data found in one way, the
-current working directory never changes which YAML is read, and one version for every package."""
+current working directory never changes which YAML is read, one version for every package, and
+the README's test command is the one `.ci/run` runs."""
 
 from __future__ import annotations
 
@@ -173,3 +174,37 @@ def test_installed_metadata_agrees_when_installed_from_this_checkout():
     if not here:
         pytest.skip(f"the moe-bwd-kernels found is not this checkout's ({origin or 'no url'})")
     assert dist.version == common.__version__
+
+
+# --------------------------------------------------------------------- dependencies and CI
+
+
+def test_runtime_requirements_are_ranges_and_ci_pins_them():
+    """Runtime requirements are ranges; .ci/constraints.txt pins one tested version of each,
+    inside its range (torch 2.13.0: the CPU wheel CI installs)."""
+    from packaging.requirements import Requirement
+
+    def key(name: str) -> str:
+        return name.strip().lower().replace("_", "-")
+
+    reqs = {key(Requirement(r).name): Requirement(r) for r in PYPROJECT["project"]["dependencies"]}
+    pins = {}
+    for line in (ROOT / ".ci" / "constraints.txt").read_text(encoding="utf-8").splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[key(name)] = version.strip()
+    assert set(reqs) == {"torch", "numpy", "ml-dtypes", "pyyaml", "rich", "safetensors"}
+    for name, req in reqs.items():
+        assert not any(spec.operator == "==" for spec in req.specifier), req
+        assert name in pins, f".ci/constraints.txt pins no {name}"
+        assert req.specifier.contains(pins[name]), (name, pins[name], str(req.specifier))
+    assert pins["torch"] == "2.13.0"
+
+
+def test_readme_test_command_is_what_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    (ci_cmd,) = [ln for ln in ci.splitlines() if ln.startswith("python3 -m venv")]
+    assert "-c .ci/constraints.txt" in ci_cmd
+    assert f"```bash\n{ci_cmd}\n```" in readme

@@ -1,4 +1,5 @@
-"""MoE layer shapes of published models, loaded from ``configs/models/*.yaml``.
+"""MoE layer shapes of published models, loaded from ``configs/models/*.yaml`` (the shipped YAML,
+found by :mod:`common.config_files`).
 
 Each YAML file describes one model's routed-expert layer (H, I, E, top_k, router, activation)
 and cites the config.json it was read from. ``load_model("qwen3-30b-a3b")`` returns a frozen
@@ -16,11 +17,10 @@ import functools
 import math
 import re
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-import yaml
+from common.config_files import config_path, load_yaml_file
 
 __all__ = [
     "ACTIVATIONS",
@@ -347,8 +347,8 @@ def load_model_file(path: str | Path) -> MoEModelShape:
     path = Path(path)
     where = str(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
+        data = load_yaml_file(path)
+    except (OSError, ValueError) as exc:
         raise ValueError(f"{where}: cannot read model YAML: {exc}") from exc
     return _shape_from_mapping(data, where, stem=path.stem)
 
@@ -389,8 +389,8 @@ def _shape_from_mapping(data: Any, where: str, stem: str | None = None) -> MoEMo
     return shape
 
 
-def _models_dir():
-    return files("configs") / "models"
+def _models_dir() -> Path:
+    return config_path("models")
 
 
 @functools.lru_cache(maxsize=1)
@@ -401,15 +401,15 @@ def _registry() -> dict[str, MoEModelShape]:
             continue
         where = f"configs/models/{entry.name}"
         try:
-            data = yaml.safe_load(entry.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
+            data = load_yaml_file(entry)
+        except ValueError as exc:
             raise ValueError(f"{where}: cannot parse model YAML: {exc}") from exc
         shape = _shape_from_mapping(data, where, stem=entry.name[: -len(".yaml")])
         shapes[shape.name] = shape
     if not shapes:
         raise RuntimeError(
-            "no model YAML files found in the installed configs/models/ package "
-            "data (is the package installed with its package data?)"
+            f"no model YAML files found in {_models_dir()} (is the package installed with "
+            "its package data?)"
         )
     return shapes
 

@@ -7,6 +7,8 @@ the cuDNN frontend's grouped GEMM wgrad seed. Importing it imports neither CuTe 
 does not query the GPU; kernels compile on first use.
 """
 
+from common._version import __version__ as __version__  # re-exported
+
 from . import grouped_wgrad
 from .grouped_wgrad import *  # noqa: F403 - the package re-exports the grouped wgrad API
 

@@ -22,6 +22,7 @@ import sys
 import types
 from typing import Any
 
+from common._version import __version__ as __version__  # re-exported
 from nki_kernels.config import (
     ActFnType,
     AffinityOption,

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.config_files import config_path, load_yaml_file
 from common.problem import ClampLimits
 
 __all__ = [
@@ -446,7 +447,7 @@ def default_phase_configs(
 # --------------------------------------------------------------------------------------------
 # Tuned per-phase configs (configs/nki/*.yaml)
 
-TUNED_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "nki"
+TUNED_CONFIG_DIR = config_path("nki")  # shipped configs/nki/ (common.config_files)
 _TUNABLE_FIELDS = {f.name for f in dataclasses.fields(MatmulMxfp8KernelConfig)} - {"M", "K", "N"}
 
 
@@ -457,12 +458,9 @@ def tuned_config_key(H: int, I: int, B: int, lnc2: bool) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _read_tuned_tables(directory: str) -> dict[str, dict]:
-    import yaml
-
     table: dict[str, dict] = {}
     for path in sorted(Path(directory).glob("*.yaml")):
-        with open(path, encoding="utf-8") as fh:
-            doc = yaml.safe_load(fh) or {}
+        doc = load_yaml_file(path) or {}
         entries = doc.get("configs", {})
         if not isinstance(entries, dict):
             msg = f"{path}: 'configs' must be a mapping of shape key -> phases"

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-__all__ = ["SM90_TILES", "SM100_TILES", "TileRules", "load_tile_rules", "match_rule"]
+from common.config_files import config_path, load_yaml_file
 
-_CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs" / "cuda"
+__all__ = ["SM90_TILES", "SM100_TILES", "TileRules", "load_tile_rules", "match_rule"]
 
 
 def _or(values: tuple[int, ...]) -> str:
@@ -149,7 +149,7 @@ SM90_TILES = TileRules(
     max_cluster_ctas=1,
     group_align=1,
     dense_partial_tiles=True,
-    yaml=_CONFIGS / "sm90_tiles.yaml",
+    yaml=config_path("cuda", "sm90_tiles.yaml"),
 )
 
 #: SM100 (sm100_bf16.py; CUTLASS Blackwell dense GEMM can_implement): tcgen05.mma M 128 on one
@@ -166,7 +166,7 @@ SM100_TILES = TileRules(
     max_cluster_ctas=16,
     group_align=256,
     dense_partial_tiles=True,
-    yaml=_CONFIGS / "sm100_tiles.yaml",
+    yaml=config_path("cuda", "sm100_tiles.yaml"),
 )
 
 
@@ -177,10 +177,8 @@ def load_tile_rules(path: pathlib.Path, config_cls: type, arch: str) -> tuple:
     Raises:
         RuntimeError: the file is missing or malformed.
     """
-    import yaml
-
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml_file(path)
         rules = []
         for rule in data["rules"]:
             cond = {k: v for k, v in rule.items() if k not in ("name", "config")}

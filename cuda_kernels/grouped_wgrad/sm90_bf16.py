@@ -590,7 +590,7 @@ def _build_kernel_class():
             cute.arch.sync_threads()
             return sPerm, sStart
 
-        # ---- the TMA epilogue (dense outputs), shared with the MXFP8 kernel (sm90_mxfp8) ----
+        # ---- the TMA epilogue (dense outputs) ----
         # They use self.key / out_dtype / acc_dtype / epi_tile / epi_stages / num_groups /
         # group_threads.
 

@@ -71,7 +71,8 @@ def test_select_tile_config_rules():
         select_sm90_tile_config(256, 512, 64, mma_tiler_mn=(128, 192))
     with pytest.raises(ValueError, match="tile_m"):
         select_sm90_tile_config(256, 512, 64, mma_tiler_mn=(96, 128))
-    assert select_sm90_tile_config(384, 512, 64, mma_tiler_mn=(192, 128)).pingpong
+    with pytest.raises(ValueError, match="tile_m"):  # tile M 192: a removed loser
+        select_sm90_tile_config(384, 512, 64, mma_tiler_mn=(192, 128))
     with pytest.raises(ValueError, match="positive"):
         select_sm90_tile_config(0, 128, 2)
 
@@ -79,9 +80,8 @@ def test_select_tile_config_rules():
 def test_tile_config_validation():
     with pytest.raises(ValueError, match="tile_m"):
         Sm90TileConfig(tile_m=96)
-    with pytest.raises(ValueError, match="pingpong"):
-        Sm90TileConfig(tile_m=192, tile_n=128)
-    assert Sm90TileConfig(192, 128, 64, 5, True).consumer_warp_groups == 2
+    with pytest.raises(ValueError, match="tile_m"):  # tile M 192 lost (benchmarks/RESULTS.md)
+        Sm90TileConfig(192, 128, 64, 5, True)
     with pytest.raises(ValueError, match="tile_n"):
         Sm90TileConfig(tile_n=260)
     with pytest.raises(ValueError, match="tile_k"):
@@ -157,17 +157,16 @@ def test_offline_compile_ignores_the_present_gpu_arch():
 
 def test_variant_fields_default_to_the_measured_kernel():
     t = Sm90TileConfig()
-    assert (t.acc_epilogue, t.epi_n, t.epi_stages, t.swizzle) == ("reduce", 32, 0, 0)
+    assert (t.acc_epilogue, t.epi_n, t.swizzle) == ("reduce", 32, 0)
     assert t.cluster_shape_mn == (1, 1)
     # the YAML rows use only the variants measured to win (benchmarks/RESULTS.md, issue 12)
     won = {"accumulate-many-experts": "128x128s6pp-l2pf-e64", "pingpong-192": "128x192s5pp-sw8"}
     for name, _cond, cfg in sm90.load_sm90_tile_rules():
         plain = f"{cfg.tile_m}x{cfg.tile_n}s{cfg.stages}" + ("pp" if cfg.pingpong else "")
         assert cfg.variant_name == won.get(name, plain)
-    v = Sm90TileConfig(128, 128, 64, 6, acc_epilogue="l2prefetch", epi_n=64, epi_stages=3,
-                       swizzle=4)
+    v = Sm90TileConfig(128, 128, 64, 6, acc_epilogue="l2prefetch", epi_n=64, swizzle=4)
     assert v.cluster_shape_mn == (1, 1)
-    assert v.variant_name == "128x128s6-l2pf-e64-es3-sw4"
+    assert v.variant_name == "128x128s6-l2pf-e64-sw4"
 
 
 def test_variant_field_validation():
@@ -178,10 +177,11 @@ def test_variant_field_validation():
         ({"tile_n": 128, "epi_n": 256}, "epi_n"),
         ({"tile_n": 192, "epi_n": 128}, "epi_n"),
         ({"tile_n": 64, "epi_n": 48}, "epi_n"),
-        ({"epi_stages": 9}, "epi_stages"),
     ]:
         with pytest.raises(ValueError, match=word):
             Sm90TileConfig(**kwargs)
+    with pytest.raises(TypeError, match="epi_stages"):  # removed: as many buffers as fit, <= 2
+        Sm90TileConfig(epi_stages=3)
 
 
 def _variant_ptx(tile, **key_kwargs):
@@ -195,7 +195,7 @@ def _variant_ptx(tile, **key_kwargs):
 _T = Sm90TileConfig
 _VARIANT_PTX = [
     # (id, tile, key kwargs, PTX that must appear, PTX that must not)
-    ("reduce-e64-es3", _T(128, 128, 64, 5, True, epi_n=64, epi_stages=3),
+    ("reduce-e64", _T(128, 128, 64, 5, True, epi_n=64),
      {"out_dtype": "float32", "accumulate": True},
      ["cp.reduce.async.bulk.tensor.3d.global.shared::cta.add"],
      ["cp.async.bulk.tensor.3d.shared::cta.global"]),
@@ -223,9 +223,9 @@ def test_offline_compile_speed_variants(case):
 
 @needs_cute
 def test_variant_that_leaves_no_pipeline_room_is_refused():
-    key = Sm90WgradKey(  # 4 fp32 (128, 128) store buffers (256 KiB) leave < 2 stages
-        256, 256, 128, a_major="m", b_major="n", out_dtype="float32", accumulate=True,
-        tile=Sm90TileConfig(128, 256, 64, 4, epi_n=128, epi_stages=4),
+    key = Sm90WgradKey(  # 16384 experts' bookkeeping (128 KiB) + a store buffer: < 2 stages
+        256, 256, 16384, a_major="m", b_major="n", out_dtype="float32", accumulate=True,
+        tile=Sm90TileConfig(128, 256, 64, 4, epi_n=128),
     )
     with pytest.raises(ValueError, match="no room"):
         sm90._kernel_class()(key)
@@ -487,18 +487,12 @@ def test_cuda_graph_replay_with_new_offsets():
 
 _GPU_VARIANTS = [
     # (id, tile, (E, M, N), a_major, b_major, out_dtype, mode, accumulate)
-    ("reduce-e64-es3", _T(128, 128, 64, 5, True, epi_n=64, epi_stages=3), (7, 256, 256), "m", "n",
-     "float32", "dense", True),
+    ("reduce-e64", _T(128, 128, 64, 5, True, epi_n=64), (7, 256, 256), "m", "n", "float32",
+     "dense", True),
     ("l2prefetch-pingpong", _T(128, 128, 64, 6, True, acc_epilogue="l2prefetch"), (7, 256, 320),
      "m", "n", "float32", "dense", True),
     ("l2prefetch-bf16-partial", _T(128, 192, 64, 5, True, acc_epilogue="l2prefetch"),
      (5, 200, 400), "k", "k", "bfloat16", "dense", True),
-    ("tile-m-192-partial", _T(192, 128, 64, 5, True), (5, 320, 256), "m", "n", "bfloat16",
-     "dense", False),
-    ("tile-m-192-kk-acc-l2pf", _T(192, 128, 64, 5, True, acc_epilogue="l2prefetch"),
-     (6, 384, 200), "k", "k", "float32", "dense", True),
-    ("tile-m-192-discrete", _T(192, 64, 64, 6, True), (5, 384, 128), "m", "k", "float16",
-     "discrete", True),
     ("swizzle-partial-band", _T(64, 128, 64, 8, swizzle=3), (5, 448, 384), "m", "n", "float32",
      "dense", True),
     ("swizzle-pingpong", _T(128, 128, 64, 6, True, swizzle=2), (6, 640, 256), "k", "n",

@@ -192,35 +192,33 @@ def test_offline_compile_sm90a_has_fp8_wgmma_and_tma(kwargs, n_wgmma):
 def test_sweep_configs_and_variant_fields():
     cfgs = mx.sweep_tile_configs(2048, 1536)
     assert cfgs[0] == select_sm90_mx_tile_config(2048, 1536)
-    assert len({c.variant for c in cfgs}) == len(cfgs)
-    assert any(c.cross_stage for c in cfgs) and any(c.ctas_per_sm == 2 for c in cfgs)
-    assert all(c.tile_m == 64 for c in cfgs if c.ctas_per_sm == 2)
+    assert [c.variant for c in cfgs] == ["64x128s4-2cta-table-pk", "128x128s6-table-pk",
+                                         "128x128s6"]
+    assert [c.variant for c in mx.sweep_tile_configs(256, 192)] == ["128x64s8"]
     with pytest.raises(ValueError, match="tile_m=64"):
         Sm90MxTileConfig(128, 128, 128, 2, ctas_per_sm=2)
     with pytest.raises(ValueError, match="ctas_per_sm"):
         Sm90MxTileConfig(ctas_per_sm=3)
     with pytest.raises(ValueError, match="overflows"):
         Sm90MxTileConfig(64, 128, 128, 8, ctas_per_sm=2)
-    assert Sm90MxTileConfig(64, 128, 128, 4, cross_stage=True, ctas_per_sm=2).variant == (
-        "64x128s4-xs-2cta")
-    # the TMA epilogue and the producer-decoded table: opt-in, named -tma / -ptab, swept after
-    # the existing variants and before the diagnostics
-    names = [c.variant for c in cfgs]
-    for v in ("64x128s3-2cta-table-tma", "64x128s3-2cta-ptab-tma", "128x128s6-ptab-tma",
-              "128x64s8-ptab-deep-tma", "64x64s4-2cta-ptab-deep-tma"):
-        assert v in names, v
-    new = [i for i, c in enumerate(cfgs) if not c.diagnostic
-           and (c.epilogue == "tma" or c.promote == "producer_table")]
-    assert min(new) > names.index("64x64s4-2cta-table-deep-pk")
-    assert max(new) < min(i for i, c in enumerate(cfgs) if c.diagnostic)
+    assert Sm90MxTileConfig(64, 64, 128, 4, ctas_per_sm=2).variant == "64x64s4-2cta"
     assert Sm90MxTileConfig().epilogue == "autovec" and Sm90MxTileConfig().promote == "scaled"
-    with pytest.raises(ValueError, match="cross_stage"):
-        Sm90MxTileConfig(promote="producer_table", cross_stage=True)
-    with pytest.raises(ValueError, match="overflows"):  # the per-stage tables + epilogue buffers
-        Sm90MxTileConfig(64, 128, 128, 4, ctas_per_sm=2, promote="producer_table",
-                         epilogue="tma")
     with pytest.raises(ValueError, match="epilogue"):
         Sm90MxTileConfig(epilogue="smem")
+
+
+def test_removed_variants_are_refused():
+    # the losing / diagnostic variants of the 2026-12-01 sweeps are gone (benchmarks/RESULTS.md
+    # keeps their numbers): their values and fields are refused, never silently ignored
+    for mode in ("producer_table", "unscaled", "none"):
+        with pytest.raises(ValueError, match="promote"):
+            Sm90MxTileConfig(promote=mode)
+    with pytest.raises(ValueError, match="epilogue"):
+        Sm90MxTileConfig(epilogue="tma")
+    for field in ("cross_stage", "deep"):
+        with pytest.raises(TypeError, match=field):
+            Sm90MxTileConfig(**{field: True})
+    assert not hasattr(Sm90MxTileConfig(), "diagnostic")
 
 
 def test_direct_layout_has_no_opt_in_switch():
@@ -230,26 +228,12 @@ def test_direct_layout_has_no_opt_in_switch():
 
 
 _VARIANTS = mx.sweep_tile_configs(256, 256)
-#: Variants CI compiles (the default, the sweep's best, a deep-issue one, the cross-stage loop);
-#: MOE_BWD_ALL_VARIANT_COMPILES=1 compiles every sweep variant (each compile is 3-6 s on a CI core).
-_CI_VARIANTS = {"128x128s6", "64x128s4-2cta-table-pk", "128x64s8-table-deep-pk", "128x128s6-xs"}
-_ALL_ONLY = pytest.mark.skipif(
-    os.environ.get("MOE_BWD_ALL_VARIANT_COMPILES", "0") != "1",
-    reason="one of the sweep's other variants: MOE_BWD_ALL_VARIANT_COMPILES=1 compiles them all")
-
-
-def _ci_subset(cases, cfg_of=lambda case: case[0]):
-    return [case if cfg_of(case).variant in _CI_VARIANTS else
-            pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=_ALL_ONLY)
-            for case in cases]
 
 
 @needs_cute
 @pytest.mark.parametrize(
     ("cfg", "layout"),
-    _ci_subset([(c, "padded") for c in _VARIANTS]
-               + [(c, "direct") for c in _VARIANTS if c.cross_stage][:2]
-               + [(_VARIANTS[0], "direct")]),
+    [(c, "padded") for c in _VARIANTS] + [(_VARIANTS[0], "direct")],
     ids=lambda x: x.variant if isinstance(x, Sm90MxTileConfig) else x,
 )
 def test_offline_compile_every_sweep_variant(tmp_path, cfg, layout):
@@ -265,16 +249,14 @@ def test_offline_compile_every_sweep_variant(tmp_path, cfg, layout):
                      str(216 if cfg.ctas_per_sm == 2 else 232), ptx)
     if cfg.ctas_per_sm == 2:
         assert re.search(r"\.minnctapersm\s+2", ptx)
-    if cfg.epilogue != "tma":  # (the TMA epilogue fences its smem writes too)
-        assert ("fence.proxy.async" in ptx) == (layout == "direct")  # partial-group zeroing
-    if not cfg.cross_stage:  # the cross-stage loop is known to hit C7514
-        ptxas = ptxas_for(ptx, tmp_path, arch="sm_90a")  # skips if no ptxas knows this PTX ISA
-        f = tmp_path / f"mx_{cfg.variant}_{layout}.ptx"
-        f.write_text(ptx)
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(f), "-o", os.devnull],
-                           capture_output=True, text=True, check=False)
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert "C7514" not in r.stderr and "C7515" not in r.stderr, r.stderr[-2000:]
+    assert ("fence.proxy.async" in ptx) == (layout == "direct")  # partial-group zeroing
+    ptxas = ptxas_for(ptx, tmp_path, arch="sm_90a")  # skips if no ptxas knows this PTX ISA
+    f = tmp_path / f"mx_{cfg.variant}_{layout}.ptx"
+    f.write_text(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(f), "-o", os.devnull],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "C7514" not in r.stderr and "C7515" not in r.stderr, r.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -414,40 +396,6 @@ def _check_case(case, counts, out, ref, init, min_db=60.0):
             assert torch.equal(out[i], init[i]), f"empty expert {i} must be untouched"
     assert sq >= min_db, (f"SQNR {sq:.1f} dB < {min_db} dB against the twin for {case}, "
                           f"counts={counts}")
-
-
-_TMA_GRID = [
-    # (tile, case): the TMA epilogue (store / reduce-add, fp32 / bf16) and the producer table,
-    # with empty experts, partial groups (direct) and discrete outputs (packed fallback)
-    (Sm90MxTileConfig(64, 128, 128, 3, ctas_per_sm=2, promote="producer_table", epilogue="tma"),
-     (4, 256, 256, 200, "e4m3", "bfloat16", "dense", False, "padded")),
-    (Sm90MxTileConfig(64, 128, 128, 3, ctas_per_sm=2, promote="table", epilogue="tma"),
-     (4, 256, 256, 200, "e4m3", "float32", "dense", True, "direct")),
-    (Sm90MxTileConfig(128, 128, 128, 6, promote="producer_table", epilogue="tma"),
-     (4, 256, 256, 200, "e4m3", "float32", "dense", False, "direct")),
-    (Sm90MxTileConfig(128, 64, 128, 8, promote="producer_table", deep=True, epilogue="tma"),
-     (4, 256, 256, 150, "e5m2", "bfloat16", "dense", True, "padded")),
-    (Sm90MxTileConfig(64, 64, 128, 4, ctas_per_sm=2, promote="producer_table", deep=True,
-                      epilogue="tma"),
-     (4, 256, 256, 150, "e4m3", "bfloat16", "discrete", True, "direct")),
-    (Sm90MxTileConfig(64, 128, 128, 3, ctas_per_sm=2, promote="producer_table", epilogue="tma"),
-     (16, 512, 384, 90, "e4m3", "float32", "dense", False, "auto")),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.sm90
-@pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE and _ENABLED), reason="needs an SM90 device, CuTe DSL "
-                    "and the kernel enabled (MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1)")
-@pytest.mark.parametrize(("tile", "case"), _TMA_GRID,
-                         ids=[f"{t.variant}-{'-'.join(map(str, c))}" for t, c in _TMA_GRID])
-def test_tma_epilogue_and_producer_table_match_twin(tile, case):
-    # bf16 TMA reduce-add rounds twice (the result to bf16, then the sum in L2: the BF16
-    # kernel's reduce epilogue) against the twin's single rounding: about one bf16 ulp of
-    # noise, so that case is held to 50 dB
-    gen = torch.Generator().manual_seed(sum(ord(ch) for ch in str(case)) + 7)
-    twice = tile.epilogue == "tma" and case[6] == "dense" and case[7] and case[5] != "float32"
-    _check_case(case, *_run_case(case, gen, tile=tile), min_db=50.0 if twice else 60.0)
 
 
 @pytest.mark.gpu
@@ -622,25 +570,19 @@ def test_direct_rejects_begins_not_multiples_of_16():
     assert bool((out == 0).all())
 
 
-_NEW_VARIANTS = [c for c in mx.sweep_tile_configs(2048, 1536)
-                 if (c.deep or c.epilogue == "packed") and not c.diagnostic
-                 and c.epilogue != "tma"]
+_PACKED_VARIANTS = [c for c in mx.sweep_tile_configs(2048, 1536) if c.epilogue == "packed"]
 
 
 @needs_cute
-@pytest.mark.parametrize("cfg", _ci_subset(_NEW_VARIANTS, cfg_of=lambda c: c),
-                         ids=lambda c: c.variant)
-def test_offline_deep_and_packed_variants_ptxas_clean(tmp_path, cfg):
-    # the bench shape (128 experts x 2048 x 1536, bf16 out): deep issue = 4 back-to-back wgmmas
-    # into 4 fragments, then wait_group 3, 2, 1, 0; packed = 32-bit bf16x2 stores, no 16-bit
-    # ones; ptxas: no serialization (C7514 / C7515) and no spills (128x128s6-pk: no more than the
-    # default 128x128s6, whose scaled promotion already spills a few words)
+@pytest.mark.parametrize("cfg", _PACKED_VARIANTS, ids=lambda c: c.variant)
+def test_offline_packed_variants_ptxas_clean(tmp_path, cfg):
+    # the bench shape (128 experts x 2048 x 1536, bf16 out): packed = 32-bit bf16x2 stores, no
+    # 16-bit ones, the 2-in-flight wait pattern; ptxas: no serialization (C7514 / C7515) and
+    # no spills
     key = Sm90MxWgradKey(2048, 1536, 128, out_dtype="bfloat16", token_layout="padded", tile=cfg)
     ptx = mx.compile_sm90_mxfp8_wgrad_offline(key, arch="sm_90a")
     assert len(re.findall(r"wgmma\.mma_async[\w.:]*", ptx)) == 4
-    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
-    if cfg.deep:
-        assert ["3", "2", "1", "0"] == waits[:4], waits
+    assert "3" not in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
     assert "st.global.b32" in ptx and "st.global.b16" not in ptx
     ptxas = ptxas_for(ptx, tmp_path, arch="sm_90a")
     f = tmp_path / "v.ptx"
@@ -650,75 +592,15 @@ def test_offline_deep_and_packed_variants_ptxas_clean(tmp_path, cfg):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "C7514" not in r.stderr and "C7515" not in r.stderr, r.stderr[-2000:]
     spill = int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
-    assert spill <= (52 if cfg.variant == "128x128s6-pk" else 0), r.stderr[-1000:]
+    assert spill == 0, r.stderr[-1000:]
 
 
 @needs_cute
-def test_default_config_ptx_unchanged_by_new_fields():
-    # the new fields default off: the default key's PTX does not use them (no packed stores,
-    # the original 2-in-flight wait pattern)
+def test_class_default_tile_keeps_the_register_epilogue():
+    # Sm90MxTileConfig() (what a bare key compiles; select_sm90_mx_tile_config picks the
+    # measured default instead): per-thread scales, 16-bit register stores, 2 wgmmas in flight
     key = Sm90MxWgradKey(2048, 1536, 128, out_dtype="bfloat16", token_layout="padded")
-    assert key.tile == Sm90MxTileConfig(deep=False, epilogue="autovec")
+    assert key.tile == Sm90MxTileConfig(promote="scaled", epilogue="autovec")
     ptx = mx.compile_sm90_mxfp8_wgrad_offline(key, arch="sm_90a")
     assert "st.global.b32" not in ptx and "st.global.b16" in ptx
     assert "3" not in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
-
-
-_T = Sm90MxTileConfig
-#: (tile, key kwargs) of the TMA epilogue / producer-table checks: CI compiles the first three
-#: (2-CTA ptab + TMA store, fp32 accumulate = TMA reduce-add with the consumer table, deep issue
-#: + ptab with a bf16 reduce-add); the others under MOE_BWD_ALL_VARIANT_COMPILES=1.
-_TMA_CASES = [
-    (_T(64, 128, 128, 3, ctas_per_sm=2, promote="producer_table", epilogue="tma"),
-     {"out_dtype": "bfloat16"}),
-    (_T(128, 128, 128, 6, promote="table", epilogue="tma"),
-     {"out_dtype": "float32", "accumulate": True}),
-    (_T(128, 64, 128, 8, promote="producer_table", deep=True, epilogue="tma"),
-     {"out_dtype": "bfloat16", "accumulate": True}),
-] + [
-    pytest.param(cfg, kw, marks=_ALL_ONLY) for cfg, kw in [
-        *[(c, {"out_dtype": "bfloat16"}) for c in mx.sweep_tile_configs(2048, 1536)
-          if not c.diagnostic and (c.epilogue == "tma" or c.promote == "producer_table")],
-        (_T(64, 128, 128, 3, ctas_per_sm=2, promote="producer_table", epilogue="tma"),
-         {"out_dtype": "float32", "accumulate": True}),
-        (_T(64, 64, 128, 4, ctas_per_sm=2, promote="producer_table", deep=True,
-            epilogue="tma"), {"output_mode": "discrete", "out_dtype": "bfloat16"}),
-        (_T(128, 128, 128, 6, promote="producer_table", epilogue="tma"),
-         {"out_dtype": "bfloat16", "token_layout": "direct"}),
-    ]
-]
-
-
-@needs_cute
-@pytest.mark.parametrize(("cfg", "kw"), _TMA_CASES,
-                         ids=lambda x: x.variant if isinstance(x, Sm90MxTileConfig) else
-                         "-".join(f"{v}" for v in x.values()))
-def test_offline_tma_epilogue_and_producer_table_ptxas_clean(tmp_path, cfg, kw):
-    # the bench shape: dense outputs leave by TMA (store, or reduce-add when accumulating) from
-    # the stmatrix-written smem sub-tiles, no st.global of the output; discrete outputs keep the
-    # packed register stores; producer_table: a 96-count table mbarrier per stage; ptxas: no
-    # wgmma serialization and no spills
-    kw = {"token_layout": "padded", **kw}
-    key = Sm90MxWgradKey(2048, 1536, 128, tile=cfg, **kw)
-    ptx = mx.compile_sm90_mxfp8_wgrad_offline(key, arch="sm_90a")
-    assert len(re.findall(r"wgmma\.mma_async[\w.:]*", ptx)) == 4
-    store = "cp.async.bulk.tensor.3d.global.shared::cta"
-    reduce = "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add"
-    if key.output_mode == "dense" and cfg.epilogue == "tma":
-        assert "st.global" not in ptx
-        assert (reduce in ptx) == key.accumulate and (store in ptx) == (not key.accumulate)
-        if key.out_dtype != "float32":
-            assert "stmatrix" in ptx
-    else:
-        assert store not in ptx and reduce not in ptx and "st.global.b32" in ptx
-    if cfg.promote == "producer_table":
-        assert re.search(r"mov\.b32\s+%r\d+, 96;", ptx)  # the table barriers' count
-    ptxas = ptxas_for(ptx, tmp_path, arch="sm_90a")
-    f = tmp_path / "v.ptx"
-    f.write_text(ptx)
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(f), "-o", os.devnull],
-                       capture_output=True, text=True, check=False)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "C7514" not in r.stderr and "C7515" not in r.stderr, r.stderr[-2000:]
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", r.stderr)]
-    assert spills and max(spills) == 0, r.stderr[-1000:]

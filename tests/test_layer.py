@@ -659,7 +659,7 @@ def test_double_backward_is_refused_by_the_torchtitan_adapter():
         _double_backward(y.pow(2).sum(), [x, w1, w2, w3])
 
 
-def test_double_backward_is_refused_by_the_nki_autograd_function():
+def test_double_backward_is_refused_through_nki_moe_expert_mlp():
     from nki_kernels.autograd import moe_expert_mlp
 
     d = _leaves(12, bias=False)

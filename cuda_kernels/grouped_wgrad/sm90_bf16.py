@@ -32,13 +32,13 @@ Structure (one CTA per SM, persistent, warp-specialized):
   NaN), fence the async proxy and sync before the wgmma reads them;
 - empty experts issue no loads and write zeros, or leave the output untouched when accumulating;
 - speed variants, fields of :class:`Sm90TileConfig` (defaults: the kernel above): epilogue
-  sub-tile width / store stages (``epi_n``, ``epi_stages``), the old output tile prefetched into
-  L2 for the reduce-add (``acc_epilogue="l2prefetch"``: the YAML's rule for accumulating with
-  many experts) and bands of M tiles walked N column by N column inside an expert (``swizzle``:
-  the YAML's 128x192 rule); tile M 192 (pingpong) holds three 64-row wgmma slabs per warp group.
-  (Variants measured on the H200 that lost -- a shared-memory prefetch accumulate epilogue,
-  (2, 1) clusters with B multicast, a tile id fetched one tile ahead, a self-resetting tile
-  counter -- were removed; their numbers are in benchmarks/RESULTS.md.)
+  sub-tile width (``epi_n``), the old output tile prefetched into L2 for the reduce-add
+  (``acc_epilogue="l2prefetch"``: the YAML's rule for accumulating with many experts) and bands
+  of M tiles walked N column by N column inside an expert (``swizzle``: the YAML's 128x192
+  rule). (Variants measured on the H200 that lost -- a shared-memory prefetch accumulate
+  epilogue, (2, 1) clusters with B multicast, a tile id fetched one tile ahead, a self-resetting
+  tile counter, tile M 192, a chosen count of epilogue store stages -- were removed; their
+  numbers are in benchmarks/RESULTS.md.)
 
 Public names (docs/CONTRACTS.md): ``Sm90TileConfig``, ``Sm90WgradKey``, ``select_sm90_tile_config``,
 ``sm90_key_from_contract``, ``compile_sm90_wgrad`` (cached; ``COMPILE_COUNT`` counts real
@@ -80,8 +80,7 @@ class Sm90TileConfig:
 
     Attributes (accepted values: ``tiles.SM90_TILES``):
         tile_m: output rows (hidden) per CTA tile, 64 or 128 (cooperative: 64 rows per consumer
-            warp group), or 192 (pingpong only: one warp group holds the 192-row tile, three
-            64-row wgmma slabs).
+            warp group).
         tile_n: output columns (intermediate) per CTA tile, a multiple of 16 in [16, 256].
         tile_k: tokens per pipeline stage, 64 (one 128-byte swizzle row of bf16).
         stages: depth of the shared-memory ring of (A, B) tiles, >= 2.
@@ -97,9 +96,8 @@ class Sm90TileConfig:
             the epilogue's TMA reduce-add finds it there instead of waiting on DRAM; any dense
             output).
         epi_n: columns of one epilogue sub-tile (TMA store box): 32 (default, as measured), or
-            a multiple of 16 dividing tile_n.
-        epi_stages: TMA-store staging buffers per consumer group of the store / reduce-add
-            epilogues, 1..8, or 0 (as many as fit, at most 2: the measured default).
+            a multiple of 16 dividing tile_n. The store / reduce-add epilogues keep as many
+            staging buffers of it per consumer group as fit, at most 2 (the measured default).
         swizzle: tile order inside an expert. 0: M tiles fastest, one N column after another
             (the measured default); G > 0: bands of G M tiles, each band walked N column by N
             column (an L2 working set of G A tiles and all of B instead of all of A).
@@ -115,17 +113,11 @@ class Sm90TileConfig:
     pingpong: bool = False
     acc_epilogue: str = "reduce"
     epi_n: int = 32
-    epi_stages: int = 0
     swizzle: int = 0
 
     def __post_init__(self) -> None:
         SM90_TILES.check_config(self)
         cls = type(self).__name__
-        if self.tile_m == 192 and not self.pingpong:
-            raise ValueError(
-                f"{cls}.tile_m=192 runs only with pingpong=True (three 64-row wgmma slabs per "
-                "consumer warp group; cooperative tiles are 64 rows per warp group, at most two)"
-            )
         if self.acc_epilogue not in ("reduce", "l2prefetch"):
             raise ValueError(
                 f"{cls}.acc_epilogue must be 'reduce' or 'l2prefetch', got {self.acc_epilogue!r}"
@@ -137,8 +129,6 @@ class Sm90TileConfig:
                 f"{cls}.epi_n must be a multiple of 16 dividing tile_n={self.tile_n}, "
                 f"got {self.epi_n}"
             )
-        if not 0 <= self.epi_stages <= 8:
-            raise ValueError(f"{cls}.epi_stages must be in [0, 8], got {self.epi_stages}")
         if not 0 <= self.swizzle <= 64:
             raise ValueError(f"{cls}.swizzle must be in [0, 64], got {self.swizzle}")
 
@@ -155,8 +145,6 @@ class Sm90TileConfig:
             name += {"l2prefetch": "-l2pf"}[self.acc_epilogue]
         if self.epi_n != 32:
             name += f"-e{self.epi_n}"
-        if self.epi_stages:
-            name += f"-es{self.epi_stages}"
         if self.swizzle:
             name += f"-sw{self.swizzle}"
         return name
@@ -229,7 +217,7 @@ def select_sm90_tile_config(
             rule whose tile divides hidden and intermediate.
         accumulate: accumulating into the output (rules may ask for it: their epilogue).
         mma_tiler_mn: a caller's ``(tile_m, tile_n)`` instead of the rules: cooperative schedule
-            (pingpong for tile_m 192) with as many stages (up to 8) as shared memory holds.
+            with as many stages (up to 8) as shared memory holds.
 
     Returns:
         The first rule's :class:`Sm90TileConfig` whose divisibility conditions hold.
@@ -247,7 +235,7 @@ def select_sm90_tile_config(
     if mma_tiler_mn is not None:
         tile_m, tile_n = mma_tiler_mn
         config = Sm90TileConfig(
-            tile_m, tile_n, 64, SM90_TILES.stages_for(tile_m, tile_n, 64), pingpong=tile_m == 192
+            tile_m, tile_n, 64, SM90_TILES.stages_for(tile_m, tile_n, 64)
         )
         if hidden % tile_m or intermediate % tile_n:
             raise ValueError(
@@ -339,17 +327,14 @@ def _build_kernel_class():
             sub_bytes = self.epi_tile[0] * t.epi_n * out_bytes
             self.swizzle = t.swizzle
             header = 2048 + 8 * key.num_experts + 16 * t.stages
-            if t.epi_stages:
-                self.epi_stages = t.epi_stages
-            else:
-                self.epi_stages = 2
-                while self.tma_epi and self.epi_stages > 1 and (
-                    header
-                    + t.stage_bytes * t.stages
-                    + sub_bytes * self.epi_stages * self.num_groups
-                    > _SMEM_BYTES
-                ):
-                    self.epi_stages -= 1
+            self.epi_stages = 2
+            while self.tma_epi and self.epi_stages > 1 and (
+                header
+                + t.stage_bytes * t.stages
+                + sub_bytes * self.epi_stages * self.num_groups
+                > _SMEM_BYTES
+            ):
+                self.epi_stages -= 1
             epi_bytes = sub_bytes * self.epi_stages * self.num_groups if self.tma_epi else 0
             self.stages = min(t.stages, (_SMEM_BYTES - header - epi_bytes) // t.stage_bytes)
             if self.stages < 2:
@@ -524,15 +509,11 @@ def _build_kernel_class():
                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, _SCHED_STAGES),
             )
 
-        def setup_pipelines(
-            self, a_smem_staged, b_smem_staged, extra_tx_bytes: int = 0,
-            extra_sched_consumers: int = 0,
-        ):
+        def setup_pipelines(self, a_smem_staged, b_smem_staged, extra_tx_bytes: int = 0):
             """Allocate the shared-memory struct and create (deferred init) the (A, B) stage
             ring and the tile-id ring. Every stage's loads complete ``extra_tx_bytes`` beyond
-            its A and B tiles (the MXFP8 scale atoms); ``extra_sched_consumers`` threads beyond
-            the consumer warp groups read the tile-id ring (the MXFP8 table decoders).
-            Returns (storage, ab_pipe, sched_pipe, sSched)."""
+            its A and B tiles (the MXFP8 scale atoms). Returns (storage, ab_pipe, sched_pipe,
+            sSched)."""
             a_smem_one = cute.slice_(a_smem_staged, (None, None, 0))
             b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
             tx_bytes = (
@@ -561,7 +542,7 @@ def _build_kernel_class():
                 num_stages=_SCHED_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
                 consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, 128 * self.num_consumer_wgs + extra_sched_consumers
+                    pipeline.Agent.Thread, 128 * self.num_consumer_wgs
                 ),
                 defer_sync=True,
             )
@@ -609,7 +590,7 @@ def _build_kernel_class():
             cute.arch.sync_threads()
             return sPerm, sStart
 
-        # ---- the TMA epilogue (dense outputs), shared with the MXFP8 kernel (sm90_mxfp8) ----
+        # ---- the TMA epilogue (dense outputs) ----
         # They use self.key / out_dtype / acc_dtype / epi_tile / epi_stages / num_groups /
         # group_threads.
 

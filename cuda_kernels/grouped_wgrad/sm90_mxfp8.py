@@ -14,7 +14,7 @@ alternate, so group ``g``'s promotion overlaps group ``g+1``'s wgmma.
 
 Structure (shared with ``sm90_bf16``: the kernel class inherits the BF16 kernel's, whose methods
 give the pipelines, the expert sort, the tile order, the scheduler, the A / B loads and the
-epilogues; the scale loads, the promotion mainloops and the packed stores are this module's):
+epilogues; the scale loads, the promotion mainloop and the packed stores are this module's):
 
 - warp group 0 is the producer: one warp takes tile ids from a global atomic counter (dynamic
   persistent scheduler over experts sorted by token count, largest first) and issues, per stage of
@@ -23,9 +23,7 @@ epilogues; the scale loads, the promotion mainloops and the packed stores are th
   (``common/mx_atoms``: 512 contiguous bytes per 128 rows), loaded by TMA through a
   ``(bytes / 256, 256)`` view of the scale tensor; everything completes on the stage's mbarrier;
 - consumer warp groups (cooperative, one 64-row slab each) run the wgmma + promotion mainloop and
-  store the fp32 accumulator from registers (dense or discrete outputs, optional accumulate), or
-  with ``epilogue="tma"`` (dense outputs) through shared memory and TMA stores / reduce-adds
-  (``sm90_bf16``'s ``epi_*`` methods, the BF16 kernel's epilogue);
+  store the fp32 accumulator from registers (dense or discrete outputs, optional accumulate);
 - every expert's stages start at its first token (``token_layout="direct"``) or, in the padded
   layout (``token_layout="padded"``), at ``32 * s_e`` where ``s_e`` is its first scale column:
   then every stage is 128-token aligned and the partial group's missing tokens are the zero
@@ -41,16 +39,16 @@ coordinate, which TMA needs 16-byte aligned: the direct layout is only valid whe
 begins at a multiple of 16 tokens (the python entry checks it; the 2026-12-01 illegal instruction
 came from direct cases with begins such as 37). With that rule the direct layout was verified on
 the H200 (2026-12, whole grid, compute-sanitizer) and ``"auto"`` picks it when every expert begins
-at a multiple of 16 tokens (no opt-in switch any more). ``"auto"`` uses the raw operands as the padded layout when every
-expert but the last holds a multiple of 128 tokens (no repack).
+at a multiple of 16 tokens (no opt-in switch any more). ``"auto"`` uses the raw operands as the
+padded layout when every expert but the last holds a multiple of 128 tokens (no repack).
 
-Variants (:class:`Sm90MxTileConfig` fields, swept by ``benchmarks/bench_grouped_wgrad_mxfp8.py
---sweep``): ``promote`` (``"scaled"``: per-thread scale words decoded per group; ``"table"``: the
-stage's scales decoded once into an fp32 table in shared memory; ``"producer_table"``
-(``-ptab``): the producer warp group's idle warps decode it, ordered by a per-stage mbarrier; two
-diagnostics), ``epilogue`` (``-pk`` packed register stores, ``-tma`` smem + TMA),
-``ctas_per_sm`` (2 co-resident 64-row CTAs), ``cross_stage`` (promotion pipelined across stages;
-ptxas serializes its wgmmas, C7514), tile and stages.
+Tiles (:class:`Sm90MxTileConfig`): the measured default (:func:`select_sm90_mx_tile_config`:
+64 x 128, two CTAs per SM, the stage's scales decoded once into an fp32 factor table in shared
+memory, packed register stores) and, where it does not divide the problem, 128 x 64 / 64 x 64
+tiles with per-thread scale decoding and the BF16 kernel's register epilogue. The losing and
+diagnostic variants of the 2026-12-01 sweeps (cross-stage and deep-issue mainloops, the TMA
+epilogue, the producer-decoded table, promotions that are wrong on purpose) were removed; their
+numbers are in ``benchmarks/RESULTS.md``.
 
 Host side: :class:`Sm90MxWgradKey` (``_contract.KernelKey`` + ``elem`` + ``token_layout`` +
 :class:`Sm90MxTileConfig`), ``FAMILY`` (a :class:`launch.KernelFamily` whose compile / launch
@@ -71,7 +69,6 @@ from typing import Any
 
 from ._contract import KernelKey
 from .launch import KernelFamily, fake_offsets_and_out
-from .sm90_bf16 import _SCHED_STAGES  # the tile-id ring the BF16 class's setup_pipelines makes
 from .tiles import SM90_TILES, TileRules
 
 __all__ = [
@@ -91,11 +88,8 @@ TILE_K = 128  # tokens per pipeline stage = 4 groups = one 128x4 scale atom colu
 ATOM_BYTES = 512
 ELEMS = ("e4m3", "e5m2")
 TOKEN_LAYOUTS = ("direct", "padded")
-PROMOTE_MODES = ("scaled", "table", "producer_table", "unscaled", "none")
-DECODE_THREADS = 96  # promote="producer_table": the producer warp group's warps 1-3
-EPILOGUES = ("autovec", "packed", "tma")
-_PROMOTE_SUFFIX = {"producer_table": "ptab"}
-EPI_N = 32  # columns of one TMA-epilogue sub-tile (the BF16 kernel's measured default)
+PROMOTE_MODES = ("scaled", "table")
+EPILOGUES = ("autovec", "packed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +128,6 @@ class Sm90MxTileConfig:
         tile_n: output columns per tile, 64 or 128.
         tile_k: tokens per stage, 128 (4 MX groups, one scale atom column).
         stages: depth of the shared-memory ring, >= 2.
-        cross_stage: software-pipeline the promotion across stages: the last group of stage
-            ``kt`` is promoted (and the stage released) after stage ``kt+1``'s first wgmma is
-            issued, so the tensor cores are not idle at every stage boundary (False: the
-            original loop, ``wait_group(0)`` + promotion at the end of every stage).
         ctas_per_sm: persistent CTAs per SM (1 or 2; 2 only with ``tile_m == 64``, one consumer
             warp group: two co-resident CTAs overlap one's epilogue / promotion with the
             other's wgmma, a pingpong by occupancy). Shared memory per CTA is then halved.
@@ -147,40 +137,19 @@ class Sm90MxTileConfig:
             shift + mask), then ``acc += tmp * (fa * fb)``; ``"table"``: each consumer warp
             group decodes the stage's scales once into an fp32 table in shared memory
             (double-buffered, one word per thread per stage, then a warp-group barrier), the
-            promotion then only loads fa / fb; ``"producer_table"`` (name suffix ``-ptab``):
-            the producer warp group's idle warps 1-3 decode every stage's scales into an fp32
-            table in shared memory (one table per pipeline stage, (tile_m + tile_n) x 4 words),
-            after the stage's full mbarrier, and arrive on a per-stage table mbarrier that the
-            consumers wait on after the stage's: their promotion is only the table loads and
-            FMUL + FFMA (the stage's refill waits for the consumers' release, which follows
-            their last table read); ``"unscaled"`` / ``"none"``: DIAGNOSTICS ONLY,
-            wrong results (``acc += tmp`` / no promotion at all): the sweep's bounds on what
-            the scaling / the whole promotion costs.
-        deep: deep issue (needs ``tile_n == 64``: 4 fragments of 32 fp32 + the accumulator
-            fit the registers): the stage's 4 wgmmas go out back to back into 4 fresh
-            fragments, then ``wait_group(3)``, promote group 0, ``wait_group(2)``, promote 1,
-            ... (the tensor cores run the whole stage while the promotions follow; the original
-            loop keeps at most 2 wgmmas in flight and drains at every stage boundary).
-        epilogue: ``"autovec"`` (the original register -> global copy: with a 16-bit output
-            it emits one 2-byte store per element, 64 ``STG.U16`` per thread at 128x128) or
-            ``"packed"`` (each thread's two adjacent columns packed into one 32-bit store for
-            bf16 / fp16 outputs, one 64-bit store for fp32) or ``"tma"`` (dense outputs: the
-            BF16 kernel's epilogue, ``sm90_bf16``'s ``epi_*`` methods: registers -> shared
-            memory (stmatrix) in (tile_m, 32) sub-tiles, one warp issues a TMA store, or a TMA
-            reduce-add when accumulating, 2 buffers in flight, so the global writes drain while
-            the next tile's mainloop runs; discrete outputs keep the ``"packed"`` stores). With
-            a 16-bit output and ``accumulate`` the TMA reduce-add rounds twice (the result, then
-            the sum), as the BF16 kernel's reduce epilogue does.
+            promotion then only loads fa / fb.
+        epilogue: ``"autovec"`` (the BF16 kernel's register -> global copy: with a 16-bit
+            output it emits one 2-byte store per element, 64 ``STG.U16`` per thread at
+            128x128) or ``"packed"`` (each thread's two adjacent columns packed into one 32-bit
+            store for bf16 / fp16 outputs, one 64-bit store for fp32).
     """
 
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = TILE_K
     stages: int = 6
-    cross_stage: bool = False
     ctas_per_sm: int = 1
     promote: str = "scaled"
-    deep: bool = False
     epilogue: str = "autovec"
 
     def __post_init__(self) -> None:
@@ -188,15 +157,8 @@ class Sm90MxTileConfig:
         cls = type(self).__name__
         if self.promote not in PROMOTE_MODES:
             raise ValueError(f"{cls}.promote must be one of {PROMOTE_MODES}, got {self.promote!r}")
-        if self.cross_stage and self.promote in ("table", "producer_table"):
-            raise ValueError(f"{cls}: cross_stage with promote='table' is not built (the DSL "
-                             "cannot carry the table's state out of the stage loop)")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"{cls}.epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
-        if self.deep and self.tile_n != 64:
-            raise ValueError(f"{cls}: deep=True needs tile_n=64 (4 fragments in registers)")
-        if self.deep and self.cross_stage:
-            raise ValueError(f"{cls}: deep and cross_stage are exclusive")
         if self.ctas_per_sm not in (1, 2):
             raise ValueError(f"{cls}.ctas_per_sm must be 1 or 2, got {self.ctas_per_sm}")
         if self.ctas_per_sm == 2:
@@ -205,10 +167,6 @@ class Sm90MxTileConfig:
             need = self.stage_bytes * self.stages + SM90_MX_TILES.smem_reserved
             if self.promote == "table":
                 need += 4 * 2 * 4 * (64 + self.tile_n) * (self.tile_m // 64)
-            if self.promote == "producer_table":
-                need += 4 * self.stages * 4 * (self.tile_m + self.tile_n)
-            if self.epilogue == "tma":  # 2 (tile_m, 32) 16-bit buffers (fp32 outputs: 1)
-                need += 2 * self.tile_m * EPI_N * 2
             if 2 * need > SM90_MX_TILES.smem_bytes:
                 raise ValueError(
                     f"{cls}: ctas_per_sm=2 with {self.stages} stages of {self.stage_bytes} bytes "
@@ -217,17 +175,11 @@ class Sm90MxTileConfig:
 
     @property
     def variant(self) -> str:
-        """Short name of the config (benchmark sweeps)."""
+        """Short name of the config (benchmark rows), e.g. ``64x128s4-2cta-table-pk``."""
         return (f"{self.tile_m}x{self.tile_n}s{self.stages}"
-                f"{'-xs' if self.cross_stage else ''}{'-2cta' if self.ctas_per_sm == 2 else ''}"
-                f"{'' if self.promote == 'scaled' else '-' + _PROMOTE_SUFFIX.get(self.promote, self.promote)}"
-                f"{'-deep' if self.deep else ''}"
-                f"{ {'autovec': '', 'packed': '-pk', 'tma': '-tma'}[self.epilogue]}")
-
-    @property
-    def diagnostic(self) -> bool:
-        """True for the promotion modes that give wrong results on purpose (sweep bounds)."""
-        return self.promote in ("unscaled", "none")
+                f"{'-2cta' if self.ctas_per_sm == 2 else ''}"
+                f"{'-table' if self.promote == 'table' else ''}"
+                f"{'-pk' if self.epilogue == 'packed' else ''}")
 
     @property
     def cluster_shape_mn(self) -> tuple[int, int]:
@@ -311,71 +263,20 @@ def select_sm90_mx_tile_config(hidden: int, intermediate: int) -> Sm90MxTileConf
 
 
 def sweep_tile_configs(hidden: int, intermediate: int) -> list[Sm90MxTileConfig]:
-    """The tile configs a benchmark sweep measures for ``(hidden, intermediate)`` (those that
-    divide the problem): the current default first; the shared-memory factor table
-    (``promote="table"``); 64-row tiles with one or two CTAs per SM (occupancy pingpong); the
-    cross-stage loop (ptxas reports C7514 for it: wgmma serialized; measured anyway); the packed
-    epilogue (``-pk``) and deep-issue (``-deep``, tile_n 64) variants; the TMA epilogue
-    (``-tma``) and the producer-decoded factor table (``-ptab``); and, last, the diagnostic
-    promotions (wrong results on purpose: bounds on the promotion's cost)."""
+    """The tile configs ``bench_grouped_wgrad_mxfp8.py --sweep`` measures for ``(hidden,
+    intermediate)`` (those that divide the problem): the default first, then the runner-up of
+    the 2026-12-01 sweep (128 x 128, factor table, packed stores: 0.39x BF16 against the default's
+    0.41x) and the old default (128 x 128, per-thread scales, register epilogue: 0.25x), so a
+    re-run shows whether the ranking still holds. The removed variants' numbers are in
+    ``benchmarks/RESULTS.md``."""
     out: list[Sm90MxTileConfig] = []
-
-    def add(tm, tn, st, **kw):
-        try:
-            cfg = Sm90MxTileConfig(tm, tn, TILE_K, st, **kw)
-        except ValueError:
-            return
-        if hidden % cfg.tile_m == 0 and intermediate % cfg.tile_n == 0 and cfg not in out:
-            out.append(cfg)
-
     with contextlib.suppress(ValueError):
         out.append(select_sm90_mx_tile_config(hidden, intermediate))
     s128 = SM90_MX_TILES.stages_for(128, 128, TILE_K)
-    s64 = SM90_MX_TILES.stages_for(128, 64, TILE_K)
-    add(128, 128, s128, promote="table")
-    add(128, 128, 4)
-    add(128, 64, s64)
-    add(128, 64, s64, promote="table")
-    add(64, 128, 8)
-    add(64, 128, 4, ctas_per_sm=2)
-    add(64, 128, 4, ctas_per_sm=2, promote="table")
-    add(64, 128, 3, ctas_per_sm=2)
-    add(64, 64, 4, ctas_per_sm=2)
-    add(64, 64, 4, ctas_per_sm=2, promote="table")
-    add(128, 128, s128, cross_stage=True)
-    add(64, 128, 4, cross_stage=True, ctas_per_sm=2)
-    # packed 32-bit epilogue stores (the autovec epilogue stores bf16 element by element) and
-    # the deep-issue mainloop (tile_n = 64: 4 fragments in registers)
-    add(128, 128, s128, epilogue="packed")
-    add(128, 128, s128, promote="table", epilogue="packed")
-    add(64, 128, 4, ctas_per_sm=2, promote="table", epilogue="packed")
-    add(128, 64, s64, deep=True, epilogue="packed")
-    add(128, 64, s64, promote="table", deep=True, epilogue="packed")
-    add(64, 64, 4, ctas_per_sm=2, deep=True, epilogue="packed")
-    add(64, 64, 4, ctas_per_sm=2, promote="table", deep=True, epilogue="packed")
-    # dense outputs through shared memory + TMA stores (-tma: the BF16 kernel's epilogue, the
-    # stores drain during the next tile's mainloop) and the producer-decoded factor table
-    # (-ptab: the producer warp group's idle warps decode each stage's scales); two CTAs per SM
-    # need 3 stages at 64x128 for the epilogue buffers / the per-stage tables
-    add(64, 128, 3, ctas_per_sm=2, promote="table", epilogue="tma")
-    add(64, 128, 3, ctas_per_sm=2, promote="producer_table", epilogue="tma")
-    add(128, 128, s128, promote="table", epilogue="tma")
-    add(128, 128, s128, promote="producer_table", epilogue="tma")
-    add(128, 64, s64, promote="table", deep=True, epilogue="tma")
-    add(128, 64, s64, promote="producer_table", deep=True, epilogue="tma")
-    add(64, 64, 4, ctas_per_sm=2, promote="table", deep=True, epilogue="tma")
-    add(64, 64, 4, ctas_per_sm=2, promote="producer_table", deep=True, epilogue="tma")
-    add(64, 128, 3, ctas_per_sm=2, promote="producer_table", epilogue="packed")
-    if out:
-        base = out[0]
-        for mode in ("unscaled", "none"):
-            add(base.tile_m, base.tile_n, base.stages, promote=mode)
-        add(64, 128, 4, ctas_per_sm=2, promote="none")
-        add(base.tile_m, base.tile_n, base.stages, promote="none", epilogue="packed")
-        add(128, 64, s64, promote="none", deep=True, epilogue="packed")
-        # the TMA epilogue without promotion: the bound the -tma variants can approach
-        add(64, 128, 3, ctas_per_sm=2, promote="none", epilogue="tma")
-        add(128, 128, s128, promote="none", epilogue="tma")
+    for cfg in (Sm90MxTileConfig(128, 128, TILE_K, s128, promote="table", epilogue="packed"),
+                Sm90MxTileConfig(128, 128, TILE_K, s128)):
+        if hidden % cfg.tile_m == 0 and intermediate % cfg.tile_n == 0 and cfg not in out:
+            out.append(cfg)
     return out
 
 
@@ -439,23 +340,7 @@ def _build_kernel_class():
             self.fac_len = 4
             if t.promote == "table":
                 self.fac_len = self.num_consumer_wgs * 2 * 4 * self.fac_row
-            self.ptab = t.promote == "producer_table"
-            self.ptab_row = t.tile_m + t.tile_n  # producer_table: words per group and stage
-            if self.ptab:
-                self.fac_len = t.stages * 4 * self.ptab_row
             header = 4096 + 12 * key.num_experts + 16 * t.stages + 4 * self.fac_len
-            # epilogue="tma" (dense outputs): the BF16 kernel's epilogue methods (epi_*), one
-            # consumer group (cooperative), (tile_m, 32) sub-tiles (a 64-row tile: (64, 32)),
-            # 2 buffers (1 for fp32 outputs with two CTAs per SM: the config's budget)
-            self.tma_epi = t.epilogue == "tma" and key.output_mode == "dense"
-            self.num_groups = 1
-            self.epi_tile = (self.tile_m, EPI_N)
-            self.epi_stages = 2
-            out_bytes = self.out_dtype.width // 8
-            if self.tma_epi and t.ctas_per_sm == 2 and out_bytes > 2:
-                self.epi_stages = 1
-            if self.tma_epi:
-                header += self.epi_stages * self.tile_m * EPI_N * out_bytes
             self.stages = min(t.stages, (SM90_MX_TILES.smem_bytes - header) // t.stage_bytes)
             if self.stages < 2:
                 raise ValueError(f"{t} leaves no room for 2 pipeline stages")
@@ -524,13 +409,8 @@ def _build_kernel_class():
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mSFB, atom_smem, (2, 256)
             )
 
-            epi_cosize = 0
-            if cutlass.const_expr(self.tma_epi):
-                epi_smem_staged = self.epi_smem_layout()
-                epi_cosize = cute.cosize(epi_smem_staged)
-                tma_atom_c, tma_c = self.epi_tma_atom(self.epi_store_op(), mOut, epi_smem_staged)
             self.shared_storage = self.make_storage(
-                cute.cosize(a_smem_staged), cute.cosize(b_smem_staged), epi_cosize
+                cute.cosize(a_smem_staged), cute.cosize(b_smem_staged)
             )
             args = (
                 tma_atom_a,
@@ -558,15 +438,11 @@ def _build_kernel_class():
                 preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None,
                 stream=stream,
             )
-            if cutlass.const_expr(self.tma_epi):
-                self.kernel_tma(*args, tma_atom_c, tma_c, epi_smem_staged).launch(**launch_kw)
-            else:
-                self.kernel(*args).launch(**launch_kw)
+            self.kernel(*args).launch(**launch_kw)
 
-        def make_storage(self, a_cosize: int, b_cosize: int, epi_cosize: int):
-            """The kernel's shared-memory struct (the TMA epilogue's buffers ``sC`` only with
-            ``epilogue="tma"``; a plain method: the DSL's preprocessor would turn a conditional
-            class body into code)."""
+        def make_storage(self, a_cosize: int, b_cosize: int):
+            """The kernel's shared-memory struct (a plain method: the DSL's preprocessor would
+            turn a conditional class body into code)."""
             mem, align = cute.struct.MemRange, cute.struct.Align
             fields = {
                 **self.sched_storage_fields(),
@@ -577,10 +453,6 @@ def _build_kernel_class():
                 "sA": align[mem[self.ab_dtype, a_cosize], 1024],
                 "sB": align[mem[self.ab_dtype, b_cosize], 1024],
             }
-            if self.ptab:
-                fields["tab_mbar"] = mem[cutlass.Int64, self.stages]
-            if epi_cosize:
-                fields["sC"] = align[mem[self.out_dtype, epi_cosize], 1024]
             return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         @cute.kernel
@@ -604,43 +476,12 @@ def _build_kernel_class():
             self.kernel_body(
                 tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
                 tma_sfb, mOffsets, mOut, mCounter, tiled_mma, a_smem_staged, b_smem_staged,
-                None, None, None,
-            )
-
-        @cute.kernel
-        def kernel_tma(
-            self,
-            tma_atom_a: cute.CopyAtom,
-            tma_a: cute.Tensor,
-            tma_atom_b: cute.CopyAtom,
-            tma_b: cute.Tensor,
-            tma_atom_sfa: cute.CopyAtom,
-            tma_sfa: cute.Tensor,
-            tma_atom_sfb: cute.CopyAtom,
-            tma_sfb: cute.Tensor,
-            mOffsets: cute.Tensor,
-            mOut: cute.Tensor,
-            mCounter: cute.Tensor,
-            tiled_mma: cute.TiledMma,
-            a_smem_staged: cute.ComposedLayout,
-            b_smem_staged: cute.ComposedLayout,
-            tma_atom_c: cute.CopyAtom,
-            tma_c: cute.Tensor,
-            epi_smem_staged: cute.ComposedLayout,
-        ):
-            """``epilogue="tma"`` with a dense output: the body plus the output's TMA store
-            atom and the epilogue's shared-memory layout."""
-            self.kernel_body(
-                tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
-                tma_sfb, mOffsets, mOut, mCounter, tiled_mma, a_smem_staged, b_smem_staged,
-                tma_atom_c, tma_c, epi_smem_staged,
             )
 
         @cute.jit
         def kernel_body(  # noqa: PLR0913
             self, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_sfa, tma_sfa, tma_atom_sfb,
             tma_sfb, mOffsets, mOut, mCounter, tiled_mma, a_smem_staged, b_smem_staged,
-            tma_atom_c, tma_c, epi_smem_staged,
         ):
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -649,22 +490,11 @@ def _build_kernel_class():
             if warp_idx == 0:
                 for atom in (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb):
                     cute.nvgpu.cpasync.prefetch_descriptor(atom)
-                if cutlass.const_expr(self.tma_epi):
-                    cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
 
-            # every stage also loads an A and a B scale atom; the decoders (producer_table)
-            # follow the tile-id ring too
+            # every stage also loads an A and a B scale atom
             storage, ab_pipe, sched_pipe, sSched = self.setup_pipelines(
                 a_smem_staged, b_smem_staged, extra_tx_bytes=2 * ATOM_BYTES,
-                extra_sched_consumers=DECODE_THREADS if self.ptab else 0,
             )
-            tab_full = None  # promote="producer_table": a table-ready mbarrier per stage
-            if cutlass.const_expr(self.ptab):
-                tab_full = storage.tab_mbar.data_ptr()
-                if warp_idx == 0:
-                    with cute.arch.elect_one():
-                        for i in cutlass.range_constexpr(self.stages):
-                            cute.arch.mbarrier_init(tab_full + i, DECODE_THREADS)
             pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
             sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
@@ -736,13 +566,6 @@ def _build_kernel_class():
                         tile = self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
                         sched_state.advance()
                     ab_pipe.producer_tail(prod_state)
-                if cutlass.const_expr(self.ptab):  # noqa: SIM102
-                    if warp_idx > 0:
-                        self.decode_tables(
-                            ab_pipe, sched_pipe, sSched, sPerm, mOffsets, sStart, wSFA, wSFB,
-                            storage.fac.get_tensor(cute.make_layout(self.fac_len)), tab_full,
-                            tidx - 32,
-                        )
             else:
                 # ---------------- consumer warp groups: wgmma + MX promotion ----------------
                 cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -761,9 +584,6 @@ def _build_kernel_class():
                 acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
                 tmp0 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
                 tmp1 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-                frags = [tmp0, tmp1]
-                if cutlass.const_expr(self.key.tile.deep):
-                    frags += [cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(2)]
                 r_out = cute.make_rmem_tensor(acc_shape, self.out_dtype)
                 # This thread's scale words: one per accumulator element (row / column of the
                 # tile -> word of its atom); the row's atom row is (m_idx * tile_m) % 128 + r.
@@ -781,30 +601,13 @@ def _build_kernel_class():
                         r, c = tCcC[i]
                         fri[i] = r - 64 * wgl
                         fci[i] = 64 + c
-                if cutlass.const_expr(self.ptab):  # the stage table: tile rows, then columns
-                    for i in cutlass.range_constexpr(n_acc):
-                        r, c = tCcC[i]
-                        fri[i] = r
-                        fci[i] = self.tile_m + c
                 sc = types.SimpleNamespace(
                     wa=wa, wb=wb, fab=fab, tCcC=tCcC, wSFA=wSFA, wSFB=wSFB, fac=fac, wgl=wgl,
-                    wtid=tidx % 128, fri=fri, fci=fci, tab_full=tab_full,
+                    wtid=tidx % 128, fri=fri, fci=fci,
                     # a static id (a dynamic one makes ptxas reserve all 16 named barriers, and
                     # two CTAs per SM could not co-reside): all consumer warp groups
                     bar=pipeline.NamedBarrier(barrier_id=2, num_threads=self.group_threads),
                 )
-
-                if cutlass.const_expr(self.tma_epi):
-                    # the BF16 kernel's TMA epilogue (sm90_bf16 epi_*): one consumer group, its
-                    # first warp issues the stores
-                    sC = storage.sC.get_tensor(
-                        epi_smem_staged.outer, swizzle=epi_smem_staged.inner
-                    )
-                    gC_all = cute.local_tile(tma_c, (self.tile_m, self.tile_n), (None,) * 3)
-                    epi = self.epi_setup(tiled_mma, sC, acc, ctid)
-                    store_pipe = epi.store_pipe
-                    store_warp = 4
-                    epi_count = cutlass.Int32(0)
 
                 read_state, release_state, sched_cstate = self.consumer_states()
                 tile = self.take_tile(sched_pipe, sched_cstate, sSched)
@@ -815,85 +618,48 @@ def _build_kernel_class():
                     row0 = (m_idx * self.tile_m) % 128
                     col0 = (n_idx * self.tile_n) % 128
                     acc.fill(0.0)
-                    if cutlass.const_expr(self.key.tile.cross_stage):
-                        read_state, release_state = self.mainloop_cross_stage(
-                            tiled_mma, tCrA, tCrB, acc, tmp0, tmp1, sc, sA, sB, ab_pipe,
-                            read_state, release_state, mask_barrier, k_len, n_k, row0, col0,
-                            ctid, num_k_blocks,
-                        )
-                    elif cutlass.const_expr(self.key.tile.deep):
-                        read_state = self.mainloop_deep(
-                            tiled_mma, tCrA, tCrB, acc, frags, sc, sA, sB, ab_pipe, read_state,
-                            mask_barrier, k_len, n_k, row0, col0, ctid, num_k_blocks,
-                        )
-                    else:
-                        for kt in cutlass.range(n_k, unroll=1):
-                            ab_pipe.consumer_wait(read_state)
-                            stage = read_state.index
-                            if cutlass.const_expr(self.ptab):  # the decoders' stage table
-                                cute.arch.mbarrier_wait(tab_full + stage, read_state.phase)
-                            rest = k_len - kt * tk  # tokens of the expert in this stage (> 0)
-                            if cutlass.const_expr(self.key.token_layout == "direct"):
-                                self.zero_partial_group(
-                                    sA, sB, k_len, kt, stage, ctid, mask_barrier
-                                )
-                            self.stage_scales(sc, stage, kt % 2, row0, col0)
-                            fbuf = self.fac_buf(kt, stage)
-                            for kb in cutlass.range_constexpr(num_k_blocks):
-                                tmp = tmp0 if kb % 2 == 0 else tmp1
-                                fence_accumulators(tmp)
-                                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                                cute.nvgpu.warpgroup.fence()
-                                cute.gemm(
-                                    tiled_mma,
-                                    tmp,
-                                    tCrA[(None, None, kb, stage)],
-                                    tCrB[(None, None, kb, stage)],
-                                    tmp,
-                                )
-                                cute.nvgpu.warpgroup.commit_group()
-                                if cutlass.const_expr(kb > 0):
-                                    cute.nvgpu.warpgroup.wait_group(1)
-                                    self.promote(
-                                        acc, tmp1 if kb % 2 == 0 else tmp0, sc, kb - 1, rest,
-                                        fbuf,
-                                    )
-                            cute.nvgpu.warpgroup.wait_group(0)
-                            self.promote(
-                                acc, tmp0 if (num_k_blocks - 1) % 2 == 0 else tmp1, sc,
-                                num_k_blocks - 1, rest, fbuf,
+                    for kt in cutlass.range(n_k, unroll=1):
+                        ab_pipe.consumer_wait(read_state)
+                        stage = read_state.index
+                        rest = k_len - kt * tk  # tokens of the expert in this stage (> 0)
+                        if cutlass.const_expr(self.key.token_layout == "direct"):
+                            self.zero_partial_group(sA, sB, k_len, kt, stage, ctid, mask_barrier)
+                        self.stage_scales(sc, stage, kt % 2, row0, col0)
+                        fbuf = kt % 2  # the stage's factor buffer (promote="table")
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            tmp = tmp0 if kb % 2 == 0 else tmp1
+                            fence_accumulators(tmp)
+                            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                            cute.nvgpu.warpgroup.fence()
+                            cute.gemm(
+                                tiled_mma,
+                                tmp,
+                                tCrA[(None, None, kb, stage)],
+                                tCrB[(None, None, kb, stage)],
+                                tmp,
                             )
-                            ab_pipe.consumer_release(read_state)
-                            read_state.advance()
+                            cute.nvgpu.warpgroup.commit_group()
+                            if cutlass.const_expr(kb > 0):
+                                cute.nvgpu.warpgroup.wait_group(1)
+                                self.promote(
+                                    acc, tmp1 if kb % 2 == 0 else tmp0, sc, kb - 1, rest, fbuf
+                                )
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        self.promote(
+                            acc, tmp0 if (num_k_blocks - 1) % 2 == 0 else tmp1, sc,
+                            num_k_blocks - 1, rest, fbuf,
+                        )
+                        ab_pipe.consumer_release(read_state)
+                        read_state.advance()
                     next_tile = self.take_tile(sched_pipe, sched_cstate, sSched)
                     sched_cstate.advance()
-
-                    # ---------------- epilogue ----------------
-                    if cutlass.const_expr(self.tma_epi):
-                        # registers -> smem sub-tiles (stmatrix) -> TMA store / reduce-add
-                        if cutlass.const_expr(self.key.accumulate):
-                            if n_k > 0:  # empty expert: output untouched
-                                epi_count = self.epi_store_tile(
-                                    epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, 0,
-                                    epi_count, warp_idx, store_warp, mask_barrier,
-                                )
-                        else:
-                            epi_count = self.epi_store_tile(
-                                epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, 0, epi_count,
-                                warp_idx, store_warp, mask_barrier,
-                            )
-                    else:
-                        self.store_regs(acc, r_out, mOut, thr_mma_epi, tCcC, e, m_idx, n_idx,
-                                        n_k)
+                    # ---------------- epilogue (registers -> global) ----------------
+                    self.store_regs(acc, r_out, mOut, thr_mma_epi, tCcC, e, m_idx, n_idx, n_k)
                     tile = next_tile
-                if cutlass.const_expr(self.tma_epi):  # noqa: SIM102
-                    if warp_idx == store_warp:
-                        store_pipe.producer_tail()  # all TMA stores done before exit
 
         @cute.jit
         def store_regs(self, acc, r_out, mOut, thr_mma_epi, tCcC, e, m_idx, n_idx, n_k):
-            """Epilogue from registers: ``"autovec"`` / ``"packed"`` (and ``"tma"`` with
-            discrete outputs: packed)."""
+            """Epilogue from registers: ``"autovec"`` or ``"packed"``."""
             if cutlass.const_expr(self.key.output_mode == "dense"):
                 m, n = self.key.hidden, self.key.intermediate
                 out_ptr = mOut.iterator + cutlass.Int64(e) * (m * n)
@@ -901,7 +667,7 @@ def _build_kernel_class():
                 out_ptr = cute.make_ptr(
                     self.out_dtype, mOut[e], cute.AddressSpace.gmem, assumed_align=16
                 )
-            if cutlass.const_expr(self.key.tile.epilogue in ("packed", "tma")):
+            if cutlass.const_expr(self.key.tile.epilogue == "packed"):
                 self.store_packed(acc, r_out, out_ptr, tCcC, m_idx, n_idx, n_k)
             else:  # the BF16 kernel's register epilogue
                 self.store_regs_autovec(acc, r_out, out_ptr, thr_mma_epi, m_idx, n_idx, n_k)
@@ -950,100 +716,6 @@ def _build_kernel_class():
                 mask_barrier.arrive_and_wait()
 
         @cute.jit
-        def mainloop_cross_stage(  # noqa: PLR0913
-            self, tiled_mma, tCrA, tCrB, acc, tmp0, tmp1, sc, sA, sB, ab_pipe, read_state,
-            release_state, mask_barrier, k_len, n_k, row0, col0, ctid,
-            num_k_blocks: cutlass.Constexpr,
-        ):
-            """One tile's mainloop with the promotion software-pipelined across stages: group g
-            is promoted while group g+1's wgmma runs, including g = 3 of stage kt, promoted
-            after stage kt+1's first wgmma is issued (then stage kt is released). Groups
-            alternate tmp0 / tmp1, so group 3 always lands in tmp1."""
-            tk = self.tile_k
-            prev_rest = cutlass.Int32(0)
-            # the register fragments as plain locals rebound in the loop body, so that the DSL
-            # carries them out of the loop (the last promotion follows it)
-            wa, wb, fab = sc.wa, sc.wb, sc.fab
-            for kt in cutlass.range(n_k, unroll=1):
-                sc = types.SimpleNamespace(**{**vars(sc), "wa": wa, "wb": wb, "fab": fab})
-                ab_pipe.consumer_wait(read_state)
-                stage = read_state.index
-                rest = k_len - kt * tk
-                if cutlass.const_expr(self.key.token_layout == "direct"):
-                    self.zero_partial_group(sA, sB, k_len, kt, stage, ctid, mask_barrier)
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    tmp = tmp0 if kb % 2 == 0 else tmp1
-                    fence_accumulators(tmp)
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                    cute.nvgpu.warpgroup.fence()
-                    cute.gemm(
-                        tiled_mma, tmp, tCrA[(None, None, kb, stage)],
-                        tCrB[(None, None, kb, stage)], tmp,
-                    )
-                    cute.nvgpu.warpgroup.commit_group()
-                    if cutlass.const_expr(kb == 0):
-                        # unconditional wait + promotion (prev_rest = 0 at kt = 0 skips it): a
-                        # wgmma wait under a dynamic branch makes ptxas serialize (C7514)
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        self.promote(acc, tmp1, sc, num_k_blocks - 1, prev_rest, (kt + 1) % 2)
-                        if kt > 0:
-                            ab_pipe.consumer_release(release_state)
-                            release_state.advance()
-                        self.stage_scales(sc, stage, kt % 2, row0, col0)
-                    else:
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        self.promote(acc, tmp1 if kb % 2 == 0 else tmp0, sc, kb - 1, rest,
-                                     kt % 2)
-                prev_rest = rest
-                read_state.advance()
-                wa, wb, fab = sc.wa, sc.wb, sc.fab
-            sc = types.SimpleNamespace(**{**vars(sc), "wa": wa, "wb": wb, "fab": fab})
-            cute.nvgpu.warpgroup.wait_group(0)
-            if n_k > 0:
-                self.promote(acc, tmp1, sc, num_k_blocks - 1, prev_rest, (n_k + 1) % 2)
-                ab_pipe.consumer_release(release_state)
-                release_state.advance()
-            return read_state, release_state
-
-        @cute.jit
-        def mainloop_deep(  # noqa: PLR0913
-            self, tiled_mma, tCrA, tCrB, acc, frags, sc, sA, sB, ab_pipe, read_state,
-            mask_barrier, k_len, n_k, row0, col0, ctid, num_k_blocks: cutlass.Constexpr,
-        ):
-            """One tile's mainloop with deep issue: the stage's 4 wgmmas (one per MX group) go
-            out back to back into 4 fresh fragments, then group g is promoted after
-            ``wait_group(3 - g)`` (the later groups' wgmmas still run); the stage is released
-            after its last promotion (the scale words / factor table of the stage are read
-            until then)."""
-            tk = self.tile_k
-            for kt in cutlass.range(n_k, unroll=1):
-                ab_pipe.consumer_wait(read_state)
-                stage = read_state.index
-                if cutlass.const_expr(self.ptab):  # the decoders' stage table
-                    cute.arch.mbarrier_wait(sc.tab_full + stage, read_state.phase)
-                rest = k_len - kt * tk
-                if cutlass.const_expr(self.key.token_layout == "direct"):
-                    self.zero_partial_group(sA, sB, k_len, kt, stage, ctid, mask_barrier)
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    fence_accumulators(frags[kb])
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                cute.nvgpu.warpgroup.fence()
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    cute.gemm(
-                        tiled_mma, frags[kb], tCrA[(None, None, kb, stage)],
-                        tCrB[(None, None, kb, stage)], frags[kb],
-                    )
-                    cute.nvgpu.warpgroup.commit_group()
-                # the scale words load while the wgmmas run
-                self.stage_scales(sc, stage, kt % 2, row0, col0)
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    cute.nvgpu.warpgroup.wait_group(num_k_blocks - 1 - kb)
-                    self.promote(acc, frags[kb], sc, kb, rest, self.fac_buf(kt, stage))
-                ab_pipe.consumer_release(read_state)
-                read_state.advance()
-            return read_state
-
-        @cute.jit
         def store_packed(self, acc, r_out, out_ptr, tCcC, m_idx, n_idx, n_k):
             """Epilogue ``"packed"``: the thread's two adjacent columns (fragment elements 2j,
             2j+1: the wgmma C layout's innermost mode) go out as one 32-bit word (bf16 / fp16)
@@ -1074,63 +746,11 @@ def _build_kernel_class():
                     r, c = tCcC[2 * j]
                     mW[(r0 + r, c0 + c // 2)] = rW[j]
 
-        def fac_buf(self, kt, stage):
-            """The factor buffer of stage ``kt`` (in pipeline slot ``stage``) for promote."""
-            if self.ptab:
-                return stage
-            return kt % 2
-
-        @cute.jit
-        def decode_tables(  # noqa: PLR0913
-            self, ab_pipe, sched_pipe, sSched, sPerm, mOffsets, sStart, wSFA, wSFB, fac,
-            tab_full, dtid,
-        ):
-            """``promote="producer_table"``: the producer warp group's warps 1-3 (``dtid`` in
-            [0, 96)) follow the tile sequence (the scheduler ring, as the consumers do) and, per
-            stage, wait for its full mbarrier, decode its (tile_m + tile_n) scale words into
-            4 x (tile_m + tile_n) fp32 factors in the stage's table and arrive on the stage's
-            table mbarrier. No release: the consumers' release of the stage (after their last
-            promotion) orders the refill, which orders this stage's next decode."""
-            L = self.ptab_row  # noqa: N806
-            dec_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.stages
-            )
-            sched_cstate = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, _SCHED_STAGES
-            )
-            tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-            sched_cstate.advance()
-            while tile < self.num_tiles:
-                e, m_idx, n_idx = self.tile_coords(tile, sPerm)
-                _k0, _k_len, n_k, _atom0 = self.expert_range(mOffsets, sStart, e)
-                row0 = (m_idx * self.tile_m) % 128
-                col0 = (n_idx * self.tile_n) % 128
-                for _kt in cutlass.range(n_k, unroll=1):
-                    ab_pipe.consumer_wait(dec_state)
-                    stage = dec_state.index
-                    for it in cutlass.range_constexpr(-(-L // DECODE_THREADS)):
-                        i = dtid + DECODE_THREADS * it
-                        if i < L:
-                            w = cutlass.Int32(0)
-                            if i < self.tile_m:
-                                t_ra = row0 + i
-                                w = wSFA[stage * 128 + (t_ra % 32) * 4 + t_ra // 32]
-                            else:
-                                t_cb = col0 + i - self.tile_m
-                                w = wSFB[stage * 128 + (t_cb % 32) * 4 + t_cb // 32]
-                            for g in cutlass.range_constexpr(4):
-                                fac[(stage * 4 + g) * L + i] = scale_of(w, g)
-                    cute.arch.mbarrier_arrive(tab_full + stage)
-                    dec_state.advance()
-                tile = self.take_tile(sched_pipe, sched_cstate, sSched)
-                sched_cstate.advance()
-
         @cute.jit
         def promote(self, acc, tmp, sc, g: cutlass.Constexpr, rest, buf):
             """acc += tmp * 2^(sa-127) * 2^(sb-127) for group g of the stage, when the group
             holds tokens of the expert (a group past the expert's end is skipped: its scales are
-            padding). ``buf``: the stage's factor buffer (``promote="table"``: kt % 2;
-            ``"producer_table"``: the pipeline stage)."""
+            padding). ``buf``: the stage's factor buffer (``promote="table"``: kt % 2)."""
             fence_accumulators(tmp)
             mode = self.key.tile.promote
             if rest > g * SF_VEC:
@@ -1142,16 +762,8 @@ def _build_kernel_class():
                     base = (sc.wgl * 2 + buf) * 4 * L + g * L
                     for i in cutlass.range_constexpr(cute.size(sc.fab)):
                         sc.fab[i] = sc.fac[base + sc.fri[i]] * sc.fac[base + sc.fci[i]]
-                if cutlass.const_expr(mode == "producer_table"):
-                    base = (buf * 4 + g) * self.ptab_row
-                    for i in cutlass.range_constexpr(cute.size(sc.fab)):
-                        sc.fab[i] = sc.fac[base + sc.fri[i]] * sc.fac[base + sc.fci[i]]
-                if cutlass.const_expr(mode in ("scaled", "table", "producer_table")):
-                    for i in cutlass.range_constexpr(cute.size(sc.fab)):
-                        acc[i] = acc[i] + tmp[i] * sc.fab[i]
-                if cutlass.const_expr(mode == "unscaled"):
-                    for i in cutlass.range_constexpr(cute.size(sc.fab)):
-                        acc[i] = acc[i] + tmp[i]
+                for i in cutlass.range_constexpr(cute.size(sc.fab)):
+                    acc[i] = acc[i] + tmp[i] * sc.fab[i]
 
     return Sm90MxGroupedWgradKernel
 

@@ -134,15 +134,14 @@ class TileRules:
         )
 
 
-#: SM90 (sm90_bf16.py): one 64-row wgmma slab per consumer warp group (tile M 64 or 128), or
-#: a whole 192-row tile per warp group (tile M 192, pingpong schedule only);
+#: SM90 (sm90_bf16.py): one 64-row wgmma slab per consumer warp group (tile M 64 or 128);
 #: wgmma N a multiple of 16 up to 256; tile K 64 bf16 = one 128-byte swizzle row; no clusters;
 #: dense outputs may end in partial tiles (TMA zero-fills the loads and clips the stores and
 #: reduce-adds of each expert's last tiles); discrete outputs (register stores) need whole tiles;
 #: any expert token count.
 SM90_TILES = TileRules(
     arch="SM90",
-    tile_m=(64, 128, 192),
+    tile_m=(64, 128),
     tile_n_step=16,
     tile_k=(64,),
     two_cta_tile_m=None,

@@ -202,6 +202,7 @@ def _run(args, console: Console) -> int:
         raise _Failed(f"--shrink must be an int >= 1, got {args.shrink}")
     if args.layer is not None and args.weights is None:
         raise _Failed("--layer is only used with --weights PATH")
+    layer = args.layer if args.layer is not None else 0  # the layer --weights reads
     if args.save is not None:  # before any work: the cheap checks (file, other files, access)
         _check_save_target(args.save, None, args.force)
     full_model = model
@@ -265,7 +266,7 @@ def _run(args, console: Console) -> int:
                 if args.weights is not None:
                     from common.loaders import load_expert_weights
 
-                    weights = load_expert_weights(args.weights, model, layer=args.layer or 0)
+                    weights = load_expert_weights(args.weights, model, layer=layer)
                 problem = make_problem_for_model(
                     model, args.tokens, seed=args.seed, device=device, skew=args.skew,
                     routing=routing, weights=weights,
@@ -334,7 +335,7 @@ def _run(args, console: Console) -> int:
             "nki_phases": grads.info.get("nki_phases"),
             "bundle": str(saved) if saved is not None else None,
             "routing_file": args.routing, "weights_file": args.weights,
-            "layer": args.layer if args.weights is not None else None,
+            "layer": layer if args.weights is not None else None,
         }
         print(json.dumps(result, indent=2, allow_nan=True))
         return 1 if math.isnan(worst) else 0
@@ -351,7 +352,7 @@ def _run(args, console: Console) -> int:
     if args.routing is not None or args.weights is not None:
         console.print(
             f"inputs: routing {args.routing or 'simulated'}; weights "
-            + (f"{args.weights} (layer {args.layer})" if args.weights else "seeded"),
+            + (f"{args.weights} (layer {layer})" if args.weights else "seeded"),
             markup=False, highlight=False,
         )
     act = problem.activation

@@ -394,14 +394,15 @@ def wide_console(monkeypatch):
     monkeypatch.delenv("MOE_BWD_BACKEND", raising=False)
 
 
-def _olmoe_files(tmp_path):
-    """A routing dump and a Qwen3/OLMoE-layout shard for olmoe-1b-7b --shrink 16 (H = I = 128)."""
+def _olmoe_files(tmp_path, layer=1):
+    """A routing dump and a Qwen3/OLMoE-layout shard (decoder layer ``layer``) for olmoe-1b-7b
+    --shrink 16 (H = I = 128)."""
     model = load_model("olmoe-1b-7b").shrink(16)
     E, Hh, Ii = model.experts, model.hidden, model.intermediate
     g = torch.Generator().manual_seed(7)
     tensors = {}
     for e in range(E):
-        pre = f"model.layers.1.mlp.experts.{e}."
+        pre = f"model.layers.{layer}.mlp.experts.{e}."
         tensors[pre + "gate_proj.weight"] = (torch.randn(Ii, Hh, generator=g) * Hh**-0.5).bfloat16()
         tensors[pre + "up_proj.weight"] = (torch.randn(Ii, Hh, generator=g) * Hh**-0.5).bfloat16()
         tensors[pre + "down_proj.weight"] = (torch.randn(Hh, Ii, generator=g) * Ii**-0.5).bfloat16()
@@ -453,6 +454,18 @@ def test_cli_run_and_compare_with_real_inputs(tmp_path, capsys, wide_console):
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert json.loads(captured.out)["spec"]["tokens"] == 16
+
+
+def test_cli_weights_without_layer_report_layer_0(tmp_path, capsys, wide_console):
+    """--weights without --layer reads layer 0 and says so (it printed "(layer None)")."""
+    _, wp, _, _ = _olmoe_files(tmp_path, layer=0)
+    base = ["run", "--model", "olmoe-1b-7b", "--shrink", "16", "--backend", "torch",
+            "--tokens", "16", "--weights", str(wp), "--no-reference"]
+    assert cli.main(base) == 0
+    out = capsys.readouterr().out
+    assert f"weights {wp} (layer 0)" in out and "layer None" not in out
+    assert cli.main(base + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layer"] == 0
 
 
 def test_cli_real_input_errors(tmp_path, capsys, wide_console):

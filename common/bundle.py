@@ -140,6 +140,15 @@ class ProblemSpec:
                 del d[k]
         return d
 
+    def differences(self, other: ProblemSpec) -> str:
+        """The fields where ``other`` differs from this spec, ``"seed 0 -> 1, tokens 8 -> 16"``
+        (this spec's value first; a field only one of them has shows as None)."""
+        mine, theirs = self.to_json(), other.to_json()
+        return ", ".join(
+            f"{k} {mine.get(k)!r} -> {theirs.get(k)!r}"
+            for k in dict.fromkeys([*mine, *theirs]) if mine.get(k) != theirs.get(k)
+        )
+
     @classmethod
     def from_json(cls, data: Any, where: str = "spec") -> ProblemSpec:
         """Parse a spec mapping; ValueError naming ``where`` and the field on any bad value."""
@@ -421,14 +430,9 @@ def check_bundle_destination(
                     "replaces it"
                 ) from None
             if other != spec:
-                new, old = spec.to_json(), other.to_json()
-                diff = ", ".join(
-                    f"{k} {old.get(k)!r} -> {new.get(k)!r}"
-                    for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)
-                )
                 raise ValueError(
-                    f"{dest}: holds a bundle of another problem ({diff}); choose another "
-                    f"directory, or {force_hint} replaces it"
+                    f"{dest}: holds a bundle of another problem ({other.differences(spec)}); "
+                    f"choose another directory, or {force_hint} replaces it"
                 )
     check_creatable_dir(dest)
 

@@ -509,7 +509,7 @@ def _compare_problem(args, bundle_paths: list[str]):
             if other != spec:
                 raise ValueError(
                     f"bundles {first_path} and {p} are of different problems: "
-                    f"{spec.to_json()} vs {other.to_json()}"
+                    f"{spec.differences(other)}"
                 )
         given = [f"--{k}" for k in ("model", "tokens") if getattr(args, k) is not None]
         if given:

@@ -288,7 +288,17 @@ def test_cli_compare_bad_operands(tmp_path, capsys, small_models):
                          "--save", str(d)]) == 0
     capsys.readouterr()
     assert cli.main(["compare", str(a), str(b)]) == 2
-    assert "different problems" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # the differing field with its two values, not two dicts (item 6e of issue 23)
+    assert f"bundles {a} and {b} are of different problems: seed 1 -> 2" in err, err
+    assert "{" not in err and "hidden" not in err
+    c = tmp_path / "c"
+    assert cli.main(["run", "--model", "mixtral-8x7b", "--tokens", "16", "--seed", "1",
+                     "--skew", "2", "--save", str(c)]) == 0
+    capsys.readouterr()
+    assert cli.main(["compare", str(a), str(c)]) == 2
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps the long line
+    assert "different problems: tokens 8 -> 16, skew 1.0 -> 2.0" in err, err
 
 
 # ----------------------------------------------------------- first-user issues (items 4, 6)

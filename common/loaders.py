@@ -166,15 +166,20 @@ def weights_sha256(path: str | os.PathLike, model: MoEModelShape, layer: int = 0
 
 # ------------------------------------------------------------------------------------ routing
 def _read_mapping(path: Path, what: str) -> dict[str, Any]:
-    """The tensors of a .pt / .safetensors / .npz file as a dict (torch tensors or numpy arrays)."""
+    """The tensors of a .pt / .safetensors / .npz file as a dict (torch tensors or numpy arrays).
+
+    A file that cannot be read as its suffix says raises ``ValueError("PATH: not a readable
+    router dump (.pt / .safetensors / .npz): ...")`` with the reason.
+    """
     suffix = path.suffix.lower()
     if not path.is_file():
         raise ValueError(f"{path}: {what} file does not exist or is not a file")
+    unreadable = f"{path}: not a readable router dump (.pt / .safetensors / .npz)"
     if suffix == ".pt" or suffix == ".pth":
         try:
             data = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # pickle errors of every kind: refuse, name the file
-            raise ValueError(f"{path}: not a readable torch file: {_torch_load_failure(exc)}"
+            raise ValueError(f"{unreadable}: as a torch file, {_torch_load_failure(exc)}"
                              ) from None
         if not isinstance(data, dict):
             raise ValueError(
@@ -188,7 +193,7 @@ def _read_mapping(path: Path, what: str) -> dict[str, Any]:
         try:
             return load_file(str(path))
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise ValueError(f"{path}: not a readable safetensors file: {exc}") from None
+            raise ValueError(f"{unreadable}: as a safetensors file, {exc}") from None
     if suffix == ".npz":
         import zipfile
 
@@ -198,7 +203,7 @@ def _read_mapping(path: Path, what: str) -> dict[str, Any]:
             with np.load(path, allow_pickle=False) as npz:
                 return {k: npz[k] for k in npz.files}
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-            raise ValueError(f"{path}: not a readable .npz file (no pickles): {exc}") from None
+            raise ValueError(f"{unreadable}: as an .npz file (no pickles), {exc}") from None
     raise ValueError(
         f"{path}: unknown {what} file type {suffix!r}; use .pt, .safetensors or .npz"
     )
@@ -210,16 +215,27 @@ def _torch_load_failure(exc: BaseException) -> str:
     import pickle
 
     text = str(exc).strip()
+    not_pickle = ("its bytes are neither a torch.save zip archive nor a pickle (another format, "
+                  "or a corrupt file)")
     if isinstance(exc, EOFError):
         return "the file is empty or ends too early (truncated?)"
     if "Weights only load failed" in text:
-        return ("it holds Python objects other than tensors and plain containers, which "
-                "torch.load(weights_only=True) refuses to unpickle; save a dict of tensors")
-    if isinstance(exc, (KeyError, IndexError, pickle.UnpicklingError)) or (
+        # The unpickler's own words follow "WeightsUnpickler error:". Only a global or a call
+        # it refuses means a real pickle of Python objects; anything else ("Unsupported operand
+        # N": byte N is no pickle opcode) is bytes that are no torch file (random, another format)
+        detail = text.split("WeightsUnpickler error:", 1)[-1].strip().split("\n", 1)[0]
+        detail = detail.split(". ", 1)[0].strip().rstrip(".")
+        if detail.startswith(("Unsupported global", "Trying to")):
+            return ("it holds Python objects other than tensors and plain containers, which "
+                    "torch.load(weights_only=True) refuses to unpickle; save a dict of tensors "
+                    f"(unpickler: {detail})")
+        if detail.startswith("Unsupported operand") or not detail or detail == text:
+            return not_pickle
+        return f"{not_pickle[:-1]}; unpickler: {detail})"
+    if isinstance(exc, (KeyError, IndexError, UnicodeDecodeError, pickle.UnpicklingError)) or (
         isinstance(exc, RuntimeError) and "zip archive" in text
     ):
-        return ("its bytes are neither a torch.save zip archive nor a pickle (another format, "
-                "or a corrupt file)")
+        return not_pickle
     first = text.splitlines()[0] if text else ""
     return f"torch.load failed ({type(exc).__name__}{': ' + first if first else ''})"
 

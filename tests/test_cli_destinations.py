@@ -9,6 +9,7 @@ Small shapes (Mixtral's E=8, top_2 at H = I = 128): the file runs in seconds."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -223,6 +224,36 @@ def test_garbage_pt_routing_says_what_went_wrong(tmp_path, capsys, no_work):
         load_routing(tmp_path / "empty.pt", num_experts=8, top_k=2)
     assert cli.main(RUN + ["--routing", str(g)]) == 2
     assert "neither a torch.save zip archive nor a pickle" in _err(capsys)
+
+
+def test_random_bytes_routing_is_not_a_readable_router_dump(tmp_path, capsys, no_work):
+    """Random bytes said "holds Python objects other than tensors" (the weights-only unpickler
+    stops at a byte that is no pickle opcode): they are not a router dump, and the message names
+    the file and the formats read; a real pickle of a Python object still says so."""
+    import datetime
+    import random
+
+    want = "not a readable router dump (.pt / .safetensors / .npz)"
+    for seed in range(8):
+        g = tmp_path / f"random-{seed}.pt"
+        rng = random.Random(seed)
+        g.write_bytes(bytes(rng.getrandbits(8) for _ in range(4096)))
+        with pytest.raises(ValueError) as exc:
+            load_routing(g, num_experts=8, top_k=2)
+        msg = str(exc.value)
+        assert msg.startswith(f"{g}: {want}: as a torch file, its bytes are neither"), msg
+        assert "Python objects" not in msg
+    assert cli.main(RUN + ["--routing", str(g)]) == 2
+    err = " ".join(_err(capsys).split())
+    assert f"{g}: {want}" in err and "Python objects" not in err
+    for suffix in (".safetensors", ".npz"):
+        (tmp_path / f"random{suffix}").write_bytes(g.read_bytes())
+        with pytest.raises(ValueError, match=rf"random{suffix}: {re.escape(want)}: as a"):
+            load_routing(tmp_path / f"random{suffix}", num_experts=8, top_k=2)
+    obj = tmp_path / "object.pt"
+    torch.save({"expert_index": datetime.date(2020, 1, 1)}, obj)
+    with pytest.raises(ValueError, match=r"Python objects other than tensors.*datetime\.date"):
+        load_routing(obj, num_experts=8, top_k=2)
 
 
 def test_missing_weights_path_wording(tmp_path):

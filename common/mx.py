@@ -527,11 +527,21 @@ def quantize_nvfp4(
     """NVFP4: FP4 E2M1 elements, 16-element blocks with E4M3 block scales, fp32 global scale.
 
     Following NVIDIA's two-level recipe as torchao 0.18 ``nvfp4_quantize`` implements it (all in
-    fp32): ``global = max(amax(x) / (448·6), 2^-121)`` when not given (1.0 if x is all zero;
-    the floor :data:`NVFP4_MIN_GLOBAL_SCALE` keeps the global scale and its reciprocal finite
-    for tiny tensors, down to and below the smallest fp32 normal, and changes nothing else);
+    fp32): ``global = max(amax(x) / (448·6), 2^-121)`` when not given (1.0 if x is all zero);
     ``s = e4m3(clamp(amax_block / 6 / global, 2^-6, 448))`` (RNE); elements
     ``e2m1(clamp(x · ((1 / global) / s), ±6))`` (RNE). Decoding is ``elem · (global · s)``.
+
+    The floor :data:`NVFP4_MIN_GLOBAL_SCALE` keeps the global scale and its reciprocal finite
+    for tiny tensors, down to and below the smallest fp32 normal. It binds only when
+    ``amax(x) / (448·6) < 2^-121`` in fp32, i.e. amax(x) < 448·6·2^-121 ≈ 1.011e-33: at or above
+    that the result is the recipe's bit for bit (and scaling x by a power of two scales the
+    decoded values by it exactly). Below it the global scale is 2^-121 instead of
+    amax / (448·6), so the largest block scale falls below 448 and every block scale rounds to
+    E4M3 at other points (the small ones clamp to 2^-6 sooner), and the decoded values of a
+    block move with its decoded scale. Against the same tensor brought near 1 by a power of two,
+    N(0, 1) data at amax 1e-33 / 1e-35 / 1e-37: ~93 % of the decoded values change, by a median
+    relative 1.1 / 2.8 / 2.9 % (24 / 36 / 49 of 16384 flip to or from 0), while the error
+    against x keeps its size (relative RMS 0.0958 / 0.0956 / 0.0965 vs 0.0954).
 
     Args:
         x: float tensor (fp16 / bf16 / fp32 / fp64; computed in fp32), axis length a multiple of 16.

@@ -12,7 +12,11 @@ Files written to DIR:
   each operand has its own marker, line style and marker size (:func:`series_style`), so
   identical series stay visible;
 * ``ulp_hist.png`` -- the BF16 ULP-distance histograms, one panel per gradient;
-* ``scatter.png`` -- |baseline| against |error| for a sample of elements, one panel per gradient.
+* ``scatter.png`` -- |baseline| against |error| for a sample of elements, one panel per gradient;
+  each operand has its own hollow marker, smaller for later ones (:func:`scatter_style`), and an
+  operand whose sampled errors equal an earlier one's is labelled "identical to" it.
+
+Every panel's legend sits under its x label, outside the data.
 
 matplotlib runs with the Agg backend (no display). Each PNG is :data:`FIGSIZE` inches at
 :data:`DPI`, i.e. :func:`png_size` pixels.
@@ -28,7 +32,7 @@ import torch
 
 from common.compare import EXPERT_AXIS, GRAD_LABELS, ULP_BINS
 
-__all__ = ["DPI", "FIGSIZE", "PLOTS", "png_size", "series_style", "write_report"]
+__all__ = ["DPI", "FIGSIZE", "PLOTS", "png_size", "scatter_style", "series_style", "write_report"]
 
 FIGSIZE = (12.0, 7.0)  # inches
 DPI = 100
@@ -81,6 +85,23 @@ def _finite_or(v: float, fallback: float) -> float:
     return v if math.isfinite(v) else fallback
 
 
+def _legends_below(fig, axes, n: int) -> None:
+    """Each panel's legend just under its x tick labels and x label, outside the data
+    (``tight_layout`` in :func:`_save` makes room for it); ``n`` operands, two per row."""
+    from matplotlib.transforms import offset_copy
+
+    renderer = fig.canvas.get_renderer()
+    for ax in axes:
+        if not ax.get_legend_handles_labels()[0]:
+            continue
+        below_px = ax.get_window_extent(renderer).y0 - ax.xaxis.get_tightbbox(renderer).y0
+        anchor = offset_copy(ax.transAxes, fig=fig, y=-(below_px * 72.0 / fig.dpi + 2.0),
+                             units="points")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0.0),
+                  bbox_transform=anchor, ncol=min(2, max(1, n)), frameon=False,
+                  markerscale=1.5, borderaxespad=0.0)
+
+
 # Per operand: marker, line style, marker size. Later operands get smaller, hollow markers and
 # another dash pattern, so a series identical to an earlier one (nki-twin on nki-sim) stays
 # visible inside and between the earlier one's markers.
@@ -121,7 +142,7 @@ def _per_expert_figure(comparison: dict, tokens_per_expert: list[int]):
             ax2.tick_params(labelsize=7)
             ax.set_zorder(ax2.get_zorder() + 1)
             ax.patch.set_visible(False)
-        ax.legend(fontsize=7)
+    _legends_below(fig, axes, len(comparison["pairs"]))
     fig.suptitle(f"per-expert SQNR against {comparison['baseline']}", fontsize=10)
     return plt, fig
 
@@ -151,7 +172,7 @@ def _plot_ulp(path: Path, comparison: dict) -> None:
         ax.set_ylabel("fraction of elements", fontsize=8)
         ax.set_xlabel("BF16 ULP distance", fontsize=8)
         ax.tick_params(labelsize=7)
-        ax.legend(fontsize=7)
+    _legends_below(fig, axes, len(pairs))
     fig.suptitle(f"BF16 ULP distance to {comparison['baseline']}", fontsize=10)
     _save(plt, fig, path)
 
@@ -168,7 +189,19 @@ def _no_error_note(ax) -> None:
             transform=ax.transAxes, fontsize=9)
 
 
-def _plot_scatter(path: Path, comparison: dict, grads: dict, baseline) -> None:
+def scatter_style(i: int) -> dict[str, Any]:
+    """matplotlib ``scatter`` keywords of the ``i``-th operand: its own hollow marker, smaller for
+    later operands and drawn above the earlier ones, so a series identical to an earlier one
+    (nki-twin on nki-sim) shows as its markers inside the earlier one's."""
+    marker, _, ms = _SERIES_STYLES[i % len(_SERIES_STYLES)]
+    color = f"C{i % 10}"
+    hollow = marker != "x"  # "x" has no face; it takes the colour as is
+    return {"marker": marker, "s": (ms * 0.6) ** 2, "linewidths": 0.6, "alpha": 0.6,
+            "facecolors": "none" if hollow else color, "edgecolors": color, "zorder": 3 + i}
+
+
+def _scatter_figure(comparison: dict, grads: dict, baseline):
+    """(plt, fig) of the |baseline| vs |error| scatter plot (unsaved)."""
     names = [n for n in GRAD_LABELS if getattr(baseline, n, None) is not None]
     plt, fig, axes = _figure(max(1, len(names)))
     for ax, name in zip(axes, names):
@@ -176,15 +209,22 @@ def _plot_scatter(path: Path, comparison: dict, grads: dict, baseline) -> None:
         idx = _sample(ref.numel(), SCATTER_POINTS)
         r = ref[idx].abs()
         plotted = 0
-        for label, g in grads.items():
+        shown: dict[str, torch.Tensor] = {}  # label -> its sampled error, to name identical ones
+        for i, (label, g) in enumerate(grads.items()):
             t = getattr(g, name, None)
             if t is None:
                 continue
             o = t.detach().reshape(-1)[idx].to("cpu", torch.float64)
             err = (o - ref[idx]).abs()
             keep = (r > 0) & (err > 0) & torch.isfinite(err)
-            plotted += int(keep.sum())
-            ax.scatter(r[keep].numpy(), err[keep].numpy(), s=2, alpha=0.4, label=label)
+            twin = next((k for k, e in shown.items() if torch.equal(e, err)), None)
+            shown[label] = err
+            n = int(keep.sum())
+            plotted += n
+            if not n:
+                continue
+            text = label if twin is None else f"{label} (identical to {twin})"
+            ax.scatter(r[keep].numpy(), err[keep].numpy(), label=text, **scatter_style(i))
         if plotted:
             ax.set_xscale("log")
             ax.set_yscale("log")
@@ -194,9 +234,13 @@ def _plot_scatter(path: Path, comparison: dict, grads: dict, baseline) -> None:
         ax.set_xlabel(f"|{comparison['baseline']}|", fontsize=8)
         ax.set_ylabel("|error|", fontsize=8)
         ax.tick_params(labelsize=7)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, markerscale=4)
+    _legends_below(fig, axes, len(grads))
     fig.suptitle(f"|baseline| vs |error| ({SCATTER_POINTS} sampled elements)", fontsize=10)
+    return plt, fig
+
+
+def _plot_scatter(path: Path, comparison: dict, grads: dict, baseline) -> None:
+    plt, fig = _scatter_figure(comparison, grads, baseline)
     _save(plt, fig, path)
 
 

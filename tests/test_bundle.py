@@ -380,6 +380,41 @@ def test_per_expert_plot_keeps_identical_series_visible(problem, torch_grads):
     assert len({(s["marker"], str(s["linestyle"])) for s in styles}) == 6
 
 
+def test_scatter_plot_keeps_identical_series_visible(problem, torch_grads):
+    """nki-twin identical to nki-sim hid under it in the scatter plot, and the legends covered
+    data: each operand has its own hollow marker (later ones smaller, drawn above), the twin's
+    legend entry says whom it is identical to, and every legend lies below its panel's data."""
+    from common import report
+
+    ref = run_backward(problem, "reference")
+    other = MoEGrads(**{k: getattr(torch_grads, k) * 1.001 for k in (
+        "hidden_states_grad_TH", "affinity_grad_TE", "w_gate_up_grad_EH2I", "w_down_grad_EIH")})
+    grads = {"nki-sim": torch_grads, "nki-twin": torch_grads, "torch": other}
+    plt, fig = report._scatter_figure({"baseline": "reference"}, grads, ref)
+    try:
+        fig.tight_layout()
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        axes = [ax for ax in fig.axes if ax.get_visible()]
+        assert len(axes) == 4
+        for ax in axes:
+            cols = {c.get_label(): c for c in ax.collections}
+            assert list(cols) == ["nki-sim", "nki-twin (identical to nki-sim)", "torch"]
+            a, b = cols["nki-sim"], cols["nki-twin (identical to nki-sim)"]
+            assert (a.get_offsets() == b.get_offsets()).all()  # the same points...
+            va, vb = (c.get_paths()[0].vertices for c in (a, b))
+            assert va.shape != vb.shape or not (va == vb).all()  # ...other markers
+            assert a.get_sizes()[0] > b.get_sizes()[0] and b.get_zorder() > a.get_zorder()
+            assert len(a.get_facecolors()) == 0 and len(b.get_facecolors()) == 0  # hollow
+            legend = ax.get_legend()
+            assert [t.get_text() for t in legend.get_texts()] == list(cols)
+            assert legend.get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0
+    finally:
+        plt.close(fig)
+    styles = [report.scatter_style(i) for i in range(6)]
+    assert len({s["marker"] for s in styles}) == 6
+
+
 def test_cli_compare_fails_on_nan_gradients(tmp_path, capsys, problem, torch_grads):
     """A bundle whose dX holds a NaN makes compare exit 1 naming the bundle and the gradient
     (as `run` does), with or without --min-sqnr."""

@@ -40,7 +40,7 @@ from rich.table import Table
 from rich.text import Text
 
 from common import dispatch
-from common.metrics import compare
+from common.metrics import all_finite, compare
 from common.models import list_models, load_model
 
 __all__ = ["main"]
@@ -298,7 +298,7 @@ def _run(args, console: Console) -> int:
     worst = float("inf")
     for name, out in grads.named().items():
         row = {"gradient": name, "shape": list(out.shape),
-               "finite": bool(torch.isfinite(out).all())}
+               "finite": all_finite(out)}
         if ref is not None:
             m = compare(out, ref.named()[name])
             worst = min(worst, m["sqnr_db"])
@@ -645,7 +645,7 @@ def _cmd_compare(args, console: Console) -> int:
         for op in results
         for name in GRAD_LABELS
         if getattr(results[op][1], name, None) is not None
-        and not bool(torch.isfinite(getattr(results[op][1], name)).all())
+        and not all_finite(getattr(results[op][1], name))
     ]
     comparison["non_finite"] = non_finite
     failing = []

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from common.metrics import _CHUNK, _from_stats, _stats, all_finite
+from common.metrics import CHUNK, all_finite, error_sums, metrics_from_sums
 
 __all__ = [
     "EXPERT_AXIS",
@@ -100,7 +100,7 @@ def _ulp_counts(d: torch.Tensor) -> list[int]:
 def compare_tensor(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
     """All pairwise metrics of one gradient (see the module docstring).
 
-    One pass in float64 chunks (:data:`common.metrics._CHUNK` elements, the chunks of
+    One pass in float64 chunks (:data:`common.metrics.CHUNK` elements, the chunks of
     :func:`common.metrics.compare`, so SQNR and max error are bit-identical to it). Where a
     chunk is finite (``sum (out-ref)^2`` finite) the NaN masks are skipped.
 
@@ -117,9 +117,9 @@ def compare_tensor(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
     counts = [0] * len(ULP_BINS)
     nans = 0
     n = o_flat.numel()
-    for start in range(0, n, _CHUNK):
-        o = o_flat[start : start + _CHUNK].to("cpu", torch.float64)
-        r = r_flat[start : start + _CHUNK].to("cpu", torch.float64)
+    for start in range(0, n, CHUNK):
+        o = o_flat[start : start + CHUNK].to("cpu", torch.float64)
+        r = r_flat[start : start + CHUNK].to("cpu", torch.float64)
         d = o - r
         n2 = float(torch.dot(d, d))
         r2 = float(torch.dot(r, r))
@@ -152,7 +152,7 @@ def compare_tensor(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
             nans += int(nan.sum())
             u = u[~nan]
         counts = [a + b for a, b in zip(counts, _ulp_counts(u))]
-    base = _from_stats(noise2, signal2, dmax, rmax, base_finite)
+    base = metrics_from_sums(noise2, signal2, dmax, rmax, base_finite)
     hist = {label: c for (label, _, _), c in zip(ULP_BINS, counts)}
     hist["nan"] = nans
     if oo == 0.0 and rr == 0.0:
@@ -175,10 +175,9 @@ def compare_tensor(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
 
 def per_expert_sqnr(out: torch.Tensor, ref: torch.Tensor, axis: int) -> list[float]:
     """SQNR (dB) of each slice ``out.select(axis, e)`` against ``ref``'s, in expert order."""
-    return [
-        _from_stats(*_stats(out.select(axis, e), ref.select(axis, e), need_max=False))["sqnr_db"]
-        for e in range(out.shape[axis])
-    ]
+    sums = (error_sums(out.select(axis, e), ref.select(axis, e), need_max=False)
+            for e in range(out.shape[axis]))
+    return [metrics_from_sums(*s)["sqnr_db"] for s in sums]
 
 
 def _summary(values: list[float]) -> dict[str, float]:

@@ -15,7 +15,10 @@ import torch
 __all__ = [
     "SQNR_GRADIENTS",
     "SQNR_MIN_DB",
+    "CHUNK",
     "all_finite",
+    "error_sums",
+    "metrics_from_sums",
     "compare",
     "max_rel_err",
     "rel_fro_err",
@@ -104,22 +107,22 @@ def sqnr_floor(family: str, gradient: str = "default") -> float:
     return SQNR_MIN_DB[(fam, name)]
 
 
-_CHUNK = 1 << 22  # elements per float64 chunk: bounds the temporary memory of huge gradients
+CHUNK = 1 << 22  # elements per float64 chunk: bounds the temporary memory of huge gradients
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """True when every element of ``t`` is finite, checked in chunks of :data:`_CHUNK` elements
+    """True when every element of ``t`` is finite, checked in chunks of :data:`CHUNK` elements
     (``torch.isfinite`` of a whole tensor allocates ``|t|`` in ``t``'s dtype plus two bool
     masks: 2.5 GiB for one fp32 weight gradient of qwen3-30b-a3b)."""
     if not t.is_floating_point() and not t.is_complex():
         return True
     flat = t.detach().reshape(-1)
     return all(
-        bool(torch.isfinite(flat[s : s + _CHUNK]).all()) for s in range(0, flat.numel(), _CHUNK)
+        bool(torch.isfinite(flat[s : s + CHUNK]).all()) for s in range(0, flat.numel(), CHUNK)
     )
 
 
-def _stats(
+def error_sums(
     out: torch.Tensor, ref: torch.Tensor, need_max: bool = True
 ) -> tuple[float, float, float, float, bool]:
     """(sum (out-ref)^2, sum ref^2, max |out-ref|, max |ref|, all finite), in float64 chunks.
@@ -134,9 +137,9 @@ def _stats(
     r_flat = ref.detach().reshape(-1)
     noise2 = signal2 = dmax = rmax = 0.0
     finite = True
-    for start in range(0, o_flat.numel(), _CHUNK):
-        o = o_flat[start : start + _CHUNK]
-        r = r_flat[start : start + _CHUNK].to(torch.float64).cpu()
+    for start in range(0, o_flat.numel(), CHUNK):
+        o = o_flat[start : start + CHUNK]
+        r = r_flat[start : start + CHUNK].to(torch.float64).cpu()
         d = o.to("cpu", torch.float64, copy=True)
         d.sub_(r)
         n2 = float(torch.dot(d, d))
@@ -156,11 +159,12 @@ def _stats(
 
 def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     """All three metrics from one pass: ``{"sqnr_db", "max_rel_err", "rel_fro_err"}``."""
-    return _from_stats(*_stats(out, ref))
+    return metrics_from_sums(*error_sums(out, ref))
 
 
-def _from_stats(noise2, signal2, dmax, rmax, finite) -> dict[str, float]:
-    """:func:`compare`'s metrics from :func:`_stats`' sums (shared with :mod:`common.compare`)."""
+def metrics_from_sums(noise2, signal2, dmax, rmax, finite) -> dict[str, float]:
+    """:func:`compare`'s metrics from the sums of :func:`error_sums` (also used by
+    :mod:`common.compare`)."""
     if not finite:
         return {"sqnr_db": math.nan, "max_rel_err": math.nan, "rel_fro_err": math.nan}
     sq = (

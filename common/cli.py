@@ -40,7 +40,7 @@ from rich.table import Table
 from rich.text import Text
 
 from common import dispatch
-from common.metrics import compare
+from common.metrics import all_finite, compare
 from common.models import list_models, load_model
 
 __all__ = ["main"]
@@ -146,8 +146,9 @@ class _Steps:
             self.err.print(f"[{self.done}/{self.total}] {description}", markup=False)
 
     def __exit__(self, *exc) -> None:
-        if self.progress is not None:
+        if self.progress is not None:  # once: a command may close it before printing results
             self.progress.__exit__(*exc)
+            self.progress = None
 
 
 def shrink_note(full, small, factor: int) -> str:
@@ -254,7 +255,8 @@ def _run(args, console: Console) -> int:
         _check_save_target(args.save, spec, args.force)
     times: dict[str, float] = {}
     run_start = time.perf_counter()
-    with _Steps(console, 2 if args.no_reference else 3) as steps:
+    n_steps = 2 + (0 if args.no_reference else 2) + (args.save is not None)
+    with _Steps(console, n_steps) as steps:
         steps.step("building inputs (weights, router, forward checkpoint)")
         t0 = time.perf_counter()
         try:
@@ -293,34 +295,36 @@ def _run(args, console: Console) -> int:
             t0 = time.perf_counter()
             ref = reference_backward(problem)
             times["reference"] = time.perf_counter() - t0
+            steps.step("comparing every gradient with float64 (SQNR, max error)")
 
-    t0 = time.perf_counter()
-    rows = []
-    worst = float("inf")
-    for name, out in grads.named().items():
-        row = {"gradient": name, "shape": list(out.shape),
-               "finite": bool(torch.isfinite(out).all())}
-        if ref is not None:
-            m = compare(out, ref.named()[name])
-            worst = min(worst, m["sqnr_db"])
-            row.update(sqnr_db=m["sqnr_db"], max_rel_err=m["max_rel_err"])
-        else:
-            row["max_abs"] = float(out.abs().max()) if out.numel() else 0.0
-            if not row["finite"]:
-                worst = math.nan
-        rows.append(row)
-    times["comparison"] = time.perf_counter() - t0
-    saved = None
-    if args.save is not None:
         t0 = time.perf_counter()
-        try:
-            saved = save_bundle(
-                args.save, spec, problem, grads,
-                collect_metadata(backend.name, device, times, grads.info), force=args.force,
-            )
-        except (ValueError, OSError) as exc:
-            raise _Failed(f"--save {exc}") from None  # the message starts with the path
-        times["save"] = time.perf_counter() - t0
+        rows = []
+        worst = float("inf")
+        for name, out in grads.named().items():
+            row = {"gradient": name, "shape": list(out.shape), "finite": all_finite(out)}
+            if ref is not None:
+                m = compare(out, ref.named()[name])
+                worst = min(worst, m["sqnr_db"])
+                row.update(sqnr_db=m["sqnr_db"], max_rel_err=m["max_rel_err"])
+            else:
+                lo, hi = torch.aminmax(out) if out.numel() else (0.0, 0.0)  # no |out| copy
+                row["max_abs"] = max(float(hi), -float(lo))
+                if not row["finite"]:
+                    worst = math.nan
+            rows.append(row)
+        times["comparison"] = time.perf_counter() - t0
+        saved = None
+        if args.save is not None:
+            steps.step(f"saving the bundle to {args.save}")
+            t0 = time.perf_counter()
+            try:
+                saved = save_bundle(
+                    args.save, spec, problem, grads,
+                    collect_metadata(backend.name, device, times, grads.info), force=args.force,
+                )
+            except (ValueError, OSError) as exc:
+                raise _Failed(f"--save {exc}") from None  # the message starts with the path
+            times["save"] = time.perf_counter() - t0
     times["total"] = time.perf_counter() - run_start
 
     d = problem.dims
@@ -476,13 +480,40 @@ def _add_real_input_args(p, *, compare: bool = False) -> None:
                    help="decoder layer read from --weights" + ("" if compare else " (default 0)"))
 
 
+def _memory_parts(model, num_tokens: int, reference: bool = True) -> dict[str, int]:
+    """The terms of :func:`_bytes_needed`, in bytes (W = E H 3I weight elements).
+
+    * ``base``: the interpreter, torch and the libraries, 0.3 GiB;
+    * ``weights``: the BF16 expert weights, 2 W;
+    * ``grads``: the backend's fp32 weight gradients, 4 W;
+    * ``reference``: the float64 reference's weight gradients, 8 W (0 with --no-reference);
+    * ``expert_f64``: the reference's per-expert temporaries: one float64 weight matrix and one
+      float64 GEMM result of H x I, plus one of slack, 3 * 8 H I (0 with --no-reference);
+    * ``rows``: per routed row (T K of them) activations, checkpoint and their gradients,
+      16 (H + 3I) bytes.
+
+    The peak is at the end of the reference, when all of these are alive; the comparison works
+    in float64 chunks of 32 MiB and adds nothing measurable.
+    """
+    E, H, I = model.experts, model.hidden, model.intermediate
+    W = E * H * 3 * I
+    return {
+        "base": int(0.3 * 2**30),
+        "weights": 2 * W,
+        "grads": 4 * W,
+        "reference": 8 * W if reference else 0,
+        "expert_f64": 3 * 8 * H * I if reference else 0,
+        "rows": 16 * num_tokens * model.top_k * (H + 3 * I),
+    }
+
+
 def _bytes_needed(model, num_tokens: int, reference: bool = True) -> int:
-    """Rough peak bytes of `run`: BF16 weights, fp32 grads, float64 reference grads and
-    temporaries (14 bytes per weight element; 6 without the reference), plus per-row
-    activations."""
-    weights = model.experts * model.hidden * 3 * model.intermediate
-    rows = num_tokens * model.top_k * (model.hidden + 3 * model.intermediate)
-    return (14 if reference else 6) * weights + 16 * rows
+    """Estimated peak resident bytes of `run` on the CPU: the sum of :func:`_memory_parts`.
+
+    Measured (``/usr/bin/time -v``, torch backend on the CPU): qwen3-30b-a3b --tokens 2048
+    8.58 GiB (estimate 9.27), gpt-oss-20b --tokens 64 11.08 GiB (estimate 10.91).
+    """
+    return sum(_memory_parts(model, num_tokens, reference).values())
 
 
 def _memory_available(device: str) -> int | None:
@@ -545,17 +576,7 @@ def _compare_problem(args, bundle_paths: list[str]):
 
 
 def _cmd_compare(args, console: Console) -> int:
-    import json
-
-    from common.bundle import (
-        check_digests,
-        collect_metadata,
-        input_digests,
-        is_bundle,
-        load_bundle,
-        problem_to,
-    )
-    from common.compare import GRAD_LABELS, compare_grads, routed_mask_TE
+    from common.bundle import is_bundle
 
     if args.min_sqnr is not None and not math.isfinite(args.min_sqnr):
         return _error(f"--min-sqnr must be a finite number (dB), got {args.min_sqnr}")
@@ -580,14 +601,41 @@ def _cmd_compare(args, console: Console) -> int:
             )
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     times: dict[str, float] = {}
+    unique = list(dict.fromkeys(operands + [baseline]))
+    steps = _Steps(console, 2 + len(unique) + (args.report is not None))
+    steps.__enter__()
     try:
+        return _compare_steps(args, console, steps, kinds, operands, baseline, unique, device,
+                              times)
+    finally:
+        steps.__exit__(None, None, None)
+
+
+def _compare_steps(args, console, steps, kinds, operands, baseline, unique, device, times):
+    """The body of ``compare`` after its checks, announcing each step on ``steps``."""
+    import json
+
+    from common.bundle import (
+        check_digests,
+        collect_metadata,
+        input_digests,
+        is_bundle,
+        load_bundle,
+        problem_to,
+    )
+    from common.compare import GRAD_LABELS, compare_grads, routed_mask_TE
+
+    try:
+        steps.step("building the problem's inputs")
         t0 = time.perf_counter()
         spec, problem = _compare_problem(args, [op for op in kinds if kinds[op] == "bundle"])
         times["inputs"] = time.perf_counter() - t0
         digests = input_digests(problem)
         results: dict[str, tuple] = {}  # operand -> (label, grads, metadata)
         on_device = None
-        for op in dict.fromkeys(operands + [baseline]):
+        for op in unique:
+            steps.step(f"loading bundle {op}" if kinds[op] == "bundle" else
+                       "float64 reference backward" if op == "reference" else f"backward on {op}")
             t0 = time.perf_counter()
             if kinds[op] == "bundle":
                 b = load_bundle(op, check_inputs=False)
@@ -624,6 +672,7 @@ def _cmd_compare(args, console: Console) -> int:
         labels[op] = lab
     base_label = labels[baseline]
     base_grads = results[baseline][1]
+    steps.step(f"comparing with {base_label} (SQNR, cosine, ULP histogram, per expert)")
     t0 = time.perf_counter()
     routed = routed_mask_TE(problem.plan)  # dA: bit-identical / ULP over routed cells only
     pairs = {
@@ -646,7 +695,7 @@ def _cmd_compare(args, console: Console) -> int:
         for op in results
         for name in GRAD_LABELS
         if getattr(results[op][1], name, None) is not None
-        and not bool(torch.isfinite(getattr(results[op][1], name)).all())
+        and not all_finite(getattr(results[op][1], name))
     ]
     comparison["non_finite"] = non_finite
     failing = []
@@ -660,6 +709,7 @@ def _cmd_compare(args, console: Console) -> int:
     if args.report is not None:
         from common.report import write_report
 
+        steps.step(f"writing the report (Markdown, PNG plots) to {args.report}")
         try:
             md = write_report(
                 args.report, comparison, {labels[op]: results[op][1] for op in operands
@@ -668,6 +718,7 @@ def _cmd_compare(args, console: Console) -> int:
         except OSError as exc:  # checked before any work; a race or a full disk
             return _error(f"--report {args.report}: cannot write the report ({exc.strerror or exc})")
         comparison["report"] = str(md)
+    steps.__exit__(None, None, None)  # the spinner goes before the results are printed
     if args.json:
         print(json.dumps(comparison, indent=2, allow_nan=True))
     else:
@@ -793,7 +844,10 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run one MoE layer's backward and compare it with float64",
         description="Run one MoE layer's backward for a model's shape on a backend and compare "
-        "every gradient with the float64 reference.",
+        "every gradient with the float64 reference. Threads: torch uses one per physical core "
+        "available to the process (CPU affinity, cgroup quota) unless OMP_NUM_THREADS or "
+        "MKL_NUM_THREADS is set; on a machine shared with other jobs, OMP_NUM_THREADS=1 can be "
+        "several times faster.",
         formatter_class=_HelpFormatter,
     )
     run.add_argument("--model", required=True, help="model shape name (see `moe-bwd models`)")
@@ -848,9 +902,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def physical_cores_available() -> int:
+    """Physical cores among the CPUs this process may run on (``os.sched_getaffinity``; SMT
+    siblings count once, from ``/sys/devices/system/cpu/cpu*/topology``), capped by a cgroup
+    v2 CPU quota (``/sys/fs/cgroup/cpu.max``) when there is one; at least 1."""
+    import os
+
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = list(range(os.cpu_count() or 1))
+    cores = set()
+    for c in cpus:
+        topo = f"/sys/devices/system/cpu/cpu{c}/topology"
+        try:
+            with open(f"{topo}/physical_package_id") as f1, open(f"{topo}/core_id") as f2:
+                cores.add((f1.read().strip(), f2.read().strip()))
+        except OSError:
+            cores.add(("cpu", str(c)))  # no topology: count the logical CPU
+    n = len(cores) or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
+def set_default_threads() -> int | None:
+    """Set torch's intra-op threads to :func:`physical_cores_available` unless the user chose
+    (``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` set): more threads than cores, or threads on SMT
+    siblings, oversubscribe a small machine (a loaded 2-core machine ran 10-40x slower).
+    Returns the number set, or None when the environment decides."""
+    import os
+
+    if any(os.environ.get(v) for v in _THREAD_ENV):
+        return None
+    n = physical_cores_available()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    set_default_threads()
     if args.command == "run" and args.tokens is None and args.routing is None:
         args.subparser.error(  # the `run` usage, not the top-level one
             "the following arguments are required: --tokens (or --routing FILE)"

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from common.metrics import compare as _metrics_compare
+from common.metrics import CHUNK, all_finite, error_sums, metrics_from_sums
 
 __all__ = [
     "EXPERT_AXIS",
@@ -72,12 +72,12 @@ GRAD_LABELS = {
     "b_gate_up_grad_E2I": "dB_gate_up [E,2,I]",
     "b_down_grad_EH": "dB_down [E,H]",
 }
-_CHUNK = 1 << 22
+_ULP_EDGES = torch.tensor([hi for _, _, hi in ULP_BINS[:-1]], dtype=torch.int32)
 
 
 def _bf16_order(x: torch.Tensor) -> torch.Tensor:
-    """int64 that orders BF16 values like the reals (sign-magnitude -> two's complement)."""
-    bits = x.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    """int32 that orders BF16 values like the reals (sign-magnitude -> two's complement)."""
+    bits = x.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
     mag = bits & 0x7FFF
     return torch.where(bits >= 0x8000, -mag, mag)
 
@@ -88,37 +88,73 @@ def bf16_ulp_distance(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     o, r = out.detach().reshape(-1), ref.detach().reshape(-1)
     d = (_bf16_order(o) - _bf16_order(r)).abs()
     nan = torch.isnan(o) | torch.isnan(r)
-    return torch.where(nan, torch.full_like(d, -1), d)
+    return torch.where(nan, torch.full_like(d, -1), d).to(torch.int64)
+
+
+def _ulp_counts(d: torch.Tensor) -> list[int]:
+    """Counts of the nonnegative ULP distances ``d`` in the bins of :data:`ULP_BINS`."""
+    idx = torch.bucketize(d, _ULP_EDGES)  # edges = the bins' upper bounds
+    return torch.bincount(idx, minlength=len(ULP_BINS)).tolist()
 
 
 def compare_tensor(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
     """All pairwise metrics of one gradient (see the module docstring).
+
+    One pass in float64 chunks (:data:`common.metrics.CHUNK` elements, the chunks of
+    :func:`common.metrics.compare`, so SQNR and max error are bit-identical to it). Where a
+    chunk is finite (``sum (out-ref)^2`` finite) the NaN masks are skipped.
 
     Raises:
         ValueError: shapes differ.
     """
     if tuple(out.shape) != tuple(ref.shape):
         raise ValueError(f"shape mismatch: {tuple(out.shape)} vs baseline {tuple(ref.shape)}")
-    base = _metrics_compare(out, ref)
     o_flat, r_flat = out.detach().reshape(-1), ref.detach().reshape(-1)
+    noise2 = signal2 = dmax = rmax = 0.0
+    base_finite = True
     dot = oo = rr = 0.0
     equal = 0
-    hist = {label: 0 for label, _, _ in ULP_BINS}
-    hist["nan"] = 0
+    counts = [0] * len(ULP_BINS)
+    nans = 0
     n = o_flat.numel()
-    for start in range(0, n, _CHUNK):
-        o = o_flat[start : start + _CHUNK].to("cpu", torch.float64)
-        r = r_flat[start : start + _CHUNK].to("cpu", torch.float64)
-        finite = torch.isfinite(o) & torch.isfinite(r)
-        of, rf = torch.where(finite, o, 0.0), torch.where(finite, r, 0.0)
-        dot += float(torch.dot(of, rf))
-        oo += float(torch.dot(of, of))
-        rr += float(torch.dot(rf, rf))
+    for start in range(0, n, CHUNK):
+        o = o_flat[start : start + CHUNK].to("cpu", torch.float64)
+        r = r_flat[start : start + CHUNK].to("cpu", torch.float64)
+        d = o - r
+        n2 = float(torch.dot(d, d))
+        r2 = float(torch.dot(r, r))
+        chunk_finite = math.isfinite(n2)  # then every o and r of the chunk is finite
+        if base_finite and not chunk_finite and not all_finite(o):
+            base_finite = False  # as common.metrics: the SQNR and max error are NaN
+        if base_finite:
+            noise2 += n2
+            signal2 += r2
+            lo, hi = torch.aminmax(d)
+            dmax = max(dmax, float(hi), -float(lo))
+            lo, hi = torch.aminmax(r)
+            rmax = max(rmax, float(hi), -float(lo))
+        del d
+        if chunk_finite:
+            dot += float(torch.dot(o, r))
+            oo += float(torch.dot(o, o))
+            rr += r2
+        else:
+            finite = torch.isfinite(o) & torch.isfinite(r)
+            of, rf = torch.where(finite, o, 0.0), torch.where(finite, r, 0.0)
+            dot += float(torch.dot(of, rf))
+            oo += float(torch.dot(of, of))
+            rr += float(torch.dot(rf, rf))
+            del of, rf, finite
         equal += int((o == r).sum())
-        d = bf16_ulp_distance(o, r)
-        hist["nan"] += int((d < 0).sum())
-        for label, lo, hi in ULP_BINS:
-            hist[label] += int(((d >= lo) & (d <= hi)).sum())
+        u = (_bf16_order(o) - _bf16_order(r)).abs_()
+        if not chunk_finite:
+            nan = torch.isnan(o) | torch.isnan(r)
+            nans += int(nan.sum())
+            u = u[~nan]
+        counts = [a + b for a, b in zip(counts, _ulp_counts(u))]
+    base = metrics_from_sums(noise2, signal2, dmax, rmax, base_finite)
+    hist = {label: c for (label, _, _), c in zip(ULP_BINS, counts)}
+    hist["nan"] = nans
     if oo == 0.0 and rr == 0.0:
         cosine = 1.0
     elif oo == 0.0 or rr == 0.0:
@@ -139,10 +175,9 @@ def compare_tensor(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
 
 def per_expert_sqnr(out: torch.Tensor, ref: torch.Tensor, axis: int) -> list[float]:
     """SQNR (dB) of each slice ``out.select(axis, e)`` against ``ref``'s, in expert order."""
-    return [
-        _metrics_compare(out.select(axis, e), ref.select(axis, e))["sqnr_db"]
-        for e in range(out.shape[axis])
-    ]
+    sums = (error_sums(out.select(axis, e), ref.select(axis, e), need_max=False)
+            for e in range(out.shape[axis]))
+    return [metrics_from_sums(*s)["sqnr_db"] for s in sums]
 
 
 def _summary(values: list[float]) -> dict[str, float]:

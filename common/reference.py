@@ -203,14 +203,12 @@ def _pairs_backward(
         a = aff_P[sel].to(_F64)[:, None]
         g = act_P2I[sel, 0].to(_F64)
         u = act_P2I[sel, 1].to(_F64)
-        wg = w_gate_up_EH2I[e, :, 0].to(_F64)
-        wu = w_gate_up_EH2I[e, :, 1].to(_F64)
-        wd = w_down_EIH[e].to(_F64)
+        # One float64 copy of one expert's weight matrix at a time (each is freed after use).
         ag, s = activation.gate_sigmoid(g)  # alpha g, sigmoid(alpha g)
         up = activation.shifted_up(u)
         gs = g * s  # dh/du: g sigmoid(alpha g) (silu(g) for SwiGLU)
         h = gs * up
-        dh_raw = dy @ wd.T
+        dh_raw = dy @ w_down_EIH[e].to(_F64).T
         da = (dh_raw * h).sum(-1)
         if bd_EH is not None:
             da = da + dy @ bd_EH[e].to(_F64)
@@ -226,7 +224,10 @@ def _pairs_backward(
             dWd[e] = h.T @ (a * dy)
         dWgu[e, :, 0] = x.T @ dg
         dWgu[e, :, 1] = x.T @ du
-        dX.index_add_(0, tok, dg @ wg.T + du @ wu.T)
+        dx = dg @ w_gate_up_EH2I[e, :, 0].to(_F64).T
+        dx = dx + du @ w_gate_up_EH2I[e, :, 1].to(_F64).T
+        dX.index_add_(0, tok, dx)
+        del dx
         dBd[e] = (a * dy).sum(0)
         dBgu[e, 0] = dg.sum(0)
         dBgu[e, 1] = du.sum(0)

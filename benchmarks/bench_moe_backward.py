@@ -405,14 +405,21 @@ def main(argv=None) -> int:
     bench = make_timer(device, args.reps)
     record = {"header": header(device), "argv": sys.argv[1:], "rows": [], "profile": []}
     print(record["header"])
-    print("\n| shape | impl | ms | TFLOP/s | vs baseline | vs dense | peak extra GiB |")
-    print("|---|---|---|---|---|---|---|", flush=True)
+    columns = ("shape", "impl", "ms", "TFLOP/s", "vs baseline", "vs dense", "peak extra GiB")
+    return run_all(shapes, run_shape, columns, args, device, bench, record)
+
+
+def run_all(shapes, run_shape, columns, args, device, bench, record) -> int:
+    """Print the table head, run every shape (a shape that fails prints one row saying why and
+    the run goes on), the profile and ``--check`` tables, write ``--json``; the exit code."""
+    print("\n| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns), flush=True)
     for label, model, T in shapes:
         try:
             run_shape(label, model, T, args, device, bench, record)
             _free(device)  # the shape's problem is gone with run_shape's frame
         except Exception as exc:  # noqa: BLE001 - e.g. OOM building the problem
-            print(f"| {label} | (all) | {_err(exc)} | | | | |", flush=True)
+            print(f"| {label} | (all) | {_err(exc)} |" + " |" * (len(columns) - 3), flush=True)
             record["rows"].append({"shape": label, "impl": "(all)", "status": _err(exc)})
             _free(device)
     print_profile(record, device, args.profile_detail)

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import sys
 from pathlib import Path
 
@@ -82,9 +81,8 @@ from bench_moe_backward import (  # noqa: E402
     make_timer,
     parse_shapes,
     peak_extra_gib,
-    print_check,
-    print_profile,
     profile_once,
+    run_all,
 )
 
 from common.inputs import make_problem_for_model  # noqa: E402
@@ -408,24 +406,9 @@ def main(argv=None) -> int:
     record = {"header": head, "argv": list(sys.argv[1:] if argv is None else argv),
               "rows": [], "profile": []}  # fmt: skip
     print(head)
-    print(
-        "\n| shape | impl | fwd ms | bwd ms | step ms | fwd TFLOP/s | bwd TFLOP/s | step TFLOP/s "
-        "| vs recipe+perm | vs sonicmoe | peak GiB |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    for label, model, T in shapes:
-        try:
-            run_shape(label, model, T, args, device, bench, record)
-            _free(device)  # the shape's problem is gone with run_shape's frame
-        except Exception as exc:  # noqa: BLE001 - e.g. OOM building the problem
-            print(f"| {label} | (all) | {_err(exc)} | | | | | | | | |", flush=True)
-            record["rows"].append({"shape": label, "impl": "(all)", "status": _err(exc)})
-            _free(device)
-    print_profile(record, device, args.profile_detail)
-    ok = print_check(record) if args.check else True
-    if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=1, default=str))
-    return 0 if ok else 1
+    columns = ("shape", "impl", "fwd ms", "bwd ms", "step ms", "fwd TFLOP/s", "bwd TFLOP/s",
+               "step TFLOP/s", "vs recipe+perm", "vs sonicmoe", "peak GiB")
+    return run_all(shapes, run_shape, columns, args, device, bench, record)
 
 
 if __name__ == "__main__":

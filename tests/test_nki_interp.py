@@ -529,6 +529,74 @@ def test_nc_matmul_mx_against_dequantized_reference():
     assert sqnr > 25  # MXFP8 E4M3 both sides
 
 
+def _packed_operands(P=128, M=32, N=64):
+    x = rng(3).standard_normal((P, 4 * M)).astype(BF16)
+    y = (rng(4).standard_normal((P, 4 * N)) * 1000).astype(BF16)  # other scales than x's
+    return (nl.ndarray((P, M), nl.float8_e4m3fn_x4), sbuf_from(x),
+            nl.ndarray((P, N), nl.float8_e4m3fn_x4), sbuf_from(y))
+
+
+def test_scale_packing_four_operands_share_one_tile():
+    """Scale packing (NKI_API.md §4.5): four operands' scales in one [128, F] tile at offsets
+    0/4/8/12 give the same bits as four separate scale tiles."""
+    P, M, N = 128, 32, 64
+    xq, x, yq, y = _packed_operands(P, M, N)
+    xq2, x2, yq2, y2 = _packed_operands(P, M, N)
+    shared = nl.ndarray((P, N), nl.uint8)
+    views = [shared[off:, 0:F] for off, F in ((0, M), (4, N), (8, M), (12, N))]
+    for q, src, v in zip((xq, yq, xq2, yq2), (x, y, x2, y2), views):
+        nisa.quantize_mx(q, src, v)
+    out = nl.ndarray((M, N), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul_mx(out, xq, yq, views[0], views[1])
+    out2 = nl.ndarray((M, N), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul_mx(out2, xq2, yq2, views[2], views[3])
+    xs, ys = nl.ndarray((P, M), nl.uint8), nl.ndarray((P, N), nl.uint8)
+    xr, yr = nl.ndarray((P, M), nl.float8_e4m3fn_x4), nl.ndarray((P, N), nl.float8_e4m3fn_x4)
+    nisa.quantize_mx(xr, x, xs)
+    nisa.quantize_mx(yr, y, ys)
+    ref = nl.ndarray((M, N), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul_mx(ref, xr, yr, xs, ys)
+    np.testing.assert_array_equal(out.numpy(), ref.numpy())
+    np.testing.assert_array_equal(out2.numpy(), ref.numpy())
+
+
+@pytest.mark.parametrize("off", [1, 2, 3, 5, 16, 20, 28])
+def test_scale_view_offset_rule(off):
+    """A scale view at an offset other than 0/4/8/12 inside its quadrant is rejected by both
+    quantize_mx and nc_matmul_mx."""
+    xq, x, yq, y = _packed_operands(32)
+    sc = nl.ndarray((64, 64), nl.uint8)
+    with pytest.raises(NkiError, match="offset 0, 4, 8 or 12"):
+        nisa.quantize_mx(xq, x, sc[off:, 0:32])
+    nisa.quantize_mx(xq, x, sc[0:, 0:32])
+    nisa.quantize_mx(yq, y, sc[4:, 0:64])
+    bad = nl.ndarray((64, 32), nl.uint8)
+    nisa.tensor_copy(dst=bad, src=sc[0:, 0:32])
+    out = nl.ndarray((32, 64), nl.float32, buffer=nl.psum)
+    with pytest.raises(NkiError, match="offset 0, 4, 8 or 12"):
+        nisa.nc_matmul_mx(out, xq, yq, bad[off:, :], sc[4:, 0:64])
+
+
+def test_scale_packing_overlap_is_caught():
+    """A kernel that packs wrongly fails: two operands quantized into the same slot (the second
+    overwrites the first's scales), or a matmul reading another operand's slot."""
+    xq, x, yq, y = _packed_operands()
+    shared = nl.ndarray((128, 64), nl.uint8)
+    nisa.quantize_mx(xq, x, shared[0:, 0:32])
+    nisa.quantize_mx(yq, y, shared[0:, 0:64])  # same slot 0: overlaps x's scales
+    out = nl.ndarray((32, 64), nl.float32, buffer=nl.psum)
+    with pytest.raises(NkiError, match="stationary_scale does not hold the scales"):
+        nisa.nc_matmul_mx(out, xq, yq, shared[0:, 0:32], shared[0:, 0:64])
+    # disjoint slots, but the matmul reads y's slot for x
+    xq, x, yq, y = _packed_operands()
+    shared = nl.ndarray((128, 64), nl.uint8)
+    nisa.quantize_mx(xq, x, shared[0:, 0:32])
+    nisa.quantize_mx(yq, y, shared[4:, 0:64])
+    with pytest.raises(NkiError, match="moving_scale does not hold the scales"):
+        nisa.nc_matmul_mx(out, xq, yq, shared[0:, 0:32], shared[0:, 0:64])
+    nisa.nc_matmul_mx(out, xq, yq, shared[0:, 0:32], shared[4:, 0:64])  # the right slots
+
+
 def test_nc_matmul_mx_shape_rules():
     q = nl.ndarray((128, 127), nl.float8_e4m3fn_x4)
     s = nl.ndarray((128, 127), nl.uint8)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 
 import numpy as np
 
@@ -1163,6 +1164,66 @@ def _view_key(t):
     return (st.uid, st.version, t.boffset, t.shape, t.bstrides, t.dtype)
 
 
+# MX scale packing (NKI_API.md §4.5): a scale view may start at offset 0, 4, 8 or 12 inside a
+# quadrant, so up to four operands share one scale tile. The offset rule is the ISA's; the
+# provenance check below catches a kernel that packs wrongly (two operands' scales in one slot, or
+# a matmul reading another slot): quantize_mx records, per x4 element it writes, the word and the
+# scale byte of its group (shadow arrays of the data storage); nc_matmul_mx then requires the
+# scale view to hold that byte for every element whose word is still the one quantize_mx wrote
+# (data rewritten since, e.g. by DMA, is not checked).
+CHECK_SCALE_PACKING = {"value": True}
+SCALE_OFFSETS = (0, 4, 8, 12)
+_MX_META: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Storage -> (words, scales)
+
+
+def _scale_offset_ok(instr, arg, scale):
+    """A scale view starts at partition offset 0/4/8/12 of its quadrant (§4.5)."""
+    if not CHECK_SCALE_PACKING["value"]:
+        return
+    p0 = _start_partition(scale)
+    if p0 % 32 not in SCALE_OFFSETS:
+        raise _err(instr, f"{arg} view starts at partition {p0} (offset {p0 % 32} inside its "
+                   "quadrant); MX scale views start at offset 0, 4, 8 or 12 of a quadrant")
+
+
+def _shadow(meta_arr, t) -> np.ndarray:
+    return np.ndarray(t.shape, np.uint32, buffer=meta_arr, offset=t.boffset, strides=t.bstrides)
+
+
+def _record_quantized(dst, scale, P, C):
+    """quantize_mx wrote ``dst`` ([P, C] x4 words) with group scales ``scale`` [P/8, C]."""
+    if not CHECK_SCALE_PACKING["value"] or dst.itemsize != 4:
+        return
+    st = dst.storage
+    meta = _MX_META.get(st)
+    if meta is None:
+        meta = _MX_META[st] = (np.zeros_like(st.data), np.zeros_like(st.data))
+    _shadow(meta[0], dst)[...] = dst._np_as(np.uint32)
+    exp = np.repeat(np.asarray(scale, np.uint32), 8, axis=0) | np.uint32(0x100)
+    _shadow(meta[1], dst)[...] = exp.reshape(dst.shape)
+
+
+def _check_scale_provenance(instr, arg, data, sc_rows, P, C):
+    """The scale bytes an MX matmul reads (``sc_rows`` [P/8, C]) are those quantize_mx wrote for
+    the data's groups (where the data still holds quantize_mx's words)."""
+    if not CHECK_SCALE_PACKING["value"] or data.itemsize != 4:
+        return
+    meta = _MX_META.get(data.storage)
+    if meta is None:
+        return
+    words = _shadow(meta[0], data).reshape(P, C)
+    exp = _shadow(meta[1], data).reshape(P, C)
+    valid = ((exp >> 8) & 1).astype(bool) & (data._np_as(np.uint32).reshape(P, C) == words)
+    got = np.repeat(np.asarray(sc_rows, np.uint32), 8, axis=0)
+    bad = valid & ((exp & 0xFF) != got)
+    if bad.any():
+        p, c = (int(v[0]) for v in np.nonzero(bad))
+        raise _err(instr, f"{arg}_scale does not hold the scales quantize_mx wrote for {arg} "
+                   f"(first at data partition {p}, column {c}: scale byte {int(got[p, c])}, "
+                   f"quantize_mx wrote {int(exp[p, c] & 0xFF)}); another operand's scales "
+                   "overwrote them or the view reads another packing slot")
+
+
 def _dequant_operand(instr, arg, data, scale, P, C, prec):
     """[P*4, C] dequantized operand (contraction rows p*4+i), cached per program instance
     until either storage is written again (tiles reused across instructions dequantize once)."""
@@ -1171,7 +1232,9 @@ def _dequant_operand(instr, arg, data, scale, P, C, prec):
     hit = cache.get(key)
     if hit is not None:
         return hit
+    _scale_offset_ok(instr, f"{arg}_scale", scale)
     sc, rows = _scale_view_rows(instr, f"{arg}_scale", scale, P, C)
+    _check_scale_provenance(instr, arg, data, sc[rows], P, C)
     v = mxops.dequantize_x4(data._np().reshape(P, C), data.dtype, sc[rows], prec)
     v = np.ascontiguousarray(v.transpose(0, 2, 1)).reshape(P * 4, C)
     if len(cache) >= 8:
@@ -1271,7 +1334,8 @@ def quantize_mx(dst, src, dst_scale, name=None):
     group -> byte 0. Scales land at partitions ``32*(r//4) + r%4`` of ``dst_scale``.
 
     Raises:
-        NkiError: not trn3; P % 32 != 0 or P > 128; F % 4 != 0; dtypes or shapes wrong.
+        NkiError: not trn3; P % 32 != 0 or P > 128; F % 4 != 0; dtypes or shapes wrong; the
+            scale view starts at an offset other than 0/4/8/12 of a quadrant (§4.5).
     """
     instr = "quantize_mx"
     _need_mx(instr)
@@ -1293,12 +1357,14 @@ def quantize_mx(dst, src, dst_scale, name=None):
     Pd, Fd = _pf(dst)
     if (Pd, Fd) != (P, F // 4):
         raise _err(instr, f"dst {dst.shape} must hold [{P}, {F // 4}] x4 elements")
+    _scale_offset_ok(instr, "dst_scale", dst_scale)
     sc_arr, rows = _scale_view_rows(instr, "dst_scale", dst_scale, P, F // 4)
     x = src._np().reshape(P, F).astype(np.float32)
     words, scale = mxops.quantize_groups(x, mxops.ELEM_OF_X4[dst.dtype])
     dst._np()[...] = words.reshape(dst.shape)
     dst.storage.version += 1
     sc_arr[rows, :] = scale
+    _record_quantized(dst, scale, P, F // 4)
     dst_scale.storage.version += 1
     _count("vector", F / 4 + ENGINE_FIXED, P * F, lane_rate=1.0)  # 4x mode in F / 4
     return NkiInstruction(name)
@@ -1315,6 +1381,9 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
     N <= 4096 fp32 / 8192 bf16 dst), scale views [>= P/8 rows, M] / [.., N] in the quadrant
     layout. Dequantization is exact; the sum runs in fp32 (``MATMUL_PRECISION``) and is rounded
     once per instruction; ``accumulate=None`` auto-detects the first write to each PSUM element.
+    Scale views may start at offset 0/4/8/12 of a quadrant (scale packing, §4.5); a view that
+    does not hold the scales ``quantize_mx`` wrote for the data (packing slots overlapping or
+    mixed up) raises.
     """
     instr = "nc_matmul_mx"
     _need_mx(instr)

@@ -292,7 +292,7 @@ def run_blockwise(
     phase_configs: tuple | None = None,
     use_tuned_configs: bool = True,
     is_tensor_update_accumulating: bool = True,
-    use_scale_packing: bool = False,
+    use_scale_packing: bool = True,
     spill_reload: bool = False,
 ) -> MoEGrads:
     """Run the NKI MXFP8 backward on ``problem`` and return float32 :class:`MoEGrads`.

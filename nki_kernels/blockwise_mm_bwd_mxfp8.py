@@ -54,6 +54,10 @@ one sub-block (SB = B) d_gate_up and alpha*h stay in SBUF as before.
   TK at k0, ``[TK/4, F, 4]`` with element (p, f, i) = row ``k0 + i*TK/4 + p`` of the K axis. The
   weights arrive in it by strided DMA; dY and d_gate_up by TensorE transposes (natural layout).
 
+Scale packing (``use_scale_packing`` / ``enable_scale_packing``, default on): see the entry's
+docstring; the scales of up to four K tiles (phases 1-2) or of both operands (phases 3-4) share
+one scale tile at offsets 0/4/8/12 of each quadrant; no value depends on it.
+
 Numerics: every MX operand is quantized on chip with ``nisa.quantize_mx`` (E4M3, Trainium's scale
 rule) and multiplied by ``nisa.nc_matmul_mx`` into fp32 PSUM; elementwise math in fp32 with one
 rounding per instruction; BF16 at the points :mod:`nki_kernels.blockwise_mm_bwd_mxfp8_torch` (the
@@ -138,6 +142,8 @@ PSUM_TILE_MAX_N = 2048  # fp32 columns of one PSUM tile (4 of the 8 banks)
 ZERO_TILE_COLS = 2048  # free size of the zero tile used to clear HBM outputs
 WGRAD_COL_BLOCK = 2048  # d_gate_up columns / alpha*h rows quantized at a time in phases 3/4
 WEIGHT_BLOCK_BYTES = 64 * 1024  # SBUF per partition for one resident weight column block (x4+scale)
+SCALE_SLOT = 4  # partitions between packed scale views inside a quadrant (NKI_API.md §4.5)
+SCALE_SLOTS = 4  # scale views per packed scale tile (offsets 0/4/8/12)
 # A streamed block's phase 1 (W_down column blocks outermost) takes W_down column blocks up to
 # this size: every column block after the first reloads the stashed dY^T of all sub-blocks.
 PHASE1_STREAM_WEIGHT_BYTES = 96 * 1024
@@ -182,6 +188,46 @@ def _weight_cols(K: int, n_block: int, step: int, budget: int = WEIGHT_BLOCK_BYT
 
 
 # ------------------------------------------------------------------------------------ helpers
+def _scale_groups(ntiles: int, pack: bool) -> int:
+    """Scale tiles for ``ntiles`` K tiles of one operand: one each, or (scale packing) one per
+    four K tiles."""
+    if pack:
+        return (ntiles + SCALE_SLOTS - 1) // SCALE_SLOTS
+    return ntiles
+
+
+def _scale_slot(kt: int, pack: bool):
+    """(scale tile, partition offset) of K tile ``kt``: K tile t goes to packing group t//4 at
+    offset 4*(t%4) when packing (nki-library's convention, NKI_API.md §4.5), else (t, 0)."""
+    if pack:
+        return kt // SCALE_SLOTS, SCALE_SLOT * (kt % SCALE_SLOTS)
+    return kt, 0
+
+
+def _shared_slot_scales(g, width: int, pack: bool):
+    """Phases 3-4 with scale packing: one scale tile ``[vs, ceil(2 NKT / 4), width]`` for both
+    operands' WRAPX tiles along B (2 x NKT scale views, four per group); None without."""
+    if not pack:
+        return None
+    return nl.ndarray((g.vs, _scale_groups(2 * g.NKT, True), width), dtype=nl.uint8,
+                      buffer=nl.sbuf)
+
+
+def _slot_scales(shared, g, first: int, F: int):
+    """The scale views of one operand's WRAPX tiles along B in the phase's shared scale tile
+    (:func:`_shared_slot_scales`): slots ``first .. first + NKT - 1``, slot j at offset
+    ``4 * (j % 4)`` of group ``j // 4`` (the stationary operand takes slots 0.., the moving
+    one NKT..: one tile for both when B <= 1024). None (each operand allocates its own scale
+    tiles) when not packing."""
+    if shared == None:  # noqa: E711
+        return None
+    out = []
+    for kt in range(g.NKT):
+        grp, off = _scale_slot(first + kt, True)
+        out.append(shared[off : g.vs, grp, 0:F])
+    return out
+
+
 def _kernel_assert(cond, msg):
     """Trace-time check on static values (nki-library ``core/utils/kernel_assert.py`` style)."""
     assert cond, "blockwise_mm_bwd_mxfp8: " + msg  # noqa: S101
@@ -240,11 +286,12 @@ class _Tiling(nl.NKIObject):
     else the dimension; H = 384 takes the 512^3 tiles), unset ``TILES_IN_*`` = 1.
     """
 
-    def __init__(self, cfg, M: int, K: int, N: int, H: int):
+    def __init__(self, cfg, M: int, K: int, N: int, H: int, pack: bool):
         tile_m, tile_k, tile_n = min(128, M), min(512, K), min(512, N)
         if H == 384:
             tile_m, tile_k, tile_n = 128, 512, 512
         tib_n, tib_k, copy_in = 1, 1, True
+        self.pack = pack  # scale packing: the wrapper's use_scale_packing for an omitted phase
         if cfg != None:  # noqa: E711 - NKI has no `is` (SDK migration guide)
             if cfg.tile_m != None:  # noqa: E711
                 tile_m = cfg.tile_m
@@ -257,6 +304,7 @@ class _Tiling(nl.NKIObject):
             if cfg.TILES_IN_BLOCK_K != None:  # noqa: E711
                 tib_k = cfg.TILES_IN_BLOCK_K
             copy_in = cfg.enable_psum_copy_in
+            self.pack = cfg.enable_scale_packing
         self.p_mm = tile_k // 4
         self.tm = tile_m
         self.tn = min(tile_n, PSUM_TILE_MAX_N)
@@ -266,20 +314,23 @@ class _Tiling(nl.NKIObject):
             self.fold_k = tib_k
 
 
-def _quantize_k_major(src, vsk: int, F: int):
-    """quantize_mx of a K-major BF16 tile ``[vsk, F, 4]`` -> (x4 data [vsk, F], scales [vsk, F])."""
+def _quantize_k_major(src, vsk: int, F: int, s=None):
+    """quantize_mx of a K-major BF16 tile ``[vsk, F, 4]`` -> (x4 data [vsk, F], scales): a scale
+    tile [vsk, F] of its own, or the given scale view (a slot of a packed scale tile)."""
     q = nl.ndarray((vsk, F), dtype=float8_e4m3fn_x4, buffer=nl.sbuf)
-    s = nl.ndarray((vsk, F), dtype=nl.uint8, buffer=nl.sbuf)
+    if s == None:  # noqa: E711
+        s = nl.ndarray((vsk, F), dtype=nl.uint8, buffer=nl.sbuf)
     nisa.quantize_mx(dst=q, src=src.reshape((vsk, F * 4)), dst_scale=s)
     return q, s
 
 
-def _k_major_from_natural(src_n, g: _Geo, K: int):
+def _k_major_from_natural(src_n, g: _Geo, K: int, pack: bool):
     """TensorE-transpose a natural-layout BF16 tile ``[128, C, K]`` (slot c*128 + p at partition
     p) into K-major MX operands: for every WRAPX K tile (k0, TK),
     ``t[p, j, i] = src[slot j, k0 + i*TK/4 + p]`` built from ``[128, TK/4]`` slabs (one PSUM tile
     per (tile, i), one copy to SBUF), then quantized. All K tiles share one x4 tile and one scale
-    tile ``[128, tiles, slots]`` (a remainder tile uses its first TK/4 partitions), so the
+    tile ``[128, tiles, slots]`` (a remainder tile uses its first TK/4 partitions; with scale
+    packing ``[128, ceil(tiles/4), slots]``, K tile t at offset 4*(t%4) of group t//4), so the
     operand moves to and from HBM in one DMA each (:func:`_stash_k_major`). Returns
     ``(ops, x4 tile, scale tile)``, ops = (x4 [TK/4, slots], scales, TK/4) views per K tile."""
     out = []
@@ -287,7 +338,8 @@ def _k_major_from_natural(src_n, g: _Geo, K: int):
     ns = nc * PMAX
     tiles = _k_tiles(K)
     q_all = nl.ndarray((PMAX, len(tiles), ns), dtype=float8_e4m3fn_x4, buffer=nl.sbuf)
-    s_all = nl.ndarray((PMAX, len(tiles), ns), dtype=nl.uint8, buffer=nl.sbuf)
+    s_all = nl.ndarray((PMAX, _scale_groups(len(tiles), pack), ns), dtype=nl.uint8,
+                       buffer=nl.sbuf)
     for kt, (k0, TK) in enumerate(tiles):
         vsk = TK // 4
         t = nl.ndarray((vsk, ns, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -298,7 +350,8 @@ def _k_major_from_natural(src_n, g: _Geo, K: int):
                 nisa.nc_transpose(dst=ps[:, c * PMAX : (c + 1) * PMAX],
                                   data=src_n[:, c, c0 : c0 + vsk])
             nisa.tensor_copy(dst=t[:, :, i], src=ps, engine=ACT if i % 2 else VEC)
-        q, sc = q_all[0:vsk, kt, :], s_all[0:vsk, kt, :]
+        grp, off = _scale_slot(kt, pack)
+        q, sc = q_all[0:vsk, kt, :], s_all[off:vsk, grp, :]
         nisa.quantize_mx(dst=q, src=t.reshape((vsk, ns * 4)), dst_scale=sc)
         out.append((q, sc, vsk))
     return out, q_all, s_all
@@ -320,21 +373,24 @@ def _to_slot_layout_kt(src_n, g: _Geo, c0: int, F: int, kt: int):
     return t
 
 
-def _quantize_slot_operand(src_n, g: _Geo, c0: int, F: int):
+def _quantize_slot_operand(src_n, g: _Geo, c0: int, F: int, scales=None):
     """Columns ``c0..c0+F`` of a natural-layout block, quantized along the block's slots: one
-    (x4 [vs, F], scales [vs, F], vs) per WRAPX tile along B, each staged and quantized alone."""
+    (x4 [vs, F], scales [vs, F], vs) per WRAPX tile along B, each staged and quantized alone.
+    ``scales``: None, or the packed scale views per WRAPX tile (:func:`_slot_scales`)."""
     out = []
     for kt in range(g.NKT):
         t = _to_slot_layout_kt(src_n, g, c0, F, kt)
-        q, s = _quantize_k_major(t, g.vs, F)
+        q, s = _quantize_k_major(t, g.vs, F, None if scales == None else scales[kt])  # noqa: E711
         del t
         out.append((q, s, g.vs))
     return out
 
 
-def _gather_slot_operand(src_hbm, ids_s, g: _Geo, c0: int, F: int, oob, memset_engine):
+def _gather_slot_operand(src_hbm, ids_s, g: _Geo, c0: int, F: int, oob, memset_engine,
+                         scales=None):
     """Rows ``src_hbm[ids, c0:c0+F]`` of the block's tokens, quantized along the block's slots
-    (one gather + quantize per WRAPX tile along B); skipped ids give zero rows."""
+    (one gather + quantize per WRAPX tile along B); skipped ids give zero rows. ``scales``: as
+    for :func:`_quantize_slot_operand`."""
     row_len = src_hbm.shape[1]
     out = []
     for kt in range(g.NKT):
@@ -354,14 +410,14 @@ def _gather_slot_operand(src_hbm, ids_s, g: _Geo, c0: int, F: int, oob, memset_e
             )
             nisa.tensor_copy(dst=t[:, :, li], src=row, engine=ACT if li % 2 else VEC)
             del row
-        q, s = _quantize_k_major(t, g.vs, F)
+        q, s = _quantize_k_major(t, g.vs, F, None if scales == None else scales[kt])  # noqa: E711
         del t
         out.append((q, s, g.vs))
     return out
 
 
 def _load_weight_k_major(w_hbm, e_sb, K: int, row_stride: int, col_stride: int, c0: int,
-                         ncols: int):
+                         ncols: int, pack: bool):
     """One expert's weight into K-major tiles and quantize (weights of phase 1/2).
 
     Element (p, f, i) of the tile for WRAPX K tile (k0, TK) is the weight at
@@ -370,10 +426,12 @@ def _load_weight_k_major(w_hbm, e_sb, K: int, row_stride: int, col_stride: int, 
     ``scalar_offset``. The weight is read in its natural layout (a column per partition, ``TK``
     contiguous elements per descriptor) and turned K-major on TensorE (bit-exact BF16
     transposes into PSUM, one copy per lane to SBUF) instead of by a DMA of 2-byte elements.
-    Returns a list of (x4 data [TK/4, ncols], scales, TK/4).
+    Returns a list of (x4 data [TK/4, ncols], scales, TK/4). With ``pack`` the scales of four
+    consecutive K tiles share one tile ``[TK/4 of the first, ncols]`` (:func:`_scale_slot`).
     """
     out = []
-    for k0, TK in _k_tiles(K):
+    groups = []
+    for kt, (k0, TK) in enumerate(_k_tiles(K)):
         vsk = TK // 4
         t = nl.ndarray((vsk, ncols, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
         for p0 in range(0, ncols, WEIGHT_T_COLS):
@@ -398,8 +456,20 @@ def _load_weight_k_major(w_hbm, e_sb, K: int, row_stride: int, col_stride: int, 
                     nisa.nc_transpose(dst=ps[:, j : j + cw],
                                       data=nat[0:cw, j // PMAX, i * vsk : (i + 1) * vsk])
                 nisa.tensor_copy(dst=t[:, p0 : p0 + pw, i], src=ps, engine=ACT if i % 2 else VEC)
-        out.append(_quantize_k_major(t, vsk, ncols) + (vsk,))
+        out.append(_quantize_k_major(t, vsk, ncols, _packed_scale(groups, kt, vsk, ncols, pack))
+                   + (vsk,))
     return out
+
+
+def _packed_scale(groups: list, kt: int, vsk: int, ncols: int, pack: bool):
+    """K tile ``kt``'s scale view in a packed scale tile (a new one every four K tiles, appended
+    to ``groups``), or None without packing."""
+    if not pack:
+        return None
+    grp, off = _scale_slot(kt, True)
+    if off == 0:
+        groups.append(nl.ndarray((vsk, ncols), dtype=nl.uint8, buffer=nl.sbuf))
+    return groups[grp][off:vsk, :]
 
 
 class _Workspace(nl.NKIObject):
@@ -414,24 +484,36 @@ class _Workspace(nl.NKIObject):
             self.acc = nl.ndarray((PMAX, ncols), dtype=nl.float32, buffer=nl.sbuf)
 
 
-def _load_prequantized_k_major(words, scales, e_sb, K: int, c0: int, ncols: int):
+def _load_prequantized_k_major(words, scales, e_sb, K: int, c0: int, ncols: int, pack: bool):
     """DMA one expert's pre-quantized weight tiles (x4 words + E8M0 scales) straight to SBUF.
 
     ``words``/``scales``: [E, K/4, F] in the K-major WRAPX layout of
     :func:`nki_kernels.blockwise_mm_bwd_mxfp8_torch.prequantize_weight_k_major`; columns
-    ``c0..c0+ncols``. Returns the same list as :func:`_load_weight_k_major`.
+    ``c0..c0+ncols``. Returns the same list as :func:`_load_weight_k_major` (with ``pack``, the
+    scales land in packed slots: rows 0-3 of each quadrant of the HBM tile go to partitions
+    ``off + 32 q ..``, one DMA per quadrant, so the unused rows never touch the other slots).
     """
     F = words.shape[2]
     w4 = words if str(words.dtype) == str(float8_e4m3fn_x4) else words.view(float8_e4m3fn_x4)
     s8 = scales if str(scales.dtype) == str(nl.uint8) else scales.view(nl.uint8)
     out = []
-    for k0, TK in _k_tiles(K):
+    groups = []
+    for kt, (k0, TK) in enumerate(_k_tiles(K)):
         vsk = TK // 4
         q = nl.ndarray((vsk, ncols), dtype=float8_e4m3fn_x4, buffer=nl.sbuf)
-        sc = nl.ndarray((vsk, ncols), dtype=nl.uint8, buffer=nl.sbuf)
-        for dst, src in ((q, w4), (sc, s8)):
-            nisa.dma_copy(dst=dst, src=src.ap(pattern=[[F, vsk], [1, ncols]],
-                                              offset=(k0 // 4) * F + c0, scalar_offset=e_sb,
+        sc = _packed_scale(groups, kt, vsk, ncols, pack)
+        # (dst, HBM row, rows) per DMA; a packed slot gets only the 4 scale rows of each
+        # quadrant (a whole-tile copy would overwrite the other slots with the padding rows)
+        copies = [(q, w4, 0, vsk)]
+        if sc == None:  # noqa: E711
+            sc = nl.ndarray((vsk, ncols), dtype=nl.uint8, buffer=nl.sbuf)
+            copies.append((sc, s8, 0, vsk))
+        else:
+            for p0 in range(0, vsk, 32):
+                copies.append((sc[p0 : p0 + SCALE_SLOT, :], s8, p0, SCALE_SLOT))
+        for dst, src, r0, rows in copies:
+            nisa.dma_copy(dst=dst, src=src.ap(pattern=[[F, rows], [1, ncols]],
+                                              offset=(k0 // 4 + r0) * F + c0, scalar_offset=e_sb,
                                               indirect_dim=0))
         out.append((q, sc, vsk))
     return out
@@ -467,8 +549,9 @@ def _matmul_mx(lhs, rhs, m0: int, M: int, n0: int, N: int, tl: _Tiling, ws: _Wor
                 dst=ps,
                 stationary=lq[pk : pk + step, m0 : m0 + M],
                 moving=rq[pk : pk + step, n0 : n0 + N],
-                stationary_scale=ls[pk : pk + step, m0 : m0 + M],
-                moving_scale=rs[pk : pk + step, n0 : n0 + N],
+                # a packed scale view starts 4/8/12 partitions into the data's quadrant
+                stationary_scale=ls[pk : min(pk + step, ls.shape[0]), m0 : m0 + M],
+                moving_scale=rs[pk : min(pk + step, rs.shape[0]), n0 : n0 + N],
                 tile_position=tpos,
                 tile_size=tsize,
                 accumulate=steps > 0,
@@ -769,7 +852,7 @@ def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_scales=None):
     n_block = _weight_cols(g.H, max(tn, tl.n_block // tn * tn), tn)
     half = I // 2
     halves = [0, 1] if g.S == 1 else [g.shard]
-    dyT = _k_major_from_natural(b.dy_n, g, g.H)[0]  # stationary: dY^T, H on partitions
+    dyT = _k_major_from_natural(b.dy_n, g, g.H, tl.pack)[0]  # stationary: dY^T, H on partitions
     ws = _Workspace(tl, tn)
     for hf in halves:
         h0 = hf * half
@@ -778,9 +861,9 @@ def _phase1(b, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_scales=None):
             # moving: W_down[e]^T columns nb0.., H on partitions ([E, I, H]: H stride 1)
             wdT = None  # release the previous column block before loading the next
             if w_scales == None:  # noqa: E711
-                wdT = _load_weight_k_major(w_down, b.e_sb, g.H, 1, g.H, nb0, nbw)
+                wdT = _load_weight_k_major(w_down, b.e_sb, g.H, 1, g.H, nb0, nbw, tl.pack)
             else:
-                wdT = _load_prequantized_k_major(w_down, w_scales, b.e_sb, g.H, nb0, nbw)
+                wdT = _load_prequantized_k_major(w_down, w_scales, b.e_sb, g.H, nb0, nbw, tl.pack)
             for c in range(C):
                 for n0 in range(0, nbw, tn):
                     nw = min(tn, nbw - n0)
@@ -842,22 +925,23 @@ def _phase1_streamed(blk, g: _Geo, w_down, tl: _Tiling, clamp: ClampLimits, w_sc
     for pi, (hf, nb0, nbw) in enumerate(passes):
         wdT = None  # release the previous column block before loading the next
         if w_scales == None:  # noqa: E711
-            wdT = _load_weight_k_major(w_down, blk.e_sb, g.H, 1, g.H, nb0, nbw)
+            wdT = _load_weight_k_major(w_down, blk.e_sb, g.H, 1, g.H, nb0, nbw, tl.pack)
         else:
-            wdT = _load_prequantized_k_major(w_down, w_scales, blk.e_sb, g.H, nb0, nbw)
+            wdT = _load_prequantized_k_major(w_down, w_scales, blk.e_sb, g.H, nb0, nbw,
+                                             tl.pack)
         for k in range(g.NSUB):
             sub = _sub_block(blk, g, k)
             dyT = None
             if pi == 0:
                 _gather_dy(sub, g)
-                kmaj = _k_major_from_natural(sub.dy_n, g, g.H)  # stationary: dY^T
+                kmaj = _k_major_from_natural(sub.dy_n, g, g.H, tl.pack)  # stationary: dY^T
                 del sub.dy_n
                 if len(passes) > 1:
                     _stash_k_major(kmaj, dyq, g, k)
                 dyT = kmaj[0]
                 del kmaj
             else:
-                dyT = _unstash_k_major(dyq, g, g.H, k)
+                dyT = _unstash_k_major(dyq, g, g.H, k, tl.pack)
             gu = _gather_ckpt(sub, g, nb0, nbw)
             dgu = nl.ndarray((P, SC, 2, nbw), dtype=nl.bfloat16, buffer=nl.sbuf)
             ah = nl.ndarray((P, SC, nbw), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -893,7 +977,7 @@ def _exchange_da(b, g: _Geo, nch: int):
     nisa.tensor_tensor(dst=b.da, data1=b.da, data2=recv, op=nl.add)
 
 
-def _stash_dgu_streamed(blk, g: _Geo, scratch_dgu, dgu_q):
+def _stash_dgu_streamed(blk, g: _Geo, scratch_dgu, dgu_q, pack: bool):
     """Phase 2's quantized d_gate_up^T of every sub-block of a streamed block, from the block
     scratch (all of 2I; LNC2: after the barrier that makes the peer's columns visible)."""
     if g.S > 1:
@@ -902,7 +986,7 @@ def _stash_dgu_streamed(blk, g: _Geo, scratch_dgu, dgu_q):
         cs = k * g.SC
         dgu_n = nl.ndarray((PMAX, g.SC, 2 * g.I), dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.dma_copy(dst=dgu_n, src=scratch_dgu[:, cs : cs + g.SC, :])
-        _stash_k_major(_k_major_from_natural(dgu_n, g, 2 * g.I), dgu_q, g, k)
+        _stash_k_major(_k_major_from_natural(dgu_n, g, 2 * g.I, pack), dgu_q, g, k)
         del dgu_n
 
 
@@ -1049,20 +1133,22 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scal
     n_block = _weight_cols(I2, tl.n_block, PMAX)
     dguT = None
     if dgu_q == None:  # noqa: E711
-        dguT = _k_major_from_natural(b.dgu_n, g, I2)[0]  # stationary: d_gate_up^T, 2I on partitions
+        # stationary: d_gate_up^T, 2I on partitions
+        dguT = _k_major_from_natural(b.dgu_n, g, I2, tl.pack)[0]
     nsub = 1 if dgu_q == None else g.NSUB  # noqa: E711
     for nb0 in range(0, g.Hs, n_block):
         nbw = min(n_block, g.Hs - nb0)
         # moving: W_gate_up[e] viewed [H, 2I]: 2I on partitions (stride 1), H columns (stride 2I)
         wguT = None  # release the previous column block before loading the next
         if w_scales == None:  # noqa: E711
-            wguT = _load_weight_k_major(w_gate_up, b.e_sb, I2, 1, I2, g.H0 + nb0, nbw)
+            wguT = _load_weight_k_major(w_gate_up, b.e_sb, I2, 1, I2, g.H0 + nb0, nbw, tl.pack)
         else:
-            wguT = _load_prequantized_k_major(w_gate_up, w_scales, b.e_sb, I2, g.H0 + nb0, nbw)
+            wguT = _load_prequantized_k_major(w_gate_up, w_scales, b.e_sb, I2, g.H0 + nb0, nbw,
+                                                 tl.pack)
         for k in range(nsub):
             if dgu_q != None:  # noqa: E711
                 dguT = None
-                dguT = _unstash_k_major(dgu_q, g, I2, k)
+                dguT = _unstash_k_major(dgu_q, g, I2, k, tl.pack)
             for c in range(g.SC):
                 _dx_rows(b, g, dguT, wguT, tl, ws, dx_acc, accumulate, k * g.SC + c, c, nb0,
                          nbw)
@@ -1100,19 +1186,21 @@ def _stash_k_major(kmaj, dgu_q, g: _Geo, k: int):
     nisa.dma_copy(dst=qs[g.shard, k], src=kmaj[2])
 
 
-def _unstash_k_major(dgu_q, g: _Geo, K: int, k: int):
+def _unstash_k_major(dgu_q, g: _Geo, K: int, k: int, pack: bool):
     """Sub-block ``k``'s quantized K-major operand back from the HBM stash (two DMAs, runs of
     ``tiles x SB`` x4 words per partition); the same views as :func:`_k_major_from_natural`."""
     qw, qs = dgu_q
     tiles = _k_tiles(K)
     q_all = nl.ndarray((PMAX, len(tiles), g.SB), dtype=float8_e4m3fn_x4, buffer=nl.sbuf)
-    s_all = nl.ndarray((PMAX, len(tiles), g.SB), dtype=nl.uint8, buffer=nl.sbuf)
+    s_all = nl.ndarray((PMAX, _scale_groups(len(tiles), pack), g.SB), dtype=nl.uint8,
+                       buffer=nl.sbuf)
     nisa.dma_copy(dst=q_all, src=qw[g.shard, k])
     nisa.dma_copy(dst=s_all, src=qs[g.shard, k])
     out = []
     for kt, (k0, TK) in enumerate(tiles):
         vsk = TK // 4
-        out.append((q_all[0:vsk, kt, :], s_all[0:vsk, kt, :], vsk))
+        grp, off = _scale_slot(kt, pack)
+        out.append((q_all[0:vsk, kt, :], s_all[off:vsk, grp, :], vsk))
     return out
 
 
@@ -1139,14 +1227,16 @@ def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc, dgu_src):
     I2 = 2 * g.I
     mb = _wgrad_cols(g.NKT, g.Hs, PMAX)
     cb = min(max(WGRAD_COL_BLOCK, tl.n_block), _wgrad_cols(g.NKT, I2, PMAX))
+    shared = _shared_slot_scales(g, max(mb, cb), tl.pack)  # X: slots 0.., d_gate_up: NKT..
     for mb0 in range(0, g.Hs, mb):
         mbw = min(mb, g.Hs - mb0)
         # stationary: X rows (gathered only now), this core's H columns H0+mb0..
         xq = _gather_slot_operand(b.hidden_states, b.ids_s, g, g.H0 + mb0, mbw, b.token_oob,
-                                  VEC)
+                                  VEC, _slot_scales(shared, g, 0, mbw))
         for cb0 in range(0, I2, cb):
             cbw = min(cb, I2 - cb0)
-            dq = _quantize_slot_operand(dgu_src, g, cb0, cbw)  # moving: d_gate_up columns
+            # moving: d_gate_up columns
+            dq = _quantize_slot_operand(dgu_src, g, cb0, cbw, _slot_scales(shared, g, g.NKT, cbw))
             _wgrad_rmw(xq, dq, g, tl, dwgu_acc, b.e_sb, g.H0 + mb0, mbw, cb0, cbw, I2,
                        lhs_c0=0, rhs_c0=0)
             del dq
@@ -1175,13 +1265,16 @@ def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc, ah_src):
     H = g.H
     nb = _wgrad_cols(g.NKT, g.Hs, PMAX)
     mbk = min(WGRAD_COL_BLOCK, _wgrad_cols(g.NKT, g.I, PMAX))
+    shared = _shared_slot_scales(g, max(nb, mbk), tl.pack)  # dY: slots 0.., alpha*h: NKT..
     for nb0 in range(0, g.Hs, nb):
         nbw = min(nb, g.Hs - nb0)
         # moving: dY_blk, this core's H columns H0+nb0..
-        yq = _gather_slot_operand(b.dy_hbm, b.ids_s, g, g.H0 + nb0, nbw, b.token_oob, POOL)
+        yq = _gather_slot_operand(b.dy_hbm, b.ids_s, g, g.H0 + nb0, nbw, b.token_oob, POOL,
+                                  _slot_scales(shared, g, 0, nbw))
         for mb0 in range(0, g.I, mbk):
             mbw = min(mbk, g.I - mb0)
-            aq = _quantize_slot_operand(ah_src, g, mb0, mbw)  # stationary: alpha*h rows
+            # stationary: alpha*h rows
+            aq = _quantize_slot_operand(ah_src, g, mb0, mbw, _slot_scales(shared, g, g.NKT, mbw))
             _wgrad_rmw(aq, yq, g, tl, dwd_acc, b.e_sb, mb0, mbw, g.H0 + nb0, nbw, H, lhs_c0=0,
                        rhs_c0=0)
             del aq
@@ -1262,7 +1355,7 @@ def blockwise_mm_bwd_mxfp8(
     phase4_config: MatmulMxfp8KernelConfig | None = None,
     fp8_x4_dtype=float8_e4m3fn_x4,
     spill_reload: bool = False,
-    use_scale_packing: bool = False,
+    use_scale_packing: bool = True,
     run_with_lnc2: bool = True,
     shard_option: ShardOption = ShardOption.SHARD_ON_FREE,
     affinity_option: AffinityOption = AffinityOption.AFFINITY_ON_I,
@@ -1302,11 +1395,18 @@ def blockwise_mm_bwd_mxfp8(
             :func:`nki_kernels.blockwise_mm_bwd_mxfp8_torch.prequantize_weight_k_major`.
         phase1_config .. phase4_config: per-phase tiling (None = AWS defaults).
         fp8_x4_dtype: ``float8_e4m3fn_x4`` (the only one accepted).
-        spill_reload, use_scale_packing: must stay False (validation raises
-            UnsupportedOptionError): tiles stay resident and every quantized operand has its own
-            scale tile. ``use_scale_packing`` defaults to False here, AWS's wrapper to True
-            (scale packing changes no value; issue 11 decision, see
-            :func:`nki_kernels.validation.check_phase_config_supported`).
+        spill_reload: must stay False (validation raises UnsupportedOptionError): tiles stay
+            resident.
+        use_scale_packing: scale packing (default True, as AWS's wrapper) for the phases whose
+            config is None; a given config's ``enable_scale_packing`` decides for its phase.
+            Packed, up to four scale views share one uint8 scale tile at partition offsets
+            0/4/8/12 of each quadrant (NKI_API.md §4.5): phases 1-2 pack four consecutive K
+            tiles of each operand per tile (``[TK/4, cols]``; d_gate_up^T / dY^T as
+            ``[128, ceil(tiles/4), slots]``, also in the HBM stash of a streamed block, and
+            pre-quantized weight scales DMA'd into the slots); phases 3-4 put both operands'
+            scales (one view per WRAPX tile along B, 2 x NKT views, four per group) in one
+            ``[vs, ceil(2 NKT / 4), cols]`` tile.
+            Results are bit-identical either way; packing only saves SBUF.
         run_with_lnc2: shard over 2 NeuronCores (takes effect when launched with ``kernel[2]``).
         shard_option: SHARD_ON_FREE only.  affinity_option: AFFINITY_ON_I only.
         compute_dtype: BF16 only.
@@ -1356,10 +1456,10 @@ def blockwise_mm_bwd_mxfp8(
     g = _Geo(T, H, I, E, N, B, shard, num_shards)
     S = num_shards
     tilings = (
-        _Tiling(phase1_config, B, H, I // S, H),
-        _Tiling(phase2_config, B, 2 * I, H // S, H),
-        _Tiling(phase3_config, I, B, H // S, H),
-        _Tiling(phase4_config, H // S, B, I, H),
+        _Tiling(phase1_config, B, H, I // S, H, use_scale_packing),
+        _Tiling(phase2_config, B, 2 * I, H // S, H, use_scale_packing),
+        _Tiling(phase3_config, I, B, H // S, H, use_scale_packing),
+        _Tiling(phase4_config, H // S, B, I, H, use_scale_packing),
     )
     fp32_acc = accumulation_dtype != None  # noqa: E711
     token_oob = nisa.oob_mode.error
@@ -1396,14 +1496,16 @@ def blockwise_mm_bwd_mxfp8(
         nkt2 = len(_k_tiles(2 * I))
         dgu_q = (nl.ndarray((num_shards, g.NSUB, PMAX, nkt2, g.SB), dtype=float8_e4m3fn_x4,
                             buffer=nl.shared_hbm),
-                 nl.ndarray((num_shards, g.NSUB, PMAX, nkt2, g.SB), dtype=nl.uint8,
+                 nl.ndarray((num_shards, g.NSUB, PMAX, _scale_groups(nkt2, tilings[1].pack),
+                             g.SB), dtype=nl.uint8,
                             buffer=nl.shared_hbm))
         if len(_phase1_passes(g, tilings[0])[0]) > 1:
             # and its dY^T (phase 1 reloads it per W_down column block after the first)
             nkth = len(_k_tiles(H))
             dyq = (nl.ndarray((num_shards, g.NSUB, PMAX, nkth, g.SB), dtype=float8_e4m3fn_x4,
                               buffer=nl.shared_hbm),
-                   nl.ndarray((num_shards, g.NSUB, PMAX, nkth, g.SB), dtype=nl.uint8,
+                   nl.ndarray((num_shards, g.NSUB, PMAX,
+                               _scale_groups(nkth, tilings[0].pack), g.SB), dtype=nl.uint8,
                               buffer=nl.shared_hbm))
 
     # zero-initialise this core's share of every accumulator (dA: core 0)
@@ -1453,7 +1555,7 @@ def blockwise_mm_bwd_mxfp8(
                     _exchange_da(blk, g, g.C)
                     _store_da(blk, g, da, g.C)
                 with region("phase2"):
-                    _stash_dgu_streamed(blk, g, scratch_dgu, dgu_q)
+                    _stash_dgu_streamed(blk, g, scratch_dgu, dgu_q, tilings[1].pack)
                     _phase2(blk, g, gate_up_proj_weight, tilings[1], dx_acc,
                             is_tensor_update_accumulating, gate_up_weight_scales, dgu_q)
             else:

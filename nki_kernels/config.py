@@ -179,8 +179,10 @@ class MatmulMxfp8KernelConfig(_NKIObject):
         TILES_IN_LOAD_M/N: tiles per DMA load along M/N (>= 1, dividing the block's), or None.
         block_loop_order, tile_loop_order: a permutation of ``"mnk"``.
         float8_dtype: ``"float8_e4m3fn"`` or ``"float8_e5m2"``.
-        enable_scale_packing: 4 tensors share one scale tile (offsets 0/4/8/12, NKI_API.md §4.5);
-            not implemented by our kernel: True raises UnsupportedOptionError.
+        enable_scale_packing: up to 4 scale views share one scale tile (offsets 0/4/8/12 of each
+            quadrant, NKI_API.md §4.5); our kernel packs the K tiles of each operand in phases
+            1-2 and both operands of phases 3-4; changes no value. An omitted phase takes the
+            wrapper's ``use_scale_packing`` (default True).
         run_with_lnc2: run the phase sharded over 2 NeuronCores.
         lnc_2_shard_rhs: shard the moving (rhs) operand under LNC2; None = auto (N >= M).
         spill_reload: spill quantized tiles to HBM for reuse across K blocks.
@@ -368,7 +370,7 @@ def default_phase_configs(
     phase_configs: tuple[MatmulMxfp8KernelConfig | None, ...] = (None, None, None, None),
     *,
     spill_reload: bool = False,
-    use_scale_packing: bool = False,
+    use_scale_packing: bool = True,
 ) -> tuple[MatmulMxfp8KernelConfig, ...]:
     """Resolve the four phase configs as AWS's kernel entry does (``_resolve_phase_configs``).
 

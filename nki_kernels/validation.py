@@ -266,7 +266,7 @@ def validate_blockwise_mm_bwd_args(
     phase4_config: MatmulMxfp8KernelConfig | None = None,
     fp8_x4_dtype: Any = DEFAULT_FP8_X4_DTYPE,
     spill_reload: bool = False,
-    use_scale_packing: bool = False,
+    use_scale_packing: bool = True,
     run_with_lnc2: bool = True,
     shard_option: ShardOption = ShardOption.SHARD_ON_FREE,
     affinity_option: AffinityOption = AffinityOption.AFFINITY_ON_I,
@@ -534,15 +534,11 @@ def check_phase_config_supported(phase: int, cfg: MatmulMxfp8KernelConfig) -> No
 
     Honoured: M/K/N (set from the phase shape), tile_m (phases 3-4; 128 in phases 1-2), tile_k,
     tile_n, TILES_IN_BLOCK_N, TILES_IN_BLOCK_K (with ``enable_psum_copy_in=False``),
-    enable_psum_copy_in, run_with_lnc2 (the wrapper's), quant_scheme (WRAPX only, checked when
-    resolving). Every other field raises here when set to a value the kernel does not
-    implement, ``enable_scale_packing=True`` included (also when it comes from the wrapper's
-    ``use_scale_packing=True``: the kernel's default for it is False, AWS's True). Decision
-    (issue 11): packing up to four operands' E8M0 scales into one tile (offsets 0/4/8/12 of each
-    quadrant) only saves SBUF; it changes no value and no modeled time, and the SBUF plan fits
-    B = 4096 for the model shapes without it, so it is refused rather than accepted and ignored.
-    Implementing it means a packed scale layout in every operand builder (on-chip quantized
-    and pre-quantized weights, K-major and slot-layout operands, the HBM stash).
+    enable_psum_copy_in, enable_scale_packing (either value; the wrapper's ``use_scale_packing``
+    for an omitted phase, True by default as AWS's: up to four scale views share one scale tile
+    at offsets 0/4/8/12 of each quadrant, NKI_API.md §4.5; bit-identical to unpacked scales),
+    run_with_lnc2 (the wrapper's), quant_scheme (WRAPX only, checked when resolving). Every
+    other field raises here when set to a value the kernel does not implement.
 
     - phases 1-2: ``tile_m < 128``. Their stationary columns are the 128 slots of a natural-
       layout chunk; an MX matmul's output starts at PSUM partition 0 (``nc_matmul_mx`` has row
@@ -567,8 +563,6 @@ def check_phase_config_supported(phase: int, cfg: MatmulMxfp8KernelConfig) -> No
         ("lnc_2_shard_rhs", cfg.lnc_2_shard_rhs in (None, True),
          "sharding the stationary (lhs) operand under LNC2 (SHARD_ON_FREE shards the moving one)"),
         ("spill_reload", cfg.spill_reload is False, "spilling quantized tiles to HBM"),
-        ("enable_scale_packing", cfg.enable_scale_packing is False,
-         "four operands' scales sharing one scale tile; every operand has its own"),
         ("lhs_is_swizzled", cfg.lhs_is_swizzled is True,
          "a stationary operand not already WRAPX-swizzled"),
         ("rhs_is_swizzled", cfg.rhs_is_swizzled is True,

@@ -8,6 +8,7 @@ the interpreter does not import.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import ml_dtypes
 import numpy as np
@@ -188,7 +189,7 @@ def test_default_phase_configs_qwen3_lnc2():
     ]
     for c in cfgs:
         assert c.is_resolved and c.run_with_lnc2 is True
-        assert c.enable_scale_packing is False and c.spill_reload is False  # wrapper defaults
+        assert c.enable_scale_packing is True and c.spill_reload is False  # wrapper defaults
         assert c.TILES_IN_BLOCK_M == c.TILES_IN_LOAD_N == c.TILES_IN_LOAD_K == 1
 
 
@@ -857,9 +858,8 @@ def test_kernel_signature_is_the_seed_and_package_exports_the_function():
     assert defaults["activation_type"] is ActFnType.SiLU
     flags = ("gate_up_weight_is_swizzled", "down_weight_is_swizzled", "spill_reload")
     assert all(defaults[n] is False for n in flags + ("skip_grad_initialization", "bias"))
-    # use_scale_packing: AWS's default is True; ours is False (packing is not implemented and
-    # raises UnsupportedOptionError rather than being ignored; issue 11 decision)
-    assert defaults["use_scale_packing"] is False and defaults["run_with_lnc2"] is True
+    # use_scale_packing: AWS's default, True (issue 24 item 1: scale packing implemented)
+    assert defaults["use_scale_packing"] is True and defaults["run_with_lnc2"] is True
     assert defaults["is_tensor_update_accumulating"] is True
 
 
@@ -914,7 +914,6 @@ UNSUPPORTED_FIELDS = {
     "float8_dtype": "float8_e5m2",
     "lnc_2_shard_rhs": False,
     "spill_reload": True,
-    "enable_scale_packing": True,
     "lhs_is_swizzled": False,
     "rhs_is_swizzled": False,
     "load_with_PE_swizzle": True,
@@ -945,13 +944,98 @@ def test_load_tiles_must_match_block_tiles_and_wrapper_spill_reload_raises():
         validate_blockwise_mm_bwd_args(**args, spill_reload=True)
 
 
-def test_scale_packing_raises_instead_of_being_ignored():
-    """Issue 11 decision: enable_scale_packing / the wrapper's use_scale_packing are refused
-    (UnsupportedOptionError naming the field), not accepted and ignored; the default is off."""
+def test_scale_packing_is_accepted_both_ways():
+    """Issue 24 item 1: scale packing is implemented; use_scale_packing (default True, AWS's) and
+    a phase config's enable_scale_packing are accepted either way, and an omitted phase takes
+    the wrapper's value while a given one keeps its own."""
     args = _valid_args()
-    validate_blockwise_mm_bwd_args(**args)  # defaults: no packing
-    with pytest.raises(UnsupportedOptionError, match="phase1_config.enable_scale_packing=True"):
-        validate_blockwise_mm_bwd_args(**args, use_scale_packing=True)
-    cfg = MatmulMxfp8KernelConfig(0, 0, 0, enable_scale_packing=True)
-    with pytest.raises(UnsupportedOptionError, match="phase4_config.enable_scale_packing=True"):
-        validate_blockwise_mm_bwd_args(**args, phase4_config=cfg)
+    validate_blockwise_mm_bwd_args(**args)  # defaults: packing on
+    validate_blockwise_mm_bwd_args(**args, use_scale_packing=False)
+    for flag in (True, False):
+        cfg = MatmulMxfp8KernelConfig(0, 0, 0, enable_scale_packing=flag)
+        validate_blockwise_mm_bwd_args(**args, phase4_config=cfg, use_scale_packing=not flag)
+    with pytest.raises(ValueError, match="use_scale_packing must be a bool"):
+        validate_blockwise_mm_bwd_args(**args, use_scale_packing=1)
+    cfgs = default_phase_configs(256, 128, 128, False)
+    assert all(c.enable_scale_packing is True for c in cfgs)
+    cfgs = default_phase_configs(256, 128, 128, False, use_scale_packing=False)
+    assert all(c.enable_scale_packing is False for c in cfgs)
+
+
+# The seed's signature (shared/seeds/blockwise_mm_bwd_mxfp8.rst, ".. py:function::"), verbatim.
+SEED_SIGNATURE = (
+    "blockwise_mm_bwd_mxfp8(hidden_states: nl.ndarray, expert_affinities_masked: nl.ndarray, "
+    "gate_up_proj_weight: nl.ndarray, down_proj_weight: nl.ndarray, token_position_to_id: "
+    "nl.ndarray, block_to_expert: nl.ndarray, output_hidden_states_grad: nl.ndarray, "
+    "block_size: int, gate_up_proj_act_checkpoint_T: Optional[nl.ndarray] = None, "
+    "gate_act_checkpoint_T: nl.ndarray = None, intermediate_checkpoint_T: nl.ndarray = None, "
+    "scaled_intermediate_checkpoint_T: nl.ndarray = None, down_proj_act_checkpoint: "
+    "Optional[nl.ndarray] = None, gate_up_weight_scales: nl.ndarray = None, "
+    "gate_up_weight_is_swizzled: bool = False, down_weight_scales: nl.ndarray = None, "
+    "down_weight_is_swizzled: bool = False, phase1_config: Optional[MatmulMxfp8KernelConfig] = "
+    "None, phase2_config: Optional[MatmulMxfp8KernelConfig] = None, phase3_config: "
+    "Optional[MatmulMxfp8KernelConfig] = None, phase4_config: Optional[MatmulMxfp8KernelConfig] "
+    "= None, fp8_x4_dtype: type = float8_e4m3fn_x4, spill_reload: bool = False, "
+    "use_scale_packing: bool = True, run_with_lnc2: bool = True, shard_option: ShardOption = "
+    "ShardOption.SHARD_ON_FREE, affinity_option: AffinityOption = AffinityOption.AFFINITY_ON_I, "
+    "compute_dtype: nki.dtype = nl.bfloat16, skip_dma: SkipMode = None, "
+    "skip_grad_initialization: bool = False, is_tensor_update_accumulating: bool = True, "
+    "clamp_limits: ClampLimits = None, activation_type: ActFnType = ActFnType.SiLU, "
+    "bias: bool = False)"
+)
+_SEED_VALUES = {
+    "None": None, "True": True, "False": False,
+    "ShardOption.SHARD_ON_FREE": ShardOption.SHARD_ON_FREE,
+    "AffinityOption.AFFINITY_ON_I": AffinityOption.AFFINITY_ON_I,
+    "ActFnType.SiLU": ActFnType.SiLU,
+}
+_SEED_DTYPES = {"float8_e4m3fn_x4": "float8_e4m3fn_x4", "nl.bfloat16": "bfloat16"}
+
+
+def _seed_defaults() -> dict:
+    """{parameter: default text or None (required)} parsed from SEED_SIGNATURE, in order."""
+    body = SEED_SIGNATURE[SEED_SIGNATURE.index("(") + 1 : SEED_SIGNATURE.rindex(")")]
+    out = {}
+    for item in body.split(", "):
+        name, _, rest = item.partition(": ")
+        out[name] = rest.split(" = ", 1)[1] if " = " in rest else None
+    return out
+
+
+def test_seed_signature_copy_is_the_seeds():
+    import pathlib
+
+    here = pathlib.Path(__file__).resolve()
+    for root in (here.parents[1], here.parents[2]):
+        rst = root / "shared" / "seeds" / "blockwise_mm_bwd_mxfp8.rst"
+        if rst.exists():
+            assert SEED_SIGNATURE in " ".join(rst.read_text().split())
+            return
+    pytest.skip("shared/seeds/blockwise_mm_bwd_mxfp8.rst not found (the verbatim copy stands)")
+
+
+def test_wrapper_defaults_equal_the_seed_field_by_field():
+    """Every default of the entry (and of the host validation that mirrors it, and of the
+    backend / config helpers' copies of the wrapper defaults) equals the seed signature's."""
+    seed = _seed_defaults()
+    params = inspect.signature(nki_kernels.blockwise_mm_bwd_mxfp8).parameters
+    assert list(params)[: len(seed)] == list(seed)
+    vparams = inspect.signature(validate_blockwise_mm_bwd_args).parameters
+    for name, text in seed.items():
+        for where, ps in (("kernel", params), ("validation", vparams)):
+            got = ps[name].default
+            if text is None:
+                assert got is inspect.Parameter.empty, (where, name)
+            elif text in _SEED_DTYPES:
+                assert dtype_name(got) == _SEED_DTYPES[text], (where, name)
+            else:
+                assert got is _SEED_VALUES[text], (where, name, got, text)
+    helpers = (
+        inspect.signature(nki_backend.run_blockwise).parameters,
+        inspect.signature(default_phase_configs).parameters,
+    )
+    for ps in helpers:
+        for name in ("use_scale_packing", "spill_reload"):
+            assert ps[name].default is _SEED_VALUES[seed[name]], name
+    assert inspect.signature(nki_backend.run_blockwise).parameters["run_with_lnc2"].default is (
+        _SEED_VALUES[seed["run_with_lnc2"]])

@@ -47,6 +47,19 @@ def test_large_blocks_equal_twin_bitwise(B, lnc, H, I, T, K, E):
     assert_bitwise(out, run_golden(kw, **opts))
 
 
+def test_streamed_block_scale_packing_is_bit_identical():
+    """Scale packing on a streamed block (packed d_gate_up^T scales through the HBM stash, two
+    K tiles per operand in phases 1-2, four scale views per tile in phases 3-4): the unpacked
+    kernel's bits."""
+    B, lnc, H, I, T, K, E = 1024, 2, 384, 384, 40, 2, 3
+    kw, _ = make_problem(T=T, H=H, I=I, E=E, K=K, B=B)
+    assert kmod._Geo(T, H, I, E, 1, B, 0, lnc).NSUB > 1
+    packed, _ = run_kernel(kw, lnc=lnc, use_scale_packing=True)
+    unpacked, _ = run_kernel(kw, lnc=lnc, use_scale_packing=False)
+    for name, x, y in zip(OUT_NAMES, packed, unpacked):
+        assert torch.equal(x, y), name
+
+
 @pytest.mark.parametrize("B,lnc,padding", [(256, 2, "skip"), (512, 1, "zero_row"),
                                            (1024, 2, "skip")])
 def test_sub_blocks_of_128_slots_equal_twin_bitwise(monkeypatch, B, lnc, padding):

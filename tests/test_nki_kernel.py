@@ -15,6 +15,8 @@ Shapes are small (H, I <= 512, T <= 256) so the whole file runs in well under a 
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
 
 import pytest
@@ -87,7 +89,7 @@ def run_kernel(kw, lnc=1, **opts):
 
 def run_golden(kw, **opts):
     cfgs = tuple(opts.pop(f"phase{i}_config", None) for i in range(1, 5))
-    opts = {k: v for k, v in opts.items() if k not in ("skip_dma",)}
+    opts = {k: v for k, v in opts.items() if k not in ("skip_dma", "use_scale_packing")}
     return blockwise_mm_bwd_mxfp8_torch(**kw, phase_configs=cfgs, **opts)
 
 
@@ -143,12 +145,104 @@ CASES = {
 }
 
 
+def with_packing(opts, pack):
+    """``opts`` with scale packing on/off: the wrapper's ``use_scale_packing`` and every given
+    phase config's ``enable_scale_packing``."""
+    out = dict(opts, use_scale_packing=pack)
+    for i in range(1, 5):
+        cfg = out.get(f"phase{i}_config")
+        if cfg is not None:
+            out[f"phase{i}_config"] = dataclasses.replace(cfg, enable_scale_packing=pack)
+    return out
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_kernel_matches_mx_golden(case):
+def test_kernel_matches_mx_golden(case, pack):
     mk, opts, lnc = CASES[case]
+    opts = with_packing(opts, pack)
     kw, _ = make_problem(**mk)
     out, _ = run_kernel(kw, lnc=lnc, **opts)
     assert_matches_golden(out, run_golden(kw, **opts))
+
+
+def _offsets_spy(monkeypatch):
+    """Count the partition offsets (inside a quadrant) of every MX scale view the interpreter
+    checks: {(instruction, offset): count}."""
+    from nki_kernels.interp import isa
+
+    seen = collections.Counter()
+    orig = isa._scale_offset_ok
+
+    def spy(instr, arg, scale):
+        seen[(instr, isa._start_partition(scale) % 32)] += 1
+        return orig(instr, arg, scale)
+
+    monkeypatch.setattr(isa, "_scale_offset_ok", spy)
+    return seen
+
+
+# H = 384 / 2I = 768: two K tiles (256 + 128, 512 + 256) per operand in phases 1-2; B = 1024:
+# two WRAPX tiles along B (four scale views per tile) in phases 3-4; LNC2.
+PACK_PROBLEM = {"T": 48, "H": 384, "I": 384, "E": 2, "K": 2, "B": 1024}
+
+
+@pytest.mark.parametrize("phase", [1, 2, 3, 4])
+def test_scale_packing_per_phase_is_bit_identical(monkeypatch, phase):
+    """Issue 24 item 1: packing only phase ``phase``'s scales (its config's
+    enable_scale_packing, the other phases unpacked) uses offsets 4/8/12 in that phase and gives
+    the unpacked kernel's bits, which are the golden twin's."""
+    kw, _ = make_problem(**PACK_PROBLEM)
+    seen = _offsets_spy(monkeypatch)
+    ref, _ = run_kernel(kw, lnc=2, use_scale_packing=False)
+    assert set(off for _, off in seen) == {0}
+    seen.clear()
+    cfg = MatmulMxfp8KernelConfig(M=0, K=0, N=0, enable_scale_packing=True)
+    opts = {f"phase{phase}_config": cfg, "use_scale_packing": False}
+    out, _ = run_kernel(kw, lnc=2, **opts)
+    offs = {off for _, off in seen}
+    assert offs == ({0, 4} if phase < 3 else {0, 4, 8, 12}), seen
+    assert {instr for instr, off in seen if off} == {"quantize_mx", "nc_matmul_mx"}
+    for name, x, y in zip(OUT_NAMES, ref, out):
+        assert torch.equal(x, y), f"{name}: packed phase {phase} != unpacked"
+    assert_matches_golden(out, run_golden(kw))
+
+
+def test_scale_packing_prequantized_weights_bit_identical(monkeypatch):
+    """Pre-quantized weight scales DMA'd into packed slots (phases 1-2, two K tiles each) give
+    the unpacked bits."""
+    kw, _ = make_problem(T=64, H=384, I=384, E=2, K=2)
+    E, H, _, I = kw["gate_up_proj_weight"].shape
+    gu_w, gu_s = prequantize_weight_k_major(kw["gate_up_proj_weight"].reshape(E, H, 2 * I))
+    d_w, d_s = prequantize_weight_k_major(kw["down_proj_weight"])
+    pq = dict(kw, gate_up_proj_weight=gu_w, down_proj_weight=d_w)
+    opts = {"gate_up_weight_scales": gu_s, "down_weight_scales": d_s}
+    seen = _offsets_spy(monkeypatch)
+    packed, _ = run_kernel(pq, use_scale_packing=True, **opts)
+    assert seen[("nc_matmul_mx", 4)] > 0
+    unpacked, _ = run_kernel(pq, use_scale_packing=False, **opts)
+    for name, x, y in zip(OUT_NAMES, packed, unpacked):
+        assert torch.equal(x, y), name
+
+
+def test_wrongly_packed_kernel_fails_on_the_interpreter(monkeypatch):
+    """A planted packing bug must not pass silently: phases 3-4 giving the moving operand the
+    stationary's slots (their scales overlap) fail in nc_matmul_mx; a slot at offset 2 fails
+    in quantize_mx."""
+    import importlib
+
+    kmod = importlib.import_module("nki_kernels.blockwise_mm_bwd_mxfp8")
+    kw, _ = make_problem(T=32, H=256, I=256, E=2, K=1)
+    orig = kmod._slot_scales
+    monkeypatch.setattr(kmod, "_slot_scales", lambda shared, g, first, F: orig(shared, g, 0, F))
+    with pytest.raises(Exception, match="does not hold the scales quantize_mx wrote"):
+        run_kernel(kw)
+    monkeypatch.setattr(kmod, "_slot_scales", orig)
+    monkeypatch.setattr(kmod, "SCALE_SLOT", 2)
+    with pytest.raises(Exception, match="offset 0, 4, 8 or 12"):
+        run_kernel(kw)
+    monkeypatch.setattr(kmod, "SCALE_SLOT", 4)
+    run_kernel(kw)  # the real packing passes
 
 
 def test_config_changes_only_summation_order():

@@ -38,6 +38,7 @@ import torch
 from common.dispatch import resolve_backend
 from common.problem import MoEBackwardProblem
 from common.routing import GroupedLayout, RoutingPlan
+from common.shapes import static_tokens_sum
 from common.torch_backward import ALIGN, LayerForward, moe_layer_forward_torch
 
 __all__ = [
@@ -174,11 +175,6 @@ _PLAN = ("pair_token_R", "pair_expert_R", "pair_affinity_R", "slot_to_pair_TK",
 _LAYOUT = ("offsets_E", "row_to_token_S", "row_to_pair_S", "slot_to_row_TK")
 
 
-def _rows(R: int, E: int):
-    """S, the grouped layout's static row count (:func:`common.torch_backward.grouped_layout`)."""
-    return (R + E * (ALIGN - 1) + ALIGN - 1) // ALIGN * ALIGN
-
-
 def _flat_routing(plan, layout) -> list[torch.Tensor]:
     return [getattr(plan, f) for f in _PLAN] + [getattr(layout, f) for f in _LAYOUT]
 
@@ -204,7 +200,7 @@ def _experts_forward(
     [0, H] when the backend does not keep it)."""
     out, _ = layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index,
                            _OPTIONS[options])
-    S = _rows(expert_index.numel(), w_gate_up.shape[0])
+    S = static_tokens_sum(expert_index.numel(), w_gate_up.shape[0], ALIGN)
     if out.layout.tokens_sum != S:
         raise RuntimeError(f"the backend's forward built {out.layout.tokens_sum} rows, not {S}")
     rows = out.x_rows_S if out.x_rows_S is not None else x.new_empty(0, x.shape[1],
@@ -222,7 +218,7 @@ def _(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
     K = expert_index.shape[1]
     E, I = w_gate_up.shape[0], w_gate_up.shape[3]
     R = T * K
-    S = _rows(R, E)
+    S = static_tokens_sum(R, E, ALIGN)
     i64, bf16 = torch.int64, torch.bfloat16
     rows = S if _keeps_rows(_OPTIONS[options], x.device) else 0
     return (

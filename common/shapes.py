@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 
-__all__ = ["static_num_blocks"]
+__all__ = ["static_num_blocks", "static_tokens_sum"]
 
 
 def static_num_blocks(num_tokens: int, top_k: int, num_experts: int, block_size: int) -> int:
@@ -59,3 +59,13 @@ def static_num_blocks(num_tokens: int, top_k: int, num_experts: int, block_size:
         )
     slots_beyond = num_tokens * top_k - (num_experts - 1)
     return -(-slots_beyond // block_size) + num_experts - 1
+
+
+def static_tokens_sum(num_pair_rows, num_experts, align):
+    """Static row bound S of the grouped layout: ``(R + E*(align-1) + align-1) // align * align``
+    (R = T*K pair slots, every expert's rows padded up to ``align``): the rows of the worst case
+    in which each of the E experts wastes ``align - 1`` padding rows, rounded up to ``align``,
+    so every routing of R slots fits. Plain integer arithmetic (works on symbolic sizes while
+    ``torch.compile`` traces); no validation."""
+    R, E, A = num_pair_rows, num_experts, align
+    return (R + E * (A - 1) + A - 1) // A * A

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from common.problem import Activation, ClampLimits, MoEBackwardProblem, MoEGrads
+from common.shapes import static_tokens_sum
 
 __all__ = [
     "ALIGN",
@@ -130,8 +131,7 @@ def grouped_layout(plan, num_experts: int):
     :data:`ALIGN` rows and a static row count ``S`` (no host read on CUDA; surplus rows are
     padding of the last expert). Share it between a forward and its backward."""
     R = plan.pair_token_R.shape[0]
-    max_rows = (R + num_experts * (ALIGN - 1) + ALIGN - 1) // ALIGN * ALIGN
-    return plan.grouped(align=ALIGN, max_tokens_sum=max_rows)
+    return plan.grouped(align=ALIGN, max_tokens_sum=static_tokens_sum(R, num_experts, ALIGN))
 
 
 

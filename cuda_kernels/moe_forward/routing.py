@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from common.routing import GroupedLayout, RoutingPlan, as_int, check_router_output
+from common.shapes import static_tokens_sum
 
 from ..triton_launch import TritonKernel, cast, interpreting, rne_bf16
 
@@ -87,11 +88,9 @@ def _alloc(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def default_tokens_sum(num_pair_rows: int, num_experts: int, align: int) -> int:
-    """The static row bound S: ``(R + E*(align-1) + align-1) // align * align``, at least the
-    rows any routing of R slots needs (``grouped_layout``'s bound for ``align = 16``)."""
-    R, E, A = num_pair_rows, num_experts, align
-    return (R + E * (A - 1) + A - 1) // A * A
+default_tokens_sum = static_tokens_sum
+"""The static row bound S (:func:`common.shapes.static_tokens_sum`, ``grouped_layout``'s bound for
+``align = 16``): at least the rows any routing of R slots needs."""
 
 
 # ----------------------------------------------------------------------------- shared pieces

@@ -380,29 +380,41 @@ def print_check(record: dict) -> bool:
     return ok
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def bench_parser(doc: str, impls, profile_help: str) -> argparse.ArgumentParser:
+    """The arguments both MoE benchmarks take (shapes, tokens, shrink, impls, device, reps,
+    profile, check, json); a script adds its own before :func:`parse_bench_args`."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument(
         "--shapes", default=DEFAULT_SHAPES, help="name:T[:eN],... (default: %(default)s)"
     )
     ap.add_argument("--tokens", type=int, default=None, help="override T of every shape")
     ap.add_argument("--shrink", type=int, default=1, help="divide H and I (MoEModelShape.shrink)")
-    ap.add_argument("--impls", default=",".join(IMPLS), help="rows to run (default: all)")
+    ap.add_argument("--impls", default=",".join(impls), help="rows to run (default: all)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=5, help="timed runs of the fallback timer")
-    ap.add_argument("--profile", choices=("auto", "on", "off"), default="auto",
-                    help="profiler breakdown (auto: on CUDA only)")  # fmt: skip
+    ap.add_argument("--profile", choices=("auto", "on", "off"), default="auto", help=profile_help)
     ap.add_argument("--profile-detail", action="store_true", help="print the top 12 kernels")
     ap.add_argument("--check", action="store_true", help="SQNR vs the float64 reference")
     ap.add_argument("--json", default=None, help="also write every number to this file")
+    return ap
+
+
+def parse_bench_args(ap: argparse.ArgumentParser, argv, impls):
+    """``(args, device, shapes, timer)``; ``args.impls`` a list, unknown ones an argparse error."""
     args = ap.parse_args(argv)
     args.impls = [s.strip() for s in args.impls.split(",") if s.strip()]
-    bad = [i for i in args.impls if i not in IMPLS]
+    bad = [i for i in args.impls if i not in impls]
     if bad:
-        ap.error(f"unknown --impls {bad}; choose from {list(IMPLS)}")
+        ap.error(f"unknown --impls {bad}; choose from {list(impls)}")
     device = torch.device(args.device)
-    shapes = parse_shapes(args.shapes, args.tokens, args.shrink)
-    bench = make_timer(device, args.reps)
+    return args, device, parse_shapes(args.shapes, args.tokens, args.shrink), make_timer(
+        device, args.reps
+    )
+
+
+def main(argv=None) -> int:
+    ap = bench_parser(__doc__, IMPLS, "profiler breakdown (auto: on CUDA only)")
+    args, device, shapes, bench = parse_bench_args(ap, argv, IMPLS)
     record = {"header": header(device), "argv": sys.argv[1:], "rows": [], "profile": []}
     print(record["header"])
     columns = ("shape", "impl", "ms", "TFLOP/s", "vs baseline", "vs dense", "peak extra GiB")

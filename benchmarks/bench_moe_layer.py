@@ -56,7 +56,6 @@ Usage: ``python benchmarks/bench_moe_layer.py [--shapes qwen3-30b-a3b:16384,deep
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import sys
 from pathlib import Path
@@ -70,16 +69,15 @@ for _p in (_HERE, _HERE.parent):  # the sibling scripts, and the repo root when 
 
 from _moe_baselines import build_autograd_recipe, build_sonicmoe_step  # noqa: E402
 from bench_moe_backward import (  # noqa: E402
-    DEFAULT_SHAPES,
     _err,
     _extra,
     _f,
     _free,
     _Skip,
+    bench_parser,
     check_grads,
     header,
-    make_timer,
-    parse_shapes,
+    parse_bench_args,
     peak_extra_gib,
     profile_once,
     run_all,
@@ -378,30 +376,10 @@ def _versions() -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--shapes", default=DEFAULT_SHAPES, help="name:T[:eN],... (default: %(default)s)"
-    )
-    ap.add_argument("--tokens", type=int, default=None, help="override T of every shape")
-    ap.add_argument("--shrink", type=int, default=1, help="divide H and I (MoEModelShape.shrink)")
-    ap.add_argument("--impls", default=",".join(IMPLS), help="rows to run (default: all)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--reps", type=int, default=5, help="timed runs of the fallback timer")
+    ap = bench_parser(__doc__, IMPLS, "profile one forward of ours (auto: on CUDA only)")
     ap.add_argument("--sonic-untuned", action="store_true",
                     help="SonicMoE's GEMMs with tuned=False (default: as installed, autotuned)")
-    ap.add_argument("--profile", choices=("auto", "on", "off"), default="auto",
-                    help="profile one forward of ours (auto: on CUDA only)")  # fmt: skip
-    ap.add_argument("--profile-detail", action="store_true", help="print the top 12 kernels")
-    ap.add_argument("--check", action="store_true", help="SQNR vs the float64 reference")
-    ap.add_argument("--json", default=None, help="also write every number to this file")
-    args = ap.parse_args(argv)
-    args.impls = [s.strip() for s in args.impls.split(",") if s.strip()]
-    bad = [i for i in args.impls if i not in IMPLS]
-    if bad:
-        ap.error(f"unknown --impls {bad}; choose from {list(IMPLS)}")
-    device = torch.device(args.device)
-    shapes = parse_shapes(args.shapes, args.tokens, args.shrink)
-    bench = make_timer(device, args.reps)
+    args, device, shapes, bench = parse_bench_args(ap, argv, IMPLS)
     head = f"{header(device)} · {_versions()}"
     record = {"header": head, "argv": list(sys.argv[1:] if argv is None else argv),
               "rows": [], "profile": []}  # fmt: skip

@@ -309,16 +309,23 @@ def build(kernel, types, consts, **opts):
 strides = dict(s_id0="i32", s_id1="i32", s_aff0="i32", s_aff1="i32")
 for idt, adt, cmp in (("*i64", "*fp32", tl.float32), ("*u8", "*bf16", tl.float32),
                       ("*u64", "*fp64", tl.float64)):
-    blocks = dict(K=8, COMPUTE=cmp, BLOCK_S=rk._BLOCK_S, BLOCK_E=rk._BLOCK_E)
-    build(rk._COUNT, dict(ids_ptr=idt, aff_ptr=adt, **strides, counts_ptr="*i64",
-                          err_ptr="*i32", R="i32", E="i32"), blocks)
+    blocks = dict(K=8, COMPUTE=cmp, BLOCK_S=rk._BLOCK_S)
+    build(rk._COUNT, dict(ids_ptr=idt, aff_ptr=adt, **strides, counts_ptr="*i32",
+                          rank_ptr="*i32", err_ptr="*i32", R="i32", E="i32", NBP="i32"),
+          dict(blocks, BLOCK_E=rk._BLOCK_E))
     outs = dict(pair_token_ptr="*i64", pair_expert_ptr="*i64", pair_aff_ptr=adt,
-                slot_pair_ptr="*i64", r2t_ptr="*i64", r2p_ptr="*i64", slot_row_ptr="*i64",
-                tpe_ptr="*i64", offsets_ptr="*i32", num_pairs_ptr="*i64", code_ptr="*i32")
-    ints = {n: "i32" for n in ("R", "E", "S", "A", "nb", "rows_per_prog")}
-    build(rk._PLACE, dict(ids_ptr=idt, aff_ptr=adt, **strides, prefix_ptr="*i64",
-                          err_ptr="*i32", **outs, **ints),
-          dict(blocks, RNE_BF16=False, PAD_W=rk._PAD_W, BLOCK_ERR=rk._BLOCK_ERR))
+                slot_pair_ptr="*i64", r2t_ptr="*i64", r2p_ptr="*i64", slot_row_ptr="*i64")
+    tables = dict(prefix_ptr="*i32", rank_ptr="*i32", pstart_ptr="*i32", rstart_ptr="*i32",
+                  num_pairs_ptr="*i64", rows_ptr="*i32")
+    ints = {n: "i32" for n in ("R", "E", "S", "A", "nb", "NBP", "rows_per_prog")}
+    build(rk._PLACE, dict(ids_ptr=idt, aff_ptr=adt, **strides, **tables, **outs, **ints),
+          dict(blocks, RNE_BF16=False, PAD_W=rk._PAD_W))
+build(rk._SCAN, dict(counts_ptr="*i32", E="i32", NBP="i32"),
+      dict(SCAN_E=rk._SCAN_E, SCAN_B=rk._SCAN_B))
+build(rk._STARTS, dict(prefix_ptr="*i32", err_ptr="*i32", pstart_ptr="*i32", rstart_ptr="*i32",
+                       tpe_ptr="*i64", offsets_ptr="*i32", num_pairs_ptr="*i64", rows_ptr="*i32",
+                       code_ptr="*i32", E="i32", S="i32", A="i32", nb="i32", NBP="i32"),
+      dict(STARTS_E=rk._STARTS_E, BLOCK_ERR=rk._BLOCK_ERR))
 check = build(rk._CHECK, {"code_ptr": "*i32"}, {}, debug=True)
 assert "__assertfail" in check.asm["ptx"], "the check kernel lost its device_asserts"
 print("compiled")

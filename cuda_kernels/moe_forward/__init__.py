@@ -1,7 +1,7 @@
 """The fused GPU MoE expert-MLP forward of the layer (:func:`moe_forward_fused`) and its Triton
 building blocks: :func:`build_routing` turns router output into the
 :class:`~common.routing.RoutingPlan` and :class:`~common.routing.GroupedLayout` the expert GEMMs
-use, in three launches with no host read; :func:`check_routing_async` asserts its error code on
+use, in four launches with no host read; :func:`check_routing_async` asserts its error code on
 the device; :mod:`.kernels` holds the activation epilogue. Importing this package imports Triton
 but does not query the GPU.
 """

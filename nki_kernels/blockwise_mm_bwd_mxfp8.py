@@ -153,6 +153,10 @@ WEIGHT_T_COLS = 512  # weight columns staged (natural layout) and TensorE-transp
 # column slab (see _sub_block_slots / _wgrad_cols).
 SBUF_PLAN_BYTES = 256 * 1024 - 16384 - 8 - 256  # nki-library's usable trn3 SBUF per partition
 SUB_BLOCK_RESERVE = 40 * 1024  # prologue tiles + SwiGLU fp32 temporaries + transpose staging
+# Phase 2 of a streamed block (_phase2_plan): SBUF kept for the prologue tiles, the natural-layout
+# weight staging [128, 4, 512] and the fp32 temporary of _add_result, next to the resident
+# d_gate_up^T (or one reloaded sub-block of it) and the weight column block.
+PHASE2_RESERVE = 24 * 1024
 WGRAD_OPERAND_BYTES = 40 * 1024  # SBUF per partition for one quantized phase-3/4 operand slab
 
 
@@ -177,14 +181,63 @@ def _wgrad_cols(nkt: int, width: int, step: int) -> int:
     return min(width, fit)
 
 
-def _weight_cols(K: int, n_block: int, step: int, budget: int = WEIGHT_BLOCK_BYTES) -> int:
+def _k_major_col_bytes(K: int, pack: bool) -> int:
+    """SBUF bytes per partition and column of a quantized K-major operand: an x4 word per K
+    tile, plus a scale byte per K tile (one per four K tiles with scale packing)."""
+    nkt = len(_k_tiles(K))
+    return 4 * nkt + _scale_groups(nkt, pack)
+
+
+def _weight_cols(K: int, n_block: int, step: int, budget: int = WEIGHT_BLOCK_BYTES,
+                 pack: bool = False) -> int:
     """Columns of a weight block: the config's ``TILES_IN_BLOCK_N x tile_n``, shrunk (in
-    multiples of ``step``) so all K tiles of the block fit ``WEIGHT_BLOCK_BYTES`` per partition
-    (5 B per column and K tile: an x4 word and a scale byte). Columns are independent, so this
-    never changes a value."""
-    per_col = 5 * len(_k_tiles(K))
-    fit = max(step, budget // per_col // step * step)
+    multiples of ``step``) so all K tiles of the block fit ``budget`` per partition
+    (:func:`_k_major_col_bytes`: 5 B per column and K tile, 4.25 B with scale packing).
+    Columns are independent, so this never changes a value."""
+    fit = max(step, budget // _k_major_col_bytes(K, pack) // step * step)
     return min(n_block, fit)
+
+
+def _even_cols(width: int, cap: int) -> int:
+    """Columns per block when ``width`` columns go in blocks of at most ``cap`` (a multiple of
+    128): as few blocks as ``cap`` allows, of even width (rounded up to 128, never above
+    ``cap``)."""
+    nblk = (width + cap - 1) // cap
+    even = ((width + nblk - 1) // nblk + PMAX - 1) // PMAX * PMAX
+    return min(cap, even)
+
+
+def _phase2_plan(g, tl) -> tuple:
+    """Phase 2 of a streamed block (B > SB): ``(resident, n_block)``.
+
+    ``resident``: the whole block's quantized d_gate_up^T (``[128, K tiles, B]`` x4 words and
+    its scales) stays in SBUF for all weight column blocks, built once from the block scratch;
+    else each sub-block's operand is stashed in HBM and reloaded once per column block.
+    ``n_block``: weight columns per block, as many as the SBUF left next to the resident operand
+    (or one reloaded sub-block) allows, never fewer than the config's (``TILES_IN_BLOCK_N x
+    tile_n`` within ``WEIGHT_BLOCK_BYTES``): every column block costs a weight load and one
+    dX read-add-write DMA pair per 128 slots (and, stashed, a reload of every sub-block).
+    Per column, besides the weight (:func:`_k_major_col_bytes`): 8 B of BF16 staging (one K
+    tile at a time) and 4 B of the dX row tile. Output columns and the K-tile chains do not
+    depend on it, so no value does."""
+    I2 = 2 * g.I
+    n_cfg = _weight_cols(I2, tl.n_block, PMAX, pack=tl.pack)
+    op_col = _k_major_col_bytes(I2, tl.pack)
+    per_col = op_col + 8 + 4
+    left = SBUF_PLAN_BYTES - PHASE2_RESERVE
+    fit = (left - op_col * g.B) // per_col // PMAX * PMAX
+    if fit >= min(g.Hs, n_cfg):
+        return True, _wider_block(g.Hs, n_cfg, fit)
+    fit = (left - op_col * g.SB) // per_col // PMAX * PMAX
+    return False, _wider_block(g.Hs, n_cfg, fit)
+
+
+def _wider_block(width: int, n_cfg: int, fit: int) -> int:
+    """The config's column block ``n_cfg``, or evenly split blocks of up to ``fit`` columns
+    when more fit."""
+    if fit <= n_cfg:
+        return n_cfg
+    return _even_cols(width, fit)
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -324,22 +377,27 @@ def _quantize_k_major(src, vsk: int, F: int, s=None):
     return q, s
 
 
-def _k_major_from_natural(src_n, g: _Geo, K: int, pack: bool):
+def _k_major_from_natural(src_n, g: _Geo, K: int, pack: bool, dst=None, col0: int = 0):
     """TensorE-transpose a natural-layout BF16 tile ``[128, C, K]`` (slot c*128 + p at partition
     p) into K-major MX operands: for every WRAPX K tile (k0, TK),
     ``t[p, j, i] = src[slot j, k0 + i*TK/4 + p]`` built from ``[128, TK/4]`` slabs (one PSUM tile
     per (tile, i), one copy to SBUF), then quantized. All K tiles share one x4 tile and one scale
     tile ``[128, tiles, slots]`` (a remainder tile uses its first TK/4 partitions; with scale
     packing ``[128, ceil(tiles/4), slots]``, K tile t at offset 4*(t%4) of group t//4), so the
-    operand moves to and from HBM in one DMA each (:func:`_stash_k_major`). Returns
+    operand moves to and from HBM in one DMA each (:func:`_stash_k_major`). ``dst``: None (new
+    tiles), or (x4 tile, scale tile) of that layout to fill from column ``col0`` on (the
+    resident d_gate_up^T of a streamed block, :func:`_resident_dgu`). Returns
     ``(ops, x4 tile, scale tile)``, ops = (x4 [TK/4, slots], scales, TK/4) views per K tile."""
     out = []
     nc = src_n.shape[1]  # 128-slot chunks of the (sub-)block
     ns = nc * PMAX
     tiles = _k_tiles(K)
-    q_all = nl.ndarray((PMAX, len(tiles), ns), dtype=float8_e4m3fn_x4, buffer=nl.sbuf)
-    s_all = nl.ndarray((PMAX, _scale_groups(len(tiles), pack), ns), dtype=nl.uint8,
-                       buffer=nl.sbuf)
+    if dst == None:  # noqa: E711
+        q_all = nl.ndarray((PMAX, len(tiles), ns), dtype=float8_e4m3fn_x4, buffer=nl.sbuf)
+        s_all = nl.ndarray((PMAX, _scale_groups(len(tiles), pack), ns), dtype=nl.uint8,
+                           buffer=nl.sbuf)
+    else:
+        q_all, s_all = dst
     for kt, (k0, TK) in enumerate(tiles):
         vsk = TK // 4
         t = nl.ndarray((vsk, ns, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -351,10 +409,23 @@ def _k_major_from_natural(src_n, g: _Geo, K: int, pack: bool):
                                   data=src_n[:, c, c0 : c0 + vsk])
             nisa.tensor_copy(dst=t[:, :, i], src=ps, engine=ACT if i % 2 else VEC)
         grp, off = _scale_slot(kt, pack)
-        q, sc = q_all[0:vsk, kt, :], s_all[off:vsk, grp, :]
+        q = q_all[0:vsk, kt, col0 : col0 + ns]
+        sc = s_all[off:vsk, grp, col0 : col0 + ns]
         nisa.quantize_mx(dst=q, src=t.reshape((vsk, ns * 4)), dst_scale=sc)
+        del t  # free the staging before the next K tile's
         out.append((q, sc, vsk))
     return out, q_all, s_all
+
+
+def _k_major_views(q_all, s_all, K: int, pack: bool):
+    """The per-K-tile operand views (x4 [TK/4, cols], scales, TK/4) of a K-major x4 tile and its
+    scale tile (layout of :func:`_k_major_from_natural`), all columns."""
+    out = []
+    for kt, (k0, TK) in enumerate(_k_tiles(K)):
+        vsk = TK // 4
+        grp, off = _scale_slot(kt, pack)
+        out.append((q_all[0:vsk, kt, :], s_all[off:vsk, grp, :], vsk))
+    return out
 
 
 def _to_slot_layout_kt(src_n, g: _Geo, c0: int, F: int, kt: int):
@@ -1114,7 +1185,7 @@ def _store_da(b, g: _Geo, da_out, nch=None):
 
 # ------------------------------------------------------------------------------------- phase 2
 def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scales=None,
-            dgu_q=None):
+            dgu_q=None, dgu_res=None, n_block=None):
     """dX_blk = d_gate_up @ W_gate_up[e]^T (MX along 2I), scattered into dX rows (this core's H).
 
     Stationary columns are the block's slots in natural order, 128 per PSUM tile (tile_m per
@@ -1126,16 +1197,24 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scal
     (a streamed block) ``b`` is the whole block and ``dgu_q`` the HBM stash of every sub-block's
     quantized d_gate_up^T (:func:`_stash_k_major`): each weight column block is loaded and
     quantized once per block and multiplied with every sub-block's stashed operand, instead of
-    once per sub-block. Each output tile's PSUM chain is the same either way.
+    once per sub-block. ``dgu_res``: instead, the whole block's operand resident in SBUF
+    (:func:`_resident_dgu`), no reloads. ``n_block``: weight columns per block of a streamed
+    block (:func:`_phase2_plan`); None = the config's. Each output tile's PSUM chain is the
+    same either way.
     """
     I2 = 2 * g.I
     ws = _Workspace(tl, min(tl.tn, g.Hs))
-    n_block = _weight_cols(I2, tl.n_block, PMAX)
-    dguT = None
-    if dgu_q == None:  # noqa: E711
+    if n_block == None:  # noqa: E711
+        n_block = _weight_cols(I2, tl.n_block, PMAX, pack=tl.pack)
+    nsub, nch = 1, g.SC  # operands and 128-slot chunks per operand
+    dguT = dgu_res
+    if dgu_q != None:  # noqa: E711
+        nsub = g.NSUB
+    elif dgu_res != None:  # noqa: E711
+        nch = g.C
+    else:
         # stationary: d_gate_up^T, 2I on partitions
         dguT = _k_major_from_natural(b.dgu_n, g, I2, tl.pack)[0]
-    nsub = 1 if dgu_q == None else g.NSUB  # noqa: E711
     for nb0 in range(0, g.Hs, n_block):
         nbw = min(n_block, g.Hs - nb0)
         # moving: W_gate_up[e] viewed [H, 2I]: 2I on partitions (stride 1), H columns (stride 2I)
@@ -1149,8 +1228,8 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scal
             if dgu_q != None:  # noqa: E711
                 dguT = None
                 dguT = _unstash_k_major(dgu_q, g, I2, k, tl.pack)
-            for c in range(g.SC):
-                _dx_rows(b, g, dguT, wguT, tl, ws, dx_acc, accumulate, k * g.SC + c, c, nb0,
+            for c in range(nch):
+                _dx_rows(b, g, dguT, wguT, tl, ws, dx_acc, accumulate, k * nch + c, c, nb0,
                          nbw)
 
 
@@ -1196,12 +1275,28 @@ def _unstash_k_major(dgu_q, g: _Geo, K: int, k: int, pack: bool):
                        buffer=nl.sbuf)
     nisa.dma_copy(dst=q_all, src=qw[g.shard, k])
     nisa.dma_copy(dst=s_all, src=qs[g.shard, k])
-    out = []
-    for kt, (k0, TK) in enumerate(tiles):
-        vsk = TK // 4
-        grp, off = _scale_slot(kt, pack)
-        out.append((q_all[0:vsk, kt, :], s_all[off:vsk, grp, :], vsk))
-    return out
+    return _k_major_views(q_all, s_all, K, pack)
+
+
+def _resident_dgu(blk, g: _Geo, scratch_dgu, pack: bool):
+    """The whole streamed block's quantized d_gate_up^T, resident in SBUF for phase 2
+    (``_phase2_plan`` resident): one x4 tile ``[128, K tiles, B]`` and one scale tile, filled
+    sub-block by sub-block from the block scratch (all of 2I; LNC2: after the barrier that makes
+    the peer's columns visible), exactly the quantize_mx calls of the stashed path on the same
+    data, so the same bits; no HBM stash and no reloads per weight column block."""
+    if g.S > 1:
+        nisa.core_barrier(scratch_dgu, (0, 1))
+    I2 = 2 * g.I
+    nkt = len(_k_tiles(I2))
+    q_all = nl.ndarray((PMAX, nkt, g.B), dtype=float8_e4m3fn_x4, buffer=nl.sbuf)
+    s_all = nl.ndarray((PMAX, _scale_groups(nkt, pack), g.B), dtype=nl.uint8, buffer=nl.sbuf)
+    for k in range(g.NSUB):
+        cs = k * g.SC
+        dgu_n = nl.ndarray((PMAX, g.SC, I2), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=dgu_n, src=scratch_dgu[:, cs : cs + g.SC, :])
+        _k_major_from_natural(dgu_n, g, I2, pack, (q_all, s_all), k * g.SB)
+        del dgu_n
+    return _k_major_views(q_all, s_all, I2, pack)
 
 
 # ------------------------------------------------------------------------------------- phase 3
@@ -1492,21 +1587,25 @@ def blockwise_mm_bwd_mxfp8(
         scratch_dgu = nl.ndarray((PMAX, g.C, 2 * I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
         scratch_ah = nl.ndarray((PMAX, g.C, I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
     dyq = None
-    if g.NSUB > 1:  # streamed block: every sub-block's quantized d_gate_up^T (phase 2)
+    p2_resident, p2_block = False, None
+    if g.NSUB > 1:
+        p2_resident, p2_block = _phase2_plan(g, tilings[1])
+    if g.NSUB > 1 and not p2_resident:
+        # streamed block, d_gate_up^T not resident: every sub-block's quantized operand in HBM
         nkt2 = len(_k_tiles(2 * I))
         dgu_q = (nl.ndarray((num_shards, g.NSUB, PMAX, nkt2, g.SB), dtype=float8_e4m3fn_x4,
                             buffer=nl.shared_hbm),
                  nl.ndarray((num_shards, g.NSUB, PMAX, _scale_groups(nkt2, tilings[1].pack),
                              g.SB), dtype=nl.uint8,
                             buffer=nl.shared_hbm))
-        if len(_phase1_passes(g, tilings[0])[0]) > 1:
-            # and its dY^T (phase 1 reloads it per W_down column block after the first)
-            nkth = len(_k_tiles(H))
-            dyq = (nl.ndarray((num_shards, g.NSUB, PMAX, nkth, g.SB), dtype=float8_e4m3fn_x4,
-                              buffer=nl.shared_hbm),
-                   nl.ndarray((num_shards, g.NSUB, PMAX,
-                               _scale_groups(nkth, tilings[0].pack), g.SB), dtype=nl.uint8,
-                              buffer=nl.shared_hbm))
+    if g.NSUB > 1 and len(_phase1_passes(g, tilings[0])[0]) > 1:
+        # streamed block: its dY^T (phase 1 reloads it per W_down column block after the first)
+        nkth = len(_k_tiles(H))
+        dyq = (nl.ndarray((num_shards, g.NSUB, PMAX, nkth, g.SB), dtype=float8_e4m3fn_x4,
+                          buffer=nl.shared_hbm),
+               nl.ndarray((num_shards, g.NSUB, PMAX,
+                           _scale_groups(nkth, tilings[0].pack), g.SB), dtype=nl.uint8,
+                          buffer=nl.shared_hbm))
 
     # zero-initialise this core's share of every accumulator (dA: core 0)
     if not skip_grad_initialization:
@@ -1555,9 +1654,17 @@ def blockwise_mm_bwd_mxfp8(
                     _exchange_da(blk, g, g.C)
                     _store_da(blk, g, da, g.C)
                 with region("phase2"):
-                    _stash_dgu_streamed(blk, g, scratch_dgu, dgu_q, tilings[1].pack)
-                    _phase2(blk, g, gate_up_proj_weight, tilings[1], dx_acc,
-                            is_tensor_update_accumulating, gate_up_weight_scales, dgu_q)
+                    if p2_resident:
+                        dres = _resident_dgu(blk, g, scratch_dgu, tilings[1].pack)
+                        _phase2(blk, g, gate_up_proj_weight, tilings[1], dx_acc,
+                                is_tensor_update_accumulating, gate_up_weight_scales, None, dres,
+                                p2_block)
+                        del dres
+                    else:
+                        _stash_dgu_streamed(blk, g, scratch_dgu, dgu_q, tilings[1].pack)
+                        _phase2(blk, g, gate_up_proj_weight, tilings[1], dx_acc,
+                                is_tensor_update_accumulating, gate_up_weight_scales, dgu_q,
+                                None, p2_block)
             else:
                 # one sub-block: the whole block stays resident in SBUF
                 sub = _sub_block(blk, g, 0)

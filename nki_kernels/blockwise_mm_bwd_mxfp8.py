@@ -157,7 +157,11 @@ SUB_BLOCK_RESERVE = 40 * 1024  # prologue tiles + SwiGLU fp32 temporaries + tran
 # weight staging [128, 4, 512] and the fp32 temporary of _add_result, next to the resident
 # d_gate_up^T (or one reloaded sub-block of it) and the weight column block.
 PHASE2_RESERVE = 24 * 1024
-WGRAD_OPERAND_BYTES = 40 * 1024  # SBUF per partition for one quantized phase-3/4 operand slab
+WGRAD_OPERAND_BYTES = 40 * 1024  # SBUF per partition for one quantized phase-3/4 inner slab
+# Phases 3-4: the gathered (outer) operand's slab takes what the SBUF plan leaves after this
+# reserve (prologue tiles, PSUM eviction temporaries) and the inner slab (_wgrad_outer_cols).
+WGRAD_RESERVE = 24 * 1024
+WGRAD_RMW_BYTES = 16 * 1024  # SBUF per partition for the dW rows of one read-add-write DMA
 
 
 def _sub_block_slots(B: int, H: int, I: int, S: int) -> int:
@@ -171,6 +175,35 @@ def _sub_block_slots(B: int, H: int, I: int, S: int) -> int:
     while sb > PMAX and WEIGHT_BLOCK_BYTES + SUB_BLOCK_RESERVE + (sb // PMAX) * per_c > SBUF_PLAN_BYTES:
         sb = sb // 2
     return sb
+
+
+def _wgrad_outer_cols(g, width: int, inner: int, pack: bool, isz: int, rmw_outer: bool) -> int:
+    """Columns of one slab of a phase-3/4 outer operand (X in phase 3, dY in phase 4: gathered
+    by indirect DMA, the inner operand streamed once per outer slab): ``width`` in as few slabs
+    as fit the SBUF plan (even widths, multiples of 128), so the inner operand is reread as few
+    times as possible. Per partition: the outer slab (x4 words per WRAPX tile along B, and its
+    scales: a packed shared scale tile of both operands, or one scale byte per tile), its
+    gather staging (10 B per column) or else the inner slab of ``inner`` columns (x4 words,
+    unpacked scales, 16 B of staging per column), one read-add-write tile of the dW rows
+    (``isz`` bytes per column of the outer operand when ``rmw_outer``, else of the inner) and an
+    fp32 eviction temporary. Output elements are independent, so no value depends on it."""
+    nkt = g.NKT
+    left = SBUF_PLAN_BYTES - WGRAD_RESERVE - 4 * PSUM_TILE_MAX_N
+    inner_sc = nkt
+    if pack:
+        inner_sc = 0
+    for nslab in range(1, (width + PMAX - 1) // PMAX + 1):
+        w = ((width + nslab - 1) // nslab + PMAX - 1) // PMAX * PMAX
+        outer = 4 * nkt * w + nkt * w
+        if pack:  # the shared scale tile [vs, ceil(2 NKT / 4), max(outer, inner)]
+            outer = 4 * nkt * w + _scale_groups(2 * nkt, True) * max(w, inner)
+        rmw = inner * isz
+        if rmw_outer:
+            rmw = w * isz
+        rest = inner * (4 * nkt + inner_sc + 16) + max(WGRAD_RMW_BYTES, rmw)
+        if outer + max(10 * w, rest) <= left:
+            return min(w, width)
+    return _wgrad_cols(nkt, width, PMAX)
 
 
 def _wgrad_cols(nkt: int, width: int, step: int) -> int:
@@ -279,6 +312,13 @@ def _slot_scales(shared, g, first: int, F: int):
         grp, off = _scale_slot(first + kt, True)
         out.append(shared[off : g.vs, grp, 0:F])
     return out
+
+
+def _itemsize(dtype) -> int:
+    """Bytes of a BF16 or fp32 accumulator element (nki-library compares dtypes by name)."""
+    if str(dtype) == str(nl.float32):
+        return 4
+    return 2
 
 
 def _kernel_assert(cond, msg):
@@ -432,8 +472,20 @@ def _to_slot_layout_kt(src_n, g: _Geo, c0: int, F: int, kt: int):
     """Columns ``c0..c0+F`` of a natural-layout block ``[128, C, *]`` (an SBUF tile, or the HBM
     scratch of a streamed block) -> the slot-layout tile ``[vs, F, 4]`` of WRAPX tile ``kt``
     along B (the quantize_mx input of a contraction over the block's slots), one DMA per lane:
-    lane ``l = 4*kt + i`` holds slots ``l*vs + p``."""
+    lane ``l = 4*kt + i`` holds slots ``l*vs + p`` (for B >= 512, vs = 128: one DMA for the
+    four lanes from the HBM scratch, or straight copies from the SBUF tile)."""
     t = nl.ndarray((g.vs, F, 4), dtype=src_n.dtype, buffer=nl.sbuf)
+    if g.vs == PMAX:
+        # B >= 512: lane l = 4*kt + i is natural chunk l on the same partitions; the four
+        # lanes' rows come in one DMA from the HBM scratch (none from an SBUF tile)
+        src = src_n[:, 4 * kt : 4 * kt + 4, c0 : c0 + F]
+        if g.NSUB > 1:
+            rows = nl.ndarray((PMAX, 4, F), dtype=src_n.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=rows, src=src)
+            src = rows
+        for li in range(4):
+            nisa.tensor_copy(dst=t[:, :, li], src=src[:, li, :], engine=ACT if li % 2 else VEC)
+        return t
     for li in range(4):
         c, q0 = divmod((4 * kt + li) * g.vs, PMAX)
         # contiguous rows by DMA, the lane interleave (stride 4) on a compute engine
@@ -527,8 +579,10 @@ def _load_weight_k_major(w_hbm, e_sb, K: int, row_stride: int, col_stride: int, 
                     nisa.nc_transpose(dst=ps[:, j : j + cw],
                                       data=nat[0:cw, j // PMAX, i * vsk : (i + 1) * vsk])
                 nisa.tensor_copy(dst=t[:, p0 : p0 + pw, i], src=ps, engine=ACT if i % 2 else VEC)
+            del nat  # free the staging before the next piece's
         out.append(_quantize_k_major(t, vsk, ncols, _packed_scale(groups, kt, vsk, ncols, pack))
                    + (vsk,))
+        del t  # free the staging before the next K tile's
     return out
 
 
@@ -700,23 +754,38 @@ def _wgrad_rmw(lhs, rhs, g: _Geo, tl: _Tiling, dst_hbm, e_sb, M0: int, M: int, N
     """dst[e][M0.., N0..] += lhs[:, lhs_c0..]^T @ rhs[:, rhs_c0..] for an M x N slab
     (operand column bases default to the slab's M0 / N0).
 
-    Per tile_m row tile: one gather of the rows, per tile_n column tile one matmul group and one
-    fp32 add rounded to the slab's dtype (BF16 read-add-write, or the fp32 scratch), one store.
+    Per tile_m row tile: per tile_n column tile one matmul group and one fp32 add rounded to the
+    slab's dtype (BF16 read-add-write, or the fp32 scratch). The rows move in groups of up to
+    ``WGRAD_RMW_BYTES`` per partition (one read and one write DMA per group of row tiles; each
+    row is still read, added to once per column tile and written once).
     """
     lc0 = M0 if lhs_c0 == None else lhs_c0  # noqa: E711
     rc0 = N0 if rhs_c0 == None else rhs_c0  # noqa: E711
     tm = min(tl.tm, PMAX)
     ws = _Workspace(tl, min(tl.tn, N))
-    old = nl.ndarray((tm, N), dtype=dst_hbm.dtype, buffer=nl.sbuf)
-    for m0 in range(0, M, tm):
-        mw = min(tm, M - m0)
-        view = _slab(dst_hbm, e_sb, mw, M0 + m0, row_stride, N0, N)
-        o = old[0:mw, :]
+    # full row tiles per DMA (rows m0 + r*tm + p of tile r at partition p), then the remainder
+    full = M // tm
+    per_dma = max(1, min(full, WGRAD_RMW_BYTES // (N * _itemsize(dst_hbm.dtype))))
+    groups = []
+    for r0 in range(0, full, per_dma):
+        groups.append((r0 * tm, min(per_dma, full - r0), tm))
+    if M % tm:
+        groups.append((full * tm, 1, M % tm))
+    old = nl.ndarray((tm, per_dma, N), dtype=dst_hbm.dtype, buffer=nl.sbuf)
+    for g0, nr, mw in groups:
+        view = _slab(dst_hbm, e_sb, mw, M0 + g0, row_stride, N0, N)
+        if nr > 1:
+            view = dst_hbm.ap(pattern=[[row_stride, tm], [tm * row_stride, nr], [1, N]],
+                              offset=(M0 + g0) * row_stride + N0, scalar_offset=e_sb,
+                              indirect_dim=0)
+        o = old[0:mw, 0:nr, :]
         nisa.dma_copy(dst=o, src=view)
-        for j, n0 in enumerate(range(0, N, tl.tn)):
-            nw = min(tl.tn, N - n0)
-            res = _matmul_mx(lhs, rhs, lc0 + m0, mw, rc0 + n0, nw, tl, ws)
-            _add_result(o[:, n0 : n0 + nw], res, j + m0 // tm)
+        for r in range(nr):
+            m0 = g0 + r * tm
+            for j, n0 in enumerate(range(0, N, tl.tn)):
+                nw = min(tl.tn, N - n0)
+                res = _matmul_mx(lhs, rhs, lc0 + m0, mw, rc0 + n0, nw, tl, ws)
+                _add_result(o[:, r, n0 : n0 + nw], res, j + m0 // tm)
         nisa.dma_copy(dst=view, src=o)
 
 
@@ -1320,8 +1389,8 @@ def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc, dgu_src):
     slabs change no value.
     """
     I2 = 2 * g.I
-    mb = _wgrad_cols(g.NKT, g.Hs, PMAX)
     cb = min(max(WGRAD_COL_BLOCK, tl.n_block), _wgrad_cols(g.NKT, I2, PMAX))
+    mb = _wgrad_outer_cols(g, g.Hs, cb, tl.pack, _itemsize(dwgu_acc.dtype), False)
     shared = _shared_slot_scales(g, max(mb, cb), tl.pack)  # X: slots 0.., d_gate_up: NKT..
     for mb0 in range(0, g.Hs, mb):
         mbw = min(mb, g.Hs - mb0)
@@ -1358,8 +1427,8 @@ def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc, ah_src):
     scratch). dY rows are gathered straight into the slot layout, moving columns in slabs; the
     stationary alpha*h in row blocks (as phase 3, no value depends on the slabs)."""
     H = g.H
-    nb = _wgrad_cols(g.NKT, g.Hs, PMAX)
     mbk = min(WGRAD_COL_BLOCK, _wgrad_cols(g.NKT, g.I, PMAX))
+    nb = _wgrad_outer_cols(g, g.Hs, mbk, tl.pack, _itemsize(dwd_acc.dtype), True)
     shared = _shared_slot_scales(g, max(nb, mbk), tl.pack)  # dY: slots 0.., alpha*h: NKT..
     for nb0 in range(0, g.Hs, nb):
         nbw = min(nb, g.Hs - nb0)

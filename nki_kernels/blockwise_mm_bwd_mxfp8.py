@@ -33,8 +33,11 @@ On-chip layouts (all MX groups follow Trainium's WRAPX layout, NKI_API.md §4.6)
   innermost, exactly ``quantize_mx``'s input: one MX group = 8 partitions x 4 lanes = slots
   ``{tile*512 + i*vs + 8g + j}``, the WRAPX groups along B. X and dY rows are gathered straight
   into it; d_gate_up and alpha*h move there from the natural layout by DMA (SBUF-to-SBUF, or
-  from the HBM block scratch of a streamed block). Phases 3-4 stage and quantize one WRAPX tile
-  (512 slots) at a time, in column slabs of both operands (``_wgrad_cols``).
+  from the HBM block scratch of a streamed block; for B >= 512 the four lanes of a WRAPX tile
+  in one DMA). Phases 3-4 stage and quantize one WRAPX tile (512 slots) at a time, the gathered
+  operand (X / dY) in as few column slabs as the SBUF plan allows (``_wgrad_outer_cols``; one
+  at the model shapes), the other (d_gate_up / alpha*h) in slabs of ``_wgrad_cols``, reread
+  once per outer slab; the dW rows are read-added-written in groups of row tiles per DMA.
 
 Slot streaming (B up to 4096, AWS's default; issue 11 item 4): a block of B slots runs phases 1-2
 per sub-block of SB slots (``_sub_block_slots``: the largest of 512/256/128 whose per-slot tiles
@@ -44,9 +47,13 @@ block is this core's whole half of I when it fits ``PHASE1_STREAM_WEIGHT_BYTES``
 sub-blocks inside: dY^T per sub-block (stashed in HBM when there is more than one column block),
 checkpoint columns per (column block, sub-block), dA per slot in one PSUM tile for the block.
 The d_gate_up and alpha*h columns go to a block scratch in shared HBM (natural layout
-``[128, B/128, *]``, also the LNC2 exchange buffer); each sub-block's quantized d_gate_up^T is
-then built from it and stashed in HBM, so phase 2 runs once per block, loading each W_gate_up
-column block once. Phases 3-4 then contract over all B slots:
+``[128, B/128, *]``, also the LNC2 exchange buffer). Phase 2 runs once per block, loading each
+W_gate_up column block once (``_phase2_plan``): when the whole block's quantized d_gate_up^T
+fits the SBUF plan next to a weight column block, it is built once from the scratch and stays
+resident (``_resident_dgu``; with scale packing at DeepSeek-V3 / Qwen3-235B-A22B up to
+B = 4096); otherwise (the large-I models) each sub-block's is stashed in HBM and reloaded per
+column block. Either way the column blocks are as wide as the SBUF left allows (each costs a
+weight load and a dX read-add-write per 128 slots). Phases 3-4 then contract over all B slots:
 for each output tile the PSUM chain runs over the WRAPX tiles along B in order, exactly as for a
 resident block, so no value depends on SB or on the slabs and the golden twin is unchanged. With
 one sub-block (SB = B) d_gate_up and alpha*h stay in SBUF as before.
@@ -93,23 +100,26 @@ Engines: elementwise work is spread over VectorE, ScalarE and GpSimd (values nev
 engine); memsets of gathered tiles happen only when out-of-bounds ids are skipped.
 
 Limits (SBUF, measured on the interpreter, trn3 budget 245496 B/partition): weight column blocks
-shrink to fit 64 KiB per partition (``WEIGHT_BLOCK_BYTES``); phase-3/4 operand slabs 40 KiB
-(``WGRAD_OPERAND_BYTES``). Under LNC2, B = 1024, 2048 and 4096 fit for DeepSeek-V3 (H 7168,
-I_TP 2048), Qwen3-235B-A22B (4096, 1536), Llama-4-Scout (5120, 8192) and Mixtral-8x7B (4096,
-14336). SBUF peak bytes per partition at B = 1024 / 2048 / 4096 (one block, LNC2, core 0;
-``tests/test_nki_block_stream.py``, ``NKI_SLOW_TESTS=1``), PSUM 4 of 8 banks everywhere:
+of phases 1-2 fit 64 KiB per partition (``WEIGHT_BLOCK_BYTES``; a streamed block's phase 2 takes
+what its plan leaves, ``_phase2_plan``); phase-3/4 inner slabs 40 KiB (``WGRAD_OPERAND_BYTES``),
+the gathered outer operand what is left (``_wgrad_outer_cols``). Under LNC2, B = 1024, 2048 and
+4096 fit for DeepSeek-V3 (H 7168, I_TP 2048), Qwen3-235B-A22B (4096, 1536), Llama-4-Scout (5120,
+8192) and Mixtral-8x7B (4096, 14336), scale packing on and off. SBUF peak bytes per partition
+(one block, LNC2, core 0, packing on; ``tests/test_nki_block_stream.py``, ``NKI_SLOW_TESTS=1``,
+2026-12-02), PSUM 4 of 8 banks everywhere:
 
-================  ===  ==================================
-model (H, I_TP)    SB  SBUF peak, B = 1024 / 2048 / 4096
-================  ===  ==================================
-DeepSeek-V3        256  134344 / 134536 / 129704
-Qwen3-235B-A22B    512  142024 / 142216 / 101544
-Llama-4-Scout      128  140360 / 140552 / 118184
-Mixtral-8x7B       128  167624 / 167816 / 127144
-================  ===  ==================================
+================  ===  ==================================  ============================
+model (H, I_TP)    SB  SBUF peak, B = 1024 / 2048 / 4096   B = 4096, packing off
+================  ===  ==================================  ============================
+DeepSeek-V3        256  189644 / 149396 / 197924            211748
+Qwen3-235B-A22B    512  100556 / 127380 / 181028            205604
+Llama-4-Scout      128  219340 / 206228 / 206628            175908
+Mixtral-8x7B       128  162764 / 162964 / 163364            189732
+================  ===  ==================================  ============================
 
-(B = 1024 / 2048 measured before the streamed phase 1 was reordered, 2026-12-01; B = 4096
-after it.)
+(The resident d_gate_up^T and the single outer slab of phases 3-4 spend SBUF that the old plan
+left free; Llama-4-Scout at B = 4096 (and unpacked at B = 1024) and Mixtral stash d_gate_up^T
+in HBM instead; per-phase peaks in ``benchmarks/RESULTS.md``, 2026-12-02.)
 
 LNC2 (SHARD_ON_FREE): core c computes phase 1 for its half of I (dA partial sums exchanged with
 ``sendrecv``; d_gate_up and alpha*h halves exchanged through a shared-HBM scratch and

@@ -45,7 +45,8 @@ def shapes(model_filter: set[str] | None) -> list[tuple[int, int, list[str]]]:
         if m.hidden % ALIGN or m.intermediate % ALIGN:
             continue
         out.setdefault((m.hidden, m.intermediate), []).append(m.name)
-    return [(H, I, names) for (H, I), names in sorted(out.items(), key=lambda kv: kv[0][0] * kv[0][1])]
+    ordered = sorted(out.items(), key=lambda kv: kv[0][0] * kv[0][1])
+    return [(H, I, names) for (H, I), names in ordered]
 
 
 def run_one(H: int, I: int, B: int, pack: bool) -> dict:

@@ -45,9 +45,11 @@ def fast_arithmetic() -> None:
         np.zeros((src.shape[0] // 8, src.shape[1] // 4), np.uint8))
 
 
-def profile_block(H: int, I: int, B: int, lnc: int, tokens: int | None = None, seed: int = 0):
+def profile_block(H: int, I: int, B: int, lnc: int, tokens: int | None = None, seed: int = 0,
+                  use_scale_packing: bool = True):
     """One block of ``tokens`` (default B) live slots of expert 0; returns the interpreter's
-    :class:`~nki_kernels.interp.profile.Profile`."""
+    :class:`~nki_kernels.interp.profile.Profile` (``memory[core]["sbuf_peak_by_region"]``: the
+    SBUF peak per region, bytes per partition)."""
     import torch
 
     from nki_kernels._nki import simulate
@@ -67,15 +69,22 @@ def profile_block(H: int, I: int, B: int, lnc: int, tokens: int | None = None, s
     k = simulate(blockwise_mm_bwd_mxfp8, lnc=lnc)
     k(x, ea, wgu, wd, tpti, torch.zeros(1, 1, dtype=torch.int32), dy, B,
       gate_up_proj_act_checkpoint_T=ck, skip_dma=SkipMode(skip_token=True),
-      run_with_lnc2=lnc == 2)
+      run_with_lnc2=lnc == 2, use_scale_packing=use_scale_packing)
     return k.last_profile
 
 
 def rows_of(prof) -> list[dict]:
+    """One dict per region (+ "total"): modeled time, utilization, engine busy, DMA, and the SBUF
+    peak while in the region (bytes per partition, max over cores)."""
+    peaks: dict = {}
+    for mem in prof.memory.values():
+        for reg, v in mem.get("sbuf_peak_by_region", {}).items():
+            peaks[reg] = max(peaks.get(reg, 0), v)
     out = []
     for r in prof.summary():
         out.append({
             "region": r["region"], "modeled_us": r["modeled_us"],
+            "sbuf_peak_bytes": peaks.get(r["region"], 0),
             "tensor_e_util": r["tensor_e_util"], "engine_us": r["engine_us"],
             "dma_MB": r["dma_bytes"] / 1e6, "dma_count": r["dma_count"],
             "dma_MB_chunk_le_256B": sum(v for c, v in r["dma_bytes_by_chunk"].items()
@@ -85,7 +94,9 @@ def rows_of(prof) -> list[dict]:
                 "tensor_e_util": prof.tensor_e_utilization(),
                 "engine_us": prof.engine_time_us(),
                 "dma_MB": prof.counters().dma_bytes / 1e6,
-                "dma_count": prof.counters().dma_count})
+                "dma_count": prof.counters().dma_count,
+                "sbuf_peak_bytes": max((m["sbuf_peak_bytes"] for m in prof.memory.values()),
+                                       default=0)})
     return out
 
 
@@ -97,6 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lnc", type=int, default=2, choices=(1, 2))
     ap.add_argument("--tokens", type=int, help="live slots (default: the whole block)")
     ap.add_argument("--fast", action="store_true", help="skip the MX arithmetic (same model)")
+    ap.add_argument("--no-scale-packing", action="store_true",
+                    help="use_scale_packing=False (default: True, the seed's default)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if bool(args.model) == bool(args.shape):
@@ -114,20 +127,23 @@ def main(argv=None) -> int:
     if args.fast:
         fast_arithmetic()
     t0 = time.perf_counter()
-    prof = profile_block(H, I, args.block_size, args.lnc, args.tokens)
+    prof = profile_block(H, I, args.block_size, args.lnc, args.tokens,
+                         use_scale_packing=not args.no_scale_packing)
     wall = time.perf_counter() - t0
     rows = rows_of(prof)
     if args.json:
         print(json.dumps({"H": H, "I": I, "B": args.block_size, "lnc": args.lnc,
-                          "wall_s": wall, "rows": rows}))
+                          "scale_packing": not args.no_scale_packing, "wall_s": wall,
+                          "rows": rows}))
         return 0
     print(f"H={H} I={I} B={args.block_size} LNC{args.lnc} (modeled Trainium3; wall {wall:.0f} s)")
-    print(f"{'region':<10} {'modeled us':>11} {'TensorE':>8} {'DMA MB':>8} {'<=256B MB':>9}  "
-          "engine busy us (tensor/vector/scalar/gpsimd/dma)")
+    print(f"{'region':<10} {'modeled us':>11} {'TensorE':>8} {'DMA MB':>8} {'<=256B MB':>9} "
+          f"{'SBUF B/p':>8}  engine busy us (tensor/vector/scalar/gpsimd/dma)")
     for r in rows:
         e = r["engine_us"]
         print(f"{r['region']:<10} {r['modeled_us']:>11.1f} {100 * r['tensor_e_util']:>7.1f}% "
-              f"{r['dma_MB']:>8.2f} {r.get('dma_MB_chunk_le_256B', 0):>9.2f}  "
+              f"{r['dma_MB']:>8.2f} {r.get('dma_MB_chunk_le_256B', 0):>9.2f} "
+              f"{r['sbuf_peak_bytes']:>8}  "
               + "/".join(f"{e[k]:.0f}" for k in ("tensor", "vector", "scalar", "gpsimd", "dma")))
     return 0
 

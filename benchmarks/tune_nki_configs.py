@@ -18,8 +18,15 @@ With ``--write`` the table goes to ``configs/nki/blockwise_mm_bwd_mxfp8.yaml`` (
 the defaults, listing only the phases (and fields) that do, under a comment with the modeled
 times default -> tuned.
 
+Every run has scale packing on (the seed's ``use_scale_packing=True``); a tuned phase's entry
+carries ``enable_scale_packing: true``, since ``MatmulMxfp8KernelConfig``'s own default is AWS's
+False and a loaded config decides its phase's packing.
+
 Each shape runs in its own process (``--jobs`` at a time, one torch thread each), so a shape past
-``--timeout`` seconds is stopped and skipped.
+``--timeout`` seconds is stopped and skipped. The runs skip the MX arithmetic (``--fast``, the
+default; ``benchmarks/nki_modeled_profile.fast_arithmetic``): the modeled time depends only on
+the instruction stream, which no value changes, so it is the same; ``--full-arithmetic`` runs
+the MX arithmetic as well.
 
 Usage::
 
@@ -68,7 +75,8 @@ HEADER = """\
 # and its per-instruction cost assumptions), NOT measured on Trainium hardware. The comment
 # above each entry gives the modeled per-block time, AWS defaults -> tuned, in us.
 # Shapes: configs/models (I = full intermediate, TP = 1), B in {{128, 512}}, LNC2, and LNC1 for
-# qwen3-30b-a3b.
+# qwen3-30b-a3b. Scale packing on (use_scale_packing=True, the seed's default): every tuned phase
+# stores enable_scale_packing: true (the config field's own default is AWS's False).
 """
 
 
@@ -134,7 +142,7 @@ def plan_jobs(model_filter: set[str] | None) -> tuple[list[Job], list[str]]:
     return order, skipped
 
 
-def tune_one(H: int, I: int, B: int, lnc2: bool) -> dict:
+def tune_one(H: int, I: int, B: int, lnc2: bool, fast: bool = True) -> dict:
     """Run :func:`tune_phase_configs` for one shape in this process; a JSON-able result.
 
     Returns:
@@ -148,6 +156,11 @@ def tune_one(H: int, I: int, B: int, lnc2: bool) -> dict:
     from nki_kernels.backend import tune_phase_configs
     from nki_kernels.interp import NkiCapacityError
 
+    if fast:
+        from benchmarks.nki_modeled_profile import fast_arithmetic
+
+        fast_arithmetic()
+
     try:
         best, rows = tune_phase_configs(H, I, B, lnc2)
     except (NkiCapacityError, ValueError) as exc:
@@ -160,12 +173,12 @@ def tune_one(H: int, I: int, B: int, lnc2: bool) -> dict:
     return {"default_us": default_us, "tuned_us": tuned_us, "overrides": best}
 
 
-def _run_in_child(job: Job, timeout_s: float) -> Job:
+def _run_in_child(job: Job, timeout_s: float, fast: bool = True) -> Job:
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
         "--one",
-        f"{job.H},{job.I},{job.B},{int(job.lnc2)}",
+        f"{job.H},{job.I},{job.B},{int(job.lnc2)},{int(fast)}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     start = time.perf_counter()
@@ -284,12 +297,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--models", help="comma-separated model names (default: all); no --write")
     ap.add_argument("--write", action="store_true", help=f"regenerate {YAML_PATH.name}")
-    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: "H,I,B,lnc2" in this process
+    ap.add_argument("--full-arithmetic", action="store_true",
+                    help="run the MX arithmetic too (same modeled times, much slower)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: "H,I,B,lnc2,fast" here
     args = ap.parse_args(argv)
 
     if args.one:
-        H, I, B, lnc2 = (int(v) for v in args.one.split(","))
-        print(json.dumps(tune_one(H, I, B, bool(lnc2))))
+        H, I, B, lnc2, fast = (int(v) for v in args.one.split(","))
+        print(json.dumps(tune_one(H, I, B, bool(lnc2), bool(fast))))
         return 0
     if args.jobs < 1:
         ap.error(f"--jobs must be >= 1, got {args.jobs}")
@@ -306,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skip {line}", flush=True)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(_run_in_child, j, args.timeout): j for j in jobs}
+        futures = {pool.submit(_run_in_child, j, args.timeout, not args.full_arithmetic): j
+                   for j in jobs}
         for fut in concurrent.futures.as_completed(futures):
             j = fut.result()
             state = f"skipped: {j.skipped}" if j.skipped else "done"

@@ -328,7 +328,7 @@ def run_blockwise(
         raise RuntimeError(f"backend {backend!r} cannot run here: {reason}")
     if not isinstance(run_with_lnc2, bool):
         msg = f"run_with_lnc2 must be a bool, got {run_with_lnc2!r}"
-        raise ValueError(msg)  # noqa: TRY004 - the project raises ValueError for bad input
+        raise ValueError(msg)
     problem.validate()
     _check_activation(problem, f"backend {backend!r}")
     if not is_tensor_update_accumulating and problem.plan.top_k > 1:
@@ -545,7 +545,7 @@ def candidate_phase_overrides(M: int, K: int, N: int) -> list[dict[str, Any]]:
 
 
 def tune_phase_configs(
-    H: int, I: int, B: int, lnc2: bool, *, seed: int = 0
+    H: int, I: int, B: int, lnc2: bool, *, seed: int = 0, use_scale_packing: bool = True
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """Pick each phase's override with the lowest modeled Trainium3 time under ``nki-sim``.
 
@@ -555,9 +555,15 @@ def tune_phase_configs(
     the fastest. Modeled time is the interpreter's model (REFERENCE §5 numbers, our per-
     instruction cost assumptions), not a hardware measurement.
 
+    Every candidate runs with ``enable_scale_packing = use_scale_packing`` (default True, the
+    seed's ``use_scale_packing`` default; ``MatmulMxfp8KernelConfig``'s own field default is
+    AWS's False), and a phase's best overrides other than AWS's defaults carry it, so a tuned
+    config loaded from ``configs/nki/`` runs packed as it was tuned.
+
     Returns:
         ``(best, rows)``: best = {"phase1": overrides, ...} (the YAML entry for
-        :func:`~nki_kernels.config.tuned_config_key`); rows = one dict per (run, phase) with the
+        :func:`~nki_kernels.config.tuned_config_key`; ``{}`` = AWS's defaults, the phase then
+        takes the wrapper's ``use_scale_packing``); rows = one dict per (run, phase) with the
         overrides tried and ``modeled_us``.
 
     Raises:
@@ -579,11 +585,22 @@ def tune_phase_configs(
     best: dict[str, tuple[float, dict[str, Any]]] = {}
     for i in range(max(len(c) for c in cands)):
         picked = [c[min(i, len(c) - 1)] for c in cands]
-        configs = tuple(MatmulMxfp8KernelConfig(M=0, K=0, N=0, **o) for o in picked)
-        grads = run_blockwise(problem, block_size=B, run_with_lnc2=lnc2, phase_configs=configs)
+        configs = tuple(
+            MatmulMxfp8KernelConfig(M=0, K=0, N=0, enable_scale_packing=use_scale_packing, **o)
+            for o in picked
+        )
+        grads = run_blockwise(problem, block_size=B, run_with_lnc2=lnc2, phase_configs=configs,
+                              use_scale_packing=use_scale_packing)
         for row in grads.info["nki_phases"]:
             p = PHASE_NAMES.index(row["phase"])
             rows.append({"run": i, "phase": row["phase"], "overrides": picked[p], **row})
             if row["phase"] not in best or row["modeled_us"] < best[row["phase"]][0]:
                 best[row["phase"]] = (row["modeled_us"], picked[p])
-    return {name: best[name][1] for name in PHASE_NAMES if name in best}, rows
+    out: dict[str, dict[str, Any]] = {}
+    for name in PHASE_NAMES:
+        if name in best:
+            o = dict(best[name][1])
+            if o and use_scale_packing:
+                o["enable_scale_packing"] = True  # the config field's own default is False
+            out[name] = o
+    return out, rows

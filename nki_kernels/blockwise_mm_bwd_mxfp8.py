@@ -33,8 +33,11 @@ On-chip layouts (all MX groups follow Trainium's WRAPX layout, NKI_API.md §4.6)
   innermost, exactly ``quantize_mx``'s input: one MX group = 8 partitions x 4 lanes = slots
   ``{tile*512 + i*vs + 8g + j}``, the WRAPX groups along B. X and dY rows are gathered straight
   into it; d_gate_up and alpha*h move there from the natural layout by DMA (SBUF-to-SBUF, or
-  from the HBM block scratch of a streamed block). Phases 3-4 stage and quantize one WRAPX tile
-  (512 slots) at a time, in column slabs of both operands (``_wgrad_cols``).
+  from the HBM block scratch of a streamed block; for B >= 512 the four lanes of a WRAPX tile
+  in one DMA). Phases 3-4 stage and quantize one WRAPX tile (512 slots) at a time, the gathered
+  operand (X / dY) in as few column slabs as the SBUF plan allows (``_wgrad_outer_cols``; one
+  at the model shapes), the other (d_gate_up / alpha*h) in slabs of ``_wgrad_cols``, reread
+  once per outer slab; the dW rows are read-added-written in groups of row tiles per DMA.
 
 Slot streaming (B up to 4096, AWS's default; issue 11 item 4): a block of B slots runs phases 1-2
 per sub-block of SB slots (``_sub_block_slots``: the largest of 512/256/128 whose per-slot tiles
@@ -44,9 +47,13 @@ block is this core's whole half of I when it fits ``PHASE1_STREAM_WEIGHT_BYTES``
 sub-blocks inside: dY^T per sub-block (stashed in HBM when there is more than one column block),
 checkpoint columns per (column block, sub-block), dA per slot in one PSUM tile for the block.
 The d_gate_up and alpha*h columns go to a block scratch in shared HBM (natural layout
-``[128, B/128, *]``, also the LNC2 exchange buffer); each sub-block's quantized d_gate_up^T is
-then built from it and stashed in HBM, so phase 2 runs once per block, loading each W_gate_up
-column block once. Phases 3-4 then contract over all B slots:
+``[128, B/128, *]``, also the LNC2 exchange buffer). Phase 2 runs once per block, loading each
+W_gate_up column block once (``_phase2_plan``): when the whole block's quantized d_gate_up^T
+fits the SBUF plan next to a weight column block, it is built once from the scratch and stays
+resident (``_resident_dgu``; with scale packing at DeepSeek-V3 / Qwen3-235B-A22B up to
+B = 4096); otherwise (the large-I models) each sub-block's is stashed in HBM and reloaded per
+column block. Either way the column blocks are as wide as the SBUF left allows (each costs a
+weight load and a dX read-add-write per 128 slots). Phases 3-4 then contract over all B slots:
 for each output tile the PSUM chain runs over the WRAPX tiles along B in order, exactly as for a
 resident block, so no value depends on SB or on the slabs and the golden twin is unchanged. With
 one sub-block (SB = B) d_gate_up and alpha*h stay in SBUF as before.
@@ -93,23 +100,26 @@ Engines: elementwise work is spread over VectorE, ScalarE and GpSimd (values nev
 engine); memsets of gathered tiles happen only when out-of-bounds ids are skipped.
 
 Limits (SBUF, measured on the interpreter, trn3 budget 245496 B/partition): weight column blocks
-shrink to fit 64 KiB per partition (``WEIGHT_BLOCK_BYTES``); phase-3/4 operand slabs 40 KiB
-(``WGRAD_OPERAND_BYTES``). Under LNC2, B = 1024, 2048 and 4096 fit for DeepSeek-V3 (H 7168,
-I_TP 2048), Qwen3-235B-A22B (4096, 1536), Llama-4-Scout (5120, 8192) and Mixtral-8x7B (4096,
-14336). SBUF peak bytes per partition at B = 1024 / 2048 / 4096 (one block, LNC2, core 0;
-``tests/test_nki_block_stream.py``, ``NKI_SLOW_TESTS=1``), PSUM 4 of 8 banks everywhere:
+of phases 1-2 fit 64 KiB per partition (``WEIGHT_BLOCK_BYTES``; a streamed block's phase 2 takes
+what its plan leaves, ``_phase2_plan``); phase-3/4 inner slabs 40 KiB (``WGRAD_OPERAND_BYTES``),
+the gathered outer operand what is left (``_wgrad_outer_cols``). Under LNC2, B = 1024, 2048 and
+4096 fit for DeepSeek-V3 (H 7168, I_TP 2048), Qwen3-235B-A22B (4096, 1536), Llama-4-Scout (5120,
+8192) and Mixtral-8x7B (4096, 14336), scale packing on and off. SBUF peak bytes per partition
+(one block, LNC2, core 0, packing on; ``tests/test_nki_block_stream.py``, ``NKI_SLOW_TESTS=1``,
+2026-12-02), PSUM 4 of 8 banks everywhere:
 
-================  ===  ==================================
-model (H, I_TP)    SB  SBUF peak, B = 1024 / 2048 / 4096
-================  ===  ==================================
-DeepSeek-V3        256  134344 / 134536 / 129704
-Qwen3-235B-A22B    512  142024 / 142216 / 101544
-Llama-4-Scout      128  140360 / 140552 / 118184
-Mixtral-8x7B       128  167624 / 167816 / 127144
-================  ===  ==================================
+================  ===  ==================================  ============================
+model (H, I_TP)    SB  SBUF peak, B = 1024 / 2048 / 4096   B = 4096, packing off
+================  ===  ==================================  ============================
+DeepSeek-V3        256  189644 / 149396 / 197924            211748
+Qwen3-235B-A22B    512  100556 / 127380 / 181028            205604
+Llama-4-Scout      128  219340 / 206228 / 206628            175908
+Mixtral-8x7B       128  162764 / 162964 / 163364            189732
+================  ===  ==================================  ============================
 
-(B = 1024 / 2048 measured before the streamed phase 1 was reordered, 2026-12-01; B = 4096
-after it.)
+(The resident d_gate_up^T and the single outer slab of phases 3-4 spend SBUF that the old plan
+left free; Llama-4-Scout at B = 4096 (and unpacked at B = 1024) and Mixtral stash d_gate_up^T
+in HBM instead; per-phase peaks in ``benchmarks/RESULTS.md``, 2026-12-02.)
 
 LNC2 (SHARD_ON_FREE): core c computes phase 1 for its half of I (dA partial sums exchanged with
 ``sendrecv``; d_gate_up and alpha*h halves exchanged through a shared-HBM scratch and
@@ -153,7 +163,15 @@ WEIGHT_T_COLS = 512  # weight columns staged (natural layout) and TensorE-transp
 # column slab (see _sub_block_slots / _wgrad_cols).
 SBUF_PLAN_BYTES = 256 * 1024 - 16384 - 8 - 256  # nki-library's usable trn3 SBUF per partition
 SUB_BLOCK_RESERVE = 40 * 1024  # prologue tiles + SwiGLU fp32 temporaries + transpose staging
-WGRAD_OPERAND_BYTES = 40 * 1024  # SBUF per partition for one quantized phase-3/4 operand slab
+# Phase 2 of a streamed block (_phase2_plan): SBUF kept for the prologue tiles, the natural-layout
+# weight staging [128, 4, 512] and the fp32 temporary of _add_result, next to the resident
+# d_gate_up^T (or one reloaded sub-block of it) and the weight column block.
+PHASE2_RESERVE = 24 * 1024
+WGRAD_OPERAND_BYTES = 40 * 1024  # SBUF per partition for one quantized phase-3/4 inner slab
+# Phases 3-4: the gathered (outer) operand's slab takes what the SBUF plan leaves after this
+# reserve (prologue tiles, PSUM eviction temporaries) and the inner slab (_wgrad_outer_cols).
+WGRAD_RESERVE = 24 * 1024
+WGRAD_RMW_BYTES = 16 * 1024  # SBUF per partition for the dW rows of one read-add-write DMA
 
 
 def _sub_block_slots(B: int, H: int, I: int, S: int) -> int:
@@ -169,6 +187,35 @@ def _sub_block_slots(B: int, H: int, I: int, S: int) -> int:
     return sb
 
 
+def _wgrad_outer_cols(g, width: int, inner: int, pack: bool, isz: int, rmw_outer: bool) -> int:
+    """Columns of one slab of a phase-3/4 outer operand (X in phase 3, dY in phase 4: gathered
+    by indirect DMA, the inner operand streamed once per outer slab): ``width`` in as few slabs
+    as fit the SBUF plan (even widths, multiples of 128), so the inner operand is reread as few
+    times as possible. Per partition: the outer slab (x4 words per WRAPX tile along B, and its
+    scales: a packed shared scale tile of both operands, or one scale byte per tile), its
+    gather staging (10 B per column) or else the inner slab of ``inner`` columns (x4 words,
+    unpacked scales, 16 B of staging per column), one read-add-write tile of the dW rows
+    (``isz`` bytes per column of the outer operand when ``rmw_outer``, else of the inner) and an
+    fp32 eviction temporary. Output elements are independent, so no value depends on it."""
+    nkt = g.NKT
+    left = SBUF_PLAN_BYTES - WGRAD_RESERVE - 4 * PSUM_TILE_MAX_N
+    inner_sc = nkt
+    if pack:
+        inner_sc = 0
+    for nslab in range(1, (width + PMAX - 1) // PMAX + 1):
+        w = ((width + nslab - 1) // nslab + PMAX - 1) // PMAX * PMAX
+        outer = 4 * nkt * w + nkt * w
+        if pack:  # the shared scale tile [vs, ceil(2 NKT / 4), max(outer, inner)]
+            outer = 4 * nkt * w + _scale_groups(2 * nkt, True) * max(w, inner)
+        rmw = inner * isz
+        if rmw_outer:
+            rmw = w * isz
+        rest = inner * (4 * nkt + inner_sc + 16) + max(WGRAD_RMW_BYTES, rmw)
+        if outer + max(10 * w, rest) <= left:
+            return min(w, width)
+    return _wgrad_cols(nkt, width, PMAX)
+
+
 def _wgrad_cols(nkt: int, width: int, step: int) -> int:
     """Columns of one phase-3/4 operand slab: all ``nkt`` WRAPX tiles along B quantized
     (5 B per column and tile) within ``WGRAD_OPERAND_BYTES``, in multiples of ``step``. Output
@@ -177,14 +224,63 @@ def _wgrad_cols(nkt: int, width: int, step: int) -> int:
     return min(width, fit)
 
 
-def _weight_cols(K: int, n_block: int, step: int, budget: int = WEIGHT_BLOCK_BYTES) -> int:
+def _k_major_col_bytes(K: int, pack: bool) -> int:
+    """SBUF bytes per partition and column of a quantized K-major operand: an x4 word per K
+    tile, plus a scale byte per K tile (one per four K tiles with scale packing)."""
+    nkt = len(_k_tiles(K))
+    return 4 * nkt + _scale_groups(nkt, pack)
+
+
+def _weight_cols(K: int, n_block: int, step: int, budget: int = WEIGHT_BLOCK_BYTES,
+                 pack: bool = False) -> int:
     """Columns of a weight block: the config's ``TILES_IN_BLOCK_N x tile_n``, shrunk (in
-    multiples of ``step``) so all K tiles of the block fit ``WEIGHT_BLOCK_BYTES`` per partition
-    (5 B per column and K tile: an x4 word and a scale byte). Columns are independent, so this
-    never changes a value."""
-    per_col = 5 * len(_k_tiles(K))
-    fit = max(step, budget // per_col // step * step)
+    multiples of ``step``) so all K tiles of the block fit ``budget`` per partition
+    (:func:`_k_major_col_bytes`: 5 B per column and K tile, 4.25 B with scale packing).
+    Columns are independent, so this never changes a value."""
+    fit = max(step, budget // _k_major_col_bytes(K, pack) // step * step)
     return min(n_block, fit)
+
+
+def _even_cols(width: int, cap: int) -> int:
+    """Columns per block when ``width`` columns go in blocks of at most ``cap`` (a multiple of
+    128): as few blocks as ``cap`` allows, of even width (rounded up to 128, never above
+    ``cap``)."""
+    nblk = (width + cap - 1) // cap
+    even = ((width + nblk - 1) // nblk + PMAX - 1) // PMAX * PMAX
+    return min(cap, even)
+
+
+def _phase2_plan(g, tl) -> tuple:
+    """Phase 2 of a streamed block (B > SB): ``(resident, n_block)``.
+
+    ``resident``: the whole block's quantized d_gate_up^T (``[128, K tiles, B]`` x4 words and
+    its scales) stays in SBUF for all weight column blocks, built once from the block scratch;
+    else each sub-block's operand is stashed in HBM and reloaded once per column block.
+    ``n_block``: weight columns per block, as many as the SBUF left next to the resident operand
+    (or one reloaded sub-block) allows, never fewer than the config's (``TILES_IN_BLOCK_N x
+    tile_n`` within ``WEIGHT_BLOCK_BYTES``): every column block costs a weight load and one
+    dX read-add-write DMA pair per 128 slots (and, stashed, a reload of every sub-block).
+    Per column, besides the weight (:func:`_k_major_col_bytes`): 8 B of BF16 staging (one K
+    tile at a time) and 4 B of the dX row tile. Output columns and the K-tile chains do not
+    depend on it, so no value does."""
+    I2 = 2 * g.I
+    n_cfg = _weight_cols(I2, tl.n_block, PMAX, pack=tl.pack)
+    op_col = _k_major_col_bytes(I2, tl.pack)
+    per_col = op_col + 8 + 4
+    left = SBUF_PLAN_BYTES - PHASE2_RESERVE
+    fit = (left - op_col * g.B) // per_col // PMAX * PMAX
+    if fit >= min(g.Hs, n_cfg):
+        return True, _wider_block(g.Hs, n_cfg, fit)
+    fit = (left - op_col * g.SB) // per_col // PMAX * PMAX
+    return False, _wider_block(g.Hs, n_cfg, fit)
+
+
+def _wider_block(width: int, n_cfg: int, fit: int) -> int:
+    """The config's column block ``n_cfg``, or evenly split blocks of up to ``fit`` columns
+    when more fit."""
+    if fit <= n_cfg:
+        return n_cfg
+    return _even_cols(width, fit)
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -226,6 +322,13 @@ def _slot_scales(shared, g, first: int, F: int):
         grp, off = _scale_slot(first + kt, True)
         out.append(shared[off : g.vs, grp, 0:F])
     return out
+
+
+def _itemsize(dtype) -> int:
+    """Bytes of a BF16 or fp32 accumulator element (nki-library compares dtypes by name)."""
+    if str(dtype) == str(nl.float32):
+        return 4
+    return 2
 
 
 def _kernel_assert(cond, msg):
@@ -324,22 +427,27 @@ def _quantize_k_major(src, vsk: int, F: int, s=None):
     return q, s
 
 
-def _k_major_from_natural(src_n, g: _Geo, K: int, pack: bool):
+def _k_major_from_natural(src_n, g: _Geo, K: int, pack: bool, dst=None, col0: int = 0):
     """TensorE-transpose a natural-layout BF16 tile ``[128, C, K]`` (slot c*128 + p at partition
     p) into K-major MX operands: for every WRAPX K tile (k0, TK),
     ``t[p, j, i] = src[slot j, k0 + i*TK/4 + p]`` built from ``[128, TK/4]`` slabs (one PSUM tile
     per (tile, i), one copy to SBUF), then quantized. All K tiles share one x4 tile and one scale
     tile ``[128, tiles, slots]`` (a remainder tile uses its first TK/4 partitions; with scale
     packing ``[128, ceil(tiles/4), slots]``, K tile t at offset 4*(t%4) of group t//4), so the
-    operand moves to and from HBM in one DMA each (:func:`_stash_k_major`). Returns
+    operand moves to and from HBM in one DMA each (:func:`_stash_k_major`). ``dst``: None (new
+    tiles), or (x4 tile, scale tile) of that layout to fill from column ``col0`` on (the
+    resident d_gate_up^T of a streamed block, :func:`_resident_dgu`). Returns
     ``(ops, x4 tile, scale tile)``, ops = (x4 [TK/4, slots], scales, TK/4) views per K tile."""
     out = []
     nc = src_n.shape[1]  # 128-slot chunks of the (sub-)block
     ns = nc * PMAX
     tiles = _k_tiles(K)
-    q_all = nl.ndarray((PMAX, len(tiles), ns), dtype=float8_e4m3fn_x4, buffer=nl.sbuf)
-    s_all = nl.ndarray((PMAX, _scale_groups(len(tiles), pack), ns), dtype=nl.uint8,
-                       buffer=nl.sbuf)
+    if dst == None:  # noqa: E711
+        q_all = nl.ndarray((PMAX, len(tiles), ns), dtype=float8_e4m3fn_x4, buffer=nl.sbuf)
+        s_all = nl.ndarray((PMAX, _scale_groups(len(tiles), pack), ns), dtype=nl.uint8,
+                           buffer=nl.sbuf)
+    else:
+        q_all, s_all = dst
     for kt, (k0, TK) in enumerate(tiles):
         vsk = TK // 4
         t = nl.ndarray((vsk, ns, 4), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -351,18 +459,43 @@ def _k_major_from_natural(src_n, g: _Geo, K: int, pack: bool):
                                   data=src_n[:, c, c0 : c0 + vsk])
             nisa.tensor_copy(dst=t[:, :, i], src=ps, engine=ACT if i % 2 else VEC)
         grp, off = _scale_slot(kt, pack)
-        q, sc = q_all[0:vsk, kt, :], s_all[off:vsk, grp, :]
+        q = q_all[0:vsk, kt, col0 : col0 + ns]
+        sc = s_all[off:vsk, grp, col0 : col0 + ns]
         nisa.quantize_mx(dst=q, src=t.reshape((vsk, ns * 4)), dst_scale=sc)
+        del t  # free the staging before the next K tile's
         out.append((q, sc, vsk))
     return out, q_all, s_all
+
+
+def _k_major_views(q_all, s_all, K: int, pack: bool):
+    """The per-K-tile operand views (x4 [TK/4, cols], scales, TK/4) of a K-major x4 tile and its
+    scale tile (layout of :func:`_k_major_from_natural`), all columns."""
+    out = []
+    for kt, (k0, TK) in enumerate(_k_tiles(K)):
+        vsk = TK // 4
+        grp, off = _scale_slot(kt, pack)
+        out.append((q_all[0:vsk, kt, :], s_all[off:vsk, grp, :], vsk))
+    return out
 
 
 def _to_slot_layout_kt(src_n, g: _Geo, c0: int, F: int, kt: int):
     """Columns ``c0..c0+F`` of a natural-layout block ``[128, C, *]`` (an SBUF tile, or the HBM
     scratch of a streamed block) -> the slot-layout tile ``[vs, F, 4]`` of WRAPX tile ``kt``
     along B (the quantize_mx input of a contraction over the block's slots), one DMA per lane:
-    lane ``l = 4*kt + i`` holds slots ``l*vs + p``."""
+    lane ``l = 4*kt + i`` holds slots ``l*vs + p`` (for B >= 512, vs = 128: one DMA for the
+    four lanes from the HBM scratch, or straight copies from the SBUF tile)."""
     t = nl.ndarray((g.vs, F, 4), dtype=src_n.dtype, buffer=nl.sbuf)
+    if g.vs == PMAX:
+        # B >= 512: lane l = 4*kt + i is natural chunk l on the same partitions; the four
+        # lanes' rows come in one DMA from the HBM scratch (none from an SBUF tile)
+        src = src_n[:, 4 * kt : 4 * kt + 4, c0 : c0 + F]
+        if g.NSUB > 1:
+            rows = nl.ndarray((PMAX, 4, F), dtype=src_n.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=rows, src=src)
+            src = rows
+        for li in range(4):
+            nisa.tensor_copy(dst=t[:, :, li], src=src[:, li, :], engine=ACT if li % 2 else VEC)
+        return t
     for li in range(4):
         c, q0 = divmod((4 * kt + li) * g.vs, PMAX)
         # contiguous rows by DMA, the lane interleave (stride 4) on a compute engine
@@ -456,8 +589,10 @@ def _load_weight_k_major(w_hbm, e_sb, K: int, row_stride: int, col_stride: int, 
                     nisa.nc_transpose(dst=ps[:, j : j + cw],
                                       data=nat[0:cw, j // PMAX, i * vsk : (i + 1) * vsk])
                 nisa.tensor_copy(dst=t[:, p0 : p0 + pw, i], src=ps, engine=ACT if i % 2 else VEC)
+            del nat  # free the staging before the next piece's
         out.append(_quantize_k_major(t, vsk, ncols, _packed_scale(groups, kt, vsk, ncols, pack))
                    + (vsk,))
+        del t  # free the staging before the next K tile's
     return out
 
 
@@ -629,23 +764,38 @@ def _wgrad_rmw(lhs, rhs, g: _Geo, tl: _Tiling, dst_hbm, e_sb, M0: int, M: int, N
     """dst[e][M0.., N0..] += lhs[:, lhs_c0..]^T @ rhs[:, rhs_c0..] for an M x N slab
     (operand column bases default to the slab's M0 / N0).
 
-    Per tile_m row tile: one gather of the rows, per tile_n column tile one matmul group and one
-    fp32 add rounded to the slab's dtype (BF16 read-add-write, or the fp32 scratch), one store.
+    Per tile_m row tile: per tile_n column tile one matmul group and one fp32 add rounded to the
+    slab's dtype (BF16 read-add-write, or the fp32 scratch). The rows move in groups of up to
+    ``WGRAD_RMW_BYTES`` per partition (one read and one write DMA per group of row tiles; each
+    row is still read, added to once per column tile and written once).
     """
     lc0 = M0 if lhs_c0 == None else lhs_c0  # noqa: E711
     rc0 = N0 if rhs_c0 == None else rhs_c0  # noqa: E711
     tm = min(tl.tm, PMAX)
     ws = _Workspace(tl, min(tl.tn, N))
-    old = nl.ndarray((tm, N), dtype=dst_hbm.dtype, buffer=nl.sbuf)
-    for m0 in range(0, M, tm):
-        mw = min(tm, M - m0)
-        view = _slab(dst_hbm, e_sb, mw, M0 + m0, row_stride, N0, N)
-        o = old[0:mw, :]
+    # full row tiles per DMA (rows m0 + r*tm + p of tile r at partition p), then the remainder
+    full = M // tm
+    per_dma = max(1, min(full, WGRAD_RMW_BYTES // (N * _itemsize(dst_hbm.dtype))))
+    groups = []
+    for r0 in range(0, full, per_dma):
+        groups.append((r0 * tm, min(per_dma, full - r0), tm))
+    if M % tm:
+        groups.append((full * tm, 1, M % tm))
+    old = nl.ndarray((tm, per_dma, N), dtype=dst_hbm.dtype, buffer=nl.sbuf)
+    for g0, nr, mw in groups:
+        view = _slab(dst_hbm, e_sb, mw, M0 + g0, row_stride, N0, N)
+        if nr > 1:
+            view = dst_hbm.ap(pattern=[[row_stride, tm], [tm * row_stride, nr], [1, N]],
+                              offset=(M0 + g0) * row_stride + N0, scalar_offset=e_sb,
+                              indirect_dim=0)
+        o = old[0:mw, 0:nr, :]
         nisa.dma_copy(dst=o, src=view)
-        for j, n0 in enumerate(range(0, N, tl.tn)):
-            nw = min(tl.tn, N - n0)
-            res = _matmul_mx(lhs, rhs, lc0 + m0, mw, rc0 + n0, nw, tl, ws)
-            _add_result(o[:, n0 : n0 + nw], res, j + m0 // tm)
+        for r in range(nr):
+            m0 = g0 + r * tm
+            for j, n0 in enumerate(range(0, N, tl.tn)):
+                nw = min(tl.tn, N - n0)
+                res = _matmul_mx(lhs, rhs, lc0 + m0, mw, rc0 + n0, nw, tl, ws)
+                _add_result(o[:, r, n0 : n0 + nw], res, j + m0 // tm)
         nisa.dma_copy(dst=view, src=o)
 
 
@@ -1114,7 +1264,7 @@ def _store_da(b, g: _Geo, da_out, nch=None):
 
 # ------------------------------------------------------------------------------------- phase 2
 def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scales=None,
-            dgu_q=None):
+            dgu_q=None, dgu_res=None, n_block=None):
     """dX_blk = d_gate_up @ W_gate_up[e]^T (MX along 2I), scattered into dX rows (this core's H).
 
     Stationary columns are the block's slots in natural order, 128 per PSUM tile (tile_m per
@@ -1126,16 +1276,24 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scal
     (a streamed block) ``b`` is the whole block and ``dgu_q`` the HBM stash of every sub-block's
     quantized d_gate_up^T (:func:`_stash_k_major`): each weight column block is loaded and
     quantized once per block and multiplied with every sub-block's stashed operand, instead of
-    once per sub-block. Each output tile's PSUM chain is the same either way.
+    once per sub-block. ``dgu_res``: instead, the whole block's operand resident in SBUF
+    (:func:`_resident_dgu`), no reloads. ``n_block``: weight columns per block of a streamed
+    block (:func:`_phase2_plan`); None = the config's. Each output tile's PSUM chain is the
+    same either way.
     """
     I2 = 2 * g.I
     ws = _Workspace(tl, min(tl.tn, g.Hs))
-    n_block = _weight_cols(I2, tl.n_block, PMAX)
-    dguT = None
-    if dgu_q == None:  # noqa: E711
+    if n_block == None:  # noqa: E711
+        n_block = _weight_cols(I2, tl.n_block, PMAX, pack=tl.pack)
+    nsub, nch = 1, g.SC  # operands and 128-slot chunks per operand
+    dguT = dgu_res
+    if dgu_q != None:  # noqa: E711
+        nsub = g.NSUB
+    elif dgu_res != None:  # noqa: E711
+        nch = g.C
+    else:
         # stationary: d_gate_up^T, 2I on partitions
         dguT = _k_major_from_natural(b.dgu_n, g, I2, tl.pack)[0]
-    nsub = 1 if dgu_q == None else g.NSUB  # noqa: E711
     for nb0 in range(0, g.Hs, n_block):
         nbw = min(n_block, g.Hs - nb0)
         # moving: W_gate_up[e] viewed [H, 2I]: 2I on partitions (stride 1), H columns (stride 2I)
@@ -1149,8 +1307,8 @@ def _phase2(b, g: _Geo, w_gate_up, tl: _Tiling, dx_acc, accumulate: bool, w_scal
             if dgu_q != None:  # noqa: E711
                 dguT = None
                 dguT = _unstash_k_major(dgu_q, g, I2, k, tl.pack)
-            for c in range(g.SC):
-                _dx_rows(b, g, dguT, wguT, tl, ws, dx_acc, accumulate, k * g.SC + c, c, nb0,
+            for c in range(nch):
+                _dx_rows(b, g, dguT, wguT, tl, ws, dx_acc, accumulate, k * nch + c, c, nb0,
                          nbw)
 
 
@@ -1196,12 +1354,28 @@ def _unstash_k_major(dgu_q, g: _Geo, K: int, k: int, pack: bool):
                        buffer=nl.sbuf)
     nisa.dma_copy(dst=q_all, src=qw[g.shard, k])
     nisa.dma_copy(dst=s_all, src=qs[g.shard, k])
-    out = []
-    for kt, (k0, TK) in enumerate(tiles):
-        vsk = TK // 4
-        grp, off = _scale_slot(kt, pack)
-        out.append((q_all[0:vsk, kt, :], s_all[off:vsk, grp, :], vsk))
-    return out
+    return _k_major_views(q_all, s_all, K, pack)
+
+
+def _resident_dgu(blk, g: _Geo, scratch_dgu, pack: bool):
+    """The whole streamed block's quantized d_gate_up^T, resident in SBUF for phase 2
+    (``_phase2_plan`` resident): one x4 tile ``[128, K tiles, B]`` and one scale tile, filled
+    sub-block by sub-block from the block scratch (all of 2I; LNC2: after the barrier that makes
+    the peer's columns visible), exactly the quantize_mx calls of the stashed path on the same
+    data, so the same bits; no HBM stash and no reloads per weight column block."""
+    if g.S > 1:
+        nisa.core_barrier(scratch_dgu, (0, 1))
+    I2 = 2 * g.I
+    nkt = len(_k_tiles(I2))
+    q_all = nl.ndarray((PMAX, nkt, g.B), dtype=float8_e4m3fn_x4, buffer=nl.sbuf)
+    s_all = nl.ndarray((PMAX, _scale_groups(nkt, pack), g.B), dtype=nl.uint8, buffer=nl.sbuf)
+    for k in range(g.NSUB):
+        cs = k * g.SC
+        dgu_n = nl.ndarray((PMAX, g.SC, I2), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=dgu_n, src=scratch_dgu[:, cs : cs + g.SC, :])
+        _k_major_from_natural(dgu_n, g, I2, pack, (q_all, s_all), k * g.SB)
+        del dgu_n
+    return _k_major_views(q_all, s_all, I2, pack)
 
 
 # ------------------------------------------------------------------------------------- phase 3
@@ -1225,8 +1399,8 @@ def _phase3(b, g: _Geo, tl: _Tiling, dwgu_acc, bias_acc, dgu_src):
     slabs change no value.
     """
     I2 = 2 * g.I
-    mb = _wgrad_cols(g.NKT, g.Hs, PMAX)
     cb = min(max(WGRAD_COL_BLOCK, tl.n_block), _wgrad_cols(g.NKT, I2, PMAX))
+    mb = _wgrad_outer_cols(g, g.Hs, cb, tl.pack, _itemsize(dwgu_acc.dtype), False)
     shared = _shared_slot_scales(g, max(mb, cb), tl.pack)  # X: slots 0.., d_gate_up: NKT..
     for mb0 in range(0, g.Hs, mb):
         mbw = min(mb, g.Hs - mb0)
@@ -1263,8 +1437,8 @@ def _phase4(b, g: _Geo, tl: _Tiling, dwd_acc, bias_acc, ah_src):
     scratch). dY rows are gathered straight into the slot layout, moving columns in slabs; the
     stationary alpha*h in row blocks (as phase 3, no value depends on the slabs)."""
     H = g.H
-    nb = _wgrad_cols(g.NKT, g.Hs, PMAX)
     mbk = min(WGRAD_COL_BLOCK, _wgrad_cols(g.NKT, g.I, PMAX))
+    nb = _wgrad_outer_cols(g, g.Hs, mbk, tl.pack, _itemsize(dwd_acc.dtype), True)
     shared = _shared_slot_scales(g, max(nb, mbk), tl.pack)  # dY: slots 0.., alpha*h: NKT..
     for nb0 in range(0, g.Hs, nb):
         nbw = min(nb, g.Hs - nb0)
@@ -1492,21 +1666,25 @@ def blockwise_mm_bwd_mxfp8(
         scratch_dgu = nl.ndarray((PMAX, g.C, 2 * I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
         scratch_ah = nl.ndarray((PMAX, g.C, I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
     dyq = None
-    if g.NSUB > 1:  # streamed block: every sub-block's quantized d_gate_up^T (phase 2)
+    p2_resident, p2_block = False, None
+    if g.NSUB > 1:
+        p2_resident, p2_block = _phase2_plan(g, tilings[1])
+    if g.NSUB > 1 and not p2_resident:
+        # streamed block, d_gate_up^T not resident: every sub-block's quantized operand in HBM
         nkt2 = len(_k_tiles(2 * I))
         dgu_q = (nl.ndarray((num_shards, g.NSUB, PMAX, nkt2, g.SB), dtype=float8_e4m3fn_x4,
                             buffer=nl.shared_hbm),
                  nl.ndarray((num_shards, g.NSUB, PMAX, _scale_groups(nkt2, tilings[1].pack),
                              g.SB), dtype=nl.uint8,
                             buffer=nl.shared_hbm))
-        if len(_phase1_passes(g, tilings[0])[0]) > 1:
-            # and its dY^T (phase 1 reloads it per W_down column block after the first)
-            nkth = len(_k_tiles(H))
-            dyq = (nl.ndarray((num_shards, g.NSUB, PMAX, nkth, g.SB), dtype=float8_e4m3fn_x4,
-                              buffer=nl.shared_hbm),
-                   nl.ndarray((num_shards, g.NSUB, PMAX,
-                               _scale_groups(nkth, tilings[0].pack), g.SB), dtype=nl.uint8,
-                              buffer=nl.shared_hbm))
+    if g.NSUB > 1 and len(_phase1_passes(g, tilings[0])[0]) > 1:
+        # streamed block: its dY^T (phase 1 reloads it per W_down column block after the first)
+        nkth = len(_k_tiles(H))
+        dyq = (nl.ndarray((num_shards, g.NSUB, PMAX, nkth, g.SB), dtype=float8_e4m3fn_x4,
+                          buffer=nl.shared_hbm),
+               nl.ndarray((num_shards, g.NSUB, PMAX,
+                           _scale_groups(nkth, tilings[0].pack), g.SB), dtype=nl.uint8,
+                          buffer=nl.shared_hbm))
 
     # zero-initialise this core's share of every accumulator (dA: core 0)
     if not skip_grad_initialization:
@@ -1555,9 +1733,17 @@ def blockwise_mm_bwd_mxfp8(
                     _exchange_da(blk, g, g.C)
                     _store_da(blk, g, da, g.C)
                 with region("phase2"):
-                    _stash_dgu_streamed(blk, g, scratch_dgu, dgu_q, tilings[1].pack)
-                    _phase2(blk, g, gate_up_proj_weight, tilings[1], dx_acc,
-                            is_tensor_update_accumulating, gate_up_weight_scales, dgu_q)
+                    if p2_resident:
+                        dres = _resident_dgu(blk, g, scratch_dgu, tilings[1].pack)
+                        _phase2(blk, g, gate_up_proj_weight, tilings[1], dx_acc,
+                                is_tensor_update_accumulating, gate_up_weight_scales, None, dres,
+                                p2_block)
+                        del dres
+                    else:
+                        _stash_dgu_streamed(blk, g, scratch_dgu, dgu_q, tilings[1].pack)
+                        _phase2(blk, g, gate_up_proj_weight, tilings[1], dx_acc,
+                                is_tensor_update_accumulating, gate_up_weight_scales, dgu_q,
+                                None, p2_block)
             else:
                 # one sub-block: the whole block stays resident in SBUF
                 sub = _sub_block(blk, g, 0)

@@ -267,6 +267,17 @@ def test_repository_tuned_configs_are_valid():
         assert all(c.is_resolved for c in resolved)
 
 
+def test_repository_tuned_configs_keep_scale_packing_on():
+    """configs/nki/ was tuned with scale packing on (the seed's use_scale_packing=True): a tuned
+    phase states it, since MatmulMxfp8KernelConfig's own default is AWS's False and a given
+    config decides its phase's packing."""
+    from nki_kernels.config import TUNED_CONFIG_DIR, _read_tuned_tables
+
+    for key, entry in _read_tuned_tables(str(TUNED_CONFIG_DIR)).items():
+        for phase, fields in (entry["phases"] or {}).items():
+            assert fields.get("enable_scale_packing") is True, f"{key}.{phase}"
+
+
 # ------------------------------------------------------------------------------- validation
 T_, H_, I_, E_, B_, N_ = 10, 256, 128, 4, 128, 5
 

@@ -43,7 +43,7 @@ def test_large_blocks_equal_twin_bitwise(B, lnc, H, I, T, K, E):
     opts = {"bias": True, "clamp_limits": GPT_OSS_CLAMP}
     g = kmod._Geo(T, H, I, E, 1, B, 0, lnc)
     assert g.NSUB > 1 and g.NKT == B // 512  # the streamed path
-    out, prof = run_kernel(kw, lnc=lnc, **opts)
+    out, _ = run_kernel(kw, lnc=lnc, **opts)
     assert_bitwise(out, run_golden(kw, **opts))
 
 
@@ -74,6 +74,54 @@ def test_sub_blocks_of_128_slots_equal_twin_bitwise(monkeypatch, B, lnc, padding
         opts["skip_dma"] = kmod.SkipMode()
     out, _ = run_kernel(kw, lnc=lnc, **opts)
     assert_bitwise(out, run_golden(kw, **opts))
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
+def test_streamed_phase2_stashed_operand_equals_twin_bitwise(monkeypatch, pack):
+    """Phase 2 of a streamed block with d_gate_up^T stashed in HBM and reloaded per weight
+    column block (the large-I models' path, where the resident operand does not fit; forced
+    here by leaving no SBUF for it): still the twin's bits."""
+    monkeypatch.setattr(kmod, "PHASE2_RESERVE", kmod.SBUF_PLAN_BYTES)
+    B, lnc, H, I, T, K, E = 1024, 2, 384, 384, 40, 2, 3
+    g = kmod._Geo(T, H, I, E, 1, B, 0, lnc)
+    assert g.NSUB > 1
+    assert not kmod._phase2_plan(g, kmod._Tiling(None, B, 2 * I, H // lnc, H, pack))[0]
+    kw, _ = make_problem(T=T, H=H, I=I, E=E, K=K, B=B)
+    out, _ = run_kernel(kw, lnc=lnc, use_scale_packing=pack)
+    assert_bitwise(out, run_golden(kw))
+
+
+@pytest.mark.parametrize("variant", ["outer_slabs", "row_groups"])
+def test_wgrad_slabs_and_row_groups_equal_twin_bitwise(monkeypatch, variant):
+    """Phases 3-4 with the gathered operand in 4 slabs of 128 columns, or the dW
+    read-add-write in groups of row tiles that do not divide the rows (tile_m = 96, 3 row tiles
+    of 512 columns per DMA: phase 3 groups of 3 and 2 tiles and a 32-row remainder, phase 4 a
+    group of 2 and a 64-row remainder): the twin's bits."""
+    if variant == "outer_slabs":
+        monkeypatch.setattr(kmod, "_wgrad_outer_cols", lambda *a: 128)
+    else:
+        monkeypatch.setattr(kmod, "WGRAD_RMW_BYTES", 3 * 512 * 2)
+    cfg = kmod.MatmulMxfp8KernelConfig(M=0, K=0, N=0, tile_m=96)
+    opts = {"phase3_config": cfg, "phase4_config": cfg}
+    kw, _ = make_problem(T=64, H=512, I=256, E=2, K=2, B=512)
+    out, _ = run_kernel(kw, lnc=1, **opts)
+    assert_bitwise(out, run_golden(kw, **opts))
+
+
+def test_packing_lets_larger_blocks_fit_at_deepseek_v3():
+    """The SBUF plan at DeepSeek-V3 (H 7168, I 2048), B = 4096, LNC2: with scale packing the
+    resident d_gate_up^T leaves room for 3 phase-2 weight column blocks instead of 4, and the
+    gathered operand of phases 3-4 fits in one slab instead of two (pure trace-time plan)."""
+    H, I, B = 7168, 2048, 4096
+    g = kmod._Geo(8, H, I, 1, 1, B, 0, 2)
+    plan = {}
+    for pack in (True, False):
+        tl2 = kmod._Tiling(None, B, 2 * I, H // 2, H, pack)
+        resident, n_block = kmod._phase2_plan(g, tl2)
+        cb = min(kmod.WGRAD_COL_BLOCK, kmod._wgrad_cols(g.NKT, 2 * I, 128))
+        outer = kmod._wgrad_outer_cols(g, g.Hs, cb, pack, 2, False)
+        plan[pack] = (resident, -(-g.Hs // n_block), -(-g.Hs // outer))
+    assert plan == {True: (True, 3, 1), False: (True, 4, 2)}
 
 
 def test_block_size_4096_is_accepted_and_8192_rejected():
@@ -112,7 +160,7 @@ def _fast_arithmetic(monkeypatch):
         np.zeros((src.shape[0] // 8, src.shape[1] // 4), np.uint8)))
 
 
-def _one_block_plan(H, I, B, lnc=2, T=8):
+def _one_block_plan(H, I, B, lnc=2, T=8, use_scale_packing=True):
     """Run one live block (T tokens, E = 1, the rest padding) at a model shape; returns the
     per-core peaks {"sbuf_peak_bytes", "psum_peak_banks"} of core 0."""
     from nki_kernels._nki import simulate
@@ -128,7 +176,7 @@ def _one_block_plan(H, I, B, lnc=2, T=8):
     k = simulate(kmod.blockwise_mm_bwd_mxfp8, lnc=lnc)
     k(x, torch.rand(T, 1).bfloat16(), wgu, wd, tpti, torch.zeros(1, 1, dtype=torch.int32), dy,
       B, gate_up_proj_act_checkpoint_T=ck, skip_dma=kmod.SkipMode(skip_token=True),
-      run_with_lnc2=lnc == 2)
+      run_with_lnc2=lnc == 2, use_scale_packing=use_scale_packing)
     return k.last_profile.memory[0]
 
 
@@ -143,12 +191,12 @@ def test_model_shape_plan_fits_qwen3_235b_b1024(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("NKI_SLOW_TESTS"),
                     reason="one-block runs at model shapes, 20 s - minutes each: NKI_SLOW_TESTS=1")
-@pytest.mark.parametrize("B", [1024, 2048, 4096])
+@pytest.mark.parametrize("B,pack", [(1024, True), (2048, True), (4096, True), (4096, False)])
 @pytest.mark.parametrize("model", sorted(MODEL_SHAPES))
-def test_model_shape_plan_fits(monkeypatch, model, B):
+def test_model_shape_plan_fits(monkeypatch, model, B, pack):
     _fast_arithmetic(monkeypatch)
     H, I = MODEL_SHAPES[model]
-    mem = _one_block_plan(H, I, B)
-    print(f"[plan] {model} B={B} LNC2: SBUF {mem['sbuf_peak_bytes']} B/partition, "
-          f"PSUM {mem['psum_peak_banks']} banks")
+    mem = _one_block_plan(H, I, B, use_scale_packing=pack)
+    print(f"[plan] {model} B={B} LNC2 packing={pack}: SBUF {mem['sbuf_peak_bytes']} "
+          f"B/partition, PSUM {mem['psum_peak_banks']} banks")
     assert mem["sbuf_peak_bytes"] <= kmod.SBUF_PLAN_BYTES and mem["psum_peak_banks"] <= 8

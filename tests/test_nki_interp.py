@@ -686,6 +686,29 @@ def test_simulate_lnc1_lnc2_same_and_profile():
     assert p1.modeled_time_us("mm") >= p1.perfect_overlap_time_us("mm") - 1e-9
 
 
+def test_sbuf_peak_per_region():
+    """Profile.memory[core]["sbuf_peak_by_region"]: the SBUF live while in each region (at
+    entry and at every allocation), tiles still live from an earlier region included."""
+
+    def k(x):
+        a = nl.ndarray((128, 1024), nl.uint8)  # 1 KiB, live through both regions
+        with region("one"):
+            b = nl.ndarray((128, 4096), nl.uint8)
+            nisa.memset(b, 0)
+            del b
+        with region("two"):
+            c = nl.ndarray((128, 2048), nl.uint8)
+            nisa.memset(c, 0)
+            nisa.memset(a, 0)
+        return x
+
+    s = nki.simulate(k)
+    s(np.zeros((4, 4), np.float32))
+    peaks = s.last_profile.memory[0]["sbuf_peak_by_region"]
+    assert peaks["one"] == 1024 + 4096 and peaks["two"] == 1024 + 2048
+    assert s.last_profile.memory[0]["sbuf_peak_bytes"] == 1024 + 4096
+
+
 def test_lnc2_program_ids_shared_alloc_sendrecv():
     def k(x):
         pid = nl.program_id(0)

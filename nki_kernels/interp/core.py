@@ -750,6 +750,7 @@ class ProgramContext:
         self.shared = shared or SharedState(num_programs)
         self.sbuf_used = 0
         self.sbuf_peak = 0
+        self.sbuf_peak_by_region: dict = {}  # region -> SBUF peak (B/partition) while in it
         self.psum_banks_used = 0
         self.psum_banks_peak = 0
         self.n_shared_allocs = 0
@@ -768,7 +769,7 @@ class ProgramContext:
         shape = _norm_shape(shape)
         dtype = _dt.normalize(dtype)
         if not isinstance(buffer, MemoryRegion):
-            raise ValueError(  # noqa: TRY004 - bad input is a ValueError in this project
+            raise ValueError(
 f"ndarray: buffer must be nl.sbuf/nl.psum/nl.hbm/nl.private_hbm/"
                              f"nl.shared_hbm, got {buffer!r} (strings are rejected since NKI 0.3)")
         isz = _dt.itemsize(dtype)
@@ -782,6 +783,7 @@ f"ndarray: buffer must be nl.sbuf/nl.psum/nl.hbm/nl.private_hbm/"
             pbytes = math.prod(shape[1:]) * isz
             with self.lock:
                 cost = self._reserve(buffer, pbytes, name)
+            self.note_region_sbuf()  # outside the lock (a dict insert may run finalizers)
             data = np.empty(P * pbytes, np.uint8)
             st = Storage(data, buffer, P, pbytes, name)
             weakref.finalize(st, ProgramContext._free, weakref.ref(self), buffer is sbuf, cost)
@@ -819,6 +821,11 @@ f"ndarray: buffer must be nl.sbuf/nl.psum/nl.hbm/nl.private_hbm/"
             self.psum_banks_peak = max(self.psum_banks_peak, self.psum_banks_used)
             cost = banks
         return cost
+
+    def note_region_sbuf(self) -> None:
+        """Raise the current region's SBUF peak to the live bytes (at allocation and entry)."""
+        r = self.region_stack[-1]
+        self.sbuf_peak_by_region[r] = max(self.sbuf_peak_by_region.get(r, 0), self.sbuf_used)
 
     def _shared_alloc(self, shape, dtype, name):
         sh = self.shared

@@ -189,7 +189,8 @@ class Simulated:
                 if e is not None:
                     raise e
             out = results[0]
-        profile.memory = {c: {"sbuf_peak_bytes": x.sbuf_peak, "psum_peak_banks": x.psum_banks_peak}
+        profile.memory = {c: {"sbuf_peak_bytes": x.sbuf_peak, "psum_peak_banks": x.psum_banks_peak,
+                              "sbuf_peak_by_region": dict(x.sbuf_peak_by_region)}
                           for c, x in profile.memory.items()}
         self.last_profile = profile
         return _convert_out(out, any_torch)
@@ -224,7 +225,8 @@ def check_kernel_argument(name, x):
                        "'Replace list kernel arguments with tuples')")
     bases = [NKIObject]
     try:  # the real NKI's base, when installed
-        from nki_kernels._nki import HAVE_REAL_NKI, nl as _nl
+        from nki_kernels._nki import HAVE_REAL_NKI
+        from nki_kernels._nki import nl as _nl
 
         if HAVE_REAL_NKI:
             bases.append(_nl.NKIObject)
@@ -313,6 +315,7 @@ def region(name: str):
     ctx = _core.current()
     _end_segment(ctx)
     ctx.region_stack.append(str(name))
+    ctx.note_region_sbuf()
     try:
         yield
     finally:

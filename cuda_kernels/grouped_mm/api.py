@@ -1,0 +1,209 @@
+"""Host entry of the varlen-M grouped GEMM: argument checks, key, launch (or the torch twin).
+
+Not wired into the layer yet: the layer's forward and backward still run cuBLAS's grouped GEMM
+on gathered rows (``cuda_kernels.moe_forward`` / ``moe_backward``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import torch_ref
+
+__all__ = ["BACKENDS", "grouped_mm_gather", "grouped_mm_key", "kernel_unsupported_reason"]
+
+BACKENDS = ("auto", "sm90", "torch")
+"""``"sm90"``: the CuTe DSL kernel (an SM90 GPU); ``"torch"``: the twin; ``"auto"``: the kernel
+where it can run, else the twin."""
+
+_INDEX_DTYPES = {torch.int64: "int64", torch.int32: "int32"}
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"grouped_mm_gather: {msg}")
+
+
+def _w_major(w: torch.Tensor) -> str | None:
+    """"n" when ``w`` [E, K, N] is contiguous, "k" when its memory is [E, N, K] contiguous
+    (``w.transpose(1, 2)`` contiguous), else None. A dimension of size 1 makes both true:
+    "n" wins."""
+    if w.is_contiguous():
+        return "n"
+    if w.transpose(1, 2).is_contiguous():
+        return "k"
+    return None
+
+
+def _check(a, w, offsets_E, row_index, out) -> tuple[int, int, int, int, str]:
+    """Every rule of :func:`grouped_mm_gather` that needs no device read; returns
+    ``(S, K, N, E, w_major)``."""
+    for name, t in (("a", a), ("w", w), ("offsets_E", offsets_E)):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if a.dim() != 2:
+        _fail(f"a must be 2-D [T, K] (or [S, K] without row_index), got shape {list(a.shape)}")
+    if w.dim() != 3:
+        _fail(f"w must be 3-D [E, K, N], got shape {list(w.shape)}")
+    if offsets_E.dim() != 1:
+        _fail(f"offsets_E must be 1-D [E], got shape {list(offsets_E.shape)}")
+    E, K, N = w.shape
+    if a.shape[1] != K:
+        _fail(f"a has {a.shape[1]} columns but w has K={K} rows per expert")
+    if offsets_E.shape[0] != E:
+        _fail(f"offsets_E has {offsets_E.shape[0]} entries but w has E={E} experts")
+    if E < 1 or K < 1 or N < 1:
+        _fail(f"w must have E, K, N >= 1, got {list(w.shape)}")
+    if a.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        _fail(f"a and w must be torch.bfloat16, got {a.dtype} and {w.dtype}")
+    if offsets_E.dtype != torch.int32:
+        _fail(f"offsets_E must be torch.int32, got {offsets_E.dtype}")
+    dev = a.device
+    tensors = [("w", w), ("offsets_E", offsets_E)]
+    if row_index is not None:
+        if not isinstance(row_index, torch.Tensor):
+            _fail(f"row_index must be a torch.Tensor or None, got {type(row_index).__name__}")
+        if row_index.dim() != 1:
+            _fail(f"row_index must be 1-D [S], got shape {list(row_index.shape)}")
+        if row_index.dtype not in _INDEX_DTYPES:
+            _fail(f"row_index must be torch.int64 or torch.int32, got {row_index.dtype}")
+        tensors.append(("row_index", row_index))
+    S = row_index.shape[0] if row_index is not None else a.shape[0]
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            _fail(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+        if tuple(out.shape) != (S, N):
+            _fail(f"out must have shape [{S}, {N}], got {list(out.shape)}")
+        if out.dtype != torch.bfloat16:
+            _fail(f"out must be torch.bfloat16, got {out.dtype}")
+        if not out.is_contiguous():
+            _fail("out must be contiguous")
+        tensors.append(("out", out))
+    for name, t in tensors:
+        if t.device != dev:
+            _fail(f"{name} is on {t.device} but a is on {dev}")
+    w_major = _w_major(w)
+    if w_major is None:
+        _fail(
+            f"w must be contiguous [E, K, N] or have [E, N, K] contiguous memory, got strides "
+            f"{w.stride()}"
+        )
+    if a.shape[0] > 0 and a.stride(1) != 1 and K > 1:
+        _fail(f"a must have unit stride along K, got strides {a.stride()}")
+    if row_index is not None and row_index.shape[0] > 1 and row_index.stride(0) != 1:
+        _fail("row_index must be contiguous")
+    if offsets_E.stride(0) != 1 and E > 1:
+        _fail("offsets_E must be contiguous")
+    return S, K, N, E, w_major
+
+
+def kernel_unsupported_reason(a, w, row_index=None) -> str | None:
+    """Why the SM90 kernel cannot run these (already checked) operands, or None."""
+    if a.device.type != "cuda":
+        return f"operands on {a.device} (the kernel needs an SM90 CUDA device)"
+    if torch.cuda.get_device_capability(a.device) != (9, 0):
+        return f"{torch.cuda.get_device_name(a.device)} is not an SM90 GPU"
+    from .launch import cute_dsl_missing
+
+    missing = cute_dsl_missing()
+    if missing:
+        return missing
+    _, K, N = w.shape
+    if K % 8 or N % 8:
+        return f"K={K} and N={N} must be multiples of 8 (16-byte rows for TMA / cp.async)"
+    if a.shape[0] > 1 and a.stride(0) % 8:
+        return f"a's row stride {a.stride(0)} must be a multiple of 8 elements (16 bytes)"
+    for name, t in (("a", a), ("w", w)):
+        if t.numel() and t.data_ptr() % 16:
+            return f"{name} must be 16-byte aligned (TMA / cp.async), got {t.data_ptr():#x}"
+    return None
+
+
+def grouped_mm_key(w: torch.Tensor, row_index, tile=None, epilogue: str = "store"):
+    """The :class:`~cuda_kernels.grouped_mm.sm90.Sm90GroupedMmKey` of (checked) operands;
+    ``tile`` None: :func:`~cuda_kernels.grouped_mm.sm90.select_grouped_mm_tile`."""
+    from .sm90 import Sm90GroupedMmKey, select_grouped_mm_tile
+
+    E, K, N = w.shape
+    if tile is None:
+        tile = select_grouped_mm_tile(N, K, E)
+    return Sm90GroupedMmKey(
+        N, K, E,
+        gather_a=row_index is not None,
+        index_dtype=_INDEX_DTYPES[row_index.dtype] if row_index is not None else "int64",
+        w_major=_w_major(w),
+        epilogue=epilogue,
+        tile=tile,
+    )
+
+
+def grouped_mm_gather(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    offsets_E: torch.Tensor,
+    row_index: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    tile=None,
+) -> torch.Tensor:
+    """Varlen-M grouped GEMM with gather-A: ``out[r] = a[row_index[r]] @ w[e]`` for the rows r of
+    expert e, BF16 operands, fp32 accumulation, one RNE rounding to BF16.
+
+    Dimensions: T source rows (tokens), S output rows (the grouped layout), K contraction,
+    N output columns, E experts.
+
+    Args:
+        a: [T, K] torch.bfloat16 source rows (the layer's X in token order) read through
+            ``row_index``; or, with ``row_index`` None, [S, K] rows already in the grouped order.
+            Unit stride along K; for the kernel a row stride that is a multiple of 8 elements and
+            a 16-byte aligned start.
+        w: [E, K, N] torch.bfloat16 expert matrices, contiguous (N fastest: the layer's
+            ``w_gate_up`` reshaped [E, H, 2I] and ``w_down`` [E, I, H]) or with [E, N, K]
+            contiguous memory (K fastest, e.g. torchtitan's weights behind a transposed view).
+        offsets_E: [E] torch.int32 cumulative row END of each expert
+            (``common.routing.GroupedLayout.offsets_E``); expert e owns rows
+            ``[offsets_E[e-1], offsets_E[e])``. Read on the device only; values outside
+            ``[0, S]`` are clamped there (memory-safe, but the result is then not a GEMM of the
+            layout: offsets must be non-decreasing and end at most at S).
+        row_index: optional [S] torch.int64 or torch.int32 source row of each output row
+            (``GroupedLayout.row_to_token_S``), -1 = padding row; values must lie in
+            ``[-1, T)`` (the routing builds them so; not checked).
+        out: optional [S, N] torch.bfloat16 contiguous output (else allocated).
+        backend: one of :data:`BACKENDS`.
+        tile: optional :class:`~cuda_kernels.grouped_mm.sm90.Sm90GroupedMmTile` (kernel only).
+
+    Returns:
+        ``out`` [S, N] torch.bfloat16. Padding rows (``row_index < 0``) are exactly 0, without
+        reading ``a`` for them (a NaN there or in ``w`` never reaches them); rows past
+        ``offsets_E[-1]`` are 0; without ``row_index`` every row inside an expert is computed
+        from ``a``'s row. Bitwise deterministic (each element is one CTA's fixed-order sum); no
+        host read of device values on the kernel path (CUDA-graph capturable).
+
+    Raises:
+        ValueError: a bad shape, dtype, device, stride or ``backend``, or ``backend="sm90"``
+            where the kernel cannot run; raised before anything is written.
+        RuntimeError: the kernel fails to compile.
+    """
+    if backend not in BACKENDS:
+        _fail(f"backend must be one of {BACKENDS}, got {backend!r}")
+    S, _, N, _, _ = _check(a, w, offsets_E, row_index, out)
+    reason = kernel_unsupported_reason(a, w, row_index)
+    if backend == "sm90" and reason is not None:
+        _fail(f"backend='sm90' cannot run here: {reason}")
+    use_kernel = backend != "torch" and reason is None
+    key = grouped_mm_key(w, row_index, tile) if use_kernel else None
+    if out is None:
+        out = torch.empty(S, N, dtype=torch.bfloat16, device=a.device)
+    if not use_kernel:
+        out.copy_(torch_ref.grouped_mm_gather_torch(a, w, offsets_E, row_index))
+        return out
+    if S == 0:
+        return out
+    from .launch import num_sms
+    from .sm90 import compile_grouped_mm
+
+    fn = compile_grouped_mm(key)
+    grid = max(1, min(key.max_tiles(S), num_sms(a.device.index or 0)))
+    idx = row_index if row_index is not None else offsets_E  # (a placeholder without gather)
+    fn(a, idx, w.permute(2, 1, 0), offsets_E, out, grid)
+    return out

@@ -1,0 +1,871 @@
+"""Hopper (SM90) varlen-M grouped GEMM in CuTe DSL: ``out[r] = A[idx[r]] @ W[e]`` for the rows r
+of expert e, A's rows gathered through an index.
+
+Rows are in the grouped layout (REFERENCE §1.2, ``common.routing.GroupedLayout``): expert e owns
+rows ``[offsets[e-1], offsets[e])`` (0 for e = 0) of the ``S``-row output; rows from
+``offsets[E-1]`` to ``S`` belong to no expert and are written as zeros. ``K`` (the contraction)
+and ``N`` are static; ``S``, the gathered source's row count ``T`` and the split are dynamic (new
+splits never recompile; the offsets are read on the device only: CUDA-graph capturable).
+
+Structure (one CTA per SM, persistent, warp-specialized; the wgrad kernel
+``grouped_wgrad/sm90_bf16.py`` is the model for the pipelines and the mainloop):
+
+- prologue: warp 0 reads the offsets and writes, per expert, its first row, its row count and
+  its first tile id (a warp prefix sum of ``ceil(rows / tile_m) * n_tiles``) into shared memory;
+  every tile costs the same (K is fixed), so the tiles are dealt statically: CTA ``b`` takes
+  tiles ``b, b + grid, b + 2 grid, ...`` (no tile counter, no memset before the launch). A tile id
+  is mapped to (expert, M tile, N tile) by a binary search over the first tile ids; inside an
+  expert M tiles run fastest (the consecutive tiles in flight share one column block of W[e]);
+- warp group 0 produces the (A, W) stages of a ``stages``-deep shared-memory ring:
+  * ``gather_a``: its 128 threads copy A's rows through the index with ``cp.async`` (16-byte
+    chunks, 8 threads per 128-byte row of a 64-wide K tile, into the 128-byte-swizzled layout
+    wgmma reads; Hopper's TMA cannot gather rows). A padding row (index < 0), a row past the
+    expert's end and a K chunk past K are zero-filled by the copy itself (source size 0: nothing
+    is read). Each thread's copies arrive on the stage's full barrier when they land
+    (``cp.async.mbarrier.arrive.noinc``), W's TMA box adds its bytes to the same barrier;
+  * otherwise (A already in row order, ``[S, K]``) one warp loads A's ``(tile_m, 64)`` boxes by
+    TMA starting at the tile's first row (rows past the expert are loaded but never stored, rows
+    past S are zero-filled by TMA);
+  * W[e] always by TMA (``(tile_n, 64)`` boxes of the ``(N, K, E)`` view, N- or K-major; boxes
+    past N or K are zero-filled).
+- consumer warp groups issue wgmma with fp32 accumulators. Cooperative tiles: two warp groups
+  share a 128-row tile (a 64-row slab each); pingpong: two warp groups own alternate tiles and
+  take turns on the pipeline, one's epilogue overlapping the other's mainloop. With ``gather_a``
+  each consumer thread fences the async proxy after a stage's barrier completes
+  (``proxy_fence``: cp.async writes through the generic proxy, wgmma reads through the async
+  proxy);
+- epilogue (``epilogue="store"``): the fp32 accumulator rounded once to BF16 (RNE) and stored from
+  registers (4-byte stores) with row predicates (the tile's rows inside the expert and below S)
+  and column predicates (below N); a padding row (index < 0) is stored as zeros by a select, so
+  a NaN or Inf in W cannot reach it. TMA cannot store here: an expert's last tile ends at an
+  arbitrary row and the next expert's rows must not be overwritten.
+
+Public names: :class:`Sm90GroupedMmTile`, :class:`Sm90GroupedMmKey`, :func:`select_grouped_mm_tile`,
+:func:`compile_grouped_mm` (cached; ``FAMILY.compile_count`` counts real compiles) and
+:func:`compile_grouped_mm_offline` (PTX text for ``sm_90a`` without a GPU). CuTe DSL is imported
+only inside the compile functions.
+"""
+
+
+import dataclasses
+import functools
+from typing import Any
+
+from ..grouped_wgrad.tiles import SM90_TILES
+from .launch import GroupedMmFamily
+
+__all__ = [
+    "EPILOGUES",
+    "FAMILY",
+    "Sm90GroupedMmKey",
+    "Sm90GroupedMmTile",
+    "compile_grouped_mm",
+    "compile_grouped_mm_offline",
+    "select_grouped_mm_tile",
+]
+
+EPILOGUES = ("store",)
+"""Epilogues of the kernel: ``"store"`` (BF16 ``out[S, N]``)."""
+
+_SMEM_BYTES = SM90_TILES.smem_bytes  # usable dynamic shared memory per CTA on H100/H200
+_INDEX_DTYPES = ("int64", "int32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90GroupedMmTile:
+    """One CTA tile of the SM90 varlen-M grouped GEMM.
+
+    Attributes (tile sizes as the wgrad kernel's, ``grouped_wgrad.tiles.SM90_TILES``):
+        tile_m: output rows per CTA tile, 64 or 128 (cooperative: one 64-row slab per consumer
+            warp group; pingpong: one warp group per tile).
+        tile_n: output columns per CTA tile, a multiple of 16 in [16, 256].
+        tile_k: K per pipeline stage, 64 (one 128-byte swizzle row of bf16).
+        stages: depth of the shared-memory ring of (A, W) tiles, >= 2 (lowered to what fits).
+        pingpong: two consumer warp groups own alternate output tiles instead of sharing each.
+        proxy_fence: with a gathered A, each consumer thread issues ``fence.proxy.async`` after
+            a stage's full barrier and before its wgmma reads it (cp.async writes shared memory
+            through the generic proxy). On by default; a speed variant to measure without.
+
+    Raises:
+        ValueError: a field outside the ranges above or stages that overflow shared memory.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    stages: int = 4
+    pingpong: bool = False
+    proxy_fence: bool = True
+
+    def __post_init__(self) -> None:
+        SM90_TILES.check_config(self)
+        if not isinstance(self.pingpong, bool) or not isinstance(self.proxy_fence, bool):
+            raise ValueError(
+                f"{type(self).__name__}.pingpong / proxy_fence must be bools, got "
+                f"{self.pingpong!r} / {self.proxy_fence!r}"
+            )
+
+    @property
+    def variant_name(self) -> str:
+        """Short name of the tile (benchmark rows)."""
+        name = f"{self.tile_m}x{self.tile_n}s{self.stages}{'pp' if self.pingpong else ''}"
+        return name + ("" if self.proxy_fence else "-nofence")
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes of one pipeline stage: a bf16 A tile plus a bf16 W tile."""
+        return SM90_TILES.stage_bytes(self.tile_m, self.tile_n, self.tile_k)
+
+    @property
+    def consumer_groups(self) -> int:
+        """Consumer groups per CTA, each owning whole output tiles (2 for pingpong, else 1)."""
+        return 2 if self.pingpong else 1
+
+    @property
+    def wgs_per_group(self) -> int:
+        """Warp groups sharing one output tile: one per 64-row slab (cooperative), else 1."""
+        return 1 if self.pingpong else self.tile_m // 64
+
+    @property
+    def consumer_warp_groups(self) -> int:
+        """Consumer (wgmma) warp groups per CTA."""
+        return self.consumer_groups * self.wgs_per_group
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90GroupedMmKey:
+    """Static contract of one compiled kernel (the compile-cache key).
+
+    The row counts (``S``, and ``T`` of a gathered A), A's row stride and the offsets values are
+    dynamic and not part of it.
+
+    Attributes:
+        n: N, output columns (W[e] is K x N).
+        k: K, the contraction (A's columns, W[e]'s rows).
+        num_experts: E.
+        gather_a: A's rows are read through an index (``[S]`` int64/int32, -1 = padding row)
+            from a ``[T, K]`` source; False: A is ``[S, K]`` already in row order.
+        index_dtype: ``"int64"`` or ``"int32"`` (the index; ignored without ``gather_a``).
+        w_major: ``"n"`` (W ``[E, K, N]`` contiguous, N fastest: the layer's weights) or ``"k"``
+            (W's memory is ``[E, N, K]`` contiguous: K fastest).
+        epilogue: one of :data:`EPILOGUES`.
+        tile: the :class:`Sm90GroupedMmTile`.
+
+    Raises:
+        ValueError: a field outside its values; N or K not a multiple of 8 (16-byte rows).
+    """
+
+    n: int
+    k: int
+    num_experts: int
+    gather_a: bool = True
+    index_dtype: str = "int64"
+    w_major: str = "n"
+    epilogue: str = "store"
+    tile: Sm90GroupedMmTile = Sm90GroupedMmTile()
+
+    def __post_init__(self) -> None:
+        cls = type(self).__name__
+        for name in ("n", "k", "num_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{cls}.{name} must be a positive int, got {value!r}")
+        for name in ("n", "k"):
+            if getattr(self, name) % 8:
+                raise ValueError(
+                    f"{cls}.{name} must be a multiple of 8 (16-byte BF16 rows for TMA and "
+                    f"cp.async), got {getattr(self, name)}"
+                )
+        if not isinstance(self.gather_a, bool):
+            raise ValueError(f"{cls}.gather_a must be a bool, got {self.gather_a!r}")
+        if self.index_dtype not in _INDEX_DTYPES:
+            raise ValueError(
+                f"{cls}.index_dtype must be one of {_INDEX_DTYPES}, got {self.index_dtype!r}"
+            )
+        if self.w_major not in ("n", "k"):
+            raise ValueError(f"{cls}.w_major must be 'n' or 'k', got {self.w_major!r}")
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"{cls}.epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
+        if not isinstance(self.tile, Sm90GroupedMmTile):
+            msg = f"{cls}.tile must be a Sm90GroupedMmTile, got {self.tile!r}"
+            raise ValueError(msg)
+
+    @property
+    def n_tiles(self) -> int:
+        """Output tiles along N: ``ceil(N / tile_n)``."""
+        return -(-self.n // self.tile.tile_n)
+
+    @property
+    def k_tiles(self) -> int:
+        """Pipeline stages per output tile: ``ceil(K / tile_k)``."""
+        return -(-self.k // self.tile.tile_k)
+
+    def max_tiles(self, rows: int) -> int:
+        """An upper bound of the tiles of a launch over ``rows`` output rows, whatever the
+        split: ``(ceil(rows / tile_m) + E) * n_tiles`` (each expert's last M tile may be
+        partial; the rows past the last expert count as one more group)."""
+        return (-(-rows // self.tile.tile_m) + self.num_experts) * self.n_tiles
+
+
+def select_grouped_mm_tile(n: int, k: int, num_experts: int) -> Sm90GroupedMmTile:
+    """The tile for an ``(N, K, E)`` problem (not yet measured on the GPU: a starting rule).
+
+    128 x 256 cooperative (4 stages) when N >= 256, else 128 x 128 (6 stages); ``k`` and
+    ``num_experts`` are part of the signature for the measured rules to come.
+
+    Raises:
+        ValueError: non-positive sizes.
+    """
+    if n < 1 or k < 1 or num_experts < 1:
+        raise ValueError(
+            f"select_grouped_mm_tile: sizes must be positive, got n={n}, k={k}, "
+            f"num_experts={num_experts}"
+        )
+    if n >= 256:
+        return Sm90GroupedMmTile(128, 256, 64, 4)
+    return Sm90GroupedMmTile(128, 128, 64, 6)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel (CuTe DSL imported lazily)
+# --------------------------------------------------------------------------------------------
+
+
+def _build_kernel_class():
+    import cutlass
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import cute, memory, pipeline
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+    from cutlass.tensor_utils import LayoutEnum
+
+    @cute.jit
+    def fence_accumulators(acc: cute.Tensor):
+        """Pin each accumulator register behind an empty volatile asm (as the wgrad kernel's
+        ``fence_accumulators``, CUTLASS's warpgroup_fence_operand): the epilogue's reads then
+        cannot be scheduled above ``wgmma.wait_group`` (ptxas would serialize the wgmma)."""
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = cutlass.Float32(
+                llvm.inline_asm(
+                    T.f32(),
+                    [cutlass.Float32(acc[i]).ir_value()],
+                    "",
+                    "=f,0",
+                    has_side_effects=True,
+                    is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT,
+                )
+            )
+
+    index_types = {"int64": cutlass.Int64, "int32": cutlass.Int32}
+
+    class Sm90GroupedMmKernel:
+        """CTA-persistent, warp-specialized varlen-M grouped GEMM for one key."""
+
+        def __init__(self, key: Sm90GroupedMmKey):
+            self.key = key
+            t = key.tile
+            self.tile_m, self.tile_n, self.tile_k = t.tile_m, t.tile_n, t.tile_k
+            self.num_consumer_wgs = t.consumer_warp_groups
+            self.num_groups = t.consumer_groups
+            self.wgs_per_group = t.wgs_per_group
+            self.threads = 128 * (1 + self.num_consumer_wgs)
+            self.group_threads = 128 * self.wgs_per_group
+            self.num_e = key.num_experts
+            self.n_tiles = key.n_tiles
+            self.partial_n = key.n % self.tile_n != 0  # the last N tile needs column checks
+            self.k_tiles = key.k_tiles
+            self.gather = key.gather_a
+            self.proxy_fence = key.gather_a and t.proxy_fence
+            self.ab_dtype = cutlass.BFloat16
+            self.acc_dtype = cutlass.Float32
+            self.out_dtype = cutlass.BFloat16
+            self.idx_dtype = index_types[key.index_dtype]
+            # the schedule tables: first row, row count (E + 1 groups: the experts and the
+            # rows past the last one) and first tile id (E + 2 entries: the last is the total)
+            self.sched_chunks = -(-(self.num_e + 1) // 32)
+            self.search_top = 1 << (self.num_e.bit_length() - 1)  # largest power of 2 <= E
+            header = 1024 + 12 * (self.num_e + 2) + 16 * t.stages
+            self.stages = min(t.stages, (_SMEM_BYTES - header) // t.stage_bytes)
+            if self.stages < 2:
+                raise ValueError(f"{t} leaves no room for 2 pipeline stages")
+            # cp.async producers keep 8 row offsets and predicates per thread: more registers
+            # than a TMA-only producer warp needs
+            self.producer_regs = 56 if self.gather else 40
+            self.consumer_regs = (
+                (224 if self.gather else 232) if self.num_consumer_wgs == 2 else 160
+            )
+            # gather: 8 threads per 128-byte row, the 128 producer threads cover 16 rows a pass
+            self.rows_per_pass = 128 // (self.tile_k // 8)
+            self.rows_per_thread = self.tile_m // self.rows_per_pass
+
+        def make_storage(self, a_cosize: int, b_cosize: int):
+            """The kernel's shared-memory struct (built in a plain method, outside the code the
+            DSL's preprocessor rewrites)."""
+            mem, align = cute.struct.MemRange, cute.struct.Align
+            ne = self.num_e
+            fields = {
+                "mbar": mem[cutlass.Int64, self.stages * 2],
+                "tile_start": mem[cutlass.Int32, ne + 2],
+                "row_begin": mem[cutlass.Int32, ne + 1],
+                "row_count": mem[cutlass.Int32, ne + 1],
+                "sA": align[mem[self.ab_dtype, a_cosize], 1024],
+                "sB": align[mem[self.ab_dtype, b_cosize], 1024],
+            }
+            return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+        # ---- the schedule: per-expert tables in shared memory, static tile dealing ----
+
+        @cute.jit
+        def build_schedule(self, mOffsets, num_rows, storage, warp_idx):
+            """Warp 0: for each group g (the E experts, then the rows past the last expert)
+            its first row, its row count and its first tile id (exclusive prefix sum of
+            ``ceil(rows / tile_m) * n_tiles``); entry E + 1 of the tile ids is the total.
+            Offsets are clamped into [0, S] (memory safety for offsets that break the layout
+            contract: a decreasing pair gives an empty group)."""
+            ne = self.num_e
+            sStart = storage.tile_start.get_tensor(cute.make_layout(ne + 2))
+            sBegin = storage.row_begin.get_tensor(cute.make_layout(ne + 1))
+            sCount = storage.row_count.get_tensor(cute.make_layout(ne + 1))
+            if warp_idx == 0:
+                lane = cute.arch.lane_idx()
+                ends = cute.make_rmem_tensor((self.sched_chunks,), cutlass.Int32)
+                begins = cute.make_rmem_tensor((self.sched_chunks,), cutlass.Int32)
+                # all loads first (independent: one memory latency), then the scans
+                for c in cutlass.range_constexpr(self.sched_chunks):
+                    g = c * 32 + lane
+                    end = num_rows
+                    begin = num_rows
+                    if g < ne:
+                        end = mOffsets[g]
+                    if g <= ne:
+                        begin = cutlass.Int32(0)
+                        if g > 0:
+                            begin = mOffsets[g - 1]
+                    ends[c] = end
+                    begins[c] = begin
+                carry = cutlass.Int32(0)
+                for c in cutlass.range_constexpr(self.sched_chunks):
+                    g = c * 32 + lane
+                    end = cutlass.min(cutlass.max(ends[c], cutlass.Int32(0)), num_rows)
+                    begin = cutlass.min(cutlass.max(begins[c], cutlass.Int32(0)), num_rows)
+                    count = cutlass.max(end - begin, cutlass.Int32(0))
+                    tiles = (count + self.tile_m - 1) // self.tile_m * self.n_tiles
+                    incl = tiles
+                    for d in cutlass.range_constexpr(5):
+                        up = cute.arch.shuffle_sync_up(incl, 1 << d)
+                        if lane >= (1 << d):
+                            incl = incl + up
+                    if g <= ne:
+                        sStart[g] = carry + incl - tiles
+                        sBegin[g] = begin
+                        sCount[g] = count
+                    carry = carry + cute.arch.shuffle_sync(incl, 31)
+                if lane == 0:
+                    sStart[ne + 1] = carry
+            return sStart, sBegin, sCount
+
+        @cute.jit
+        def tile_coords(self, tile, sStart, sBegin, sCount):
+            """(group, n_idx, row0, rows) of tile id ``tile``: its group g (the last with
+            ``first tile id <= tile``: a binary search), its N tile, its first output row and
+            its valid row count (<= tile_m). M tiles run fastest inside a group."""
+            g = cutlass.Int32(0)
+            for step in cutlass.range_constexpr(self.num_e.bit_length()):
+                cand = g + (self.search_top >> step)
+                if cand <= self.num_e:  # noqa: SIM102
+                    if sStart[cand] <= tile:
+                        g = cand
+            rem = tile - sStart[g]
+            count = sCount[g]
+            m_tiles = (count + self.tile_m - 1) // self.tile_m
+            n_idx = rem // m_tiles
+            m_off = (rem - n_idx * m_tiles) * self.tile_m
+            rows = cutlass.min(count - m_off, cutlass.Int32(self.tile_m))
+            return g, n_idx, sBegin[g] + m_off, rows
+
+        # ---- host side: MMA, shared-memory layouts, TMA atoms ----
+
+        def make_mma_and_loads(self, mA, mW):
+            """The tiled wgmma (``wgs_per_group`` 64-row slabs, ``tile_n`` wide), the staged
+            shared-memory layouts of A and W and the TMA atoms of W and (without gather) A."""
+            a_layout = LayoutEnum.ROW_MAJOR  # A is (rows, K), K contiguous
+            b_layout = LayoutEnum.from_tensor(mW)  # W viewed (N, K, E)
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                self.ab_dtype,
+                self.ab_dtype,
+                a_layout.sm90_mma_major_mode(),
+                b_layout.sm90_mma_major_mode(),
+                self.acc_dtype,
+                (self.wgs_per_group, 1, 1),
+                tiler_mn=(64, self.tile_n),
+            )
+            tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
+            a_smem_staged = sm90_utils.make_smem_layout_a(
+                a_layout, tile_mnk, self.ab_dtype, self.stages
+            )
+            b_smem_staged = sm90_utils.make_smem_layout_b(
+                b_layout, tile_mnk, self.ab_dtype, self.stages
+            )
+            tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                mW,
+                cute.slice_(b_smem_staged, (None, None, 0)),
+                (self.tile_n, self.tile_k),
+            )
+            tma_atom_a, tma_a = tma_atom_b, tma_b  # placeholders for the gather path
+            if cutlass.const_expr(not self.gather):
+                tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                    mA,
+                    cute.slice_(a_smem_staged, (None, None, 0)),
+                    (self.tile_m, self.tile_k),
+                )
+            return tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b, tma_b
+
+        def gather_copy(self):
+            """The cp.async tiled copy of the gather producers: 128 threads, 8 per 128-byte row
+            (16-byte chunks, L2 only: ``cp.async.cg``)."""
+            atom = cute.make_copy_atom(
+                cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                self.ab_dtype,
+                num_bits_per_copy=128,
+            )
+            per_row = self.tile_k // 8
+            tiled = cute.make_tiled_copy_tv(
+                atom,
+                cute.make_layout((self.rows_per_pass, per_row), stride=(per_row, 1)),
+                cute.make_layout((1, 8)),
+            )
+            return atom, tiled
+
+        @staticmethod
+        def stage_tma_partition(tma_atom, sX, gX):
+            """(smem, gmem) TMA partitions of staged tiles ``sX`` and global tiles ``gX`` (one
+            CTA, no multicast)."""
+            return cute.nvgpu.cpasync.tma_partition(
+                tma_atom,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sX, 0, 2),
+                cute.group_modes(gX, 0, 2),
+            )
+
+        @cute.jit
+        def __call__(
+            self,
+            mA: cute.Tensor,  # (T, K) gathered source, or (S, K) rows in order; K contiguous
+            mIdx: cute.Tensor,  # (S,) row index (gather), else a placeholder
+            mW: cute.Tensor,  # (N, K, E) view of W
+            mOffsets: cute.Tensor,  # (E,) int32 cumulative expert ends
+            mOut: cute.Tensor,  # (S, N) bf16, row-major
+            num_ctas: cutlass.Int32,
+            stream,
+        ):
+            tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b, tma_b = (
+                self.make_mma_and_loads(mA, mW)
+            )
+            self.shared_storage = self.make_storage(
+                cute.cosize(a_smem_staged), cute.cosize(b_smem_staged)
+            )
+            self.kernel(
+                tma_atom_a,
+                tma_a,
+                tma_atom_b,
+                tma_b,
+                mA,
+                mIdx,
+                mOffsets,
+                mOut,
+                tiled_mma,
+                a_smem_staged,
+                b_smem_staged,
+            ).launch(
+                grid=[num_ctas, 1, 1],
+                block=[self.threads, 1, 1],
+                cluster=None,
+                smem=self.shared_storage.size_in_bytes(),
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
+
+        @cute.kernel
+        def kernel(
+            self,
+            tma_atom_a: cute.CopyAtom,
+            tma_a: cute.Tensor,
+            tma_atom_b: cute.CopyAtom,
+            tma_b: cute.Tensor,
+            mA: cute.Tensor,
+            mIdx: cute.Tensor,
+            mOffsets: cute.Tensor,
+            mOut: cute.Tensor,
+            tiled_mma: cute.TiledMma,
+            a_smem_staged: cute.ComposedLayout,
+            b_smem_staged: cute.ComposedLayout,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+            num_rows = mOut.shape[0]  # S
+
+            if warp_idx == 0:
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+                if cutlass.const_expr(not self.gather):
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+
+            # ---- pipelines: the (A, W) ring; full = W's TMA bytes (+ A's), and with gather
+            # the 128 producer threads' cp.async arrivals ----
+            b_one = cute.slice_(b_smem_staged, (None, None, 0))
+            a_one = cute.slice_(a_smem_staged, (None, None, 0))
+            tx_bytes = cute.size_in_bytes(self.ab_dtype, b_one)
+            if cutlass.const_expr(not self.gather):
+                tx_bytes += cute.size_in_bytes(self.ab_dtype, a_one)
+            smem = memory.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            ab_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar.data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, 1 + (128 if self.gather else 0)
+                ),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.wgs_per_group * 4
+                ),
+                tx_count=tx_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+            sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+
+            sStart, sBegin, sCount = self.build_schedule(mOffsets, num_rows, storage, warp_idx)
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))  # syncs the CTA
+            cute.arch.sync_threads()  # the schedule tables are visible to every warp
+            total = sStart[self.num_e + 1]
+
+            if wg_idx == 0:
+                # ---------------- producer warp group ----------------
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                prod_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.stages
+                )
+                if cutlass.const_expr(self.gather):
+                    self.produce_gather(
+                        tma_atom_b, tma_b, mA, mIdx, sA, sB, ab_pipe, prod_state, sStart,
+                        sBegin, sCount, total, bidx, gdim, warp_idx, tidx,
+                    )
+                elif warp_idx == 0:
+                    self.produce_tma(
+                        tma_atom_a, tma_a, tma_atom_b, tma_b, sA, sB, ab_pipe, prod_state,
+                        sStart, sBegin, sCount, total, bidx, gdim,
+                    )
+            else:
+                # ---------------- consumer warp groups: wgmma + epilogue ----------------
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume(
+                    tiled_mma, sA, sB, ab_pipe, mIdx, mOut, sStart, sBegin, sCount, total,
+                    bidx, gdim, wg_idx, tidx,
+                )
+
+        # ---- producers ----
+
+        @cute.jit
+        def produce_tma(
+            self, tma_atom_a, tma_a, tma_atom_b, tma_b, sA, sB, ab_pipe, prod_state, sStart,
+            sBegin, sCount, total, bidx, gdim,
+        ):
+            """One warp: TMA loads of A's (tile_m, tile_k) boxes from the tile's first row and
+            of W[e]'s (tile_n, tile_k) boxes, for every tile of this CTA."""
+            tile = bidx
+            while tile < total:
+                g, n_idx, row0, _rows = self.tile_coords(tile, sStart, sBegin, sCount)
+                if g < self.num_e:  # the rows past the last expert load nothing
+                    gA = cute.local_tile(
+                        cute.domain_offset((row0, 0), tma_a),
+                        (self.tile_m, self.tile_k),
+                        (0, None),
+                    )
+                    gB = cute.local_tile(
+                        tma_b[(None, None, g)], (self.tile_n, self.tile_k), (n_idx, None)
+                    )
+                    tAsA, tAgA = self.stage_tma_partition(tma_atom_a, sA, gA)
+                    tBsB, tBgB = self.stage_tma_partition(tma_atom_b, sB, gB)
+                    for kt in cutlass.range(self.k_tiles, unroll=1):
+                        ab_pipe.producer_acquire(prod_state)
+                        bar = ab_pipe.producer_get_barrier(prod_state)
+                        cute.copy(
+                            tma_atom_a, tAgA[(None, kt)], tAsA[(None, prod_state.index)],
+                            tma_bar_ptr=bar,
+                        )
+                        cute.copy(
+                            tma_atom_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)],
+                            tma_bar_ptr=bar,
+                        )
+                        ab_pipe.producer_commit(prod_state)
+                        prod_state.advance()
+                tile += gdim
+            ab_pipe.producer_tail(prod_state)
+
+        @cute.jit
+        def produce_gather(
+            self, tma_atom_b, tma_b, mA, mIdx, sA, sB, ab_pipe, prod_state, sStart, sBegin,
+            sCount, total, bidx, gdim, warp_idx, ptid,
+        ):
+            """The 128 producer threads: per tile, each thread reads the index of its
+            ``rows_per_thread`` rows (rows ``ptid // 8 + 16 j`` of the tile), then per K tile
+            waits for the stage to be free, warp 0 arms the full barrier with W's bytes and
+            issues W's TMA box, and every thread issues its 16-byte cp.async chunks (column
+            chunk ``ptid % 8``; zero-filled for a padding row, a row past the expert and a
+            chunk past K) and arrives on the full barrier when they land."""
+            atom, tiled = self.gather_copy()
+            thr = tiled.get_slice(ptid)
+            tAsA = thr.partition_D(sA)  # (CPY, rows_per_thread, 1, stages)
+            chunk = ptid % (self.tile_k // 8)
+            row_in = ptid // (self.tile_k // 8)
+            a_base = mA.iterator.toint()
+            lda_bytes = cutlass.Int64(mA.stride[0]) * 2
+            src_off = cute.make_rmem_tensor((self.rows_per_thread,), cutlass.Int64)
+            ok = cute.make_rmem_tensor((self.rows_per_thread,), cutlass.Boolean)
+            pred = cute.make_rmem_tensor((1,), cutlass.Boolean)
+            tile = bidx
+            while tile < total:
+                g, n_idx, row0, rows = self.tile_coords(tile, sStart, sBegin, sCount)
+                if g < self.num_e:  # the rows past the last expert load nothing
+                    for j in cutlass.range_constexpr(self.rows_per_thread):
+                        r = row_in + j * self.rows_per_pass
+                        src = cutlass.Int64(-1)
+                        if r < rows:
+                            src = cutlass.Int64(mIdx[row0 + r])
+                        ok[j] = src >= 0
+                        src_off[j] = cutlass.max(src, cutlass.Int64(0)) * lda_bytes
+                    gB = cute.local_tile(
+                        tma_b[(None, None, g)], (self.tile_n, self.tile_k), (n_idx, None)
+                    )
+                    tBsB, tBgB = self.stage_tma_partition(tma_atom_b, sB, gB)
+                    for kt in cutlass.range(self.k_tiles, unroll=1):
+                        ab_pipe.sync_object_empty.wait(prod_state.index, prod_state.phase)
+                        if warp_idx == 0:
+                            ab_pipe.sync_object_full.arrive(prod_state.index, None)
+                            cute.copy(
+                                tma_atom_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)],
+                                tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
+                            )
+                        col = kt * self.tile_k + chunk * 8
+                        in_k = col < self.key.k
+                        col_bytes = cutlass.Int64(col) * 2
+                        for j in cutlass.range_constexpr(self.rows_per_thread):
+                            src_ptr = cute.make_ptr(
+                                self.ab_dtype,
+                                a_base + src_off[j] + col_bytes,
+                                cute.AddressSpace.gmem,
+                                assumed_align=16,
+                            )
+                            src_t = cute.make_tensor(src_ptr, cute.make_layout(((8, 1),)))
+                            pred[0] = ok[j] and in_k
+                            cute.copy(
+                                atom, src_t, tAsA[(None, j, 0, prod_state.index)], pred=pred
+                            )
+                        cute.arch.cp_async_mbarrier_arrive_noinc(
+                            ab_pipe.producer_get_barrier(prod_state)
+                        )
+                        prod_state.advance()
+                tile += gdim
+            # every copy of this thread has landed before it exits
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+
+        # ---- consumers ----
+
+        @cute.jit
+        def consume(
+            self, tiled_mma, sA, sB, ab_pipe, mIdx, mOut, sStart, sBegin, sCount, total, bidx,
+            gdim, wg_idx, tidx,
+        ):
+            """Consumer warp groups: per owned tile, the mainloop (wgmma over the K stages,
+            one wgmma batch in flight) and the epilogue; tiles of the other group (pingpong)
+            are stepped over in the pipeline."""
+            group = (wg_idx - 1) // self.wgs_per_group
+            ctid = tidx - 128 - group * self.group_threads  # thread index in its group
+            slab_thread = ((wg_idx - 1) % self.wgs_per_group) * 128
+            thr_mma = tiled_mma.get_slice(slab_thread)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            num_k_blocks = cute.size(tCrA, mode=[2])
+            thr_mma_epi = tiled_mma.get_slice(ctid)
+            ref_tile = cute.make_identity_tensor((self.tile_m, self.tile_n))
+            tCcC = thr_mma_epi.partition_C(ref_tile)  # (row, col) of each accumulator value
+            acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+            read_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.stages
+            )
+            release_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.stages
+            )
+            j = cutlass.Int32(0)  # local tile counter of this CTA
+            tile = bidx
+            while tile < total:
+                g, n_idx, row0, rows = self.tile_coords(tile, sStart, sBegin, sCount)
+                n_k = cutlass.Int32(self.k_tiles)
+                if g >= self.num_e:
+                    n_k = cutlass.Int32(0)  # rows past the last expert: zeros, no loads
+                mine = cutlass.Boolean(True)
+                if cutlass.const_expr(self.num_groups > 1):
+                    mine = (j % self.num_groups) == group
+                if mine:
+                    if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
+                        if j > 0:  # wait for the other group's mainloop (pipeline order)
+                            pipeline.NamedBarrier(
+                                barrier_id=1 + group, num_threads=2 * self.group_threads
+                            ).arrive_and_wait()
+                    acc.fill(0.0)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.fence()
+                    for kt in cutlass.range(n_k, unroll=1):
+                        ab_pipe.consumer_wait(read_state)
+                        if cutlass.const_expr(self.proxy_fence):
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                        stage = read_state.index
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            cute.gemm(
+                                tiled_mma,
+                                acc,
+                                tCrA[(None, None, kb, stage)],
+                                tCrB[(None, None, kb, stage)],
+                                acc,
+                            )
+                        cute.nvgpu.warpgroup.commit_group()
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        if kt > 0:
+                            ab_pipe.consumer_release(release_state)
+                            release_state.advance()
+                        read_state.advance()
+                    if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
+                        if tile + gdim < total:  # the other group's turn
+                            pipeline.NamedBarrier(
+                                barrier_id=2 - group, num_threads=2 * self.group_threads
+                            ).arrive()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    fence_accumulators(acc)
+                    if n_k > 0:
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
+                    self.epilogue_store(acc, tCcC, mIdx, mOut, n_idx, row0, rows)
+                else:
+                    # another consumer group's tile: step over its pipeline stages
+                    for _kt in cutlass.range(n_k, unroll=1):
+                        read_state.advance()
+                        release_state.advance()
+                j += 1
+                tile += gdim
+
+        # ---- epilogues ----
+
+        @cute.jit
+        def epilogue_store(self, acc, tCcC, mIdx, mOut, n_idx, row0, rows):
+            """Registers -> global: the accumulator rounded to BF16 in column pairs (4-byte
+            stores), rows below ``rows`` (inside the expert) and columns below N; a padding
+            row (gather index < 0) gets exact zeros."""
+            n = self.key.n
+            out_base = mOut.iterator.toint()
+            col0 = n_idx * self.tile_n
+            pair = cute.make_rmem_tensor((2,), self.out_dtype)
+            # fragment ((2 cols, 2 row halves, tile_n / 8 column groups), MMA_M, MMA_N)
+            for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                for h in cutlass.range_constexpr(2):
+                    r = tCcC[((0, h, 0), mm, 0)][0]
+                    if r < rows:
+                        keep = cutlass.Boolean(True)
+                        if cutlass.const_expr(self.gather):
+                            keep = mIdx[row0 + r] >= 0
+                        row_addr = out_base + cutlass.Int64(row0 + r) * (n * 2)
+                        for q in cutlass.range_constexpr(cute.size(acc, mode=[0]) // 4):
+                            c = col0 + tCcC[((0, h, q), mm, 0)][1]
+                            in_n = cutlass.Boolean(True)
+                            if cutlass.const_expr(self.partial_n):
+                                in_n = c < n
+                            if in_n:
+                                self.store_pair(
+                                    acc[((0, h, q), mm, 0)], acc[((1, h, q), mm, 0)], keep,
+                                    row_addr + cutlass.Int64(c) * 2, pair,
+                                )
+
+        @cute.jit
+        def store_pair(self, v0, v1, keep, addr, pair):
+            """Round two fp32 values to BF16 (zeros where not ``keep``: a select) and store them
+            as one 4-byte word at global address ``addr``."""
+            pv = cute.make_rmem_tensor((2,), self.acc_dtype)
+            pv[0] = v0
+            pv[1] = v1
+            if not keep:
+                pv.fill(0.0)
+            pair.store(pv.load().to(self.out_dtype))
+            dst = cute.make_tensor(
+                cute.make_ptr(self.out_dtype, addr, cute.AddressSpace.gmem, assumed_align=4),
+                cute.make_layout(2),
+            )
+            cute.autovec_copy(pair, dst)
+
+    return Sm90GroupedMmKernel
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_class():
+    return _build_kernel_class()
+
+
+def fake_operands(key: Sm90GroupedMmKey) -> tuple:
+    """Fake (shape-only) operands of a compile: ``a, idx, w (N, K, E view), offsets, out`` with
+    symbolic row counts (``S``; ``T`` of a gathered source) and A's row stride, so one compile
+    serves every split and token count."""
+    import cutlass
+    from cutlass import cute
+
+    n, k, e = key.n, key.k, key.num_experts
+    s = cute.sym_int32(symbol="rows_S")
+    lda = cute.sym_int64(divisibility=8, symbol="lda")
+    if key.gather_a:
+        t = cute.sym_int32(symbol="rows_T")
+        a = cute.runtime.make_fake_tensor(cutlass.BFloat16, (t, k), (lda, 1), assumed_align=16)
+        idx_t = {"int64": cutlass.Int64, "int32": cutlass.Int32}[key.index_dtype]
+        idx = cute.runtime.make_fake_tensor(
+            idx_t, (s,), (1,), assumed_align=8 if key.index_dtype == "int64" else 4
+        )
+    else:
+        a = cute.runtime.make_fake_tensor(cutlass.BFloat16, (s, k), (lda, 1), assumed_align=16)
+        idx = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+    w_stride = (1, n, k * n) if key.w_major == "n" else (k, 1, k * n)
+    w = cute.runtime.make_fake_tensor(cutlass.BFloat16, (n, k, e), w_stride, assumed_align=16)
+    offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+    out = cute.runtime.make_fake_tensor(cutlass.BFloat16, (s, n), (n, 1), assumed_align=16)
+    return a, idx, w, offsets, out
+
+
+#: The varlen-M family: compile cache, offline compile and launcher (``launch.py``).
+FAMILY = GroupedMmFamily(
+    "sm90_grouped_mm", lambda key: _kernel_class()(key), fake_operands, Sm90GroupedMmKey
+)
+
+
+def compile_grouped_mm(key: Sm90GroupedMmKey) -> Any:
+    """Compile (once per key, cached) the kernel for the present GPU; returns the compiled
+    function, called ``fn(a, idx, w_NKE, offsets, out, num_ctas)`` on the current stream (see
+    :func:`cuda_kernels.grouped_mm.api.grouped_mm_gather`, which validates and launches).
+
+    Raises:
+        RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.
+    """
+    return FAMILY.compiled(key)
+
+
+def compile_grouped_mm_offline(key: Sm90GroupedMmKey, arch: str = "sm_90a") -> str:
+    """Compile ``key`` for ``arch`` without a GPU (nothing loaded) and return the PTX text.
+
+    Raises:
+        RuntimeError: CuTe DSL is not installed or produced no PTX.
+    """
+    return FAMILY.offline_ptx(key, arch)

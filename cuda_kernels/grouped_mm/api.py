@@ -173,10 +173,10 @@ def grouped_mm_gather(
         tile: optional :class:`~cuda_kernels.grouped_mm.sm90.Sm90GroupedMmTile` (kernel only).
 
     Returns:
-        ``out`` [S, N] torch.bfloat16. Padding rows (``row_index < 0``) are exactly 0, without
-        reading ``a`` for them (a NaN there or in ``w`` never reaches them); rows past
-        ``offsets_E[-1]`` are 0; without ``row_index`` every row inside an expert is computed
-        from ``a``'s row. Bitwise deterministic (each element is one CTA's fixed-order sum); no
+        ``out`` [S, N] torch.bfloat16. Padding rows (``row_index < 0``) are exactly 0 for a
+        finite ``w``, and ``a`` is not read for them (a NaN in ``a``'s unreferenced rows never
+        reaches the result); rows past ``offsets_E[-1]`` are 0; without ``row_index`` every row
+        inside an expert is computed from ``a``'s row. Bitwise deterministic (each element is one CTA's fixed-order sum); no
         host read of device values on the kernel path (CUDA-graph capturable).
 
     Raises:

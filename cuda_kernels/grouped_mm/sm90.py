@@ -36,9 +36,10 @@ Structure (one CTA per SM, persistent, warp-specialized; the wgrad kernel
   proxy);
 - epilogue (``epilogue="store"``): the fp32 accumulator rounded once to BF16 (RNE) and stored from
   registers (4-byte stores) with row predicates (the tile's rows inside the expert and below S)
-  and column predicates (below N); a padding row (index < 0) is stored as zeros by a select, so
-  a NaN or Inf in W cannot reach it. TMA cannot store here: an expert's last tile ends at an
-  arbitrary row and the next expert's rows must not be overwritten.
+  and column predicates (below N, only when N is not a multiple of tile_n). A padding row's A
+  row is zero-filled, so its output is exactly +0 for a finite W (no select: a NaN planted in
+  the source would show if a padding row were read). TMA cannot store here: an expert's last
+  tile ends at an arbitrary row and the next expert's rows must not be overwritten.
 
 Public names: :class:`Sm90GroupedMmTile`, :class:`Sm90GroupedMmKey`, :func:`select_grouped_mm_tile`,
 :func:`compile_grouped_mm` (cached; ``FAMILY.compile_count`` counts real compiles) and
@@ -62,6 +63,7 @@ __all__ = [
     "compile_grouped_mm",
     "compile_grouped_mm_offline",
     "select_grouped_mm_tile",
+    "tile_schedule",
 ]
 
 EPILOGUES = ("store",)
@@ -226,6 +228,24 @@ def select_grouped_mm_tile(n: int, k: int, num_experts: int) -> Sm90GroupedMmTil
     return Sm90GroupedMmTile(128, 128, 64, 6)
 
 
+def tile_schedule(offsets: list[int], num_rows: int, key: Sm90GroupedMmKey) -> list[tuple]:
+    """The kernel's tile schedule written in Python (for tests and the benchmark's tile counts):
+    ``[(group, n_idx, row0, rows)]`` in tile-id order, as the prologue's prefix sums and
+    ``tile_coords`` compute them on the device (group E: the rows past the last expert). CTA
+    ``b`` of a ``grid``-CTA launch takes ids ``b, b + grid, ...``."""
+    tm, n_tiles = key.tile.tile_m, key.n_tiles
+    out, begin = [], 0
+    for g, raw in enumerate([*offsets, num_rows]):
+        end = max(begin, min(max(int(raw), 0), num_rows))  # running max of the clamped ends
+        count = end - begin
+        m_tiles = -(-count // tm)
+        for rem in range(m_tiles * n_tiles):
+            n_idx, m_idx = divmod(rem, m_tiles)
+            out.append((g, n_idx, begin + m_idx * tm, min(count - m_idx * tm, tm)))
+        begin = end
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # The kernel (CuTe DSL imported lazily)
 # --------------------------------------------------------------------------------------------
@@ -321,8 +341,10 @@ def _build_kernel_class():
             """Warp 0: for each group g (the E experts, then the rows past the last expert)
             its first row, its row count and its first tile id (exclusive prefix sum of
             ``ceil(rows / tile_m) * n_tiles``); entry E + 1 of the tile ids is the total.
-            Offsets are clamped into [0, S] (memory safety for offsets that break the layout
-            contract: a decreasing pair gives an empty group)."""
+            Group g's rows are ``[max(end[<g]), max(end[<=g]))`` with ``end`` the offsets
+            clamped into [0, S] (S for the last group): the layout's ranges for valid offsets,
+            and for offsets that break the contract (decreasing, past S) still disjoint ranges
+            inside the output (memory-safe, each row written at most once)."""
             ne = self.num_e
             sStart = storage.tile_start.get_tensor(cute.make_layout(ne + 2))
             sBegin = storage.row_begin.get_tensor(cute.make_layout(ne + 1))
@@ -330,26 +352,28 @@ def _build_kernel_class():
             if warp_idx == 0:
                 lane = cute.arch.lane_idx()
                 ends = cute.make_rmem_tensor((self.sched_chunks,), cutlass.Int32)
-                begins = cute.make_rmem_tensor((self.sched_chunks,), cutlass.Int32)
                 # all loads first (independent: one memory latency), then the scans
                 for c in cutlass.range_constexpr(self.sched_chunks):
                     g = c * 32 + lane
                     end = num_rows
-                    begin = num_rows
                     if g < ne:
                         end = mOffsets[g]
-                    if g <= ne:
-                        begin = cutlass.Int32(0)
-                        if g > 0:
-                            begin = mOffsets[g - 1]
                     ends[c] = end
-                    begins[c] = begin
-                carry = cutlass.Int32(0)
+                carry_tiles = cutlass.Int32(0)
+                carry_end = cutlass.Int32(0)
                 for c in cutlass.range_constexpr(self.sched_chunks):
                     g = c * 32 + lane
-                    end = cutlass.min(cutlass.max(ends[c], cutlass.Int32(0)), num_rows)
-                    begin = cutlass.min(cutlass.max(begins[c], cutlass.Int32(0)), num_rows)
-                    count = cutlass.max(end - begin, cutlass.Int32(0))
+                    # inclusive running max of the clamped ends (then carried across chunks)
+                    top = cutlass.min(cutlass.max(ends[c], cutlass.Int32(0)), num_rows)
+                    for d in cutlass.range_constexpr(5):
+                        up = cute.arch.shuffle_sync_up(top, 1 << d)
+                        if lane >= (1 << d):
+                            top = cutlass.max(top, up)
+                    top = cutlass.max(top, carry_end)
+                    begin = cute.arch.shuffle_sync_up(top, 1)
+                    if lane == 0:
+                        begin = carry_end
+                    count = top - begin
                     tiles = (count + self.tile_m - 1) // self.tile_m * self.n_tiles
                     incl = tiles
                     for d in cutlass.range_constexpr(5):
@@ -357,12 +381,13 @@ def _build_kernel_class():
                         if lane >= (1 << d):
                             incl = incl + up
                     if g <= ne:
-                        sStart[g] = carry + incl - tiles
+                        sStart[g] = carry_tiles + incl - tiles
                         sBegin[g] = begin
                         sCount[g] = count
-                    carry = carry + cute.arch.shuffle_sync(incl, 31)
+                    carry_tiles = carry_tiles + cute.arch.shuffle_sync(incl, 31)
+                    carry_end = cute.arch.shuffle_sync(top, 31)
                 if lane == 0:
-                    sStart[ne + 1] = carry
+                    sStart[ne + 1] = carry_tiles
             return sStart, sBegin, sCount
 
         @cute.jit
@@ -768,8 +793,9 @@ def _build_kernel_class():
         @cute.jit
         def epilogue_store(self, acc, tCcC, mIdx, mOut, n_idx, row0, rows):
             """Registers -> global: the accumulator rounded to BF16 in column pairs (4-byte
-            stores), rows below ``rows`` (inside the expert) and columns below N; a padding
-            row (gather index < 0) gets exact zeros."""
+            stores), rows below ``rows`` (inside the expert) and columns below N. A padding row
+            of a gathered A was zero-filled in shared memory, so its accumulator is exactly +0
+            (for finite W): no select, and a padding row that were read would show."""
             n = self.key.n
             out_base = mOut.iterator.toint()
             col0 = n_idx * self.tile_n
@@ -779,9 +805,6 @@ def _build_kernel_class():
                 for h in cutlass.range_constexpr(2):
                     r = tCcC[((0, h, 0), mm, 0)][0]
                     if r < rows:
-                        keep = cutlass.Boolean(True)
-                        if cutlass.const_expr(self.gather):
-                            keep = mIdx[row0 + r] >= 0
                         row_addr = out_base + cutlass.Int64(row0 + r) * (n * 2)
                         for q in cutlass.range_constexpr(cute.size(acc, mode=[0]) // 4):
                             c = col0 + tCcC[((0, h, q), mm, 0)][1]
@@ -790,19 +813,17 @@ def _build_kernel_class():
                                 in_n = c < n
                             if in_n:
                                 self.store_pair(
-                                    acc[((0, h, q), mm, 0)], acc[((1, h, q), mm, 0)], keep,
+                                    acc[((0, h, q), mm, 0)], acc[((1, h, q), mm, 0)],
                                     row_addr + cutlass.Int64(c) * 2, pair,
                                 )
 
         @cute.jit
-        def store_pair(self, v0, v1, keep, addr, pair):
-            """Round two fp32 values to BF16 (zeros where not ``keep``: a select) and store them
-            as one 4-byte word at global address ``addr``."""
+        def store_pair(self, v0, v1, addr, pair):
+            """Round two fp32 values to BF16 (RNE) and store them as one 4-byte word at global
+            address ``addr``."""
             pv = cute.make_rmem_tensor((2,), self.acc_dtype)
             pv[0] = v0
             pv[1] = v1
-            if not keep:
-                pv.fill(0.0)
             pair.store(pv.load().to(self.out_dtype))
             dst = cute.make_tensor(
                 cute.make_ptr(self.out_dtype, addr, cute.AddressSpace.gmem, assumed_align=4),

@@ -16,12 +16,13 @@ __all__ = ["expert_segments", "gathered_rows", "grouped_mm_gather_torch"]
 
 
 def expert_segments(offsets_E: torch.Tensor, num_rows: int) -> list[tuple[int, int]]:
-    """``[(begin, end)]`` row range of each expert (host read of the offsets), clamped into
-    ``[0, num_rows]`` as the kernel clamps them (a decreasing pair gives an empty range)."""
-    ends = [min(max(int(v), 0), num_rows) for v in offsets_E.to(torch.int64).tolist()]
+    """``[(begin, end)]`` row range of each expert (host read of the offsets) as the kernel
+    derives them: ends clamped into ``[0, num_rows]``, then their running maximum (a decreasing
+    offset gives an empty range; the ranges never overlap)."""
     out, begin = [], 0
-    for end in ends:
-        out.append((begin, max(begin, end)))
+    for v in offsets_E.to(torch.int64).tolist():
+        end = max(begin, min(max(int(v), 0), num_rows))
+        out.append((begin, end))
         begin = end
     return out
 

@@ -10,10 +10,18 @@ import itertools
 import pytest
 import torch
 
+from common.problem import Activation, ClampLimits
 from common.routing import plan_routing
-from cuda_kernels.grouped_mm import grouped_mm_gather, grouped_mm_gather_torch
+from cuda_kernels.grouped_mm import (
+    gate_up_activation_torch,
+    gate_up_forward,
+    grouped_mm_gated,
+    grouped_mm_gather,
+    grouped_mm_gather_torch,
+)
 from cuda_kernels.grouped_mm.api import grouped_mm_key
 from cuda_kernels.grouped_mm.sm90 import (
+    GatedEpilogue,
     Sm90GroupedMmKey,
     Sm90GroupedMmTile,
     select_grouped_mm_tile,
@@ -255,3 +263,169 @@ def test_tile_schedule_clamps_offsets_that_break_the_contract():
     assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))  # each row once
     assert [g for g, *_ in sched] == [0, 2]  # expert 1 is empty
     assert expert_segments(torch.tensor([50, 20, 400]), 100) == [(0, 50), (50, 50), (50, 100)]
+
+
+# ------------------------------------------------------------------------------------------------
+# the gated (forward gate/up) epilogue: twin, against GEMM-then-pass, argument checks
+# ------------------------------------------------------------------------------------------------
+
+_ACTS = {
+    "swiglu": (Activation("swiglu"), None, False),
+    "gpt-oss": (Activation("gpt_oss", 1.702, 1.0),
+                ClampLimits(linear_clamp_upper_limit=7.0, linear_clamp_lower_limit=-7.0,
+                            non_linear_clamp_upper_limit=7.0), True),
+}
+
+
+def _gated_problem(T, H, I, E, top_k, seed, *, integer=False):
+    gen = torch.Generator().manual_seed(seed)
+    live = [e for e in range(E) if e % 3] or [0]
+    pick = torch.stack([torch.randperm(len(live), generator=gen)[:top_k] for _ in range(T)])
+    expert_index = torch.tensor(live)[pick]
+    affinity = torch.rand(T, top_k, generator=gen)
+    plan = plan_routing(expert_index, affinity, E)
+    layout = plan.grouped(align=16)
+    if integer:  # every accumulator an integer of at most 8 bits: exact in BF16
+        x = torch.randint(-1, 2, (T, H), generator=gen).to(BF16)
+        w = torch.randint(-1, 2, (E, H, 2 * I), generator=gen).to(BF16)
+        b = torch.randint(-4, 5, (E, 2, I), generator=gen).float() / 2
+    else:
+        x = torch.randn(T, H, generator=gen).to(BF16)
+        w = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16)
+        b = torch.randn(E, 2, I, generator=gen)
+    return x, w, b, plan, layout
+
+
+def _ulps(x, ref):
+    """|x - ref| in BF16 ulps of |ref| (2^-8 relative: half of the spacing above |ref|)."""
+    d = (x.float() - ref.float()).abs()
+    return (d / (ref.float().abs() * 2**-8 + 1e-30)).nan_to_num(0.0)
+
+
+@pytest.mark.parametrize("name", list(_ACTS))
+def test_gated_twin_against_float64(name):
+    act_fn, clamp, with_bias = _ACTS[name]
+    x, w, b, plan, layout = _gated_problem(29, 64, 48, 6, 2, seed=7)
+    bias = b if with_bias else None
+    args = (x, w, layout.offsets_E, layout.row_to_token_S, layout.row_to_pair_S,
+            plan.pair_affinity_R)
+    kw = {"activation": act_fn, "clamp_limits": clamp, "bias_E2I": bias}
+    act, ah = gate_up_activation_torch(*args, **kw)
+    act64, ah64 = gate_up_activation_torch(*args, **kw, acc_dtype=torch.float64,
+                                           out_dtype=torch.float64)
+    assert act.shape == (plan.pair_token_R.shape[0], 2, 48) and ah.shape == (layout.tokens_sum, 48)
+    pad = layout.row_to_pair_S < 0
+    assert (ah[pad] == 0).all() and (ah64[pad] == 0).all()
+    assert (_ulps(act, act64) <= 1.01).all() and (_ulps(ah, ah64) <= 1.01).all()
+    if clamp is not None:
+        assert act[:, 0].max() <= 7.0 and act[:, 1].abs().max() <= 7.0
+        assert (act[:, 1] == 7.0).any() or (act[:, 1] == -7.0).any()  # the clamp was active
+
+
+@pytest.mark.parametrize("name", list(_ACTS))
+@pytest.mark.parametrize("integer", [True, False], ids=["exact", "random"])
+def test_gated_twin_matches_gemm_then_pass(name, integer):
+    """The current forward (grouped GEMM rounded to BF16, then activation_forward, Triton
+    interpreted here) and the fused epilogue's twin (from the fp32 accumulator): identical
+    checkpoints when the accumulators are exact in BF16; otherwise they differ only by the
+    pass's extra rounding (<= 1 ulp in the checkpoint, about 1 in a*h)."""
+    from common.torch_backward import grouped_mm_rows
+    from cuda_kernels.moe_forward.kernels import activation_forward
+
+    act_fn, clamp, with_bias = _ACTS[name]
+    x, w, b, plan, layout = _gated_problem(33, 16 if integer else 64, 32, 5, 2, seed=8,
+                                           integer=integer)
+    bias = b if with_bias else None
+    gu = grouped_mm_rows(layout.gather_rows(x), w, layout.offsets_E)
+    act_p, ah_p = activation_forward(
+        gu, layout.row_to_pair_S, plan, activation=act_fn,
+        clamp_limits=clamp or ClampLimits(), b_gate_up_E2I=bias,
+    )
+    act_f, ah_f = gate_up_forward(x, w.reshape(5, -1, 2, 32), layout, plan, activation=act_fn,
+                                  clamp_limits=clamp, b_gate_up_E2I=bias)
+    if integer:
+        assert torch.equal(act_f, act_p)
+        assert (_ulps(ah_f, ah_p) <= 2.01).all()  # sigmoid/exp implementations may differ
+    else:
+        # the pass rounds the accumulator before adding the bias: half an ulp of |acc| more
+        acc = grouped_mm_gather_torch(x, w, layout.offsets_E, layout.row_to_token_S,
+                                      out_dtype=torch.float32)
+        acc_R = torch.zeros(act_p.shape[0] + 1, 2 * 32)
+        r2p = layout.row_to_pair_S
+        acc_R[torch.where(r2p >= 0, r2p, act_p.shape[0])] = acc
+        acc_R = acc_R[:-1].reshape(-1, 2, 32).abs()
+        d = (act_f.float() - act_p.float()).abs()
+        ulp = torch.ldexp(torch.ones_like(d), torch.frexp(act_p.float()).exponent - 8)
+        assert (d <= 2**-8 * acc_R * 1.01 + ulp + 1e-6).all()  # half an ulp of acc + one flip
+        rel = (ah_f.float() - ah_p.float()).norm() / ah_p.float().norm()
+        assert rel < 5e-3
+    assert torch.equal(ah_f[layout.row_to_pair_S < 0], ah_p[layout.row_to_pair_S < 0])
+
+
+def _gated_good():
+    x, w, _b, plan, layout = _gated_problem(10, 16, 16, 3, 2, seed=9)
+    return {
+        "a": x, "w_gate_up": w, "offsets_E": layout.offsets_E,
+        "row_index": layout.row_to_token_S, "row_to_pair_S": layout.row_to_pair_S,
+        "pair_affinity_R": plan.pair_affinity_R, "num_pairs": plan.num_pairs,
+    }
+
+
+_GATED_BAD = [
+    ("w_gate_up", lambda g: g["w_gate_up"][:, :, :31].contiguous(), "even N"),
+    ("w_gate_up", lambda g: g["w_gate_up"].reshape(3, 16, 4, 8), "needs 2 at dim 2"),
+    ("row_to_pair_S", lambda g: g["row_to_pair_S"][:-1], "row_to_pair_S must be"),
+    ("row_to_pair_S", lambda g: g["row_to_pair_S"].int(), "torch.int64"),
+    ("pair_affinity_R", lambda g: g["pair_affinity_R"].long(), "1-D float"),
+    ("pair_affinity_R", lambda g: torch.zeros(10_000), "more than the S"),
+    ("num_pairs", lambda g: g["num_pairs"].int(), "num_pairs must be one torch.int64"),
+    ("bias", lambda g: torch.zeros(3, 2, 15), "bias must be"),
+    ("act_out", lambda g: torch.zeros(1, 2, 16, dtype=BF16), "act_out must be a tensor"),
+    ("ah_out", lambda g: torch.zeros(len(g["row_to_pair_S"]), 16), "ah_out must be a contig"),
+    ("a", lambda g: g["a"].float(), "must be torch.bfloat16"),
+]
+
+
+@pytest.mark.parametrize("case", _GATED_BAD, ids=[f"{c[0]}-{i}" for i, c in enumerate(_GATED_BAD)])
+def test_gated_bad_arguments(case):
+    name, bad, message = case
+    args = _gated_good()
+    args[name] = bad(args)
+    with pytest.raises(ValueError, match=message):
+        grouped_mm_gated(**args)
+
+
+def test_gated_entry_on_cpu_writes_every_element_of_given_outputs():
+    args = _gated_good()
+    R, S = args["pair_affinity_R"].shape[0], args["row_to_pair_S"].shape[0]
+    act = torch.full((R, 2, 16), float("nan"), dtype=BF16)
+    ah = torch.full((S, 16), float("nan"), dtype=BF16)
+    got = grouped_mm_gated(**args, act_out=act, ah_out=ah)
+    assert got[0] is act and got[1] is ah
+    assert torch.isfinite(act).all() and torch.isfinite(ah).all()
+    assert (act[int(args["num_pairs"]):] == 0).all()
+
+
+def test_gated_key_validation():
+    ge = GatedEpilogue.of(Activation("gpt_oss", 1.702, 1.0), _ACTS["gpt-oss"][1], True)
+    assert (ge.alpha, ge.up_offset, ge.gate_lo, ge.gate_hi, ge.up_lo, ge.up_hi, ge.has_bias) == (
+        1.702, 1.0, None, 7.0, -7.0, 7.0, True)
+    assert GatedEpilogue.of(Activation("swiglu"), None, False) == GatedEpilogue()
+    for kwargs, word in [({"alpha": 0.0}, "alpha"), ({"up_offset": float("inf")}, "up_offset"),
+                         ({"gate_lo": 2.0, "gate_hi": 1.0}, "must be <"),
+                         ({"has_bias": 1}, "has_bias")]:
+        with pytest.raises(ValueError, match=word):
+            GatedEpilogue(**kwargs)
+    key = Sm90GroupedMmKey(1536, 2048, 128, epilogue="gated", gated=GatedEpilogue())
+    assert (key.out_cols, key.n_tiles) == (768, 6)
+    with pytest.raises(ValueError, match="exactly when"):
+        Sm90GroupedMmKey(1536, 2048, 128, epilogue="gated")
+    with pytest.raises(ValueError, match="exactly when"):
+        Sm90GroupedMmKey(1536, 2048, 128, gated=GatedEpilogue())
+    with pytest.raises(ValueError, match="tile_n 128 or 256"):
+        Sm90GroupedMmKey(1536, 2048, 128, epilogue="gated", gated=GatedEpilogue(),
+                         tile=Sm90GroupedMmTile(128, 192, 64, 4))
+    with pytest.raises(ValueError, match="I a multiple of 8"):
+        Sm90GroupedMmKey(1544, 2048, 128, epilogue="gated", gated=GatedEpilogue())
+    with pytest.raises(ValueError, match="at most 192"):
+        Sm90GroupedMmKey(1536, 2048, 128, tile=Sm90GroupedMmTile(128, 256, 64, 4, True))

@@ -10,7 +10,14 @@ import torch
 
 from . import torch_ref
 
-__all__ = ["BACKENDS", "grouped_mm_gather", "grouped_mm_key", "kernel_unsupported_reason"]
+__all__ = [
+    "BACKENDS",
+    "gate_up_forward",
+    "grouped_mm_gated",
+    "grouped_mm_gather",
+    "grouped_mm_key",
+    "kernel_unsupported_reason",
+]
 
 BACKENDS = ("auto", "sm90", "torch")
 """``"sm90"``: the CuTe DSL kernel (an SM90 GPU); ``"torch"``: the twin; ``"auto"``: the kernel
@@ -118,9 +125,10 @@ def kernel_unsupported_reason(a, w, row_index=None) -> str | None:
     return None
 
 
-def grouped_mm_key(w: torch.Tensor, row_index, tile=None, epilogue: str = "store"):
+def grouped_mm_key(w: torch.Tensor, row_index, tile=None, gated=None):
     """The :class:`~cuda_kernels.grouped_mm.sm90.Sm90GroupedMmKey` of (checked) operands;
-    ``tile`` None: :func:`~cuda_kernels.grouped_mm.sm90.select_grouped_mm_tile`."""
+    ``tile`` None: :func:`~cuda_kernels.grouped_mm.sm90.select_grouped_mm_tile`; ``gated``: a
+    :class:`~cuda_kernels.grouped_mm.sm90.GatedEpilogue` for the gate/up epilogue."""
     from .sm90 import Sm90GroupedMmKey, select_grouped_mm_tile
 
     E, K, N = w.shape
@@ -131,8 +139,9 @@ def grouped_mm_key(w: torch.Tensor, row_index, tile=None, epilogue: str = "store
         gather_a=row_index is not None,
         index_dtype=_INDEX_DTYPES[row_index.dtype] if row_index is not None else "int64",
         w_major=_w_major(w),
-        epilogue=epilogue,
+        epilogue="store" if gated is None else "gated",
         tile=tile,
+        gated=gated,
     )
 
 
@@ -205,5 +214,189 @@ def grouped_mm_gather(
     fn = compile_grouped_mm(key)
     grid = max(1, min(key.max_tiles(S), num_sms(a.device.index or 0)))
     idx = row_index if row_index is not None else offsets_E  # (a placeholder without gather)
-    fn(a, idx, w.permute(2, 1, 0), offsets_E, out, grid)
+    fn(a, idx, w.permute(2, 1, 0), offsets_E, out, *(offsets_E,) * 5, grid)
     return out
+
+
+def _fail_gated(msg: str) -> None:
+    raise ValueError(f"grouped_mm_gated: {msg}")
+
+
+def grouped_mm_gated(
+    a: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    offsets_E: torch.Tensor,
+    row_index: torch.Tensor | None,
+    row_to_pair_S: torch.Tensor,
+    pair_affinity_R: torch.Tensor,
+    num_pairs: torch.Tensor,
+    *,
+    activation=None,
+    clamp_limits=None,
+    bias: torch.Tensor | None = None,
+    act_out: torch.Tensor | None = None,
+    ah_out: torch.Tensor | None = None,
+    backend: str = "auto",
+    tile=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward gate/up GEMM with its epilogue fused: ``acc = a[row_index] @ w_gate_up[e]``
+    (fp32), then bias, clamp and the gated activation from the fp32 accumulator, writing the
+    BF16 checkpoint and ``a * h`` -- the outputs of ``moe_forward.kernels.activation_forward``
+    on the GEMM's output, without the ``[S, 2I]`` pre-activation going through HBM.
+
+    Per row s of pair p (expert e, affinity alpha_p)::
+
+        g = clamp_gate(acc[s, :I] + bias[e, :I])     u = clamp_up(acc[s, I:] + bias[e, I:])
+        h = g * sigmoid(act.alpha * g) * (u + act.up_offset)
+        a_h[s] = alpha_p * h   (0 for padding rows)    act[p] = [g, u]   (BF16, RNE)
+
+    Numerics vs GEMM-then-pass: the pass reads the GEMM's BF16-rounded output; here g and u
+    come from the fp32 accumulator (one rounding less), so a checkpoint value may differ by one
+    BF16 ulp where the pass's double rounding differs, and ``a_h`` by about one ulp.
+
+    Args:
+        a, offsets_E, row_index: as :func:`grouped_mm_gather` (``row_index`` None: ``a`` is the
+            [S, H] rows already in order).
+        w_gate_up: [E, H, 2I] (or [E, H, 2, I]) torch.bfloat16, gate columns first, contiguous
+            (or K-major memory [E, 2I, H]).
+        row_to_pair_S: [S] torch.int64 plan pair of each row, -1 = padding
+            (``GroupedLayout.row_to_pair_S``).
+        pair_affinity_R: [R] float affinity of each pair (``RoutingPlan.pair_affinity_R``; used
+            in fp32).
+        num_pairs: 0-d or [1] torch.int64 count of real pairs on the device
+            (``RoutingPlan.num_pairs``); checkpoint rows ``[num_pairs, R)`` are written 0.
+        activation: ``common.problem.Activation`` (None: SwiGLU). clamp_limits: ``ClampLimits``
+            or None.
+        bias: optional [E, 2, I] or [E, 2I] float gate/up bias (used in fp32).
+        act_out, ah_out: optional contiguous torch.bfloat16 outputs [R, 2, I] and [S, I]
+            (else allocated); every element of both is written.
+        backend, tile: as :func:`grouped_mm_gather` (tile_n 128 or 256: gate + up columns).
+
+    Returns:
+        ``(act_R2I [R, 2, I], a_h_SI [S, I])`` torch.bfloat16.
+
+    Raises:
+        ValueError: a bad shape, dtype, device or stride (named), before anything is written.
+        RuntimeError: the kernel fails to compile.
+    """
+    from common.problem import Activation
+
+    from .sm90 import GatedEpilogue
+
+    act_fn = Activation.resolve(activation)
+    if isinstance(w_gate_up, torch.Tensor) and w_gate_up.dim() == 4:
+        E4, H4, two, I4 = w_gate_up.shape
+        if two != 2:
+            _fail_gated(f"w_gate_up [E, H, 2, I] needs 2 at dim 2, got {list(w_gate_up.shape)}")
+        w_gate_up = w_gate_up.reshape(E4, H4, 2 * I4)
+    if backend not in BACKENDS:
+        _fail(f"backend must be one of {BACKENDS}, got {backend!r}")
+    S, _, N, E, _ = _check(a, w_gate_up, offsets_E, row_index, None)
+    if N % 2:
+        _fail_gated(f"w_gate_up must have an even N = 2I, got {N}")
+    I = N // 2
+    dev = a.device
+    for name, t in (("row_to_pair_S", row_to_pair_S), ("pair_affinity_R", pair_affinity_R),
+                    ("num_pairs", num_pairs)):
+        if not isinstance(t, torch.Tensor):
+            _fail_gated(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != dev:
+            _fail_gated(f"{name} is on {t.device} but a is on {dev}")
+    if row_to_pair_S.dim() != 1 or row_to_pair_S.shape[0] != S:
+        _fail_gated(f"row_to_pair_S must be [S={S}], got {list(row_to_pair_S.shape)}")
+    if row_to_pair_S.dtype != torch.int64:
+        _fail_gated(f"row_to_pair_S must be torch.int64, got {row_to_pair_S.dtype}")
+    if pair_affinity_R.dim() != 1 or not pair_affinity_R.is_floating_point():
+        _fail_gated(
+            f"pair_affinity_R must be a 1-D float tensor [R], got {pair_affinity_R.dtype} "
+            f"{list(pair_affinity_R.shape)}"
+        )
+    R = pair_affinity_R.shape[0]
+    if R > S:
+        _fail_gated(f"pair_affinity_R has R={R} pairs, more than the S={S} rows")
+    if num_pairs.numel() != 1 or num_pairs.dtype != torch.int64:
+        _fail_gated(f"num_pairs must be one torch.int64 value, got {num_pairs.dtype} "
+                    f"{list(num_pairs.shape)}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            _fail_gated("bias must be a float tensor [E, 2, I] or [E, 2I] or None")
+        if bias.numel() != E * N or bias.shape[0] != E:
+            _fail_gated(f"bias must be [E, 2, I] = [{E}, 2, {I}], got {list(bias.shape)}")
+        if bias.device != dev:
+            _fail_gated(f"bias is on {bias.device} but a is on {dev}")
+    for name, t, shape in (("act_out", act_out, (R, 2, I)), ("ah_out", ah_out, (S, I))):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            _fail_gated(f"{name} must be a tensor of shape {list(shape)}, got "
+                        f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device != dev:
+            _fail_gated(f"{name} must be a contiguous torch.bfloat16 tensor on {dev}")
+    reason = kernel_unsupported_reason(a, w_gate_up, row_index)
+    if reason is None and I % 8:
+        reason = f"I={I} must be a multiple of 8"
+    if backend == "sm90" and reason is not None:
+        _fail_gated(f"backend='sm90' cannot run here: {reason}")
+    ah = torch.empty(S, I, dtype=torch.bfloat16, device=dev) if ah_out is None else ah_out
+    act = torch.empty(R, 2, I, dtype=torch.bfloat16, device=dev) if act_out is None else act_out
+    if backend == "torch" or reason is not None:
+        act_t, ah_t = torch_ref.gate_up_activation_torch(
+            a, w_gate_up, offsets_E, row_index, row_to_pair_S, pair_affinity_R,
+            activation=act_fn, clamp_limits=clamp_limits, bias_E2I=bias,
+        )
+        act.copy_(act_t)
+        ah.copy_(ah_t)
+        return act, ah
+    from .sm90 import select_grouped_mm_tile
+
+    if tile is None:
+        tile = select_grouped_mm_tile(N, a.shape[1], E)
+    key = grouped_mm_key(
+        w_gate_up, row_index, tile, GatedEpilogue.of(act_fn, clamp_limits, bias is not None)
+    )
+    if S == 0:
+        return act.zero_(), ah
+    from .launch import num_sms
+    from .sm90 import compile_grouped_mm
+
+    fn = compile_grouped_mm(key)
+    grid = max(1, min(key.max_tiles(S), num_sms(dev.index or 0)))
+    idx = row_index if row_index is not None else offsets_E
+    b = bias.reshape(E, N).float().contiguous() if bias is not None else offsets_E
+    alpha = pair_affinity_R.float().contiguous()
+    fn(a, idx, w_gate_up.permute(2, 1, 0), offsets_E, ah, b, row_to_pair_S.contiguous(), alpha,
+       num_pairs.reshape(1), act.view(R, N), grid)
+    return act, ah
+
+
+def gate_up_forward(
+    x_TH: torch.Tensor,
+    w_gate_up_EH2I: torch.Tensor,
+    layout,
+    plan,
+    *,
+    activation=None,
+    clamp_limits=None,
+    b_gate_up_E2I: torch.Tensor | None = None,
+    backend: str = "auto",
+    tile=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's gate/up half of the forward in one kernel: what ``moe_forward.fused`` does
+    with ``gather_rows`` + grouped GEMM + ``activation_forward``, from a
+    :class:`~common.routing.GroupedLayout` and its :class:`~common.routing.RoutingPlan`
+    (:func:`grouped_mm_gated` with ``row_to_token_S``, ``row_to_pair_S``,
+    ``pair_affinity_R`` and ``num_pairs``). ``w_gate_up_EH2I`` [E, H, 2, I] in any float dtype
+    (converted to BF16 when it is not). Returns ``(act_R2I [R, 2, I], a_h_SI [S, I])`` BF16.
+
+    Raises:
+        ValueError: as :func:`grouped_mm_gated`.
+    """
+    w = w_gate_up_EH2I if w_gate_up_EH2I.dtype == torch.bfloat16 else w_gate_up_EH2I.to(
+        torch.bfloat16
+    )
+    x = x_TH if x_TH.dtype == torch.bfloat16 else x_TH.to(torch.bfloat16)
+    return grouped_mm_gated(
+        x, w, layout.offsets_E, layout.row_to_token_S, layout.row_to_pair_S,
+        plan.pair_affinity_R, plan.num_pairs, activation=activation,
+        clamp_limits=clamp_limits, bias=b_gate_up_E2I, backend=backend, tile=tile,
+    )

@@ -34,7 +34,17 @@ Structure (one CTA per SM, persistent, warp-specialized; the wgrad kernel
   each consumer thread fences the async proxy after a stage's barrier completes
   (``proxy_fence``: cp.async writes through the generic proxy, wgmma reads through the async
   proxy);
-- epilogue (``epilogue="store"``): the fp32 accumulator rounded once to BF16 (RNE) and stored from
+- epilogue ``"gated"`` (the forward gate/up GEMM, W = ``w_gate_up`` [E, H, 2I]): a tile covers
+  gate columns ``[j, j + tile_n / 2)`` and the same up columns ``I + j ...``: two W boxes per
+  stage, two wgmma accumulators of ``tile_n / 2`` columns. From the fp32 accumulators, per row
+  s of pair p (``row_to_pair[s]``, -1 = padding) with affinity a: bias (fp32, per expert),
+  clamp, ``h = g * sigmoid(alpha g) * (u + up_offset)``, then ``a_h[s] = a * h`` (0 for padding
+  rows: a select) and the checkpoint ``act[p] = [g, u]`` (clamped, in the plan's pair order),
+  each rounded once to BF16; checkpoint rows ``[num_pairs, R)`` are zeroed by the tile whose
+  output row has that index (as ``moe_forward.kernels.activation_forward`` does). The numerics
+  differ from GEMM-then-pass in one place: the pass reads the pre-activation after the GEMM
+  rounded it to BF16, the fused epilogue uses the fp32 accumulator (one rounding less);
+- epilogue ``"store"``: the fp32 accumulator rounded once to BF16 (RNE) and stored from
   registers (4-byte stores) with row predicates (the tile's rows inside the expert and below S)
   and column predicates (below N, only when N is not a multiple of tile_n). A padding row's A
   row is zero-filled, so its output is exactly +0 for a finite W (no select: a NaN planted in
@@ -50,6 +60,7 @@ only inside the compile functions.
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 from ..grouped_wgrad.tiles import SM90_TILES
@@ -58,6 +69,7 @@ from .launch import GroupedMmFamily
 __all__ = [
     "EPILOGUES",
     "FAMILY",
+    "GatedEpilogue",
     "Sm90GroupedMmKey",
     "Sm90GroupedMmTile",
     "compile_grouped_mm",
@@ -66,8 +78,9 @@ __all__ = [
     "tile_schedule",
 ]
 
-EPILOGUES = ("store",)
-"""Epilogues of the kernel: ``"store"`` (BF16 ``out[S, N]``)."""
+EPILOGUES = ("store", "gated")
+"""Epilogues of the kernel: ``"store"`` (BF16 ``out[S, N]``) and ``"gated"`` (the forward
+gate/up epilogue: BF16 ``a_h[S, I]`` and checkpoint ``act[R, 2, I]``, N = 2I)."""
 
 _SMEM_BYTES = SM90_TILES.smem_bytes  # usable dynamic shared memory per CTA on H100/H200
 _INDEX_DTYPES = ("int64", "int32")
@@ -134,6 +147,64 @@ class Sm90GroupedMmTile:
         return self.consumer_groups * self.wgs_per_group
 
 
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedEpilogue:
+    """The static part of the ``"gated"`` epilogue (compile-time constants of the kernel).
+
+    Attributes:
+        alpha, up_offset: the activation ``h = g * sigmoid(alpha * g) * (u + up_offset)``
+            (``common.problem.Activation``: SwiGLU 1, 0; gpt-oss 1.702, 1).
+        gate_lo, gate_hi, up_lo, up_hi: clamp limits of g and u (None: no limit;
+            ``common.problem.ClampLimits``' ``non_linear_*`` and ``linear_*``).
+        has_bias: a per-expert fp32 bias ``[E, 2I]`` is added before the clamp.
+
+    Raises:
+        ValueError: a non-finite value, alpha <= 0, or a lower limit not below its upper one.
+    """
+
+    alpha: float = 1.0
+    up_offset: float = 0.0
+    gate_lo: float | None = None
+    gate_hi: float | None = None
+    up_lo: float | None = None
+    up_hi: float | None = None
+    has_bias: bool = False
+
+    def __post_init__(self) -> None:
+        cls = type(self).__name__
+        if not _finite(self.alpha) or self.alpha <= 0:
+            raise ValueError(f"{cls}.alpha must be a finite number > 0, got {self.alpha!r}")
+        if not _finite(self.up_offset):
+            raise ValueError(f"{cls}.up_offset must be a finite number, got {self.up_offset!r}")
+        for side in ("gate", "up"):
+            lo, hi = getattr(self, f"{side}_lo"), getattr(self, f"{side}_hi")
+            for name, v in ((f"{side}_lo", lo), (f"{side}_hi", hi)):
+                if v is not None and not _finite(v):
+                    raise ValueError(f"{cls}.{name} must be a finite number or None, got {v!r}")
+            if lo is not None and hi is not None and not lo < hi:
+                raise ValueError(f"{cls}: {side}_lo ({lo}) must be < {side}_hi ({hi})")
+        if not isinstance(self.has_bias, bool):
+            raise ValueError(f"{cls}.has_bias must be a bool, got {self.has_bias!r}")
+
+    @classmethod
+    def of(cls, activation, clamp_limits, has_bias: bool) -> "GatedEpilogue":
+        """From a ``common.problem.Activation`` and ``ClampLimits`` (None: none)."""
+        cl = clamp_limits
+        return cls(
+            alpha=float(activation.alpha),
+            up_offset=float(activation.up_offset),
+            gate_lo=None if cl is None else cl.non_linear_clamp_lower_limit,
+            gate_hi=None if cl is None else cl.non_linear_clamp_upper_limit,
+            up_lo=None if cl is None else cl.linear_clamp_lower_limit,
+            up_hi=None if cl is None else cl.linear_clamp_upper_limit,
+            has_bias=bool(has_bias),
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Sm90GroupedMmKey:
     """Static contract of one compiled kernel (the compile-cache key).
@@ -152,9 +223,13 @@ class Sm90GroupedMmKey:
             (W's memory is ``[E, N, K]`` contiguous: K fastest).
         epilogue: one of :data:`EPILOGUES`.
         tile: the :class:`Sm90GroupedMmTile`.
+        gated: the :class:`GatedEpilogue` (required by, and only with, ``epilogue="gated"``;
+            then N = 2I with I a multiple of 8, and tile_n 128 or 256: two accumulators of
+            tile_n / 2 columns).
 
     Raises:
-        ValueError: a field outside its values; N or K not a multiple of 8 (16-byte rows).
+        ValueError: a field outside its values; N or K not a multiple of 8 (16-byte rows); a
+            tile whose accumulators exceed 192 fp32 registers per consumer thread.
     """
 
     n: int
@@ -165,6 +240,7 @@ class Sm90GroupedMmKey:
     w_major: str = "n"
     epilogue: str = "store"
     tile: Sm90GroupedMmTile = Sm90GroupedMmTile()
+    gated: GatedEpilogue | None = None
 
     def __post_init__(self) -> None:
         cls = type(self).__name__
@@ -191,6 +267,32 @@ class Sm90GroupedMmKey:
         if not isinstance(self.tile, Sm90GroupedMmTile):
             msg = f"{cls}.tile must be a Sm90GroupedMmTile, got {self.tile!r}"
             raise ValueError(msg)
+        t = self.tile
+        acc_regs = t.tile_m * t.tile_n // (128 * t.wgs_per_group)
+        if acc_regs > 192:
+            raise ValueError(
+                f"{cls}: tile {t.variant_name} holds {acc_regs} fp32 accumulators per consumer "
+                "thread (at most 192: pingpong tiles own 128 rows per warp group)"
+            )
+        if (self.epilogue == "gated") != (self.gated is not None):
+            raise ValueError(f"{cls}.gated must be a GatedEpilogue exactly when epilogue='gated'")
+        if self.gated is not None:
+            if not isinstance(self.gated, GatedEpilogue):
+                raise ValueError(f"{cls}.gated must be a GatedEpilogue, got {self.gated!r}")
+            if self.n % 16:
+                raise ValueError(
+                    f"{cls}: the gated epilogue needs N = 2I with I a multiple of 8, got N={self.n}"
+                )
+            if t.tile_n not in (128, 256):
+                raise ValueError(
+                    f"{cls}: the gated epilogue needs tile_n 128 or 256 (two accumulators of 64 "
+                    f"or 128 columns), got {t.tile_n}"
+                )
+
+    @property
+    def out_cols(self) -> int:
+        """Columns of the main output: N (``"store"``) or I = N / 2 (``"gated"``: ``a_h``)."""
+        return self.n // 2 if self.gated is not None else self.n
 
     @property
     def n_tiles(self) -> int:
@@ -293,7 +395,12 @@ def _build_kernel_class():
             self.group_threads = 128 * self.wgs_per_group
             self.num_e = key.num_experts
             self.n_tiles = key.n_tiles
-            self.partial_n = key.n % self.tile_n != 0  # the last N tile needs column checks
+            self.gated = key.gated is not None
+            # gated: two accumulators (gate, up) of tile_n / 2 columns, one W box each
+            self.n_acc = 2 if self.gated else 1
+            self.mma_n = self.tile_n // self.n_acc
+            self.out_cols = key.out_cols  # N, or I for the gated epilogue
+            self.partial_n = self.out_cols % self.mma_n != 0  # the last N tile: column checks
             self.k_tiles = key.k_tiles
             self.gather = key.gather_a
             self.proxy_fence = key.gather_a and t.proxy_fence
@@ -332,6 +439,8 @@ def _build_kernel_class():
                 "sA": align[mem[self.ab_dtype, a_cosize], 1024],
                 "sB": align[mem[self.ab_dtype, b_cosize], 1024],
             }
+            if self.gated:
+                fields["sB2"] = align[mem[self.ab_dtype, b_cosize], 1024]
             return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         # ---- the schedule: per-expert tables in shared memory, static tile dealing ----
@@ -412,8 +521,9 @@ def _build_kernel_class():
         # ---- host side: MMA, shared-memory layouts, TMA atoms ----
 
         def make_mma_and_loads(self, mA, mW):
-            """The tiled wgmma (``wgs_per_group`` 64-row slabs, ``tile_n`` wide), the staged
-            shared-memory layouts of A and W and the TMA atoms of W and (without gather) A."""
+            """The tiled wgmma (``wgs_per_group`` 64-row slabs, ``mma_n`` wide: ``tile_n``, or
+            ``tile_n / 2`` per accumulator of the gated epilogue), the staged shared-memory
+            layouts of A and of one W box and the TMA atoms of W and (without gather) A."""
             a_layout = LayoutEnum.ROW_MAJOR  # A is (rows, K), K contiguous
             b_layout = LayoutEnum.from_tensor(mW)  # W viewed (N, K, E)
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -423,9 +533,9 @@ def _build_kernel_class():
                 b_layout.sm90_mma_major_mode(),
                 self.acc_dtype,
                 (self.wgs_per_group, 1, 1),
-                tiler_mn=(64, self.tile_n),
+                tiler_mn=(64, self.mma_n),
             )
-            tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
+            tile_mnk = (self.tile_m, self.mma_n, self.tile_k)
             a_smem_staged = sm90_utils.make_smem_layout_a(
                 a_layout, tile_mnk, self.ab_dtype, self.stages
             )
@@ -436,7 +546,7 @@ def _build_kernel_class():
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
                 mW,
                 cute.slice_(b_smem_staged, (None, None, 0)),
-                (self.tile_n, self.tile_k),
+                (self.mma_n, self.tile_k),
             )
             tma_atom_a, tma_a = tma_atom_b, tma_b  # placeholders for the gather path
             if cutlass.const_expr(not self.gather):
@@ -483,7 +593,12 @@ def _build_kernel_class():
             mIdx: cute.Tensor,  # (S,) row index (gather), else a placeholder
             mW: cute.Tensor,  # (N, K, E) view of W
             mOffsets: cute.Tensor,  # (E,) int32 cumulative expert ends
-            mOut: cute.Tensor,  # (S, N) bf16, row-major
+            mOut: cute.Tensor,  # (S, N) bf16 row-major; gated: a_h (S, I)
+            mBias: cute.Tensor,  # gated with bias: (E, 2I) fp32; else a placeholder
+            mR2P: cute.Tensor,  # gated: (S,) int64 row -> pair; else a placeholder
+            mAlpha: cute.Tensor,  # gated: (R,) fp32 pair affinities; else a placeholder
+            mNumPairs: cute.Tensor,  # gated: (1,) int64 real pairs; else a placeholder
+            mAct: cute.Tensor,  # gated: (R, 2I) bf16 checkpoint; else a placeholder
             num_ctas: cutlass.Int32,
             stream,
         ):
@@ -502,6 +617,11 @@ def _build_kernel_class():
                 mIdx,
                 mOffsets,
                 mOut,
+                mBias,
+                mR2P,
+                mAlpha,
+                mNumPairs,
+                mAct,
                 tiled_mma,
                 a_smem_staged,
                 b_smem_staged,
@@ -525,6 +645,11 @@ def _build_kernel_class():
             mIdx: cute.Tensor,
             mOffsets: cute.Tensor,
             mOut: cute.Tensor,
+            mBias: cute.Tensor,
+            mR2P: cute.Tensor,
+            mAlpha: cute.Tensor,
+            mNumPairs: cute.Tensor,
+            mAct: cute.Tensor,
             tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout,
@@ -545,7 +670,7 @@ def _build_kernel_class():
             # the 128 producer threads' cp.async arrivals ----
             b_one = cute.slice_(b_smem_staged, (None, None, 0))
             a_one = cute.slice_(a_smem_staged, (None, None, 0))
-            tx_bytes = cute.size_in_bytes(self.ab_dtype, b_one)
+            tx_bytes = cute.size_in_bytes(self.ab_dtype, b_one) * self.n_acc
             if cutlass.const_expr(not self.gather):
                 tx_bytes += cute.size_in_bytes(self.ab_dtype, a_one)
             smem = memory.SmemAllocator()
@@ -567,6 +692,11 @@ def _build_kernel_class():
 
             sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
             sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+            sBs = [sB]
+            if cutlass.const_expr(self.gated):
+                sBs.append(
+                    storage.sB2.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+                )
 
             sStart, sBegin, sCount = self.build_schedule(mOffsets, num_rows, storage, warp_idx)
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))  # syncs the CTA
@@ -581,27 +711,45 @@ def _build_kernel_class():
                 )
                 if cutlass.const_expr(self.gather):
                     self.produce_gather(
-                        tma_atom_b, tma_b, mA, mIdx, sA, sB, ab_pipe, prod_state, sStart,
+                        tma_atom_b, tma_b, mA, mIdx, sA, sBs, ab_pipe, prod_state, sStart,
                         sBegin, sCount, total, bidx, gdim, warp_idx, tidx,
                     )
                 elif warp_idx == 0:
                     self.produce_tma(
-                        tma_atom_a, tma_a, tma_atom_b, tma_b, sA, sB, ab_pipe, prod_state,
+                        tma_atom_a, tma_a, tma_atom_b, tma_b, sA, sBs, ab_pipe, prod_state,
                         sStart, sBegin, sCount, total, bidx, gdim,
                     )
             else:
                 # ---------------- consumer warp groups: wgmma + epilogue ----------------
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(
-                    tiled_mma, sA, sB, ab_pipe, mIdx, mOut, sStart, sBegin, sCount, total,
-                    bidx, gdim, wg_idx, tidx,
+                    tiled_mma, sA, sBs, ab_pipe, mOut, (mBias, mR2P, mAlpha, mNumPairs, mAct),
+                    sStart, sBegin, sCount, total, bidx, gdim, wg_idx, tidx,
                 )
 
         # ---- producers ----
 
+        def w_partitions(self, tma_atom_b, tma_b, sBs, g, n_idx):
+            """(smem, gmem) TMA partitions of the W boxes of N tile ``n_idx`` of expert ``g``:
+            one box, or (gated) the gate box at column ``n_idx * mma_n`` and the up box ``I``
+            columns further."""
+            parts = []
+            for i in range(self.n_acc):
+                mW = tma_b[(None, None, g)]
+                if i == 1:
+                    mW = cute.domain_offset((self.out_cols, 0), mW)
+                gB = cute.local_tile(mW, (self.mma_n, self.tile_k), (n_idx, None))
+                parts.append(self.stage_tma_partition(tma_atom_b, sBs[i], gB))
+            return parts
+
+        def copy_w(self, tma_atom_b, w_parts, kt, stage, bar):
+            """TMA of the W box(es) of K tile ``kt`` into ``stage``, completing on ``bar``."""
+            for tBsB, tBgB in w_parts:
+                cute.copy(tma_atom_b, tBgB[(None, kt)], tBsB[(None, stage)], tma_bar_ptr=bar)
+
         @cute.jit
         def produce_tma(
-            self, tma_atom_a, tma_a, tma_atom_b, tma_b, sA, sB, ab_pipe, prod_state, sStart,
+            self, tma_atom_a, tma_a, tma_atom_b, tma_b, sA, sBs, ab_pipe, prod_state, sStart,
             sBegin, sCount, total, bidx, gdim,
         ):
             """One warp: TMA loads of A's (tile_m, tile_k) boxes from the tile's first row and
@@ -615,11 +763,8 @@ def _build_kernel_class():
                         (self.tile_m, self.tile_k),
                         (0, None),
                     )
-                    gB = cute.local_tile(
-                        tma_b[(None, None, g)], (self.tile_n, self.tile_k), (n_idx, None)
-                    )
                     tAsA, tAgA = self.stage_tma_partition(tma_atom_a, sA, gA)
-                    tBsB, tBgB = self.stage_tma_partition(tma_atom_b, sB, gB)
+                    w_parts = self.w_partitions(tma_atom_b, tma_b, sBs, g, n_idx)
                     for kt in cutlass.range(self.k_tiles, unroll=1):
                         ab_pipe.producer_acquire(prod_state)
                         bar = ab_pipe.producer_get_barrier(prod_state)
@@ -627,10 +772,7 @@ def _build_kernel_class():
                             tma_atom_a, tAgA[(None, kt)], tAsA[(None, prod_state.index)],
                             tma_bar_ptr=bar,
                         )
-                        cute.copy(
-                            tma_atom_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)],
-                            tma_bar_ptr=bar,
-                        )
+                        self.copy_w(tma_atom_b, w_parts, kt, prod_state.index, bar)
                         ab_pipe.producer_commit(prod_state)
                         prod_state.advance()
                 tile += gdim
@@ -638,7 +780,7 @@ def _build_kernel_class():
 
         @cute.jit
         def produce_gather(
-            self, tma_atom_b, tma_b, mA, mIdx, sA, sB, ab_pipe, prod_state, sStart, sBegin,
+            self, tma_atom_b, tma_b, mA, mIdx, sA, sBs, ab_pipe, prod_state, sStart, sBegin,
             sCount, total, bidx, gdim, warp_idx, ptid,
         ):
             """The 128 producer threads: per tile, each thread reads the index of its
@@ -668,17 +810,14 @@ def _build_kernel_class():
                             src = cutlass.Int64(mIdx[row0 + r])
                         ok[j] = src >= 0
                         src_off[j] = cutlass.max(src, cutlass.Int64(0)) * lda_bytes
-                    gB = cute.local_tile(
-                        tma_b[(None, None, g)], (self.tile_n, self.tile_k), (n_idx, None)
-                    )
-                    tBsB, tBgB = self.stage_tma_partition(tma_atom_b, sB, gB)
+                    w_parts = self.w_partitions(tma_atom_b, tma_b, sBs, g, n_idx)
                     for kt in cutlass.range(self.k_tiles, unroll=1):
                         ab_pipe.sync_object_empty.wait(prod_state.index, prod_state.phase)
                         if warp_idx == 0:
                             ab_pipe.sync_object_full.arrive(prod_state.index, None)
-                            cute.copy(
-                                tma_atom_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)],
-                                tma_bar_ptr=ab_pipe.producer_get_barrier(prod_state),
+                            self.copy_w(
+                                tma_atom_b, w_parts, kt, prod_state.index,
+                                ab_pipe.producer_get_barrier(prod_state),
                             )
                         col = kt * self.tile_k + chunk * 8
                         in_k = col < self.key.k
@@ -708,8 +847,8 @@ def _build_kernel_class():
 
         @cute.jit
         def consume(
-            self, tiled_mma, sA, sB, ab_pipe, mIdx, mOut, sStart, sBegin, sCount, total, bidx,
-            gdim, wg_idx, tidx,
+            self, tiled_mma, sA, sBs, ab_pipe, mOut, epi_tensors, sStart, sBegin, sCount, total,
+            bidx, gdim, wg_idx, tidx,
         ):
             """Consumer warp groups: per owned tile, the mainloop (wgmma over the K stages,
             one wgmma batch in flight) and the epilogue; tiles of the other group (pingpong)
@@ -719,12 +858,12 @@ def _build_kernel_class():
             slab_thread = ((wg_idx - 1) % self.wgs_per_group) * 128
             thr_mma = tiled_mma.get_slice(slab_thread)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            tCrBs = [tiled_mma.make_fragment_B(thr_mma.partition_B(sX)) for sX in sBs]
             num_k_blocks = cute.size(tCrA, mode=[2])
             thr_mma_epi = tiled_mma.get_slice(ctid)
-            ref_tile = cute.make_identity_tensor((self.tile_m, self.tile_n))
+            ref_tile = cute.make_identity_tensor((self.tile_m, self.mma_n))
             tCcC = thr_mma_epi.partition_C(ref_tile)  # (row, col) of each accumulator value
-            acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+            accs = [cute.make_rmem_tensor(tCcC.shape, self.acc_dtype) for _ in sBs]
             read_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.stages
             )
@@ -747,7 +886,8 @@ def _build_kernel_class():
                             pipeline.NamedBarrier(
                                 barrier_id=1 + group, num_threads=2 * self.group_threads
                             ).arrive_and_wait()
-                    acc.fill(0.0)
+                    for acc in accs:
+                        acc.fill(0.0)
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.fence()
                     for kt in cutlass.range(n_k, unroll=1):
@@ -756,13 +896,14 @@ def _build_kernel_class():
                             cute.arch.fence_proxy("async.shared", space="cta")
                         stage = read_state.index
                         for kb in cutlass.range_constexpr(num_k_blocks):
-                            cute.gemm(
-                                tiled_mma,
-                                acc,
-                                tCrA[(None, None, kb, stage)],
-                                tCrB[(None, None, kb, stage)],
-                                acc,
-                            )
+                            for i in cutlass.range_constexpr(self.n_acc):
+                                cute.gemm(
+                                    tiled_mma,
+                                    accs[i],
+                                    tCrA[(None, None, kb, stage)],
+                                    tCrBs[i][(None, None, kb, stage)],
+                                    accs[i],
+                                )
                         cute.nvgpu.warpgroup.commit_group()
                         cute.nvgpu.warpgroup.wait_group(1)
                         if kt > 0:
@@ -775,11 +916,17 @@ def _build_kernel_class():
                                 barrier_id=2 - group, num_threads=2 * self.group_threads
                             ).arrive()
                     cute.nvgpu.warpgroup.wait_group(0)
-                    fence_accumulators(acc)
+                    for acc in accs:
+                        fence_accumulators(acc)
                     if n_k > 0:
                         ab_pipe.consumer_release(release_state)
                         release_state.advance()
-                    self.epilogue_store(acc, tCcC, mIdx, mOut, n_idx, row0, rows)
+                    if cutlass.const_expr(self.gated):
+                        self.epilogue_gated(
+                            accs[0], accs[1], tCcC, g, n_idx, row0, rows, mOut, *epi_tensors
+                        )
+                    else:
+                        self.epilogue_store(accs[0], tCcC, mOut, n_idx, row0, rows)
                 else:
                     # another consumer group's tile: step over its pipeline stages
                     for _kt in cutlass.range(n_k, unroll=1):
@@ -791,14 +938,14 @@ def _build_kernel_class():
         # ---- epilogues ----
 
         @cute.jit
-        def epilogue_store(self, acc, tCcC, mIdx, mOut, n_idx, row0, rows):
+        def epilogue_store(self, acc, tCcC, mOut, n_idx, row0, rows):
             """Registers -> global: the accumulator rounded to BF16 in column pairs (4-byte
             stores), rows below ``rows`` (inside the expert) and columns below N. A padding row
             of a gathered A was zero-filled in shared memory, so its accumulator is exactly +0
             (for finite W): no select, and a padding row that were read would show."""
             n = self.key.n
             out_base = mOut.iterator.toint()
-            col0 = n_idx * self.tile_n
+            col0 = n_idx * self.mma_n
             pair = cute.make_rmem_tensor((2,), self.out_dtype)
             # fragment ((2 cols, 2 row halves, tile_n / 8 column groups), MMA_M, MMA_N)
             for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
@@ -831,6 +978,117 @@ def _build_kernel_class():
             )
             cute.autovec_copy(pair, dst)
 
+        @cute.jit
+        def activate(self, g, u):
+            """Clamp (the key's limits) and ``h = g * sigmoid(alpha g) * (u + up_offset)`` of
+            one fp32 (g, u); returns (g, u, h) with g, u clamped (what the checkpoint holds)."""
+            ge = self.key.gated
+            if cutlass.const_expr(ge.gate_lo is not None):
+                g = cutlass.max(g, cutlass.Float32(ge.gate_lo))
+            if cutlass.const_expr(ge.gate_hi is not None):
+                g = cutlass.min(g, cutlass.Float32(ge.gate_hi))
+            if cutlass.const_expr(ge.up_lo is not None):
+                u = cutlass.max(u, cutlass.Float32(ge.up_lo))
+            if cutlass.const_expr(ge.up_hi is not None):
+                u = cutlass.min(u, cutlass.Float32(ge.up_hi))
+            ag = g
+            if cutlass.const_expr(ge.alpha != 1.0):
+                ag = g * cutlass.Float32(ge.alpha)
+            sig = cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-ag, fastmath=True))
+            up = u
+            if cutlass.const_expr(ge.up_offset != 0.0):
+                up = u + cutlass.Float32(ge.up_offset)
+            return g, u, g * sig * up
+
+        @cute.jit
+        def epilogue_gated(
+            self, acc_g, acc_u, tCcC, g, n_idx, row0, rows, mAh, mBias, mR2P, mAlpha, mNumPairs,
+            mAct,
+        ):
+            """The forward gate/up epilogue of one tile (columns ``[j, j + mma_n)`` of I, gate
+            in ``acc_g``, up in ``acc_u``): per row s (pair p = ``mR2P[s]``, affinity a):
+            bias, clamp and activation in fp32 from the accumulators, then BF16 stores of
+            ``a_h[s] = a * h`` (0 for a padding row: a select), of the checkpoint
+            ``act[p] = [g, u]`` (real pairs only) and, for ``num_pairs <= s < R``, of zeros
+            into checkpoint row s (so the rows past the pairs are 0, as the pass writes them).
+            Column pairs as 4-byte stores."""
+            i_cols = self.out_cols
+            col0 = n_idx * self.mma_n
+            num_pairs = cutlass.Int64(mNumPairs[0])
+            num_r = cutlass.Int64(mAct.shape[0])
+            ah_base = mAh.iterator.toint()
+            act_base = mAct.iterator.toint()
+            e_b = cutlass.min(g, cutlass.Int32(self.num_e - 1))  # (rows past the experts: any)
+            n_mm = cute.size(acc_g, mode=[1])
+            slots = 2 * n_mm
+            pair_s = cute.make_rmem_tensor((slots,), cutlass.Int64)
+            alpha_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
+            in_s = cute.make_rmem_tensor((slots,), cutlass.Boolean)
+            tail_s = cute.make_rmem_tensor((slots,), cutlass.Boolean)
+            for mm in cutlass.range_constexpr(n_mm):
+                for h in cutlass.range_constexpr(2):
+                    i = mm * 2 + h
+                    r = tCcC[((0, h, 0), mm, 0)][0]
+                    row = cutlass.Int64(row0 + r)
+                    p = cutlass.Int64(-1)
+                    a = cutlass.Float32(0.0)
+                    inside = r < rows
+                    if inside:
+                        p = cutlass.Int64(mR2P[row0 + r])
+                        if p >= 0:
+                            a = cutlass.Float32(mAlpha[p])
+                    pair_s[i] = p
+                    alpha_s[i] = a
+                    in_s[i] = inside
+                    tail_s[i] = inside and row >= num_pairs and row < num_r
+            pair = cute.make_rmem_tensor((2,), self.out_dtype)
+            for q in cutlass.range_constexpr(cute.size(acc_g, mode=[0]) // 4):
+                c = col0 + tCcC[((0, 0, q), 0, 0)][1]  # this pair's first column (all rows)
+                in_n = cutlass.Boolean(True)
+                if cutlass.const_expr(self.partial_n):
+                    in_n = c < i_cols
+                if in_n:
+                    bg0 = cutlass.Float32(0.0)
+                    bg1 = cutlass.Float32(0.0)
+                    bu0 = cutlass.Float32(0.0)
+                    bu1 = cutlass.Float32(0.0)
+                    if cutlass.const_expr(self.key.gated.has_bias):
+                        bg0 = cutlass.Float32(mBias[(e_b, c)])
+                        bg1 = cutlass.Float32(mBias[(e_b, c + 1)])
+                        bu0 = cutlass.Float32(mBias[(e_b, i_cols + c)])
+                        bu1 = cutlass.Float32(mBias[(e_b, i_cols + c + 1)])
+                    for mm in cutlass.range_constexpr(n_mm):
+                        for h in cutlass.range_constexpr(2):
+                            i = mm * 2 + h
+                            if in_s[i]:
+                                r = tCcC[((0, h, 0), mm, 0)][0]
+                                g0, u0, h0 = self.activate(
+                                    acc_g[((0, h, q), mm, 0)] + bg0, acc_u[((0, h, q), mm, 0)] + bu0
+                                )
+                                g1, u1, h1 = self.activate(
+                                    acc_g[((1, h, q), mm, 0)] + bg1, acc_u[((1, h, q), mm, 0)] + bu1
+                                )
+                                p = pair_s[i]
+                                real = p >= 0
+                                ah0 = cutlass.Float32(0.0)
+                                ah1 = cutlass.Float32(0.0)
+                                if real:
+                                    ah0 = alpha_s[i] * h0
+                                    ah1 = alpha_s[i] * h1
+                                row = cutlass.Int64(row0 + r)
+                                self.store_pair(
+                                    ah0, ah1, ah_base + (row * i_cols + c) * 2, pair
+                                )
+                                if real:
+                                    dst = act_base + (p * (2 * i_cols) + c) * 2
+                                    self.store_pair(g0, g1, dst, pair)
+                                    self.store_pair(u0, u1, dst + i_cols * 2, pair)
+                                if tail_s[i]:
+                                    dst = act_base + (row * (2 * i_cols) + c) * 2
+                                    zero = cutlass.Float32(0.0)
+                                    self.store_pair(zero, zero, dst, pair)
+                                    self.store_pair(zero, zero, dst + i_cols * 2, pair)
+
     return Sm90GroupedMmKernel
 
 
@@ -840,9 +1098,10 @@ def _kernel_class():
 
 
 def fake_operands(key: Sm90GroupedMmKey) -> tuple:
-    """Fake (shape-only) operands of a compile: ``a, idx, w (N, K, E view), offsets, out`` with
-    symbolic row counts (``S``; ``T`` of a gathered source) and A's row stride, so one compile
-    serves every split and token count."""
+    """Fake (shape-only) operands of a compile: ``a, idx, w (N, K, E view), offsets, out`` and
+    the gated epilogue's ``bias, row_to_pair, pair_affinity, num_pairs, act`` (placeholders for
+    ``"store"``), with symbolic row counts (``S``; ``T`` of a gathered source; ``R``) and A's
+    row stride, so one compile serves every split and token count."""
     import cutlass
     from cutlass import cute
 
@@ -862,8 +1121,25 @@ def fake_operands(key: Sm90GroupedMmKey) -> tuple:
     w_stride = (1, n, k * n) if key.w_major == "n" else (k, 1, k * n)
     w = cute.runtime.make_fake_tensor(cutlass.BFloat16, (n, k, e), w_stride, assumed_align=16)
     offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
-    out = cute.runtime.make_fake_tensor(cutlass.BFloat16, (s, n), (n, 1), assumed_align=16)
-    return a, idx, w, offsets, out
+    c = key.out_cols
+    out = cute.runtime.make_fake_tensor(cutlass.BFloat16, (s, c), (c, 1), assumed_align=16)
+
+    def placeholder():  # an unused operand: the launcher passes the offsets
+        return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+
+    if key.gated is None:
+        return a, idx, w, offsets, out, *(placeholder() for _ in range(5))
+    r = cute.sym_int32(symbol="pairs_R")
+    bias = placeholder()
+    if key.gated.has_bias:
+        bias = cute.runtime.make_fake_compact_tensor(
+            cutlass.Float32, (e, n), stride_order=(1, 0), assumed_align=16
+        )
+    r2p = cute.runtime.make_fake_tensor(cutlass.Int64, (s,), (1,), assumed_align=8)
+    alpha = cute.runtime.make_fake_tensor(cutlass.Float32, (r,), (1,), assumed_align=4)
+    num_pairs = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (1,), assumed_align=8)
+    act = cute.runtime.make_fake_tensor(cutlass.BFloat16, (r, n), (n, 1), assumed_align=16)
+    return a, idx, w, offsets, out, bias, r2p, alpha, num_pairs, act
 
 
 #: The varlen-M family: compile cache, offline compile and launcher (``launch.py``).
@@ -874,8 +1150,9 @@ FAMILY = GroupedMmFamily(
 
 def compile_grouped_mm(key: Sm90GroupedMmKey) -> Any:
     """Compile (once per key, cached) the kernel for the present GPU; returns the compiled
-    function, called ``fn(a, idx, w_NKE, offsets, out, num_ctas)`` on the current stream (see
-    :func:`cuda_kernels.grouped_mm.api.grouped_mm_gather`, which validates and launches).
+    function, called ``fn(a, idx, w_NKE, offsets, out, bias, row_to_pair, pair_affinity,
+    num_pairs, act, num_ctas)`` on the current stream (the operands of :func:`fake_operands`;
+    :mod:`cuda_kernels.grouped_mm.api` validates and launches).
 
     Raises:
         RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.

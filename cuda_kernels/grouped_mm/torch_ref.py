@@ -1,5 +1,5 @@
-"""The torch twin of the varlen-M grouped GEMM (the kernels' reference in the tests; the CPU path
-of :func:`cuda_kernels.grouped_mm.api.grouped_mm_gather`).
+"""The torch twins of the varlen-M grouped GEMMs (the kernels' references in the tests; the CPU
+paths of :mod:`cuda_kernels.grouped_mm.api`).
 
 ``out[r] = A[idx[r]] @ W[e]`` for the rows r of expert e, in ``acc_dtype`` (float32: the kernel's
 accumulator; float64 for the twin's own test) and rounded once to ``out_dtype``. Padding rows
@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["expert_segments", "gathered_rows", "grouped_mm_gather_torch"]
+__all__ = [
+    "expert_segments",
+    "gate_up_activation_torch",
+    "gathered_rows",
+    "grouped_mm_gather_torch",
+]
 
 
 def expert_segments(offsets_E: torch.Tensor, num_rows: int) -> list[tuple[int, int]]:
@@ -69,3 +74,63 @@ def grouped_mm_gather_torch(
     if row_index is not None:
         out = torch.where((row_index >= 0)[:, None], out, torch.zeros((), dtype=acc_dtype))
     return out.to(out_dtype)
+
+
+def gate_up_activation_torch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offsets_E: torch.Tensor,
+    row_index: torch.Tensor | None,
+    row_to_pair_S: torch.Tensor,
+    pair_affinity_R: torch.Tensor,
+    *,
+    activation,
+    clamp_limits,
+    bias_E2I: torch.Tensor | None = None,
+    acc_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused gate/up epilogue's twin: the grouped GEMM in ``acc_dtype`` (NOT rounded), then
+    per row s of pair p (``row_to_pair_S[s]``, -1 = padding) of expert e with affinity a::
+
+        g = clamp_gate(acc[s, :I] + bias[e, :I])     u = clamp_up(acc[s, I:] + bias[e, I:])
+        h = g * sigmoid(alpha * g) * (u + up_offset)
+        a_h[s] = a * h (0 for padding rows)          act[p] = [g, u]
+
+    each rounded once to ``out_dtype``; checkpoint rows no real pair refers to are 0.
+
+    Args:
+        x, w, offsets_E, row_index: as :func:`grouped_mm_gather_torch` (w [E, H, 2I]: gate
+            columns first).
+        row_to_pair_S: [S] int64 pair of each row. pair_affinity_R: [R] float.
+        activation: ``common.problem.Activation``. clamp_limits: ``ClampLimits`` or None.
+        bias_E2I: optional [E, 2I] (or [E, 2, I]) gate/up bias.
+    Returns:
+        ``(act [R, 2, I], a_h [S, I])`` in ``out_dtype``.
+    """
+    S = row_to_pair_S.shape[0]
+    R = pair_affinity_R.shape[0]
+    I = w.shape[2] // 2
+    acc = grouped_mm_gather_torch(
+        x, w, offsets_E, row_index, acc_dtype=acc_dtype, out_dtype=acc_dtype
+    )
+    if bias_E2I is not None:
+        seg = expert_segments(offsets_E, S)
+        counts = torch.tensor([t - b for b, t in seg] + [S - (seg[-1][1] if seg else 0)])
+        row_e = torch.repeat_interleave(torch.arange(len(seg) + 1), counts).clamp(max=len(seg) - 1)
+        acc = acc + bias_E2I.reshape(len(seg), 2 * I).to(acc_dtype)[row_e.to(acc.device)]
+    g, u = acc[:, :I], acc[:, I:]
+    cl = clamp_limits
+    if cl is not None:
+        g = cl.clamp_gate(g)
+        u = cl.clamp_up(u)
+    sig = torch.sigmoid(g * activation.alpha) if activation.alpha != 1.0 else torch.sigmoid(g)
+    h = g * sig * (u + activation.up_offset)
+    valid = row_to_pair_S >= 0
+    p = row_to_pair_S.clamp(min=0)
+    a = torch.where(valid, pair_affinity_R.to(acc_dtype)[p] if R else p.to(acc_dtype), 0)
+    ah = torch.where(valid[:, None], a[:, None] * h, torch.zeros((), dtype=acc_dtype))
+    act = torch.zeros(R + 1, 2, I, dtype=out_dtype, device=x.device)
+    dest = torch.where(valid, row_to_pair_S, torch.full_like(row_to_pair_S, R))
+    act.index_put_((dest,), torch.stack([g, u], 1).to(out_dtype))
+    return act[:R], ah.to(out_dtype)

@@ -10,8 +10,14 @@ router (``common.router_sim.simulate_model_routing``, seed 0) in the layer's gro
 - ``down``      forward:  ``ah[S, I]`` (rows in order) @ ``W_down[E, I, H]`` -> ``[S, H]``
 - ``down_dgrad`` backward: ``dY[T, H]`` gathered @ ``W_down[e]^T`` (a K-major view) -> ``[S, I]``
 - ``gate_up_dgrad`` backward: ``dgu[S, 2I]`` (rows) @ ``W_gate_up[e]^T`` (K-major) -> ``[S, H]``
+- ``gate_up_act`` forward, the gate/up GEMM with its epilogue: bias (models with biases), clamp
+  and the model's activation, writing the BF16 checkpoint ``[R, 2, I]`` and ``a * h [S, I]``
 
-Rows per GEMM (``--impls``):
+Rows per GEMM (``--impls``; for ``gate_up_act`` the same keys mean: ``ours`` =
+``gate_up_forward``, the epilogue fused into the gathering kernel; ``grouped_mm`` =
+``torch._grouped_mm`` on pre-gathered rows then ``moe_forward.kernels.activation_forward``;
+``gather`` = the layer's forward today, ``gather_rows`` + ``torch._grouped_mm`` +
+``activation_forward``; ``dense`` = the GEMM's FLOPs as one ``torch.mm``):
 
 - ``ours`` [ours]: ``grouped_mm_gather`` (the gathered GEMMs read X / dY through the index
   inside the kernel; the row GEMMs read A by TMA), once per ``--tiles`` variant (default: the
@@ -60,13 +66,14 @@ from bench_moe_backward import (
     parse_shapes,
 )
 
+from common.problem import ClampLimits
 from common.router_sim import simulate_model_routing
 from common.routing import plan_routing
 from common.torch_backward import grouped_layout
 from cuda_kernels.grouped_mm import grouped_mm_gather, grouped_mm_gather_torch
 from cuda_kernels.grouped_mm.sm90 import Sm90GroupedMmTile
 
-GEMMS = ("gate_up", "down", "down_dgrad", "gate_up_dgrad")
+GEMMS = ("gate_up", "down", "down_dgrad", "gate_up_dgrad", "gate_up_act")
 IMPLS = ("ours", "grouped_mm", "gather", "dense")
 BF16 = torch.bfloat16
 
@@ -95,8 +102,11 @@ def build_shape(model, T: int, device: torch.device, seed: int = 0) -> dict:
     S = layout.tokens_sum
     idx = layout.row_to_token_S
     R = int((idx >= 0).sum())
+    activation, clamp = model.expert_activation()
     return {
-        "E": E, "H": H, "I": I, "T": T, "S": S, "R": R,
+        "E": E, "H": H, "I": I, "T": T, "S": S, "R": R, "plan": plan, "layout": layout,
+        "activation": activation, "clamp": clamp,
+        "b_gu": randn(E, 2, I, scale=0.1).float() if model.has_bias else None,
         "offsets": layout.offsets_E, "idx": idx, "idx_clamped": idx.clamp(min=0),
         "x": randn(T, H), "dy": randn(T, H),
         "w_gu": randn(E, H, 2 * I, scale=H**-0.5), "w_d": randn(E, I, H, scale=I**-0.5),
@@ -106,7 +116,7 @@ def build_shape(model, T: int, device: torch.device, seed: int = 0) -> dict:
 
 def gemm_operands(d: dict, gemm: str):
     """``(a, w [E, K, N], index or None)`` of one GEMM."""
-    if gemm == "gate_up":
+    if gemm in ("gate_up", "gate_up_act"):
         return d["x"], d["w_gu"], d["idx"]
     if gemm == "down":
         return d["ah"], d["w_d"], None
@@ -123,7 +133,41 @@ def ulp_check(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((diff / (2**-7 * ref.float().abs() + 1e-3)).max())
 
 
+def gated_impls(d: dict, args, tiles) -> dict:
+    """``{impl: fn}`` of ``gate_up_act`` (see the module docstring)."""
+    from cuda_kernels.grouped_mm import gate_up_forward
+    from cuda_kernels.moe_backward.kernels import gather_rows
+    from cuda_kernels.moe_forward.kernels import activation_forward
+
+    E, H, I = d["E"], d["H"], d["I"]
+    plan, layout, offs = d["plan"], d["layout"], d["offsets"]
+    kw = {"activation": d["activation"], "clamp_limits": d["clamp"]}
+    w4 = d["w_gu"].reshape(E, H, 2, I)
+    x_rows = gather_rows(d["x"], d["idx"])
+
+    def cublas_then_pass(rows):
+        gu = torch._grouped_mm(rows, d["w_gu"], offs=offs)
+        return activation_forward(gu, layout.row_to_pair_S, plan, b_gate_up_E2I=d["b_gu"],
+                                  activation=kw["activation"],
+                                  clamp_limits=kw["clamp_limits"] or ClampLimits())
+
+    fns = {}
+    if "grouped_mm" in args.impls:
+        fns["grouped_mm"] = lambda: cublas_then_pass(x_rows)
+    if "gather" in args.impls:
+        fns["gather+grouped_mm"] = lambda: cublas_then_pass(gather_rows(d["x"], d["idx"]))
+    if "ours" in args.impls:
+        for tile in tiles:
+            name = "ours" + (f" {tile.variant_name}" if tile is not None else "")
+            fns[name] = lambda t=tile: gate_up_forward(
+                d["x"], w4, layout, plan, b_gate_up_E2I=d["b_gu"], backend="sm90", tile=t, **kw
+            )
+    return fns
+
+
 def run_gemm(label, gemm, d, args, bench, record, tiles) -> None:
+    if gemm == "gate_up_act":
+        return run_gated(label, d, args, bench, record, tiles)
     a, w, idx = gemm_operands(d, gemm)
     _, K, N = w.shape
     S, R = d["S"], d["R"]
@@ -163,6 +207,45 @@ def run_gemm(label, gemm, d, args, bench, record, tiles) -> None:
                 emit(name, ms, extra)
             except Exception as exc:  # noqa: BLE001 - a variant that fails prints why
                 rows[name] = {"shape": label, "gemm": gemm, "impl": name, "status": _err(exc)}
+    finish_rows(rows, record)
+    return None
+
+
+def run_gated(label, d, args, bench, record, tiles) -> None:
+    """The ``gate_up_act`` rows; ``--check``: ours vs the layer's path (GEMM then pass) as the
+    largest checkpoint difference in BF16 ulps of the pass's values and the relative error of
+    ``a * h``."""
+    _, w, _ = gemm_operands(d, "gate_up_act")
+    _, K, N = w.shape
+    flops = 2.0 * d["R"] * K * N
+    rows = {}
+    fns = gated_impls(d, args, tiles)
+    ref = fns["grouped_mm"]() if args.check and "grouped_mm" in fns else None
+    for impl, fn in fns.items():
+        try:
+            got = fn()  # compile / warm up
+            ms = bench(fn) * 1e3
+            row = {"shape": label, "gemm": "gate_up_act", "impl": impl, "ms": ms,
+                   "tflops": flops / (ms * 1e-3) / 1e12}
+            if ref is not None and impl.startswith("ours"):
+                row["ulps"] = ulp_check(got[0], ref[0])
+                row["ah_rel"] = float((got[1].float() - ref[1].float()).norm()
+                                      / ref[1].float().norm().clamp_min(1e-30))
+            rows[impl] = row
+        except Exception as exc:  # noqa: BLE001 - a variant that fails prints why
+            rows[impl] = {"shape": label, "gemm": "gate_up_act", "impl": impl,
+                          "status": _err(exc)}
+    if "dense" in args.impls:
+        xa = torch.randn(d["R"], K, device=w.device).to(BF16)
+        xb = torch.randn(K, N, device=w.device).to(BF16)
+        ms = bench(lambda: torch.mm(xa, xb)) * 1e3
+        rows["dense mm"] = {"shape": label, "gemm": "gate_up_act", "impl": "dense mm", "ms": ms,
+                            "tflops": flops / (ms * 1e-3) / 1e12}
+    finish_rows(rows, record)
+
+
+def finish_rows(rows: dict, record: dict) -> None:
+    """Ratios against the ``grouped_mm`` and ``dense mm`` rows, then print and record."""
     base = rows.get("grouped_mm", {}).get("ms")
     dense = rows.get("dense mm", {}).get("ms")
     for row in rows.values():
@@ -230,6 +313,8 @@ def main(argv=None) -> int:
             _free(device)
         del d
         _free(device)
+        if args.json:  # after every shape: a run cut short by a timeout keeps what it measured
+            Path(args.json).write_text(json.dumps(record, indent=1, default=str))
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1, default=str))
     return 0

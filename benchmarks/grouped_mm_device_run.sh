@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # One device call on a lent H200: the varlen-M grouped GEMM (cuda_kernels/grouped_mm) -- its GPU
 # tests, then its benchmark (benchmarks/bench_grouped_mm.py).
-#   bash benchmarks/grouped_mm_device_run.sh [extra benchmark args, e.g. --tiles 128x256s4,128x128s6pp]
+#   bash benchmarks/grouped_mm_device_run.sh [benchmark args]
+# Without arguments the benchmark runs its five default shapes, all five GEMMs, and two tiles of
+# ours (--tiles 128x256s4,128x128s6pp); arguments replace that (e.g. --shapes qwen3-30b-a3b:16384
+# --gemms gate_up,gate_up_act --tiles 128x256s4,128x128s6pp,128x128s6).
 # Needs .device/cute-dsl.tar.xz (CuTe DSL, unpacked under /tmp/site-packages as
 # moe_layer_device_run.sh does). Steps, each under `timeout` (about 8 minutes at most in all):
-#   1. smoke: one small gather case (a hang or a crash of the kernel shows here, in <= 90 s,
+#   1. smoke: one small gather case (a hang or a crash of the kernel shows here, in <= 75 s,
 #      and the later steps are skipped);
-#   2. every test of tests/test_grouped_mm_sm90.py and tests/test_grouped_mm.py, `-x -q`;
-#   3. the benchmark with --check (ours vs the torch twin, in BF16 ulps).
+#   2. every test of tests/test_grouped_mm_sm90.py and tests/test_grouped_mm.py, `-x -q`
+#      (<= 150 s);
+#   3. the benchmark with --check (ours vs the torch twin in BF16 ulps; gate_up_act: vs the
+#      layer's GEMM-then-pass), <= 230 s; its JSON is rewritten after every shape.
 # Logs: $OUT/{env,smoke,tests}.log, $OUT/grouped_mm_bench.{md,json,err}.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -20,7 +25,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu -
   >> "$OUT/env.log" 2>&1
 
 T=tests/test_grouped_mm_sm90.py
-timeout "${SMOKE_TIMEOUT:-90}" python3 -m pytest -x -q -p no:cacheprovider \
+timeout "${SMOKE_TIMEOUT:-75}" python3 -m pytest -x -q -p no:cacheprovider \
   "$T::test_grid_matches_twin[uneven-128x256-gather]" > "$OUT/smoke.log" 2>&1
 rc=$?
 echo "smoke rc=$rc"; tail -15 "$OUT/smoke.log"
@@ -32,7 +37,8 @@ timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -x -q -p no:cacheprovider -rs \
   "$T" tests/test_grouped_mm.py > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; tail -25 "$OUT/tests.log"
 
-timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/bench_grouped_mm.py --check \
+if [ "$#" -eq 0 ]; then set -- --tiles 128x256s4,128x128s6pp; fi
+timeout "${BENCH_TIMEOUT:-230}" python3 benchmarks/bench_grouped_mm.py --check \
   --json "$OUT/grouped_mm_bench.json" "$@" > "$OUT/grouped_mm_bench.md" \
   2> "$OUT/grouped_mm_bench.err"
 echo "bench rc=$?"; cat "$OUT/grouped_mm_bench.md"; tail -5 "$OUT/grouped_mm_bench.err"

@@ -30,6 +30,8 @@ from cuda_kernels.grouped_mm.sm90 import (
 from cuda_kernels.grouped_mm.torch_ref import expert_segments
 
 BF16 = torch.bfloat16
+# the test comparing with the Triton pass runs it compiled on a GPU, interpreted on the CPU
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _layout(T, E, top_k, seed, align=16):
@@ -277,13 +279,15 @@ _ACTS = {
 }
 
 
-def _gated_problem(T, H, I, E, top_k, seed, *, integer=False):
+def _gated_problem(T, H, I, E, top_k, seed, *, integer=False, device="cpu"):
+    """Routing (plan, layout) and gate/up operands (BF16 x, w [E, H, 2I]; fp32 bias [E, 2, I])
+    on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     live = [e for e in range(E) if e % 3] or [0]
     pick = torch.stack([torch.randperm(len(live), generator=gen)[:top_k] for _ in range(T)])
     expert_index = torch.tensor(live)[pick]
     affinity = torch.rand(T, top_k, generator=gen)
-    plan = plan_routing(expert_index, affinity, E)
+    plan = plan_routing(expert_index.to(device), affinity.to(device), E)
     layout = plan.grouped(align=16)
     if integer:  # every accumulator an integer of at most 8 bits: exact in BF16
         x = torch.randint(-1, 2, (T, H), generator=gen).to(BF16)
@@ -293,7 +297,7 @@ def _gated_problem(T, H, I, E, top_k, seed, *, integer=False):
         x = torch.randn(T, H, generator=gen).to(BF16)
         w = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16)
         b = torch.randn(E, 2, I, generator=gen)
-    return x, w, b, plan, layout
+    return x.to(device), w.to(device), b.to(device), plan, layout
 
 
 def _ulps(x, ref):
@@ -334,7 +338,7 @@ def test_gated_twin_matches_gemm_then_pass(name, integer):
 
     act_fn, clamp, with_bias = _ACTS[name]
     x, w, b, plan, layout = _gated_problem(33, 16 if integer else 64, 32, 5, 2, seed=8,
-                                           integer=integer)
+                                           integer=integer, device=DEV)
     bias = b if with_bias else None
     gu = grouped_mm_rows(layout.gather_rows(x), w, layout.offsets_E)
     act_p, ah_p = activation_forward(
@@ -342,7 +346,7 @@ def test_gated_twin_matches_gemm_then_pass(name, integer):
         clamp_limits=clamp or ClampLimits(), b_gate_up_E2I=bias,
     )
     act_f, ah_f = gate_up_forward(x, w.reshape(5, -1, 2, 32), layout, plan, activation=act_fn,
-                                  clamp_limits=clamp, b_gate_up_E2I=bias)
+                                  clamp_limits=clamp, b_gate_up_E2I=bias, backend="torch")
     if integer:
         assert torch.equal(act_f, act_p)
         assert (_ulps(ah_f, ah_p) <= 2.01).all()  # sigmoid/exp implementations may differ
@@ -350,7 +354,7 @@ def test_gated_twin_matches_gemm_then_pass(name, integer):
         # the pass rounds the accumulator before adding the bias: half an ulp of |acc| more
         acc = grouped_mm_gather_torch(x, w, layout.offsets_E, layout.row_to_token_S,
                                       out_dtype=torch.float32)
-        acc_R = torch.zeros(act_p.shape[0] + 1, 2 * 32)
+        acc_R = torch.zeros(act_p.shape[0] + 1, 2 * 32, device=DEV)
         r2p = layout.row_to_pair_S
         acc_R[torch.where(r2p >= 0, r2p, act_p.shape[0])] = acc
         acc_R = acc_R[:-1].reshape(-1, 2, 32).abs()

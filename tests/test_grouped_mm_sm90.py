@@ -27,13 +27,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _ptxas import ptxas_for
 
+from common.problem import Activation, ClampLimits
 from common.routing import plan_routing
 from cuda_kernels.grouped_mm import (
+    gate_up_activation_torch,
+    gate_up_forward,
+    grouped_mm_gated,
     grouped_mm_gather,
     grouped_mm_gather_torch,
     sm90,
 )
-from cuda_kernels.grouped_mm.sm90 import Sm90GroupedMmKey, Sm90GroupedMmTile
+from cuda_kernels.grouped_mm.sm90 import GatedEpilogue, Sm90GroupedMmKey, Sm90GroupedMmTile
 
 HAS_CUTE = importlib.util.find_spec("cutlass") is not None
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -71,6 +75,18 @@ _OFFLINE = [
      ["cp.async.bulk.tensor.2d", "cp.async.bulk.tensor.3d", "bar.sync",
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"],
      ["cp.async.cg.shared.global", "fence.proxy.async"]),
+    ("gated-swiglu-128x256",
+     Sm90GroupedMmKey(1536, 2048, 128, epilogue="gated", gated=GatedEpilogue(),
+                      tile=_T(128, 256, 64, 4)),
+     ["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", "ex2.approx",
+      "cvt.rn.bf16x2.f32", "cp.async.mbarrier.arrive.noinc"],
+     []),
+    ("gated-gpt-oss-bias-pingpong-partial",
+     Sm90GroupedMmKey(5760, 2880, 128, epilogue="gated",
+                      gated=GatedEpilogue(1.702, 1.0, None, 7.0, -7.0, 7.0, True),
+                      tile=_T(128, 128, 64, 6, pingpong=True)),
+     ["wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "ex2.approx", "bar.sync"],
+     []),
     ("gather-int32-64row-partial-n",
      Sm90GroupedMmKey(2880, 2880, 16, index_dtype="int32", tile=_T(64, 256, 64, 4,
                                                                     proxy_fence=False)),
@@ -122,6 +138,11 @@ def test_offline_compile_is_cached_per_key_only_for_runtime_compiles():
 def _routing(T, E, top_k, gen, hot=None, empty_every=3):
     """A grouped layout (common.routing, align 16) of random top-k routing over the live experts
     (every ``empty_every``-th expert empty; ``hot``: that expert takes 90 % of the slots)."""
+    return _routing_plan(T, E, top_k, gen, hot, empty_every)[1]
+
+
+def _routing_plan(T, E, top_k, gen, hot=None, empty_every=3):
+    """``(plan, layout)`` of :func:`_routing`'s routing, on the GPU."""
     live = [e for e in range(E) if empty_every == 0 or e % empty_every] or [0]
     top_k = min(top_k, len(live))
     pick = torch.stack([torch.randperm(len(live), generator=gen)[:top_k] for _ in range(T)])
@@ -129,8 +150,8 @@ def _routing(T, E, top_k, gen, hot=None, empty_every=3):
     if hot is not None:  # (a duplicate expert in a token's top-k is merged by the plan)
         expert_index[: int(0.9 * T), 0] = hot
     affinity = torch.rand(T, top_k, generator=gen)
-    plan = plan_routing(expert_index, affinity, E)
-    return plan.grouped(align=16)
+    plan = plan_routing(expert_index.cuda(), affinity.cuda(), E)
+    return plan, plan.grouped(align=16)
 
 
 def _operands(T, K, N, E, gen, w_major="n", lda=None):
@@ -327,3 +348,101 @@ def test_cuda_graph_replay_with_new_offsets():
         torch.cuda.synchronize()
         _check_close(out, grouped_mm_gather_torch(a, w, offsets, idx))
 
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the gated (forward gate/up) epilogue
+# ------------------------------------------------------------------------------------------------
+
+_GATED_ACTS = {
+    "swiglu": (Activation("swiglu"), None, False),
+    "gpt-oss": (Activation("gpt_oss", 1.702, 1.0),
+                ClampLimits(linear_clamp_upper_limit=7.0, linear_clamp_lower_limit=-7.0,
+                            non_linear_clamp_upper_limit=7.0), True),
+}
+
+
+def _within_ulps(out, ref, n, floor=1e-5):
+    """Every element within ``n`` BF16 ulps of ``ref`` (ulp of |ref|'s binade) plus ``floor``."""
+    d = (out.float() - ref.float()).abs()
+    ulp = torch.ldexp(torch.ones_like(d), torch.frexp(ref.float()).exponent - 8)
+    bad = int((d > n * ulp + floor).sum())
+    assert bad == 0, f"{bad} elements beyond {n} ulps (max diff {d.max().item()})"
+
+
+_GATED_GRID = [
+    # (id, T, H, I, E, top_k, activation, tile)
+    ("swiglu-coop-128x256", 300, 256, 384, 8, 2, "swiglu", _T(128, 256, 64, 4)),
+    ("swiglu-pingpong-128x128", 300, 256, 192, 8, 2, "swiglu", _T(128, 128, 64, 6, True)),
+    ("gpt-oss-partial-i", 200, 192, 200, 6, 2, "gpt-oss", _T(128, 256, 64, 4)),
+    ("gpt-oss-pingpong-partial", 200, 192, 200, 6, 2, "gpt-oss", _T(128, 128, 64, 6, True)),
+    ("qwen3-30b", 256, 2048, 768, 128, 8, "swiglu", None),
+    ("gpt-oss-120b", 128, 2880, 2880, 32, 4, "gpt-oss", None),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", _GATED_GRID, ids=[c[0] for c in _GATED_GRID])
+def test_gated_matches_twin_and_writes_everything(case):
+    _id, T, H, I, E, top_k, name, tile = case
+    act_fn, clamp, with_bias = _GATED_ACTS[name]
+    gen = torch.Generator().manual_seed(_GATED_GRID.index(case))
+    routing = _routing_plan(T, E, top_k, gen)
+    plan, layout = routing
+    x = torch.randn(T, H, generator=gen).to(BF16).cuda()
+    w = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16).cuda()
+    bias = torch.randn(E, 2, I, generator=gen).cuda() if with_bias else None
+    R, S = plan.pair_token_R.shape[0], layout.tokens_sum
+    act = torch.full((R, 2, I), float("nan"), dtype=BF16, device="cuda")
+    ah = torch.full((S, I), float("nan"), dtype=BF16, device="cuda")
+    args = (x, w, layout.offsets_E, layout.row_to_token_S, layout.row_to_pair_S,
+            plan.pair_affinity_R, plan.num_pairs)
+    grouped_mm_gated(*args, activation=act_fn, clamp_limits=clamp, bias=bias, act_out=act,
+                     ah_out=ah, backend="sm90", tile=tile)
+    torch.cuda.synchronize()
+    assert torch.isfinite(act).all() and torch.isfinite(ah).all(), "unwritten outputs remain"
+    act_t, ah_t = gate_up_activation_torch(
+        *args[:-1], activation=act_fn, clamp_limits=clamp, bias_E2I=bias
+    )
+    _within_ulps(act, act_t, 1)
+    _within_ulps(ah, ah_t, 2)
+    assert (ah[layout.row_to_pair_S < 0] == 0).all()
+    assert (act[int(plan.num_pairs):] == 0).all()
+    act2, ah2 = grouped_mm_gated(*args, activation=act_fn, clamp_limits=clamp, bias=bias,
+                                 backend="sm90", tile=tile)
+    assert torch.equal(act2, act) and torch.equal(ah2, ah), "not bitwise deterministic"
+
+
+@gpu
+@pytest.mark.parametrize("name", list(_GATED_ACTS))
+def test_gated_matches_the_layers_gemm_then_pass(name):
+    """Against what the layer runs today: cuBLAS's grouped GEMM on gathered rows (BF16 out),
+    then ``activation_forward``; the fused path skips the BF16 rounding of the pre-activation,
+    so the checkpoint differs by at most half an ulp of the accumulator plus one rounding
+    flip."""
+    from cuda_kernels.moe_backward.kernels import gather_rows
+    from cuda_kernels.moe_forward.kernels import activation_forward
+
+    act_fn, clamp, with_bias = _GATED_ACTS[name]
+    gen = torch.Generator().manual_seed(21)
+    T, H, I, E = 512, 1024, 512, 16
+    plan, layout = _routing_plan(T, E, 4, gen)
+    x = torch.randn(T, H, generator=gen).to(BF16).cuda()
+    w = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16).cuda()
+    bias = torch.randn(E, 2, I, generator=gen).cuda() if with_bias else None
+    gu = torch._grouped_mm(gather_rows(x, layout.row_to_token_S), w, offs=layout.offsets_E)
+    act_p, ah_p = activation_forward(gu, layout.row_to_pair_S, plan, activation=act_fn,
+                                     clamp_limits=clamp or ClampLimits(), b_gate_up_E2I=bias)
+    act_f, ah_f = gate_up_forward(x, w.reshape(E, H, 2, I), layout, plan, activation=act_fn,
+                                  clamp_limits=clamp, b_gate_up_E2I=bias, backend="sm90")
+    torch.cuda.synchronize()
+    d = (act_f.float() - act_p.float()).abs()
+    g_abs = torch.zeros(plan.pair_token_R.shape[0] + 1, 2 * I, device="cuda")
+    r2p = layout.row_to_pair_S
+    g_abs[torch.where(r2p >= 0, r2p, g_abs.shape[0] - 1)] = gu.float().abs()
+    g_abs = g_abs[:-1].reshape(-1, 2, I)
+    ulp = torch.ldexp(torch.ones_like(d), torch.frexp(act_p.float()).exponent - 8)
+    assert (d <= 2**-8 * g_abs * 1.01 + ulp + 1e-5).all()
+    rel = ((ah_f.float() - ah_p.float()).norm() / ah_p.float().norm()).item()
+    assert rel < 5e-3
+    assert torch.equal(act_f[int(plan.num_pairs):], act_p[int(plan.num_pairs):])

@@ -12,12 +12,15 @@ router (``common.router_sim.simulate_model_routing``, seed 0) in the layer's gro
 - ``gate_up_dgrad`` backward: ``dgu[S, 2I]`` (rows) @ ``W_gate_up[e]^T`` (K-major) -> ``[S, H]``
 - ``gate_up_act`` forward, the gate/up GEMM with its epilogue: bias (models with biases), clamp
   and the model's activation, writing the BF16 checkpoint ``[R, 2, I]`` and ``a * h [S, I]``
+- ``down_dgrad_act`` backward, the down dgrad with the activation backward as its epilogue:
+  ``d_gate_up [S, 2I]``, ``a * h [S, I]`` and the affinity gradient (a random checkpoint)
 
-Rows per GEMM (``--impls``; for ``gate_up_act`` the same keys mean: ``ours`` =
-``gate_up_forward``, the epilogue fused into the gathering kernel; ``grouped_mm`` =
-``torch._grouped_mm`` on pre-gathered rows then ``moe_forward.kernels.activation_forward``;
-``gather`` = the layer's forward today, ``gather_rows`` + ``torch._grouped_mm`` +
-``activation_forward``; ``dense`` = the GEMM's FLOPs as one ``torch.mm``):
+Rows per GEMM (``--impls``; for ``gate_up_act`` / ``down_dgrad_act`` the same keys mean:
+``ours`` = ``gate_up_forward`` / ``down_dgrad_backward``, the epilogue fused into the gathering
+kernel; ``grouped_mm`` = ``torch._grouped_mm`` on pre-gathered rows then
+``moe_forward.kernels.activation_forward`` / ``moe_backward.kernels.activation_backward``;
+``gather`` = the layer's path today, ``gather_rows`` + ``torch._grouped_mm`` + the pass;
+``dense`` = the GEMM's FLOPs as one ``torch.mm``):
 
 - ``ours`` [ours]: ``grouped_mm_gather`` (the gathered GEMMs read X / dY through the index
   inside the kernel; the row GEMMs read A by TMA), once per ``--tiles`` variant (default: the
@@ -73,7 +76,7 @@ from common.torch_backward import grouped_layout
 from cuda_kernels.grouped_mm import grouped_mm_gather, grouped_mm_gather_torch
 from cuda_kernels.grouped_mm.sm90 import Sm90GroupedMmTile
 
-GEMMS = ("gate_up", "down", "down_dgrad", "gate_up_dgrad", "gate_up_act")
+GEMMS = ("gate_up", "down", "down_dgrad", "gate_up_dgrad", "gate_up_act", "down_dgrad_act")
 IMPLS = ("ours", "grouped_mm", "gather", "dense")
 BF16 = torch.bfloat16
 
@@ -111,6 +114,7 @@ def build_shape(model, T: int, device: torch.device, seed: int = 0) -> dict:
         "x": randn(T, H), "dy": randn(T, H),
         "w_gu": randn(E, H, 2 * I, scale=H**-0.5), "w_d": randn(E, I, H, scale=I**-0.5),
         "ah": randn(S, I), "dgu": randn(S, 2 * I),
+        "act": randn(plan.pair_token_R.shape[0], 2, I),
     }
 
 
@@ -120,7 +124,7 @@ def gemm_operands(d: dict, gemm: str):
         return d["x"], d["w_gu"], d["idx"]
     if gemm == "down":
         return d["ah"], d["w_d"], None
-    if gemm == "down_dgrad":
+    if gemm in ("down_dgrad", "down_dgrad_act"):
         return d["dy"], d["w_d"].transpose(1, 2), d["idx"]
     if gemm == "gate_up_dgrad":
         return d["dgu"], d["w_gu"].transpose(1, 2), None
@@ -165,9 +169,39 @@ def gated_impls(d: dict, args, tiles) -> dict:
     return fns
 
 
+def dgated_impls(d: dict, args, tiles) -> dict:
+    """``{impl: fn}`` of ``down_dgrad_act`` (see the module docstring)."""
+    from cuda_kernels.grouped_mm import down_dgrad_backward
+    from cuda_kernels.moe_backward.kernels import activation_backward, gather_rows
+
+    plan, layout, offs = d["plan"], d["layout"], d["offsets"]
+    kw = {"activation": d["activation"], "clamp_limits": d["clamp"]}
+    w_t = d["w_d"].transpose(1, 2)
+    dy_rows = gather_rows(d["dy"], d["idx"])
+
+    def cublas_then_pass(rows):
+        dh = torch._grouped_mm(rows, w_t, offs=offs)
+        return activation_backward(dh, d["act"], layout.row_to_pair_S, plan,
+                                   activation=kw["activation"],
+                                   clamp_limits=kw["clamp_limits"] or ClampLimits())
+
+    fns = {}
+    if "grouped_mm" in args.impls:
+        fns["grouped_mm"] = lambda: cublas_then_pass(dy_rows)
+    if "gather" in args.impls:
+        fns["gather+grouped_mm"] = lambda: cublas_then_pass(gather_rows(d["dy"], d["idx"]))
+    if "ours" in args.impls:
+        for tile in tiles:
+            name = "ours" + (f" {tile.variant_name}" if tile is not None else "")
+            fns[name] = lambda t=tile: down_dgrad_backward(
+                d["dy"], d["w_d"], layout, plan, d["act"], backend="sm90", tile=t, **kw
+            )
+    return fns
+
+
 def run_gemm(label, gemm, d, args, bench, record, tiles) -> None:
-    if gemm == "gate_up_act":
-        return run_gated(label, d, args, bench, record, tiles)
+    if gemm in ("gate_up_act", "down_dgrad_act"):
+        return run_gated(label, gemm, d, args, bench, record, tiles)
     a, w, idx = gemm_operands(d, gemm)
     _, K, N = w.shape
     S, R = d["S"], d["R"]
@@ -211,21 +245,21 @@ def run_gemm(label, gemm, d, args, bench, record, tiles) -> None:
     return None
 
 
-def run_gated(label, d, args, bench, record, tiles) -> None:
-    """The ``gate_up_act`` rows; ``--check``: ours vs the layer's path (GEMM then pass) as the
-    largest checkpoint difference in BF16 ulps of the pass's values and the relative error of
-    ``a * h``."""
-    _, w, _ = gemm_operands(d, "gate_up_act")
+def run_gated(label, gemm, d, args, bench, record, tiles) -> None:
+    """The ``gate_up_act`` / ``down_dgrad_act`` rows; ``--check``: ours vs the layer's path
+    (GEMM then pass) as the largest difference of the first output (the checkpoint /
+    ``d_gate_up``) in BF16 ulps of the pass's values and the relative error of ``a * h``."""
+    _, w, _ = gemm_operands(d, gemm)
     _, K, N = w.shape
     flops = 2.0 * d["R"] * K * N
     rows = {}
-    fns = gated_impls(d, args, tiles)
+    fns = (gated_impls if gemm == "gate_up_act" else dgated_impls)(d, args, tiles)
     ref = fns["grouped_mm"]() if args.check and "grouped_mm" in fns else None
     for impl, fn in fns.items():
         try:
             got = fn()  # compile / warm up
             ms = bench(fn) * 1e3
-            row = {"shape": label, "gemm": "gate_up_act", "impl": impl, "ms": ms,
+            row = {"shape": label, "gemm": gemm, "impl": impl, "ms": ms,
                    "tflops": flops / (ms * 1e-3) / 1e12}
             if ref is not None and impl.startswith("ours"):
                 row["ulps"] = ulp_check(got[0], ref[0])
@@ -233,13 +267,12 @@ def run_gated(label, d, args, bench, record, tiles) -> None:
                                       / ref[1].float().norm().clamp_min(1e-30))
             rows[impl] = row
         except Exception as exc:  # noqa: BLE001 - a variant that fails prints why
-            rows[impl] = {"shape": label, "gemm": "gate_up_act", "impl": impl,
-                          "status": _err(exc)}
+            rows[impl] = {"shape": label, "gemm": gemm, "impl": impl, "status": _err(exc)}
     if "dense" in args.impls:
         xa = torch.randn(d["R"], K, device=w.device).to(BF16)
         xb = torch.randn(K, N, device=w.device).to(BF16)
         ms = bench(lambda: torch.mm(xa, xb)) * 1e3
-        rows["dense mm"] = {"shape": label, "gemm": "gate_up_act", "impl": "dense mm", "ms": ms,
+        rows["dense mm"] = {"shape": label, "gemm": gemm, "impl": "dense mm", "ms": ms,
                             "tflops": flops / (ms * 1e-3) / 1e12}
     finish_rows(rows, record)
 

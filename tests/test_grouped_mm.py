@@ -13,8 +13,11 @@ import torch
 from common.problem import Activation, ClampLimits
 from common.routing import plan_routing
 from cuda_kernels.grouped_mm import (
+    down_dgrad_activation_torch,
+    down_dgrad_backward,
     gate_up_activation_torch,
     gate_up_forward,
+    grouped_mm_dgated,
     grouped_mm_gated,
     grouped_mm_gather,
     grouped_mm_gather_torch,
@@ -433,3 +436,112 @@ def test_gated_key_validation():
         Sm90GroupedMmKey(1544, 2048, 128, epilogue="gated", gated=GatedEpilogue())
     with pytest.raises(ValueError, match="at most 192"):
         Sm90GroupedMmKey(1536, 2048, 128, tile=Sm90GroupedMmTile(128, 256, 64, 4, True))
+
+
+# ------------------------------------------------------------------------------------------------
+# the dgated (backward down-dgrad) epilogue: twin, against GEMM-then-pass, argument checks
+# ------------------------------------------------------------------------------------------------
+
+
+def _dgated_problem(T, H, I, E, top_k, seed, name, device="cpu"):
+    """A routing, dY [T, H], w_down [E, I, H] and the forward's checkpoint (the twin's, so its
+    clamped values are what the masks see)."""
+    act_fn, clamp, _ = _ACTS[name]
+    x, w_gu, b, plan, layout = _gated_problem(T, H, I, E, top_k, seed, device=device)
+    gen = torch.Generator().manual_seed(seed + 100)
+    dy = torch.randn(T, H, generator=gen).to(BF16).to(device)
+    w_d = (torch.randn(E, I, H, generator=gen) / I**0.5).to(BF16).to(device)
+    act, _ = gate_up_forward(x, w_gu.reshape(E, H, 2, I), layout, plan, activation=act_fn,
+                             clamp_limits=clamp, b_gate_up_E2I=b, backend="torch")
+    return dy, w_d, act, plan, layout
+
+
+@pytest.mark.parametrize("name", list(_ACTS))
+def test_dgated_twin_against_float64(name):
+    act_fn, clamp, _ = _ACTS[name]
+    dy, w_d, act, plan, layout = _dgated_problem(31, 64, 48, 6, 2, 11, name)
+    args = (dy, w_d.transpose(1, 2), layout.offsets_E, layout.row_to_token_S,
+            layout.row_to_pair_S, plan.pair_affinity_R, act)
+    dgu, ah, da = down_dgrad_activation_torch(*args, activation=act_fn, clamp_limits=clamp)
+    dgu64, ah64, da64 = down_dgrad_activation_torch(
+        *args, activation=act_fn, clamp_limits=clamp, acc_dtype=torch.float64,
+        out_dtype=torch.float64,
+    )
+    pad = layout.row_to_pair_S < 0
+    assert (dgu[pad] == 0).all() and (ah[pad] == 0).all() and (da[pad] == 0).all()
+    assert (_ulps(dgu, dgu64) <= 1.01).all() and (_ulps(ah, ah64) <= 1.01).all()
+    torch.testing.assert_close(da.double(), da64, rtol=1e-5, atol=1e-5)
+    if clamp is not None:  # the strict masks: a clamped (stored) value passes no gradient
+        g, u = act[layout.row_to_pair_S.clamp(min=0)].float().unbind(1)
+        assert (dgu[~pad][:, :48][g[~pad] >= 7.0] == 0).all()
+        assert (dgu[~pad][:, 48:][u[~pad].abs() >= 7.0] == 0).all()
+
+
+@pytest.mark.parametrize("name", list(_ACTS))
+def test_dgated_twin_matches_gemm_then_pass(name):
+    """The current backward (dY rows @ W_down^T rounded to BF16, then activation_backward,
+    Triton interpreted here) and the fused epilogue's twin (from the fp32 ``dh_raw``): they
+    differ by the pass's rounding of ``dh_raw`` only."""
+    from common.torch_backward import grouped_mm_rows
+    from cuda_kernels.moe_backward.kernels import activation_backward
+
+    act_fn, clamp, _ = _ACTS[name]
+    T, H, I, E = 37, 64, 32, 5
+    dy, w_d, act, plan, layout = _dgated_problem(T, H, I, E, 2, 12, name, device=DEV)
+    dh = grouped_mm_rows(layout.gather_rows(dy), w_d.transpose(1, 2), layout.offsets_E)
+    dgu_p, ah_p, da_p = activation_backward(
+        dh, act, layout.row_to_pair_S, plan, activation=act_fn,
+        clamp_limits=clamp or ClampLimits(),
+    )
+    dgu_f, ah_f, da_f = down_dgrad_backward(dy, w_d, layout, plan, act, activation=act_fn,
+                                            clamp_limits=clamp, backend="torch")
+    assert torch.equal(ah_f, ah_p)  # a*h depends on the checkpoint only: no dh_raw in it
+    rel = ((dgu_f.float() - dgu_p.float()).norm() / dgu_p.float().norm()).item()
+    assert rel < 5e-3
+    assert da_f.shape == (T, E)
+    torch.testing.assert_close(da_f, da_p, rtol=2e-2, atol=2e-2 * da_p.abs().max().item())
+    assert torch.equal(da_f == 0, da_p == 0)  # the same routed cells
+
+
+def test_dgated_bias_term_and_dense_cells():
+    T, H, I, E = 21, 32, 16, 4
+    dy, w_d, act, plan, layout = _dgated_problem(T, H, I, E, 2, 13, "swiglu")
+    bd = torch.randn(E, H)
+    _, _, da0 = down_dgrad_backward(dy, w_d, layout, plan, act)
+    _, _, da1 = down_dgrad_backward(dy, w_d, layout, plan, act, b_down_EH=bd)
+    routed = plan.affinity_dense_TE() != 0
+    want = torch.where(routed, dy.float() @ bd.t(), 0.0)
+    torch.testing.assert_close(da1 - da0, want, rtol=1e-5, atol=1e-5)
+    assert (da0[~routed] == 0).all()
+
+
+_DGATED_BAD = [
+    ("act_R2I", lambda g: g["act_R2I"][:, :, :8].contiguous(), r"act_R2I must be \[R, 2, I\]"),
+    ("act_R2I", lambda g: g["act_R2I"].float(), "contiguous torch.bfloat16"),
+    ("row_to_pair_S", lambda g: g["row_to_pair_S"][1:], "row_to_pair_S must be"),
+    ("pair_affinity_R", lambda g: g["pair_affinity_R"][None], "1-D float"),
+    ("w_down_t", lambda g: g["w_down_t"][:, :8], "columns but w has K"),
+]
+
+
+@pytest.mark.parametrize("case", _DGATED_BAD,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(_DGATED_BAD)])
+def test_dgated_bad_arguments(case):
+    name, bad, message = case
+    dy, w_d, act, plan, layout = _dgated_problem(10, 16, 16, 3, 2, 14, "swiglu")
+    args = {"a": dy, "w_down_t": w_d.transpose(1, 2), "offsets_E": layout.offsets_E,
+            "row_index": layout.row_to_token_S, "row_to_pair_S": layout.row_to_pair_S,
+            "pair_affinity_R": plan.pair_affinity_R, "act_R2I": act}
+    args[name] = bad(args)
+    with pytest.raises(ValueError, match=message):
+        grouped_mm_dgated(**args)
+
+
+def test_dgated_key_validation():
+    ge = GatedEpilogue()
+    key = Sm90GroupedMmKey(768, 2048, 128, w_major="k", epilogue="dgated", gated=ge)
+    assert (key.out_cols, key.n_tiles) == (768, 3)
+    with pytest.raises(ValueError, match="no bias"):
+        Sm90GroupedMmKey(768, 2048, 128, epilogue="dgated", gated=GatedEpilogue(has_bias=True))
+    with pytest.raises(ValueError, match="exactly when"):
+        Sm90GroupedMmKey(768, 2048, 128, epilogue="dgated")

@@ -30,8 +30,11 @@ from _ptxas import ptxas_for
 from common.problem import Activation, ClampLimits
 from common.routing import plan_routing
 from cuda_kernels.grouped_mm import (
+    down_dgrad_activation_torch,
+    down_dgrad_backward,
     gate_up_activation_torch,
     gate_up_forward,
+    grouped_mm_dgated,
     grouped_mm_gated,
     grouped_mm_gather,
     grouped_mm_gather_torch,
@@ -86,6 +89,11 @@ _OFFLINE = [
                       gated=GatedEpilogue(1.702, 1.0, None, 7.0, -7.0, 7.0, True),
                       tile=_T(128, 128, 64, 6, pingpong=True)),
      ["wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "ex2.approx", "bar.sync"],
+     []),
+    ("dgated-swiglu-k-major-pingpong",
+     Sm90GroupedMmKey(768, 2048, 128, w_major="k", epilogue="dgated", gated=GatedEpilogue(),
+                      tile=_T(128, 128, 64, 6, pingpong=True)),
+     ["shfl.sync.bfly.b32", "ld.global.v2.b16", "ex2.approx", "cp.async.mbarrier.arrive.noinc"],
      []),
     ("gather-int32-64row-partial-n",
      Sm90GroupedMmKey(2880, 2880, 16, index_dtype="int32", tile=_T(64, 256, 64, 4,
@@ -446,3 +454,80 @@ def test_gated_matches_the_layers_gemm_then_pass(name):
     rel = ((ah_f.float() - ah_p.float()).norm() / ah_p.float().norm()).item()
     assert rel < 5e-3
     assert torch.equal(act_f[int(plan.num_pairs):], act_p[int(plan.num_pairs):])
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the dgated (backward down-dgrad) epilogue
+# ------------------------------------------------------------------------------------------------
+
+
+def _dgated_case(T, H, I, E, top_k, name, gen):
+    act_fn, clamp, with_bias = _GATED_ACTS[name]
+    plan, layout = _routing_plan(T, E, top_k, gen)
+    x = torch.randn(T, H, generator=gen).to(BF16).cuda()
+    w_gu = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16).cuda()
+    bias = torch.randn(E, 2, I, generator=gen).cuda() if with_bias else None
+    act, _ = gate_up_forward(x, w_gu.reshape(E, H, 2, I), layout, plan, activation=act_fn,
+                             clamp_limits=clamp, b_gate_up_E2I=bias, backend="torch")
+    dy = torch.randn(T, H, generator=gen).to(BF16).cuda()
+    w_d = (torch.randn(E, I, H, generator=gen) / I**0.5).to(BF16).cuda()
+    return dy, w_d, act, plan, layout, act_fn, clamp
+
+
+_DGATED_GRID = [
+    # (id, T, H, I, E, top_k, activation, tile)
+    ("swiglu-coop-128x256", 300, 256, 384, 8, 2, "swiglu", _T(128, 256, 64, 4)),
+    ("gpt-oss-pingpong-partial-i", 200, 192, 200, 6, 2, "gpt-oss", _T(128, 128, 64, 6, True)),
+    ("qwen3-30b", 256, 2048, 768, 128, 8, "swiglu", None),
+    ("gpt-oss-120b", 128, 2880, 2880, 32, 4, "gpt-oss", None),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", _DGATED_GRID, ids=[c[0] for c in _DGATED_GRID])
+def test_dgated_matches_twin(case):
+    _id, T, H, I, E, top_k, name, tile = case
+    gen = torch.Generator().manual_seed(40 + _DGATED_GRID.index(case))
+    dy, w_d, act, plan, layout, act_fn, clamp = _dgated_case(T, H, I, E, top_k, name, gen)
+    args = (dy, w_d.transpose(1, 2), layout.offsets_E, layout.row_to_token_S,
+            layout.row_to_pair_S, plan.pair_affinity_R, act)
+    dgu, ah, da = grouped_mm_dgated(*args, activation=act_fn, clamp_limits=clamp,
+                                    backend="sm90", tile=tile)
+    torch.cuda.synchronize()
+    dgu_t, ah_t, da_t = down_dgrad_activation_torch(*args, activation=act_fn,
+                                                    clamp_limits=clamp)
+    assert torch.isfinite(dgu).all() and torch.isfinite(ah).all() and torch.isfinite(da).all()
+    _within_ulps(dgu, dgu_t, 2)
+    _within_ulps(ah, ah_t, 1)
+    torch.testing.assert_close(da, da_t, rtol=1e-4, atol=1e-4 * da_t.abs().max().item())
+    pad = layout.row_to_pair_S < 0
+    assert (dgu[pad] == 0).all() and (ah[pad] == 0).all() and (da[pad] == 0).all()
+    again = grouped_mm_dgated(*args, activation=act_fn, clamp_limits=clamp, backend="sm90",
+                              tile=tile)
+    for x, y in zip((dgu, ah, da), again):
+        assert torch.equal(x, y), "not bitwise deterministic"
+
+
+@gpu
+@pytest.mark.parametrize("name", list(_GATED_ACTS))
+def test_dgated_matches_the_layers_gemm_then_pass(name):
+    """Against the backward's first steps today: cuBLAS's grouped GEMM of gathered dY rows
+    (BF16 dh_raw), then ``activation_backward``."""
+    from cuda_kernels.moe_backward.kernels import activation_backward, gather_rows
+
+    gen = torch.Generator().manual_seed(50)
+    T, H, I, E = 512, 1024, 512, 16
+    dy, w_d, act, plan, layout, act_fn, clamp = _dgated_case(T, H, I, E, 4, name, gen)
+    dh = torch._grouped_mm(gather_rows(dy, layout.row_to_token_S), w_d.transpose(1, 2),
+                           offs=layout.offsets_E)
+    dgu_p, ah_p, da_p = activation_backward(dh, act, layout.row_to_pair_S, plan,
+                                            activation=act_fn,
+                                            clamp_limits=clamp or ClampLimits())
+    dgu_f, ah_f, da_f = down_dgrad_backward(dy, w_d, layout, plan, act, activation=act_fn,
+                                            clamp_limits=clamp, backend="sm90")
+    torch.cuda.synchronize()
+    _within_ulps(ah_f, ah_p, 1)
+    rel = ((dgu_f.float() - dgu_p.float()).norm() / dgu_p.float().norm()).item()
+    assert rel < 5e-3
+    torch.testing.assert_close(da_f, da_p, rtol=2e-2, atol=1e-2 * da_p.abs().max().item())
+    assert torch.equal(da_f == 0, da_p == 0)

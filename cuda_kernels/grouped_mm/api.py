@@ -12,7 +12,9 @@ from . import torch_ref
 
 __all__ = [
     "BACKENDS",
+    "down_dgrad_backward",
     "gate_up_forward",
+    "grouped_mm_dgated",
     "grouped_mm_gated",
     "grouped_mm_gather",
     "grouped_mm_key",
@@ -125,21 +127,24 @@ def kernel_unsupported_reason(a, w, row_index=None) -> str | None:
     return None
 
 
-def grouped_mm_key(w: torch.Tensor, row_index, tile=None, gated=None):
+def grouped_mm_key(w: torch.Tensor, row_index, tile=None, gated=None, epilogue=None):
     """The :class:`~cuda_kernels.grouped_mm.sm90.Sm90GroupedMmKey` of (checked) operands;
     ``tile`` None: :func:`~cuda_kernels.grouped_mm.sm90.select_grouped_mm_tile`; ``gated``: a
-    :class:`~cuda_kernels.grouped_mm.sm90.GatedEpilogue` for the gate/up epilogue."""
+    :class:`~cuda_kernels.grouped_mm.sm90.GatedEpilogue` for the gate/up epilogue (or, with
+    ``epilogue="dgated"``, the down-dgrad one)."""
     from .sm90 import Sm90GroupedMmKey, select_grouped_mm_tile
 
     E, K, N = w.shape
     if tile is None:
         tile = select_grouped_mm_tile(N, K, E)
+    if epilogue is None:
+        epilogue = "store" if gated is None else "gated"
     return Sm90GroupedMmKey(
         N, K, E,
         gather_a=row_index is not None,
         index_dtype=_INDEX_DTYPES[row_index.dtype] if row_index is not None else "int64",
         w_major=_w_major(w),
-        epilogue="store" if gated is None else "gated",
+        epilogue=epilogue,
         tile=tile,
         gated=gated,
     )
@@ -400,3 +405,157 @@ def gate_up_forward(
         plan.pair_affinity_R, plan.num_pairs, activation=activation,
         clamp_limits=clamp_limits, bias=b_gate_up_E2I, backend=backend, tile=tile,
     )
+
+
+def _fail_dgated(msg: str) -> None:
+    raise ValueError(f"grouped_mm_dgated: {msg}")
+
+
+def grouped_mm_dgated(
+    a: torch.Tensor,
+    w_down_t: torch.Tensor,
+    offsets_E: torch.Tensor,
+    row_index: torch.Tensor | None,
+    row_to_pair_S: torch.Tensor,
+    pair_affinity_R: torch.Tensor,
+    act_R2I: torch.Tensor,
+    *,
+    activation=None,
+    clamp_limits=None,
+    backend: str = "auto",
+    tile=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward down-dgrad GEMM with the activation backward fused into its epilogue:
+    ``dh_raw = a[row_index] @ w_down_t[e]`` (fp32 accumulators, never stored), then per row s
+    of pair p (affinity alpha_p) with the checkpoint's g, u (``act_R2I[p]``), as
+    ``moe_backward.kernels.activation_backward`` computes them from a BF16 ``dh_raw``::
+
+        dA_row[s]    = sum_j dh_raw[s, j] * h[j]        h = g sigmoid(act.alpha g) (u + c)
+        d_gate_up[s] = [dg, du]  (strict clamp masks)    a_h[s] = alpha_p * h
+
+    ``dA_row`` is summed per N tile in the kernel (fp32, fixed order) and over the tiles here
+    (``sum(1)`` of an [S, n_tiles] buffer): deterministic, no atomics. Numerics vs GEMM-then-pass:
+    the pass reads ``dh_raw`` rounded to BF16; here it is the fp32 accumulator.
+
+    Args:
+        a: [T, H] torch.bfloat16 dY in token order read through ``row_index`` (or [S, H] rows).
+        w_down_t: [E, H, I] torch.bfloat16: ``w_down_EIH.transpose(1, 2)`` (K-major), or
+            contiguous.
+        offsets_E, row_index: as :func:`grouped_mm_gather`.
+        row_to_pair_S: [S] torch.int64 plan pair of each row (-1 = padding).
+        pair_affinity_R: [R] float pair affinities (used in fp32).
+        act_R2I: [R, 2, I] torch.bfloat16 checkpoint (contiguous), the forward's clamped g, u.
+        activation, clamp_limits: the forward's (``common.problem.Activation``, ``ClampLimits``).
+        backend, tile: as :func:`grouped_mm_gather`.
+
+    Returns:
+        ``(d_gate_up_S2I [S, 2I] bf16, a_h_SI [S, I] bf16, dA_row_S [S] fp32)``: padding rows 0.
+        The affinity gradient of a pair is ``dA_row`` of its row, without the down bias term
+        (:func:`down_dgrad_backward` adds it).
+
+    Raises:
+        ValueError: a bad shape, dtype, device or stride (named), before anything is written.
+        RuntimeError: the kernel fails to compile.
+    """
+    from common.problem import Activation
+
+    from .sm90 import GatedEpilogue, select_grouped_mm_tile
+
+    act_fn = Activation.resolve(activation)
+    if backend not in BACKENDS:
+        _fail(f"backend must be one of {BACKENDS}, got {backend!r}")
+    S, K, I, E, _ = _check(a, w_down_t, offsets_E, row_index, None)
+    dev = a.device
+    for name, t in (("row_to_pair_S", row_to_pair_S), ("pair_affinity_R", pair_affinity_R),
+                    ("act_R2I", act_R2I)):
+        if not isinstance(t, torch.Tensor):
+            _fail_dgated(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != dev:
+            _fail_dgated(f"{name} is on {t.device} but a is on {dev}")
+    if row_to_pair_S.dim() != 1 or row_to_pair_S.shape[0] != S:
+        _fail_dgated(f"row_to_pair_S must be [S={S}], got {list(row_to_pair_S.shape)}")
+    if row_to_pair_S.dtype != torch.int64:
+        _fail_dgated(f"row_to_pair_S must be torch.int64, got {row_to_pair_S.dtype}")
+    if pair_affinity_R.dim() != 1 or not pair_affinity_R.is_floating_point():
+        _fail_dgated(f"pair_affinity_R must be a 1-D float tensor [R], got "
+                     f"{pair_affinity_R.dtype} {list(pair_affinity_R.shape)}")
+    R = pair_affinity_R.shape[0]
+    if tuple(act_R2I.shape) != (R, 2, I):
+        _fail_dgated(f"act_R2I must be [R, 2, I] = [{R}, 2, {I}], got {list(act_R2I.shape)}")
+    if act_R2I.dtype != torch.bfloat16 or not act_R2I.is_contiguous():
+        _fail_dgated(f"act_R2I must be a contiguous torch.bfloat16 tensor, got {act_R2I.dtype}")
+    reason = kernel_unsupported_reason(a, w_down_t, row_index)
+    if backend == "sm90" and reason is not None:
+        _fail_dgated(f"backend='sm90' cannot run here: {reason}")
+    if backend == "torch" or reason is not None:
+        return torch_ref.down_dgrad_activation_torch(
+            a, w_down_t, offsets_E, row_index, row_to_pair_S, pair_affinity_R, act_R2I,
+            activation=act_fn, clamp_limits=clamp_limits,
+        )
+    if tile is None:
+        tile = select_grouped_mm_tile(I, K, E)
+    key = grouped_mm_key(w_down_t, row_index, tile, GatedEpilogue.of(act_fn, clamp_limits, False),
+                         epilogue="dgated")
+    dgu = torch.empty(S, 2 * I, dtype=torch.bfloat16, device=dev)
+    ah = torch.empty(S, I, dtype=torch.bfloat16, device=dev)
+    part = torch.empty(S, key.n_tiles, dtype=torch.float32, device=dev)
+    if S == 0:
+        return dgu, ah, part.sum(1)
+    from .launch import num_sms
+    from .sm90 import compile_grouped_mm
+
+    fn = compile_grouped_mm(key)
+    grid = max(1, min(key.max_tiles(S), num_sms(dev.index or 0)))
+    idx = row_index if row_index is not None else offsets_E
+    fn(a, idx, w_down_t.permute(2, 1, 0), offsets_E, ah, dgu, row_to_pair_S.contiguous(),
+       pair_affinity_R.float().contiguous(), part, act_R2I.view(R, 2 * I), grid)
+    return dgu, ah, part.sum(1)
+
+
+def down_dgrad_backward(
+    dy_TH: torch.Tensor,
+    w_down_EIH: torch.Tensor,
+    layout,
+    plan,
+    act_R2I: torch.Tensor,
+    *,
+    activation=None,
+    clamp_limits=None,
+    b_down_EH: torch.Tensor | None = None,
+    backend: str = "auto",
+    tile=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer backward's first GEMM and its activation backward in one kernel: what
+    ``moe_backward.fused`` does with ``gather_rows(dY)`` + grouped GEMM + ``activation_backward``,
+    from a :class:`~common.routing.GroupedLayout` and its :class:`~common.routing.RoutingPlan`
+    (:func:`grouped_mm_dgated` on ``dy_TH`` through ``row_to_token_S`` and
+    ``w_down_EIH.transpose(1, 2)``). Returns ``(d_gate_up_S2I, a_h_SI, dA_TE [T, E] fp32)``:
+    dA in its dense cell per pair (0 where a token is not routed), ``+ <dY, b_down[e]>`` with a
+    down bias (one fp32 ``[T, H] @ [H, E]`` product, then the pairs' cells).
+
+    Raises:
+        ValueError: as :func:`grouped_mm_dgated`.
+    """
+    bf16 = torch.bfloat16
+    dy = dy_TH if dy_TH.dtype == bf16 else dy_TH.to(bf16)
+    w = (w_down_EIH if w_down_EIH.dtype == bf16 else w_down_EIH.to(bf16)).transpose(1, 2)
+    dgu, ah, da_S = grouped_mm_dgated(
+        dy, w, layout.offsets_E, layout.row_to_token_S, layout.row_to_pair_S,
+        plan.pair_affinity_R, act_R2I, activation=activation, clamp_limits=clamp_limits,
+        backend=backend, tile=tile,
+    )
+    T, E = plan.num_tokens, plan.num_experts
+    r2p = layout.row_to_pair_S
+    valid = r2p >= 0
+    p = r2p.clamp(min=0)
+    if plan.pair_token_R.shape[0]:
+        tok, exp = plan.pair_token_R[p], plan.pair_expert_R[p]
+    else:
+        tok = exp = torch.zeros_like(p)
+    if b_down_EH is not None:
+        bias_TE = dy_TH.float() @ b_down_EH.float().t()
+        da_S = da_S + bias_TE[tok.clamp(min=0), exp.clamp(max=E - 1)]
+    flat = torch.zeros(T * E + 1, dtype=torch.float32, device=dy_TH.device)
+    cell = torch.where(valid, tok * E + exp, torch.full_like(tok, T * E))
+    flat.index_put_((cell,), torch.where(valid, da_S, 0.0))
+    return dgu, ah, flat[: T * E].reshape(T, E)

@@ -44,6 +44,15 @@ Structure (one CTA per SM, persistent, warp-specialized; the wgrad kernel
   output row has that index (as ``moe_forward.kernels.activation_forward`` does). The numerics
   differ from GEMM-then-pass in one place: the pass reads the pre-activation after the GEMM
   rounded it to BF16, the fused epilogue uses the fp32 accumulator (one rounding less);
+- epilogue ``"dgated"`` (the backward down-dgrad GEMM, A = dY gathered, W = ``w_down``
+  transposed [E, H, I]): the accumulator is ``dh_raw``; per row s of pair p with affinity a and
+  the checkpoint's stored g, u (two 4-byte loads per column pair): the activation backward with
+  the strict clamp masks, ``d_gate_up[s] = [dg, du]`` and ``a_h[s] = a * h`` in BF16 (0 for
+  padding rows: selects), and the row's partial ``sum_j dh_raw * h`` over the tile's columns
+  (each thread's columns, then the 4 threads that share a row by two butterfly shuffles: a
+  fixed order) into an fp32 ``[S, n_tiles]`` buffer the host sums over N tiles (deterministic,
+  no atomics). As for ``"gated"``, the difference from GEMM-then-pass is one rounding less
+  (``dh_raw`` is not rounded to BF16);
 - epilogue ``"store"``: the fp32 accumulator rounded once to BF16 (RNE) and stored from
   registers (4-byte stores) with row predicates (the tile's rows inside the expert and below S)
   and column predicates (below N, only when N is not a multiple of tile_n). A padding row's A
@@ -78,9 +87,11 @@ __all__ = [
     "tile_schedule",
 ]
 
-EPILOGUES = ("store", "gated")
-"""Epilogues of the kernel: ``"store"`` (BF16 ``out[S, N]``) and ``"gated"`` (the forward
-gate/up epilogue: BF16 ``a_h[S, I]`` and checkpoint ``act[R, 2, I]``, N = 2I)."""
+EPILOGUES = ("store", "gated", "dgated")
+"""Epilogues of the kernel: ``"store"`` (BF16 ``out[S, N]``), ``"gated"`` (the forward gate/up
+epilogue: BF16 ``a_h[S, I]`` and checkpoint ``act[R, 2, I]``, N = 2I) and ``"dgated"`` (the
+backward down-dgrad epilogue: BF16 ``d_gate_up[S, 2I]`` and ``a_h[S, I]`` and fp32 partial row
+sums of ``dh_raw * h`` per N tile, N = I)."""
 
 _SMEM_BYTES = SM90_TILES.smem_bytes  # usable dynamic shared memory per CTA on H100/H200
 _INDEX_DTYPES = ("int64", "int32")
@@ -223,9 +234,10 @@ class Sm90GroupedMmKey:
             (W's memory is ``[E, N, K]`` contiguous: K fastest).
         epilogue: one of :data:`EPILOGUES`.
         tile: the :class:`Sm90GroupedMmTile`.
-        gated: the :class:`GatedEpilogue` (required by, and only with, ``epilogue="gated"``;
-            then N = 2I with I a multiple of 8, and tile_n 128 or 256: two accumulators of
-            tile_n / 2 columns).
+        gated: the :class:`GatedEpilogue` (required by, and only with, ``epilogue="gated"`` or
+            ``"dgated"``). ``"gated"``: N = 2I with I a multiple of 8, and tile_n 128 or 256 (two
+            accumulators of tile_n / 2 columns). ``"dgated"``: N = I, no bias (the affinity
+            gradient's bias term is the caller's), the clamp limits give the strict masks.
 
     Raises:
         ValueError: a field outside its values; N or K not a multiple of 8 (16-byte rows); a
@@ -274,11 +286,16 @@ class Sm90GroupedMmKey:
                 f"{cls}: tile {t.variant_name} holds {acc_regs} fp32 accumulators per consumer "
                 "thread (at most 192: pingpong tiles own 128 rows per warp group)"
             )
-        if (self.epilogue == "gated") != (self.gated is not None):
-            raise ValueError(f"{cls}.gated must be a GatedEpilogue exactly when epilogue='gated'")
-        if self.gated is not None:
-            if not isinstance(self.gated, GatedEpilogue):
-                raise ValueError(f"{cls}.gated must be a GatedEpilogue, got {self.gated!r}")
+        if (self.epilogue in ("gated", "dgated")) != (self.gated is not None):
+            raise ValueError(
+                f"{cls}.gated must be a GatedEpilogue exactly when epilogue is 'gated' or "
+                "'dgated'"
+            )
+        if self.gated is not None and not isinstance(self.gated, GatedEpilogue):
+            raise ValueError(f"{cls}.gated must be a GatedEpilogue, got {self.gated!r}")
+        if self.epilogue == "dgated" and self.gated.has_bias:
+            raise ValueError(f"{cls}: the dgated epilogue takes no bias (has_bias must be False)")
+        if self.epilogue == "gated":
             if self.n % 16:
                 raise ValueError(
                     f"{cls}: the gated epilogue needs N = 2I with I a multiple of 8, got N={self.n}"
@@ -291,8 +308,9 @@ class Sm90GroupedMmKey:
 
     @property
     def out_cols(self) -> int:
-        """Columns of the main output: N (``"store"``) or I = N / 2 (``"gated"``: ``a_h``)."""
-        return self.n // 2 if self.gated is not None else self.n
+        """Columns of the main output: N (``"store"``, ``"dgated"``) or I = N / 2 (``"gated"``:
+        ``a_h``)."""
+        return self.n // 2 if self.epilogue == "gated" else self.n
 
     @property
     def n_tiles(self) -> int:
@@ -395,7 +413,8 @@ def _build_kernel_class():
             self.group_threads = 128 * self.wgs_per_group
             self.num_e = key.num_experts
             self.n_tiles = key.n_tiles
-            self.gated = key.gated is not None
+            self.gated = key.epilogue == "gated"
+            self.dgated = key.epilogue == "dgated"
             # gated: two accumulators (gate, up) of tile_n / 2 columns, one W box each
             self.n_acc = 2 if self.gated else 1
             self.mma_n = self.tile_n // self.n_acc
@@ -593,12 +612,13 @@ def _build_kernel_class():
             mIdx: cute.Tensor,  # (S,) row index (gather), else a placeholder
             mW: cute.Tensor,  # (N, K, E) view of W
             mOffsets: cute.Tensor,  # (E,) int32 cumulative expert ends
-            mOut: cute.Tensor,  # (S, N) bf16 row-major; gated: a_h (S, I)
-            mBias: cute.Tensor,  # gated with bias: (E, 2I) fp32; else a placeholder
-            mR2P: cute.Tensor,  # gated: (S,) int64 row -> pair; else a placeholder
-            mAlpha: cute.Tensor,  # gated: (R,) fp32 pair affinities; else a placeholder
-            mNumPairs: cute.Tensor,  # gated: (1,) int64 real pairs; else a placeholder
-            mAct: cute.Tensor,  # gated: (R, 2I) bf16 checkpoint; else a placeholder
+            mOut: cute.Tensor,  # (S, N) bf16 row-major; gated / dgated: a_h (S, I)
+            mAux0: cute.Tensor,  # gated: bias (E, 2I) fp32; dgated: d_gate_up (S, 2I) bf16
+            mR2P: cute.Tensor,  # gated / dgated: (S,) int64 row -> pair
+            mAlpha: cute.Tensor,  # gated / dgated: (R,) fp32 pair affinities
+            mAux1: cute.Tensor,  # gated: num_pairs (1,) int64; dgated: dA partials (S, n_tiles)
+            mAct: cute.Tensor,  # gated: (R, 2I) bf16 checkpoint out; dgated: checkpoint in
+            # (placeholders where the epilogue does not use them)
             num_ctas: cutlass.Int32,
             stream,
         ):
@@ -617,10 +637,10 @@ def _build_kernel_class():
                 mIdx,
                 mOffsets,
                 mOut,
-                mBias,
+                mAux0,
                 mR2P,
                 mAlpha,
-                mNumPairs,
+                mAux1,
                 mAct,
                 tiled_mma,
                 a_smem_staged,
@@ -645,10 +665,10 @@ def _build_kernel_class():
             mIdx: cute.Tensor,
             mOffsets: cute.Tensor,
             mOut: cute.Tensor,
-            mBias: cute.Tensor,
+            mAux0: cute.Tensor,
             mR2P: cute.Tensor,
             mAlpha: cute.Tensor,
-            mNumPairs: cute.Tensor,
+            mAux1: cute.Tensor,
             mAct: cute.Tensor,
             tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout,
@@ -723,7 +743,7 @@ def _build_kernel_class():
                 # ---------------- consumer warp groups: wgmma + epilogue ----------------
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(
-                    tiled_mma, sA, sBs, ab_pipe, mOut, (mBias, mR2P, mAlpha, mNumPairs, mAct),
+                    tiled_mma, sA, sBs, ab_pipe, mOut, (mAux0, mR2P, mAlpha, mAux1, mAct),
                     sStart, sBegin, sCount, total, bidx, gdim, wg_idx, tidx,
                 )
 
@@ -925,6 +945,10 @@ def _build_kernel_class():
                         self.epilogue_gated(
                             accs[0], accs[1], tCcC, g, n_idx, row0, rows, mOut, *epi_tensors
                         )
+                    elif cutlass.const_expr(self.dgated):
+                        self.epilogue_dgated(
+                            accs[0], tCcC, n_idx, row0, rows, mOut, *epi_tensors
+                        )
                     else:
                         self.epilogue_store(accs[0], tCcC, mOut, n_idx, row0, rows)
                 else:
@@ -977,6 +1001,144 @@ def _build_kernel_class():
                 cute.make_layout(2),
             )
             cute.autovec_copy(pair, dst)
+
+        @cute.jit
+        def load_pair(self, addr):
+            """Two consecutive BF16 values at global address ``addr`` (one 4-byte load) as
+            fp32."""
+            src = cute.make_tensor(
+                cute.make_ptr(self.out_dtype, addr, cute.AddressSpace.gmem, assumed_align=4),
+                cute.make_layout(2),
+            )
+            v = cute.make_rmem_tensor((2,), self.out_dtype)
+            cute.autovec_copy(src, v)
+            f = cute.make_rmem_tensor((2,), self.acc_dtype)
+            f.store(v.load().to(self.acc_dtype))
+            return f[0], f[1]
+
+        @cute.jit
+        def activate_backward(self, d, g, u, alpha):
+            """One element of the activation backward (REFERENCE §2) from ``d = dh_raw`` and
+            the stored (clamped) g, u: ``(dg, du, h)`` with ``dg = alpha d (u + c) s (1 + a g
+            (1 - s)) mask_g``, ``du = alpha d g s mask_u``, ``s = sigmoid(a g)``; the strict
+            clamp masks pass where the stored value lies strictly inside its limits."""
+            ge = self.key.gated
+            ag = g
+            if cutlass.const_expr(ge.alpha != 1.0):
+                ag = g * cutlass.Float32(ge.alpha)
+            sig = cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-ag, fastmath=True))
+            up = u
+            if cutlass.const_expr(ge.up_offset != 0.0):
+                up = u + cutlass.Float32(ge.up_offset)
+            gs = g * sig
+            h = gs * up
+            dh = alpha * d
+            dg = dh * up * sig * (cutlass.Float32(1.0) + ag * (cutlass.Float32(1.0) - sig))
+            du = dh * gs
+            zero = cutlass.Float32(0.0)
+            if cutlass.const_expr(ge.gate_lo is not None):  # noqa: SIM102
+                if not g > cutlass.Float32(ge.gate_lo):
+                    dg = zero
+            if cutlass.const_expr(ge.gate_hi is not None):  # noqa: SIM102
+                if not g < cutlass.Float32(ge.gate_hi):
+                    dg = zero
+            if cutlass.const_expr(ge.up_lo is not None):  # noqa: SIM102
+                if not u > cutlass.Float32(ge.up_lo):
+                    du = zero
+            if cutlass.const_expr(ge.up_hi is not None):  # noqa: SIM102
+                if not u < cutlass.Float32(ge.up_hi):
+                    du = zero
+            return dg, du, h
+
+        @cute.jit
+        def epilogue_dgated(
+            self, acc, tCcC, n_idx, row0, rows, mAh, mDgu, mR2P, mAlpha, mPart, mAct,
+        ):
+            """The down-dgrad epilogue of one tile: the accumulator is ``dh_raw = dY_row @
+            W_down[e]^T`` (columns ``[j, j + tile_n)`` of I); per row s of pair p (affinity a)
+            with the checkpoint's g, u: ``d_gate_up[s] = [dg, du]`` and ``a_h[s] = a * h`` in
+            BF16 (0 for padding rows: selects) and the row's partial ``sum_j dh_raw * h`` over
+            this tile's columns into ``mPart[s, n_idx]`` (fp32; the 4 threads holding a row
+            add theirs by shuffles, in a fixed order)."""
+            i_cols = self.out_cols
+            col0 = n_idx * self.tile_n
+            ah_base = mAh.iterator.toint()
+            dgu_base = mDgu.iterator.toint()
+            act_base = mAct.iterator.toint()
+            n_mm = cute.size(acc, mode=[1])
+            slots = 2 * n_mm
+            pair_s = cute.make_rmem_tensor((slots,), cutlass.Int64)
+            alpha_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
+            in_s = cute.make_rmem_tensor((slots,), cutlass.Boolean)
+            part_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
+            part_s.fill(0.0)
+            for mm in cutlass.range_constexpr(n_mm):
+                for h in cutlass.range_constexpr(2):
+                    i = mm * 2 + h
+                    r = tCcC[((0, h, 0), mm, 0)][0]
+                    p = cutlass.Int64(-1)
+                    a = cutlass.Float32(0.0)
+                    inside = r < rows
+                    if inside:
+                        p = cutlass.Int64(mR2P[row0 + r])
+                        if p >= 0:
+                            a = cutlass.Float32(mAlpha[p])
+                    pair_s[i] = p
+                    alpha_s[i] = a
+                    in_s[i] = inside
+            pair = cute.make_rmem_tensor((2,), self.out_dtype)
+            zero = cutlass.Float32(0.0)
+            for q in cutlass.range_constexpr(cute.size(acc, mode=[0]) // 4):
+                c = col0 + tCcC[((0, 0, q), 0, 0)][1]
+                in_n = cutlass.Boolean(True)
+                if cutlass.const_expr(self.partial_n):
+                    in_n = c < i_cols
+                if in_n:
+                    for mm in cutlass.range_constexpr(n_mm):
+                        for h in cutlass.range_constexpr(2):
+                            i = mm * 2 + h
+                            if in_s[i]:
+                                r = tCcC[((0, h, 0), mm, 0)][0]
+                                row = cutlass.Int64(row0 + r)
+                                p = pair_s[i]
+                                dg0 = zero
+                                dg1 = zero
+                                du0 = zero
+                                du1 = zero
+                                ah0 = zero
+                                ah1 = zero
+                                if p >= 0:
+                                    src = act_base + (p * (2 * i_cols) + c) * 2
+                                    g0, g1 = self.load_pair(src)
+                                    u0, u1 = self.load_pair(src + i_cols * 2)
+                                    d0 = acc[((0, h, q), mm, 0)]
+                                    d1 = acc[((1, h, q), mm, 0)]
+                                    a = alpha_s[i]
+                                    dg0, du0, h0 = self.activate_backward(d0, g0, u0, a)
+                                    dg1, du1, h1 = self.activate_backward(d1, g1, u1, a)
+                                    part_s[i] = part_s[i] + d0 * h0 + d1 * h1
+                                    ah0 = a * h0
+                                    ah1 = a * h1
+                                dst = dgu_base + (row * (2 * i_cols) + c) * 2
+                                self.store_pair(dg0, dg1, dst, pair)
+                                self.store_pair(du0, du1, dst + i_cols * 2, pair)
+                                self.store_pair(
+                                    ah0, ah1, ah_base + (row * i_cols + c) * 2, pair
+                                )
+            # the 4 threads of a quad hold the same rows: add their partials (fixed order)
+            lane = cute.arch.lane_idx()
+            for i in cutlass.range_constexpr(slots):
+                v = part_s[i]
+                v = v + cute.arch.shuffle_sync_bfly(v, 1)
+                v = v + cute.arch.shuffle_sync_bfly(v, 2)
+                part_s[i] = v
+            if lane % 4 == 0:
+                for mm in cutlass.range_constexpr(n_mm):
+                    for h in cutlass.range_constexpr(2):
+                        i = mm * 2 + h
+                        if in_s[i]:
+                            r = tCcC[((0, h, 0), mm, 0)][0]
+                            mPart[(row0 + r, n_idx)] = part_s[i]
 
         @cute.jit
         def activate(self, g, u):
@@ -1127,9 +1289,19 @@ def fake_operands(key: Sm90GroupedMmKey) -> tuple:
     def placeholder():  # an unused operand: the launcher passes the offsets
         return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
 
-    if key.gated is None:
+    if key.epilogue == "store":
         return a, idx, w, offsets, out, *(placeholder() for _ in range(5))
     r = cute.sym_int32(symbol="pairs_R")
+    if key.epilogue == "dgated":
+        i2 = 2 * key.n
+        dgu = cute.runtime.make_fake_tensor(cutlass.BFloat16, (s, i2), (i2, 1), assumed_align=16)
+        r2p = cute.runtime.make_fake_tensor(cutlass.Int64, (s,), (1,), assumed_align=8)
+        alpha = cute.runtime.make_fake_tensor(cutlass.Float32, (r,), (1,), assumed_align=4)
+        part = cute.runtime.make_fake_tensor(
+            cutlass.Float32, (s, key.n_tiles), (key.n_tiles, 1), assumed_align=4
+        )
+        act = cute.runtime.make_fake_tensor(cutlass.BFloat16, (r, i2), (i2, 1), assumed_align=16)
+        return a, idx, w, offsets, out, dgu, r2p, alpha, part, act
     bias = placeholder()
     if key.gated.has_bias:
         bias = cute.runtime.make_fake_compact_tensor(

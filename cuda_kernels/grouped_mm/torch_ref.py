@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "down_dgrad_activation_torch",
     "expert_segments",
     "gate_up_activation_torch",
     "gathered_rows",
@@ -134,3 +135,62 @@ def gate_up_activation_torch(
     dest = torch.where(valid, row_to_pair_S, torch.full_like(row_to_pair_S, R))
     act.index_put_((dest,), torch.stack([g, u], 1).to(out_dtype))
     return act[:R], ah.to(out_dtype)
+
+
+def down_dgrad_activation_torch(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    offsets_E: torch.Tensor,
+    row_index: torch.Tensor | None,
+    row_to_pair_S: torch.Tensor,
+    pair_affinity_R: torch.Tensor,
+    act_R2I: torch.Tensor,
+    *,
+    activation,
+    clamp_limits,
+    acc_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused down-dgrad epilogue's twin: ``dh_raw = a[row_index] @ w[e]`` in ``acc_dtype``
+    (NOT rounded; ``w`` [E, H, I] = ``w_down`` transposed), then per row s of pair p (affinity
+    alpha) with the checkpoint's stored g, u (``act_R2I[p]``), ``s = sigmoid(act.alpha * g)``::
+
+        dA_row[s]      = sum_j dh_raw * h                 h = g * s * (u + up_offset)
+        d_gate_up[s]   = [alpha dh_raw (u + c) s (1 + act.alpha g (1 - s)) mask_g,
+                          alpha dh_raw g s mask_u]
+        a_h[s]         = alpha * h
+
+    (REFERENCE §2; strict clamp masks from the stored values), 0 for padding rows.
+
+    Returns:
+        ``(d_gate_up [S, 2I], a_h [S, I]`` in ``out_dtype``, ``dA_row [S]`` in ``acc_dtype``).
+    """
+    I = w.shape[2]
+    dh = grouped_mm_gather_torch(a, w, offsets_E, row_index, acc_dtype=acc_dtype,
+                                 out_dtype=acc_dtype)
+    valid = row_to_pair_S >= 0
+    p = row_to_pair_S.clamp(min=0)
+    R = act_R2I.shape[0]
+    if R:
+        gu = act_R2I.to(acc_dtype)[p]
+        al = pair_affinity_R.to(acc_dtype)[p]
+    else:
+        gu = torch.zeros(p.shape[0], 2, I, dtype=acc_dtype, device=a.device)
+        al = torch.zeros(p.shape[0], dtype=acc_dtype, device=a.device)
+    zero = torch.zeros((), dtype=acc_dtype)
+    gu = torch.where(valid[:, None, None], gu, zero)
+    al = torch.where(valid, al, zero)[:, None]
+    dh = torch.where(valid[:, None], dh, zero)
+    g, u = gu[:, 0], gu[:, 1]
+    sig = torch.sigmoid(g * activation.alpha) if activation.alpha != 1.0 else torch.sigmoid(g)
+    up = u + activation.up_offset
+    h = g * sig * up
+    da = (dh * h).sum(1)
+    d = al * dh
+    dg = d * up * sig * (1 + activation.alpha * g * (1 - sig))
+    du = d * g * sig
+    if clamp_limits is not None:
+        dg = torch.where(clamp_limits.gate_mask(g), dg, zero)
+        du = torch.where(clamp_limits.up_mask(u), du, zero)
+    dgu = torch.cat([dg, du], 1)
+    return dgu.to(out_dtype), (al * h).to(out_dtype), da

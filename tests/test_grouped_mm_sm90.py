@@ -270,8 +270,8 @@ def _splits_case(counts, extra, K=128, N=256):
 
 @pytest.mark.parametrize(
     "counts,extra",
-    [([0, 0, 0, 0], 64), ([0, 0, 0, 0], 0), ([3, 0, 1, 200, 0], 0), ([0, 0, 129], 33),
-     ([1] * 40, 1)],
+    [([0] * 8, 64), ([0] * 8, 0), ([3, 0, 1, 200, 0, 0, 0, 0], 0), ([0] * 5 + [0, 0, 129], 33),
+     ([1] * 8, 1)],
     ids=["all-empty", "nothing", "tiny-and-empty", "past-last-offset", "one-row-experts"],
 )
 @gpu

@@ -60,10 +60,15 @@ Structure (one CTA per SM, persistent, warp-specialized; the wgrad kernel
   the source would show if a padding row were read). TMA cannot store here: an expert's last
   tile ends at an arbitrary row and the next expert's rows must not be overwritten.
 
-Public names: :class:`Sm90GroupedMmTile`, :class:`Sm90GroupedMmKey`, :func:`select_grouped_mm_tile`,
-:func:`compile_grouped_mm` (cached; ``FAMILY.compile_count`` counts real compiles) and
-:func:`compile_grouped_mm_offline` (PTX text for ``sm_90a`` without a GPU). CuTe DSL is imported
-only inside the compile functions.
+Not yet run on a GPU (written and compiled offline; ``tests/test_grouped_mm_sm90.py`` holds the
+GPU tests, ``benchmarks/grouped_mm_device_run.sh`` runs them). The tile rule
+(:func:`select_grouped_mm_tile`) is a starting point, not a measured choice.
+
+Public names: :class:`Sm90GroupedMmTile`, :class:`GatedEpilogue`, :class:`Sm90GroupedMmKey`,
+:func:`select_grouped_mm_tile`, :func:`tile_schedule` (the schedule in Python),
+:func:`fake_operands`, :func:`compile_grouped_mm` (cached; ``FAMILY.compile_count`` counts real
+compiles) and :func:`compile_grouped_mm_offline` (PTX text for ``sm_90a`` without a GPU). CuTe DSL
+is imported only inside the compile functions.
 """
 
 
@@ -83,6 +88,7 @@ __all__ = [
     "Sm90GroupedMmTile",
     "compile_grouped_mm",
     "compile_grouped_mm_offline",
+    "fake_operands",
     "select_grouped_mm_tile",
     "tile_schedule",
 ]

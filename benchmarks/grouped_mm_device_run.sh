@@ -12,6 +12,8 @@
 #   2. the tests of tests/test_grouped_mm_sm90.py and tests/test_grouped_mm.py but the offline
 #      compiles (CI runs those), `-x -q`, in 4 processes of a quarter of the tests each (the
 #      compiles are single-threaded CPU work), <= 180 s;
+#   (optional, SANITIZE=1: compute-sanitizer memcheck of a small gather case and a small gated
+#      case, <= 150 s, $OUT/sanitizer.log; off by default to stay within 8 minutes)
 #   3. the benchmark with --check (ours vs the torch twin in BF16 ulps; the fused epilogues: vs
 #      the layer's GEMM-then-pass), <= 200 s; its JSON is rewritten after every shape.
 # Logs: $OUT/{env,smoke}.log, $OUT/tests_{0..3}.log, $OUT/grouped_mm_bench.{md,json,err}.
@@ -46,6 +48,15 @@ for k in 0 1 2 3; do
 done
 wait
 for k in 0 1 2 3; do echo "--- shard $k"; tail -6 "$OUT/tests_$k.log"; done
+
+if [ "${SANITIZE:-0}" = 1 ]; then
+  timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider \
+    "$T::test_grid_matches_twin[64-row-tiles-gather]" \
+    "$T::test_gated_matches_twin_and_writes_everything[gpt-oss-pingpong-partial]" \
+    > "$OUT/sanitizer.log" 2>&1
+  echo "sanitizer rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -3
+fi
 
 timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/bench_grouped_mm.py --check \
   --json "$OUT/grouped_mm_bench.json" "$@" > "$OUT/grouped_mm_bench.md" \

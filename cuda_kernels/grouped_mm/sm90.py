@@ -1,0 +1,1347 @@
+"""Hopper (SM90) varlen-M grouped GEMM in CuTe DSL: ``out[r] = A[idx[r]] @ W[e]`` for the rows r
+of expert e, A's rows gathered through an index.
+
+Rows are in the grouped layout (REFERENCE §1.2, ``common.routing.GroupedLayout``): expert e owns
+rows ``[offsets[e-1], offsets[e])`` (0 for e = 0) of the ``S``-row output; rows from
+``offsets[E-1]`` to ``S`` belong to no expert and are written as zeros. ``K`` (the contraction)
+and ``N`` are static; ``S``, the gathered source's row count ``T`` and the split are dynamic (new
+splits never recompile; the offsets are read on the device only: CUDA-graph capturable).
+
+Structure (one CTA per SM, persistent, warp-specialized; the wgrad kernel
+``grouped_wgrad/sm90_bf16.py`` is the model for the pipelines and the mainloop):
+
+- prologue: warp 0 reads the offsets and writes, per expert, its first row, its row count and
+  its first tile id (a warp prefix sum of ``ceil(rows / tile_m) * n_tiles``) into shared memory;
+  every tile costs the same (K is fixed), so the tiles are dealt statically: CTA ``b`` takes
+  tiles ``b, b + grid, b + 2 grid, ...`` (no tile counter, no memset before the launch). A tile id
+  is mapped to (expert, M tile, N tile) by a binary search over the first tile ids; inside an
+  expert M tiles run fastest (the consecutive tiles in flight share one column block of W[e]);
+- warp group 0 produces the (A, W) stages of a ``stages``-deep shared-memory ring:
+  * ``gather_a``: its 128 threads copy A's rows through the index with ``cp.async`` (16-byte
+    chunks, 8 threads per 128-byte row of a 64-wide K tile, into the 128-byte-swizzled layout
+    wgmma reads; Hopper's TMA cannot gather rows). A padding row (index < 0), a row past the
+    expert's end and a K chunk past K are zero-filled by the copy itself (source size 0: nothing
+    is read). Each thread's copies arrive on the stage's full barrier when they land
+    (``cp.async.mbarrier.arrive.noinc``), W's TMA box adds its bytes to the same barrier;
+  * otherwise (A already in row order, ``[S, K]``) one warp loads A's ``(tile_m, 64)`` boxes by
+    TMA starting at the tile's first row (rows past the expert are loaded but never stored, rows
+    past S are zero-filled by TMA);
+  * W[e] always by TMA (``(tile_n, 64)`` boxes of the ``(N, K, E)`` view, N- or K-major; boxes
+    past N or K are zero-filled).
+- consumer warp groups issue wgmma with fp32 accumulators. Cooperative tiles: two warp groups
+  share a 128-row tile (a 64-row slab each); pingpong: two warp groups own alternate tiles and
+  take turns on the pipeline, one's epilogue overlapping the other's mainloop. With ``gather_a``
+  each consumer thread fences the async proxy after a stage's barrier completes
+  (``proxy_fence``: cp.async writes through the generic proxy, wgmma reads through the async
+  proxy);
+- epilogue ``"gated"`` (the forward gate/up GEMM, W = ``w_gate_up`` [E, H, 2I]): a tile covers
+  gate columns ``[j, j + tile_n / 2)`` and the same up columns ``I + j ...``: two W boxes per
+  stage, two wgmma accumulators of ``tile_n / 2`` columns. From the fp32 accumulators, per row
+  s of pair p (``row_to_pair[s]``, -1 = padding) with affinity a: bias (fp32, per expert),
+  clamp, ``h = g * sigmoid(alpha g) * (u + up_offset)``, then ``a_h[s] = a * h`` (0 for padding
+  rows: a select) and the checkpoint ``act[p] = [g, u]`` (clamped, in the plan's pair order),
+  each rounded once to BF16; checkpoint rows ``[num_pairs, R)`` are zeroed by the tile whose
+  output row has that index (as ``moe_forward.kernels.activation_forward`` does). The numerics
+  differ from GEMM-then-pass in one place: the pass reads the pre-activation after the GEMM
+  rounded it to BF16, the fused epilogue uses the fp32 accumulator (one rounding less);
+- epilogue ``"dgated"`` (the backward down-dgrad GEMM, A = dY gathered, W = ``w_down``
+  transposed [E, H, I]): the accumulator is ``dh_raw``; per row s of pair p with affinity a and
+  the checkpoint's stored g, u (two 4-byte loads per column pair): the activation backward with
+  the strict clamp masks, ``d_gate_up[s] = [dg, du]`` and ``a_h[s] = a * h`` in BF16 (0 for
+  padding rows: selects), and the row's partial ``sum_j dh_raw * h`` over the tile's columns
+  (each thread's columns, then the 4 threads that share a row by two butterfly shuffles: a
+  fixed order) into an fp32 ``[S, n_tiles]`` buffer the host sums over N tiles (deterministic,
+  no atomics). As for ``"gated"``, the difference from GEMM-then-pass is one rounding less
+  (``dh_raw`` is not rounded to BF16);
+- epilogue ``"store"``: the fp32 accumulator rounded once to BF16 (RNE) and stored from
+  registers (4-byte stores) with row predicates (the tile's rows inside the expert and below S)
+  and column predicates (below N, only when N is not a multiple of tile_n). A padding row's A
+  row is zero-filled, so its output is exactly +0 for a finite W (no select: a NaN planted in
+  the source would show if a padding row were read). TMA cannot store here: an expert's last
+  tile ends at an arbitrary row and the next expert's rows must not be overwritten.
+
+Not yet run on a GPU (written and compiled offline; ``tests/test_grouped_mm_sm90.py`` holds the
+GPU tests, ``benchmarks/grouped_mm_device_run.sh`` runs them). The tile rule
+(:func:`select_grouped_mm_tile`) is a starting point, not a measured choice.
+
+Public names: :class:`Sm90GroupedMmTile`, :class:`GatedEpilogue`, :class:`Sm90GroupedMmKey`,
+:func:`select_grouped_mm_tile`, :func:`tile_schedule` (the schedule in Python),
+:func:`fake_operands`, :func:`compile_grouped_mm` (cached; ``FAMILY.compile_count`` counts real
+compiles) and :func:`compile_grouped_mm_offline` (PTX text for ``sm_90a`` without a GPU). CuTe DSL
+is imported only inside the compile functions.
+"""
+
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+from ..grouped_wgrad.tiles import SM90_TILES
+from .launch import GroupedMmFamily
+
+__all__ = [
+    "EPILOGUES",
+    "FAMILY",
+    "GatedEpilogue",
+    "Sm90GroupedMmKey",
+    "Sm90GroupedMmTile",
+    "compile_grouped_mm",
+    "compile_grouped_mm_offline",
+    "fake_operands",
+    "select_grouped_mm_tile",
+    "tile_schedule",
+]
+
+EPILOGUES = ("store", "gated", "dgated")
+"""Epilogues of the kernel: ``"store"`` (BF16 ``out[S, N]``), ``"gated"`` (the forward gate/up
+epilogue: BF16 ``a_h[S, I]`` and checkpoint ``act[R, 2, I]``, N = 2I) and ``"dgated"`` (the
+backward down-dgrad epilogue: BF16 ``d_gate_up[S, 2I]`` and ``a_h[S, I]`` and fp32 partial row
+sums of ``dh_raw * h`` per N tile, N = I)."""
+
+_SMEM_BYTES = SM90_TILES.smem_bytes  # usable dynamic shared memory per CTA on H100/H200
+_INDEX_DTYPES = ("int64", "int32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90GroupedMmTile:
+    """One CTA tile of the SM90 varlen-M grouped GEMM.
+
+    Attributes (tile sizes as the wgrad kernel's, ``grouped_wgrad.tiles.SM90_TILES``):
+        tile_m: output rows per CTA tile, 64 or 128 (cooperative: one 64-row slab per consumer
+            warp group; pingpong: one warp group per tile).
+        tile_n: output columns per CTA tile, a multiple of 16 in [16, 256].
+        tile_k: K per pipeline stage, 64 (one 128-byte swizzle row of bf16).
+        stages: depth of the shared-memory ring of (A, W) tiles, >= 2 (lowered to what fits).
+        pingpong: two consumer warp groups own alternate output tiles instead of sharing each.
+        proxy_fence: with a gathered A, each consumer thread issues ``fence.proxy.async`` after
+            a stage's full barrier and before its wgmma reads it (cp.async writes shared memory
+            through the generic proxy). On by default; a speed variant to measure without.
+
+    Raises:
+        ValueError: a field outside the ranges above or stages that overflow shared memory.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    stages: int = 4
+    pingpong: bool = False
+    proxy_fence: bool = True
+
+    def __post_init__(self) -> None:
+        SM90_TILES.check_config(self)
+        if not isinstance(self.pingpong, bool) or not isinstance(self.proxy_fence, bool):
+            raise ValueError(
+                f"{type(self).__name__}.pingpong / proxy_fence must be bools, got "
+                f"{self.pingpong!r} / {self.proxy_fence!r}"
+            )
+
+    @property
+    def variant_name(self) -> str:
+        """Short name of the tile (benchmark rows)."""
+        name = f"{self.tile_m}x{self.tile_n}s{self.stages}{'pp' if self.pingpong else ''}"
+        return name + ("" if self.proxy_fence else "-nofence")
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes of one pipeline stage: a bf16 A tile plus a bf16 W tile."""
+        return SM90_TILES.stage_bytes(self.tile_m, self.tile_n, self.tile_k)
+
+    @property
+    def consumer_groups(self) -> int:
+        """Consumer groups per CTA, each owning whole output tiles (2 for pingpong, else 1)."""
+        return 2 if self.pingpong else 1
+
+    @property
+    def wgs_per_group(self) -> int:
+        """Warp groups sharing one output tile: one per 64-row slab (cooperative), else 1."""
+        return 1 if self.pingpong else self.tile_m // 64
+
+    @property
+    def consumer_warp_groups(self) -> int:
+        """Consumer (wgmma) warp groups per CTA."""
+        return self.consumer_groups * self.wgs_per_group
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedEpilogue:
+    """The static part of the ``"gated"`` epilogue (compile-time constants of the kernel).
+
+    Attributes:
+        alpha, up_offset: the activation ``h = g * sigmoid(alpha * g) * (u + up_offset)``
+            (``common.problem.Activation``: SwiGLU 1, 0; gpt-oss 1.702, 1).
+        gate_lo, gate_hi, up_lo, up_hi: clamp limits of g and u (None: no limit;
+            ``common.problem.ClampLimits``' ``non_linear_*`` and ``linear_*``).
+        has_bias: a per-expert fp32 bias ``[E, 2I]`` is added before the clamp.
+
+    Raises:
+        ValueError: a non-finite value, alpha <= 0, or a lower limit not below its upper one.
+    """
+
+    alpha: float = 1.0
+    up_offset: float = 0.0
+    gate_lo: float | None = None
+    gate_hi: float | None = None
+    up_lo: float | None = None
+    up_hi: float | None = None
+    has_bias: bool = False
+
+    def __post_init__(self) -> None:
+        cls = type(self).__name__
+        if not _finite(self.alpha) or self.alpha <= 0:
+            raise ValueError(f"{cls}.alpha must be a finite number > 0, got {self.alpha!r}")
+        if not _finite(self.up_offset):
+            raise ValueError(f"{cls}.up_offset must be a finite number, got {self.up_offset!r}")
+        for side in ("gate", "up"):
+            lo, hi = getattr(self, f"{side}_lo"), getattr(self, f"{side}_hi")
+            for name, v in ((f"{side}_lo", lo), (f"{side}_hi", hi)):
+                if v is not None and not _finite(v):
+                    raise ValueError(f"{cls}.{name} must be a finite number or None, got {v!r}")
+            if lo is not None and hi is not None and not lo < hi:
+                raise ValueError(f"{cls}: {side}_lo ({lo}) must be < {side}_hi ({hi})")
+        if not isinstance(self.has_bias, bool):
+            raise ValueError(f"{cls}.has_bias must be a bool, got {self.has_bias!r}")
+
+    @classmethod
+    def of(cls, activation, clamp_limits, has_bias: bool) -> "GatedEpilogue":
+        """From a ``common.problem.Activation`` and ``ClampLimits`` (None: none)."""
+        cl = clamp_limits
+        return cls(
+            alpha=float(activation.alpha),
+            up_offset=float(activation.up_offset),
+            gate_lo=None if cl is None else cl.non_linear_clamp_lower_limit,
+            gate_hi=None if cl is None else cl.non_linear_clamp_upper_limit,
+            up_lo=None if cl is None else cl.linear_clamp_lower_limit,
+            up_hi=None if cl is None else cl.linear_clamp_upper_limit,
+            has_bias=bool(has_bias),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90GroupedMmKey:
+    """Static contract of one compiled kernel (the compile-cache key).
+
+    The row counts (``S``, and ``T`` of a gathered A), A's row stride and the offsets values are
+    dynamic and not part of it.
+
+    Attributes:
+        n: N, output columns (W[e] is K x N).
+        k: K, the contraction (A's columns, W[e]'s rows).
+        num_experts: E.
+        gather_a: A's rows are read through an index (``[S]`` int64/int32, -1 = padding row)
+            from a ``[T, K]`` source; False: A is ``[S, K]`` already in row order.
+        index_dtype: ``"int64"`` or ``"int32"`` (the index; ignored without ``gather_a``).
+        w_major: ``"n"`` (W ``[E, K, N]`` contiguous, N fastest: the layer's weights) or ``"k"``
+            (W's memory is ``[E, N, K]`` contiguous: K fastest).
+        epilogue: one of :data:`EPILOGUES`.
+        tile: the :class:`Sm90GroupedMmTile`.
+        gated: the :class:`GatedEpilogue` (required by, and only with, ``epilogue="gated"`` or
+            ``"dgated"``). ``"gated"``: N = 2I with I a multiple of 8, and tile_n 128 or 256 (two
+            accumulators of tile_n / 2 columns). ``"dgated"``: N = I, no bias (the affinity
+            gradient's bias term is the caller's), the clamp limits give the strict masks.
+
+    Raises:
+        ValueError: a field outside its values; N or K not a multiple of 8 (16-byte rows); a
+            tile whose accumulators exceed 192 fp32 registers per consumer thread.
+    """
+
+    n: int
+    k: int
+    num_experts: int
+    gather_a: bool = True
+    index_dtype: str = "int64"
+    w_major: str = "n"
+    epilogue: str = "store"
+    tile: Sm90GroupedMmTile = Sm90GroupedMmTile()
+    gated: GatedEpilogue | None = None
+
+    def __post_init__(self) -> None:
+        cls = type(self).__name__
+        for name in ("n", "k", "num_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{cls}.{name} must be a positive int, got {value!r}")
+        for name in ("n", "k"):
+            if getattr(self, name) % 8:
+                raise ValueError(
+                    f"{cls}.{name} must be a multiple of 8 (16-byte BF16 rows for TMA and "
+                    f"cp.async), got {getattr(self, name)}"
+                )
+        if not isinstance(self.gather_a, bool):
+            raise ValueError(f"{cls}.gather_a must be a bool, got {self.gather_a!r}")
+        if self.index_dtype not in _INDEX_DTYPES:
+            raise ValueError(
+                f"{cls}.index_dtype must be one of {_INDEX_DTYPES}, got {self.index_dtype!r}"
+            )
+        if self.w_major not in ("n", "k"):
+            raise ValueError(f"{cls}.w_major must be 'n' or 'k', got {self.w_major!r}")
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"{cls}.epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
+        if not isinstance(self.tile, Sm90GroupedMmTile):
+            msg = f"{cls}.tile must be a Sm90GroupedMmTile, got {self.tile!r}"
+            raise ValueError(msg)
+        t = self.tile
+        acc_regs = t.tile_m * t.tile_n // (128 * t.wgs_per_group)
+        if acc_regs > 192:
+            raise ValueError(
+                f"{cls}: tile {t.variant_name} holds {acc_regs} fp32 accumulators per consumer "
+                "thread (at most 192: pingpong tiles own 128 rows per warp group)"
+            )
+        if (self.epilogue in ("gated", "dgated")) != (self.gated is not None):
+            raise ValueError(
+                f"{cls}.gated must be a GatedEpilogue exactly when epilogue is 'gated' or "
+                "'dgated'"
+            )
+        if self.gated is not None and not isinstance(self.gated, GatedEpilogue):
+            raise ValueError(f"{cls}.gated must be a GatedEpilogue, got {self.gated!r}")
+        if self.epilogue == "dgated" and self.gated.has_bias:
+            raise ValueError(f"{cls}: the dgated epilogue takes no bias (has_bias must be False)")
+        if self.epilogue == "gated":
+            if self.n % 16:
+                raise ValueError(
+                    f"{cls}: the gated epilogue needs N = 2I with I a multiple of 8, got N={self.n}"
+                )
+            if t.tile_n not in (128, 256):
+                raise ValueError(
+                    f"{cls}: the gated epilogue needs tile_n 128 or 256 (two accumulators of 64 "
+                    f"or 128 columns), got {t.tile_n}"
+                )
+
+    @property
+    def out_cols(self) -> int:
+        """Columns of the main output: N (``"store"``, ``"dgated"``) or I = N / 2 (``"gated"``:
+        ``a_h``)."""
+        return self.n // 2 if self.epilogue == "gated" else self.n
+
+    @property
+    def n_tiles(self) -> int:
+        """Output tiles along N: ``ceil(N / tile_n)``."""
+        return -(-self.n // self.tile.tile_n)
+
+    @property
+    def k_tiles(self) -> int:
+        """Pipeline stages per output tile: ``ceil(K / tile_k)``."""
+        return -(-self.k // self.tile.tile_k)
+
+    def max_tiles(self, rows: int) -> int:
+        """An upper bound of the tiles of a launch over ``rows`` output rows, whatever the
+        split: ``(ceil(rows / tile_m) + E) * n_tiles`` (each expert's last M tile may be
+        partial; the rows past the last expert count as one more group)."""
+        return (-(-rows // self.tile.tile_m) + self.num_experts) * self.n_tiles
+
+
+def select_grouped_mm_tile(n: int, k: int, num_experts: int) -> Sm90GroupedMmTile:
+    """The tile for an ``(N, K, E)`` problem (not yet measured on the GPU: a starting rule).
+
+    128 x 256 cooperative (4 stages) when N >= 256, else 128 x 128 (6 stages); ``k`` and
+    ``num_experts`` are part of the signature for the measured rules to come.
+
+    Raises:
+        ValueError: non-positive sizes.
+    """
+    if n < 1 or k < 1 or num_experts < 1:
+        raise ValueError(
+            f"select_grouped_mm_tile: sizes must be positive, got n={n}, k={k}, "
+            f"num_experts={num_experts}"
+        )
+    if n >= 256:
+        return Sm90GroupedMmTile(128, 256, 64, 4)
+    return Sm90GroupedMmTile(128, 128, 64, 6)
+
+
+def tile_schedule(offsets: list[int], num_rows: int, key: Sm90GroupedMmKey) -> list[tuple]:
+    """The kernel's tile schedule written in Python (for tests and the benchmark's tile counts):
+    ``[(group, n_idx, row0, rows)]`` in tile-id order, as the prologue's prefix sums and
+    ``tile_coords`` compute them on the device (group E: the rows past the last expert). CTA
+    ``b`` of a ``grid``-CTA launch takes ids ``b, b + grid, ...``."""
+    tm, n_tiles = key.tile.tile_m, key.n_tiles
+    out, begin = [], 0
+    for g, raw in enumerate([*offsets, num_rows]):
+        end = max(begin, min(max(int(raw), 0), num_rows))  # running max of the clamped ends
+        count = end - begin
+        m_tiles = -(-count // tm)
+        for rem in range(m_tiles * n_tiles):
+            n_idx, m_idx = divmod(rem, m_tiles)
+            out.append((g, n_idx, begin + m_idx * tm, min(count - m_idx * tm, tm)))
+        begin = end
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel (CuTe DSL imported lazily)
+# --------------------------------------------------------------------------------------------
+
+
+def _build_kernel_class():
+    import cutlass
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import cute, memory, pipeline
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+    from cutlass.tensor_utils import LayoutEnum
+
+    @cute.jit
+    def fence_accumulators(acc: cute.Tensor):
+        """Pin each accumulator register behind an empty volatile asm (as the wgrad kernel's
+        ``fence_accumulators``, CUTLASS's warpgroup_fence_operand): the epilogue's reads then
+        cannot be scheduled above ``wgmma.wait_group`` (ptxas would serialize the wgmma)."""
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = cutlass.Float32(
+                llvm.inline_asm(
+                    T.f32(),
+                    [cutlass.Float32(acc[i]).ir_value()],
+                    "",
+                    "=f,0",
+                    has_side_effects=True,
+                    is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT,
+                )
+            )
+
+    index_types = {"int64": cutlass.Int64, "int32": cutlass.Int32}
+
+    class Sm90GroupedMmKernel:
+        """CTA-persistent, warp-specialized varlen-M grouped GEMM for one key."""
+
+        def __init__(self, key: Sm90GroupedMmKey):
+            self.key = key
+            t = key.tile
+            self.tile_m, self.tile_n, self.tile_k = t.tile_m, t.tile_n, t.tile_k
+            self.num_consumer_wgs = t.consumer_warp_groups
+            self.num_groups = t.consumer_groups
+            self.wgs_per_group = t.wgs_per_group
+            self.threads = 128 * (1 + self.num_consumer_wgs)
+            self.group_threads = 128 * self.wgs_per_group
+            self.num_e = key.num_experts
+            self.n_tiles = key.n_tiles
+            self.gated = key.epilogue == "gated"
+            self.dgated = key.epilogue == "dgated"
+            # gated: two accumulators (gate, up) of tile_n / 2 columns, one W box each
+            self.n_acc = 2 if self.gated else 1
+            self.mma_n = self.tile_n // self.n_acc
+            self.out_cols = key.out_cols  # N, or I for the gated epilogue
+            self.partial_n = self.out_cols % self.mma_n != 0  # the last N tile: column checks
+            self.k_tiles = key.k_tiles
+            self.gather = key.gather_a
+            self.proxy_fence = key.gather_a and t.proxy_fence
+            self.ab_dtype = cutlass.BFloat16
+            self.acc_dtype = cutlass.Float32
+            self.out_dtype = cutlass.BFloat16
+            self.idx_dtype = index_types[key.index_dtype]
+            # the schedule tables: first row, row count (E + 1 groups: the experts and the
+            # rows past the last one) and first tile id (E + 2 entries: the last is the total)
+            self.sched_chunks = -(-(self.num_e + 1) // 32)
+            self.search_top = 1 << (self.num_e.bit_length() - 1)  # largest power of 2 <= E
+            header = 1024 + 12 * (self.num_e + 2) + 16 * t.stages
+            self.stages = min(t.stages, (_SMEM_BYTES - header) // t.stage_bytes)
+            if self.stages < 2:
+                raise ValueError(f"{t} leaves no room for 2 pipeline stages")
+            # cp.async producers keep 8 row offsets and predicates per thread: more registers
+            # than a TMA-only producer warp needs
+            self.producer_regs = 56 if self.gather else 40
+            self.consumer_regs = (
+                (224 if self.gather else 232) if self.num_consumer_wgs == 2 else 160
+            )
+            # gather: 8 threads per 128-byte row, the 128 producer threads cover 16 rows a pass
+            self.rows_per_pass = 128 // (self.tile_k // 8)
+            self.rows_per_thread = self.tile_m // self.rows_per_pass
+
+        def make_storage(self, a_cosize: int, b_cosize: int):
+            """The kernel's shared-memory struct (built in a plain method, outside the code the
+            DSL's preprocessor rewrites)."""
+            mem, align = cute.struct.MemRange, cute.struct.Align
+            ne = self.num_e
+            fields = {
+                "mbar": mem[cutlass.Int64, self.stages * 2],
+                "tile_start": mem[cutlass.Int32, ne + 2],
+                "row_begin": mem[cutlass.Int32, ne + 1],
+                "row_count": mem[cutlass.Int32, ne + 1],
+                "sA": align[mem[self.ab_dtype, a_cosize], 1024],
+                "sB": align[mem[self.ab_dtype, b_cosize], 1024],
+            }
+            if self.gated:
+                fields["sB2"] = align[mem[self.ab_dtype, b_cosize], 1024]
+            return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+        # ---- the schedule: per-expert tables in shared memory, static tile dealing ----
+
+        @cute.jit
+        def build_schedule(self, mOffsets, num_rows, storage, warp_idx):
+            """Warp 0: for each group g (the E experts, then the rows past the last expert)
+            its first row, its row count and its first tile id (exclusive prefix sum of
+            ``ceil(rows / tile_m) * n_tiles``); entry E + 1 of the tile ids is the total.
+            Group g's rows are ``[max(end[<g]), max(end[<=g]))`` with ``end`` the offsets
+            clamped into [0, S] (S for the last group): the layout's ranges for valid offsets,
+            and for offsets that break the contract (decreasing, past S) still disjoint ranges
+            inside the output (memory-safe, each row written at most once)."""
+            ne = self.num_e
+            sStart = storage.tile_start.get_tensor(cute.make_layout(ne + 2))
+            sBegin = storage.row_begin.get_tensor(cute.make_layout(ne + 1))
+            sCount = storage.row_count.get_tensor(cute.make_layout(ne + 1))
+            if warp_idx == 0:
+                lane = cute.arch.lane_idx()
+                ends = cute.make_rmem_tensor((self.sched_chunks,), cutlass.Int32)
+                # all loads first (independent: one memory latency), then the scans
+                for c in cutlass.range_constexpr(self.sched_chunks):
+                    g = c * 32 + lane
+                    end = num_rows
+                    if g < ne:
+                        end = mOffsets[g]
+                    ends[c] = end
+                carry_tiles = cutlass.Int32(0)
+                carry_end = cutlass.Int32(0)
+                for c in cutlass.range_constexpr(self.sched_chunks):
+                    g = c * 32 + lane
+                    # inclusive running max of the clamped ends (then carried across chunks)
+                    top = cutlass.min(cutlass.max(ends[c], cutlass.Int32(0)), num_rows)
+                    for d in cutlass.range_constexpr(5):
+                        up = cute.arch.shuffle_sync_up(top, 1 << d)
+                        if lane >= (1 << d):
+                            top = cutlass.max(top, up)
+                    top = cutlass.max(top, carry_end)
+                    begin = cute.arch.shuffle_sync_up(top, 1)
+                    if lane == 0:
+                        begin = carry_end
+                    count = top - begin
+                    tiles = (count + self.tile_m - 1) // self.tile_m * self.n_tiles
+                    incl = tiles
+                    for d in cutlass.range_constexpr(5):
+                        up = cute.arch.shuffle_sync_up(incl, 1 << d)
+                        if lane >= (1 << d):
+                            incl = incl + up
+                    if g <= ne:
+                        sStart[g] = carry_tiles + incl - tiles
+                        sBegin[g] = begin
+                        sCount[g] = count
+                    carry_tiles = carry_tiles + cute.arch.shuffle_sync(incl, 31)
+                    carry_end = cute.arch.shuffle_sync(top, 31)
+                if lane == 0:
+                    sStart[ne + 1] = carry_tiles
+            return sStart, sBegin, sCount
+
+        @cute.jit
+        def tile_coords(self, tile, sStart, sBegin, sCount):
+            """(group, n_idx, row0, rows) of tile id ``tile``: its group g (the last with
+            ``first tile id <= tile``: a binary search), its N tile, its first output row and
+            its valid row count (<= tile_m). M tiles run fastest inside a group."""
+            g = cutlass.Int32(0)
+            for step in cutlass.range_constexpr(self.num_e.bit_length()):
+                cand = g + (self.search_top >> step)
+                if cand <= self.num_e:  # noqa: SIM102
+                    if sStart[cand] <= tile:
+                        g = cand
+            rem = tile - sStart[g]
+            count = sCount[g]
+            m_tiles = (count + self.tile_m - 1) // self.tile_m
+            n_idx = rem // m_tiles
+            m_off = (rem - n_idx * m_tiles) * self.tile_m
+            rows = cutlass.min(count - m_off, cutlass.Int32(self.tile_m))
+            return g, n_idx, sBegin[g] + m_off, rows
+
+        # ---- host side: MMA, shared-memory layouts, TMA atoms ----
+
+        def make_mma_and_loads(self, mA, mW):
+            """The tiled wgmma (``wgs_per_group`` 64-row slabs, ``mma_n`` wide: ``tile_n``, or
+            ``tile_n / 2`` per accumulator of the gated epilogue), the staged shared-memory
+            layouts of A and of one W box and the TMA atoms of W and (without gather) A."""
+            a_layout = LayoutEnum.ROW_MAJOR  # A is (rows, K), K contiguous
+            b_layout = LayoutEnum.from_tensor(mW)  # W viewed (N, K, E)
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                self.ab_dtype,
+                self.ab_dtype,
+                a_layout.sm90_mma_major_mode(),
+                b_layout.sm90_mma_major_mode(),
+                self.acc_dtype,
+                (self.wgs_per_group, 1, 1),
+                tiler_mn=(64, self.mma_n),
+            )
+            tile_mnk = (self.tile_m, self.mma_n, self.tile_k)
+            a_smem_staged = sm90_utils.make_smem_layout_a(
+                a_layout, tile_mnk, self.ab_dtype, self.stages
+            )
+            b_smem_staged = sm90_utils.make_smem_layout_b(
+                b_layout, tile_mnk, self.ab_dtype, self.stages
+            )
+            tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                mW,
+                cute.slice_(b_smem_staged, (None, None, 0)),
+                (self.mma_n, self.tile_k),
+            )
+            tma_atom_a, tma_a = tma_atom_b, tma_b  # placeholders for the gather path
+            if cutlass.const_expr(not self.gather):
+                tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                    mA,
+                    cute.slice_(a_smem_staged, (None, None, 0)),
+                    (self.tile_m, self.tile_k),
+                )
+            return tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b, tma_b
+
+        def gather_copy(self):
+            """The cp.async tiled copy of the gather producers: 128 threads, 8 per 128-byte row
+            (16-byte chunks, L2 only: ``cp.async.cg``)."""
+            atom = cute.make_copy_atom(
+                cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                self.ab_dtype,
+                num_bits_per_copy=128,
+            )
+            per_row = self.tile_k // 8
+            tiled = cute.make_tiled_copy_tv(
+                atom,
+                cute.make_layout((self.rows_per_pass, per_row), stride=(per_row, 1)),
+                cute.make_layout((1, 8)),
+            )
+            return atom, tiled
+
+        @staticmethod
+        def stage_tma_partition(tma_atom, sX, gX):
+            """(smem, gmem) TMA partitions of staged tiles ``sX`` and global tiles ``gX`` (one
+            CTA, no multicast)."""
+            return cute.nvgpu.cpasync.tma_partition(
+                tma_atom,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sX, 0, 2),
+                cute.group_modes(gX, 0, 2),
+            )
+
+        @cute.jit
+        def __call__(
+            self,
+            mA: cute.Tensor,  # (T, K) gathered source, or (S, K) rows in order; K contiguous
+            mIdx: cute.Tensor,  # (S,) row index (gather), else a placeholder
+            mW: cute.Tensor,  # (N, K, E) view of W
+            mOffsets: cute.Tensor,  # (E,) int32 cumulative expert ends
+            mOut: cute.Tensor,  # (S, N) bf16 row-major; gated / dgated: a_h (S, I)
+            mAux0: cute.Tensor,  # gated: bias (E, 2I) fp32; dgated: d_gate_up (S, 2I) bf16
+            mR2P: cute.Tensor,  # gated / dgated: (S,) int64 row -> pair
+            mAlpha: cute.Tensor,  # gated / dgated: (R,) fp32 pair affinities
+            mAux1: cute.Tensor,  # gated: num_pairs (1,) int64; dgated: dA partials (S, n_tiles)
+            mAct: cute.Tensor,  # gated: (R, 2I) bf16 checkpoint out; dgated: checkpoint in
+            # (placeholders where the epilogue does not use them)
+            num_ctas: cutlass.Int32,
+            stream,
+        ):
+            tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b, tma_b = (
+                self.make_mma_and_loads(mA, mW)
+            )
+            self.shared_storage = self.make_storage(
+                cute.cosize(a_smem_staged), cute.cosize(b_smem_staged)
+            )
+            self.kernel(
+                tma_atom_a,
+                tma_a,
+                tma_atom_b,
+                tma_b,
+                mA,
+                mIdx,
+                mOffsets,
+                mOut,
+                mAux0,
+                mR2P,
+                mAlpha,
+                mAux1,
+                mAct,
+                tiled_mma,
+                a_smem_staged,
+                b_smem_staged,
+            ).launch(
+                grid=[num_ctas, 1, 1],
+                block=[self.threads, 1, 1],
+                cluster=None,
+                smem=self.shared_storage.size_in_bytes(),
+                min_blocks_per_mp=1,
+                stream=stream,
+            )
+
+        @cute.kernel
+        def kernel(
+            self,
+            tma_atom_a: cute.CopyAtom,
+            tma_a: cute.Tensor,
+            tma_atom_b: cute.CopyAtom,
+            tma_b: cute.Tensor,
+            mA: cute.Tensor,
+            mIdx: cute.Tensor,
+            mOffsets: cute.Tensor,
+            mOut: cute.Tensor,
+            mAux0: cute.Tensor,
+            mR2P: cute.Tensor,
+            mAlpha: cute.Tensor,
+            mAux1: cute.Tensor,
+            mAct: cute.Tensor,
+            tiled_mma: cute.TiledMma,
+            a_smem_staged: cute.ComposedLayout,
+            b_smem_staged: cute.ComposedLayout,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+            num_rows = mOut.shape[0]  # S
+
+            if warp_idx == 0:
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+                if cutlass.const_expr(not self.gather):
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+
+            # ---- pipelines: the (A, W) ring; full = W's TMA bytes (+ A's), and with gather
+            # the 128 producer threads' cp.async arrivals ----
+            b_one = cute.slice_(b_smem_staged, (None, None, 0))
+            a_one = cute.slice_(a_smem_staged, (None, None, 0))
+            tx_bytes = cute.size_in_bytes(self.ab_dtype, b_one) * self.n_acc
+            if cutlass.const_expr(not self.gather):
+                tx_bytes += cute.size_in_bytes(self.ab_dtype, a_one)
+            smem = memory.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            ab_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar.data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, 1 + (128 if self.gather else 0)
+                ),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.wgs_per_group * 4
+                ),
+                tx_count=tx_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+            sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+            sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+            sBs = [sB]
+            if cutlass.const_expr(self.gated):
+                sBs.append(
+                    storage.sB2.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+                )
+
+            sStart, sBegin, sCount = self.build_schedule(mOffsets, num_rows, storage, warp_idx)
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))  # syncs the CTA
+            cute.arch.sync_threads()  # the schedule tables are visible to every warp
+            total = sStart[self.num_e + 1]
+
+            if wg_idx == 0:
+                # ---------------- producer warp group ----------------
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                prod_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.stages
+                )
+                if cutlass.const_expr(self.gather):
+                    self.produce_gather(
+                        tma_atom_b, tma_b, mA, mIdx, sA, sBs, ab_pipe, prod_state, sStart,
+                        sBegin, sCount, total, bidx, gdim, warp_idx, tidx,
+                    )
+                elif warp_idx == 0:
+                    self.produce_tma(
+                        tma_atom_a, tma_a, tma_atom_b, tma_b, sA, sBs, ab_pipe, prod_state,
+                        sStart, sBegin, sCount, total, bidx, gdim,
+                    )
+            else:
+                # ---------------- consumer warp groups: wgmma + epilogue ----------------
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume(
+                    tiled_mma, sA, sBs, ab_pipe, mOut, (mAux0, mR2P, mAlpha, mAux1, mAct),
+                    sStart, sBegin, sCount, total, bidx, gdim, wg_idx, tidx,
+                )
+
+        # ---- producers ----
+
+        def w_partitions(self, tma_atom_b, tma_b, sBs, g, n_idx):
+            """(smem, gmem) TMA partitions of the W boxes of N tile ``n_idx`` of expert ``g``:
+            one box, or (gated) the gate box at column ``n_idx * mma_n`` and the up box ``I``
+            columns further."""
+            parts = []
+            for i in range(self.n_acc):
+                mW = tma_b[(None, None, g)]
+                if i == 1:
+                    mW = cute.domain_offset((self.out_cols, 0), mW)
+                gB = cute.local_tile(mW, (self.mma_n, self.tile_k), (n_idx, None))
+                parts.append(self.stage_tma_partition(tma_atom_b, sBs[i], gB))
+            return parts
+
+        def copy_w(self, tma_atom_b, w_parts, kt, stage, bar):
+            """TMA of the W box(es) of K tile ``kt`` into ``stage``, completing on ``bar``."""
+            for tBsB, tBgB in w_parts:
+                cute.copy(tma_atom_b, tBgB[(None, kt)], tBsB[(None, stage)], tma_bar_ptr=bar)
+
+        @cute.jit
+        def produce_tma(
+            self, tma_atom_a, tma_a, tma_atom_b, tma_b, sA, sBs, ab_pipe, prod_state, sStart,
+            sBegin, sCount, total, bidx, gdim,
+        ):
+            """One warp: TMA loads of A's (tile_m, tile_k) boxes from the tile's first row and
+            of W[e]'s (tile_n, tile_k) boxes, for every tile of this CTA."""
+            tile = bidx
+            while tile < total:
+                g, n_idx, row0, _rows = self.tile_coords(tile, sStart, sBegin, sCount)
+                if g < self.num_e:  # the rows past the last expert load nothing
+                    gA = cute.local_tile(
+                        cute.domain_offset((row0, 0), tma_a),
+                        (self.tile_m, self.tile_k),
+                        (0, None),
+                    )
+                    tAsA, tAgA = self.stage_tma_partition(tma_atom_a, sA, gA)
+                    w_parts = self.w_partitions(tma_atom_b, tma_b, sBs, g, n_idx)
+                    for kt in cutlass.range(self.k_tiles, unroll=1):
+                        ab_pipe.producer_acquire(prod_state)
+                        bar = ab_pipe.producer_get_barrier(prod_state)
+                        cute.copy(
+                            tma_atom_a, tAgA[(None, kt)], tAsA[(None, prod_state.index)],
+                            tma_bar_ptr=bar,
+                        )
+                        self.copy_w(tma_atom_b, w_parts, kt, prod_state.index, bar)
+                        ab_pipe.producer_commit(prod_state)
+                        prod_state.advance()
+                tile += gdim
+            ab_pipe.producer_tail(prod_state)
+
+        @cute.jit
+        def produce_gather(
+            self, tma_atom_b, tma_b, mA, mIdx, sA, sBs, ab_pipe, prod_state, sStart, sBegin,
+            sCount, total, bidx, gdim, warp_idx, ptid,
+        ):
+            """The 128 producer threads: per tile, each thread reads the index of its
+            ``rows_per_thread`` rows (rows ``ptid // 8 + 16 j`` of the tile), then per K tile
+            waits for the stage to be free, warp 0 arms the full barrier with W's bytes and
+            issues W's TMA box, and every thread issues its 16-byte cp.async chunks (column
+            chunk ``ptid % 8``; zero-filled for a padding row, a row past the expert and a
+            chunk past K) and arrives on the full barrier when they land."""
+            atom, tiled = self.gather_copy()
+            thr = tiled.get_slice(ptid)
+            tAsA = thr.partition_D(sA)  # (CPY, rows_per_thread, 1, stages)
+            chunk = ptid % (self.tile_k // 8)
+            row_in = ptid // (self.tile_k // 8)
+            a_base = mA.iterator.toint()
+            lda_bytes = cutlass.Int64(mA.stride[0]) * 2
+            src_off = cute.make_rmem_tensor((self.rows_per_thread,), cutlass.Int64)
+            ok = cute.make_rmem_tensor((self.rows_per_thread,), cutlass.Boolean)
+            pred = cute.make_rmem_tensor((1,), cutlass.Boolean)
+            tile = bidx
+            while tile < total:
+                g, n_idx, row0, rows = self.tile_coords(tile, sStart, sBegin, sCount)
+                if g < self.num_e:  # the rows past the last expert load nothing
+                    for j in cutlass.range_constexpr(self.rows_per_thread):
+                        r = row_in + j * self.rows_per_pass
+                        src = cutlass.Int64(-1)
+                        if r < rows:
+                            src = cutlass.Int64(mIdx[row0 + r])
+                        ok[j] = src >= 0
+                        src_off[j] = cutlass.max(src, cutlass.Int64(0)) * lda_bytes
+                    w_parts = self.w_partitions(tma_atom_b, tma_b, sBs, g, n_idx)
+                    for kt in cutlass.range(self.k_tiles, unroll=1):
+                        ab_pipe.sync_object_empty.wait(prod_state.index, prod_state.phase)
+                        if warp_idx == 0:
+                            ab_pipe.sync_object_full.arrive(prod_state.index, None)
+                            self.copy_w(
+                                tma_atom_b, w_parts, kt, prod_state.index,
+                                ab_pipe.producer_get_barrier(prod_state),
+                            )
+                        col = kt * self.tile_k + chunk * 8
+                        in_k = col < self.key.k
+                        col_bytes = cutlass.Int64(col) * 2
+                        for j in cutlass.range_constexpr(self.rows_per_thread):
+                            src_ptr = cute.make_ptr(
+                                self.ab_dtype,
+                                a_base + src_off[j] + col_bytes,
+                                cute.AddressSpace.gmem,
+                                assumed_align=16,
+                            )
+                            src_t = cute.make_tensor(src_ptr, cute.make_layout(((8, 1),)))
+                            pred[0] = ok[j] and in_k
+                            cute.copy(
+                                atom, src_t, tAsA[(None, j, 0, prod_state.index)], pred=pred
+                            )
+                        cute.arch.cp_async_mbarrier_arrive_noinc(
+                            ab_pipe.producer_get_barrier(prod_state)
+                        )
+                        prod_state.advance()
+                tile += gdim
+            # every copy of this thread has landed before it exits
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+
+        # ---- consumers ----
+
+        @cute.jit
+        def consume(
+            self, tiled_mma, sA, sBs, ab_pipe, mOut, epi_tensors, sStart, sBegin, sCount, total,
+            bidx, gdim, wg_idx, tidx,
+        ):
+            """Consumer warp groups: per owned tile, the mainloop (wgmma over the K stages,
+            one wgmma batch in flight) and the epilogue; tiles of the other group (pingpong)
+            are stepped over in the pipeline."""
+            group = (wg_idx - 1) // self.wgs_per_group
+            ctid = tidx - 128 - group * self.group_threads  # thread index in its group
+            slab_thread = ((wg_idx - 1) % self.wgs_per_group) * 128
+            thr_mma = tiled_mma.get_slice(slab_thread)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrBs = [tiled_mma.make_fragment_B(thr_mma.partition_B(sX)) for sX in sBs]
+            num_k_blocks = cute.size(tCrA, mode=[2])
+            thr_mma_epi = tiled_mma.get_slice(ctid)
+            ref_tile = cute.make_identity_tensor((self.tile_m, self.mma_n))
+            tCcC = thr_mma_epi.partition_C(ref_tile)  # (row, col) of each accumulator value
+            accs = [cute.make_rmem_tensor(tCcC.shape, self.acc_dtype) for _ in sBs]
+            read_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.stages
+            )
+            release_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.stages
+            )
+            j = cutlass.Int32(0)  # local tile counter of this CTA
+            tile = bidx
+            while tile < total:
+                g, n_idx, row0, rows = self.tile_coords(tile, sStart, sBegin, sCount)
+                n_k = cutlass.Int32(self.k_tiles)
+                if g >= self.num_e:
+                    n_k = cutlass.Int32(0)  # rows past the last expert: zeros, no loads
+                mine = cutlass.Boolean(True)
+                if cutlass.const_expr(self.num_groups > 1):
+                    mine = (j % self.num_groups) == group
+                if mine:
+                    if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
+                        if j > 0:  # wait for the other group's mainloop (pipeline order)
+                            pipeline.NamedBarrier(
+                                barrier_id=1 + group, num_threads=2 * self.group_threads
+                            ).arrive_and_wait()
+                    for acc in accs:
+                        acc.fill(0.0)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.fence()
+                    for kt in cutlass.range(n_k, unroll=1):
+                        ab_pipe.consumer_wait(read_state)
+                        if cutlass.const_expr(self.proxy_fence):
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                        stage = read_state.index
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            for i in cutlass.range_constexpr(self.n_acc):
+                                cute.gemm(
+                                    tiled_mma,
+                                    accs[i],
+                                    tCrA[(None, None, kb, stage)],
+                                    tCrBs[i][(None, None, kb, stage)],
+                                    accs[i],
+                                )
+                        cute.nvgpu.warpgroup.commit_group()
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        if kt > 0:
+                            ab_pipe.consumer_release(release_state)
+                            release_state.advance()
+                        read_state.advance()
+                    if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
+                        if tile + gdim < total:  # the other group's turn
+                            pipeline.NamedBarrier(
+                                barrier_id=2 - group, num_threads=2 * self.group_threads
+                            ).arrive()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    for acc in accs:
+                        fence_accumulators(acc)
+                    if n_k > 0:
+                        ab_pipe.consumer_release(release_state)
+                        release_state.advance()
+                    if cutlass.const_expr(self.gated):
+                        self.epilogue_gated(
+                            accs[0], accs[1], tCcC, g, n_idx, row0, rows, mOut, *epi_tensors
+                        )
+                    elif cutlass.const_expr(self.dgated):
+                        self.epilogue_dgated(
+                            accs[0], tCcC, n_idx, row0, rows, mOut, *epi_tensors
+                        )
+                    else:
+                        self.epilogue_store(accs[0], tCcC, mOut, n_idx, row0, rows)
+                else:
+                    # another consumer group's tile: step over its pipeline stages
+                    for _kt in cutlass.range(n_k, unroll=1):
+                        read_state.advance()
+                        release_state.advance()
+                j += 1
+                tile += gdim
+
+        # ---- epilogues ----
+
+        @cute.jit
+        def epilogue_store(self, acc, tCcC, mOut, n_idx, row0, rows):
+            """Registers -> global: the accumulator rounded to BF16 in column pairs (4-byte
+            stores), rows below ``rows`` (inside the expert) and columns below N. A padding row
+            of a gathered A was zero-filled in shared memory, so its accumulator is exactly +0
+            (for finite W): no select, and a padding row that were read would show."""
+            n = self.key.n
+            out_base = mOut.iterator.toint()
+            col0 = n_idx * self.mma_n
+            pair = cute.make_rmem_tensor((2,), self.out_dtype)
+            # fragment ((2 cols, 2 row halves, tile_n / 8 column groups), MMA_M, MMA_N)
+            for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                for h in cutlass.range_constexpr(2):
+                    r = tCcC[((0, h, 0), mm, 0)][0]
+                    if r < rows:
+                        row_addr = out_base + cutlass.Int64(row0 + r) * (n * 2)
+                        for q in cutlass.range_constexpr(cute.size(acc, mode=[0]) // 4):
+                            c = col0 + tCcC[((0, h, q), mm, 0)][1]
+                            in_n = cutlass.Boolean(True)
+                            if cutlass.const_expr(self.partial_n):
+                                in_n = c < n
+                            if in_n:
+                                self.store_pair(
+                                    acc[((0, h, q), mm, 0)], acc[((1, h, q), mm, 0)],
+                                    row_addr + cutlass.Int64(c) * 2, pair,
+                                )
+
+        @cute.jit
+        def store_pair(self, v0, v1, addr, pair):
+            """Round two fp32 values to BF16 (RNE) and store them as one 4-byte word at global
+            address ``addr``."""
+            pv = cute.make_rmem_tensor((2,), self.acc_dtype)
+            pv[0] = v0
+            pv[1] = v1
+            pair.store(pv.load().to(self.out_dtype))
+            dst = cute.make_tensor(
+                cute.make_ptr(self.out_dtype, addr, cute.AddressSpace.gmem, assumed_align=4),
+                cute.make_layout(2),
+            )
+            cute.autovec_copy(pair, dst)
+
+        @cute.jit
+        def load_pair(self, addr):
+            """Two consecutive BF16 values at global address ``addr`` (one 4-byte load) as
+            fp32."""
+            src = cute.make_tensor(
+                cute.make_ptr(self.out_dtype, addr, cute.AddressSpace.gmem, assumed_align=4),
+                cute.make_layout(2),
+            )
+            v = cute.make_rmem_tensor((2,), self.out_dtype)
+            cute.autovec_copy(src, v)
+            f = cute.make_rmem_tensor((2,), self.acc_dtype)
+            f.store(v.load().to(self.acc_dtype))
+            return f[0], f[1]
+
+        @cute.jit
+        def activate_backward(self, d, g, u, alpha):
+            """One element of the activation backward (REFERENCE §2) from ``d = dh_raw`` and
+            the stored (clamped) g, u: ``(dg, du, h)`` with ``dg = alpha d (u + c) s (1 + a g
+            (1 - s)) mask_g``, ``du = alpha d g s mask_u``, ``s = sigmoid(a g)``; the strict
+            clamp masks pass where the stored value lies strictly inside its limits."""
+            ge = self.key.gated
+            ag = g
+            if cutlass.const_expr(ge.alpha != 1.0):
+                ag = g * cutlass.Float32(ge.alpha)
+            sig = cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-ag, fastmath=True))
+            up = u
+            if cutlass.const_expr(ge.up_offset != 0.0):
+                up = u + cutlass.Float32(ge.up_offset)
+            gs = g * sig
+            h = gs * up
+            dh = alpha * d
+            dg = dh * up * sig * (cutlass.Float32(1.0) + ag * (cutlass.Float32(1.0) - sig))
+            du = dh * gs
+            zero = cutlass.Float32(0.0)
+            if cutlass.const_expr(ge.gate_lo is not None):  # noqa: SIM102
+                if not g > cutlass.Float32(ge.gate_lo):
+                    dg = zero
+            if cutlass.const_expr(ge.gate_hi is not None):  # noqa: SIM102
+                if not g < cutlass.Float32(ge.gate_hi):
+                    dg = zero
+            if cutlass.const_expr(ge.up_lo is not None):  # noqa: SIM102
+                if not u > cutlass.Float32(ge.up_lo):
+                    du = zero
+            if cutlass.const_expr(ge.up_hi is not None):  # noqa: SIM102
+                if not u < cutlass.Float32(ge.up_hi):
+                    du = zero
+            return dg, du, h
+
+        @cute.jit
+        def epilogue_dgated(
+            self, acc, tCcC, n_idx, row0, rows, mAh, mDgu, mR2P, mAlpha, mPart, mAct,
+        ):
+            """The down-dgrad epilogue of one tile: the accumulator is ``dh_raw = dY_row @
+            W_down[e]^T`` (columns ``[j, j + tile_n)`` of I); per row s of pair p (affinity a)
+            with the checkpoint's g, u: ``d_gate_up[s] = [dg, du]`` and ``a_h[s] = a * h`` in
+            BF16 (0 for padding rows: selects) and the row's partial ``sum_j dh_raw * h`` over
+            this tile's columns into ``mPart[s, n_idx]`` (fp32; the 4 threads holding a row
+            add theirs by shuffles, in a fixed order)."""
+            i_cols = self.out_cols
+            col0 = n_idx * self.tile_n
+            ah_base = mAh.iterator.toint()
+            dgu_base = mDgu.iterator.toint()
+            act_base = mAct.iterator.toint()
+            n_mm = cute.size(acc, mode=[1])
+            slots = 2 * n_mm
+            pair_s = cute.make_rmem_tensor((slots,), cutlass.Int64)
+            alpha_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
+            in_s = cute.make_rmem_tensor((slots,), cutlass.Boolean)
+            part_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
+            part_s.fill(0.0)
+            for mm in cutlass.range_constexpr(n_mm):
+                for h in cutlass.range_constexpr(2):
+                    i = mm * 2 + h
+                    r = tCcC[((0, h, 0), mm, 0)][0]
+                    p = cutlass.Int64(-1)
+                    a = cutlass.Float32(0.0)
+                    inside = r < rows
+                    if inside:
+                        p = cutlass.Int64(mR2P[row0 + r])
+                        if p >= 0:
+                            a = cutlass.Float32(mAlpha[p])
+                    pair_s[i] = p
+                    alpha_s[i] = a
+                    in_s[i] = inside
+            pair = cute.make_rmem_tensor((2,), self.out_dtype)
+            zero = cutlass.Float32(0.0)
+            for q in cutlass.range_constexpr(cute.size(acc, mode=[0]) // 4):
+                c = col0 + tCcC[((0, 0, q), 0, 0)][1]
+                in_n = cutlass.Boolean(True)
+                if cutlass.const_expr(self.partial_n):
+                    in_n = c < i_cols
+                if in_n:
+                    for mm in cutlass.range_constexpr(n_mm):
+                        for h in cutlass.range_constexpr(2):
+                            i = mm * 2 + h
+                            if in_s[i]:
+                                r = tCcC[((0, h, 0), mm, 0)][0]
+                                row = cutlass.Int64(row0 + r)
+                                p = pair_s[i]
+                                dg0 = zero
+                                dg1 = zero
+                                du0 = zero
+                                du1 = zero
+                                ah0 = zero
+                                ah1 = zero
+                                if p >= 0:
+                                    src = act_base + (p * (2 * i_cols) + c) * 2
+                                    g0, g1 = self.load_pair(src)
+                                    u0, u1 = self.load_pair(src + i_cols * 2)
+                                    d0 = acc[((0, h, q), mm, 0)]
+                                    d1 = acc[((1, h, q), mm, 0)]
+                                    a = alpha_s[i]
+                                    dg0, du0, h0 = self.activate_backward(d0, g0, u0, a)
+                                    dg1, du1, h1 = self.activate_backward(d1, g1, u1, a)
+                                    part_s[i] = part_s[i] + d0 * h0 + d1 * h1
+                                    ah0 = a * h0
+                                    ah1 = a * h1
+                                dst = dgu_base + (row * (2 * i_cols) + c) * 2
+                                self.store_pair(dg0, dg1, dst, pair)
+                                self.store_pair(du0, du1, dst + i_cols * 2, pair)
+                                self.store_pair(
+                                    ah0, ah1, ah_base + (row * i_cols + c) * 2, pair
+                                )
+            # the 4 threads of a quad hold the same rows: add their partials (fixed order)
+            lane = cute.arch.lane_idx()
+            for i in cutlass.range_constexpr(slots):
+                v = part_s[i]
+                v = v + cute.arch.shuffle_sync_bfly(v, 1)
+                v = v + cute.arch.shuffle_sync_bfly(v, 2)
+                part_s[i] = v
+            if lane % 4 == 0:
+                for mm in cutlass.range_constexpr(n_mm):
+                    for h in cutlass.range_constexpr(2):
+                        i = mm * 2 + h
+                        if in_s[i]:
+                            r = tCcC[((0, h, 0), mm, 0)][0]
+                            mPart[(row0 + r, n_idx)] = part_s[i]
+
+        @cute.jit
+        def activate(self, g, u):
+            """Clamp (the key's limits) and ``h = g * sigmoid(alpha g) * (u + up_offset)`` of
+            one fp32 (g, u); returns (g, u, h) with g, u clamped (what the checkpoint holds)."""
+            ge = self.key.gated
+            if cutlass.const_expr(ge.gate_lo is not None):
+                g = cutlass.max(g, cutlass.Float32(ge.gate_lo))
+            if cutlass.const_expr(ge.gate_hi is not None):
+                g = cutlass.min(g, cutlass.Float32(ge.gate_hi))
+            if cutlass.const_expr(ge.up_lo is not None):
+                u = cutlass.max(u, cutlass.Float32(ge.up_lo))
+            if cutlass.const_expr(ge.up_hi is not None):
+                u = cutlass.min(u, cutlass.Float32(ge.up_hi))
+            ag = g
+            if cutlass.const_expr(ge.alpha != 1.0):
+                ag = g * cutlass.Float32(ge.alpha)
+            sig = cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-ag, fastmath=True))
+            up = u
+            if cutlass.const_expr(ge.up_offset != 0.0):
+                up = u + cutlass.Float32(ge.up_offset)
+            return g, u, g * sig * up
+
+        @cute.jit
+        def epilogue_gated(
+            self, acc_g, acc_u, tCcC, g, n_idx, row0, rows, mAh, mBias, mR2P, mAlpha, mNumPairs,
+            mAct,
+        ):
+            """The forward gate/up epilogue of one tile (columns ``[j, j + mma_n)`` of I, gate
+            in ``acc_g``, up in ``acc_u``): per row s (pair p = ``mR2P[s]``, affinity a):
+            bias, clamp and activation in fp32 from the accumulators, then BF16 stores of
+            ``a_h[s] = a * h`` (0 for a padding row: a select), of the checkpoint
+            ``act[p] = [g, u]`` (real pairs only) and, for ``num_pairs <= s < R``, of zeros
+            into checkpoint row s (so the rows past the pairs are 0, as the pass writes them).
+            Column pairs as 4-byte stores."""
+            i_cols = self.out_cols
+            col0 = n_idx * self.mma_n
+            num_pairs = cutlass.Int64(mNumPairs[0])
+            num_r = cutlass.Int64(mAct.shape[0])
+            ah_base = mAh.iterator.toint()
+            act_base = mAct.iterator.toint()
+            e_b = cutlass.min(g, cutlass.Int32(self.num_e - 1))  # (rows past the experts: any)
+            n_mm = cute.size(acc_g, mode=[1])
+            slots = 2 * n_mm
+            pair_s = cute.make_rmem_tensor((slots,), cutlass.Int64)
+            alpha_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
+            in_s = cute.make_rmem_tensor((slots,), cutlass.Boolean)
+            tail_s = cute.make_rmem_tensor((slots,), cutlass.Boolean)
+            for mm in cutlass.range_constexpr(n_mm):
+                for h in cutlass.range_constexpr(2):
+                    i = mm * 2 + h
+                    r = tCcC[((0, h, 0), mm, 0)][0]
+                    row = cutlass.Int64(row0 + r)
+                    p = cutlass.Int64(-1)
+                    a = cutlass.Float32(0.0)
+                    inside = r < rows
+                    if inside:
+                        p = cutlass.Int64(mR2P[row0 + r])
+                        if p >= 0:
+                            a = cutlass.Float32(mAlpha[p])
+                    pair_s[i] = p
+                    alpha_s[i] = a
+                    in_s[i] = inside
+                    tail_s[i] = inside and row >= num_pairs and row < num_r
+            pair = cute.make_rmem_tensor((2,), self.out_dtype)
+            for q in cutlass.range_constexpr(cute.size(acc_g, mode=[0]) // 4):
+                c = col0 + tCcC[((0, 0, q), 0, 0)][1]  # this pair's first column (all rows)
+                in_n = cutlass.Boolean(True)
+                if cutlass.const_expr(self.partial_n):
+                    in_n = c < i_cols
+                if in_n:
+                    bg0 = cutlass.Float32(0.0)
+                    bg1 = cutlass.Float32(0.0)
+                    bu0 = cutlass.Float32(0.0)
+                    bu1 = cutlass.Float32(0.0)
+                    if cutlass.const_expr(self.key.gated.has_bias):
+                        bg0 = cutlass.Float32(mBias[(e_b, c)])
+                        bg1 = cutlass.Float32(mBias[(e_b, c + 1)])
+                        bu0 = cutlass.Float32(mBias[(e_b, i_cols + c)])
+                        bu1 = cutlass.Float32(mBias[(e_b, i_cols + c + 1)])
+                    for mm in cutlass.range_constexpr(n_mm):
+                        for h in cutlass.range_constexpr(2):
+                            i = mm * 2 + h
+                            if in_s[i]:
+                                r = tCcC[((0, h, 0), mm, 0)][0]
+                                g0, u0, h0 = self.activate(
+                                    acc_g[((0, h, q), mm, 0)] + bg0, acc_u[((0, h, q), mm, 0)] + bu0
+                                )
+                                g1, u1, h1 = self.activate(
+                                    acc_g[((1, h, q), mm, 0)] + bg1, acc_u[((1, h, q), mm, 0)] + bu1
+                                )
+                                p = pair_s[i]
+                                real = p >= 0
+                                ah0 = cutlass.Float32(0.0)
+                                ah1 = cutlass.Float32(0.0)
+                                if real:
+                                    ah0 = alpha_s[i] * h0
+                                    ah1 = alpha_s[i] * h1
+                                row = cutlass.Int64(row0 + r)
+                                self.store_pair(
+                                    ah0, ah1, ah_base + (row * i_cols + c) * 2, pair
+                                )
+                                if real:
+                                    dst = act_base + (p * (2 * i_cols) + c) * 2
+                                    self.store_pair(g0, g1, dst, pair)
+                                    self.store_pair(u0, u1, dst + i_cols * 2, pair)
+                                if tail_s[i]:
+                                    dst = act_base + (row * (2 * i_cols) + c) * 2
+                                    zero = cutlass.Float32(0.0)
+                                    self.store_pair(zero, zero, dst, pair)
+                                    self.store_pair(zero, zero, dst + i_cols * 2, pair)
+
+    return Sm90GroupedMmKernel
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_class():
+    return _build_kernel_class()
+
+
+def fake_operands(key: Sm90GroupedMmKey) -> tuple:
+    """Fake (shape-only) operands of a compile: ``a, idx, w (N, K, E view), offsets, out`` and
+    the gated epilogue's ``bias, row_to_pair, pair_affinity, num_pairs, act`` (placeholders for
+    ``"store"``), with symbolic row counts (``S``; ``T`` of a gathered source; ``R``) and A's
+    row stride, so one compile serves every split and token count."""
+    import cutlass
+    from cutlass import cute
+
+    n, k, e = key.n, key.k, key.num_experts
+    s = cute.sym_int32(symbol="rows_S")
+    lda = cute.sym_int64(divisibility=8, symbol="lda")
+    if key.gather_a:
+        t = cute.sym_int32(symbol="rows_T")
+        a = cute.runtime.make_fake_tensor(cutlass.BFloat16, (t, k), (lda, 1), assumed_align=16)
+        idx_t = {"int64": cutlass.Int64, "int32": cutlass.Int32}[key.index_dtype]
+        idx = cute.runtime.make_fake_tensor(
+            idx_t, (s,), (1,), assumed_align=8 if key.index_dtype == "int64" else 4
+        )
+    else:
+        a = cute.runtime.make_fake_tensor(cutlass.BFloat16, (s, k), (lda, 1), assumed_align=16)
+        idx = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+    w_stride = (1, n, k * n) if key.w_major == "n" else (k, 1, k * n)
+    w = cute.runtime.make_fake_tensor(cutlass.BFloat16, (n, k, e), w_stride, assumed_align=16)
+    offsets = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+    c = key.out_cols
+    out = cute.runtime.make_fake_tensor(cutlass.BFloat16, (s, c), (c, 1), assumed_align=16)
+
+    def placeholder():  # an unused operand: the launcher passes the offsets
+        return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+
+    if key.epilogue == "store":
+        return a, idx, w, offsets, out, *(placeholder() for _ in range(5))
+    r = cute.sym_int32(symbol="pairs_R")
+    if key.epilogue == "dgated":
+        i2 = 2 * key.n
+        dgu = cute.runtime.make_fake_tensor(cutlass.BFloat16, (s, i2), (i2, 1), assumed_align=16)
+        r2p = cute.runtime.make_fake_tensor(cutlass.Int64, (s,), (1,), assumed_align=8)
+        alpha = cute.runtime.make_fake_tensor(cutlass.Float32, (r,), (1,), assumed_align=4)
+        part = cute.runtime.make_fake_tensor(
+            cutlass.Float32, (s, key.n_tiles), (key.n_tiles, 1), assumed_align=4
+        )
+        act = cute.runtime.make_fake_tensor(cutlass.BFloat16, (r, i2), (i2, 1), assumed_align=16)
+        return a, idx, w, offsets, out, dgu, r2p, alpha, part, act
+    bias = placeholder()
+    if key.gated.has_bias:
+        bias = cute.runtime.make_fake_compact_tensor(
+            cutlass.Float32, (e, n), stride_order=(1, 0), assumed_align=16
+        )
+    r2p = cute.runtime.make_fake_tensor(cutlass.Int64, (s,), (1,), assumed_align=8)
+    alpha = cute.runtime.make_fake_tensor(cutlass.Float32, (r,), (1,), assumed_align=4)
+    num_pairs = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (1,), assumed_align=8)
+    act = cute.runtime.make_fake_tensor(cutlass.BFloat16, (r, n), (n, 1), assumed_align=16)
+    return a, idx, w, offsets, out, bias, r2p, alpha, num_pairs, act
+
+
+#: The varlen-M family: compile cache, offline compile and launcher (``launch.py``).
+FAMILY = GroupedMmFamily(
+    "sm90_grouped_mm", lambda key: _kernel_class()(key), fake_operands, Sm90GroupedMmKey
+)
+
+
+def compile_grouped_mm(key: Sm90GroupedMmKey) -> Any:
+    """Compile (once per key, cached) the kernel for the present GPU; returns the compiled
+    function, called ``fn(a, idx, w_NKE, offsets, out, bias, row_to_pair, pair_affinity,
+    num_pairs, act, num_ctas)`` on the current stream (the operands of :func:`fake_operands`;
+    :mod:`cuda_kernels.grouped_mm.api` validates and launches).
+
+    Raises:
+        RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.
+    """
+    return FAMILY.compiled(key)
+
+
+def compile_grouped_mm_offline(key: Sm90GroupedMmKey, arch: str = "sm_90a") -> str:
+    """Compile ``key`` for ``arch`` without a GPU (nothing loaded) and return the PTX text.
+
+    Raises:
+        RuntimeError: CuTe DSL is not installed or produced no PTX.
+    """
+    return FAMILY.offline_ptx(key, arch)

@@ -1,0 +1,533 @@
+"""Tests of the SM90 varlen-M grouped GEMM kernel (cuda_kernels/grouped_mm/sm90.py).
+
+CPU part (CI): offline compiles for ``sm_90a`` of three keys (gather-A with cp.async producers and
+an N-major W; A by TMA with a K-major W on the pingpong schedule; gather-A with an int32 index,
+64-row tiles and partial N tiles), their PTX checked for the instructions the design rests on,
+and assembled by ptxas when one that knows the PTX ISA is installed (no spills).
+
+GPU part (``gpu`` + ``sm90`` markers, skipped without an SM90 device and CuTe DSL): the kernel
+against the torch twin (fp32 accumulation, one BF16 rounding) over a grid of splits (uneven with
+empty experts, one hot expert, every expert empty, rows past the last offset, T not a tile
+multiple), the model shapes' N / K (qwen3-30b-a3b and mixtral-8x7b gate/up and down), both W
+majors, both index dtypes, the three tile schedules; outputs poisoned with NaN before each launch;
+NaN planted in the gathered source's rows that no index refers to (a padding row that were read
+would show: the kernel has no select); bitwise determinism over two launches; A in row order by
+TMA; a row-strided A; CUDA-graph replay with new offsets; no recompile for a new split.
+"""
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _ptxas import ptxas_for
+
+from common.problem import Activation, ClampLimits
+from common.routing import plan_routing
+from cuda_kernels.grouped_mm import (
+    down_dgrad_activation_torch,
+    down_dgrad_backward,
+    gate_up_activation_torch,
+    gate_up_forward,
+    grouped_mm_dgated,
+    grouped_mm_gated,
+    grouped_mm_gather,
+    grouped_mm_gather_torch,
+    sm90,
+)
+from cuda_kernels.grouped_mm.sm90 import GatedEpilogue, Sm90GroupedMmKey, Sm90GroupedMmTile
+
+HAS_CUTE = importlib.util.find_spec("cutlass") is not None
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_cute = pytest.mark.skipif(not HAS_CUTE, reason="nvidia-cutlass-dsl (CuTe DSL) not installed")
+_GPU_MARKS = (
+    pytest.mark.gpu,
+    pytest.mark.sm90,
+    pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM90 device and CuTe DSL"),
+)
+
+
+def gpu(fn):
+    """The GPU tests' marks: ``gpu``, ``sm90`` and the skip without an SM90 device / CuTe DSL."""
+    for mark in _GPU_MARKS:
+        fn = mark(fn)
+    return fn
+BF16 = torch.bfloat16
+_T = Sm90GroupedMmTile
+
+# ------------------------------------------------------------------------------------------------
+# CPU: offline compiles
+# ------------------------------------------------------------------------------------------------
+
+_OFFLINE = [
+    # (id, key, PTX that must appear, PTX that must not)
+    ("gather-n-major-128x256",
+     Sm90GroupedMmKey(1536, 2048, 128, tile=_T(128, 256, 64, 4)),
+     ["cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "fence.proxy.async",
+      "cp.async.bulk.tensor.3d", "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
+      r"setmaxnreg.dec.sync.aligned.u32\s+56;"],
+     ["cp.async.bulk.tensor.2d"]),
+    ("tma-a-k-major-pingpong",
+     Sm90GroupedMmKey(2048, 768, 128, gather_a=False, w_major="k",
+                      tile=_T(128, 128, 64, 6, pingpong=True)),
+     ["cp.async.bulk.tensor.2d", "cp.async.bulk.tensor.3d", "bar.sync",
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"],
+     ["cp.async.cg.shared.global", "fence.proxy.async"]),
+    ("gated-swiglu-128x256",
+     Sm90GroupedMmKey(1536, 2048, 128, epilogue="gated", gated=GatedEpilogue(),
+                      tile=_T(128, 256, 64, 4)),
+     ["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", "ex2.approx",
+      "cvt.rn.bf16x2.f32", "cp.async.mbarrier.arrive.noinc"],
+     []),
+    ("gated-gpt-oss-bias-pingpong-partial",
+     Sm90GroupedMmKey(5760, 2880, 128, epilogue="gated",
+                      gated=GatedEpilogue(1.702, 1.0, None, 7.0, -7.0, 7.0, True),
+                      tile=_T(128, 128, 64, 6, pingpong=True)),
+     ["wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "ex2.approx", "bar.sync"],
+     []),
+    ("dgated-swiglu-k-major-pingpong",
+     Sm90GroupedMmKey(768, 2048, 128, w_major="k", epilogue="dgated", gated=GatedEpilogue(),
+                      tile=_T(128, 128, 64, 6, pingpong=True)),
+     ["shfl.sync.bfly.b32", "ld.global.v2.b16", "ex2.approx", "cp.async.mbarrier.arrive.noinc"],
+     []),
+    ("gather-int32-64row-partial-n",
+     Sm90GroupedMmKey(2880, 2880, 16, index_dtype="int32", tile=_T(64, 256, 64, 4,
+                                                                    proxy_fence=False)),
+     ["cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "ld.global.b32"],
+     ["fence.proxy.async"]),
+]
+
+
+@needs_cute
+@pytest.mark.parametrize("case", _OFFLINE, ids=[c[0] for c in _OFFLINE])
+def test_offline_compile_sm90a(case, tmp_path):
+    _id, key, must, must_not = case
+    ptx = sm90.compile_grouped_mm_offline(key, "sm_90a")
+    assert ".target sm_90a" in ptx
+    for text in must:
+        assert re.search(text if "\\s" in text else re.escape(text), ptx), (
+            f"{_id}: {text!r} missing from the PTX"
+        )
+    for text in must_not:
+        assert text not in ptx, f"{_id}: unexpected {text!r} in the PTX"
+    exe = ptxas_for(ptx, tmp_path, arch="sm_90a")  # skips if no ptxas knows this PTX ISA
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    import subprocess
+
+    res = subprocess.run(
+        [exe, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr[-2000:]
+
+
+@needs_cute
+def test_offline_compile_is_cached_per_key_only_for_runtime_compiles():
+    before = sm90.FAMILY.compile_count
+    key = _OFFLINE[0][1]
+    sm90.compile_grouped_mm_offline(key)
+    assert sm90.FAMILY.compile_count == before  # offline compiles are not the runtime cache
+    with pytest.raises(ValueError, match="want a Sm90GroupedMmKey"):
+        sm90.FAMILY.offline_ptx("not a key")
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def _routing(T, E, top_k, gen, hot=None, empty_every=3):
+    """A grouped layout (common.routing, align 16) of random top-k routing over the live experts
+    (every ``empty_every``-th expert empty; ``hot``: that expert takes 90 % of the slots)."""
+    return _routing_plan(T, E, top_k, gen, hot, empty_every)[1]
+
+
+def _routing_plan(T, E, top_k, gen, hot=None, empty_every=3):
+    """``(plan, layout)`` of :func:`_routing`'s routing, on the GPU."""
+    live = [e for e in range(E) if empty_every == 0 or e % empty_every] or [0]
+    top_k = min(top_k, len(live))
+    pick = torch.stack([torch.randperm(len(live), generator=gen)[:top_k] for _ in range(T)])
+    expert_index = torch.tensor(live)[pick]
+    if hot is not None:  # (a duplicate expert in a token's top-k is merged by the plan)
+        expert_index[: int(0.9 * T), 0] = hot
+    affinity = torch.rand(T, top_k, generator=gen)
+    plan = plan_routing(expert_index.cuda(), affinity.cuda(), E)
+    return plan, plan.grouped(align=16)
+
+
+def _operands(T, K, N, E, gen, w_major="n", lda=None):
+    lda = lda or K
+    a = torch.randn(T, lda, generator=gen).to(BF16)[:, :K]
+    w = (torch.randn(E, K, N, generator=gen) / K**0.5).to(BF16)
+    if w_major == "k":
+        w = w.transpose(1, 2).contiguous().transpose(1, 2)
+    return a.cuda(), w.cuda()
+
+
+def _check_close(out, ref):
+    """Kernel vs twin: both accumulate in fp32 and round once to BF16; only the summation order
+    differs, so elements agree to about one BF16 ulp."""
+    assert out.shape == ref.shape and out.dtype == BF16
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) or NaN elements remain"
+    diff = (out.float() - ref.float()).abs()
+    tol = 2**-7 * ref.float().abs() + 1e-3
+    bad = (diff > tol).sum().item()
+    assert bad == 0, f"{bad} elements beyond one BF16 ulp, max diff {diff.max().item()}"
+
+
+def _run(a, w, layout_or_offsets, idx, tile=None):
+    offsets = layout_or_offsets
+    out = torch.full((idx.shape[0] if idx is not None else a.shape[0], w.shape[2]),
+                     float("nan"), dtype=BF16, device="cuda")
+    grouped_mm_gather(a, w, offsets, idx, out, backend="sm90", tile=tile)
+    torch.cuda.synchronize()
+    return out
+
+
+_GRID = [
+    # (id, T, K, N, E, top_k, tile, w_major, index dtype, hot expert)
+    ("uneven-128x256", 300, 256, 512, 8, 2, _T(128, 256, 64, 4), "n", torch.int64, None),
+    ("uneven-128x128", 300, 256, 384, 8, 2, _T(128, 128, 64, 6), "n", torch.int64, None),
+    ("pingpong-k-major", 300, 192, 256, 6, 2, _T(128, 128, 64, 6, True), "k", torch.int32, None),
+    ("64-row-tiles", 77, 128, 128, 5, 3, _T(64, 128, 64, 8), "n", torch.int64, None),
+    ("one-hot-expert", 1000, 128, 256, 16, 2, _T(128, 256, 64, 4), "n", torch.int64, 5),
+    ("partial-n-and-k", 130, 200, 200, 4, 2, _T(128, 128, 64, 6), "n", torch.int64, None),
+    ("no-fence-variant", 200, 256, 256, 4, 2, _T(128, 256, 64, 4, proxy_fence=False), "n",
+     torch.int64, None),
+    ("qwen3-gate-up", 256, 2048, 1536, 128, 8, None, "n", torch.int64, None),
+    ("qwen3-down", 256, 768, 2048, 128, 8, None, "n", torch.int64, None),
+    ("mixtral-gate-up", 96, 4096, 28672, 8, 2, None, "n", torch.int64, None),
+    ("mixtral-down", 96, 14336, 4096, 8, 2, None, "n", torch.int64, None),
+    ("gpt-oss-gate-up", 128, 2880, 5760, 32, 4, None, "n", torch.int64, None),
+]
+
+
+_ROWS_CASES = ("uneven-128x256", "pingpong-k-major", "partial-n-and-k", "qwen3-down")
+_GRID_RUNS = [(c, True) for c in _GRID] + [(c, False) for c in _GRID if c[0] in _ROWS_CASES]
+
+
+@gpu
+@pytest.mark.parametrize(
+    "case,gather", _GRID_RUNS, ids=[f"{c[0]}-{'gather' if g else 'rows'}" for c, g in _GRID_RUNS]
+)
+def test_grid_matches_twin(case, gather):
+    _id, T, K, N, E, top_k, tile, w_major, idx_dtype, hot = case
+    gen = torch.Generator().manual_seed(_GRID.index(case))
+    layout = _routing(T, E, top_k, gen, hot=hot)
+    a, w = _operands(T, K, N, E, gen, w_major)
+    idx = layout.row_to_token_S.to(idx_dtype).cuda()
+    offsets = layout.offsets_E.cuda()
+    ref = grouped_mm_gather_torch(a, w, offsets, idx)
+    if gather:
+        out = _run(a, w, offsets, idx, tile)
+    else:  # A already in row order (padding rows 0, as the layer's gather writes them)
+        rows = torch.where((idx >= 0)[:, None], a[idx.clamp(min=0).long()], 0)
+        out = torch.full_like(ref, float("nan"))
+        grouped_mm_gather(rows, w, offsets, None, out, backend="sm90", tile=tile)
+        torch.cuda.synchronize()
+    _check_close(out, ref)
+    pad = idx < 0
+    assert (out[pad] == 0).all(), "padding rows must be exactly 0"
+
+
+@gpu
+@pytest.mark.parametrize("tile", [_T(128, 256, 64, 4), _T(128, 128, 64, 6, True)],
+                         ids=["coop", "pingpong"])
+def test_unreferenced_nan_rows_never_reach_padding_rows(tile):
+    """NaN in the source rows that no valid index refers to, in particular row 0 and row T-1
+    (what a padding index of -1 would read if it were clamped or wrapped): no select hides them
+    in the kernel, so a read padding row would be NaN."""
+    gen = torch.Generator().manual_seed(11)
+    T, K, N, E = 260, 256, 256, 6
+    layout = _routing(T, E, 2, gen)
+    a, w = _operands(T, K, N, E, gen)
+    idx = layout.row_to_token_S.cuda().clone()
+    for t in (0, T - 1, 17):
+        idx[idx == t] = -1  # those tokens' rows become padding rows
+        a[t] = float("nan")
+    out = _run(a, w, layout.offsets_E.cuda(), idx, tile)
+    assert (out[idx < 0] == 0).all()
+    _check_close(out, grouped_mm_gather_torch(a, w, layout.offsets_E.cuda(), idx))
+
+
+def _splits_case(counts, extra, K=128, N=256):
+    gen = torch.Generator().manual_seed(len(counts) + extra)
+    E = len(counts)
+    offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    S = int(offsets[-1]) + extra if E else extra
+    T = 50
+    a, w = _operands(T, K, N, E, gen)
+    idx = torch.randint(-1, T, (S,), generator=gen).cuda()
+    return a, w, offsets.cuda(), idx
+
+
+@pytest.mark.parametrize(
+    "counts,extra",
+    [([0] * 8, 64), ([0] * 8, 0), ([3, 0, 1, 200, 0, 0, 0, 0], 0), ([0] * 5 + [0, 0, 129], 33),
+     ([1] * 8, 1)],
+    ids=["all-empty", "nothing", "tiny-and-empty", "past-last-offset", "one-row-experts"],
+)
+@gpu
+def test_splits_off_the_16_row_grid(counts, extra):
+    """Any row count per expert (the kernel does not need the layout's 16-row alignment), empty
+    experts, rows past the last offset (zeros)."""
+    a, w, offsets, idx = _splits_case(counts, extra)
+    S = idx.shape[0]
+    if S == 0:
+        out = torch.empty(0, w.shape[2], dtype=BF16, device="cuda")
+        assert grouped_mm_gather(a, w, offsets, idx, out, backend="sm90") is out
+        return
+    out = _run(a, w, offsets, idx)
+    ref = grouped_mm_gather_torch(a, w, offsets, idx)
+    _check_close(out, ref)
+    last = int(offsets[-1])
+    assert (out[last:] == 0).all()
+
+
+@gpu
+def test_bitwise_deterministic_and_no_recompile_for_new_splits():
+    gen = torch.Generator().manual_seed(5)
+    T, K, N, E = 400, 512, 768, 16
+    layout = _routing(T, E, 4, gen)
+    a, w = _operands(T, K, N, E, gen)
+    idx, offsets = layout.row_to_token_S.cuda(), layout.offsets_E.cuda()
+    out1 = _run(a, w, offsets, idx)
+    before = sm90.FAMILY.compile_count
+    out2 = _run(a, w, offsets, idx)
+    assert torch.equal(out1, out2)
+    layout2 = _routing(T + 37, E, 4, gen, hot=3)
+    a2, _ = _operands(T + 37, K, N, E, gen)
+    out3 = _run(a2, w, layout2.offsets_E.cuda(), layout2.row_to_token_S.cuda())
+    _check_close(out3, grouped_mm_gather_torch(a2, w, layout2.offsets_E.cuda(),
+                                               layout2.row_to_token_S.cuda()))
+    assert sm90.FAMILY.compile_count == before, "a new split / token count recompiled"
+
+
+@gpu
+def test_row_strided_source_and_rows_mode():
+    gen = torch.Generator().manual_seed(6)
+    T, K, N, E = 150, 256, 256, 4
+    layout = _routing(T, E, 2, gen)
+    a, w = _operands(T, K, N, E, gen, lda=K + 64)  # a view: row stride K + 64
+    assert a.stride(0) == K + 64
+    idx, offsets = layout.row_to_token_S.cuda(), layout.offsets_E.cuda()
+    _check_close(_run(a, w, offsets, idx), grouped_mm_gather_torch(a, w, offsets, idx))
+    rows = torch.randn(idx.shape[0], K + 8, generator=gen).to(BF16).cuda()[:, :K]
+    out = _run(rows, w, offsets, None)
+    _check_close(out, grouped_mm_gather_torch(rows, w, offsets))
+
+
+@gpu
+def test_cuda_graph_replay_with_new_offsets():
+    gen = torch.Generator().manual_seed(7)
+    T, K, N, E = 300, 256, 512, 8
+    l1 = _routing(T, E, 2, gen)
+    l2 = _routing(T, E, 2, gen, hot=2)
+    S = max(l1.tokens_sum, l2.tokens_sum)
+    a, w = _operands(T, K, N, E, gen)
+
+    def padded(layout):
+        idx = torch.full((S,), -1, dtype=torch.int64)
+        idx[: layout.tokens_sum] = layout.row_to_token_S
+        return idx.cuda(), layout.offsets_E.cuda()
+
+    idx, offsets = padded(l1)
+    out = torch.full((S, N), float("nan"), dtype=BF16, device="cuda")
+    grouped_mm_gather(a, w, offsets, idx, out, backend="sm90")  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        grouped_mm_gather(a, w, offsets, idx, out, backend="sm90")
+    torch.cuda.synchronize()
+    for layout in (l1, l2):
+        i2, o2 = padded(layout)
+        idx.copy_(i2)
+        offsets.copy_(o2)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_close(out, grouped_mm_gather_torch(a, w, offsets, idx))
+
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the gated (forward gate/up) epilogue
+# ------------------------------------------------------------------------------------------------
+
+_GATED_ACTS = {
+    "swiglu": (Activation("swiglu"), None, False),
+    "gpt-oss": (Activation("gpt_oss", 1.702, 1.0),
+                ClampLimits(linear_clamp_upper_limit=7.0, linear_clamp_lower_limit=-7.0,
+                            non_linear_clamp_upper_limit=7.0), True),
+}
+
+
+def _within_ulps(out, ref, n, floor=1e-5):
+    """Every element within ``n`` BF16 ulps of ``ref`` (ulp of |ref|'s binade) plus ``floor``."""
+    d = (out.float() - ref.float()).abs()
+    ulp = torch.ldexp(torch.ones_like(d), torch.frexp(ref.float()).exponent - 8)
+    bad = int((d > n * ulp + floor).sum())
+    assert bad == 0, f"{bad} elements beyond {n} ulps (max diff {d.max().item()})"
+
+
+_GATED_GRID = [
+    # (id, T, H, I, E, top_k, activation, tile)
+    ("swiglu-coop-128x256", 300, 256, 384, 8, 2, "swiglu", _T(128, 256, 64, 4)),
+    ("swiglu-pingpong-128x128", 300, 256, 192, 8, 2, "swiglu", _T(128, 128, 64, 6, True)),
+    ("gpt-oss-partial-i", 200, 192, 200, 6, 2, "gpt-oss", _T(128, 256, 64, 4)),
+    ("gpt-oss-pingpong-partial", 200, 192, 200, 6, 2, "gpt-oss", _T(128, 128, 64, 6, True)),
+    ("qwen3-30b", 256, 2048, 768, 128, 8, "swiglu", None),
+    ("gpt-oss-120b", 128, 2880, 2880, 32, 4, "gpt-oss", None),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", _GATED_GRID, ids=[c[0] for c in _GATED_GRID])
+def test_gated_matches_twin_and_writes_everything(case):
+    _id, T, H, I, E, top_k, name, tile = case
+    act_fn, clamp, with_bias = _GATED_ACTS[name]
+    gen = torch.Generator().manual_seed(_GATED_GRID.index(case))
+    routing = _routing_plan(T, E, top_k, gen)
+    plan, layout = routing
+    x = torch.randn(T, H, generator=gen).to(BF16).cuda()
+    w = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16).cuda()
+    bias = torch.randn(E, 2, I, generator=gen).cuda() if with_bias else None
+    R, S = plan.pair_token_R.shape[0], layout.tokens_sum
+    act = torch.full((R, 2, I), float("nan"), dtype=BF16, device="cuda")
+    ah = torch.full((S, I), float("nan"), dtype=BF16, device="cuda")
+    args = (x, w, layout.offsets_E, layout.row_to_token_S, layout.row_to_pair_S,
+            plan.pair_affinity_R, plan.num_pairs)
+    grouped_mm_gated(*args, activation=act_fn, clamp_limits=clamp, bias=bias, act_out=act,
+                     ah_out=ah, backend="sm90", tile=tile)
+    torch.cuda.synchronize()
+    assert torch.isfinite(act).all() and torch.isfinite(ah).all(), "unwritten outputs remain"
+    act_t, ah_t = gate_up_activation_torch(
+        *args[:-1], activation=act_fn, clamp_limits=clamp, bias_E2I=bias
+    )
+    _within_ulps(act, act_t, 1)
+    _within_ulps(ah, ah_t, 2)
+    assert (ah[layout.row_to_pair_S < 0] == 0).all()
+    assert (act[int(plan.num_pairs):] == 0).all()
+    act2, ah2 = grouped_mm_gated(*args, activation=act_fn, clamp_limits=clamp, bias=bias,
+                                 backend="sm90", tile=tile)
+    assert torch.equal(act2, act) and torch.equal(ah2, ah), "not bitwise deterministic"
+
+
+@gpu
+@pytest.mark.parametrize("name", list(_GATED_ACTS))
+def test_gated_matches_the_layers_gemm_then_pass(name):
+    """Against what the layer runs today: cuBLAS's grouped GEMM on gathered rows (BF16 out),
+    then ``activation_forward``; the fused path skips the BF16 rounding of the pre-activation,
+    so the checkpoint differs by at most half an ulp of the accumulator plus one rounding
+    flip."""
+    from cuda_kernels.moe_backward.kernels import gather_rows
+    from cuda_kernels.moe_forward.kernels import activation_forward
+
+    act_fn, clamp, with_bias = _GATED_ACTS[name]
+    gen = torch.Generator().manual_seed(21)
+    T, H, I, E = 512, 1024, 512, 16
+    plan, layout = _routing_plan(T, E, 4, gen)
+    x = torch.randn(T, H, generator=gen).to(BF16).cuda()
+    w = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16).cuda()
+    bias = torch.randn(E, 2, I, generator=gen).cuda() if with_bias else None
+    gu = torch._grouped_mm(gather_rows(x, layout.row_to_token_S), w, offs=layout.offsets_E)
+    act_p, ah_p = activation_forward(gu, layout.row_to_pair_S, plan, activation=act_fn,
+                                     clamp_limits=clamp or ClampLimits(), b_gate_up_E2I=bias)
+    act_f, ah_f = gate_up_forward(x, w.reshape(E, H, 2, I), layout, plan, activation=act_fn,
+                                  clamp_limits=clamp, b_gate_up_E2I=bias, backend="sm90")
+    torch.cuda.synchronize()
+    d = (act_f.float() - act_p.float()).abs()
+    g_abs = torch.zeros(plan.pair_token_R.shape[0] + 1, 2 * I, device="cuda")
+    r2p = layout.row_to_pair_S
+    g_abs[torch.where(r2p >= 0, r2p, g_abs.shape[0] - 1)] = gu.float().abs()
+    g_abs = g_abs[:-1].reshape(-1, 2, I)
+    ulp = torch.ldexp(torch.ones_like(d), torch.frexp(act_p.float()).exponent - 8)
+    assert (d <= 2**-8 * g_abs * 1.01 + ulp + 1e-5).all()
+    rel = ((ah_f.float() - ah_p.float()).norm() / ah_p.float().norm()).item()
+    assert rel < 5e-3
+    assert torch.equal(act_f[int(plan.num_pairs):], act_p[int(plan.num_pairs):])
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the dgated (backward down-dgrad) epilogue
+# ------------------------------------------------------------------------------------------------
+
+
+def _dgated_case(T, H, I, E, top_k, name, gen):
+    act_fn, clamp, with_bias = _GATED_ACTS[name]
+    plan, layout = _routing_plan(T, E, top_k, gen)
+    x = torch.randn(T, H, generator=gen).to(BF16).cuda()
+    w_gu = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16).cuda()
+    bias = torch.randn(E, 2, I, generator=gen).cuda() if with_bias else None
+    act, _ = gate_up_forward(x, w_gu.reshape(E, H, 2, I), layout, plan, activation=act_fn,
+                             clamp_limits=clamp, b_gate_up_E2I=bias, backend="torch")
+    dy = torch.randn(T, H, generator=gen).to(BF16).cuda()
+    w_d = (torch.randn(E, I, H, generator=gen) / I**0.5).to(BF16).cuda()
+    return dy, w_d, act, plan, layout, act_fn, clamp
+
+
+_DGATED_GRID = [
+    # (id, T, H, I, E, top_k, activation, tile)
+    ("swiglu-coop-128x256", 300, 256, 384, 8, 2, "swiglu", _T(128, 256, 64, 4)),
+    ("gpt-oss-pingpong-partial-i", 200, 192, 200, 6, 2, "gpt-oss", _T(128, 128, 64, 6, True)),
+    ("qwen3-30b", 256, 2048, 768, 128, 8, "swiglu", None),
+    ("gpt-oss-120b", 128, 2880, 2880, 32, 4, "gpt-oss", None),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", _DGATED_GRID, ids=[c[0] for c in _DGATED_GRID])
+def test_dgated_matches_twin(case):
+    _id, T, H, I, E, top_k, name, tile = case
+    gen = torch.Generator().manual_seed(40 + _DGATED_GRID.index(case))
+    dy, w_d, act, plan, layout, act_fn, clamp = _dgated_case(T, H, I, E, top_k, name, gen)
+    args = (dy, w_d.transpose(1, 2), layout.offsets_E, layout.row_to_token_S,
+            layout.row_to_pair_S, plan.pair_affinity_R, act)
+    dgu, ah, da = grouped_mm_dgated(*args, activation=act_fn, clamp_limits=clamp,
+                                    backend="sm90", tile=tile)
+    torch.cuda.synchronize()
+    dgu_t, ah_t, da_t = down_dgrad_activation_torch(*args, activation=act_fn,
+                                                    clamp_limits=clamp)
+    assert torch.isfinite(dgu).all() and torch.isfinite(ah).all() and torch.isfinite(da).all()
+    _within_ulps(dgu, dgu_t, 2)
+    _within_ulps(ah, ah_t, 1)
+    torch.testing.assert_close(da, da_t, rtol=1e-4, atol=1e-4 * da_t.abs().max().item())
+    pad = layout.row_to_pair_S < 0
+    assert (dgu[pad] == 0).all() and (ah[pad] == 0).all() and (da[pad] == 0).all()
+    again = grouped_mm_dgated(*args, activation=act_fn, clamp_limits=clamp, backend="sm90",
+                              tile=tile)
+    for x, y in zip((dgu, ah, da), again):
+        assert torch.equal(x, y), "not bitwise deterministic"
+
+
+@gpu
+@pytest.mark.parametrize("name", list(_GATED_ACTS))
+def test_dgated_matches_the_layers_gemm_then_pass(name):
+    """Against the backward's first steps today: cuBLAS's grouped GEMM of gathered dY rows
+    (BF16 dh_raw), then ``activation_backward``."""
+    from cuda_kernels.moe_backward.kernels import activation_backward, gather_rows
+
+    gen = torch.Generator().manual_seed(50)
+    T, H, I, E = 512, 1024, 512, 16
+    dy, w_d, act, plan, layout, act_fn, clamp = _dgated_case(T, H, I, E, 4, name, gen)
+    dh = torch._grouped_mm(gather_rows(dy, layout.row_to_token_S), w_d.transpose(1, 2),
+                           offs=layout.offsets_E)
+    dgu_p, ah_p, da_p = activation_backward(dh, act, layout.row_to_pair_S, plan,
+                                            activation=act_fn,
+                                            clamp_limits=clamp or ClampLimits())
+    dgu_f, ah_f, da_f = down_dgrad_backward(dy, w_d, layout, plan, act, activation=act_fn,
+                                            clamp_limits=clamp, backend="sm90")
+    torch.cuda.synchronize()
+    _within_ulps(ah_f, ah_p, 1)
+    rel = ((dgu_f.float() - dgu_p.float()).norm() / dgu_p.float().norm()).item()
+    assert rel < 5e-3
+    torch.testing.assert_close(da_f, da_p, rtol=2e-2, atol=1e-2 * da_p.abs().max().item())
+    assert torch.equal(da_f == 0, da_p == 0)

@@ -164,11 +164,12 @@ def _routing_plan(T, E, top_k, gen, hot=None, empty_every=3):
 
 def _operands(T, K, N, E, gen, w_major="n", lda=None):
     lda = lda or K
-    a = torch.randn(T, lda, generator=gen).to(BF16)[:, :K]
+    # slice on the device: ``.cuda()`` of a row-strided CPU view would copy it contiguous
+    a = torch.randn(T, lda, generator=gen).to(BF16).cuda()[:, :K]
     w = (torch.randn(E, K, N, generator=gen) / K**0.5).to(BF16)
     if w_major == "k":
         w = w.transpose(1, 2).contiguous().transpose(1, 2)
-    return a.cuda(), w.cuda()
+    return a, w.cuda()
 
 
 def _check_close(out, ref):

@@ -11,8 +11,8 @@ through the int64 output addresses of discrete mode), so values are asserted end
 from __future__ import annotations
 
 import ctypes
-import functools
 import dataclasses
+import functools
 import importlib.util
 
 import pytest
@@ -20,11 +20,11 @@ import torch
 
 import cuda_kernels
 from cuda_kernels.grouped_wgrad import (
-    _env,
     _types,
     api,
     classes,
     dispatch,
+    env,
     launch,
     validate,
     wrappers,
@@ -106,7 +106,7 @@ class FakeKernels:
         def launcher(a, b, offsets, out, stream=None, descriptor_workspace=None):
             self.launches += 1
             self.workspaces.append(descriptor_workspace)
-            dtype = _types._NAME_TO_DTYPE[contract.out_dtype]
+            dtype = _types.NAME_TO_DTYPE[contract.out_dtype]
             shape = (contract.hidden, contract.intermediate)
             if contract.output_mode == "discrete":
                 views = [_tensor_at(int(p), shape, dtype) for p in out.tolist()]
@@ -138,8 +138,8 @@ def fake_device(monkeypatch):
     """Pretend the CPU is a CUDA device of capability ``fake.cc`` with CuTe DSL kernels."""
     fake = FakeKernels()
     fake.cc = 90
-    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": fake.cc)
-    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(env, "query_arch", lambda device, arg="a_tensor": fake.cc)
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: None)
     monkeypatch.setattr(launch, "_compile_launcher", lambda contract, who: fake.compile(contract))
     return fake
 
@@ -430,8 +430,8 @@ def test_capability_refused(arch, cc, regex, fake_device):
 
 
 def test_sm100_compile_says_kernel_not_built(monkeypatch):
-    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 100)
-    monkeypatch.setattr(_env, "family_module", lambda arch: None)
+    monkeypatch.setattr(env, "query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(env, "family_module", lambda arch: None)
     a, b, off = _operands(COUNTS)
     op = api.GroupedGemmWgradSm100(a, b, None, None, off, sample_wgrad=torch.empty(3, H, I))
     assert op.check_support() is True
@@ -442,8 +442,8 @@ def test_sm100_compile_says_kernel_not_built(monkeypatch):
 
 
 def test_sm90_compile_without_cutlass(monkeypatch):
-    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 90)
-    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: "nvidia-cutlass-dsl is not installed")
+    monkeypatch.setattr(env, "query_arch", lambda device, arg="a_tensor": 90)
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: "nvidia-cutlass-dsl is not installed")
     a, b, off = _operands(COUNTS)
     op = api.GroupedGemmWgradSm90(a, b, None, None, off, sample_wgrad=torch.empty(3, H, I))
     with pytest.raises(RuntimeError, match="nvidia-cutlass-dsl is not installed"):

@@ -16,7 +16,7 @@ import torch
 from test_blockscaled_ref import RTOL, _expected64, _random_operands
 
 from common.mx_atoms import grouped_scale_cols_bound, pack_grouped_scales
-from cuda_kernels.grouped_wgrad import _env, api, dispatch, validate
+from cuda_kernels.grouped_wgrad import api, dispatch, env, validate
 from cuda_kernels.grouped_wgrad._types import BlockScaledSpec
 from cuda_kernels.grouped_wgrad.blockscaled_ref import grouped_wgrad_blockscaled_torch
 
@@ -102,7 +102,7 @@ def _clean_caches():
 def fake_cc(monkeypatch):
     """Pretend the CPU is a CUDA device of capability ``box[0]`` (no kernel is compiled)."""
     box = [100]
-    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": box[0])
+    monkeypatch.setattr(env, "query_arch", lambda device, arg="a_tensor": box[0])
     return box
 
 
@@ -504,7 +504,7 @@ def test_hook_routes_sm90_mxfp8_only_when_enabled(monkeypatch):
     from cuda_kernels.grouped_wgrad import sm90_mxfp8
     from cuda_kernels.grouped_wgrad._types import WgradContract
 
-    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: None)
     mx = BlockScaledSpec("mxfp8", "float8_e4m3fn", "float8_e8m0fnu", 32, 1)
     nv = BlockScaledSpec("nvfp4", "uint8", "float8_e4m3fn", 16, 2)
 

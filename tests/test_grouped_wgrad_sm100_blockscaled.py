@@ -24,7 +24,7 @@ import pytest
 import torch
 from _ptxas import ptxas_for as _ptxas_for
 
-from cuda_kernels.grouped_wgrad import _env, api, dispatch, launch, sm100_bf16
+from cuda_kernels.grouped_wgrad import api, dispatch, env, launch, sm100_bf16
 from cuda_kernels.grouped_wgrad import sm100_blockscaled as bs
 from cuda_kernels.grouped_wgrad._types import BlockScaledSpec, WgradContract
 from cuda_kernels.grouped_wgrad.sm100_blockscaled import Sm100BlockScaledKey, Sm100BsTileConfig
@@ -294,8 +294,8 @@ def test_ptx_assembles_for_sm100a_without_spills(tmp_path, key):
 @needs_cute
 def test_bf16_kernel_untouched_by_the_subclass():
     """Building the block-scaled class must not alter the BF16 kernel class it subclasses."""
-    base = sm100_bf16._kernel_class()
-    sub = bs._kernel_class()
+    base = sm100_bf16.kernel_class()
+    sub = bs.kernel_class()
     assert issubclass(sub, base) and sub is not base
     shared = (
         "next_tile", "take_tile", "tile_coords", "expert_c",
@@ -327,7 +327,7 @@ def test_bf16_kernel_untouched_by_the_subclass():
 def test_hook_gated_like_the_bf16_sm100_kernel(monkeypatch):
     """SM100 contracts (the arch a faked SM100 device gives; no GPU here) reach the kernel only
     with MOE_BWD_ENABLE_UNVERIFIED_SM100=1, and only for what it builds."""
-    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: None)
     monkeypatch.delenv(sm100_bf16.ENABLE_ENV, raising=False)
     for spec in (MX, NV):
         assert dispatch._blockscaled_kernel(_contract(spec)) is None
@@ -353,7 +353,7 @@ def test_hook_gated_like_the_bf16_sm100_kernel(monkeypatch):
     ):
         assert dispatch._blockscaled_kernel(other) is None
     # without CuTe DSL: the twin
-    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: "no cutlass")
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: "no cutlass")
     assert dispatch._blockscaled_kernel(_contract()) is None
 
 
@@ -380,7 +380,7 @@ def fake_compile(monkeypatch):
     fake = _FakeCompiled()
     bs.FAMILY.cache_clear()
     monkeypatch.setattr(bs.FAMILY, "_compile", lambda key, arch, dump_dir=None: fake)
-    monkeypatch.setattr(launch, "_num_sms", lambda index: 148)
+    monkeypatch.setattr(launch, "num_sms", lambda index: 148)
     monkeypatch.setenv(sm100_bf16.ENABLE_ENV, "1")
     yield fake
     bs.FAMILY.cache_clear()

@@ -33,11 +33,11 @@ POINTERS_ALIGN_BYTES = 8
 #: discrete size that is a multiple of 128. The SM100 BF16 kernel builds at most 3 per expert
 #: (ragged K-major A and B, the discrete output: ``sm100_bf16.descriptors_per_expert``), so this
 #: size, kept as cuDNN documents it, always holds them.
-_TMA_DESCRIPTOR_BYTES = 128
-_DESCRIPTORS_PER_EXPERT = {"dense": 4, "discrete": 5}
+TMA_DESCRIPTOR_BYTES = 128
+DESCRIPTORS_PER_EXPERT = {"dense": 4, "discrete": 5}
 #: Operand dtypes whose matching pair selects the block-scaled backend (seed, "Block-scaled
 #: contract"): FP8 E4M3 / E5M2, FP4 E2M1 packed two per byte (uint8 or ``float4_e2m1fn_x2``).
-_BLOCK_SCALED_DTYPES = tuple(
+BLOCK_SCALED_DTYPES = tuple(
     d
     for d in (
         getattr(torch, "float4_e2m1fn_x2", None),
@@ -70,12 +70,14 @@ BLOCKSCALED_TOKEN_ALIGN = {
     "torch": {"mxfp8": 1, "mxfp4": 2, "nvfp4": 2},
 }
 # The tiling rules (tile M / N / K, clusters, partial tiles) are tiles.py's, in one place.
-_OUTPUT_MODES = ("dense", "discrete")
-#: Kernel-key dtype names back to torch dtypes, and their element sizes.
-_NAME_TO_DTYPE = {v: k for k, v in OUTPUT_DTYPES.items()}
+#: Output modes: one dense [E, H, I] tensor, or one int64 address per expert.
+OUTPUT_MODES = ("dense", "discrete")
+#: Kernel-key dtype names back to torch dtypes.
+NAME_TO_DTYPE = {v: k for k, v in OUTPUT_DTYPES.items()}
 
 
-def _elem_bytes(dtype_name: str) -> int:
+def elem_bytes(dtype_name: str) -> int:
+    """Bytes per element of an output dtype name ("bfloat16", "float16", "float32")."""
     return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype_name]
 
 

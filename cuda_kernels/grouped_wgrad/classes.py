@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from . import _env, launch
+from . import env, launch
 from ._types import (
-    _NAME_TO_DTYPE,
+    NAME_TO_DTYPE,
     SM100_GROUP_ALIGN,
     TMA_ALIGN_BYTES,
     WgradContract,
-    _elem_bytes,
+    elem_bytes,
 )
 from .tiles import SM90_TILES, SM100_TILES
 from .validate import (
@@ -174,9 +174,9 @@ class _GroupedGemmWgradBase:
                     f"{tuple(self._wgrad_shape_arg)}"
                 )
             out_dtype = _check_wgrad_dtype(self._wgrad_dtype_arg)
-            if self._ARCH != "torch" and inter % (TMA_ALIGN_BYTES // _elem_bytes(out_dtype)):
+            if self._ARCH != "torch" and inter % (TMA_ALIGN_BYTES // elem_bytes(out_dtype)):
                 raise ValueError(
-                    f"wgrad_shape: intermediate % {TMA_ALIGN_BYTES // _elem_bytes(out_dtype)} == 0 "
+                    f"wgrad_shape: intermediate % {TMA_ALIGN_BYTES // elem_bytes(out_dtype)} == 0 "
                     f"needed for 16-byte TMA stores of {out_dtype}, got {inter}"
                 )
             if s["wgrad_expert"] is not None:
@@ -198,7 +198,7 @@ class _GroupedGemmWgradBase:
                    if block_scaled else {}),
             }
         )
-        if self.validate_offsets and not _env.capturing(s["offsets"].device):
+        if self.validate_offsets and not env.capturing(s["offsets"].device):
             if spec is not None:
                 _check_blockscaled_values(
                     self._ARCH, spec, s["offsets"], tokens_sum, sc["sample_sfa"],
@@ -371,7 +371,7 @@ class _GroupedGemmWgradBase:
                     f"{name} of this call ({allowed[0]}) differs from the compiled contract "
                     f"({getattr(c, name)}); build another operator for a new static contract"
                 )
-        out_dtype = _NAME_TO_DTYPE[c.out_dtype]
+        out_dtype = NAME_TO_DTYPE[c.out_dtype]
         if c.output_mode == "dense":
             if wgrad_ptrs is not None:
                 raise ValueError("wgrad_ptrs must be None in dense output mode")
@@ -422,7 +422,7 @@ class _GroupedGemmWgradBase:
             raise ValueError(
                 f"a_tensor is on {device} but this operator was compiled for {self.device}"
             )
-        if validate_offsets and not _env.capturing(device):
+        if validate_offsets and not env.capturing(device):
             if spec is not None:
                 _check_blockscaled_values(
                     c.arch, spec, offsets_tensor, tokens_sum, sfa_tensor, sfb_tensor
@@ -598,7 +598,7 @@ class GroupedGemmWgradSm100(_GroupedGemmWgradBase):
 
     @classmethod
     def _check_arch(cls, device: torch.device, arg: str = "sample_a") -> None:
-        cc = _env.query_arch(device, arg)
+        cc = env.query_arch(device, arg)
         if cc < 100:
             raise RuntimeError(
                 f"{cls._NAME} requires SM100 or newer, found SM{cc} on {device}; use "
@@ -622,7 +622,7 @@ class GroupedGemmWgradSm90(_GroupedGemmWgradBase):
 
     @classmethod
     def _check_arch(cls, device: torch.device, arg: str = "sample_a") -> None:
-        cc = _env.query_arch(device, arg)
+        cc = env.query_arch(device, arg)
         if cc < 90:
             raise RuntimeError(
                 f"{cls._NAME} requires SM90 (Hopper), found SM{cc} on {device} (below SM90)"

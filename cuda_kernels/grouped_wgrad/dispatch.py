@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from . import _env, launch
+from . import env, launch
 from ._types import (
-    _NAME_TO_DTYPE,
-    _OUTPUT_MODES,
     BLOCKSCALED_TOKEN_ALIGN,
+    NAME_TO_DTYPE,
+    OUTPUT_MODES,
     SM100_GROUP_ALIGN,
     TupleDict,
     WgradContract,
@@ -100,18 +100,18 @@ def select_grouped_wgrad_backend(device: torch.device | str | int) -> tuple[str,
     if device.index is not None and device.index >= torch.cuda.device_count():
         return "torch", (f"device {device} does not exist ({torch.cuda.device_count()} CUDA "
                          "device(s) visible)")
-    cc = _env.query_arch(device)
+    cc = env.query_arch(device)
     if cc >= 100:
-        module = _env.family_module("sm100")
+        module = env.family_module("sm100")
         if module is None or not hasattr(module, "compile_sm100_wgrad"):
             return "torch", f"SM{cc}: the SM100 kernel cannot be imported"
         unverified = getattr(module, "unverified_reason", lambda: None)()
         if unverified:  # compiled but never run on hardware: only with the explicit opt-in
             return "torch", f"SM{cc}: {unverified}"
-        missing = _env.cutlass_dsl_missing()
+        missing = env.cutlass_dsl_missing()
         return ("torch", missing) if missing else ("sm100", "")
     if cc >= 90:
-        missing = _env.cutlass_dsl_missing()
+        missing = env.cutlass_dsl_missing()
         return ("torch", missing) if missing else ("sm90", "")
     return "torch", f"SM{cc} is below SM90"
 
@@ -232,7 +232,7 @@ def grouped_gemm_wgrad(
             )
     if sf_vec_size not in (None, 16):
         raise ValueError(f"sf_vec_size must be 16 (or None) for BF16, got {sf_vec_size}")
-    if descriptor_workspace is not None and output_mode in _OUTPUT_MODES:
+    if descriptor_workspace is not None and output_mode in OUTPUT_MODES:
         _check_workspace(
             descriptor_workspace, None,
             offsets_tensor.numel() if isinstance(offsets_tensor, torch.Tensor) else 1,
@@ -264,7 +264,7 @@ def _torch_path(
     input_order,
     validate_offsets,
 ) -> TupleDict:
-    if output_mode not in _OUTPUT_MODES:
+    if output_mode not in OUTPUT_MODES:
         raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
     input_order = _check_input_order(input_order)
     if input_order == "tensor_ragged":
@@ -288,7 +288,7 @@ def _torch_path(
             "wgrad_tensor": wgrad_tensor,
         }
     )
-    if validate_offsets and not _env.capturing(device):
+    if validate_offsets and not env.capturing(device):
         _check_offsets_values(offsets_tensor, tokens_sum, 1, "offsets_tensor")
     if wgrad_tensor is None:
         alloc = torch.zeros if accumulate_on_output else torch.empty
@@ -490,8 +490,8 @@ def _blockscaled_kernel(contract: WgradContract) -> BlockScaledLauncher | None:
     B200); without it SM100 block-scaled calls run the twin.
     """
     spec = contract.block_scaled
-    if contract.arch == "sm100" and spec is not None and _env.cutlass_dsl_missing() is None:
-        from . import sm100_blockscaled, sm100_bf16
+    if contract.arch == "sm100" and spec is not None and env.cutlass_dsl_missing() is None:
+        from . import sm100_bf16, sm100_blockscaled
 
         if sm100_bf16.unverified_reason() is None and sm100_blockscaled.supports(contract) is None:
             return _sm100_blockscaled_launcher(contract)
@@ -503,7 +503,7 @@ def _blockscaled_kernel(contract: WgradContract) -> BlockScaledLauncher | None:
         and contract.a_major == "k"
         and contract.b_major == "k"
         and contract.input_order == "tensor2d"
-        and _env.cutlass_dsl_missing() is None
+        and env.cutlass_dsl_missing() is None
     ):
         from . import sm90_mxfp8
 
@@ -528,7 +528,7 @@ def _sm90_mxfp8_launcher(contract: WgradContract) -> BlockScaledLauncher:
     every rule; no host read here, so the operands go through the padded token layout)."""
     from .sm90_mxfp8 import grouped_wgrad_mxfp8_sm90
 
-    out_dtype = _NAME_TO_DTYPE[contract.out_dtype]
+    out_dtype = NAME_TO_DTYPE[contract.out_dtype]
 
     def launcher(a, b, sfa, sfb, offsets, out, *, global_scale_a=None, global_scale_b=None,
                  descriptor_workspace=None, stream=None):
@@ -631,7 +631,7 @@ def _twin_launch(
         if contract.output_mode == "dense":
             grouped_wgrad_blockscaled_torch(a, b, sfa, sfb, offsets, out=out, **kw)
             return
-        dtype = _NAME_TO_DTYPE[contract.out_dtype]
+        dtype = NAME_TO_DTYPE[contract.out_dtype]
         shape = (contract.hidden, contract.intermediate)
         addrs = [int(p) for p in out.tolist()]
         for e, p in enumerate(addrs):
@@ -662,7 +662,7 @@ def _device_kernel_arch(device: torch.device) -> str | None:
     """"sm100" / "sm90" for a CUDA device of that generation, else None (no GPU query off CUDA)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    cc = _env.query_arch(device)
+    cc = env.query_arch(device)
     return "sm100" if cc >= 100 else "sm90" if cc >= 90 else None
 
 
@@ -675,7 +675,7 @@ def _blockscaled_generic(
     """``grouped_gemm_wgrad``'s block-scaled path: any per-expert token count for MXFP8 (0
     included), even counts for FP4; the native kernel of the device when the hook has one for
     this contract, else the twin."""
-    if output_mode not in _OUTPUT_MODES:
+    if output_mode not in OUTPUT_MODES:
         raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
     input_order = _check_input_order(input_order)
     if sf_vec_size is None:  # the scale dtype says it: E4M3 scales -> NVFP4 (16), else 32
@@ -712,7 +712,7 @@ def _blockscaled_generic(
         mma_tiler_mn=None, cluster_shape_mn=None, block_scaled=ops.spec,
     )
     launcher, name, reason = _blockscaled_launcher(contract)
-    if name == "torch" or (validate_offsets and not _env.capturing(device)):
+    if name == "torch" or (validate_offsets and not env.capturing(device)):
         # The twin reads the offsets on the host anyway: check them (once per version) first.
         _check_blockscaled_values("torch", ops.spec, offsets_tensor, ops.tokens_sum, sfa_tensor,
                                   sfb_tensor)

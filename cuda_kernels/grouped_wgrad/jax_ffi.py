@@ -534,8 +534,8 @@ def _adapter():
 
     from . import sm90_bf16, sm100_bf16
 
-    sm90_kernel_class = sm90_bf16._kernel_class()
-    sm100_kernel_class = sm100_bf16._kernel_class()
+    sm90_kernel_class = sm90_bf16.kernel_class()
+    sm100_kernel_class = sm100_bf16.kernel_class()
 
     @cute.jit
     def grouped_wgrad_xla_adapter(

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import _env
+from . import env
 from ._types import WgradContract
 
 __all__ = [
@@ -231,7 +231,7 @@ class KernelFamily:
         """One launch, every step of it on the launch stream (``stream``, else the current one).
 
         The compiled kernel takes its stream from the TVM-FFI environment stream, i.e. torch's
-        current stream, so the launch enters ``stream`` (:func:`_on_stream`) BEFORE anything is
+        current stream, so the launch enters ``stream`` (:func:`on_stream`) BEFORE anything is
         enqueued or allocated: the family's ``prepare`` hook (zero stand-ins, zero fills), the
         ``tensor_ragged`` repack (families without ``ragged_in_place``), the tile counter, the
         descriptor workspace (when the caller gives none) and the kernel then run in stream
@@ -246,7 +246,7 @@ class KernelFamily:
             reason = self.gate()
             if reason is not None:
                 raise RuntimeError(reason)
-        with _on_stream(stream):
+        with on_stream(stream):
             if self.prepare is not None:
                 operands = self.prepare(key, a, b, out, stream)
                 if operands is None:
@@ -296,7 +296,7 @@ def resident_clusters(device_index: int, cluster_ctas: int, ctas_per_sm: int = 1
     - otherwise, or where that query is unavailable: ``(SMs x ctas_per_sm) // cluster_ctas``
       (the GPC-blind bound; a non-resident cluster of a persistent kernel only starts late).
     """
-    sms = _num_sms(device_index)
+    sms = num_sms(device_index)
     if cluster_ctas == 1:
         return max(1, sms * ctas_per_sm)
     if ctas_per_sm == 1:
@@ -333,7 +333,7 @@ def _max_active_clusters(device_index: int, cluster_ctas: int) -> int | None:
     return value
 
 
-def _on_stream(stream):
+def on_stream(stream):
     """Context in which ``stream`` (a ``torch.cuda.Stream``) is torch's current stream (and its
     device the current device); a no-op for None (the current stream is the launch stream)."""
     import torch
@@ -478,7 +478,8 @@ def ragged_to_2d(x_XS, offsets_E, k_major_rows: int):
 
 
 @functools.lru_cache(maxsize=16)
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``device_index`` (cached)."""
     import torch
 
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -553,7 +554,7 @@ def _contract_key(contract: WgradContract):
     Raises:
         ValueError: no tile of the family fits the contract (unsupported tiling).
     """
-    module = _env.family_module(contract.arch)
+    module = env.family_module(contract.arch)
     if module is None:
         return None
     try:
@@ -567,7 +568,7 @@ def _contract_key(contract: WgradContract):
 
 def _check_contract_fits(contract: WgradContract) -> None:
     """Arch-specific shape rules that need the whole static contract (unsupported tiling)."""
-    if contract.arch in _env.FAMILY_MODULES:
+    if contract.arch in env.FAMILY_MODULES:
         _contract_key(contract)
 
 
@@ -578,14 +579,14 @@ def _compile_launcher(contract: WgradContract, who: str) -> Callable:
     Raises:
         RuntimeError: the family's kernel module is not built, or CuTe DSL is missing.
     """
-    module = _env.family_module(contract.arch)
+    module = env.family_module(contract.arch)
     if module is None:
         raise RuntimeError(
             f"{who}.compile: the {contract.arch.upper()} BF16 grouped wgrad kernel is not built in "
-            f"this package yet ({_env.FAMILY_MODULES[contract.arch]} is missing); use "
+            f"this package yet ({env.FAMILY_MODULES[contract.arch]} is missing); use "
             "grouped_gemm_wgrad(), which falls back to torch on this device"
         )
-    missing = _env.cutlass_dsl_missing()
+    missing = env.cutlass_dsl_missing()
     if missing:
         raise RuntimeError(f"{who}.compile: {missing}")
     return module.FAMILY.launcher(_contract_key(contract))

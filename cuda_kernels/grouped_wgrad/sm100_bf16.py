@@ -103,12 +103,15 @@ __all__ = [
     "Sm100WgradKey",
     "compile_sm100_wgrad",
     "compile_sm100_wgrad_offline",
+    "counter_len",
     "ctas_per_sm",
     "descriptor_workspace_bytes",
     "descriptors_per_expert",
+    "kernel_class",
     "load_sm100_tile_rules",
     "select_sm100_tile_config",
     "sm100_key_from_contract",
+    "target_arch",
     "unverified_reason",
 ]
 
@@ -307,7 +310,7 @@ def descriptor_workspace_bytes(key: Any) -> int:
     return key.num_experts * descriptors_per_expert(key) * _TMA_DESC_BYTES
 
 
-def _counter_len(key: Any) -> int:
+def counter_len(key: Any) -> int:
     """Int32 words of the zeroed per-launch counter: the tile counter, then one descriptor flag
     per expert when the kernel builds descriptors."""
     return 1 + (key.num_experts if descriptors_per_expert(key) else 0)
@@ -1440,16 +1443,15 @@ def _build_kernel_class():
     return Sm100GroupedWgradKernel
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel_class():
-    return _build_kernel_class()
+#: The kernel class, built once on first use (CuTe DSL is imported then): ``kernel_class()(key)``.
+kernel_class = functools.cache(_build_kernel_class)
 
 
 #: Targets the kernel is built for (tcgen05 with the arch-specific feature set).
 _SM100_TARGETS = ("sm_100a", "sm_103a", "sm_110a")
 
 
-def _target_arch() -> str:
+def target_arch() -> str:
     """The present GPU's arch when it is one of ``_SM100_TARGETS``, else ``"sm_100a"``.
 
     Never the arch of another GPU family: a compile on an H200 (CI, the cache tests) targets
@@ -1542,15 +1544,15 @@ def _no_tokens(key: Sm100WgradKey, a, b, out, stream):
 #: every launch gated on the hardware opt-in (``unverified_reason``), tokens_sum = 0 on the host.
 FAMILY = KernelFamily(
     "sm100",
-    lambda key: _kernel_class()(key),
+    lambda key: kernel_class()(key),
     sm100_key_from_contract,
-    runtime_arch=_target_arch,
+    runtime_arch=target_arch,
     gate=unverified_reason,
     prepare=_no_tokens,
     as_key=_as_key,
     tile_counter=True,
     ctas_per_sm=ctas_per_sm,
-    counter_len=_counter_len,
+    counter_len=counter_len,
     workspace_bytes=descriptor_workspace_bytes,
     ragged_in_place=True,
 )

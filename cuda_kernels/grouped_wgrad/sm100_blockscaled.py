@@ -85,9 +85,9 @@ from ._contract import KernelKey
 from .launch import KernelFamily, contract_key_fields, fake_offsets_and_out
 from .sm100_bf16 import (
     ENABLE_ENV,
-    _counter_len,
-    _target_arch,
+    counter_len,
     descriptor_workspace_bytes,
+    target_arch,
     unverified_reason,
 )
 from .tiles import SM100_TILES
@@ -311,7 +311,7 @@ def _build_kernel_class():
     from cutlass.cute.nvgpu import tcgen05
     from cutlass.tensor_utils import LayoutEnum
 
-    from .sm100_bf16 import _kernel_class as _bf16_kernel_class
+    from .sm100_bf16 import kernel_class as _bf16_kernel_class
 
     elem_types = {
         "e4m3": cutlass.Float8E4M3FN,
@@ -669,9 +669,8 @@ def _build_kernel_class():
     return Sm100BlockScaledWgradKernel
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel_class():
-    return _build_kernel_class()
+#: The kernel class, built once on first use (CuTe DSL is imported then): ``kernel_class()(key)``.
+kernel_class = functools.cache(_build_kernel_class)
 
 
 # --------------------------------------------------------------------------------------------
@@ -713,7 +712,7 @@ def _fake_operands(key: Sm100BlockScaledKey):
     gs = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (e,), assumed_align=4)
     offsets, out = fake_offsets_and_out(key)
     counter = cute.runtime.make_fake_compact_tensor(
-        cutlass.Int32, (_counter_len(key),), assumed_align=4
+        cutlass.Int32, (counter_len(key),), assumed_align=4
     )
     return a, b, sfa, sfb, gs, offsets, out, counter
 
@@ -757,12 +756,12 @@ class _BsFamily(KernelFamily):
         """
         import torch
 
-        from .launch import _on_stream, descriptor_workspace_view
+        from .launch import descriptor_workspace_view, on_stream
 
         reason = unverified_reason()
         if reason is not None:
             raise RuntimeError(reason)
-        with _on_stream(stream):
+        with on_stream(stream):
             if a.shape[-1] == 0:  # no tokens: nothing to read (TMA has no 0-sized boxes)
                 if key.accumulate:
                     return
@@ -829,15 +828,15 @@ def _as_key(key_or_contract: Any) -> Sm100BlockScaledKey:
 #: ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1`` (the BF16 SM100 kernel's gate).
 FAMILY = _BsFamily(
     "sm100_blockscaled",
-    lambda key: _kernel_class()(key),
+    lambda key: kernel_class()(key),
     sm100_blockscaled_key_from_contract,
-    runtime_arch=_target_arch,
+    runtime_arch=target_arch,
     gate=unverified_reason,
     as_key=_as_key,
     tile_counter=True,
     ctas_per_sm=lambda key: 1,
     fake_operands=_fake_operands,
-    counter_len=_counter_len,
+    counter_len=counter_len,
     workspace_bytes=descriptor_workspace_bytes,
 )
 

@@ -1097,9 +1097,8 @@ def _build_kernel_class():
     return Sm90GroupedWgradKernel
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel_class():
-    return _build_kernel_class()
+#: The kernel class, built once on first use (CuTe DSL is imported then): ``kernel_class()(key)``.
+kernel_class = functools.cache(_build_kernel_class)
 
 
 def sm90_key_from_contract(contract: Any) -> Sm90WgradKey:
@@ -1125,7 +1124,7 @@ def sm90_key_from_contract(contract: Any) -> Sm90WgradKey:
 #: (a zeroed tile counter per launch), compiled for the present GPU (the path verified on the
 #: H200, 2026-12-01; only offline compiles pin an arch).
 FAMILY = KernelFamily(
-    "sm90", lambda key: _kernel_class()(key), sm90_key_from_contract, tile_counter=True
+    "sm90", lambda key: kernel_class()(key), sm90_key_from_contract, tile_counter=True
 )
 
 

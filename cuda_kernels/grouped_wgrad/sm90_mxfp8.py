@@ -291,7 +291,7 @@ def _build_kernel_class():
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
-    from .sm90_bf16 import _kernel_class as _bf16_kernel_class
+    from .sm90_bf16 import kernel_class as _bf16_kernel_class
 
     base = _bf16_kernel_class()
     fence_accumulators = base.fence_accumulators
@@ -768,9 +768,8 @@ def _build_kernel_class():
     return Sm90MxGroupedWgradKernel
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel_class():
-    return _build_kernel_class()
+#: The kernel class, built once on first use (CuTe DSL is imported then): ``kernel_class()(key)``.
+kernel_class = functools.cache(_build_kernel_class)
 
 
 # --------------------------------------------------------------------------------------------
@@ -813,9 +812,9 @@ class _MxFamily(KernelFamily):
     def _launch(self, key, fn, a, b, sfa, sfb, offsets, out, stream=None) -> None:  # noqa: PLR0913
         import torch
 
-        from .launch import _num_sms
+        from .launch import num_sms
 
-        sms = _num_sms(a.device.index or 0) * key.tile.ctas_per_sm
+        sms = num_sms(a.device.index or 0) * key.tile.ctas_per_sm
         grid = max(1, min(key.num_tiles, sms))
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
@@ -833,7 +832,7 @@ def _key_from_contract(contract: Any) -> Sm90MxWgradKey:
 #: The SM90 MXFP8 family: a dynamic persistent scheduler (a zeroed tile counter per launch),
 #: compiled for the present GPU (only offline compiles pin an arch). Not verified on a GPU yet.
 FAMILY = _MxFamily(
-    "sm90_mxfp8", lambda key: _kernel_class()(key), _key_from_contract, tile_counter=True,
+    "sm90_mxfp8", lambda key: kernel_class()(key), _key_from_contract, tile_counter=True,
     fake_operands=_fake_operands,
 )
 

@@ -22,14 +22,14 @@ from common.mx_atoms import (
 )
 
 from ._types import (
-    _BLOCK_SCALED_DTYPES,
+    BLOCK_SCALED_DTYPES,
     BLOCKSCALED_FORMATS,
     BLOCKSCALED_TOKEN_ALIGN,
     SF_DTYPES,
     BlockScaledSpec,
-    _DESCRIPTORS_PER_EXPERT,
-    _OUTPUT_MODES,
-    _TMA_DESCRIPTOR_BYTES,
+    DESCRIPTORS_PER_EXPERT,
+    OUTPUT_MODES,
+    TMA_DESCRIPTOR_BYTES,
     OFFSETS_ALIGN_BYTES,
     OUTPUT_DTYPES,
     POINTERS_ALIGN_BYTES,
@@ -352,7 +352,7 @@ def check_quantize_args(
 def _check_dtype_pair(a_dtype, b_dtype, a_arg: str, b_arg: str) -> None:
     if a_dtype == torch.bfloat16 and b_dtype == torch.bfloat16:
         return
-    if a_dtype in _BLOCK_SCALED_DTYPES and b_dtype in _BLOCK_SCALED_DTYPES:
+    if a_dtype in BLOCK_SCALED_DTYPES and b_dtype in BLOCK_SCALED_DTYPES:
         if a_dtype != b_dtype:
             raise ValueError(
                 f"{a_arg}/{b_arg}: block-scaled operands need one dtype for A and B (FP8 E4M3, "
@@ -645,10 +645,10 @@ def get_grouped_gemm_wgrad_workspace_size_sm100(
     """
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be positive (an int >= 1), got {num_experts!r}")
-    if output_mode not in _OUTPUT_MODES:
+    if output_mode not in OUTPUT_MODES:
         raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
     _check_input_order(input_order)
-    return num_experts * _DESCRIPTORS_PER_EXPERT[output_mode] * _TMA_DESCRIPTOR_BYTES
+    return num_experts * DESCRIPTORS_PER_EXPERT[output_mode] * TMA_DESCRIPTOR_BYTES
 
 
 def _check_workspace(
@@ -710,7 +710,7 @@ def _is_blockscaled_pair(a, b, a_arg: str = "a_tensor", b_arg: str = "b_tensor")
     """
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return False
-    if a.dtype in _BLOCK_SCALED_DTYPES and b.dtype in _BLOCK_SCALED_DTYPES:
+    if a.dtype in BLOCK_SCALED_DTYPES and b.dtype in BLOCK_SCALED_DTYPES:
         if a.dtype != b.dtype:
             _check_dtype_pair(a.dtype, b.dtype, a_arg, b_arg)
         return True

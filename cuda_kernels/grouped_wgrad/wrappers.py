@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from . import _env, launch
+from . import env, launch
 from ._types import (
-    _NAME_TO_DTYPE,
-    _OUTPUT_MODES,
+    NAME_TO_DTYPE,
+    OUTPUT_MODES,
     TMA_ALIGN_BYTES,
     TupleDict,
     WgradContract,
-    _elem_bytes,
+    elem_bytes,
 )
 from .classes import (
     GroupedGemmWgradSm90,
@@ -89,9 +89,9 @@ def _wrapper(
     #    call that cannot run here says so before any rule on its data (a few µs per call).
     if isinstance(a_tensor, torch.Tensor):
         cls._check_arch(a_tensor.device, "a_tensor")
-    # 1. Every rule of the call (CPU-testable with a faked _env.query_arch), before any output is
+    # 1. Every rule of the call (CPU-testable with a faked env.query_arch), before any output is
     #    written.
-    if output_mode not in _OUTPUT_MODES:
+    if output_mode not in OUTPUT_MODES:
         raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
     block_scaled = _is_blockscaled_pair(a_tensor, b_tensor)
     if not block_scaled:
@@ -134,9 +134,9 @@ def _wrapper(
         out_name = _check_dense_out(
             arch, wgrad_tensor, (num_experts, hidden, inter), "wgrad_tensor"
         )
-    elif inter % (TMA_ALIGN_BYTES // _elem_bytes(out_name)):
+    elif inter % (TMA_ALIGN_BYTES // elem_bytes(out_name)):
         raise ValueError(
-            f"wgrad_dtype: intermediate % {TMA_ALIGN_BYTES // _elem_bytes(out_name)} == 0 needed "
+            f"wgrad_dtype: intermediate % {TMA_ALIGN_BYTES // elem_bytes(out_name)} == 0 needed "
             f"for 16-byte TMA stores of {out_name}, got intermediate={inter}"
         )
     if wgrad_ptrs is not None:
@@ -156,7 +156,7 @@ def _wrapper(
             "global_scale_b": global_scale_b if block_scaled else None,
         }
     )
-    if validate_offsets and not _env.capturing(device):
+    if validate_offsets and not env.capturing(device):
         if spec is not None:
             _check_blockscaled_values(
                 arch, spec, offsets_tensor, tokens_sum, sfa_tensor, sfb_tensor
@@ -232,7 +232,7 @@ def _outputs(output_mode, wgrad_tensor, wgrad_ptrs, shape, out_name, accumulate,
     the caller's pointers, or the stacked output's per-expert addresses."""
     if wgrad_tensor is None and wgrad_ptrs is None:
         alloc = torch.zeros if accumulate else torch.empty
-        wgrad_tensor = alloc(shape, dtype=_NAME_TO_DTYPE[out_name], device=device)
+        wgrad_tensor = alloc(shape, dtype=NAME_TO_DTYPE[out_name], device=device)
     if output_mode == "dense":
         return wgrad_tensor, wgrad_tensor
     if wgrad_ptrs is not None:

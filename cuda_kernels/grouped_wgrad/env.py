@@ -1,5 +1,5 @@
 """Environment queries of the grouped-wgrad API: compute capability, CUDA-graph capture, CuTe DSL
-presence, the kernel family modules. Module functions, called as ``_env.<name>(...)``, so that tests can
+presence, the kernel family modules. Module functions, called as ``env.<name>(...)``, so that tests can
 replace them in one place. Nothing runs at import time.
 """
 

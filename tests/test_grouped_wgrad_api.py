@@ -22,10 +22,10 @@ import cuda_kernels
 from cuda_kernels.grouped_wgrad import (
     _types,
     api,
-    classes,
+    bf16,
     dispatch,
     env,
-    launch,
+    pipeline,
     validate,
     wrappers,
 )
@@ -140,7 +140,7 @@ def fake_device(monkeypatch):
     fake.cc = 90
     monkeypatch.setattr(env, "query_arch", lambda device, arg="a_tensor": fake.cc)
     monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: None)
-    monkeypatch.setattr(launch, "_compile_launcher", lambda contract, who: fake.compile(contract))
+    monkeypatch.setattr(bf16, "compile_launcher", lambda contract, who: fake.compile(contract))
     return fake
 
 
@@ -589,11 +589,11 @@ def test_sm90_key_is_static():
         out_dtype="float32", output_mode="dense", accumulate=True, input_order="tensor2d",
         mma_tiler_mn=None, cluster_shape_mn=None,
     )
-    key = launch._contract_key(c)
-    assert key == launch._contract_key(dataclasses.replace(c))
+    key = bf16.contract_key(c)
+    assert key == bf16.contract_key(dataclasses.replace(c))
     assert (key.hidden, key.intermediate, key.num_experts) == (256, 512, 8)
     assert key.out_dtype == "float32" and key.accumulate is True
-    key2 = launch._contract_key(dataclasses.replace(c, mma_tiler_mn=(64, 128)))
+    key2 = bf16.contract_key(dataclasses.replace(c, mma_tiler_mn=(64, 128)))
     assert (key2.tile.tile_m, key2.tile.tile_n) == (64, 128)
 
 
@@ -650,7 +650,7 @@ def test_wrapper_discrete_values(fake_device):
     _assert_close(stacked, ref, torch.bfloat16)
     stacked.fill_(float("nan"))
     op.execute(a, b, None, None, off, wgrad_tensor=stacked,
-               wgrad_ptrs=classes._stacked_pointers(stacked))
+               wgrad_ptrs=pipeline.stacked_pointers(stacked))
     _assert_close(stacked, ref, torch.bfloat16)
     with pytest.raises(ValueError, match="not expert 0's slab"):
         op.execute(a, b, None, None, off, wgrad_tensor=stacked, wgrad_ptrs=ptrs)
@@ -958,7 +958,7 @@ def test_api_contract_compiles_offline_for_sm90a():
         out_dtype="float32", output_mode="discrete", accumulate=True,
         input_order="tensor2d", mma_tiler_mn=None, cluster_shape_mn=None,
     )
-    ptx = sm90_bf16.compile_sm90_wgrad_offline(launch._contract_key(c), arch="sm_90a")
+    ptx = sm90_bf16.compile_sm90_wgrad_offline(bf16.contract_key(c), arch="sm_90a")
     assert "wgmma.mma_async" in ptx
 
 
@@ -1189,7 +1189,7 @@ def test_discrete_both_outputs_as_cudnn_passes_them(arch, fake_device):
     a, b, off = _operands(counts, hidden=256, inter=256)
     ref = _ref64(a, b, off)
     out = torch.full((3, 256, 256), float("nan"), dtype=torch.float32)
-    ptrs = classes._stacked_pointers(out)
+    ptrs = pipeline.stacked_pointers(out)
     r = WRAPPERS[arch](
         a, b, None, None, off, output_mode="discrete", wgrad_tensor=out, wgrad_ptrs=ptrs,
         wgrad_dtype=torch.float32,
@@ -1246,9 +1246,9 @@ def test_cudnn_sized_workspace_is_accepted(arch, fake_device):
 
 def test_offsets_validated_once_per_tensor_version(fake_device, monkeypatch):
     reads = []
-    real = validate._check_offsets_now
+    real = validate.check_offsets_now
     monkeypatch.setattr(
-        validate, "_check_offsets_now", lambda *args: reads.append(args[0]) or real(*args)
+        validate, "check_offsets_now", lambda *args: reads.append(args[0]) or real(*args)
     )
     a, b, off = _operands([16, 0, 48])
     run = functools.partial(api.grouped_gemm_wgrad_wrapper_sm90, a, b, None, None)
@@ -1306,7 +1306,7 @@ def test_tile_rules_have_one_source(arch):
     for tile_m in (32, 64, 96, 128, 192, 256, 512):
         for tile_n in range(8, 289, 8):
             try:
-                validate._check_tiling(arch, (tile_m, tile_n), None)
+                validate.check_tiling(arch, (tile_m, tile_n), None)
                 api_ok = True
             except ValueError:
                 api_ok = False
@@ -1319,7 +1319,7 @@ def test_tile_rules_have_one_source(arch):
             assert api_ok == kernel_ok, (tile_m, tile_n)
             assert api_ok == (tile_m in rules.tile_m and tile_n in rules.tile_n)
     for tile_m in rules.tile_m:  # the API's cluster for the kernel's tile is accepted
-        validate._check_tiling(arch, (tile_m, rules.tile_n[-1]), rules.cluster_for(tile_m))
+        validate.check_tiling(arch, (tile_m, rules.tile_n[-1]), rules.cluster_for(tile_m))
     doc = " ".join(CLASSES[arch].__doc__.split())
     assert " ".join(rules.describe("").split()[2:]) in doc  # the docs are generated from it
     for _name, _cond, config in {"sm90": sm90_bf16.load_sm90_tile_rules,

@@ -21,7 +21,7 @@ import pytest
 import torch
 from _ptxas import ptxas_for as _ptxas_for
 
-from cuda_kernels.grouped_wgrad import api, env, launch
+from cuda_kernels.grouped_wgrad import api, bf16, env, launch
 from cuda_kernels.grouped_wgrad import sm100_bf16 as sm100
 from cuda_kernels.grouped_wgrad.sm100_bf16 import (
     Sm100TileConfig,
@@ -812,7 +812,7 @@ def test_every_yaml_rule_is_chosen_for_its_shape_and_carried_by_the_key():
         contract = _contract(hidden=m, intermediate=n, num_experts=e, mma_tiler_mn=None)
         key = sm100.sm100_key_from_contract(contract)  # the launch layer's key of the contract
         assert key.tile == rules[name], name  # the rule's tile, in the compile-cache key
-        assert launch._contract_key(contract) == key
+        assert bf16.contract_key(contract) == key
         tiles.add(key.tile)
     assert tiles == set(rules.values())  # a compiled kernel per distinct tile of the file
 

@@ -7,7 +7,7 @@ key conversion, offline compiles for ``sm_100a`` whose PTX must hold the block-s
 of the scale factors into tensor memory, TMA loads of A / B / scales, and for discrete outputs
 the BF16 kernel's per-expert descriptors (tensormap.replace, tensormap proxy fences, flags) and
 TMA stores through them; ptxas assembly without spills; the launcher's descriptor workspace and
-counter; the dispatch hook's decision (off by default, on with
+counter; the registry's routing decision (off by default, on with
 ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1`` for SM100 contracts it supports, discrete included).
 
 GPU part (``gpu`` + ``sm100``): the kernel against the twin at SQNR >= 60 dB; skipped without an
@@ -24,7 +24,7 @@ import pytest
 import torch
 from _ptxas import ptxas_for as _ptxas_for
 
-from cuda_kernels.grouped_wgrad import api, dispatch, env, launch, sm100_bf16
+from cuda_kernels.grouped_wgrad import api, blockscaled, env, launch, sm100_bf16
 from cuda_kernels.grouped_wgrad import sm100_blockscaled as bs
 from cuda_kernels.grouped_wgrad._types import BlockScaledSpec, WgradContract
 from cuda_kernels.grouped_wgrad.sm100_blockscaled import Sm100BlockScaledKey, Sm100BsTileConfig
@@ -320,7 +320,7 @@ def test_bf16_kernel_untouched_by_the_subclass():
 
 
 # ------------------------------------------------------------------------------------------------
-# CPU: the dispatch hook
+# CPU: the registry routes block-scaled contracts to the family
 # ------------------------------------------------------------------------------------------------
 
 
@@ -330,19 +330,19 @@ def test_hook_gated_like_the_bf16_sm100_kernel(monkeypatch):
     monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: None)
     monkeypatch.delenv(sm100_bf16.ENABLE_ENV, raising=False)
     for spec in (MX, NV):
-        assert dispatch._blockscaled_kernel(_contract(spec)) is None
-        assert dispatch.select_blockscaled_backend(_contract(spec))[0] == "torch"
+        assert blockscaled.native_launcher(_contract(spec)) is None
+        assert blockscaled.select_blockscaled_backend(_contract(spec))[0] == "torch"
     monkeypatch.setenv(sm100_bf16.ENABLE_ENV, "0")
-    assert dispatch._blockscaled_kernel(_contract()) is None
+    assert blockscaled.native_launcher(_contract()) is None
     for spec in (MX4, dataclasses.replace(MX, token_align=1)):
-        assert dispatch._blockscaled_kernel(_contract(spec, output_mode="discrete")) is None
+        assert blockscaled.native_launcher(_contract(spec, output_mode="discrete")) is None
     monkeypatch.setenv(sm100_bf16.ENABLE_ENV, "1")
     for spec in (MX, NV, MX4):
         for mode in ("dense", "discrete"):  # discrete: per-expert descriptors in the workspace
             for acc in (False, True):
                 c = _contract(spec, output_mode=mode, accumulate=acc)
-                assert callable(dispatch._blockscaled_kernel(c))  # lazy: no compile here
-                assert dispatch.select_blockscaled_backend(c) == ("sm100", "")
+                assert callable(blockscaled.native_launcher(c))  # lazy: no compile here
+                assert blockscaled.select_blockscaled_backend(c) == ("sm100", "")
     # what the kernel does not build keeps the twin, even opted in
     for other in (
         _contract(dataclasses.replace(MX, token_align=1)),  # generic entry: any count
@@ -351,10 +351,10 @@ def test_hook_gated_like_the_bf16_sm100_kernel(monkeypatch):
         _contract(a_major="m"),
         _contract(input_order="tensor_ragged"),
     ):
-        assert dispatch._blockscaled_kernel(other) is None
+        assert blockscaled.native_launcher(other) is None
     # without CuTe DSL: the twin
     monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: "no cutlass")
-    assert dispatch._blockscaled_kernel(_contract()) is None
+    assert blockscaled.native_launcher(_contract()) is None
 
 
 def test_launcher_refuses_without_opt_in(monkeypatch):
@@ -513,7 +513,7 @@ def test_kernel_matches_twin(fmt, accumulate, mode):
         spec, hidden=m, intermediate=n, num_experts=len(counts), accumulate=accumulate,
         output_mode=mode,
     )
-    launcher = dispatch._blockscaled_kernel(contract)
+    launcher = blockscaled.native_launcher(contract)
     assert launcher is not None
     init = torch.randn(len(counts), m, n, device=dev)
     out = init.clone() if accumulate else torch.full_like(init, float("nan"))

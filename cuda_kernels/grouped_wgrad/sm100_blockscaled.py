@@ -10,7 +10,7 @@ scale factors into tensor memory and, for discrete outputs, for the per-expert d
 (tensormap.replace, tensormap proxy fences) and the TMA stores through those descriptors;
 assembled by ptxas for sm_100a without spills) but it has NEVER RUN on a Blackwell GPU. Its launcher
 refuses to run unless ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1`` (the same gate as ``sm100_bf16``),
-and ``dispatch._blockscaled_kernel`` routes SM100 block-scaled contracts to it only then.
+and the registry (``registry.py``) routes SM100 block-scaled contracts to it only then.
 
 Formats (``BlockScaledSpec.fmt``):
 
@@ -81,7 +81,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import KernelKey
+from ._contract import KMajorKernelKey
 from .launch import KernelFamily, contract_key_fields, fake_offsets_and_out
 from .sm100_bf16 import (
     ENABLE_ENV,
@@ -100,8 +100,10 @@ __all__ = [
     "Sm100BsTileConfig",
     "compile_sm100_blockscaled_wgrad",
     "compile_sm100_blockscaled_wgrad_offline",
+    "contract_launcher",
     "sm100_blockscaled_key_from_contract",
     "supports",
+    "unavailable_reason",
 ]
 
 #: fmt -> (element names, scale dtype name, sf_vec, tokens per stage = token_align of ``_sm100``)
@@ -171,9 +173,9 @@ class Sm100BsTileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm100BlockScaledKey(KernelKey):
+class Sm100BlockScaledKey(KMajorKernelKey):
     """Static contract of one compiled SM100 block-scaled kernel (its compile-cache key): the
-    ``_contract.KernelKey`` fields, plus
+    ``_contract.KMajorKernelKey`` fields, plus
 
     Attributes:
         fmt: ``"mxfp8"``, ``"mxfp4"`` or ``"nvfp4"``.
@@ -190,10 +192,8 @@ class Sm100BlockScaledKey(KernelKey):
     """
 
     _TILES = SM100_TILES
+    _K_MAJOR_WHY = "block-scaled operands must both be K-major along tokens"
 
-    a_major: str = "k"
-    b_major: str = "k"
-    out_dtype: str = "float32"
     fmt: str = "mxfp8"
     elem: str = "e4m3"
     tile: Sm100BsTileConfig = Sm100BsTileConfig()
@@ -206,13 +206,6 @@ class Sm100BlockScaledKey(KernelKey):
         elems, _sf, _vec, stage = FORMATS[self.fmt]
         if self.elem not in elems:
             raise ValueError(f"{cls}.elem must be one of {elems} for {self.fmt}, got {self.elem!r}")
-        if self.a_major != "k" or self.b_major != "k":
-            raise ValueError(
-                f"{cls}: block-scaled operands must both be K-major along tokens (a_major='k', "
-                f"b_major='k'); got a_major={self.a_major!r}, b_major={self.b_major!r}"
-            )
-        if self.input_order != "tensor2d":
-            raise ValueError(f"{cls}.input_order must be 'tensor2d', got {self.input_order!r}")
         if self.tile.tile_k != stage:
             raise ValueError(
                 f"{cls}: {self.fmt} stages are {stage} tokens (one scale atom column); got "
@@ -278,6 +271,25 @@ def supports(contract: Any) -> str | None:
             f"{contract.intermediate}"
         )
     return None
+
+
+def unavailable_reason() -> str | None:
+    """The family's gate in ``registry.KernelProvider.unavailable``: the BF16 SM100 kernel's
+    hardware opt-in (``sm100_bf16.unverified_reason``)."""
+    from . import sm100_bf16
+
+    return sm100_bf16.unverified_reason()
+
+
+def contract_launcher(contract: Any) -> Callable[..., None]:
+    """The launcher of a supported block-scaled ``contract`` in the block-scaled signature
+    (``blockscaled.Launcher``), compiled on its first launch (cached per key by ``FAMILY``; the
+    launch re-checks the opt-in)."""
+
+    def launcher(a, b, sfa, sfb, offsets, out, **kw):
+        compile_sm100_blockscaled_wgrad(contract)(a, b, sfa, sfb, offsets, out, **kw)
+
+    return launcher
 
 
 def sm100_blockscaled_key_from_contract(contract: Any) -> Sm100BlockScaledKey:
@@ -856,11 +868,6 @@ def compile_sm100_blockscaled_wgrad(key: Any) -> Callable[..., None]:
     return FAMILY.launcher(key)
 
 
-def compile_sm100_blockscaled_wgrad_offline(key: Any, arch: str = "sm_100a") -> str:
-    """Compile ``key`` for ``arch`` without a GPU and return the PTX text (CI).
-
-    Raises:
-        RuntimeError: CuTe DSL is not installed or produced no PTX.
-        ValueError: the key / contract is outside what the kernel is built for.
-    """
-    return FAMILY.offline_ptx(key, arch)
+#: ``compile_sm100_blockscaled_wgrad_offline(key, arch="sm_100a")``: the PTX of ``key`` for
+#: ``arch``, compiled without a GPU (CI): ``FAMILY.offline_ptx``.
+compile_sm100_blockscaled_wgrad_offline = FAMILY.offline_compiler("sm_100a")

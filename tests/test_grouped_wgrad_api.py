@@ -1183,6 +1183,32 @@ def test_class_takes_sf_fp8_dtype_override(fake_device):
 
 
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_bf16_rejects_sf_fp8_dtype_override_with_cudnns_text(arch, fake_device):
+    """cuDNN frontend's test_grouped_gemm_wgrad_bf16_rejects_sf_fp8_dtype_override: None is
+    accepted and runs BF16; "e5m3" raises with cuDNN's exact words (ours follow them), through
+    the wrapper, the class and the generic entry alike (one validation pipeline)."""
+    fake_device.cc = 100 if arch == "sm100" else 90
+    a, b, off = _operands(COUNTS)
+    kwargs = {"a_tensor": a, "b_tensor": b, "sfa_tensor": None, "sfb_tensor": None,
+              "offsets_tensor": off, "output_mode": "dense", "wgrad_dtype": torch.float32}
+    ref = _ref64(a, b, off)
+    (w,) = WRAPPERS[arch](**kwargs, sf_fp8_dtype_override=None)
+    _assert_close(w, ref, torch.float32)
+    cudnn = "BF16 forbids scale control sf_fp8_dtype_override"
+    with pytest.raises(ValueError, match=cudnn) as err:
+        WRAPPERS[arch](**kwargs, sf_fp8_dtype_override="e5m3")
+    assert str(err.value).startswith(f"{cudnn}: sf_fp8_dtype_override must be None")
+    with pytest.raises(ValueError, match=cudnn):
+        CLASSES[arch](a, b, None, None, off, sample_wgrad=w,
+                      sf_fp8_dtype_override="e5m3").check_support()
+    with pytest.raises(ValueError, match=cudnn):
+        api.grouped_gemm_wgrad(a, b, off, backend="torch", sf_fp8_dtype_override="e5m3")
+    # every scale control of a BF16 call says it the same way
+    with pytest.raises(ValueError, match="BF16 forbids scale control sfa_tensor"):
+        WRAPPERS[arch](**{**kwargs, "sfa_tensor": torch.zeros(1)})
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_discrete_both_outputs_as_cudnn_passes_them(arch, fake_device):
     fake_device.cc = 100 if arch == "sm100" else 90
     counts = [256, 0, 512] if arch == "sm100" else [16, 0, 48]

@@ -6,8 +6,8 @@ Dimensions: H hidden, S tokens_sum, I intermediate, E num_experts (``common/shap
 fp32 accumulation, a BF16 / FP16 / FP32 output. What is easy to get wrong about it:
 
 - the format is chosen by the OPERAND DTYPES alone (``pipeline.select_format``): a BF16 pair is
-  this format even when a scale tensor is passed -- which is then an error, never a silent
-  fall-through to the block-scaled backend;
+  this format even when a scale tensor is passed -- which is then an error (cuDNN's "BF16
+  forbids scale control <name>"), never a silent fall-through to the block-scaled backend;
 - the per-expert token rule depends on the kernel: every count a multiple of 256 on SM100 (its
   K tiles never straddle two experts; ``tiles.SM100_TILES.group_align``), any count >= 0 on SM90
   and on the torch twin. The offsets VALUES are data: checked only in the validation mode;
@@ -39,6 +39,7 @@ from .torch_ref import grouped_wgrad_torch
 from .validate import check_offsets_values, validate_operands
 
 __all__ = [
+    "CUDNN_FORBIDS",
     "NAME",
     "TOKEN_ALIGN",
     "Launcher",
@@ -67,11 +68,16 @@ _SCALE_CONTROLS = (
 )
 
 
+#: cuDNN frontend's words for a scale control on BF16 operands; its users match on them
+#: (``pytest.raises(ValueError, match="BF16 forbids scale control sf_fp8_dtype_override")``).
+CUDNN_FORBIDS = "BF16 forbids scale control"
+
+
 def _forbidden(name: str) -> ValueError:
     return ValueError(
-        f"{name} must be None: the BF16 grouped wgrad forbids scale-factor and global-scale "
-        "controls (only an FP8 / FP4 A/B pair selects the block-scaled backend; a BF16 call "
-        "never falls through to it)"
+        f"{CUDNN_FORBIDS} {name}: {name} must be None (the BF16 grouped wgrad takes no "
+        "scale-factor or global-scale controls; only an FP8 / FP4 A/B pair selects the "
+        "block-scaled backend, and a BF16 call never falls through to it)"
     )
 
 
@@ -80,8 +86,8 @@ def check_controls(call) -> None:
     ``sf_fp8_dtype_override``; ``sf_vec_size`` 16 (the seed's rule); ``acc_dtype`` fp32.
 
     Raises:
-        ValueError: ``"<name> must be None: ..."``, or the ``sf_vec_size`` / ``acc_dtype``
-            rule.
+        ValueError: ``"BF16 forbids scale control <name>: <name> must be None ..."`` (cuDNN
+            frontend's text, then ours), or the ``sf_vec_size`` / ``acc_dtype`` rule.
     """
     for attr, name_attr in _SCALE_CONTROLS:
         if getattr(call, attr) is not None:

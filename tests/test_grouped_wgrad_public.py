@@ -26,6 +26,9 @@ PUBLIC = [
 ]
 #: Public names added since (issue 23 item 7's cuDNN parity): none yet.
 ADDED: list[str] = []
+#: cuDNN exposes its jit entry at the top level (``cudnn.grouped_gemm_wgrad_jax_sm100``):
+#: ``cuda_kernels`` too, resolved lazily from ``grouped_wgrad.jax_ffi`` (issue 23 item 7).
+TOP_LEVEL_JAX = ["grouped_gemm_wgrad_jax_sm100", "grouped_gemm_wgrad_jax_sm90"]
 #: ``cuda_kernels.grouped_wgrad.jax.__all__`` and ``jax_ffi.__all__`` before the re-cut.
 JAX_PUBLIC = [
     "call_wrapper_on_jax_arrays", "check_jax_wgrad_call", "grouped_gemm_wgrad_dense_jax_sm100",
@@ -157,10 +160,34 @@ def _signature(obj) -> str:
 
 def test_package_exports_are_pinned():
     assert sorted(gw.__all__) == sorted(PUBLIC + ADDED)
-    assert sorted(cuda_kernels.__all__) == sorted(PUBLIC + ADDED)
+    assert sorted(cuda_kernels.__all__) == sorted(PUBLIC + ADDED + TOP_LEVEL_JAX)
     for name in PUBLIC + ADDED:
         assert getattr(cuda_kernels, name) is getattr(gw, name), name
         assert hasattr(gw.api, name) or name == "grouped_wgrad_torch", name
+
+
+def test_jit_entries_at_the_top_level_without_importing_jax():
+    """``cuda_kernels.grouped_gemm_wgrad_jax_sm100`` is the jit entry itself, as cuDNN's
+    ``cudnn.grouped_gemm_wgrad_jax_sm100``; neither ``import cuda_kernels`` nor the name imports
+    JAX (the entry imports it when called)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, cuda_kernels\n"
+        "assert 'jax' not in sys.modules and 'cuda_kernels.grouped_wgrad.jax_ffi' not in "
+        "sys.modules\n"
+        "from cuda_kernels import grouped_gemm_wgrad_jax_sm100 as f\n"
+        "from cuda_kernels.grouped_wgrad import jax_ffi\n"
+        "assert f is jax_ffi.grouped_gemm_wgrad_jax_sm100\n"
+        "assert cuda_kernels.grouped_gemm_wgrad_jax_sm90 is jax_ffi.grouped_gemm_wgrad_jax_sm90\n"
+        "assert 'grouped_gemm_wgrad_jax_sm100' in dir(cuda_kernels)\n"
+        "print('jax' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]
+    with pytest.raises(AttributeError, match="no attribute 'grouped_gemm_wgrad_jax_sm110'"):
+        _ = cuda_kernels.grouped_gemm_wgrad_jax_sm110
 
 
 def test_jax_module_names_are_pinned():

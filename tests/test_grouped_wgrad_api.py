@@ -1208,6 +1208,58 @@ def test_bf16_rejects_sf_fp8_dtype_override_with_cudnns_text(arch, fake_device):
         WRAPPERS[arch](**{**kwargs, "sfa_tensor": torch.zeros(1)})
 
 
+def test_wgrad_expert_ptrs_as_cudnns_helper():
+    """cuDNN frontend's ``wgrad_expert_ptrs``: the [E] int64 addresses of a stacked output's
+    expert slabs, computed on the tensor's device; a padded expert stride is kept, a slab that is
+    not row-major contiguous or slabs that overlap are refused."""
+    w = torch.zeros(3, 8, 16, dtype=torch.float32)
+    ptrs = api.wgrad_expert_ptrs(w)
+    assert ptrs.dtype == torch.int64 and ptrs.shape == (3,) and ptrs.device == w.device
+    assert ptrs.tolist() == [w[e].data_ptr() for e in range(3)]
+    assert torch.equal(ptrs, pipeline.stacked_pointers(w))
+    padded = torch.zeros(3, 9, 16, dtype=torch.bfloat16)[:, :8]  # expert stride 144 > 128
+    assert api.wgrad_expert_ptrs(padded).tolist() == [padded[e].data_ptr() for e in range(3)]
+    assert api.wgrad_expert_ptrs(w[:0]).shape == (0,)
+    one = torch.zeros(1, 8, 16)
+    assert api.wgrad_expert_ptrs(one).tolist() == [one.data_ptr()]
+    with pytest.raises(ValueError, match="rank-3"):
+        api.wgrad_expert_ptrs(w[0])
+    with pytest.raises(ValueError, match="row-major contiguous"):
+        api.wgrad_expert_ptrs(w.transpose(1, 2))
+    with pytest.raises(ValueError, match="must not overlap"):
+        api.wgrad_expert_ptrs(torch.zeros(400).as_strided((3, 8, 16), (64, 16, 1)))
+    assert api.wgrad_expert_ptrs is cuda_kernels.wgrad_expert_ptrs
+
+
+def test_wgrad_expert_ptrs_of_a_jax_array():
+    """JAX (eager): the packed little-endian uint8 [8 * E] form the jit entries take."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cuda_kernels.grouped_wgrad.jax_ffi import pack_pointers_uint8
+
+    w = jax.device_put(jnp.zeros((3, 8, 16), jnp.float32), jax.devices("cpu")[0])
+    ptrs = api.wgrad_expert_ptrs(w)
+    base = w.unsafe_buffer_pointer()
+    assert ptrs.dtype == jnp.uint8 and ptrs.shape == (24,)
+    want = pack_pointers_uint8([base + e * 8 * 16 * 4 for e in range(3)])
+    assert (np.asarray(ptrs) == want).all()
+
+
+def test_wgrad_expert_ptrs_feed_the_discrete_mode(fake_device):
+    """The table is what discrete calls take: with the stacked tensor too (cuDNN's calls pass
+    both), the pointer-values check finds exactly its slabs, and the kernel writes them."""
+    a, b, off = _operands([16, 0, 48])
+    w = torch.full((3, H, I), float("nan"), dtype=torch.float32)
+    (out,) = api.grouped_gemm_wgrad_wrapper_sm90(
+        a, b, None, None, off, output_mode="discrete", wgrad_tensor=w,
+        wgrad_ptrs=api.wgrad_expert_ptrs(w), wgrad_dtype=torch.float32,
+    )
+    assert out is w
+    _assert_close(w, _ref64(a, b, off), torch.float32)
+
+
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_discrete_both_outputs_as_cudnn_passes_them(arch, fake_device):
     fake_device.cc = 100 if arch == "sm100" else 90

@@ -24,8 +24,8 @@ PUBLIC = [
     "grouped_wgrad_into", "grouped_wgrad_torch", "kernel_unsupported_reason",
     "select_grouped_wgrad_backend",
 ]
-#: Public names added since (issue 23 item 7's cuDNN parity): none yet.
-ADDED: list[str] = []
+#: Public names added since (issue 23 item 7's cuDNN parity).
+ADDED = ["wgrad_expert_ptrs"]
 #: cuDNN exposes its jit entry at the top level (``cudnn.grouped_gemm_wgrad_jax_sm100``):
 #: ``cuda_kernels`` too, resolved lazily from ``grouped_wgrad.jax_ffi`` (issue 23 item 7).
 TOP_LEVEL_JAX = ["grouped_gemm_wgrad_jax_sm100", "grouped_gemm_wgrad_jax_sm90"]
@@ -46,6 +46,7 @@ JAX_FFI_PUBLIC = [
 METHODS = ("check_support", "compile", "execute")
 
 SIGNATURES = {
+    "wgrad_expert_ptrs": ("wgrad_tensor current_stream=None"),
     "grouped_gemm_wgrad": (
         "a_tensor b_tensor offsets_tensor *output_mode='dense' *wgrad_tensor=None "
         "*wgrad_ptrs=None *wgrad_dtype=torch.bfloat16 *accumulate_on_output=False "

@@ -27,6 +27,8 @@ families (``registry.py``): ``sm90_mxfp8`` (MXFP8 on SM90) and ``sm100_blockscal
 MXFP4 / NVFP4 on SM100), each behind an opt-in until verified on a GPU; every other call runs
 the torch twin (``blockscaled_ref``) on the tensors' device.
     ``get_grouped_gemm_wgrad_workspace_size_sm100``, ``TupleDict``, ``WgradContract``.
+    ``wgrad_expert_ptrs`` -- cuDNN frontend's helper: the per-expert output addresses of a stacked
+        [E, H, I] tensor, the ``wgrad_ptrs`` of the discrete output mode (on the device, no sync).
 
 Validation of offsets VALUES and pointer VALUES needs a host read (a device sync). It runs only in
 the explicit validation mode ``validate_offsets=True`` — the default of the wrappers and of
@@ -66,6 +68,7 @@ from .dispatch import (
     kernel_unsupported_reason,
     select_grouped_wgrad_backend,
 )
+from .pipeline import wgrad_expert_ptrs
 from .validate import get_grouped_gemm_wgrad_workspace_size_sm100
 from .wrappers import (
     clear_grouped_wgrad_caches,
@@ -90,4 +93,5 @@ __all__ = [
     "grouped_wgrad_into",
     "kernel_unsupported_reason",
     "select_grouped_wgrad_backend",
+    "wgrad_expert_ptrs",
 ]

@@ -70,6 +70,7 @@ __all__ = [
     "stacked_pointers",
     "torch_stream",
     "validate_call",
+    "wgrad_expert_ptrs",
 ]
 
 #: What :func:`validate_call` checks the outputs of: a wrapper's / ``grouped_gemm_wgrad``'s
@@ -359,7 +360,8 @@ def _on_launch_stream(stream: Any, device: torch.device):
 
 def stacked_pointers(stacked: torch.Tensor) -> torch.Tensor:
     """int64 address of each expert's [H, I] slab of a contiguous [E, H, I] tensor, computed on
-    its device (no host list, no sync: capturable)."""
+    its device (no host list, no sync: capturable); :func:`wgrad_expert_ptrs` is the checked
+    public form."""
     e = stacked.shape[0]
     step = stacked[0].numel() * stacked.element_size() if e else 0
     idx = torch.arange(e, dtype=torch.int64, device=stacked.device)
@@ -383,6 +385,70 @@ def allocate_outputs(v: ValidatedCall) -> tuple[Any, Any]:
         if ptrs is not None:
             return wgrad, ptrs
         return wgrad, stacked_pointers(wgrad)
+
+
+def wgrad_expert_ptrs(wgrad_tensor: Any, current_stream: Any = None) -> Any:
+    """Per-expert output addresses of a stacked wgrad tensor: the ``wgrad_ptrs`` array of the
+    discrete (pointer-array) output mode, cuDNN frontend's helper of the same name.
+
+    Dimensions: E experts, H hidden, I intermediate.
+
+    Args:
+        wgrad_tensor: [E, H, I] bf16 / fp16 / fp32 (any dtype): a torch tensor on any device, or
+            a JAX array (eager only). Each expert's [H, I] slab must be row-major contiguous
+            (strides ``(*, I, 1)``; size-1 dims are moot) and the slabs must not overlap (expert
+            stride >= H * I elements); the expert stride itself may be larger (a padded stack).
+        current_stream: torch: the stream the address table is computed on (a torch.cuda.Stream,
+            a raw handle, or None for the current stream); unused for CPU tensors and JAX.
+
+    Returns:
+        torch: [E] int64 on ``wgrad_tensor``'s device, ``ptrs[e] = data_ptr + e * expert stride
+        bytes``, computed by one device op (no host list, no copy, no sync: CUDA-graph
+        capturable). JAX: the packed little-endian uint8 [8 * E] form the JAX entries take
+        (``jax_ffi.pack_pointers_uint8``), on the array's device. Derive it once per output
+        buffer and reuse it across calls; it is valid while that buffer lives.
+
+    Raises:
+        ValueError: not rank 3, an expert slab not row-major contiguous, or overlapping slabs.
+    """
+    shape = tuple(int(d) for d in wgrad_tensor.shape)
+    if len(shape) != 3:
+        raise ValueError(
+            f"wgrad_tensor must be rank-3 (num_experts, hidden, intermediate), got shape {shape}"
+        )
+    experts, hidden, inter = shape
+    if isinstance(wgrad_tensor, torch.Tensor):
+        strides, itemsize = tuple(wgrad_tensor.stride()), wgrad_tensor.element_size()
+        base = wgrad_tensor.data_ptr()
+    else:  # a JAX array: C-contiguous
+        import numpy as np
+
+        itemsize = np.dtype(wgrad_tensor.dtype).itemsize
+        strides = (hidden * inter, inter, 1)
+        base = wgrad_tensor.unsafe_buffer_pointer()
+    if (hidden > 1 and strides[1] != inter) or (inter > 1 and strides[2] != 1):
+        raise ValueError(
+            "each wgrad expert slab must be a row-major contiguous (hidden, intermediate) block "
+            f"(strides (*, {inter}, 1)); got shape {shape} strides {strides}"
+        )
+    step = strides[0] if experts > 1 else hidden * inter
+    if experts > 1 and step < hidden * inter:
+        raise ValueError(
+            f"wgrad expert slabs must not overlap: expert stride {step} elements < hidden * "
+            f"intermediate = {hidden * inter}"
+        )
+    step_bytes = step * itemsize
+    if isinstance(wgrad_tensor, torch.Tensor):
+        device = wgrad_tensor.device
+        with _on_launch_stream(current_stream, device):
+            idx = torch.arange(experts, dtype=torch.int64, device=device)
+            return idx * step_bytes + base
+    import jax
+    import numpy as np
+
+    values = np.arange(experts, dtype=np.int64) * np.int64(step_bytes) + np.int64(base)
+    (device,) = wgrad_tensor.devices()
+    return jax.device_put(values.astype("<i8").view(np.uint8), device)
 
 
 # ---------------------------------------------------------------------------------------------

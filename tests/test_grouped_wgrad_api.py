@@ -1031,6 +1031,76 @@ def test_gpu_sm90_graph_capture_replays_new_offsets():
     assert len(wrappers._OP_CACHE) == n_ops
 
 
+#: Token splits of one tokens_sum (1024) the captured plan replays: zero-token experts first,
+#: in the middle and last, one expert holding every token, unaligned expert begins.
+_REPLAY_SPLITS = ([0, 512, 0, 512], [384, 0, 640, 0], [0, 0, 1024, 0], [1, 0, 7, 1016],
+                  [256, 256, 256, 256])
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@needs_sm90
+@pytest.mark.parametrize("layout", [("m", "n"), ("k", "k")], ids=["MN", "KK"])
+@pytest.mark.parametrize("accumulate", [True, False], ids=["accumulate", "overwrite"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_sm90_plan_replayed_in_a_cuda_graph(layout, accumulate, out_dtype):
+    """cuDNN frontend's newest wgrad test, for our SM90 BF16 kernel: one compiled plan
+    (``GroupedGemmWgradSm90``) captured in a CUDA graph, replayed with new offsets AND new
+    operand values, zero-token experts included, accumulating into the output (or overwriting
+    a NaN-poisoned one). Each replay against the torch twin (``grouped_wgrad_torch`` on the same
+    device, the same accumulate rule) within the SM90 tests' tolerance; an empty expert's output
+    is bit-identical to what it was (accumulate) or exactly zero (overwrite)."""
+    from test_grouped_wgrad_sm90 import _TOL, _rel_err
+
+    hidden, inter, e, s = 256, 512, 4, 1024
+    gen = torch.Generator().manual_seed(7)
+
+    def operands():
+        x_SH = torch.randn(s, hidden, generator=gen).to(torch.bfloat16)
+        y_SI = torch.randn(s, inter, generator=gen).to(torch.bfloat16)
+        a = x_SH.t() if layout[0] == "m" else x_SH.t().contiguous()
+        b = y_SI if layout[1] == "n" else y_SI.t().contiguous().t()
+        return a.cuda(), b.cuda()
+
+    a, b = operands()
+    off = _offsets(_REPLAY_SPLITS[0]).cuda()
+    out = torch.zeros(e, hidden, inter, dtype=out_dtype, device="cuda")
+    op = api.GroupedGemmWgradSm90(a, b, None, None, off, sample_wgrad=out,
+                                  accumulate_on_output=accumulate)
+    op.check_support()
+    op.compile()
+    assert op.backend == "sm90" and op.contract.accumulate is accumulate
+    op.execute(a, b, None, None, off, wgrad_tensor=out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        op.execute(a, b, None, None, off, wgrad_tensor=out)  # validation skipped: capturing
+    torch.cuda.synchronize()
+    for counts in _REPLAY_SPLITS:
+        new_a, new_b = operands()
+        a.copy_(new_a)
+        b.copy_(new_b)
+        off.copy_(_offsets(counts).cuda())
+        if accumulate:  # the output accumulated into: random values, kept where experts are empty
+            out.copy_(torch.randn(e, hidden, inter, generator=gen).to(out_dtype))
+        else:
+            out.fill_(float("nan"))  # poisoned: every expert must be written
+        before = out.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        twin = grouped_wgrad_torch(a, b, off, out=before.clone() if accumulate else None,
+                                   accumulate=accumulate, out_dtype=out_dtype)
+        name = str(out_dtype).removeprefix("torch.")
+        assert _rel_err(out, twin) < _TOL[name], counts
+        assert bool(torch.isfinite(out).all()), counts
+        for expert, c in enumerate(counts):
+            if c == 0:
+                want = before[expert] if accumulate else torch.zeros_like(out[expert])
+                assert torch.equal(out[expert], want), (counts, expert)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_torch_twin_on_cuda():

@@ -240,12 +240,12 @@ def kernel_unsupported_reason(
     (``blockscaled.select_blockscaled_backend``; ``grouped_gemm_wgrad``'s token rule).
     """
     fmt = select_format(a_HS, b_SI, FP32_NAMES) if isinstance(a_HS, torch.Tensor) else bf16
+    if sf_vec_size is None:
+        sf_vec_size = blockscaled.default_sf_vec_size(sfa_tensor) if fmt is blockscaled else 16
     call = WgradCall(
         a=a_HS, b=b_SI, offsets=offsets_E, sfa=sfa_tensor, sfb=sfb_tensor,
         global_scale_a=global_scale_a, global_scale_b=global_scale_b, wgrad_dtype=torch.float32,
-        sf_vec_size=(blockscaled.default_sf_vec_size(sfa_tensor) if sf_vec_size is None
-                     and fmt is blockscaled else 16 if sf_vec_size is None else sf_vec_size),
-        validate_offsets=False, names=FP32_NAMES,
+        sf_vec_size=sf_vec_size, validate_offsets=False, names=FP32_NAMES,
     )
     try:
         v = validate_call(call, arch)

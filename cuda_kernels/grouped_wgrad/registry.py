@@ -28,10 +28,14 @@ and the dgrad, ``problem="varlen_m"``):
 2. add one :func:`register_family` row at the end of this module (or call it from your own
    package before the first call);
 3. if it has tuned tiles: its :class:`tiles.TileRules` in ``tiles.py`` and
-   ``configs/cuda/<arch>_tiles.yaml``.
+   ``configs/cuda/<arch>_tiles.yaml``; on a new architecture also its row of
+   ``tiles.TILE_RULES`` and its compute capability in ``env.kernel_arch``.
 
 Nothing else in the package names a family: dispatch, the formats' compile, the device
-selection and the JAX entries all ask :func:`provider` / :func:`find_kernel`.
+selection and the JAX entries all ask :func:`provider` / :func:`find_kernel`. What the registry
+reads of a contract is its ``arch`` and its format (``block_scaled``: None for BF16, else the
+spec's ``fmt``); the rest is the family's to judge, so a varlen-M contract type of its own
+plugs in the same way.
 """
 
 from __future__ import annotations

@@ -470,8 +470,10 @@ _SM90_FMT = {
     "s_rule": "", "count_rule": " (any count >= 0)", "cluster_arg": "",
     "sm100_extra": " (SM 9.x needed)",
 }
+_SM100_ALIGN = bf16.TOKEN_ALIGN["sm100"]  # tiles.SM100_TILES.group_align
 _SM100_FMT = {
-    "s_rule": ", S % 256 == 0", "count_rule": ", every count a multiple of 256",
+    "s_rule": f", S % {_SM100_ALIGN} == 0",
+    "count_rule": f", every count a multiple of {_SM100_ALIGN}",
     "cluster_arg": ", cluster_shape_mn",
     "sm100_extra": " (SM100+ needed; the kernel is hardware-unverified: set "
     "MOE_BWD_ENABLE_UNVERIFIED_SM100=1)",

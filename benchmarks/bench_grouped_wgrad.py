@@ -400,7 +400,7 @@ def run_variants(args, bench, dev, copy_bw):
                     m, n, e, a_major="m", b_major="n", out_dtype=out_dtype,
                     accumulate=accumulate, tile=tile,
                 )
-                kernel = sm90._kernel_class()(key)  # effective pipeline / store stages
+                kernel = sm90.kernel_class()(key)  # effective pipeline / store stages
                 row["stages_eff"], row["epi_stages_eff"] = kernel.stages, kernel.epi_stages
                 launcher = sm90.compile_sm90_wgrad(key)
                 row["err_before"] = check(launcher)

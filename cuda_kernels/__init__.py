@@ -3,7 +3,9 @@ the fused GPU forward and backward built on them (``moe_forward``, ``moe_backwar
 
 The public API (``cuda_kernels.GroupedGemmWgradSm100``, ``grouped_gemm_wgrad_wrapper_sm100``,
 ``GroupedGemmWgradSm90``, ``grouped_gemm_wgrad_wrapper_sm90``, ``grouped_gemm_wgrad``, ...) follows
-the cuDNN frontend's grouped GEMM wgrad seed. Importing it imports neither CuTe DSL nor JAX and
+the cuDNN frontend's grouped GEMM wgrad seed, and so do the ``jax.jit`` entries at the top level
+(``cuda_kernels.grouped_gemm_wgrad_jax_sm100`` as ``cudnn.grouped_gemm_wgrad_jax_sm100``, and
+its ``_sm90`` twin), resolved on first access. Importing it imports neither CuTe DSL nor JAX and
 does not query the GPU; kernels compile on first use.
 """
 
@@ -12,4 +14,25 @@ from common._version import __version__ as __version__  # re-exported
 from . import grouped_wgrad
 from .grouped_wgrad import *  # noqa: F403 - the package re-exports the grouped wgrad API
 
-__all__ = list(grouped_wgrad.__all__)
+#: The ``jax.jit`` entries cuDNN frontend exposes at its top level: names here, resolved from
+#: ``grouped_wgrad.jax_ffi`` on first access (that module imports JAX only when called).
+_LAZY = {
+    "grouped_gemm_wgrad_jax_sm100": "cuda_kernels.grouped_wgrad.jax_ffi",
+    "grouped_gemm_wgrad_jax_sm90": "cuda_kernels.grouped_wgrad.jax_ffi",
+}
+
+__all__ = list(grouped_wgrad.__all__) + list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # resolved once
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

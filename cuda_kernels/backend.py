@@ -20,7 +20,7 @@ import torch
 from common.dispatch import Backend, register_backend
 from common.problem import MoEBackwardProblem, MoEGrads
 
-from .grouped_wgrad import _env, api
+from .grouped_wgrad import api, registry
 
 __all__ = ["check_cuda_sm90", "check_cuda_sm100", "make_grouped_wgrad"]
 
@@ -73,10 +73,10 @@ def check_cuda_sm100() -> str | None:
                 f"hardware: on a Blackwell GPU it needs {_SM100_OPT_IN}=1"
             )
         return reason
-    module = _env.family_module("sm100")
-    if module is None or not hasattr(module, "compile_sm100_wgrad"):
+    family = registry.provider("sm100", "bf16")
+    if family is None or family.load() is None:
         return "the SM100 grouped wgrad kernel module (grouped_wgrad/sm100_bf16.py) is missing"
-    return module.unverified_reason() or _triton_reason() or _cutlass_reason()
+    return family.gate() or _triton_reason() or _cutlass_reason()
 
 
 def make_grouped_wgrad(arch: str, stats: dict | None = None, group_align: int = 1):

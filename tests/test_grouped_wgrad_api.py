@@ -11,8 +11,8 @@ through the int64 output addresses of discrete mode), so values are asserted end
 from __future__ import annotations
 
 import ctypes
-import functools
 import dataclasses
+import functools
 import importlib.util
 
 import pytest
@@ -20,12 +20,12 @@ import torch
 
 import cuda_kernels
 from cuda_kernels.grouped_wgrad import (
-    _env,
     _types,
     api,
-    classes,
+    bf16,
     dispatch,
-    launch,
+    env,
+    pipeline,
     validate,
     wrappers,
 )
@@ -106,7 +106,7 @@ class FakeKernels:
         def launcher(a, b, offsets, out, stream=None, descriptor_workspace=None):
             self.launches += 1
             self.workspaces.append(descriptor_workspace)
-            dtype = _types._NAME_TO_DTYPE[contract.out_dtype]
+            dtype = _types.NAME_TO_DTYPE[contract.out_dtype]
             shape = (contract.hidden, contract.intermediate)
             if contract.output_mode == "discrete":
                 views = [_tensor_at(int(p), shape, dtype) for p in out.tolist()]
@@ -138,9 +138,9 @@ def fake_device(monkeypatch):
     """Pretend the CPU is a CUDA device of capability ``fake.cc`` with CuTe DSL kernels."""
     fake = FakeKernels()
     fake.cc = 90
-    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": fake.cc)
-    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
-    monkeypatch.setattr(launch, "_compile_launcher", lambda contract, who: fake.compile(contract))
+    monkeypatch.setattr(env, "query_arch", lambda device, arg="a_tensor": fake.cc)
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(bf16, "compile_launcher", lambda contract, who: fake.compile(contract))
     return fake
 
 
@@ -430,8 +430,8 @@ def test_capability_refused(arch, cc, regex, fake_device):
 
 
 def test_sm100_compile_says_kernel_not_built(monkeypatch):
-    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 100)
-    monkeypatch.setattr(_env, "family_module", lambda arch: None)
+    monkeypatch.setattr(env, "query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(env, "family_module", lambda arch: None)
     a, b, off = _operands(COUNTS)
     op = api.GroupedGemmWgradSm100(a, b, None, None, off, sample_wgrad=torch.empty(3, H, I))
     assert op.check_support() is True
@@ -442,8 +442,8 @@ def test_sm100_compile_says_kernel_not_built(monkeypatch):
 
 
 def test_sm90_compile_without_cutlass(monkeypatch):
-    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 90)
-    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: "nvidia-cutlass-dsl is not installed")
+    monkeypatch.setattr(env, "query_arch", lambda device, arg="a_tensor": 90)
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: "nvidia-cutlass-dsl is not installed")
     a, b, off = _operands(COUNTS)
     op = api.GroupedGemmWgradSm90(a, b, None, None, off, sample_wgrad=torch.empty(3, H, I))
     with pytest.raises(RuntimeError, match="nvidia-cutlass-dsl is not installed"):
@@ -589,11 +589,11 @@ def test_sm90_key_is_static():
         out_dtype="float32", output_mode="dense", accumulate=True, input_order="tensor2d",
         mma_tiler_mn=None, cluster_shape_mn=None,
     )
-    key = launch._contract_key(c)
-    assert key == launch._contract_key(dataclasses.replace(c))
+    key = bf16.contract_key(c)
+    assert key == bf16.contract_key(dataclasses.replace(c))
     assert (key.hidden, key.intermediate, key.num_experts) == (256, 512, 8)
     assert key.out_dtype == "float32" and key.accumulate is True
-    key2 = launch._contract_key(dataclasses.replace(c, mma_tiler_mn=(64, 128)))
+    key2 = bf16.contract_key(dataclasses.replace(c, mma_tiler_mn=(64, 128)))
     assert (key2.tile.tile_m, key2.tile.tile_n) == (64, 128)
 
 
@@ -650,7 +650,7 @@ def test_wrapper_discrete_values(fake_device):
     _assert_close(stacked, ref, torch.bfloat16)
     stacked.fill_(float("nan"))
     op.execute(a, b, None, None, off, wgrad_tensor=stacked,
-               wgrad_ptrs=classes._stacked_pointers(stacked))
+               wgrad_ptrs=pipeline.stacked_pointers(stacked))
     _assert_close(stacked, ref, torch.bfloat16)
     with pytest.raises(ValueError, match="not expert 0's slab"):
         op.execute(a, b, None, None, off, wgrad_tensor=stacked, wgrad_ptrs=ptrs)
@@ -958,7 +958,7 @@ def test_api_contract_compiles_offline_for_sm90a():
         out_dtype="float32", output_mode="discrete", accumulate=True,
         input_order="tensor2d", mma_tiler_mn=None, cluster_shape_mn=None,
     )
-    ptx = sm90_bf16.compile_sm90_wgrad_offline(launch._contract_key(c), arch="sm_90a")
+    ptx = sm90_bf16.compile_sm90_wgrad_offline(bf16.contract_key(c), arch="sm_90a")
     assert "wgmma.mma_async" in ptx
 
 
@@ -1029,6 +1029,76 @@ def test_gpu_sm90_graph_capture_replays_new_offsets():
         torch.cuda.synchronize()
         _close_gpu(out, a, b, off, torch.float32)
     assert len(wrappers._OP_CACHE) == n_ops
+
+
+#: Token splits of one tokens_sum (1024) the captured plan replays: zero-token experts first,
+#: in the middle and last, one expert holding every token, unaligned expert begins.
+_REPLAY_SPLITS = ([0, 512, 0, 512], [384, 0, 640, 0], [0, 0, 1024, 0], [1, 0, 7, 1016],
+                  [256, 256, 256, 256])
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@needs_sm90
+@pytest.mark.parametrize("layout", [("m", "n"), ("k", "k")], ids=["MN", "KK"])
+@pytest.mark.parametrize("accumulate", [True, False], ids=["accumulate", "overwrite"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_sm90_plan_replayed_in_a_cuda_graph(layout, accumulate, out_dtype):
+    """cuDNN frontend's newest wgrad test, for our SM90 BF16 kernel: one compiled plan
+    (``GroupedGemmWgradSm90``) captured in a CUDA graph, replayed with new offsets AND new
+    operand values, zero-token experts included, accumulating into the output (or overwriting
+    a NaN-poisoned one). Each replay against the torch twin (``grouped_wgrad_torch`` on the same
+    device, the same accumulate rule) within the SM90 tests' tolerance; an empty expert's output
+    is bit-identical to what it was (accumulate) or exactly zero (overwrite)."""
+    from test_grouped_wgrad_sm90 import _TOL, _rel_err
+
+    hidden, inter, e, s = 256, 512, 4, 1024
+    gen = torch.Generator().manual_seed(7)
+
+    def operands():
+        x_SH = torch.randn(s, hidden, generator=gen).to(torch.bfloat16)
+        y_SI = torch.randn(s, inter, generator=gen).to(torch.bfloat16)
+        a = x_SH.t() if layout[0] == "m" else x_SH.t().contiguous()
+        b = y_SI if layout[1] == "n" else y_SI.t().contiguous().t()
+        return a.cuda(), b.cuda()
+
+    a, b = operands()
+    off = _offsets(_REPLAY_SPLITS[0]).cuda()
+    out = torch.zeros(e, hidden, inter, dtype=out_dtype, device="cuda")
+    op = api.GroupedGemmWgradSm90(a, b, None, None, off, sample_wgrad=out,
+                                  accumulate_on_output=accumulate)
+    op.check_support()
+    op.compile()
+    assert op.backend == "sm90" and op.contract.accumulate is accumulate
+    op.execute(a, b, None, None, off, wgrad_tensor=out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        op.execute(a, b, None, None, off, wgrad_tensor=out)  # validation skipped: capturing
+    torch.cuda.synchronize()
+    for counts in _REPLAY_SPLITS:
+        new_a, new_b = operands()
+        a.copy_(new_a)
+        b.copy_(new_b)
+        off.copy_(_offsets(counts).cuda())
+        if accumulate:  # the output accumulated into: random values, kept where experts are empty
+            out.copy_(torch.randn(e, hidden, inter, generator=gen).to(out_dtype))
+        else:
+            out.fill_(float("nan"))  # poisoned: every expert must be written
+        before = out.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        twin = grouped_wgrad_torch(a, b, off, out=before.clone() if accumulate else None,
+                                   accumulate=accumulate, out_dtype=out_dtype)
+        name = str(out_dtype).removeprefix("torch.")
+        assert _rel_err(out, twin) < _TOL[name], counts
+        assert bool(torch.isfinite(out).all()), counts
+        for expert, c in enumerate(counts):
+            if c == 0:
+                want = before[expert] if accumulate else torch.zeros_like(out[expert])
+                assert torch.equal(out[expert], want), (counts, expert)
 
 
 @pytest.mark.gpu
@@ -1183,13 +1253,91 @@ def test_class_takes_sf_fp8_dtype_override(fake_device):
 
 
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_bf16_rejects_sf_fp8_dtype_override_with_cudnns_text(arch, fake_device):
+    """cuDNN frontend's test_grouped_gemm_wgrad_bf16_rejects_sf_fp8_dtype_override: None is
+    accepted and runs BF16; "e5m3" raises with cuDNN's exact words (ours follow them), through
+    the wrapper, the class and the generic entry alike (one validation pipeline)."""
+    fake_device.cc = 100 if arch == "sm100" else 90
+    a, b, off = _operands(COUNTS)
+    kwargs = {"a_tensor": a, "b_tensor": b, "sfa_tensor": None, "sfb_tensor": None,
+              "offsets_tensor": off, "output_mode": "dense", "wgrad_dtype": torch.float32}
+    ref = _ref64(a, b, off)
+    (w,) = WRAPPERS[arch](**kwargs, sf_fp8_dtype_override=None)
+    _assert_close(w, ref, torch.float32)
+    cudnn = "BF16 forbids scale control sf_fp8_dtype_override"
+    with pytest.raises(ValueError, match=cudnn) as err:
+        WRAPPERS[arch](**kwargs, sf_fp8_dtype_override="e5m3")
+    assert str(err.value).startswith(f"{cudnn}: sf_fp8_dtype_override must be None")
+    with pytest.raises(ValueError, match=cudnn):
+        CLASSES[arch](a, b, None, None, off, sample_wgrad=w,
+                      sf_fp8_dtype_override="e5m3").check_support()
+    with pytest.raises(ValueError, match=cudnn):
+        api.grouped_gemm_wgrad(a, b, off, backend="torch", sf_fp8_dtype_override="e5m3")
+    # every scale control of a BF16 call says it the same way
+    with pytest.raises(ValueError, match="BF16 forbids scale control sfa_tensor"):
+        WRAPPERS[arch](**{**kwargs, "sfa_tensor": torch.zeros(1)})
+
+
+def test_wgrad_expert_ptrs_as_cudnns_helper():
+    """cuDNN frontend's ``wgrad_expert_ptrs``: the [E] int64 addresses of a stacked output's
+    expert slabs, computed on the tensor's device; a padded expert stride is kept, a slab that is
+    not row-major contiguous or slabs that overlap are refused."""
+    w = torch.zeros(3, 8, 16, dtype=torch.float32)
+    ptrs = api.wgrad_expert_ptrs(w)
+    assert ptrs.dtype == torch.int64 and ptrs.shape == (3,) and ptrs.device == w.device
+    assert ptrs.tolist() == [w[e].data_ptr() for e in range(3)]
+    assert torch.equal(ptrs, pipeline.stacked_pointers(w))
+    padded = torch.zeros(3, 9, 16, dtype=torch.bfloat16)[:, :8]  # expert stride 144 > 128
+    assert api.wgrad_expert_ptrs(padded).tolist() == [padded[e].data_ptr() for e in range(3)]
+    assert api.wgrad_expert_ptrs(w[:0]).shape == (0,)
+    one = torch.zeros(1, 8, 16)
+    assert api.wgrad_expert_ptrs(one).tolist() == [one.data_ptr()]
+    with pytest.raises(ValueError, match="rank-3"):
+        api.wgrad_expert_ptrs(w[0])
+    with pytest.raises(ValueError, match="row-major contiguous"):
+        api.wgrad_expert_ptrs(w.transpose(1, 2))
+    with pytest.raises(ValueError, match="must not overlap"):
+        api.wgrad_expert_ptrs(torch.zeros(400).as_strided((3, 8, 16), (64, 16, 1)))
+    assert api.wgrad_expert_ptrs is cuda_kernels.wgrad_expert_ptrs
+
+
+def test_wgrad_expert_ptrs_of_a_jax_array():
+    """JAX (eager): the packed little-endian uint8 [8 * E] form the jit entries take."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import numpy as np
+
+    from cuda_kernels.grouped_wgrad.jax_ffi import pack_pointers_uint8
+
+    w = jax.device_put(jnp.zeros((3, 8, 16), jnp.float32), jax.devices("cpu")[0])
+    ptrs = api.wgrad_expert_ptrs(w)
+    base = w.unsafe_buffer_pointer()
+    assert ptrs.dtype == jnp.uint8 and ptrs.shape == (24,)
+    want = pack_pointers_uint8([base + e * 8 * 16 * 4 for e in range(3)])
+    assert (np.asarray(ptrs) == want).all()
+
+
+def test_wgrad_expert_ptrs_feed_the_discrete_mode(fake_device):
+    """The table is what discrete calls take: with the stacked tensor too (cuDNN's calls pass
+    both), the pointer-values check finds exactly its slabs, and the kernel writes them."""
+    a, b, off = _operands([16, 0, 48])
+    w = torch.full((3, H, I), float("nan"), dtype=torch.float32)
+    (out,) = api.grouped_gemm_wgrad_wrapper_sm90(
+        a, b, None, None, off, output_mode="discrete", wgrad_tensor=w,
+        wgrad_ptrs=api.wgrad_expert_ptrs(w), wgrad_dtype=torch.float32,
+    )
+    assert out is w
+    _assert_close(w, _ref64(a, b, off), torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_discrete_both_outputs_as_cudnn_passes_them(arch, fake_device):
     fake_device.cc = 100 if arch == "sm100" else 90
     counts = [256, 0, 512] if arch == "sm100" else [16, 0, 48]
     a, b, off = _operands(counts, hidden=256, inter=256)
     ref = _ref64(a, b, off)
     out = torch.full((3, 256, 256), float("nan"), dtype=torch.float32)
-    ptrs = classes._stacked_pointers(out)
+    ptrs = pipeline.stacked_pointers(out)
     r = WRAPPERS[arch](
         a, b, None, None, off, output_mode="discrete", wgrad_tensor=out, wgrad_ptrs=ptrs,
         wgrad_dtype=torch.float32,
@@ -1246,9 +1394,9 @@ def test_cudnn_sized_workspace_is_accepted(arch, fake_device):
 
 def test_offsets_validated_once_per_tensor_version(fake_device, monkeypatch):
     reads = []
-    real = validate._check_offsets_now
+    real = validate.check_offsets_now
     monkeypatch.setattr(
-        validate, "_check_offsets_now", lambda *args: reads.append(args[0]) or real(*args)
+        validate, "check_offsets_now", lambda *args: reads.append(args[0]) or real(*args)
     )
     a, b, off = _operands([16, 0, 48])
     run = functools.partial(api.grouped_gemm_wgrad_wrapper_sm90, a, b, None, None)
@@ -1306,7 +1454,7 @@ def test_tile_rules_have_one_source(arch):
     for tile_m in (32, 64, 96, 128, 192, 256, 512):
         for tile_n in range(8, 289, 8):
             try:
-                validate._check_tiling(arch, (tile_m, tile_n), None)
+                validate.check_tiling(arch, (tile_m, tile_n), None)
                 api_ok = True
             except ValueError:
                 api_ok = False
@@ -1319,7 +1467,7 @@ def test_tile_rules_have_one_source(arch):
             assert api_ok == kernel_ok, (tile_m, tile_n)
             assert api_ok == (tile_m in rules.tile_m and tile_n in rules.tile_n)
     for tile_m in rules.tile_m:  # the API's cluster for the kernel's tile is accepted
-        validate._check_tiling(arch, (tile_m, rules.tile_n[-1]), rules.cluster_for(tile_m))
+        validate.check_tiling(arch, (tile_m, rules.tile_n[-1]), rules.cluster_for(tile_m))
     doc = " ".join(CLASSES[arch].__doc__.split())
     assert " ".join(rules.describe("").split()[2:]) in doc  # the docs are generated from it
     for _name, _cond, config in {"sm90": sm90_bf16.load_sm90_tile_rules,

@@ -1,22 +1,26 @@
 """Block-scaled (MXFP8 / MXFP4 / NVFP4) surface of the grouped wgrad API: the classes, the wrappers
 and ``grouped_gemm_wgrad`` with FP8 / FP4 operands (seed, "Block-scaled contract").
 
-No native block-scaled kernel exists yet: every call runs the torch twin
-(``blockscaled_ref.grouped_wgrad_blockscaled_torch``) through the hook
-``dispatch._blockscaled_kernel`` (None today), so results must equal the twin bit for bit and the
-float64 product of the dequantized operands up to fp32 summation order. CPU tests drive the
+On the CPU no native block-scaled kernel serves a call: every call runs the torch twin
+(``blockscaled_ref.grouped_wgrad_blockscaled_torch``; ``blockscaled.native_launcher`` finds no
+registered family for it), so results must equal the twin bit for bit and the float64 product of
+the dequantized operands up to fp32 summation order; a fake family plugged into the registry
+shows a native kernel taking over. CPU tests drive the
 ``_sm100`` / ``_sm90`` surfaces with the capability query faked; ``@pytest.mark.gpu`` variants run
 the same on a CUDA device.
 """
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 from test_blockscaled_ref import RTOL, _expected64, _random_operands
 
 from common.mx_atoms import grouped_scale_cols_bound, pack_grouped_scales
-from cuda_kernels.grouped_wgrad import _env, api, dispatch, validate
+from cuda_kernels.grouped_wgrad import api, blockscaled, env, registry
 from cuda_kernels.grouped_wgrad._types import BlockScaledSpec
 from cuda_kernels.grouped_wgrad.blockscaled_ref import grouped_wgrad_blockscaled_torch
 
@@ -102,7 +106,7 @@ def _clean_caches():
 def fake_cc(monkeypatch):
     """Pretend the CPU is a CUDA device of capability ``box[0]`` (no kernel is compiled)."""
     box = [100]
-    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": box[0])
+    monkeypatch.setattr(env, "query_arch", lambda device, arg="a_tensor": box[0])
     return box
 
 
@@ -115,7 +119,7 @@ def _assert_twin_or_kernel(backend, reason, out, want):
     """The twin's result bit for bit; a native kernel's (the SM90 MXFP8 kernel once enabled)
     up to fp32 summation order: SQNR of the difference >= 60 dB (issue 10)."""
     if backend == "torch":
-        assert "_blockscaled_kernel" in reason
+        assert "no native block-scaled" in reason
         assert torch.equal(out, want)  # the twin, bit for bit
     else:
         from common.metrics import sqnr_db
@@ -264,12 +268,12 @@ def test_class_lifecycle_new_split_no_recompile(arch, fake_cc):
     assert op.backend == "torch" and "twin" in op.backend_reason
     assert op.contract.block_scaled == BlockScaledSpec(
         "mxfp8", "float8_e4m3fn", "float8_e8m0fnu", 32, 128 if arch == "sm100" else 1)
-    launcher = op._launcher
+    compiled = op._compiled
     for seed, counts in ((1, [0, 128, 384, 0]), (2, [128, 128, 128, 128])):
         c2 = _case("e4m3", counts, seed=seed, m=128, n=128)
         op.execute(c2["a"], c2["b"], c2["sfa"], c2["sfb"], c2["offs"], wgrad_tensor=out)
         assert torch.equal(out, _twin(c2))
-    assert op._launcher is launcher
+    assert op._compiled is compiled  # compiled once: new splits reuse it
     bf = torch.zeros(128, 512, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="compiled for block-scaled mxfp8"):
         op.execute(bf, bf.t(), None, None, c["offs"], wgrad_tensor=out)
@@ -294,15 +298,25 @@ def test_class_discrete_nvfp4(fake_cc):
     assert torch.equal(torch.stack(outs), want)
 
 
-def test_hook_plugs_a_native_kernel(monkeypatch, fake_cc):
-    """A launcher returned by dispatch._blockscaled_kernel runs instead of the twin, with the
-    contract's block-scaled spec, the scales and the caller's descriptor workspace."""
+def _plug_family(monkeypatch, name, arch, formats, supports, contract_launcher):
+    """Register a fake kernel family (a module with the protocol's ``supports`` and
+    ``contract_launcher``) after the package's own, for this test only."""
+    module = types.ModuleType(f"_fake_family_{name}")
+    module.supports, module.contract_launcher = supports, contract_launcher
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(registry, "_PROVIDERS", list(registry._PROVIDERS))
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: None)
+    return registry.register_family(registry.KernelProvider(name, module.__name__, arch, formats))
+
+
+def test_registered_family_plugs_a_native_kernel(monkeypatch, fake_cc):
+    """A family plugged into the registry runs instead of the twin (the SM100 block-scaled
+    family before it is gated off without its opt-in), with the contract's block-scaled spec,
+    the scales and the caller's descriptor workspace."""
+    monkeypatch.delenv("MOE_BWD_ENABLE_UNVERIFIED_SM100", raising=False)
     calls = []
 
-    def hook(contract):
-        if contract.block_scaled.fmt != "mxfp8" or contract.arch != "sm100":
-            return None
-
+    def contract_launcher(contract):
         def launcher(a, b, sfa, sfb, offsets, out, *, global_scale_a, global_scale_b,
                      descriptor_workspace, stream):
             calls.append((contract, descriptor_workspace))
@@ -310,7 +324,8 @@ def test_hook_plugs_a_native_kernel(monkeypatch, fake_cc):
 
         return launcher
 
-    monkeypatch.setattr(dispatch, "_blockscaled_kernel", hook)
+    _plug_family(monkeypatch, "fake_mxfp8", "sm100", ("mxfp8",), lambda contract: None,
+                 contract_launcher)
     c = _case("e4m3", SM100_SPLITS["mx"], m=128, n=128)
     ws = torch.zeros(api.get_grouped_gemm_wgrad_workspace_size_sm100(4), dtype=torch.uint8)
     (w,) = api.grouped_gemm_wgrad_wrapper_sm100(c["a"], c["b"], c["sfa"], c["sfb"], c["offs"],
@@ -325,7 +340,7 @@ def test_sf_fp8_dtype_override_in_cache_key():
     spec = BlockScaledSpec("mxfp8", "float8_e4m3fn", "float8_e8m0fnu", 32, 1)
     assert spec != BlockScaledSpec("mxfp8", "float8_e4m3fn", "float8_e8m0fnu", 32, 1, "e8m0")
     with pytest.raises(ValueError, match="sf_fp8_dtype_override must be None.*Rubin"):
-        validate._check_sf_fp8_dtype_override("float8_e8m0fnu")
+        blockscaled.check_sf_fp8_dtype_override("float8_e8m0fnu")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -499,12 +514,12 @@ def test_gpu_sm90_class_on_hopper():
 
 
 def test_hook_routes_sm90_mxfp8_only_when_enabled(monkeypatch):
-    """dispatch's hook picks the SM90 MXFP8 kernel for MXFP8, K-major, tensor2d contracts on SM90
+    """The registry picks the SM90 MXFP8 kernel for MXFP8, K-major, tensor2d contracts on SM90
     once the kernel is enabled (verified, or the opt-in variable); never for FP4 or SM100."""
     from cuda_kernels.grouped_wgrad import sm90_mxfp8
     from cuda_kernels.grouped_wgrad._types import WgradContract
 
-    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: None)
     mx = BlockScaledSpec("mxfp8", "float8_e4m3fn", "float8_e8m0fnu", 32, 1)
     nv = BlockScaledSpec("nvfp4", "uint8", "float8_e4m3fn", 16, 2)
 
@@ -514,14 +529,14 @@ def test_hook_routes_sm90_mxfp8_only_when_enabled(monkeypatch):
 
     monkeypatch.setattr(sm90_mxfp8, "VERIFIED_ON_GPU", False)
     monkeypatch.delenv(sm90_mxfp8.ENABLE_ENV, raising=False)
-    assert dispatch._blockscaled_kernel(contract()) is None
-    assert dispatch.select_blockscaled_backend(contract())[0] == "torch"
+    assert blockscaled.native_launcher(contract()) is None
+    assert blockscaled.select_blockscaled_backend(contract())[0] == "torch"
     monkeypatch.setenv(sm90_mxfp8.ENABLE_ENV, "1")
-    assert callable(dispatch._blockscaled_kernel(contract()))
-    assert dispatch.select_blockscaled_backend(contract()) == ("sm90", "")
+    assert callable(blockscaled.native_launcher(contract()))
+    assert blockscaled.select_blockscaled_backend(contract()) == ("sm90", "")
     for other in (contract(spec=nv), contract(arch="sm100"), contract(a="m"),
                   contract(order="tensor_ragged")):
-        assert dispatch._blockscaled_kernel(other) is None
+        assert blockscaled.native_launcher(other) is None
 
 
 def test_pitched_k_major_rows_as_the_quantizer_writes_them(fake_cc, monkeypatch):

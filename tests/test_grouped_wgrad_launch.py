@@ -4,7 +4,7 @@ CPU part: which stream every step of a launch runs on. The compiled kernel takes
 torch's current stream (TVM-FFI environment stream), so the launcher must make the launch stream
 current before it enqueues or allocates anything: the family's ``prepare`` hook, the
 ``tensor_ragged`` repack, the dynamic scheduler's tile counter and the kernel. On the CPU the
-stream switch is observed through ``launch._on_stream`` (replaced by a recorder that tracks the
+stream switch is observed through ``launch.on_stream`` (replaced by a recorder that tracks the
 "current" stream); the fake kernel, the repack and the counter record what was current when they
 ran. What this cannot show (that ``torch.cuda.stream`` really is what the kernel launches on) is
 the GPU test at the end: an SM90 ``tensor_ragged`` launch on a side stream while the caller's
@@ -30,7 +30,7 @@ _SIDE = "launch stream"
 
 
 class _StreamRecorder:
-    """Stands in for ``launch._on_stream``: keeps the 'current stream' and a log of events."""
+    """Stands in for ``launch.on_stream``: keeps the 'current stream' and a log of events."""
 
     def __init__(self):
         self.current = _DEFAULT
@@ -65,8 +65,8 @@ class _FakeKernel:
 @pytest.fixture
 def rec(monkeypatch):
     rec = _StreamRecorder()
-    monkeypatch.setattr(launch, "_on_stream", rec.on_stream)
-    monkeypatch.setattr(launch, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(launch, "on_stream", rec.on_stream)
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)
     monkeypatch.setattr(launch, "_max_active_clusters", lambda index, cluster: None)
     real_repack, real_counter = launch.ragged_to_2d, launch._zeroed_counter
 
@@ -219,12 +219,12 @@ def test_gate_refuses_before_entering_any_stream(monkeypatch, rec):
 
 
 def test_on_stream_is_torch_stream_context():
-    """The real ``_on_stream``: torch's StreamContext of the given stream (what sets the TVM-FFI
+    """The real ``on_stream``: torch's StreamContext of the given stream (what sets the TVM-FFI
     environment stream the compiled kernel launches on), a no-op context for None."""
     marker = object()
-    ctx = launch._on_stream(marker)
+    ctx = launch.on_stream(marker)
     assert isinstance(ctx, torch.cuda.StreamContext) and ctx.stream is marker
-    assert isinstance(launch._on_stream(None), contextlib.nullcontext)
+    assert isinstance(launch.on_stream(None), contextlib.nullcontext)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def test_on_stream_is_torch_stream_context():
 
 
 def test_resident_clusters(monkeypatch):
-    monkeypatch.setattr(launch, "_num_sms", lambda index: 148)
+    monkeypatch.setattr(launch, "num_sms", lambda index: 148)
     asked = []
 
     def driver(index, cluster):
@@ -269,7 +269,7 @@ def test_max_active_clusters_caches_and_survives_driver_errors(monkeypatch):
 
 
 def test_sm100_grid_is_the_resident_cluster_count(monkeypatch):
-    monkeypatch.setattr(launch, "_num_sms", lambda index: 148)
+    monkeypatch.setattr(launch, "num_sms", lambda index: 148)
     monkeypatch.setattr(launch, "_max_active_clusters", lambda index, cluster: 70)
     many = sm100.Sm100WgradKey(4096, 4096, 8, tile=sm100.Sm100TileConfig(256, 256, 64, 6))
     assert many.num_tiles == 8 * 16 * 16

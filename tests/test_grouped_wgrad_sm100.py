@@ -21,7 +21,7 @@ import pytest
 import torch
 from _ptxas import ptxas_for as _ptxas_for
 
-from cuda_kernels.grouped_wgrad import _env, api, launch
+from cuda_kernels.grouped_wgrad import api, bf16, env, launch
 from cuda_kernels.grouped_wgrad import sm100_bf16 as sm100
 from cuda_kernels.grouped_wgrad.sm100_bf16 import (
     Sm100TileConfig,
@@ -390,9 +390,9 @@ def test_target_arch_is_never_another_family(monkeypatch):
     for cc, want in (((9, 0), "sm_100a"), ((10, 0), "sm_100a"), ((10, 3), "sm_103a"),
                      ((12, 0), "sm_100a")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, cc=cc: cc)
-        assert sm100._target_arch() == want
+        assert sm100.target_arch() == want
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert sm100._target_arch() == "sm_100a"
+    assert sm100.target_arch() == "sm_100a"
 
 
 @needs_cute
@@ -434,7 +434,7 @@ def fake_compile(monkeypatch):
     monkeypatch.setattr(
         sm100.FAMILY, "_compile", lambda key, arch, dump_dir=None: fake.keys.append(key) or fake
     )
-    monkeypatch.setattr(launch, "_num_sms", lambda index: 148)
+    monkeypatch.setattr(launch, "num_sms", lambda index: 148)
     monkeypatch.setattr(launch, "_max_active_clusters", lambda index, cluster: None)
     yield fake
     sm100.FAMILY.cache_clear()
@@ -603,8 +603,8 @@ def test_descriptors_fit_the_cudnn_workspace_size():
 
 def test_api_compiles_but_refuses_to_run_without_opt_in(monkeypatch, fake_compile):
     monkeypatch.delenv(sm100.ENABLE_ENV, raising=False)
-    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 100)
-    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(env, "query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: None)
     api.clear_grouped_wgrad_caches()
     try:
         a, b, off = _operands()
@@ -620,8 +620,8 @@ def test_api_compiles_but_refuses_to_run_without_opt_in(monkeypatch, fake_compil
 @pytest.mark.parametrize("mode", ["dense", "discrete"])
 def test_api_with_opt_in_launches_the_contract_key(monkeypatch, fake_compile, mode):
     monkeypatch.setenv(sm100.ENABLE_ENV, "1")
-    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 100)
-    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(env, "query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: None)
     api.clear_grouped_wgrad_caches()
     try:
         a, b, off = _operands()
@@ -653,8 +653,8 @@ def test_api_tensor_ragged_discrete_uses_the_cudnn_sized_workspace(monkeypatch, 
     to the kernel as they are (no repack), and a workspace sized the cuDNN way (5 descriptors
     per expert in discrete mode) carries the kernel's 3 per expert."""
     monkeypatch.setenv(sm100.ENABLE_ENV, "1")
-    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 100)
-    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(env, "query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: None)
     monkeypatch.setattr(launch, "ragged_to_2d", lambda *a, **k: pytest.fail("repacked"))
     api.clear_grouped_wgrad_caches()
     try:
@@ -686,8 +686,8 @@ def test_api_tensor_ragged_discrete_uses_the_cudnn_sized_workspace(monkeypatch, 
 def test_auto_dispatch_skips_unverified_kernel(monkeypatch):
     monkeypatch.delenv(sm100.ENABLE_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(_env, "query_arch", lambda device, arg="a_tensor": 100)
-    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(env, "query_arch", lambda device, arg="a_tensor": 100)
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: None)
     name, reason = api.select_grouped_wgrad_backend("cuda")
     assert name == "torch" and "not yet verified on hardware" in reason
     monkeypatch.setenv(sm100.ENABLE_ENV, "1")
@@ -812,7 +812,7 @@ def test_every_yaml_rule_is_chosen_for_its_shape_and_carried_by_the_key():
         contract = _contract(hidden=m, intermediate=n, num_experts=e, mma_tiler_mn=None)
         key = sm100.sm100_key_from_contract(contract)  # the launch layer's key of the contract
         assert key.tile == rules[name], name  # the rule's tile, in the compile-cache key
-        assert launch._contract_key(contract) == key
+        assert bf16.contract_key(contract) == key
         tiles.add(key.tile)
     assert tiles == set(rules.values())  # a compiled kernel per distinct tile of the file
 

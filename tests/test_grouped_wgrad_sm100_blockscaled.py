@@ -7,7 +7,7 @@ key conversion, offline compiles for ``sm_100a`` whose PTX must hold the block-s
 of the scale factors into tensor memory, TMA loads of A / B / scales, and for discrete outputs
 the BF16 kernel's per-expert descriptors (tensormap.replace, tensormap proxy fences, flags) and
 TMA stores through them; ptxas assembly without spills; the launcher's descriptor workspace and
-counter; the dispatch hook's decision (off by default, on with
+counter; the registry's routing decision (off by default, on with
 ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1`` for SM100 contracts it supports, discrete included).
 
 GPU part (``gpu`` + ``sm100``): the kernel against the twin at SQNR >= 60 dB; skipped without an
@@ -24,7 +24,7 @@ import pytest
 import torch
 from _ptxas import ptxas_for as _ptxas_for
 
-from cuda_kernels.grouped_wgrad import _env, api, dispatch, launch, sm100_bf16
+from cuda_kernels.grouped_wgrad import api, blockscaled, env, launch, sm100_bf16
 from cuda_kernels.grouped_wgrad import sm100_blockscaled as bs
 from cuda_kernels.grouped_wgrad._types import BlockScaledSpec, WgradContract
 from cuda_kernels.grouped_wgrad.sm100_blockscaled import Sm100BlockScaledKey, Sm100BsTileConfig
@@ -294,8 +294,8 @@ def test_ptx_assembles_for_sm100a_without_spills(tmp_path, key):
 @needs_cute
 def test_bf16_kernel_untouched_by_the_subclass():
     """Building the block-scaled class must not alter the BF16 kernel class it subclasses."""
-    base = sm100_bf16._kernel_class()
-    sub = bs._kernel_class()
+    base = sm100_bf16.kernel_class()
+    sub = bs.kernel_class()
     assert issubclass(sub, base) and sub is not base
     shared = (
         "next_tile", "take_tile", "tile_coords", "expert_c",
@@ -320,29 +320,29 @@ def test_bf16_kernel_untouched_by_the_subclass():
 
 
 # ------------------------------------------------------------------------------------------------
-# CPU: the dispatch hook
+# CPU: the registry routes block-scaled contracts to the family
 # ------------------------------------------------------------------------------------------------
 
 
 def test_hook_gated_like_the_bf16_sm100_kernel(monkeypatch):
     """SM100 contracts (the arch a faked SM100 device gives; no GPU here) reach the kernel only
     with MOE_BWD_ENABLE_UNVERIFIED_SM100=1, and only for what it builds."""
-    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: None)
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: None)
     monkeypatch.delenv(sm100_bf16.ENABLE_ENV, raising=False)
     for spec in (MX, NV):
-        assert dispatch._blockscaled_kernel(_contract(spec)) is None
-        assert dispatch.select_blockscaled_backend(_contract(spec))[0] == "torch"
+        assert blockscaled.native_launcher(_contract(spec)) is None
+        assert blockscaled.select_blockscaled_backend(_contract(spec))[0] == "torch"
     monkeypatch.setenv(sm100_bf16.ENABLE_ENV, "0")
-    assert dispatch._blockscaled_kernel(_contract()) is None
+    assert blockscaled.native_launcher(_contract()) is None
     for spec in (MX4, dataclasses.replace(MX, token_align=1)):
-        assert dispatch._blockscaled_kernel(_contract(spec, output_mode="discrete")) is None
+        assert blockscaled.native_launcher(_contract(spec, output_mode="discrete")) is None
     monkeypatch.setenv(sm100_bf16.ENABLE_ENV, "1")
     for spec in (MX, NV, MX4):
         for mode in ("dense", "discrete"):  # discrete: per-expert descriptors in the workspace
             for acc in (False, True):
                 c = _contract(spec, output_mode=mode, accumulate=acc)
-                assert callable(dispatch._blockscaled_kernel(c))  # lazy: no compile here
-                assert dispatch.select_blockscaled_backend(c) == ("sm100", "")
+                assert callable(blockscaled.native_launcher(c))  # lazy: no compile here
+                assert blockscaled.select_blockscaled_backend(c) == ("sm100", "")
     # what the kernel does not build keeps the twin, even opted in
     for other in (
         _contract(dataclasses.replace(MX, token_align=1)),  # generic entry: any count
@@ -351,10 +351,10 @@ def test_hook_gated_like_the_bf16_sm100_kernel(monkeypatch):
         _contract(a_major="m"),
         _contract(input_order="tensor_ragged"),
     ):
-        assert dispatch._blockscaled_kernel(other) is None
+        assert blockscaled.native_launcher(other) is None
     # without CuTe DSL: the twin
-    monkeypatch.setattr(_env, "cutlass_dsl_missing", lambda: "no cutlass")
-    assert dispatch._blockscaled_kernel(_contract()) is None
+    monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: "no cutlass")
+    assert blockscaled.native_launcher(_contract()) is None
 
 
 def test_launcher_refuses_without_opt_in(monkeypatch):
@@ -380,7 +380,7 @@ def fake_compile(monkeypatch):
     fake = _FakeCompiled()
     bs.FAMILY.cache_clear()
     monkeypatch.setattr(bs.FAMILY, "_compile", lambda key, arch, dump_dir=None: fake)
-    monkeypatch.setattr(launch, "_num_sms", lambda index: 148)
+    monkeypatch.setattr(launch, "num_sms", lambda index: 148)
     monkeypatch.setenv(sm100_bf16.ENABLE_ENV, "1")
     yield fake
     bs.FAMILY.cache_clear()
@@ -513,7 +513,7 @@ def test_kernel_matches_twin(fmt, accumulate, mode):
         spec, hidden=m, intermediate=n, num_experts=len(counts), accumulate=accumulate,
         output_mode=mode,
     )
-    launcher = dispatch._blockscaled_kernel(contract)
+    launcher = blockscaled.native_launcher(contract)
     assert launcher is not None
     init = torch.randn(len(counts), m, n, device=dev)
     out = init.clone() if accumulate else torch.full_like(init, float("nan"))

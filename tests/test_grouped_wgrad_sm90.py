@@ -228,7 +228,7 @@ def test_variant_that_leaves_no_pipeline_room_is_refused():
         tile=Sm90TileConfig(128, 256, 64, 4, epi_n=128),
     )
     with pytest.raises(ValueError, match="no room"):
-        sm90._kernel_class()(key)
+        sm90.kernel_class()(key)
 
 
 # ------------------------------------------------------------------------------------------------

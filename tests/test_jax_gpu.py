@@ -24,7 +24,7 @@ jnp = pytest.importorskip("jax.numpy")
 
 from cuda_kernels.grouped_wgrad import api  # noqa: E402
 from cuda_kernels.grouped_wgrad import jax as wgrad_jax  # noqa: E402
-from cuda_kernels.grouped_wgrad import jax_ffi  # noqa: E402
+from cuda_kernels.grouped_wgrad import jax_ffi, jax_plan  # noqa: E402
 from cuda_kernels.grouped_wgrad.torch_ref import grouped_wgrad_torch  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def _gpu_cc():
         dev = jax.devices("gpu")[0]
     except RuntimeError:
         return None
-    return jax_ffi._device_cc(dev)
+    return jax_plan.device_cc(dev)
 
 
 CC = _gpu_cc()

@@ -1,42 +1,18 @@
 """Grouped GEMM weight gradient (MoE wgrad): the cuDNN-style API, its torch twin and JAX entries.
 
+The public names are the facade's (``api.py``: the classes, the wrappers, the generic entry and
+their tables) and the torch twin ``grouped_wgrad_torch``. The package is cut by format, as cuDNN
+frontend cuts its grouped GEMMs: ``bf16.py`` and ``blockscaled.py`` each hold a format's contract,
+validation steps and launch; ``pipeline.py`` is the one validation pipeline every entry calls;
+``registry.py`` is the one plug-in point of the kernel families (``sm90_bf16``, ``sm100_bf16``,
+``sm90_mxfp8``, ``sm100_blockscaled``); the JAX entries (``jax.py``, ``jax_ffi.py``) sit above the
+facade. ``docs/ARCHITECTURE.md`` has the module table.
+
 Importing this package imports neither CuTe DSL nor JAX and does not query the GPU.
 """
 
-from .api import (
-    OUTPUT_DTYPES,
-    SM100_GROUP_ALIGN,
-    GroupedGemmWgradSm90,
-    GroupedGemmWgradSm100,
-    TupleDict,
-    WgradContract,
-    clear_grouped_wgrad_caches,
-    get_grouped_gemm_wgrad_workspace_size_sm100,
-    grouped_gemm_wgrad,
-    grouped_gemm_wgrad_wrapper_sm90,
-    grouped_gemm_wgrad_wrapper_sm100,
-    grouped_wgrad_fp32,
-    grouped_wgrad_into,
-    kernel_unsupported_reason,
-    select_grouped_wgrad_backend,
-)
+from . import api
+from .api import *  # the facade's public names
 from .torch_ref import grouped_wgrad_torch
 
-__all__ = [
-    "OUTPUT_DTYPES",
-    "SM100_GROUP_ALIGN",
-    "GroupedGemmWgradSm90",
-    "GroupedGemmWgradSm100",
-    "TupleDict",
-    "WgradContract",
-    "clear_grouped_wgrad_caches",
-    "get_grouped_gemm_wgrad_workspace_size_sm100",
-    "grouped_gemm_wgrad",
-    "grouped_gemm_wgrad_wrapper_sm90",
-    "grouped_gemm_wgrad_wrapper_sm100",
-    "grouped_wgrad_fp32",
-    "grouped_wgrad_into",
-    "grouped_wgrad_torch",
-    "kernel_unsupported_reason",
-    "select_grouped_wgrad_backend",
-]
+__all__ = api.__all__ + ["grouped_wgrad_torch"]

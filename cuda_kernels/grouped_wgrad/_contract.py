@@ -37,6 +37,23 @@ def check_key_fields(key: Any) -> None:
         )
 
 
+def check_k_major_tensor2d(key: Any, why: str) -> None:
+    """The rule of the block-scaled keys: both operands K-major along tokens (``a_major =
+    b_major = "k"``; ``why`` says whose rule) and ``input_order="tensor2d"``.
+
+    Raises:
+        ValueError: naming ``<KeyClass>`` and the rule.
+    """
+    cls = type(key).__name__
+    if key.a_major != "k" or key.b_major != "k":
+        raise ValueError(
+            f"{cls}: {why} (a_major='k', b_major='k'); got a_major={key.a_major!r}, "
+            f"b_major={key.b_major!r}"
+        )
+    if key.input_order != "tensor2d":
+        raise ValueError(f"{cls}.input_order must be 'tensor2d', got {key.input_order!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelKey:
     """Static contract of one compiled grouped-wgrad kernel (a family's compile-cache key).
@@ -113,3 +130,24 @@ class KernelKey:
     def num_tiles(self) -> int:
         """Output tiles of one launch: ``E * ceil(M / tile_m) * ceil(N / tile_n)``."""
         return self.num_experts * self.m_tiles * self.n_tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class KMajorKernelKey(KernelKey):
+    """A :class:`KernelKey` whose operands are both K-major along tokens, ``tensor2d`` (FP8
+    wgmma, the block-scaled tcgen05.mma): the block-scaled families' keys, fp32 output by
+    default. A subclass says whose rule in ``_K_MAJOR_WHY`` and adds its fields and ``tile``.
+
+    Raises:
+        ValueError: :class:`KernelKey`'s rules, or :func:`check_k_major_tensor2d`.
+    """
+
+    _K_MAJOR_WHY: ClassVar[str] = "both operands must be K-major along tokens"
+
+    a_major: str = "k"
+    b_major: str = "k"
+    out_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_k_major_tensor2d(self, self._K_MAJOR_WHY)

@@ -1,12 +1,14 @@
 """Types and tables of the grouped-wgrad contract: output dtypes, alignment and workspace tables
-(each with why), ``TupleDict`` (the wrappers' result) and ``WgradContract`` (the static contract,
-the API's compile-cache key). Imports no CuTe DSL and queries no GPU.
+(each with why), ``TupleDict`` (the wrappers' result), ``WgradContract`` (the static contract,
+the API's compile-cache key), and what the one validation pipeline (``pipeline.py``) reads and
+returns: ``WgradCall`` (a call's arguments, by name), ``ArgNames`` (the names its messages give
+them) and ``Operands`` (a format's operand metadata). Imports no CuTe DSL and queries no GPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,11 +35,11 @@ POINTERS_ALIGN_BYTES = 8
 #: discrete size that is a multiple of 128. The SM100 BF16 kernel builds at most 3 per expert
 #: (ragged K-major A and B, the discrete output: ``sm100_bf16.descriptors_per_expert``), so this
 #: size, kept as cuDNN documents it, always holds them.
-_TMA_DESCRIPTOR_BYTES = 128
-_DESCRIPTORS_PER_EXPERT = {"dense": 4, "discrete": 5}
+TMA_DESCRIPTOR_BYTES = 128
+DESCRIPTORS_PER_EXPERT = {"dense": 4, "discrete": 5}
 #: Operand dtypes whose matching pair selects the block-scaled backend (seed, "Block-scaled
 #: contract"): FP8 E4M3 / E5M2, FP4 E2M1 packed two per byte (uint8 or ``float4_e2m1fn_x2``).
-_BLOCK_SCALED_DTYPES = tuple(
+BLOCK_SCALED_DTYPES = tuple(
     d
     for d in (
         getattr(torch, "float4_e2m1fn_x2", None),
@@ -70,12 +72,14 @@ BLOCKSCALED_TOKEN_ALIGN = {
     "torch": {"mxfp8": 1, "mxfp4": 2, "nvfp4": 2},
 }
 # The tiling rules (tile M / N / K, clusters, partial tiles) are tiles.py's, in one place.
-_OUTPUT_MODES = ("dense", "discrete")
-#: Kernel-key dtype names back to torch dtypes, and their element sizes.
-_NAME_TO_DTYPE = {v: k for k, v in OUTPUT_DTYPES.items()}
+#: Output modes: one dense [E, H, I] tensor, or one int64 address per expert.
+OUTPUT_MODES = ("dense", "discrete")
+#: Kernel-key dtype names back to torch dtypes.
+NAME_TO_DTYPE = {v: k for k, v in OUTPUT_DTYPES.items()}
 
 
-def _elem_bytes(dtype_name: str) -> int:
+def elem_bytes(dtype_name: str) -> int:
+    """Bytes per element of an output dtype name ("bfloat16", "float16", "float32")."""
     return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype_name]
 
 
@@ -194,3 +198,104 @@ class WgradContract:
     mma_tiler_mn: tuple[int, int] | None
     cluster_shape_mn: tuple[int, int] | None
     block_scaled: BlockScaledSpec | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# What the validation pipeline reads and returns
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArgNames:
+    """The names the error messages give a call's tensor arguments: ``a_tensor`` in a call,
+    ``sample_a`` among a class's samples, ``a_HS`` in ``grouped_wgrad_fp32``, ``a`` for a JAX
+    array."""
+
+    a: str = "a_tensor"
+    b: str = "b_tensor"
+    offsets: str = "offsets_tensor"
+    sfa: str = "sfa_tensor"
+    sfb: str = "sfb_tensor"
+    global_scale_a: str = "global_scale_a"
+    global_scale_b: str = "global_scale_b"
+    wgrad: str = "wgrad_tensor"
+    wgrad_ptrs: str = "wgrad_ptrs"
+    workspace: str = "descriptor_workspace"
+
+
+#: The wrappers', ``execute``'s and ``grouped_gemm_wgrad``'s names.
+CALL_NAMES = ArgNames()
+#: The class constructors' samples.
+SAMPLE_NAMES = ArgNames(
+    "sample_a", "sample_b", "sample_offsets", "sample_sfa", "sample_sfb",
+    "sample_global_scale_a", "sample_global_scale_b", "sample_wgrad",
+)
+#: ``grouped_wgrad_fp32`` / ``kernel_unsupported_reason``.
+FP32_NAMES = ArgNames("a_HS", "b_SI", "offsets_E")
+
+
+@dataclass
+class WgradCall:
+    """The arguments of one grouped-wgrad call, by name: what ``pipeline.validate_call`` checks.
+
+    Every entry (the wrappers, the classes' samples and ``execute``, ``grouped_gemm_wgrad``,
+    ``grouped_wgrad_into``, ``kernel_unsupported_reason``, the JAX entries) builds one; the fields
+    are the wrappers' arguments of the same name (``a`` / ``b`` / ``offsets`` / ``sfa`` / ``sfb``
+    are ``a_tensor`` / ``b_tensor`` / ``offsets_tensor`` / ``sfa_tensor`` / ``sfb_tensor``), plus:
+
+    Fields:
+        workspace: cuDNN's ``execute(workspace=)``, an alias of ``descriptor_workspace``.
+        names: the argument names of the messages (:class:`ArgNames`).
+        num_experts, wgrad_shape, wgrad_expert: a class's discrete-output samples
+            (``num_experts``, ``wgrad_shape``, ``sample_wgrad_expert``).
+    """
+
+    a: Any
+    b: Any
+    offsets: Any
+    sfa: Any = None
+    sfb: Any = None
+    global_scale_a: Any = None
+    global_scale_b: Any = None
+    output_mode: str = "dense"
+    wgrad_tensor: Any = None
+    wgrad_ptrs: Any = None
+    wgrad_dtype: Any = torch.bfloat16
+    acc_dtype: Any = torch.float32
+    mma_tiler_mn: Any = None
+    cluster_shape_mn: Any = None
+    sf_vec_size: Any = 16
+    sf_fp8_dtype_override: Any = None
+    accumulate_on_output: bool = False
+    input_order: Any = "tensor2d"
+    current_stream: Any = None
+    descriptor_workspace: Any = None
+    workspace: Any = None
+    validate_offsets: bool = True
+    names: ArgNames = CALL_NAMES
+    num_experts: int | None = None
+    wgrad_shape: Any = None
+    wgrad_expert: Any = None
+
+
+@dataclass(frozen=True)
+class Operands:
+    """A format's operand metadata of a validated call (host metadata only).
+
+    Fields:
+        hidden, tokens_sum, intermediate, num_experts: H, S, I, E.
+        a_majors, b_majors: the layouts A's / B's strides express, in order of preference
+            (several only where the layout is moot: size-1 dims or no elements).
+        spec: the block-scaled format (:class:`BlockScaledSpec`), None for BF16.
+        tensors: the format's other tensor arguments by message name (the scale tensors), for
+            the one-device rule.
+    """
+
+    hidden: int
+    tokens_sum: int
+    intermediate: int
+    num_experts: int
+    a_majors: tuple[str, ...]
+    b_majors: tuple[str, ...]
+    spec: BlockScaledSpec | None = None
+    tensors: dict = field(default_factory=dict)

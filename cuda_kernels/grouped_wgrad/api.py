@@ -21,11 +21,14 @@ Public names:
         implementation (``torch_ref.grouped_wgrad_torch``) elsewhere, CPU included.
 
 Block-scaled (MXFP8 / MXFP4 / NVFP4, the seed's legacy surface) in the same classes, wrappers and
-``grouped_gemm_wgrad`` (which takes any MXFP8 token count per expert). Native block-scaled
-kernels plug in at ``dispatch._blockscaled_kernel``: ``sm90_mxfp8`` (MXFP8 on SM90) and
-``sm100_blockscaled`` (MXFP8 / MXFP4 / NVFP4 on SM100), each behind an opt-in until verified on a
-GPU; every other call runs the torch twin (``blockscaled_ref``) on the tensors' device.
+``grouped_gemm_wgrad`` (which takes any MXFP8 token count per expert): the operand dtypes pick
+the format once (``pipeline.select_format``). Native block-scaled kernels are registered
+families (``registry.py``): ``sm90_mxfp8`` (MXFP8 on SM90) and ``sm100_blockscaled`` (MXFP8 /
+MXFP4 / NVFP4 on SM100), each behind an opt-in until verified on a GPU; every other call runs
+the torch twin (``blockscaled_ref``) on the tensors' device.
     ``get_grouped_gemm_wgrad_workspace_size_sm100``, ``TupleDict``, ``WgradContract``.
+    ``wgrad_expert_ptrs`` -- cuDNN frontend's helper: the per-expert output addresses of a stacked
+        [E, H, I] tensor, the ``wgrad_ptrs`` of the discrete output mode (on the device, no sync).
 
 Validation of offsets VALUES and pointer VALUES needs a host read (a device sync). It runs only in
 the explicit validation mode ``validate_offsets=True`` — the default of the wrappers and of
@@ -42,15 +45,19 @@ names the argument, before any output is written.
 Nothing here imports CuTe DSL or queries the GPU at import time; the kernel module is imported
 inside ``compile()``.
 
-Modules (this one re-exports the public names; import paths stay ``...grouped_wgrad.api``):
-    ``_types``     contract tables, ``TupleDict``, ``WgradContract``
-    ``validate``   every argument rule (host metadata; offsets / pointer values once per version)
-    ``launch``     contract -> kernel key, the compile cache and the kernel launch
-    ``classes``    ``GroupedGemmWgradSm100`` / ``GroupedGemmWgradSm90`` (cuDNN's class lifecycle)
-    ``wrappers``   ``grouped_gemm_wgrad_wrapper_sm100`` / ``_sm90``, ``grouped_wgrad_into``
-    ``dispatch``   device dispatch: ``select_grouped_wgrad_backend``, ``grouped_gemm_wgrad``,
-                   ``kernel_unsupported_reason``, ``grouped_wgrad_fp32``
-    ``_env``       environment queries (capability, graph capture, CuTe DSL present)
+Modules (this one re-exports the public names; import paths stay ``...grouped_wgrad.api``), each
+importing only those below it:
+    ``classes``     ``GroupedGemmWgradSm100`` / ``GroupedGemmWgradSm90`` (cuDNN's class lifecycle)
+    ``wrappers``    ``grouped_gemm_wgrad_wrapper_sm100`` / ``_sm90``, ``grouped_wgrad_into``
+    ``dispatch``    ``select_grouped_wgrad_backend``, ``grouped_gemm_wgrad``,
+                    ``kernel_unsupported_reason``, ``grouped_wgrad_fp32``
+    ``pipeline``    the one validation pipeline, the format choice, the compiled operator
+    ``bf16`` / ``blockscaled``   one module per format: its contract, validation steps, launch
+    ``validate``    the rules the formats share; ``registry`` the kernel families' plug-in point
+    ``launch``      ``KernelFamily``: the compile cache and launcher every family uses
+    ``_types``, ``tiles``, ``env``   contract types and tables, tile rules, environment queries
+    JAX (above this facade): ``jax`` (eager), ``jax_ffi`` (``jax.jit``), ``jax_ref`` (the twin);
+    ``jax_arrays`` (below the wrappers) converts JAX arrays for them.
 """
 
 from ._types import OUTPUT_DTYPES, SM100_GROUP_ALIGN, TupleDict, WgradContract
@@ -61,6 +68,7 @@ from .dispatch import (
     kernel_unsupported_reason,
     select_grouped_wgrad_backend,
 )
+from .pipeline import wgrad_expert_ptrs
 from .validate import get_grouped_gemm_wgrad_workspace_size_sm100
 from .wrappers import (
     clear_grouped_wgrad_caches,
@@ -85,4 +93,5 @@ __all__ = [
     "grouped_wgrad_into",
     "kernel_unsupported_reason",
     "select_grouped_wgrad_backend",
+    "wgrad_expert_ptrs",
 ]

@@ -1,43 +1,52 @@
 """The cuDNN-style classes ``GroupedGemmWgradSm100`` / ``GroupedGemmWgradSm90``: samples fix the
 static contract; ``check_support()`` -> ``compile()`` -> ``execute(...)`` any number of times.
+
+The format (BF16 or block-scaled) is picked by the samples' operand dtypes in
+``check_support()`` (``pipeline.select_format``); every rule of the samples and of each
+``execute`` call is ``pipeline.validate_call``'s, and the compiled operator is a
+``pipeline.CompiledWgrad``. The device rule (:func:`require_device`) comes first.
 """
 
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from . import _env, launch
-from ._types import (
-    _NAME_TO_DTYPE,
-    SM100_GROUP_ALIGN,
-    TMA_ALIGN_BYTES,
-    WgradContract,
-    _elem_bytes,
-)
+from . import bf16, env
+from ._types import CALL_NAMES, SAMPLE_NAMES, WgradCall, WgradContract
+from .pipeline import CompiledWgrad, compile_contract, validate_call
 from .tiles import SM90_TILES, SM100_TILES
-from .validate import (
-    _Call,
-    _check_blockscaled_values,
-    _check_dense_out,
-    _check_expert_out,
-    _check_input_order,
-    _check_offsets_values,
-    _check_pointer_values,
-    _check_ptrs_tensor,
-    _check_same_device,
-    _check_scale_controls,
-    _check_tiling,
-    _check_wgrad_dtype,
-    _check_workspace,
-    _is_blockscaled_pair,
-    _ragged_compact,
-    _validate_blockscaled,
-    _validate_operands,
-)
+
+__all__ = ["ARCH_CLASSES", "GroupedGemmWgradSm90", "GroupedGemmWgradSm100", "require_device"]
+
+
+def require_device(cls: type, device: torch.device, arg: str = "sample_a") -> None:
+    """The device rule of ``cls`` (``GroupedGemmWgradSm100`` / ``Sm90``, or a wrapper's class):
+    CUDA available, a CUDA device, a compute capability the arch's kernel runs on. Checked FIRST
+    by ``check_support()`` and the wrappers, so a call that cannot run here says so before any
+    rule on its data.
+
+    Raises:
+        RuntimeError: no CUDA, or the wrong compute capability (naming the class to use).
+        ValueError: ``device`` is not a CUDA device (argument ``arg``).
+    """
+    cc = env.query_arch(device, arg)
+    if cls._ARCH == "sm100" and cc < 100:
+        raise RuntimeError(
+            f"{cls._NAME} requires SM100 or newer, found SM{cc} on {device}; use "
+            "GroupedGemmWgradSm90 on Hopper or grouped_gemm_wgrad() for any device"
+        )
+    if cls._ARCH == "sm90" and cc < 90:
+        raise RuntimeError(
+            f"{cls._NAME} requires SM90 (Hopper), found SM{cc} on {device} (below SM90)"
+        )
+    if cls._ARCH == "sm90" and cc >= 100:
+        raise RuntimeError(
+            f"{cls._NAME} runs sm_90a code (wgmma) only on SM 9.x, found SM{cc} on "
+            f"{device}; use GroupedGemmWgradSm100 or grouped_gemm_wgrad()"
+        )
 
 
 class _GroupedGemmWgradBase:
@@ -45,8 +54,6 @@ class _GroupedGemmWgradBase:
 
     _ARCH = ""
     _NAME = ""
-    _GROUP_ALIGN = 1
-    _DEFAULT_TILER: tuple[int, int] | None = None
 
     def __init__(
         self,
@@ -91,25 +98,17 @@ class _GroupedGemmWgradBase:
                 f"{self._NAME}: give sample_wgrad (dense output) or num_experts + wgrad_shape + "
                 "wgrad_dtype (+ optional sample_wgrad_expert) for discrete output, not both"
             )
-        if mma_tiler_mn is None:
-            mma_tiler_mn = self._DEFAULT_TILER
-        self._samples = {
-            "a": sample_a,
-            "b": sample_b,
-            "offsets": sample_offsets,
-            "wgrad": sample_wgrad,
-            "wgrad_expert": sample_wgrad_expert,
-        }
-        self._scale_controls = {
-            "sample_sfa": sample_sfa,
-            "sample_sfb": sample_sfb,
-            "sample_global_scale_a": sample_global_scale_a,
-            "sample_global_scale_b": sample_global_scale_b,
-            "sf_fp8_dtype_override": sf_fp8_dtype_override,
-        }
-        self._num_experts_arg = num_experts
-        self._wgrad_shape_arg = wgrad_shape
-        self._wgrad_dtype_arg = wgrad_dtype
+        #: The samples as the pipeline's call (dropped after ``check_support()``).
+        self._samples: WgradCall | None = WgradCall(
+            a=sample_a, b=sample_b, offsets=sample_offsets, sfa=sample_sfa, sfb=sample_sfb,
+            global_scale_a=sample_global_scale_a, global_scale_b=sample_global_scale_b,
+            output_mode=self.output_mode, wgrad_tensor=sample_wgrad, wgrad_dtype=wgrad_dtype,
+            acc_dtype=acc_dtype, mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn,
+            sf_vec_size=sf_vec_size, sf_fp8_dtype_override=sf_fp8_dtype_override,
+            accumulate_on_output=bool(accumulate_on_output), input_order=input_order,
+            validate_offsets=bool(validate_offsets), names=SAMPLE_NAMES,
+            num_experts=num_experts, wgrad_shape=wgrad_shape, wgrad_expert=sample_wgrad_expert,
+        )
         self.acc_dtype = acc_dtype
         self.mma_tiler_mn = mma_tiler_mn
         self.cluster_shape_mn = cluster_shape_mn
@@ -120,141 +119,11 @@ class _GroupedGemmWgradBase:
         self.contract: WgradContract | None = None
         self.device: torch.device | None = None
         self._is_supported = False
-        self._launcher: Callable | None = None
+        self._compiled: CompiledWgrad | None = None
         #: After ``compile()``: the implementation that runs ("sm100" / "sm90": a native kernel;
-        #: "torch": the block-scaled twin while no native block-scaled kernel is built) and why.
+        #: "torch": the block-scaled twin while no native block-scaled kernel serves it) and why.
         self.backend: str | None = None
         self.backend_reason = ""
-
-    # -- check_support --------------------------------------------------------------------------
-
-    def _static_contract(self) -> WgradContract:
-        s = self._samples
-        sc = self._scale_controls
-        block_scaled = _is_blockscaled_pair(s["a"], s["b"], "sample_a", "sample_b")
-        if not block_scaled:
-            _check_scale_controls(sc, self.sf_vec_size, self.acc_dtype)
-        input_order = _check_input_order(self.input_order)
-        tiler, cluster = _check_tiling(self._ARCH, self.mma_tiler_mn, self.cluster_shape_mn)
-        sample_a, sample_b = s["a"], s["b"]
-        if input_order == "tensor_ragged":
-            sample_a, sample_b = _ragged_compact(sample_a, sample_b, ("sample_a", "sample_b"))
-        spec = None
-        if block_scaled:
-            ops = _validate_blockscaled(
-                self._ARCH, sample_a, sample_b, sc["sample_sfa"], sc["sample_sfb"],
-                s["offsets"], sc["sample_global_scale_a"], sc["sample_global_scale_b"],
-                sf_vec_size=self.sf_vec_size,
-                sf_fp8_dtype_override=sc["sf_fp8_dtype_override"], acc_dtype=self.acc_dtype,
-                names=("sample_a", "sample_b", "sample_sfa", "sample_sfb", "sample_offsets",
-                       "sample_global_scale_a", "sample_global_scale_b"),
-            )
-            hidden, tokens_sum, inter = ops.hidden, ops.tokens_sum, ops.intermediate
-            num_experts, a_majors, b_majors, spec = (
-                ops.num_experts, ops.a_majors, ops.b_majors, ops.spec
-            )
-        else:
-            hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
-                self._ARCH, sample_a, sample_b, s["offsets"],
-                ("sample_a", "sample_b", "sample_offsets"),
-            )
-        if self.output_mode == "dense":
-            out_dtype = _check_dense_out(
-                self._ARCH, s["wgrad"], (num_experts, hidden, inter), "sample_wgrad"
-            )
-        else:
-            if self._num_experts_arg != num_experts:
-                raise ValueError(
-                    f"num_experts={self._num_experts_arg} must equal sample_offsets.numel() = "
-                    f"{num_experts}"
-                )
-            if tuple(self._wgrad_shape_arg) != (hidden, inter):
-                raise ValueError(
-                    f"wgrad_shape must be (hidden, intermediate) = {(hidden, inter)}, got "
-                    f"{tuple(self._wgrad_shape_arg)}"
-                )
-            out_dtype = _check_wgrad_dtype(self._wgrad_dtype_arg)
-            if self._ARCH != "torch" and inter % (TMA_ALIGN_BYTES // _elem_bytes(out_dtype)):
-                raise ValueError(
-                    f"wgrad_shape: intermediate % {TMA_ALIGN_BYTES // _elem_bytes(out_dtype)} == 0 "
-                    f"needed for 16-byte TMA stores of {out_dtype}, got {inter}"
-                )
-            if s["wgrad_expert"] is not None:
-                _check_expert_out(
-                    self._ARCH,
-                    s["wgrad_expert"],
-                    (hidden, inter),
-                    self._wgrad_dtype_arg,
-                    "sample_wgrad_expert",
-                )
-        _check_same_device(
-            {
-                "sample_a": s["a"],
-                "sample_b": s["b"],
-                "sample_offsets": s["offsets"],
-                "sample_wgrad": s["wgrad"],
-                "sample_wgrad_expert": s["wgrad_expert"],
-                **({k: v for k, v in sc.items() if isinstance(v, torch.Tensor)}
-                   if block_scaled else {}),
-            }
-        )
-        if self.validate_offsets and not _env.capturing(s["offsets"].device):
-            if spec is not None:
-                _check_blockscaled_values(
-                    self._ARCH, spec, s["offsets"], tokens_sum, sc["sample_sfa"],
-                    sc["sample_sfb"], "sample_offsets", ("sample_sfa", "sample_sfb"),
-                )
-            else:
-                _check_offsets_values(
-                    s["offsets"], tokens_sum, self._GROUP_ALIGN, "sample_offsets"
-                )
-        contract = WgradContract(
-            arch=self._ARCH,
-            hidden=hidden,
-            intermediate=inter,
-            num_experts=num_experts,
-            a_major=a_majors[0],
-            b_major=b_majors[0],
-            out_dtype=out_dtype,
-            output_mode=self.output_mode,
-            accumulate=self.accumulate_on_output,
-            input_order=input_order,
-            mma_tiler_mn=tiler,
-            cluster_shape_mn=cluster,
-            block_scaled=spec,
-        )
-        if spec is None:  # the BF16 families' tile fit; block-scaled: the hook's concern
-            launch._check_contract_fits(contract)
-        return contract
-
-    @classmethod
-    def _check_arch(cls, device: torch.device, arg: str = "sample_a") -> None:
-        """The device rule (CUDA available, a CUDA device, the compute capability): RuntimeError
-        / ValueError. Checked FIRST by ``check_support()`` and the wrappers, before any rule on
-        the tensors, so a call that cannot run here says so before a data rule."""
-        raise NotImplementedError
-
-    @classmethod
-    def _from_contract(cls, contract: WgradContract, device: torch.device):
-        """A supported operator for an already validated ``contract`` (used by the wrappers)."""
-        op = cls.__new__(cls)
-        op.output_mode = contract.output_mode
-        op._samples = None
-        op._scale_controls = {}
-        op.acc_dtype = torch.float32
-        op.mma_tiler_mn = contract.mma_tiler_mn
-        op.cluster_shape_mn = contract.cluster_shape_mn
-        op.sf_vec_size = contract.block_scaled.sf_vec_size if contract.block_scaled else 16
-        op.backend, op.backend_reason = None, ""
-        op.accumulate_on_output = contract.accumulate
-        op.input_order = contract.input_order
-        op.validate_offsets = False
-        op._launcher = None
-        op._check_arch(device)
-        op.contract = contract
-        op.device = device
-        op._is_supported = True
-        return op
 
     def check_support(self) -> bool:
         """Validate the samples against the device, then the contract; True or raises.
@@ -269,13 +138,13 @@ class _GroupedGemmWgradBase:
         """
         if self._is_supported:
             return True
-        sample_a = self._samples["a"]
-        if isinstance(sample_a, torch.Tensor):  # the device rule first (else: the type rule)
-            self._check_arch(sample_a.device)
-        contract = self._static_contract()
-        device = sample_a.device
-        self.contract = contract
-        self.device = device
+        samples = self._samples
+        if isinstance(samples.a, torch.Tensor):  # the device rule first (else: the type rule)
+            require_device(type(self), samples.a.device)
+        validated = validate_call(samples, self._ARCH, mode="samples")
+        validated.check_fits()
+        self.contract = validated.contract
+        self.device = samples.a.device
         self._is_supported = True
         self._samples = None  # do not keep the samples alive
         return True
@@ -289,151 +158,9 @@ class _GroupedGemmWgradBase:
         """
         if not self._is_supported:
             self.check_support()
-        if self._launcher is None:
-            if self.contract.block_scaled is not None:
-                from . import dispatch  # the hook of the native block-scaled kernels
-
-                self._launcher, self.backend, self.backend_reason = (
-                    dispatch._blockscaled_launcher(self.contract)
-                )
-            else:
-                self._launcher = launch._compile_kernel(self.contract, self._NAME)
-                self.backend = self.contract.arch
-
-    # -- execute --------------------------------------------------------------------------------
-
-    def _validate_call(
-        self,
-        a_tensor,
-        b_tensor,
-        sfa_tensor,
-        sfb_tensor,
-        offsets_tensor,
-        wgrad_tensor,
-        wgrad_ptrs,
-        global_scale_a,
-        global_scale_b,
-        validate_offsets: bool,
-        workspaces=(),
-    ) -> _Call:
-        c = self.contract
-        spec = c.block_scaled
-        if spec is None:
-            _check_scale_controls(
-                {
-                    "sfa_tensor": sfa_tensor,
-                    "sfb_tensor": sfb_tensor,
-                    "global_scale_a": global_scale_a,
-                    "global_scale_b": global_scale_b,
-                },
-                16,
-                torch.float32,
-            )
-        elif not _is_blockscaled_pair(a_tensor, b_tensor):
-            raise ValueError(
-                f"a_tensor/b_tensor: this operator was compiled for block-scaled {spec.fmt} "
-                f"operands ({spec.ab_dtype}); got {getattr(a_tensor, 'dtype', a_tensor)} and "
-                f"{getattr(b_tensor, 'dtype', b_tensor)}; build another operator"
-            )
-        if c.input_order == "tensor_ragged":
-            a_tensor, b_tensor = _ragged_compact(a_tensor, b_tensor)
-        if spec is not None:
-            ops = _validate_blockscaled(
-                c.arch, a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor,
-                global_scale_a, global_scale_b, sf_vec_size=spec.sf_vec_size,
-                sf_fp8_dtype_override=spec.sf_fp8_dtype_override, acc_dtype=torch.float32,
-            )
-            if ops.spec != spec:
-                raise ValueError(
-                    f"a_tensor/sfa_tensor: the block-scaled format of this call ({ops.spec.fmt}, "
-                    f"{ops.spec.ab_dtype}, scales {ops.spec.sf_dtype}) differs from the compiled "
-                    f"contract ({spec.fmt}, {spec.ab_dtype}, scales {spec.sf_dtype}); build "
-                    "another operator for a new static contract"
-                )
-            hidden, tokens_sum, inter = ops.hidden, ops.tokens_sum, ops.intermediate
-            num_experts, a_majors, b_majors = ops.num_experts, ops.a_majors, ops.b_majors
-        else:
-            hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
-                c.arch, a_tensor, b_tensor, offsets_tensor,
-                ("a_tensor", "b_tensor", "offsets_tensor"),
-            )
-        scales = (sfa_tensor, sfb_tensor, global_scale_a, global_scale_b) if spec else None
-        static = {
-            "hidden": (hidden,),
-            "intermediate": (inter,),
-            "num_experts": (num_experts,),
-            "a_major": a_majors,
-            "b_major": b_majors,
-        }
-        for name, allowed in static.items():
-            if getattr(c, name) not in allowed:
-                raise ValueError(
-                    f"{name} of this call ({allowed[0]}) differs from the compiled contract "
-                    f"({getattr(c, name)}); build another operator for a new static contract"
-                )
-        out_dtype = _NAME_TO_DTYPE[c.out_dtype]
-        if c.output_mode == "dense":
-            if wgrad_ptrs is not None:
-                raise ValueError("wgrad_ptrs must be None in dense output mode")
-            if wgrad_tensor is None:
-                raise ValueError("wgrad_tensor is required in dense output mode")
-            _check_dense_out(
-                c.arch, wgrad_tensor, (num_experts, hidden, inter), "wgrad_tensor", out_dtype
-            )
-            out = wgrad_tensor
-        else:
-            if wgrad_tensor is None and wgrad_ptrs is None:
-                raise ValueError(
-                    "wgrad_ptrs is required in discrete output mode (or wgrad_tensor, the "
-                    "stacked [E, H, I] output whose expert slabs the kernel then writes)"
-                )
-            if wgrad_tensor is not None:
-                _check_dense_out(
-                    c.arch, wgrad_tensor, (num_experts, hidden, inter), "wgrad_tensor", out_dtype
-                )
-            if wgrad_ptrs is not None:
-                _check_ptrs_tensor(wgrad_ptrs, num_experts)
-                out = wgrad_ptrs
-            else:
-                out = _stacked_pointers(wgrad_tensor)
-        device = _check_same_device(
-            {
-                "a_tensor": a_tensor,
-                "b_tensor": b_tensor,
-                "offsets_tensor": offsets_tensor,
-                "wgrad_tensor": wgrad_tensor,
-                "wgrad_ptrs": wgrad_ptrs,
-                **{name: ws for name, ws in workspaces if ws is not None},
-                **(
-                    {
-                        k: v
-                        for k, v in zip(
-                            ("sfa_tensor", "sfb_tensor", "global_scale_a", "global_scale_b"),
-                            scales,
-                        )
-                        if v is not None
-                    }
-                    if scales
-                    else {}
-                ),
-            }
-        )
-        if self.device is not None and device != self.device:
-            raise ValueError(
-                f"a_tensor is on {device} but this operator was compiled for {self.device}"
-            )
-        if validate_offsets and not _env.capturing(device):
-            if spec is not None:
-                _check_blockscaled_values(
-                    c.arch, spec, offsets_tensor, tokens_sum, sfa_tensor, sfb_tensor
-                )
-            else:
-                _check_offsets_values(
-                    offsets_tensor, tokens_sum, self._GROUP_ALIGN, "offsets_tensor"
-                )
-            if wgrad_ptrs is not None:
-                _check_pointer_values(wgrad_ptrs, "wgrad_ptrs", wgrad_tensor)
-        return _Call(tokens_sum=tokens_sum, out=out, a=a_tensor, b=b_tensor, scales=scales)
+        if self._compiled is None:
+            self._compiled = compile_contract(self.contract, self._NAME)
+            self.backend, self.backend_reason = self._compiled.backend, self._compiled.reason
 
     def execute(
         self,
@@ -476,73 +203,30 @@ class _GroupedGemmWgradBase:
             RuntimeError: ``compile()`` has not run.
             ValueError: a call argument breaks the contract or differs from the compiled one.
         """
-        if self._launcher is None:
+        if self._compiled is None:
             raise RuntimeError(
                 f"{self._NAME}.execute() before compile(): call check_support() and compile() first"
             )
-        if validate_offsets is None:
-            validate_offsets = self.validate_offsets
-        c = self.contract
-        ws = _check_workspace(
-            descriptor_workspace,
-            workspace,
-            offsets_tensor.shape[0]
-            if isinstance(offsets_tensor, torch.Tensor) and offsets_tensor.dim() == 1
-            else 1,
-            c.output_mode,
-            c.input_order,
+        call = WgradCall(
+            a=a_tensor, b=b_tensor, offsets=offsets_tensor, sfa=sfa_tensor, sfb=sfb_tensor,
+            global_scale_a=global_scale_a, global_scale_b=global_scale_b,
+            wgrad_tensor=wgrad_tensor, wgrad_ptrs=wgrad_ptrs, current_stream=current_stream,
+            descriptor_workspace=descriptor_workspace, workspace=workspace,
+            validate_offsets=self.validate_offsets if validate_offsets is None
+            else bool(validate_offsets),
+            names=CALL_NAMES,
         )
-        call = self._validate_call(
-            a_tensor,
-            b_tensor,
-            sfa_tensor,
-            sfb_tensor,
-            offsets_tensor,
-            wgrad_tensor,
-            wgrad_ptrs,
-            global_scale_a,
-            global_scale_b,
-            validate_offsets,
-            workspaces=(("descriptor_workspace", ws),),
+        if self.contract.block_scaled is not None:  # the compiled format's own scale rules
+            spec = self.contract.block_scaled
+            call.sf_vec_size = spec.sf_vec_size
+            call.sf_fp8_dtype_override = spec.sf_fp8_dtype_override
+        v = validate_call(
+            call, self.contract.arch, mode="execute", compiled=self.contract, device=self.device
         )
-        self._launch(
-            call.a,
-            call.b,
-            offsets_tensor,
-            call.out,
-            current_stream,
-            pointers=call.out if c.output_mode == "discrete" else None,
-            scales=call.scales,
-            workspace=ws,
+        self._compiled.launch(
+            v.a, v.b, offsets_tensor, v.out, stream=current_stream, scales=v.scales,
+            workspace=v.workspace,
         )
-
-    def _launch(
-        self, a, b, offsets, out, current_stream, pointers=None, scales=None, workspace=None
-    ) -> None:
-        stream = current_stream
-        if a.device.type == "cuda" and current_stream is not None:
-            stream = _torch_stream(current_stream, a.device)
-        if pointers is not None and pointers.device.type == "cuda":
-            # The seed: the API records the pointer tensor on the launch stream.
-            pointers.record_stream(_torch_stream(stream, pointers.device))
-        if self.contract.block_scaled is not None:
-            sfa, sfb, gsa, gsb = scales
-            self._launcher(
-                a, b, sfa, sfb, offsets, out, global_scale_a=gsa, global_scale_b=gsb,
-                descriptor_workspace=workspace, stream=stream,
-            )
-            return
-        # the SM100 BF16 kernel builds its per-expert TMA descriptors (discrete outputs,
-        # tensor_ragged K-major operands) in this buffer, or in one of its own when None
-        self._launcher(a, b, offsets, out, stream=stream, descriptor_workspace=workspace)
-
-
-def _torch_stream(stream: Any, device: torch.device):
-    if stream is None:
-        return torch.cuda.current_stream(device)
-    if isinstance(stream, torch.cuda.Stream):
-        return stream
-    return torch.cuda.ExternalStream(int(stream), device=device)
 
 
 def _indented(text: str) -> str:
@@ -584,8 +268,6 @@ _CLASS_DOC = """{summary}
 class GroupedGemmWgradSm100(_GroupedGemmWgradBase):
     _ARCH = "sm100"
     _NAME = "GroupedGemmWgradSm100"
-    _GROUP_ALIGN = SM100_GROUP_ALIGN
-    _DEFAULT_TILER = None  # chosen per shape from configs/cuda/sm100_tiles.yaml
 
     __doc__ = _CLASS_DOC.format(
         summary="Grouped GEMM wgrad on SM100+ (the seed's class); refuses devices below SM100.\n\n"
@@ -593,24 +275,13 @@ class GroupedGemmWgradSm100(_GroupedGemmWgradBase):
         "    run on hardware: ``execute()`` raises RuntimeError unless the environment sets\n"
         "    MOE_BWD_ENABLE_UNVERIFIED_SM100=1 (validation and support checks are complete).",
         tiling=_indented(SM100_TILES.describe("None: per shape from configs/cuda")),
-        groups="every expert token count a multiple of 256",
+        groups=f"every expert token count a multiple of {bf16.TOKEN_ALIGN['sm100']}",
     )
-
-    @classmethod
-    def _check_arch(cls, device: torch.device, arg: str = "sample_a") -> None:
-        cc = _env.query_arch(device, arg)
-        if cc < 100:
-            raise RuntimeError(
-                f"{cls._NAME} requires SM100 or newer, found SM{cc} on {device}; use "
-                "GroupedGemmWgradSm90 on Hopper or grouped_gemm_wgrad() for any device"
-            )
 
 
 class GroupedGemmWgradSm90(_GroupedGemmWgradBase):
     _ARCH = "sm90"
     _NAME = "GroupedGemmWgradSm90"
-    _GROUP_ALIGN = 1
-    _DEFAULT_TILER = None
 
     __doc__ = _CLASS_DOC.format(
         summary="Grouped GEMM wgrad on Hopper (SM 9.x) with the CuTe DSL kernel of sm90_bf16.py.\n\n"
@@ -620,23 +291,6 @@ class GroupedGemmWgradSm90(_GroupedGemmWgradBase):
         groups="any expert token count >= 0 (0 included)",
     )
 
-    @classmethod
-    def _check_arch(cls, device: torch.device, arg: str = "sample_a") -> None:
-        cc = _env.query_arch(device, arg)
-        if cc < 90:
-            raise RuntimeError(
-                f"{cls._NAME} requires SM90 (Hopper), found SM{cc} on {device} (below SM90)"
-            )
-        if cc >= 100:
-            raise RuntimeError(
-                f"{cls._NAME} runs sm_90a code (wgmma) only on SM 9.x, found SM{cc} on "
-                f"{device}; use GroupedGemmWgradSm100 or grouped_gemm_wgrad()"
-            )
 
-
-def _stacked_pointers(stacked: torch.Tensor) -> torch.Tensor:
-    """int64 address of each expert's [H, I] slab of a contiguous [E, H, I] tensor (no sync)."""
-    e = stacked.shape[0]
-    step = stacked[0].numel() * stacked.element_size() if e else 0
-    idx = torch.arange(e, dtype=torch.int64, device=stacked.device)
-    return idx * step + stacked.data_ptr()
+#: The class of each kernel arch (``grouped_wgrad_into`` and the wrappers route by arch).
+ARCH_CLASSES = {cls._ARCH: cls for cls in (GroupedGemmWgradSm100, GroupedGemmWgradSm90)}

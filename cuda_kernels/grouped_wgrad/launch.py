@@ -1,6 +1,6 @@
 """The one compile-cache and launch layer of the grouped wgrad, for every kernel family.
 
-A kernel family (``sm90_bf16``, ``sm100_bf16``, the block-scaled ones to come) plugs in with a
+A kernel family (``sm90_bf16``, ``sm100_bf16``, ``sm90_mxfp8``, ``sm100_blockscaled``) builds on a
 :class:`KernelFamily`: its compile key (a frozen dataclass, the cache key) and its kernel (the
 CuTe DSL kernel object of a key), plus the few hooks in which it really differs (a tile counter
 for a dynamic scheduler, a launch gate, a no-token path, the arch of its runtime compile). This
@@ -10,11 +10,12 @@ offline / cross compile, the offline PTX compile, and the launcher (``tensor_rag
 where the family does not address ragged operands in place, the descriptor workspace where the
 family builds per-expert TMA descriptors, persistent grid size from occupancy, launch stream).
 
-The API side sits on top: :func:`_compile_kernel` maps a static contract (``WgradContract``) to
-its family's key (:func:`_contract_key`) and caches the launcher per contract.
+The API reaches a family only through ``registry.py`` (by module name); the formats map a static
+contract to its family's key (``FAMILY.key_from_contract``) and cache the launcher per contract
+(``bf16.load_launcher``).
 
 No CuTe DSL import and no GPU query at import time: CuTe DSL is imported inside the compile
-functions, the family modules inside the API functions.
+functions. This module imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -25,9 +26,6 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
-
-from . import _env
-from ._types import WgradContract
 
 __all__ = [
     "KernelFamily",
@@ -225,13 +223,30 @@ class KernelFamily:
             raise RuntimeError(f"CuTe DSL produced no PTX for {key} on {arch}")
         return ptx
 
+    def offline_compiler(self, default_arch: str) -> Callable[..., str]:
+        """The family module's ``compile_<name>_wgrad_offline(key, arch=default_arch) -> str``:
+        :meth:`offline_ptx` (what a key accepts: see the family's ``as_key``)."""
+
+        def compile_offline(key: Any, arch: str = default_arch) -> str:
+            return self.offline_ptx(key, arch)
+
+        name = f"compile_{self.name}_wgrad_offline"
+        compile_offline.__name__ = compile_offline.__qualname__ = name
+        compile_offline.__doc__ = (
+            f"Compile ``key`` for ``arch`` (default ``{default_arch}``) without a GPU and return "
+            "the generated PTX text (CI; nothing is loaded).\n\n    Raises:\n        "
+            "RuntimeError: CuTe DSL is not installed or produced no PTX.\n        ValueError: "
+            "the key is outside what the kernel is built for.\n    "
+        )
+        return compile_offline
+
     def _launch(
         self, key: Any, fn: Any, a, b, offsets, out, stream=None, descriptor_workspace=None
     ) -> None:
         """One launch, every step of it on the launch stream (``stream``, else the current one).
 
         The compiled kernel takes its stream from the TVM-FFI environment stream, i.e. torch's
-        current stream, so the launch enters ``stream`` (:func:`_on_stream`) BEFORE anything is
+        current stream, so the launch enters ``stream`` (:func:`on_stream`) BEFORE anything is
         enqueued or allocated: the family's ``prepare`` hook (zero stand-ins, zero fills), the
         ``tensor_ragged`` repack (families without ``ragged_in_place``), the tile counter, the
         descriptor workspace (when the caller gives none) and the kernel then run in stream
@@ -246,7 +261,7 @@ class KernelFamily:
             reason = self.gate()
             if reason is not None:
                 raise RuntimeError(reason)
-        with _on_stream(stream):
+        with on_stream(stream):
             if self.prepare is not None:
                 operands = self.prepare(key, a, b, out, stream)
                 if operands is None:
@@ -296,7 +311,7 @@ def resident_clusters(device_index: int, cluster_ctas: int, ctas_per_sm: int = 1
     - otherwise, or where that query is unavailable: ``(SMs x ctas_per_sm) // cluster_ctas``
       (the GPC-blind bound; a non-resident cluster of a persistent kernel only starts late).
     """
-    sms = _num_sms(device_index)
+    sms = num_sms(device_index)
     if cluster_ctas == 1:
         return max(1, sms * ctas_per_sm)
     if ctas_per_sm == 1:
@@ -333,7 +348,7 @@ def _max_active_clusters(device_index: int, cluster_ctas: int) -> int | None:
     return value
 
 
-def _on_stream(stream):
+def on_stream(stream):
     """Context in which ``stream`` (a ``torch.cuda.Stream``) is torch's current stream (and its
     device the current device); a no-op for None (the current stream is the launch stream)."""
     import torch
@@ -478,7 +493,8 @@ def ragged_to_2d(x_XS, offsets_E, k_major_rows: int):
 
 
 @functools.lru_cache(maxsize=16)
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``device_index`` (cached)."""
     import torch
 
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -539,73 +555,3 @@ def cross_compile_kwargs(arch: str) -> dict:
     the present GPU is that arch, so that a binary the present GPU cannot run (sm_100a on an
     H200, anything on a machine without GPU) is only compiled, never loaded."""
     return {} if present_cuda_arch() == arch else {"no_jit_engine": True}
-
-
-# ---------------------------------------------------------------------------------------------
-# The API side: a static contract's key and its launcher, cached per contract
-# ---------------------------------------------------------------------------------------------
-
-
-def _contract_key(contract: WgradContract):
-    """The family key of ``contract`` (``FAMILY.key_from_contract`` of its family module), or
-    None when the family is not built.
-
-    Raises:
-        ValueError: no tile of the family fits the contract (unsupported tiling).
-    """
-    module = _env.family_module(contract.arch)
-    if module is None:
-        return None
-    try:
-        return module.FAMILY.key_from_contract(contract)
-    except ValueError as exc:
-        raise ValueError(
-            f"mma_tiler_mn={contract.mma_tiler_mn}: unsupported {contract.arch.upper()} tiling "
-            f"for hidden={contract.hidden}, intermediate={contract.intermediate}: {exc}"
-        ) from exc
-
-
-def _check_contract_fits(contract: WgradContract) -> None:
-    """Arch-specific shape rules that need the whole static contract (unsupported tiling)."""
-    if contract.arch in _env.FAMILY_MODULES:
-        _contract_key(contract)
-
-
-def _compile_launcher(contract: WgradContract, who: str) -> Callable:
-    """Compile (or fetch from the family's cache) the launcher of ``contract``; ``who`` names the
-    class in messages.
-
-    Raises:
-        RuntimeError: the family's kernel module is not built, or CuTe DSL is missing.
-    """
-    module = _env.family_module(contract.arch)
-    if module is None:
-        raise RuntimeError(
-            f"{who}.compile: the {contract.arch.upper()} BF16 grouped wgrad kernel is not built in "
-            f"this package yet ({_env.FAMILY_MODULES[contract.arch]} is missing); use "
-            "grouped_gemm_wgrad(), which falls back to torch on this device"
-        )
-    missing = _env.cutlass_dsl_missing()
-    if missing:
-        raise RuntimeError(f"{who}.compile: {missing}")
-    return module.FAMILY.launcher(_contract_key(contract))
-
-
-def _compile_kernel(contract: WgradContract, who: str) -> Callable:
-    """Launcher for ``contract``, compiled once per process (cache keyed on the static contract)."""
-    with _CACHE_LOCK:
-        launcher = _LAUNCHER_CACHE.get(contract)
-        if launcher is None:
-            launcher = _compile_launcher(contract, who)
-            _LAUNCHER_CACHE[contract] = launcher
-        return launcher
-
-
-_CACHE_LOCK = threading.RLock()
-_LAUNCHER_CACHE: dict[WgradContract, Callable] = {}
-
-
-def clear_launcher_cache() -> None:
-    """Forget the per-contract launchers (the families keep their compiled kernels)."""
-    with _CACHE_LOCK:
-        _LAUNCHER_CACHE.clear()

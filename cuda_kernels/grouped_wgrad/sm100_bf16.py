@@ -94,7 +94,7 @@ from typing import Any
 
 from ._contract import KernelKey
 from .launch import KernelFamily, contract_key_fields
-from .tiles import SM100_TILES, load_tile_rules, match_rule
+from .tiles import SM100_TILES, rules_loader, select_tile
 
 __all__ = [
     "COMPILE_COUNT",  # noqa: F822 - served by the module __getattr__ (FAMILY.compile_count)
@@ -103,12 +103,16 @@ __all__ = [
     "Sm100WgradKey",
     "compile_sm100_wgrad",
     "compile_sm100_wgrad_offline",
+    "counter_len",
     "ctas_per_sm",
     "descriptor_workspace_bytes",
     "descriptors_per_expert",
+    "kernel_class",
     "load_sm100_tile_rules",
     "select_sm100_tile_config",
     "sm100_key_from_contract",
+    "target_arch",
+    "unavailable_reason",
     "unverified_reason",
 ]
 
@@ -143,6 +147,13 @@ def unverified_reason() -> str | None:
         "the SM100 grouped wgrad kernel is compiled but not yet verified on hardware; set "
         f"{ENABLE_ENV}=1 to run it anyway (results unchecked), or use the torch / sm90 paths"
     )
+
+
+def unavailable_reason() -> str | None:
+    """The family's gate in ``registry.KernelProvider.unavailable``: :func:`unverified_reason`
+    (automatic dispatch never picks the kernel without the opt-in; an explicit call compiles it
+    and its launcher refuses to run)."""
+    return unverified_reason()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,14 +221,8 @@ class Sm100WgradKey(KernelKey):
     tile: Sm100TileConfig = Sm100TileConfig()
 
 
-@functools.lru_cache(maxsize=1)
-def load_sm100_tile_rules() -> tuple[tuple[str, dict, Sm100TileConfig], ...]:
-    """Rules of ``configs/cuda/sm100_tiles.yaml`` as ``(name, conditions, config)`` in file order.
-
-    Raises:
-        RuntimeError: the file is missing or malformed.
-    """
-    return load_tile_rules(SM100_TILES.yaml, Sm100TileConfig, "SM100")
+#: The rows of ``configs/cuda/sm100_tiles.yaml``, read once: ``load_sm100_tile_rules()``.
+load_sm100_tile_rules = rules_loader(SM100_TILES, Sm100TileConfig)
 
 
 def select_sm100_tile_config(
@@ -249,26 +254,20 @@ def select_sm100_tile_config(
             an ``mma_tiler_mn`` outside the tile rules; a ``cluster_shape_mn`` other than the
             tile's.
     """
-    if hidden < 1 or intermediate < 1 or num_experts < 1:
+    if mma_tiler_mn is not None and int(mma_tiler_mn[0]) not in SM100_TILES.tile_m:
         raise ValueError(
-            f"select_sm100_tile_config: sizes must be positive, got hidden={hidden}, "
-            f"intermediate={intermediate}, num_experts={num_experts}"
+            f"select_sm100_tile_config: mma_tiler_mn={mma_tiler_mn}: tile_m must be "
+            + " or ".join(str(m) for m in SM100_TILES.tile_m)
         )
-    if mma_tiler_mn is not None:
-        tile_m, tile_n = (int(v) for v in mma_tiler_mn)
-        if tile_m not in SM100_TILES.tile_m:
-            raise ValueError(
-                f"select_sm100_tile_config: mma_tiler_mn={mma_tiler_mn}: tile_m must be "
-                + " or ".join(str(m) for m in SM100_TILES.tile_m)
-            )
-        config = Sm100TileConfig(tile_m, tile_n, 64, SM100_TILES.stages_for(tile_m, tile_n, 64))
-    else:
-        config = match_rule(load_sm100_tile_rules(), hidden, intermediate, num_experts)
-        if config is None:
-            raise ValueError(
-                f"select_sm100_tile_config: no rule of {SM100_TILES.yaml.name} fits hidden={hidden}, "
-                f"intermediate={intermediate}"
-            )
+    config = select_tile(
+        SM100_TILES, Sm100TileConfig, load_sm100_tile_rules, hidden, intermediate, num_experts,
+        mma_tiler_mn=mma_tiler_mn, who="select_sm100_tile_config",
+    )
+    if config is None:
+        raise ValueError(
+            f"select_sm100_tile_config: no rule of {SM100_TILES.yaml.name} fits "
+            f"hidden={hidden}, intermediate={intermediate}"
+        )
     if cluster_shape_mn is not None and tuple(cluster_shape_mn) != config.cluster_shape_mn:
         raise ValueError(
             f"select_sm100_tile_config: cluster_shape_mn={tuple(cluster_shape_mn)} unsupported "
@@ -307,7 +306,7 @@ def descriptor_workspace_bytes(key: Any) -> int:
     return key.num_experts * descriptors_per_expert(key) * _TMA_DESC_BYTES
 
 
-def _counter_len(key: Any) -> int:
+def counter_len(key: Any) -> int:
     """Int32 words of the zeroed per-launch counter: the tile counter, then one descriptor flag
     per expert when the kernel builds descriptors."""
     return 1 + (key.num_experts if descriptors_per_expert(key) else 0)
@@ -318,9 +317,9 @@ def sm100_key_from_contract(contract: Any) -> Sm100WgradKey:
     else from ``configs/cuda/sm100_tiles.yaml`` per shape through ``tiles.match_rule``); the
     tile is part of the key, so each rule's tile is its own compiled kernel.
 
-    Note: the API layer (``classes.GroupedGemmWgradSm100._DEFAULT_TILER``, ``validate._check_tiling``,
-    ``wrappers.grouped_wgrad_into``, ``dispatch``) still fills a missing SM100 tile with cuDNN's
-    (256, 256); only a contract with ``mma_tiler_mn=None`` reaches the YAML rules.
+    Note: ``grouped_gemm_wgrad_wrapper_sm100`` and ``grouped_gemm_wgrad_jax_sm100`` default
+    ``mma_tiler_mn`` to cuDNN's (256, 256); the class, ``grouped_wgrad_into`` and
+    ``grouped_gemm_wgrad`` pass None, so their contracts reach the YAML rules.
 
     Raises:
         ValueError: the contract is outside what :class:`Sm100WgradKey` accepts (tiles that do
@@ -1440,16 +1439,15 @@ def _build_kernel_class():
     return Sm100GroupedWgradKernel
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel_class():
-    return _build_kernel_class()
+#: The kernel class, built once on first use (CuTe DSL is imported then): ``kernel_class()(key)``.
+kernel_class = functools.cache(_build_kernel_class)
 
 
 #: Targets the kernel is built for (tcgen05 with the arch-specific feature set).
 _SM100_TARGETS = ("sm_100a", "sm_103a", "sm_110a")
 
 
-def _target_arch() -> str:
+def target_arch() -> str:
     """The present GPU's arch when it is one of ``_SM100_TARGETS``, else ``"sm_100a"``.
 
     Never the arch of another GPU family: a compile on an H200 (CI, the cache tests) targets
@@ -1542,15 +1540,15 @@ def _no_tokens(key: Sm100WgradKey, a, b, out, stream):
 #: every launch gated on the hardware opt-in (``unverified_reason``), tokens_sum = 0 on the host.
 FAMILY = KernelFamily(
     "sm100",
-    lambda key: _kernel_class()(key),
+    lambda key: kernel_class()(key),
     sm100_key_from_contract,
-    runtime_arch=_target_arch,
+    runtime_arch=target_arch,
     gate=unverified_reason,
     prepare=_no_tokens,
     as_key=_as_key,
     tile_counter=True,
     ctas_per_sm=ctas_per_sm,
-    counter_len=_counter_len,
+    counter_len=counter_len,
     workspace_bytes=descriptor_workspace_bytes,
     ragged_in_place=True,
 )
@@ -1594,15 +1592,6 @@ def compile_sm100_wgrad(key: Any) -> Callable[..., None]:
     return FAMILY.launcher(key)
 
 
-def compile_sm100_wgrad_offline(key: Any, arch: str = "sm_100a") -> str:
-    """Compile ``key`` for ``arch`` without a GPU and return the generated PTX text (for CI).
-
-    Args:
-        key: a :class:`Sm100WgradKey` or an ``api.WgradContract``.
-        arch: the target, ``"sm_100a"`` (tcgen05 needs the arch-specific target).
-
-    Raises:
-        RuntimeError: CuTe DSL is not installed or produced no PTX.
-        ValueError: the key / contract is outside what the kernel is built for.
-    """
-    return FAMILY.offline_ptx(key, arch)
+#: ``compile_sm100_wgrad_offline(key, arch="sm_100a")``: the PTX of ``key`` for
+#: ``arch``, compiled without a GPU (CI): ``FAMILY.offline_ptx``.
+compile_sm100_wgrad_offline = FAMILY.offline_compiler("sm_100a")

@@ -10,7 +10,7 @@ scale factors into tensor memory and, for discrete outputs, for the per-expert d
 (tensormap.replace, tensormap proxy fences) and the TMA stores through those descriptors;
 assembled by ptxas for sm_100a without spills) but it has NEVER RUN on a Blackwell GPU. Its launcher
 refuses to run unless ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1`` (the same gate as ``sm100_bf16``),
-and ``dispatch._blockscaled_kernel`` routes SM100 block-scaled contracts to it only then.
+and the registry (``registry.py``) routes SM100 block-scaled contracts to it only then.
 
 Formats (``BlockScaledSpec.fmt``):
 
@@ -81,13 +81,13 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import KernelKey
+from ._contract import KMajorKernelKey
 from .launch import KernelFamily, contract_key_fields, fake_offsets_and_out
 from .sm100_bf16 import (
     ENABLE_ENV,
-    _counter_len,
-    _target_arch,
+    counter_len,
     descriptor_workspace_bytes,
+    target_arch,
     unverified_reason,
 )
 from .tiles import SM100_TILES
@@ -100,8 +100,10 @@ __all__ = [
     "Sm100BsTileConfig",
     "compile_sm100_blockscaled_wgrad",
     "compile_sm100_blockscaled_wgrad_offline",
+    "contract_launcher",
     "sm100_blockscaled_key_from_contract",
     "supports",
+    "unavailable_reason",
 ]
 
 #: fmt -> (element names, scale dtype name, sf_vec, tokens per stage = token_align of ``_sm100``)
@@ -171,9 +173,9 @@ class Sm100BsTileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm100BlockScaledKey(KernelKey):
+class Sm100BlockScaledKey(KMajorKernelKey):
     """Static contract of one compiled SM100 block-scaled kernel (its compile-cache key): the
-    ``_contract.KernelKey`` fields, plus
+    ``_contract.KMajorKernelKey`` fields, plus
 
     Attributes:
         fmt: ``"mxfp8"``, ``"mxfp4"`` or ``"nvfp4"``.
@@ -190,10 +192,8 @@ class Sm100BlockScaledKey(KernelKey):
     """
 
     _TILES = SM100_TILES
+    _K_MAJOR_WHY = "block-scaled operands must both be K-major along tokens"
 
-    a_major: str = "k"
-    b_major: str = "k"
-    out_dtype: str = "float32"
     fmt: str = "mxfp8"
     elem: str = "e4m3"
     tile: Sm100BsTileConfig = Sm100BsTileConfig()
@@ -206,13 +206,6 @@ class Sm100BlockScaledKey(KernelKey):
         elems, _sf, _vec, stage = FORMATS[self.fmt]
         if self.elem not in elems:
             raise ValueError(f"{cls}.elem must be one of {elems} for {self.fmt}, got {self.elem!r}")
-        if self.a_major != "k" or self.b_major != "k":
-            raise ValueError(
-                f"{cls}: block-scaled operands must both be K-major along tokens (a_major='k', "
-                f"b_major='k'); got a_major={self.a_major!r}, b_major={self.b_major!r}"
-            )
-        if self.input_order != "tensor2d":
-            raise ValueError(f"{cls}.input_order must be 'tensor2d', got {self.input_order!r}")
         if self.tile.tile_k != stage:
             raise ValueError(
                 f"{cls}: {self.fmt} stages are {stage} tokens (one scale atom column); got "
@@ -280,6 +273,25 @@ def supports(contract: Any) -> str | None:
     return None
 
 
+def unavailable_reason() -> str | None:
+    """The family's gate in ``registry.KernelProvider.unavailable``: the BF16 SM100 kernel's
+    hardware opt-in (``sm100_bf16.unverified_reason``)."""
+    from . import sm100_bf16
+
+    return sm100_bf16.unverified_reason()
+
+
+def contract_launcher(contract: Any) -> Callable[..., None]:
+    """The launcher of a supported block-scaled ``contract`` in the block-scaled signature
+    (``blockscaled.Launcher``), compiled on its first launch (cached per key by ``FAMILY``; the
+    launch re-checks the opt-in)."""
+
+    def launcher(a, b, sfa, sfb, offsets, out, **kw):
+        compile_sm100_blockscaled_wgrad(contract)(a, b, sfa, sfb, offsets, out, **kw)
+
+    return launcher
+
+
 def sm100_blockscaled_key_from_contract(contract: Any) -> Sm100BlockScaledKey:
     """The :class:`Sm100BlockScaledKey` of a block-scaled ``api.WgradContract``.
 
@@ -311,7 +323,7 @@ def _build_kernel_class():
     from cutlass.cute.nvgpu import tcgen05
     from cutlass.tensor_utils import LayoutEnum
 
-    from .sm100_bf16 import _kernel_class as _bf16_kernel_class
+    from .sm100_bf16 import kernel_class as _bf16_kernel_class
 
     elem_types = {
         "e4m3": cutlass.Float8E4M3FN,
@@ -669,9 +681,8 @@ def _build_kernel_class():
     return Sm100BlockScaledWgradKernel
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel_class():
-    return _build_kernel_class()
+#: The kernel class, built once on first use (CuTe DSL is imported then): ``kernel_class()(key)``.
+kernel_class = functools.cache(_build_kernel_class)
 
 
 # --------------------------------------------------------------------------------------------
@@ -713,7 +724,7 @@ def _fake_operands(key: Sm100BlockScaledKey):
     gs = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (e,), assumed_align=4)
     offsets, out = fake_offsets_and_out(key)
     counter = cute.runtime.make_fake_compact_tensor(
-        cutlass.Int32, (_counter_len(key),), assumed_align=4
+        cutlass.Int32, (counter_len(key),), assumed_align=4
     )
     return a, b, sfa, sfb, gs, offsets, out, counter
 
@@ -757,12 +768,12 @@ class _BsFamily(KernelFamily):
         """
         import torch
 
-        from .launch import _on_stream, descriptor_workspace_view
+        from .launch import descriptor_workspace_view, on_stream
 
         reason = unverified_reason()
         if reason is not None:
             raise RuntimeError(reason)
-        with _on_stream(stream):
+        with on_stream(stream):
             if a.shape[-1] == 0:  # no tokens: nothing to read (TMA has no 0-sized boxes)
                 if key.accumulate:
                     return
@@ -829,15 +840,15 @@ def _as_key(key_or_contract: Any) -> Sm100BlockScaledKey:
 #: ``MOE_BWD_ENABLE_UNVERIFIED_SM100=1`` (the BF16 SM100 kernel's gate).
 FAMILY = _BsFamily(
     "sm100_blockscaled",
-    lambda key: _kernel_class()(key),
+    lambda key: kernel_class()(key),
     sm100_blockscaled_key_from_contract,
-    runtime_arch=_target_arch,
+    runtime_arch=target_arch,
     gate=unverified_reason,
     as_key=_as_key,
     tile_counter=True,
     ctas_per_sm=lambda key: 1,
     fake_operands=_fake_operands,
-    counter_len=_counter_len,
+    counter_len=counter_len,
     workspace_bytes=descriptor_workspace_bytes,
 )
 
@@ -857,11 +868,6 @@ def compile_sm100_blockscaled_wgrad(key: Any) -> Callable[..., None]:
     return FAMILY.launcher(key)
 
 
-def compile_sm100_blockscaled_wgrad_offline(key: Any, arch: str = "sm_100a") -> str:
-    """Compile ``key`` for ``arch`` without a GPU and return the PTX text (CI).
-
-    Raises:
-        RuntimeError: CuTe DSL is not installed or produced no PTX.
-        ValueError: the key / contract is outside what the kernel is built for.
-    """
-    return FAMILY.offline_ptx(key, arch)
+#: ``compile_sm100_blockscaled_wgrad_offline(key, arch="sm_100a")``: the PTX of ``key`` for
+#: ``arch``, compiled without a GPU (CI): ``FAMILY.offline_ptx``.
+compile_sm100_blockscaled_wgrad_offline = FAMILY.offline_compiler("sm_100a")

@@ -57,7 +57,7 @@ from typing import Any
 
 from ._contract import KernelKey
 from .launch import KernelFamily, contract_key_fields
-from .tiles import SM90_TILES, load_tile_rules, match_rule
+from .tiles import SM90_TILES, rules_loader, select_tile
 
 __all__ = [
     "COMPILE_COUNT",  # noqa: F822 - served by the module __getattr__ (FAMILY.compile_count)
@@ -188,14 +188,8 @@ class Sm90WgradKey(KernelKey):
     tile: Sm90TileConfig = Sm90TileConfig()
 
 
-@functools.lru_cache(maxsize=1)
-def load_sm90_tile_rules() -> tuple[tuple[str, dict, Sm90TileConfig], ...]:
-    """Rules of ``configs/cuda/sm90_tiles.yaml`` as ``(name, conditions, config)`` in file order.
-
-    Raises:
-        RuntimeError: the file is missing or malformed.
-    """
-    return load_tile_rules(SM90_TILES.yaml, Sm90TileConfig, "SM90")
+#: The rows of ``configs/cuda/sm90_tiles.yaml``, read once: ``load_sm90_tile_rules()``.
+load_sm90_tile_rules = rules_loader(SM90_TILES, Sm90TileConfig)
 
 
 def select_sm90_tile_config(
@@ -227,32 +221,22 @@ def select_sm90_tile_config(
             sizes, or an ``mma_tiler_mn`` outside the tile rules or not dividing hidden and
             intermediate.
     """
-    if hidden < 1 or intermediate < 1 or num_experts < 1:
-        raise ValueError(
-            f"select_sm90_tile_config: sizes must be positive, got hidden={hidden}, "
-            f"intermediate={intermediate}, num_experts={num_experts}"
-        )
-    if mma_tiler_mn is not None:
-        tile_m, tile_n = mma_tiler_mn
-        config = Sm90TileConfig(
-            tile_m, tile_n, 64, SM90_TILES.stages_for(tile_m, tile_n, 64)
-        )
-        if hidden % tile_m or intermediate % tile_n:
-            raise ValueError(
-                f"select_sm90_tile_config: mma_tiler_mn={mma_tiler_mn} must divide "
-                f"hidden={hidden} and intermediate={intermediate}"
-            )
-        return config
-    config = match_rule(
-        load_sm90_tile_rules(), hidden, intermediate, num_experts, accumulate=accumulate,
+    config = select_tile(
+        SM90_TILES, Sm90TileConfig, load_sm90_tile_rules, hidden, intermediate, num_experts,
+        mma_tiler_mn=mma_tiler_mn, who="select_sm90_tile_config", accumulate=accumulate,
         whole_tiles=output_mode != "dense",
     )
-    if config is not None:
-        return config
-    raise ValueError(
-        f"select_sm90_tile_config: no SM90 tile fits hidden={hidden}, intermediate={intermediate}"
-        " (both must be multiples of 64)"
-    )
+    if mma_tiler_mn is not None and (hidden % config.tile_m or intermediate % config.tile_n):
+        raise ValueError(
+            f"select_sm90_tile_config: mma_tiler_mn={mma_tiler_mn} must divide "
+            f"hidden={hidden} and intermediate={intermediate}"
+        )
+    if config is None:
+        raise ValueError(
+            f"select_sm90_tile_config: no SM90 tile fits hidden={hidden}, "
+            f"intermediate={intermediate} (both must be multiples of 64)"
+        )
+    return config
 
 
 # --------------------------------------------------------------------------------------------
@@ -1097,9 +1081,8 @@ def _build_kernel_class():
     return Sm90GroupedWgradKernel
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel_class():
-    return _build_kernel_class()
+#: The kernel class, built once on first use (CuTe DSL is imported then): ``kernel_class()(key)``.
+kernel_class = functools.cache(_build_kernel_class)
 
 
 def sm90_key_from_contract(contract: Any) -> Sm90WgradKey:
@@ -1125,7 +1108,7 @@ def sm90_key_from_contract(contract: Any) -> Sm90WgradKey:
 #: (a zeroed tile counter per launch), compiled for the present GPU (the path verified on the
 #: H200, 2026-12-01; only offline compiles pin an arch).
 FAMILY = KernelFamily(
-    "sm90", lambda key: _kernel_class()(key), sm90_key_from_contract, tile_counter=True
+    "sm90", lambda key: kernel_class()(key), sm90_key_from_contract, tile_counter=True
 )
 
 
@@ -1161,10 +1144,6 @@ def compile_sm90_wgrad(key: Sm90WgradKey) -> Callable[..., None]:
     return FAMILY.launcher(key)
 
 
-def compile_sm90_wgrad_offline(key: Sm90WgradKey, arch: str = "sm_90a") -> str:
-    """Compile ``key`` for ``arch`` without a GPU and return the generated PTX text (for CI).
-
-    Raises:
-        RuntimeError: CuTe DSL is not installed or produced no PTX.
-    """
-    return FAMILY.offline_ptx(key, arch)
+#: ``compile_sm90_wgrad_offline(key, arch="sm_90a")``: the PTX of ``key`` for
+#: ``arch``, compiled without a GPU (CI): ``FAMILY.offline_ptx``.
+compile_sm90_wgrad_offline = FAMILY.offline_compiler("sm_90a")

@@ -50,7 +50,7 @@ diagnostic variants of the 2026-12-01 sweeps (cross-stage and deep-issue mainloo
 epilogue, the producer-decoded table, promotions that are wrong on purpose) were removed; their
 numbers are in ``benchmarks/RESULTS.md``.
 
-Host side: :class:`Sm90MxWgradKey` (``_contract.KernelKey`` + ``elem`` + ``token_layout`` +
+Host side: :class:`Sm90MxWgradKey` (``_contract.KMajorKernelKey`` + ``elem`` + ``token_layout`` +
 :class:`Sm90MxTileConfig`), ``FAMILY`` (a :class:`launch.KernelFamily` whose compile / launch
 hooks take the scale operands), :func:`compile_sm90_mxfp8_wgrad`,
 :func:`compile_sm90_mxfp8_wgrad_offline` (PTX for ``sm_90a`` without a GPU) and the python entry
@@ -67,7 +67,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import KernelKey
+from ._contract import KMajorKernelKey
 from .launch import KernelFamily, fake_offsets_and_out
 from .tiles import SM90_TILES, TileRules
 
@@ -78,9 +78,12 @@ __all__ = [
     "Sm90MxWgradKey",
     "compile_sm90_mxfp8_wgrad",
     "compile_sm90_mxfp8_wgrad_offline",
+    "contract_launcher",
     "grouped_wgrad_mxfp8_sm90",
     "pad_tokens_to_scale_layout",
     "select_sm90_mx_tile_config",
+    "supports",
+    "unavailable_reason",
 ]
 
 SF_VEC = 32  # tokens per MX group = the k of one FP8 wgmma instruction
@@ -195,10 +198,10 @@ class Sm90MxTileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm90MxWgradKey(KernelKey):
+class Sm90MxWgradKey(KMajorKernelKey):
     """Static contract of one compiled SM90 MXFP8 kernel (its compile-cache key).
 
-    The ``_contract.KernelKey`` fields with FP8 wgmma's rules (``a_major = b_major = "k"``:
+    The ``_contract.KMajorKernelKey`` fields (FP8 wgmma's rules: ``a_major = b_major = "k"``,
     both operands K-major along tokens; ``input_order="tensor2d"``), plus:
 
     Attributes:
@@ -212,10 +215,8 @@ class Sm90MxWgradKey(KernelKey):
     """
 
     _TILES = SM90_MX_TILES
+    _K_MAJOR_WHY = "FP8 wgmma needs both operands K-major along tokens"
 
-    a_major: str = "k"
-    b_major: str = "k"
-    out_dtype: str = "float32"
     elem: str = "e4m3"
     token_layout: str = "direct"
     tile: Sm90MxTileConfig = Sm90MxTileConfig()
@@ -223,13 +224,6 @@ class Sm90MxWgradKey(KernelKey):
     def __post_init__(self) -> None:
         super().__post_init__()
         cls = type(self).__name__
-        if self.a_major != "k" or self.b_major != "k":
-            raise ValueError(
-                f"{cls}: FP8 wgmma needs both operands K-major along tokens (a_major='k', "
-                f"b_major='k'); got a_major={self.a_major!r}, b_major={self.b_major!r}"
-            )
-        if self.input_order != "tensor2d":
-            raise ValueError(f"{cls}.input_order must be 'tensor2d', got {self.input_order!r}")
         if self.elem not in ELEMS:
             raise ValueError(f"{cls}.elem must be one of {ELEMS}, got {self.elem!r}")
         if self.token_layout not in TOKEN_LAYOUTS:
@@ -291,7 +285,7 @@ def _build_kernel_class():
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
-    from .sm90_bf16 import _kernel_class as _bf16_kernel_class
+    from .sm90_bf16 import kernel_class as _bf16_kernel_class
 
     base = _bf16_kernel_class()
     fence_accumulators = base.fence_accumulators
@@ -768,9 +762,8 @@ def _build_kernel_class():
     return Sm90MxGroupedWgradKernel
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel_class():
-    return _build_kernel_class()
+#: The kernel class, built once on first use (CuTe DSL is imported then): ``kernel_class()(key)``.
+kernel_class = functools.cache(_build_kernel_class)
 
 
 # --------------------------------------------------------------------------------------------
@@ -813,9 +806,9 @@ class _MxFamily(KernelFamily):
     def _launch(self, key, fn, a, b, sfa, sfb, offsets, out, stream=None) -> None:  # noqa: PLR0913
         import torch
 
-        from .launch import _num_sms
+        from .launch import num_sms
 
-        sms = _num_sms(a.device.index or 0) * key.tile.ctas_per_sm
+        sms = num_sms(a.device.index or 0) * key.tile.ctas_per_sm
         grid = max(1, min(key.num_tiles, sms))
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
@@ -833,7 +826,7 @@ def _key_from_contract(contract: Any) -> Sm90MxWgradKey:
 #: The SM90 MXFP8 family: a dynamic persistent scheduler (a zeroed tile counter per launch),
 #: compiled for the present GPU (only offline compiles pin an arch). Not verified on a GPU yet.
 FAMILY = _MxFamily(
-    "sm90_mxfp8", lambda key: _kernel_class()(key), _key_from_contract, tile_counter=True,
+    "sm90_mxfp8", lambda key: kernel_class()(key), _key_from_contract, tile_counter=True,
     fake_operands=_fake_operands,
 )
 
@@ -855,13 +848,9 @@ def compile_sm90_mxfp8_wgrad(key: Sm90MxWgradKey) -> Callable[..., None]:
     return FAMILY.launcher(key)
 
 
-def compile_sm90_mxfp8_wgrad_offline(key: Sm90MxWgradKey, arch: str = "sm_90a") -> str:
-    """Compile ``key`` for ``arch`` without a GPU and return the PTX text (CI).
-
-    Raises:
-        RuntimeError: CuTe DSL is not installed or produced no PTX.
-    """
-    return FAMILY.offline_ptx(key, arch)
+#: ``compile_sm90_mxfp8_wgrad_offline(key, arch="sm_90a")``: the PTX of ``key`` for
+#: ``arch``, compiled without a GPU (CI): ``FAMILY.offline_ptx``.
+compile_sm90_mxfp8_wgrad_offline = FAMILY.offline_compiler("sm_90a")
 
 
 # --------------------------------------------------------------------------------------------
@@ -870,15 +859,61 @@ def compile_sm90_mxfp8_wgrad_offline(key: Sm90MxWgradKey, arch: str = "sm_90a") 
 
 
 #: True once the GPU tests (tests/test_grouped_wgrad_sm90_mxfp8.py, the block-scaled API's GPU
-#: tests through dispatch's hook) have passed on an H200 with this source.
+#: tests through the registry) have passed on an H200 with this source.
 VERIFIED_ON_GPU = False
 ENABLE_ENV = "MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8"
 
 
 def enabled() -> bool:
-    """Whether the block-scaled API may route MXFP8 calls to this kernel (dispatch's hook):
-    verified on a GPU, or opted in with ``MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1``."""
+    """Whether the block-scaled API may route MXFP8 calls to this kernel (the registry's gate,
+    :func:`unavailable_reason`): verified on a GPU, or opted in with
+    ``MOE_BWD_ENABLE_UNVERIFIED_SM90_MXFP8=1``."""
     return VERIFIED_ON_GPU or os.environ.get(ENABLE_ENV) == "1"
+
+
+def unavailable_reason() -> str | None:
+    """The family's gate in ``registry.KernelProvider.unavailable``: the API routes MXFP8 calls
+    here only while :func:`enabled` (the python entry :func:`grouped_wgrad_mxfp8_sm90` always
+    runs)."""
+    if enabled():
+        return None
+    return (
+        "the SM90 MXFP8 kernel is not verified on a GPU yet; set "
+        f"{ENABLE_ENV}=1 to route block-scaled MXFP8 calls to it"
+    )
+
+
+def supports(contract: Any) -> str | None:
+    """Why the kernel cannot serve the block-scaled ``contract``, or None: MXFP8, both operands
+    K-major along tokens (FP8 wgmma), ``tensor2d``; any token count per expert."""
+    spec = getattr(contract, "block_scaled", None)
+    if spec is None or spec.fmt != "mxfp8":
+        return "only block-scaled MXFP8 contracts are built"
+    if contract.a_major != "k" or contract.b_major != "k":
+        return "both operands must be K-major along tokens (FP8 wgmma)"
+    if contract.input_order != "tensor2d":
+        return "only input_order='tensor2d' is built"
+    return None
+
+
+def contract_launcher(contract: Any) -> Callable[..., None]:
+    """The kernel behind the block-scaled launcher signature (``blockscaled.Launcher``): the API
+    has checked every rule and reads nothing on the host here, so the operands go through the
+    padded token layout (:func:`pad_tokens_to_scale_layout`)."""
+    from ._types import NAME_TO_DTYPE
+
+    out_dtype = NAME_TO_DTYPE[contract.out_dtype]
+
+    def launcher(a, b, sfa, sfb, offsets, out, *, global_scale_a=None, global_scale_b=None,
+                 descriptor_workspace=None, stream=None):
+        del global_scale_a, global_scale_b, descriptor_workspace  # MXFP8: none; TMA: its own
+        grouped_wgrad_mxfp8_sm90(
+            a, sfa, b, sfb, offsets, out, out_dtype=out_dtype, accumulate=contract.accumulate,
+            output_mode=contract.output_mode, token_layout="padded", validate=False,
+            stream=stream,
+        )
+
+    return launcher
 
 
 def _err(msg: str) -> ValueError:

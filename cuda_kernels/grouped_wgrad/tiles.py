@@ -2,7 +2,7 @@
 
 Read by the kernels (``Sm90TileConfig`` / ``Sm100TileConfig`` and the keys validate against it,
 and size their shared-memory pipelines from it), by the API's validation
-(``validate._check_tiling``) and by the docs (the class docstrings are generated from
+(``validate.check_tiling``) and by the docs (the class docstrings are generated from
 :meth:`TileRules.describe`; ``configs/cuda/*_tiles.yaml`` point here). The YAML files hold only
 the tuned per-shape choice among these tiles, read by :func:`load_tile_rules` and matched by
 :func:`match_rule`; every YAML row is checked against these rules when read.
@@ -13,11 +13,21 @@ No CuTe DSL, no torch, no GPU query.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 
 from common.config_files import config_path, load_yaml_file
 
-__all__ = ["SM90_TILES", "SM100_TILES", "TileRules", "load_tile_rules", "match_rule"]
+__all__ = [
+    "SM90_TILES",
+    "SM100_TILES",
+    "TILE_RULES",
+    "TileRules",
+    "load_tile_rules",
+    "match_rule",
+    "rules_loader",
+    "select_tile",
+]
 
 
 def _or(values: tuple[int, ...]) -> str:
@@ -169,6 +179,12 @@ SM100_TILES = TileRules(
 )
 
 
+#: The BF16 tile rules of each kernel arch: the API's tiling checks (``validate.check_tiling``)
+#: and per-expert token multiple (``bf16.TOKEN_ALIGN``) read them here. A new architecture adds
+#: its :class:`TileRules` and a row.
+TILE_RULES = {"sm90": SM90_TILES, "sm100": SM100_TILES}
+
+
 def load_tile_rules(path: pathlib.Path, config_cls: type, arch: str) -> tuple:
     """Rules of a ``configs/cuda/*_tiles.yaml`` as ``(name, conditions, config)`` in file order
     (each config validated by ``config_cls``, i.e. against the family's :class:`TileRules`).
@@ -215,3 +231,60 @@ def match_rule(
             continue
         return config
     return None
+
+
+def rules_loader(rules: TileRules, config_cls: type):
+    """The cached ``load_<family>_tile_rules()`` of a family: :func:`load_tile_rules` of
+    ``rules.yaml`` with ``config_cls``, read once per process.
+
+    Raises (when called):
+        RuntimeError: the file is missing or malformed.
+    """
+
+    @functools.cache
+    def load() -> tuple:
+        return load_tile_rules(rules.yaml, config_cls, rules.arch)
+
+    load.__doc__ = (
+        f"Rules of ``configs/cuda/{rules.yaml.name}`` as ``(name, conditions, "
+        f"{config_cls.__name__})`` in file order, read once (``tiles.load_tile_rules``).\n\n"
+        "    Raises:\n        RuntimeError: the file is missing or malformed.\n    "
+    )
+    return load
+
+
+def select_tile(
+    rules: TileRules,
+    config_cls: type,
+    load_rules,
+    hidden: int,
+    intermediate: int,
+    num_experts: int,
+    *,
+    mma_tiler_mn: tuple[int, int] | None,
+    who: str,
+    accumulate: bool = False,
+    whole_tiles: bool = False,
+):
+    """The tile config a family's ``select_<family>_tile_config`` starts from: the caller's
+    ``mma_tiler_mn`` as a ``config_cls`` (tile K the rules' first, as many stages as shared
+    memory holds: :meth:`TileRules.stages_for`), else the first rule of ``load_rules()`` that
+    holds (:func:`match_rule`), else None (the family says why no tile fits).
+
+    Raises:
+        ValueError: non-positive sizes (``who`` names the function), or a caller's tile the
+            config refuses.
+    """
+    if hidden < 1 or intermediate < 1 or num_experts < 1:
+        raise ValueError(
+            f"{who}: sizes must be positive, got hidden={hidden}, intermediate={intermediate}, "
+            f"num_experts={num_experts}"
+        )
+    if mma_tiler_mn is not None:
+        tile_m, tile_n = (int(v) for v in mma_tiler_mn)
+        tile_k = rules.tile_k[0]
+        return config_cls(tile_m, tile_n, tile_k, rules.stages_for(tile_m, tile_n, tile_k))
+    return match_rule(
+        load_rules(), hidden, intermediate, num_experts, accumulate=accumulate,
+        whole_tiles=whole_tiles,
+    )

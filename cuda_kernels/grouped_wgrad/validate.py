@@ -1,45 +1,37 @@
-"""Validation of grouped-wgrad calls: shapes, dtypes, majors, alignment, tiling, outputs, devices,
-workspaces (host metadata, no sync) and the offsets / pointer values (a host read, once per
-tensor version). Every rule raises ``ValueError`` (or ``RuntimeError`` for the environment)
-naming the argument, before any output is written.
+"""The rules every grouped-wgrad format shares: operand shapes, majors and alignment, tiling,
+outputs, pointers, devices, workspaces (host metadata, no sync) and the offsets / pointer values
+(a host read, once per tensor version); plus the MX operand quantizer's argument rules.
+
+Each rule is a named function that raises ``ValueError`` naming the argument (its name passed
+in: ``a_tensor`` for a call, ``sample_a`` for a sample, ``a`` for a JAX array), before any
+output is written. The ORDER in which a call's rules run is ``pipeline.validate_call``'s (the
+one pipeline every entry calls); a format's own rules are in ``bf16.py`` / ``blockscaled.py``.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from common.mx_atoms import (
-    ATOM_COLS,
-    ATOM_ROWS,
-    grouped_scale_cols,
-    grouped_scale_cols_bound,
-    round_up,
-)
+from common.mx_atoms import grouped_scale_cols, grouped_scale_cols_bound
 
 from ._types import (
-    _BLOCK_SCALED_DTYPES,
-    BLOCKSCALED_FORMATS,
-    BLOCKSCALED_TOKEN_ALIGN,
-    SF_DTYPES,
-    BlockScaledSpec,
-    _DESCRIPTORS_PER_EXPERT,
-    _OUTPUT_MODES,
-    _TMA_DESCRIPTOR_BYTES,
+    BLOCK_SCALED_DTYPES,
+    DESCRIPTORS_PER_EXPERT,
     OFFSETS_ALIGN_BYTES,
     OUTPUT_DTYPES,
+    OUTPUT_MODES,
     POINTERS_ALIGN_BYTES,
     TMA_ALIGN_BYTES,
+    TMA_DESCRIPTOR_BYTES,
+    BlockScaledSpec,
+    elem_bytes,
 )
-from .tiles import SM90_TILES, SM100_TILES
+from .tiles import TILE_RULES
 from .torch_ref import INPUT_ORDERS
-
-#: The tile rules the API checks a caller's ``mma_tiler_mn`` / ``cluster_shape_mn`` against.
-_TILE_RULES = {"sm90": SM90_TILES, "sm100": SM100_TILES}
 
 
 def _a_majors(a: torch.Tensor, arg: str, pitched: bool = False) -> tuple[str, ...]:
@@ -82,15 +74,18 @@ def _b_majors(b: torch.Tensor, arg: str, pitched: bool = False) -> tuple[str, ..
     return tuple(majors)
 
 
-def _check_ptr(t: torch.Tensor, arg: str, align: int) -> None:
+def check_ptr(t: torch.Tensor, arg: str, align: int) -> None:
     if t.device.type == "meta" or t.numel() == 0:
         return
     if t.data_ptr() % align:
         raise ValueError(f"{arg}: data pointer {t.data_ptr():#x} must be {align}-byte aligned")
 
 
-def _check_tiling(arch: str, mma_tiler_mn, cluster_shape_mn) -> tuple:
-    """Validate the tiling arguments; returns (mma_tiler_mn, cluster_shape_mn) as tuples/None."""
+def check_tiling(arch: str, mma_tiler_mn, cluster_shape_mn) -> tuple:
+    """Validate the tiling arguments against ``tiles.TILE_RULES[arch]`` (none for "torch");
+    returns (mma_tiler_mn, cluster_shape_mn) as tuples / None. A kernel built for clusters
+    (``max_cluster_ctas > 1``) takes any power-of-two cluster the API allows, else only the
+    clusters its tiles run on."""
 
     def as_pair(value, arg):
         if value is None:
@@ -105,23 +100,23 @@ def _check_tiling(arch: str, mma_tiler_mn, cluster_shape_mn) -> tuple:
 
     tiler = as_pair(mma_tiler_mn, "mma_tiler_mn")
     cluster = as_pair(cluster_shape_mn, "cluster_shape_mn")
-    if arch not in _TILE_RULES:
+    if arch not in TILE_RULES:
         return tiler, cluster
-    rules = _TILE_RULES[arch]
+    rules = TILE_RULES[arch]
     tiles_text = (
         f"tile M in {rules.tile_m}, tile N a multiple of {rules.tile_n_step} in "
         f"[{rules.tile_n_step}, {rules.tile_n_max}]"
     )
-    if arch == "sm100":
+    if rules.max_cluster_ctas > 1:
         if tiler is not None and (tiler[0] not in rules.tile_m or tiler[1] not in rules.tile_n):
-            raise ValueError(f"mma_tiler_mn={tiler} unsupported on SM100: {tiles_text}")
+            raise ValueError(f"mma_tiler_mn={tiler} unsupported on {rules.arch}: {tiles_text}")
         if cluster is not None:
             cm, cn = cluster
             pow2 = all(c >= 1 and (c & (c - 1)) == 0 for c in cluster)
             if not pow2 or cm * cn > rules.max_cluster_ctas:
                 raise ValueError(
-                    f"cluster_shape_mn={cluster} unsupported on SM100: powers of two, at most "
-                    f"{rules.max_cluster_ctas} CTAs"
+                    f"cluster_shape_mn={cluster} unsupported on {rules.arch}: powers of two, at "
+                    f"most {rules.max_cluster_ctas} CTAs"
                 )
             if tiler is not None and tiler[0] == rules.two_cta_tile_m and cm % 2:
                 raise ValueError(
@@ -131,13 +126,13 @@ def _check_tiling(arch: str, mma_tiler_mn, cluster_shape_mn) -> tuple:
     else:
         if tiler is not None and (tiler[0] not in rules.tile_m or tiler[1] not in rules.tile_n):
             raise ValueError(
-                f"mma_tiler_mn={tiler} unsupported on SM90: {tiles_text} (or None: chosen per "
-                "shape from configs/cuda)"
+                f"mma_tiler_mn={tiler} unsupported on {rules.arch}: {tiles_text} (or None: chosen "
+                "per shape from configs/cuda)"
             )
         clusters = tuple(sorted({rules.cluster_for(m) for m in rules.tile_m}))
         if cluster is not None and cluster not in clusters:
             raise ValueError(
-                f"cluster_shape_mn={cluster} unsupported on SM90: one of {clusters} or None"
+                f"cluster_shape_mn={cluster} unsupported on {rules.arch}: one of {clusters} or None"
             )
     return tiler, cluster
 
@@ -150,7 +145,7 @@ _VALIDATED_MAX = 1024
 _VALIDATED_LOCK = threading.RLock()
 
 
-def _validated_once(t: torch.Tensor, key: tuple, check: Callable[[], None]) -> None:
+def validated_once(t: torch.Tensor, key: tuple, check: Callable[[], None]) -> None:
     """Run ``check`` (a host read: one device sync) unless ``t`` passed it unchanged before.
 
     "Unchanged" is torch's version counter (``t._version``), which every in-place torch op on
@@ -175,24 +170,27 @@ def _validated_once(t: torch.Tensor, key: tuple, check: Callable[[], None]) -> N
             pass
 
 
-def _check_offsets_values(
+def check_offsets_values(
     offsets: torch.Tensor, tokens_sum: int, group_align: int, arg: str, why: str = "on this kernel"
 ) -> None:
     """Host read of the offsets: non-decreasing, >= 0, groups multiples of align, last == S.
 
-    Once per tensor version (``_validated_once``): repeated calls with the same unchanged
+    Once per tensor version (``validated_once``): repeated calls with the same unchanged
     offsets tensor do not synchronise again.
     """
-    _validated_once(
+    validated_once(
         offsets,
         ("offsets", tokens_sum, group_align, arg),
-        lambda: _check_offsets_now(offsets, tokens_sum, group_align, arg, why),
+        lambda: check_offsets_now(offsets, tokens_sum, group_align, arg, why),
     )
 
 
-def _check_offsets_now(
+def check_offsets_now(
     offsets: torch.Tensor, tokens_sum: int, group_align: int, arg: str, why: str = "on this kernel"
 ) -> None:
+    """The offsets rule on the values now (a host read; :func:`check_offsets_values` caches it
+    per tensor version): non-decreasing from >= 0, every count a multiple of ``group_align``
+    (``why`` ends that message), the last == ``tokens_sum``."""
     values = [int(v) for v in offsets.tolist()]
     prev = 0
     for e, end in enumerate(values):
@@ -214,34 +212,38 @@ def _check_offsets_now(
         )
 
 
-def _check_pointer_values(
+def check_pointer_values(
     ptrs: torch.Tensor, arg: str, stacked: torch.Tensor | None = None
 ) -> None:
-    """Host read of the output addresses: non-null, 16-byte aligned and, when the caller passes
-    the stacked ``wgrad_tensor`` too (cuDNN's discrete calls pass both), exactly its expert
-    slabs, so the tensor returned is the memory written. Once per tensor version."""
+    """Host read of the output addresses (:func:`check_pointers_now`), once per tensor version.
+    ``stacked``: the stacked ``wgrad_tensor`` a discrete call passes too (cuDNN's calls pass
+    both): the pointers must be exactly its expert slabs, so the tensor returned is the memory
+    written."""
     slabs = None
     if stacked is not None:
         step = stacked[0].numel() * stacked.element_size() if stacked.shape[0] else 0
         slabs = (stacked.data_ptr(), step)
+    validated_once(
+        ptrs, ("pointers", arg, slabs), lambda: check_pointers_now(ptrs.tolist(), arg, slabs)
+    )
 
-    def check() -> None:
-        values = [int(v) for v in ptrs.tolist()]
-        for e, p in enumerate(values):
-            if p == 0 or p % TMA_ALIGN_BYTES:
-                raise ValueError(
-                    f"{arg}[{e}] = {p:#x}: every output address must be non-null and "
-                    f"{TMA_ALIGN_BYTES}-byte aligned"
-                )
-            if slabs is not None and p != slabs[0] + e * slabs[1]:
-                raise ValueError(
-                    f"{arg}[{e}] = {p:#x} is not expert {e}'s slab of wgrad_tensor "
-                    f"({slabs[0] + e * slabs[1]:#x}): in discrete mode with both, the kernel "
-                    "writes through wgrad_ptrs and returns wgrad_tensor, so the pointers must "
-                    "address wgrad_tensor[e]"
-                )
 
-    _validated_once(ptrs, ("pointers", arg, slabs), check)
+def check_pointers_now(values, arg: str, slabs: tuple[int, int] | None = None) -> None:
+    """Every output address non-null and 16-byte aligned; with ``slabs = (base, step)`` expert
+    ``e``'s address is ``base + e * step``."""
+    for e, p in enumerate(int(v) for v in values):
+        if p == 0 or p % TMA_ALIGN_BYTES:
+            raise ValueError(
+                f"{arg}[{e}] = {p:#x}: every output address must be non-null and "
+                f"{TMA_ALIGN_BYTES}-byte aligned"
+            )
+        if slabs is not None and p != slabs[0] + e * slabs[1]:
+            raise ValueError(
+                f"{arg}[{e}] = {p:#x} is not expert {e}'s slab of wgrad_tensor "
+                f"({slabs[0] + e * slabs[1]:#x}): in discrete mode with both, the kernel "
+                "writes through wgrad_ptrs and returns wgrad_tensor, so the pointers must "
+                "address wgrad_tensor[e]"
+            )
 
 
 #: The MX wgrad operand quantizer's choices (``quantize.py`` and its torch twin
@@ -349,10 +351,12 @@ def check_quantize_args(
     return scale_cols
 
 
-def _check_dtype_pair(a_dtype, b_dtype, a_arg: str, b_arg: str) -> None:
+def check_dtype_pair(a_dtype, b_dtype, a_arg: str, b_arg: str) -> None:
+    """The BF16 format's operand pair: A and B torch.bfloat16 (a block-scaled pair is named as
+    such: it takes the scale tensors)."""
     if a_dtype == torch.bfloat16 and b_dtype == torch.bfloat16:
         return
-    if a_dtype in _BLOCK_SCALED_DTYPES and b_dtype in _BLOCK_SCALED_DTYPES:
+    if a_dtype in BLOCK_SCALED_DTYPES and b_dtype in BLOCK_SCALED_DTYPES:
         if a_dtype != b_dtype:
             raise ValueError(
                 f"{a_arg}/{b_arg}: block-scaled operands need one dtype for A and B (FP8 E4M3, "
@@ -370,31 +374,7 @@ def _check_dtype_pair(a_dtype, b_dtype, a_arg: str, b_arg: str) -> None:
     )
 
 
-def _check_scale_controls(controls: dict, sf_vec_size: int, acc_dtype) -> None:
-    for name, value in controls.items():
-        if value is not None:
-            raise ValueError(
-                f"{name} must be None: the BF16 grouped wgrad forbids scale-factor and global-scale "
-                "controls (it never falls through to the block-scaled backend)"
-            )
-    if sf_vec_size != 16:
-        raise ValueError(f"sf_vec_size must be 16 for BF16 (the seed's rule), got {sf_vec_size}")
-    if acc_dtype != torch.float32:
-        raise ValueError(f"acc_dtype must be torch.float32 (FP32 accumulation), got {acc_dtype}")
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One call's resolved output arguments after validation."""
-
-    tokens_sum: int
-    out: torch.Tensor  # dense (E, H, I) tensor or (E,) int64 pointers
-    a: torch.Tensor  # A as launched (compact strides in tensor_ragged order)
-    b: torch.Tensor
-    scales: tuple | None = None  # block-scaled: (sfa, sfb, global_scale_a, global_scale_b)
-
-
-def _ragged_compact(
+def ragged_compact(
     a: torch.Tensor, b: torch.Tensor, names: tuple[str, str] = ("a_tensor", "b_tensor")
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``input_order="tensor_ragged"``: only each operand's unit-stride axis is meaningful (seed);
@@ -406,7 +386,7 @@ def _ragged_compact(
     out = []
     for t, arg, k_axis in ((a, names[0], 1), (b, names[1], 0)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            out.append(t)  # reported by _validate_operands
+            out.append(t)  # reported by validate_operands
             continue
         rows, cols = t.shape
         if t.stride(k_axis) == 1:  # K-major: per-expert K-contiguous blocks
@@ -425,7 +405,7 @@ def _ragged_compact(
     return out[0], out[1]
 
 
-def _validate_operands(
+def validate_operands(
     arch: str,
     a: torch.Tensor,
     b: torch.Tensor,
@@ -467,7 +447,7 @@ def _validate_operands(
             f"{intermediate}"
         )
     if spec is None:
-        _check_dtype_pair(a.dtype, b.dtype, a_arg, b_arg)
+        check_dtype_pair(a.dtype, b.dtype, a_arg, b_arg)
     if offsets.dim() != 1:
         raise ValueError(f"{off_arg} must be rank-1 (num_experts,), got {tuple(offsets.shape)}")
     if offsets.dtype != torch.int32:
@@ -525,13 +505,31 @@ def _validate_operands(
                 f"{compact[0]}: a K-major operand needs tokens_sum % {need * pack} == 0 (16-byte "
                 f"TMA strides), got tokens_sum={tokens_sum}"
             )
-        _check_ptr(a, a_arg, TMA_ALIGN_BYTES)
-        _check_ptr(b, b_arg, TMA_ALIGN_BYTES)
-        _check_ptr(offsets, off_arg, OFFSETS_ALIGN_BYTES)
+        check_ptr(a, a_arg, TMA_ALIGN_BYTES)
+        check_ptr(b, b_arg, TMA_ALIGN_BYTES)
+        check_ptr(offsets, off_arg, OFFSETS_ALIGN_BYTES)
     return hidden, tokens_sum, intermediate, num_experts, a_majors, b_majors
 
 
-def _check_dense_out(
+def check_output_mode(output_mode) -> str:
+    """``output_mode`` is "dense" or "discrete"."""
+    if output_mode not in OUTPUT_MODES:
+        raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
+    return output_mode
+
+
+def check_output_rows(intermediate: int, out_name: str, arg: str) -> None:
+    """A kernel's output rows are TMA-stored: ``intermediate * element size`` a multiple of 16
+    bytes for the output dtype ``out_name`` (the argument that chose it is ``arg``)."""
+    need = TMA_ALIGN_BYTES // elem_bytes(out_name)
+    if intermediate % need:
+        raise ValueError(
+            f"{arg}: intermediate % {need} == 0 needed for 16-byte TMA stores of {out_name}, "
+            f"got intermediate={intermediate}"
+        )
+
+
+def check_dense_out(
     arch: str, out: torch.Tensor, shape: tuple[int, int, int], arg: str, out_dtype=None
 ) -> str:
     if not isinstance(out, torch.Tensor):
@@ -559,11 +557,11 @@ def _check_dense_out(
                 f"{arg}: intermediate % {need} == 0 needed for 16-byte TMA stores of "
                 f"{out.dtype}, got intermediate={i}"
             )
-        _check_ptr(out, arg, TMA_ALIGN_BYTES)
+        check_ptr(out, arg, TMA_ALIGN_BYTES)
     return OUTPUT_DTYPES[out.dtype]
 
 
-def _check_expert_out(arch: str, out: torch.Tensor, shape: tuple[int, int], dtype, arg: str):
+def check_expert_out(arch: str, out: torch.Tensor, shape: tuple[int, int], dtype, arg: str):
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"{arg} must be a torch.Tensor, got {type(out).__name__}")  # noqa: TRY004
     if tuple(out.shape) != shape:
@@ -577,10 +575,10 @@ def _check_expert_out(arch: str, out: torch.Tensor, shape: tuple[int, int], dtyp
     if out.dtype != dtype:
         raise ValueError(f"{arg} dtype {out.dtype} must equal wgrad_dtype {dtype}")
     if arch != "torch":
-        _check_ptr(out, arg, TMA_ALIGN_BYTES)
+        check_ptr(out, arg, TMA_ALIGN_BYTES)
 
 
-def _check_ptrs_tensor(ptrs: torch.Tensor, num_experts: int, arg: str = "wgrad_ptrs") -> None:
+def check_ptrs_tensor(ptrs: torch.Tensor, num_experts: int, arg: str = "wgrad_ptrs") -> None:
     if not isinstance(ptrs, torch.Tensor):
         raise ValueError(f"{arg} must be a torch.Tensor, got {type(ptrs).__name__}")  # noqa: TRY004
     if ptrs.dtype != torch.int64:
@@ -591,10 +589,10 @@ def _check_ptrs_tensor(ptrs: torch.Tensor, num_experts: int, arg: str = "wgrad_p
         )
     if ptrs.stride(0) != 1:
         raise ValueError(f"{arg} must be contiguous (stride (1,)), got {tuple(ptrs.stride())}")
-    _check_ptr(ptrs, arg, POINTERS_ALIGN_BYTES)
+    check_ptr(ptrs, arg, POINTERS_ALIGN_BYTES)
 
 
-def _check_same_device(tensors: dict[str, torch.Tensor | None]) -> torch.device:
+def check_same_device(tensors: dict[str, torch.Tensor | None]) -> torch.device:
     present = {k: v for k, v in tensors.items() if v is not None}
     devices = {v.device for v in present.values()}
     if len(devices) > 1:
@@ -603,14 +601,14 @@ def _check_same_device(tensors: dict[str, torch.Tensor | None]) -> torch.device:
     return next(iter(devices))
 
 
-def _check_input_order(input_order) -> str:
+def check_input_order(input_order) -> str:
     value = getattr(input_order, "value", input_order)
     if value not in INPUT_ORDERS:
         raise ValueError(f"input_order must be one of {INPUT_ORDERS}, got {input_order!r}")
     return value
 
 
-def _check_wgrad_dtype(wgrad_dtype, arg: str = "wgrad_dtype") -> str:
+def check_wgrad_dtype(wgrad_dtype, arg: str = "wgrad_dtype") -> str:
     if wgrad_dtype not in OUTPUT_DTYPES:
         raise ValueError(
             f"{arg} must be torch.bfloat16, torch.float16 or torch.float32, got {wgrad_dtype}"
@@ -645,13 +643,12 @@ def get_grouped_gemm_wgrad_workspace_size_sm100(
     """
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be positive (an int >= 1), got {num_experts!r}")
-    if output_mode not in _OUTPUT_MODES:
-        raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
-    _check_input_order(input_order)
-    return num_experts * _DESCRIPTORS_PER_EXPERT[output_mode] * _TMA_DESCRIPTOR_BYTES
+    check_output_mode(output_mode)
+    check_input_order(input_order)
+    return num_experts * DESCRIPTORS_PER_EXPERT[output_mode] * TMA_DESCRIPTOR_BYTES
 
 
-def _check_workspace(
+def check_workspace(
     descriptor_workspace, workspace, num_experts: int, output_mode: str, input_order: str
 ) -> torch.Tensor | None:
     """The caller's workspace (``descriptor_workspace``, or cuDNN's ``workspace`` alias), checked:
@@ -686,219 +683,3 @@ def _check_workspace(
             f"(get_grouped_gemm_wgrad_workspace_size_sm100), got {ws.numel()}"
         )
     return ws
-
-
-# ---------------------------------------------------------------------------------------------
-# The block-scaled (FP8 / FP4) contract
-# ---------------------------------------------------------------------------------------------
-
-_ELEM_KIND = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
-_FORMAT_TEXT = (
-    "float8_e4m3fn / float8_e5m2 operands + float8_e8m0fnu scales at sf_vec_size=32 (MXFP8), "
-    "packed FP4 (uint8 / float4_e2m1fn_x2) + float8_e8m0fnu at 32 (MXFP4), packed FP4 + "
-    "float8_e4m3fn at 16 with global_scale_a / global_scale_b (NVFP4)"
-)
-_FORMAT_NAMES = {"mxfp8": "MXFP8", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
-
-
-def _is_blockscaled_pair(a, b, a_arg: str = "a_tensor", b_arg: str = "b_tensor") -> bool:
-    """True when A and B are one FP8 / FP4 dtype: the pair that selects the block-scaled backend
-    (seed: only a supported matching FP4/FP8 operand pair selects it).
-
-    Raises:
-        ValueError: A and B are two different FP8 / FP4 dtypes (no backend takes the mix).
-    """
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-        return False
-    if a.dtype in _BLOCK_SCALED_DTYPES and b.dtype in _BLOCK_SCALED_DTYPES:
-        if a.dtype != b.dtype:
-            _check_dtype_pair(a.dtype, b.dtype, a_arg, b_arg)
-        return True
-    return False
-
-
-def _check_sf_fp8_dtype_override(value) -> None:
-    if value is not None:
-        raise ValueError(
-            f"sf_fp8_dtype_override must be None, got {value!r}: cuDNN's override of the FP8 "
-            "scale-factor dtype applies to Rubin GPUs only, and this package has no Rubin kernel"
-        )
-
-
-def _blockscaled_spec(
-    arch: str, a, sfa, sfb, sf_vec_size, sf_fp8_dtype_override, acc_dtype, names
-) -> BlockScaledSpec:
-    """The format of a block-scaled call (dtype pair already matched): scale dtypes, vector size,
-    override and accumulator rules."""
-    a_arg, sfa_arg, sfb_arg = names
-    for name, sf in ((sfa_arg, sfa), (sfb_arg, sfb)):
-        if sf is None:
-            raise ValueError(
-                f"{name} is required: {a.dtype} operands select the block-scaled backend, which "
-                "needs the scale factors of A and B (sfa / sfb)"
-            )
-        if not isinstance(sf, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(sf).__name__}")  # noqa: TRY004
-        if sf.dtype not in SF_DTYPES:
-            raise ValueError(
-                f"{name} dtype must be torch.float8_e8m0fnu (MX) or torch.float8_e4m3fn (NVFP4), "
-                f"got {sf.dtype}"
-            )
-    if sfa.dtype != sfb.dtype:
-        raise ValueError(
-            f"{sfa_arg} and {sfb_arg} need one dtype; got {sfa.dtype} and {sfb.dtype}"
-        )
-    if isinstance(sf_vec_size, bool) or not isinstance(sf_vec_size, int):
-        raise ValueError(f"sf_vec_size must be an int (16 or 32), got {sf_vec_size!r}")
-    kind = _ELEM_KIND.get(a.dtype, "e2m1")
-    fmt = BLOCKSCALED_FORMATS.get((kind, sfa.dtype, sf_vec_size))
-    if fmt is None:
-        raise ValueError(
-            f"{a_arg} {a.dtype} with {sfa_arg} {sfa.dtype} at sf_vec_size={sf_vec_size} is not a "
-            f"supported block-scaled format; supported: {_FORMAT_TEXT}"
-        )
-    _check_sf_fp8_dtype_override(sf_fp8_dtype_override)
-    if acc_dtype != torch.float32:
-        raise ValueError(f"acc_dtype must be torch.float32 (FP32 accumulation), got {acc_dtype}")
-    return BlockScaledSpec(
-        fmt=fmt,
-        ab_dtype=str(a.dtype).removeprefix("torch."),
-        sf_dtype=SF_DTYPES[sfa.dtype],
-        sf_vec_size=sf_vec_size,
-        token_align=BLOCKSCALED_TOKEN_ALIGN[arch][fmt],
-        sf_fp8_dtype_override=sf_fp8_dtype_override,
-    )
-
-
-def _check_sf_tensor(arch: str, sf: torch.Tensor, rows: int, tokens_sum: int, sf_vec: int,
-                     arg: str, rows_name: str) -> None:
-    """Shape, layout and alignment of one scale tensor (host metadata only): cuDNN's
-    ``[round_up(rows, 128), cols]`` 128x4-atom layout, ``cols`` a multiple of 4 and at least
-    ``round_up(ceil(tokens_sum / sf_vec), 4)`` (what every split needs; the per-split need is
-    checked with the offsets values)."""
-    rp = round_up(rows, ATOM_ROWS)
-    min_cols = round_up(-(-tokens_sum // sf_vec), ATOM_COLS)
-    if sf.dim() != 2 or sf.shape[0] != rp:
-        raise ValueError(
-            f"{arg} must be rank-2 [round_up({rows_name}, 128), cols] = [{rp}, cols] (128x4 "
-            f"scale atoms, cuDNN's layout), got shape {tuple(sf.shape)}"
-        )
-    if sf.shape[1] % ATOM_COLS or sf.shape[1] < min_cols:
-        raise ValueError(
-            f"{arg} needs a multiple of 4 columns, at least round_up(ceil(tokens_sum / "
-            f"sf_vec_size), 4) = {min_cols} (tokens_sum={tokens_sum}, sf_vec_size={sf_vec}); "
-            f"got {sf.shape[1]}"
-        )
-    if not sf.is_contiguous():
-        raise ValueError(
-            f"{arg} must be contiguous (the atom layout is a byte order), got strides "
-            f"{tuple(sf.stride())}"
-        )
-    if arch != "torch":
-        _check_ptr(sf, arg, TMA_ALIGN_BYTES)
-
-
-def _check_global_scale(g, num_experts: int, arg: str) -> None:
-    if not isinstance(g, torch.Tensor):
-        raise ValueError(
-            f"{arg} is required for NVFP4: a torch.float32 tensor of shape (num_experts,) = "
-            f"({num_experts},) (per-expert global scale), got {type(g).__name__}"
-        )
-    if g.dtype != torch.float32 or tuple(g.shape) != (num_experts,) or g.stride(0) != 1:
-        raise ValueError(
-            f"{arg} must be a contiguous torch.float32 tensor of shape ({num_experts},) "
-            f"(per-expert global scale), got {g.dtype} {tuple(g.shape)} strides {tuple(g.stride())}"
-        )
-
-
-@dataclass(frozen=True)
-class _BlockScaledOperands:
-    """Host metadata of a validated block-scaled call."""
-
-    hidden: int
-    tokens_sum: int
-    intermediate: int
-    num_experts: int
-    a_majors: tuple[str, ...]
-    b_majors: tuple[str, ...]
-    spec: BlockScaledSpec
-
-
-def _validate_blockscaled(
-    arch: str,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    sfa,
-    sfb,
-    offsets: torch.Tensor,
-    global_scale_a,
-    global_scale_b,
-    *,
-    sf_vec_size,
-    sf_fp8_dtype_override,
-    acc_dtype,
-    names: tuple[str, ...] = (
-        "a_tensor", "b_tensor", "sfa_tensor", "sfb_tensor", "offsets_tensor", "global_scale_a",
-        "global_scale_b",
-    ),
-) -> _BlockScaledOperands:
-    """Every host-metadata rule of a block-scaled call (A / B one FP8 or FP4 dtype): format,
-    scales, global scales, shapes, majors, alignment. No device read; see
-    :func:`_check_blockscaled_values` for the offsets values."""
-    a_arg, b_arg, sfa_arg, sfb_arg, off_arg, gsa_arg, gsb_arg = names
-    spec = _blockscaled_spec(
-        arch, a, sfa, sfb, sf_vec_size, sf_fp8_dtype_override, acc_dtype, (a_arg, sfa_arg, sfb_arg)
-    )
-    hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
-        arch, a, b, offsets, (a_arg, b_arg, off_arg), spec
-    )
-    _check_sf_tensor(arch, sfa, hidden, tokens_sum, spec.sf_vec_size, sfa_arg, "hidden")
-    _check_sf_tensor(arch, sfb, inter, tokens_sum, spec.sf_vec_size, sfb_arg, "intermediate")
-    if spec.fmt == "nvfp4":
-        _check_global_scale(global_scale_a, num_experts, gsa_arg)
-        _check_global_scale(global_scale_b, num_experts, gsb_arg)
-    else:
-        for arg, g in ((gsa_arg, global_scale_a), (gsb_arg, global_scale_b)):
-            if g is not None:
-                raise ValueError(
-                    f"{arg} must be None for {_FORMAT_NAMES[spec.fmt]}: per-expert global scales "
-                    "belong to NVFP4 (FP4 with float8_e4m3fn scales at sf_vec_size=16)"
-                )
-    return _BlockScaledOperands(
-        hidden, tokens_sum, inter, num_experts, tuple(a_majors), tuple(b_majors), spec
-    )
-
-
-def _check_blockscaled_values(
-    arch: str, spec: BlockScaledSpec, offsets: torch.Tensor, tokens_sum: int, sfa, sfb,
-    off_arg: str = "offsets_tensor", sf_args: tuple[str, str] = ("sfa_tensor", "sfb_tensor"),
-) -> None:
-    """Host read of the offsets of a block-scaled call (once per tensor version): the offsets
-    rule with the format's per-expert token multiple, and enough scale columns for the split
-    (each expert's scales start at its own atom column: ``common.mx_atoms``)."""
-    align = spec.token_align
-    if align > 1:
-        fmt = _FORMAT_NAMES[spec.fmt]
-        why = (
-            f"for {fmt} on SM100 (cuDNN's rule: whole 128x4 scale atoms per expert; "
-            "grouped_gemm_wgrad accepts any MXFP8 count)" if arch == "sm100"
-            else f"for {fmt} (packed FP4: two tokens per byte)"
-        )
-    else:
-        why = ""
-    _check_offsets_values(offsets, tokens_sum, align, off_arg, why)
-
-    def check() -> None:
-        need = grouped_scale_cols(offsets.tolist(), spec.sf_vec_size)[2]
-        for arg, sf in zip(sf_args, (sfa, sfb)):
-            if sf.shape[1] < need:
-                raise ValueError(
-                    f"{arg} has {sf.shape[1]} scale columns; this split of the experts' tokens "
-                    f"needs {need} (each expert's round_up(ceil(tokens / sf_vec_size), 4) "
-                    "columns; common.mx_atoms.grouped_scale_cols_bound sizes a buffer for any "
-                    "split)"
-                )
-
-    _validated_once(
-        offsets, ("sf_cols", spec.sf_vec_size, sfa.shape[1], sfb.shape[1], off_arg), check
-    )

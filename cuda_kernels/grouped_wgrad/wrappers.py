@@ -1,53 +1,40 @@
 """The cuDNN-style wrapper functions ``grouped_gemm_wgrad_wrapper_sm100`` / ``_sm90`` (compile once
 per static contract, then launch), the hot-path ``grouped_wgrad_into`` and the operator caches.
+
+A wrapper call is one ``_types.WgradCall``: the device rule of its class first
+(``classes.require_device``), then ``pipeline.validate_call`` (every rule, in the pipeline's
+order), the cached ``pipeline.CompiledWgrad`` of the static contract (the tile fit and the compile
+once per contract), the outputs, the launch. JAX arrays are converted by ``jax_arrays`` (DLPack)
+before any of that.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import threading
 from typing import Any
 
 import torch
 
-from . import _env, launch
-from ._types import (
-    _NAME_TO_DTYPE,
-    _OUTPUT_MODES,
-    TMA_ALIGN_BYTES,
-    TupleDict,
-    WgradContract,
-    _elem_bytes,
-)
-from .classes import (
-    GroupedGemmWgradSm90,
-    GroupedGemmWgradSm100,
-    _GroupedGemmWgradBase,
-    _stacked_pointers,
-    _torch_stream,
-)
-from .validate import (
-    _check_blockscaled_values,
-    _check_dense_out,
-    _check_input_order,
-    _check_offsets_values,
-    _check_pointer_values,
-    _check_ptrs_tensor,
-    _check_same_device,
-    _check_scale_controls,
-    _check_tiling,
-    _check_wgrad_dtype,
-    _check_workspace,
-    _is_blockscaled_pair,
-    _ragged_compact,
-    _validate_blockscaled,
-    _validate_operands,
-    clear_validated,
-)
+from . import bf16, jax_arrays
+from ._types import TupleDict, WgradCall
+from .classes import ARCH_CLASSES, GroupedGemmWgradSm90, GroupedGemmWgradSm100, require_device
+from .pipeline import CompiledWgrad, allocate_outputs, compile_contract, validate_call
+from .validate import clear_validated
+
+__all__ = [
+    "WRAPPERS",
+    "clear_grouped_wgrad_caches",
+    "grouped_gemm_wgrad_wrapper_sm90",
+    "grouped_gemm_wgrad_wrapper_sm100",
+    "grouped_wgrad_into",
+    "run_wrapper",
+]
 
 _CACHE_LOCK = threading.RLock()
-_OP_CACHE: dict[tuple, _GroupedGemmWgradBase] = {}
+#: (static contract, device) -> its compiled operator (every wrapper call of the contract).
+_OP_CACHE: dict[tuple, CompiledWgrad] = {}
+#: grouped_wgrad_into's metadata key -> the compiled operator (no validation on a hit).
+_INTO_CACHE: dict[tuple, CompiledWgrad] = {}
 
 
 def clear_grouped_wgrad_caches() -> None:
@@ -55,201 +42,69 @@ def clear_grouped_wgrad_caches() -> None:
     with _CACHE_LOCK:
         _OP_CACHE.clear()
         _INTO_CACHE.clear()
-    launch.clear_launcher_cache()
+    bf16.clear_launcher_cache()
     clear_validated()
 
 
-def _wrapper(
-    cls,
-    a_tensor,
-    b_tensor,
-    sfa_tensor,
-    sfb_tensor,
-    offsets_tensor,
-    output_mode,
-    wgrad_tensor,
-    wgrad_ptrs,
-    global_scale_a,
-    global_scale_b,
-    acc_dtype,
-    wgrad_dtype,
-    mma_tiler_mn,
-    cluster_shape_mn,
-    sf_vec_size,
-    accumulate_on_output,
-    input_order,
-    current_stream,
-    validate_offsets,
-    descriptor_workspace,
-    _ops_out: list | None = None,
-    sf_fp8_dtype_override: str | None = None,
-) -> TupleDict:
+def run_wrapper(cls: type, call: WgradCall) -> tuple[TupleDict, CompiledWgrad]:
+    """The body of both seed wrappers (and of ``grouped_wgrad_into``'s first call of a key):
+    ``cls`` is ``GroupedGemmWgradSm100`` / ``GroupedGemmWgradSm90`` (its arch, name and device
+    rule). Returns the result and the compiled operator that ran.
+
+    Raises:
+        ValueError / RuntimeError: see the wrappers.
+    """
     arch = cls._ARCH
     # 0. The device rule first (CUDA available, the compute capability), as check_support(): a
     #    call that cannot run here says so before any rule on its data (a few µs per call).
-    if isinstance(a_tensor, torch.Tensor):
-        cls._check_arch(a_tensor.device, "a_tensor")
-    # 1. Every rule of the call (CPU-testable with a faked _env.query_arch), before any output is
+    if isinstance(call.a, torch.Tensor):
+        require_device(cls, call.a.device, call.names.a)
+    # 1. Every rule of the call (CPU-testable with a faked env.query_arch), before any output is
     #    written.
-    if output_mode not in _OUTPUT_MODES:
-        raise ValueError(f'output_mode must be "dense" or "discrete", got {output_mode!r}')
-    block_scaled = _is_blockscaled_pair(a_tensor, b_tensor)
-    if not block_scaled:
-        _check_scale_controls(
-            {
-                "sfa_tensor": sfa_tensor,
-                "sfb_tensor": sfb_tensor,
-                "global_scale_a": global_scale_a,
-                "global_scale_b": global_scale_b,
-                "sf_fp8_dtype_override": sf_fp8_dtype_override,
-            },
-            sf_vec_size,
-            acc_dtype,
-        )
-    input_order = _check_input_order(input_order)
-    tiler, cluster = _check_tiling(
-        arch, cls._DEFAULT_TILER if mma_tiler_mn is None else mma_tiler_mn, cluster_shape_mn
-    )
-    if input_order == "tensor_ragged":
-        a_tensor, b_tensor = _ragged_compact(a_tensor, b_tensor)
-    spec = None
-    if block_scaled:
-        ops = _validate_blockscaled(
-            arch, a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor, global_scale_a,
-            global_scale_b, sf_vec_size=sf_vec_size,
-            sf_fp8_dtype_override=sf_fp8_dtype_override, acc_dtype=acc_dtype,
-        )
-        hidden, tokens_sum, inter = ops.hidden, ops.tokens_sum, ops.intermediate
-        num_experts, a_majors, b_majors, spec = (
-            ops.num_experts, ops.a_majors, ops.b_majors, ops.spec
-        )
-    else:
-        hidden, tokens_sum, inter, num_experts, a_majors, b_majors = _validate_operands(
-            arch, a_tensor, b_tensor, offsets_tensor, ("a_tensor", "b_tensor", "offsets_tensor")
-        )
-    out_name = _check_wgrad_dtype(wgrad_dtype)
-    if output_mode == "dense" and wgrad_ptrs is not None:
-        raise ValueError("wgrad_ptrs must be None in dense output mode (dense output forbids it)")
-    if wgrad_tensor is not None:  # the given output's dtype wins over wgrad_dtype
-        out_name = _check_dense_out(
-            arch, wgrad_tensor, (num_experts, hidden, inter), "wgrad_tensor"
-        )
-    elif inter % (TMA_ALIGN_BYTES // _elem_bytes(out_name)):
-        raise ValueError(
-            f"wgrad_dtype: intermediate % {TMA_ALIGN_BYTES // _elem_bytes(out_name)} == 0 needed "
-            f"for 16-byte TMA stores of {out_name}, got intermediate={inter}"
-        )
-    if wgrad_ptrs is not None:
-        _check_ptrs_tensor(wgrad_ptrs, num_experts)
-    _check_workspace(descriptor_workspace, None, num_experts, output_mode, input_order)
-    device = _check_same_device(
-        {
-            "a_tensor": a_tensor,
-            "b_tensor": b_tensor,
-            "offsets_tensor": offsets_tensor,
-            "wgrad_tensor": wgrad_tensor,
-            "wgrad_ptrs": wgrad_ptrs,
-            "descriptor_workspace": descriptor_workspace,
-            "sfa_tensor": sfa_tensor if block_scaled else None,
-            "sfb_tensor": sfb_tensor if block_scaled else None,
-            "global_scale_a": global_scale_a if block_scaled else None,
-            "global_scale_b": global_scale_b if block_scaled else None,
-        }
-    )
-    if validate_offsets and not _env.capturing(device):
-        if spec is not None:
-            _check_blockscaled_values(
-                arch, spec, offsets_tensor, tokens_sum, sfa_tensor, sfb_tensor
-            )
-        else:
-            _check_offsets_values(offsets_tensor, tokens_sum, cls._GROUP_ALIGN, "offsets_tensor")
-        if wgrad_ptrs is not None:
-            _check_pointer_values(wgrad_ptrs, "wgrad_ptrs", wgrad_tensor)
-
-    # 2. The operator of the static contract (tokens_sum is not in the key): environment checks
-    #    (no CUDA, capability) and the compile happen once per key.
-    contracts = [
-        WgradContract(
-            arch=arch,
-            hidden=hidden,
-            intermediate=inter,
-            num_experts=num_experts,
-            a_major=am,
-            b_major=bm,
-            out_dtype=out_name,
-            output_mode=output_mode,
-            accumulate=bool(accumulate_on_output),
-            input_order=input_order,
-            mma_tiler_mn=tiler,
-            cluster_shape_mn=cluster,
-            block_scaled=spec,
-        )
-        for am in a_majors
-        for bm in b_majors
-    ]
+    v = validate_call(call, arch)
+    # 2. The operator of the static contract (tokens_sum is not in the key): the tile fit and
+    #    the compile happen once per contract.
     with _CACHE_LOCK:
         op = next(
-            (_OP_CACHE[(c, str(device))] for c in contracts if (c, str(device)) in _OP_CACHE), None
+            (_OP_CACHE[(c, str(v.device))] for c in v.contracts if (c, str(v.device)) in _OP_CACHE),
+            None,
         )
     if op is None:
-        if spec is None:  # the BF16 families' tile fit; block-scaled: the hook's concern
-            launch._check_contract_fits(contracts[0])
-        op = cls._from_contract(contracts[0], device)
-        op.compile()
+        v.check_fits()
+        op = compile_contract(v.contract, cls._NAME)
         with _CACHE_LOCK:
-            _OP_CACHE[(contracts[0], str(device))] = op
-
+            _OP_CACHE[(v.contract, str(v.device))] = op
     # 3. Outputs (allocated on the launch stream), then the launch.
-    alloc_ctx = (
-        torch.cuda.stream(_torch_stream(current_stream, device))
-        if current_stream is not None and device.type == "cuda"
-        else contextlib.nullcontext()
+    wgrad_tensor, out = allocate_outputs(v)
+    op.launch(
+        v.a, v.b, call.offsets, out, stream=call.current_stream, scales=v.scales,
+        workspace=v.workspace,
     )
-    with alloc_ctx:
-        wgrad_tensor, out = _outputs(output_mode, wgrad_tensor, wgrad_ptrs,
-                                     (num_experts, hidden, inter), out_name,
-                                     accumulate_on_output, device)
-    op._launch(
-        a_tensor,
-        b_tensor,
-        offsets_tensor,
-        out,
-        current_stream,
-        pointers=out if output_mode == "discrete" else None,
-        scales=(sfa_tensor, sfb_tensor, global_scale_a, global_scale_b) if block_scaled else None,
-        workspace=descriptor_workspace,
-    )
-    if _ops_out is not None:
-        _ops_out.append(op)
     # Discrete with wgrad_ptrs only: caller-owned memory, nothing to return (the seed); with both
     # (cuDNN's calls), the kernel wrote through the pointers and the given tensor is returned.
-    return TupleDict(wgrad_tensor=wgrad_tensor)
-
-
-def _outputs(output_mode, wgrad_tensor, wgrad_ptrs, shape, out_name, accumulate, device):
-    """``(wgrad_tensor, out)`` of a validated call: the dense output allocated when the caller
-    gave none (zeros when accumulating), and what the launcher writes through: the dense tensor,
-    the caller's pointers, or the stacked output's per-expert addresses."""
-    if wgrad_tensor is None and wgrad_ptrs is None:
-        alloc = torch.zeros if accumulate else torch.empty
-        wgrad_tensor = alloc(shape, dtype=_NAME_TO_DTYPE[out_name], device=device)
-    if output_mode == "dense":
-        return wgrad_tensor, wgrad_tensor
-    if wgrad_ptrs is not None:
-        return wgrad_tensor, wgrad_ptrs
-    return wgrad_tensor, _stacked_pointers(wgrad_tensor)
+    return TupleDict(wgrad_tensor=wgrad_tensor), op
 
 
 def _seed_wrapper(cls, wrapper, args: dict) -> TupleDict:
     """The body of both seed wrappers (``args``: the wrapper's own arguments, by name): JAX arrays
-    go through :func:`jax.call_wrapper_on_jax_arrays` (the seed's eager JAX support; JAX arrays
-    exist only once JAX is loaded), everything else through :func:`_wrapper` with ``cls``."""
-    if "jax" in sys.modules:
-        from . import jax as jax_entry
-
-        if jax_entry.has_jax_arrays(*args.values()):
-            return jax_entry.call_wrapper_on_jax_arrays(wrapper, **args)
-    return _wrapper(cls, **args)
+    go through :func:`jax_arrays.call_wrapper_on_jax_arrays` (the seed's eager JAX support),
+    everything else through :func:`run_wrapper` with ``cls``."""
+    if jax_arrays.has_jax_arrays(*args.values()):
+        return jax_arrays.call_wrapper_on_jax_arrays(wrapper, **args)
+    call = WgradCall(
+        a=args["a_tensor"], b=args["b_tensor"], offsets=args["offsets_tensor"],
+        sfa=args["sfa_tensor"], sfb=args["sfb_tensor"], global_scale_a=args["global_scale_a"],
+        global_scale_b=args["global_scale_b"], output_mode=args["output_mode"],
+        wgrad_tensor=args["wgrad_tensor"], wgrad_ptrs=args["wgrad_ptrs"],
+        wgrad_dtype=args["wgrad_dtype"], acc_dtype=args["acc_dtype"],
+        mma_tiler_mn=args["mma_tiler_mn"], cluster_shape_mn=args["cluster_shape_mn"],
+        sf_vec_size=args["sf_vec_size"], sf_fp8_dtype_override=args["sf_fp8_dtype_override"],
+        accumulate_on_output=bool(args["accumulate_on_output"]),
+        input_order=args["input_order"], current_stream=args["current_stream"],
+        descriptor_workspace=args["descriptor_workspace"],
+        validate_offsets=args["validate_offsets"],
+    )
+    return run_wrapper(cls, call)[0]
 
 
 def _wrapper_doc(name: str, cls_name: str, extra: str) -> str:
@@ -277,9 +132,10 @@ def _wrapper_doc(name: str, cls_name: str, extra: str) -> str:
             required, the epilogue multiplies by global_scale_a[e] * global_scale_b[e]).
         sf_fp8_dtype_override: None only (cuDNN's Rubin-only override); part of the cache key.
         descriptor_workspace: as below; a native kernel gets it for its per-expert descriptors.
-        Execution: the native kernel of ``dispatch._blockscaled_kernel`` when one is built,
-        else the torch twin ``blockscaled_ref.grouped_wgrad_blockscaled_torch`` on the tensors'
-        device (today: always; it reads offsets on the host, so it is not graph-capturable).
+        Execution: the native kernel of a registered family when one serves the contract
+        (``blockscaled.native_launcher``), else the torch twin
+        ``blockscaled_ref.grouped_wgrad_blockscaled_torch`` on the tensors' device (it reads
+        offsets on the host, so it is not graph-capturable).
         offsets_tensor: [E] torch.int32 contiguous cumulative ends; {extra}
         output_mode: "dense" (wgrad_tensor [E, H, I], allocated when omitted; wgrad_ptrs
             forbidden) or "discrete": wgrad_ptrs [E] int64 caller-owned addresses (then
@@ -379,7 +235,9 @@ grouped_gemm_wgrad_wrapper_sm90.__doc__ = _wrapper_doc(
 )
 
 
-_INTO_CACHE: dict[tuple, _GroupedGemmWgradBase] = {}
+#: The seed wrapper of each kernel arch (``grouped_gemm_wgrad`` / ``grouped_wgrad_fp32`` route by
+#: arch).
+WRAPPERS = {"sm100": grouped_gemm_wgrad_wrapper_sm100, "sm90": grouped_gemm_wgrad_wrapper_sm90}
 
 
 def _into_key(arch, a, b, offsets, out, accumulate) -> tuple:
@@ -421,38 +279,17 @@ def grouped_wgrad_into(
     Raises:
         ValueError / RuntimeError: as the wrappers (first call of a key).
     """
-    if backend not in ("sm90", "sm100"):
+    if backend not in ARCH_CLASSES:
         raise ValueError(f"backend must be 'sm90' or 'sm100', got {backend!r}")
     key = _into_key(backend, a_HS, b_SI, offsets_E, out_EHI, accumulate)
     op = _INTO_CACHE.get(key)
     if op is not None:
-        op._launch(a_HS, b_SI, offsets_E, out_EHI, None)
+        op.launch(a_HS, b_SI, offsets_E, out_EHI)
         return
-    cls = GroupedGemmWgradSm90 if backend == "sm90" else GroupedGemmWgradSm100
-    ops: list = []
-    _wrapper(
-        cls,
-        a_HS,
-        b_SI,
-        None,
-        None,
-        offsets_E,
-        "dense",
-        out_EHI,
-        None,
-        None,
-        None,
-        torch.float32,
-        out_EHI.dtype,
-        None,  # chosen per shape from configs/cuda (SM90 and SM100)
-        None,
-        16,
-        accumulate,
-        "tensor2d",
-        None,
-        False,
-        None,
-        _ops_out=ops,
+    call = WgradCall(
+        a=a_HS, b=b_SI, offsets=offsets_E, wgrad_tensor=out_EHI, wgrad_dtype=out_EHI.dtype,
+        accumulate_on_output=accumulate, validate_offsets=False,  # tiles: per shape, configs/cuda
     )
+    _, op = run_wrapper(ARCH_CLASSES[backend], call)
     with _CACHE_LOCK:
-        _INTO_CACHE[key] = ops[0]
+        _INTO_CACHE[key] = op

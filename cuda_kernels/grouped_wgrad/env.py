@@ -1,6 +1,6 @@
 """Environment queries of the grouped-wgrad API: compute capability, CUDA-graph capture, CuTe DSL
-presence, the kernel family modules. Module functions, called as ``_env.<name>(...)``, so that tests can
-replace them in one place. Nothing runs at import time.
+presence, the import of a kernel family module. Module functions, called as ``env.<name>(...)``,
+so that tests can replace them in one place. Nothing runs at import time.
 """
 
 from __future__ import annotations
@@ -31,6 +31,13 @@ def query_arch(device: torch.device, arg: str = "a_tensor") -> int:
     return 10 * major + minor
 
 
+def kernel_arch(cc: int) -> str | None:
+    """The kernel arch of a compute capability ``10 * major + minor``: "sm100" for SM100 and
+    newer, "sm90" for SM 9.x, None below (no kernel). The one place a generation maps to an arch
+    (``registry.KernelProvider.arch``)."""
+    return "sm100" if cc >= 100 else "sm90" if cc >= 90 else None
+
+
 def capturing(device: torch.device) -> bool:
     return (
         device.type == "cuda"
@@ -50,19 +57,11 @@ def cutlass_dsl_missing() -> str | None:
     return None
 
 
-#: The kernel family module of each kernel arch. Each defines ``FAMILY``, a
-#: ``launch.KernelFamily`` (its compile key and kernel); a new family (the block-scaled ones)
-#: plugs in with a row here.
-FAMILY_MODULES = {
-    "sm90": "cuda_kernels.grouped_wgrad.sm90_bf16",
-    "sm100": "cuda_kernels.grouped_wgrad.sm100_bf16",
-}
-
-
 @functools.cache
-def family_module(arch: str):
-    """The kernel family module of ``arch`` ("sm90" | "sm100") if it is built, else None."""
+def family_module(name: str):
+    """The kernel family module ``name`` (a module path, ``registry.KernelProvider.module``) if
+    it is built, else None. Imported once; importing a family module imports no CuTe DSL."""
     try:
-        return importlib.import_module(FAMILY_MODULES[arch])
+        return importlib.import_module(name)
     except ModuleNotFoundError:
         return None

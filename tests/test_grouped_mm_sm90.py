@@ -413,7 +413,10 @@ def test_gated_matches_twin_and_writes_everything(case):
     act_t, ah_t = gate_up_activation_torch(
         *args[:-1], activation=act_fn, clamp_limits=clamp, bias_E2I=bias
     )
-    _within_ulps(act, act_t, 1)
+    # 2 ulps: on the H200 (2026-12-02) 2 checkpoint elements of the gpt-oss-120b case (K = 2880,
+    # bias) were 2 BF16 ulps from the twin (fp32 sums in another order, wgmma's vs torch's);
+    # a magnitude-aware bound (K * 2^-24 * sum |a w|) would be tighter -- to do with issue 22
+    _within_ulps(act, act_t, 2)
     _within_ulps(ah, ah_t, 2)
     assert (ah[layout.row_to_pair_S < 0] == 0).all()
     assert (act[int(plan.num_pairs):] == 0).all()

@@ -110,7 +110,10 @@ def grouped_wgrad_torch(
         out_dtype: dtype of an allocated output; default float32 (the dispatcher's contract).
         input_order: ``"tensor2d"`` or ``"tensor_ragged"`` (see :func:`ragged_expert_views`).
         use_grouped_mm: force (True) or forbid (False) ``torch._grouped_mm``; ``None`` picks it
-            when it is exact for the request (CUDA SM90+, BF16 in and out, overwrite, tensor2d).
+            when it is exact for the request (CUDA SM90+, BF16 in and out, overwrite, tensor2d)
+            and every group is a multiple of 8 rows (read on the host; while a CUDA graph is
+            being captured the groups are not read and must be multiples of 8 rows, as
+            ``torch._grouped_mm`` asserts on the device otherwise).
 
     Returns:
         [E, H, I] tensor (``out`` when given). Accumulation is in fp32 (float64 for float64
@@ -178,6 +181,14 @@ def grouped_wgrad_torch(
     device = a_HS.device
     if use_grouped_mm is None:
         use_grouped_mm = _grouped_mm_eligible(a_HS, b_SI, out_dtype, accumulate, input_order)
+        if use_grouped_mm and not _capturing(device):
+            # torch._grouped_mm asserts on the device unless every group spans a multiple of 16
+            # bytes (8 BF16 rows): read the offsets (the loop path reads them anyway) and take
+            # the loop for an unaligned split. Under capture no read is possible: the caller's
+            # groups must then be aligned (the layer's are: ALIGN rows).
+            offs = offsets_E.to(torch.int64)
+            counts = torch.diff(offs, prepend=offs.new_zeros(1))
+            use_grouped_mm = not bool((counts % 8).any())
     if use_grouped_mm:
         if accumulate or out_dtype != torch.bfloat16 or input_order != "tensor2d":
             raise ValueError(

@@ -659,8 +659,9 @@ def _build_kernel_class():
             """(expert, m_idx, n_idx, first K tile, K tiles, bad) of MMA tile id ``tile``. Ids
             run over the experts sorted by token count (largest first), m fastest within an
             expert. ``bad``: the expert's range breaks the contract (decreasing offsets, or a
-            begin / length not a multiple of tile_k, possible only when the caller skipped the
-            host validation); it then gets no K tiles and its output is poisoned with NaN."""
+            begin / length not a multiple of tile_k, a begin below 0 or an end past tokens_sum,
+            possible only when the caller skipped the host validation); it then gets no K tiles
+            and its output is poisoned with NaN."""
             rank_e = tile // self.tiles_per_expert
             e = sPerm[rank_e]
             rem = tile - rank_e * self.tiles_per_expert
@@ -673,6 +674,13 @@ def _build_kernel_class():
             k_len = k_end - k_begin
             bad = cutlass.Boolean(False)
             if k_len < 0:
+                bad = cutlass.Boolean(True)
+            # the range must lie inside the operands (0 <= begin, end <= tokens_sum): a
+            # per-expert descriptor of a range outside them would declare memory beyond the
+            # allocation (TMA zero-fills only past the declared dims: docs/sm100-tma-bounds.md)
+            if k_begin < 0:
+                bad = cutlass.Boolean(True)
+            if k_end > self.tokens_sum:
                 bad = cutlass.Boolean(True)
             if k_begin % self.tile_k != 0:
                 bad = cutlass.Boolean(True)
@@ -1360,6 +1368,7 @@ def _build_kernel_class():
             c_smem_layout_staged: cute.ComposedLayout,
             epi_tile: cute.Tile,
         ):
+            self.tokens_sum = mA_mk.shape[1]  # tile_coords' range check (S, dynamic)
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             tidx, _, _ = cute.arch.thread_idx()
             if warp_idx == self.tma_warp_id:

@@ -599,6 +599,7 @@ def _build_kernel_class():
             c_smem_layout_staged: cute.ComposedLayout,
             epi_tile: cute.Tile,
         ):
+            self.tokens_sum = mA_mk.shape[1]  # tile_coords' range check (S, dynamic)
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             tidx, _, _ = cute.arch.thread_idx()
             if warp_idx == self.tma_warp_id:

@@ -511,7 +511,8 @@ def _bytes_needed(model, num_tokens: int, reference: bool = True) -> int:
     """Estimated peak resident bytes of `run` on the CPU: the sum of :func:`_memory_parts`.
 
     Measured (``/usr/bin/time -v``, torch backend on the CPU): qwen3-30b-a3b --tokens 2048
-    8.58 GiB (estimate 9.27), gpt-oss-20b --tokens 64 11.08 GiB (estimate 10.91).
+    8.58 GiB (estimate 9.27), gpt-oss-20b --tokens 64 11.08 GiB (estimate 10.91), mixtral-8x7b
+    --tokens 64 19.25 GiB (estimate 20.08; 2026-12-02, 2-core CPU machine, 63 s).
     """
     return sum(_memory_parts(model, num_tokens, reference).values())
 

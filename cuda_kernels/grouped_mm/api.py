@@ -190,8 +190,9 @@ def grouped_mm_gather(
         ``out`` [S, N] torch.bfloat16. Padding rows (``row_index < 0``) are exactly 0 for a
         finite ``w``, and ``a`` is not read for them (a NaN in ``a``'s unreferenced rows never
         reaches the result); rows past ``offsets_E[-1]`` are 0; without ``row_index`` every row
-        inside an expert is computed from ``a``'s row. Bitwise deterministic (each element is one CTA's fixed-order sum); no
-        host read of device values on the kernel path (CUDA-graph capturable).
+        inside an expert is computed from ``a``'s row. Bitwise deterministic (each element is
+        one CTA's fixed-order sum); no host read of device values on the kernel path
+        (CUDA-graph capturable).
 
     Raises:
         ValueError: a bad shape, dtype, device, stride or ``backend``, or ``backend="sm90"``
@@ -221,6 +222,26 @@ def grouped_mm_gather(
     idx = row_index if row_index is not None else offsets_E  # (a placeholder without gather)
     fn(a, idx, w.permute(2, 1, 0), offsets_E, out, *(offsets_E,) * 5, grid)
     return out
+
+
+def _check_pair_tables(fail, dev, S, row_to_pair_S, pair_affinity_R, **others) -> int:
+    """The plan tables both fused epilogues read: ``row_to_pair_S`` [S] int64 and
+    ``pair_affinity_R`` [R] float, plus ``others`` (tensors on the same device); ``fail`` raises
+    the entry's named ValueError. Returns R."""
+    tables = {"row_to_pair_S": row_to_pair_S, "pair_affinity_R": pair_affinity_R, **others}
+    for name, t in tables.items():
+        if not isinstance(t, torch.Tensor):
+            fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != dev:
+            fail(f"{name} is on {t.device} but a is on {dev}")
+    if row_to_pair_S.dim() != 1 or row_to_pair_S.shape[0] != S:
+        fail(f"row_to_pair_S must be [S={S}], got {list(row_to_pair_S.shape)}")
+    if row_to_pair_S.dtype != torch.int64:
+        fail(f"row_to_pair_S must be torch.int64, got {row_to_pair_S.dtype}")
+    if pair_affinity_R.dim() != 1 or not pair_affinity_R.is_floating_point():
+        fail(f"pair_affinity_R must be a 1-D float tensor [R], got {pair_affinity_R.dtype} "
+             f"{list(pair_affinity_R.shape)}")
+    return pair_affinity_R.shape[0]
 
 
 def _fail_gated(msg: str) -> None:
@@ -301,22 +322,8 @@ def grouped_mm_gated(
         _fail_gated(f"w_gate_up must have an even N = 2I, got {N}")
     I = N // 2
     dev = a.device
-    for name, t in (("row_to_pair_S", row_to_pair_S), ("pair_affinity_R", pair_affinity_R),
-                    ("num_pairs", num_pairs)):
-        if not isinstance(t, torch.Tensor):
-            _fail_gated(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != dev:
-            _fail_gated(f"{name} is on {t.device} but a is on {dev}")
-    if row_to_pair_S.dim() != 1 or row_to_pair_S.shape[0] != S:
-        _fail_gated(f"row_to_pair_S must be [S={S}], got {list(row_to_pair_S.shape)}")
-    if row_to_pair_S.dtype != torch.int64:
-        _fail_gated(f"row_to_pair_S must be torch.int64, got {row_to_pair_S.dtype}")
-    if pair_affinity_R.dim() != 1 or not pair_affinity_R.is_floating_point():
-        _fail_gated(
-            f"pair_affinity_R must be a 1-D float tensor [R], got {pair_affinity_R.dtype} "
-            f"{list(pair_affinity_R.shape)}"
-        )
-    R = pair_affinity_R.shape[0]
+    R = _check_pair_tables(_fail_gated, dev, S, row_to_pair_S, pair_affinity_R,
+                           num_pairs=num_pairs)
     if R > S:
         _fail_gated(f"pair_affinity_R has R={R} pairs, more than the S={S} rows")
     if num_pairs.numel() != 1 or num_pairs.dtype != torch.int64:
@@ -466,20 +473,7 @@ def grouped_mm_dgated(
         _fail(f"backend must be one of {BACKENDS}, got {backend!r}")
     S, K, I, E, _ = _check(a, w_down_t, offsets_E, row_index, None)
     dev = a.device
-    for name, t in (("row_to_pair_S", row_to_pair_S), ("pair_affinity_R", pair_affinity_R),
-                    ("act_R2I", act_R2I)):
-        if not isinstance(t, torch.Tensor):
-            _fail_dgated(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != dev:
-            _fail_dgated(f"{name} is on {t.device} but a is on {dev}")
-    if row_to_pair_S.dim() != 1 or row_to_pair_S.shape[0] != S:
-        _fail_dgated(f"row_to_pair_S must be [S={S}], got {list(row_to_pair_S.shape)}")
-    if row_to_pair_S.dtype != torch.int64:
-        _fail_dgated(f"row_to_pair_S must be torch.int64, got {row_to_pair_S.dtype}")
-    if pair_affinity_R.dim() != 1 or not pair_affinity_R.is_floating_point():
-        _fail_dgated(f"pair_affinity_R must be a 1-D float tensor [R], got "
-                     f"{pair_affinity_R.dtype} {list(pair_affinity_R.shape)}")
-    R = pair_affinity_R.shape[0]
+    R = _check_pair_tables(_fail_dgated, dev, S, row_to_pair_S, pair_affinity_R, act_R2I=act_R2I)
     if tuple(act_R2I.shape) != (R, 2, I):
         _fail_dgated(f"act_R2I must be [R, 2, I] = [{R}, 2, {I}], got {list(act_R2I.shape)}")
     if act_R2I.dtype != torch.bfloat16 or not act_R2I.is_contiguous():

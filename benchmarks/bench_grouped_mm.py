@@ -137,17 +137,38 @@ def ulp_check(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((diff / (2**-7 * ref.float().abs() + 1e-3)).max())
 
 
+def _ours_name(tile) -> str:
+    """The row name of ours with ``tile`` (None: the kernel's own choice)."""
+    return "ours" + (f" {tile.variant_name}" if tile is not None else "")
+
+
+def _fused_impls(args, tiles, then_pass, src, idx, ours) -> dict:
+    """``{impl: fn}`` of a fused-epilogue GEMM: the layer's path (cuBLAS then the Triton pass) on
+    rows of ``src`` gathered once ("grouped_mm") and with the gather timed ("gather+grouped_mm"),
+    and ``ours(tile)`` per tile, as ``--impls`` selects."""
+    from cuda_kernels.moe_backward.kernels import gather_rows
+
+    fns = {}
+    if "grouped_mm" in args.impls:
+        rows = gather_rows(src, idx)
+        fns["grouped_mm"] = lambda: then_pass(rows)
+    if "gather" in args.impls:
+        fns["gather+grouped_mm"] = lambda: then_pass(gather_rows(src, idx))
+    if "ours" in args.impls:
+        for tile in tiles:
+            fns[_ours_name(tile)] = lambda t=tile: ours(t)
+    return fns
+
+
 def gated_impls(d: dict, args, tiles) -> dict:
     """``{impl: fn}`` of ``gate_up_act`` (see the module docstring)."""
     from cuda_kernels.grouped_mm import gate_up_forward
-    from cuda_kernels.moe_backward.kernels import gather_rows
     from cuda_kernels.moe_forward.kernels import activation_forward
 
     E, H, I = d["E"], d["H"], d["I"]
     plan, layout, offs = d["plan"], d["layout"], d["offsets"]
     kw = {"activation": d["activation"], "clamp_limits": d["clamp"]}
     w4 = d["w_gu"].reshape(E, H, 2, I)
-    x_rows = gather_rows(d["x"], d["idx"])
 
     def cublas_then_pass(rows):
         gu = torch._grouped_mm(rows, d["w_gu"], offs=offs)
@@ -155,29 +176,22 @@ def gated_impls(d: dict, args, tiles) -> dict:
                                   activation=kw["activation"],
                                   clamp_limits=kw["clamp_limits"] or ClampLimits())
 
-    fns = {}
-    if "grouped_mm" in args.impls:
-        fns["grouped_mm"] = lambda: cublas_then_pass(x_rows)
-    if "gather" in args.impls:
-        fns["gather+grouped_mm"] = lambda: cublas_then_pass(gather_rows(d["x"], d["idx"]))
-    if "ours" in args.impls:
-        for tile in tiles:
-            name = "ours" + (f" {tile.variant_name}" if tile is not None else "")
-            fns[name] = lambda t=tile: gate_up_forward(
-                d["x"], w4, layout, plan, b_gate_up_E2I=d["b_gu"], backend="sm90", tile=t, **kw
-            )
-    return fns
+    return _fused_impls(
+        args, tiles, cublas_then_pass, d["x"], d["idx"],
+        lambda t: gate_up_forward(
+            d["x"], w4, layout, plan, b_gate_up_E2I=d["b_gu"], backend="sm90", tile=t, **kw
+        ),
+    )
 
 
 def dgated_impls(d: dict, args, tiles) -> dict:
     """``{impl: fn}`` of ``down_dgrad_act`` (see the module docstring)."""
     from cuda_kernels.grouped_mm import down_dgrad_backward
-    from cuda_kernels.moe_backward.kernels import activation_backward, gather_rows
+    from cuda_kernels.moe_backward.kernels import activation_backward
 
     plan, layout, offs = d["plan"], d["layout"], d["offsets"]
     kw = {"activation": d["activation"], "clamp_limits": d["clamp"]}
     w_t = d["w_d"].transpose(1, 2)
-    dy_rows = gather_rows(d["dy"], d["idx"])
 
     def cublas_then_pass(rows):
         dh = torch._grouped_mm(rows, w_t, offs=offs)
@@ -185,18 +199,12 @@ def dgated_impls(d: dict, args, tiles) -> dict:
                                    activation=kw["activation"],
                                    clamp_limits=kw["clamp_limits"] or ClampLimits())
 
-    fns = {}
-    if "grouped_mm" in args.impls:
-        fns["grouped_mm"] = lambda: cublas_then_pass(dy_rows)
-    if "gather" in args.impls:
-        fns["gather+grouped_mm"] = lambda: cublas_then_pass(gather_rows(d["dy"], d["idx"]))
-    if "ours" in args.impls:
-        for tile in tiles:
-            name = "ours" + (f" {tile.variant_name}" if tile is not None else "")
-            fns[name] = lambda t=tile: down_dgrad_backward(
-                d["dy"], d["w_d"], layout, plan, d["act"], backend="sm90", tile=t, **kw
-            )
-    return fns
+    return _fused_impls(
+        args, tiles, cublas_then_pass, d["dy"], d["idx"],
+        lambda t: down_dgrad_backward(
+            d["dy"], d["w_d"], layout, plan, d["act"], backend="sm90", tile=t, **kw
+        ),
+    )
 
 
 def run_gemm(label, gemm, d, args, bench, record, tiles) -> None:
@@ -230,7 +238,7 @@ def run_gemm(label, gemm, d, args, bench, record, tiles) -> None:
     if "ours" in args.impls:
         out = torch.empty(S, N, dtype=BF16, device=a.device)
         for tile in tiles:
-            name = "ours" + (f" {tile.variant_name}" if tile is not None else "")
+            name = _ours_name(tile)
             try:
                 grouped_mm_gather(a, w, offs, idx, out, backend="sm90", tile=tile)  # compile
                 ms = bench(lambda t=tile: grouped_mm_gather(

@@ -28,12 +28,16 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _grouped_mm_eligible(a_HS, b_SI, out_dtype, accumulate, input_order) -> bool:
+def _grouped_mm_eligible(a_HS, b_SI, offsets_E, out_dtype, accumulate, input_order) -> bool:
     """Whether ``torch._grouped_mm`` computes exactly what this function promises.
 
     ``torch._grouped_mm`` (CUDA, SM90+) rounds the fp32 accumulator once to the input dtype and
     refuses another output dtype, so it is used only for BF16 inputs with BF16 overwrite output;
-    its TMA needs 16-byte-aligned strides (multiples of 8 BF16 elements).
+    its TMA needs 16-byte-aligned strides (multiples of 8 BF16 elements), and it asserts on the
+    device unless every group spans a multiple of 16 bytes (8 BF16 rows): outside CUDA-graph
+    capture the offsets are read to check that (an unaligned split takes the loop, which reads
+    them anyway); under capture no read is possible and the groups must be aligned (the layer's
+    are: ALIGN rows).
     """
     if not hasattr(torch, "_grouped_mm") or a_HS.device.type != "cuda":
         return False
@@ -50,7 +54,10 @@ def _grouped_mm_eligible(a_HS, b_SI, out_dtype, accumulate, input_order) -> bool
             return False
         if any(s != 1 and s % 8 for s in t.stride()):
             return False
-    return True
+    if _capturing(a_HS.device):
+        return True
+    offs = offsets_E.to(torch.int64)
+    return not bool((torch.diff(offs, prepend=offs.new_zeros(1)) % 8).any())
 
 
 def ragged_expert_views(a_HS, b_SI, begin: int, end: int):
@@ -180,15 +187,9 @@ def grouped_wgrad_torch(
 
     device = a_HS.device
     if use_grouped_mm is None:
-        use_grouped_mm = _grouped_mm_eligible(a_HS, b_SI, out_dtype, accumulate, input_order)
-        if use_grouped_mm and not _capturing(device):
-            # torch._grouped_mm asserts on the device unless every group spans a multiple of 16
-            # bytes (8 BF16 rows): read the offsets (the loop path reads them anyway) and take
-            # the loop for an unaligned split. Under capture no read is possible: the caller's
-            # groups must then be aligned (the layer's are: ALIGN rows).
-            offs = offsets_E.to(torch.int64)
-            counts = torch.diff(offs, prepend=offs.new_zeros(1))
-            use_grouped_mm = not bool((counts % 8).any())
+        use_grouped_mm = _grouped_mm_eligible(
+            a_HS, b_SI, offsets_E, out_dtype, accumulate, input_order
+        )
     if use_grouped_mm:
         if accumulate or out_dtype != torch.bfloat16 or input_order != "tensor2d":
             raise ValueError(

@@ -15,6 +15,7 @@ would show: the kernel has no select); bitwise determinism over two launches; A 
 TMA; a row-strided A; CUDA-graph replay with new offsets; no recompile for a new split.
 """
 
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -64,6 +65,9 @@ _T = Sm90GroupedMmTile
 # CPU: offline compiles
 # ------------------------------------------------------------------------------------------------
 
+_ROWS_PTX = ["cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
+             r"cp.async.wait_group\s+1;", "ld.shared.v4.b32", "st.global.v4.b32",
+             "ld.global.v4.b32"]
 _OFFLINE = [
     # (id, key, PTX that must appear, PTX that must not)
     ("gather-n-major-128x256",
@@ -100,6 +104,37 @@ _OFFLINE = [
                                                                     proxy_fence=False)),
      ["cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "ld.global.b32"],
      ["fence.proxy.async"]),
+    # write_a_rows: the gathered rows copied out of the stages (16-byte shared loads and global
+    # stores after cp.async.wait_group 1), the rows past the last expert by 16-byte global loads
+    ("rows-gather-128x256",
+     Sm90GroupedMmKey(1536, 2048, 128, tile=_T(128, 256, 64, 4), write_a_rows=True),
+     _ROWS_PTX + ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"], []),
+    ("rows-gather-int32-pingpong-partial-k",
+     Sm90GroupedMmKey(2048, 1000, 16, index_dtype="int32", w_major="k", write_a_rows=True,
+                      tile=_T(128, 128, 64, 6, pingpong=True)),
+     _ROWS_PTX + ["bar.sync"], []),
+    ("rows-gather-64row-no-fence",
+     Sm90GroupedMmKey(2880, 2880, 16, write_a_rows=True,
+                      tile=_T(64, 256, 64, 4, proxy_fence=False)),
+     _ROWS_PTX, ["fence.proxy.async"]),
+    ("rows-gated-swiglu-128x256",
+     Sm90GroupedMmKey(1536, 2048, 128, epilogue="gated", gated=GatedEpilogue(),
+                      tile=_T(128, 256, 64, 4), write_a_rows=True),
+     _ROWS_PTX + ["ex2.approx", "cvt.rn.bf16x2.f32"], []),
+    ("rows-gated-gpt-oss-bias-pingpong",
+     Sm90GroupedMmKey(5760, 2880, 128, epilogue="gated",
+                      gated=GatedEpilogue(1.702, 1.0, None, 7.0, -7.0, 7.0, True),
+                      tile=_T(128, 128, 64, 6, pingpong=True), write_a_rows=True),
+     _ROWS_PTX + ["bar.sync"], []),
+    ("rows-dgated-swiglu-128x256",
+     Sm90GroupedMmKey(768, 2048, 128, w_major="k", epilogue="dgated", gated=GatedEpilogue(),
+                      tile=_T(128, 256, 64, 4), write_a_rows=True),
+     _ROWS_PTX + ["shfl.sync.bfly.b32"], []),
+    ("rows-dgated-gpt-oss-pingpong",
+     Sm90GroupedMmKey(2880, 2880, 32, w_major="k", epilogue="dgated",
+                      gated=GatedEpilogue(1.702, 1.0, None, 7.0, -7.0, 7.0),
+                      tile=_T(128, 128, 64, 6, pingpong=True), write_a_rows=True),
+     _ROWS_PTX + ["shfl.sync.bfly.b32", "bar.sync"], []),
 ]
 
 
@@ -126,6 +161,26 @@ def test_offline_compile_sm90a(case, tmp_path):
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr[-2000:]
+
+
+@needs_cute
+@pytest.mark.parametrize("epilogue", ["store", "dgated"])
+def test_offline_write_a_rows_leaves_the_barriers_alone(epilogue):
+    """The side output adds no barrier traffic: the same mbarrier / cp.async-arrive
+    instructions (by kind and count) as the key without it; only the copy-out is added."""
+    gated = GatedEpilogue() if epilogue == "dgated" else None
+    base = Sm90GroupedMmKey(1024, 512, 8, epilogue=epilogue, gated=gated,
+                            tile=_T(128, 128, 64, 6, pingpong=True))
+    ptx0 = sm90.compile_grouped_mm_offline(base)
+    ptx1 = sm90.compile_grouped_mm_offline(dataclasses.replace(base, write_a_rows=True))
+
+    def barrier_ops(ptx):
+        return sorted(m.group(0) for m in re.finditer(r"\b(mbarrier|cp\.async\.mbarrier)"
+                                                        r"\.[a-z_.:0-9]+", ptx))
+
+    assert barrier_ops(ptx0) == barrier_ops(ptx1)
+    assert "st.global.v4.b32" in ptx1 and "ld.shared.v4.b32" in ptx1
+    assert ptx1.count("fence.proxy.async") == ptx0.count("fence.proxy.async")
 
 
 @needs_cute

@@ -545,3 +545,165 @@ def test_dgated_key_validation():
         Sm90GroupedMmKey(768, 2048, 128, epilogue="dgated", gated=GatedEpilogue(has_bias=True))
     with pytest.raises(ValueError, match="exactly when"):
         Sm90GroupedMmKey(768, 2048, 128, epilogue="dgated")
+
+
+# ------------------------------------------------------------------------------------------------
+# the gathered-rows side output (a_rows_out): the torch path writes gather_rows' output
+# ------------------------------------------------------------------------------------------------
+
+
+def _bits(t):
+    """The bit patterns of a BF16 tensor (torch.equal would take -0.0 for +0.0)."""
+    return t.contiguous().view(torch.int16)
+
+
+def _rows_problem(extra=5, seed=60, H=64, I=32):
+    """A real layout (uneven, empty experts, padding rows) extended by ``extra`` rows past
+    ``offsets_E[-1]`` whose index is VALID (the contract still asks for gather_rows' output
+    there), x and dY with NaN in a source row no index refers to."""
+    x, w_gu, b, plan, layout = _gated_problem(23, H, I, 5, 2, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    T = x.shape[0]
+    x = torch.cat([x, torch.full((1, H), float("nan"), dtype=BF16)])  # row T: never read
+    dy = torch.cat([torch.randn(T, H, generator=gen).to(BF16),
+                    torch.full((1, H), float("nan"), dtype=BF16)])
+    idx = torch.cat([layout.row_to_token_S, torch.randint(0, T, (extra,), generator=gen)])
+    idx[-1] = -1  # and one padding row past the last expert
+    r2p = torch.cat([layout.row_to_pair_S, torch.full((extra,), -1, dtype=torch.int64)])
+    assert (layout.row_to_token_S < 0).any(), "the layout should have padding rows"
+    w_d = (torch.randn(5, I, H, generator=gen) / I**0.5).to(BF16)
+    act, _ = gate_up_forward(x[:T], w_gu.reshape(5, H, 2, I), layout, plan, backend="torch")
+    return x, dy, w_gu, w_d, act, plan, layout, idx, r2p
+
+
+def _poisoned(S, K):
+    return torch.full((S, K), float("nan"), dtype=BF16)
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_plain_entry_torch_path_writes_gather_rows_bitwise(idx_dtype):
+    from cuda_kernels.moe_backward.kernels import gather_rows
+
+    x, _dy, w_gu, _w_d, _act, _plan, layout, idx, _r2p = _rows_problem()
+    idx = idx.to(idx_dtype)
+    S, K = idx.shape[0], x.shape[1]
+    rows = _poisoned(S, K)
+    out = grouped_mm_gather(x, w_gu, layout.offsets_E, idx, backend="torch", a_rows_out=rows)
+    want = gather_rows(x, idx, torch.bfloat16)
+    assert torch.equal(_bits(rows), _bits(want))
+    assert (idx < 0).any() and (_bits(rows[idx < 0]) == 0).all()  # +0.0, not -0.0 or NaN
+    assert S > int(layout.offsets_E[-1]) and (idx[int(layout.offsets_E[-1]):] >= 0).any()
+    assert torch.equal(_bits(out), _bits(grouped_mm_gather(x, w_gu, layout.offsets_E, idx,
+                                                           backend="torch")))
+
+
+def test_gated_entries_torch_path_write_gather_rows_bitwise():
+    from cuda_kernels.moe_backward.kernels import gather_rows
+
+    x, _dy, w_gu, _w_d, _act, plan, layout, idx, r2p = _rows_problem()
+    S, K = idx.shape[0], x.shape[1]
+    args = (x, w_gu, layout.offsets_E, idx, r2p, plan.pair_affinity_R, plan.num_pairs)
+    rows = _poisoned(S, K)
+    got = grouped_mm_gated(*args, backend="torch", a_rows_out=rows)
+    assert torch.equal(_bits(rows), _bits(gather_rows(x, idx, torch.bfloat16)))
+    for g, r in zip(got, grouped_mm_gated(*args, backend="torch")):
+        assert torch.equal(_bits(g), _bits(r))
+    # the layer's wrapper: x_rows_out through row_to_token_S (x in float32: converted first)
+    T = layout.num_tokens
+    xf = x[:T].float()
+    x_rows = _poisoned(layout.tokens_sum, K)
+    gate_up_forward(xf, w_gu.reshape(5, K, 2, -1), layout, plan, backend="torch",
+                    x_rows_out=x_rows)
+    assert torch.equal(_bits(x_rows),
+                       _bits(gather_rows(xf, layout.row_to_token_S, torch.bfloat16)))
+
+
+def test_dgated_entries_torch_path_write_gather_rows_bitwise():
+    from cuda_kernels.moe_backward.kernels import gather_rows
+
+    _x, dy, _w_gu, w_d, act, plan, layout, idx, r2p = _rows_problem()
+    S, K = idx.shape[0], dy.shape[1]
+    args = (dy, w_d.transpose(1, 2), layout.offsets_E, idx, r2p, plan.pair_affinity_R, act)
+    rows = _poisoned(S, K)
+    got = grouped_mm_dgated(*args, backend="torch", a_rows_out=rows)
+    assert torch.equal(_bits(rows), _bits(gather_rows(dy, idx, torch.bfloat16)))
+    for g, r in zip(got, grouped_mm_dgated(*args, backend="torch")):
+        assert torch.equal(g, r)
+    T = layout.num_tokens
+    dy_rows = _poisoned(layout.tokens_sum, K)
+    got = down_dgrad_backward(dy[:T], w_d, layout, plan, act, backend="torch",
+                              dy_rows_out=dy_rows)
+    assert torch.equal(_bits(dy_rows),
+                       _bits(gather_rows(dy[:T], layout.row_to_token_S, torch.bfloat16)))
+    for g, r in zip(got, down_dgrad_backward(dy[:T], w_d, layout, plan, act, backend="torch")):
+        assert torch.equal(g, r)
+
+
+def test_auto_backend_on_cpu_writes_a_rows_out_too():
+    from cuda_kernels.moe_backward.kernels import gather_rows
+
+    x, _dy, w_gu, _w_d, _act, _plan, layout, idx, _r2p = _rows_problem(extra=0)
+    rows = _poisoned(idx.shape[0], x.shape[1])
+    grouped_mm_gather(x, w_gu, layout.offsets_E, idx, a_rows_out=rows)  # auto: the twin here
+    assert torch.equal(_bits(rows), _bits(gather_rows(x, idx, torch.bfloat16)))
+
+
+_ROWS_BAD = [
+    # (what, a_rows_out from (S, K, a) or "no-index", message)
+    ("no-index", None, "a_rows_out needs a row_index"),
+    ("not-a-tensor", lambda S, K, a: [[0.0] * K] * S, "a_rows_out must be a torch.Tensor"),
+    ("rows", lambda S, K, a: _poisoned(S - 1, K), r"a_rows_out must have shape \[S, K\]"),
+    ("cols", lambda S, K, a: _poisoned(S, K + 8), r"a_rows_out must have shape \[S, K\]"),
+    ("dtype", lambda S, K, a: torch.zeros(S, K), "a_rows_out must be torch.bfloat16"),
+    ("device", lambda S, K, a: torch.empty(S, K, dtype=BF16, device="meta"),
+     "a_rows_out is on meta"),
+    ("strided", lambda S, K, a: _poisoned(K, S).t(), "a_rows_out must be contiguous"),
+    ("overlaps-a", lambda S, K, a: a[:S] if a.shape[0] >= S else a.new_empty(0),
+     "must not overlap a"),
+]
+
+
+def _rows_bad_call(entry, case):
+    """Call ``entry`` ("plain", "gated", "dgated") with the bad ``a_rows_out`` of ``case``;
+    returns (the call, the main output it was given: NaN, must stay NaN)."""
+    what, make, _msg = case
+    x, dy, w_gu, w_d, act, plan, layout, idx, r2p = _rows_problem(extra=0)
+    S, K = idx.shape[0], x.shape[1]
+    big = torch.cat([x] * (S // x.shape[0] + 1))  # a source with >= S rows (the overlap case)
+    src = big if what == "overlaps-a" else (dy if entry == "dgated" else x)
+    rows = None if make is None else make(S, K, src)
+    index = None if what == "no-index" else idx
+    if what == "no-index":
+        rows = _poisoned(S, K)
+        src = src[:S] if src.shape[0] >= S else big[:S]  # [S, K] rows in order
+    if entry == "plain":
+        out = torch.full((S, w_gu.shape[2]), float("nan"), dtype=BF16)
+        return (lambda: grouped_mm_gather(src, w_gu, layout.offsets_E, index, out,
+                                          backend="torch", a_rows_out=rows)), out
+    if entry == "gated":
+        ah = torch.full((S, w_gu.shape[2] // 2), float("nan"), dtype=BF16)
+        return (lambda: grouped_mm_gated(src, w_gu, layout.offsets_E, index, r2p,
+                                         plan.pair_affinity_R, plan.num_pairs, ah_out=ah,
+                                         backend="torch", a_rows_out=rows)), ah
+    return (lambda: grouped_mm_dgated(src, w_d.transpose(1, 2), layout.offsets_E, index, r2p,
+                                      plan.pair_affinity_R, act, backend="torch",
+                                      a_rows_out=rows)), None
+
+
+@pytest.mark.parametrize("entry", ["plain", "gated", "dgated"])
+@pytest.mark.parametrize("case", _ROWS_BAD, ids=[c[0] for c in _ROWS_BAD])
+def test_a_rows_out_bad_arguments_raise_before_writing(entry, case):
+    call, out = _rows_bad_call(entry, case)
+    with pytest.raises(ValueError, match=case[2]):
+        call()
+    if out is not None:
+        assert out.isnan().all(), "an output was written before the ValueError"
+
+
+def test_a_rows_out_empty_layout():
+    x, w = _operands(4, 16, 8, 2, seed=3)
+    offsets = torch.zeros(2, dtype=torch.int32)
+    idx = torch.empty(0, dtype=torch.int64)
+    rows = torch.empty(0, 16, dtype=BF16)
+    out = grouped_mm_gather(x, w, offsets, idx, backend="torch", a_rows_out=rows)
+    assert out.shape == (0, 8)

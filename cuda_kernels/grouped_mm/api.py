@@ -105,6 +105,42 @@ def _check(a, w, offsets_E, row_index, out) -> tuple[int, int, int, int, str]:
     return S, K, N, E, w_major
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last)`` bytes a (non-empty) tensor's elements can touch."""
+    extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _check_rows_out(fail, a, row_index, S: int, K: int, a_rows_out, name: str = "a_rows_out"):
+    """The rules of the gathered-rows side output (``name`` in the messages): None, or an
+    [S, K] torch.bfloat16 contiguous tensor on ``a``'s device that does not overlap ``a``, and
+    only with a ``row_index``; ``fail`` raises the entry's ValueError."""
+    if a_rows_out is None:
+        return
+    if row_index is None:
+        fail(f"{name} needs a row_index (without one the rows are already a: nothing to gather)")
+    if not isinstance(a_rows_out, torch.Tensor):
+        fail(f"{name} must be a torch.Tensor or None, got {type(a_rows_out).__name__}")
+    if tuple(a_rows_out.shape) != (S, K):
+        fail(f"{name} must have shape [S, K] = [{S}, {K}], got {list(a_rows_out.shape)}")
+    if a_rows_out.dtype != torch.bfloat16:
+        fail(f"{name} must be torch.bfloat16, got {a_rows_out.dtype}")
+    if a_rows_out.device != a.device:
+        fail(f"{name} is on {a_rows_out.device} but a is on {a.device}")
+    if not a_rows_out.is_contiguous():
+        fail(f"{name} must be contiguous")
+    if a_rows_out.numel() and a.numel():
+        (b0, b1), (c0, c1) = _byte_span(a_rows_out), _byte_span(a)
+        if b0 < c1 and c0 < b1:
+            fail(f"{name} must not overlap a (a is read while {name} is written)")
+
+
+def _write_rows_twin(a, row_index, a_rows_out) -> None:
+    """The torch twin of the side output: ``gather_rows(a, row_index, torch.bfloat16)``."""
+    if a_rows_out is not None:
+        a_rows_out.copy_(torch_ref.gathered_rows(a, row_index, torch.bfloat16))
+
+
 def kernel_unsupported_reason(a, w, row_index=None) -> str | None:
     """Why the SM90 kernel cannot run these (already checked) operands, or None."""
     if a.device.type != "cuda":
@@ -159,6 +195,7 @@ def grouped_mm_gather(
     *,
     backend: str = "auto",
     tile=None,
+    a_rows_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen-M grouped GEMM with gather-A: ``out[r] = a[row_index[r]] @ w[e]`` for the rows r of
     expert e, BF16 operands, fp32 accumulation, one RNE rounding to BF16.
@@ -185,6 +222,15 @@ def grouped_mm_gather(
         out: optional [S, N] torch.bfloat16 contiguous output (else allocated).
         backend: one of :data:`BACKENDS`.
         tile: optional :class:`~cuda_kernels.grouped_mm.sm90.Sm90GroupedMmTile` (kernel only).
+        a_rows_out: optional [S, K] torch.bfloat16 contiguous tensor on ``a``'s device (only
+            with a ``row_index``; it must not overlap ``a``): the gathered rows are written into
+            it as a side output, EVERY row s of it: ``a[row_index[s]]`` where
+            ``row_index[s] >= 0`` and exactly +0.0 where it is < 0, rows past
+            ``offsets_E[-1]`` included -- bitwise what
+            ``moe_backward.kernels.gather_rows(a, row_index, torch.bfloat16)`` returns (a
+            copy), so a caller that needs the gathered rows again (the backward's weight
+            gradients) skips its own gather pass. The kernel writes them from its producer
+            (the rows of each M tile once); the torch path with the twin.
 
     Returns:
         ``out`` [S, N] torch.bfloat16. Padding rows (``row_index < 0``) are exactly 0 for a
@@ -195,13 +241,15 @@ def grouped_mm_gather(
         (CUDA-graph capturable).
 
     Raises:
-        ValueError: a bad shape, dtype, device, stride or ``backend``, or ``backend="sm90"``
-            where the kernel cannot run; raised before anything is written.
+        ValueError: a bad shape, dtype, device, stride or ``backend``, ``backend="sm90"``
+            where the kernel cannot run, or an ``a_rows_out`` without ``row_index`` or of a
+            bad shape, dtype, device or layout (named); raised before anything is written.
         RuntimeError: the kernel fails to compile.
     """
     if backend not in BACKENDS:
         _fail(f"backend must be one of {BACKENDS}, got {backend!r}")
-    S, _, N, _, _ = _check(a, w, offsets_E, row_index, out)
+    S, K, N, _, _ = _check(a, w, offsets_E, row_index, out)
+    _check_rows_out(_fail, a, row_index, S, K, a_rows_out)
     reason = kernel_unsupported_reason(a, w, row_index)
     if backend == "sm90" and reason is not None:
         _fail(f"backend='sm90' cannot run here: {reason}")
@@ -211,6 +259,7 @@ def grouped_mm_gather(
         out = torch.empty(S, N, dtype=torch.bfloat16, device=a.device)
     if not use_kernel:
         out.copy_(torch_ref.grouped_mm_gather_torch(a, w, offsets_E, row_index))
+        _write_rows_twin(a, row_index, a_rows_out)
         return out
     if S == 0:
         return out
@@ -221,6 +270,7 @@ def grouped_mm_gather(
     grid = max(1, min(key.max_tiles(S), num_sms(a.device.index or 0)))
     idx = row_index if row_index is not None else offsets_E  # (a placeholder without gather)
     fn(a, idx, w.permute(2, 1, 0), offsets_E, out, *(offsets_E,) * 5, grid)
+    _write_rows_twin(a, row_index, a_rows_out)  # (until the kernel writes them itself)
     return out
 
 
@@ -264,6 +314,7 @@ def grouped_mm_gated(
     ah_out: torch.Tensor | None = None,
     backend: str = "auto",
     tile=None,
+    a_rows_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward gate/up GEMM with its epilogue fused: ``acc = a[row_index] @ w_gate_up[e]``
     (fp32), then bias, clamp and the gated activation from the fp32 accumulator, writing the
@@ -297,12 +348,16 @@ def grouped_mm_gated(
         act_out, ah_out: optional contiguous torch.bfloat16 outputs [R, 2, I] and [S, I]
             (else allocated); every element of both is written.
         backend, tile: as :func:`grouped_mm_gather` (tile_n 128 or 256: gate + up columns).
+        a_rows_out: optional [S, H] torch.bfloat16 side output of the gathered rows, as
+            :func:`grouped_mm_gather`'s (every row: ``gather_rows(a, row_index)`` bitwise; only
+            with a ``row_index``): the layer's ``x_S`` for the backward's weight gradients.
 
     Returns:
         ``(act_R2I [R, 2, I], a_h_SI [S, I])`` torch.bfloat16.
 
     Raises:
-        ValueError: a bad shape, dtype, device or stride (named), before anything is written.
+        ValueError: a bad shape, dtype, device or stride (named, ``a_rows_out`` included),
+            before anything is written.
         RuntimeError: the kernel fails to compile.
     """
     from common.problem import Activation
@@ -317,7 +372,8 @@ def grouped_mm_gated(
         w_gate_up = w_gate_up.reshape(E4, H4, 2 * I4)
     if backend not in BACKENDS:
         _fail(f"backend must be one of {BACKENDS}, got {backend!r}")
-    S, _, N, E, _ = _check(a, w_gate_up, offsets_E, row_index, None)
+    S, K, N, E, _ = _check(a, w_gate_up, offsets_E, row_index, None)
+    _check_rows_out(_fail_gated, a, row_index, S, K, a_rows_out)
     if N % 2:
         _fail_gated(f"w_gate_up must have an even N = 2I, got {N}")
     I = N // 2
@@ -358,6 +414,7 @@ def grouped_mm_gated(
         )
         act.copy_(act_t)
         ah.copy_(ah_t)
+        _write_rows_twin(a, row_index, a_rows_out)
         return act, ah
     from .sm90 import select_grouped_mm_tile
 
@@ -378,6 +435,7 @@ def grouped_mm_gated(
     alpha = pair_affinity_R.float().contiguous()
     fn(a, idx, w_gate_up.permute(2, 1, 0), offsets_E, ah, b, row_to_pair_S.contiguous(), alpha,
        num_pairs.reshape(1), act.view(R, N), grid)
+    _write_rows_twin(a, row_index, a_rows_out)  # (until the kernel writes them itself)
     return act, ah
 
 
@@ -392,6 +450,7 @@ def gate_up_forward(
     b_gate_up_E2I: torch.Tensor | None = None,
     backend: str = "auto",
     tile=None,
+    x_rows_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's gate/up half of the forward in one kernel: what ``moe_forward.fused`` does
     with ``gather_rows`` + grouped GEMM + ``activation_forward``, from a
@@ -399,9 +458,12 @@ def gate_up_forward(
     (:func:`grouped_mm_gated` with ``row_to_token_S``, ``row_to_pair_S``,
     ``pair_affinity_R`` and ``num_pairs``). ``w_gate_up_EH2I`` [E, H, 2, I] in any float dtype
     (converted to BF16 when it is not). Returns ``(act_R2I [R, 2, I], a_h_SI [S, I])`` BF16.
+    ``x_rows_out``: optional [S, H] torch.bfloat16 contiguous tensor that receives the gathered
+    rows ``x_S`` (``gather_rows(x_TH, row_to_token_S, torch.bfloat16)`` bitwise, every row; the
+    ``a_rows_out`` of :func:`grouped_mm_gated`), for the backward's weight gradients.
 
     Raises:
-        ValueError: as :func:`grouped_mm_gated`.
+        ValueError: as :func:`grouped_mm_gated` (``x_rows_out`` named ``a_rows_out``).
     """
     w = w_gate_up_EH2I if w_gate_up_EH2I.dtype == torch.bfloat16 else w_gate_up_EH2I.to(
         torch.bfloat16
@@ -411,6 +473,7 @@ def gate_up_forward(
         x, w, layout.offsets_E, layout.row_to_token_S, layout.row_to_pair_S,
         plan.pair_affinity_R, plan.num_pairs, activation=activation,
         clamp_limits=clamp_limits, bias=b_gate_up_E2I, backend=backend, tile=tile,
+        a_rows_out=x_rows_out,
     )
 
 
@@ -431,6 +494,7 @@ def grouped_mm_dgated(
     clamp_limits=None,
     backend: str = "auto",
     tile=None,
+    a_rows_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward down-dgrad GEMM with the activation backward fused into its epilogue:
     ``dh_raw = a[row_index] @ w_down_t[e]`` (fp32 accumulators, never stored), then per row s
@@ -454,6 +518,9 @@ def grouped_mm_dgated(
         act_R2I: [R, 2, I] torch.bfloat16 checkpoint (contiguous), the forward's clamped g, u.
         activation, clamp_limits: the forward's (``common.problem.Activation``, ``ClampLimits``).
         backend, tile: as :func:`grouped_mm_gather`.
+        a_rows_out: optional [S, H] torch.bfloat16 side output of the gathered dY rows, as
+            :func:`grouped_mm_gather`'s (every row: ``gather_rows(a, row_index)`` bitwise; only
+            with a ``row_index``): the layer's ``dy_S`` for the backward's weight gradients.
 
     Returns:
         ``(d_gate_up_S2I [S, 2I] bf16, a_h_SI [S, I] bf16, dA_row_S [S] fp32)``: padding rows 0.
@@ -461,7 +528,8 @@ def grouped_mm_dgated(
         (:func:`down_dgrad_backward` adds it).
 
     Raises:
-        ValueError: a bad shape, dtype, device or stride (named), before anything is written.
+        ValueError: a bad shape, dtype, device or stride (named, ``a_rows_out`` included),
+            before anything is written.
         RuntimeError: the kernel fails to compile.
     """
     from common.problem import Activation
@@ -472,6 +540,7 @@ def grouped_mm_dgated(
     if backend not in BACKENDS:
         _fail(f"backend must be one of {BACKENDS}, got {backend!r}")
     S, K, I, E, _ = _check(a, w_down_t, offsets_E, row_index, None)
+    _check_rows_out(_fail_dgated, a, row_index, S, K, a_rows_out)
     dev = a.device
     R = _check_pair_tables(_fail_dgated, dev, S, row_to_pair_S, pair_affinity_R, act_R2I=act_R2I)
     if tuple(act_R2I.shape) != (R, 2, I):
@@ -482,10 +551,12 @@ def grouped_mm_dgated(
     if backend == "sm90" and reason is not None:
         _fail_dgated(f"backend='sm90' cannot run here: {reason}")
     if backend == "torch" or reason is not None:
-        return torch_ref.down_dgrad_activation_torch(
+        res = torch_ref.down_dgrad_activation_torch(
             a, w_down_t, offsets_E, row_index, row_to_pair_S, pair_affinity_R, act_R2I,
             activation=act_fn, clamp_limits=clamp_limits,
         )
+        _write_rows_twin(a, row_index, a_rows_out)
+        return res
     if tile is None:
         tile = select_grouped_mm_tile(I, K, E)
     key = grouped_mm_key(w_down_t, row_index, tile, GatedEpilogue.of(act_fn, clamp_limits, False),
@@ -503,6 +574,7 @@ def grouped_mm_dgated(
     idx = row_index if row_index is not None else offsets_E
     fn(a, idx, w_down_t.permute(2, 1, 0), offsets_E, ah, dgu, row_to_pair_S.contiguous(),
        pair_affinity_R.float().contiguous(), part, act_R2I.view(R, 2 * I), grid)
+    _write_rows_twin(a, row_index, a_rows_out)  # (until the kernel writes them itself)
     return dgu, ah, part.sum(1)
 
 
@@ -518,6 +590,7 @@ def down_dgrad_backward(
     b_down_EH: torch.Tensor | None = None,
     backend: str = "auto",
     tile=None,
+    dy_rows_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer backward's first GEMM and its activation backward in one kernel: what
     ``moe_backward.fused`` does with ``gather_rows(dY)`` + grouped GEMM + ``activation_backward``,
@@ -526,9 +599,12 @@ def down_dgrad_backward(
     ``w_down_EIH.transpose(1, 2)``). Returns ``(d_gate_up_S2I, a_h_SI, dA_TE [T, E] fp32)``:
     dA in its dense cell per pair (0 where a token is not routed), ``+ <dY, b_down[e]>`` with a
     down bias (one fp32 ``[T, H] @ [H, E]`` product, then the pairs' cells).
+    ``dy_rows_out``: optional [S, H] torch.bfloat16 contiguous tensor that receives the gathered
+    rows ``dy_S`` (``gather_rows(dy_TH, row_to_token_S, torch.bfloat16)`` bitwise, every row;
+    the ``a_rows_out`` of :func:`grouped_mm_dgated`), for the backward's weight gradients.
 
     Raises:
-        ValueError: as :func:`grouped_mm_dgated`.
+        ValueError: as :func:`grouped_mm_dgated` (``dy_rows_out`` named ``a_rows_out``).
     """
     bf16 = torch.bfloat16
     dy = dy_TH if dy_TH.dtype == bf16 else dy_TH.to(bf16)
@@ -536,7 +612,7 @@ def down_dgrad_backward(
     dgu, ah, da_S = grouped_mm_dgated(
         dy, w, layout.offsets_E, layout.row_to_token_S, layout.row_to_pair_S,
         plan.pair_affinity_R, act_R2I, activation=activation, clamp_limits=clamp_limits,
-        backend=backend, tile=tile,
+        backend=backend, tile=tile, a_rows_out=dy_rows_out,
     )
     T, E = plan.num_tokens, plan.num_experts
     r2p = layout.row_to_pair_S

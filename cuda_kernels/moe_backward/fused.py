@@ -261,10 +261,10 @@ def moe_backward_fused(
         if dy_bf.stride(1) != 1:
             dy_bf = dy_bf.contiguous()
         dy_S = torch.empty(S, H, dtype=bf16, device=dev)
-        dgu_S, ah_S, dA_TE = _down_dgrad_backward(
-            dy_bf, w_down_EHI.transpose(1, 2), layout, plan, p.act_checkpoint_R2I, dy_S,
+        dgu_S, ah_S, dA_TE = gmm.down_dgrad_backward(
+            dy_bf, w_down_EHI.transpose(1, 2), layout, plan, p.act_checkpoint_R2I,
             activation=p.activation, clamp_limits=p.clamp_limits, b_down_EH=p.b_down_EH,
-            backend="sm90" if dy_TH.is_cuda else "torch",
+            backend="sm90" if dy_TH.is_cuda else "torch", dy_rows_out=dy_S,
         )
     else:
         dy_S = kernels.gather_rows(dy_TH, layout.row_to_token_S, bf16)
@@ -314,18 +314,3 @@ def moe_backward_fused(
         grads.b_down_grad_EH = dBd.to(grad_dtype)
     return grads
 
-
-def _down_dgrad_backward(dy_TH, w_down_EIH, layout, plan, act_R2I, dy_S, **kwargs):
-    """:func:`cuda_kernels.grouped_mm.down_dgrad_backward` writing the gathered dY rows into
-    ``dy_S`` (its ``dy_rows_out``)."""
-    if _SIDE_WRITE:
-        return gmm.down_dgrad_backward(dy_TH, w_down_EIH, layout, plan, act_R2I,
-                                       dy_rows_out=dy_S, **kwargs)
-    # TEMPORARY until branch gather-sidewrite (dy_rows_out) is merged: a separate gather
-    dy_S.copy_(kernels.gather_rows(dy_TH, layout.row_to_token_S, torch.bfloat16))
-    return gmm.down_dgrad_backward(dy_TH, w_down_EIH, layout, plan, act_R2I, **kwargs)
-
-
-import inspect  # noqa: E402 - TEMPORARY (see _down_dgrad_backward)
-
-_SIDE_WRITE = "dy_rows_out" in inspect.signature(gmm.down_dgrad_backward).parameters

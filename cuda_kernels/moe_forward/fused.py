@@ -33,7 +33,7 @@ import torch
 from common.problem import Activation, ClampLimits
 from common.torch_backward import ALIGN, LayerForward
 
-from .. import grouped_mm
+from .. import grouped_mm as gmm
 from ..grouped_mm_choice import check_grouped_mm, pick
 from ..moe_backward.fused import rows_times_experts
 from ..moe_backward.kernels import gather_rows, token_sum
@@ -100,9 +100,10 @@ def moe_forward_fused(
         if x_bf.stride(1) != 1:
             x_bf = x_bf.contiguous()
         x_S = torch.empty(layout.tokens_sum, H, dtype=bf16, device=x_TH.device)
-        act_R2I, ah_S = _gate_up_forward(
-            x_bf, w_gu, layout, plan, x_S, activation=act_fn, clamp_limits=clamp_limits,
+        act_R2I, ah_S = gmm.gate_up_forward(
+            x_bf, w_gu, layout, plan, activation=act_fn, clamp_limits=clamp_limits,
             b_gate_up_E2I=b_gate_up_E2I, backend="sm90" if x_TH.is_cuda else "torch",
+            x_rows_out=x_S,
         )
     else:
         x_S = gather_rows(x_TH, layout.row_to_token_S, bf16)
@@ -120,17 +121,3 @@ def moe_forward_fused(
     )
     return LayerForward(y_TH, act_R2I, x_S, plan, layout)
 
-
-def _gate_up_forward(x_TH, w_gu, layout, plan, x_S, **kwargs):
-    """:func:`cuda_kernels.grouped_mm.gate_up_forward` writing the gathered X rows into ``x_S``
-    (its ``x_rows_out``)."""
-    if _SIDE_WRITE:
-        return grouped_mm.gate_up_forward(x_TH, w_gu, layout, plan, x_rows_out=x_S, **kwargs)
-    # TEMPORARY until branch gather-sidewrite (x_rows_out) is merged: a separate gather
-    x_S.copy_(gather_rows(x_TH, layout.row_to_token_S, torch.bfloat16))
-    return grouped_mm.gate_up_forward(x_TH, w_gu, layout, plan, **kwargs)
-
-
-import inspect  # noqa: E402 - TEMPORARY (see _gate_up_forward)
-
-_SIDE_WRITE = "x_rows_out" in inspect.signature(grouped_mm.gate_up_forward).parameters

@@ -96,14 +96,16 @@ def make_grouped_wgrad(arch: str, stats: dict | None = None, group_align: int = 
 
 
 def _forward_fused(*args, **kwargs):
-    """The fused layer forward (``cuda_kernels.moe_forward.moe_forward_fused``)."""
+    """The fused layer forward (``cuda_kernels.moe_forward.moe_forward_fused``; ``kwargs`` are
+    its keywords, ``grouped_mm`` from ``MoEExpertsOptions`` among them)."""
     from .moe_forward import moe_forward_fused  # imports triton: only when run
 
     return moe_forward_fused(*args, **kwargs)
 
 
 def _run_fused(problem: MoEBackwardProblem, **options) -> MoEGrads:
-    """The fused backward; ``options`` are :func:`moe_backward_fused`'s keywords."""
+    """The fused backward; ``options`` are :func:`moe_backward_fused`'s keywords (``grouped_mm``
+    from ``MoEExpertsOptions`` among them)."""
     from .moe_backward import moe_backward_fused  # imports triton: only when run
 
     return moe_backward_fused(problem, **options)

@@ -13,9 +13,10 @@ Math (REFERENCE §2), per routed (token t, expert e) with affinity a::
 Public names:
 
 * :class:`MoEExpertsOptions` -- the frozen non-tensor settings of one call.
-* :func:`moe_experts` (functional) / :class:`MoEExperts` (``nn.Module``) run through ``torch.ops.moe_bwd.experts_forward``
-  (:mod:`common.layer_ops`: a ``torch.library`` custom op with a fake implementation and an
-  autograd formula, so ``torch.compile(fullgraph=True)`` traces the layer without graph breaks).
+* :func:`moe_experts` (functional) / :class:`MoEExperts` (``nn.Module``) run through
+  ``torch.ops.moe_bwd.experts_forward`` (:mod:`common.layer_ops`: a ``torch.library`` custom
+  op with a fake implementation and an autograd formula, so ``torch.compile(fullgraph=True)``
+  traces the layer without graph breaks).
   The forward is the backend's (:mod:`common.dispatch`): on ``cuda-sm90`` / ``cuda-sm100`` the
   fused GPU forward (:mod:`cuda_kernels.moe_forward`: routing, X gather, gate/up GEMM, one
   activation pass, down GEMM, deterministic per-token combine; BF16 in HBM), elsewhere
@@ -241,7 +242,9 @@ def _check_inputs(
             raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
     for name, t in {**floats, "expert_index_TK": idx}.items():
         if t.device != x.device:
-            raise ValueError(f"{name} is on device {t.device} but hidden_states_TH is on {x.device}")
+            raise ValueError(
+                f"{name} is on device {t.device} but hidden_states_TH is on {x.device}"
+            )
 
 
 def _main_grad_buffers(

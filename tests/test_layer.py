@@ -564,7 +564,8 @@ def test_torchtitan_adapter_counts_beyond_rows_do_not_crash_the_process():
 @pytest.mark.parametrize(
     "counts, match",
     [
-        ([3, 3, 3, 3], r"num_tokens_per_expert must sum to at most the rows of x \(8\), got sum 12"),
+        ([3, 3, 3, 3],
+         r"num_tokens_per_expert must sum to at most the rows of x \(8\), got sum 12"),
         ([9, 0, 0, 0], r"num_tokens_per_expert must sum to at most the rows of x \(8\)"),
         ([2**62] * 4, rf"must sum to at most the rows of x \(8\), got a count of {2**62}"),
         ([-1, 2, 2, 2], r"num_tokens_per_expert must be >= 0 .*experts \[0\]"),

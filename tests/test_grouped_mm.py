@@ -214,6 +214,8 @@ def test_tile_and_key_validation():
         ({"epilogue": "gelu"}, "epilogue"),
         ({"gather_a": 1}, "gather_a"),
         ({"tile": (128, 256)}, "tile"),
+        ({"write_a_rows": 1}, "write_a_rows must be a bool"),
+        ({"write_a_rows": True, "gather_a": False}, "write_a_rows needs gather_a"),
     ]:
         base = {"n": 64, "k": 64, "num_experts": 2}
         base.update(kwargs)
@@ -225,7 +227,9 @@ def test_tile_and_key_validation():
     k = grouped_mm_key(w.transpose(1, 2).contiguous().transpose(1, 2), None)
     assert (k.w_major, k.gather_a, k.n, k.k) == ("k", False, 32, 64)
     k = grouped_mm_key(w, torch.zeros(3, dtype=torch.int32))
-    assert (k.w_major, k.gather_a, k.index_dtype) == ("n", True, "int32")
+    assert (k.w_major, k.gather_a, k.index_dtype, k.write_a_rows) == ("n", True, "int32", False)
+    kr = grouped_mm_key(w, torch.zeros(3, dtype=torch.int32), write_a_rows=True)
+    assert kr.write_a_rows and kr != k  # a compile-cache key of its own
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,9 @@
 CPU part (CI): offline compiles for ``sm_90a`` of three keys (gather-A with cp.async producers and
 an N-major W; A by TMA with a K-major W on the pingpong schedule; gather-A with an int32 index,
 64-row tiles and partial N tiles), their PTX checked for the instructions the design rests on,
-and assembled by ptxas when one that knows the PTX ISA is installed (no spills).
+and assembled by ptxas when one that knows the PTX ISA is installed (no spills); the same for
+``write_a_rows`` keys (the gathered-rows side output) of the three epilogues, cooperative and
+pingpong, whose barrier instructions must be those of the key without it.
 
 GPU part (``gpu`` + ``sm90`` markers, skipped without an SM90 device and CuTe DSL): the kernel
 against the torch twin (fp32 accumulation, one BF16 rounding) over a grid of splits (uneven with
@@ -12,9 +14,13 @@ multiple), the model shapes' N / K (qwen3-30b-a3b and mixtral-8x7b gate/up and d
 majors, both index dtypes, the three tile schedules; outputs poisoned with NaN before each launch;
 NaN planted in the gathered source's rows that no index refers to (a padding row that were read
 would show: the kernel has no select); bitwise determinism over two launches; A in row order by
-TMA; a row-strided A; CUDA-graph replay with new offsets; no recompile for a new split.
+TMA; a row-strided A; CUDA-graph replay with new offsets; no recompile for a new split; the
+gathered-rows side output (``a_rows_out``, store / gated / dgated, cooperative / pingpong /
+64-row tiles) bitwise equal to ``gather_rows`` on every row (NaN-poisoned before) and the main
+outputs bitwise those of the call without it.
 """
 
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -64,6 +70,9 @@ _T = Sm90GroupedMmTile
 # CPU: offline compiles
 # ------------------------------------------------------------------------------------------------
 
+_ROWS_PTX = ["cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
+             r"cp.async.wait_group\s+1;", "ld.shared.v4.b32", "st.global.v4.b32",
+             "ld.global.v4.b32"]
 _OFFLINE = [
     # (id, key, PTX that must appear, PTX that must not)
     ("gather-n-major-128x256",
@@ -100,6 +109,37 @@ _OFFLINE = [
                                                                     proxy_fence=False)),
      ["cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "ld.global.b32"],
      ["fence.proxy.async"]),
+    # write_a_rows: the gathered rows copied out of the stages (16-byte shared loads and global
+    # stores after cp.async.wait_group 1), the rows past the last expert by 16-byte global loads
+    ("rows-gather-128x256",
+     Sm90GroupedMmKey(1536, 2048, 128, tile=_T(128, 256, 64, 4), write_a_rows=True),
+     _ROWS_PTX + ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"], []),
+    ("rows-gather-int32-pingpong-partial-k",
+     Sm90GroupedMmKey(2048, 1000, 16, index_dtype="int32", w_major="k", write_a_rows=True,
+                      tile=_T(128, 128, 64, 6, pingpong=True)),
+     _ROWS_PTX + ["bar.sync"], []),
+    ("rows-gather-64row-no-fence",
+     Sm90GroupedMmKey(2880, 2880, 16, write_a_rows=True,
+                      tile=_T(64, 256, 64, 4, proxy_fence=False)),
+     _ROWS_PTX, ["fence.proxy.async"]),
+    ("rows-gated-swiglu-128x256",
+     Sm90GroupedMmKey(1536, 2048, 128, epilogue="gated", gated=GatedEpilogue(),
+                      tile=_T(128, 256, 64, 4), write_a_rows=True),
+     _ROWS_PTX + ["ex2.approx", "cvt.rn.bf16x2.f32"], []),
+    ("rows-gated-gpt-oss-bias-pingpong",
+     Sm90GroupedMmKey(5760, 2880, 128, epilogue="gated",
+                      gated=GatedEpilogue(1.702, 1.0, None, 7.0, -7.0, 7.0, True),
+                      tile=_T(128, 128, 64, 6, pingpong=True), write_a_rows=True),
+     _ROWS_PTX + ["bar.sync"], []),
+    ("rows-dgated-swiglu-128x256",
+     Sm90GroupedMmKey(768, 2048, 128, w_major="k", epilogue="dgated", gated=GatedEpilogue(),
+                      tile=_T(128, 256, 64, 4), write_a_rows=True),
+     _ROWS_PTX + ["shfl.sync.bfly.b32"], []),
+    ("rows-dgated-gpt-oss-pingpong",
+     Sm90GroupedMmKey(2880, 2880, 32, w_major="k", epilogue="dgated",
+                      gated=GatedEpilogue(1.702, 1.0, None, 7.0, -7.0, 7.0),
+                      tile=_T(128, 128, 64, 6, pingpong=True), write_a_rows=True),
+     _ROWS_PTX + ["shfl.sync.bfly.b32", "bar.sync"], []),
 ]
 
 
@@ -126,6 +166,26 @@ def test_offline_compile_sm90a(case, tmp_path):
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr[-2000:]
+
+
+@needs_cute
+@pytest.mark.parametrize("epilogue", ["store", "dgated"])
+def test_offline_write_a_rows_leaves_the_barriers_alone(epilogue):
+    """The side output adds no barrier traffic: the same mbarrier / cp.async-arrive
+    instructions (by kind and count) as the key without it; only the copy-out is added."""
+    gated = GatedEpilogue() if epilogue == "dgated" else None
+    base = Sm90GroupedMmKey(1024, 512, 8, epilogue=epilogue, gated=gated,
+                            tile=_T(128, 128, 64, 6, pingpong=True))
+    ptx0 = sm90.compile_grouped_mm_offline(base)
+    ptx1 = sm90.compile_grouped_mm_offline(dataclasses.replace(base, write_a_rows=True))
+
+    def barrier_ops(ptx):
+        return sorted(m.group(0) for m in re.finditer(r"\b(mbarrier|cp\.async\.mbarrier)"
+                                                        r"\.[a-z_.:0-9]+", ptx))
+
+    assert barrier_ops(ptx0) == barrier_ops(ptx1)
+    assert "st.global.v4.b32" in ptx1 and "ld.shared.v4.b32" in ptx1
+    assert ptx1.count("fence.proxy.async") == ptx0.count("fence.proxy.async")
 
 
 @needs_cute
@@ -535,3 +595,175 @@ def test_dgated_matches_the_layers_gemm_then_pass(name):
     assert rel < 5e-3
     torch.testing.assert_close(da_f, da_p, rtol=2e-2, atol=1e-2 * da_p.abs().max().item())
     assert torch.equal(da_f == 0, da_p == 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the gathered-rows side output (a_rows_out / write_a_rows), every epilogue
+# ------------------------------------------------------------------------------------------------
+
+
+def _bits(t):
+    """Bit patterns (BF16 -> int16, fp32 -> int32): torch.equal would take -0.0 for +0.0."""
+    return t.contiguous().view(torch.int16 if t.dtype == BF16 else torch.int32)
+
+
+def _assert_bitwise(got, want, what):
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    bad = int((_bits(got) != _bits(want)).sum())
+    assert bad == 0, f"{what}: {bad} elements differ bitwise"
+
+
+def _rows_layout(T, E, top_k, gen, hot=None, extra=0):
+    """``(plan, layout)`` of :func:`_routing_plan` (align 16: padding rows; every third expert
+    empty), with tokens 0 and T-1 turned into padding rows (their source rows get NaN: a read
+    padding row would show) and ``extra`` rows past ``offsets_E[-1]`` whose index is VALID
+    (the last one -1): the side output holds gather_rows' output there too."""
+    plan, layout = _routing_plan(T, E, top_k, gen, hot=hot)
+    idx = layout.row_to_token_S.clone()
+    for t in (0, T - 1):
+        idx[idx == t] = -1
+    r2p = layout.row_to_pair_S
+    if extra:
+        past = torch.randint(1, T - 1, (extra,), generator=gen).cuda()
+        past[-1] = -1
+        idx = torch.cat([idx, past])
+        r2p = torch.cat([r2p, torch.full((extra,), -1, dtype=r2p.dtype, device=r2p.device)])
+    layout = dataclasses.replace(layout, row_to_token_S=idx, row_to_pair_S=r2p,
+                                 tokens_sum=idx.shape[0])
+    assert (idx < 0).any() and (extra == 0 or int(layout.offsets_E[-1]) < idx.shape[0])
+    return plan, layout
+
+
+def _nan_rows(src, T):
+    """``src`` [T, K] with NaN in rows 0 and T-1 (no index refers to them)."""
+    src = src.clone()
+    src[0] = float("nan")
+    src[T - 1] = float("nan")
+    return src
+
+
+def _poison(S, K):
+    return torch.full((S, K), float("nan"), dtype=BF16, device="cuda")
+
+
+_ROWS_GRID = [
+    # (id, epilogue, T, K, N (store) or I (gated / dgated), E, top_k, hot, extra, tile,
+    #  w_major, index dtype, activation)
+    ("store-coop-uneven-past-last", "store", 300, 256, 512, 8, 2, None, 40,
+     _T(128, 256, 64, 4), "n", torch.int64, None),
+    ("store-pingpong-hot-k-major-int32-partial-k", "store", 400, 200, 256, 6, 2, 2, 17,
+     _T(128, 128, 64, 6, True), "k", torch.int32, None),
+    ("store-64row-one-k-tile-no-fence", "store", 77, 64, 128, 5, 3, None, 3,
+     _T(64, 128, 64, 8, proxy_fence=False), "n", torch.int64, None),
+    ("gated-swiglu-coop-wrapper", "gated", 300, 256, 384, 8, 2, None, 20,
+     _T(128, 256, 64, 4), "n", torch.int64, "swiglu"),
+    # (top_k 1: a hot expert merges no duplicate pairs, so R = T <= S)
+    ("gated-gpt-oss-pingpong-hot-bias", "gated", 200, 192, 200, 6, 1, 1, 9,
+     _T(128, 128, 64, 6, True), "n", torch.int64, "gpt-oss"),
+    ("dgated-swiglu-coop-wrapper", "dgated", 300, 256, 384, 8, 2, None, 20,
+     _T(128, 256, 64, 4), "k", torch.int64, "swiglu"),
+    ("dgated-gpt-oss-pingpong-hot", "dgated", 200, 192, 200, 6, 2, 4, 9,
+     _T(128, 128, 64, 6, True), "k", torch.int64, "gpt-oss"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", _ROWS_GRID, ids=[c[0] for c in _ROWS_GRID])
+def test_a_rows_out_is_gather_rows_bitwise_and_outputs_unchanged(case):
+    """The kernel's side output (NaN-poisoned before) against the layer's gather pass, bitwise,
+    on every row (padding rows +0, rows past the last expert with valid indices gathered, rows
+    of the next expert's tile untouched: uneven, empty and hot experts), and the main outputs
+    bitwise those of the same call without it (one compile per key: ``write_a_rows``)."""
+    from cuda_kernels.moe_backward.kernels import gather_rows
+
+    _id, epi, T, K, n, E, top_k, hot, extra, tile, w_major, idx_dtype, act_name = case
+    gen = torch.Generator().manual_seed(70 + _ROWS_GRID.index(case))
+    plan, layout = _rows_layout(T, E, top_k, gen, hot=hot, extra=extra)
+    idx = layout.row_to_token_S.to(idx_dtype)
+    S = idx.shape[0]
+    before = sm90.FAMILY.compile_count
+    if epi == "store":
+        a, w = _operands(T, K, n, E, gen, w_major)
+        a = _nan_rows(a, T)
+        offsets = layout.offsets_E
+        out0 = torch.full((S, n), float("nan"), dtype=BF16, device="cuda")
+        grouped_mm_gather(a, w, offsets, idx, out0, backend="sm90", tile=tile)
+        rows = _poison(S, K)
+        out1 = torch.full_like(out0, float("nan"))
+        grouped_mm_gather(a, w, offsets, idx, out1, backend="sm90", tile=tile, a_rows_out=rows)
+        torch.cuda.synchronize()
+        assert not out1.isnan().any()
+        mains = [(out1, out0, "out")]
+    elif epi == "gated":
+        act_fn, clamp, with_bias = _GATED_ACTS[act_name]
+        a = _nan_rows(torch.randn(T, K, generator=gen).to(BF16).cuda(), T)
+        w = (torch.randn(E, K, 2 * n, generator=gen) * 2 / K**0.5).to(BF16).cuda()
+        bias = torch.randn(E, 2, n, generator=gen).cuda() if with_bias else None
+        rows = _poison(S, K)
+        if _id.endswith("wrapper"):  # the layer's entry: x_rows_out
+            kw = {"activation": act_fn, "clamp_limits": clamp, "b_gate_up_E2I": bias,
+                  "backend": "sm90", "tile": tile}
+            w4 = w.reshape(E, K, 2, n)
+            got0 = gate_up_forward(a, w4, layout, plan, **kw)
+            got1 = gate_up_forward(a, w4, layout, plan, **kw, x_rows_out=rows)
+        else:
+            args = (a, w, layout.offsets_E, idx, layout.row_to_pair_S, plan.pair_affinity_R,
+                    plan.num_pairs)
+            kw = {"activation": act_fn, "clamp_limits": clamp, "bias": bias,
+                  "backend": "sm90", "tile": tile}
+            got0 = grouped_mm_gated(*args, **kw)
+            got1 = grouped_mm_gated(*args, **kw, a_rows_out=rows)
+        torch.cuda.synchronize()
+        mains = list(zip(got1, got0, ("act", "a_h")))
+    else:
+        act_fn, clamp, with_bias = _GATED_ACTS[act_name]
+        a = _nan_rows(torch.randn(T, K, generator=gen).to(BF16).cuda(), T)  # dY [T, H]
+        w_d = (torch.randn(E, n, K, generator=gen) / n**0.5).to(BF16).cuda()  # [E, I, H]
+        R = plan.pair_token_R.shape[0]
+        act = (torch.randn(R, 2, n, generator=gen) * 3).to(BF16).cuda()
+        rows = _poison(S, K)
+        if _id.endswith("wrapper"):  # the layer's entry: dy_rows_out
+            kw = {"activation": act_fn, "clamp_limits": clamp, "backend": "sm90", "tile": tile}
+            got0 = down_dgrad_backward(a, w_d, layout, plan, act, **kw)
+            got1 = down_dgrad_backward(a, w_d, layout, plan, act, **kw, dy_rows_out=rows)
+        else:
+            args = (a, w_d.transpose(1, 2), layout.offsets_E, idx, layout.row_to_pair_S,
+                    plan.pair_affinity_R, act)
+            kw = {"activation": act_fn, "clamp_limits": clamp, "backend": "sm90", "tile": tile}
+            got0 = grouped_mm_dgated(*args, **kw)
+            got1 = grouped_mm_dgated(*args, **kw, a_rows_out=rows)
+        torch.cuda.synchronize()
+        mains = list(zip(got1, got0, ("d_gate_up", "a_h", "dA")))
+    assert sm90.FAMILY.compile_count - before <= 2  # at most the key and its write_a_rows twin
+    for got, want, what in mains:
+        _assert_bitwise(got, want, f"{what} with a_rows_out vs without")
+    want_rows = gather_rows(a, idx, torch.bfloat16)
+    _assert_bitwise(rows, want_rows, "a_rows_out vs gather_rows")
+    assert (_bits(rows[idx < 0]) == 0).all(), "padding rows must be +0.0"
+    last = int(layout.offsets_E[-1])
+    if extra:
+        assert (idx[last:] >= 0).any() and torch.isfinite(rows[last:][idx[last:] >= 0]).all()
+
+
+@pytest.mark.parametrize(
+    "counts,extra",
+    [([0] * 8, 64), ([3, 0, 1, 200, 0, 0, 0, 0], 0), ([0] * 5 + [0, 0, 129], 33),
+     ([1] * 8, 1)],
+    ids=["all-empty", "tiny-and-empty", "past-last-offset", "one-row-experts"],
+)
+@gpu
+def test_a_rows_out_off_the_16_row_grid(counts, extra):
+    """The side output on :func:`test_splits_off_the_16_row_grid`'s splits (random indices,
+    -1 included, on every row: all rows past the last expert when every expert is empty; one-row
+    experts: a tile per row), one key: bitwise gather_rows, main output unchanged."""
+    from cuda_kernels.moe_backward.kernels import gather_rows
+
+    a, w, offsets, idx = _splits_case(counts, extra)
+    S, K = idx.shape[0], a.shape[1]
+    out0 = _run(a, w, offsets, idx)
+    rows = _poison(S, K)
+    out1 = torch.full_like(out0, float("nan"))
+    grouped_mm_gather(a, w, offsets, idx, out1, backend="sm90", a_rows_out=rows)
+    torch.cuda.synchronize()
+    _assert_bitwise(out1, out0, "out with a_rows_out vs without")
+    _assert_bitwise(rows, gather_rows(a, idx, torch.bfloat16), "a_rows_out vs gather_rows")

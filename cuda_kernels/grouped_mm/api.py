@@ -137,6 +137,15 @@ def _check_rows_out(fail, a, row_index, S: int, K: int, a_rows_out, name: str = 
             fail(f"{name} must not overlap a (a is read while {name} is written)")
 
 
+def _rows_out_unsupported(reason: str | None, a_rows_out) -> str | None:
+    """``reason`` (why the kernel cannot run), or why it cannot write ``a_rows_out`` (its
+    16-byte stores need a 16-byte aligned start), or None."""
+    if reason is None and a_rows_out is not None and a_rows_out.numel():
+        if a_rows_out.data_ptr() % 16:
+            return f"a_rows_out must be 16-byte aligned, got {a_rows_out.data_ptr():#x}"
+    return reason
+
+
 def _write_rows_twin(a, row_index, a_rows_out) -> None:
     """The torch twin of the side output: ``gather_rows(a, row_index, torch.bfloat16)``."""
     if a_rows_out is not None:
@@ -165,11 +174,13 @@ def kernel_unsupported_reason(a, w, row_index=None) -> str | None:
     return None
 
 
-def grouped_mm_key(w: torch.Tensor, row_index, tile=None, gated=None, epilogue=None):
+def grouped_mm_key(w: torch.Tensor, row_index, tile=None, gated=None, epilogue=None,
+                   write_a_rows: bool = False):
     """The :class:`~cuda_kernels.grouped_mm.sm90.Sm90GroupedMmKey` of (checked) operands;
     ``tile`` None: :func:`~cuda_kernels.grouped_mm.sm90.select_grouped_mm_tile`; ``gated``: a
     :class:`~cuda_kernels.grouped_mm.sm90.GatedEpilogue` for the gate/up epilogue (or, with
-    ``epilogue="dgated"``, the down-dgrad one)."""
+    ``epilogue="dgated"``, the down-dgrad one); ``write_a_rows``: the kernel writes the
+    gathered rows (an ``a_rows_out`` was given)."""
     from .sm90 import Sm90GroupedMmKey, select_grouped_mm_tile
 
     E, K, N = w.shape
@@ -185,6 +196,7 @@ def grouped_mm_key(w: torch.Tensor, row_index, tile=None, gated=None, epilogue=N
         epilogue=epilogue,
         tile=tile,
         gated=gated,
+        write_a_rows=write_a_rows,
     )
 
 
@@ -232,7 +244,9 @@ def grouped_mm_gather(
             ``moe_backward.kernels.gather_rows(a, row_index, torch.bfloat16)`` returns (a
             copy), so a caller that needs the gathered rows again (the backward's weight
             gradients) skips its own gather pass. The kernel writes them from its producer
-            (the rows of each M tile once); the torch path with the twin.
+            warp group, each row once (a ``write_a_rows`` key: a compile of its own; a
+            16-byte aligned start, else ``"auto"`` takes the twin); the torch path with the
+            twin. The main output is the same with or without it.
 
     Returns:
         ``out`` [S, N] torch.bfloat16. Padding rows (``row_index < 0``) are exactly 0 for a
@@ -252,11 +266,13 @@ def grouped_mm_gather(
         _fail(f"backend must be one of {BACKENDS}, got {backend!r}")
     S, K, N, _, _ = _check(a, w, offsets_E, row_index, out)
     _check_rows_out(_fail, a, row_index, S, K, a_rows_out)
-    reason = kernel_unsupported_reason(a, w, row_index)
+    reason = _rows_out_unsupported(kernel_unsupported_reason(a, w, row_index), a_rows_out)
     if backend == "sm90" and reason is not None:
         _fail(f"backend='sm90' cannot run here: {reason}")
     use_kernel = backend != "torch" and reason is None
-    key = grouped_mm_key(w, row_index, tile) if use_kernel else None
+    key = None
+    if use_kernel:
+        key = grouped_mm_key(w, row_index, tile, write_a_rows=a_rows_out is not None)
     if out is None:
         out = torch.empty(S, N, dtype=torch.bfloat16, device=a.device)
     if not use_kernel:
@@ -271,8 +287,7 @@ def grouped_mm_gather(
     fn = compile_grouped_mm(key)
     grid = max(1, min(key.max_tiles(S), num_sms(a.device.index or 0)))
     idx = row_index if row_index is not None else offsets_E  # (a placeholder without gather)
-    fn(a, idx, w.permute(2, 1, 0), offsets_E, out, *(offsets_E,) * 5, grid)
-    _write_rows_twin(a, row_index, a_rows_out)  # (until the kernel writes them itself)
+    fn(a, idx, w.permute(2, 1, 0), offsets_E, out, *(offsets_E,) * 5, a_rows_out, grid)
     return out
 
 
@@ -402,7 +417,7 @@ def grouped_mm_gated(
                         f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device != dev:
             _fail_gated(f"{name} must be a contiguous torch.bfloat16 tensor on {dev}")
-    reason = kernel_unsupported_reason(a, w_gate_up, row_index)
+    reason = _rows_out_unsupported(kernel_unsupported_reason(a, w_gate_up, row_index), a_rows_out)
     if reason is None and I % 8:
         reason = f"I={I} must be a multiple of 8"
     if backend == "sm90" and reason is not None:
@@ -423,7 +438,8 @@ def grouped_mm_gated(
     if tile is None:
         tile = select_grouped_mm_tile(N, a.shape[1], E)
     key = grouped_mm_key(
-        w_gate_up, row_index, tile, GatedEpilogue.of(act_fn, clamp_limits, bias is not None)
+        w_gate_up, row_index, tile, GatedEpilogue.of(act_fn, clamp_limits, bias is not None),
+        write_a_rows=a_rows_out is not None,
     )
     if S == 0:
         return act.zero_(), ah
@@ -436,8 +452,7 @@ def grouped_mm_gated(
     b = bias.reshape(E, N).float().contiguous() if bias is not None else offsets_E
     alpha = pair_affinity_R.float().contiguous()
     fn(a, idx, w_gate_up.permute(2, 1, 0), offsets_E, ah, b, row_to_pair_S.contiguous(), alpha,
-       num_pairs.reshape(1), act.view(R, N), grid)
-    _write_rows_twin(a, row_index, a_rows_out)  # (until the kernel writes them itself)
+       num_pairs.reshape(1), act.view(R, N), a_rows_out, grid)
     return act, ah
 
 
@@ -549,7 +564,7 @@ def grouped_mm_dgated(
         _fail_dgated(f"act_R2I must be [R, 2, I] = [{R}, 2, {I}], got {list(act_R2I.shape)}")
     if act_R2I.dtype != torch.bfloat16 or not act_R2I.is_contiguous():
         _fail_dgated(f"act_R2I must be a contiguous torch.bfloat16 tensor, got {act_R2I.dtype}")
-    reason = kernel_unsupported_reason(a, w_down_t, row_index)
+    reason = _rows_out_unsupported(kernel_unsupported_reason(a, w_down_t, row_index), a_rows_out)
     if backend == "sm90" and reason is not None:
         _fail_dgated(f"backend='sm90' cannot run here: {reason}")
     if backend == "torch" or reason is not None:
@@ -562,7 +577,7 @@ def grouped_mm_dgated(
     if tile is None:
         tile = select_grouped_mm_tile(I, K, E)
     key = grouped_mm_key(w_down_t, row_index, tile, GatedEpilogue.of(act_fn, clamp_limits, False),
-                         epilogue="dgated")
+                         epilogue="dgated", write_a_rows=a_rows_out is not None)
     dgu = torch.empty(S, 2 * I, dtype=torch.bfloat16, device=dev)
     ah = torch.empty(S, I, dtype=torch.bfloat16, device=dev)
     part = torch.empty(S, key.n_tiles, dtype=torch.float32, device=dev)
@@ -575,8 +590,7 @@ def grouped_mm_dgated(
     grid = max(1, min(key.max_tiles(S), num_sms(dev.index or 0)))
     idx = row_index if row_index is not None else offsets_E
     fn(a, idx, w_down_t.permute(2, 1, 0), offsets_E, ah, dgu, row_to_pair_S.contiguous(),
-       pair_affinity_R.float().contiguous(), part, act_R2I.view(R, 2 * I), grid)
-    _write_rows_twin(a, row_index, a_rows_out)  # (until the kernel writes them itself)
+       pair_affinity_R.float().contiguous(), part, act_R2I.view(R, 2 * I), a_rows_out, grid)
     return dgu, ah, part.sum(1)
 
 

@@ -23,6 +23,24 @@ Structure (one CTA per SM, persistent, warp-specialized; the wgrad kernel
     expert's end and a K chunk past K are zero-filled by the copy itself (source size 0: nothing
     is read). Each thread's copies arrive on the stage's full barrier when they land
     (``cp.async.mbarrier.arrive.noinc``), W's TMA box adds its bytes to the same barrier;
+  * ``write_a_rows`` (with ``gather_a``; the API's ``a_rows_out``): the kernel also writes the
+    gathered rows into an ``[S, K]`` BF16 side output, so the layer needs no separate gather
+    pass for the weight gradients. In the tiles with ``n_idx == 0`` (each M tile of each expert
+    has exactly one) every producer thread commits its cp.async chunks of a K tile as one
+    group; one K tile later (``cp.async.wait_group 1``: the copies have landed and are visible
+    to the thread that issued them) it loads the same 16-byte chunks back from the stage (the
+    same ``tAsA`` addresses) and stores them to the side output's rows ``row0 + r`` for
+    ``r < rows`` (never a row of the next expert's tiles); after a tile's last K tile it waits
+    for all its copies and writes that one too. A padding row is what cp.async zero-filled:
+    +0. The rows past the last expert (tiles that load no stage) are gathered global to global
+    by their ``n_idx == 0`` tile's producer threads (16-byte loads and stores, +0 for a
+    negative index), so every row of the side output is written exactly once, whatever the
+    offsets. The barriers, their arrival counts and the fences are those of the plain kernel
+    (the copy-out only reads the ring): chosen over loading the rows into registers and
+    storing them to shared memory by hand, which would need plain arrivals, a writer-side
+    proxy fence and synchronous loads (one stage in flight) on those tiles, and registers the
+    56-register producer does not have. The cost is a stage's latency at the end of each such
+    tile and one stage in flight less while they run;
   * otherwise (A already in row order, ``[S, K]``) one warp loads A's ``(tile_m, 64)`` boxes by
     TMA starting at the tile's first row (rows past the expert are loaded but never stored, rows
     past S are zero-filled by TMA);
@@ -244,6 +262,9 @@ class Sm90GroupedMmKey:
             ``"dgated"``). ``"gated"``: N = 2I with I a multiple of 8, and tile_n 128 or 256 (two
             accumulators of tile_n / 2 columns). ``"dgated"``: N = I, no bias (the affinity
             gradient's bias term is the caller's), the clamp limits give the strict masks.
+        write_a_rows: (only with ``gather_a``) the kernel also writes the gathered rows into an
+            ``[S, K]`` BF16 side output (every row: ``A[idx[s]]``, +0 for ``idx[s] < 0``; the
+            ``a_rows_out`` of :mod:`~cuda_kernels.grouped_mm.api`), for any epilogue.
 
     Raises:
         ValueError: a field outside its values; N or K not a multiple of 8 (16-byte rows); a
@@ -259,6 +280,7 @@ class Sm90GroupedMmKey:
     epilogue: str = "store"
     tile: Sm90GroupedMmTile = Sm90GroupedMmTile()
     gated: GatedEpilogue | None = None
+    write_a_rows: bool = False
 
     def __post_init__(self) -> None:
         cls = type(self).__name__
@@ -274,6 +296,12 @@ class Sm90GroupedMmKey:
                 )
         if not isinstance(self.gather_a, bool):
             raise ValueError(f"{cls}.gather_a must be a bool, got {self.gather_a!r}")
+        if not isinstance(self.write_a_rows, bool):
+            raise ValueError(f"{cls}.write_a_rows must be a bool, got {self.write_a_rows!r}")
+        if self.write_a_rows and not self.gather_a:
+            raise ValueError(
+                f"{cls}.write_a_rows needs gather_a (without it A is already the rows)"
+            )
         if self.index_dtype not in _INDEX_DTYPES:
             raise ValueError(
                 f"{cls}.index_dtype must be one of {_INDEX_DTYPES}, got {self.index_dtype!r}"
@@ -428,6 +456,7 @@ def _build_kernel_class():
             self.partial_n = self.out_cols % self.mma_n != 0  # the last N tile: column checks
             self.k_tiles = key.k_tiles
             self.gather = key.gather_a
+            self.write_rows = key.write_a_rows  # (only with gather_a: the key checks)
             self.proxy_fence = key.gather_a and t.proxy_fence
             self.ab_dtype = cutlass.BFloat16
             self.acc_dtype = cutlass.Float32
@@ -625,6 +654,7 @@ def _build_kernel_class():
             mAux1: cute.Tensor,  # gated: num_pairs (1,) int64; dgated: dA partials (S, n_tiles)
             mAct: cute.Tensor,  # gated: (R, 2I) bf16 checkpoint out; dgated: checkpoint in
             # (placeholders where the epilogue does not use them)
+            mRows: cute.Tensor,  # write_a_rows: (S, K) bf16 gathered rows out; else None
             num_ctas: cutlass.Int32,
             stream,
         ):
@@ -648,6 +678,7 @@ def _build_kernel_class():
                 mAlpha,
                 mAux1,
                 mAct,
+                mRows,
                 tiled_mma,
                 a_smem_staged,
                 b_smem_staged,
@@ -676,6 +707,7 @@ def _build_kernel_class():
             mAlpha: cute.Tensor,
             mAux1: cute.Tensor,
             mAct: cute.Tensor,
+            mRows: cute.Tensor,
             tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout,
@@ -738,7 +770,7 @@ def _build_kernel_class():
                 if cutlass.const_expr(self.gather):
                     self.produce_gather(
                         tma_atom_b, tma_b, mA, mIdx, sA, sBs, ab_pipe, prod_state, sStart,
-                        sBegin, sCount, total, bidx, gdim, warp_idx, tidx,
+                        sBegin, sCount, total, bidx, gdim, warp_idx, tidx, mRows,
                     )
                 elif warp_idx == 0:
                     self.produce_tma(
@@ -807,14 +839,21 @@ def _build_kernel_class():
         @cute.jit
         def produce_gather(
             self, tma_atom_b, tma_b, mA, mIdx, sA, sBs, ab_pipe, prod_state, sStart, sBegin,
-            sCount, total, bidx, gdim, warp_idx, ptid,
+            sCount, total, bidx, gdim, warp_idx, ptid, mRows,
         ):
             """The 128 producer threads: per tile, each thread reads the index of its
             ``rows_per_thread`` rows (rows ``ptid // 8 + 16 j`` of the tile), then per K tile
             waits for the stage to be free, warp 0 arms the full barrier with W's bytes and
             issues W's TMA box, and every thread issues its 16-byte cp.async chunks (column
             chunk ``ptid % 8``; zero-filled for a padding row, a row past the expert and a
-            chunk past K) and arrives on the full barrier when they land."""
+            chunk past K) and arrives on the full barrier when they land.
+
+            ``write_a_rows``: in the tiles with ``n_idx == 0`` (one per M tile of an expert)
+            each thread also copies its chunks of the previous K tile back out of the stage
+            (once its cp.async group has landed: ``cp.async.wait_group 1``, a lag of one stage)
+            into ``mRows`` (the tile's rows only), the last K tile after the loop; the rows past
+            the last expert (no stages) are gathered global to global
+            (:meth:`rows_past_experts`). The barriers and their counts are untouched."""
             atom, tiled = self.gather_copy()
             thr = tiled.get_slice(ptid)
             tAsA = thr.partition_D(sA)  # (CPY, rows_per_thread, 1, stages)
@@ -863,11 +902,92 @@ def _build_kernel_class():
                         cute.arch.cp_async_mbarrier_arrive_noinc(
                             ab_pipe.producer_get_barrier(prod_state)
                         )
+                        if cutlass.const_expr(self.write_rows):  # noqa: SIM102
+                            if n_idx == 0:
+                                cute.arch.cp_async_commit_group()
+                                if kt > 0:  # the previous K tile's copies have landed
+                                    cute.arch.cp_async_wait_group(1)
+                                    self.rows_from_stage(
+                                        tAsA, (prod_state.index + self.stages - 1) % self.stages,
+                                        kt - 1, row0, rows, row_in, chunk, mRows,
+                                    )
                         prod_state.advance()
+                    if cutlass.const_expr(self.write_rows):  # noqa: SIM102
+                        if n_idx == 0:  # the tile's last K tile (the stage issued last)
+                            cute.arch.cp_async_wait_group(0)
+                            self.rows_from_stage(
+                                tAsA, (prod_state.index + self.stages - 1) % self.stages,
+                                self.k_tiles - 1, row0, rows, row_in, chunk, mRows,
+                            )
+                if cutlass.const_expr(self.write_rows):  # noqa: SIM102
+                    if g >= self.num_e and n_idx == 0:
+                        self.rows_past_experts(
+                            mA, mIdx, row0, rows, row_in, chunk, a_base, lda_bytes, mRows
+                        )
                 tile += gdim
             # every copy of this thread has landed before it exits
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
+
+        @cute.jit
+        def rows_from_stage(self, tAsA, stage, kt, row0, rows, row_in, chunk, mRows):
+            """``write_a_rows``: this thread's 16-byte chunks of K tile ``kt`` in ``stage``
+            (what its cp.async wrote: the gathered row, or zeros for a padding row) -> ``mRows``
+            rows ``row0 + r`` for the tile's rows ``r < rows`` (never a row of the next
+            expert's tiles), columns ``[col, col + 8)`` below K. The caller has waited for the
+            copies (``cp.async.wait_group``: visible to this thread)."""
+            col = kt * self.tile_k + chunk * 8
+            if col < self.key.k:
+                rows_base = mRows.iterator.toint()
+                v = cute.make_rmem_tensor((8,), self.ab_dtype)
+                for j in cutlass.range_constexpr(self.rows_per_thread):
+                    r = row_in + j * self.rows_per_pass
+                    if r < rows:
+                        cute.autovec_copy(tAsA[(None, j, 0, stage)], v)
+                        self.store_chunk(
+                            v, rows_base + (cutlass.Int64(row0 + r) * self.key.k + col) * 2
+                        )
+
+        @cute.jit
+        def rows_past_experts(
+            self, mA, mIdx, row0, rows, row_in, chunk, a_base, lda_bytes, mRows
+        ):
+            """``write_a_rows``, a tile of the rows past the last expert (its ``n_idx == 0``
+            one; no stage is loaded for it): this thread's rows ``r < rows`` gathered straight
+            from global memory, 16 bytes per load and store, every K chunk; +0 for a negative
+            index (``mRows`` is ``gather_rows``' output on every row, these included)."""
+            rows_base = mRows.iterator.toint()
+            v = cute.make_rmem_tensor((8,), self.ab_dtype)
+            for j in cutlass.range_constexpr(self.rows_per_thread):
+                r = row_in + j * self.rows_per_pass
+                if r < rows:
+                    src = cutlass.Int64(mIdx[row0 + r])
+                    dst_row = rows_base + cutlass.Int64(row0 + r) * (self.key.k * 2)
+                    for kt in cutlass.range(self.k_tiles, unroll=1):
+                        col = kt * self.tile_k + chunk * 8
+                        if col < self.key.k:
+                            v.fill(0.0)
+                            if src >= 0:
+                                src_t = cute.make_tensor(
+                                    cute.make_ptr(
+                                        self.ab_dtype,
+                                        a_base + src * lda_bytes + cutlass.Int64(col) * 2,
+                                        cute.AddressSpace.gmem,
+                                        assumed_align=16,
+                                    ),
+                                    cute.make_layout(8),
+                                )
+                                cute.autovec_copy(src_t, v)
+                            self.store_chunk(v, dst_row + cutlass.Int64(col) * 2)
+
+        @cute.jit
+        def store_chunk(self, v, addr):
+            """Store 8 BF16 registers ``v`` as one 16-byte word at global address ``addr``."""
+            dst = cute.make_tensor(
+                cute.make_ptr(self.ab_dtype, addr, cute.AddressSpace.gmem, assumed_align=16),
+                cute.make_layout(8),
+            )
+            cute.autovec_copy(v, dst)
 
         # ---- consumers ----
 
@@ -1268,8 +1388,10 @@ def _kernel_class():
 def fake_operands(key: Sm90GroupedMmKey) -> tuple:
     """Fake (shape-only) operands of a compile: ``a, idx, w (N, K, E view), offsets, out`` and
     the gated epilogue's ``bias, row_to_pair, pair_affinity, num_pairs, act`` (placeholders for
-    ``"store"``), with symbolic row counts (``S``; ``T`` of a gathered source; ``R``) and A's
-    row stride, so one compile serves every split and token count."""
+    ``"store"``) and, last, the ``[S, K]`` gathered-rows output of a ``write_a_rows`` key (None
+    otherwise: a compile-time constant, no kernel parameter), with symbolic row counts (``S``;
+    ``T`` of a gathered source; ``R``) and A's row stride, so one compile serves every split and
+    token count."""
     import cutlass
     from cutlass import cute
 
@@ -1295,8 +1417,11 @@ def fake_operands(key: Sm90GroupedMmKey) -> tuple:
     def placeholder():  # an unused operand: the launcher passes the offsets
         return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
 
+    rows = None  # the gathered-rows side output (write_a_rows), else a constexpr None
+    if key.write_a_rows:
+        rows = cute.runtime.make_fake_tensor(cutlass.BFloat16, (s, k), (k, 1), assumed_align=16)
     if key.epilogue == "store":
-        return a, idx, w, offsets, out, *(placeholder() for _ in range(5))
+        return a, idx, w, offsets, out, *(placeholder() for _ in range(5)), rows
     r = cute.sym_int32(symbol="pairs_R")
     if key.epilogue == "dgated":
         i2 = 2 * key.n
@@ -1307,7 +1432,7 @@ def fake_operands(key: Sm90GroupedMmKey) -> tuple:
             cutlass.Float32, (s, key.n_tiles), (key.n_tiles, 1), assumed_align=4
         )
         act = cute.runtime.make_fake_tensor(cutlass.BFloat16, (r, i2), (i2, 1), assumed_align=16)
-        return a, idx, w, offsets, out, dgu, r2p, alpha, part, act
+        return a, idx, w, offsets, out, dgu, r2p, alpha, part, act, rows
     bias = placeholder()
     if key.gated.has_bias:
         bias = cute.runtime.make_fake_compact_tensor(
@@ -1317,7 +1442,7 @@ def fake_operands(key: Sm90GroupedMmKey) -> tuple:
     alpha = cute.runtime.make_fake_tensor(cutlass.Float32, (r,), (1,), assumed_align=4)
     num_pairs = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (1,), assumed_align=8)
     act = cute.runtime.make_fake_tensor(cutlass.BFloat16, (r, n), (n, 1), assumed_align=16)
-    return a, idx, w, offsets, out, bias, r2p, alpha, num_pairs, act
+    return a, idx, w, offsets, out, bias, r2p, alpha, num_pairs, act, rows
 
 
 #: The varlen-M family: compile cache, offline compile and launcher (``launch.py``).
@@ -1329,8 +1454,10 @@ FAMILY = GroupedMmFamily(
 def compile_grouped_mm(key: Sm90GroupedMmKey) -> Any:
     """Compile (once per key, cached) the kernel for the present GPU; returns the compiled
     function, called ``fn(a, idx, w_NKE, offsets, out, bias, row_to_pair, pair_affinity,
-    num_pairs, act, num_ctas)`` on the current stream (the operands of :func:`fake_operands`;
-    :mod:`cuda_kernels.grouped_mm.api` validates and launches).
+    num_pairs, act, a_rows, num_ctas)`` on the current stream (the operands of
+    :func:`fake_operands`; ``a_rows``: the ``[S, K]`` gathered-rows output of a
+    ``write_a_rows`` key, else None; :mod:`cuda_kernels.grouped_mm.api` validates and
+    launches).
 
     Raises:
         RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.

@@ -7,7 +7,15 @@ Everything runs in one process on the same inputs: ``common.inputs.make_problem_
   ``layer = MoEExperts.from_model(shape, device=...)`` (E, H, I, biases, activation and clamp of
   the shape; default options: ``validate_routing="device"``, backend "auto"), the problem's
   weights copied in; ``y = layer(x, expert_index_TK, affinity_TK)`` with ``x`` [T, H] BF16 and
-  ``affinity_TK`` [T, K] fp32 leaves requiring grad, then ``y.backward(dy)``.
+  ``affinity_TK`` [T, K] fp32 leaves requiring grad, then ``y.backward(dy)``. Explicitly
+  ``grouped_mm="auto"`` (the default): the forward's gate/up and the backward's down dgrad run
+  cuBLAS or our fused kernel as ``configs/cuda/grouped_mm_choice.yaml`` says for the shape.
+- ``ours (fused gather-GEMM)`` [ours-fused]: the same layer with ``grouped_mm="ours"``: the
+  gather + gate/up GEMM + activation of the forward and the gather + down dgrad + activation
+  backward of the backward each one CuTe DSL kernel (``cuda_kernels.grouped_mm``), whatever the
+  table says (the row says why where the kernel cannot run). Its step time against ``ours``'s is
+  what fills the table. On the CPU the layer's backend is ``torch``, which has one path: there
+  the row equals ``ours`` (a smoke run of the option only).
 - ``ours (seam)`` [seam]: ``common.layer.run_experts_grouped_mm(w1, w2, w3, x_rows, counts)``
   on torchtitan's pre-sorted rows (the plan's pairs in expert order, no padding between experts,
   the gather not timed); ``w1``/``w3`` [E, I, H] and ``w2`` [E, H, I] separate BF16 leaves as
@@ -48,7 +56,8 @@ top kernels. ``--check`` compares y and every gradient of ``ours``, ``recipe`` a
 1 below 30 dB). ``--json PATH`` writes every number.
 
 Usage: ``python benchmarks/bench_moe_layer.py [--shapes qwen3-30b-a3b:16384,deepseek-v3:2048:e32]
-[--tokens T] [--shrink N] [--impls ours,seam,torchtitan,recipe+perm,recipe,sonicmoe,dense]
+[--tokens T] [--shrink N]
+[--impls ours,ours-fused,seam,torchtitan,recipe+perm,recipe,sonicmoe,dense]
 [--device cuda|cpu] [--sonic-untuned] [--check] [--profile auto|on|off] [--profile-detail]
 [--json PATH]``; CPU smoke run: ``--device cpu --shrink 16 --tokens 64``. On the H200:
 ``bash benchmarks/moe_layer_device_run.sh bench [args]``.
@@ -86,8 +95,10 @@ from bench_moe_backward import (  # noqa: E402
 from common.inputs import make_problem_for_model  # noqa: E402
 from common.layer import MoEExperts, run_experts_grouped_mm  # noqa: E402
 
-IMPLS = ("ours", "seam", "torchtitan", "recipe+perm", "recipe", "sonicmoe", "dense")
-LABEL = {"seam": "ours (seam)", "torchtitan": "torchtitan experts", "dense": "dense mm"}
+IMPLS = ("ours", "ours-fused", "seam", "torchtitan", "recipe+perm", "recipe", "sonicmoe", "dense")
+LABEL = {"ours-fused": "ours (fused gather-GEMM)", "seam": "ours (seam)",
+         "torchtitan": "torchtitan experts", "dense": "dense mm"}
+GROUPED_MM = {"ours": "auto", "ours-fused": "ours"}  # the layer's grouped_mm option per row
 PEERS = ("sonic-moe", "quack-kernels", "torchtitan")  # versions printed in the header
 
 
@@ -151,8 +162,8 @@ def _torchtitan_weights(p):
     return w1, w2, w3
 
 
-def build_ours(p, model, device) -> Step:
-    layer = MoEExperts.from_model(model, device=device)
+def build_ours(p, model, device, grouped_mm: str = "auto") -> Step:
+    layer = MoEExperts.from_model(model, device=device, grouped_mm=grouped_mm)
     with torch.no_grad():
         layer.w_gate_up.copy_(p.w_gate_up_EH2I)
         layer.w_down.copy_(p.w_down_EIH)
@@ -239,11 +250,11 @@ def build_dense(model, T: int, device):
 
 def build_row(impl: str, p, model, T: int, device: torch.device, args):
     """A :class:`Step`, or for ``dense`` a dict of callables; raises ``_Skip`` with the reason."""
-    needs_gmm = impl in ("seam", "torchtitan", "recipe", "recipe+perm", "ours")
+    needs_gmm = impl in ("seam", "torchtitan", "recipe", "recipe+perm", "ours", "ours-fused")
     if needs_gmm and device.type == "cuda" and not hasattr(torch, "_grouped_mm"):
         raise _Skip(f"skipped: torch {torch.__version__} has no torch._grouped_mm")
-    if impl == "ours":
-        return build_ours(p, model, device)
+    if impl in GROUPED_MM:
+        return build_ours(p, model, device, GROUPED_MM[impl])
     if impl == "seam":
         return build_seam(p)
     if impl == "torchtitan":

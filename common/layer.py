@@ -13,9 +13,10 @@ Math (REFERENCE §2), per routed (token t, expert e) with affinity a::
 Public names:
 
 * :class:`MoEExpertsOptions` -- the frozen non-tensor settings of one call.
-* :func:`moe_experts` (functional) / :class:`MoEExperts` (``nn.Module``) run through ``torch.ops.moe_bwd.experts_forward``
-  (:mod:`common.layer_ops`: a ``torch.library`` custom op with a fake implementation and an
-  autograd formula, so ``torch.compile(fullgraph=True)`` traces the layer without graph breaks).
+* :func:`moe_experts` (functional) / :class:`MoEExperts` (``nn.Module``) run through
+  ``torch.ops.moe_bwd.experts_forward`` (:mod:`common.layer_ops`: a ``torch.library`` custom
+  op with a fake implementation and an autograd formula, so ``torch.compile(fullgraph=True)``
+  traces the layer without graph breaks).
   The forward is the backend's (:mod:`common.dispatch`): on ``cuda-sm90`` / ``cuda-sm100`` the
   fused GPU forward (:mod:`cuda_kernels.moe_forward`: routing, X gather, gate/up GEMM, one
   activation pass, down GEMM, deterministic per-token combine; BF16 in HBM), elsewhere
@@ -76,6 +77,14 @@ VALIDATE_ROUTING = ("device", "host", "off")
 """``validate_routing`` modes (:mod:`common.layer_ops`): a device-side check (default), a host
 check raising ValueError, none. ``True`` means ``"host"`` and ``False`` ``"off"``."""
 
+GROUPED_MM = ("auto", "cublas", "ours")
+"""``grouped_mm`` values: which implementation the ``cuda-sm90`` / ``cuda-sm100`` backends run
+for the forward's gather + gate/up GEMM + activation and the backward's gather + down dgrad +
+activation backward (``cuda_kernels.grouped_mm_choice``): ``"cublas"`` (gather pass, cuBLAS
+grouped GEMM, Triton pass), ``"ours"`` (the fused CuTe DSL kernel of ``cuda_kernels.grouped_mm``;
+RuntimeError where it cannot run), ``"auto"`` (the measured per-shape table
+``configs/cuda/grouped_mm_choice.yaml``, cuBLAS where the kernel cannot run)."""
+
 
 # ------------------------------------------------------------------------------------ options
 @dataclass(frozen=True)
@@ -97,6 +106,10 @@ class MoEExpertsOptions:
         backend_options: ``(name, value)`` pairs passed to the backend's run in backward (e.g.
             ``(("block_size", 256), ("run_with_lnc2", False))`` for ``nki``/``nki-sim``); an
             unknown name is the backend's ValueError, in backward.
+        grouped_mm: one of :data:`GROUPED_MM` (default ``"auto"``): the fused grouped-GEMM
+            kernel or today's cuBLAS path for the gate/up GEMM of the forward and the down
+            dgrad of the backward, on the ``cuda-sm90`` / ``cuda-sm100`` backends (the other
+            backends have one implementation and ignore it).
 
     Raises:
         ValueError: a field of the wrong type or an unknown backend name.
@@ -108,6 +121,7 @@ class MoEExpertsOptions:
     validate_routing: str = "device"
     accumulate_main_grad: bool = False
     backend_options: tuple = ()
+    grouped_mm: str = "auto"
 
     def __post_init__(self) -> None:
         if self.clamp_limits is not None and not isinstance(self.clamp_limits, ClampLimits):
@@ -143,6 +157,13 @@ class MoEExpertsOptions:
             raise ValueError(
                 f"backend_options must be a tuple of (name, value) pairs, got {pairs!r}"
             )
+        if any(p[0] == "grouped_mm" for p in pairs):
+            raise ValueError(
+                "backend_options must not set grouped_mm: use MoEExpertsOptions(grouped_mm=...), "
+                "which reaches the forward too"
+            )
+        if not isinstance(self.grouped_mm, str) or self.grouped_mm not in GROUPED_MM:
+            raise ValueError(f"grouped_mm must be one of {GROUPED_MM}, got {self.grouped_mm!r}")
         try:  # the custom ops' key (common.layer_ops); unhashable options take the Function
             key = layer_ops.options_key(self)
         except TypeError:
@@ -221,7 +242,9 @@ def _check_inputs(
             raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
     for name, t in {**floats, "expert_index_TK": idx}.items():
         if t.device != x.device:
-            raise ValueError(f"{name} is on device {t.device} but hidden_states_TH is on {x.device}")
+            raise ValueError(
+                f"{name} is on device {t.device} but hidden_states_TH is on {x.device}"
+            )
 
 
 def _main_grad_buffers(
@@ -431,6 +454,8 @@ class MoEExperts(nn.Module):
         accumulate_main_grad: Megatron ``main_grad`` accumulation (module docstring).
         validate_routing: ``"device"`` (default, no host read), ``"host"`` or ``"off"``
             (:class:`MoEExpertsOptions`).
+        grouped_mm: ``"auto"`` (default), ``"cublas"`` or ``"ours"``
+            (:attr:`MoEExpertsOptions.grouped_mm`).
 
     Parameters:
         w_gate_up: [E, H, 2, I] (gate at index 0, up at 1).  w_down: [E, I, H].
@@ -454,6 +479,7 @@ class MoEExperts(nn.Module):
         device: torch.device | str | None = None,
         accumulate_main_grad: bool = False,
         validate_routing: str | bool = "device",
+        grouped_mm: str = "auto",
     ) -> None:
         super().__init__()
         for name, v in (("num_experts", num_experts), ("hidden", hidden),
@@ -470,6 +496,7 @@ class MoEExperts(nn.Module):
             backend=backend,
             validate_routing=validate_routing,
             accumulate_main_grad=accumulate_main_grad,
+            grouped_mm=grouped_mm,
         )
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         E, H, I = num_experts, hidden, intermediate
@@ -527,6 +554,8 @@ class MoEExperts(nn.Module):
         if o.clamp_limits is not None and o.clamp_limits.is_active:
             parts.append(f"clamp_limits={o.clamp_limits!r}")
         parts.append(f"backend={o.backend!r}")
+        if o.grouped_mm != "auto":
+            parts.append(f"grouped_mm={o.grouped_mm!r}")
         if o.accumulate_main_grad:
             parts.append("accumulate_main_grad=True")
         return ", ".join(parts)

@@ -15,6 +15,8 @@
 
 Options reach the ops as an interned integer key (:func:`options_key`); the options object itself
 is frozen and hashable, so equal options share a key and a compiled graph holds a constant.
+``MoEExpertsOptions.grouped_mm`` travels in it like every other option; the fake implementations
+need not read it (both implementations give outputs of the same shapes).
 
 Routing validation (``MoEExpertsOptions.validate_routing``):
 
@@ -51,8 +53,9 @@ __all__ = [
 ]
 
 CUDA_BACKENDS = ("cuda-sm90", "cuda-sm100")
-"""Backends whose ``run`` takes ``grad_dtype``, ``accumulate_into``, ``layout`` and
-``x_rows_S`` (the fused backward)."""
+"""Backends whose ``run`` takes ``grad_dtype``, ``accumulate_into``, ``layout``, ``x_rows_S``
+and ``grouped_mm`` (the fused backward), and whose ``forward`` (when they have one) takes
+``grouped_mm`` (the fused forward): ``MoEExpertsOptions.grouped_mm`` reaches both."""
 _GRAD_DTYPES = (torch.float32, torch.bfloat16)
 """Gradient dtypes the fused CUDA backward writes directly; others are written fp32 and cast."""
 
@@ -116,11 +119,16 @@ def layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_inde
     on_host = mode == "host" or (mode == "device" and x.device.type == "cpu")
     if on_host:
         check_routing_on_host(expert_index, affinity, E)
-    forward = getattr(backend, "forward", None) or moe_layer_forward_torch
+    forward = getattr(backend, "forward", None)
+    extra = {}
+    if forward is None:
+        forward = moe_layer_forward_torch
+    elif backend.name in CUDA_BACKENDS:
+        extra["grouped_mm"] = options.grouped_mm
     out = forward(
         x, affinity.detach(), expert_index, w_gate_up, w_down, b_gate_up, b_down,
         clamp_limits=options.clamp_limits, activation=options.activation,
-        check_routing=mode == "device" and not on_host,
+        check_routing=mode == "device" and not on_host, **extra,
     )
     if backend.name not in CUDA_BACKENDS and out.x_rows_S is not None:
         out = LayerForward(out.y_TH, out.act_R2I, None, out.plan, out.layout)
@@ -150,7 +158,7 @@ def layer_backward(
     if backend.name in CUDA_BACKENDS:
         same = w_gate_up.dtype == w_down.dtype and w_gate_up.dtype in _GRAD_DTYPES
         run_opts.setdefault("grad_dtype", w_gate_up.dtype if same else torch.float32)
-        run_opts.update(layout=layout, x_rows_S=x_rows)
+        run_opts.update(layout=layout, x_rows_S=x_rows, grouped_mm=options.grouped_mm)
         if main_grad is not None and all(
             m.dtype == torch.float32 and m.is_contiguous() for m in main_grad
         ):

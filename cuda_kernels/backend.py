@@ -1,4 +1,5 @@
-"""Dispatcher plugin: registers the ``cuda-sm90`` and ``cuda-sm100`` backends with ``common.dispatch``.
+"""Dispatcher plugin: registers the ``cuda-sm90`` and ``cuda-sm100`` backends with
+``common.dispatch``.
 
 Each backend runs the fused GPU forward of the layer (``cuda_kernels.moe_forward``) and the fused
 GPU backward (``cuda_kernels.moe_backward.moe_backward_fused``: grouped GEMMs, Triton kernels for
@@ -87,8 +88,9 @@ def make_grouped_wgrad(arch: str, stats: dict | None = None, group_align: int = 
     operands) run ``grouped_wgrad_torch``; ``stats`` counts ``"kernel"`` / ``"torch"`` calls and
     keeps the last ``"torch_reason"``. Offsets values are not host-validated (they come from
     ``common.routing``; no sync), so the SM100 kernel (256-row groups or NaN) runs only where the
-    caller states ``group_align`` a multiple of 256 (here or per call: ``fn(..., group_align=256)``);
-    the backends' ``grouped_wgrad`` state none, and ``common.torch_backward`` aligns to 16 rows.
+    caller states ``group_align`` a multiple of 256 (here or per call:
+    ``fn(..., group_align=256)``); the backends' ``grouped_wgrad`` state none, and
+    ``common.torch_backward`` aligns to 16 rows.
     """
     return functools.partial(
         api.grouped_wgrad_fp32, backend=arch, stats=stats, group_align=group_align
@@ -96,14 +98,16 @@ def make_grouped_wgrad(arch: str, stats: dict | None = None, group_align: int = 
 
 
 def _forward_fused(*args, **kwargs):
-    """The fused layer forward (``cuda_kernels.moe_forward.moe_forward_fused``)."""
+    """The fused layer forward (``cuda_kernels.moe_forward.moe_forward_fused``; ``kwargs`` are
+    its keywords, ``grouped_mm`` from ``MoEExpertsOptions`` among them)."""
     from .moe_forward import moe_forward_fused  # imports triton: only when run
 
     return moe_forward_fused(*args, **kwargs)
 
 
 def _run_fused(problem: MoEBackwardProblem, **options) -> MoEGrads:
-    """The fused backward; ``options`` are :func:`moe_backward_fused`'s keywords."""
+    """The fused backward; ``options`` are :func:`moe_backward_fused`'s keywords (``grouped_mm``
+    from ``MoEExpertsOptions`` among them)."""
     from .moe_backward import moe_backward_fused  # imports triton: only when run
 
     return moe_backward_fused(problem, **options)

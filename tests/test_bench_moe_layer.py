@@ -23,7 +23,8 @@ def _load():
 def test_bench_moe_layer_cpu_smoke(tmp_path, capsys):
     bench = _load()
     out = tmp_path / "layer.json"
-    impls = ["ours", "seam", "torchtitan", "recipe", "recipe+perm", "sonicmoe", "dense"]
+    impls = ["ours", "ours-fused", "seam", "torchtitan", "recipe", "recipe+perm", "sonicmoe",
+             "dense"]
     rc = bench.main([
         "--device", "cpu", "--shrink", "16", "--tokens", "64", "--reps", "1",
         "--shapes", "qwen3-30b-a3b:64:e8", "--impls", ",".join(impls), "--profile", "on",
@@ -46,8 +47,9 @@ def test_bench_moe_layer_cpu_smoke(tmp_path, capsys):
         assert r["step_tflops"] == pytest.approx(r["flops"]["step"] / (r["step_ms"] * 1e9))
     assert rows["recipe+perm"]["vs_recipe_perm"] == pytest.approx(1.0)
     assert rows["ours"]["vs_sonicmoe"] is None  # SonicMoE did not run
-    # --check: y and every gradient of ours and the two recipes against float64
-    for key in ("ours", "recipe", "recipe+perm"):
+    assert rows["ours-fused"]["impl"] == "ours (fused gather-GEMM)"
+    # --check: y and every gradient of ours (both grouped_mm rows) and the recipes vs float64
+    for key in ("ours", "ours-fused", "recipe", "recipe+perm"):
         sq = rows[key]["sqnr_db"]
         assert {"y [T,H]", "dX [T,H]", "dA [T,E]", "dW_gate_up [E,H,2,I]"} <= set(sq)
         assert min(sq.values()) > 30, (key, sq)

@@ -271,7 +271,7 @@ def test_main_grad_through_the_cuda_backend_entry(monkeypatch):
     m = _main_grad_module(torch.bfloat16, dev)
     m.options = MoEExpertsOptions(backend="cuda-sm90", accumulate_main_grad=True)
     (m(d["x"].bfloat16(), idx, d["aff"]).float() * dy).sum().backward()
-    assert calls[-1] == ["accumulate_into", "grad_dtype", "layout", "x_rows_S"]
+    assert calls[-1] == ["accumulate_into", "grad_dtype", "grouped_mm", "layout", "x_rows_S"]
     assert m.w_gate_up.grad is None
     g_gu, g_d = _grads_without_main_grad(m, d["x"], d["aff"], dy)
     _assert_sqnr(m.w_gate_up.main_grad - 256.0, g_gu, "fused main_grad dWgu")
@@ -281,7 +281,7 @@ def test_main_grad_through_the_cuda_backend_entry(monkeypatch):
     m2 = MoEExperts(E, H, I, bias=True, backend="cuda-sm90", device=dev)
     x = d["x"].bfloat16().requires_grad_()
     (m2(x, idx, d["aff"]).float() * dy).sum().backward()
-    assert calls[-1] == ["grad_dtype", "layout", "x_rows_S"]
+    assert calls[-1] == ["grad_dtype", "grouped_mm", "layout", "x_rows_S"]
     assert x.grad.dtype == torch.bfloat16
     assert all(p.grad.dtype == torch.bfloat16 for p in m2.parameters())
 
@@ -564,7 +564,8 @@ def test_torchtitan_adapter_counts_beyond_rows_do_not_crash_the_process():
 @pytest.mark.parametrize(
     "counts, match",
     [
-        ([3, 3, 3, 3], r"num_tokens_per_expert must sum to at most the rows of x \(8\), got sum 12"),
+        ([3, 3, 3, 3],
+         r"num_tokens_per_expert must sum to at most the rows of x \(8\), got sum 12"),
         ([9, 0, 0, 0], r"num_tokens_per_expert must sum to at most the rows of x \(8\)"),
         ([2**62] * 4, rf"must sum to at most the rows of x \(8\), got a count of {2**62}"),
         ([-1, 2, 2, 2], r"num_tokens_per_expert must be >= 0 .*experts \[0\]"),

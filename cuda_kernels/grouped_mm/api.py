@@ -1,7 +1,9 @@
 """Host entry of the varlen-M grouped GEMM: argument checks, key, launch (or the torch twin).
 
-Not wired into the layer yet: the layer's forward and backward still run cuBLAS's grouped GEMM
-on gathered rows (``cuda_kernels.moe_forward`` / ``moe_backward``).
+The layer reaches :func:`gate_up_forward` and :func:`down_dgrad_backward` through its
+``grouped_mm`` option (``cuda_kernels.grouped_mm_choice``: ``"ours"``, or ``"auto"`` where the
+per-shape table says so); by default it still runs cuBLAS's grouped GEMM on gathered rows
+(``cuda_kernels.moe_forward`` / ``moe_backward``).
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ Per call (rows in the grouped layout of the plan, REFERENCE §1.2; math REFERENC
     dX          = token_sum(dX_S)                       # each token sums its rows (Triton)
     dW_gate_up  = x_S^T dgu_S                           # our grouped wgrad kernel (SM90)
 
+With ``grouped_mm="ours"`` (or ``"auto"`` where ``configs/cuda/grouped_mm_choice.yaml`` says so:
+:mod:`cuda_kernels.grouped_mm_choice`) the dY gather, the down dgrad and the activation backward
+are one kernel, :func:`cuda_kernels.grouped_mm.down_dgrad_backward` (``dy_rows_out`` side-writes
+``dY_S``), which reads ``dh_raw`` from its fp32 accumulator (one BF16 rounding fewer).
+
 No fp32 intermediate goes through HBM; every step is deterministic (no atomics), reads no
 device value on the host (CUDA-graph capturable) and allocates only its outputs and the BF16
 operands, each freed after its last GEMM. Sizes off the 128 grid with BF16 outputs (gpt-oss) run
@@ -27,6 +32,8 @@ import torch
 from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
 from common.torch_backward import ALIGN, _fits_grouped_mm, grouped_layout, grouped_mm_rows
 
+from .. import grouped_mm as gmm
+from ..grouped_mm_choice import check_grouped_mm, pick
 from ..grouped_wgrad import api
 from . import kernels
 
@@ -165,6 +172,7 @@ def moe_backward_fused(
     wgrad_backend: str = "auto",
     layout=None,
     x_rows_S: torch.Tensor | None = None,
+    grouped_mm: str = "auto",
 ) -> MoEGrads:
     """MoE expert-MLP backward, fused: BF16 GEMM operands, fp32 accumulation, no fp32 glue.
 
@@ -193,16 +201,24 @@ def moe_backward_fused(
         x_rows_S: optional [S, H] BF16 X already in ``layout``'s row order, as the forward
             gathered it for its first GEMM (padding rows must be finite: the gather writes 0);
             skips this backward's X gather. Needs ``layout``.
+        grouped_mm: ``"cublas"`` (dY gather, cuBLAS dgrad, activation-backward pass),
+            ``"ours"`` (the fused :func:`cuda_kernels.grouped_mm.down_dgrad_backward`; needs
+            a contiguous BF16 checkpoint) or ``"auto"`` (default: the per-shape table, cuBLAS
+            where the fused kernel cannot run; :mod:`cuda_kernels.grouped_mm_choice`).
+            ``info["grouped_mm"]`` says which ran.
     Returns:
-        :class:`~common.problem.MoEGrads`; ``info["wgrad_backend"]`` names the wgrad used.
+        :class:`~common.problem.MoEGrads`; ``info["wgrad_backend"]`` names the wgrad used,
+        ``info["grouped_mm"]`` the down-dgrad implementation.
     Raises:
         ValueError: the problem (:meth:`MoEBackwardProblem.validate`) or an option breaks a
             rule; raised before any output is written.
-        RuntimeError: an explicit ``wgrad_backend`` cannot run here; CPU tensors without the
-            Triton interpreter.
+        RuntimeError: an explicit ``wgrad_backend`` cannot run here; ``grouped_mm="ours"``
+            where the fused kernel cannot run this call; CPU tensors without the Triton
+            interpreter.
     """
     p = problem
     p.validate()
+    check_grouped_mm(grouped_mm)
     acc = _check_options(p, grad_dtype, accumulate_into, wgrad_backend)
     plan = p.plan
     x_TH, dy_TH = p.hidden_states_TH, p.output_grad_TH
@@ -236,15 +252,29 @@ def moe_backward_fused(
         x_S = kernels.gather_rows(x_TH, layout.row_to_token_S, bf16)
     else:
         x_S = x_rows_S
-    dy_S = kernels.gather_rows(dy_TH, layout.row_to_token_S, bf16)
     w_down_EHI = p.w_down_EIH.to(bf16).transpose(1, 2)
-    dh_raw = rows_times_experts(dy_S, w_down_EHI, offs)
-    dgu_S, ah_S, dA_TE = kernels.activation_backward(
-        dh_raw, p.act_checkpoint_R2I, r2p, plan,
-        activation=p.activation, clamp_limits=p.clamp_limits or ClampLimits(),
-        dy_SH=dy_S, b_down_EH=p.b_down_EH,
-    )
-    del dh_raw
+    impl = pick("backward_down_dgrad", grouped_mm, dy_TH, w_down_EHI, layout.row_to_token_S,
+                act_R2I=p.act_checkpoint_R2I)
+    stats["grouped_mm"] = impl
+    if impl == "ours":
+        dy_bf = dy_TH if dy_TH.dtype == bf16 else dy_TH.to(bf16)
+        if dy_bf.stride(1) != 1:
+            dy_bf = dy_bf.contiguous()
+        dy_S = torch.empty(S, H, dtype=bf16, device=dev)
+        dgu_S, ah_S, dA_TE = gmm.down_dgrad_backward(
+            dy_bf, w_down_EHI.transpose(1, 2), layout, plan, p.act_checkpoint_R2I,
+            activation=p.activation, clamp_limits=p.clamp_limits, b_down_EH=p.b_down_EH,
+            backend="sm90" if dy_TH.is_cuda else "torch", dy_rows_out=dy_S,
+        )
+    else:
+        dy_S = kernels.gather_rows(dy_TH, layout.row_to_token_S, bf16)
+        dh_raw = rows_times_experts(dy_S, w_down_EHI, offs)
+        dgu_S, ah_S, dA_TE = kernels.activation_backward(
+            dh_raw, p.act_checkpoint_R2I, r2p, plan,
+            activation=p.activation, clamp_limits=p.clamp_limits or ClampLimits(),
+            dy_SH=dy_S, b_down_EH=p.b_down_EH,
+        )
+        del dh_raw
     # Operands are freed as soon as their last GEMM is queued: dY rows and a*h after dW_down,
     # the dX rows after their token sum, X rows and d_gate_up after dW_gate_up.
     acc_gu, acc_d = acc if acc is not None else (None, None)
@@ -283,3 +313,4 @@ def moe_backward_fused(
         grads.b_gate_up_grad_E2I = dBgu.reshape(E, 2, I).to(grad_dtype)
         grads.b_down_grad_EH = dBd.to(grad_dtype)
     return grads
+

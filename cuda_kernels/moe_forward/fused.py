@@ -10,6 +10,15 @@ Per call (rows in the grouped layout of the plan, REFERENCE §1.2; math REFERENC
     out_S    = ah @ W_down[e]                                   # grouped GEMM, BF16 out (cuBLAS)
     y        = token_sum(out_S (+ a * b_down[e]))               # each token sums its rows (Triton)
 
+With ``grouped_mm="ours"`` (or ``"auto"`` where ``configs/cuda/grouped_mm_choice.yaml`` says so:
+:mod:`cuda_kernels.grouped_mm_choice`) the first three steps are one kernel::
+
+    act, ah  = gate_up_forward(X, W_gate_up, ..., x_rows_out=x_S)   # gather + GEMM + activation
+                                                                    # (CuTe DSL), x_S side-written
+
+which reads the pre-activation from its fp32 accumulator (one BF16 rounding fewer than the
+pass: a checkpoint value can differ by one BF16 ulp).
+
 No fp32 intermediate goes through HBM, no atomics (bitwise deterministic), no host read of device
 values (CUDA-graph capturable). The backward (:mod:`cuda_kernels.moe_backward`) reuses the plan,
 the layout, the checkpoint and ``x_S``. On CPU tensors under ``TRITON_INTERPRET=1`` the Triton
@@ -24,6 +33,8 @@ import torch
 from common.problem import Activation, ClampLimits
 from common.torch_backward import ALIGN, LayerForward
 
+from .. import grouped_mm as gmm
+from ..grouped_mm_choice import check_grouped_mm, pick
 from ..moe_backward.fused import rows_times_experts
 from ..moe_backward.kernels import gather_rows, token_sum
 from .kernels import activation_forward
@@ -44,6 +55,7 @@ def moe_forward_fused(
     clamp_limits: ClampLimits | None = None,
     activation: Activation | None = None,
     check_routing: bool = False,
+    grouped_mm: str = "auto",
 ) -> LayerForward:
     """The layer's forward, fused: BF16 GEMM operands, fp32 accumulation, BF16 in HBM.
 
@@ -60,12 +72,20 @@ def moe_forward_fused(
             the next synchronisation as a device-side assert naming the argument;
             :func:`.routing.check_routing_async`). Unchecked bad ids are treated as dropped
             slots (memory-safe).
+        grouped_mm: ``"cublas"`` (gather pass, cuBLAS GEMM, activation pass), ``"ours"`` (the
+            fused :func:`cuda_kernels.grouped_mm.gate_up_forward`) or ``"auto"`` (default: the
+            per-shape table, cuBLAS where the fused kernel cannot run;
+            :mod:`cuda_kernels.grouped_mm_choice`). Same outputs either way (within one BF16
+            rounding of the pre-activation).
     Returns:
         :class:`~common.torch_backward.LayerForward`: y [T, H] in the input's dtype, the BF16
         checkpoint [R, 2, I], the BF16 X rows [S, H], the plan and the layout.
     Raises:
-        RuntimeError: CPU tensors without the Triton interpreter.
+        ValueError: ``grouped_mm`` not one of ``common.layer.GROUPED_MM``.
+        RuntimeError: CPU tensors without the Triton interpreter; ``grouped_mm="ours"`` where
+            the fused kernel cannot run this call (the message says why).
     """
+    check_grouped_mm(grouped_mm)
     act_fn = Activation.resolve(activation)
     E, H, _, I = w_gate_up_EH2I.shape
     bf16 = torch.bfloat16
@@ -73,13 +93,26 @@ def moe_forward_fused(
     if check_routing:
         check_routing_async(error_code)
     offs = layout.offsets_E
-    x_S = gather_rows(hidden_states_TH, layout.row_to_token_S, bf16)
-    gu_S = rows_times_experts(x_S, w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I), offs)
-    act_R2I, ah_S = activation_forward(
-        gu_S, layout.row_to_pair_S, plan, activation=act_fn,
-        clamp_limits=clamp_limits or ClampLimits(), b_gate_up_E2I=b_gate_up_E2I,
-    )
-    del gu_S
+    w_gu = w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I)
+    x_TH = hidden_states_TH
+    if pick("forward_gate_up", grouped_mm, x_TH, w_gu, layout.row_to_token_S) == "ours":
+        x_bf = x_TH if x_TH.dtype == bf16 else x_TH.to(bf16)
+        if x_bf.stride(1) != 1:
+            x_bf = x_bf.contiguous()
+        x_S = torch.empty(layout.tokens_sum, H, dtype=bf16, device=x_TH.device)
+        act_R2I, ah_S = gmm.gate_up_forward(
+            x_bf, w_gu, layout, plan, activation=act_fn, clamp_limits=clamp_limits,
+            b_gate_up_E2I=b_gate_up_E2I, backend="sm90" if x_TH.is_cuda else "torch",
+            x_rows_out=x_S,
+        )
+    else:
+        x_S = gather_rows(x_TH, layout.row_to_token_S, bf16)
+        gu_S = rows_times_experts(x_S, w_gu, offs)
+        act_R2I, ah_S = activation_forward(
+            gu_S, layout.row_to_pair_S, plan, activation=act_fn,
+            clamp_limits=clamp_limits or ClampLimits(), b_gate_up_E2I=b_gate_up_E2I,
+        )
+        del gu_S
     out_S = rows_times_experts(ah_S, w_down_EIH.to(bf16), offs)
     del ah_S
     y_TH = token_sum(
@@ -87,3 +120,4 @@ def moe_forward_fused(
         bias_EH=b_down_EH, row_to_pair_S=layout.row_to_pair_S, plan=plan,
     )
     return LayerForward(y_TH, act_R2I, x_S, plan, layout)
+

@@ -1,0 +1,201 @@
+"""Which implementation the layer's two fusable steps run: today's ``"cublas"`` path or the
+fused ``"ours"`` kernel of :mod:`cuda_kernels.grouped_mm` (the layer's ``grouped_mm`` option,
+``common.layer.MoEExpertsOptions.grouped_mm``).
+
+Steps (:data:`STEPS`):
+
+* ``"forward_gate_up"`` (:func:`cuda_kernels.moe_forward.moe_forward_fused`): ``"cublas"`` =
+  ``gather_rows(X)`` + cuBLAS grouped GEMM + Triton ``activation_forward``; ``"ours"`` =
+  :func:`cuda_kernels.grouped_mm.gate_up_forward` (gather, GEMM and activation in one kernel,
+  the X rows side-written for the backward).
+* ``"backward_down_dgrad"`` (:func:`cuda_kernels.moe_backward.moe_backward_fused`):
+  ``"cublas"`` = ``gather_rows(dY)`` + cuBLAS grouped dgrad + Triton ``activation_backward``;
+  ``"ours"`` = :func:`cuda_kernels.grouped_mm.down_dgrad_backward`.
+
+Requests (``common.layer.GROUPED_MM``): ``"cublas"`` always; ``"ours"`` where the kernel can run
+(RuntimeError naming the reason elsewhere); ``"auto"``: the per-shape table
+``configs/cuda/grouped_mm_choice.yaml`` (:func:`grouped_mm_table`), ``"cublas"`` where the
+kernel cannot run. On CPU tensors (the tests, Triton's interpreter) the kernel's torch twin
+stands in for ``"ours"``: only the operand rules that the twin shares are reasons there.
+
+:func:`pick` is called every step: after the first call per operand metadata it is one dict
+lookup (no device read, no host synchronisation).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from common.config_files import config_path, load_yaml_file
+from common.layer import GROUPED_MM
+
+__all__ = ["GROUPED_MM", "IMPLS", "STEPS", "check_grouped_mm", "grouped_mm_table", "pick"]
+
+STEPS = ("forward_gate_up", "backward_down_dgrad")
+IMPLS = ("cublas", "ours")
+_TABLE_FILE = ("cuda", "grouped_mm_choice.yaml")
+
+
+def check_grouped_mm(value) -> None:
+    """ValueError unless ``value`` is one of :data:`GROUPED_MM`."""
+    if not isinstance(value, str) or value not in GROUPED_MM:
+        raise ValueError(f"grouped_mm must be one of {GROUPED_MM}, got {value!r}")
+
+
+# ------------------------------------------------------------------------------------- table
+def _parse_table(doc, where: str) -> dict:
+    """``{(E or None, H, I) | "default": {step: impl}}`` of the file's document; ValueError
+    naming the file and the entry on any bad field."""
+
+    def fail(msg):
+        raise ValueError(f"{where}: {msg}")
+
+    def steps(entry, label):
+        out = {}
+        for step in STEPS:
+            v = entry.get(step)
+            if v not in IMPLS:
+                fail(f"{label}: {step} must be one of {IMPLS}, got {v!r}")
+            out[step] = v
+        return out
+
+    if not isinstance(doc, dict) or set(doc) - {"default", "shapes"}:
+        fail("the file must be a mapping with the keys 'default' and 'shapes'")
+    default = doc.get("default")
+    if not isinstance(default, dict) or set(default) != set(STEPS):
+        fail(f"default must map exactly {STEPS} to one of {IMPLS}, got {default!r}")
+    table = {"default": steps(default, "default")}
+    shapes = doc.get("shapes") or []
+    if not isinstance(shapes, list):
+        fail("shapes must be a list of entries")
+    for n, entry in enumerate(shapes):
+        label = f"shapes[{n}]"
+        if not isinstance(entry, dict):
+            fail(f"{label} must be a mapping, got {entry!r}")
+        unknown = set(entry) - {"model", "experts", "hidden", "intermediate", *STEPS}
+        if unknown:
+            fail(f"{label} has unknown keys {sorted(unknown)}")
+        dims = []
+        for name in ("experts", "hidden", "intermediate"):
+            v = entry.get(name)
+            if v is None and name == "experts":
+                dims.append(None)
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                fail(f"{label}: {name} must be an int >= 1, got {v!r}")
+            dims.append(v)
+        key = tuple(dims)
+        if key in table:
+            fail(f"{label}: (experts, hidden, intermediate) = {key} is listed twice")
+        table[key] = steps(entry, f"{label} ({entry.get('model', key)})")
+    return table
+
+
+@functools.lru_cache(maxsize=1)
+def grouped_mm_table() -> dict:
+    """The parsed ``configs/cuda/grouped_mm_choice.yaml`` (read once):
+    ``{(E or None, H, I): {step: impl}, "default": {step: impl}}``.
+
+    Raises:
+        ValueError: a malformed file (named, with the bad entry).
+    """
+    path = config_path(*_TABLE_FILE)
+    return _parse_table(load_yaml_file(path), str(path))
+
+
+def table_choice(step: str, E: int, H: int, I: int) -> str:
+    """The table's implementation of ``step`` for experts E, hidden H, intermediate I."""
+    table = grouped_mm_table()
+    row = table.get((E, H, I)) or table.get((None, H, I)) or table["default"]
+    return row[step]
+
+
+# ----------------------------------------------------------------------------------- reasons
+def _kernel_view(t: torch.Tensor) -> torch.Tensor:
+    """What the grouped_mm entry reads of an activation operand: ``t`` itself when it is BF16
+    with unit stride along its last dimension, else (the entry, or the caller, converts it) a
+    two-row stand-in with the contiguous BF16 copy's strides and a fresh allocation's alignment."""
+    if t.dtype == torch.bfloat16 and t.stride(-1) == 1:
+        return t
+    return torch.empty(2, t.shape[-1], dtype=torch.bfloat16, device=t.device)
+
+
+def _weight_reason(w: torch.Tensor, name: str) -> str | None:
+    if w.is_contiguous() or w.transpose(1, 2).is_contiguous():
+        return None
+    return (f"{name} has strides {w.stride()}: the fused kernel needs [E, K, N] or [E, N, K] "
+            "contiguous memory")
+
+
+def _reason(step, a, w, row_index, I, act_R2I) -> str | None:
+    """Why the fused kernel of ``step`` cannot run these operands (``a`` [T, K] activation rows,
+    ``w`` [E, K, N] BF16 as the entry reads it), or None. On CPU tensors only the rules of the
+    torch twin (which then runs) count."""
+    name = "w_gate_up [E, H, 2I]" if step == "forward_gate_up" else "w_down^T [E, H, I]"
+    why = _weight_reason(w, name)
+    if why is None and act_R2I is not None and (
+        act_R2I.dtype != torch.bfloat16 or not act_R2I.is_contiguous()
+    ):
+        why = (f"the checkpoint act_R2I must be contiguous torch.bfloat16 (the kernel reads it "
+               f"so), got {act_R2I.dtype} with strides {act_R2I.stride()}")
+    if why is not None or a.device.type != "cuda":
+        return why
+    from . import grouped_mm
+
+    why = grouped_mm.kernel_unsupported_reason(_kernel_view(a), w, row_index)
+    if why is None and step == "forward_gate_up" and I % 8:
+        why = f"I={I} must be a multiple of 8 (the gate/up epilogue's column pairs)"
+    return why
+
+
+_CHOICE: dict[tuple, tuple[str, str | None]] = {}
+
+
+def pick(
+    step: str,
+    requested: str,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    row_index: torch.Tensor,
+    *,
+    act_R2I: torch.Tensor | None = None,
+) -> str:
+    """``"cublas"`` or ``"ours"`` for one call of ``step`` (module docstring), decided once per
+    operand metadata (shapes, strides, dtypes, 16-byte alignment, device) and cached.
+
+    Args:
+        step: one of :data:`STEPS`.
+        requested: one of :data:`GROUPED_MM` (already checked).
+        a: [T, H] the rows the step gathers (X or dY) as passed to the layer.
+        w: [E, H, N] BF16 weight as the fused entry reads it (N = 2I forward, I backward).
+        row_index: [S] the layout's row -> token index.
+        act_R2I: the backward's checkpoint (its dtype and layout are a rule of the kernel).
+
+    Raises:
+        RuntimeError: ``requested="ours"`` and the fused kernel cannot run this call.
+    """
+    E, H, N = w.shape
+    I = N // 2 if step == "forward_gate_up" else N
+    key = (step, requested, a.device, a.dtype, a.shape, a.stride(), a.data_ptr() % 16,
+           w.shape, w.stride(), w.data_ptr() % 16, row_index.dtype,
+           None if act_R2I is None else (act_R2I.dtype, act_R2I.stride()))
+    got = _CHOICE.get(key)
+    if got is None:
+        got = _CHOICE[key] = _decide(step, requested, a, w, row_index, act_R2I, E, H, I)
+    impl, why = got
+    if impl == "error":
+        raise RuntimeError(f"grouped_mm='ours' cannot run the {step} step: {why}")
+    return impl
+
+
+def _decide(step, requested, a, w, row_index, act_R2I, E, H, I) -> tuple[str, str | None]:
+    if requested == "cublas":
+        return "cublas", None
+    why = _reason(step, a, w, row_index, I, act_R2I)
+    if requested == "ours":
+        return ("error", why) if why is not None else ("ours", None)
+    if why is not None:
+        return "cublas", why
+    return table_choice(step, E, H, I), None

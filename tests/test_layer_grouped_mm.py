@@ -1,0 +1,438 @@
+"""The layer's ``grouped_mm`` option (``MoEExpertsOptions.grouped_mm``: ``"auto"`` | ``"cublas"`` |
+``"ours"``): the fused grouped-GEMM kernels of ``cuda_kernels.grouped_mm`` (gather + gate/up GEMM +
+activation in the forward, gather + down dgrad + activation backward in the backward) against
+today's cuBLAS path, the option's plumbing from the module to the fused forward and backward
+(eager, ``opcheck``, ``torch.compile(fullgraph=True)``), its errors, and the ``"auto"`` table
+``configs/cuda/grouped_mm_choice.yaml``.
+
+Without a GPU the Triton passes run in Triton's interpreter on CPU tensors (tests/conftest.py)
+and the fused kernel's torch twin stands in for it; with an SM90 GPU both paths run their
+kernels. The two paths round the same BF16 operands; the fused one skips the BF16 rounding of
+the gate/up pre-activation (forward) and of ``dh_raw`` (backward), so they agree to the
+fused-vs-twin bar of tests/test_fused_backward.py (45 dB), and each reaches the SQNR table's
+floor against float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_torch_backward import routing  # the same seeded router as the twin's tests
+
+from common import dispatch
+from common.inputs import make_problem
+from common.layer import GROUPED_MM, MoEExperts, MoEExpertsOptions
+from common.metrics import sqnr_db, sqnr_floor
+from common.problem import GPT_OSS, ClampLimits
+from common.reference import reference_backward, reference_forward
+
+choice = pytest.importorskip("cuda_kernels.grouped_mm_choice")
+from cuda_kernels import grouped_mm as gmm  # noqa: E402
+from cuda_kernels.moe_backward import moe_backward_fused  # noqa: E402
+from cuda_kernels.moe_forward import moe_forward_fused  # noqa: E402
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TWIN_MIN_DB = 45.0  # tests/test_fused_backward.py's fused-vs-twin bar
+CLAMP = ClampLimits(
+    linear_clamp_upper_limit=1.0, linear_clamp_lower_limit=-1.0, non_linear_clamp_upper_limit=1.0
+)
+CASES = {
+    # name: (T, H, I, E, K, routing kwargs, bias, clamp, activation); sizes multiples of 8 (the
+    # kernel's rule), expert 1 empty, every expert's rows padded to the layout's 16-row groups
+    "swiglu": (40, 64, 32, 4, 2, {"empty": (1,), "drop_frac": 0.1}, False, None, None),
+    "gpt_oss": (32, 64, 48, 4, 2, {"empty": (2,), "dup_token": 0}, True, CLAMP, GPT_OSS),
+}
+
+
+def _problem(name, seed=0, device=DEV):
+    """``(problem, (expert_index_TK, affinity_TK))``: the case's MoEBackwardProblem and the
+    router output it was planned from (duplicate ids and dropped slots), for the forward."""
+    T, H, I, E, K, rkw, bias, clamp, act = CASES[name]
+    ei, af = routing(T, K, E, seed + 5, **rkw)
+    p = make_problem(T, H, I, E, K, seed=seed, bias=bias, clamp_limits=clamp,
+                     expert_index=ei, affinity=af, device=device, activation=act)
+    return p, (ei.to(device), af.to(device))
+
+
+def _forward_args(p, rt):
+    ei, af = rt
+    return (p.hidden_states_TH, af, ei, p.w_gate_up_EH2I, p.w_down_EIH, p.b_gate_up_E2I,
+            p.b_down_EH)
+
+
+def _kw(p):
+    return {"clamp_limits": p.clamp_limits, "activation": p.activation}
+
+
+@pytest.fixture
+def table(monkeypatch):
+    """Replace the "auto" table: ``table(rows)`` with ``rows`` {(E|None, H, I): {step: impl}};
+    the pick cache is emptied (and restored afterwards)."""
+
+    def use(rows):
+        parsed = {"default": dict.fromkeys(choice.STEPS, "cublas"), **rows}
+        monkeypatch.setattr(choice, "grouped_mm_table", lambda: parsed)
+        monkeypatch.setattr(choice, "_CHOICE", {})
+
+    monkeypatch.setattr(choice, "_CHOICE", {})
+    return use
+
+
+# ------------------------------------------------------------- fused entries: ours vs cublas
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_ours_matches_cublas(name):
+    """Same layout, bitwise the same X rows (the side-written x_S is gather_rows' output), y and
+    the checkpoint within one BF16 rounding of the pre-activation; both at the float64 floors."""
+    p, rt = _problem(name)
+    args = _forward_args(p, rt)
+    want = moe_forward_fused(*args, **_kw(p), grouped_mm="cublas")
+    got = moe_forward_fused(*args, **_kw(p), grouped_mm="ours")
+    lay = got.layout
+    assert bool((lay.row_to_pair_S < 0).any()), "the case must have padding rows"
+    assert bool((torch.diff(lay.offsets_E, prepend=lay.offsets_E.new_zeros(1)) == 0).any())
+    for f in ("offsets_E", "row_to_token_S", "row_to_pair_S", "slot_to_row_TK"):
+        assert torch.equal(getattr(lay, f), getattr(want.layout, f)), f
+    assert torch.equal(got.x_rows_S, want.x_rows_S)
+    assert not bool(got.x_rows_S[lay.row_to_pair_S < 0].any())  # padding rows exactly 0
+    assert got.y_TH.dtype == want.y_TH.dtype
+    assert sqnr_db(got.y_TH.double().cpu(), want.y_TH.double().cpu()) >= TWIN_MIN_DB
+    assert sqnr_db(got.act_R2I.double().cpu(), want.act_R2I.double().cpu()) >= TWIN_MIN_DB
+    n = int(p.plan.num_pairs)
+    assert not bool(got.act_R2I[n:].any())
+    f64 = {k: (v.double().cpu() if v is not None else None) for k, v in (
+        ("x", p.hidden_states_TH), ("wgu", p.w_gate_up_EH2I), ("wd", p.w_down_EIH),
+        ("bgu", p.b_gate_up_E2I), ("bd", p.b_down_EH))}
+    cpu_plan = dataclasses.replace(p.plan, **{
+        f.name: getattr(p.plan, f.name).cpu() for f in dataclasses.fields(p.plan)
+        if isinstance(getattr(p.plan, f.name), torch.Tensor)})
+    y_ref, _ = reference_forward(f64["x"], f64["wgu"], f64["wd"], cpu_plan,
+                                 b_gate_up_E2I=f64["bgu"], b_down_EH=f64["bd"], **_kw(p))
+    for out in (got, want):
+        assert sqnr_db(out.y_TH.double().cpu(), y_ref) >= sqnr_floor("fused", "y")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_backward_ours_matches_cublas(name):
+    """Every gradient (dA and the bias grads included) within the fused-vs-twin bar of today's
+    path, and at the float64 floor; the down-bias grad (a column sum of the dY rows, which the
+    side output makes bitwise gather_rows') comes out identical, and on CPU dW_down too (a*h
+    of the twin and of the Triton pass agree bit for bit there)."""
+    p, rt = _problem(name)
+    want = moe_backward_fused(p, grouped_mm="cublas")
+    got = moe_backward_fused(p, grouped_mm="ours")
+    assert want.info["grouped_mm"] == "cublas" and got.info["grouped_mm"] == "ours"
+    ref = reference_backward(_cpu(p))
+    for key, out in got.named().items():
+        w = want.named()[key]
+        assert out.dtype == w.dtype and out.shape == w.shape, key
+        assert sqnr_db(out.double().cpu(), w.double().cpu()) >= TWIN_MIN_DB, key
+        assert sqnr_db(out.cpu(), ref.named()[key]) >= sqnr_floor("fused", key), key
+    if DEV == "cpu":  # the twin's a*h is the Triton pass's bit for bit; the kernel's may not be
+        assert torch.equal(got.w_down_grad_EIH, want.w_down_grad_EIH)
+    if p.has_bias:
+        assert torch.equal(got.b_down_grad_EH, want.b_down_grad_EH)
+    # dA: a dense [T, E] cell per pair, 0 where a token is not routed to the expert
+    dA = got.affinity_grad_TE
+    routed = torch.zeros_like(dA, dtype=torch.bool)
+    n = int(p.plan.num_pairs)
+    routed[p.plan.pair_token_R[:n], p.plan.pair_expert_R[:n]] = True
+    assert not bool(dA[~routed].any()) and not bool(want.affinity_grad_TE[~routed].any())
+
+
+def _cpu(p):
+    fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+    out = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
+    out["plan"] = dataclasses.replace(p.plan, **{
+        f.name: getattr(p.plan, f.name).cpu() for f in dataclasses.fields(p.plan)
+        if isinstance(getattr(p.plan, f.name), torch.Tensor)})
+    return dataclasses.replace(p, **out)
+
+
+def test_backward_ours_with_the_forward_rows_and_fp32_dy():
+    """The layer's use: the forward's layout and X rows reused, dY in fp32 (an fp32 layer):
+    the bias term of dA reads the BF16 dY rows on both paths, as the wgrads do."""
+    p, rt = _problem("gpt_oss")
+    fwd = moe_forward_fused(*_forward_args(p, rt), **_kw(p), grouped_mm="ours")
+    q = dataclasses.replace(p, output_grad_TH=p.output_grad_TH.float() * 1.3)
+    kw = {"layout": fwd.layout, "x_rows_S": fwd.x_rows_S}
+    want = moe_backward_fused(q, grouped_mm="cublas", **kw)
+    got = moe_backward_fused(q, grouped_mm="ours", **kw)
+    for key, out in got.named().items():
+        assert sqnr_db(out.double().cpu(), want.named()[key].double().cpu()) >= TWIN_MIN_DB, key
+    assert torch.equal(got.b_down_grad_EH, want.b_down_grad_EH)
+
+
+# ----------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("bad", ["fast", "Ours", "", None, 1])
+def test_grouped_mm_option_value_error(bad):
+    with pytest.raises(ValueError, match="grouped_mm must be one of"):
+        MoEExpertsOptions(grouped_mm=bad)
+    with pytest.raises(ValueError, match="grouped_mm must be one of"):
+        MoEExperts(2, 16, 8, grouped_mm=bad)
+    p, rt = _problem("swiglu")
+    with pytest.raises(ValueError, match="grouped_mm must be one of"):
+        moe_forward_fused(*_forward_args(p, rt), grouped_mm=bad)
+    with pytest.raises(ValueError, match="grouped_mm must be one of"):
+        moe_backward_fused(p, grouped_mm=bad)
+
+
+def test_grouped_mm_option_values_and_backend_options():
+    assert GROUPED_MM == ("auto", "cublas", "ours") and choice.GROUPED_MM is GROUPED_MM
+    for v in GROUPED_MM:
+        assert MoEExpertsOptions(grouped_mm=v).grouped_mm == v
+    assert MoEExpertsOptions(grouped_mm="ours") != MoEExpertsOptions()
+    assert "grouped_mm='ours'" in repr(MoEExperts(2, 16, 8, grouped_mm="ours"))
+    assert "grouped_mm" not in repr(MoEExperts(2, 16, 8))
+    with pytest.raises(ValueError, match=r"backend_options must not set grouped_mm"):
+        MoEExpertsOptions(backend_options=(("grouped_mm", "ours"),))
+
+
+def _sliced_w_gate_up(p):
+    """w_gate_up as the first H rows of an [E, H + 8, 2, I] tensor: after the [E, H, 2I] view
+    neither N- nor K-major (the fused kernel's two weight layouts); cuBLAS's path takes it."""
+    E, H, _, I = p.w_gate_up_EH2I.shape
+    big = torch.zeros(E, H + 8, 2, I, dtype=p.w_gate_up_EH2I.dtype, device=DEV)
+    big[:, :H] = p.w_gate_up_EH2I
+    return big[:, :H]
+
+
+def test_ours_where_the_kernel_cannot_run_is_a_runtime_error_and_auto_falls_back(table):
+    p, rt = _problem("swiglu")
+    E, H, _, I = p.w_gate_up_EH2I.shape
+    table({(E, H, I): dict.fromkeys(choice.STEPS, "ours")})
+    args = list(_forward_args(p, rt))
+    args[3] = _sliced_w_gate_up(p)
+    with pytest.raises(RuntimeError, match=r"grouped_mm='ours' cannot run the forward_gate_up"
+                                           r" step: w_gate_up \[E, H, 2I\] has strides"):
+        moe_forward_fused(*args, grouped_mm="ours")
+    want = moe_forward_fused(*_forward_args(p, rt), grouped_mm="cublas")
+    got = moe_forward_fused(*args, grouped_mm="auto")  # the table says ours: cuBLAS instead
+    assert torch.equal(got.y_TH, want.y_TH) and torch.equal(got.act_R2I, want.act_R2I)
+    # the backward's kernel reads a contiguous BF16 checkpoint
+    q = dataclasses.replace(p, act_checkpoint_R2I=p.act_checkpoint_R2I.float())
+    with pytest.raises(RuntimeError, match=r"backward_down_dgrad step: the checkpoint act_R2I "
+                                           r"must be contiguous torch.bfloat16"):
+        moe_backward_fused(q, grouped_mm="ours")
+    g = moe_backward_fused(q, grouped_mm="auto")
+    assert g.info["grouped_mm"] == "cublas"
+
+
+@gpu
+@needs_cuda
+def test_gpu_ours_refused_off_the_kernel_and_auto_takes_cublas(table):
+    """On a GPU the kernel's own rules count: I not a multiple of 8 (and any non-SM90 GPU)."""
+    T, H, I, E, K = 32, 64, 20, 4, 2
+    ei, af = routing(T, K, E, 3)
+    p = make_problem(T, H, I, E, K, seed=1, expert_index=ei, affinity=af, device="cuda")
+    rt = (ei.cuda(), af.cuda())
+    table({(E, H, I): dict.fromkeys(choice.STEPS, "ours")})
+    major, _ = torch.cuda.get_device_capability()
+    why = "multiples? of 8" if major == 9 else "not an SM90 GPU"
+    with pytest.raises(RuntimeError, match=f"forward_gate_up step: .*{why}"):
+        moe_forward_fused(*_forward_args(p, rt), grouped_mm="ours")
+    with pytest.raises(RuntimeError, match=f"backward_down_dgrad step: .*{why}"):
+        moe_backward_fused(p, grouped_mm="ours")
+    want = moe_forward_fused(*_forward_args(p, rt), grouped_mm="cublas")
+    got = moe_forward_fused(*_forward_args(p, rt), grouped_mm="auto")
+    assert torch.equal(got.y_TH, want.y_TH)
+    assert moe_backward_fused(p, grouped_mm="auto").info["grouped_mm"] == "cublas"
+
+
+# ------------------------------------------------------------------------------ auto table
+def test_shipped_table_parses_and_lists_every_shipped_model():
+    from common.models import list_models
+
+    t = choice.grouped_mm_table()
+    assert set(t["default"]) == set(choice.STEPS)
+    for key, row in t.items():
+        assert set(row) == set(choice.STEPS) and set(row.values()) <= set(choice.IMPLS), key
+    for m in list_models():
+        assert (m.experts, m.hidden, m.intermediate) in t, m.name
+
+
+def test_auto_reads_the_table(table, monkeypatch):
+    p, rt = _problem("gpt_oss")
+    E, H, _, I = p.w_gate_up_EH2I.shape
+    calls = []
+    for entry in ("gate_up_forward", "down_dgrad_backward"):
+        real = getattr(gmm, entry)
+
+        def spy(*a, _real=real, _name=entry, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(gmm, entry, spy)
+
+    table({})  # the default row: cublas
+    moe_forward_fused(*_forward_args(p, rt), **_kw(p))
+    assert moe_backward_fused(p).info["grouped_mm"] == "cublas" and calls == []
+    table({(E, H, I): {"forward_gate_up": "ours", "backward_down_dgrad": "cublas"}})
+    moe_forward_fused(*_forward_args(p, rt), **_kw(p))
+    assert moe_backward_fused(p).info["grouped_mm"] == "cublas"
+    assert calls == ["gate_up_forward"]
+    table({(None, H, I): {"forward_gate_up": "cublas", "backward_down_dgrad": "ours"}})
+    moe_forward_fused(*_forward_args(p, rt), **_kw(p))
+    assert moe_backward_fused(p).info["grouped_mm"] == "ours"
+    assert calls == ["gate_up_forward", "down_dgrad_backward"]
+    # an explicit choice ignores the table
+    assert moe_backward_fused(p, grouped_mm="cublas").info["grouped_mm"] == "cublas"
+
+
+def test_table_lookup_order_and_cache(table):
+    ours, cub = dict.fromkeys(choice.STEPS, "ours"), dict.fromkeys(choice.STEPS, "cublas")
+    table({(8, 64, 32): cub, (None, 64, 32): ours})
+    assert choice.table_choice("forward_gate_up", 8, 64, 32) == "cublas"  # exact E first
+    assert choice.table_choice("forward_gate_up", 4, 64, 32) == "ours"  # then any E
+    assert choice.table_choice("forward_gate_up", 4, 64, 48) == "cublas"  # then the default
+    p, rt = _problem("swiglu")
+    args = _forward_args(p, rt)
+    moe_forward_fused(*args, grouped_mm="auto")
+    n = len(choice._CHOICE)
+    assert n == 1
+    moe_forward_fused(*args, grouped_mm="auto")  # same operands: the cached pick
+    assert len(choice._CHOICE) == n
+
+
+@pytest.mark.parametrize(
+    "doc, match",
+    [
+        ([], "must be a mapping"),
+        ({"default": {"forward_gate_up": "cublas"}}, "default must map exactly"),
+        ({"default": {"forward_gate_up": "cublas", "backward_down_dgrad": "fast"}},
+         r"default: backward_down_dgrad must be one of \('cublas', 'ours'\), got 'fast'"),
+        ({"default": dict.fromkeys(choice.STEPS, "cublas"),
+          "shapes": [{"hidden": 64, "intermediate": 0, **dict.fromkeys(choice.STEPS, "ours")}]},
+         r"shapes\[0\]: intermediate must be an int >= 1"),
+        ({"default": dict.fromkeys(choice.STEPS, "cublas"),
+          "shapes": [{"model": "m", "hidden": 64, "intermediate": 32, "forward_gate_up": "ours"}]},
+         r"shapes\[0\] \(m\): backward_down_dgrad must be one of"),
+        ({"default": dict.fromkeys(choice.STEPS, "cublas"),
+          "shapes": [{"hidden": 64, "intermediate": 32, "tokens": 4,
+                      **dict.fromkeys(choice.STEPS, "ours")}]}, r"unknown keys \['tokens'\]"),
+        ({"default": dict.fromkeys(choice.STEPS, "cublas"),
+          "shapes": [{"experts": 4, "hidden": 64, "intermediate": 32,
+                      **dict.fromkeys(choice.STEPS, "ours")}] * 2}, "listed twice"),
+    ],
+)
+def test_table_errors_name_the_file_and_entry(doc, match):
+    with pytest.raises(ValueError, match=match) as err:
+        choice._parse_table(doc, "the.yaml")
+    assert str(err.value).startswith("the.yaml: ")
+
+
+# ----------------------------------------------------- the layer: module -> forward/backward
+@pytest.fixture
+def cuda_backend(monkeypatch):
+    """A stand-in ``cuda-sm90`` backend running the fused forward and backward here (the CPU
+    under Triton's interpreter, or the GPU); records the ``grouped_mm`` each received."""
+    dispatch.registered_backends()
+    seen = {"forward": [], "run": []}
+
+    def forward(*args, **kwargs):
+        seen["forward"].append(kwargs["grouped_mm"])
+        return moe_forward_fused(*args, **kwargs)
+
+    def run(problem, **options):
+        seen["run"].append(options["grouped_mm"])
+        grads = moe_backward_fused(problem, **options)
+        seen["run"].append(grads.info["grouped_mm"])
+        return grads
+
+    fake = dispatch.Backend(name="cuda-sm90", summary="test", check=lambda: None, run=run,
+                            forward=forward)
+    monkeypatch.setitem(dispatch._REGISTRY, "cuda-sm90", fake)
+    return seen
+
+
+def _layer_step(m, x, idx, aff, dy):
+    xl, al = x.clone().requires_grad_(), aff.clone().requires_grad_()
+    for prm in m.parameters():
+        prm.grad = None
+    y = m(xl, idx, al)
+    y.backward(dy)
+    return {"y": y.detach(), "dX": xl.grad, "dA": al.grad,
+            **{n: prm.grad for n, prm in m.named_parameters()}}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layer_grouped_mm_ours_matches_cublas(name, cuda_backend):
+    """The whole step through MoEExperts (BF16 parameters, so BF16 gradients): the option
+    reaches both fused entries. Forward and backward chained, the checkpoint's BF16 differences
+    (incl. the strict clamp mask flipping where one path's value rounds onto a limit: 3 of 6144
+    elements in gpt_oss) reach the gradients, so the bar is the layer's single one
+    (``sqnr_floor("fused", "default")``; measured on CPU: swiglu >= 47.7 dB, gpt_oss 42.0 dB
+    dB_gate_up, 42.7 dW_gate_up, 42.9 dX, >= 49.8 the rest)."""
+    p, rt = _problem(name)
+    x, aff, idx, wgu, wd, bgu, bd = _forward_args(p, rt)
+    E, H, _, I = wgu.shape
+    out = {}
+    for gm in ("cublas", "ours"):
+        m = MoEExperts(E, H, I, bias=bgu is not None, clamp_limits=p.clamp_limits,
+                       activation=p.activation, backend="cuda-sm90", device=DEV, grouped_mm=gm)
+        with torch.no_grad():
+            for prm, src in zip(m.parameters(), (wgu, wd, bgu, bd)):
+                prm.copy_(src)
+        out[gm] = _layer_step(m, x, idx, aff, p.output_grad_TH)
+        assert cuda_backend["forward"][-1] == gm and cuda_backend["run"][-2:] == [gm, gm]
+    for key, got in out["ours"].items():
+        want = out["cublas"][key]
+        assert got.dtype == want.dtype and got.shape == want.shape, key
+        floor = sqnr_floor("fused", "default")
+        assert sqnr_db(got.double().cpu(), want.double().cpu()) >= floor, key
+
+
+def test_layer_compiles_fullgraph_with_grouped_mm_ours(cuda_backend):
+    """The option travels in the custom ops' options key: one graph for two routings, loss and
+    gradients equal to eager's, and the fused path ran in both directions."""
+    import torch._dynamo.testing
+
+    T, H, I, E, K = 16, 32, 16, 4, 2
+    torch.manual_seed(0)
+    layer = MoEExperts(E, H, I, bias=True, backend="cuda-sm90", dtype=torch.float32,
+                       grouped_mm="ours", device=DEV)
+    assert layer.options.uses_custom_op
+
+    def block(x, idx, aff):
+        return layer(x, idx, aff).square().sum()
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, fullgraph=True, backend=counter)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        x = torch.randn(T, H, generator=g).to(DEV)
+        idx = torch.randint(-1, E, (T, K), generator=g).to(DEV)
+        aff = torch.rand(T, K, generator=g).to(DEV)
+        outs = []
+        for fn in (compiled, block):
+            xl, al = x.clone().requires_grad_(), aff.clone().requires_grad_()
+            loss = fn(xl, idx, al)
+            grads = torch.autograd.grad(loss, [xl, al, layer.w_gate_up, layer.b_down])
+            outs.append((loss.detach(), *grads))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+    assert counter.frame_count == 1
+    assert set(cuda_backend["forward"]) == {"ours"} and set(cuda_backend["run"]) == {"ours"}
+
+
+def test_opcheck_experts_forward_with_grouped_mm_ours(cuda_backend):
+    from common import layer_ops
+
+    g = torch.Generator().manual_seed(1)
+    T, H, I, E, K = 16, 32, 16, 4, 2
+    args = [
+        torch.randn(T, H, generator=g).requires_grad_(),
+        (torch.rand(T, K, generator=g) + 0.1).requires_grad_(),
+        (torch.randn(E, H, 2, I, generator=g) * H**-0.5).requires_grad_(),
+        (torch.randn(E, I, H, generator=g) * I**-0.5).requires_grad_(),
+        (0.2 * torch.randn(E, 2, I, generator=g)).requires_grad_(),
+        (0.2 * torch.randn(E, H, generator=g)).requires_grad_(),
+        torch.randint(-1, E, (T, K), generator=g),
+    ]
+    key = layer_ops.options_key(MoEExpertsOptions(backend="cuda-sm90", grouped_mm="ours"))
+    torch.library.opcheck(torch.ops.moe_bwd.experts_forward,
+                          (*[a.to(DEV) for a in args], key))
+    assert "ours" in cuda_backend["forward"]

@@ -614,7 +614,7 @@ def down_dgrad_backward(
     (:func:`grouped_mm_dgated` on ``dy_TH`` through ``row_to_token_S`` and
     ``w_down_EIH.transpose(1, 2)``). Returns ``(d_gate_up_S2I, a_h_SI, dA_TE [T, E] fp32)``:
     dA in its dense cell per pair (0 where a token is not routed), ``+ <dY, b_down[e]>`` with a
-    down bias (one fp32 ``[T, H] @ [H, E]`` product, then the pairs' cells).
+    down bias (one ``[T, H] @ [H, E]`` product in float64, TF32-proof, then the pairs' cells).
     ``dy_rows_out``: optional [S, H] torch.bfloat16 contiguous tensor that receives the gathered
     rows ``dy_S`` (``gather_rows(dy_TH, row_to_token_S, torch.bfloat16)`` bitwise, every row;
     the ``a_rows_out`` of :func:`grouped_mm_dgated`), for the backward's weight gradients.
@@ -639,7 +639,9 @@ def down_dgrad_backward(
     else:
         tok = exp = torch.zeros_like(p)
     if b_down_EH is not None:
-        bias_TE = dy_TH.float() @ b_down_EH.float().t()
+        # float64: the term keeps full fp32 accuracy whatever torch's TF32 setting (an fp32
+        # matmul may run in TF32 when a user allows it; the Triton pass sums in fp32 FMAs)
+        bias_TE = (dy_TH.double() @ b_down_EH.double().t()).float()
         da_S = da_S + bias_TE[tok.clamp(min=0), exp.clamp(max=E - 1)]
     flat = torch.zeros(T * E + 1, dtype=torch.float32, device=dy_TH.device)
     cell = torch.where(valid, tok * E + exp, torch.full_like(tok, T * E))

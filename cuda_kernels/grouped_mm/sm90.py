@@ -49,9 +49,9 @@ Structure (one CTA per SM, persistent, warp-specialized; the wgrad kernel
 - consumer warp groups issue wgmma with fp32 accumulators. Cooperative tiles: two warp groups
   share a 128-row tile (a 64-row slab each); pingpong: two warp groups own alternate tiles and
   take turns on the pipeline, one's epilogue overlapping the other's mainloop. With ``gather_a``
-  each consumer thread fences the async proxy after a stage's barrier completes
-  (``proxy_fence``: cp.async writes through the generic proxy, wgmma reads through the async
-  proxy);
+  each consumer thread fences the async proxy after a stage's barrier completes (cp.async
+  writes through the generic proxy, wgmma reads through the async proxy; a variant without the
+  fence, measured on the H200, bought nothing: ``benchmarks/RESULTS.md``);
 - epilogue ``"gated"`` (the forward gate/up GEMM, W = ``w_gate_up`` [E, H, 2I]): a tile covers
   gate columns ``[j, j + tile_n / 2)`` and the same up columns ``I + j ...``: two W boxes per
   stage, two wgmma accumulators of ``tile_n / 2`` columns. From the fp32 accumulators, per row
@@ -132,9 +132,6 @@ class Sm90GroupedMmTile:
         tile_k: K per pipeline stage, 64 (one 128-byte swizzle row of bf16).
         stages: depth of the shared-memory ring of (A, W) tiles, >= 2 (lowered to what fits).
         pingpong: two consumer warp groups own alternate output tiles instead of sharing each.
-        proxy_fence: with a gathered A, each consumer thread issues ``fence.proxy.async`` after
-            a stage's full barrier and before its wgmma reads it (cp.async writes shared memory
-            through the generic proxy). On by default; a speed variant to measure without.
 
     Raises:
         ValueError: a field outside the ranges above or stages that overflow shared memory.
@@ -145,21 +142,18 @@ class Sm90GroupedMmTile:
     tile_k: int = 64
     stages: int = 4
     pingpong: bool = False
-    proxy_fence: bool = True
 
     def __post_init__(self) -> None:
         SM90_TILES.check_config(self)
-        if not isinstance(self.pingpong, bool) or not isinstance(self.proxy_fence, bool):
+        if not isinstance(self.pingpong, bool):
             raise ValueError(
-                f"{type(self).__name__}.pingpong / proxy_fence must be bools, got "
-                f"{self.pingpong!r} / {self.proxy_fence!r}"
+                f"{type(self).__name__}.pingpong must be a bool, got {self.pingpong!r}"
             )
 
     @property
     def variant_name(self) -> str:
         """Short name of the tile (benchmark rows)."""
-        name = f"{self.tile_m}x{self.tile_n}s{self.stages}{'pp' if self.pingpong else ''}"
-        return name + ("" if self.proxy_fence else "-nofence")
+        return f"{self.tile_m}x{self.tile_n}s{self.stages}{'pp' if self.pingpong else ''}"
 
     @property
     def stage_bytes(self) -> int:
@@ -457,7 +451,6 @@ def _build_kernel_class():
             self.k_tiles = key.k_tiles
             self.gather = key.gather_a
             self.write_rows = key.write_a_rows  # (only with gather_a: the key checks)
-            self.proxy_fence = key.gather_a and t.proxy_fence
             self.ab_dtype = cutlass.BFloat16
             self.acc_dtype = cutlass.Float32
             self.out_dtype = cutlass.BFloat16
@@ -1038,7 +1031,7 @@ def _build_kernel_class():
                     cute.nvgpu.warpgroup.fence()
                     for kt in cutlass.range(n_k, unroll=1):
                         ab_pipe.consumer_wait(read_state)
-                        if cutlass.const_expr(self.proxy_fence):
+                        if cutlass.const_expr(self.gather):  # cp.async wrote the stage's A
                             cute.arch.fence_proxy("async.shared", space="cta")
                         stage = read_state.index
                         for kb in cutlass.range_constexpr(num_k_blocks):

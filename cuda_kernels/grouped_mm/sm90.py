@@ -906,15 +906,8 @@ def _build_kernel_class():
                 n_k = cutlass.Int32(self.k_tiles)
                 if g >= self.num_e:
                     n_k = cutlass.Int32(0)  # rows past the last expert: zeros, no loads
-                mine = cutlass.Boolean(True)
-                if cutlass.const_expr(self.num_groups > 1):
-                    mine = (j % self.num_groups) == group
-                if mine:
-                    if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
-                        if j > 0:  # wait for the other group's mainloop (pipeline order)
-                            pipeline.NamedBarrier(
-                                barrier_id=1 + group, num_threads=2 * self.group_threads
-                            ).arrive_and_wait()
+                if self.owns_tile(j, group):
+                    self.wait_turn(j, group, 1)  # pingpong turns: named barriers 1 and 2
                     for acc in accs:
                         acc.fill(0.0)
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
@@ -939,11 +932,7 @@ def _build_kernel_class():
                             ab_pipe.consumer_release(release_state)
                             release_state.advance()
                         read_state.advance()
-                    if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
-                        if tile + gdim < total:  # the other group's turn
-                            pipeline.NamedBarrier(
-                                barrier_id=2 - group, num_threads=2 * self.group_threads
-                            ).arrive()
+                    self.pass_turn(group, tile + gdim < total, 1)
                     cute.nvgpu.warpgroup.wait_group(0)
                     for acc in accs:
                         fence_accumulators(acc)

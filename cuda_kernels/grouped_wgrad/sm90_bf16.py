@@ -868,15 +868,9 @@ def _build_kernel_class():
                     _k_base, head, k_len, n_k = self.k_range(mOffsets, e)
 
                     next_tile = cutlass.Int32(0)
-                    mine = cutlass.Boolean(True)
-                    if cutlass.const_expr(self.num_groups > 1):
-                        mine = (j % self.num_groups) == group
-                    if mine:
-                        if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
-                            if j > 0:  # wait for the other group's mainloop (pipeline order)
-                                pipeline.NamedBarrier(
-                                    barrier_id=3 + group, num_threads=2 * self.group_threads
-                                ).arrive_and_wait()
+                    if self.owns_tile(j, group):
+                        # pingpong turns: named barriers 3 and 4 (1 and 2 mask the groups)
+                        self.wait_turn(j, group, 3)
                         acc.fill(0.0)
                         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                         cute.nvgpu.warpgroup.fence()
@@ -915,11 +909,7 @@ def _build_kernel_class():
                             read_state.advance()
                         next_tile = self.take_tile(sched_pipe, sched_cstate, sSched)
                         sched_cstate.advance()
-                        if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
-                            if next_tile < self.num_tiles:  # the other group's turn
-                                pipeline.NamedBarrier(
-                                    barrier_id=4 - group, num_threads=2 * self.group_threads
-                                ).arrive()
+                        self.pass_turn(group, next_tile < self.num_tiles, 3)
                         cute.nvgpu.warpgroup.wait_group(0)
                         fence_accumulators(acc)
                         if n_k > 0:

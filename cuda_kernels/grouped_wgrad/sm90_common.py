@@ -13,7 +13,8 @@ each) or, with ``pingpong``, two consumer groups of one warp group owning altern
 - :func:`kernel_base`: the kernels' base class, built once on first use (CuTe DSL is imported
   inside that cached builder only, as the kernel modules do): the kernel fields taken from the
   tile, the accumulator fence, the staged TMA partition, the tiled wgmma with its staged
-  shared-memory layouts, the TMA load atoms and the persistent launch.
+  shared-memory layouts, the TMA load atoms, the pingpong groups' turns on the pipeline and the
+  persistent launch.
 
 No CuTe DSL, torch or GPU query at import time.
 """
@@ -95,7 +96,7 @@ def kernel_base() -> type:
     """
     import cutlass
     import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass import cute
+    from cutlass import cute, pipeline
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
@@ -188,6 +189,40 @@ def kernel_base() -> type:
                 cute.slice_(smem_staged, (None, None, 0)),
                 (rows, self.tile_k),
             )
+
+        # ---- pingpong: two consumer groups take turns on the pipeline (one group: no-ops) ----
+
+        @cute.jit
+        def owns_tile(self, j, group):
+            """Consumers: whether the CTA's ``j``-th tile is consumer group ``group``'s
+            (pingpong: alternate tiles; one group: every tile)."""
+            mine = cutlass.Boolean(True)
+            if cutlass.const_expr(self.num_groups > 1):
+                mine = (j % self.num_groups) == group
+            return mine
+
+        @cute.jit
+        def wait_turn(self, j, group, first_barrier: cutlass.Constexpr):
+            """Pingpong: before the mainloop of the CTA's ``j``-th tile (but its first), group
+            ``group`` waits until the other group's mainloop is done (the pipeline's stage
+            order) on named barrier ``first_barrier + group``, which the other group's
+            :meth:`pass_turn` arrives at."""
+            if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
+                if j > 0:
+                    pipeline.NamedBarrier(
+                        barrier_id=first_barrier + group, num_threads=2 * self.group_threads
+                    ).arrive_and_wait()
+
+        @cute.jit
+        def pass_turn(self, group, more, first_barrier: cutlass.Constexpr):
+            """Pingpong: after its mainloop, group ``group`` lets the other group's begin when
+            the CTA has a tile left (``more``): it arrives at the other group's
+            :meth:`wait_turn` barrier, ``first_barrier + 1 - group``."""
+            if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
+                if more:
+                    pipeline.NamedBarrier(
+                        barrier_id=first_barrier + 1 - group, num_threads=2 * self.group_threads
+                    ).arrive()
 
         def launch_persistent(
             self, kernel, num_ctas, stream, ctas_per_sm: int = 1, smem_carveout=None

@@ -82,13 +82,11 @@ BF16 = torch.bfloat16
 
 
 def parse_tile(spec: str) -> Sm90GroupedMmTile:
-    """``MxNsS[pp][-nofence]`` (e.g. ``128x256s4``, ``128x128s6pp``) -> a tile."""
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)(pp)?(-nofence)?", spec.strip())
+    """``MxNsS[pp]`` (e.g. ``128x256s4``, ``128x128s6pp``) -> a tile."""
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)(pp)?", spec.strip())
     if not m:
-        raise ValueError(f"bad tile {spec!r} (want MxNsS[pp][-nofence], e.g. 128x256s4)")
-    return Sm90GroupedMmTile(
-        int(m[1]), int(m[2]), 64, int(m[3]), pingpong=bool(m[4]), proxy_fence=not m[5]
-    )
+        raise ValueError(f"bad tile {spec!r} (want MxNsS[pp], e.g. 128x256s4)")
+    return Sm90GroupedMmTile(int(m[1]), int(m[2]), 64, int(m[3]), pingpong=bool(m[4]))
 
 
 def build_shape(model, T: int, device: torch.device, seed: int = 0) -> dict:

@@ -121,7 +121,8 @@ def test_no_new_import_circles():
 #: the others; a new format: beside ``bf16`` / ``blockscaled``).
 GW_LAYERS = [
     ("tiles", "env", "torch_ref", "jax_ref", "_contract"),  # tile rules, environment, twins
-    ("_types", "launch", "registry"),  # contract types, compile cache, the families' plug-in
+    # contract types, compile cache, the families' plug-in, what the SM90 kernels share
+    ("_types", "launch", "registry", "sm90_common"),
     ("validate", "sm90_bf16", "sm100_bf16"),  # shared rules; BF16 kernel families
     ("blockscaled_ref", "quantize", "sm90_mxfp8", "sm100_blockscaled"),
     ("bf16", "blockscaled", "jax_arrays"),  # one module per format; the JAX array bridge

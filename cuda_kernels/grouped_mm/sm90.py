@@ -8,7 +8,10 @@ and ``N`` are static; ``S``, the gathered source's row count ``T`` and the split
 splits never recompile; the offsets are read on the device only: CUDA-graph capturable).
 
 Structure (one CTA per SM, persistent, warp-specialized; the wgrad kernel
-``grouped_wgrad/sm90_bf16.py`` is the model for the pipelines and the mainloop):
+``grouped_wgrad/sm90_bf16.py`` is the model for the pipelines and the mainloop, and
+``grouped_wgrad/sm90_common.py`` holds what the two share: the tile's consumer structure, the
+tiled wgmma with its staged shared-memory layouts, the TMA load atoms, the accumulator fence and
+the persistent launch):
 
 - prologue: warp 0 reads the offsets and writes, per expert, its first row, its row count and
   its first tile id (a warp prefix sum of ``ceil(rows / tile_m) * n_tiles``) into shared memory;
@@ -49,9 +52,9 @@ Structure (one CTA per SM, persistent, warp-specialized; the wgrad kernel
 - consumer warp groups issue wgmma with fp32 accumulators. Cooperative tiles: two warp groups
   share a 128-row tile (a 64-row slab each); pingpong: two warp groups own alternate tiles and
   take turns on the pipeline, one's epilogue overlapping the other's mainloop. With ``gather_a``
-  each consumer thread fences the async proxy after a stage's barrier completes
-  (``proxy_fence``: cp.async writes through the generic proxy, wgmma reads through the async
-  proxy);
+  each consumer thread fences the async proxy after a stage's barrier completes (cp.async
+  writes through the generic proxy, wgmma reads through the async proxy; a variant without the
+  fence, measured on the H200, bought nothing: ``benchmarks/RESULTS.md``);
 - epilogue ``"gated"`` (the forward gate/up GEMM, W = ``w_gate_up`` [E, H, 2I]): a tile covers
   gate columns ``[j, j + tile_n / 2)`` and the same up columns ``I + j ...``: two W boxes per
   stage, two wgmma accumulators of ``tile_n / 2`` columns. From the fp32 accumulators, per row
@@ -95,6 +98,7 @@ import functools
 import math
 from typing import Any
 
+from ..grouped_wgrad.sm90_common import Sm90Tiling, kernel_base
 from ..grouped_wgrad.tiles import SM90_TILES
 from .launch import GroupedMmFamily
 
@@ -122,64 +126,23 @@ _INDEX_DTYPES = ("int64", "int32")
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm90GroupedMmTile:
-    """One CTA tile of the SM90 varlen-M grouped GEMM.
-
-    Attributes (tile sizes as the wgrad kernel's, ``grouped_wgrad.tiles.SM90_TILES``):
-        tile_m: output rows per CTA tile, 64 or 128 (cooperative: one 64-row slab per consumer
-            warp group; pingpong: one warp group per tile).
-        tile_n: output columns per CTA tile, a multiple of 16 in [16, 256].
-        tile_k: K per pipeline stage, 64 (one 128-byte swizzle row of bf16).
-        stages: depth of the shared-memory ring of (A, W) tiles, >= 2 (lowered to what fits).
-        pingpong: two consumer warp groups own alternate output tiles instead of sharing each.
-        proxy_fence: with a gathered A, each consumer thread issues ``fence.proxy.async`` after
-            a stage's full barrier and before its wgmma reads it (cp.async writes shared memory
-            through the generic proxy). On by default; a speed variant to measure without.
+class Sm90GroupedMmTile(Sm90Tiling):
+    """One CTA tile of the SM90 varlen-M grouped GEMM: the fields of the wgrad kernel's tiles
+    (``grouped_wgrad.sm90_common.Sm90Tiling``: ``tile_m``, ``tile_n``, ``tile_k`` = K per stage,
+    ``stages`` of the (A, W) ring, lowered to what fits, and ``pingpong``), its name
+    (``variant_name``), stage bytes and consumer structure.
 
     Raises:
-        ValueError: a field outside the ranges above or stages that overflow shared memory.
+        ValueError: a field outside the ranges of ``Sm90Tiling``, stages that overflow shared
+            memory, or a ``pingpong`` that is not a bool.
     """
 
-    tile_m: int = 128
-    tile_n: int = 256
-    tile_k: int = 64
-    stages: int = 4
-    pingpong: bool = False
-    proxy_fence: bool = True
-
     def __post_init__(self) -> None:
-        SM90_TILES.check_config(self)
-        if not isinstance(self.pingpong, bool) or not isinstance(self.proxy_fence, bool):
+        super().__post_init__()  # the tile fields (grouped_wgrad.tiles.SM90_TILES)
+        if not isinstance(self.pingpong, bool):
             raise ValueError(
-                f"{type(self).__name__}.pingpong / proxy_fence must be bools, got "
-                f"{self.pingpong!r} / {self.proxy_fence!r}"
+                f"{type(self).__name__}.pingpong must be a bool, got {self.pingpong!r}"
             )
-
-    @property
-    def variant_name(self) -> str:
-        """Short name of the tile (benchmark rows)."""
-        name = f"{self.tile_m}x{self.tile_n}s{self.stages}{'pp' if self.pingpong else ''}"
-        return name + ("" if self.proxy_fence else "-nofence")
-
-    @property
-    def stage_bytes(self) -> int:
-        """Bytes of one pipeline stage: a bf16 A tile plus a bf16 W tile."""
-        return SM90_TILES.stage_bytes(self.tile_m, self.tile_n, self.tile_k)
-
-    @property
-    def consumer_groups(self) -> int:
-        """Consumer groups per CTA, each owning whole output tiles (2 for pingpong, else 1)."""
-        return 2 if self.pingpong else 1
-
-    @property
-    def wgs_per_group(self) -> int:
-        """Warp groups sharing one output tile: one per 64-row slab (cooperative), else 1."""
-        return 1 if self.pingpong else self.tile_m // 64
-
-    @property
-    def consumer_warp_groups(self) -> int:
-        """Consumer (wgmma) warp groups per CTA."""
-        return self.consumer_groups * self.wgs_per_group
 
 
 def _finite(value) -> bool:
@@ -407,44 +370,21 @@ def tile_schedule(offsets: list[int], num_rows: int, key: Sm90GroupedMmKey) -> l
 
 def _build_kernel_class():
     import cutlass
-    import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass import cute, memory, pipeline
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T
     from cutlass.tensor_utils import LayoutEnum
 
-    @cute.jit
-    def fence_accumulators(acc: cute.Tensor):
-        """Pin each accumulator register behind an empty volatile asm (as the wgrad kernel's
-        ``fence_accumulators``, CUTLASS's warpgroup_fence_operand): the epilogue's reads then
-        cannot be scheduled above ``wgmma.wait_group`` (ptxas would serialize the wgmma)."""
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            acc[i] = cutlass.Float32(
-                llvm.inline_asm(
-                    T.f32(),
-                    [cutlass.Float32(acc[i]).ir_value()],
-                    "",
-                    "=f,0",
-                    has_side_effects=True,
-                    is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT,
-                )
-            )
+    base = kernel_base()  # the SM90 kernels' share (grouped_wgrad/sm90_common.py)
+    fence_accumulators = base.fence_accumulators
 
     index_types = {"int64": cutlass.Int64, "int32": cutlass.Int32}
 
-    class Sm90GroupedMmKernel:
-        """CTA-persistent, warp-specialized varlen-M grouped GEMM for one key."""
+    class Sm90GroupedMmKernel(base):
+        """CTA-persistent, warp-specialized varlen-M grouped GEMM for one key (the tile fields,
+        loads and launch of ``kernel_base()``)."""
 
         def __init__(self, key: Sm90GroupedMmKey):
-            self.key = key
+            self.init_tiling(key)
             t = key.tile
-            self.tile_m, self.tile_n, self.tile_k = t.tile_m, t.tile_n, t.tile_k
-            self.num_consumer_wgs = t.consumer_warp_groups
-            self.num_groups = t.consumer_groups
-            self.wgs_per_group = t.wgs_per_group
-            self.threads = 128 * (1 + self.num_consumer_wgs)
-            self.group_threads = 128 * self.wgs_per_group
             self.num_e = key.num_experts
             self.n_tiles = key.n_tiles
             self.gated = key.epilogue == "gated"
@@ -457,7 +397,6 @@ def _build_kernel_class():
             self.k_tiles = key.k_tiles
             self.gather = key.gather_a
             self.write_rows = key.write_a_rows  # (only with gather_a: the key checks)
-            self.proxy_fence = key.gather_a and t.proxy_fence
             self.ab_dtype = cutlass.BFloat16
             self.acc_dtype = cutlass.Float32
             self.out_dtype = cutlass.BFloat16
@@ -578,38 +517,15 @@ def _build_kernel_class():
             """The tiled wgmma (``wgs_per_group`` 64-row slabs, ``mma_n`` wide: ``tile_n``, or
             ``tile_n / 2`` per accumulator of the gated epilogue), the staged shared-memory
             layouts of A and of one W box and the TMA atoms of W and (without gather) A."""
-            a_layout = LayoutEnum.ROW_MAJOR  # A is (rows, K), K contiguous
-            b_layout = LayoutEnum.from_tensor(mW)  # W viewed (N, K, E)
-            tiled_mma = sm90_utils.make_trivial_tiled_mma(
-                self.ab_dtype,
-                self.ab_dtype,
-                a_layout.sm90_mma_major_mode(),
-                b_layout.sm90_mma_major_mode(),
-                self.acc_dtype,
-                (self.wgs_per_group, 1, 1),
-                tiler_mn=(64, self.mma_n),
+            tiled_mma, a_smem_staged, b_smem_staged = self.make_wgmma_and_smem(
+                LayoutEnum.ROW_MAJOR,  # A is (rows, K), K contiguous
+                LayoutEnum.from_tensor(mW),  # W viewed (N, K, E)
+                self.mma_n,
             )
-            tile_mnk = (self.tile_m, self.mma_n, self.tile_k)
-            a_smem_staged = sm90_utils.make_smem_layout_a(
-                a_layout, tile_mnk, self.ab_dtype, self.stages
-            )
-            b_smem_staged = sm90_utils.make_smem_layout_b(
-                b_layout, tile_mnk, self.ab_dtype, self.stages
-            )
-            tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                mW,
-                cute.slice_(b_smem_staged, (None, None, 0)),
-                (self.mma_n, self.tile_k),
-            )
+            tma_atom_b, tma_b = self.make_tma_load(mW, b_smem_staged, self.mma_n)
             tma_atom_a, tma_a = tma_atom_b, tma_b  # placeholders for the gather path
             if cutlass.const_expr(not self.gather):
-                tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                    mA,
-                    cute.slice_(a_smem_staged, (None, None, 0)),
-                    (self.tile_m, self.tile_k),
-                )
+                tma_atom_a, tma_a = self.make_tma_load(mA, a_smem_staged, self.tile_m)
             return tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b, tma_b
 
         def gather_copy(self):
@@ -627,18 +543,6 @@ def _build_kernel_class():
                 cute.make_layout((1, 8)),
             )
             return atom, tiled
-
-        @staticmethod
-        def stage_tma_partition(tma_atom, sX, gX):
-            """(smem, gmem) TMA partitions of staged tiles ``sX`` and global tiles ``gX`` (one
-            CTA, no multicast)."""
-            return cute.nvgpu.cpasync.tma_partition(
-                tma_atom,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sX, 0, 2),
-                cute.group_modes(gX, 0, 2),
-            )
 
         @cute.jit
         def __call__(
@@ -664,32 +568,11 @@ def _build_kernel_class():
             self.shared_storage = self.make_storage(
                 cute.cosize(a_smem_staged), cute.cosize(b_smem_staged)
             )
-            self.kernel(
-                tma_atom_a,
-                tma_a,
-                tma_atom_b,
-                tma_b,
-                mA,
-                mIdx,
-                mOffsets,
-                mOut,
-                mAux0,
-                mR2P,
-                mAlpha,
-                mAux1,
-                mAct,
-                mRows,
-                tiled_mma,
-                a_smem_staged,
-                b_smem_staged,
-            ).launch(
-                grid=[num_ctas, 1, 1],
-                block=[self.threads, 1, 1],
-                cluster=None,
-                smem=self.shared_storage.size_in_bytes(),
-                min_blocks_per_mp=1,
-                stream=stream,
+            kernel = self.kernel(
+                tma_atom_a, tma_a, tma_atom_b, tma_b, mA, mIdx, mOffsets, mOut, mAux0, mR2P,
+                mAlpha, mAux1, mAct, mRows, tiled_mma, a_smem_staged, b_smem_staged,
             )
+            self.launch_persistent(kernel, num_ctas, stream)
 
         @cute.kernel
         def kernel(
@@ -1023,22 +906,15 @@ def _build_kernel_class():
                 n_k = cutlass.Int32(self.k_tiles)
                 if g >= self.num_e:
                     n_k = cutlass.Int32(0)  # rows past the last expert: zeros, no loads
-                mine = cutlass.Boolean(True)
-                if cutlass.const_expr(self.num_groups > 1):
-                    mine = (j % self.num_groups) == group
-                if mine:
-                    if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
-                        if j > 0:  # wait for the other group's mainloop (pipeline order)
-                            pipeline.NamedBarrier(
-                                barrier_id=1 + group, num_threads=2 * self.group_threads
-                            ).arrive_and_wait()
+                if self.owns_tile(j, group):
+                    self.wait_turn(j, group, 1)  # pingpong turns: named barriers 1 and 2
                     for acc in accs:
                         acc.fill(0.0)
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     cute.nvgpu.warpgroup.fence()
                     for kt in cutlass.range(n_k, unroll=1):
                         ab_pipe.consumer_wait(read_state)
-                        if cutlass.const_expr(self.proxy_fence):
+                        if cutlass.const_expr(self.gather):  # cp.async wrote the stage's A
                             cute.arch.fence_proxy("async.shared", space="cta")
                         stage = read_state.index
                         for kb in cutlass.range_constexpr(num_k_blocks):
@@ -1056,11 +932,7 @@ def _build_kernel_class():
                             ab_pipe.consumer_release(release_state)
                             release_state.advance()
                         read_state.advance()
-                    if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
-                        if tile + gdim < total:  # the other group's turn
-                            pipeline.NamedBarrier(
-                                barrier_id=2 - group, num_threads=2 * self.group_threads
-                            ).arrive()
+                    self.pass_turn(group, tile + gdim < total, 1)
                     cute.nvgpu.warpgroup.wait_group(0)
                     for acc in accs:
                         fence_accumulators(acc)

@@ -57,6 +57,7 @@ from typing import Any
 
 from ._contract import KernelKey
 from .launch import KernelFamily, contract_key_fields
+from .sm90_common import Sm90Tiling, kernel_base
 from .tiles import SM90_TILES, rules_loader, select_tile
 
 __all__ = [
@@ -75,18 +76,11 @@ _SCHED_STAGES = 4  # depth of the tile-id ring between the producer warp and the
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm90TileConfig:
-    """One CTA tile of the SM90 kernel (a row of ``configs/cuda/sm90_tiles.yaml``).
-
-    Attributes (accepted values: ``tiles.SM90_TILES``):
-        tile_m: output rows (hidden) per CTA tile, 64 or 128 (cooperative: 64 rows per consumer
-            warp group).
-        tile_n: output columns (intermediate) per CTA tile, a multiple of 16 in [16, 256].
-        tile_k: tokens per pipeline stage, 64 (one 128-byte swizzle row of bf16).
-        stages: depth of the shared-memory ring of (A, B) tiles, >= 2.
-        pingpong: two consumer warp groups own alternate output tiles (one warp group per tile,
-            its epilogue overlapping the other's mainloop) instead of sharing each tile
-            (cooperative: one 64-row slab per warp group).
+class Sm90TileConfig(Sm90Tiling):
+    """One CTA tile of the SM90 kernel (a row of ``configs/cuda/sm90_tiles.yaml``): the fields
+    ``tile_m`` (output rows: hidden), ``tile_n`` (columns: intermediate), ``tile_k`` (tokens per
+    stage), ``stages`` and ``pingpong`` of ``sm90_common.Sm90Tiling``, its stage bytes and
+    consumer structure, and speed variants.
 
     Speed variants (the defaults are the measured behaviour; ``benchmarks/bench_grouped_wgrad.py
     --variants`` sweeps them):
@@ -103,20 +97,16 @@ class Sm90TileConfig:
             column (an L2 working set of G A tiles and all of B instead of all of A).
 
     Raises:
-        ValueError: a field outside the ranges above or stages that overflow shared memory.
+        ValueError: a field outside the ranges of ``Sm90Tiling`` and above, or stages that
+            overflow shared memory.
     """
 
-    tile_m: int = 128
-    tile_n: int = 256
-    tile_k: int = 64
-    stages: int = 4
-    pingpong: bool = False
     acc_epilogue: str = "reduce"
     epi_n: int = 32
     swizzle: int = 0
 
     def __post_init__(self) -> None:
-        SM90_TILES.check_config(self)
+        super().__post_init__()  # the tile fields (tiles.SM90_TILES)
         cls = type(self).__name__
         if self.acc_epilogue not in ("reduce", "l2prefetch"):
             raise ValueError(
@@ -140,7 +130,7 @@ class Sm90TileConfig:
     @property
     def variant_name(self) -> str:
         """Short name of the tile and its speed variants (benchmark rows)."""
-        name = f"{self.tile_m}x{self.tile_n}s{self.stages}{'pp' if self.pingpong else ''}"
+        name = super().variant_name
         if self.acc_epilogue != "reduce":
             name += {"l2prefetch": "-l2pf"}[self.acc_epilogue]
         if self.epi_n != 32:
@@ -148,26 +138,6 @@ class Sm90TileConfig:
         if self.swizzle:
             name += f"-sw{self.swizzle}"
         return name
-
-    @property
-    def stage_bytes(self) -> int:
-        """Bytes of one pipeline stage: a bf16 A tile plus a bf16 B tile."""
-        return SM90_TILES.stage_bytes(self.tile_m, self.tile_n, self.tile_k)
-
-    @property
-    def consumer_groups(self) -> int:
-        """Consumer groups per CTA, each owning whole output tiles (2 for pingpong, else 1)."""
-        return 2 if self.pingpong else 1
-
-    @property
-    def wgs_per_group(self) -> int:
-        """Warp groups sharing one output tile: one per 64-row slab (cooperative), else 1."""
-        return 1 if self.pingpong else self.tile_m // 64
-
-    @property
-    def consumer_warp_groups(self) -> int:
-        """Consumer (wgmma) warp groups per CTA."""
-        return self.consumer_groups * self.wgs_per_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,51 +219,22 @@ def _build_kernel_class():
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass import cute, memory, pipeline
     from cutlass.tensor_utils import LayoutEnum
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T
 
-    @cute.jit
-    def fence_accumulators(acc: cute.Tensor):
-        """Pin each accumulator register behind an empty volatile asm (CUTLASS's
-        warpgroup_fence_operand): the epilogue's reads then cannot be scheduled above
-        ``wgmma.wait_group``, which would make ptxas serialize every wgmma (C7514)."""
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            acc[i] = cutlass.Float32(
-                llvm.inline_asm(
-                    T.f32(),
-                    [cutlass.Float32(acc[i]).ir_value()],
-                    "",
-                    "=f,0",
-                    has_side_effects=True,
-                    is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT,
-                )
-            )
+    base = kernel_base()
+    fence_accumulators = base.fence_accumulators
 
-    out_types = {
-        "bfloat16": cutlass.BFloat16,
-        "float16": cutlass.Float16,
-        "float32": cutlass.Float32,
-    }
-
-    class Sm90GroupedWgradKernel:
-        """CTA-persistent, warp-specialized grouped wgrad for one :class:`Sm90WgradKey`."""
+    class Sm90GroupedWgradKernel(base):
+        """CTA-persistent, warp-specialized grouped wgrad for one :class:`Sm90WgradKey` (the
+        tile fields, loads and launch of ``sm90_common.kernel_base()``)."""
 
         def __init__(self, key: Sm90WgradKey):
-            self.key = key
+            self.init_tiling(key)
             t = key.tile
-            self.tile_m, self.tile_n, self.tile_k = t.tile_m, t.tile_n, t.tile_k
-            self.stages = t.stages
-            self.num_consumer_wgs = t.consumer_warp_groups
-            self.num_groups = t.consumer_groups
-            self.wgs_per_group = t.wgs_per_group
-            self.threads = 128 * (1 + self.num_consumer_wgs)
-            self.group_threads = 128 * self.wgs_per_group
             self.m_tiles = key.m_tiles  # dense outputs may end in partial tiles (TMA clips)
             self.n_tiles = key.n_tiles
             self.tiles_per_expert = self.m_tiles * self.n_tiles
             self.num_tiles = key.num_tiles
-            self.out_dtype = out_types[key.out_dtype]
+            self.out_dtype = self.out_types[key.out_dtype]
             self.ab_dtype = cutlass.BFloat16
             self.acc_dtype = cutlass.Float32
             self.align_k = 8 if "k" in (key.a_major, key.b_major) else 1
@@ -455,18 +396,6 @@ def _build_kernel_class():
             tAsA, tAgA = self.stage_tma_partition(tma_atom_a, sA, gA)
             tBsB, tBgB = self.stage_tma_partition(tma_atom_b, sB, gB)
             return tAsA, tAgA, tBsB, tBgB
-
-        @staticmethod
-        def stage_tma_partition(tma_atom, sX, gX):
-            """(smem, gmem) TMA partitions of staged tiles ``sX`` and global tiles ``gX`` (one
-            CTA, no multicast)."""
-            return cute.nvgpu.cpasync.tma_partition(
-                tma_atom,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sX, 0, 2),
-                cute.group_modes(gX, 0, 2),
-            )
 
         def mma_fragments(self, tiled_mma, sA, sB, slab_thread):
             """Consumer warp group: the wgmma operand fragments of its slab (``slab_thread``:
@@ -758,36 +687,11 @@ def _build_kernel_class():
             of A and B and their TMA load atoms ((tile_m, tile_k) / (tile_n, tile_k) boxes).
             Returns (tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b,
             tma_b)."""
-            a_layout = LayoutEnum.from_tensor(mA)
-            b_layout = LayoutEnum.from_tensor(mB)
-            tiled_mma = sm90_utils.make_trivial_tiled_mma(
-                self.ab_dtype,
-                self.ab_dtype,
-                a_layout.sm90_mma_major_mode(),
-                b_layout.sm90_mma_major_mode(),
-                self.acc_dtype,
-                (self.wgs_per_group, 1, 1),
-                tiler_mn=(64, self.tile_n),
+            tiled_mma, a_smem_staged, b_smem_staged = self.make_wgmma_and_smem(
+                LayoutEnum.from_tensor(mA), LayoutEnum.from_tensor(mB), self.tile_n
             )
-            tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
-            a_smem_staged = sm90_utils.make_smem_layout_a(
-                a_layout, tile_mnk, self.ab_dtype, self.stages
-            )
-            b_smem_staged = sm90_utils.make_smem_layout_b(
-                b_layout, tile_mnk, self.ab_dtype, self.stages
-            )
-            tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                mA,
-                cute.slice_(a_smem_staged, (None, None, 0)),
-                (self.tile_m, self.tile_k),
-            )
-            tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                mB,
-                cute.slice_(b_smem_staged, (None, None, 0)),
-                (self.tile_n, self.tile_k),
-            )
+            tma_atom_a, tma_a = self.make_tma_load(mA, a_smem_staged, self.tile_m)
+            tma_atom_b, tma_b = self.make_tma_load(mB, b_smem_staged, self.tile_n)
             return tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b, tma_b
 
         @cute.jit
@@ -824,31 +728,12 @@ def _build_kernel_class():
             self.shared_storage = self.make_storage(
                 cute.cosize(a_smem_staged), cute.cosize(b_smem_staged), epi_cosize
             )
-            self.kernel(
-                tma_atom_a,
-                tma_a,
-                tma_atom_b,
-                tma_b,
-                tma_atom_c,
-                tma_c,
-                tma_atom_cl,
-                tma_cl,
-                mOffsets,
-                mOut,
-                mCounter,
-                num_ctas,
-                tiled_mma,
-                a_smem_staged,
-                b_smem_staged,
+            kernel = self.kernel(
+                tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, tma_atom_cl, tma_cl,
+                mOffsets, mOut, mCounter, num_ctas, tiled_mma, a_smem_staged, b_smem_staged,
                 epi_smem_staged,
-            ).launch(
-                grid=[num_ctas, 1, 1],
-                block=[self.threads, 1, 1],
-                cluster=None,
-                smem=self.shared_storage.size_in_bytes(),
-                min_blocks_per_mp=1,
-                stream=stream,
             )
+            self.launch_persistent(kernel, num_ctas, stream)
 
         @cute.kernel
         def kernel(
@@ -983,15 +868,9 @@ def _build_kernel_class():
                     _k_base, head, k_len, n_k = self.k_range(mOffsets, e)
 
                     next_tile = cutlass.Int32(0)
-                    mine = cutlass.Boolean(True)
-                    if cutlass.const_expr(self.num_groups > 1):
-                        mine = (j % self.num_groups) == group
-                    if mine:
-                        if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
-                            if j > 0:  # wait for the other group's mainloop (pipeline order)
-                                pipeline.NamedBarrier(
-                                    barrier_id=3 + group, num_threads=2 * self.group_threads
-                                ).arrive_and_wait()
+                    if self.owns_tile(j, group):
+                        # pingpong turns: named barriers 3 and 4 (1 and 2 mask the groups)
+                        self.wait_turn(j, group, 3)
                         acc.fill(0.0)
                         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                         cute.nvgpu.warpgroup.fence()
@@ -1030,11 +909,7 @@ def _build_kernel_class():
                             read_state.advance()
                         next_tile = self.take_tile(sched_pipe, sched_cstate, sSched)
                         sched_cstate.advance()
-                        if cutlass.const_expr(self.num_groups > 1):  # noqa: SIM102
-                            if next_tile < self.num_tiles:  # the other group's turn
-                                pipeline.NamedBarrier(
-                                    barrier_id=4 - group, num_threads=2 * self.group_threads
-                                ).arrive()
+                        self.pass_turn(group, next_tile < self.num_tiles, 3)
                         cute.nvgpu.warpgroup.wait_group(0)
                         fence_accumulators(acc)
                         if n_k > 0:
@@ -1076,8 +951,6 @@ def _build_kernel_class():
                     if warp_idx == store_warp:
                         store_pipe.producer_tail()  # all TMA stores done before exit
 
-    # shared with the MXFP8 kernel (sm90_mxfp8), which promotes fresh wgmma fragments
-    Sm90GroupedWgradKernel.fence_accumulators = staticmethod(fence_accumulators)
     return Sm90GroupedWgradKernel
 
 

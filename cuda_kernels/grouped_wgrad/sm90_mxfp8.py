@@ -13,8 +13,9 @@ product of two powers of two: exact in fp32 away from its under/overflow). Two f
 alternate, so group ``g``'s promotion overlaps group ``g+1``'s wgmma.
 
 Structure (shared with ``sm90_bf16``: the kernel class inherits the BF16 kernel's, whose methods
-give the pipelines, the expert sort, the tile order, the scheduler, the A / B loads and the
-epilogues; the scale loads, the promotion mainloop and the packed stores are this module's):
+(and ``sm90_common.kernel_base()``'s) give the pipelines, the expert sort, the tile order, the
+scheduler, the A / B loads, the launch and the epilogues; the scale loads, the promotion mainloop
+and the packed stores are this module's):
 
 - warp group 0 is the producer: one warp takes tile ids from a global atomic counter (dynamic
   persistent scheduler over experts sorted by token count, largest first) and issues, per stage of
@@ -193,7 +194,18 @@ class Sm90MxTileConfig:
         return SM90_MX_TILES.stage_bytes(self.tile_m, self.tile_n, self.tile_k)
 
     @property
+    def consumer_groups(self) -> int:
+        """Consumer groups per CTA: 1 (the kernel is cooperative only)."""
+        return 1
+
+    @property
+    def wgs_per_group(self) -> int:
+        """Warp groups sharing one output tile: one per 64-row slab."""
+        return self.tile_m // 64
+
+    @property
     def consumer_warp_groups(self) -> int:
+        """Consumer (wgmma) warp groups per CTA."""
         return self.tile_m // 64
 
 
@@ -300,30 +312,20 @@ def _build_kernel_class():
         return cutlass.Float32(llvm.bitcast(T.f32(), cutlass.Int32(bits).ir_value()))
 
     elem_types = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
-    out_types = {
-        "bfloat16": cutlass.BFloat16,
-        "float16": cutlass.Float16,
-        "float32": cutlass.Float32,
-    }
 
     class Sm90MxGroupedWgradKernel(base):
         """The BF16 kernel (its prologue, scheduler, A / B loads and epilogue methods) with
         scale loads and an FP8 + MX-promotion mainloop."""
 
         def __init__(self, key: Sm90MxWgradKey):
-            self.key = key
+            self.init_tiling(key)  # (sm90_common.kernel_base: one consumer group)
             t = key.tile
-            self.tile_m, self.tile_n, self.tile_k = t.tile_m, t.tile_n, t.tile_k
-            self.num_consumer_wgs = t.tile_m // 64
-            self.wgs_per_group = self.num_consumer_wgs
-            self.threads = 128 * (1 + self.num_consumer_wgs)
-            self.group_threads = 128 * self.num_consumer_wgs
             self.m_tiles = key.hidden // self.tile_m
             self.n_tiles = key.intermediate // self.tile_n
             self.tiles_per_expert = self.m_tiles * self.n_tiles
             self.swizzle = 0  # tile_coords: M tiles fastest, one N column after another
             self.num_tiles = key.num_tiles
-            self.out_dtype = out_types[key.out_dtype]
+            self.out_dtype = self.out_types[key.out_dtype]
             self.ab_dtype = elem_types[key.elem]
             self.acc_dtype = cutlass.Float32
             self.m_pad_atoms = -(-key.hidden // 128)  # 128-row blocks of A's scales
@@ -422,17 +424,12 @@ def _build_kernel_class():
                 a_smem_staged,
                 b_smem_staged,
             )
-            launch_kw = dict(
-                grid=[num_ctas, 1, 1],
-                block=[self.threads, 1, 1],
-                smem=self.shared_storage.size_in_bytes(),
-                min_blocks_per_mp=self.ctas_per_sm,
+            self.launch_persistent(
+                self.kernel(*args), num_ctas, stream, ctas_per_sm=self.ctas_per_sm,
                 # set explicitly: with min_blocks_per_mp > 1 the DSL otherwise asks the driver
                 # for the SM's shared memory (no offline compile)
-                preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None,
-                stream=stream,
+                smem_carveout=100 if self.ctas_per_sm > 1 else None,
             )
-            self.kernel(*args).launch(**launch_kw)
 
         def make_storage(self, a_cosize: int, b_cosize: int):
             """The kernel's shared-memory struct (a plain method: the DSL's preprocessor would

@@ -16,9 +16,6 @@ Everything runs in one process on the same inputs: ``common.inputs.make_problem_
   table says (the row says why where the kernel cannot run). Its step time against ``ours``'s is
   what fills the table. On the CPU the layer's backend is ``torch``, which has one path: there
   the row equals ``ours`` (a smoke run of the option only).
-- ``ours (overlapped dW_down)`` [ours-overlap]: ``ours`` with the backward option
-  ``overlap_wgrad=True`` (``MoEExpertsOptions.backend_options``): the dW_down wgrad on a second
-  CUDA stream, concurrent with the dX dgrad (issue 22 item 3, a speed variant).
 - ``ours (seam)`` [seam]: ``common.layer.run_experts_grouped_mm(w1, w2, w3, x_rows, counts)``
   on torchtitan's pre-sorted rows (the plan's pairs in expert order, no padding between experts,
   the gather not timed); ``w1``/``w3`` [E, I, H] and ``w2`` [E, H, I] separate BF16 leaves as
@@ -60,7 +57,7 @@ top kernels. ``--check`` compares y and every gradient of ``ours``, ``recipe`` a
 
 Usage: ``python benchmarks/bench_moe_layer.py [--shapes qwen3-30b-a3b:16384,deepseek-v3:2048:e32]
 [--tokens T] [--shrink N]
-[--impls ours,ours-fused,ours-overlap,seam,torchtitan,recipe+perm,recipe,sonicmoe,dense]
+[--impls ours,ours-fused,seam,torchtitan,recipe+perm,recipe,sonicmoe,dense]
 [--device cuda|cpu] [--sonic-untuned] [--check] [--profile auto|on|off] [--profile-detail]
 [--json PATH]``; CPU smoke run: ``--device cpu --shrink 16 --tokens 64``. On the H200:
 ``bash benchmarks/moe_layer_device_run.sh bench [args]``.
@@ -68,7 +65,6 @@ Usage: ``python benchmarks/bench_moe_layer.py [--shapes qwen3-30b-a3b:16384,deep
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import sys
 from pathlib import Path
@@ -99,15 +95,10 @@ from bench_moe_backward import (  # noqa: E402
 from common.inputs import make_problem_for_model  # noqa: E402
 from common.layer import MoEExperts, run_experts_grouped_mm  # noqa: E402
 
-IMPLS = (
-    "ours", "ours-fused", "ours-overlap", "seam", "torchtitan", "recipe+perm", "recipe", "sonicmoe",
-    "dense",
-)
-LABEL = {"ours-fused": "ours (fused gather-GEMM)", "ours-overlap": "ours (overlapped dW_down)",
-         "seam": "ours (seam)",
+IMPLS = ("ours", "ours-fused", "seam", "torchtitan", "recipe+perm", "recipe", "sonicmoe", "dense")
+LABEL = {"ours-fused": "ours (fused gather-GEMM)", "seam": "ours (seam)",
          "torchtitan": "torchtitan experts", "dense": "dense mm"}
-GROUPED_MM = {"ours": "auto", "ours-fused": "ours", "ours-overlap": "auto"}  # grouped_mm per row
-BACKEND_OPTIONS = {"ours-overlap": (("overlap_wgrad", True),)}  # backward options per row
+GROUPED_MM = {"ours": "auto", "ours-fused": "ours"}  # the layer's grouped_mm option per row
 PEERS = ("sonic-moe", "quack-kernels", "torchtitan")  # versions printed in the header
 
 
@@ -171,10 +162,8 @@ def _torchtitan_weights(p):
     return w1, w2, w3
 
 
-def build_ours(p, model, device, grouped_mm: str = "auto", backend_options=()) -> Step:
+def build_ours(p, model, device, grouped_mm: str = "auto") -> Step:
     layer = MoEExperts.from_model(model, device=device, grouped_mm=grouped_mm)
-    if backend_options:
-        layer.options = dataclasses.replace(layer.options, backend_options=backend_options)
     with torch.no_grad():
         layer.w_gate_up.copy_(p.w_gate_up_EH2I)
         layer.w_down.copy_(p.w_down_EIH)
@@ -261,11 +250,11 @@ def build_dense(model, T: int, device):
 
 def build_row(impl: str, p, model, T: int, device: torch.device, args):
     """A :class:`Step`, or for ``dense`` a dict of callables; raises ``_Skip`` with the reason."""
-    needs_gmm = impl in ("seam", "torchtitan", "recipe", "recipe+perm", *GROUPED_MM)
+    needs_gmm = impl in ("seam", "torchtitan", "recipe", "recipe+perm", "ours", "ours-fused")
     if needs_gmm and device.type == "cuda" and not hasattr(torch, "_grouped_mm"):
         raise _Skip(f"skipped: torch {torch.__version__} has no torch._grouped_mm")
     if impl in GROUPED_MM:
-        return build_ours(p, model, device, GROUPED_MM[impl], BACKEND_OPTIONS.get(impl, ()))
+        return build_ours(p, model, device, GROUPED_MM[impl])
     if impl == "seam":
         return build_seam(p)
     if impl == "torchtitan":

@@ -27,8 +27,6 @@ CI tests this path against its twin, :func:`common.torch_backward.moe_backward_t
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
@@ -51,18 +49,6 @@ def rows_times_experts(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch
     if x_SK.is_cuda and _fits_grouped_mm(x_SK.dtype, x_SK.device, *w_EKN.shape[1:]):
         return torch._grouped_mm(x_SK, w_EKN, offs=offsets_E)
     return grouped_mm_rows(x_SK, w_EKN, offsets_E)
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One second stream per device for ``overlap_wgrad`` (created once, outside any capture)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
-    if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return stream
 
 
 def _memory_is(w: torch.Tensor, order: tuple[int, ...]) -> bool:
@@ -187,7 +173,6 @@ def moe_backward_fused(
     layout=None,
     x_rows_S: torch.Tensor | None = None,
     grouped_mm: str = "auto",
-    overlap_wgrad: bool = False,
 ) -> MoEGrads:
     """MoE expert-MLP backward, fused: BF16 GEMM operands, fp32 accumulation, no fp32 glue.
 
@@ -221,10 +206,6 @@ def moe_backward_fused(
             a contiguous BF16 checkpoint) or ``"auto"`` (default: the per-shape table, cuBLAS
             where the fused kernel cannot run; :mod:`cuda_kernels.grouped_mm_choice`).
             ``info["grouped_mm"]`` says which ran.
-        overlap_wgrad: run the dW_down wgrad on a second CUDA stream, concurrent with the dX
-            dgrad and its token sum (both only read d_gate_up / a*h / dY rows; joined before
-            returning, CUDA-graph capturable). Off by default: a speed variant to measure
-            (``benchmarks/bench_moe_layer.py --impls ours-overlap``); ignored on the CPU.
     Returns:
         :class:`~common.problem.MoEGrads`; ``info["wgrad_backend"]`` names the wgrad used,
         ``info["grouped_mm"]`` the down-dgrad implementation.
@@ -301,22 +282,13 @@ def moe_backward_fused(
         dBgu = kernels.segment_colsum(dgu_S, offs, r2p)
         dBd = kernels.segment_colsum(dy_S, offs, r2p, plan.pair_affinity_R)
     align = layout.align
-    main = side = None
-    if overlap_wgrad and dev.type == "cuda":
-        main, side = torch.cuda.current_stream(dev), _side_stream(dev)
-        side.wait_stream(main)  # its operands are ready
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        if acc is None and _memory_is(p.w_down_EIH, (0, 2, 1)):  # w2 [E, H, I] (torchtitan)
-            dWd = _wgrad(dy_S.t(), ah_S, offs, None, False, grad_dtype, wgrad_backend, align,
-                         stats).transpose(1, 2)
-        else:
-            dWd = _wgrad(
-                ah_S.t(), dy_S, offs, acc_d, acc is not None, grad_dtype, wgrad_backend, align,
-                stats,
-            )
-    if side is not None:  # the caching allocator must not reuse these before the side's reads
-        ah_S.record_stream(side)
-        dy_S.record_stream(side)
+    if acc is None and _memory_is(p.w_down_EIH, (0, 2, 1)):  # w2 [E, H, I] (torchtitan)
+        dWd = _wgrad(dy_S.t(), ah_S, offs, None, False, grad_dtype, wgrad_backend, align,
+                     stats).transpose(1, 2)
+    else:
+        dWd = _wgrad(
+            ah_S.t(), dy_S, offs, acc_d, acc is not None, grad_dtype, wgrad_backend, align, stats
+        )
     del ah_S, dy_S
     w_gu_E2IH = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I).transpose(1, 2)
     dX_S = rows_times_experts(dgu_S, w_gu_E2IH, offs)
@@ -330,9 +302,6 @@ def moe_backward_fused(
             x_S.t(), dgu_S, offs, None if acc_gu is None else acc_gu.view(E, H, 2 * I),
             acc is not None, grad_dtype, wgrad_backend, align, stats,
         ).view(E, H, 2, I)
-    if side is not None:  # join: everything after this call sees dW_down written
-        main.wait_stream(side)
-        dWd.record_stream(main)
     grads = MoEGrads(
         hidden_states_grad_TH=dX,
         affinity_grad_TE=dA_TE,

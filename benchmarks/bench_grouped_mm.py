@@ -40,7 +40,7 @@ ulps of the reference's magnitude). ``--json PATH`` writes every number.
 
 Usage: ``python benchmarks/bench_grouped_mm.py [--shapes qwen3-30b-a3b:16384,...] [--tokens T]
 [--shrink N] [--gemms gate_up,down,...] [--impls ours,grouped_mm,gather,dense]
-[--tiles 128x256s4,128x128s6pp] [--check] [--json PATH]``. On the H200:
+[--tiles 128x256s4,128x128s6pp] [--side-output] [--check] [--json PATH]``. On the H200:
 ``bash benchmarks/grouped_mm_device_run.sh``.
 """
 
@@ -143,10 +143,15 @@ def _ours_name(tile) -> str:
 def _fused_impls(args, tiles, then_pass, src, idx, ours) -> dict:
     """``{impl: fn}`` of a fused-epilogue GEMM: the layer's path (cuBLAS then the Triton pass) on
     rows of ``src`` gathered once ("grouped_mm") and with the gather timed ("gather+grouped_mm"),
-    and ``ours(tile)`` per tile, as ``--impls`` selects."""
+    and ``ours(tile, rows_out)`` per tile, as ``--impls`` selects; with ``--side-output`` also
+    ``ours <tile> +rows``: the same kernel writing the gathered rows into a preallocated
+    ``[S, K]`` buffer (what the layer's ``grouped_mm="ours"`` runs)."""
     from cuda_kernels.moe_backward.kernels import gather_rows
 
     fns = {}
+    rows_out = None
+    if "ours" in args.impls and args.side_output:
+        rows_out = torch.empty(idx.shape[0], src.shape[1], dtype=BF16, device=src.device)
     if "grouped_mm" in args.impls:
         rows = gather_rows(src, idx)
         fns["grouped_mm"] = lambda: then_pass(rows)
@@ -154,7 +159,9 @@ def _fused_impls(args, tiles, then_pass, src, idx, ours) -> dict:
         fns["gather+grouped_mm"] = lambda: then_pass(gather_rows(src, idx))
     if "ours" in args.impls:
         for tile in tiles:
-            fns[_ours_name(tile)] = lambda t=tile: ours(t)
+            fns[_ours_name(tile)] = lambda t=tile: ours(t, None)
+            if rows_out is not None:
+                fns[_ours_name(tile) + " +rows"] = lambda t=tile: ours(t, rows_out)
     return fns
 
 
@@ -176,8 +183,9 @@ def gated_impls(d: dict, args, tiles) -> dict:
 
     return _fused_impls(
         args, tiles, cublas_then_pass, d["x"], d["idx"],
-        lambda t: gate_up_forward(
-            d["x"], w4, layout, plan, b_gate_up_E2I=d["b_gu"], backend="sm90", tile=t, **kw
+        lambda t, rows_out: gate_up_forward(
+            d["x"], w4, layout, plan, b_gate_up_E2I=d["b_gu"], backend="sm90", tile=t,
+            x_rows_out=rows_out, **kw
         ),
     )
 
@@ -199,8 +207,9 @@ def dgated_impls(d: dict, args, tiles) -> dict:
 
     return _fused_impls(
         args, tiles, cublas_then_pass, d["dy"], d["idx"],
-        lambda t: down_dgrad_backward(
-            d["dy"], d["w_d"], layout, plan, d["act"], backend="sm90", tile=t, **kw
+        lambda t, rows_out: down_dgrad_backward(
+            d["dy"], d["w_d"], layout, plan, d["act"], backend="sm90", tile=t,
+            dy_rows_out=rows_out, **kw
         ),
     )
 
@@ -313,6 +322,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gemms", default=",".join(GEMMS))
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--tiles", default="", help="tile variants of ours (default: its choice)")
+    ap.add_argument(
+        "--side-output", action="store_true",
+        help="gate_up_act / down_dgrad_act: also time ours writing the gathered rows (+rows)",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=10, help="timed runs without triton")
     ap.add_argument("--check", action="store_true", help="ours vs the torch twin (ulps)")

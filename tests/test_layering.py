@@ -121,8 +121,9 @@ def test_no_new_import_circles():
 #: the others; a new format: beside ``bf16`` / ``blockscaled``).
 GW_LAYERS = [
     ("tiles", "env", "torch_ref", "jax_ref", "_contract"),  # tile rules, environment, twins
-    # contract types, compile cache, the families' plug-in, what the SM90 kernels share
-    ("_types", "launch", "registry", "sm90_common"),
+    # contract types, compile cache, the families' plug-in, what the SM90 kernels share, the
+    # BF16 kernels' tile scheduler
+    ("_types", "launch", "registry", "sm90_common", "tile_sched"),
     ("validate", "sm90_bf16", "sm100_bf16"),  # shared rules; BF16 kernel families
     ("blockscaled_ref", "quantize", "sm90_mxfp8", "sm100_blockscaled"),
     ("bf16", "blockscaled", "jax_arrays"),  # one module per format; the JAX array bridge

@@ -94,6 +94,7 @@ from typing import Any
 
 from ._contract import KernelKey
 from .launch import KernelFamily, contract_key_fields
+from .tile_sched import scheduler_base
 from .tiles import SM100_TILES, rules_loader, select_tile
 
 __all__ = [
@@ -354,8 +355,9 @@ def _build_kernel_class():
         "float32": cutlass.Float32,
     }
 
-    class Sm100GroupedWgradKernel:
-        """Persistent, warp-specialized tcgen05 grouped wgrad for one :class:`Sm100WgradKey`."""
+    class Sm100GroupedWgradKernel(scheduler_base()):
+        """Persistent, warp-specialized tcgen05 grouped wgrad for one :class:`Sm100WgradKey`
+        (the tile scheduler's ``next_tile`` / ``take_tile``: ``tile_sched.scheduler_base()``)."""
 
         def __init__(self, key: Sm100WgradKey):
             self.key = key
@@ -609,22 +611,6 @@ def _build_kernel_class():
             self.launch_kernel(kernel, num_clusters, stream)
 
         @cute.jit
-        def next_tile(self, mCounter, lane, sched_pipe, sched_state, sSched):
-            """Scheduling (TMA) warp: take the next tile id from the global counter (lane 0) and
-            publish it to the MMA and epilogue warps. Ids run over experts sorted by size,
-            largest first, so taking them greedily is LPT list scheduling (uneven experts
-            balance); an id >= num_tiles tells every warp to stop."""
-            t = cutlass.Int32(0)
-            if lane == 0:
-                t = cute.arch.atomic_add(mCounter.iterator, cutlass.Int32(1))
-            t = cute.arch.shuffle_sync(t, 0)
-            sched_pipe.producer_acquire(sched_state)
-            if lane == 0:
-                sSched[sched_state.index] = t
-            sched_pipe.producer_commit(sched_state)
-            return t
-
-        @cute.jit
         def publish_tile(self, mCounter, lane, sched_pipe, sched_state, sSched):
             """Leader CTA's scheduling (TMA) warp, (2, 1) cluster: take the next tile id from
             the global counter (lane 0) and broadcast it into slot ``sched_state`` of both CTAs'
@@ -633,10 +619,7 @@ def _build_kernel_class():
             fills the slot; the slot is free again once every consumer thread of both CTAs has
             arrived on the leader's empty mbarrier (``take_tile``). Every warp of both CTAs,
             this one included, reads the id back with ``take_tile``."""
-            t = cutlass.Int32(0)
-            if lane == 0:
-                t = cute.arch.atomic_add(mCounter.iterator, cutlass.Int32(1))
-            t = cute.arch.shuffle_sync(t, 0)
+            t = self.claim_tile(mCounter, lane)
             sched_pipe.producer_acquire(sched_state)
             if lane < self.cluster_m:
                 cute.arch.store_async_dsmem(
@@ -645,14 +628,6 @@ def _build_kernel_class():
                     sched_pipe.producer_get_barrier(sched_state),
                     lane,
                 )
-
-        @cute.jit
-        def take_tile(self, sched_pipe, sched_cstate, sSched):
-            """MMA / epilogue warps: the next tile id the scheduling warp published."""
-            sched_pipe.consumer_wait(sched_cstate)
-            t = sSched[sched_cstate.index]
-            sched_pipe.consumer_release(sched_cstate)
-            return t
 
         @cute.jit
         def tile_coords(self, tile: cutlass.Int32, sPerm: cute.Tensor, mOffsets: cute.Tensor):

@@ -58,6 +58,7 @@ from typing import Any
 from ._contract import KernelKey
 from .launch import KernelFamily, contract_key_fields
 from .sm90_common import Sm90Tiling, kernel_base
+from .tile_sched import scheduler_base
 from .tiles import SM90_TILES, rules_loader, select_tile
 
 __all__ = [
@@ -223,9 +224,10 @@ def _build_kernel_class():
     base = kernel_base()
     fence_accumulators = base.fence_accumulators
 
-    class Sm90GroupedWgradKernel(base):
+    class Sm90GroupedWgradKernel(base, scheduler_base()):
         """CTA-persistent, warp-specialized grouped wgrad for one :class:`Sm90WgradKey` (the
-        tile fields, loads and launch of ``sm90_common.kernel_base()``)."""
+        tile fields, loads and launch of ``sm90_common.kernel_base()``; the tile scheduler's
+        ``next_tile`` / ``take_tile`` of ``tile_sched.scheduler_base()``)."""
 
         def __init__(self, key: Sm90WgradKey):
             self.init_tiling(key)
@@ -353,31 +355,6 @@ def _build_kernel_class():
                     if r >= lo:
                         kk = hi + r - lo
                     sX[(mm, kk, stage)] = self.ab_dtype(0.0)
-
-        @cute.jit
-        def next_tile(self, mCounter, lane, sched_pipe, sched_state, sSched):
-            """Producer warp: take the next tile id from the global counter (lane 0) and
-            publish it to the consumers. Ids run over experts sorted by size, largest first,
-            so taking them greedily is LPT list scheduling."""
-            t = cutlass.Int32(0)
-            if lane == 0:
-                t = cute.arch.atomic_add(mCounter.iterator, cutlass.Int32(1))
-            t = cute.arch.shuffle_sync(t, 0)
-            sched_pipe.producer_acquire(sched_state)
-            if lane == 0:
-                sSched[sched_state.index] = t
-            sched_pipe.producer_commit(sched_state)
-            return t
-
-        @cute.jit
-        def take_tile(self, sched_pipe, sched_cstate, sSched):
-            """Consumers: the next tile id that the producer warp published (``next_tile``),
-            taken from the tile-id ring. The caller advances ``sched_cstate`` (a state advanced
-            inside a helper would not be carried out of the caller's loops)."""
-            sched_pipe.consumer_wait(sched_cstate)
-            tile = sSched[sched_cstate.index]
-            sched_pipe.consumer_release(sched_cstate)
-            return tile
 
         # ---- the kernel prologue and loads, shared with the MXFP8 kernel (sm90_mxfp8) ----
 

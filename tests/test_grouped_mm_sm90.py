@@ -71,7 +71,7 @@ _T = Sm90GroupedMmTile
 # ------------------------------------------------------------------------------------------------
 
 _ROWS_PTX = ["cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
-             r"cp.async.wait_group\s+1;", "ld.shared.v4.b32", "st.global.v4.b32",
+             r"cp.async.wait_group\s+[1-9]\d*;", "ld.shared.v4.b32", "st.global.v4.b32",
              "ld.global.v4.b32"]
 _OFFLINE = [
     # (id, key, PTX that must appear, PTX that must not)
@@ -110,7 +110,8 @@ _OFFLINE = [
       "fence.proxy.async"],
      []),
     # write_a_rows: the gathered rows copied out of the stages (16-byte shared loads and global
-    # stores after cp.async.wait_group 1), the rows past the last expert by 16-byte global loads
+    # stores after cp.async.wait_group stages - 1), the rows past the last expert by 16-byte
+    # global loads
     ("rows-gather-128x256",
      Sm90GroupedMmKey(1536, 2048, 128, tile=_T(128, 256, 64, 4), write_a_rows=True),
      _ROWS_PTX + ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"], []),

@@ -409,6 +409,10 @@ def _build_kernel_class():
             self.stages = min(t.stages, (_SMEM_BYTES - header) // t.stage_bytes)
             if self.stages < 2:
                 raise ValueError(f"{t} leaves no room for 2 pipeline stages")
+            # write_a_rows: a K tile is copied back out of its stage this many K tiles after its
+            # cp.async was issued (the stage is refilled by the same thread one K tile later),
+            # so stages - 1 groups of copies stay in flight, as without the side output
+            self.rows_lag = self.stages - 1
             # cp.async producers keep 8 row offsets and predicates per thread: more registers
             # than a TMA-only producer warp needs
             self.producer_regs = 56 if self.gather else 40
@@ -732,11 +736,14 @@ def _build_kernel_class():
             chunk past K) and arrives on the full barrier when they land.
 
             ``write_a_rows``: in the tiles with ``n_idx == 0`` (one per M tile of an expert)
-            each thread also copies its chunks of the previous K tile back out of the stage
-            (once its cp.async group has landed: ``cp.async.wait_group 1``, a lag of one stage)
-            into ``mRows`` (the tile's rows only), the last K tile after the loop; the rows past
-            the last expert (no stages) are gathered global to global
-            (:meth:`rows_past_experts`). The barriers and their counts are untouched."""
+            each thread also copies its chunks of K tile ``kt - rows_lag`` back out of their
+            stage (``rows_lag = stages - 1``: the stage this thread refills next, after its
+            cp.async group has landed: ``cp.async.wait_group rows_lag``) into ``mRows`` (the
+            tile's rows only), the last ``rows_lag`` K tiles after the loop; the rows past the
+            last expert (no stages) are gathered global to global (:meth:`rows_past_experts`).
+            The barriers and their counts are untouched. (A lag of one K tile, measured first,
+            left one group of copies in flight on those tiles and cost more than the separate
+            gather pass it replaces: ``benchmarks/RESULTS.md``.)"""
             atom, tiled = self.gather_copy()
             thr = tiled.get_slice(ptid)
             tAsA = thr.partition_D(sA)  # (CPY, rows_per_thread, 1, stages)
@@ -788,20 +795,27 @@ def _build_kernel_class():
                         if cutlass.const_expr(self.write_rows):  # noqa: SIM102
                             if n_idx == 0:
                                 cute.arch.cp_async_commit_group()
-                                if kt > 0:  # the previous K tile's copies have landed
-                                    cute.arch.cp_async_wait_group(1)
+                                if kt >= self.rows_lag:  # K tile kt - lag has landed
+                                    cute.arch.cp_async_wait_group(self.rows_lag)
                                     self.rows_from_stage(
-                                        tAsA, (prod_state.index + self.stages - 1) % self.stages,
-                                        kt - 1, row0, rows, row_in, chunk, mRows,
+                                        tAsA,
+                                        (prod_state.index + self.stages - self.rows_lag)
+                                        % self.stages,
+                                        kt - self.rows_lag, row0, rows, row_in, chunk, mRows,
                                     )
                         prod_state.advance()
                     if cutlass.const_expr(self.write_rows):  # noqa: SIM102
-                        if n_idx == 0:  # the tile's last K tile (the stage issued last)
+                        if n_idx == 0:  # the tile's last K tiles, not yet copied out
                             cute.arch.cp_async_wait_group(0)
-                            self.rows_from_stage(
-                                tAsA, (prod_state.index + self.stages - 1) % self.stages,
-                                self.k_tiles - 1, row0, rows, row_in, chunk, mRows,
-                            )
+                            for i in cutlass.range(self.rows_lag, unroll=1):
+                                t = i + (self.k_tiles - self.rows_lag)
+                                if t >= 0:
+                                    self.rows_from_stage(
+                                        tAsA,
+                                        (prod_state.index + (self.stages - self.rows_lag) + i)
+                                        % self.stages,
+                                        t, row0, rows, row_in, chunk, mRows,
+                                    )
                 if cutlass.const_expr(self.write_rows):  # noqa: SIM102
                     if g >= self.num_e and n_idx == 0:
                         self.rows_past_experts(

@@ -83,7 +83,14 @@ for the forward's gather + gate/up GEMM + activation and the backward's gather +
 activation backward (``cuda_kernels.grouped_mm_choice``): ``"cublas"`` (gather pass, cuBLAS
 grouped GEMM, Triton pass), ``"ours"`` (the fused CuTe DSL kernel of ``cuda_kernels.grouped_mm``;
 RuntimeError where it cannot run), ``"auto"`` (the measured per-shape table
-``configs/cuda/grouped_mm_choice.yaml``, cuBLAS where the kernel cannot run)."""
+``configs/cuda/grouped_mm_choice.yaml``, cuBLAS where the kernel cannot run). The other backends
+(``torch``, ``reference``, ``nki``) have one path and ignore it."""
+
+
+def check_grouped_mm(value) -> None:
+    """ValueError unless ``value`` is one of :data:`GROUPED_MM` (the option's one check)."""
+    if not isinstance(value, str) or value not in GROUPED_MM:
+        raise ValueError(f"grouped_mm must be one of {GROUPED_MM}, got {value!r}")
 
 
 # ------------------------------------------------------------------------------------ options
@@ -162,8 +169,7 @@ class MoEExpertsOptions:
                 "backend_options must not set grouped_mm: use MoEExpertsOptions(grouped_mm=...), "
                 "which reaches the forward too"
             )
-        if not isinstance(self.grouped_mm, str) or self.grouped_mm not in GROUPED_MM:
-            raise ValueError(f"grouped_mm must be one of {GROUPED_MM}, got {self.grouped_mm!r}")
+        check_grouped_mm(self.grouped_mm)
         try:  # the custom ops' key (common.layer_ops); unhashable options take the Function
             key = layer_ops.options_key(self)
         except TypeError:

@@ -480,8 +480,10 @@ def gate_up_forward(
     ``a_rows_out`` of :func:`grouped_mm_gated`), for the backward's weight gradients.
 
     Raises:
-        ValueError: as :func:`grouped_mm_gated` (``x_rows_out`` named ``a_rows_out``).
+        ValueError: as :func:`grouped_mm_gated`.
     """
+    _check_rows_out(_fail_gated, x_TH, layout.row_to_token_S, layout.row_to_token_S.shape[0],
+                    x_TH.shape[-1], x_rows_out, name="x_rows_out")
     w = w_gate_up_EH2I if w_gate_up_EH2I.dtype == torch.bfloat16 else w_gate_up_EH2I.to(
         torch.bfloat16
     )
@@ -620,8 +622,10 @@ def down_dgrad_backward(
     the ``a_rows_out`` of :func:`grouped_mm_dgated`), for the backward's weight gradients.
 
     Raises:
-        ValueError: as :func:`grouped_mm_dgated` (``dy_rows_out`` named ``a_rows_out``).
+        ValueError: as :func:`grouped_mm_dgated`.
     """
+    _check_rows_out(_fail_dgated, dy_TH, layout.row_to_token_S, layout.row_to_token_S.shape[0],
+                    dy_TH.shape[-1], dy_rows_out, name="dy_rows_out")
     bf16 = torch.bfloat16
     dy = dy_TH if dy_TH.dtype == bf16 else dy_TH.to(bf16)
     w = (w_down_EIH if w_down_EIH.dtype == bf16 else w_down_EIH.to(bf16)).transpose(1, 2)
@@ -640,8 +644,13 @@ def down_dgrad_backward(
         tok = exp = torch.zeros_like(p)
     if b_down_EH is not None:
         # float64: the term keeps full fp32 accuracy whatever torch's TF32 setting (an fp32
-        # matmul may run in TF32 when a user allows it; the Triton pass sums in fp32 FMAs)
-        bias_TE = (dy_TH.double() @ b_down_EH.double().t()).float()
+        # matmul may run in TF32 when a user allows it; the Triton pass sums in fp32 FMAs), in
+        # token chunks of at most 256 MiB of float64 rows
+        bias_TE = torch.empty(T, E, dtype=torch.float32, device=dy_TH.device)
+        b_HE = b_down_EH.double().t()
+        chunk = max(1, (1 << 25) // max(1, dy_TH.shape[1]))
+        for t0 in range(0, T, chunk):
+            bias_TE[t0:t0 + chunk] = dy_TH[t0:t0 + chunk].double() @ b_HE
         da_S = da_S + bias_TE[tok.clamp(min=0), exp.clamp(max=E - 1)]
     flat = torch.zeros(T * E + 1, dtype=torch.float32, device=dy_TH.device)
     cell = torch.where(valid, tok * E + exp, torch.full_like(tok, T * E))

@@ -30,11 +30,12 @@ the persistent launch):
     gathered rows into an ``[S, K]`` BF16 side output, so the layer needs no separate gather
     pass for the weight gradients. In the tiles with ``n_idx == 0`` (each M tile of each expert
     has exactly one) every producer thread commits its cp.async chunks of a K tile as one
-    group; one K tile later (``cp.async.wait_group 1``: the copies have landed and are visible
-    to the thread that issued them) it loads the same 16-byte chunks back from the stage (the
-    same ``tAsA`` addresses) and stores them to the side output's rows ``row0 + r`` for
-    ``r < rows`` (never a row of the next expert's tiles); after a tile's last K tile it waits
-    for all its copies and writes that one too. A padding row is what cp.async zero-filled:
+    group; ``stages - 1`` K tiles later (``cp.async.wait_group stages - 1``: the copies have
+    landed and are visible to the thread that issued them; the stage is the one this thread
+    refills next) it loads the same 16-byte chunks back from the stage (the same ``tAsA``
+    addresses) and stores them to the side output's rows ``row0 + r`` for ``r < rows`` (never a
+    row of the next expert's tiles); after a tile's last K tile it waits for all its copies and
+    writes the last ``stages - 1`` K tiles too. A padding row is what cp.async zero-filled:
     +0. The rows past the last expert (tiles that load no stage) are gathered global to global
     by their ``n_idx == 0`` tile's producer threads (16-byte loads and stores, +0 for a
     negative index), so every row of the side output is written exactly once, whatever the
@@ -42,8 +43,9 @@ the persistent launch):
     (the copy-out only reads the ring): chosen over loading the rows into registers and
     storing them to shared memory by hand, which would need plain arrivals, a writer-side
     proxy fence and synchronous loads (one stage in flight) on those tiles, and registers the
-    56-register producer does not have. The cost is a stage's latency at the end of each such
-    tile and one stage in flight less while they run;
+    56-register producer does not have. The cost is the copy-out itself and the wait for the
+    last stages at the end of each such tile (a lag of one K tile, measured first, kept only one
+    group of copies in flight there and cost more than the gather pass it replaced);
   * otherwise (A already in row order, ``[S, K]``) one warp loads A's ``(tile_m, 64)`` boxes by
     TMA starting at the tile's first row (rows past the expert are loaded but never stored, rows
     past S are zero-filled by TMA);
@@ -410,8 +412,8 @@ def _build_kernel_class():
             if self.stages < 2:
                 raise ValueError(f"{t} leaves no room for 2 pipeline stages")
             # write_a_rows: a K tile is copied back out of its stage this many K tiles after its
-            # cp.async was issued (the stage is refilled by the same thread one K tile later),
-            # so stages - 1 groups of copies stay in flight, as without the side output
+            # cp.async was issued (just before the same thread refills that stage), so
+            # stages - 1 groups of copies stay in flight, as without the side output
             self.rows_lag = self.stages - 1
             # cp.async producers keep 8 row offsets and predicates per thread: more registers
             # than a TMA-only producer warp needs

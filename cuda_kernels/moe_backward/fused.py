@@ -313,4 +313,3 @@ def moe_backward_fused(
         grads.b_gate_up_grad_E2I = dBgu.reshape(E, 2, I).to(grad_dtype)
         grads.b_down_grad_EH = dBd.to(grad_dtype)
     return grads
-

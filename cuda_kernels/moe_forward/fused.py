@@ -120,4 +120,3 @@ def moe_forward_fused(
         bias_EH=b_down_EH, row_to_pair_S=layout.row_to_pair_S, plan=plan,
     )
     return LayerForward(y_TH, act_R2I, x_S, plan, layout)
-

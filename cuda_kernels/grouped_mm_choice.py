@@ -116,19 +116,17 @@ def _kernel_view(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(2, t.shape[-1], dtype=torch.bfloat16, device=t.device)
 
 
-def _weight_reason(w: torch.Tensor, name: str) -> str | None:
-    if w.is_contiguous() or w.transpose(1, 2).is_contiguous():
-        return None
-    return (f"{name} has strides {w.stride()}: the fused kernel needs [E, K, N] or [E, N, K] "
-            "contiguous memory")
-
-
-def _reason(step, a, w, row_index, I, act_R2I) -> str | None:
+def _reason(step, a, w, row_index, act_R2I) -> str | None:
     """Why the fused kernel of ``step`` cannot run these operands (``a`` [T, K] activation rows,
     ``w`` [E, K, N] BF16 as the entry reads it), or None. On CPU tensors only the rules of the
     torch twin (which then runs) count."""
-    name = "w_gate_up [E, H, 2I]" if step == "forward_gate_up" else "w_down^T [E, H, I]"
-    why = _weight_reason(w, name)
+    from . import grouped_mm
+
+    why = None
+    if grouped_mm.weight_major(w) is None:
+        name = "w_gate_up [E, H, 2I]" if step == "forward_gate_up" else "w_down^T [E, H, I]"
+        why = (f"{name} has strides {w.stride()}: the fused kernel needs [E, K, N] or [E, N, K] "
+               "contiguous memory")
     if why is None and act_R2I is not None and (
         act_R2I.dtype != torch.bfloat16 or not act_R2I.is_contiguous()
     ):
@@ -136,12 +134,8 @@ def _reason(step, a, w, row_index, I, act_R2I) -> str | None:
                f"so), got {act_R2I.dtype} with strides {act_R2I.stride()}")
     if why is not None or a.device.type != "cuda":
         return why
-    from . import grouped_mm
-
-    why = grouped_mm.kernel_unsupported_reason(_kernel_view(a), w, row_index)
-    if why is None and step == "forward_gate_up" and I % 8:
-        why = f"I={I} must be a multiple of 8 (the gate/up epilogue's column pairs)"
-    return why
+    epilogue = "gated" if step == "forward_gate_up" else "dgated"
+    return grouped_mm.kernel_unsupported_reason(_kernel_view(a), w, row_index, epilogue=epilogue)
 
 
 _CHOICE: dict[tuple, tuple[str, str | None]] = {}
@@ -190,7 +184,7 @@ def pick(
 def _decide(step, requested, a, w, row_index, act_R2I, E, H, I) -> tuple[str, str | None]:
     if requested == "cublas":
         return "cublas", None
-    why = _reason(step, a, w, row_index, I, act_R2I)
+    why = _reason(step, a, w, row_index, act_R2I)
     if requested == "ours":
         return ("error", why) if why is not None else ("ours", None)
     if why is not None:

@@ -18,6 +18,7 @@ from .api import (
     grouped_mm_gather,
     grouped_mm_key,
     kernel_unsupported_reason,
+    weight_major,
 )
 from .torch_ref import (
     down_dgrad_activation_torch,
@@ -37,4 +38,5 @@ __all__ = [
     "grouped_mm_gather_torch",
     "grouped_mm_key",
     "kernel_unsupported_reason",
+    "weight_major",
 ]

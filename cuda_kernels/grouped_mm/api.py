@@ -21,6 +21,7 @@ __all__ = [
     "grouped_mm_gather",
     "grouped_mm_key",
     "kernel_unsupported_reason",
+    "weight_major",
 ]
 
 BACKENDS = ("auto", "sm90", "torch")
@@ -34,7 +35,7 @@ def _fail(msg: str) -> None:
     raise ValueError(f"grouped_mm_gather: {msg}")
 
 
-def _w_major(w: torch.Tensor) -> str | None:
+def weight_major(w: torch.Tensor) -> str | None:
     """"n" when ``w`` [E, K, N] is contiguous, "k" when its memory is [E, N, K] contiguous
     (``w.transpose(1, 2)`` contiguous), else None. A dimension of size 1 makes both true:
     "n" wins."""
@@ -92,7 +93,7 @@ def _check(a, w, offsets_E, row_index, out) -> tuple[int, int, int, int, str]:
     for name, t in tensors:
         if t.device != dev:
             _fail(f"{name} is on {t.device} but a is on {dev}")
-    w_major = _w_major(w)
+    w_major = weight_major(w)
     if w_major is None:
         _fail(
             f"w must be contiguous [E, K, N] or have [E, N, K] contiguous memory, got strides "
@@ -152,8 +153,9 @@ def _write_rows_twin(a, row_index, a_rows_out) -> None:
         a_rows_out.copy_(torch_ref.gathered_rows(a, row_index, torch.bfloat16))
 
 
-def kernel_unsupported_reason(a, w, row_index=None) -> str | None:
-    """Why the SM90 kernel cannot run these (already checked) operands, or None."""
+def kernel_unsupported_reason(a, w, row_index=None, *, epilogue: str = "store") -> str | None:
+    """Why the SM90 kernel cannot run these (already checked) operands, or None; ``epilogue``
+    ``"gated"`` adds the gate/up epilogue's rule (I = N / 2 a multiple of 8)."""
     if a.device.type != "cuda":
         return f"operands on {a.device} (the kernel needs an SM90 CUDA device)"
     if torch.cuda.get_device_capability(a.device) != (9, 0):
@@ -171,6 +173,8 @@ def kernel_unsupported_reason(a, w, row_index=None) -> str | None:
     for name, t in (("a", a), ("w", w)):
         if t.numel() and t.data_ptr() % 16:
             return f"{name} must be 16-byte aligned (TMA / cp.async), got {t.data_ptr():#x}"
+    if epilogue == "gated" and (N // 2) % 8:
+        return f"I={N // 2} must be a multiple of 8 (the gate/up epilogue's column pairs)"
     return None
 
 
@@ -192,7 +196,7 @@ def grouped_mm_key(w: torch.Tensor, row_index, tile=None, gated=None, epilogue=N
         N, K, E,
         gather_a=row_index is not None,
         index_dtype=_INDEX_DTYPES[row_index.dtype] if row_index is not None else "int64",
-        w_major=_w_major(w),
+        w_major=weight_major(w),
         epilogue=epilogue,
         tile=tile,
         gated=gated,
@@ -417,9 +421,9 @@ def grouped_mm_gated(
                         f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device != dev:
             _fail_gated(f"{name} must be a contiguous torch.bfloat16 tensor on {dev}")
-    reason = _rows_out_unsupported(kernel_unsupported_reason(a, w_gate_up, row_index), a_rows_out)
-    if reason is None and I % 8:
-        reason = f"I={I} must be a multiple of 8"
+    reason = _rows_out_unsupported(
+        kernel_unsupported_reason(a, w_gate_up, row_index, epilogue="gated"), a_rows_out
+    )
     if backend == "sm90" and reason is not None:
         _fail_gated(f"backend='sm90' cannot run here: {reason}")
     ah = torch.empty(S, I, dtype=torch.bfloat16, device=dev) if ah_out is None else ah_out

@@ -31,7 +31,9 @@ import torch
 from common.config_files import config_path, load_yaml_file
 from common.layer import GROUPED_MM, check_grouped_mm
 
-__all__ = ["GROUPED_MM", "IMPLS", "STEPS", "check_grouped_mm", "grouped_mm_table", "pick"]
+__all__ = [
+    "GROUPED_MM", "IMPLS", "STEPS", "check_grouped_mm", "grouped_mm_table", "kernel_rows", "pick",
+]
 
 STEPS = ("forward_gate_up", "backward_down_dgrad")
 IMPLS = ("cublas", "ours")
@@ -107,10 +109,17 @@ def table_choice(step: str, E: int, H: int, I: int) -> str:
 
 
 # ----------------------------------------------------------------------------------- reasons
+def kernel_rows(t: torch.Tensor) -> torch.Tensor:
+    """An activation operand (X or dY, [T, H]) as the fused entries read it: ``t`` itself when
+    it is BF16 with unit stride along its last dimension, else a contiguous BF16 copy."""
+    if t.dtype == torch.bfloat16 and t.stride(-1) == 1:
+        return t
+    return t.to(torch.bfloat16).contiguous()
+
+
 def _kernel_view(t: torch.Tensor) -> torch.Tensor:
-    """What the grouped_mm entry reads of an activation operand: ``t`` itself when it is BF16
-    with unit stride along its last dimension, else (the entry, or the caller, converts it) a
-    two-row stand-in with the contiguous BF16 copy's strides and a fresh allocation's alignment."""
+    """What :func:`kernel_rows` gives the kernel, for its rules without copying: ``t`` itself,
+    or a two-row stand-in with the copy's strides and a fresh allocation's alignment."""
     if t.dtype == torch.bfloat16 and t.stride(-1) == 1:
         return t
     return torch.empty(2, t.shape[-1], dtype=torch.bfloat16, device=t.device)

@@ -33,7 +33,7 @@ from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
 from common.torch_backward import ALIGN, _fits_grouped_mm, grouped_layout, grouped_mm_rows
 
 from .. import grouped_mm as gmm
-from ..grouped_mm_choice import check_grouped_mm, pick
+from ..grouped_mm_choice import check_grouped_mm, kernel_rows, pick
 from ..grouped_wgrad import api
 from . import kernels
 
@@ -257,12 +257,9 @@ def moe_backward_fused(
                 act_R2I=p.act_checkpoint_R2I)
     stats["grouped_mm"] = impl
     if impl == "ours":
-        dy_bf = dy_TH if dy_TH.dtype == bf16 else dy_TH.to(bf16)
-        if dy_bf.stride(1) != 1:
-            dy_bf = dy_bf.contiguous()
         dy_S = torch.empty(S, H, dtype=bf16, device=dev)
         dgu_S, ah_S, dA_TE = gmm.down_dgrad_backward(
-            dy_bf, w_down_EHI.transpose(1, 2), layout, plan, p.act_checkpoint_R2I,
+            kernel_rows(dy_TH), w_down_EHI.transpose(1, 2), layout, plan, p.act_checkpoint_R2I,
             activation=p.activation, clamp_limits=p.clamp_limits, b_down_EH=p.b_down_EH,
             backend="sm90" if dy_TH.is_cuda else "torch", dy_rows_out=dy_S,
         )

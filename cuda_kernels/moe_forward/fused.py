@@ -34,7 +34,7 @@ from common.problem import Activation, ClampLimits
 from common.torch_backward import ALIGN, LayerForward
 
 from .. import grouped_mm as gmm
-from ..grouped_mm_choice import check_grouped_mm, pick
+from ..grouped_mm_choice import check_grouped_mm, kernel_rows, pick
 from ..moe_backward.fused import rows_times_experts
 from ..moe_backward.kernels import gather_rows, token_sum
 from .kernels import activation_forward
@@ -96,12 +96,9 @@ def moe_forward_fused(
     w_gu = w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I)
     x_TH = hidden_states_TH
     if pick("forward_gate_up", grouped_mm, x_TH, w_gu, layout.row_to_token_S) == "ours":
-        x_bf = x_TH if x_TH.dtype == bf16 else x_TH.to(bf16)
-        if x_bf.stride(1) != 1:
-            x_bf = x_bf.contiguous()
         x_S = torch.empty(layout.tokens_sum, H, dtype=bf16, device=x_TH.device)
         act_R2I, ah_S = gmm.gate_up_forward(
-            x_bf, w_gu, layout, plan, activation=act_fn, clamp_limits=clamp_limits,
+            kernel_rows(x_TH), w_gu, layout, plan, activation=act_fn, clamp_limits=clamp_limits,
             b_gate_up_E2I=b_gate_up_E2I, backend="sm90" if x_TH.is_cuda else "torch",
             x_rows_out=x_S,
         )

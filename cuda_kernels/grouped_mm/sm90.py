@@ -1065,6 +1065,35 @@ def _build_kernel_class():
             return dg, du, h
 
         @cute.jit
+        def row_slots(
+            self, tCcC, n_mm: cutlass.Constexpr, row0, rows, mR2P, mAlpha, pair_s, alpha_s,
+            in_s, tail_s, num_pairs, num_r, with_tail: cutlass.Constexpr,
+        ):
+            """Both fused epilogues' per-row tables of this thread's accumulator rows (slot
+            ``2 mm + h``): the row's pair (-1 = padding or past the tile's rows), its affinity
+            (0 there) and whether the row is inside the tile; ``with_tail`` (the gated one) also
+            whether it is a checkpoint row past the pairs, ``num_pairs <= row < num_r``, that
+            the epilogue zeroes (``tail_s``, ``num_pairs``, ``num_r`` unused otherwise)."""
+            for mm in cutlass.range_constexpr(n_mm):
+                for h in cutlass.range_constexpr(2):
+                    i = mm * 2 + h
+                    r = tCcC[((0, h, 0), mm, 0)][0]
+                    if cutlass.const_expr(with_tail):
+                        row = cutlass.Int64(row0 + r)
+                    p = cutlass.Int64(-1)
+                    a = cutlass.Float32(0.0)
+                    inside = r < rows
+                    if inside:
+                        p = cutlass.Int64(mR2P[row0 + r])
+                        if p >= 0:
+                            a = cutlass.Float32(mAlpha[p])
+                    pair_s[i] = p
+                    alpha_s[i] = a
+                    in_s[i] = inside
+                    if cutlass.const_expr(with_tail):
+                        tail_s[i] = inside and row >= num_pairs and row < num_r
+
+        @cute.jit
         def epilogue_dgated(
             self, acc, tCcC, n_idx, row0, rows, mAh, mDgu, mR2P, mAlpha, mPart, mAct,
         ):
@@ -1086,20 +1115,8 @@ def _build_kernel_class():
             in_s = cute.make_rmem_tensor((slots,), cutlass.Boolean)
             part_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
             part_s.fill(0.0)
-            for mm in cutlass.range_constexpr(n_mm):
-                for h in cutlass.range_constexpr(2):
-                    i = mm * 2 + h
-                    r = tCcC[((0, h, 0), mm, 0)][0]
-                    p = cutlass.Int64(-1)
-                    a = cutlass.Float32(0.0)
-                    inside = r < rows
-                    if inside:
-                        p = cutlass.Int64(mR2P[row0 + r])
-                        if p >= 0:
-                            a = cutlass.Float32(mAlpha[p])
-                    pair_s[i] = p
-                    alpha_s[i] = a
-                    in_s[i] = inside
+            self.row_slots(tCcC, n_mm, row0, rows, mR2P, mAlpha, pair_s, alpha_s, in_s,
+                           in_s, rows, rows, False)
             pair = cute.make_rmem_tensor((2,), self.out_dtype)
             zero = cutlass.Float32(0.0)
             for q in cutlass.range_constexpr(cute.size(acc, mode=[0]) // 4):
@@ -1201,22 +1218,8 @@ def _build_kernel_class():
             alpha_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
             in_s = cute.make_rmem_tensor((slots,), cutlass.Boolean)
             tail_s = cute.make_rmem_tensor((slots,), cutlass.Boolean)
-            for mm in cutlass.range_constexpr(n_mm):
-                for h in cutlass.range_constexpr(2):
-                    i = mm * 2 + h
-                    r = tCcC[((0, h, 0), mm, 0)][0]
-                    row = cutlass.Int64(row0 + r)
-                    p = cutlass.Int64(-1)
-                    a = cutlass.Float32(0.0)
-                    inside = r < rows
-                    if inside:
-                        p = cutlass.Int64(mR2P[row0 + r])
-                        if p >= 0:
-                            a = cutlass.Float32(mAlpha[p])
-                    pair_s[i] = p
-                    alpha_s[i] = a
-                    in_s[i] = inside
-                    tail_s[i] = inside and row >= num_pairs and row < num_r
+            self.row_slots(tCcC, n_mm, row0, rows, mR2P, mAlpha, pair_s, alpha_s, in_s,
+                           tail_s, num_pairs, num_r, True)
             pair = cute.make_rmem_tensor((2,), self.out_dtype)
             for q in cutlass.range_constexpr(cute.size(acc_g, mode=[0]) // 4):
                 c = col0 + tCcC[((0, 0, q), 0, 0)][1]  # this pair's first column (all rows)

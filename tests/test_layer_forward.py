@@ -138,8 +138,6 @@ def test_opcheck_experts_forward(bias):
 def test_compile_fullgraph_no_recompile_on_new_routing():
     """A block holding the layer compiles as one graph; three routings, one compile; the
     compiled loss and gradients equal eager's."""
-    import torch._dynamo.testing
-
     T, H, I, E, K = 16, 32, 16, 4, 2
     torch.manual_seed(0)
     layer = MoEExperts(E, H, I, bias=True, dtype=torch.float32)
@@ -148,13 +146,23 @@ def test_compile_fullgraph_no_recompile_on_new_routing():
     def block(x, idx, aff):
         return layer(lin(x), idx, aff).square().sum()
 
+    assert_compiles_once_like_eager(block, layer, T, H, E, K, routings=3)
+
+
+def assert_compiles_once_like_eager(block, layer, T, H, E, K, routings, device="cpu"):
+    """``block(x, idx, aff)`` (a loss through ``layer``) compiled with ``fullgraph=True``
+    (aot_eager): over ``routings`` seeded random routings (dropped slots included) one graph,
+    and the loss and the gradients of x, aff, ``layer.w_gate_up`` and ``layer.b_down`` bitwise
+    equal to eager's."""
+    import torch._dynamo.testing
+
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(block, fullgraph=True, backend=counter)
     g = torch.Generator().manual_seed(2)
-    for _ in range(3):
-        x = torch.randn(T, H, generator=g)
-        idx = torch.randint(-1, E, (T, K), generator=g)
-        aff = torch.rand(T, K, generator=g)
+    for _ in range(routings):
+        x = torch.randn(T, H, generator=g).to(device)
+        idx = torch.randint(-1, E, (T, K), generator=g).to(device)
+        aff = torch.rand(T, K, generator=g).to(device)
         outs = []
         for fn in (compiled, block):
             xl, al = x.clone().requires_grad_(), aff.clone().requires_grad_()

@@ -388,7 +388,7 @@ def test_layer_grouped_mm_ours_matches_cublas(name, cuda_backend):
 def test_layer_compiles_fullgraph_with_grouped_mm_ours(cuda_backend):
     """The option travels in the custom ops' options key: one graph for two routings, loss and
     gradients equal to eager's, and the fused path ran in both directions."""
-    import torch._dynamo.testing
+    from test_layer_forward import assert_compiles_once_like_eager
 
     T, H, I, E, K = 16, 32, 16, 4, 2
     torch.manual_seed(0)
@@ -399,22 +399,7 @@ def test_layer_compiles_fullgraph_with_grouped_mm_ours(cuda_backend):
     def block(x, idx, aff):
         return layer(x, idx, aff).square().sum()
 
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(block, fullgraph=True, backend=counter)
-    g = torch.Generator().manual_seed(2)
-    for _ in range(2):
-        x = torch.randn(T, H, generator=g).to(DEV)
-        idx = torch.randint(-1, E, (T, K), generator=g).to(DEV)
-        aff = torch.rand(T, K, generator=g).to(DEV)
-        outs = []
-        for fn in (compiled, block):
-            xl, al = x.clone().requires_grad_(), aff.clone().requires_grad_()
-            loss = fn(xl, idx, al)
-            grads = torch.autograd.grad(loss, [xl, al, layer.w_gate_up, layer.b_down])
-            outs.append((loss.detach(), *grads))
-        for a, b in zip(*outs):
-            assert torch.equal(a, b)
-    assert counter.frame_count == 1
+    assert_compiles_once_like_eager(block, layer, T, H, E, K, routings=2, device=DEV)
     assert set(cuda_backend["forward"]) == {"ours"} and set(cuda_backend["run"]) == {"ours"}
 
 

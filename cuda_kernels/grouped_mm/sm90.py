@@ -1037,13 +1037,7 @@ def _build_kernel_class():
             (1 - s)) mask_g``, ``du = alpha d g s mask_u``, ``s = sigmoid(a g)``; the strict
             clamp masks pass where the stored value lies strictly inside its limits."""
             ge = self.key.gated
-            ag = g
-            if cutlass.const_expr(ge.alpha != 1.0):
-                ag = g * cutlass.Float32(ge.alpha)
-            sig = cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-ag, fastmath=True))
-            up = u
-            if cutlass.const_expr(ge.up_offset != 0.0):
-                up = u + cutlass.Float32(ge.up_offset)
+            ag, sig, up = self.gate_terms(g, u)
             gs = g * sig
             h = gs * up
             dh = alpha * d
@@ -1184,6 +1178,15 @@ def _build_kernel_class():
                 u = cutlass.max(u, cutlass.Float32(ge.up_lo))
             if cutlass.const_expr(ge.up_hi is not None):
                 u = cutlass.min(u, cutlass.Float32(ge.up_hi))
+            _, sig, up = self.gate_terms(g, u)
+            return g, u, g * sig * up
+
+        @cute.jit
+        def gate_terms(self, g, u):
+            """What the activation and its backward both need of one fp32 (g, u), the key's
+            ``alpha`` and ``up_offset`` folded in where they are not 1 / 0: ``(alpha g,
+            sigmoid(alpha g), u + up_offset)``."""
+            ge = self.key.gated
             ag = g
             if cutlass.const_expr(ge.alpha != 1.0):
                 ag = g * cutlass.Float32(ge.alpha)
@@ -1191,7 +1194,7 @@ def _build_kernel_class():
             up = u
             if cutlass.const_expr(ge.up_offset != 0.0):
                 up = u + cutlass.Float32(ge.up_offset)
-            return g, u, g * sig * up
+            return ag, sig, up
 
         @cute.jit
         def epilogue_gated(

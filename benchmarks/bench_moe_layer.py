@@ -49,11 +49,12 @@ retain_graph=True)`` on one recorded graph. ``step`` = forward + ``y.backward(dy
 differs from it by launch overlap. TFLOP/s counts 6 / 12 / 18 * R * H * I. ``vs recipe+perm`` /
 ``vs sonicmoe`` = their step time / this row's (> 1: this row is faster). ``peak GiB`` = peak
 CUDA memory of one step above what was allocated before it (grads cleared). A second table
-profiles ONE forward of ``ours`` (torch.profiler; on by default on CUDA only): GEMM kernels
-(names matching ``bench_moe_backward.GEMM_PATTERNS``) vs the rest; ``--profile-detail`` lists the
-top kernels. ``--check`` compares y and every gradient of ``ours``, ``recipe`` and
-``recipe+perm`` with the float64 reference (``common.reference``; SQNR, small shapes only; exit
-1 below 30 dB). ``--json PATH`` writes every number.
+profiles ONE forward and ONE step of ``ours`` and ``ours-fused`` (torch.profiler; on by default
+on CUDA only): GEMM kernels (names matching ``bench_moe_backward.GEMM_PATTERNS``) vs the rest;
+``--profile-detail`` lists the top 24 kernels of each. ``--check`` compares y and every
+gradient of ``ours``, ``recipe`` and ``recipe+perm`` with the float64 reference
+(``common.reference``; SQNR, small shapes only; exit 1 below 30 dB).
+``--json PATH`` writes every number.
 
 Usage: ``python benchmarks/bench_moe_layer.py [--shapes qwen3-30b-a3b:16384,deepseek-v3:2048:e32]
 [--tokens T] [--shrink N]
@@ -309,12 +310,15 @@ def run_shape(label, model, T, args, device, bench, record) -> None:
                 built.clear()
                 _free(device)
                 _extra(row, "peak_extra_gib", lambda: peak_extra_gib(built.step, device), device)
-                if impl == "ours" and _profile_wanted(args, device):
-                    prof = _extra(row, "profile", lambda: profile_once(built.fwd, device), device)
-                    if prof is not None:
-                        record["profile"].append(
-                            {"shape": label, "impl": "ours (one forward)", **prof}
-                        )
+                if impl in ("ours", "ours-fused") and _profile_wanted(args, device):
+                    for what, fn in (("one forward", built.fwd), ("one step", built.step)):
+                        prof = _extra(row, "profile", lambda fn=fn: profile_once(fn, device, 24),
+                                      device)  # fmt: skip
+                        built.clear()
+                        if prof is not None:
+                            record["profile"].append(
+                                {"shape": label, "impl": f"{row['impl']} ({what})", **prof}
+                            )
                 if ref is not None and built.to_check is not None:
                     _extra(row, "sqnr_db", lambda: _check(built, ref), device)
             else:
@@ -387,7 +391,9 @@ def _versions() -> str:
 
 
 def main(argv=None) -> int:
-    ap = bench_parser(__doc__, IMPLS, "profile one forward of ours (auto: on CUDA only)")
+    ap = bench_parser(
+        __doc__, IMPLS, "profile one forward and one step of ours / ours-fused (auto: CUDA only)"
+    )
     ap.add_argument("--sonic-untuned", action="store_true",
                     help="SonicMoE's GEMMs with tuned=False (default: as installed, autotuned)")
     args, device, shapes, bench = parse_bench_args(ap, argv, IMPLS)

@@ -53,10 +53,13 @@ def test_bench_moe_layer_cpu_smoke(tmp_path, capsys):
         sq = rows[key]["sqnr_db"]
         assert {"y [T,H]", "dX [T,H]", "dA [T,E]", "dW_gate_up [E,H,2,I]"} <= set(sq)
         assert min(sq.values()) > 30, (key, sq)
-    # the profiler split of one forward of ours (CPU op self times here)
-    (prof,) = rec["profile"]
-    assert prof["impl"] == "ours (one forward)" and prof["total_ms"] > 0
-    assert 0 <= prof["gemm_ms"] <= prof["total_ms"]
+    # the profiler split of one forward and one step of both ours rows (CPU op self times here)
+    profs = {p["impl"]: p for p in rec["profile"]}
+    assert set(profs) == {f"{rows[k]['impl']} ({what})" for k in ("ours", "ours-fused")
+                          for what in ("one forward", "one step")}
+    for prof in profs.values():
+        assert prof["total_ms"] > 0 and 0 <= prof["gemm_ms"] <= prof["total_ms"]
+        assert 0 < len(prof["top"]) <= 24
 
 
 def test_bench_moe_layer_rejects_unknown_impl():

@@ -102,7 +102,7 @@ _OFFLINE = [
     ("dgated-swiglu-k-major-pingpong",
      Sm90GroupedMmKey(768, 2048, 128, w_major="k", epilogue="dgated", gated=GatedEpilogue(),
                       tile=_T(128, 128, 64, 6, pingpong=True)),
-     ["shfl.sync.bfly.b32", "ld.global.v2.b16", "ex2.approx", "cp.async.mbarrier.arrive.noinc"],
+     ["shfl.sync.bfly.b32", "ld.global.b32", "ex2.approx", "cp.async.mbarrier.arrive.noinc"],
      []),
     ("gather-int32-64row-partial-n",
      Sm90GroupedMmKey(2880, 2880, 16, index_dtype="int32", tile=_T(64, 256, 64, 4)),

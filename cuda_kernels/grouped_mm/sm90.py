@@ -416,10 +416,12 @@ def _build_kernel_class():
             # stages - 1 groups of copies stay in flight, as without the side output
             self.rows_lag = self.stages - 1
             # cp.async producers keep 8 row offsets and predicates per thread: more registers
-            # than a TMA-only producer warp needs
-            self.producer_regs = 56 if self.gather else 40
+            # than a TMA-only producer warp needs (and the side output's copy-out more still);
+            # what the producers give up, the consumers take (the CTA's 168 per thread)
+            self.producer_regs = (64 if self.write_rows else 56) if self.gather else 40
             self.consumer_regs = (
-                (224 if self.gather else 232) if self.num_consumer_wgs == 2 else 160
+                ((216 if self.write_rows else 224) if self.gather else 232)
+                if self.num_consumer_wgs == 2 else 160
             )
             # gather: 8 threads per 128-byte row, the 128 producer threads cover 16 rows a pass
             self.rows_per_pass = 128 // (self.tile_k // 8)
@@ -737,15 +739,18 @@ def _build_kernel_class():
             chunk ``ptid % 8``; zero-filled for a padding row, a row past the expert and a
             chunk past K) and arrives on the full barrier when they land.
 
-            ``write_a_rows``: in the tiles with ``n_idx == 0`` (one per M tile of an expert)
-            each thread also copies its chunks of K tile ``kt - rows_lag`` back out of their
-            stage (``rows_lag = stages - 1``: the stage this thread refills next, after its
-            cp.async group has landed: ``cp.async.wait_group rows_lag``) into ``mRows`` (the
-            tile's rows only), the last ``rows_lag`` K tiles after the loop; the rows past the
-            last expert (no stages) are gathered global to global (:meth:`rows_past_experts`).
-            The barriers and their counts are untouched. (A lag of one K tile, measured first,
-            left one group of copies in flight on those tiles and cost more than the separate
-            gather pass it replaces: ``benchmarks/RESULTS.md``.)"""
+            ``write_a_rows``: the N tiles of one M tile load the same rows, so N tile
+            ``n_idx`` copies K tiles ``t`` with ``t % n_tiles == n_idx`` back out of their
+            stage (spread over the N tiles: one tile copying every K tile ran behind the
+            others on long K) into ``mRows`` (the tile's rows only): each thread copies its
+            chunks of K tile ``t = kt - rows_lag`` at step ``kt`` (``rows_lag = stages - 1``:
+            the stage this thread refills next, after its cp.async group has landed:
+            ``cp.async.wait_group rows_lag``), the last ``rows_lag`` K tiles after the loop;
+            the rows past the last expert (no stages) are gathered global to global by their
+            ``n_idx == 0`` tile (:meth:`rows_past_experts`). The barriers and their counts are
+            untouched. (A lag of one K tile, measured first, left one group of copies in
+            flight on those tiles and cost more than the separate gather pass it replaces:
+            ``benchmarks/RESULTS.md``.)"""
             atom, tiled = self.gather_copy()
             thr = tiled.get_slice(ptid)
             tAsA = thr.partition_D(sA)  # (CPY, rows_per_thread, 1, stages)
@@ -768,6 +773,7 @@ def _build_kernel_class():
                         ok[j] = src >= 0
                         src_off[j] = cutlass.max(src, cutlass.Int64(0)) * lda_bytes
                     w_parts = self.w_partitions(tma_atom_b, tma_b, sBs, g, n_idx)
+                    next_copy = n_idx  # write_a_rows: the next K tile this N tile copies out
                     for kt in cutlass.range(self.k_tiles, unroll=1):
                         ab_pipe.sync_object_empty.wait(prod_state.index, prod_state.phase)
                         if warp_idx == 0:
@@ -794,30 +800,30 @@ def _build_kernel_class():
                         cute.arch.cp_async_mbarrier_arrive_noinc(
                             ab_pipe.producer_get_barrier(prod_state)
                         )
-                        if cutlass.const_expr(self.write_rows):  # noqa: SIM102
-                            if n_idx == 0:
-                                cute.arch.cp_async_commit_group()
-                                if kt >= self.rows_lag:  # K tile kt - lag has landed
-                                    cute.arch.cp_async_wait_group(self.rows_lag)
-                                    self.rows_from_stage(
-                                        tAsA,
-                                        (prod_state.index + self.stages - self.rows_lag)
-                                        % self.stages,
-                                        kt - self.rows_lag, row0, rows, row_in, chunk, mRows,
-                                    )
+                        if cutlass.const_expr(self.write_rows):
+                            cute.arch.cp_async_commit_group()
+                            if kt - self.rows_lag == next_copy:  # K tile next_copy landed
+                                cute.arch.cp_async_wait_group(self.rows_lag)
+                                self.rows_from_stage(
+                                    tAsA,
+                                    (prod_state.index + self.stages - self.rows_lag)
+                                    % self.stages,
+                                    next_copy, row0, rows, row_in, chunk, mRows,
+                                )
+                                next_copy += self.n_tiles
                         prod_state.advance()
-                    if cutlass.const_expr(self.write_rows):  # noqa: SIM102
-                        if n_idx == 0:  # the tile's last K tiles, not yet copied out
-                            cute.arch.cp_async_wait_group(0)
-                            for i in cutlass.range(self.rows_lag, unroll=1):
-                                t = i + (self.k_tiles - self.rows_lag)
-                                if t >= 0:
-                                    self.rows_from_stage(
-                                        tAsA,
-                                        (prod_state.index + (self.stages - self.rows_lag) + i)
-                                        % self.stages,
-                                        t, row0, rows, row_in, chunk, mRows,
-                                    )
+                    if cutlass.const_expr(self.write_rows):
+                        # the tile's last K tiles, not yet copied out
+                        for i in cutlass.range(self.rows_lag, unroll=1):
+                            if i + (self.k_tiles - self.rows_lag) == next_copy:
+                                cute.arch.cp_async_wait_group(0)
+                                self.rows_from_stage(
+                                    tAsA,
+                                    (prod_state.index + (self.stages - self.rows_lag) + i)
+                                    % self.stages,
+                                    next_copy, row0, rows, row_in, chunk, mRows,
+                                )
+                                next_copy += self.n_tiles
                 if cutlass.const_expr(self.write_rows):  # noqa: SIM102
                     if g >= self.num_e and n_idx == 0:
                         self.rows_past_experts(
@@ -909,6 +915,20 @@ def _build_kernel_class():
             ref_tile = cute.make_identity_tensor((self.tile_m, self.mma_n))
             tCcC = thr_mma_epi.partition_C(ref_tile)  # (row, col) of each accumulator value
             accs = [cute.make_rmem_tensor(tCcC.shape, self.acc_dtype) for _ in sBs]
+            # the fused epilogues' per-row tables (row_slots), filled before each tile's
+            # mainloop so their dependent loads (row -> pair -> affinity) land under it
+            n_mm = cute.size(accs[0], mode=[1])
+            slots = 2 * n_mm
+            mAux0, mR2P, mAlpha, mAux1, mAct = epi_tensors
+            pair_s = cute.make_rmem_tensor((slots,), cutlass.Int64)
+            alpha_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
+            in_s = cute.make_rmem_tensor((slots,), cutlass.Boolean)
+            tail_s = cute.make_rmem_tensor((slots,), cutlass.Boolean)
+            num_pairs = cutlass.Int64(0)
+            num_r = cutlass.Int64(0)
+            if cutlass.const_expr(self.gated):
+                num_pairs = cutlass.Int64(mAux1[0])
+                num_r = cutlass.Int64(mAct.shape[0])
             read_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.stages
             )
@@ -923,6 +943,9 @@ def _build_kernel_class():
                 if g >= self.num_e:
                     n_k = cutlass.Int32(0)  # rows past the last expert: zeros, no loads
                 if self.owns_tile(j, group):
+                    if cutlass.const_expr(self.gated or self.dgated):
+                        self.row_slots(tCcC, n_mm, row0, rows, mR2P, mAlpha, pair_s, alpha_s,
+                                       in_s, tail_s, num_pairs, num_r, self.gated)
                     self.wait_turn(j, group, 1)  # pingpong turns: named barriers 1 and 2
                     for acc in accs:
                         acc.fill(0.0)
@@ -957,11 +980,13 @@ def _build_kernel_class():
                         release_state.advance()
                     if cutlass.const_expr(self.gated):
                         self.epilogue_gated(
-                            accs[0], accs[1], tCcC, g, n_idx, row0, rows, mOut, *epi_tensors
+                            accs[0], accs[1], tCcC, g, n_idx, row0, mOut, mAux0, mAct,
+                            pair_s, alpha_s, in_s, tail_s,
                         )
                     elif cutlass.const_expr(self.dgated):
                         self.epilogue_dgated(
-                            accs[0], tCcC, n_idx, row0, rows, mOut, *epi_tensors
+                            accs[0], tCcC, n_idx, row0, mOut, mAux0, mAux1, mAct,
+                            pair_s, alpha_s, in_s,
                         )
                     else:
                         self.epilogue_store(accs[0], tCcC, mOut, n_idx, row0, rows)
@@ -1015,20 +1040,6 @@ def _build_kernel_class():
                 cute.make_layout(2),
             )
             cute.autovec_copy(pair, dst)
-
-        @cute.jit
-        def load_pair(self, addr):
-            """Two consecutive BF16 values at global address ``addr`` (one 4-byte load) as
-            fp32."""
-            src = cute.make_tensor(
-                cute.make_ptr(self.out_dtype, addr, cute.AddressSpace.gmem, assumed_align=4),
-                cute.make_layout(2),
-            )
-            v = cute.make_rmem_tensor((2,), self.out_dtype)
-            cute.autovec_copy(src, v)
-            f = cute.make_rmem_tensor((2,), self.acc_dtype)
-            f.store(v.load().to(self.acc_dtype))
-            return f[0], f[1]
 
         @cute.jit
         def activate_backward(self, d, g, u, alpha):
@@ -1087,16 +1098,57 @@ def _build_kernel_class():
                     if cutlass.const_expr(with_tail):
                         tail_s[i] = inside and row >= num_pairs and row < num_r
 
+        def load_chunk(self, n_q: int, slots: int) -> int:
+            """Column groups (``q``) per chunk of the fused epilogues' software-pipelined
+            global loads: the largest divisor of ``n_q`` with ``c * slots <= 8`` (16 4-byte
+            checkpoint loads per thread and chunk; two chunks live beside the accumulators).
+            Twice that spilled registers with the 128x256 tile (ptxas, offline)."""
+            return next(c for c in (8, 4, 2, 1) if n_q % c == 0 and c * slots <= 8)
+
+        @cute.jit
+        def checkpoint_loads(
+            self, buf, q0: cutlass.Constexpr, tCcC, col0, pair_s, act_base,
+        ):
+            """Issue the dgated epilogue's checkpoint loads of column groups ``[q0, q0 + ch)``
+            into ``buf`` ((2 cols, gate/up, slot, q) BF16 registers): ``g, u`` of this
+            thread's rows' pairs, 4-byte loads; zeros for a padding row and a column past I.
+            Issued a chunk ahead of their use, so their latency overlaps the previous chunk's
+            math and stores (a load after a store to memory that may alias it cannot be
+            hoisted by the compiler; written one per use, every load waited for its own
+            round trip)."""
+            i_cols = self.out_cols
+            buf.fill(0.0)
+            for qq in cutlass.range_constexpr(cute.size(buf, mode=[3])):
+                c = col0 + tCcC[((0, 0, q0 + qq), 0, 0)][1]
+                in_n = cutlass.Boolean(True)
+                if cutlass.const_expr(self.partial_n):
+                    in_n = c < i_cols
+                for i in cutlass.range_constexpr(cute.size(buf, mode=[2])):
+                    p = pair_s[i]
+                    if in_n and p >= 0:
+                        src = act_base + (p * (2 * i_cols) + c) * 2
+                        for gu in cutlass.range_constexpr(2):
+                            v = cute.make_tensor(
+                                cute.make_ptr(
+                                    self.out_dtype, src + gu * (i_cols * 2),
+                                    cute.AddressSpace.gmem, assumed_align=4,
+                                ),
+                                cute.make_layout(2),
+                            )
+                            cute.autovec_copy(v, buf[(None, gu, i, qq)])
+
         @cute.jit
         def epilogue_dgated(
-            self, acc, tCcC, n_idx, row0, rows, mAh, mDgu, mR2P, mAlpha, mPart, mAct,
+            self, acc, tCcC, n_idx, row0, mAh, mDgu, mPart, mAct, pair_s, alpha_s, in_s,
         ):
             """The down-dgrad epilogue of one tile: the accumulator is ``dh_raw = dY_row @
             W_down[e]^T`` (columns ``[j, j + tile_n)`` of I); per row s of pair p (affinity a)
             with the checkpoint's g, u: ``d_gate_up[s] = [dg, du]`` and ``a_h[s] = a * h`` in
             BF16 (0 for padding rows: selects) and the row's partial ``sum_j dh_raw * h`` over
             this tile's columns into ``mPart[s, n_idx]`` (fp32; the 4 threads holding a row
-            add theirs by shuffles, in a fixed order)."""
+            add theirs by shuffles, in a fixed order). The row tables (``row_slots``) were
+            filled before the mainloop; the checkpoint is loaded in chunks of column groups,
+            each chunk's loads issued before the previous chunk's math and stores."""
             i_cols = self.out_cols
             col0 = n_idx * self.tile_n
             ah_base = mAh.iterator.toint()
@@ -1104,52 +1156,61 @@ def _build_kernel_class():
             act_base = mAct.iterator.toint()
             n_mm = cute.size(acc, mode=[1])
             slots = 2 * n_mm
-            pair_s = cute.make_rmem_tensor((slots,), cutlass.Int64)
-            alpha_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
-            in_s = cute.make_rmem_tensor((slots,), cutlass.Boolean)
+            n_q = cute.size(acc, mode=[0]) // 4
+            ch = self.load_chunk(n_q, slots)
             part_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
             part_s.fill(0.0)
-            self.row_slots(tCcC, n_mm, row0, rows, mR2P, mAlpha, pair_s, alpha_s, in_s,
-                           in_s, rows, rows, False)
+            bufs = [
+                cute.make_rmem_tensor((2, 2, slots, ch), self.out_dtype)
+                for _ in range(n_q // ch)
+            ]
+            self.checkpoint_loads(bufs[0], 0, tCcC, col0, pair_s, act_base)
             pair = cute.make_rmem_tensor((2,), self.out_dtype)
             zero = cutlass.Float32(0.0)
-            for q in cutlass.range_constexpr(cute.size(acc, mode=[0]) // 4):
-                c = col0 + tCcC[((0, 0, q), 0, 0)][1]
-                in_n = cutlass.Boolean(True)
-                if cutlass.const_expr(self.partial_n):
-                    in_n = c < i_cols
-                if in_n:
-                    for mm in cutlass.range_constexpr(n_mm):
-                        for h in cutlass.range_constexpr(2):
-                            i = mm * 2 + h
-                            if in_s[i]:
-                                r = tCcC[((0, h, 0), mm, 0)][0]
-                                row = cutlass.Int64(row0 + r)
-                                p = pair_s[i]
-                                dg0 = zero
-                                dg1 = zero
-                                du0 = zero
-                                du1 = zero
-                                ah0 = zero
-                                ah1 = zero
-                                if p >= 0:
-                                    src = act_base + (p * (2 * i_cols) + c) * 2
-                                    g0, g1 = self.load_pair(src)
-                                    u0, u1 = self.load_pair(src + i_cols * 2)
-                                    d0 = acc[((0, h, q), mm, 0)]
-                                    d1 = acc[((1, h, q), mm, 0)]
-                                    a = alpha_s[i]
-                                    dg0, du0, h0 = self.activate_backward(d0, g0, u0, a)
-                                    dg1, du1, h1 = self.activate_backward(d1, g1, u1, a)
-                                    part_s[i] = part_s[i] + d0 * h0 + d1 * h1
-                                    ah0 = a * h0
-                                    ah1 = a * h1
-                                dst = dgu_base + (row * (2 * i_cols) + c) * 2
-                                self.store_pair(dg0, dg1, dst, pair)
-                                self.store_pair(du0, du1, dst + i_cols * 2, pair)
-                                self.store_pair(
-                                    ah0, ah1, ah_base + (row * i_cols + c) * 2, pair
-                                )
+            for k in cutlass.range_constexpr(n_q // ch):
+                if cutlass.const_expr(k + 1 < n_q // ch):
+                    self.checkpoint_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, pair_s,
+                                          act_base)
+                gu = cute.make_rmem_tensor((2, 2, slots, ch), self.acc_dtype)
+                gu.store(bufs[k].load().to(self.acc_dtype))
+                for qq in cutlass.range_constexpr(ch):
+                    q = k * ch + qq
+                    c = col0 + tCcC[((0, 0, q), 0, 0)][1]
+                    in_n = cutlass.Boolean(True)
+                    if cutlass.const_expr(self.partial_n):
+                        in_n = c < i_cols
+                    if in_n:
+                        for mm in cutlass.range_constexpr(n_mm):
+                            for h in cutlass.range_constexpr(2):
+                                i = mm * 2 + h
+                                if in_s[i]:
+                                    r = tCcC[((0, h, 0), mm, 0)][0]
+                                    row = cutlass.Int64(row0 + r)
+                                    dg0 = zero
+                                    dg1 = zero
+                                    du0 = zero
+                                    du1 = zero
+                                    ah0 = zero
+                                    ah1 = zero
+                                    if pair_s[i] >= 0:
+                                        d0 = acc[((0, h, q), mm, 0)]
+                                        d1 = acc[((1, h, q), mm, 0)]
+                                        a = alpha_s[i]
+                                        dg0, du0, h0 = self.activate_backward(
+                                            d0, gu[(0, 0, i, qq)], gu[(0, 1, i, qq)], a
+                                        )
+                                        dg1, du1, h1 = self.activate_backward(
+                                            d1, gu[(1, 0, i, qq)], gu[(1, 1, i, qq)], a
+                                        )
+                                        part_s[i] = part_s[i] + d0 * h0 + d1 * h1
+                                        ah0 = a * h0
+                                        ah1 = a * h1
+                                    dst = dgu_base + (row * (2 * i_cols) + c) * 2
+                                    self.store_pair(dg0, dg1, dst, pair)
+                                    self.store_pair(du0, du1, dst + i_cols * 2, pair)
+                                    self.store_pair(
+                                        ah0, ah1, ah_base + (row * i_cols + c) * 2, pair
+                                    )
             # the 4 threads of a quad hold the same rows: add their partials (fixed order)
             lane = cute.arch.lane_idx()
             for i in cutlass.range_constexpr(slots):
@@ -1197,9 +1258,26 @@ def _build_kernel_class():
             return ag, sig, up
 
         @cute.jit
+        def bias_loads(self, buf, q0: cutlass.Constexpr, tCcC, col0, mBias, e_b):
+            """The gated epilogue's bias of column groups ``[q0, q0 + ch)`` into ``buf``
+            ((2 cols, gate/up, q) fp32 registers; 0 past I), issued a chunk ahead of its use
+            (as :meth:`checkpoint_loads`)."""
+            i_cols = self.out_cols
+            buf.fill(0.0)
+            for qq in cutlass.range_constexpr(cute.size(buf, mode=[2])):
+                c = col0 + tCcC[((0, 0, q0 + qq), 0, 0)][1]
+                in_n = cutlass.Boolean(True)
+                if cutlass.const_expr(self.partial_n):
+                    in_n = c < i_cols
+                if in_n:
+                    for gu in cutlass.range_constexpr(2):
+                        for k in cutlass.range_constexpr(2):
+                            buf[(k, gu, qq)] = cutlass.Float32(mBias[(e_b, gu * i_cols + c + k)])
+
+        @cute.jit
         def epilogue_gated(
-            self, acc_g, acc_u, tCcC, g, n_idx, row0, rows, mAh, mBias, mR2P, mAlpha, mNumPairs,
-            mAct,
+            self, acc_g, acc_u, tCcC, g, n_idx, row0, mAh, mBias, mAct, pair_s, alpha_s,
+            in_s, tail_s,
         ):
             """The forward gate/up epilogue of one tile (columns ``[j, j + mma_n)`` of I, gate
             in ``acc_g``, up in ``acc_u``): per row s (pair p = ``mR2P[s]``, affinity a):
@@ -1207,69 +1285,74 @@ def _build_kernel_class():
             ``a_h[s] = a * h`` (0 for a padding row: a select), of the checkpoint
             ``act[p] = [g, u]`` (real pairs only) and, for ``num_pairs <= s < R``, of zeros
             into checkpoint row s (so the rows past the pairs are 0, as the pass writes them).
-            Column pairs as 4-byte stores."""
+            Column pairs as 4-byte stores. The row tables (``row_slots``, with the tail flag)
+            were filled before the mainloop; the bias is loaded a chunk of column groups
+            ahead of its use."""
             i_cols = self.out_cols
             col0 = n_idx * self.mma_n
-            num_pairs = cutlass.Int64(mNumPairs[0])
-            num_r = cutlass.Int64(mAct.shape[0])
             ah_base = mAh.iterator.toint()
             act_base = mAct.iterator.toint()
             e_b = cutlass.min(g, cutlass.Int32(self.num_e - 1))  # (rows past the experts: any)
             n_mm = cute.size(acc_g, mode=[1])
-            slots = 2 * n_mm
-            pair_s = cute.make_rmem_tensor((slots,), cutlass.Int64)
-            alpha_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
-            in_s = cute.make_rmem_tensor((slots,), cutlass.Boolean)
-            tail_s = cute.make_rmem_tensor((slots,), cutlass.Boolean)
-            self.row_slots(tCcC, n_mm, row0, rows, mR2P, mAlpha, pair_s, alpha_s, in_s,
-                           tail_s, num_pairs, num_r, True)
+            n_q = cute.size(acc_g, mode=[0]) // 4
+            ch = self.load_chunk(n_q, 2)
+            has_bias = self.key.gated.has_bias
+            bufs = [cute.make_rmem_tensor((2, 2, ch), self.acc_dtype) for _ in range(n_q // ch)]
+            if cutlass.const_expr(has_bias):
+                self.bias_loads(bufs[0], 0, tCcC, col0, mBias, e_b)
             pair = cute.make_rmem_tensor((2,), self.out_dtype)
-            for q in cutlass.range_constexpr(cute.size(acc_g, mode=[0]) // 4):
-                c = col0 + tCcC[((0, 0, q), 0, 0)][1]  # this pair's first column (all rows)
-                in_n = cutlass.Boolean(True)
-                if cutlass.const_expr(self.partial_n):
-                    in_n = c < i_cols
-                if in_n:
-                    bg0 = cutlass.Float32(0.0)
-                    bg1 = cutlass.Float32(0.0)
-                    bu0 = cutlass.Float32(0.0)
-                    bu1 = cutlass.Float32(0.0)
-                    if cutlass.const_expr(self.key.gated.has_bias):
-                        bg0 = cutlass.Float32(mBias[(e_b, c)])
-                        bg1 = cutlass.Float32(mBias[(e_b, c + 1)])
-                        bu0 = cutlass.Float32(mBias[(e_b, i_cols + c)])
-                        bu1 = cutlass.Float32(mBias[(e_b, i_cols + c + 1)])
-                    for mm in cutlass.range_constexpr(n_mm):
-                        for h in cutlass.range_constexpr(2):
-                            i = mm * 2 + h
-                            if in_s[i]:
-                                r = tCcC[((0, h, 0), mm, 0)][0]
-                                g0, u0, h0 = self.activate(
-                                    acc_g[((0, h, q), mm, 0)] + bg0, acc_u[((0, h, q), mm, 0)] + bu0
-                                )
-                                g1, u1, h1 = self.activate(
-                                    acc_g[((1, h, q), mm, 0)] + bg1, acc_u[((1, h, q), mm, 0)] + bu1
-                                )
-                                p = pair_s[i]
-                                real = p >= 0
-                                ah0 = cutlass.Float32(0.0)
-                                ah1 = cutlass.Float32(0.0)
-                                if real:
-                                    ah0 = alpha_s[i] * h0
-                                    ah1 = alpha_s[i] * h1
-                                row = cutlass.Int64(row0 + r)
-                                self.store_pair(
-                                    ah0, ah1, ah_base + (row * i_cols + c) * 2, pair
-                                )
-                                if real:
-                                    dst = act_base + (p * (2 * i_cols) + c) * 2
-                                    self.store_pair(g0, g1, dst, pair)
-                                    self.store_pair(u0, u1, dst + i_cols * 2, pair)
-                                if tail_s[i]:
-                                    dst = act_base + (row * (2 * i_cols) + c) * 2
-                                    zero = cutlass.Float32(0.0)
-                                    self.store_pair(zero, zero, dst, pair)
-                                    self.store_pair(zero, zero, dst + i_cols * 2, pair)
+            for k in cutlass.range_constexpr(n_q // ch):
+                if cutlass.const_expr(has_bias and k + 1 < n_q // ch):
+                    self.bias_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, mBias, e_b)
+                for qq in cutlass.range_constexpr(ch):
+                    q = k * ch + qq
+                    c = col0 + tCcC[((0, 0, q), 0, 0)][1]  # this pair's first column (all rows)
+                    in_n = cutlass.Boolean(True)
+                    if cutlass.const_expr(self.partial_n):
+                        in_n = c < i_cols
+                    if in_n:
+                        bg0 = cutlass.Float32(0.0)
+                        bg1 = cutlass.Float32(0.0)
+                        bu0 = cutlass.Float32(0.0)
+                        bu1 = cutlass.Float32(0.0)
+                        if cutlass.const_expr(has_bias):
+                            bg0 = bufs[k][(0, 0, qq)]
+                            bg1 = bufs[k][(1, 0, qq)]
+                            bu0 = bufs[k][(0, 1, qq)]
+                            bu1 = bufs[k][(1, 1, qq)]
+                        for mm in cutlass.range_constexpr(n_mm):
+                            for h in cutlass.range_constexpr(2):
+                                i = mm * 2 + h
+                                if in_s[i]:
+                                    r = tCcC[((0, h, 0), mm, 0)][0]
+                                    g0, u0, h0 = self.activate(
+                                        acc_g[((0, h, q), mm, 0)] + bg0,
+                                        acc_u[((0, h, q), mm, 0)] + bu0,
+                                    )
+                                    g1, u1, h1 = self.activate(
+                                        acc_g[((1, h, q), mm, 0)] + bg1,
+                                        acc_u[((1, h, q), mm, 0)] + bu1,
+                                    )
+                                    p = pair_s[i]
+                                    real = p >= 0
+                                    ah0 = cutlass.Float32(0.0)
+                                    ah1 = cutlass.Float32(0.0)
+                                    if real:
+                                        ah0 = alpha_s[i] * h0
+                                        ah1 = alpha_s[i] * h1
+                                    row = cutlass.Int64(row0 + r)
+                                    self.store_pair(
+                                        ah0, ah1, ah_base + (row * i_cols + c) * 2, pair
+                                    )
+                                    if real:
+                                        dst = act_base + (p * (2 * i_cols) + c) * 2
+                                        self.store_pair(g0, g1, dst, pair)
+                                        self.store_pair(u0, u1, dst + i_cols * 2, pair)
+                                    if tail_s[i]:
+                                        dst = act_base + (row * (2 * i_cols) + c) * 2
+                                        zero = cutlass.Float32(0.0)
+                                        self.store_pair(zero, zero, dst, pair)
+                                        self.store_pair(zero, zero, dst + i_cols * 2, pair)
 
     return Sm90GroupedMmKernel
 

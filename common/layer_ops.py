@@ -311,10 +311,16 @@ def _setup_context(ctx, inputs, output):
     ctx.top_k, ctx.options = expert_index.shape[1], options
     ctx.save_for_backward(x, w_gate_up, w_down, b_gate_up, b_down, act, rows, *routing)
     ctx.mark_non_differentiable(act, rows, *routing)
+    # autograd would otherwise hand the backward a zero-filled gradient for every other output:
+    # a BF16 fill of the [S, H] rows (and the checkpoint) per step, 0.28 ms of an 8 ms step on
+    # qwen3-30b-a3b (H200 profile, benchmarks/RESULTS.md); they are never read
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_y, *_unused):
     refuse_grad_mode("MoEExperts")
+    if grad_y is None:  # (only the non-differentiable outputs were used)
+        return (None,) * 8
     x, wgu, wd, bgu, bd, act, rows, *routing = ctx.saved_tensors
     dx, da, dwgu, dwd, dbgu, dbd = _experts_backward(
         grad_y, x, wgu, wd, bgu, bd, act, rows, list(routing), ctx.top_k, ctx.options

@@ -929,6 +929,19 @@ def _build_kernel_class():
             if cutlass.const_expr(self.gated):
                 num_pairs = cutlass.Int64(mAux1[0])
                 num_r = cutlass.Int64(mAct.shape[0])
+            # the fused epilogues' global loads (dgated: the checkpoint; gated: the bias) in
+            # chunks of column groups, each issued a chunk ahead of its use; chunk 0 before the
+            # mainloop, so it lands under it
+            n_q = cute.size(accs[0], mode=[0]) // 4
+            bufs = []
+            if cutlass.const_expr(self.dgated):
+                ch = self.load_chunk(n_q, slots)
+                bufs = [cute.make_rmem_tensor((2, 2, slots, ch), self.out_dtype)
+                        for _ in range(n_q // ch)]
+            if cutlass.const_expr(self.gated):
+                ch = self.load_chunk(n_q, 2)
+                bufs = [cute.make_rmem_tensor((2, 2, ch), self.acc_dtype)
+                        for _ in range(n_q // ch)]
             read_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.stages
             )
@@ -946,6 +959,12 @@ def _build_kernel_class():
                     if cutlass.const_expr(self.gated or self.dgated):
                         self.row_slots(tCcC, n_mm, row0, rows, mR2P, mAlpha, pair_s, alpha_s,
                                        in_s, tail_s, num_pairs, num_r, self.gated)
+                    if cutlass.const_expr(self.dgated):
+                        self.checkpoint_loads(bufs[0], 0, tCcC, n_idx * self.tile_n, pair_s,
+                                              mAct.iterator.toint())
+                    if cutlass.const_expr(self.gated and self.key.gated.has_bias):
+                        self.bias_loads(bufs[0], 0, tCcC, n_idx * self.mma_n, mAux0,
+                                        cutlass.min(g, cutlass.Int32(self.num_e - 1)))
                     self.wait_turn(j, group, 1)  # pingpong turns: named barriers 1 and 2
                     for acc in accs:
                         acc.fill(0.0)
@@ -981,12 +1000,12 @@ def _build_kernel_class():
                     if cutlass.const_expr(self.gated):
                         self.epilogue_gated(
                             accs[0], accs[1], tCcC, g, n_idx, row0, mOut, mAux0, mAct,
-                            pair_s, alpha_s, in_s, tail_s,
+                            pair_s, alpha_s, in_s, tail_s, bufs,
                         )
                     elif cutlass.const_expr(self.dgated):
                         self.epilogue_dgated(
                             accs[0], tCcC, n_idx, row0, mOut, mAux0, mAux1, mAct,
-                            pair_s, alpha_s, in_s,
+                            pair_s, alpha_s, in_s, bufs,
                         )
                     else:
                         self.epilogue_store(accs[0], tCcC, mOut, n_idx, row0, rows)
@@ -1040,6 +1059,11 @@ def _build_kernel_class():
                 cute.make_layout(2),
             )
             cute.autovec_copy(pair, dst)
+
+        @cute.jit
+        def pick(self, cond, v):
+            """``v`` where ``cond``, else +0.0 (a select, not a branch)."""
+            return cutlass.Float32(cutlass.select_(cond, v, cutlass.Float32(0.0)))
 
         @cute.jit
         def activate_backward(self, d, g, u, alpha):
@@ -1117,20 +1141,20 @@ def _build_kernel_class():
             hoisted by the compiler; written one per use, every load waited for its own
             round trip)."""
             i_cols = self.out_cols
+            c0 = col0 + tCcC[((0, 0, 0), 0, 0)][1]  # column group q starts at c0 + 8 q
             buf.fill(0.0)
-            for qq in cutlass.range_constexpr(cute.size(buf, mode=[3])):
-                c = col0 + tCcC[((0, 0, q0 + qq), 0, 0)][1]
-                in_n = cutlass.Boolean(True)
-                if cutlass.const_expr(self.partial_n):
-                    in_n = c < i_cols
-                for i in cutlass.range_constexpr(cute.size(buf, mode=[2])):
-                    p = pair_s[i]
+            for i in cutlass.range_constexpr(cute.size(buf, mode=[2])):
+                p = pair_s[i]
+                src = act_base + (cutlass.Int64(p) * (2 * i_cols) + c0) * 2
+                for qq in cutlass.range_constexpr(cute.size(buf, mode=[3])):
+                    in_n = cutlass.Boolean(True)
+                    if cutlass.const_expr(self.partial_n):
+                        in_n = c0 + 8 * (q0 + qq) < i_cols
                     if in_n and p >= 0:
-                        src = act_base + (p * (2 * i_cols) + c) * 2
                         for gu in cutlass.range_constexpr(2):
                             v = cute.make_tensor(
                                 cute.make_ptr(
-                                    self.out_dtype, src + gu * (i_cols * 2),
+                                    self.out_dtype, src + (gu * i_cols + 8 * (q0 + qq)) * 2,
                                     cute.AddressSpace.gmem, assumed_align=4,
                                 ),
                                 cute.make_layout(2),
@@ -1139,16 +1163,16 @@ def _build_kernel_class():
 
         @cute.jit
         def epilogue_dgated(
-            self, acc, tCcC, n_idx, row0, mAh, mDgu, mPart, mAct, pair_s, alpha_s, in_s,
+            self, acc, tCcC, n_idx, row0, mAh, mDgu, mPart, mAct, pair_s, alpha_s, in_s, bufs,
         ):
             """The down-dgrad epilogue of one tile: the accumulator is ``dh_raw = dY_row @
             W_down[e]^T`` (columns ``[j, j + tile_n)`` of I); per row s of pair p (affinity a)
             with the checkpoint's g, u: ``d_gate_up[s] = [dg, du]`` and ``a_h[s] = a * h`` in
             BF16 (0 for padding rows: selects) and the row's partial ``sum_j dh_raw * h`` over
             this tile's columns into ``mPart[s, n_idx]`` (fp32; the 4 threads holding a row
-            add theirs by shuffles, in a fixed order). The row tables (``row_slots``) were
-            filled before the mainloop; the checkpoint is loaded in chunks of column groups,
-            each chunk's loads issued before the previous chunk's math and stores."""
+            add theirs by shuffles, in a fixed order). The row tables (``row_slots``) and the
+            checkpoint's first chunk (``bufs[0]``) were loaded before the mainloop; chunk k + 1
+            is issued before chunk k's math and stores."""
             i_cols = self.out_cols
             col0 = n_idx * self.tile_n
             ah_base = mAh.iterator.toint()
@@ -1160,13 +1184,17 @@ def _build_kernel_class():
             ch = self.load_chunk(n_q, slots)
             part_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
             part_s.fill(0.0)
-            bufs = [
-                cute.make_rmem_tensor((2, 2, slots, ch), self.out_dtype)
-                for _ in range(n_q // ch)
-            ]
-            self.checkpoint_loads(bufs[0], 0, tCcC, col0, pair_s, act_base)
             pair = cute.make_rmem_tensor((2,), self.out_dtype)
-            zero = cutlass.Float32(0.0)
+            # per row slot: the byte address of its first column in d_gate_up and a_h (column
+            # group q is 16 q bytes further: immediate offsets, no per-store address math)
+            c0 = col0 + tCcC[((0, 0, 0), 0, 0)][1]
+            dgu_row = cute.make_rmem_tensor((slots,), cutlass.Int64)
+            ah_row = cute.make_rmem_tensor((slots,), cutlass.Int64)
+            for mm in cutlass.range_constexpr(n_mm):
+                for h in cutlass.range_constexpr(2):
+                    row = cutlass.Int64(row0 + tCcC[((0, h, 0), mm, 0)][0])
+                    dgu_row[mm * 2 + h] = dgu_base + (row * (2 * i_cols) + c0) * 2
+                    ah_row[mm * 2 + h] = ah_base + (row * i_cols + c0) * 2
             for k in cutlass.range_constexpr(n_q // ch):
                 if cutlass.const_expr(k + 1 < n_q // ch):
                     self.checkpoint_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, pair_s,
@@ -1175,41 +1203,39 @@ def _build_kernel_class():
                 gu.store(bufs[k].load().to(self.acc_dtype))
                 for qq in cutlass.range_constexpr(ch):
                     q = k * ch + qq
-                    c = col0 + tCcC[((0, 0, q), 0, 0)][1]
                     in_n = cutlass.Boolean(True)
                     if cutlass.const_expr(self.partial_n):
-                        in_n = c < i_cols
+                        in_n = c0 + 8 * q < i_cols
                     if in_n:
                         for mm in cutlass.range_constexpr(n_mm):
                             for h in cutlass.range_constexpr(2):
                                 i = mm * 2 + h
+                                # the math runs on every row (a padding row's zeros), its
+                                # results selected (no branch around it); only the stores
+                                # of rows inside the tile are predicated
+                                real = pair_s[i] >= 0
+                                d0 = acc[((0, h, q), mm, 0)]
+                                d1 = acc[((1, h, q), mm, 0)]
+                                a = alpha_s[i]
+                                dg0, du0, h0 = self.activate_backward(
+                                    d0, gu[(0, 0, i, qq)], gu[(0, 1, i, qq)], a
+                                )
+                                dg1, du1, h1 = self.activate_backward(
+                                    d1, gu[(1, 0, i, qq)], gu[(1, 1, i, qq)], a
+                                )
+                                part_s[i] = part_s[i] + self.pick(real, d0 * h0 + d1 * h1)
                                 if in_s[i]:
-                                    r = tCcC[((0, h, 0), mm, 0)][0]
-                                    row = cutlass.Int64(row0 + r)
-                                    dg0 = zero
-                                    dg1 = zero
-                                    du0 = zero
-                                    du1 = zero
-                                    ah0 = zero
-                                    ah1 = zero
-                                    if pair_s[i] >= 0:
-                                        d0 = acc[((0, h, q), mm, 0)]
-                                        d1 = acc[((1, h, q), mm, 0)]
-                                        a = alpha_s[i]
-                                        dg0, du0, h0 = self.activate_backward(
-                                            d0, gu[(0, 0, i, qq)], gu[(0, 1, i, qq)], a
-                                        )
-                                        dg1, du1, h1 = self.activate_backward(
-                                            d1, gu[(1, 0, i, qq)], gu[(1, 1, i, qq)], a
-                                        )
-                                        part_s[i] = part_s[i] + d0 * h0 + d1 * h1
-                                        ah0 = a * h0
-                                        ah1 = a * h1
-                                    dst = dgu_base + (row * (2 * i_cols) + c) * 2
-                                    self.store_pair(dg0, dg1, dst, pair)
-                                    self.store_pair(du0, du1, dst + i_cols * 2, pair)
+                                    dst = dgu_row[i] + 16 * q
                                     self.store_pair(
-                                        ah0, ah1, ah_base + (row * i_cols + c) * 2, pair
+                                        self.pick(real, dg0), self.pick(real, dg1), dst, pair
+                                    )
+                                    self.store_pair(
+                                        self.pick(real, du0), self.pick(real, du1),
+                                        dst + i_cols * 2, pair,
+                                    )
+                                    self.store_pair(
+                                        self.pick(real, a * h0), self.pick(real, a * h1),
+                                        ah_row[i] + 16 * q, pair,
                                     )
             # the 4 threads of a quad hold the same rows: add their partials (fixed order)
             lane = cute.arch.lane_idx()
@@ -1251,7 +1277,9 @@ def _build_kernel_class():
             ag = g
             if cutlass.const_expr(ge.alpha != 1.0):
                 ag = g * cutlass.Float32(ge.alpha)
-            sig = cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-ag, fastmath=True))
+            # rcp.approx (<= 1 ulp; the argument is >= 1, so flushing denormals changes
+            # nothing): an IEEE division was a branchy subroutine call per element
+            sig = cute.arch.rcp_approx(cutlass.Float32(1.0) + cute.math.exp(-ag, fastmath=True))
             up = u
             if cutlass.const_expr(ge.up_offset != 0.0):
                 up = u + cutlass.Float32(ge.up_offset)
@@ -1277,7 +1305,7 @@ def _build_kernel_class():
         @cute.jit
         def epilogue_gated(
             self, acc_g, acc_u, tCcC, g, n_idx, row0, mAh, mBias, mAct, pair_s, alpha_s,
-            in_s, tail_s,
+            in_s, tail_s, bufs,
         ):
             """The forward gate/up epilogue of one tile (columns ``[j, j + mma_n)`` of I, gate
             in ``acc_g``, up in ``acc_u``): per row s (pair p = ``mR2P[s]``, affinity a):
@@ -1286,8 +1314,8 @@ def _build_kernel_class():
             ``act[p] = [g, u]`` (real pairs only) and, for ``num_pairs <= s < R``, of zeros
             into checkpoint row s (so the rows past the pairs are 0, as the pass writes them).
             Column pairs as 4-byte stores. The row tables (``row_slots``, with the tail flag)
-            were filled before the mainloop; the bias is loaded a chunk of column groups
-            ahead of its use."""
+            and the bias's first chunk (``bufs[0]``) were loaded before the mainloop; chunk
+            k + 1 is issued before chunk k's math."""
             i_cols = self.out_cols
             col0 = n_idx * self.mma_n
             ah_base = mAh.iterator.toint()
@@ -1297,24 +1325,34 @@ def _build_kernel_class():
             n_q = cute.size(acc_g, mode=[0]) // 4
             ch = self.load_chunk(n_q, 2)
             has_bias = self.key.gated.has_bias
-            bufs = [cute.make_rmem_tensor((2, 2, ch), self.acc_dtype) for _ in range(n_q // ch)]
-            if cutlass.const_expr(has_bias):
-                self.bias_loads(bufs[0], 0, tCcC, col0, mBias, e_b)
             pair = cute.make_rmem_tensor((2,), self.out_dtype)
+            # per row slot: byte addresses of its first column in a_h, in its pair's checkpoint
+            # row and in its own checkpoint row (the tail); column group q is 16 q bytes on
+            c0 = col0 + tCcC[((0, 0, 0), 0, 0)][1]
+            ah_row = cute.make_rmem_tensor((2 * n_mm,), cutlass.Int64)
+            act_pair = cute.make_rmem_tensor((2 * n_mm,), cutlass.Int64)
+            act_tail = cute.make_rmem_tensor((2 * n_mm,), cutlass.Int64)
+            for mm in cutlass.range_constexpr(n_mm):
+                for h in cutlass.range_constexpr(2):
+                    i = mm * 2 + h
+                    row = cutlass.Int64(row0 + tCcC[((0, h, 0), mm, 0)][0])
+                    ah_row[i] = ah_base + (row * i_cols + c0) * 2
+                    act_pair[i] = act_base + (pair_s[i] * (2 * i_cols) + c0) * 2
+                    act_tail[i] = act_base + (row * (2 * i_cols) + c0) * 2
+            zero = cutlass.Float32(0.0)
             for k in cutlass.range_constexpr(n_q // ch):
                 if cutlass.const_expr(has_bias and k + 1 < n_q // ch):
                     self.bias_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, mBias, e_b)
                 for qq in cutlass.range_constexpr(ch):
                     q = k * ch + qq
-                    c = col0 + tCcC[((0, 0, q), 0, 0)][1]  # this pair's first column (all rows)
                     in_n = cutlass.Boolean(True)
                     if cutlass.const_expr(self.partial_n):
-                        in_n = c < i_cols
+                        in_n = c0 + 8 * q < i_cols
                     if in_n:
-                        bg0 = cutlass.Float32(0.0)
-                        bg1 = cutlass.Float32(0.0)
-                        bu0 = cutlass.Float32(0.0)
-                        bu1 = cutlass.Float32(0.0)
+                        bg0 = zero
+                        bg1 = zero
+                        bu0 = zero
+                        bu1 = zero
                         if cutlass.const_expr(has_bias):
                             bg0 = bufs[k][(0, 0, qq)]
                             bg1 = bufs[k][(1, 0, qq)]
@@ -1323,36 +1361,29 @@ def _build_kernel_class():
                         for mm in cutlass.range_constexpr(n_mm):
                             for h in cutlass.range_constexpr(2):
                                 i = mm * 2 + h
+                                g0, u0, h0 = self.activate(
+                                    acc_g[((0, h, q), mm, 0)] + bg0,
+                                    acc_u[((0, h, q), mm, 0)] + bu0,
+                                )
+                                g1, u1, h1 = self.activate(
+                                    acc_g[((1, h, q), mm, 0)] + bg1,
+                                    acc_u[((1, h, q), mm, 0)] + bu1,
+                                )
+                                real = pair_s[i] >= 0
                                 if in_s[i]:
-                                    r = tCcC[((0, h, 0), mm, 0)][0]
-                                    g0, u0, h0 = self.activate(
-                                        acc_g[((0, h, q), mm, 0)] + bg0,
-                                        acc_u[((0, h, q), mm, 0)] + bu0,
-                                    )
-                                    g1, u1, h1 = self.activate(
-                                        acc_g[((1, h, q), mm, 0)] + bg1,
-                                        acc_u[((1, h, q), mm, 0)] + bu1,
-                                    )
-                                    p = pair_s[i]
-                                    real = p >= 0
-                                    ah0 = cutlass.Float32(0.0)
-                                    ah1 = cutlass.Float32(0.0)
-                                    if real:
-                                        ah0 = alpha_s[i] * h0
-                                        ah1 = alpha_s[i] * h1
-                                    row = cutlass.Int64(row0 + r)
                                     self.store_pair(
-                                        ah0, ah1, ah_base + (row * i_cols + c) * 2, pair
+                                        self.pick(real, alpha_s[i] * h0),
+                                        self.pick(real, alpha_s[i] * h1),
+                                        ah_row[i] + 16 * q, pair,
                                     )
-                                    if real:
-                                        dst = act_base + (p * (2 * i_cols) + c) * 2
-                                        self.store_pair(g0, g1, dst, pair)
-                                        self.store_pair(u0, u1, dst + i_cols * 2, pair)
-                                    if tail_s[i]:
-                                        dst = act_base + (row * (2 * i_cols) + c) * 2
-                                        zero = cutlass.Float32(0.0)
-                                        self.store_pair(zero, zero, dst, pair)
-                                        self.store_pair(zero, zero, dst + i_cols * 2, pair)
+                                if real:
+                                    dst = act_pair[i] + 16 * q
+                                    self.store_pair(g0, g1, dst, pair)
+                                    self.store_pair(u0, u1, dst + i_cols * 2, pair)
+                                if tail_s[i]:
+                                    dst = act_tail[i] + 16 * q
+                                    self.store_pair(zero, zero, dst, pair)
+                                    self.store_pair(zero, zero, dst + i_cols * 2, pair)
 
     return Sm90GroupedMmKernel
 

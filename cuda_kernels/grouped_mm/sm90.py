@@ -28,14 +28,16 @@ the persistent launch):
     (``cp.async.mbarrier.arrive.noinc``), W's TMA box adds its bytes to the same barrier;
   * ``write_a_rows`` (with ``gather_a``; the API's ``a_rows_out``): the kernel also writes the
     gathered rows into an ``[S, K]`` BF16 side output, so the layer needs no separate gather
-    pass for the weight gradients. In the tiles with ``n_idx == 0`` (each M tile of each expert
-    has exactly one) every producer thread commits its cp.async chunks of a K tile as one
-    group; ``stages - 1`` K tiles later (``cp.async.wait_group stages - 1``: the copies have
-    landed and are visible to the thread that issued them; the stage is the one this thread
-    refills next) it loads the same 16-byte chunks back from the stage (the same ``tAsA``
-    addresses) and stores them to the side output's rows ``row0 + r`` for ``r < rows`` (never a
-    row of the next expert's tiles); after a tile's last K tile it waits for all its copies and
-    writes the last ``stages - 1`` K tiles too. A padding row is what cp.async zero-filled:
+    pass for the weight gradients. The N tiles of one M tile load the same rows, so the copy-out
+    is spread over them: N tile ``n`` writes K tiles ``t = n, n + n_tiles, ...`` (one tile
+    writing all of them ran behind the others on long K: ``benchmarks/RESULTS.md``). Every
+    producer thread commits its cp.async chunks of a K tile as one group; ``stages - 1`` K tiles
+    later (``cp.async.wait_group stages - 1``: the copies have landed and are visible to the
+    thread that issued them; the stage is the one this thread refills next) it loads the same
+    16-byte chunks of a K tile it writes back from the stage (the same ``tAsA`` addresses) and
+    stores them to the side output's rows ``row0 + r`` for ``r < rows`` (never a row of the next
+    expert's tiles); after a tile's last K tile it waits for its copies and writes its share of
+    the last ``stages - 1`` K tiles too. A padding row is what cp.async zero-filled:
     +0. The rows past the last expert (tiles that load no stage) are gathered global to global
     by their ``n_idx == 0`` tile's producer threads (16-byte loads and stores, +0 for a
     negative index), so every row of the side output is written exactly once, whatever the
@@ -43,9 +45,10 @@ the persistent launch):
     (the copy-out only reads the ring): chosen over loading the rows into registers and
     storing them to shared memory by hand, which would need plain arrivals, a writer-side
     proxy fence and synchronous loads (one stage in flight) on those tiles, and registers the
-    56-register producer does not have. The cost is the copy-out itself and the wait for the
-    last stages at the end of each such tile (a lag of one K tile, measured first, kept only one
-    group of copies in flight there and cost more than the gather pass it replaced);
+    producer does not have (64 registers with the side output, 56 without). The cost is the
+    copy-out itself and the wait for the last stages at the end of a tile that writes one of
+    them (a lag of one K tile, measured first, kept only one group of copies in flight and cost
+    more than the gather pass it replaced);
   * otherwise (A already in row order, ``[S, K]``) one warp loads A's ``(tile_m, 64)`` boxes by
     TMA starting at the tile's first row (rows past the expert are loaded but never stored, rows
     past S are zero-filled by TMA);
@@ -69,7 +72,8 @@ the persistent launch):
   rounded it to BF16, the fused epilogue uses the fp32 accumulator (one rounding less);
 - epilogue ``"dgated"`` (the backward down-dgrad GEMM, A = dY gathered, W = ``w_down``
   transposed [E, H, I]): the accumulator is ``dh_raw``; per row s of pair p with affinity a and
-  the checkpoint's stored g, u (two 4-byte loads per column pair): the activation backward with
+  the checkpoint's stored g, u (two 4-byte loads per column pair, issued a chunk of column
+  groups ahead of their use, the first chunk before the mainloop): the activation backward with
   the strict clamp masks, ``d_gate_up[s] = [dg, du]`` and ``a_h[s] = a * h`` in BF16 (0 for
   padding rows: selects), and the row's partial ``sum_j dh_raw * h`` over the tile's columns
   (each thread's columns, then the 4 threads that share a row by two butterfly shuffles: a
@@ -1277,8 +1281,8 @@ def _build_kernel_class():
             ag = g
             if cutlass.const_expr(ge.alpha != 1.0):
                 ag = g * cutlass.Float32(ge.alpha)
-            # rcp.approx (<= 1 ulp; the argument is >= 1, so flushing denormals changes
-            # nothing): an IEEE division was a branchy subroutine call per element
+            # rcp.approx (about 1 ulp; the argument is >= 1: no denormal input): an IEEE
+            # division was a branchy subroutine call per element
             sig = cute.arch.rcp_approx(cutlass.Float32(1.0) + cute.math.exp(-ag, fastmath=True))
             up = u
             if cutlass.const_expr(ge.up_offset != 0.0):

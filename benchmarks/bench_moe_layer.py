@@ -312,8 +312,8 @@ def run_shape(label, model, T, args, device, bench, record) -> None:
                 _extra(row, "peak_extra_gib", lambda: peak_extra_gib(built.step, device), device)
                 if impl in ("ours", "ours-fused") and _profile_wanted(args, device):
                     for what, fn in (("one forward", built.fwd), ("one step", built.step)):
-                        prof = _extra(row, "profile", lambda fn=fn: profile_once(fn, device, 24),
-                                      device)  # fmt: skip
+                        prof = _extra(row, f"profile ({what})",
+                                      lambda fn=fn: profile_once(fn, device, 24), device)
                         built.clear()
                         if prof is not None:
                             record["profile"].append(

@@ -319,7 +319,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_y, *_unused):
     refuse_grad_mode("MoEExperts")
-    if grad_y is None:  # (only the non-differentiable outputs were used)
+    if grad_y is None:  # (defensive: y received no gradient)
         return (None,) * 8
     x, wgu, wd, bgu, bd, act, rows, *routing = ctx.saved_tensors
     dx, da, dwgu, dwd, dbgu, dbd = _experts_backward(

@@ -421,7 +421,8 @@ def _build_kernel_class():
             self.rows_lag = self.stages - 1
             # cp.async producers keep 8 row offsets and predicates per thread: more registers
             # than a TMA-only producer warp needs (and the side output's copy-out more still);
-            # what the producers give up, the consumers take (the CTA's 168 per thread)
+            # the consumers take what the producers give up of the CTA's 168 per thread, in
+            # setmaxnreg's steps of 8 (with the side output 8 x 128 registers stay unused)
             self.producer_regs = (64 if self.write_rows else 56) if self.gather else 40
             self.consumer_regs = (
                 ((216 if self.write_rows else 224) if self.gather else 232)
@@ -964,11 +965,11 @@ def _build_kernel_class():
                         self.row_slots(tCcC, n_mm, row0, rows, mR2P, mAlpha, pair_s, alpha_s,
                                        in_s, tail_s, num_pairs, num_r, self.gated)
                     if cutlass.const_expr(self.dgated):
-                        self.checkpoint_loads(bufs[0], 0, tCcC, n_idx * self.tile_n, pair_s,
+                        self.checkpoint_loads(bufs[0], 0, tCcC, n_idx * self.mma_n, pair_s,
                                               mAct.iterator.toint())
                     if cutlass.const_expr(self.gated and self.key.gated.has_bias):
                         self.bias_loads(bufs[0], 0, tCcC, n_idx * self.mma_n, mAux0,
-                                        cutlass.min(g, cutlass.Int32(self.num_e - 1)))
+                                        self.bias_row(g))
                     self.wait_turn(j, group, 1)  # pingpong turns: named barriers 1 and 2
                     for acc in accs:
                         acc.fill(0.0)
@@ -1128,9 +1129,12 @@ def _build_kernel_class():
 
         def load_chunk(self, n_q: int, slots: int) -> int:
             """Column groups (``q``) per chunk of the fused epilogues' software-pipelined
-            global loads: the largest divisor of ``n_q`` with ``c * slots <= 8`` (16 4-byte
-            checkpoint loads per thread and chunk; two chunks live beside the accumulators).
-            Twice that spilled registers with the 128x256 tile (ptxas, offline)."""
+            global loads: the largest of 8, 4, 2, 1 that divides ``n_q`` with ``c * slots <=
+            8``. dgated (``slots`` = row slots): 16 4-byte checkpoint loads per thread and
+            chunk; gated (``slots`` = 2, gate and up): 16 fp32 bias values. Two chunks live
+            beside the accumulators; twice that spilled registers with the 128x256 tile
+            (ptxas, offline). The caller sizes the buffers with it; the epilogues read the
+            chunk size back from them."""
             return next(c for c in (8, 4, 2, 1) if n_q % c == 0 and c * slots <= 8)
 
         @cute.jit
@@ -1178,14 +1182,14 @@ def _build_kernel_class():
             checkpoint's first chunk (``bufs[0]``) were loaded before the mainloop; chunk k + 1
             is issued before chunk k's math and stores."""
             i_cols = self.out_cols
-            col0 = n_idx * self.tile_n
+            col0 = n_idx * self.mma_n  # (= tile_n: one accumulator)
             ah_base = mAh.iterator.toint()
             dgu_base = mDgu.iterator.toint()
             act_base = mAct.iterator.toint()
             n_mm = cute.size(acc, mode=[1])
             slots = 2 * n_mm
             n_q = cute.size(acc, mode=[0]) // 4
-            ch = self.load_chunk(n_q, slots)
+            ch = cute.size(bufs[0], mode=[3])  # column groups per load chunk
             part_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
             part_s.fill(0.0)
             pair = cute.make_rmem_tensor((2,), self.out_dtype)
@@ -1281,13 +1285,20 @@ def _build_kernel_class():
             ag = g
             if cutlass.const_expr(ge.alpha != 1.0):
                 ag = g * cutlass.Float32(ge.alpha)
-            # rcp.approx (about 1 ulp; the argument is >= 1: no denormal input): an IEEE
-            # division was a branchy subroutine call per element
+            # rcp.approx.ftz (about 1 ulp; the argument is >= 1, and a sigmoid below 2^-126,
+            # -alpha g > ~87, flushes to 0): an IEEE division was a branchy subroutine call
+            # per element
             sig = cute.arch.rcp_approx(cutlass.Float32(1.0) + cute.math.exp(-ag, fastmath=True))
             up = u
             if cutlass.const_expr(ge.up_offset != 0.0):
                 up = u + cutlass.Float32(ge.up_offset)
             return ag, sig, up
+
+        @cute.jit
+        def bias_row(self, g):
+            """The bias row of tile group ``g`` (the tiles of the rows past the last expert,
+            ``g = E``, read any row: their outputs are zeros or unused)."""
+            return cutlass.min(g, cutlass.Int32(self.num_e - 1))
 
         @cute.jit
         def bias_loads(self, buf, q0: cutlass.Constexpr, tCcC, col0, mBias, e_b):
@@ -1313,7 +1324,8 @@ def _build_kernel_class():
         ):
             """The forward gate/up epilogue of one tile (columns ``[j, j + mma_n)`` of I, gate
             in ``acc_g``, up in ``acc_u``): per row s (pair p = ``mR2P[s]``, affinity a):
-            bias, clamp and activation in fp32 from the accumulators, then BF16 stores of
+            bias (expert ``g``'s), clamp and activation in fp32 from the accumulators, then
+            BF16 stores of
             ``a_h[s] = a * h`` (0 for a padding row: a select), of the checkpoint
             ``act[p] = [g, u]`` (real pairs only) and, for ``num_pairs <= s < R``, of zeros
             into checkpoint row s (so the rows past the pairs are 0, as the pass writes them).
@@ -1324,10 +1336,10 @@ def _build_kernel_class():
             col0 = n_idx * self.mma_n
             ah_base = mAh.iterator.toint()
             act_base = mAct.iterator.toint()
-            e_b = cutlass.min(g, cutlass.Int32(self.num_e - 1))  # (rows past the experts: any)
+            e_b = self.bias_row(g)
             n_mm = cute.size(acc_g, mode=[1])
             n_q = cute.size(acc_g, mode=[0]) // 4
-            ch = self.load_chunk(n_q, 2)
+            ch = cute.size(bufs[0], mode=[2])  # column groups per load chunk
             has_bias = self.key.gated.has_bias
             pair = cute.make_rmem_tensor((2,), self.out_dtype)
             # per row slot: byte addresses of its first column in a_h, in its pair's checkpoint

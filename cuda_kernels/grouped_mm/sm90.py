@@ -1127,6 +1127,30 @@ def _build_kernel_class():
                     if cutlass.const_expr(with_tail):
                         tail_s[i] = inside and row >= num_pairs and row < num_r
 
+        @cute.jit
+        def first_col(self, tCcC, col0):
+            """This thread's first accumulator column in the output: ``col0`` (the tile's)
+            plus its column in the tile. The wgmma fragment's column groups (mode
+            ``(2 cols, 2 row halves, mma_n / 8 groups)``) are 8 columns apart, so group ``q``
+            starts at ``first_col + 8 q``: the fused epilogues' addresses and column checks
+            rest on that."""
+            return col0 + tCcC[((0, 0, 0), 0, 0)][1]
+
+        @cute.jit
+        def group_in_cols(self, c0, q: cutlass.Constexpr):
+            """Column group ``q`` (from first column ``c0``) lies below ``out_cols``: always
+            true unless the last N tile is partial."""
+            in_n = cutlass.Boolean(True)
+            if cutlass.const_expr(self.partial_n):
+                in_n = c0 + 8 * q < self.out_cols
+            return in_n
+
+        @cute.jit
+        def bf16_addr(self, base, row, row_len, col):
+            """Byte address of element ``(row, col)`` of a row-major BF16 buffer at ``base``
+            with ``row_len`` elements per row."""
+            return base + (row * row_len + col) * 2
+
         def load_chunk(self, n_q: int, slots: int) -> int:
             """Column groups (``q``) per chunk of the fused epilogues' software-pipelined
             global loads: the largest of 8, 4, 2, 1 that divides ``n_q`` with ``c * slots <=
@@ -1149,15 +1173,13 @@ def _build_kernel_class():
             hoisted by the compiler; written one per use, every load waited for its own
             round trip)."""
             i_cols = self.out_cols
-            c0 = col0 + tCcC[((0, 0, 0), 0, 0)][1]  # column group q starts at c0 + 8 q
+            c0 = self.first_col(tCcC, col0)
             buf.fill(0.0)
             for i in cutlass.range_constexpr(cute.size(buf, mode=[2])):
                 p = pair_s[i]
-                src = act_base + (cutlass.Int64(p) * (2 * i_cols) + c0) * 2
+                src = self.bf16_addr(act_base, cutlass.Int64(p), 2 * i_cols, c0)
                 for qq in cutlass.range_constexpr(cute.size(buf, mode=[3])):
-                    in_n = cutlass.Boolean(True)
-                    if cutlass.const_expr(self.partial_n):
-                        in_n = c0 + 8 * (q0 + qq) < i_cols
+                    in_n = self.group_in_cols(c0, q0 + qq)
                     if in_n and p >= 0:
                         for gu in cutlass.range_constexpr(2):
                             v = cute.make_tensor(
@@ -1195,14 +1217,14 @@ def _build_kernel_class():
             pair = cute.make_rmem_tensor((2,), self.out_dtype)
             # per row slot: the byte address of its first column in d_gate_up and a_h (column
             # group q is 16 q bytes further: immediate offsets, no per-store address math)
-            c0 = col0 + tCcC[((0, 0, 0), 0, 0)][1]
+            c0 = self.first_col(tCcC, col0)
             dgu_row = cute.make_rmem_tensor((slots,), cutlass.Int64)
             ah_row = cute.make_rmem_tensor((slots,), cutlass.Int64)
             for mm in cutlass.range_constexpr(n_mm):
                 for h in cutlass.range_constexpr(2):
                     row = cutlass.Int64(row0 + tCcC[((0, h, 0), mm, 0)][0])
-                    dgu_row[mm * 2 + h] = dgu_base + (row * (2 * i_cols) + c0) * 2
-                    ah_row[mm * 2 + h] = ah_base + (row * i_cols + c0) * 2
+                    dgu_row[mm * 2 + h] = self.bf16_addr(dgu_base, row, 2 * i_cols, c0)
+                    ah_row[mm * 2 + h] = self.bf16_addr(ah_base, row, i_cols, c0)
             for k in cutlass.range_constexpr(n_q // ch):
                 if cutlass.const_expr(k + 1 < n_q // ch):
                     self.checkpoint_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, pair_s,
@@ -1211,10 +1233,7 @@ def _build_kernel_class():
                 gu.store(bufs[k].load().to(self.acc_dtype))
                 for qq in cutlass.range_constexpr(ch):
                     q = k * ch + qq
-                    in_n = cutlass.Boolean(True)
-                    if cutlass.const_expr(self.partial_n):
-                        in_n = c0 + 8 * q < i_cols
-                    if in_n:
+                    if self.group_in_cols(c0, q):
                         for mm in cutlass.range_constexpr(n_mm):
                             for h in cutlass.range_constexpr(2):
                                 i = mm * 2 + h
@@ -1344,7 +1363,7 @@ def _build_kernel_class():
             pair = cute.make_rmem_tensor((2,), self.out_dtype)
             # per row slot: byte addresses of its first column in a_h, in its pair's checkpoint
             # row and in its own checkpoint row (the tail); column group q is 16 q bytes on
-            c0 = col0 + tCcC[((0, 0, 0), 0, 0)][1]
+            c0 = self.first_col(tCcC, col0)
             ah_row = cute.make_rmem_tensor((2 * n_mm,), cutlass.Int64)
             act_pair = cute.make_rmem_tensor((2 * n_mm,), cutlass.Int64)
             act_tail = cute.make_rmem_tensor((2 * n_mm,), cutlass.Int64)
@@ -1352,19 +1371,16 @@ def _build_kernel_class():
                 for h in cutlass.range_constexpr(2):
                     i = mm * 2 + h
                     row = cutlass.Int64(row0 + tCcC[((0, h, 0), mm, 0)][0])
-                    ah_row[i] = ah_base + (row * i_cols + c0) * 2
-                    act_pair[i] = act_base + (pair_s[i] * (2 * i_cols) + c0) * 2
-                    act_tail[i] = act_base + (row * (2 * i_cols) + c0) * 2
+                    ah_row[i] = self.bf16_addr(ah_base, row, i_cols, c0)
+                    act_pair[i] = self.bf16_addr(act_base, pair_s[i], 2 * i_cols, c0)
+                    act_tail[i] = self.bf16_addr(act_base, row, 2 * i_cols, c0)
             zero = cutlass.Float32(0.0)
             for k in cutlass.range_constexpr(n_q // ch):
                 if cutlass.const_expr(has_bias and k + 1 < n_q // ch):
                     self.bias_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, mBias, e_b)
                 for qq in cutlass.range_constexpr(ch):
                     q = k * ch + qq
-                    in_n = cutlass.Boolean(True)
-                    if cutlass.const_expr(self.partial_n):
-                        in_n = c0 + 8 * q < i_cols
-                    if in_n:
+                    if self.group_in_cols(c0, q):
                         bg0 = zero
                         bg1 = zero
                         bu0 = zero

@@ -349,13 +349,11 @@ def cuda_backend(monkeypatch):
 
 
 def _layer_step(m, x, idx, aff, dy):
-    xl, al = x.clone().requires_grad_(), aff.clone().requires_grad_()
-    for prm in m.parameters():
-        prm.grad = None
-    y = m(xl, idx, al)
-    y.backward(dy)
-    return {"y": y.detach(), "dX": xl.grad, "dA": al.grad,
-            **{n: prm.grad for n, prm in m.named_parameters()}}
+    """test_layer_forward's step (forward + backward, grads cleared first), its outputs named."""
+    from test_layer_forward import _step
+
+    y, dx, da, *grads = _step(m, x, idx, aff, dy)
+    return {"y": y, "dX": dx, "dA": da, **dict(zip(dict(m.named_parameters()), grads))}
 
 
 @pytest.mark.parametrize("name", list(CASES))

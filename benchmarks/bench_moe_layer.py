@@ -16,6 +16,10 @@ Everything runs in one process on the same inputs: ``common.inputs.make_problem_
   table says (the row says why where the kernel cannot run). Its step time against ``ours``'s is
   what fills the table. On the CPU the layer's backend is ``torch``, which has one path: there
   the row equals ``ours`` (a smoke run of the option only).
+- ``ours (gather-GEMM + pass)`` [ours-gemm]: the same layer with ``grouped_mm="ours-gemm"``: our
+  gathering GEMM (``cuda_kernels.grouped_mm.grouped_mm_gather``, the gathered rows side-written
+  for the weight gradients) for the forward's gate/up GEMM and the backward's down dgrad, the
+  activation and its backward as the Triton passes of the cuBLAS path.
 - ``ours (seam)`` [seam]: ``common.layer.run_experts_grouped_mm(w1, w2, w3, x_rows, counts)``
   on torchtitan's pre-sorted rows (the plan's pairs in expert order, no padding between experts,
   the gather not timed); ``w1``/``w3`` [E, I, H] and ``w2`` [E, H, I] separate BF16 leaves as
@@ -49,16 +53,16 @@ retain_graph=True)`` on one recorded graph. ``step`` = forward + ``y.backward(dy
 differs from it by launch overlap. TFLOP/s counts 6 / 12 / 18 * R * H * I. ``vs recipe+perm`` /
 ``vs sonicmoe`` = their step time / this row's (> 1: this row is faster). ``peak GiB`` = peak
 CUDA memory of one step above what was allocated before it (grads cleared). A second table
-profiles ONE forward and ONE step of ``ours`` and ``ours-fused`` (torch.profiler; on by default
-on CUDA only): GEMM kernels (names matching ``bench_moe_backward.GEMM_PATTERNS``) vs the rest;
-``--profile-detail`` lists the top 24 kernels of each. ``--check`` compares y and every
+profiles ONE forward and ONE step of ``ours``, ``ours-fused`` and ``ours-gemm`` (torch.profiler;
+on by default on CUDA only): GEMM kernels (names matching ``bench_moe_backward.GEMM_PATTERNS``)
+vs the rest; ``--profile-detail`` lists the top 24 kernels of each. ``--check`` compares y and every
 gradient of ``ours``, ``recipe`` and ``recipe+perm`` with the float64 reference
 (``common.reference``; SQNR, small shapes only; exit 1 below 30 dB).
 ``--json PATH`` writes every number.
 
 Usage: ``python benchmarks/bench_moe_layer.py [--shapes qwen3-30b-a3b:16384,deepseek-v3:2048:e32]
 [--tokens T] [--shrink N]
-[--impls ours,ours-fused,seam,torchtitan,recipe+perm,recipe,sonicmoe,dense]
+[--impls ours,ours-fused,ours-gemm,seam,torchtitan,recipe+perm,recipe,sonicmoe,dense]
 [--device cuda|cpu] [--sonic-untuned] [--check] [--profile auto|on|off] [--profile-detail]
 [--json PATH]``; CPU smoke run: ``--device cpu --shrink 16 --tokens 64``. On the H200:
 ``bash benchmarks/moe_layer_device_run.sh bench [args]``.
@@ -96,10 +100,12 @@ from bench_moe_backward import (  # noqa: E402
 from common.inputs import make_problem_for_model  # noqa: E402
 from common.layer import MoEExperts, run_experts_grouped_mm  # noqa: E402
 
-IMPLS = ("ours", "ours-fused", "seam", "torchtitan", "recipe+perm", "recipe", "sonicmoe", "dense")
-LABEL = {"ours-fused": "ours (fused gather-GEMM)", "seam": "ours (seam)",
-         "torchtitan": "torchtitan experts", "dense": "dense mm"}
-GROUPED_MM = {"ours": "auto", "ours-fused": "ours"}  # the layer's grouped_mm option per row
+IMPLS = ("ours", "ours-fused", "ours-gemm", "seam", "torchtitan", "recipe+perm", "recipe",
+         "sonicmoe", "dense")
+LABEL = {"ours-fused": "ours (fused gather-GEMM)", "ours-gemm": "ours (gather-GEMM + pass)",
+         "seam": "ours (seam)", "torchtitan": "torchtitan experts", "dense": "dense mm"}
+# the layer's grouped_mm option per row
+GROUPED_MM = {"ours": "auto", "ours-fused": "ours", "ours-gemm": "ours-gemm"}
 PEERS = ("sonic-moe", "quack-kernels", "torchtitan")  # versions printed in the header
 
 
@@ -251,7 +257,7 @@ def build_dense(model, T: int, device):
 
 def build_row(impl: str, p, model, T: int, device: torch.device, args):
     """A :class:`Step`, or for ``dense`` a dict of callables; raises ``_Skip`` with the reason."""
-    needs_gmm = impl in ("seam", "torchtitan", "recipe", "recipe+perm", "ours", "ours-fused")
+    needs_gmm = impl in ("seam", "torchtitan", "recipe", "recipe+perm", *GROUPED_MM)
     if needs_gmm and device.type == "cuda" and not hasattr(torch, "_grouped_mm"):
         raise _Skip(f"skipped: torch {torch.__version__} has no torch._grouped_mm")
     if impl in GROUPED_MM:
@@ -310,7 +316,7 @@ def run_shape(label, model, T, args, device, bench, record) -> None:
                 built.clear()
                 _free(device)
                 _extra(row, "peak_extra_gib", lambda: peak_extra_gib(built.step, device), device)
-                if impl in ("ours", "ours-fused") and _profile_wanted(args, device):
+                if impl in GROUPED_MM and _profile_wanted(args, device):
                     for what, fn in (("one forward", built.fwd), ("one step", built.step)):
                         prof = _extra(row, f"profile ({what})",
                                       lambda fn=fn: profile_once(fn, device, 24), device)
@@ -392,7 +398,7 @@ def _versions() -> str:
 
 def main(argv=None) -> int:
     ap = bench_parser(
-        __doc__, IMPLS, "profile one forward and one step of ours / ours-fused (auto: CUDA only)"
+        __doc__, IMPLS, "profile one forward and one step of the ours rows (auto: CUDA only)"
     )
     ap.add_argument("--sonic-untuned", action="store_true",
                     help="SonicMoE's GEMMs with tuned=False (default: as installed, autotuned)")

@@ -77,12 +77,13 @@ VALIDATE_ROUTING = ("device", "host", "off")
 """``validate_routing`` modes (:mod:`common.layer_ops`): a device-side check (default), a host
 check raising ValueError, none. ``True`` means ``"host"`` and ``False`` ``"off"``."""
 
-GROUPED_MM = ("auto", "cublas", "ours")
+GROUPED_MM = ("auto", "cublas", "ours", "ours-gemm")
 """``grouped_mm`` values: which implementation the ``cuda-sm90`` / ``cuda-sm100`` backends run
 for the forward's gather + gate/up GEMM + activation and the backward's gather + down dgrad +
 activation backward (``cuda_kernels.grouped_mm_choice``): ``"cublas"`` (gather pass, cuBLAS
 grouped GEMM, Triton pass), ``"ours"`` (the fused CuTe DSL kernel of ``cuda_kernels.grouped_mm``;
-RuntimeError where it cannot run), ``"auto"`` (the measured per-shape table
+RuntimeError where it cannot run), ``"ours-gemm"`` (its gathering GEMM with the plain store,
+then the Triton pass; RuntimeError where it cannot run), ``"auto"`` (the measured per-shape table
 ``configs/cuda/grouped_mm_choice.yaml``, cuBLAS where the kernel cannot run). The other backends
 (``torch``, ``reference``, ``nki``) have one path and ignore it."""
 
@@ -114,9 +115,9 @@ class MoEExpertsOptions:
             ``(("block_size", 256), ("run_with_lnc2", False))`` for ``nki``/``nki-sim``); an
             unknown name is the backend's ValueError, in backward.
         grouped_mm: one of :data:`GROUPED_MM` (default ``"auto"``): the fused grouped-GEMM
-            kernel or today's cuBLAS path for the gate/up GEMM of the forward and the down
-            dgrad of the backward, on the ``cuda-sm90`` / ``cuda-sm100`` backends (the other
-            backends have one implementation and ignore it).
+            kernel, its gathering GEMM alone or today's cuBLAS path for the gate/up GEMM of the
+            forward and the down dgrad of the backward, on the ``cuda-sm90`` / ``cuda-sm100``
+            backends (the other backends have one implementation and ignore it).
 
     Raises:
         ValueError: a field of the wrong type or an unknown backend name.
@@ -460,7 +461,7 @@ class MoEExperts(nn.Module):
         accumulate_main_grad: Megatron ``main_grad`` accumulation (module docstring).
         validate_routing: ``"device"`` (default, no host read), ``"host"`` or ``"off"``
             (:class:`MoEExpertsOptions`).
-        grouped_mm: ``"auto"`` (default), ``"cublas"`` or ``"ours"``
+        grouped_mm: one of :data:`GROUPED_MM`, default ``"auto"``
             (:attr:`MoEExpertsOptions.grouped_mm`).
 
     Parameters:

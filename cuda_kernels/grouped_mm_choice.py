@@ -1,5 +1,6 @@
-"""Which implementation the layer's two fusable steps run: today's ``"cublas"`` path or the
-fused ``"ours"`` kernel of :mod:`cuda_kernels.grouped_mm` (the layer's ``grouped_mm`` option,
+"""Which implementation the layer's two fusable steps run: today's ``"cublas"`` path, the
+fused ``"ours"`` kernel of :mod:`cuda_kernels.grouped_mm` or ``"ours-gemm"``, its gathering GEMM
+with the activation as a separate pass (the layer's ``grouped_mm`` option,
 ``common.layer.MoEExpertsOptions.grouped_mm``).
 
 Steps (:data:`STEPS`):
@@ -7,13 +8,16 @@ Steps (:data:`STEPS`):
 * ``"forward_gate_up"`` (:func:`cuda_kernels.moe_forward.moe_forward_fused`): ``"cublas"`` =
   ``gather_rows(X)`` + cuBLAS grouped GEMM + Triton ``activation_forward``; ``"ours"`` =
   :func:`cuda_kernels.grouped_mm.gate_up_forward` (gather, GEMM and activation in one kernel,
-  the X rows side-written for the backward).
+  the X rows side-written for the backward); ``"ours-gemm"`` =
+  :func:`cuda_kernels.grouped_mm.grouped_mm_gather` (gather and GEMM in one kernel, the X rows
+  side-written) + the Triton pass.
 * ``"backward_down_dgrad"`` (:func:`cuda_kernels.moe_backward.moe_backward_fused`):
   ``"cublas"`` = ``gather_rows(dY)`` + cuBLAS grouped dgrad + Triton ``activation_backward``;
-  ``"ours"`` = :func:`cuda_kernels.grouped_mm.down_dgrad_backward`.
+  ``"ours"`` = :func:`cuda_kernels.grouped_mm.down_dgrad_backward`; ``"ours-gemm"`` =
+  ``grouped_mm_gather`` (the dY rows side-written) + the Triton pass.
 
-Requests (``common.layer.GROUPED_MM``): ``"cublas"`` always; ``"ours"`` where the kernel can run
-(RuntimeError naming the reason elsewhere); ``"auto"``: the per-shape table
+Requests (``common.layer.GROUPED_MM``): ``"cublas"`` always; ``"ours"`` / ``"ours-gemm"`` where
+the kernel can run (RuntimeError naming the reason elsewhere); ``"auto"``: the per-shape table
 ``configs/cuda/grouped_mm_choice.yaml`` (:func:`grouped_mm_table`), ``"cublas"`` where the
 kernel cannot run. On CPU tensors (the tests, Triton's interpreter) the kernel's torch twin
 stands in for ``"ours"``: only the operand rules that the twin shares are reasons there.
@@ -36,7 +40,7 @@ __all__ = [
 ]
 
 STEPS = ("forward_gate_up", "backward_down_dgrad")
-IMPLS = ("cublas", "ours")
+IMPLS = ("cublas", "ours", "ours-gemm")
 _TABLE_FILE = ("cuda", "grouped_mm_choice.yaml")
 
 
@@ -125,10 +129,11 @@ def _kernel_view(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(2, t.shape[-1], dtype=torch.bfloat16, device=t.device)
 
 
-def _reason(step, a, w, row_index, act_R2I) -> str | None:
-    """Why the fused kernel of ``step`` cannot run these operands (``a`` [T, K] activation rows,
-    ``w`` [E, K, N] BF16 as the entry reads it), or None. On CPU tensors only the rules of the
-    torch twin (which then runs) count."""
+def _reason(step, impl, a, w, row_index, act_R2I) -> str | None:
+    """Why the kernel of ``impl`` ("ours": the fused one, "ours-gemm": the plain gathering GEMM)
+    cannot run ``step`` on these operands (``a`` [T, K] activation rows, ``w`` [E, K, N] BF16 as
+    the entry reads it), or None. On CPU tensors only the rules of the torch twin (which then
+    runs) count."""
     from . import grouped_mm
 
     why = None
@@ -136,14 +141,15 @@ def _reason(step, a, w, row_index, act_R2I) -> str | None:
         name = "w_gate_up [E, H, 2I]" if step == "forward_gate_up" else "w_down^T [E, H, I]"
         why = (f"{name} has strides {w.stride()}: the fused kernel needs [E, K, N] or [E, N, K] "
                "contiguous memory")
-    if why is None and act_R2I is not None and (
+    if why is None and impl == "ours" and act_R2I is not None and (
         act_R2I.dtype != torch.bfloat16 or not act_R2I.is_contiguous()
     ):
         why = (f"the checkpoint act_R2I must be contiguous torch.bfloat16 (the kernel reads it "
                f"so), got {act_R2I.dtype} with strides {act_R2I.stride()}")
     if why is not None or a.device.type != "cuda":
         return why
-    epilogue = "gated" if step == "forward_gate_up" else "dgated"
+    epilogue = "store" if impl == "ours-gemm" else (
+        "gated" if step == "forward_gate_up" else "dgated")
     return grouped_mm.kernel_unsupported_reason(_kernel_view(a), w, row_index, epilogue=epilogue)
 
 
@@ -159,8 +165,9 @@ def pick(
     *,
     act_R2I: torch.Tensor | None = None,
 ) -> str:
-    """``"cublas"`` or ``"ours"`` for one call of ``step`` (module docstring), decided once per
-    operand metadata (shapes, strides, dtypes, 16-byte alignment, device) and cached.
+    """``"cublas"``, ``"ours"`` or ``"ours-gemm"`` for one call of ``step`` (module docstring),
+    decided once per operand metadata (shapes, strides, dtypes, 16-byte alignment, device) and
+    cached.
 
     Args:
         step: one of :data:`STEPS`.
@@ -171,7 +178,8 @@ def pick(
         act_R2I: the backward's checkpoint (its dtype and layout are a rule of the kernel).
 
     Raises:
-        RuntimeError: ``requested="ours"`` and the fused kernel cannot run this call.
+        RuntimeError: ``requested="ours"`` / ``"ours-gemm"`` and its kernel cannot run this
+            call.
     """
     E, H, N = w.shape
     I = N // 2 if step == "forward_gate_up" else N
@@ -186,16 +194,15 @@ def pick(
         got = _CHOICE[key] = _decide(step, requested, a, w, row_index, act_R2I, E, H, I)
     impl, why = got
     if impl == "error":
-        raise RuntimeError(f"grouped_mm='ours' cannot run the {step} step: {why}")
+        raise RuntimeError(f"grouped_mm={requested!r} cannot run the {step} step: {why}")
     return impl
 
 
 def _decide(step, requested, a, w, row_index, act_R2I, E, H, I) -> tuple[str, str | None]:
-    if requested == "cublas":
+    impl = table_choice(step, E, H, I) if requested == "auto" else requested
+    if impl == "cublas":
         return "cublas", None
-    why = _reason(step, a, w, row_index, act_R2I)
-    if requested == "ours":
-        return ("error", why) if why is not None else ("ours", None)
-    if why is not None:
-        return "cublas", why
-    return table_choice(step, E, H, I), None
+    why = _reason(step, impl, a, w, row_index, act_R2I)
+    if why is None:
+        return impl, None
+    return ("cublas", why) if requested == "auto" else ("error", why)

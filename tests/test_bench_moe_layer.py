@@ -23,8 +23,8 @@ def _load():
 def test_bench_moe_layer_cpu_smoke(tmp_path, capsys):
     bench = _load()
     out = tmp_path / "layer.json"
-    impls = ["ours", "ours-fused", "seam", "torchtitan", "recipe", "recipe+perm", "sonicmoe",
-             "dense"]
+    impls = ["ours", "ours-fused", "ours-gemm", "seam", "torchtitan", "recipe", "recipe+perm",
+             "sonicmoe", "dense"]
     rc = bench.main([
         "--device", "cpu", "--shrink", "16", "--tokens", "64", "--reps", "1",
         "--shapes", "qwen3-30b-a3b:64:e8", "--impls", ",".join(impls), "--profile", "on",
@@ -48,14 +48,15 @@ def test_bench_moe_layer_cpu_smoke(tmp_path, capsys):
     assert rows["recipe+perm"]["vs_recipe_perm"] == pytest.approx(1.0)
     assert rows["ours"]["vs_sonicmoe"] is None  # SonicMoE did not run
     assert rows["ours-fused"]["impl"] == "ours (fused gather-GEMM)"
-    # --check: y and every gradient of ours (both grouped_mm rows) and the recipes vs float64
-    for key in ("ours", "ours-fused", "recipe", "recipe+perm"):
+    assert rows["ours-gemm"]["impl"] == "ours (gather-GEMM + pass)"
+    # --check: y and every gradient of ours (every grouped_mm row) and the recipes vs float64
+    for key in ("ours", "ours-fused", "ours-gemm", "recipe", "recipe+perm"):
         sq = rows[key]["sqnr_db"]
         assert {"y [T,H]", "dX [T,H]", "dA [T,E]", "dW_gate_up [E,H,2,I]"} <= set(sq)
         assert min(sq.values()) > 30, (key, sq)
-    # the profiler split of one forward and one step of both ours rows (CPU op self times here)
+    # the profiler split of one forward and one step of the ours rows (CPU op self times here)
     profs = {p["impl"]: p for p in rec["profile"]}
-    assert set(profs) == {f"{rows[k]['impl']} ({what})" for k in ("ours", "ours-fused")
+    assert set(profs) == {f"{rows[k]['impl']} ({what})" for k in ("ours", "ours-fused", "ours-gemm")
                           for what in ("one forward", "one step")}
     for prof in profs.values():
         assert prof["total_ms"] > 0 and 0 <= prof["gemm_ms"] <= prof["total_ms"]

@@ -1,7 +1,8 @@
 """The layer's ``grouped_mm`` option (``MoEExpertsOptions.grouped_mm``: ``"auto"`` | ``"cublas"`` |
-``"ours"``): the fused grouped-GEMM kernels of ``cuda_kernels.grouped_mm`` (gather + gate/up GEMM +
-activation in the forward, gather + down dgrad + activation backward in the backward) against
-today's cuBLAS path, the option's plumbing from the module to the fused forward and backward
+``"ours"`` | ``"ours-gemm"``): the fused grouped-GEMM kernels of ``cuda_kernels.grouped_mm``
+(gather + gate/up GEMM + activation in the forward, gather + down dgrad + activation backward in
+the backward) and their gathering GEMM alone (the activation passes after it) against today's
+cuBLAS path, the option's plumbing from the module to the fused forward and backward
 (eager, ``opcheck``, ``torch.compile(fullgraph=True)``), its errors, and the ``"auto"`` table
 ``configs/cuda/grouped_mm_choice.yaml``.
 
@@ -83,14 +84,18 @@ def table(monkeypatch):
 
 
 # ------------------------------------------------------------- fused entries: ours vs cublas
+OURS = ("ours", "ours-gemm")  # the grouped_mm values that run our kernels
+
+
+@pytest.mark.parametrize("impl", OURS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_forward_ours_matches_cublas(name):
+def test_forward_ours_matches_cublas(name, impl):
     """Same layout, bitwise the same X rows (the side-written x_S is gather_rows' output), y and
     the checkpoint within one BF16 rounding of the pre-activation; both at the float64 floors."""
     p, rt = _problem(name)
     args = _forward_args(p, rt)
     want = moe_forward_fused(*args, **_kw(p), grouped_mm="cublas")
-    got = moe_forward_fused(*args, **_kw(p), grouped_mm="ours")
+    got = moe_forward_fused(*args, **_kw(p), grouped_mm=impl)
     lay = got.layout
     assert bool((lay.row_to_pair_S < 0).any()), "the case must have padding rows"
     assert bool((torch.diff(lay.offsets_E, prepend=lay.offsets_E.new_zeros(1)) == 0).any())
@@ -115,16 +120,17 @@ def test_forward_ours_matches_cublas(name):
         assert sqnr_db(out.y_TH.double().cpu(), y_ref) >= sqnr_floor("fused", "y")
 
 
+@pytest.mark.parametrize("impl", OURS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_backward_ours_matches_cublas(name):
+def test_backward_ours_matches_cublas(name, impl):
     """Every gradient (dA and the bias grads included) within the fused-vs-twin bar of today's
     path, and at the float64 floor; the down-bias grad (a column sum of the dY rows, which the
     side output makes bitwise gather_rows') comes out identical, and on CPU dW_down too (a*h
     of the twin and of the Triton pass agree bit for bit there)."""
     p, rt = _problem(name)
     want = moe_backward_fused(p, grouped_mm="cublas")
-    got = moe_backward_fused(p, grouped_mm="ours")
-    assert want.info["grouped_mm"] == "cublas" and got.info["grouped_mm"] == "ours"
+    got = moe_backward_fused(p, grouped_mm=impl)
+    assert want.info["grouped_mm"] == "cublas" and got.info["grouped_mm"] == impl
     ref = reference_backward(_cpu(p))
     for key, out in got.named().items():
         w = want.named()[key]
@@ -152,15 +158,16 @@ def _cpu(p):
     return dataclasses.replace(p, **out)
 
 
-def test_backward_ours_with_the_forward_rows_and_fp32_dy():
+@pytest.mark.parametrize("impl", OURS)
+def test_backward_ours_with_the_forward_rows_and_fp32_dy(impl):
     """The layer's use: the forward's layout and X rows reused, dY in fp32 (an fp32 layer):
     the bias term of dA reads the BF16 dY rows on both paths, as the wgrads do."""
     p, rt = _problem("gpt_oss")
-    fwd = moe_forward_fused(*_forward_args(p, rt), **_kw(p), grouped_mm="ours")
+    fwd = moe_forward_fused(*_forward_args(p, rt), **_kw(p), grouped_mm=impl)
     q = dataclasses.replace(p, output_grad_TH=p.output_grad_TH.float() * 1.3)
     kw = {"layout": fwd.layout, "x_rows_S": fwd.x_rows_S}
     want = moe_backward_fused(q, grouped_mm="cublas", **kw)
-    got = moe_backward_fused(q, grouped_mm="ours", **kw)
+    got = moe_backward_fused(q, grouped_mm=impl, **kw)
     for key, out in got.named().items():
         assert sqnr_db(out.double().cpu(), want.named()[key].double().cpu()) >= TWIN_MIN_DB, key
     assert torch.equal(got.b_down_grad_EH, want.b_down_grad_EH)
@@ -181,7 +188,8 @@ def test_grouped_mm_option_value_error(bad):
 
 
 def test_grouped_mm_option_values_and_backend_options():
-    assert GROUPED_MM == ("auto", "cublas", "ours") and choice.GROUPED_MM is GROUPED_MM
+    assert GROUPED_MM == ("auto", "cublas", "ours", "ours-gemm")
+    assert choice.GROUPED_MM is GROUPED_MM and choice.IMPLS == GROUPED_MM[1:]
     for v in GROUPED_MM:
         assert MoEExpertsOptions(grouped_mm=v).grouped_mm == v
     assert MoEExpertsOptions(grouped_mm="ours") != MoEExpertsOptions()
@@ -206,9 +214,10 @@ def test_ours_where_the_kernel_cannot_run_is_a_runtime_error_and_auto_falls_back
     table({(E, H, I): dict.fromkeys(choice.STEPS, "ours")})
     args = list(_forward_args(p, rt))
     args[3] = _sliced_w_gate_up(p)
-    with pytest.raises(RuntimeError, match=r"grouped_mm='ours' cannot run the forward_gate_up"
-                                           r" step: w_gate_up \[E, H, 2I\] has strides"):
-        moe_forward_fused(*args, grouped_mm="ours")
+    for impl in OURS:
+        with pytest.raises(RuntimeError, match=rf"grouped_mm='{impl}' cannot run the "
+                           r"forward_gate_up step: w_gate_up \[E, H, 2I\] has strides"):
+            moe_forward_fused(*args, grouped_mm=impl)
     want = moe_forward_fused(*_forward_args(p, rt), grouped_mm="cublas")
     got = moe_forward_fused(*args, grouped_mm="auto")  # the table says ours: cuBLAS instead
     assert torch.equal(got.y_TH, want.y_TH) and torch.equal(got.act_R2I, want.act_R2I)
@@ -219,6 +228,8 @@ def test_ours_where_the_kernel_cannot_run_is_a_runtime_error_and_auto_falls_back
         moe_backward_fused(q, grouped_mm="ours")
     g = moe_backward_fused(q, grouped_mm="auto")
     assert g.info["grouped_mm"] == "cublas"
+    # the gathering GEMM alone does not read the checkpoint: it takes any float one
+    assert moe_backward_fused(q, grouped_mm="ours-gemm").info["grouped_mm"] == "ours-gemm"
 
 
 @gpu
@@ -232,10 +243,11 @@ def test_gpu_ours_refused_off_the_kernel_and_auto_takes_cublas(table):
     table({(E, H, I): dict.fromkeys(choice.STEPS, "ours")})
     major, _ = torch.cuda.get_device_capability()
     why = "multiples? of 8" if major == 9 else "not an SM90 GPU"
-    with pytest.raises(RuntimeError, match=f"forward_gate_up step: .*{why}"):
-        moe_forward_fused(*_forward_args(p, rt), grouped_mm="ours")
-    with pytest.raises(RuntimeError, match=f"backward_down_dgrad step: .*{why}"):
-        moe_backward_fused(p, grouped_mm="ours")
+    for impl in OURS:
+        with pytest.raises(RuntimeError, match=f"forward_gate_up step: .*{why}"):
+            moe_forward_fused(*_forward_args(p, rt), grouped_mm=impl)
+        with pytest.raises(RuntimeError, match=f"backward_down_dgrad step: .*{why}"):
+            moe_backward_fused(p, grouped_mm=impl)
     want = moe_forward_fused(*_forward_args(p, rt), grouped_mm="cublas")
     got = moe_forward_fused(*_forward_args(p, rt), grouped_mm="auto")
     assert torch.equal(got.y_TH, want.y_TH)
@@ -258,7 +270,7 @@ def test_auto_reads_the_table(table, monkeypatch):
     p, rt = _problem("gpt_oss")
     E, H, _, I = p.w_gate_up_EH2I.shape
     calls = []
-    for entry in ("gate_up_forward", "down_dgrad_backward"):
+    for entry in ("gate_up_forward", "down_dgrad_backward", "grouped_mm_gather"):
         real = getattr(gmm, entry)
 
         def spy(*a, _real=real, _name=entry, **k):
@@ -278,6 +290,10 @@ def test_auto_reads_the_table(table, monkeypatch):
     moe_forward_fused(*_forward_args(p, rt), **_kw(p))
     assert moe_backward_fused(p).info["grouped_mm"] == "ours"
     assert calls == ["gate_up_forward", "down_dgrad_backward"]
+    table({(E, H, I): dict.fromkeys(choice.STEPS, "ours-gemm")})
+    moe_forward_fused(*_forward_args(p, rt), **_kw(p))
+    assert moe_backward_fused(p).info["grouped_mm"] == "ours-gemm"
+    assert calls[2:] == ["grouped_mm_gather"] * 2
     # an explicit choice ignores the table
     assert moe_backward_fused(p, grouped_mm="cublas").info["grouped_mm"] == "cublas"
 
@@ -303,7 +319,8 @@ def test_table_lookup_order_and_cache(table):
         ([], "must be a mapping"),
         ({"default": {"forward_gate_up": "cublas"}}, "default must map exactly"),
         ({"default": {"forward_gate_up": "cublas", "backward_down_dgrad": "fast"}},
-         r"default: backward_down_dgrad must be one of \('cublas', 'ours'\), got 'fast'"),
+         r"default: backward_down_dgrad must be one of \('cublas', 'ours', 'ours-gemm'\), "
+         r"got 'fast'"),
         ({"default": dict.fromkeys(choice.STEPS, "cublas"),
           "shapes": [{"hidden": 64, "intermediate": 0, **dict.fromkeys(choice.STEPS, "ours")}]},
          r"shapes\[0\]: intermediate must be an int >= 1"),
@@ -356,8 +373,9 @@ def _layer_step(m, x, idx, aff, dy):
     return {"y": y, "dX": dx, "dA": da, **dict(zip(dict(m.named_parameters()), grads))}
 
 
+@pytest.mark.parametrize("impl", OURS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_layer_grouped_mm_ours_matches_cublas(name, cuda_backend):
+def test_layer_grouped_mm_ours_matches_cublas(name, impl, cuda_backend):
     """The whole step through MoEExperts (BF16 parameters, so BF16 gradients): the option
     reaches both fused entries. Forward and backward chained, the checkpoint's BF16 differences
     (incl. the strict clamp mask flipping where one path's value rounds onto a limit: 3 of 6144
@@ -368,7 +386,7 @@ def test_layer_grouped_mm_ours_matches_cublas(name, cuda_backend):
     x, aff, idx, wgu, wd, bgu, bd = _forward_args(p, rt)
     E, H, _, I = wgu.shape
     out = {}
-    for gm in ("cublas", "ours"):
+    for gm in ("cublas", impl):
         m = MoEExperts(E, H, I, bias=bgu is not None, clamp_limits=p.clamp_limits,
                        activation=p.activation, backend="cuda-sm90", device=DEV, grouped_mm=gm)
         with torch.no_grad():
@@ -376,7 +394,7 @@ def test_layer_grouped_mm_ours_matches_cublas(name, cuda_backend):
                 prm.copy_(src)
         out[gm] = _layer_step(m, x, idx, aff, p.output_grad_TH)
         assert cuda_backend["forward"][-1] == gm and cuda_backend["run"][-2:] == [gm, gm]
-    for key, got in out["ours"].items():
+    for key, got in out[impl].items():
         want = out["cublas"][key]
         assert got.dtype == want.dtype and got.shape == want.shape, key
         floor = sqnr_floor("fused", "default")

@@ -15,7 +15,10 @@ Per call (rows in the grouped layout of the plan, REFERENCE §1.2; math REFERENC
 With ``grouped_mm="ours"`` (or ``"auto"`` where ``configs/cuda/grouped_mm_choice.yaml`` says so:
 :mod:`cuda_kernels.grouped_mm_choice`) the dY gather, the down dgrad and the activation backward
 are one kernel, :func:`cuda_kernels.grouped_mm.down_dgrad_backward` (``dy_rows_out`` side-writes
-``dY_S``), which reads ``dh_raw`` from its fp32 accumulator (one BF16 rounding fewer).
+``dY_S``), which reads ``dh_raw`` from its fp32 accumulator (one BF16 rounding fewer); with
+``"ours-gemm"`` the dY gather and the down dgrad are one kernel
+(:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, ``dY_S`` side-written) and the activation
+backward stays a pass.
 
 No fp32 intermediate goes through HBM; every step is deterministic (no atomics), reads no
 device value on the host (CUDA-graph capturable) and allocates only its outputs and the BF16
@@ -203,7 +206,8 @@ def moe_backward_fused(
             skips this backward's X gather. Needs ``layout``.
         grouped_mm: ``"cublas"`` (dY gather, cuBLAS dgrad, activation-backward pass),
             ``"ours"`` (the fused :func:`cuda_kernels.grouped_mm.down_dgrad_backward`; needs
-            a contiguous BF16 checkpoint) or ``"auto"`` (default: the per-shape table, cuBLAS
+            a contiguous BF16 checkpoint), ``"ours-gemm"`` (our gathering down dgrad, then the
+            activation-backward pass) or ``"auto"`` (default: the per-shape table, cuBLAS
             where the fused kernel cannot run; :mod:`cuda_kernels.grouped_mm_choice`).
             ``info["grouped_mm"]`` says which ran.
     Returns:
@@ -212,9 +216,9 @@ def moe_backward_fused(
     Raises:
         ValueError: the problem (:meth:`MoEBackwardProblem.validate`) or an option breaks a
             rule; raised before any output is written.
-        RuntimeError: an explicit ``wgrad_backend`` cannot run here; ``grouped_mm="ours"``
-            where the fused kernel cannot run this call; CPU tensors without the Triton
-            interpreter.
+        RuntimeError: an explicit ``wgrad_backend`` cannot run here; ``grouped_mm="ours"`` /
+            ``"ours-gemm"`` where its kernel cannot run this call; CPU tensors without the
+            Triton interpreter.
     """
     p = problem
     p.validate()
@@ -264,8 +268,15 @@ def moe_backward_fused(
             backend="sm90" if dy_TH.is_cuda else "torch", dy_rows_out=dy_S,
         )
     else:
-        dy_S = kernels.gather_rows(dy_TH, layout.row_to_token_S, bf16)
-        dh_raw = rows_times_experts(dy_S, w_down_EHI, offs)
+        if impl == "ours-gemm":
+            dy_S = torch.empty(S, H, dtype=bf16, device=dev)
+            dh_raw = gmm.grouped_mm_gather(
+                kernel_rows(dy_TH), w_down_EHI, offs, layout.row_to_token_S,
+                backend="sm90" if dy_TH.is_cuda else "torch", a_rows_out=dy_S,
+            )
+        else:
+            dy_S = kernels.gather_rows(dy_TH, layout.row_to_token_S, bf16)
+            dh_raw = rows_times_experts(dy_S, w_down_EHI, offs)
         dgu_S, ah_S, dA_TE = kernels.activation_backward(
             dh_raw, p.act_checkpoint_R2I, r2p, plan,
             activation=p.activation, clamp_limits=p.clamp_limits or ClampLimits(),

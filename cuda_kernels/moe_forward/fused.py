@@ -17,7 +17,9 @@ With ``grouped_mm="ours"`` (or ``"auto"`` where ``configs/cuda/grouped_mm_choice
                                                                     # (CuTe DSL), x_S side-written
 
 which reads the pre-activation from its fp32 accumulator (one BF16 rounding fewer than the
-pass: a checkpoint value can differ by one BF16 ulp).
+pass: a checkpoint value can differ by one BF16 ulp). With ``"ours-gemm"`` the gather and the
+GEMM are one kernel (:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, x_S side-written) and
+the activation stays a pass.
 
 No fp32 intermediate goes through HBM, no atomics (bitwise deterministic), no host read of device
 values (CUDA-graph capturable). The backward (:mod:`cuda_kernels.moe_backward`) reuses the plan,
@@ -73,7 +75,8 @@ def moe_forward_fused(
             :func:`.routing.check_routing_async`). Unchecked bad ids are treated as dropped
             slots (memory-safe).
         grouped_mm: ``"cublas"`` (gather pass, cuBLAS GEMM, activation pass), ``"ours"`` (the
-            fused :func:`cuda_kernels.grouped_mm.gate_up_forward`) or ``"auto"`` (default: the
+            fused :func:`cuda_kernels.grouped_mm.gate_up_forward`), ``"ours-gemm"`` (our
+            gathering GEMM, then the activation pass) or ``"auto"`` (default: the
             per-shape table, cuBLAS where the fused kernel cannot run;
             :mod:`cuda_kernels.grouped_mm_choice`). Same outputs either way (within one BF16
             rounding of the pre-activation).
@@ -82,8 +85,8 @@ def moe_forward_fused(
         checkpoint [R, 2, I], the BF16 X rows [S, H], the plan and the layout.
     Raises:
         ValueError: ``grouped_mm`` not one of ``common.layer.GROUPED_MM``.
-        RuntimeError: CPU tensors without the Triton interpreter; ``grouped_mm="ours"`` where
-            the fused kernel cannot run this call (the message says why).
+        RuntimeError: CPU tensors without the Triton interpreter; ``grouped_mm="ours"`` /
+            ``"ours-gemm"`` where its kernel cannot run this call (the message says why).
     """
     check_grouped_mm(grouped_mm)
     act_fn = Activation.resolve(activation)
@@ -95,16 +98,22 @@ def moe_forward_fused(
     offs = layout.offsets_E
     w_gu = w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I)
     x_TH = hidden_states_TH
-    if pick("forward_gate_up", grouped_mm, x_TH, w_gu, layout.row_to_token_S) == "ours":
+    impl = pick("forward_gate_up", grouped_mm, x_TH, w_gu, layout.row_to_token_S)
+    backend = "sm90" if x_TH.is_cuda else "torch"
+    if impl == "ours":
         x_S = torch.empty(layout.tokens_sum, H, dtype=bf16, device=x_TH.device)
         act_R2I, ah_S = gmm.gate_up_forward(
             kernel_rows(x_TH), w_gu, layout, plan, activation=act_fn, clamp_limits=clamp_limits,
-            b_gate_up_E2I=b_gate_up_E2I, backend="sm90" if x_TH.is_cuda else "torch",
-            x_rows_out=x_S,
+            b_gate_up_E2I=b_gate_up_E2I, backend=backend, x_rows_out=x_S,
         )
     else:
-        x_S = gather_rows(x_TH, layout.row_to_token_S, bf16)
-        gu_S = rows_times_experts(x_S, w_gu, offs)
+        if impl == "ours-gemm":
+            x_S = torch.empty(layout.tokens_sum, H, dtype=bf16, device=x_TH.device)
+            gu_S = gmm.grouped_mm_gather(kernel_rows(x_TH), w_gu, offs, layout.row_to_token_S,
+                                         backend=backend, a_rows_out=x_S)
+        else:
+            x_S = gather_rows(x_TH, layout.row_to_token_S, bf16)
+            gu_S = rows_times_experts(x_S, w_gu, offs)
         act_R2I, ah_S = activation_forward(
             gu_S, layout.row_to_pair_S, plan, activation=act_fn,
             clamp_limits=clamp_limits or ClampLimits(), b_gate_up_E2I=b_gate_up_E2I,

@@ -235,7 +235,8 @@ def test_ours_where_the_kernel_cannot_run_is_a_runtime_error_and_auto_falls_back
 @gpu
 @needs_cuda
 def test_gpu_ours_refused_off_the_kernel_and_auto_takes_cublas(table):
-    """On a GPU the kernel's own rules count: I not a multiple of 8 (and any non-SM90 GPU)."""
+    """On a GPU the kernel's own rules count: I not a multiple of 8 (and any non-SM90 GPU); the
+    gathering GEMM alone needs only its N (2I forward, I backward) a multiple of 8."""
     T, H, I, E, K = 32, 64, 20, 4, 2
     ei, af = routing(T, K, E, 3)
     p = make_problem(T, H, I, E, K, seed=1, expert_index=ei, affinity=af, device="cuda")
@@ -243,14 +244,17 @@ def test_gpu_ours_refused_off_the_kernel_and_auto_takes_cublas(table):
     table({(E, H, I): dict.fromkeys(choice.STEPS, "ours")})
     major, _ = torch.cuda.get_device_capability()
     why = "multiples? of 8" if major == 9 else "not an SM90 GPU"
+    with pytest.raises(RuntimeError, match=f"forward_gate_up step: .*{why}"):
+        moe_forward_fused(*_forward_args(p, rt), grouped_mm="ours")
     for impl in OURS:
-        with pytest.raises(RuntimeError, match=f"forward_gate_up step: .*{why}"):
-            moe_forward_fused(*_forward_args(p, rt), grouped_mm=impl)
         with pytest.raises(RuntimeError, match=f"backward_down_dgrad step: .*{why}"):
             moe_backward_fused(p, grouped_mm=impl)
     want = moe_forward_fused(*_forward_args(p, rt), grouped_mm="cublas")
     got = moe_forward_fused(*_forward_args(p, rt), grouped_mm="auto")
     assert torch.equal(got.y_TH, want.y_TH)
+    if major == 9:  # the plain GEMM's rule is on N = 2I = 40 (a multiple of 8): it runs
+        got = moe_forward_fused(*_forward_args(p, rt), grouped_mm="ours-gemm")
+        assert sqnr_db(got.y_TH.double().cpu(), want.y_TH.double().cpu()) >= TWIN_MIN_DB
     assert moe_backward_fused(p, grouped_mm="auto").info["grouped_mm"] == "cublas"
 
 

@@ -333,10 +333,13 @@ class Sm90GroupedMmKey:
 
 
 def select_grouped_mm_tile(n: int, k: int, num_experts: int) -> Sm90GroupedMmTile:
-    """The tile for an ``(N, K, E)`` problem (not yet measured on the GPU: a starting rule).
+    """The tile for an ``(N, K, E)`` problem: 128 x 256 cooperative (4 stages) when N >= 256,
+    else 128 x 128 (6 stages).
 
-    128 x 256 cooperative (4 stages) when N >= 256, else 128 x 128 (6 stages); ``k`` and
-    ``num_experts`` are part of the signature for the measured rules to come.
+    Measured on the H200 (benchmarks/RESULTS.md, 2026-12-02 02:28Z and 04:52Z-05:06Z: 128 x 256
+    against 128 x 128 / 64 x 256 pingpong, 128 x 192 on the GEMMs of four models): the 128 x 256
+    cooperative tile was best or within the ~8 % compile-to-compile spread everywhere, so it is
+    one rule, not a per-shape table; ``k`` and ``num_experts`` stay in the signature for one.
 
     Raises:
         ValueError: non-positive sizes.

@@ -405,22 +405,23 @@ def test_layer_grouped_mm_ours_matches_cublas(name, impl, cuda_backend):
         assert sqnr_db(got.double().cpu(), want.double().cpu()) >= floor, key
 
 
-def test_layer_compiles_fullgraph_with_grouped_mm_ours(cuda_backend):
+@pytest.mark.parametrize("impl", OURS)
+def test_layer_compiles_fullgraph_with_grouped_mm_ours(impl, cuda_backend):
     """The option travels in the custom ops' options key: one graph for two routings, loss and
-    gradients equal to eager's, and the fused path ran in both directions."""
+    gradients equal to eager's, and the chosen path ran in both directions."""
     from test_layer_forward import assert_compiles_once_like_eager
 
     T, H, I, E, K = 16, 32, 16, 4, 2
     torch.manual_seed(0)
     layer = MoEExperts(E, H, I, bias=True, backend="cuda-sm90", dtype=torch.float32,
-                       grouped_mm="ours", device=DEV)
+                       grouped_mm=impl, device=DEV)
     assert layer.options.uses_custom_op
 
     def block(x, idx, aff):
         return layer(x, idx, aff).square().sum()
 
     assert_compiles_once_like_eager(block, layer, T, H, E, K, routings=2, device=DEV)
-    assert set(cuda_backend["forward"]) == {"ours"} and set(cuda_backend["run"]) == {"ours"}
+    assert set(cuda_backend["forward"]) == {impl} and set(cuda_backend["run"]) == {impl}
 
 
 def test_opcheck_experts_forward_with_grouped_mm_ours(cuda_backend):

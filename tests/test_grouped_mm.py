@@ -27,6 +27,7 @@ from cuda_kernels.grouped_mm.sm90 import (
     GatedEpilogue,
     Sm90GroupedMmKey,
     Sm90GroupedMmTile,
+    load_grouped_mm_tile_rules,
     select_grouped_mm_tile,
     tile_schedule,
 )
@@ -230,6 +231,41 @@ def test_tile_and_key_validation():
     assert (k.w_major, k.gather_a, k.index_dtype, k.write_a_rows) == ("n", True, "int32", False)
     kr = grouped_mm_key(w, torch.zeros(3, dtype=torch.int32), write_a_rows=True)
     assert kr.write_a_rows and kr != k  # a compile-cache key of its own
+
+
+
+def test_tile_rules_file_as_shipped_and_its_errors(tmp_path, monkeypatch):
+    """configs/cuda/sm90_grouped_mm_tiles.yaml: the measured rule (128x256 cooperative for
+    N >= 256, else 128x128), conditions read as lower bounds, and a malformed file named."""
+    names = [name for name, _c, _t in load_grouped_mm_tile_rules()]
+    assert names == ["wide", "narrow"]
+    assert select_grouped_mm_tile(256, 64, 1) == Sm90GroupedMmTile(128, 256, 64, 4)
+    assert select_grouped_mm_tile(255, 8192, 384) == Sm90GroupedMmTile(128, 128, 64, 6)
+    with pytest.raises(ValueError, match="sizes must be positive"):
+        select_grouped_mm_tile(0, 64, 1)
+    import common.config_files as cf
+
+    def use(text):
+        f = tmp_path / "tiles.yaml"
+        f.write_text(text)
+        monkeypatch.setattr(cf, "config_path", lambda *parts: f)
+        load_grouped_mm_tile_rules.cache_clear()
+
+    try:
+        use("rules:\n  - {name: big, min_k: 4096, config: {tile_m: 128, tile_n: 192}}\n")
+        assert select_grouped_mm_tile(512, 4096, 8).tile_n == 192
+        with pytest.raises(RuntimeError, match="no rule for n=512, k=2048"):
+            select_grouped_mm_tile(512, 2048, 8)
+        use("rules:\n  - {name: odd, max_n: 64, config: {tile_m: 128, tile_n: 128}}\n")
+        with pytest.raises(RuntimeError, match=r"tiles.yaml: rule 'odd' has unknown conditions"):
+            load_grouped_mm_tile_rules()
+        use("rules:\n  - {name: bad, config: {tile_m: 96, tile_n: 128}}\n")
+        with pytest.raises(RuntimeError, match=r"tile_m must be 64 or 128"):
+            load_grouped_mm_tile_rules()
+    finally:
+        monkeypatch.undo()
+        load_grouped_mm_tile_rules.cache_clear()
+    assert select_grouped_mm_tile(1536, 2048, 128).tile_n == 256  # the shipped file again
 
 
 @pytest.mark.parametrize(

@@ -87,15 +87,16 @@ the persistent launch):
   the source would show if a padding row were read). TMA cannot store here: an expert's last
   tile ends at an arbitrary row and the next expert's rows must not be overwritten.
 
-Not yet run on a GPU (written and compiled offline; ``tests/test_grouped_mm_sm90.py`` holds the
-GPU tests, ``benchmarks/grouped_mm_device_run.sh`` runs them). The tile rule
-(:func:`select_grouped_mm_tile`) is a starting point, not a measured choice.
+Run on the H200 (``tests/test_grouped_mm_sm90.py``: the correctness grid against the torch twin
+and graph replay; compute-sanitizer through ``benchmarks/grouped_mm_device_run.sh``; speed:
+``benchmarks/bench_grouped_mm.py``). The tile comes from ``configs/cuda/sm90_grouped_mm_tiles.yaml``
+(:func:`select_grouped_mm_tile`; one measured rule for every shape so far).
 
 Public names: :class:`Sm90GroupedMmTile`, :class:`GatedEpilogue`, :class:`Sm90GroupedMmKey`,
-:func:`select_grouped_mm_tile`, :func:`tile_schedule` (the schedule in Python),
-:func:`fake_operands`, :func:`compile_grouped_mm` (cached; ``FAMILY.compile_count`` counts real
-compiles) and :func:`compile_grouped_mm_offline` (PTX text for ``sm_90a`` without a GPU). CuTe DSL
-is imported only inside the compile functions.
+:func:`select_grouped_mm_tile` (:func:`load_grouped_mm_tile_rules`), :func:`tile_schedule` (the
+schedule in Python), :func:`fake_operands`, :func:`compile_grouped_mm` (cached;
+``FAMILY.compile_count`` counts real compiles) and :func:`compile_grouped_mm_offline` (PTX text
+for ``sm_90a`` without a GPU). CuTe DSL is imported only inside the compile functions.
 """
 
 
@@ -117,6 +118,7 @@ __all__ = [
     "compile_grouped_mm",
     "compile_grouped_mm_offline",
     "fake_operands",
+    "load_grouped_mm_tile_rules",
     "select_grouped_mm_tile",
     "tile_schedule",
 ]
@@ -332,26 +334,56 @@ class Sm90GroupedMmKey:
         return (-(-rows // self.tile.tile_m) + self.num_experts) * self.n_tiles
 
 
-def select_grouped_mm_tile(n: int, k: int, num_experts: int) -> Sm90GroupedMmTile:
-    """The tile for an ``(N, K, E)`` problem: 128 x 256 cooperative (4 stages) when N >= 256,
-    else 128 x 128 (6 stages).
+_TILE_CONDITIONS = ("min_n", "min_k", "min_experts")
 
-    Measured on the H200 (benchmarks/RESULTS.md, 2026-12-02 02:28Z and 04:52Z-05:06Z: 128 x 256
-    against 128 x 128 / 64 x 256 pingpong, 128 x 192 on the GEMMs of four models): the 128 x 256
-    cooperative tile was best or within the ~8 % compile-to-compile spread everywhere, so it is
-    one rule, not a per-shape table; ``k`` and ``num_experts`` stay in the signature for one.
+
+@functools.cache
+def load_grouped_mm_tile_rules() -> tuple:
+    """Rules of ``configs/cuda/sm90_grouped_mm_tiles.yaml`` as ``(name, conditions,
+    Sm90GroupedMmTile)`` in file order, read once (``grouped_wgrad.tiles.load_tile_rules``).
+
+    Raises:
+        RuntimeError: the file is missing or malformed (an unknown condition included).
+    """
+    from common.config_files import config_path
+
+    from ..grouped_wgrad.tiles import load_tile_rules
+
+    path = config_path("cuda", "sm90_grouped_mm_tiles.yaml")
+    rules = load_tile_rules(path, Sm90GroupedMmTile, "SM90 grouped_mm")
+    for name, cond, _tile in rules:
+        unknown = set(cond) - set(_TILE_CONDITIONS)
+        if unknown:
+            raise RuntimeError(
+                f"cannot read SM90 grouped_mm tile configs from {path}: rule {name!r} has unknown "
+                f"conditions {sorted(unknown)} (known: {_TILE_CONDITIONS})"
+            )
+    return rules
+
+
+def select_grouped_mm_tile(n: int, k: int, num_experts: int) -> Sm90GroupedMmTile:
+    """The tile for an ``(N, K, E)`` problem: the first rule of
+    ``configs/cuda/sm90_grouped_mm_tiles.yaml`` whose conditions hold (``min_n``, ``min_k``,
+    ``min_experts``). As shipped: 128 x 256 cooperative (4 stages) when N >= 256, else
+    128 x 128 (6 stages), the measured best (the file's comment).
 
     Raises:
         ValueError: non-positive sizes.
+        RuntimeError: the file is malformed or no rule holds.
     """
     if n < 1 or k < 1 or num_experts < 1:
         raise ValueError(
             f"select_grouped_mm_tile: sizes must be positive, got n={n}, k={k}, "
             f"num_experts={num_experts}"
         )
-    if n >= 256:
-        return Sm90GroupedMmTile(128, 256, 64, 4)
-    return Sm90GroupedMmTile(128, 128, 64, 6)
+    have = {"min_n": n, "min_k": k, "min_experts": num_experts}
+    for _name, cond, tile in load_grouped_mm_tile_rules():
+        if all(have[c] >= v for c, v in cond.items()):
+            return tile
+    raise RuntimeError(
+        f"configs/cuda/sm90_grouped_mm_tiles.yaml has no rule for n={n}, k={k}, "
+        f"num_experts={num_experts}: end it with a rule without conditions"
+    )
 
 
 def tile_schedule(offsets: list[int], num_rows: int, key: Sm90GroupedMmKey) -> list[tuple]:

@@ -9,17 +9,19 @@ Everything runs in one process on the same inputs: ``common.inputs.make_problem_
   weights copied in; ``y = layer(x, expert_index_TK, affinity_TK)`` with ``x`` [T, H] BF16 and
   ``affinity_TK`` [T, K] fp32 leaves requiring grad, then ``y.backward(dy)``. Explicitly
   ``grouped_mm="auto"`` (the default): the forward's gate/up and the backward's down dgrad run
-  cuBLAS or our fused kernel as ``configs/cuda/grouped_mm_choice.yaml`` says for the shape.
+  cuBLAS, our fused kernel or our gathering GEMM as ``configs/cuda/grouped_mm_choice.yaml`` says
+  for the shape.
 - ``ours (fused gather-GEMM)`` [ours-fused]: the same layer with ``grouped_mm="ours"``: the
   gather + gate/up GEMM + activation of the forward and the gather + down dgrad + activation
   backward of the backward each one CuTe DSL kernel (``cuda_kernels.grouped_mm``), whatever the
-  table says (the row says why where the kernel cannot run). Its step time against ``ours``'s is
-  what fills the table. On the CPU the layer's backend is ``torch``, which has one path: there
-  the row equals ``ours`` (a smoke run of the option only).
+  table says (the row says why where the kernel cannot run).
 - ``ours (gather-GEMM + pass)`` [ours-gemm]: the same layer with ``grouped_mm="ours-gemm"``: our
   gathering GEMM (``cuda_kernels.grouped_mm.grouped_mm_gather``, the gathered rows side-written
   for the weight gradients) for the forward's gate/up GEMM and the backward's down dgrad, the
-  activation and its backward as the Triton passes of the cuBLAS path.
+  activation and its backward as the Triton passes of the cuBLAS path. The step times of these
+  two rows against ``ours``'s (with the table at cuBLAS) are what fill the table. On the CPU the
+  layer's backend is ``torch``, which has one path: there both rows equal ``ours`` (a smoke run
+  of the option only).
 - ``ours (seam)`` [seam]: ``common.layer.run_experts_grouped_mm(w1, w2, w3, x_rows, counts)``
   on torchtitan's pre-sorted rows (the plan's pairs in expert order, no padding between experts,
   the gather not timed); ``w1``/``w3`` [E, I, H] and ``w2`` [E, H, I] separate BF16 leaves as
@@ -56,7 +58,7 @@ CUDA memory of one step above what was allocated before it (grads cleared). A se
 profiles ONE forward and ONE step of ``ours``, ``ours-fused`` and ``ours-gemm`` (torch.profiler;
 on by default on CUDA only): GEMM kernels (names matching ``bench_moe_backward.GEMM_PATTERNS``)
 vs the rest; ``--profile-detail`` lists the top 24 kernels of each. ``--check`` compares y and every
-gradient of ``ours``, ``recipe`` and ``recipe+perm`` with the float64 reference
+gradient of the ours rows, ``recipe`` and ``recipe+perm`` with the float64 reference
 (``common.reference``; SQNR, small shapes only; exit 1 below 30 dB).
 ``--json PATH`` writes every number.
 

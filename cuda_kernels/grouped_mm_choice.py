@@ -19,8 +19,9 @@ Steps (:data:`STEPS`):
 Requests (``common.layer.GROUPED_MM``): ``"cublas"`` always; ``"ours"`` / ``"ours-gemm"`` where
 the kernel can run (RuntimeError naming the reason elsewhere); ``"auto"``: the per-shape table
 ``configs/cuda/grouped_mm_choice.yaml`` (:func:`grouped_mm_table`), ``"cublas"`` where the
-kernel cannot run. On CPU tensors (the tests, Triton's interpreter) the kernel's torch twin
-stands in for ``"ours"``: only the operand rules that the twin shares are reasons there.
+kernel cannot run. On CPU tensors (the tests, Triton's interpreter) the kernels' torch twins
+stand in for ``"ours"`` / ``"ours-gemm"``: only the operand rules that the twins share are
+reasons there.
 
 :func:`pick` is called every step: after the first call per operand metadata it is one dict
 lookup (no device read, no host synchronisation).
@@ -139,7 +140,7 @@ def _reason(step, impl, a, w, row_index, act_R2I) -> str | None:
     why = None
     if grouped_mm.weight_major(w) is None:
         name = "w_gate_up [E, H, 2I]" if step == "forward_gate_up" else "w_down^T [E, H, I]"
-        why = (f"{name} has strides {w.stride()}: the fused kernel needs [E, K, N] or [E, N, K] "
+        why = (f"{name} has strides {w.stride()}: our kernel needs [E, K, N] or [E, N, K] "
                "contiguous memory")
     if why is None and impl == "ours" and act_R2I is not None and (
         act_R2I.dtype != torch.bfloat16 or not act_R2I.is_contiguous()

@@ -228,11 +228,11 @@ def test_validation_off_runs_bad_affinities():
 # ----------------------------------------------------------------------------------------- GPU
 def _gpu_layer(T=512, H=256, I=128, E=8, K=2, seed=0, bias=False, grouped_mm="auto"):
     torch.manual_seed(seed)
-    if grouped_mm == "ours":
+    if grouped_mm in ("ours", "ours-gemm"):
         from common.dispatch import detect_backend
 
         if detect_backend("cuda") != "cuda-sm90":
-            pytest.skip('grouped_mm="ours" runs on SM90 only')
+            pytest.skip(f"grouped_mm={grouped_mm!r} runs on SM90 only")
     layer = MoEExperts(E, H, I, device="cuda", bias=bias, grouped_mm=grouped_mm)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(T, H, generator=g).bfloat16().cuda()
@@ -253,10 +253,10 @@ def _step(layer, x, idx, aff, dy):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("grouped_mm", ["auto", "ours"])
+@pytest.mark.parametrize("grouped_mm", ["auto", "ours", "ours-gemm"])
 def test_gpu_default_layer_no_host_sync_and_deterministic(grouped_mm):
-    """The layer (default options; and with the fused gather-GEMM kernels) reads no device
-    value on the host and is bitwise deterministic."""
+    """The layer (default options; and with our gather-GEMM kernels, fused or not) reads no
+    device value on the host and is bitwise deterministic."""
     layer, x, idx, aff, dy = _gpu_layer(bias=True, grouped_mm=grouped_mm)
     first = _step(layer, x, idx, aff, dy)  # warm-up: compiles the kernels
     torch.cuda.synchronize()
@@ -287,12 +287,12 @@ def test_gpu_fused_forward_matches_the_portable_forward():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("grouped_mm", ["auto", "ours"])
+@pytest.mark.parametrize("grouped_mm", ["auto", "ours", "ours-gemm"])
 def test_gpu_cuda_graph_replay_with_new_routing_equals_eager(grouped_mm):
     """Forward + backward captured once in a CUDA graph, replayed with new routing (a skewed
     one, then the first again): bitwise the eager step's outputs and gradients, with cuBLAS or
-    with the fused gather-GEMM kernels (``grouped_mm="ours"``: their side outputs and tile
-    schedules built on the device)."""
+    with our gather-GEMM kernels (``grouped_mm="ours"`` / ``"ours-gemm"``: their side outputs
+    and tile schedules built on the device)."""
     layer, x, idx0, aff0, dy = _gpu_layer(seed=3, grouped_mm=grouped_mm)
     _, _, idx1, aff1, _ = _gpu_layer(seed=4)
     idx1[:, 0] = 0  # a skewed second routing: expert 0 everywhere

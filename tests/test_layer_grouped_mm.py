@@ -221,6 +221,10 @@ def test_ours_where_the_kernel_cannot_run_is_a_runtime_error_and_auto_falls_back
     want = moe_forward_fused(*_forward_args(p, rt), grouped_mm="cublas")
     got = moe_forward_fused(*args, grouped_mm="auto")  # the table says ours: cuBLAS instead
     assert torch.equal(got.y_TH, want.y_TH) and torch.equal(got.act_R2I, want.act_R2I)
+    table({(E, H, I): dict.fromkeys(choice.STEPS, "ours-gemm")})
+    got = moe_forward_fused(*args, grouped_mm="auto")  # likewise for the gathering GEMM
+    assert torch.equal(got.y_TH, want.y_TH) and torch.equal(got.act_R2I, want.act_R2I)
+    table({(E, H, I): dict.fromkeys(choice.STEPS, "ours")})
     # the backward's kernel reads a contiguous BF16 checkpoint
     q = dataclasses.replace(p, act_checkpoint_R2I=p.act_checkpoint_R2I.float())
     with pytest.raises(RuntimeError, match=r"backward_down_dgrad step: the checkpoint act_R2I "

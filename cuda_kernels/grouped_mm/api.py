@@ -1,9 +1,10 @@
 """Host entry of the varlen-M grouped GEMM: argument checks, key, launch (or the torch twin).
 
-The layer reaches :func:`gate_up_forward` and :func:`down_dgrad_backward` through its
-``grouped_mm`` option (``cuda_kernels.grouped_mm_choice``: ``"ours"``, or ``"auto"`` where the
-per-shape table says so); by default it still runs cuBLAS's grouped GEMM on gathered rows
-(``cuda_kernels.moe_forward`` / ``moe_backward``).
+The layer reaches :func:`gate_up_forward` and :func:`down_dgrad_backward` (``"ours"``) and
+:func:`grouped_mm_gather` with the gathered rows side-written (``"ours-gemm"``) through its
+``grouped_mm`` option (``cuda_kernels.grouped_mm_choice``; ``"auto"``: the per-shape table, which
+picks ``"ours-gemm"`` on qwen3-30b-a3b and the 32-expert deepseek-v3 shape and cuBLAS's grouped
+GEMM on gathered rows elsewhere: ``cuda_kernels.moe_forward`` / ``moe_backward``).
 """
 
 from __future__ import annotations

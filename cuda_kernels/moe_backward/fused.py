@@ -40,7 +40,7 @@ from ..grouped_mm_choice import check_grouped_mm, kernel_rows, pick
 from ..grouped_wgrad import api
 from . import kernels
 
-__all__ = ["GRAD_DTYPES", "moe_backward_fused", "rows_times_experts"]
+__all__ = ["GRAD_DTYPES", "gathered_times_experts", "moe_backward_fused", "rows_times_experts"]
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
 """Dtypes the fused backward writes its gradients in (dA is always fp32)."""
@@ -52,6 +52,23 @@ def rows_times_experts(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch
     if x_SK.is_cuda and _fits_grouped_mm(x_SK.dtype, x_SK.device, *w_EKN.shape[1:]):
         return torch._grouped_mm(x_SK, w_EKN, offs=offsets_E)
     return grouped_mm_rows(x_SK, w_EKN, offsets_E)
+
+
+def gathered_times_experts(impl: str, a_TK: torch.Tensor, w_EKN: torch.Tensor, layout):
+    """``(a_S, out_S)``: the [S, K] BF16 rows ``a_TK[row_to_token_S]`` (padding rows 0) and
+    ``a_S[s] @ w_EKN[e(s)]`` [S, N] BF16, the operand and output of a gathered grouped GEMM.
+    ``impl`` (:func:`cuda_kernels.grouped_mm_choice.pick`): ``"cublas"`` = the Triton gather
+    pass then :func:`rows_times_experts`; ``"ours-gemm"`` = our gathering GEMM
+    (:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, its torch twin on CPU tensors), which
+    side-writes the same rows bit for bit."""
+    idx = layout.row_to_token_S
+    if impl == "cublas":
+        a_S = kernels.gather_rows(a_TK, idx, torch.bfloat16)
+        return a_S, rows_times_experts(a_S, w_EKN, layout.offsets_E)
+    a_S = torch.empty(layout.tokens_sum, a_TK.shape[1], dtype=torch.bfloat16, device=a_TK.device)
+    out = gmm.grouped_mm_gather(kernel_rows(a_TK), w_EKN, layout.offsets_E, idx,
+                                backend="sm90" if a_TK.is_cuda else "torch", a_rows_out=a_S)
+    return a_S, out
 
 
 def _memory_is(w: torch.Tensor, order: tuple[int, ...]) -> bool:
@@ -208,7 +225,7 @@ def moe_backward_fused(
             ``"ours"`` (the fused :func:`cuda_kernels.grouped_mm.down_dgrad_backward`; needs
             a contiguous BF16 checkpoint), ``"ours-gemm"`` (our gathering down dgrad, then the
             activation-backward pass) or ``"auto"`` (default: the per-shape table, cuBLAS
-            where the fused kernel cannot run; :mod:`cuda_kernels.grouped_mm_choice`).
+            where our kernel cannot run; :mod:`cuda_kernels.grouped_mm_choice`).
             ``info["grouped_mm"]`` says which ran.
     Returns:
         :class:`~common.problem.MoEGrads`; ``info["wgrad_backend"]`` names the wgrad used,
@@ -268,15 +285,7 @@ def moe_backward_fused(
             backend="sm90" if dy_TH.is_cuda else "torch", dy_rows_out=dy_S,
         )
     else:
-        if impl == "ours-gemm":
-            dy_S = torch.empty(S, H, dtype=bf16, device=dev)
-            dh_raw = gmm.grouped_mm_gather(
-                kernel_rows(dy_TH), w_down_EHI, offs, layout.row_to_token_S,
-                backend="sm90" if dy_TH.is_cuda else "torch", a_rows_out=dy_S,
-            )
-        else:
-            dy_S = kernels.gather_rows(dy_TH, layout.row_to_token_S, bf16)
-            dh_raw = rows_times_experts(dy_S, w_down_EHI, offs)
+        dy_S, dh_raw = gathered_times_experts(impl, dy_TH, w_down_EHI, layout)
         dgu_S, ah_S, dA_TE = kernels.activation_backward(
             dh_raw, p.act_checkpoint_R2I, r2p, plan,
             activation=p.activation, clamp_limits=p.clamp_limits or ClampLimits(),

@@ -37,8 +37,8 @@ from common.torch_backward import ALIGN, LayerForward
 
 from .. import grouped_mm as gmm
 from ..grouped_mm_choice import check_grouped_mm, kernel_rows, pick
-from ..moe_backward.fused import rows_times_experts
-from ..moe_backward.kernels import gather_rows, token_sum
+from ..moe_backward.fused import gathered_times_experts, rows_times_experts
+from ..moe_backward.kernels import token_sum
 from .kernels import activation_forward
 from .routing import build_routing, check_routing_async
 
@@ -77,7 +77,7 @@ def moe_forward_fused(
         grouped_mm: ``"cublas"`` (gather pass, cuBLAS GEMM, activation pass), ``"ours"`` (the
             fused :func:`cuda_kernels.grouped_mm.gate_up_forward`), ``"ours-gemm"`` (our
             gathering GEMM, then the activation pass) or ``"auto"`` (default: the
-            per-shape table, cuBLAS where the fused kernel cannot run;
+            per-shape table, cuBLAS where our kernel cannot run;
             :mod:`cuda_kernels.grouped_mm_choice`). Same outputs either way (within one BF16
             rounding of the pre-activation).
     Returns:
@@ -99,21 +99,15 @@ def moe_forward_fused(
     w_gu = w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I)
     x_TH = hidden_states_TH
     impl = pick("forward_gate_up", grouped_mm, x_TH, w_gu, layout.row_to_token_S)
-    backend = "sm90" if x_TH.is_cuda else "torch"
     if impl == "ours":
         x_S = torch.empty(layout.tokens_sum, H, dtype=bf16, device=x_TH.device)
         act_R2I, ah_S = gmm.gate_up_forward(
             kernel_rows(x_TH), w_gu, layout, plan, activation=act_fn, clamp_limits=clamp_limits,
-            b_gate_up_E2I=b_gate_up_E2I, backend=backend, x_rows_out=x_S,
+            b_gate_up_E2I=b_gate_up_E2I, backend="sm90" if x_TH.is_cuda else "torch",
+            x_rows_out=x_S,
         )
     else:
-        if impl == "ours-gemm":
-            x_S = torch.empty(layout.tokens_sum, H, dtype=bf16, device=x_TH.device)
-            gu_S = gmm.grouped_mm_gather(kernel_rows(x_TH), w_gu, offs, layout.row_to_token_S,
-                                         backend=backend, a_rows_out=x_S)
-        else:
-            x_S = gather_rows(x_TH, layout.row_to_token_S, bf16)
-            gu_S = rows_times_experts(x_S, w_gu, offs)
+        x_S, gu_S = gathered_times_experts(impl, x_TH, w_gu, layout)
         act_R2I, ah_S = activation_forward(
             gu_S, layout.row_to_pair_S, plan, activation=act_fn,
             clamp_limits=clamp_limits or ClampLimits(), b_gate_up_E2I=b_gate_up_E2I,

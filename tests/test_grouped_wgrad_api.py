@@ -741,11 +741,12 @@ def test_torch_twin_never_reads_past_last_offset():
     b_pad = torch.full((24, I), float("nan"), dtype=torch.bfloat16)
     a_pad[:, :12] = a
     b_pad[:12] = b
-    for use_grouped_mm in (False, True):
-        out = grouped_wgrad_torch(a_pad, b_pad, off, use_grouped_mm=use_grouped_mm,
-                                  out_dtype=torch.bfloat16)
-        assert not out.isnan().any()
-        _assert_close(out, _ref64(a, b, off), torch.bfloat16)
+    out = grouped_wgrad_torch(a_pad, b_pad, off, use_grouped_mm=False, out_dtype=torch.bfloat16)
+    assert not out.isnan().any()
+    _assert_close(out, _ref64(a, b, off), torch.bfloat16)
+    # torch._grouped_mm's CPU kernel over-reads the last group (torch 2.13): refused off CUDA
+    with pytest.raises(ValueError, match="use_grouped_mm=True needs CUDA tensors"):
+        grouped_wgrad_torch(a_pad, b_pad, off, use_grouped_mm=True, out_dtype=torch.bfloat16)
     out = grouped_wgrad_torch(a_pad, b_pad, off)  # default: fp32 output
     assert out.dtype == torch.float32
     _assert_close(out, _ref64(a, b, off), torch.float32)

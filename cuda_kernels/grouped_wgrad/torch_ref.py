@@ -116,8 +116,9 @@ def grouped_wgrad_torch(
             an empty expert's ``out[e]`` is written with zeros.
         out_dtype: dtype of an allocated output; default float32 (the dispatcher's contract).
         input_order: ``"tensor2d"`` or ``"tensor_ragged"`` (see :func:`ragged_expert_views`).
-        use_grouped_mm: force (True) or forbid (False) ``torch._grouped_mm``; ``None`` picks it
-            when it is exact for the request (CUDA SM90+, BF16 in and out, overwrite, tensor2d)
+        use_grouped_mm: force (True, CUDA tensors only) or forbid (False) ``torch._grouped_mm``;
+            ``None`` picks it when it is exact for the request (CUDA SM90+, BF16 in and out,
+            overwrite, tensor2d)
             and every group is a multiple of 8 rows (read on the host; while a CUDA graph is
             being captured the groups are not read and must be multiples of 8 rows, as
             ``torch._grouped_mm`` asserts on the device otherwise).
@@ -128,8 +129,9 @@ def grouped_wgrad_torch(
 
     Raises:
         ValueError: ranks, mismatched token dims, dtypes, devices, ``out`` shape, ``input_order``,
-            ``accumulate`` without ``out``, or offsets values that break the rules above
-            (checked on the host whenever the host reads them).
+            ``accumulate`` without ``out``, ``use_grouped_mm=True`` off CUDA or for a request it
+            cannot compute exactly, or offsets values that break the rules above (checked on the
+            host whenever the host reads them).
         RuntimeError: the per-expert loop needs a host read of ``offsets_E`` and the current CUDA
             stream is capturing a graph (use the BF16 ``torch._grouped_mm`` path or a kernel).
 
@@ -195,6 +197,13 @@ def grouped_wgrad_torch(
             raise ValueError(
                 "grouped_wgrad_torch: use_grouped_mm=True needs BF16 overwrite output in tensor2d "
                 "order (torch._grouped_mm rounds to the input dtype)"
+            )
+        if device.type != "cuda":
+            # torch 2.13's CPU kernel reads the last group up to a multiple of 8 rows, past
+            # offsets_E[-1] and past the operands' views (seen on an AMX-BF16 Xeon, 2026-12-02)
+            raise ValueError(
+                "grouped_wgrad_torch: use_grouped_mm=True needs CUDA tensors (torch._grouped_mm "
+                f"on {device.type} reads rows past the last offset), got {device}"
             )
         offs32 = offsets_E.to(torch.int32)
         # An empty expert's group is masked with a select so no kernel's choice can leak.

@@ -620,10 +620,17 @@ def _poisoned(S, K):
     return torch.full((S, K), float("nan"), dtype=BF16)
 
 
+def gather_rows(a, idx, dtype):
+    """The Triton gather pass (``moe_backward.kernels.gather_rows``) of CPU ``a`` / ``idx``, as
+    CPU tensors: run compiled on the GPU where there is one (Triton interprets CPU tensors only
+    without a GPU), in the interpreter otherwise."""
+    from cuda_kernels.moe_backward.kernels import gather_rows as triton_gather
+
+    return triton_gather(a.to(DEV), idx.to(DEV), dtype).cpu()
+
+
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
 def test_plain_entry_torch_path_writes_gather_rows_bitwise(idx_dtype):
-    from cuda_kernels.moe_backward.kernels import gather_rows
-
     x, _dy, w_gu, _w_d, _act, _plan, layout, idx, _r2p = _rows_problem()
     idx = idx.to(idx_dtype)
     S, K = idx.shape[0], x.shape[1]
@@ -638,8 +645,6 @@ def test_plain_entry_torch_path_writes_gather_rows_bitwise(idx_dtype):
 
 
 def test_gated_entries_torch_path_write_gather_rows_bitwise():
-    from cuda_kernels.moe_backward.kernels import gather_rows
-
     x, _dy, w_gu, _w_d, _act, plan, layout, idx, r2p = _rows_problem()
     S, K = idx.shape[0], x.shape[1]
     args = (x, w_gu, layout.offsets_E, idx, r2p, plan.pair_affinity_R, plan.num_pairs)
@@ -659,8 +664,6 @@ def test_gated_entries_torch_path_write_gather_rows_bitwise():
 
 
 def test_dgated_entries_torch_path_write_gather_rows_bitwise():
-    from cuda_kernels.moe_backward.kernels import gather_rows
-
     _x, dy, _w_gu, w_d, act, plan, layout, idx, r2p = _rows_problem()
     S, K = idx.shape[0], dy.shape[1]
     args = (dy, w_d.transpose(1, 2), layout.offsets_E, idx, r2p, plan.pair_affinity_R, act)
@@ -680,8 +683,6 @@ def test_dgated_entries_torch_path_write_gather_rows_bitwise():
 
 
 def test_auto_backend_on_cpu_writes_a_rows_out_too():
-    from cuda_kernels.moe_backward.kernels import gather_rows
-
     x, _dy, w_gu, _w_d, _act, _plan, layout, idx, _r2p = _rows_problem(extra=0)
     rows = _poisoned(idx.shape[0], x.shape[1])
     grouped_mm_gather(x, w_gu, layout.offsets_E, idx, a_rows_out=rows)  # auto: the twin here

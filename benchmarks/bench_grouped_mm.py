@@ -18,7 +18,7 @@ router (``common.router_sim.simulate_model_routing``, seed 0) in the layer's gro
 Rows per GEMM (``--impls``; for ``gate_up_act`` / ``down_dgrad_act`` the same keys mean:
 ``ours`` = ``gate_up_forward`` / ``down_dgrad_backward``, the epilogue fused into the gathering
 kernel; ``grouped_mm`` = ``torch._grouped_mm`` on pre-gathered rows then
-``moe_forward.kernels.activation_forward`` / ``moe_backward.kernels.activation_backward``;
+``triton.activation.activation_forward`` / ``activation_backward``;
 ``gather`` = the layer's path today, ``gather_rows`` + ``torch._grouped_mm`` + the pass;
 ``dense`` = the GEMM's FLOPs as one ``torch.mm``):
 
@@ -146,7 +146,7 @@ def _fused_impls(args, tiles, then_pass, src, idx, ours) -> dict:
     and ``ours(tile, rows_out)`` per tile, as ``--impls`` selects; with ``--side-output`` also
     ``ours <tile> +rows``: the same kernel writing the gathered rows into a preallocated
     ``[S, K]`` buffer (what the layer's ``grouped_mm="ours"`` runs)."""
-    from cuda_kernels.moe_backward.kernels import gather_rows
+    from cuda_kernels.triton.rows import gather_rows
 
     fns = {}
     rows_out = None
@@ -168,7 +168,7 @@ def _fused_impls(args, tiles, then_pass, src, idx, ours) -> dict:
 def gated_impls(d: dict, args, tiles) -> dict:
     """``{impl: fn}`` of ``gate_up_act`` (see the module docstring)."""
     from cuda_kernels.grouped_mm import gate_up_forward
-    from cuda_kernels.moe_forward.kernels import activation_forward
+    from cuda_kernels.triton.activation import activation_forward
 
     E, H, I = d["E"], d["H"], d["I"]
     plan, layout, offs = d["plan"], d["layout"], d["offsets"]
@@ -193,7 +193,7 @@ def gated_impls(d: dict, args, tiles) -> dict:
 def dgated_impls(d: dict, args, tiles) -> dict:
     """``{impl: fn}`` of ``down_dgrad_act`` (see the module docstring)."""
     from cuda_kernels.grouped_mm import down_dgrad_backward
-    from cuda_kernels.moe_backward.kernels import activation_backward
+    from cuda_kernels.triton.activation import activation_backward
 
     plan, layout, offs = d["plan"], d["layout"], d["offsets"]
     kw = {"activation": d["activation"], "clamp_limits": d["clamp"]}

@@ -7,7 +7,7 @@ Everything runs in one process on the same inputs: ``common.inputs.make_problem_
   device).run(problem)``. The ``torch`` row is the portable path (on CUDA it is given
   ``grouped_wgrad_default``, i.e. ``torch._grouped_mm``, so it does not silently pick up our
   SM90 wgrad kernel and duplicate the ``cuda-sm90`` row). A backend that cannot run prints why.
-- ``ours (bf16 grads)`` [bf16]: ``cuda_kernels.moe_backward.moe_backward_fused(problem,
+- ``ours (bf16 grads)`` [bf16]: ``cuda_kernels.moe.moe_backward_fused(problem,
   grad_dtype=torch.bfloat16)`` when importable (CUDA only).
 - ``ours (layer state)`` [state]: the same fused call given what ``common.layer``'s forward
   saves for its backward (the grouped layout and the forward's BF16 X rows), so it skips the
@@ -204,7 +204,7 @@ def build_impl(impl: str, p, model, T: int, device: torch.device):
         if device.type != "cuda":
             raise _Skip("skipped: needs a CUDA device")
         try:
-            from cuda_kernels.moe_backward import moe_backward_fused
+            from cuda_kernels.moe import moe_backward_fused
         except ImportError as exc:
             raise _Skip(f"skipped: {type(exc).__name__}: {exc}") from None
         kw = {"grad_dtype": torch.bfloat16}

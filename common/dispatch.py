@@ -33,9 +33,11 @@ __all__ = [
     "BACKEND_NAMES",
     "ENV_VAR",
     "Backend",
+    "BackendOption",
     "auto_backend_name",
     "detect_backend",
     "device_grouped_wgrad",
+    "layer_option",
     "register_backend",
     "registered_backends",
     "resolve_backend",
@@ -53,6 +55,31 @@ _PLUGINS = {
     "cuda-sm90": "cuda_kernels.backend",
     "cuda-sm100": "cuda_kernels.backend",
 }
+
+
+@dataclass(frozen=True)
+class BackendOption:
+    """A layer option a backend declares: a field of ``common.layer.MoEExpertsOptions`` of this
+    name, which the layer passes to that backend's ``forward`` and ``run`` by keyword (the other
+    backends ignore it).
+
+    Attributes:
+        name: the option's name (the ``MoEExpertsOptions`` field and the keyword).
+        values: the allowed values.
+        default: the value that changes nothing (one of ``values``).
+        doc: what each value does, for docs and ``moe-bwd backends``.
+    """
+
+    name: str
+    values: tuple[str, ...]
+    default: str
+    doc: str = ""
+
+    def check(self, value) -> None:
+        """The option's one check. Raises ValueError naming the option and its allowed values
+        unless ``value`` is one of them."""
+        if not isinstance(value, str) or value not in self.values:
+            raise ValueError(f"{self.name} must be one of {self.values}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -78,6 +105,11 @@ class Backend:
             common.torch_backward.LayerForward`` (routing plan, grouped layout with
             ``ALIGN``-row groups, y, BF16 checkpoint, X rows); None = the portable
             :func:`common.torch_backward.moe_layer_forward_torch`.
+        options: the layer options (:class:`BackendOption`) its ``forward`` and ``run`` take
+            by keyword; the layer checks their values when it builds its options.
+        layer_state: True when ``forward`` returns the BF16 X rows (``LayerForward.x_rows_S``)
+            and ``run`` takes the layer's saved state and gradient targets: ``layout``,
+            ``x_rows_S``, ``grad_dtype`` and ``accumulate_into`` (the ``main_grad`` pair).
     """
 
     name: str
@@ -88,6 +120,8 @@ class Backend:
     grouped_wgrad: Callable | None = None
     check_shape: Callable[[dict], str | None] | None = None
     forward: Callable | None = None
+    options: tuple[BackendOption, ...] = ()
+    layer_state: bool = False
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -120,6 +154,16 @@ def registered_backends() -> dict[str, Backend]:
     for name in _PLUGINS:
         _load_plugin(name)
     return dict(_REGISTRY)
+
+
+def layer_option(name: str) -> BackendOption | None:
+    """The declaration of the layer option ``name`` by a registered backend (the built-in
+    plugins imported first), or None when no backend that imports here declares it."""
+    for backend in registered_backends().values():
+        for option in backend.options:
+            if option.name == name:
+                return option
+    return None
 
 
 def _env_backend() -> str | None:

@@ -58,7 +58,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from common import layer_ops
-from common.dispatch import BACKEND_NAMES, registered_backends
+from common.dispatch import BACKEND_NAMES, layer_option, registered_backends
 from common.problem import SWIGLU, Activation, ClampLimits
 from common.routing import _INT_DTYPES  # the one list of accepted id dtypes
 
@@ -76,23 +76,6 @@ __all__ = [
 VALIDATE_ROUTING = ("device", "host", "off")
 """``validate_routing`` modes (:mod:`common.layer_ops`): a device-side check (default), a host
 check raising ValueError, none. ``True`` means ``"host"`` and ``False`` ``"off"``."""
-
-GROUPED_MM = ("auto", "cublas", "ours", "ours-gemm")
-"""``grouped_mm`` values: which implementation the ``cuda-sm90`` / ``cuda-sm100`` backends run
-for the forward's gather + gate/up GEMM + activation and the backward's gather + down dgrad +
-activation backward (``cuda_kernels.grouped_mm_choice``): ``"cublas"`` (gather pass, cuBLAS
-grouped GEMM, Triton pass), ``"ours"`` (the fused CuTe DSL kernel of ``cuda_kernels.grouped_mm``;
-RuntimeError where it cannot run), ``"ours-gemm"`` (its gathering GEMM with the plain store,
-then the Triton pass; RuntimeError where it cannot run), ``"auto"`` (the measured per-shape table
-``configs/cuda/grouped_mm_choice.yaml``, cuBLAS where the kernel cannot run). The other backends
-(``torch``, ``reference``, ``nki``) have one path and ignore it."""
-
-
-def check_grouped_mm(value) -> None:
-    """ValueError unless ``value`` is one of :data:`GROUPED_MM` (the option's one check)."""
-    if not isinstance(value, str) or value not in GROUPED_MM:
-        raise ValueError(f"grouped_mm must be one of {GROUPED_MM}, got {value!r}")
-
 
 # ------------------------------------------------------------------------------------ options
 @dataclass(frozen=True)
@@ -114,13 +97,17 @@ class MoEExpertsOptions:
         backend_options: ``(name, value)`` pairs passed to the backend's run in backward (e.g.
             ``(("block_size", 256), ("run_with_lnc2", False))`` for ``nki``/``nki-sim``); an
             unknown name is the backend's ValueError, in backward.
-        grouped_mm: one of :data:`GROUPED_MM` (default ``"auto"``): the fused grouped-GEMM
-            kernel, its gathering GEMM alone or today's cuBLAS path for the gate/up GEMM of the
-            forward and the down dgrad of the backward, on the ``cuda-sm90`` / ``cuda-sm100``
-            backends (the other backends have one implementation and ignore it).
+        grouped_mm: a layer option the ``cuda-sm90`` / ``cuda-sm100`` backends declare
+            (``cuda_kernels.moe.grouped_mm_choice.GROUPED_MM``: ``"auto"`` (default),
+            ``"cublas"``, ``"ours"``, ``"ours-gemm"``): the fused grouped-GEMM kernel, its
+            gathering GEMM alone or the cuBLAS path for the gate/up GEMM of the forward and the
+            down dgrad of the backward (the other backends have one implementation and ignore
+            it). Checked here by the declaring backend's check (where no backend that imports
+            here declares it, the value is not checked: no backend reads it).
 
     Raises:
-        ValueError: a field of the wrong type or an unknown backend name.
+        ValueError: a field of the wrong type, an unknown backend name or a value a backend's
+            option does not allow (naming the option and its values).
     """
 
     clamp_limits: ClampLimits | None = None
@@ -165,12 +152,15 @@ class MoEExpertsOptions:
             raise ValueError(
                 f"backend_options must be a tuple of (name, value) pairs, got {pairs!r}"
             )
-        if any(p[0] == "grouped_mm" for p in pairs):
-            raise ValueError(
-                "backend_options must not set grouped_mm: use MoEExpertsOptions(grouped_mm=...), "
-                "which reaches the forward too"
-            )
-        check_grouped_mm(self.grouped_mm)
+        for name, _ in pairs:
+            if layer_option(name) is not None:
+                raise ValueError(
+                    f"backend_options must not set {name}: use MoEExpertsOptions({name}=...), "
+                    "which reaches the forward too"
+                )
+        option = layer_option("grouped_mm")  # declared by the backends that read it
+        if option is not None:
+            option.check(self.grouped_mm)
         try:  # the custom ops' key (common.layer_ops); unhashable options take the Function
             key = layer_ops.options_key(self)
         except TypeError:
@@ -461,8 +451,7 @@ class MoEExperts(nn.Module):
         accumulate_main_grad: Megatron ``main_grad`` accumulation (module docstring).
         validate_routing: ``"device"`` (default, no host read), ``"host"`` or ``"off"``
             (:class:`MoEExpertsOptions`).
-        grouped_mm: one of :data:`GROUPED_MM`, default ``"auto"``
-            (:attr:`MoEExpertsOptions.grouped_mm`).
+        grouped_mm: default ``"auto"`` (:attr:`MoEExpertsOptions.grouped_mm`).
 
     Parameters:
         w_gate_up: [E, H, 2, I] (gate at index 0, up at 1).  w_down: [E, I, H].

@@ -4,7 +4,10 @@
   backend (:mod:`common.dispatch`), validate the routing (``validate_routing``: ``"device"``,
   ``"host"`` or ``"off"``), run the backend's ``forward`` (the fused GPU forward on
   ``cuda-sm90`` / ``cuda-sm100``; :func:`common.torch_backward.moe_layer_forward_torch`
-  elsewhere) and, in backward, its ``run``.
+  elsewhere) and, in backward, its ``run``. What a backend takes beyond the common arguments it
+  declares (``Backend.options``: layer options such as ``grouped_mm``, passed by name;
+  ``Backend.layer_state``: the saved X rows, the layout and the gradient targets); no backend is
+  named here.
 * ``torch.ops.moe_bwd.experts_forward`` / ``experts_backward`` -- the same as ``torch.library``
   custom ops with fake (meta) implementations and a registered autograd formula: the entry
   :func:`moe_experts_op` that :class:`common.layer.MoEExperts` uses, so a module holding the
@@ -15,8 +18,8 @@
 
 Options reach the ops as an interned integer key (:func:`options_key`); the options object itself
 is frozen and hashable, so equal options share a key and a compiled graph holds a constant.
-``MoEExpertsOptions.grouped_mm`` travels in it like every other option; the fake implementations
-need not read it (both implementations give outputs of the same shapes).
+A backend's layer options (``MoEExpertsOptions.grouped_mm``) travel in it like every other
+option; the fake implementations need not read them (outputs have the same shapes either way).
 
 Routing validation (``MoEExpertsOptions.validate_routing``):
 
@@ -44,7 +47,6 @@ from common.shapes import static_tokens_sum
 from common.torch_backward import ALIGN, LayerForward, moe_layer_forward_torch
 
 __all__ = [
-    "CUDA_BACKENDS",
     "check_routing_on_host",
     "layer_backward",
     "layer_forward",
@@ -52,12 +54,9 @@ __all__ = [
     "options_key",
 ]
 
-CUDA_BACKENDS = ("cuda-sm90", "cuda-sm100")
-"""Backends whose ``run`` takes ``grad_dtype``, ``accumulate_into``, ``layout``, ``x_rows_S``
-and ``grouped_mm`` (the fused backward), and whose ``forward`` (when they have one) takes
-``grouped_mm`` (the fused forward): ``MoEExpertsOptions.grouped_mm`` reaches both."""
 _GRAD_DTYPES = (torch.float32, torch.bfloat16)
-"""Gradient dtypes the fused CUDA backward writes directly; others are written fp32 and cast."""
+"""Gradient dtypes a ``layer_state`` backend's run writes directly; others are written fp32 and
+cast."""
 
 # ------------------------------------------------------------------------------------- options
 _OPTIONS: list = []
@@ -108,9 +107,16 @@ def _check_backend_shape(backend, T: int, H: int, I: int, E: int, K: int, activa
 
 
 # -------------------------------------------------------------------------- forward, backward
+def _declared_options(backend, options) -> dict[str, Any]:
+    """The backend's declared layer options (``Backend.options``) with their values in
+    ``options`` (a ``MoEExpertsOptions``), by name."""
+    return {o.name: getattr(options, o.name) for o in backend.options}
+
+
 def layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
     """One forward of the layer: ``(LayerForward, backend)``; ``x_rows_S`` is kept only for
-    the fused CUDA backward (else None). Raises as :class:`common.layer.MoEExpertsFunction`."""
+    a ``layer_state`` backend's backward (else None). Raises as
+    :class:`common.layer.MoEExpertsFunction`."""
     E, H = w_gate_up.shape[0], x.shape[1]
     backend = resolve_backend(options.backend, x.device)
     T, K = expert_index.shape
@@ -123,14 +129,14 @@ def layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_inde
     extra = {}
     if forward is None:
         forward = moe_layer_forward_torch
-    elif backend.name in CUDA_BACKENDS:
-        extra["grouped_mm"] = options.grouped_mm
+    else:
+        extra = _declared_options(backend, options)
     out = forward(
         x, affinity.detach(), expert_index, w_gate_up, w_down, b_gate_up, b_down,
         clamp_limits=options.clamp_limits, activation=options.activation,
         check_routing=mode == "device" and not on_host, **extra,
     )
-    if backend.name not in CUDA_BACKENDS and out.x_rows_S is not None:
+    if not backend.layer_state and out.x_rows_S is not None:
         out = LayerForward(out.y_TH, out.act_R2I, None, out.plan, out.layout)
     return out, backend
 
@@ -154,11 +160,12 @@ def layer_backward(
         activation=options.activation,
     )
     run_opts: dict[str, Any] = dict(options.backend_options)
+    run_opts.update(_declared_options(backend, options))
     accumulated = False
-    if backend.name in CUDA_BACKENDS:
+    if backend.layer_state:
         same = w_gate_up.dtype == w_down.dtype and w_gate_up.dtype in _GRAD_DTYPES
         run_opts.setdefault("grad_dtype", w_gate_up.dtype if same else torch.float32)
-        run_opts.update(layout=layout, x_rows_S=x_rows, grouped_mm=options.grouped_mm)
+        run_opts.update(layout=layout, x_rows_S=x_rows)
         if main_grad is not None and all(
             m.dtype == torch.float32 and m.is_contiguous() for m in main_grad
         ):
@@ -217,7 +224,7 @@ def _experts_forward(
 
 
 def _keeps_rows(options, device) -> bool:
-    return resolve_backend(options.backend, device).name in CUDA_BACKENDS
+    return resolve_backend(options.backend, device).layer_state
 
 
 @_experts_forward.register_fake

@@ -35,6 +35,7 @@ from common.shapes import static_tokens_sum
 __all__ = [
     "ALIGN",
     "LayerForward",
+    "fits_grouped_mm",
     "grouped_layout",
     "grouped_mm_rows",
     "grouped_wgrad_default",
@@ -56,7 +57,7 @@ def _segments(offsets_E: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
-def _fits_grouped_mm(dtype: torch.dtype, device: torch.device, *dims: int) -> bool:
+def fits_grouped_mm(dtype: torch.dtype, device: torch.device, *dims: int) -> bool:
     """Use torch._grouped_mm (BF16, strides of 16 bytes) on CUDA. On the CPU a per-expert loop
     of BLAS calls is faster (measured 2026-11-30, 2 cores: torch._grouped_mm copies transposed
     weights), and host reads of the offsets cost nothing there."""
@@ -86,7 +87,7 @@ def grouped_mm_rows(
     S, K = x_SK.shape
     N = w_EKN.shape[2]
     dt = dtype
-    if _fits_grouped_mm(dt, x_SK.device, K, N) and S % ALIGN == 0:
+    if fits_grouped_mm(dt, x_SK.device, K, N) and S % ALIGN == 0:
         return torch._grouped_mm(x_SK.to(dt), w_EKN.to(dt), offs=offsets_E).float()
     out = torch.empty(S, N, dtype=torch.float32, device=x_SK.device)
     segments = _segments(offsets_E)
@@ -109,7 +110,7 @@ def grouped_wgrad_default(
     I = b_SI.shape[1]
     E = offsets_E.shape[0]
     dt = torch.bfloat16
-    if _fits_grouped_mm(dt, a_HS.device, H, I) and S % ALIGN == 0 and S > 0:
+    if fits_grouped_mm(dt, a_HS.device, H, I) and S % ALIGN == 0 and S > 0:
         out = torch._grouped_mm(a_HS.to(dt), b_SI.to(dt), offs=offsets_E)
         # An empty group's output must read 0 whatever the library leaves there (REFERENCE §7).
         ends = offsets_E.to(torch.int64)

@@ -1,14 +1,17 @@
 """Dispatcher plugin: registers the ``cuda-sm90`` and ``cuda-sm100`` backends with
 ``common.dispatch``.
 
-Each backend runs the fused GPU forward of the layer (``cuda_kernels.moe_forward``) and the fused
-GPU backward (``cuda_kernels.moe_backward.moe_backward_fused``: grouped GEMMs, Triton kernels for
+Each backend runs the fused GPU forward of the layer (``cuda_kernels.moe.moe_forward_fused``) and
+the fused GPU backward (``cuda_kernels.moe.moe_backward_fused``: grouped GEMMs, Triton kernels for
 everything between them, and this package's grouped wgrad kernel through the public API
-``cuda_kernels.grouped_wgrad.api``). ``check()`` says what is missing:
-CUDA, the right compute capability, Triton, the CuTe DSL package, or (SM100) the kernel itself.
+``cuda_kernels.grouped_wgrad.api``), and declares its layer option ``grouped_mm``
+(``cuda_kernels.moe.grouped_mm_choice.GROUPED_MM_OPTION``) and its layer state (saved X rows,
+layout, gradient targets). ``check()`` says what is missing: CUDA, the right compute capability,
+Triton, the CuTe DSL package, or (SM100) the kernel itself.
 
-Imported lazily by ``common.dispatch`` by module name; importing it imports no CuTe DSL and does not
-query the GPU (``check()`` does, when called).
+Imported lazily by ``common.dispatch`` by module name; importing it imports neither triton nor
+CuTe DSL and does not query the GPU (``check()`` does, when called), so the option declaration
+is there (and ``MoEExperts(grouped_mm=...)`` checked) wherever the package imports.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from common.dispatch import Backend, register_backend
 from common.problem import MoEBackwardProblem, MoEGrads
 
 from .grouped_wgrad import api, registry
+from .moe.grouped_mm_choice import GROUPED_MM_OPTION
 
 __all__ = ["check_cuda_sm90", "check_cuda_sm100", "make_grouped_wgrad"]
 
@@ -98,9 +102,9 @@ def make_grouped_wgrad(arch: str, stats: dict | None = None, group_align: int = 
 
 
 def _forward_fused(*args, **kwargs):
-    """The fused layer forward (``cuda_kernels.moe_forward.moe_forward_fused``; ``kwargs`` are
-    its keywords, ``grouped_mm`` from ``MoEExpertsOptions`` among them)."""
-    from .moe_forward import moe_forward_fused  # imports triton: only when run
+    """The fused layer forward (``cuda_kernels.moe.moe_forward_fused``; ``kwargs`` are its
+    keywords, ``grouped_mm`` from ``MoEExpertsOptions`` among them)."""
+    from .moe.forward import moe_forward_fused  # imports triton: only when run
 
     return moe_forward_fused(*args, **kwargs)
 
@@ -108,7 +112,7 @@ def _forward_fused(*args, **kwargs):
 def _run_fused(problem: MoEBackwardProblem, **options) -> MoEGrads:
     """The fused backward; ``options`` are :func:`moe_backward_fused`'s keywords (``grouped_mm``
     from ``MoEExpertsOptions`` among them)."""
-    from .moe_backward import moe_backward_fused  # imports triton: only when run
+    from .moe.backward import moe_backward_fused  # imports triton: only when run
 
     return moe_backward_fused(problem, **options)
 
@@ -122,6 +126,8 @@ register_backend(
         run=_run_fused,
         grouped_wgrad=make_grouped_wgrad("sm90"),
         forward=_forward_fused,
+        options=(GROUPED_MM_OPTION,),
+        layer_state=True,
     )
 )
 register_backend(
@@ -133,5 +139,7 @@ register_backend(
         run=_run_fused,
         grouped_wgrad=make_grouped_wgrad("sm100"),
         forward=_forward_fused,
+        options=(GROUPED_MM_OPTION,),
+        layer_state=True,
     )
 )

@@ -9,11 +9,10 @@ Public names:
   :class:`ShardOption`, :class:`AffinityOption`, :class:`ActFnType`, :class:`QuantScheme`,
   :func:`default_phase_configs`, :func:`load_tuned_phase_configs` (:mod:`nki_kernels.config`).
 - :func:`validate_blockwise_mm_bwd_args` (:mod:`nki_kernels.validation`).
-- :func:`moe_expert_mlp` (:mod:`nki_kernels.autograd`: :func:`common.layer.moe_experts` with NKI
-  defaults), lazily.
 
 Backends ``nki`` and ``nki-sim`` live in :mod:`nki_kernels.backend`, imported by
-:mod:`common.dispatch` on demand.
+:mod:`common.dispatch` on demand. The training layer with the NKI backward's defaults,
+``moe_expert_mlp``, is :mod:`common.nki_layer`'s (a backend imports no training layer).
 """
 
 from __future__ import annotations
@@ -47,13 +46,11 @@ __all__ = [
     "blockwise_mm_bwd_mxfp8",
     "default_phase_configs",
     "load_tuned_phase_configs",
-    "moe_expert_mlp",
     "validate_blockwise_mm_bwd_args",
 ]
 
 _LAZY = {
     "blockwise_mm_bwd_mxfp8": ("nki_kernels.blockwise_mm_bwd_mxfp8", "blockwise_mm_bwd_mxfp8"),
-    "moe_expert_mlp": ("nki_kernels.autograd", "moe_expert_mlp"),
 }
 
 
@@ -78,7 +75,7 @@ sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:
-    # PEP 562 lazy attributes: the kernel and the autograd layer load on first use.
+    # PEP 562 lazy attributes: the kernel loads on first use.
     if name in _LAZY:
         import importlib
 

@@ -1,4 +1,4 @@
-"""Tests of the fused GPU backward (cuda_kernels/moe_backward) against its twins.
+"""Tests of the fused GPU backward (cuda_kernels/moe/backward.py) against its twins.
 
 Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors (tests/conftest.py sets
 TRITON_INTERPRET=1) and the GEMMs in torch; with one, everything runs on the GPU. Either way the
@@ -25,8 +25,8 @@ from common.torch_backward import grouped_layout, moe_backward_torch
 
 from test_torch_backward import routing  # the same seeded router as the twin's tests
 
-kernels = pytest.importorskip("cuda_kernels.moe_backward.kernels")
-from cuda_kernels.moe_backward import moe_backward_fused  # noqa: E402
+kernels = pytest.importorskip("cuda_kernels.triton.rows")
+from cuda_kernels.moe import moe_backward_fused  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # fused vs the portable path on the same inputs: both round the same BF16 operands; they differ by
@@ -321,7 +321,7 @@ def test_zero_empty_groups_touches_only_empty_experts():
 
 
 def test_wgrad_choice_uses_cublas_only_for_bf16_off_grid_sizes(monkeypatch):
-    from cuda_kernels.moe_backward import fused
+    from cuda_kernels.moe import backward as fused
 
     monkeypatch.setattr(fused.api, "select_grouped_wgrad_backend", lambda dev: ("sm90", ""))
     monkeypatch.setattr(fused.api, "kernel_unsupported_reason", lambda *a: None)
@@ -342,7 +342,7 @@ def test_wgrad_choice_uses_cublas_only_for_bf16_off_grid_sizes(monkeypatch):
 def test_sm100_kernel_never_gets_rows_off_its_256_row_contract(monkeypatch):
     """The SM100 kernel poisons experts whose row count breaks its contract: the fused path's
     16-row layout must never reach it (auto falls back, an explicit request raises)."""
-    from cuda_kernels.moe_backward import fused
+    from cuda_kernels.moe import backward as fused
 
     monkeypatch.setattr(fused.api, "select_grouped_wgrad_backend", lambda dev: ("sm100", ""))
     monkeypatch.setattr(fused.api, "kernel_unsupported_reason", lambda *a: None)

@@ -377,7 +377,7 @@ def test_gated_twin_matches_gemm_then_pass(name, integer):
     checkpoints when the accumulators are exact in BF16; otherwise they differ only by the
     pass's extra rounding (<= 1 ulp in the checkpoint, about 1 in a*h)."""
     from common.torch_backward import grouped_mm_rows
-    from cuda_kernels.moe_forward.kernels import activation_forward
+    from cuda_kernels.triton.activation import activation_forward
 
     act_fn, clamp, with_bias = _ACTS[name]
     x, w, b, plan, layout = _gated_problem(33, 16 if integer else 64, 32, 5, 2, seed=8,
@@ -523,7 +523,7 @@ def test_dgated_twin_matches_gemm_then_pass(name):
     Triton interpreted here) and the fused epilogue's twin (from the fp32 ``dh_raw``): they
     differ by the pass's rounding of ``dh_raw`` only."""
     from common.torch_backward import grouped_mm_rows
-    from cuda_kernels.moe_backward.kernels import activation_backward
+    from cuda_kernels.triton.activation import activation_backward
 
     act_fn, clamp, _ = _ACTS[name]
     T, H, I, E = 37, 64, 32, 5
@@ -621,10 +621,10 @@ def _poisoned(S, K):
 
 
 def gather_rows(a, idx, dtype):
-    """The Triton gather pass (``moe_backward.kernels.gather_rows``) of CPU ``a`` / ``idx``, as
+    """The Triton gather pass (``triton.rows.gather_rows``) of CPU ``a`` / ``idx``, as
     CPU tensors: run compiled on the GPU where there is one (Triton interprets CPU tensors only
     without a GPU), in the interpreter otherwise."""
-    from cuda_kernels.moe_backward.kernels import gather_rows as triton_gather
+    from cuda_kernels.triton.rows import gather_rows as triton_gather
 
     return triton_gather(a.to(DEV), idx.to(DEV), dtype).cpu()
 

@@ -535,8 +535,8 @@ def test_gated_matches_the_layers_gemm_then_pass(name):
     then ``activation_forward``; the fused path skips the BF16 rounding of the pre-activation,
     so the checkpoint differs by at most half an ulp of the accumulator plus one rounding
     flip."""
-    from cuda_kernels.moe_backward.kernels import gather_rows
-    from cuda_kernels.moe_forward.kernels import activation_forward
+    from cuda_kernels.triton.rows import gather_rows
+    from cuda_kernels.triton.activation import activation_forward
 
     act_fn, clamp, with_bias = _GATED_ACTS[name]
     gen = torch.Generator().manual_seed(21)
@@ -620,7 +620,8 @@ def test_dgated_matches_twin(case):
 def test_dgated_matches_the_layers_gemm_then_pass(name):
     """Against the backward's first steps today: cuBLAS's grouped GEMM of gathered dY rows
     (BF16 dh_raw), then ``activation_backward``."""
-    from cuda_kernels.moe_backward.kernels import activation_backward, gather_rows
+    from cuda_kernels.triton.activation import activation_backward
+    from cuda_kernels.triton.rows import gather_rows
 
     gen = torch.Generator().manual_seed(50)
     T, H, I, E = 512, 1024, 512, 16
@@ -717,7 +718,7 @@ def test_a_rows_out_is_gather_rows_bitwise_and_outputs_unchanged(case):
     on every row (padding rows +0, rows past the last expert with valid indices gathered, rows
     of the next expert's tile untouched: uneven, empty and hot experts), and the main outputs
     bitwise those of the same call without it (one compile per key: ``write_a_rows``)."""
-    from cuda_kernels.moe_backward.kernels import gather_rows
+    from cuda_kernels.triton.rows import gather_rows
 
     _id, epi, T, K, n, E, top_k, hot, extra, tile, w_major, idx_dtype, act_name = case
     gen = torch.Generator().manual_seed(70 + _ROWS_GRID.index(case))
@@ -799,7 +800,7 @@ def test_a_rows_out_off_the_16_row_grid(counts, extra):
     """The side output on :func:`test_splits_off_the_16_row_grid`'s splits (random indices,
     -1 included, on every row: all rows past the last expert when every expert is empty; one-row
     experts: a tile per row), one key: bitwise gather_rows, main output unchanged."""
-    from cuda_kernels.moe_backward.kernels import gather_rows
+    from cuda_kernels.triton.rows import gather_rows
 
     a, w, offsets, idx = _splits_case(counts, extra)
     S, K = idx.shape[0], a.shape[1]

@@ -275,7 +275,7 @@ def test_main_grad_missing_on_a_weight_is_an_error_not_a_silent_fallback():
 def test_main_grad_through_the_cuda_backend_entry(monkeypatch):
     """The cuda-sm90 branch (grad_dtype, accumulate_into) with the fused backward standing in
     for the GPU backend: on the GPU when there is one, else its CPU run (Triton interpreter)."""
-    fused = pytest.importorskip("cuda_kernels.moe_backward")
+    fused = pytest.importorskip("cuda_kernels.moe.backward")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dispatch.registered_backends()
     calls = []
@@ -284,7 +284,9 @@ def test_main_grad_through_the_cuda_backend_entry(monkeypatch):
         calls.append(sorted(options))
         return fused.moe_backward_fused(problem, **options)
 
-    fake = dispatch.Backend(name="cuda-sm90", summary="test", check=lambda: None, run=run)
+    # the real declaration (options, layer_state), without its forward: the portable one runs
+    fake = dataclasses.replace(dispatch.registered_backends()["cuda-sm90"], check=lambda: None,
+                               run=run, forward=None)
     monkeypatch.setitem(dispatch._REGISTRY, "cuda-sm90", fake)
     d = {k: v.to(dev) for k, v in _leaves(6, bias=True).items()}
     idx = EXPERT_INDEX_TK.to(dev)
@@ -683,7 +685,7 @@ def test_double_backward_is_refused_by_the_torchtitan_adapter():
 
 
 def test_double_backward_is_refused_through_nki_moe_expert_mlp():
-    from nki_kernels.autograd import moe_expert_mlp
+    from common.nki_layer import moe_expert_mlp
 
     d = _leaves(12, bias=False)
     leaves = [d["x"], d["aff"], d["wgu"], d["wd"]]

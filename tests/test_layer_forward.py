@@ -23,8 +23,8 @@ from common.problem import GPT_OSS, ClampLimits
 from common.routing import ROUTING_ERRORS, plan_routing, routing_error_code
 from common.torch_backward import grouped_layout, moe_layer_forward_torch
 
-fwd = pytest.importorskip("cuda_kernels.moe_forward")
-from cuda_kernels.moe_forward.kernels import activation_forward  # noqa: E402
+fwd = pytest.importorskip("cuda_kernels.moe.forward")
+from cuda_kernels.triton.activation import activation_forward  # noqa: E402
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -382,7 +382,7 @@ def test_fused_backward_writes_grads_in_torchtitan_weight_layout():
 
     from common.inputs import make_problem
     from common.layer import down_from_torchtitan, gate_up_from_torchtitan
-    from cuda_kernels.moe_backward import moe_backward_fused
+    from cuda_kernels.moe import moe_backward_fused
 
     p = make_problem(24, 32, 16, 4, 2, seed=3, device=DEV)
     w1 = p.w_gate_up_EH2I[:, :, 0].transpose(1, 2).contiguous()

@@ -18,25 +18,30 @@ from __future__ import annotations
 
 import dataclasses
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from test_torch_backward import routing  # the same seeded router as the twin's tests
 
 from common import dispatch
 from common.inputs import make_problem
-from common.layer import GROUPED_MM, MoEExperts, MoEExpertsOptions
+from common.layer import MoEExperts, MoEExpertsOptions
 from common.metrics import sqnr_db, sqnr_floor
 from common.problem import GPT_OSS, ClampLimits
 from common.reference import reference_backward, reference_forward
 
-choice = pytest.importorskip("cuda_kernels.grouped_mm_choice")
+choice = pytest.importorskip("cuda_kernels.moe.grouped_mm_choice")
 from cuda_kernels import grouped_mm as gmm  # noqa: E402
-from cuda_kernels.moe_backward import moe_backward_fused  # noqa: E402
-from cuda_kernels.moe_forward import moe_forward_fused  # noqa: E402
+from cuda_kernels.moe import moe_backward_fused  # noqa: E402
+from cuda_kernels.moe import moe_forward_fused  # noqa: E402
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parent.parent
 TWIN_MIN_DB = 45.0  # tests/test_fused_backward.py's fused-vs-twin bar
 CLAMP = ClampLimits(
     linear_clamp_upper_limit=1.0, linear_clamp_lower_limit=-1.0, non_linear_clamp_upper_limit=1.0
@@ -187,9 +192,37 @@ def test_grouped_mm_option_value_error(bad):
         moe_backward_fused(p, grouped_mm=bad)
 
 
+def test_grouped_mm_option_checked_where_no_kernel_can_load():
+    """The option's declaration imports neither triton nor CuTe DSL: in a process where neither
+    can be imported, a bad value still fails when the options are built."""
+    code = (
+        "import sys; sys.modules['triton'] = sys.modules['cutlass'] = None\n"
+        "from common.layer import MoEExperts\n"
+        "try:\n    MoEExperts(2, 16, 8, grouped_mm='fast')\n"
+        "except ValueError as e:\n    print(e)\n"
+        "MoEExperts(2, 16, 8, grouped_mm='ours')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('cuda_kernels.moe.', 'triton'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT).stdout.splitlines()
+    assert out == [
+        "grouped_mm must be one of ('auto', 'cublas', 'ours', 'ours-gemm'), got 'fast'",
+        "['cuda_kernels.moe.grouped_mm_choice', 'triton']",  # (sys.modules['triton'] = None)
+    ]
+
+
 def test_grouped_mm_option_values_and_backend_options():
+    GROUPED_MM = choice.GROUPED_MM
     assert GROUPED_MM == ("auto", "cublas", "ours", "ours-gemm")
-    assert choice.GROUPED_MM is GROUPED_MM and choice.IMPLS == GROUPED_MM[1:]
+    assert choice.IMPLS == GROUPED_MM[1:]
+    # the CUDA backends declare the option; the layer finds it through the dispatcher
+    assert dispatch.layer_option("grouped_mm") is choice.GROUPED_MM_OPTION
+    assert choice.GROUPED_MM_OPTION.default == "auto"
+    backends = dispatch.registered_backends()
+    for name in ("cuda-sm90", "cuda-sm100"):
+        assert backends[name].options == (choice.GROUPED_MM_OPTION,) and backends[name].layer_state
+    for name in ("torch", "reference"):
+        assert backends[name].options == () and not backends[name].layer_state
     for v in GROUPED_MM:
         assert MoEExpertsOptions(grouped_mm=v).grouped_mm == v
     assert MoEExpertsOptions(grouped_mm="ours") != MoEExpertsOptions()
@@ -367,8 +400,8 @@ def cuda_backend(monkeypatch):
         seen["run"].append(grads.info["grouped_mm"])
         return grads
 
-    fake = dispatch.Backend(name="cuda-sm90", summary="test", check=lambda: None, run=run,
-                            forward=forward)
+    fake = dataclasses.replace(dispatch.registered_backends()["cuda-sm90"], check=lambda: None,
+                               run=run, forward=forward)
     monkeypatch.setitem(dispatch._REGISTRY, "cuda-sm90", fake)
     return seen
 

@@ -23,7 +23,7 @@ from common.problem import MoEBackwardProblem
 from common.reference import reference_backward, reference_forward
 from common.routing import plan_routing
 from nki_kernels import backend as nki_backend
-from nki_kernels.autograd import expert_mlp_forward, moe_expert_mlp
+from common.nki_layer import expert_mlp_forward, moe_expert_mlp
 from nki_kernels.config import (
     ActFnType,
     AffinityOption,

@@ -1,4 +1,4 @@
-"""Tests of the Triton routing build (cuda_kernels/moe_forward/routing) against its twin.
+"""Tests of the Triton routing build (cuda_kernels/triton/routing.py) against its twin.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (tests/conftest.py sets
 TRITON_INTERPRET=1). Every tensor field of the plan and the grouped layout must be bit-identical
@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from common.routing import plan_routing
 
-rk = pytest.importorskip("cuda_kernels.moe_forward.routing")
-from cuda_kernels.moe_forward import build_routing, check_routing_async  # noqa: E402
+rk = pytest.importorskip("cuda_kernels.triton.routing")
+from cuda_kernels.triton.routing import build_routing, check_routing_async  # noqa: E402
 
 _BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
          torch.float16: torch.int16}
@@ -296,7 +296,7 @@ _AOT_SCRIPT = """
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import cuda_kernels.moe_forward.routing as rk
+import cuda_kernels.triton.routing as rk
 
 def build(kernel, types, consts, **opts):
     names = kernel._fn.arg_names
@@ -414,7 +414,7 @@ def test_gpu_cuda_graph_replay_with_new_routing():
 
 _ASSERT_SCRIPT = """
 import torch
-from cuda_kernels.moe_forward import build_routing, check_routing_async
+from cuda_kernels.triton.routing import build_routing, check_routing_async
 ei = torch.tensor([[0, 7]], device="cuda")
 _, _, code = build_routing(ei, torch.ones(1, 2, device="cuda"), 4)
 check_routing_async(code)

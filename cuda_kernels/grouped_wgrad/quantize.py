@@ -37,7 +37,7 @@ import triton.language as tl
 
 from common.mx_atoms import ATOM_ROWS, round_up
 
-from ..triton_launch import interpreting
+from ..triton.launch import interpreting
 from . import validate as validate_mod
 from .validate import QUANT_ELEMS, QUANT_SCALE_RULES, QUANT_SF_VEC
 

@@ -11,7 +11,7 @@ Per call (rows in the grouped layout of the plan, REFERENCE §1.2; math REFERENC
     y        = token_sum(out_S (+ a * b_down[e]))               # each token sums its rows (Triton)
 
 With ``grouped_mm="ours"`` (or ``"auto"`` where ``configs/cuda/grouped_mm_choice.yaml`` says so:
-:mod:`cuda_kernels.grouped_mm_choice`) the first three steps are one kernel::
+:mod:`cuda_kernels.moe.grouped_mm_choice`) the first three steps are one kernel::
 
     act, ah  = gate_up_forward(X, W_gate_up, ..., x_rows_out=x_S)   # gather + GEMM + activation
                                                                     # (CuTe DSL), x_S side-written
@@ -22,7 +22,7 @@ GEMM are one kernel (:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, x_S side
 the activation stays a pass.
 
 No fp32 intermediate goes through HBM, no atomics (bitwise deterministic), no host read of device
-values (CUDA-graph capturable). The backward (:mod:`cuda_kernels.moe_backward`) reuses the plan,
+values (CUDA-graph capturable). The backward (:mod:`cuda_kernels.moe.backward`) reuses the plan,
 the layout, the checkpoint and ``x_S``. On CPU tensors under ``TRITON_INTERPRET=1`` the Triton
 kernels run interpreted and the GEMMs in torch: how CPU CI tests this path against its twin,
 :func:`common.torch_backward.moe_layer_forward_torch`.
@@ -36,11 +36,11 @@ from common.problem import Activation, ClampLimits
 from common.torch_backward import ALIGN, LayerForward
 
 from .. import grouped_mm as gmm
-from ..grouped_mm_choice import check_grouped_mm, kernel_rows, pick
-from ..moe_backward.fused import gathered_times_experts, rows_times_experts
-from ..moe_backward.kernels import token_sum
-from .kernels import activation_forward
-from .routing import build_routing, check_routing_async
+from ..triton.activation import activation_forward
+from ..triton.routing import build_routing, check_routing_async
+from ..triton.rows import token_sum
+from .grouped_mm_choice import kernel_rows, pick
+from .steps import gathered_times_experts, rows_times_experts
 
 __all__ = ["moe_forward_fused"]
 
@@ -78,17 +78,16 @@ def moe_forward_fused(
             fused :func:`cuda_kernels.grouped_mm.gate_up_forward`), ``"ours-gemm"`` (our
             gathering GEMM, then the activation pass) or ``"auto"`` (default: the
             per-shape table, cuBLAS where our kernel cannot run;
-            :mod:`cuda_kernels.grouped_mm_choice`). Same outputs either way (within one BF16
+            :mod:`cuda_kernels.moe.grouped_mm_choice`). Same outputs either way (within one BF16
             rounding of the pre-activation).
     Returns:
         :class:`~common.torch_backward.LayerForward`: y [T, H] in the input's dtype, the BF16
         checkpoint [R, 2, I], the BF16 X rows [S, H], the plan and the layout.
     Raises:
-        ValueError: ``grouped_mm`` not one of ``common.layer.GROUPED_MM``.
+        ValueError: ``grouped_mm`` not one of :data:`.grouped_mm_choice.GROUPED_MM`.
         RuntimeError: CPU tensors without the Triton interpreter; ``grouped_mm="ours"`` /
             ``"ours-gemm"`` where its kernel cannot run this call (the message says why).
     """
-    check_grouped_mm(grouped_mm)
     act_fn = Activation.resolve(activation)
     E, H, _, I = w_gate_up_EH2I.shape
     bf16 = torch.bfloat16

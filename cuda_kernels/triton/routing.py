@@ -50,7 +50,7 @@ import triton.language as tl
 from common.routing import GroupedLayout, RoutingPlan, as_int, check_router_output
 from common.shapes import static_tokens_sum
 
-from ..triton_launch import TritonKernel, cast, interpreting, rne_bf16
+from .launch import TritonKernel, cast, interpreting, rne_bf16
 
 __all__ = [
     "ERROR_MESSAGES",

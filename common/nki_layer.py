@@ -1,4 +1,6 @@
-"""A SwiGLU expert MLP whose backward is the NKI blockwise MXFP8 kernel.
+"""A SwiGLU expert MLP whose backward is the NKI blockwise MXFP8 kernel (the training layer with
+the ``nki`` backends' defaults: it sits beside :mod:`common.layer`, above the backends, which it
+reaches by name through :mod:`common.dispatch`).
 
 :func:`moe_expert_mlp` is :func:`common.layer.moe_experts` (one autograd Function for every
 backend: BF16-operand forward that saves the activation checkpoint, backward through

@@ -13,7 +13,7 @@ Per call (rows in the grouped layout of the plan, REFERENCE §1.2; math REFERENC
     dW_gate_up  = x_S^T dgu_S                           # our grouped wgrad kernel (SM90)
 
 With ``grouped_mm="ours"`` (or ``"auto"`` where ``configs/cuda/grouped_mm_choice.yaml`` says so:
-:mod:`cuda_kernels.grouped_mm_choice`) the dY gather, the down dgrad and the activation backward
+:mod:`cuda_kernels.moe.grouped_mm_choice`) the dY gather, the down dgrad and the activation backward
 are one kernel, :func:`cuda_kernels.grouped_mm.down_dgrad_backward` (``dy_rows_out`` side-writes
 ``dY_S``), which reads ``dh_raw`` from its fp32 accumulator (one BF16 rounding fewer); with
 ``"ours-gemm"`` the dY gather and the down dgrad are one kernel
@@ -33,42 +33,19 @@ from __future__ import annotations
 import torch
 
 from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
-from common.torch_backward import ALIGN, _fits_grouped_mm, grouped_layout, grouped_mm_rows
+from common.torch_backward import ALIGN, grouped_layout
 
 from .. import grouped_mm as gmm
-from ..grouped_mm_choice import check_grouped_mm, kernel_rows, pick
 from ..grouped_wgrad import api
-from . import kernels
+from ..triton.activation import activation_backward
+from ..triton.rows import gather_rows, segment_colsum, token_sum, zero_empty_groups
+from .grouped_mm_choice import kernel_rows, pick
+from .steps import gathered_times_experts, rows_times_experts
 
-__all__ = ["GRAD_DTYPES", "gathered_times_experts", "moe_backward_fused", "rows_times_experts"]
+__all__ = ["GRAD_DTYPES", "moe_backward_fused"]
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
 """Dtypes the fused backward writes its gradients in (dA is always fp32)."""
-
-
-def rows_times_experts(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
-    """``x_SK[s] @ w_EKN[e(s)]``: BF16 out of ``torch._grouped_mm`` on CUDA where its stride
-    rules allow (no fp32 copy), the portable path elsewhere."""
-    if x_SK.is_cuda and _fits_grouped_mm(x_SK.dtype, x_SK.device, *w_EKN.shape[1:]):
-        return torch._grouped_mm(x_SK, w_EKN, offs=offsets_E)
-    return grouped_mm_rows(x_SK, w_EKN, offsets_E)
-
-
-def gathered_times_experts(impl: str, a_TK: torch.Tensor, w_EKN: torch.Tensor, layout):
-    """``(a_S, out_S)``: the [S, K] BF16 rows ``a_TK[row_to_token_S]`` (padding rows 0) and
-    ``a_S[s] @ w_EKN[e(s)]`` [S, N] BF16, the operand and output of a gathered grouped GEMM.
-    ``impl`` (:func:`cuda_kernels.grouped_mm_choice.pick`): ``"cublas"`` = the Triton gather
-    pass then :func:`rows_times_experts`; ``"ours-gemm"`` = our gathering GEMM
-    (:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, its torch twin on CPU tensors), which
-    side-writes the same rows bit for bit."""
-    idx = layout.row_to_token_S
-    if impl == "cublas":
-        a_S = kernels.gather_rows(a_TK, idx, torch.bfloat16)
-        return a_S, rows_times_experts(a_S, w_EKN, layout.offsets_E)
-    a_S = torch.empty(layout.tokens_sum, a_TK.shape[1], dtype=torch.bfloat16, device=a_TK.device)
-    out = gmm.grouped_mm_gather(kernel_rows(a_TK), w_EKN, layout.offsets_E, idx,
-                                backend="sm90" if a_TK.is_cuda else "torch", a_rows_out=a_S)
-    return a_S, out
 
 
 def _memory_is(w: torch.Tensor, order: tuple[int, ...]) -> bool:
@@ -170,7 +147,7 @@ def _wgrad(
     if reason:
         stats["wgrad_reason"] = reason
     if name == "cublas":
-        return kernels.zero_empty_groups(torch._grouped_mm(a_HS, b_SI, offs=offsets_E), offsets_E)
+        return zero_empty_groups(torch._grouped_mm(a_HS, b_SI, offs=offsets_E), offsets_E)
     if out is None:
         E = offsets_E.shape[0]
         out = torch.empty(E, a_HS.shape[0], b_SI.shape[1], dtype=out_dtype, device=a_HS.device)
@@ -225,7 +202,7 @@ def moe_backward_fused(
             ``"ours"`` (the fused :func:`cuda_kernels.grouped_mm.down_dgrad_backward`; needs
             a contiguous BF16 checkpoint), ``"ours-gemm"`` (our gathering down dgrad, then the
             activation-backward pass) or ``"auto"`` (default: the per-shape table, cuBLAS
-            where our kernel cannot run; :mod:`cuda_kernels.grouped_mm_choice`).
+            where our kernel cannot run; :mod:`cuda_kernels.moe.grouped_mm_choice`).
             ``info["grouped_mm"]`` says which ran.
     Returns:
         :class:`~common.problem.MoEGrads`; ``info["wgrad_backend"]`` names the wgrad used,
@@ -239,7 +216,6 @@ def moe_backward_fused(
     """
     p = problem
     p.validate()
-    check_grouped_mm(grouped_mm)
     acc = _check_options(p, grad_dtype, accumulate_into, wgrad_backend)
     plan = p.plan
     x_TH, dy_TH = p.hidden_states_TH, p.output_grad_TH
@@ -270,7 +246,7 @@ def moe_backward_fused(
     stats: dict = {}
 
     if x_rows_S is None:
-        x_S = kernels.gather_rows(x_TH, layout.row_to_token_S, bf16)
+        x_S = gather_rows(x_TH, layout.row_to_token_S, bf16)
     else:
         x_S = x_rows_S
     w_down_EHI = p.w_down_EIH.to(bf16).transpose(1, 2)
@@ -286,7 +262,7 @@ def moe_backward_fused(
         )
     else:
         dy_S, dh_raw = gathered_times_experts(impl, dy_TH, w_down_EHI, layout)
-        dgu_S, ah_S, dA_TE = kernels.activation_backward(
+        dgu_S, ah_S, dA_TE = activation_backward(
             dh_raw, p.act_checkpoint_R2I, r2p, plan,
             activation=p.activation, clamp_limits=p.clamp_limits or ClampLimits(),
             dy_SH=dy_S, b_down_EH=p.b_down_EH,
@@ -296,8 +272,8 @@ def moe_backward_fused(
     # the dX rows after their token sum, X rows and d_gate_up after dW_gate_up.
     acc_gu, acc_d = acc if acc is not None else (None, None)
     if p.has_bias:
-        dBgu = kernels.segment_colsum(dgu_S, offs, r2p)
-        dBd = kernels.segment_colsum(dy_S, offs, r2p, plan.pair_affinity_R)
+        dBgu = segment_colsum(dgu_S, offs, r2p)
+        dBd = segment_colsum(dy_S, offs, r2p, plan.pair_affinity_R)
     align = layout.align
     if acc is None and _memory_is(p.w_down_EIH, (0, 2, 1)):  # w2 [E, H, I] (torchtitan)
         dWd = _wgrad(dy_S.t(), ah_S, offs, None, False, grad_dtype, wgrad_backend, align,
@@ -309,7 +285,7 @@ def moe_backward_fused(
     del ah_S, dy_S
     w_gu_E2IH = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I).transpose(1, 2)
     dX_S = rows_times_experts(dgu_S, w_gu_E2IH, offs)
-    dX = kernels.token_sum(dX_S, layout.slot_to_row_TK, grad_dtype)
+    dX = token_sum(dX_S, layout.slot_to_row_TK, grad_dtype)
     del dX_S
     if acc is None and _memory_is(p.w_gate_up_EH2I, (0, 2, 3, 1)):  # [w1; w3] [E, 2I, H]
         dWgu = _wgrad(dgu_S.t(), x_S, offs, None, False, grad_dtype, wgrad_backend, align,

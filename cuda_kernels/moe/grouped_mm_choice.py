@@ -1,22 +1,22 @@
 """Which implementation the layer's two fusable steps run: today's ``"cublas"`` path, the
 fused ``"ours"`` kernel of :mod:`cuda_kernels.grouped_mm` or ``"ours-gemm"``, its gathering GEMM
-with the activation as a separate pass (the layer's ``grouped_mm`` option,
-``common.layer.MoEExpertsOptions.grouped_mm``).
+with the activation as a separate pass: the ``grouped_mm`` option the CUDA backends declare
+(:data:`GROUPED_MM_OPTION`, ``common.layer.MoEExpertsOptions.grouped_mm``).
 
 Steps (:data:`STEPS`):
 
-* ``"forward_gate_up"`` (:func:`cuda_kernels.moe_forward.moe_forward_fused`): ``"cublas"`` =
+* ``"forward_gate_up"`` (:func:`cuda_kernels.moe.moe_forward_fused`): ``"cublas"`` =
   ``gather_rows(X)`` + cuBLAS grouped GEMM + Triton ``activation_forward``; ``"ours"`` =
   :func:`cuda_kernels.grouped_mm.gate_up_forward` (gather, GEMM and activation in one kernel,
   the X rows side-written for the backward); ``"ours-gemm"`` =
   :func:`cuda_kernels.grouped_mm.grouped_mm_gather` (gather and GEMM in one kernel, the X rows
   side-written) + the Triton pass.
-* ``"backward_down_dgrad"`` (:func:`cuda_kernels.moe_backward.moe_backward_fused`):
+* ``"backward_down_dgrad"`` (:func:`cuda_kernels.moe.moe_backward_fused`):
   ``"cublas"`` = ``gather_rows(dY)`` + cuBLAS grouped dgrad + Triton ``activation_backward``;
   ``"ours"`` = :func:`cuda_kernels.grouped_mm.down_dgrad_backward`; ``"ours-gemm"`` =
   ``grouped_mm_gather`` (the dY rows side-written) + the Triton pass.
 
-Requests (``common.layer.GROUPED_MM``): ``"cublas"`` always; ``"ours"`` / ``"ours-gemm"`` where
+Requests (:data:`GROUPED_MM`): ``"cublas"`` always; ``"ours"`` / ``"ours-gemm"`` where
 the kernel can run (RuntimeError naming the reason elsewhere); ``"auto"``: the per-shape table
 ``configs/cuda/grouped_mm_choice.yaml`` (:func:`grouped_mm_table`), ``"cublas"`` where the
 kernel cannot run. On CPU tensors (the tests, Triton's interpreter) the kernels' torch twins
@@ -24,7 +24,12 @@ stand in for ``"ours"`` / ``"ours-gemm"``: only the operand rules that the twins
 reasons there.
 
 :func:`pick` is called every step: after the first call per operand metadata it is one dict
-lookup (no device read, no host synchronisation).
+lookup (no device read, no host synchronisation); the request is checked on the first call
+(:func:`check_grouped_mm`, the option's one check, which the layer also runs when it builds its
+options).
+
+Importing this module imports neither triton nor CuTe DSL (the backend's option declaration reads
+it): the kernels' API is imported on the first :func:`pick` that needs it.
 """
 
 from __future__ import annotations
@@ -34,14 +39,33 @@ import functools
 import torch
 
 from common.config_files import config_path, load_yaml_file
-from common.layer import GROUPED_MM, check_grouped_mm
+from common.dispatch import BackendOption
 
 __all__ = [
-    "GROUPED_MM", "IMPLS", "STEPS", "check_grouped_mm", "grouped_mm_table", "kernel_rows", "pick",
+    "GROUPED_MM", "GROUPED_MM_OPTION", "IMPLS", "STEPS", "check_grouped_mm", "grouped_mm_table",
+    "kernel_rows", "pick",
 ]
 
 STEPS = ("forward_gate_up", "backward_down_dgrad")
 IMPLS = ("cublas", "ours", "ours-gemm")
+
+GROUPED_MM_OPTION = BackendOption(
+    name="grouped_mm",
+    values=("auto", *IMPLS),
+    default="auto",
+    doc="which implementation the cuda-sm90 / cuda-sm100 backends run for the forward's "
+    "gather + gate/up GEMM + activation and the backward's gather + down dgrad + activation "
+    "backward: 'cublas' (gather pass, cuBLAS grouped GEMM, Triton pass), 'ours' (the fused "
+    "CuTe DSL kernel of cuda_kernels.grouped_mm; RuntimeError where it cannot run), "
+    "'ours-gemm' (its gathering GEMM with the plain store, then the Triton pass; RuntimeError "
+    "where it cannot run), 'auto' (the measured per-shape table "
+    "configs/cuda/grouped_mm_choice.yaml, cuBLAS where the kernel cannot run)",
+)
+"""The ``grouped_mm`` layer option of the CUDA backends (``Backend.options``); the other backends
+(``torch``, ``reference``, ``nki``) have one path and do not declare it."""
+GROUPED_MM = GROUPED_MM_OPTION.values
+check_grouped_mm = GROUPED_MM_OPTION.check
+"""ValueError naming ``grouped_mm`` and :data:`GROUPED_MM` unless the value is one of them."""
 _TABLE_FILE = ("cuda", "grouped_mm_choice.yaml")
 
 
@@ -135,7 +159,7 @@ def _reason(step, impl, a, w, row_index, act_R2I) -> str | None:
     cannot run ``step`` on these operands (``a`` [T, K] activation rows, ``w`` [E, K, N] BF16 as
     the entry reads it), or None. On CPU tensors only the rules of the torch twin (which then
     runs) count."""
-    from . import grouped_mm
+    from .. import grouped_mm
 
     why = None
     if grouped_mm.weight_major(w) is None:
@@ -172,13 +196,14 @@ def pick(
 
     Args:
         step: one of :data:`STEPS`.
-        requested: one of :data:`GROUPED_MM` (already checked).
+        requested: one of :data:`GROUPED_MM` (checked here on the first call).
         a: [T, H] the rows the step gathers (X or dY) as passed to the layer.
         w: [E, H, N] BF16 weight as the fused entry reads it (N = 2I forward, I backward).
         row_index: [S] the layout's row -> token index.
         act_R2I: the backward's checkpoint (its dtype and layout are a rule of the kernel).
 
     Raises:
+        ValueError: ``requested`` is not one of :data:`GROUPED_MM`.
         RuntimeError: ``requested="ours"`` / ``"ours-gemm"`` and its kernel cannot run this
             call.
     """
@@ -200,6 +225,7 @@ def pick(
 
 
 def _decide(step, requested, a, w, row_index, act_R2I, E, H, I) -> tuple[str, str | None]:
+    check_grouped_mm(requested)
     impl = table_choice(step, E, H, I) if requested == "auto" else requested
     if impl == "cublas":
         return "cublas", None

@@ -1,18 +1,16 @@
-"""Triton kernels of the fused MoE expert-MLP backward: everything between the GEMMs.
+"""Triton kernels that move grouped rows: gathers into the grouped layout and per-token /
+per-expert sums out of it (the forward's combine and the backward's dX and bias gradients).
 
-Four memory-bound kernels replace the fp32 torch glue of the portable path
-(:mod:`common.torch_backward`); each reads its inputs once and writes BF16 GEMM operands:
+Memory-bound kernels that replace the fp32 torch glue of the portable path
+(:mod:`common.torch_backward`); each reads its inputs once:
 
 * :func:`gather_rows` -- ``out[s] = src[idx[s]]`` (0 where ``idx[s] < 0``), cast to the output
   dtype in the same pass (X and dY into the grouped layout).
-* :func:`activation_backward` -- the epilogue of the down-projection dgrad: from ``dh_raw`` and
-  the forward checkpoint, the gated-activation backward with the strict clamp masks, ``a * h``
-  and the affinity gradient ``dA`` written straight into its dense ``[T, E]`` cell
-  (REFERENCE §2).
 * :func:`token_sum` -- ``dX[t] = sum_k rows[row_of_slot[t, k]]`` in fp32, each token summing its
   own rows in slot order: deterministic, no atomics.
 * :func:`segment_colsum` -- per-expert column sums (bias gradients), one program per
   (expert, column tile), rows in order: deterministic.
+* :func:`zero_empty_groups` -- zero the [M, N] block of every expert with no rows.
 
 Each kernel runs compiled on CUDA tensors and through Triton's interpreter on CPU tensors (the
 CPU tests run the same kernel source with ``TRITON_INTERPRET=1``). Importing this module needs
@@ -25,12 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_launch import TritonKernel, cast, rne_bf16
+from .launch import TritonKernel, cast, rne_bf16
 
-__all__ = [
-    "activation_args", "activation_backward", "gather_rows", "segment_colsum", "token_sum",
-    "zero_empty_groups",
-]
+__all__ = ["gather_rows", "segment_colsum", "token_sum", "zero_empty_groups"]
 
 
 # ------------------------------------------------------------------------------------ gather
@@ -82,169 +77,6 @@ def gather_rows(
         num_warps=4,
     )
     return out
-
-
-# ------------------------------------------------------------------- activation backward
-def activation_args(activation, clamp_limits) -> tuple[tuple[float, ...], dict]:
-    """The launch arguments every gated-activation kernel takes (forward and backward):
-    ``((g_lo, g_hi, u_lo, u_hi), {ACT_ALPHA, UP_OFFSET, G_HAS_LO, G_HAS_HI, U_HAS_LO,
-    U_HAS_HI})`` of an :class:`~common.problem.Activation` and a ClampLimits (absent limits: 0.0
-    and a False flag)."""
-    cl = clamp_limits
-    sides = (cl.non_linear_clamp_lower_limit, cl.non_linear_clamp_upper_limit,
-             cl.linear_clamp_lower_limit, cl.linear_clamp_upper_limit)
-    limits = tuple(0.0 if v is None else float(v) for v in sides)
-    meta = {"ACT_ALPHA": float(activation.alpha), "UP_OFFSET": float(activation.up_offset)}
-    meta.update(zip(("G_HAS_LO", "G_HAS_HI", "U_HAS_LO", "U_HAS_HI"),
-                    (v is not None for v in sides)))
-    return limits, meta
-
-
-def _activation_backward_kernel(
-    dh_ptr, stride_dh,
-    act_ptr, stride_act_r, stride_act_c,
-    r2p_ptr, pair_token_ptr, pair_expert_ptr, pair_alpha_ptr,
-    dy_ptr, stride_dy, bd_ptr, stride_bd,
-    dgu_ptr, stride_dgu, ah_ptr, stride_ah, da_ptr,
-    S, I, H, E,
-    g_lo, g_hi, u_lo, u_hi,
-    ACT_ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
-    G_HAS_LO: tl.constexpr, G_HAS_HI: tl.constexpr,
-    U_HAS_LO: tl.constexpr, U_HAS_HI: tl.constexpr,
-    HAS_BD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, RNE_BF16: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_rows = rows < S
-    pair = tl.load(r2p_ptr + rows, mask=in_rows, other=-1).to(tl.int64)
-    valid = pair >= 0
-    p = tl.where(valid, pair, 0)
-    alpha = tl.load(pair_alpha_ptr + p, mask=valid, other=0.0).to(tl.float32)
-    rows64 = rows.to(tl.int64)
-    da = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for i0 in range(0, I, BLOCK_I):
-        cols = i0 + tl.arange(0, BLOCK_I)
-        m = valid[:, None] & (cols < I)[None, :]
-        dh_raw = tl.load(dh_ptr + rows64[:, None] * stride_dh + cols[None, :], mask=m, other=0.0)
-        dh_raw = dh_raw.to(tl.float32)
-        a_row = act_ptr + p[:, None] * stride_act_r + cols[None, :]
-        g = tl.load(a_row, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(a_row + stride_act_c, mask=m, other=0.0).to(tl.float32)
-        s = tl.sigmoid(ACT_ALPHA * g)
-        gs = g * s
-        up = u + UP_OFFSET
-        h = gs * up
-        da += tl.sum(tl.where(m, dh_raw * h, 0.0), axis=1)
-        dh = alpha[:, None] * dh_raw
-        dg = dh * up * s * (1.0 + ACT_ALPHA * g * (1.0 - s))
-        du = dh * gs
-        mg = m  # strict clamp masks: the gradient passes where lo < value < hi
-        if G_HAS_LO:
-            mg = mg & (g > g_lo)
-        if G_HAS_HI:
-            mg = mg & (g < g_hi)
-        mu = m
-        if U_HAS_LO:
-            mu = mu & (u > u_lo)
-        if U_HAS_HI:
-            mu = mu & (u < u_hi)
-        dg = tl.where(mg, dg, 0.0)
-        du = tl.where(mu, du, 0.0)
-        ah = tl.where(m, alpha[:, None] * h, 0.0)
-        out_m = in_rows[:, None] & (cols < I)[None, :]
-        dgu_row = dgu_ptr + rows64[:, None] * stride_dgu + cols[None, :]
-        out_ty = dgu_ptr.dtype.element_ty
-        tl.store(dgu_row, cast(dg, out_ty, RNE_BF16), mask=out_m)
-        tl.store(dgu_row + I, cast(du, out_ty, RNE_BF16), mask=out_m)
-        ah_row = ah_ptr + rows64[:, None] * stride_ah + cols[None, :]
-        tl.store(ah_row, cast(ah, out_ty, RNE_BF16), mask=out_m)
-    expert = tl.load(pair_expert_ptr + p, mask=valid, other=0).to(tl.int64)
-    if HAS_BD:  # dA += <dY, b_down[e]> (the forward scales the down bias by the affinity)
-        for h0 in range(0, H, BLOCK_H):
-            hc = h0 + tl.arange(0, BLOCK_H)
-            mh = valid[:, None] & (hc < H)[None, :]
-            dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + hc[None, :], mask=mh, other=0.0)
-            bd = tl.load(bd_ptr + expert[:, None] * stride_bd + hc[None, :], mask=mh, other=0.0)
-            da += tl.sum(tl.where(mh, dy.to(tl.float32) * bd.to(tl.float32), 0.0), axis=1)
-    token = tl.load(pair_token_ptr + p, mask=valid, other=0).to(tl.int64)
-    tl.store(da_ptr + token * E + expert, da, mask=valid)
-
-
-_ACTIVATION_BACKWARD = TritonKernel(_activation_backward_kernel)
-
-
-def activation_backward(
-    dh_raw_SI: torch.Tensor,
-    act_R2I: torch.Tensor,
-    row_to_pair_S: torch.Tensor,
-    plan,
-    *,
-    activation,
-    clamp_limits,
-    dy_SH: torch.Tensor | None = None,
-    b_down_EH: torch.Tensor | None = None,
-    operand_dtype: torch.dtype = torch.bfloat16,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gated-activation backward of every grouped row, with the affinity gradient.
-
-    Per row s of pair p (token t, expert e, affinity a), with g, u the stored (clamped)
-    checkpoint, ``sg = sigmoid(alpha * g)`` and ``h = g * sg * (u + up_offset)`` (REFERENCE §2,
-    :class:`common.problem.Activation`)::
-
-        dA[t, e]   = <dh_raw, h> (+ <dY, b_down[e]>)
-        dg         = a * dh_raw * (u + up_offset) * sg * (1 + alpha * g * (1 - sg)) * mask_g
-        du         = a * dh_raw * g * sg * mask_u
-        d_gate_up  = [dg, du];   a_h = a * h
-
-    Args:
-        dh_raw_SI: [S, I] float, ``dY_rows @ W_down[e]^T`` (BF16 from the grouped GEMM).
-        act_R2I: [R, 2, I] float, the forward checkpoint in the plan's pair order (unit stride
-            along I).
-        row_to_pair_S: [S] int64, pair of each grouped row, -1 for padding rows.
-        plan: the :class:`~common.routing.RoutingPlan` (pair tokens, experts, affinities).
-        activation: :class:`~common.problem.Activation`.  clamp_limits: ClampLimits.
-        dy_SH, b_down_EH: grouped dY rows [S, H] and the down bias [E, H], only with a bias.
-        operand_dtype: dtype of the two outputs that feed GEMMs (BF16).
-    Returns:
-        ``(d_gate_up_S2I [S, 2I], a_h_SI [S, I], dA_TE [T, E] fp32)``; padding rows of the first
-        two are exactly 0, and dA is 0 where a token is not routed.
-    """
-    S, I = dh_raw_SI.shape
-    T, E = plan.num_tokens, plan.num_experts
-    dev = dh_raw_SI.device
-    dgu = torch.empty(S, 2 * I, dtype=operand_dtype, device=dev)
-    ah = torch.empty(S, I, dtype=operand_dtype, device=dev)
-    da = torch.zeros(T, E, dtype=torch.float32, device=dev)
-    if S == 0 or I == 0:
-        return dgu, ah, da
-    if act_R2I.stride(2) != 1:
-        act_R2I = act_R2I.contiguous()
-    if dh_raw_SI.stride(1) != 1:
-        dh_raw_SI = dh_raw_SI.contiguous()
-    has_bd = b_down_EH is not None
-    if has_bd:
-        dy_SH = dy_SH if dy_SH.stride(1) == 1 else dy_SH.contiguous()
-        b_down_EH = b_down_EH if b_down_EH.stride(1) == 1 else b_down_EH.contiguous()
-        H = dy_SH.shape[1]
-    else:
-        dy_SH, b_down_EH, H = dh_raw_SI, dh_raw_SI, 1  # unused stand-ins
-    limits, act_meta = activation_args(activation, clamp_limits)
-    BLOCK_M = 16
-    BLOCK_I = min(128, triton.next_power_of_2(I))
-    BLOCK_H = min(256, triton.next_power_of_2(H))
-    _ACTIVATION_BACKWARD.launch(
-        dev, (triton.cdiv(S, BLOCK_M),),
-        dh_raw_SI, dh_raw_SI.stride(0),
-        act_R2I, act_R2I.stride(0), act_R2I.stride(1),
-        row_to_pair_S, plan.pair_token_R, plan.pair_expert_R, plan.pair_affinity_R,
-        dy_SH, dy_SH.stride(0), b_down_EH, b_down_EH.stride(0),
-        dgu, dgu.stride(0), ah, ah.stride(0), da,
-        S, I, H, E, *limits, **act_meta,
-        HAS_BD=has_bd,
-        BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_H=BLOCK_H, RNE_BF16=rne_bf16(operand_dtype),
-        num_warps=4,
-    )
-    return dgu, ah, da
 
 
 # ------------------------------------------------------------------------------- token sum

@@ -1,0 +1,47 @@
+"""The steps the fused forward and the fused backward share: grouped GEMMs on grouped rows.
+
+* :func:`rows_times_experts` -- ``x_S[s] @ w[e(s)]`` on rows already in the grouped layout.
+* :func:`gathered_times_experts` -- the same on rows gathered from ``[T, K]`` through the
+  layout's row -> token index (the forward's X, the backward's dY), by the implementation
+  :func:`cuda_kernels.moe.grouped_mm_choice.pick` chose.
+
+The row gathers, the per-token sums and the activation passes around them are Triton kernels
+(:mod:`cuda_kernels.triton`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.torch_backward import fits_grouped_mm, grouped_mm_rows
+
+from .. import grouped_mm as gmm
+from ..triton.rows import gather_rows
+from .grouped_mm_choice import kernel_rows
+
+__all__ = ["gathered_times_experts", "rows_times_experts"]
+
+
+def rows_times_experts(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
+    """``x_SK[s] @ w_EKN[e(s)]``: BF16 out of ``torch._grouped_mm`` on CUDA where its stride
+    rules allow (no fp32 copy), the portable path elsewhere."""
+    if x_SK.is_cuda and fits_grouped_mm(x_SK.dtype, x_SK.device, *w_EKN.shape[1:]):
+        return torch._grouped_mm(x_SK, w_EKN, offs=offsets_E)
+    return grouped_mm_rows(x_SK, w_EKN, offsets_E)
+
+
+def gathered_times_experts(impl: str, a_TK: torch.Tensor, w_EKN: torch.Tensor, layout):
+    """``(a_S, out_S)``: the [S, K] BF16 rows ``a_TK[row_to_token_S]`` (padding rows 0) and
+    ``a_S[s] @ w_EKN[e(s)]`` [S, N] BF16, the operand and output of a gathered grouped GEMM.
+    ``impl`` (:func:`.grouped_mm_choice.pick`): ``"cublas"`` = the Triton gather
+    pass then :func:`rows_times_experts`; ``"ours-gemm"`` = our gathering GEMM
+    (:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, its torch twin on CPU tensors), which
+    side-writes the same rows bit for bit."""
+    idx = layout.row_to_token_S
+    if impl == "cublas":
+        a_S = gather_rows(a_TK, idx, torch.bfloat16)
+        return a_S, rows_times_experts(a_S, w_EKN, layout.offsets_E)
+    a_S = torch.empty(layout.tokens_sum, a_TK.shape[1], dtype=torch.bfloat16, device=a_TK.device)
+    out = gmm.grouped_mm_gather(kernel_rows(a_TK), w_EKN, layout.offsets_E, idx,
+                                backend="sm90" if a_TK.is_cuda else "torch", a_rows_out=a_S)
+    return a_S, out

@@ -108,7 +108,7 @@ class Activation:
     ``alpha=1, up_offset=0``; gpt-oss (openai/gpt-oss ``gpt_oss/torch/model.py``, ``swiglu``) is
     ``alpha=1.702, up_offset=1`` with its clamp limits given separately as :class:`ClampLimits`.
     Derivatives (s = sigmoid(alpha * g)): ``dh/dg = (u + up_offset) * s * (1 + alpha * g * (1 - s))``,
-    ``dh/du = g * s``.
+    ``dh/du = g * s``. Their one torch definition is :mod:`common.activation`.
 
     Attributes:
         name: ``"swiglu"`` or ``"gpt_oss"`` (display and YAML name).
@@ -150,15 +150,6 @@ class Activation:
             )
         return activation
 
-    def gate_sigmoid(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(alpha g, sigmoid(alpha g))``; alpha = 1 reuses g itself (SwiGLU: no extra pass,
-        the same bits as ``sigmoid(g)``)."""
-        ag = g if self.alpha == 1.0 else self.alpha * g
-        return ag, torch.sigmoid(ag)
-
-    def shifted_up(self, u: torch.Tensor) -> torch.Tensor:
-        """``u + up_offset`` (u itself when the offset is 0, as in SwiGLU)."""
-        return u if self.up_offset == 0.0 else u + self.up_offset
 
 
 SWIGLU = Activation("swiglu")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from common.activation import activation_backward, activation_forward
 from common.problem import SWIGLU, Activation, ClampLimits, MoEBackwardProblem, MoEGrads
 from common.routing import RoutingPlan
 
@@ -147,10 +148,7 @@ def _pairs_forward(
         act[sel, 1] = u
         if not with_output:
             continue
-        if activation.is_swiglu:
-            h = torch.nn.functional.silu(g) * u
-        else:
-            h = g * activation.gate_sigmoid(g)[1] * activation.shifted_up(u)
+        h = activation_forward(activation, g, u)
         wd = w_down_EIH[e].to(_F64)
         if affinity_option == AFFINITY_ON_I:
             out = (a * h) @ wd
@@ -204,20 +202,12 @@ def _pairs_backward(
         g = act_P2I[sel, 0].to(_F64)
         u = act_P2I[sel, 1].to(_F64)
         # One float64 copy of one expert's weight matrix at a time (each is freed after use).
-        ag, s = activation.gate_sigmoid(g)  # alpha g, sigmoid(alpha g)
-        up = activation.shifted_up(u)
-        gs = g * s  # dh/du: g sigmoid(alpha g) (silu(g) for SwiGLU)
-        h = gs * up
         dh_raw = dy @ w_down_EIH[e].to(_F64).T
+        dg, du, h = activation_backward(activation, g, u, a * dh_raw, cl)
         da = (dh_raw * h).sum(-1)
         if bd_EH is not None:
             da = da + dy @ bd_EH[e].to(_F64)
         dA[sel] = da
-        dh = a * dh_raw
-        mg = cl.gate_mask(g)
-        mu = cl.up_mask(u)
-        dg = torch.where(mg, dh * up * s * (1 + ag * (1 - s)), 0.0)
-        du = torch.where(mu, dh * gs, 0.0)
         if affinity_option == AFFINITY_ON_I:
             dWd[e] = (a * h).T @ dy
         else:

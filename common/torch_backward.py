@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.activation import activation_backward, activation_forward
 from common.problem import Activation, ClampLimits, MoEBackwardProblem, MoEGrads
 from common.shapes import static_tokens_sum
 
@@ -210,11 +211,7 @@ def moe_forward_torch(
     if not with_output:
         return None, act[:R]
     alpha_S = layout.gather_pairs(plan.pair_affinity_R).float()[:, None]
-    if act_fn.is_swiglu:
-        ah_S = (alpha_S * torch.nn.functional.silu(g) * u).to(cd)
-    else:
-        h_S = g * act_fn.gate_sigmoid(g)[1] * act_fn.shifted_up(u)
-        ah_S = (alpha_S * h_S).to(cd)
+    ah_S = (alpha_S * activation_forward(act_fn, g, u)).to(cd)
     out_S = grouped_mm_rows(ah_S, w_down_EIH.to(cd), offs, cd)
     if b_down_EH is not None:
         out_S = out_S + alpha_S * b_down_EH.float()[row_expert]
@@ -344,19 +341,11 @@ def moe_backward_torch(
 
     # 2. dh_raw = dY Wd^T
     dh_raw = grouped_mm_rows(dy_S, p.w_down_EIH.to(cd).transpose(1, 2), offs)
-    # 3. activation backward (fp32); SwiGLU: ag = g, up = u (the same expressions, same bits)
-    ag, s = act_fn.gate_sigmoid(g)  # alpha g, sigmoid(alpha g)
-    up = act_fn.shifted_up(u)
-    gs = g * s  # dh/du (silu(g) for SwiGLU)
-    h = gs * up
+    # 3. activation backward (fp32; common.activation)
+    dg, du, h = activation_backward(act_fn, g, u, alpha_S * dh_raw, cl, valid=row_valid[:, None])
     dA_S = (dh_raw * h).sum(-1)
     if p.b_down_EH is not None:
         dA_S = dA_S + (dy_S.float() * p.b_down_EH.float()[row_expert]).sum(-1)
-    dh = alpha_S * dh_raw
-    mg = cl.gate_mask(g)
-    mu = cl.up_mask(u)
-    dg = torch.where(mg & row_valid[:, None], dh * up * s * (1 + ag * (1 - s)), 0.0)
-    du = torch.where(mu & row_valid[:, None], dh * gs, 0.0)
     dgu_S = torch.cat([dg, du], 1).to(cd)  # [S, 2I]
 
     # 4. dX = [dg, du] [Wg, Wu]^T, scattered back to tokens

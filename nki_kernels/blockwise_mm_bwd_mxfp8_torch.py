@@ -47,8 +47,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from common.activation import gated_terms
 from common.mx import dequantize_mx, quantize_mx
-from common.problem import ClampLimits
+from common.problem import SWIGLU, ClampLimits
 from nki_kernels.config import MatmulMxfp8KernelConfig, default_phase_configs
 
 __all__ = ["blockwise_mm_bwd_mxfp8_torch", "mx_fake_quant", "prequantize_weight_k_major"]
@@ -316,17 +317,16 @@ def blockwise_mm_bwd_mxfp8_torch(
 
         # phase 1: dh_raw, dA, SwiGLU backward
         dh_raw = _mm(mx_fake_quant(dy_BH, 1), wdq_HI, ch1, folds[0])
-        s = _sigmoid_fp32(g_BI)
-        silu = g_BI * s
-        h = silu * u_BI
+        # common.activation's SwiGLU terms with the kernel's sigmoid, in the kernel's order
+        t = gated_terms(SWIGLU, g_BI, u_BI, sigmoid=_sigmoid_fp32)
+        h = t.h
         prod = dh_raw * h
         da_B = _rowsum_chunks(prod, da_halves[0]) + _rowsum_chunks(prod, da_halves[1])
         dh = dh_raw * a_B1
-        dsilu = s * (1.0 + g_BI * (1.0 - s))
         mg = cl.gate_mask(g_BI)
         mu = cl.up_mask(u_BI)
-        dg = torch.where(mg, dh * u_BI * dsilu, zero)
-        du = torch.where(mu, dh * silu, zero)
+        dg = torch.where(mg, dh * t.up * t.dgate, zero)
+        du = torch.where(mu, dh * t.gs, zero)
         dgu_B2I = torch.cat([dg, du], 1).to(_BF16).to(_F32)
         ah_BI = (h * a_B1).to(_BF16).to(_F32)
         dA[ids[valid] * E + e] = da_B[valid]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from common.activation import activation_backward, gated_terms
+
 __all__ = [
     "down_dgrad_activation_torch",
     "expert_segments",
@@ -125,8 +127,7 @@ def gate_up_activation_torch(
     if cl is not None:
         g = cl.clamp_gate(g)
         u = cl.clamp_up(u)
-    sig = torch.sigmoid(g * activation.alpha) if activation.alpha != 1.0 else torch.sigmoid(g)
-    h = g * sig * (u + activation.up_offset)
+    h = gated_terms(activation, g, u).h
     valid = row_to_pair_S >= 0
     p = row_to_pair_S.clamp(min=0)
     a = torch.where(valid, pair_affinity_R.to(acc_dtype)[p] if R else p.to(acc_dtype), 0)
@@ -182,15 +183,7 @@ def down_dgrad_activation_torch(
     al = torch.where(valid, al, zero)[:, None]
     dh = torch.where(valid[:, None], dh, zero)
     g, u = gu[:, 0], gu[:, 1]
-    sig = torch.sigmoid(g * activation.alpha) if activation.alpha != 1.0 else torch.sigmoid(g)
-    up = u + activation.up_offset
-    h = g * sig * up
+    dg, du, h = activation_backward(activation, g, u, al * dh, clamp_limits)
     da = (dh * h).sum(1)
-    d = al * dh
-    dg = d * up * sig * (1 + activation.alpha * g * (1 - sig))
-    du = d * g * sig
-    if clamp_limits is not None:
-        dg = torch.where(clamp_limits.gate_mask(g), dg, zero)
-        du = torch.where(clamp_limits.up_mask(u), du, zero)
     dgu = torch.cat([dg, du], 1)
     return dgu.to(out_dtype), (al * h).to(out_dtype), da

@@ -8,7 +8,10 @@ import counts, also those inside functions (a lazy import is still a dependency)
 circle left is listed below as known: the test fails when a new module joins a circle, and when a
 known edge disappears (so the list shrinks with the code). ``cuda_kernels/grouped_wgrad`` has
 none (issue 21 item 1 removed its api / classes / dispatch / wrappers / jax circle) and no
-underscore-name import across its modules.
+underscore-name import across its modules. Inside ``cuda_kernels`` the rooms (issue 31: backend,
+MoE pipelines, public GEMM APIs, GEMM engine, Triton) import only along their arrows, the
+pipelines only the APIs' public modules, no backend the training layer, and no module a private
+name of another room.
 """
 
 from __future__ import annotations
@@ -170,8 +173,8 @@ def _private_imports() -> list[str]:
     return out
 
 
-PRIVATE_IMPORTS_MAX = 6
-"""Today's count (79 before issue 21 item 1, 6 after: none in cuda_kernels/grouped_wgrad): a
+PRIVATE_IMPORTS_MAX = 5
+"""Today's count (79 before issue 21 item 1, 6 after, 5 after issue 31: none in cuda_kernels): a
 ratchet, lower it as it falls."""
 
 
@@ -181,3 +184,129 @@ def test_private_name_imports_do_not_grow():
         f"{len(found)} imports of underscore names across modules (at most "
         f"{PRIVATE_IMPORTS_MAX}); share a named, documented function instead:\n" + "\n".join(found)
     )
+
+
+# ------------------------------------------------------------------- the rooms of cuda_kernels
+#: The rooms of ``cuda_kernels`` (docs/ARCHITECTURE.md, issue 31), by module prefix (the longest
+#: prefix wins); every module of the package belongs to one. ``cuda_kernels.gemm`` is the GEMM
+#: engine room once it exists (today the engine lives inside ``grouped_wgrad``, an API package).
+ROOMS = {
+    "backend": ("cuda_kernels.backend",),
+    "pipelines": ("cuda_kernels.moe",),
+    "api": ("cuda_kernels", "cuda_kernels.grouped_mm", "cuda_kernels.grouped_wgrad"),
+    "engine": ("cuda_kernels.gemm",),
+    "triton": ("cuda_kernels.triton",),
+}
+#: The arrows: backend -> pipelines -> public APIs -> {engine, Triton} -> common core. A room
+#: imports its own modules, the rooms listed here and ``common`` (the core), nothing else.
+ARROWS = {
+    "backend": ("pipelines", "api", "engine"),  # the engine: kernel availability (registry)
+    "pipelines": ("api", "triton"),
+    "api": ("engine", "triton"),
+    "engine": (),
+    "triton": (),
+}
+#: What a sibling room may share: the Triton launcher (an engine's Triton kernel uses it too).
+SHARED = ("cuda_kernels.triton.launch",)
+#: The API packages' public modules: all the pipelines may import of them.
+API_PUBLIC = ("cuda_kernels.grouped_mm", "cuda_kernels.grouped_wgrad",
+              "cuda_kernels.grouped_wgrad.api")
+#: The training layer: above every backend (a backend reaches none of it).
+TRAINING_LAYER = ("common.layer", "common.layer_ops", "common.nki_layer", "common.expert_parallel",
+                  "common.integrations", "common.cli")
+
+
+def _room(module: str) -> str | None:
+    """The cuda_kernels room of ``module`` (None outside cuda_kernels)."""
+    best, room = -1, None
+    for name, prefixes in ROOMS.items():
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, room = len(p), name
+    return room
+
+
+def _owner(module: str) -> str:
+    """A room of cuda_kernels, else the top-level package (``common``, ``nki_kernels``)."""
+    return _room(module) or module.split(".")[0]
+
+
+def test_every_cuda_module_has_a_room():
+    cuda = [m for m in GRAPH if m.split(".")[0] == "cuda_kernels"]
+    assert cuda and all(_room(m) for m in cuda), [m for m in cuda if not _room(m)]
+    assert _room("cuda_kernels.gemm.sm90.mainloop") == "engine"  # the engine room, once it exists
+    assert _room("cuda_kernels.moe.backward") == "pipelines"
+    assert _room("cuda_kernels.grouped_wgrad.registry") == "api"
+
+
+def test_cuda_rooms_import_along_the_arrows():
+    bad = []
+    for mod, deps in GRAPH.items():
+        room = _room(mod)
+        if room is None:
+            continue
+        for dep in deps:
+            to = _room(dep)
+            if to in (None, room) or to in ARROWS[room] or dep in SHARED:
+                continue
+            bad.append(f"{mod} ({room}) imports {dep} ({to})")
+    assert not bad, "import against the rooms' arrows:\n" + "\n".join(sorted(bad))
+
+
+def test_pipelines_import_only_the_public_api_modules():
+    bad = [
+        f"{mod} imports {dep}"
+        for mod, deps in GRAPH.items()
+        if _room(mod) == "pipelines"
+        for dep in deps
+        if _room(dep) == "api" and dep not in API_PUBLIC
+    ]
+    assert not bad, "the pipelines reach into an API package:\n" + "\n".join(sorted(bad))
+
+
+def test_no_backend_imports_the_training_layer():
+    bad = [
+        f"{mod} imports {name}"
+        for pkg in ("nki_kernels", "cuda_kernels")
+        for path in sorted((ROOT / pkg).rglob("*.py"))
+        for mod in [_module_name(path)]
+        for name in _imports(path)
+        if any(name == t or name.startswith(t + ".") for t in TRAINING_LAYER)
+    ]
+    assert not bad, "a backend imports the training layer:\n" + "\n".join(sorted(bad))
+
+
+def _private(module: str, names) -> list[str]:
+    """The private (underscore, not dunder) parts of ``from module import names``."""
+    parts = [p for p in module.split(".") if p.startswith("_") and not p.startswith("__")]
+    return parts + [n for n in names if n.startswith("_") and not n.startswith("__")]
+
+
+def test_no_private_name_import_across_rooms():
+    """``from X import _name`` (or a ``_module`` on the way) where X is in another room (a room
+    of cuda_kernels, or ``common`` / ``nki_kernels``); ``common._version`` is the version
+    string every package re-exports."""
+    bad = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            mod = _module_name(path)
+            package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom):
+                    base = package.split(".")[: len(package.split(".")) - max(node.level - 1, 0)]
+                    src = ".".join(base + [node.module or ""]) if node.level else node.module
+                    src = src.strip(".")
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.Import):
+                    src, names = None, [a.name for a in node.names]
+                else:
+                    continue
+                for s, ns in ([(src, names)] if src else [(n, []) for n in names]):
+                    if s == "common._version" or _owner(s) == _owner(mod):
+                        continue
+                    if s.split(".")[0] not in PACKAGES:
+                        continue
+                    hidden = _private(s, ns)
+                    if hidden:
+                        bad.append(f"{path.relative_to(ROOT)}: {s} {hidden}")
+    assert not bad, "private names imported across rooms:\n" + "\n".join(sorted(bad))

@@ -18,7 +18,7 @@ Public names:
   op with a fake implementation and an autograd formula, so ``torch.compile(fullgraph=True)``
   traces the layer without graph breaks).
   The forward is the backend's (:mod:`common.dispatch`): on ``cuda-sm90`` / ``cuda-sm100`` the
-  fused GPU forward (:mod:`cuda_kernels.moe_forward`: routing, X gather, gate/up GEMM, one
+  fused GPU forward (:mod:`cuda_kernels.moe`: routing, X gather, gate/up GEMM, one
   activation pass, down GEMM, deterministic per-token combine; BF16 in HBM), elsewhere
   :func:`common.torch_backward.moe_forward_torch` (grouped GEMMs, BF16 operands, fp32
   accumulation). It saves only x, the weights, the BF16 checkpoint ``act [R, 2, I]``, the

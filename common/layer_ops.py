@@ -126,12 +126,8 @@ def layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_inde
     if on_host:
         check_routing_on_host(expert_index, affinity, E)
     forward = getattr(backend, "forward", None)
-    extra = {}
-    if forward is None:
-        forward = moe_layer_forward_torch
-    else:
-        extra = _declared_options(backend, options)
-    out = forward(
+    extra = {} if forward is None else _declared_options(backend, options)
+    out = (forward or moe_layer_forward_torch)(
         x, affinity.detach(), expert_index, w_gate_up, w_down, b_gate_up, b_down,
         clamp_limits=options.clamp_limits, activation=options.activation,
         check_routing=mode == "device" and not on_host, **extra,

@@ -45,7 +45,7 @@ SQNR_MIN_DB: dict[tuple[str, str], float] = {
     ("fused", "dW_down"): 49.5,
     ("fused", "dB_gate_up"): 49.0,
     ("fused", "dB_down"): 120.0,
-    # the fused forward (cuda_kernels/moe_forward): y [T, H] in BF16, the BF16 checkpoint
+    # the fused forward (cuda_kernels/moe): y [T, H] in BF16, the BF16 checkpoint
     ("fused", "y"): 45.0,
     ("fused", "act"): 52.0,
     # NKI MXFP8 kernel (nki, nki-sim, nki-twin): MX E4M3 operands, fp32 PSUM, BF16 outputs

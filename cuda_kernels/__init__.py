@@ -1,5 +1,6 @@
 """CUDA kernels of the MoE layer: grouped weight-gradient GEMMs (CuTe DSL, Hopper/Blackwell), and
-the fused GPU forward and backward built on them (``moe_forward``, ``moe_backward``: Triton).
+the fused GPU forward and backward built on them (the pipelines ``moe``, with the Triton kernels
+of ``triton``).
 
 The public API (``cuda_kernels.GroupedGemmWgradSm100``, ``grouped_gemm_wgrad_wrapper_sm100``,
 ``GroupedGemmWgradSm90``, ``grouped_gemm_wgrad_wrapper_sm90``, ``grouped_gemm_wgrad``, ...) follows

@@ -198,7 +198,7 @@ def test_offline_compile_is_cached_per_key_only_for_runtime_compiles():
     sm90.compile_grouped_mm_offline(key)
     assert sm90.FAMILY.compile_count == before  # offline compiles are not the runtime cache
     with pytest.raises(ValueError, match="want a Sm90GroupedMmKey"):
-        sm90.FAMILY.offline_ptx("not a key")
+        sm90.FAMILY.offline_ptx("not a key", "sm_90a")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -105,9 +105,9 @@ import functools
 import math
 from typing import Any
 
+from ..grouped_wgrad.launch import KernelFamily, num_sms
 from ..grouped_wgrad.sm90_common import Sm90Tiling, kernel_base
 from ..grouped_wgrad.tiles import SM90_TILES
-from .launch import GroupedMmFamily
 
 __all__ = [
     "EPILOGUES",
@@ -1520,9 +1520,26 @@ def fake_operands(key: Sm90GroupedMmKey) -> tuple:
     return a, idx, w, offsets, out, bias, r2p, alpha, num_pairs, act, rows
 
 
-#: The varlen-M family: compile cache, offline compile and launcher (``launch.py``).
-FAMILY = GroupedMmFamily(
-    "sm90_grouped_mm", lambda key: _kernel_class()(key), fake_operands, Sm90GroupedMmKey
+def _launch(key: Sm90GroupedMmKey, fn: Any, *operands) -> None:
+    """One launch of a compiled kernel on the current stream: ``operands`` are those of
+    :func:`fake_operands` (real tensors; ``out`` the fifth, its rows S); the persistent grid is
+    one CTA per SM, no more than the tiles S rows can have."""
+    out = operands[4]
+    grid = max(1, min(key.max_tiles(out.shape[0]), num_sms(out.device.index or 0)))
+    fn(*operands, grid)
+
+
+def _no_contract(contract: Any) -> Sm90GroupedMmKey:
+    raise ValueError("the varlen-M family is reached through cuda_kernels.grouped_mm, "
+                     "not through a wgrad contract")
+
+
+#: The varlen-M family: compile cache, offline compile and launcher (the engine's
+#: ``KernelFamily``), registered as ``problem="varlen_m"``.
+FAMILY = KernelFamily(
+    "sm90_grouped_mm", lambda key: _kernel_class()(key), _no_contract,
+    fake_operands=fake_operands, key_type=Sm90GroupedMmKey, launch=_launch,
+    compile_name="compile_grouped_mm",
 )
 
 
@@ -1535,15 +1552,17 @@ def compile_grouped_mm(key: Sm90GroupedMmKey) -> Any:
     launches).
 
     Raises:
+        ValueError: not a :class:`Sm90GroupedMmKey`.
         RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.
     """
-    return FAMILY.compiled(key)
+    return FAMILY.compiled(FAMILY.check_key(key))
 
 
 def compile_grouped_mm_offline(key: Sm90GroupedMmKey, arch: str = "sm_90a") -> str:
     """Compile ``key`` for ``arch`` without a GPU (nothing loaded) and return the PTX text.
 
     Raises:
+        ValueError: not a :class:`Sm90GroupedMmKey`.
         RuntimeError: CuTe DSL is not installed or produced no PTX.
     """
     return FAMILY.offline_ptx(key, arch)

@@ -1,9 +1,10 @@
-"""The one compile-cache and launch layer of the grouped wgrad, for every kernel family.
+"""The one compile-cache and launch layer of the grouped GEMM kernels, for every kernel family.
 
-A kernel family (``sm90_bf16``, ``sm100_bf16``, ``sm90_mxfp8``, ``sm100_blockscaled``) builds on a
-:class:`KernelFamily`: its compile key (a frozen dataclass, the cache key) and its kernel (the
-CuTe DSL kernel object of a key), plus the few hooks in which it really differs (a tile counter
-for a dynamic scheduler, a launch gate, a no-token path, the arch of its runtime compile). This
+A kernel family (the varlen-K wgrad ``sm90_bf16``, ``sm100_bf16``, ``sm90_mxfp8``,
+``sm100_blockscaled``; the varlen-M ``sm90_grouped_mm``) builds on a :class:`KernelFamily`: its
+compile key (a frozen dataclass, the cache key) and its kernel (the CuTe DSL kernel object of a
+key), plus the few hooks in which it really differs (a tile counter for a dynamic scheduler, a
+launch gate, a no-token path, the arch of its runtime compile, its own operands and launch). This
 layer owns the rest, once: the per-key compile cache and its count, the fake operands of a
 compile (a symbolic ``tokens_sum``: new splits never recompile), the architecture pin of an
 offline / cross compile, the offline PTX compile, and the launcher (``tensor_ragged`` repack
@@ -77,6 +78,11 @@ class KernelFamily:
             exactly this size.
         ragged_in_place: the kernel addresses ``tensor_ragged`` K-major operands in place
             (per-expert descriptors); otherwise the launcher repacks them (:func:`ragged_to_2d`).
+        key_type: the key class; a launch / offline compile of anything else (after
+            ``as_key``) raises ``ValueError``.
+        launch: ``(key, compiled, *operands) -> None``: a family with its own operands (the
+            varlen-M kernels) launches itself; default the wgrad launch (:meth:`_launch`).
+        compile_name: names the compile in messages (default ``compile_<name>_wgrad``).
     """
 
     def __init__(
@@ -95,6 +101,9 @@ class KernelFamily:
         counter_len: Callable[[Any], int] = lambda key: 1,
         workspace_bytes: Callable[[Any], int] = lambda key: 0,
         ragged_in_place: bool = False,
+        key_type: type | None = None,
+        launch: Callable[..., None] | None = None,
+        compile_name: str | None = None,
     ) -> None:
         self.name = name
         self.kernel = kernel
@@ -109,6 +118,9 @@ class KernelFamily:
         self.counter_len = counter_len
         self.workspace_bytes = workspace_bytes
         self.ragged_in_place = ragged_in_place
+        self.key_type = key_type
+        self.launch = launch if launch is not None else self._launch
+        self.compile_name = compile_name or f"compile_{name}_wgrad"
         #: Real (uncached) compiles in this process.
         self.compile_count = 0
         self._compiled: dict[Any, Any] = {}
@@ -117,13 +129,25 @@ class KernelFamily:
     def __repr__(self) -> str:
         return f"KernelFamily({self.name!r})"
 
-    def _require_cute(self, fn_name: str) -> None:
+    def check_key(self, key: Any, fn_name: str | None = None) -> Any:
+        """``as_key(key)``, checked (a ``key_type`` instance), then CuTe DSL's presence: the
+        arguments first, so a bad key gets its own error whether or not CuTe DSL is installed.
+
+        Raises:
+            ValueError: not a key of this family (or what ``as_key`` refuses).
+            RuntimeError: CuTe DSL is not installed.
+        """
+        fn_name = fn_name or self.compile_name
+        key = self.as_key(key)
+        if self.key_type is not None and not isinstance(key, self.key_type):
+            raise ValueError(f"{fn_name}: want a {self.key_type.__name__}, got {key!r}")
         try:
             import cutlass  # noqa: F401
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise RuntimeError(
                 f"{fn_name} needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
             ) from exc
+        return key
 
     def _compile(self, key: Any, arch: str | None, dump_dir: str | None = None):
         """``cute.compile`` of ``key``'s kernel on fake operands: for the present GPU when ``arch``
@@ -198,26 +222,27 @@ class KernelFamily:
             self._compiled.clear()
 
     def launcher(self, key: Any) -> Callable[..., None]:
-        """``launcher(a, b, offsets, out, stream=None, descriptor_workspace=None)`` of ``key``
-        (compiled once per key); a ``functools.partial`` whose ``args`` are ``(key, compiled
-        kernel)``. ``descriptor_workspace`` is used only by a family with ``workspace_bytes``.
+        """The launcher of ``key`` (compiled once per key): a ``functools.partial`` of the
+        family's ``launch`` whose ``args`` are ``(key, compiled kernel)``. The wgrad launch is
+        ``launcher(a, b, offsets, out, stream=None, descriptor_workspace=None)``
+        (``descriptor_workspace`` used only by a family with ``workspace_bytes``).
 
         Raises:
+            ValueError: not a key of this family.
             RuntimeError: CuTe DSL is not installed or the compile fails.
         """
-        self._require_cute(f"compile_{self.name}_wgrad")
-        key = self.as_key(key)
-        return functools.partial(self._launch, key, self.compiled(key))
+        key = self.check_key(key)
+        return functools.partial(self.launch, key, self.compiled(key))
 
     def offline_ptx(self, key: Any, arch: str) -> str:
         """Compile ``key`` for ``arch`` without a GPU (nothing loaded) and return the PTX text.
 
         Raises:
+            ValueError: not a key of this family.
             RuntimeError: CuTe DSL is not installed or produced no PTX.
         """
-        self._require_cute(f"compile_{self.name}_wgrad_offline")
-        key = self.as_key(key)
-        with tempfile.TemporaryDirectory(prefix=f"{self.name}_wgrad_ptx_") as tmp:
+        key = self.check_key(key, f"{self.compile_name}_offline")
+        with tempfile.TemporaryDirectory(prefix=f"{self.name}_ptx_") as tmp:
             ptx = self._compile(key, arch, dump_dir=tmp).__ptx__
         if not ptx:
             raise RuntimeError(f"CuTe DSL produced no PTX for {key} on {arch}")
@@ -230,7 +255,7 @@ class KernelFamily:
         def compile_offline(key: Any, arch: str = default_arch) -> str:
             return self.offline_ptx(key, arch)
 
-        name = f"compile_{self.name}_wgrad_offline"
+        name = f"{self.compile_name}_offline"
         compile_offline.__name__ = compile_offline.__qualname__ = name
         compile_offline.__doc__ = (
             f"Compile ``key`` for ``arch`` (default ``{default_arch}``) without a GPU and return "

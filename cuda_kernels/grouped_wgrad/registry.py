@@ -198,3 +198,7 @@ register_family(
                    ("mxfp8", "mxfp4", "nvfp4"))
 )
 register_family(KernelProvider("sm90_mxfp8", f"{_PKG}.sm90_mxfp8", "sm90", ("mxfp8",)))
+register_family(
+    KernelProvider("sm90_grouped_mm", f"{_PKG.rpartition('.')[0]}.grouped_mm.sm90", "sm90",
+                   ("bf16",), problem="varlen_m")
+)

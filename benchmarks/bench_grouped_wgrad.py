@@ -277,7 +277,7 @@ def variant_tiles(m, n, e, accumulate):
     tile shapes (128x192 pingpong, 128x256, 128x128 pingpong) plain and with the swizzled tile
     order, the epilogue sub-tile width, then (accumulating rows) the L2-prefetch reduce-add.
     Variants that do not fit the tile are dropped."""
-    from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+    from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90
 
     T = sm90.Sm90TileConfig
     base = sm90.select_sm90_tile_config(m, n, e, accumulate=accumulate)
@@ -310,7 +310,7 @@ def _variant_shapes():
 def _small_tiles(m, n, e):
     """Variants of the small odd-M row: 64x128 tiles (3 M tiles), every switch, and the other
     tile shapes (partial M tiles for 128 rows)."""
-    from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+    from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90
 
     T = sm90.Sm90TileConfig
     t = T(64, 128, 64, 8, False)
@@ -328,7 +328,7 @@ def _small_tiles(m, n, e):
 
 def run_variants(args, bench, dev, copy_bw):
     """``--variants``: see the module docstring. Returns the rows (one per shape and variant)."""
-    from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+    from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90
 
     filters = [f for f in (args.variant_filter or "").split(",") if f]
     rows = []
@@ -472,7 +472,7 @@ def main(argv=None):
 
     import triton.testing
 
-    from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+    from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)

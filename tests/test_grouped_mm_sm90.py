@@ -44,9 +44,9 @@ from cuda_kernels.grouped_mm import (
     grouped_mm_gated,
     grouped_mm_gather,
     grouped_mm_gather_torch,
-    sm90,
 )
-from cuda_kernels.grouped_mm.sm90 import GatedEpilogue, Sm90GroupedMmKey, Sm90GroupedMmTile
+from cuda_kernels.gemm.sm90 import grouped_mm as sm90
+from cuda_kernels.gemm.sm90.grouped_mm import GatedEpilogue, Sm90GroupedMmKey, Sm90GroupedMmTile
 
 HAS_CUTE = importlib.util.find_spec("cutlass") is not None
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)

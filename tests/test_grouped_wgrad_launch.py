@@ -1,4 +1,4 @@
-"""Tests of the shared launch layer of the grouped wgrad (``grouped_wgrad/launch.py``).
+"""Tests of the shared launch layer of the grouped wgrad (``gemm/launch.py``).
 
 CPU part: which stream every step of a launch runs on. The compiled kernel takes its stream from
 torch's current stream (TVM-FFI environment stream), so the launcher must make the launch stream
@@ -18,9 +18,9 @@ import itertools
 import pytest
 import torch
 
-from cuda_kernels.grouped_wgrad import launch
-from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
-from cuda_kernels.grouped_wgrad import sm100_bf16 as sm100
+from cuda_kernels.gemm import launch
+from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90
+from cuda_kernels.gemm.sm100 import wgrad_bf16 as sm100
 
 HAS_CUTE = importlib.util.find_spec("cutlass") is not None
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)

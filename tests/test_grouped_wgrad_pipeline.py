@@ -19,14 +19,13 @@ import types
 import pytest
 import torch
 
+from cuda_kernels.gemm import env, registry
 from cuda_kernels.grouped_wgrad import (
     api,
     bf16,
     blockscaled,
     dispatch,
-    env,
     pipeline,
-    registry,
 )
 from cuda_kernels.grouped_wgrad._types import WgradCall, WgradContract
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..grouped_wgrad import env, registry
+from ..gemm import env, registry
 from . import torch_ref
 
 __all__ = [

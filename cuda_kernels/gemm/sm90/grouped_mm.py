@@ -8,8 +8,8 @@ and ``N`` are static; ``S``, the gathered source's row count ``T`` and the split
 splits never recompile; the offsets are read on the device only: CUDA-graph capturable).
 
 Structure (one CTA per SM, persistent, warp-specialized; the wgrad kernel
-``grouped_wgrad/sm90_bf16.py`` is the model for the pipelines and the mainloop, and
-``grouped_wgrad/sm90_common.py`` holds what the two share: the tile's consumer structure, the
+``gemm/sm90/wgrad_bf16.py`` is the model for the pipelines and the mainloop, and
+``gemm/sm90/common.py`` holds what the two share: the tile's consumer structure, the
 tiled wgmma with its staged shared-memory layouts, the TMA load atoms, the accumulator fence and
 the persistent launch):
 
@@ -105,9 +105,9 @@ import functools
 import math
 from typing import Any
 
-from ..grouped_wgrad.launch import KernelFamily, num_sms
-from ..grouped_wgrad.sm90_common import Sm90Tiling, kernel_base
-from ..grouped_wgrad.tiles import SM90_TILES
+from ..launch import KernelFamily, num_sms
+from ..tiles import SM90_TILES
+from .common import Sm90Tiling, kernel_base
 
 __all__ = [
     "EPILOGUES",
@@ -136,7 +136,7 @@ _INDEX_DTYPES = ("int64", "int32")
 @dataclasses.dataclass(frozen=True)
 class Sm90GroupedMmTile(Sm90Tiling):
     """One CTA tile of the SM90 varlen-M grouped GEMM: the fields of the wgrad kernel's tiles
-    (``grouped_wgrad.sm90_common.Sm90Tiling``: ``tile_m``, ``tile_n``, ``tile_k`` = K per stage,
+    (``gemm.sm90.common.Sm90Tiling``: ``tile_m``, ``tile_n``, ``tile_k`` = K per stage,
     ``stages`` of the (A, W) ring, lowered to what fits, and ``pingpong``), its name
     (``variant_name``), stage bytes and consumer structure.
 
@@ -146,7 +146,7 @@ class Sm90GroupedMmTile(Sm90Tiling):
     """
 
     def __post_init__(self) -> None:
-        super().__post_init__()  # the tile fields (grouped_wgrad.tiles.SM90_TILES)
+        super().__post_init__()  # the tile fields (gemm.tiles.SM90_TILES)
         if not isinstance(self.pingpong, bool):
             raise ValueError(
                 f"{type(self).__name__}.pingpong must be a bool, got {self.pingpong!r}"
@@ -340,14 +340,14 @@ _TILE_CONDITIONS = ("min_n", "min_k", "min_experts")
 @functools.cache
 def load_grouped_mm_tile_rules() -> tuple:
     """Rules of ``configs/cuda/sm90_grouped_mm_tiles.yaml`` as ``(name, conditions,
-    Sm90GroupedMmTile)`` in file order, read once (``grouped_wgrad.tiles.load_tile_rules``).
+    Sm90GroupedMmTile)`` in file order, read once (``gemm.tiles.load_tile_rules``).
 
     Raises:
         RuntimeError: the file is missing or malformed (an unknown condition included).
     """
     from common.config_files import config_path
 
-    from ..grouped_wgrad.tiles import load_tile_rules
+    from ..tiles import load_tile_rules
 
     path = config_path("cuda", "sm90_grouped_mm_tiles.yaml")
     rules = load_tile_rules(path, Sm90GroupedMmTile, "SM90 grouped_mm")
@@ -414,7 +414,7 @@ def _build_kernel_class():
     from cutlass import cute, memory, pipeline
     from cutlass.tensor_utils import LayoutEnum
 
-    base = kernel_base()  # the SM90 kernels' share (grouped_wgrad/sm90_common.py)
+    base = kernel_base()  # the SM90 kernels' share (gemm/sm90/common.py)
     fence_accumulators = base.fence_accumulators
 
     index_types = {"int64": cutlass.Int64, "int32": cutlass.Int32}

@@ -517,6 +517,31 @@ def ragged_to_2d(x_XS, offsets_E, k_major_rows: int):
     return flat[idx]  # (rows, S) contiguous, K-major
 
 
+def host_offset_ends(
+    offsets, tokens_sum: int, *, arg: str, err: Callable[[str], Exception],
+    even: bool = False,
+) -> list[int]:
+    """Read cumulative expert ends on the host (one device sync on CUDA) and check them:
+    non-decreasing from >= 0, even where FP4 packs token pairs (``even``), the last equal to
+    ``tokens_sum``. Shared by the quantizer entries, the block-scaled twin and the SM90 MXFP8
+    entry; ``err(message)`` makes the caller's exception.
+
+    Returns:
+        The ends as Python ints.
+    """
+    ends = [int(v) for v in offsets.tolist()]
+    prev = 0
+    for e, end in enumerate(ends):
+        if end < prev:
+            raise err(f"{arg} must be non-decreasing and >= 0; {arg}[{e}] = {end} after {prev}")
+        if even and end % 2:
+            raise err(f"FP4 packs token pairs, so every offset must be even; {arg}[{e}] = {end}")
+        prev = end
+    if ends and ends[-1] != tokens_sum:
+        raise err(f"{arg}[-1] = {ends[-1]} must equal tokens_sum = {tokens_sum}")
+    return ends
+
+
 @functools.lru_cache(maxsize=16)
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of CUDA device ``device_index`` (cached)."""

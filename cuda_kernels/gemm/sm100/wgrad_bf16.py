@@ -92,10 +92,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import KernelKey
-from .launch import KernelFamily, contract_key_fields
-from .tile_sched import scheduler_base
-from .tiles import SM100_TILES, rules_loader, select_tile
+from ..keys import KernelKey
+from ..launch import KernelFamily, contract_key_fields
+from ..tile_sched import scheduler_base
+from ..tiles import SM100_TILES, rules_loader, select_tile
 
 __all__ = [
     "COMPILE_COUNT",  # noqa: F822 - served by the module __getattr__ (FAMILY.compile_count)
@@ -207,7 +207,7 @@ class Sm100TileConfig:
 @dataclasses.dataclass(frozen=True)
 class Sm100WgradKey(KernelKey):
     """Static contract of one compiled SM100 kernel (the compile-cache key): the fields of
-    ``_contract.KernelKey`` (``accumulate``: TMA reduce-add) and the :class:`Sm100TileConfig`
+    ``keys.KernelKey`` (``accumulate``: TMA reduce-add) and the :class:`Sm100TileConfig`
     ``tile``. Dense outputs may end in partial tiles (TMA zero-fills loads and clips stores per
     expert); discrete outputs keep the rule that the tile divides hidden and intermediate: the
     JAX adapter (no descriptor workspace) still stores them from registers without predication.

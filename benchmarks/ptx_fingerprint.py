@@ -17,6 +17,15 @@ epilogue / output mode x major x arch:
 - varlen-M (grouped_mm) ``sm90``: store / gated / dgated x tiles (cooperative, pingpong, 64-row)
   x gather / TMA A x W major x index dtype x side output x gpt-oss activation / bias.
 
+CuTe DSL names a kernel's ``.entry`` symbol after the kernel object: its class's module path
+and qualname with the dots left out, then its arguments, cut at a fixed length
+(``kernel_cutlass_kernel_cuda_kernelsgemmsm90grouped_mm_build_kernel_classlocals
+Sm90GroupedMmKernel_object_at__CopyAtom_...``). A move of the module renames the symbol (and
+changes how much of the arguments' part survives the cut) and nothing else, so the hash is taken
+after every ``.entry`` name is replaced by ``<kernel>`` (its parameters stay numbered:
+``<kernel>_param_3``): a refactor that moves the modules compares the code, not the name.
+``--raw`` hashes the PTX as compiled.
+
 Usage::
 
     python benchmarks/ptx_fingerprint.py --out /work/ptx_before.json [--only sm90_bf16,...]
@@ -31,6 +40,7 @@ import importlib
 import itertools
 import json
 import pathlib
+import re
 import sys
 import time
 
@@ -168,7 +178,15 @@ def _family_of_key(key):
     return importlib.import_module(type(key).__module__).FAMILY
 
 
-def fingerprint(only: list[str] | None = None, limit: int | None = None) -> dict:
+def normalized(ptx: str) -> str:
+    """``ptx`` with its kernels' ``.entry`` names replaced by ``<kernel>``."""
+    for name in set(re.findall(r"\.entry\s+([\w$]+)", ptx)):
+        ptx = ptx.replace(name, "<kernel>")
+    return ptx
+
+
+def fingerprint(only: list[str] | None = None, limit: int | None = None,
+                raw: bool = False) -> dict:
     out: dict[str, dict[str, str]] = {}
     for name, (keys, arch) in FAMILIES.items():
         if only and name not in only:
@@ -179,6 +197,8 @@ def fingerprint(only: list[str] | None = None, limit: int | None = None) -> dict
             if limit is not None and i >= limit:
                 break
             ptx = _family_of_key(key).offline_ptx(key, arch)
+            if not raw:
+                ptx = normalized(ptx)
             seen[_key_name(key)] = hashlib.sha256(ptx.encode()).hexdigest()
         out[name] = seen
         print(f"{name}: {len(seen)} keys, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -206,6 +226,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the key -> sha256 JSON here")
     p.add_argument("--only", help="comma-separated families (default: all)")
     p.add_argument("--limit", type=int, help="at most this many keys per family (a smoke run)")
+    p.add_argument("--raw", action="store_true", help="hash the PTX as compiled")
     p.add_argument("--list", action="store_true", help="print the key counts, compile nothing")
     p.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"))
     args = p.parse_args(argv)
@@ -219,7 +240,7 @@ def main(argv=None) -> int:
                 print(name, len(dict.fromkeys(keys())))
         return 0
     t0 = time.time()
-    result = fingerprint(only, args.limit)
+    result = fingerprint(only, args.limit, args.raw)
     text = json.dumps(result, indent=1, sort_keys=True)
     if args.out:
         pathlib.Path(args.out).write_text(text)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -130,28 +131,37 @@ class KernelFamily:
         return f"KernelFamily({self.name!r})"
 
     def check_key(self, key: Any, fn_name: str | None = None) -> Any:
-        """``as_key(key)``, checked (a ``key_type`` instance), then CuTe DSL's presence: the
-        arguments first, so a bad key gets its own error whether or not CuTe DSL is installed.
+        """``as_key(key)``, checked (a ``key_type`` instance). Needs no CuTe DSL: a bad key gets
+        its own error whether or not CuTe DSL is installed (its presence is checked by the
+        compile itself, :meth:`_compile`).
 
         Raises:
             ValueError: not a key of this family (or what ``as_key`` refuses).
-            RuntimeError: CuTe DSL is not installed.
         """
         fn_name = fn_name or self.compile_name
         key = self.as_key(key)
         if self.key_type is not None and not isinstance(key, self.key_type):
             raise ValueError(f"{fn_name}: want a {self.key_type.__name__}, got {key!r}")
-        try:
-            import cutlass  # noqa: F401
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise RuntimeError(
-                f"{fn_name} needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
-            ) from exc
         return key
+
+    def _require_cute(self, fn_name: str, gated: bool) -> None:
+        """Raise ``RuntimeError`` when CuTe DSL is not installed: with the family's ``gate``
+        reason when ``gated`` and it refuses (the real error of a launch), else naming the
+        missing package."""
+        if importlib.util.find_spec("cutlass") is not None:
+            return
+        reason = self.gate() if gated and self.gate is not None else None
+        raise RuntimeError(
+            reason or f"{fn_name} needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
+        )
 
     def _compile(self, key: Any, arch: str | None, dump_dir: str | None = None):
         """``cute.compile`` of ``key``'s kernel on fake operands: for the present GPU when ``arch``
-        is None, else for ``arch`` with the DSL's arch pinned (keeping PTX in ``dump_dir``)."""
+        is None, else for ``arch`` with the DSL's arch pinned (keeping PTX in ``dump_dir``: an
+        offline compile). Without CuTe DSL: ``RuntimeError``, the family's gate first for a
+        runtime compile (no ``dump_dir``)."""
+        offline = dump_dir is not None
+        self._require_cute(self.compile_name + ("_offline" if offline else ""), not offline)
         import cutlass
         from cutlass import cute
 
@@ -229,7 +239,9 @@ class KernelFamily:
 
         Raises:
             ValueError: not a key of this family.
-            RuntimeError: CuTe DSL is not installed or the compile fails.
+            RuntimeError: the family's gate refuses and CuTe DSL is not installed, CuTe DSL is
+                not installed, or the compile fails (in that order; the gate is otherwise
+                checked at each launch).
         """
         key = self.check_key(key)
         return functools.partial(self.launch, key, self.compiled(key))

@@ -34,6 +34,7 @@ __all__ = [
     "contract_key_fields",
     "cross_compile_kwargs",
     "fake_wgrad_operands",
+    "key_of_contract",
     "pinned_cute_arch",
     "present_cuda_arch",
 ]
@@ -457,6 +458,21 @@ def contract_key_fields(contract: Any) -> dict[str, Any]:
         "accumulate": contract.accumulate,
         "input_order": contract.input_order,
     }
+
+
+def key_of_contract(key_cls: type, select: Callable[..., Any], contract: Any, **select_kw):
+    """The ``key_cls`` compile key of a ``WgradContract``: its :func:`contract_key_fields` and
+    the tile ``select(hidden, intermediate, num_experts, mma_tiler_mn=..., **select_kw)`` picks
+    (the contract's ``mma_tiler_mn``, else the family's YAML rules).
+
+    Raises:
+        ValueError: no tile fits, or the key refuses the contract.
+    """
+    tile = select(
+        contract.hidden, contract.intermediate, contract.num_experts,
+        mma_tiler_mn=contract.mma_tiler_mn, **select_kw,
+    )
+    return key_cls(**contract_key_fields(contract), tile=tile)
 
 
 def fake_wgrad_operands(key):

@@ -93,7 +93,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..keys import KernelKey
-from ..launch import KernelFamily, contract_key_fields
+from ..launch import KernelFamily, key_of_contract
 from ..tile_sched import scheduler_base
 from ..tiles import SM100_TILES, rules_loader, select_tile
 
@@ -235,11 +235,10 @@ def select_sm100_tile_config(
     mma_tiler_mn: tuple[int, int] | None = None,
     cluster_shape_mn: tuple[int, int] | None = None,
 ) -> Sm100TileConfig:
-    """Pick the tile config for an ``(E, M, N)`` problem from ``configs/cuda/sm100_tiles.yaml``.
+    """The SM100 tile config of an ``(E, M, N)`` problem, from ``configs/cuda/sm100_tiles.yaml``
+    (the arguments of every family's selector: :func:`tiles.select_tile`).
 
     Args:
-        hidden: M (rows of Wgrad). intermediate: N (columns). num_experts: E.
-        tokens_hint: expected tokens_sum (unused by the current rules; kept for the contract).
         mma_tiler_mn: a caller's ``(tile_m, tile_n)`` instead of the rules, with ``tile_k = 64``
             and as many stages (up to 8) as shared memory holds; it need not divide hidden and
             intermediate (dense outputs end in partial tiles; :class:`Sm100WgradKey` refuses
@@ -326,14 +325,10 @@ def sm100_key_from_contract(contract: Any) -> Sm100WgradKey:
         ValueError: the contract is outside what :class:`Sm100WgradKey` accepts (tiles that do
             not divide the shape, unsupported clusters).
     """
-    tile = select_sm100_tile_config(
-        contract.hidden,
-        contract.intermediate,
-        contract.num_experts,
-        mma_tiler_mn=contract.mma_tiler_mn,
+    return key_of_contract(
+        Sm100WgradKey, select_sm100_tile_config, contract,
         cluster_shape_mn=contract.cluster_shape_mn,
     )
-    return Sm100WgradKey(**contract_key_fields(contract), tile=tile)
 
 
 # --------------------------------------------------------------------------------------------

@@ -198,18 +198,21 @@ class Sm100BlockScaledKey(KMajorKernelKey):
     elem: str = "e4m3"
     tile: Sm100BsTileConfig = Sm100BsTileConfig()
 
+    def elems(self) -> tuple[str, ...]:
+        """The element types of the key's ``fmt`` (checked here, before them)."""
+        if self.fmt not in FORMATS:
+            raise ValueError(
+                f"{type(self).__name__}.fmt must be one of {tuple(FORMATS)}, got {self.fmt!r}"
+            )
+        return FORMATS[self.fmt][0]
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        cls = type(self).__name__
-        if self.fmt not in FORMATS:
-            raise ValueError(f"{cls}.fmt must be one of {tuple(FORMATS)}, got {self.fmt!r}")
-        elems, _sf, _vec, stage = FORMATS[self.fmt]
-        if self.elem not in elems:
-            raise ValueError(f"{cls}.elem must be one of {elems} for {self.fmt}, got {self.elem!r}")
+        stage = FORMATS[self.fmt][3]
         if self.tile.tile_k != stage:
             raise ValueError(
-                f"{cls}: {self.fmt} stages are {stage} tokens (one scale atom column); got "
-                f"tile_k={self.tile.tile_k}"
+                f"{type(self).__name__}: {self.fmt} stages are {stage} tokens (one scale atom "
+                f"column); got tile_k={self.tile.tile_k}"
             )
 
     @property

@@ -56,7 +56,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..keys import KernelKey
-from ..launch import KernelFamily, contract_key_fields
+from ..launch import KernelFamily, key_of_contract
 from ..tile_sched import scheduler_base
 from ..tiles import SM90_TILES, rules_loader, select_tile
 from .common import Sm90Tiling, kernel_base
@@ -173,11 +173,10 @@ def select_sm90_tile_config(
     output_mode: str = "dense",
     accumulate: bool = False,
 ) -> Sm90TileConfig:
-    """Pick the tile config for an ``(E, M, N)`` problem from ``configs/cuda/sm90_tiles.yaml``.
+    """The SM90 tile config of an ``(E, M, N)`` problem, from ``configs/cuda/sm90_tiles.yaml``
+    (the arguments of every family's selector: :func:`tiles.select_tile`).
 
     Args:
-        hidden: M (rows of Wgrad). intermediate: N (columns). num_experts: E.
-        tokens_hint: expected tokens_sum (unused by the current rules; kept for the contract).
         output_mode: "dense" outputs may end in partial tiles; "discrete" ones take the first
             rule whose tile divides hidden and intermediate.
         accumulate: accumulating into the output (rules may ask for it: their epilogue).
@@ -943,15 +942,10 @@ def sm90_key_from_contract(contract: Any) -> Sm90WgradKey:
         ValueError: no tile fits hidden / intermediate (multiples of 64 at least; discrete
             outputs need whole tiles).
     """
-    tile = select_sm90_tile_config(
-        contract.hidden,
-        contract.intermediate,
-        contract.num_experts,
-        mma_tiler_mn=contract.mma_tiler_mn,
-        output_mode=contract.output_mode,
-        accumulate=contract.accumulate,
+    return key_of_contract(
+        Sm90WgradKey, select_sm90_tile_config, contract,
+        output_mode=contract.output_mode, accumulate=contract.accumulate,
     )
-    return Sm90WgradKey(**contract_key_fields(contract), tile=tile)
 
 
 #: The SM90 family in the shared compile-cache / launch layer: a dynamic persistent scheduler

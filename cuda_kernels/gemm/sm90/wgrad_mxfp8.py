@@ -233,14 +233,15 @@ class Sm90MxWgradKey(KMajorKernelKey):
     token_layout: str = "direct"
     tile: Sm90MxTileConfig = Sm90MxTileConfig()
 
+    def elems(self) -> tuple[str, ...]:
+        return ELEMS
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        cls = type(self).__name__
-        if self.elem not in ELEMS:
-            raise ValueError(f"{cls}.elem must be one of {ELEMS}, got {self.elem!r}")
         if self.token_layout not in TOKEN_LAYOUTS:
             raise ValueError(
-                f"{cls}.token_layout must be one of {TOKEN_LAYOUTS}, got {self.token_layout!r}"
+                f"{type(self).__name__}.token_layout must be one of {TOKEN_LAYOUTS}, got "
+                f"{self.token_layout!r}"
             )
 
 

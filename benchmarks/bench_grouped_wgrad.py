@@ -3,7 +3,7 @@
 Rows (REFERENCE §6 shapes, a skewed split with empty experts, FP32-accumulate cases), all measured
 in one process with ``triton.testing.do_bench`` (median, ms -> µs):
 
-- ours: the SM90 CuTe DSL kernel (cuda_kernels/grouped_wgrad/sm90_bf16.py) through its launcher;
+- ours: the SM90 CuTe DSL kernel (cuda_kernels/gemm/sm90/wgrad_bf16.py) through its launcher;
 - torch._grouped_mm with the same offsets (K-grouped 2-D x 2-D form);
 - the per-expert loop of torch.mm into the output slices (host offsets precomputed);
 - a dense torch.mm of the same FLOPs, ``(M, S) @ (S, N)``.

@@ -1,4 +1,4 @@
-"""Benchmark of the SM90 MXFP8 grouped wgrad (cuda_kernels/grouped_wgrad/sm90_mxfp8.py) on the H200.
+"""Benchmark of the SM90 MXFP8 grouped wgrad (cuda_kernels/gemm/sm90/wgrad_mxfp8.py) on the H200.
 
 Rows: the BF16 shapes of ``bench_grouped_wgrad.py`` (not its fp32-accumulate rows), bf16 out. Columns, all in one process with ``triton.testing.do_bench`` (median):
 

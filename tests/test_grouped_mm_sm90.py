@@ -1,4 +1,4 @@
-"""Tests of the SM90 varlen-M grouped GEMM kernel (cuda_kernels/grouped_mm/sm90.py).
+"""Tests of the SM90 varlen-M grouped GEMM kernel (cuda_kernels/gemm/sm90/grouped_mm.py).
 
 CPU part (CI): offline compiles for ``sm_90a`` of three keys (gather-A with cp.async producers and
 an N-major W; A by TMA with a K-major W on the pingpong schedule; gather-A with an int32 index,

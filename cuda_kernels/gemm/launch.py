@@ -50,10 +50,11 @@ class KernelFamily:
     The family provides its key type and kernel; the hooks default to "not needed".
 
     Args:
-        name: "sm90", "sm100", ...: names ``compile_<name>_wgrad`` in messages.
+        name: "sm90", "sm100", "sm90_grouped_mm", ...: names the family (``compile_name``).
         kernel: ``kernel(key)`` -> the CuTe DSL kernel object, called as ``kernel(a, b_NS,
-            offsets, out, [tile_counter,] grid, stream)``. The key is a frozen dataclass with the
-            fields of :func:`contract_key_fields`, ``num_tiles`` and ``tile.cluster_shape_mn``.
+            offsets, out, [tile_counter,] grid, stream)`` (a wgrad family; another takes its
+            ``fake_operands``). A wgrad key is a frozen dataclass with the fields of
+            :func:`contract_key_fields`, ``num_tiles`` and ``tile.cluster_shape_mn``.
         key_from_contract: ``WgradContract -> key`` (the tile from the contract's
             ``mma_tiler_mn``, else from ``configs/cuda``); raises ``ValueError`` when none fits.
         runtime_arch: ``() -> arch | None``: the target of the runtime compile, pinned

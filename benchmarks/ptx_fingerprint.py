@@ -77,7 +77,8 @@ def sm90_bf16_keys():
     m = family("sm90", "bf16")
     T = m.Sm90TileConfig
     tiles = {cfg for _n, _c, cfg in m.load_sm90_tile_rules()}
-    tiles |= {T(128, 128, 64, 5, True, epi_n=64), T(128, 128, 64, 6, True, acc_epilogue="l2prefetch"),
+    tiles |= {T(128, 128, 64, 5, True, epi_n=64),
+              T(128, 128, 64, 6, True, acc_epilogue="l2prefetch"),
               T(128, 128, 64, 6, False, acc_epilogue="l2prefetch", epi_n=64, swizzle=4)}
     combos = [  # (a_major, b_major, out_dtype, accumulate, output_mode, input_order)
         ("m", "n", "bfloat16", False, "dense", "tensor2d"),
@@ -148,8 +149,10 @@ def grouped_mm_sm90_keys():
     tiles += [cfg for _n, _c, cfg in m.load_grouped_mm_tile_rules() if cfg not in tiles]
     gpt_oss = G(1.702, 1.0, None, 7.0, -7.0, 7.0)
     for tile in tiles:
-        for gather, w_major, index, rows in [(True, "n", "int64", False), (True, "k", "int32", True),
-                                             (False, "k", "int64", False), (True, "n", "int64", True)]:
+        for gather, w_major, index, rows in [
+            (True, "n", "int64", False), (True, "k", "int32", True),
+            (False, "k", "int64", False), (True, "n", "int64", True),
+        ]:
             yield m.Sm90GroupedMmKey(2880, 2048, 16, gather_a=gather, w_major=w_major,
                                      index_dtype=index, write_a_rows=rows, tile=tile)
         for gated, rows in [(G(), False), (G(1.702, 1.0, None, 7.0, -7.0, 7.0, True), True)]:

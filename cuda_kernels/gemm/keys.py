@@ -159,4 +159,6 @@ class KMajorKernelKey(KernelKey):
         check_k_major_tensor2d(self, self._K_MAJOR_WHY)
         elems = self.elems()
         if self.elem not in elems:
-            raise ValueError(f"{type(self).__name__}.elem must be one of {elems}, got {self.elem!r}")
+            raise ValueError(
+                f"{type(self).__name__}.elem must be one of {elems}, got {self.elem!r}"
+            )

@@ -587,7 +587,8 @@ def grouped_mm_dgated(
     family = _provider(dev).load()
     if tile is None:
         tile = family.select_grouped_mm_tile(I, K, E)
-    key = grouped_mm_key(w_down_t, row_index, tile, family.GatedEpilogue.of(act_fn, clamp_limits, False),
+    gated = family.GatedEpilogue.of(act_fn, clamp_limits, False)
+    key = grouped_mm_key(w_down_t, row_index, tile, gated,
                          epilogue="dgated", write_a_rows=a_rows_out is not None)
     dgu = torch.empty(S, 2 * I, dtype=torch.bfloat16, device=dev)
     ah = torch.empty(S, I, dtype=torch.bfloat16, device=dev)

@@ -74,7 +74,7 @@ from common.router_sim import simulate_model_routing
 from common.routing import plan_routing
 from common.torch_backward import grouped_layout
 from cuda_kernels.grouped_mm import grouped_mm_gather, grouped_mm_gather_torch
-from cuda_kernels.grouped_mm.sm90 import Sm90GroupedMmTile
+from cuda_kernels.gemm.sm90.grouped_mm import Sm90GroupedMmTile
 
 GEMMS = ("gate_up", "down", "down_dgrad", "gate_up_dgrad", "gate_up_act", "down_dgrad_act")
 IMPLS = ("ours", "grouped_mm", "gather", "dense")

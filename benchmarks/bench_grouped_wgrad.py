@@ -3,7 +3,7 @@
 Rows (REFERENCE §6 shapes, a skewed split with empty experts, FP32-accumulate cases), all measured
 in one process with ``triton.testing.do_bench`` (median, ms -> µs):
 
-- ours: the SM90 CuTe DSL kernel (cuda_kernels/grouped_wgrad/sm90_bf16.py) through its launcher;
+- ours: the SM90 CuTe DSL kernel (cuda_kernels/gemm/sm90/wgrad_bf16.py) through its launcher;
 - torch._grouped_mm with the same offsets (K-grouped 2-D x 2-D form);
 - the per-expert loop of torch.mm into the output slices (host offsets precomputed);
 - a dense torch.mm of the same FLOPs, ``(M, S) @ (S, N)``.
@@ -277,7 +277,7 @@ def variant_tiles(m, n, e, accumulate):
     tile shapes (128x192 pingpong, 128x256, 128x128 pingpong) plain and with the swizzled tile
     order, the epilogue sub-tile width, then (accumulating rows) the L2-prefetch reduce-add.
     Variants that do not fit the tile are dropped."""
-    from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+    from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90
 
     T = sm90.Sm90TileConfig
     base = sm90.select_sm90_tile_config(m, n, e, accumulate=accumulate)
@@ -310,7 +310,7 @@ def _variant_shapes():
 def _small_tiles(m, n, e):
     """Variants of the small odd-M row: 64x128 tiles (3 M tiles), every switch, and the other
     tile shapes (partial M tiles for 128 rows)."""
-    from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+    from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90
 
     T = sm90.Sm90TileConfig
     t = T(64, 128, 64, 8, False)
@@ -328,7 +328,7 @@ def _small_tiles(m, n, e):
 
 def run_variants(args, bench, dev, copy_bw):
     """``--variants``: see the module docstring. Returns the rows (one per shape and variant)."""
-    from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+    from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90
 
     filters = [f for f in (args.variant_filter or "").split(",") if f]
     rows = []
@@ -472,7 +472,7 @@ def main(argv=None):
 
     import triton.testing
 
-    from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+    from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)

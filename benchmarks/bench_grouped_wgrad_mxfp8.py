@@ -1,4 +1,4 @@
-"""Benchmark of the SM90 MXFP8 grouped wgrad (cuda_kernels/grouped_wgrad/sm90_mxfp8.py) on the H200.
+"""Benchmark of the SM90 MXFP8 grouped wgrad (cuda_kernels/gemm/sm90/wgrad_mxfp8.py) on the H200.
 
 Rows: the BF16 shapes of ``bench_grouped_wgrad.py`` (not its fp32-accumulate rows), bf16 out. Columns, all in one process with ``triton.testing.do_bench`` (median):
 
@@ -91,7 +91,7 @@ def _sweep_child(variant_json, layout, all_shapes):
     """One (variant, layout) on the sweep shapes: kernel-only time and SQNR vs the twin."""
     import math
 
-    from cuda_kernels.grouped_wgrad import sm90_mxfp8 as mx
+    from cuda_kernels.gemm.sm90 import wgrad_mxfp8 as mx
     from cuda_kernels.grouped_wgrad.blockscaled_ref import grouped_wgrad_blockscaled_torch
 
     cfg = mx.Sm90MxTileConfig(**json.loads(variant_json))
@@ -141,8 +141,8 @@ def _sweep(args):
     import re
     import subprocess
 
-    from cuda_kernels.grouped_wgrad import sm90_bf16
-    from cuda_kernels.grouped_wgrad import sm90_mxfp8 as mx
+    from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90_bf16
+    from cuda_kernels.gemm.sm90 import wgrad_mxfp8 as mx
 
     bench = _bench_fn()
     shapes_ = _sweep_shapes(args.all_shapes)
@@ -227,9 +227,9 @@ def main(argv=None):
     import triton
 
     from benchmarks.bench_grouped_wgrad import shapes
-    from cuda_kernels.grouped_wgrad import sm90_bf16
+    from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90_bf16
     from cuda_kernels.grouped_wgrad.quantize import quantize_wgrad_operand
-    from cuda_kernels.grouped_wgrad.sm90_mxfp8 import grouped_wgrad_mxfp8_sm90
+    from cuda_kernels.gemm.sm90.wgrad_mxfp8 import grouped_wgrad_mxfp8_sm90
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3

@@ -47,7 +47,7 @@ def main(argv=None):
     out = torch.zeros(e, m, n, device=dev, dtype=getattr(torch, out_dtype))
 
     if args.impl == "ours":
-        from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+        from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90
 
         tile = (
             bgw.parse_tile(sm90, args.tile) if args.tile

@@ -24,7 +24,8 @@ import torch
 from common.dispatch import Backend, register_backend
 from common.problem import MoEBackwardProblem, MoEGrads
 
-from .grouped_wgrad import api, registry
+from .gemm import registry
+from .grouped_wgrad import api
 from .moe.grouped_mm_choice import GROUPED_MM_OPTION
 
 __all__ = ["check_cuda_sm90", "check_cuda_sm100", "make_grouped_wgrad"]
@@ -80,7 +81,7 @@ def check_cuda_sm100() -> str | None:
         return reason
     family = registry.provider("sm100", "bf16")
     if family is None or family.load() is None:
-        return "the SM100 grouped wgrad kernel module (grouped_wgrad/sm100_bf16.py) is missing"
+        return "the SM100 grouped wgrad kernel module (gemm/sm100/wgrad_bf16.py) is missing"
     return family.gate() or _triton_reason() or _cutlass_reason()
 
 

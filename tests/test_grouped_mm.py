@@ -23,7 +23,7 @@ from cuda_kernels.grouped_mm import (
     grouped_mm_gather_torch,
 )
 from cuda_kernels.grouped_mm.api import grouped_mm_key
-from cuda_kernels.grouped_mm.sm90 import (
+from cuda_kernels.gemm.sm90.grouped_mm import (
     GatedEpilogue,
     Sm90GroupedMmKey,
     Sm90GroupedMmTile,

@@ -1,4 +1,4 @@
-"""Tests of the SM90 varlen-M grouped GEMM kernel (cuda_kernels/grouped_mm/sm90.py).
+"""Tests of the SM90 varlen-M grouped GEMM kernel (cuda_kernels/gemm/sm90/grouped_mm.py).
 
 CPU part (CI): offline compiles for ``sm_90a`` of three keys (gather-A with cp.async producers and
 an N-major W; A by TMA with a K-major W on the pingpong schedule; gather-A with an int32 index,
@@ -44,9 +44,9 @@ from cuda_kernels.grouped_mm import (
     grouped_mm_gated,
     grouped_mm_gather,
     grouped_mm_gather_torch,
-    sm90,
 )
-from cuda_kernels.grouped_mm.sm90 import GatedEpilogue, Sm90GroupedMmKey, Sm90GroupedMmTile
+from cuda_kernels.gemm.sm90 import grouped_mm as sm90
+from cuda_kernels.gemm.sm90.grouped_mm import GatedEpilogue, Sm90GroupedMmKey, Sm90GroupedMmTile
 
 HAS_CUTE = importlib.util.find_spec("cutlass") is not None
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -198,7 +198,7 @@ def test_offline_compile_is_cached_per_key_only_for_runtime_compiles():
     sm90.compile_grouped_mm_offline(key)
     assert sm90.FAMILY.compile_count == before  # offline compiles are not the runtime cache
     with pytest.raises(ValueError, match="want a Sm90GroupedMmKey"):
-        sm90.FAMILY.offline_ptx("not a key")
+        sm90.FAMILY.offline_ptx("not a key", "sm_90a")
 
 
 # ------------------------------------------------------------------------------------------------

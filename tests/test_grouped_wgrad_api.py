@@ -19,12 +19,12 @@ import pytest
 import torch
 
 import cuda_kernels
+from cuda_kernels.gemm import env
 from cuda_kernels.grouped_wgrad import (
     _types,
     api,
     bf16,
     dispatch,
-    env,
     pipeline,
     validate,
     wrappers,
@@ -952,7 +952,7 @@ def test_jax_module_imports_without_jax():
 @pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl")
 def test_api_contract_compiles_offline_for_sm90a():
     """Integration: the key the API builds compiles with the SM90 kernel for sm_90a (no GPU)."""
-    from cuda_kernels.grouped_wgrad import sm90_bf16
+    from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90_bf16
 
     c = api.WgradContract(
         arch="sm90", hidden=256, intermediate=128, num_experts=4, a_major="k", b_major="k",
@@ -1448,7 +1448,9 @@ def test_validation_cache_never_trusts_a_new_tensor_at_a_freed_address(fake_devi
 
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_tile_rules_have_one_source(arch):
-    from cuda_kernels.grouped_wgrad import sm90_bf16, sm100_bf16, tiles
+    from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90_bf16
+    from cuda_kernels.gemm.sm100 import wgrad_bf16 as sm100_bf16
+    from cuda_kernels.gemm import tiles
 
     rules = {"sm90": tiles.SM90_TILES, "sm100": tiles.SM100_TILES}[arch]
     config_cls = {"sm90": sm90_bf16.Sm90TileConfig, "sm100": sm100_bf16.Sm100TileConfig}[arch]

@@ -20,7 +20,9 @@ import torch
 from test_blockscaled_ref import RTOL, _expected64, _random_operands
 
 from common.mx_atoms import grouped_scale_cols_bound, pack_grouped_scales
-from cuda_kernels.grouped_wgrad import api, blockscaled, env, registry
+from cuda_kernels.grouped_wgrad import api, blockscaled
+from cuda_kernels.gemm import env
+from cuda_kernels.gemm import registry
 from cuda_kernels.grouped_wgrad._types import BlockScaledSpec
 from cuda_kernels.grouped_wgrad.blockscaled_ref import grouped_wgrad_blockscaled_torch
 
@@ -516,7 +518,7 @@ def test_gpu_sm90_class_on_hopper():
 def test_hook_routes_sm90_mxfp8_only_when_enabled(monkeypatch):
     """The registry picks the SM90 MXFP8 kernel for MXFP8, K-major, tensor2d contracts on SM90
     once the kernel is enabled (verified, or the opt-in variable); never for FP4 or SM100."""
-    from cuda_kernels.grouped_wgrad import sm90_mxfp8
+    from cuda_kernels.gemm.sm90 import wgrad_mxfp8 as sm90_mxfp8
     from cuda_kernels.grouped_wgrad._types import WgradContract
 
     monkeypatch.setattr(env, "cutlass_dsl_missing", lambda: None)
@@ -544,7 +546,7 @@ def test_pitched_k_major_rows_as_the_quantizer_writes_them(fake_cc, monkeypatch)
     # data views with row stride 512; the generic entry and the _sm90 wrapper take them as they
     # are (results equal the compact operands'); a pitch that is not 16-byte aligned and the
     # SM100 surface (compact kernels) refuse them before any write
-    from cuda_kernels.grouped_wgrad import sm90_mxfp8
+    from cuda_kernels.gemm.sm90 import wgrad_mxfp8 as sm90_mxfp8
 
     monkeypatch.setattr(sm90_mxfp8, "enabled", lambda: False)  # CPU tensors: the twin, always
     fake_cc[0] = 90

@@ -1,4 +1,4 @@
-"""Tests of the shared launch layer of the grouped wgrad (``grouped_wgrad/launch.py``).
+"""Tests of the shared launch layer of the grouped wgrad (``gemm/launch.py``).
 
 CPU part: which stream every step of a launch runs on. The compiled kernel takes its stream from
 torch's current stream (TVM-FFI environment stream), so the launcher must make the launch stream
@@ -18,9 +18,9 @@ import itertools
 import pytest
 import torch
 
-from cuda_kernels.grouped_wgrad import launch
-from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
-from cuda_kernels.grouped_wgrad import sm100_bf16 as sm100
+from cuda_kernels.gemm import launch
+from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90
+from cuda_kernels.gemm.sm100 import wgrad_bf16 as sm100
 
 HAS_CUTE = importlib.util.find_spec("cutlass") is not None
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -216,6 +216,35 @@ def test_gate_refuses_before_entering_any_stream(monkeypatch, rec):
     with pytest.raises(RuntimeError, match="not yet verified"):
         sm100.compile_sm100_wgrad(key)(a, b, off, torch.empty(2, 256, 128), stream=_SIDE)
     assert rec.log == [] and fake.calls == []
+
+
+def test_without_cute_dsl_the_argument_and_the_gate_come_first(monkeypatch):
+    """Without CuTe DSL a bad key still gets its ValueError, and a launcher of a gated family its
+    gate's reason; only then is the missing package named (offline compiles have no gate)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "cutlass" else real(name, *a)
+    )
+    sm100.FAMILY.cache_clear()
+    compiles = sm100.FAMILY.compile_count
+    key = sm100.Sm100WgradKey(256, 128, 2, tile=sm100.Sm100TileConfig(128, 128, 64, 4))
+    with pytest.raises(ValueError, match="Sm100WgradKey or an api.WgradContract"):
+        sm100.compile_sm100_wgrad((256, 256))
+    with pytest.raises(ValueError, match="want a Sm90GroupedMmKey"):
+        from cuda_kernels.gemm.sm90 import grouped_mm
+
+        grouped_mm.compile_grouped_mm_offline("not a key")
+    monkeypatch.delenv(sm100.ENABLE_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="not yet verified"):
+        sm100.compile_sm100_wgrad(key)
+    with pytest.raises(RuntimeError, match="compile_sm100_wgrad_offline needs nvidia-cutlass-dsl"):
+        sm100.compile_sm100_wgrad_offline(key)
+    monkeypatch.setenv(sm100.ENABLE_ENV, "1")
+    with pytest.raises(RuntimeError, match="compile_sm100_wgrad needs nvidia-cutlass-dsl"):
+        sm100.compile_sm100_wgrad(key)
+    with pytest.raises(RuntimeError, match="compile_sm90_wgrad needs nvidia-cutlass-dsl"):
+        sm90.compile_sm90_wgrad(sm90.Sm90WgradKey(128, 64, 2, tile=sm90.Sm90TileConfig()))
+    assert sm100.FAMILY.compile_count == compiles  # nothing compiled
 
 
 def test_on_stream_is_torch_stream_context():

@@ -19,14 +19,13 @@ import types
 import pytest
 import torch
 
+from cuda_kernels.gemm import env, registry
 from cuda_kernels.grouped_wgrad import (
     api,
     bf16,
     blockscaled,
     dispatch,
-    env,
     pipeline,
-    registry,
 )
 from cuda_kernels.grouped_wgrad._types import WgradCall, WgradContract
 
@@ -136,7 +135,9 @@ def test_every_family_of_the_package_is_one_registry_row():
         "sm100_blockscaled": ("sm100", ("mxfp8", "mxfp4", "nvfp4"), "varlen_k"),
         "sm90_mxfp8": ("sm90", ("mxfp8",), "varlen_k"),
     }
-    for p in registry.providers():
+    varlen_m = {p.name: (p.arch, p.formats) for p in registry.providers(problem="varlen_m")}
+    assert varlen_m == {"sm90_grouped_mm": ("sm90", ("bf16",))}
+    for p in registry.providers() + registry.providers(problem="varlen_m"):
         module = p.load()
         assert module is not None and hasattr(module, "FAMILY"), p.name
     assert registry.provider("sm90", "bf16").name == "sm90_bf16"
@@ -172,23 +173,23 @@ def test_registering_a_family_is_one_call(monkeypatch):
         contract_launcher=lambda c: lambda *args, **kw: launched.append(c),
     )
     family = registry.register_family(
-        registry.KernelProvider("fake_varlen_m", module.__name__, "sm90", ("bf16",),
+        registry.KernelProvider("fake_varlen_m", module.__name__, "sm100", ("bf16",),
                                 problem="varlen_m")
     )
-    assert registry.providers(problem="varlen_m") == (family,)
-    assert registry.provider("sm90", "bf16").name == "sm90_bf16"  # wgrad's row is untouched
-    found, why = registry.find_kernel(_contract(), problem="varlen_m")
+    assert registry.providers(arch="sm100", problem="varlen_m") == (family,)
+    assert registry.provider("sm100", "bf16").name == "sm100_bf16"  # wgrad's row is untouched
+    found, why = registry.find_kernel(_contract("sm100"), problem="varlen_m")
     assert found is family and why == ""
-    found, why = registry.find_kernel(_contract(hidden=96), problem="varlen_m")
+    found, why = registry.find_kernel(_contract("sm100", hidden=96), problem="varlen_m")
     assert found is None and why == "fake_varlen_m: hidden must be a multiple of 128"
-    family.launcher(_contract())()
-    assert launched == [_contract()]
+    family.launcher(_contract("sm100"))()
+    assert launched == [_contract("sm100")]
     # the same name again replaces the row in place
     again = registry.register_family(
         registry.KernelProvider("fake_varlen_m", module.__name__, "sm100", ("bf16",),
                                 problem="varlen_m")
     )
-    assert registry.providers(problem="varlen_m") == (again,)
+    assert registry.providers(arch="sm100", problem="varlen_m") == (again,)
     with pytest.raises(ValueError, match="problem must be one of"):
         registry.register_family(registry.KernelProvider("x", "m", "sm90", ("bf16",), "dgrad"))
     assert "no bf16 varlen_m kernel family is registered for sm100a" in registry.find_kernel(

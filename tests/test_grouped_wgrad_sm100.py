@@ -1,4 +1,4 @@
-"""Tests of the SM100 (Blackwell) CuTe DSL grouped wgrad kernel (grouped_wgrad/sm100_bf16.py).
+"""Tests of the SM100 (Blackwell) CuTe DSL grouped wgrad kernel (gemm/sm100/wgrad_bf16.py).
 
 The kernel has never run on a Blackwell GPU. CPU part (CI): key / tile-config validation, the
 YAML tile rules, the contract -> key conversion, offline compiles for ``sm_100a`` whose PTX must
@@ -21,9 +21,11 @@ import pytest
 import torch
 from _ptxas import ptxas_for as _ptxas_for
 
-from cuda_kernels.grouped_wgrad import api, bf16, env, launch
-from cuda_kernels.grouped_wgrad import sm100_bf16 as sm100
-from cuda_kernels.grouped_wgrad.sm100_bf16 import (
+from cuda_kernels.grouped_wgrad import api, bf16
+from cuda_kernels.gemm import env
+from cuda_kernels.gemm import launch
+from cuda_kernels.gemm.sm100 import wgrad_bf16 as sm100
+from cuda_kernels.gemm.sm100.wgrad_bf16 import (
     Sm100TileConfig,
     Sm100WgradKey,
     select_sm100_tile_config,
@@ -356,7 +358,7 @@ def test_offline_compile_ignores_the_present_gpu_arch(gpu_arch_sm90a):
 def test_arch_pin_restores_state_on_error():
     from cutlass.base_dsl.dsl import BaseDSL
 
-    from cuda_kernels.grouped_wgrad.launch import pinned_cute_arch
+    from cuda_kernels.gemm.launch import pinned_cute_arch
 
     envar = BaseDSL._get_dsl().envar
     saved = envar.__dict__.get("_arch")
@@ -371,7 +373,7 @@ def test_arch_pin_restores_state_on_error():
 
 
 def test_cross_compile_builds_no_engine_off_the_present_arch(monkeypatch):
-    from cuda_kernels.grouped_wgrad.launch import cross_compile_kwargs, present_cuda_arch
+    from cuda_kernels.gemm.launch import cross_compile_kwargs, present_cuda_arch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert present_cuda_arch() is None

@@ -24,10 +24,13 @@ import pytest
 import torch
 from _ptxas import ptxas_for as _ptxas_for
 
-from cuda_kernels.grouped_wgrad import api, blockscaled, env, launch, sm100_bf16
-from cuda_kernels.grouped_wgrad import sm100_blockscaled as bs
+from cuda_kernels.grouped_wgrad import api, blockscaled
+from cuda_kernels.gemm import env
+from cuda_kernels.gemm import launch
+from cuda_kernels.gemm.sm100 import wgrad_bf16 as sm100_bf16
+from cuda_kernels.gemm.sm100 import wgrad_blockscaled as bs
 from cuda_kernels.grouped_wgrad._types import BlockScaledSpec, WgradContract
-from cuda_kernels.grouped_wgrad.sm100_blockscaled import Sm100BlockScaledKey, Sm100BsTileConfig
+from cuda_kernels.gemm.sm100.wgrad_blockscaled import Sm100BlockScaledKey, Sm100BsTileConfig
 
 HAS_CUTE = importlib.util.find_spec("cutlass") is not None
 needs_cute = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""Tests of the SM90 (Hopper) CuTe DSL grouped wgrad kernel (grouped_wgrad/sm90_bf16.py).
+"""Tests of the SM90 (Hopper) CuTe DSL grouped wgrad kernel (gemm/sm90/wgrad_bf16.py).
 
 CPU part (CI): key / tile-config validation, the YAML tile rules, and an offline compile for
 ``sm_90a`` whose PTX must contain wgmma and TMA bulk-tensor loads (skipped when nvidia-cutlass-dsl
@@ -23,8 +23,8 @@ import sys
 import pytest
 import torch
 
-from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
-from cuda_kernels.grouped_wgrad.sm90_bf16 import (
+from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90
+from cuda_kernels.gemm.sm90.wgrad_bf16 import (
     Sm90TileConfig,
     Sm90WgradKey,
     select_sm90_tile_config,

@@ -1,4 +1,4 @@
-"""Tests of the SM90 MXFP8 grouped wgrad kernel (grouped_wgrad/sm90_mxfp8.py).
+"""Tests of the SM90 MXFP8 grouped wgrad kernel (gemm/sm90/wgrad_mxfp8.py).
 
 CPU part (CI): tile / key validation, the python entry's argument checks, the padded token
 layout's repack (on the CPU), and an offline compile for ``sm_90a`` whose PTX must hold FP8 wgmma
@@ -36,8 +36,8 @@ from common.mx_atoms import (
     to_atoms,
 )
 from _ptxas import ptxas_for
-from cuda_kernels.grouped_wgrad import sm90_mxfp8 as mx
-from cuda_kernels.grouped_wgrad.sm90_mxfp8 import (
+from cuda_kernels.gemm.sm90 import wgrad_mxfp8 as mx
+from cuda_kernels.gemm.sm90.wgrad_mxfp8 import (
     Sm90MxTileConfig,
     Sm90MxWgradKey,
     grouped_wgrad_mxfp8_sm90,

@@ -118,17 +118,15 @@ def test_no_new_import_circles():
 
 
 #: The layers of ``cuda_kernels/grouped_wgrad`` (docs/ARCHITECTURE.md), lowest first: a module
-#: imports only modules of lower rows. The kernel families sit below the formats and import only
-#: the compile layer (the formats reach them through ``registry.py``, by name: no import); the
-#: JAX entries sit above the facade. A new module gets a row here (a new kernel family: next to
-#: the others; a new format: beside ``bf16`` / ``blockscaled``).
+#: imports only modules of lower rows. The kernel families live in the engine
+#: (``cuda_kernels/gemm``, below: the formats reach them through its registry, by name); the JAX
+#: entries sit above the facade. A new module gets a row here (a new format: beside ``bf16`` /
+#: ``blockscaled``).
 GW_LAYERS = [
-    ("tiles", "env", "torch_ref", "jax_ref", "_contract"),  # tile rules, environment, twins
-    # contract types, compile cache, the families' plug-in, what the SM90 kernels share, the
-    # BF16 kernels' tile scheduler
-    ("_types", "launch", "registry", "sm90_common", "tile_sched"),
-    ("validate", "sm90_bf16", "sm100_bf16"),  # shared rules; BF16 kernel families
-    ("blockscaled_ref", "quantize", "sm90_mxfp8", "sm100_blockscaled"),
+    ("torch_ref", "jax_ref"),  # the twins
+    ("_types",),  # contract types
+    ("validate",),  # shared rules
+    ("blockscaled_ref", "quantize"),
     ("bf16", "blockscaled", "jax_arrays"),  # one module per format; the JAX array bridge
     ("pipeline",),  # the one validation pipeline, the format choice, the compiled operator
     ("classes",),
@@ -140,23 +138,53 @@ GW_LAYERS = [
     ("jax",),
 ]
 
+#: The layers of the GEMM engine ``cuda_kernels/gemm`` (varlen-K and varlen-M kernel families,
+#: per-arch folders), lowest first, the same rule. A new family gets a row next to its kind.
+ENGINE_LAYERS = [
+    # tile rules, environment, key fields; the SM90 varlen-M epilogue mixins
+    ("tiles", "env", "keys", "__init__", "sm90", "sm100", "sm90.grouped_mm_epilogues"),
+    # compile cache + launcher, the families' plug-in, what the SM90 kernels share, the BF16
+    # kernels' tile scheduler
+    ("launch", "registry", "sm90.common", "tile_sched"),
+    ("sm90.wgrad_bf16", "sm100.wgrad_bf16", "sm90.grouped_mm"),  # families on the bases
+    ("sm90.wgrad_mxfp8", "sm100.wgrad_blockscaled"),  # families on the BF16 families
+]
 
-def test_grouped_wgrad_imports_only_lower_layers():
-    gw = "cuda_kernels.grouped_wgrad"
+#: The API packages above the engine: the engine imports none of them.
+ENGINE_CLIENTS = ("cuda_kernels.grouped_wgrad", "cuda_kernels.grouped_mm")
+
+
+def _check_layers(pkg: str, rows: list[tuple[str, ...]]) -> None:
     layer = {}
-    for i, row in enumerate(GW_LAYERS):
+    for i, row in enumerate(rows):
         for name in row:
-            layer[gw if name == "__init__" else f"{gw}.{name}"] = i
-    files = sorted((ROOT / "cuda_kernels" / "grouped_wgrad").glob("*.py"))
-    unplaced = [p.name for p in files if _module_name(p) not in layer]
-    assert not unplaced, f"give these modules a row of GW_LAYERS: {unplaced}"
+            layer[pkg if name == "__init__" else f"{pkg}.{name}"] = i
+    files = sorted((ROOT / pkg.replace(".", "/")).rglob("*.py"))
+    unplaced = [str(p.relative_to(ROOT)) for p in files if _module_name(p) not in layer]
+    assert not unplaced, f"give these modules a row of the layers of {pkg}: {unplaced}"
     bad = [
         f"{mod} (row {layer[mod]}) imports {dep} (row {layer[dep]})"
         for mod in layer
         for dep in GRAPH.get(mod, ())
         if dep in layer and layer[dep] >= layer[mod]
     ]
-    assert not bad, "grouped_wgrad layering broken:\n" + "\n".join(sorted(bad))
+    assert not bad, f"{pkg} layering broken:\n" + "\n".join(sorted(bad))
+
+
+def test_grouped_wgrad_imports_only_lower_layers():
+    _check_layers("cuda_kernels.grouped_wgrad", GW_LAYERS)
+
+
+def test_engine_imports_only_lower_layers_and_no_api_package():
+    _check_layers("cuda_kernels.gemm", ENGINE_LAYERS)
+    up = [
+        f"{mod} imports {dep}"
+        for mod, deps in GRAPH.items()
+        if mod.startswith("cuda_kernels.gemm")
+        for dep in deps
+        if dep.startswith(ENGINE_CLIENTS)
+    ]
+    assert not up, "the engine imports an API package:\n" + "\n".join(sorted(up))
 
 
 def _private_imports() -> list[str]:

@@ -62,7 +62,7 @@ def test_every_shipped_yaml_is_found_through_config_path():
 
 
 def test_readers_use_the_one_location():
-    from cuda_kernels.grouped_wgrad.tiles import SM90_TILES, SM100_TILES
+    from cuda_kernels.gemm.tiles import SM90_TILES, SM100_TILES
     from nki_kernels.config import TUNED_CONFIG_DIR
 
     assert TUNED_CONFIG_DIR == config_path("nki")
@@ -105,7 +105,7 @@ _PROBE = """
 import json
 from common.config_files import config_root
 from common.models import load_model
-from cuda_kernels.grouped_wgrad.tiles import SM90_TILES
+from cuda_kernels.gemm.tiles import SM90_TILES
 from nki_kernels.config import TUNED_CONFIG_DIR
 s = load_model("qwen3-30b-a3b")
 print(json.dumps({"shape": [s.hidden, s.intermediate, s.experts, s.top_k],

@@ -10,7 +10,7 @@ descriptor, else ``k0``) and ``build_descriptors`` (per-expert ``(rows, K_e)`` a
 
 import pytest
 
-from cuda_kernels.grouped_wgrad.sm100_bf16 import (
+from cuda_kernels.gemm.sm100.wgrad_bf16 import (
     Sm100WgradKey,
     _descriptor_slots,
     select_sm100_tile_config,

@@ -3,8 +3,10 @@ A's rows optionally gathered through the routing's row -> token index (``api.gro
 optionally with the forward gate/up epilogue fused (``api.grouped_mm_gated`` /
 ``api.gate_up_forward``: bias, clamp, activation, checkpoint and ``a * h``) or the backward
 down-dgrad one (``api.grouped_mm_dgated`` / ``api.down_dgrad_backward``: activation backward,
-``d_gate_up``, ``a * h`` and the affinity gradient); the SM90 CuTe DSL kernel in ``sm90``, the
-torch twins in ``torch_ref``.
+``d_gate_up``, ``a * h`` and the affinity gradient). The API asks the engine's registry
+(``cuda_kernels.gemm.registry``, ``problem="varlen_m"``) for the kernel of the device's arch (the
+SM90 CuTe DSL kernel: ``cuda_kernels/gemm/sm90/grouped_mm.py``); the torch twins are in
+``torch_ref``.
 
 Importing this package imports neither CuTe DSL nor triton and does not query the GPU.
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..gemm import env, registry
 from . import torch_ref
 
 __all__ = [
@@ -25,9 +26,11 @@ __all__ = [
     "weight_major",
 ]
 
-BACKENDS = ("auto", "sm90", "torch")
-"""``"sm90"``: the CuTe DSL kernel (an SM90 GPU); ``"torch"``: the twin; ``"auto"``: the kernel
-where it can run, else the twin."""
+_KERNEL_ARCHS = tuple(dict.fromkeys(p.arch for p in registry.providers(problem="varlen_m")))
+
+BACKENDS = ("auto", *_KERNEL_ARCHS, "torch")
+"""An arch of a registered varlen-M family (the CuTe DSL kernel, on a GPU of that arch);
+``"torch"``: the twin; ``"auto"``: the kernel where it can run, else the twin."""
 
 _INDEX_DTYPES = {torch.int64: "int64", torch.int32: "int32"}
 
@@ -154,16 +157,29 @@ def _write_rows_twin(a, row_index, a_rows_out) -> None:
         a_rows_out.copy_(torch_ref.gathered_rows(a, row_index, torch.bfloat16))
 
 
-def kernel_unsupported_reason(a, w, row_index=None, *, epilogue: str = "store") -> str | None:
-    """Why the SM90 kernel cannot run these (already checked) operands, or None; ``epilogue``
-    ``"gated"`` adds the gate/up epilogue's rule (I = N / 2 a multiple of 8)."""
-    if a.device.type != "cuda":
-        return f"operands on {a.device} (the kernel needs an SM90 CUDA device)"
-    if torch.cuda.get_device_capability(a.device) != (9, 0):
-        return f"{torch.cuda.get_device_name(a.device)} is not an SM90 GPU"
-    from .launch import cute_dsl_missing
+def _provider(device: torch.device) -> registry.KernelProvider | None:
+    """The varlen-M family the registry names for ``device``'s arch (any device that is not
+    CUDA: the first registered one, whose key a CPU caller builds), or None."""
+    arch = env.kernel_arch(env.query_arch(device)) if device.type == "cuda" else None
+    rows = registry.providers(arch=arch, fmt="bf16", problem="varlen_m")
+    return rows[0] if rows else None
 
-    missing = cute_dsl_missing()
+
+def _family(device: torch.device):
+    """The ``KernelFamily`` of ``device``'s varlen-M kernel (its key type, launcher)."""
+    return _provider(device).load().FAMILY
+
+
+def kernel_unsupported_reason(a, w, row_index=None, *, epilogue: str = "store") -> str | None:
+    """Why the kernel cannot run these (already checked) operands, or None; ``epilogue``
+    ``"gated"`` adds the gate/up epilogue's rule (I = N / 2 a multiple of 8)."""
+    archs = " / ".join(arch.upper() for arch in _KERNEL_ARCHS)
+    if a.device.type != "cuda":
+        return f"operands on {a.device} (the kernel needs an {archs} CUDA device)"
+    row = _provider(a.device)
+    if row is None:
+        return f"{torch.cuda.get_device_name(a.device)} is not an {archs} GPU"
+    missing = row.unavailable()
     if missing:
         return missing
     _, K, N = w.shape
@@ -181,19 +197,18 @@ def kernel_unsupported_reason(a, w, row_index=None, *, epilogue: str = "store") 
 
 def grouped_mm_key(w: torch.Tensor, row_index, tile=None, gated=None, epilogue=None,
                    write_a_rows: bool = False):
-    """The :class:`~cuda_kernels.grouped_mm.sm90.Sm90GroupedMmKey` of (checked) operands;
-    ``tile`` None: :func:`~cuda_kernels.grouped_mm.sm90.select_grouped_mm_tile`; ``gated``: a
-    :class:`~cuda_kernels.grouped_mm.sm90.GatedEpilogue` for the gate/up epilogue (or, with
-    ``epilogue="dgated"``, the down-dgrad one); ``write_a_rows``: the kernel writes the
+    """The compile key (``Sm90GroupedMmKey`` on SM90) of (checked) operands, for the varlen-M
+    family of ``w``'s device (the registry's row of its arch); ``tile`` None: the family's
+    ``select_grouped_mm_tile``; ``gated``: a ``GatedEpilogue`` for the gate/up epilogue (or,
+    with ``epilogue="dgated"``, the down-dgrad one); ``write_a_rows``: the kernel writes the
     gathered rows (an ``a_rows_out`` was given)."""
-    from .sm90 import Sm90GroupedMmKey, select_grouped_mm_tile
-
+    family = _provider(w.device).load()
     E, K, N = w.shape
     if tile is None:
-        tile = select_grouped_mm_tile(N, K, E)
+        tile = family.select_grouped_mm_tile(N, K, E)
     if epilogue is None:
         epilogue = "store" if gated is None else "gated"
-    return Sm90GroupedMmKey(
+    return family.FAMILY.key_type(
         N, K, E,
         gather_a=row_index is not None,
         index_dtype=_INDEX_DTYPES[row_index.dtype] if row_index is not None else "int64",
@@ -240,7 +255,8 @@ def grouped_mm_gather(
             ``[-1, T)`` (the routing builds them so; not checked).
         out: optional [S, N] torch.bfloat16 contiguous output (else allocated).
         backend: one of :data:`BACKENDS`.
-        tile: optional :class:`~cuda_kernels.grouped_mm.sm90.Sm90GroupedMmTile` (kernel only).
+        tile: optional tile of the device's kernel (``Sm90GroupedMmTile`` on SM90; kernel
+            only).
         a_rows_out: optional [S, K] torch.bfloat16 contiguous tensor on ``a``'s device (only
             with a ``row_index``; it must not overlap ``a``): the gathered rows are written into
             it as a side output, EVERY row s of it: ``a[row_index[s]]`` where
@@ -262,7 +278,7 @@ def grouped_mm_gather(
         (CUDA-graph capturable).
 
     Raises:
-        ValueError: a bad shape, dtype, device, stride or ``backend``, ``backend="sm90"``
+        ValueError: a bad shape, dtype, device, stride or ``backend``, a kernel ``backend``
             where the kernel cannot run, or an ``a_rows_out`` without ``row_index`` or of a
             bad shape, dtype, device or layout (named); raised before anything is written.
         RuntimeError: the kernel fails to compile.
@@ -272,8 +288,8 @@ def grouped_mm_gather(
     S, K, N, _, _ = _check(a, w, offsets_E, row_index, out)
     _check_rows_out(_fail, a, row_index, S, K, a_rows_out)
     reason = _rows_out_unsupported(kernel_unsupported_reason(a, w, row_index), a_rows_out)
-    if backend == "sm90" and reason is not None:
-        _fail(f"backend='sm90' cannot run here: {reason}")
+    if backend in _KERNEL_ARCHS and reason is not None:
+        _fail(f"backend={backend!r} cannot run here: {reason}")
     use_kernel = backend != "torch" and reason is None
     key = None
     if use_kernel:
@@ -286,13 +302,9 @@ def grouped_mm_gather(
         return out
     if S == 0:
         return out
-    from .launch import num_sms
-    from .sm90 import compile_grouped_mm
-
-    fn = compile_grouped_mm(key)
-    grid = max(1, min(key.max_tiles(S), num_sms(a.device.index or 0)))
+    launch = _family(a.device).launcher(key)
     idx = row_index if row_index is not None else offsets_E  # (a placeholder without gather)
-    fn(a, idx, w.permute(2, 1, 0), offsets_E, out, *(offsets_E,) * 5, a_rows_out, grid)
+    launch(a, idx, w.permute(2, 1, 0), offsets_E, out, *(offsets_E,) * 5, a_rows_out)
     return out
 
 
@@ -384,8 +396,6 @@ def grouped_mm_gated(
     """
     from common.problem import Activation
 
-    from .sm90 import GatedEpilogue
-
     act_fn = Activation.resolve(activation)
     if isinstance(w_gate_up, torch.Tensor) and w_gate_up.dim() == 4:
         E4, H4, two, I4 = w_gate_up.shape
@@ -425,8 +435,8 @@ def grouped_mm_gated(
     reason = _rows_out_unsupported(
         kernel_unsupported_reason(a, w_gate_up, row_index, epilogue="gated"), a_rows_out
     )
-    if backend == "sm90" and reason is not None:
-        _fail_gated(f"backend='sm90' cannot run here: {reason}")
+    if backend in _KERNEL_ARCHS and reason is not None:
+        _fail_gated(f"backend={backend!r} cannot run here: {reason}")
     ah = torch.empty(S, I, dtype=torch.bfloat16, device=dev) if ah_out is None else ah_out
     act = torch.empty(R, 2, I, dtype=torch.bfloat16, device=dev) if act_out is None else act_out
     if backend == "torch" or reason is not None:
@@ -438,26 +448,21 @@ def grouped_mm_gated(
         ah.copy_(ah_t)
         _write_rows_twin(a, row_index, a_rows_out)
         return act, ah
-    from .sm90 import select_grouped_mm_tile
-
+    family = _provider(dev).load()
     if tile is None:
-        tile = select_grouped_mm_tile(N, a.shape[1], E)
+        tile = family.select_grouped_mm_tile(N, a.shape[1], E)
     key = grouped_mm_key(
-        w_gate_up, row_index, tile, GatedEpilogue.of(act_fn, clamp_limits, bias is not None),
+        w_gate_up, row_index, tile, family.GatedEpilogue.of(act_fn, clamp_limits, bias is not None),
         write_a_rows=a_rows_out is not None,
     )
     if S == 0:
         return act.zero_(), ah
-    from .launch import num_sms
-    from .sm90 import compile_grouped_mm
-
-    fn = compile_grouped_mm(key)
-    grid = max(1, min(key.max_tiles(S), num_sms(dev.index or 0)))
+    launch = _family(dev).launcher(key)
     idx = row_index if row_index is not None else offsets_E
     b = bias.reshape(E, N).float().contiguous() if bias is not None else offsets_E
     alpha = pair_affinity_R.float().contiguous()
-    fn(a, idx, w_gate_up.permute(2, 1, 0), offsets_E, ah, b, row_to_pair_S.contiguous(), alpha,
-       num_pairs.reshape(1), act.view(R, N), a_rows_out, grid)
+    launch(a, idx, w_gate_up.permute(2, 1, 0), offsets_E, ah, b, row_to_pair_S.contiguous(),
+           alpha, num_pairs.reshape(1), act.view(R, N), a_rows_out)
     return act, ah
 
 
@@ -558,8 +563,6 @@ def grouped_mm_dgated(
     """
     from common.problem import Activation
 
-    from .sm90 import GatedEpilogue, select_grouped_mm_tile
-
     act_fn = Activation.resolve(activation)
     if backend not in BACKENDS:
         _fail(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -572,8 +575,8 @@ def grouped_mm_dgated(
     if act_R2I.dtype != torch.bfloat16 or not act_R2I.is_contiguous():
         _fail_dgated(f"act_R2I must be a contiguous torch.bfloat16 tensor, got {act_R2I.dtype}")
     reason = _rows_out_unsupported(kernel_unsupported_reason(a, w_down_t, row_index), a_rows_out)
-    if backend == "sm90" and reason is not None:
-        _fail_dgated(f"backend='sm90' cannot run here: {reason}")
+    if backend in _KERNEL_ARCHS and reason is not None:
+        _fail_dgated(f"backend={backend!r} cannot run here: {reason}")
     if backend == "torch" or reason is not None:
         res = torch_ref.down_dgrad_activation_torch(
             a, w_down_t, offsets_E, row_index, row_to_pair_S, pair_affinity_R, act_R2I,
@@ -581,23 +584,21 @@ def grouped_mm_dgated(
         )
         _write_rows_twin(a, row_index, a_rows_out)
         return res
+    family = _provider(dev).load()
     if tile is None:
-        tile = select_grouped_mm_tile(I, K, E)
-    key = grouped_mm_key(w_down_t, row_index, tile, GatedEpilogue.of(act_fn, clamp_limits, False),
+        tile = family.select_grouped_mm_tile(I, K, E)
+    gated = family.GatedEpilogue.of(act_fn, clamp_limits, False)
+    key = grouped_mm_key(w_down_t, row_index, tile, gated,
                          epilogue="dgated", write_a_rows=a_rows_out is not None)
     dgu = torch.empty(S, 2 * I, dtype=torch.bfloat16, device=dev)
     ah = torch.empty(S, I, dtype=torch.bfloat16, device=dev)
     part = torch.empty(S, key.n_tiles, dtype=torch.float32, device=dev)
     if S == 0:
         return dgu, ah, part.sum(1)
-    from .launch import num_sms
-    from .sm90 import compile_grouped_mm
-
-    fn = compile_grouped_mm(key)
-    grid = max(1, min(key.max_tiles(S), num_sms(dev.index or 0)))
+    launch = _family(dev).launcher(key)
     idx = row_index if row_index is not None else offsets_E
-    fn(a, idx, w_down_t.permute(2, 1, 0), offsets_E, ah, dgu, row_to_pair_S.contiguous(),
-       pair_affinity_R.float().contiguous(), part, act_R2I.view(R, 2 * I), a_rows_out, grid)
+    launch(a, idx, w_down_t.permute(2, 1, 0), offsets_E, ah, dgu, row_to_pair_S.contiguous(),
+           pair_affinity_R.float().contiguous(), part, act_R2I.view(R, 2 * I), a_rows_out)
     return dgu, ah, part.sum(1)
 
 

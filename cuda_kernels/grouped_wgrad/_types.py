@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .tiles import SM100_TILES
+from ..gemm.tiles import SM100_TILES
 
 # ---------------------------------------------------------------------------------------------
 # Tables of the contract (seed, "BF16 contract"), each with why.

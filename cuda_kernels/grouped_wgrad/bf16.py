@@ -32,9 +32,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import env, registry
+from ..gemm import env, registry
+from ..gemm.tiles import TILE_RULES
 from ._types import Operands, WgradContract
-from .tiles import TILE_RULES
 from .torch_ref import grouped_wgrad_torch
 from .validate import check_offsets_values, validate_operands
 

@@ -36,7 +36,7 @@ import torch
 
 from common.mx_atoms import ATOM_COLS, ATOM_ROWS, grouped_scale_cols, round_up
 
-from . import registry
+from ..gemm import registry
 from ._types import (
     BLOCK_SCALED_DTYPES,
     BLOCKSCALED_FORMATS,

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from . import bf16, env
+from ..gemm import env
+from ..gemm.tiles import SM90_TILES, SM100_TILES
+from . import bf16
 from ._types import CALL_NAMES, SAMPLE_NAMES, WgradCall, WgradContract
 from .pipeline import CompiledWgrad, compile_contract, validate_call
-from .tiles import SM90_TILES, SM100_TILES
 
 __all__ = ["ARCH_CLASSES", "GroupedGemmWgradSm90", "GroupedGemmWgradSm100", "require_device"]
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from . import bf16, blockscaled, env, registry
+from ..gemm import env, registry
+from . import bf16, blockscaled
 from ._types import BLOCKSCALED_TOKEN_ALIGN, FP32_NAMES, TupleDict, WgradCall
 from .pipeline import allocate_outputs, compile_contract, select_format, validate_call
 from .torch_ref import grouped_wgrad_torch

@@ -125,10 +125,10 @@ def _adapter():
     import cutlass
     from cutlass import cute
 
-    from . import sm90_bf16, sm100_bf16
+    from ..gemm import registry
 
-    sm90_kernel_class = sm90_bf16.kernel_class()
-    sm100_kernel_class = sm100_bf16.kernel_class()
+    sm90_kernel_class = registry.provider("sm90", "bf16").load().kernel_class()
+    sm100_kernel_class = registry.provider("sm100", "bf16").load().kernel_class()
 
     @cute.jit
     def grouped_wgrad_xla_adapter(
@@ -250,7 +250,7 @@ def compile_adapter_offline(plan: JaxWgradPlan, inputs: list, outputs: list,
     from cutlass import cute
     from cutlass.jax import compile as cjc
 
-    from .launch import cross_compile_kwargs, pinned_cute_arch
+    from ..gemm.launch import cross_compile_kwargs, pinned_cute_arch
 
     spec = build_spec(plan, inputs, outputs, aliases, num_ctas)
     options = f"--gpu-arch {gpu_arch}"

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from . import bf16, env, registry
+from ..gemm import env, registry
+from . import bf16
 from ._types import NAME_TO_DTYPE, OUTPUT_DTYPES, ArgNames, WgradCall
 from .jax_ref import dtype_name, is_tracer
 from .pipeline import validate_call

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from . import bf16, blockscaled, env
+from ..gemm import env
+from . import bf16, blockscaled
 from ._types import (
     CALL_NAMES,
     NAME_TO_DTYPE,

@@ -18,6 +18,8 @@ import torch
 
 from common.mx_atoms import grouped_scale_cols, grouped_scale_cols_bound
 
+from ..gemm.launch import host_offset_ends
+from ..gemm.tiles import TILE_RULES
 from ._types import (
     BLOCK_SCALED_DTYPES,
     DESCRIPTORS_PER_EXPERT,
@@ -30,7 +32,6 @@ from ._types import (
     BlockScaledSpec,
     elem_bytes,
 )
-from .tiles import TILE_RULES
 from .torch_ref import INPUT_ORDERS
 
 
@@ -252,31 +253,6 @@ def check_pointers_now(values, arg: str, slabs: tuple[int, int] | None = None) -
 QUANT_ELEMS = ("e4m3", "e5m2", "e2m1")
 QUANT_SCALE_RULES = ("ocp", "rceil")
 QUANT_SF_VEC = 32
-
-
-def host_offset_ends(
-    offsets: torch.Tensor, tokens_sum: int, *, arg: str, err: Callable[[str], Exception],
-    even: bool = False,
-) -> list[int]:
-    """Read cumulative expert ends on the host (one device sync on CUDA) and check them:
-    non-decreasing from >= 0, even where FP4 packs token pairs (``even``), the last equal to
-    ``tokens_sum``. Shared by the quantizer entries, the block-scaled twin and the SM90 MXFP8
-    entry; ``err(message)`` makes the caller's exception.
-
-    Returns:
-        The ends as Python ints.
-    """
-    ends = [int(v) for v in offsets.tolist()]
-    prev = 0
-    for e, end in enumerate(ends):
-        if end < prev:
-            raise err(f"{arg} must be non-decreasing and >= 0; {arg}[{e}] = {end} after {prev}")
-        if even and end % 2:
-            raise err(f"FP4 packs token pairs, so every offset must be even; {arg}[{e}] = {end}")
-        prev = end
-    if ends and ends[-1] != tokens_sum:
-        raise err(f"{arg}[-1] = {ends[-1]} must equal tokens_sum = {tokens_sum}")
-    return ends
 
 
 def check_quantize_args(

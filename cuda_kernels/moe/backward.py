@@ -258,7 +258,7 @@ def moe_backward_fused(
         dgu_S, ah_S, dA_TE = gmm.down_dgrad_backward(
             kernel_rows(dy_TH), w_down_EHI.transpose(1, 2), layout, plan, p.act_checkpoint_R2I,
             activation=p.activation, clamp_limits=p.clamp_limits, b_down_EH=p.b_down_EH,
-            backend="sm90" if dy_TH.is_cuda else "torch", dy_rows_out=dy_S,
+            backend="auto", dy_rows_out=dy_S,
         )
     else:
         dy_S, dh_raw = gathered_times_experts(impl, dy_TH, w_down_EHI, layout)

@@ -102,7 +102,7 @@ def moe_forward_fused(
         x_S = torch.empty(layout.tokens_sum, H, dtype=bf16, device=x_TH.device)
         act_R2I, ah_S = gmm.gate_up_forward(
             kernel_rows(x_TH), w_gu, layout, plan, activation=act_fn, clamp_limits=clamp_limits,
-            b_gate_up_E2I=b_gate_up_E2I, backend="sm90" if x_TH.is_cuda else "torch",
+            b_gate_up_E2I=b_gate_up_E2I, backend="auto",
             x_rows_out=x_S,
         )
     else:

@@ -42,6 +42,7 @@ def gathered_times_experts(impl: str, a_TK: torch.Tensor, w_EKN: torch.Tensor, l
         a_S = gather_rows(a_TK, idx, torch.bfloat16)
         return a_S, rows_times_experts(a_S, w_EKN, layout.offsets_E)
     a_S = torch.empty(layout.tokens_sum, a_TK.shape[1], dtype=torch.bfloat16, device=a_TK.device)
+    # "auto": the device's registered kernel (pick() found it can run), the twin on CPU tensors
     out = gmm.grouped_mm_gather(kernel_rows(a_TK), w_EKN, layout.offsets_E, idx,
-                                backend="sm90" if a_TK.is_cuda else "torch", a_rows_out=a_S)
+                                backend="auto", a_rows_out=a_S)
     return a_S, out

@@ -136,10 +136,12 @@ class KernelKey:
 class KMajorKernelKey(KernelKey):
     """A :class:`KernelKey` whose operands are both K-major along tokens, ``tensor2d`` (FP8
     wgmma, the block-scaled tcgen05.mma): the block-scaled families' keys, fp32 output by
-    default. A subclass says whose rule in ``_K_MAJOR_WHY`` and adds its fields and ``tile``.
+    default. A subclass says whose rule in ``_K_MAJOR_WHY``, the element types its format
+    takes in :meth:`elems`, and adds its fields (an ``elem`` among them) and ``tile``.
 
     Raises:
-        ValueError: :class:`KernelKey`'s rules, or :func:`check_k_major_tensor2d`.
+        ValueError: :class:`KernelKey`'s rules, :func:`check_k_major_tensor2d`, or an ``elem``
+            outside :meth:`elems`.
     """
 
     _K_MAJOR_WHY: ClassVar[str] = "both operands must be K-major along tokens"
@@ -148,6 +150,15 @@ class KMajorKernelKey(KernelKey):
     b_major: str = "k"
     out_dtype: str = "float32"
 
+    def elems(self) -> tuple[str, ...]:
+        """The operand element types the key's format takes (``"e4m3"``, ``"e2m1"``, ...)."""
+        raise NotImplementedError
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check_k_major_tensor2d(self, self._K_MAJOR_WHY)
+        elems = self.elems()
+        if self.elem not in elems:
+            raise ValueError(
+                f"{type(self).__name__}.elem must be one of {elems}, got {self.elem!r}"
+            )

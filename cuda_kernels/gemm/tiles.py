@@ -271,6 +271,11 @@ def select_tile(
     memory holds: :meth:`TileRules.stages_for`), else the first rule of ``load_rules()`` that
     holds (:func:`match_rule`), else None (the family says why no tile fits).
 
+    The families' ``select_<family>_tile_config(hidden, intermediate, num_experts, tokens_hint,
+    *, mma_tiler_mn, ...)`` take M (rows of Wgrad), N (columns) and E, a ``tokens_hint`` (the
+    expected tokens_sum: unused by the current rules, kept for the contract) and the caller's
+    ``mma_tiler_mn``, and return this config or refuse with ``ValueError``.
+
     Raises:
         ValueError: non-positive sizes (``who`` names the function), or a caller's tile the
             config refuses.

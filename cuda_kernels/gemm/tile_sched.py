@@ -11,7 +11,7 @@ scheduling (uneven experts balance); an id >= the kernel's tile count tells ever
 
 - :func:`scheduler_base`: the class holding ``claim_tile`` (the atomic take and the shuffle),
   ``next_tile`` (take and publish) and ``take_tile`` (read back), built once on first use
-  (CuTe DSL is imported inside that cached builder only, as ``sm90_common.kernel_base()``
+  (CuTe DSL is imported inside that cached builder only, as ``sm90.common.kernel_base()``
   does); the kernel classes derive from it. Arch-neutral: a global atomic, a warp shuffle and
   a ``pipeline`` ring, nothing of wgmma or tcgen05. (The SM100 2-CTA cluster's
   ``publish_tile``, which takes the id with ``claim_tile`` and writes it into both CTAs' rings,

@@ -69,7 +69,7 @@ class KernelProvider:
     Attributes:
         name: the family ("sm90_bf16"); names it in messages.
         module: its module, imported by name when first asked
-            ("cuda_kernels.grouped_wgrad.sm90_bf16").
+            ("cuda_kernels.gemm.sm90.wgrad_bf16").
         arch: the device generation the API routes to it: "sm90" (SM 9.x) or "sm100" (SM100+).
         formats: the operand formats it computes: "bf16", "mxfp8", "mxfp4", "nvfp4".
         problem: one of :data:`PROBLEMS`.
@@ -191,10 +191,14 @@ def find_kernel(contract: Any, problem: str = "varlen_k") -> tuple[KernelProvide
 # ---------------------------------------------------------------------------------------------
 
 _PKG = __name__.rpartition(".")[0]
-register_family(KernelProvider("sm90_bf16", f"{_PKG}.sm90_bf16", "sm90", ("bf16",)))
-register_family(KernelProvider("sm100_bf16", f"{_PKG}.sm100_bf16", "sm100", ("bf16",)))
+register_family(KernelProvider("sm90_bf16", f"{_PKG}.sm90.wgrad_bf16", "sm90", ("bf16",)))
+register_family(KernelProvider("sm100_bf16", f"{_PKG}.sm100.wgrad_bf16", "sm100", ("bf16",)))
 register_family(
-    KernelProvider("sm100_blockscaled", f"{_PKG}.sm100_blockscaled", "sm100",
+    KernelProvider("sm100_blockscaled", f"{_PKG}.sm100.wgrad_blockscaled", "sm100",
                    ("mxfp8", "mxfp4", "nvfp4"))
 )
-register_family(KernelProvider("sm90_mxfp8", f"{_PKG}.sm90_mxfp8", "sm90", ("mxfp8",)))
+register_family(KernelProvider("sm90_mxfp8", f"{_PKG}.sm90.wgrad_mxfp8", "sm90", ("mxfp8",)))
+register_family(
+    KernelProvider("sm90_grouped_mm", f"{_PKG}.sm90.grouped_mm", "sm90", ("bf16",),
+                   problem="varlen_m")
+)

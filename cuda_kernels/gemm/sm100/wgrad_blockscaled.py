@@ -81,16 +81,16 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import KMajorKernelKey
-from .launch import KernelFamily, contract_key_fields, fake_offsets_and_out
-from .sm100_bf16 import (
+from ..keys import KMajorKernelKey
+from ..launch import KernelFamily, contract_key_fields, fake_offsets_and_out
+from ..tiles import SM100_TILES
+from .wgrad_bf16 import (
     ENABLE_ENV,
     counter_len,
     descriptor_workspace_bytes,
     target_arch,
     unverified_reason,
 )
-from .tiles import SM100_TILES
 
 __all__ = [
     "COMPILE_COUNT",  # noqa: F822 - served by the module __getattr__ (FAMILY.compile_count)
@@ -175,7 +175,7 @@ class Sm100BsTileConfig:
 @dataclasses.dataclass(frozen=True)
 class Sm100BlockScaledKey(KMajorKernelKey):
     """Static contract of one compiled SM100 block-scaled kernel (its compile-cache key): the
-    ``_contract.KMajorKernelKey`` fields, plus
+    ``keys.KMajorKernelKey`` fields, plus
 
     Attributes:
         fmt: ``"mxfp8"``, ``"mxfp4"`` or ``"nvfp4"``.
@@ -185,7 +185,7 @@ class Sm100BlockScaledKey(KMajorKernelKey):
 
     Both operands are K-major along tokens (``a_major = b_major = "k"``), ``tensor2d``; dense
     or discrete output (discrete: hidden and intermediate multiples of the 128x128 tile, the
-    ``_contract.KernelKey`` rule of the SM100 family).
+    ``keys.KernelKey`` rule of the SM100 family).
 
     Raises:
         ValueError: a field outside its values.
@@ -198,18 +198,21 @@ class Sm100BlockScaledKey(KMajorKernelKey):
     elem: str = "e4m3"
     tile: Sm100BsTileConfig = Sm100BsTileConfig()
 
+    def elems(self) -> tuple[str, ...]:
+        """The element types of the key's ``fmt`` (checked here, before them)."""
+        if self.fmt not in FORMATS:
+            raise ValueError(
+                f"{type(self).__name__}.fmt must be one of {tuple(FORMATS)}, got {self.fmt!r}"
+            )
+        return FORMATS[self.fmt][0]
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        cls = type(self).__name__
-        if self.fmt not in FORMATS:
-            raise ValueError(f"{cls}.fmt must be one of {tuple(FORMATS)}, got {self.fmt!r}")
-        elems, _sf, _vec, stage = FORMATS[self.fmt]
-        if self.elem not in elems:
-            raise ValueError(f"{cls}.elem must be one of {elems} for {self.fmt}, got {self.elem!r}")
+        stage = FORMATS[self.fmt][3]
         if self.tile.tile_k != stage:
             raise ValueError(
-                f"{cls}: {self.fmt} stages are {stage} tokens (one scale atom column); got "
-                f"tile_k={self.tile.tile_k}"
+                f"{type(self).__name__}: {self.fmt} stages are {stage} tokens (one scale atom "
+                f"column); got tile_k={self.tile.tile_k}"
             )
 
     @property
@@ -228,7 +231,7 @@ def _tile_for(fmt: str) -> Sm100BsTileConfig:
 
 
 #: The output tile of every built config (discrete outputs have no partial tiles: the
-#: ``_contract.KernelKey`` rule of the SM100 family).
+#: ``keys.KernelKey`` rule of the SM100 family).
 _TILE_MN = (128, 128)
 
 
@@ -276,9 +279,9 @@ def supports(contract: Any) -> str | None:
 def unavailable_reason() -> str | None:
     """The family's gate in ``registry.KernelProvider.unavailable``: the BF16 SM100 kernel's
     hardware opt-in (``sm100_bf16.unverified_reason``)."""
-    from . import sm100_bf16
+    from . import wgrad_bf16
 
-    return sm100_bf16.unverified_reason()
+    return wgrad_bf16.unverified_reason()
 
 
 def contract_launcher(contract: Any) -> Callable[..., None]:
@@ -323,7 +326,7 @@ def _build_kernel_class():
     from cutlass.cute.nvgpu import tcgen05
     from cutlass.tensor_utils import LayoutEnum
 
-    from .sm100_bf16 import kernel_class as _bf16_kernel_class
+    from .wgrad_bf16 import kernel_class as _bf16_kernel_class
 
     elem_types = {
         "e4m3": cutlass.Float8E4M3FN,
@@ -769,7 +772,7 @@ class _BsFamily(KernelFamily):
         """
         import torch
 
-        from .launch import descriptor_workspace_view, on_stream
+        from ..launch import descriptor_workspace_view, on_stream
 
         reason = unverified_reason()
         if reason is not None:

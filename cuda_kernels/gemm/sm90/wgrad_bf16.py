@@ -55,11 +55,11 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import KernelKey
-from .launch import KernelFamily, contract_key_fields
-from .sm90_common import Sm90Tiling, kernel_base
-from .tile_sched import scheduler_base
-from .tiles import SM90_TILES, rules_loader, select_tile
+from ..keys import KernelKey
+from ..launch import KernelFamily, key_of_contract
+from ..tile_sched import scheduler_base
+from ..tiles import SM90_TILES, rules_loader, select_tile
+from .common import Sm90Tiling, kernel_base
 
 __all__ = [
     "COMPILE_COUNT",  # noqa: F822 - served by the module __getattr__ (FAMILY.compile_count)
@@ -80,7 +80,7 @@ _SCHED_STAGES = 4  # depth of the tile-id ring between the producer warp and the
 class Sm90TileConfig(Sm90Tiling):
     """One CTA tile of the SM90 kernel (a row of ``configs/cuda/sm90_tiles.yaml``): the fields
     ``tile_m`` (output rows: hidden), ``tile_n`` (columns: intermediate), ``tile_k`` (tokens per
-    stage), ``stages`` and ``pingpong`` of ``sm90_common.Sm90Tiling``, its stage bytes and
+    stage), ``stages`` and ``pingpong`` of ``sm90.common.Sm90Tiling``, its stage bytes and
     consumer structure, and speed variants.
 
     Speed variants (the defaults are the measured behaviour; ``benchmarks/bench_grouped_wgrad.py
@@ -144,7 +144,7 @@ class Sm90TileConfig(Sm90Tiling):
 @dataclasses.dataclass(frozen=True)
 class Sm90WgradKey(KernelKey):
     """Static contract of one compiled SM90 kernel (the compile-cache key): the fields of
-    ``_contract.KernelKey`` and the :class:`Sm90TileConfig` ``tile``; dense outputs may end in
+    ``keys.KernelKey`` and the :class:`Sm90TileConfig` ``tile``; dense outputs may end in
     partial tiles (TMA zero-fills the loads and clips the stores), discrete outputs need a tile
     that divides hidden and intermediate. ``input_order``: see
     :func:`compile_sm90_wgrad`.
@@ -173,11 +173,10 @@ def select_sm90_tile_config(
     output_mode: str = "dense",
     accumulate: bool = False,
 ) -> Sm90TileConfig:
-    """Pick the tile config for an ``(E, M, N)`` problem from ``configs/cuda/sm90_tiles.yaml``.
+    """The SM90 tile config of an ``(E, M, N)`` problem, from ``configs/cuda/sm90_tiles.yaml``
+    (the arguments of every family's selector: :func:`tiles.select_tile`).
 
     Args:
-        hidden: M (rows of Wgrad). intermediate: N (columns). num_experts: E.
-        tokens_hint: expected tokens_sum (unused by the current rules; kept for the contract).
         output_mode: "dense" outputs may end in partial tiles; "discrete" ones take the first
             rule whose tile divides hidden and intermediate.
         accumulate: accumulating into the output (rules may ask for it: their epilogue).
@@ -226,7 +225,7 @@ def _build_kernel_class():
 
     class Sm90GroupedWgradKernel(base, scheduler_base()):
         """CTA-persistent, warp-specialized grouped wgrad for one :class:`Sm90WgradKey` (the
-        tile fields, loads and launch of ``sm90_common.kernel_base()``; the tile scheduler's
+        tile fields, loads and launch of ``sm90.common.kernel_base()``; the tile scheduler's
         ``next_tile`` / ``take_tile`` of ``tile_sched.scheduler_base()``)."""
 
         def __init__(self, key: Sm90WgradKey):
@@ -943,15 +942,10 @@ def sm90_key_from_contract(contract: Any) -> Sm90WgradKey:
         ValueError: no tile fits hidden / intermediate (multiples of 64 at least; discrete
             outputs need whole tiles).
     """
-    tile = select_sm90_tile_config(
-        contract.hidden,
-        contract.intermediate,
-        contract.num_experts,
-        mma_tiler_mn=contract.mma_tiler_mn,
-        output_mode=contract.output_mode,
-        accumulate=contract.accumulate,
+    return key_of_contract(
+        Sm90WgradKey, select_sm90_tile_config, contract,
+        output_mode=contract.output_mode, accumulate=contract.accumulate,
     )
-    return Sm90WgradKey(**contract_key_fields(contract), tile=tile)
 
 
 #: The SM90 family in the shared compile-cache / launch layer: a dynamic persistent scheduler

@@ -8,8 +8,8 @@ and ``N`` are static; ``S``, the gathered source's row count ``T`` and the split
 splits never recompile; the offsets are read on the device only: CUDA-graph capturable).
 
 Structure (one CTA per SM, persistent, warp-specialized; the wgrad kernel
-``grouped_wgrad/sm90_bf16.py`` is the model for the pipelines and the mainloop, and
-``grouped_wgrad/sm90_common.py`` holds what the two share: the tile's consumer structure, the
+``gemm/sm90/wgrad_bf16.py`` is the model for the pipelines and the mainloop, and
+``gemm/sm90/common.py`` holds what the two share: the tile's consumer structure, the
 tiled wgmma with its staged shared-memory layouts, the TMA load atoms, the accumulator fence and
 the persistent launch):
 
@@ -105,9 +105,10 @@ import functools
 import math
 from typing import Any
 
-from ..grouped_wgrad.sm90_common import Sm90Tiling, kernel_base
-from ..grouped_wgrad.tiles import SM90_TILES
-from .launch import GroupedMmFamily
+from ..launch import KernelFamily, num_sms
+from ..tiles import SM90_TILES
+from .common import Sm90Tiling, kernel_base
+from .grouped_mm_epilogues import epilogue_mixins
 
 __all__ = [
     "EPILOGUES",
@@ -136,7 +137,7 @@ _INDEX_DTYPES = ("int64", "int32")
 @dataclasses.dataclass(frozen=True)
 class Sm90GroupedMmTile(Sm90Tiling):
     """One CTA tile of the SM90 varlen-M grouped GEMM: the fields of the wgrad kernel's tiles
-    (``grouped_wgrad.sm90_common.Sm90Tiling``: ``tile_m``, ``tile_n``, ``tile_k`` = K per stage,
+    (``gemm.sm90.common.Sm90Tiling``: ``tile_m``, ``tile_n``, ``tile_k`` = K per stage,
     ``stages`` of the (A, W) ring, lowered to what fits, and ``pingpong``), its name
     (``variant_name``), stage bytes and consumer structure.
 
@@ -146,7 +147,7 @@ class Sm90GroupedMmTile(Sm90Tiling):
     """
 
     def __post_init__(self) -> None:
-        super().__post_init__()  # the tile fields (grouped_wgrad.tiles.SM90_TILES)
+        super().__post_init__()  # the tile fields (gemm.tiles.SM90_TILES)
         if not isinstance(self.pingpong, bool):
             raise ValueError(
                 f"{type(self).__name__}.pingpong must be a bool, got {self.pingpong!r}"
@@ -340,14 +341,14 @@ _TILE_CONDITIONS = ("min_n", "min_k", "min_experts")
 @functools.cache
 def load_grouped_mm_tile_rules() -> tuple:
     """Rules of ``configs/cuda/sm90_grouped_mm_tiles.yaml`` as ``(name, conditions,
-    Sm90GroupedMmTile)`` in file order, read once (``grouped_wgrad.tiles.load_tile_rules``).
+    Sm90GroupedMmTile)`` in file order, read once (``gemm.tiles.load_tile_rules``).
 
     Raises:
         RuntimeError: the file is missing or malformed (an unknown condition included).
     """
     from common.config_files import config_path
 
-    from ..grouped_wgrad.tiles import load_tile_rules
+    from ..tiles import load_tile_rules
 
     path = config_path("cuda", "sm90_grouped_mm_tiles.yaml")
     rules = load_tile_rules(path, Sm90GroupedMmTile, "SM90 grouped_mm")
@@ -414,14 +415,15 @@ def _build_kernel_class():
     from cutlass import cute, memory, pipeline
     from cutlass.tensor_utils import LayoutEnum
 
-    base = kernel_base()  # the SM90 kernels' share (grouped_wgrad/sm90_common.py)
+    base = kernel_base()  # the SM90 kernels' share (gemm/sm90/common.py)
     fence_accumulators = base.fence_accumulators
 
     index_types = {"int64": cutlass.Int64, "int32": cutlass.Int32}
 
-    class Sm90GroupedMmKernel(base):
-        """CTA-persistent, warp-specialized varlen-M grouped GEMM for one key (the tile fields,
-        loads and launch of ``kernel_base()``)."""
+    class GroupedMmSm90(base):
+        """The mainloop base: CTA-persistent, warp-specialized varlen-M grouped GEMM for one key
+        (the tile fields, loads and launch of ``kernel_base()``): schedule, cp.async gather and
+        TMA producers, wgmma consumers; the epilogues are mixins (``grouped_mm_epilogues.py``)."""
 
         def __init__(self, key: Sm90GroupedMmKey):
             self.init_tiling(key)
@@ -1057,400 +1059,11 @@ def _build_kernel_class():
                 j += 1
                 tile += gdim
 
-        # ---- epilogues ----
+    epi = epilogue_mixins()
 
-        @cute.jit
-        def epilogue_store(self, acc, tCcC, mOut, n_idx, row0, rows):
-            """Registers -> global: the accumulator rounded to BF16 in column pairs (4-byte
-            stores), rows below ``rows`` (inside the expert) and columns below N. A padding row
-            of a gathered A was zero-filled in shared memory, so its accumulator is exactly +0
-            (for finite W): no select, and a padding row that were read would show."""
-            n = self.key.n
-            out_base = mOut.iterator.toint()
-            col0 = n_idx * self.mma_n
-            pair = cute.make_rmem_tensor((2,), self.out_dtype)
-            # fragment ((2 cols, 2 row halves, tile_n / 8 column groups), MMA_M, MMA_N)
-            for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                for h in cutlass.range_constexpr(2):
-                    r = tCcC[((0, h, 0), mm, 0)][0]
-                    if r < rows:
-                        row_addr = out_base + cutlass.Int64(row0 + r) * (n * 2)
-                        for q in cutlass.range_constexpr(cute.size(acc, mode=[0]) // 4):
-                            c = col0 + tCcC[((0, h, q), mm, 0)][1]
-                            in_n = cutlass.Boolean(True)
-                            if cutlass.const_expr(self.partial_n):
-                                in_n = c < n
-                            if in_n:
-                                self.store_pair(
-                                    acc[((0, h, q), mm, 0)], acc[((1, h, q), mm, 0)],
-                                    row_addr + cutlass.Int64(c) * 2, pair,
-                                )
-
-        @cute.jit
-        def store_pair(self, v0, v1, addr, pair):
-            """Round two fp32 values to BF16 (RNE) and store them as one 4-byte word at global
-            address ``addr``."""
-            pv = cute.make_rmem_tensor((2,), self.acc_dtype)
-            pv[0] = v0
-            pv[1] = v1
-            pair.store(pv.load().to(self.out_dtype))
-            dst = cute.make_tensor(
-                cute.make_ptr(self.out_dtype, addr, cute.AddressSpace.gmem, assumed_align=4),
-                cute.make_layout(2),
-            )
-            cute.autovec_copy(pair, dst)
-
-        @cute.jit
-        def pick(self, cond, v):
-            """``v`` where ``cond``, else +0.0 (a select, not a branch)."""
-            return cutlass.Float32(cutlass.select_(cond, v, cutlass.Float32(0.0)))
-
-        @cute.jit
-        def activate_backward(self, d, g, u, alpha):
-            """One element of the activation backward (REFERENCE §2) from ``d = dh_raw`` and
-            the stored (clamped) g, u: ``(dg, du, h)`` with ``dg = alpha d (u + c) s (1 + a g
-            (1 - s)) mask_g``, ``du = alpha d g s mask_u``, ``s = sigmoid(a g)``; the strict
-            clamp masks pass where the stored value lies strictly inside its limits."""
-            ge = self.key.gated
-            ag, sig, up = self.gate_terms(g, u)
-            gs = g * sig
-            h = gs * up
-            dh = alpha * d
-            dg = dh * up * sig * (cutlass.Float32(1.0) + ag * (cutlass.Float32(1.0) - sig))
-            du = dh * gs
-            zero = cutlass.Float32(0.0)
-            if cutlass.const_expr(ge.gate_lo is not None):  # noqa: SIM102
-                if not g > cutlass.Float32(ge.gate_lo):
-                    dg = zero
-            if cutlass.const_expr(ge.gate_hi is not None):  # noqa: SIM102
-                if not g < cutlass.Float32(ge.gate_hi):
-                    dg = zero
-            if cutlass.const_expr(ge.up_lo is not None):  # noqa: SIM102
-                if not u > cutlass.Float32(ge.up_lo):
-                    du = zero
-            if cutlass.const_expr(ge.up_hi is not None):  # noqa: SIM102
-                if not u < cutlass.Float32(ge.up_hi):
-                    du = zero
-            return dg, du, h
-
-        @cute.jit
-        def row_slots(
-            self, tCcC, n_mm: cutlass.Constexpr, row0, rows, mR2P, mAlpha, pair_s, alpha_s,
-            in_s, tail_s, num_pairs, num_r, with_tail: cutlass.Constexpr,
-        ):
-            """Both fused epilogues' per-row tables of this thread's accumulator rows (slot
-            ``2 mm + h``): the row's pair (-1 = padding or past the tile's rows), its affinity
-            (0 there) and whether the row is inside the tile; ``with_tail`` (the gated one) also
-            whether it is a checkpoint row past the pairs, ``num_pairs <= row < num_r``, that
-            the epilogue zeroes (``tail_s``, ``num_pairs``, ``num_r`` unused otherwise)."""
-            for mm in cutlass.range_constexpr(n_mm):
-                for h in cutlass.range_constexpr(2):
-                    i = mm * 2 + h
-                    r = tCcC[((0, h, 0), mm, 0)][0]
-                    if cutlass.const_expr(with_tail):
-                        row = cutlass.Int64(row0 + r)
-                    p = cutlass.Int64(-1)
-                    a = cutlass.Float32(0.0)
-                    inside = r < rows
-                    if inside:
-                        p = cutlass.Int64(mR2P[row0 + r])
-                        if p >= 0:
-                            a = cutlass.Float32(mAlpha[p])
-                    pair_s[i] = p
-                    alpha_s[i] = a
-                    in_s[i] = inside
-                    if cutlass.const_expr(with_tail):
-                        tail_s[i] = inside and row >= num_pairs and row < num_r
-
-        @cute.jit
-        def first_col(self, tCcC, col0):
-            """This thread's first accumulator column in the output: ``col0`` (the tile's)
-            plus its column in the tile. The wgmma fragment's column groups (mode
-            ``(2 cols, 2 row halves, mma_n / 8 groups)``) are 8 columns apart, so group ``q``
-            starts at ``first_col + 8 q``: the fused epilogues' addresses and column checks
-            rest on that."""
-            return col0 + tCcC[((0, 0, 0), 0, 0)][1]
-
-        @cute.jit
-        def group_in_cols(self, c0, q: cutlass.Constexpr):
-            """Column group ``q`` (from first column ``c0``) lies below ``out_cols``: always
-            true unless the last N tile is partial."""
-            in_n = cutlass.Boolean(True)
-            if cutlass.const_expr(self.partial_n):
-                in_n = c0 + 8 * q < self.out_cols
-            return in_n
-
-        @cute.jit
-        def bf16_addr(self, base, row, row_len, col):
-            """Byte address of element ``(row, col)`` of a row-major BF16 buffer at ``base``
-            with ``row_len`` elements per row."""
-            return base + (row * row_len + col) * 2
-
-        def load_chunk(self, n_q: int, slots: int) -> int:
-            """Column groups (``q``) per chunk of the fused epilogues' software-pipelined
-            global loads: the largest of 8, 4, 2, 1 that divides ``n_q`` with ``c * slots <=
-            8``. dgated (``slots`` = row slots): 16 4-byte checkpoint loads per thread and
-            chunk; gated (``slots`` = 2, gate and up): 16 fp32 bias values. Two chunks live
-            beside the accumulators; twice that spilled registers with the 128x256 tile
-            (ptxas, offline). The caller sizes the buffers with it; the epilogues read the
-            chunk size back from them."""
-            return next(c for c in (8, 4, 2, 1) if n_q % c == 0 and c * slots <= 8)
-
-        @cute.jit
-        def checkpoint_loads(
-            self, buf, q0: cutlass.Constexpr, tCcC, col0, pair_s, act_base,
-        ):
-            """Issue the dgated epilogue's checkpoint loads of column groups ``[q0, q0 + ch)``
-            into ``buf`` ((2 cols, gate/up, slot, q) BF16 registers): ``g, u`` of this
-            thread's rows' pairs, 4-byte loads; zeros for a padding row and a column past I.
-            Issued a chunk ahead of their use, so their latency overlaps the previous chunk's
-            math and stores (a load after a store to memory that may alias it cannot be
-            hoisted by the compiler; written one per use, every load waited for its own
-            round trip)."""
-            i_cols = self.out_cols
-            c0 = self.first_col(tCcC, col0)
-            buf.fill(0.0)
-            for i in cutlass.range_constexpr(cute.size(buf, mode=[2])):
-                p = pair_s[i]
-                src = self.bf16_addr(act_base, cutlass.Int64(p), 2 * i_cols, c0)
-                for qq in cutlass.range_constexpr(cute.size(buf, mode=[3])):
-                    in_n = self.group_in_cols(c0, q0 + qq)
-                    if in_n and p >= 0:
-                        for gu in cutlass.range_constexpr(2):
-                            v = cute.make_tensor(
-                                cute.make_ptr(
-                                    self.out_dtype, src + (gu * i_cols + 8 * (q0 + qq)) * 2,
-                                    cute.AddressSpace.gmem, assumed_align=4,
-                                ),
-                                cute.make_layout(2),
-                            )
-                            cute.autovec_copy(v, buf[(None, gu, i, qq)])
-
-        @cute.jit
-        def epilogue_dgated(
-            self, acc, tCcC, n_idx, row0, mAh, mDgu, mPart, mAct, pair_s, alpha_s, in_s, bufs,
-        ):
-            """The down-dgrad epilogue of one tile: the accumulator is ``dh_raw = dY_row @
-            W_down[e]^T`` (columns ``[j, j + tile_n)`` of I); per row s of pair p (affinity a)
-            with the checkpoint's g, u: ``d_gate_up[s] = [dg, du]`` and ``a_h[s] = a * h`` in
-            BF16 (0 for padding rows: selects) and the row's partial ``sum_j dh_raw * h`` over
-            this tile's columns into ``mPart[s, n_idx]`` (fp32; the 4 threads holding a row
-            add theirs by shuffles, in a fixed order). The row tables (``row_slots``) and the
-            checkpoint's first chunk (``bufs[0]``) were loaded before the mainloop; chunk k + 1
-            is issued before chunk k's math and stores."""
-            i_cols = self.out_cols
-            col0 = n_idx * self.mma_n  # (= tile_n: one accumulator)
-            ah_base = mAh.iterator.toint()
-            dgu_base = mDgu.iterator.toint()
-            act_base = mAct.iterator.toint()
-            n_mm = cute.size(acc, mode=[1])
-            slots = 2 * n_mm
-            n_q = cute.size(acc, mode=[0]) // 4
-            ch = cute.size(bufs[0], mode=[3])  # column groups per load chunk
-            part_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
-            part_s.fill(0.0)
-            pair = cute.make_rmem_tensor((2,), self.out_dtype)
-            # per row slot: the byte address of its first column in d_gate_up and a_h (column
-            # group q is 16 q bytes further: immediate offsets, no per-store address math)
-            c0 = self.first_col(tCcC, col0)
-            dgu_row = cute.make_rmem_tensor((slots,), cutlass.Int64)
-            ah_row = cute.make_rmem_tensor((slots,), cutlass.Int64)
-            for mm in cutlass.range_constexpr(n_mm):
-                for h in cutlass.range_constexpr(2):
-                    row = cutlass.Int64(row0 + tCcC[((0, h, 0), mm, 0)][0])
-                    dgu_row[mm * 2 + h] = self.bf16_addr(dgu_base, row, 2 * i_cols, c0)
-                    ah_row[mm * 2 + h] = self.bf16_addr(ah_base, row, i_cols, c0)
-            for k in cutlass.range_constexpr(n_q // ch):
-                if cutlass.const_expr(k + 1 < n_q // ch):
-                    self.checkpoint_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, pair_s,
-                                          act_base)
-                gu = cute.make_rmem_tensor((2, 2, slots, ch), self.acc_dtype)
-                gu.store(bufs[k].load().to(self.acc_dtype))
-                for qq in cutlass.range_constexpr(ch):
-                    q = k * ch + qq
-                    if self.group_in_cols(c0, q):
-                        for mm in cutlass.range_constexpr(n_mm):
-                            for h in cutlass.range_constexpr(2):
-                                i = mm * 2 + h
-                                # the math runs on every row (a padding row's zeros), its
-                                # results selected (no branch around it); only the stores
-                                # of rows inside the tile are predicated
-                                real = pair_s[i] >= 0
-                                d0 = acc[((0, h, q), mm, 0)]
-                                d1 = acc[((1, h, q), mm, 0)]
-                                a = alpha_s[i]
-                                dg0, du0, h0 = self.activate_backward(
-                                    d0, gu[(0, 0, i, qq)], gu[(0, 1, i, qq)], a
-                                )
-                                dg1, du1, h1 = self.activate_backward(
-                                    d1, gu[(1, 0, i, qq)], gu[(1, 1, i, qq)], a
-                                )
-                                part_s[i] = part_s[i] + self.pick(real, d0 * h0 + d1 * h1)
-                                if in_s[i]:
-                                    dst = dgu_row[i] + 16 * q
-                                    self.store_pair(
-                                        self.pick(real, dg0), self.pick(real, dg1), dst, pair
-                                    )
-                                    self.store_pair(
-                                        self.pick(real, du0), self.pick(real, du1),
-                                        dst + i_cols * 2, pair,
-                                    )
-                                    self.store_pair(
-                                        self.pick(real, a * h0), self.pick(real, a * h1),
-                                        ah_row[i] + 16 * q, pair,
-                                    )
-            # the 4 threads of a quad hold the same rows: add their partials (fixed order)
-            lane = cute.arch.lane_idx()
-            for i in cutlass.range_constexpr(slots):
-                v = part_s[i]
-                v = v + cute.arch.shuffle_sync_bfly(v, 1)
-                v = v + cute.arch.shuffle_sync_bfly(v, 2)
-                part_s[i] = v
-            if lane % 4 == 0:
-                for mm in cutlass.range_constexpr(n_mm):
-                    for h in cutlass.range_constexpr(2):
-                        i = mm * 2 + h
-                        if in_s[i]:
-                            r = tCcC[((0, h, 0), mm, 0)][0]
-                            mPart[(row0 + r, n_idx)] = part_s[i]
-
-        @cute.jit
-        def activate(self, g, u):
-            """Clamp (the key's limits) and ``h = g * sigmoid(alpha g) * (u + up_offset)`` of
-            one fp32 (g, u); returns (g, u, h) with g, u clamped (what the checkpoint holds)."""
-            ge = self.key.gated
-            if cutlass.const_expr(ge.gate_lo is not None):
-                g = cutlass.max(g, cutlass.Float32(ge.gate_lo))
-            if cutlass.const_expr(ge.gate_hi is not None):
-                g = cutlass.min(g, cutlass.Float32(ge.gate_hi))
-            if cutlass.const_expr(ge.up_lo is not None):
-                u = cutlass.max(u, cutlass.Float32(ge.up_lo))
-            if cutlass.const_expr(ge.up_hi is not None):
-                u = cutlass.min(u, cutlass.Float32(ge.up_hi))
-            _, sig, up = self.gate_terms(g, u)
-            return g, u, g * sig * up
-
-        @cute.jit
-        def gate_terms(self, g, u):
-            """What the activation and its backward both need of one fp32 (g, u), the key's
-            ``alpha`` and ``up_offset`` folded in where they are not 1 / 0: ``(alpha g,
-            sigmoid(alpha g), u + up_offset)``."""
-            ge = self.key.gated
-            ag = g
-            if cutlass.const_expr(ge.alpha != 1.0):
-                ag = g * cutlass.Float32(ge.alpha)
-            # rcp.approx.ftz (about 1 ulp; the argument is >= 1, and a sigmoid below 2^-126,
-            # -alpha g > ~87, flushes to 0): an IEEE division was a branchy subroutine call
-            # per element
-            sig = cute.arch.rcp_approx(cutlass.Float32(1.0) + cute.math.exp(-ag, fastmath=True))
-            up = u
-            if cutlass.const_expr(ge.up_offset != 0.0):
-                up = u + cutlass.Float32(ge.up_offset)
-            return ag, sig, up
-
-        @cute.jit
-        def bias_row(self, g):
-            """The bias row of tile group ``g`` (the tiles of the rows past the last expert,
-            ``g = E``, read any row: their outputs are zeros or unused)."""
-            return cutlass.min(g, cutlass.Int32(self.num_e - 1))
-
-        @cute.jit
-        def bias_loads(self, buf, q0: cutlass.Constexpr, tCcC, col0, mBias, e_b):
-            """The gated epilogue's bias of column groups ``[q0, q0 + ch)`` into ``buf``
-            ((2 cols, gate/up, q) fp32 registers; 0 past I), issued a chunk ahead of its use
-            (as :meth:`checkpoint_loads`)."""
-            i_cols = self.out_cols
-            buf.fill(0.0)
-            for qq in cutlass.range_constexpr(cute.size(buf, mode=[2])):
-                c = col0 + tCcC[((0, 0, q0 + qq), 0, 0)][1]
-                in_n = cutlass.Boolean(True)
-                if cutlass.const_expr(self.partial_n):
-                    in_n = c < i_cols
-                if in_n:
-                    for gu in cutlass.range_constexpr(2):
-                        for k in cutlass.range_constexpr(2):
-                            buf[(k, gu, qq)] = cutlass.Float32(mBias[(e_b, gu * i_cols + c + k)])
-
-        @cute.jit
-        def epilogue_gated(
-            self, acc_g, acc_u, tCcC, g, n_idx, row0, mAh, mBias, mAct, pair_s, alpha_s,
-            in_s, tail_s, bufs,
-        ):
-            """The forward gate/up epilogue of one tile (columns ``[j, j + mma_n)`` of I, gate
-            in ``acc_g``, up in ``acc_u``): per row s (pair p = ``mR2P[s]``, affinity a):
-            bias (expert ``g``'s), clamp and activation in fp32 from the accumulators, then
-            BF16 stores of
-            ``a_h[s] = a * h`` (0 for a padding row: a select), of the checkpoint
-            ``act[p] = [g, u]`` (real pairs only) and, for ``num_pairs <= s < R``, of zeros
-            into checkpoint row s (so the rows past the pairs are 0, as the pass writes them).
-            Column pairs as 4-byte stores. The row tables (``row_slots``, with the tail flag)
-            and the bias's first chunk (``bufs[0]``) were loaded before the mainloop; chunk
-            k + 1 is issued before chunk k's math."""
-            i_cols = self.out_cols
-            col0 = n_idx * self.mma_n
-            ah_base = mAh.iterator.toint()
-            act_base = mAct.iterator.toint()
-            e_b = self.bias_row(g)
-            n_mm = cute.size(acc_g, mode=[1])
-            n_q = cute.size(acc_g, mode=[0]) // 4
-            ch = cute.size(bufs[0], mode=[2])  # column groups per load chunk
-            has_bias = self.key.gated.has_bias
-            pair = cute.make_rmem_tensor((2,), self.out_dtype)
-            # per row slot: byte addresses of its first column in a_h, in its pair's checkpoint
-            # row and in its own checkpoint row (the tail); column group q is 16 q bytes on
-            c0 = self.first_col(tCcC, col0)
-            ah_row = cute.make_rmem_tensor((2 * n_mm,), cutlass.Int64)
-            act_pair = cute.make_rmem_tensor((2 * n_mm,), cutlass.Int64)
-            act_tail = cute.make_rmem_tensor((2 * n_mm,), cutlass.Int64)
-            for mm in cutlass.range_constexpr(n_mm):
-                for h in cutlass.range_constexpr(2):
-                    i = mm * 2 + h
-                    row = cutlass.Int64(row0 + tCcC[((0, h, 0), mm, 0)][0])
-                    ah_row[i] = self.bf16_addr(ah_base, row, i_cols, c0)
-                    act_pair[i] = self.bf16_addr(act_base, pair_s[i], 2 * i_cols, c0)
-                    act_tail[i] = self.bf16_addr(act_base, row, 2 * i_cols, c0)
-            zero = cutlass.Float32(0.0)
-            for k in cutlass.range_constexpr(n_q // ch):
-                if cutlass.const_expr(has_bias and k + 1 < n_q // ch):
-                    self.bias_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, mBias, e_b)
-                for qq in cutlass.range_constexpr(ch):
-                    q = k * ch + qq
-                    if self.group_in_cols(c0, q):
-                        bg0 = zero
-                        bg1 = zero
-                        bu0 = zero
-                        bu1 = zero
-                        if cutlass.const_expr(has_bias):
-                            bg0 = bufs[k][(0, 0, qq)]
-                            bg1 = bufs[k][(1, 0, qq)]
-                            bu0 = bufs[k][(0, 1, qq)]
-                            bu1 = bufs[k][(1, 1, qq)]
-                        for mm in cutlass.range_constexpr(n_mm):
-                            for h in cutlass.range_constexpr(2):
-                                i = mm * 2 + h
-                                g0, u0, h0 = self.activate(
-                                    acc_g[((0, h, q), mm, 0)] + bg0,
-                                    acc_u[((0, h, q), mm, 0)] + bu0,
-                                )
-                                g1, u1, h1 = self.activate(
-                                    acc_g[((1, h, q), mm, 0)] + bg1,
-                                    acc_u[((1, h, q), mm, 0)] + bu1,
-                                )
-                                real = pair_s[i] >= 0
-                                if in_s[i]:
-                                    self.store_pair(
-                                        self.pick(real, alpha_s[i] * h0),
-                                        self.pick(real, alpha_s[i] * h1),
-                                        ah_row[i] + 16 * q, pair,
-                                    )
-                                if real:
-                                    dst = act_pair[i] + 16 * q
-                                    self.store_pair(g0, g1, dst, pair)
-                                    self.store_pair(u0, u1, dst + i_cols * 2, pair)
-                                if tail_s[i]:
-                                    dst = act_tail[i] + 16 * q
-                                    self.store_pair(zero, zero, dst, pair)
-                                    self.store_pair(zero, zero, dst + i_cols * 2, pair)
+    class Sm90GroupedMmKernel(epi.store, epi.gated, epi.dgated, GroupedMmSm90):
+        """The kernel of a key: the mainloop with the three epilogues composed onto it (the key
+        picks one at compile time)."""
 
     return Sm90GroupedMmKernel
 
@@ -1520,9 +1133,26 @@ def fake_operands(key: Sm90GroupedMmKey) -> tuple:
     return a, idx, w, offsets, out, bias, r2p, alpha, num_pairs, act, rows
 
 
-#: The varlen-M family: compile cache, offline compile and launcher (``launch.py``).
-FAMILY = GroupedMmFamily(
-    "sm90_grouped_mm", lambda key: _kernel_class()(key), fake_operands, Sm90GroupedMmKey
+def _launch(key: Sm90GroupedMmKey, fn: Any, *operands) -> None:
+    """One launch of a compiled kernel on the current stream: ``operands`` are those of
+    :func:`fake_operands` (real tensors; ``out`` the fifth, its rows S); the persistent grid is
+    one CTA per SM, no more than the tiles S rows can have."""
+    out = operands[4]
+    grid = max(1, min(key.max_tiles(out.shape[0]), num_sms(out.device.index or 0)))
+    fn(*operands, grid)
+
+
+def _no_contract(contract: Any) -> Sm90GroupedMmKey:
+    raise ValueError("the varlen-M family is reached through cuda_kernels.grouped_mm, "
+                     "not through a wgrad contract")
+
+
+#: The varlen-M family: compile cache, offline compile and launcher (the engine's
+#: ``KernelFamily``), registered as ``problem="varlen_m"``.
+FAMILY = KernelFamily(
+    "sm90_grouped_mm", lambda key: _kernel_class()(key), _no_contract,
+    fake_operands=fake_operands, key_type=Sm90GroupedMmKey, launch=_launch,
+    compile_name="compile_grouped_mm",
 )
 
 
@@ -1535,15 +1165,17 @@ def compile_grouped_mm(key: Sm90GroupedMmKey) -> Any:
     launches).
 
     Raises:
+        ValueError: not a :class:`Sm90GroupedMmKey`.
         RuntimeError: CuTe DSL (nvidia-cutlass-dsl) is not installed or the compile fails.
     """
-    return FAMILY.compiled(key)
+    return FAMILY.compiled(FAMILY.check_key(key))
 
 
 def compile_grouped_mm_offline(key: Sm90GroupedMmKey, arch: str = "sm_90a") -> str:
     """Compile ``key`` for ``arch`` without a GPU (nothing loaded) and return the PTX text.
 
     Raises:
+        ValueError: not a :class:`Sm90GroupedMmKey`.
         RuntimeError: CuTe DSL is not installed or produced no PTX.
     """
     return FAMILY.offline_ptx(key, arch)

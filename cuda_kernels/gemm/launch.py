@@ -1,9 +1,10 @@
-"""The one compile-cache and launch layer of the grouped wgrad, for every kernel family.
+"""The one compile-cache and launch layer of the grouped GEMM kernels, for every kernel family.
 
-A kernel family (``sm90_bf16``, ``sm100_bf16``, ``sm90_mxfp8``, ``sm100_blockscaled``) builds on a
-:class:`KernelFamily`: its compile key (a frozen dataclass, the cache key) and its kernel (the
-CuTe DSL kernel object of a key), plus the few hooks in which it really differs (a tile counter
-for a dynamic scheduler, a launch gate, a no-token path, the arch of its runtime compile). This
+A kernel family (the varlen-K wgrad ``sm90_bf16``, ``sm100_bf16``, ``sm90_mxfp8``,
+``sm100_blockscaled``; the varlen-M ``sm90_grouped_mm``) builds on a :class:`KernelFamily`: its
+compile key (a frozen dataclass, the cache key) and its kernel (the CuTe DSL kernel object of a
+key), plus the few hooks in which it really differs (a tile counter for a dynamic scheduler, a
+launch gate, a no-token path, the arch of its runtime compile, its own operands and launch). This
 layer owns the rest, once: the per-key compile cache and its count, the fake operands of a
 compile (a symbolic ``tokens_sum``: new splits never recompile), the architecture pin of an
 offline / cross compile, the offline PTX compile, and the launcher (``tensor_ragged`` repack
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -32,6 +34,7 @@ __all__ = [
     "contract_key_fields",
     "cross_compile_kwargs",
     "fake_wgrad_operands",
+    "key_of_contract",
     "pinned_cute_arch",
     "present_cuda_arch",
 ]
@@ -47,10 +50,11 @@ class KernelFamily:
     The family provides its key type and kernel; the hooks default to "not needed".
 
     Args:
-        name: "sm90", "sm100", ...: names ``compile_<name>_wgrad`` in messages.
+        name: "sm90", "sm100", "sm90_grouped_mm", ...: names the family (``compile_name``).
         kernel: ``kernel(key)`` -> the CuTe DSL kernel object, called as ``kernel(a, b_NS,
-            offsets, out, [tile_counter,] grid, stream)``. The key is a frozen dataclass with the
-            fields of :func:`contract_key_fields`, ``num_tiles`` and ``tile.cluster_shape_mn``.
+            offsets, out, [tile_counter,] grid, stream)`` (a wgrad family; another takes its
+            ``fake_operands``). A wgrad key is a frozen dataclass with the fields of
+            :func:`contract_key_fields`, ``num_tiles`` and ``tile.cluster_shape_mn``.
         key_from_contract: ``WgradContract -> key`` (the tile from the contract's
             ``mma_tiler_mn``, else from ``configs/cuda``); raises ``ValueError`` when none fits.
         runtime_arch: ``() -> arch | None``: the target of the runtime compile, pinned
@@ -77,6 +81,11 @@ class KernelFamily:
             exactly this size.
         ragged_in_place: the kernel addresses ``tensor_ragged`` K-major operands in place
             (per-expert descriptors); otherwise the launcher repacks them (:func:`ragged_to_2d`).
+        key_type: the key class; a launch / offline compile of anything else (after
+            ``as_key``) raises ``ValueError``.
+        launch: ``(key, compiled, *operands) -> None``: a family with its own operands (the
+            varlen-M kernels) launches itself; default the wgrad launch (:meth:`_launch`).
+        compile_name: names the compile in messages (default ``compile_<name>_wgrad``).
     """
 
     def __init__(
@@ -95,6 +104,9 @@ class KernelFamily:
         counter_len: Callable[[Any], int] = lambda key: 1,
         workspace_bytes: Callable[[Any], int] = lambda key: 0,
         ragged_in_place: bool = False,
+        key_type: type | None = None,
+        launch: Callable[..., None] | None = None,
+        compile_name: str | None = None,
     ) -> None:
         self.name = name
         self.kernel = kernel
@@ -109,6 +121,9 @@ class KernelFamily:
         self.counter_len = counter_len
         self.workspace_bytes = workspace_bytes
         self.ragged_in_place = ragged_in_place
+        self.key_type = key_type
+        self.launch = launch if launch is not None else self._launch
+        self.compile_name = compile_name or f"compile_{name}_wgrad"
         #: Real (uncached) compiles in this process.
         self.compile_count = 0
         self._compiled: dict[Any, Any] = {}
@@ -117,17 +132,38 @@ class KernelFamily:
     def __repr__(self) -> str:
         return f"KernelFamily({self.name!r})"
 
-    def _require_cute(self, fn_name: str) -> None:
-        try:
-            import cutlass  # noqa: F401
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise RuntimeError(
-                f"{fn_name} needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
-            ) from exc
+    def check_key(self, key: Any, fn_name: str | None = None) -> Any:
+        """``as_key(key)``, checked (a ``key_type`` instance). Needs no CuTe DSL: a bad key gets
+        its own error whether or not CuTe DSL is installed (its presence is checked by the
+        compile itself, :meth:`_compile`).
+
+        Raises:
+            ValueError: not a key of this family (or what ``as_key`` refuses).
+        """
+        fn_name = fn_name or self.compile_name
+        key = self.as_key(key)
+        if self.key_type is not None and not isinstance(key, self.key_type):
+            raise ValueError(f"{fn_name}: want a {self.key_type.__name__}, got {key!r}")
+        return key
+
+    def _require_cute(self, fn_name: str, gated: bool) -> None:
+        """Raise ``RuntimeError`` when CuTe DSL is not installed: with the family's ``gate``
+        reason when ``gated`` and it refuses (the real error of a launch), else naming the
+        missing package."""
+        if importlib.util.find_spec("cutlass") is not None:
+            return
+        reason = self.gate() if gated and self.gate is not None else None
+        raise RuntimeError(
+            reason or f"{fn_name} needs nvidia-cutlass-dsl==4.8.1 (pip install '.[cuda]')"
+        )
 
     def _compile(self, key: Any, arch: str | None, dump_dir: str | None = None):
         """``cute.compile`` of ``key``'s kernel on fake operands: for the present GPU when ``arch``
-        is None, else for ``arch`` with the DSL's arch pinned (keeping PTX in ``dump_dir``)."""
+        is None, else for ``arch`` with the DSL's arch pinned (keeping PTX in ``dump_dir``: an
+        offline compile). Without CuTe DSL: ``RuntimeError``, the family's gate first for a
+        runtime compile (no ``dump_dir``)."""
+        offline = dump_dir is not None
+        self._require_cute(self.compile_name + ("_offline" if offline else ""), not offline)
         import cutlass
         from cutlass import cute
 
@@ -198,26 +234,29 @@ class KernelFamily:
             self._compiled.clear()
 
     def launcher(self, key: Any) -> Callable[..., None]:
-        """``launcher(a, b, offsets, out, stream=None, descriptor_workspace=None)`` of ``key``
-        (compiled once per key); a ``functools.partial`` whose ``args`` are ``(key, compiled
-        kernel)``. ``descriptor_workspace`` is used only by a family with ``workspace_bytes``.
+        """The launcher of ``key`` (compiled once per key): a ``functools.partial`` of the
+        family's ``launch`` whose ``args`` are ``(key, compiled kernel)``. The wgrad launch is
+        ``launcher(a, b, offsets, out, stream=None, descriptor_workspace=None)``
+        (``descriptor_workspace`` used only by a family with ``workspace_bytes``).
 
         Raises:
-            RuntimeError: CuTe DSL is not installed or the compile fails.
+            ValueError: not a key of this family.
+            RuntimeError: the family's gate refuses and CuTe DSL is not installed, CuTe DSL is
+                not installed, or the compile fails (in that order; the gate is otherwise
+                checked at each launch).
         """
-        self._require_cute(f"compile_{self.name}_wgrad")
-        key = self.as_key(key)
-        return functools.partial(self._launch, key, self.compiled(key))
+        key = self.check_key(key)
+        return functools.partial(self.launch, key, self.compiled(key))
 
     def offline_ptx(self, key: Any, arch: str) -> str:
         """Compile ``key`` for ``arch`` without a GPU (nothing loaded) and return the PTX text.
 
         Raises:
+            ValueError: not a key of this family.
             RuntimeError: CuTe DSL is not installed or produced no PTX.
         """
-        self._require_cute(f"compile_{self.name}_wgrad_offline")
-        key = self.as_key(key)
-        with tempfile.TemporaryDirectory(prefix=f"{self.name}_wgrad_ptx_") as tmp:
+        key = self.check_key(key, f"{self.compile_name}_offline")
+        with tempfile.TemporaryDirectory(prefix=f"{self.name}_ptx_") as tmp:
             ptx = self._compile(key, arch, dump_dir=tmp).__ptx__
         if not ptx:
             raise RuntimeError(f"CuTe DSL produced no PTX for {key} on {arch}")
@@ -230,7 +269,7 @@ class KernelFamily:
         def compile_offline(key: Any, arch: str = default_arch) -> str:
             return self.offline_ptx(key, arch)
 
-        name = f"compile_{self.name}_wgrad_offline"
+        name = f"{self.compile_name}_offline"
         compile_offline.__name__ = compile_offline.__qualname__ = name
         compile_offline.__doc__ = (
             f"Compile ``key`` for ``arch`` (default ``{default_arch}``) without a GPU and return "
@@ -422,6 +461,21 @@ def contract_key_fields(contract: Any) -> dict[str, Any]:
     }
 
 
+def key_of_contract(key_cls: type, select: Callable[..., Any], contract: Any, **select_kw):
+    """The ``key_cls`` compile key of a ``WgradContract``: its :func:`contract_key_fields` and
+    the tile ``select(hidden, intermediate, num_experts, mma_tiler_mn=..., **select_kw)`` picks
+    (the contract's ``mma_tiler_mn``, else the family's YAML rules).
+
+    Raises:
+        ValueError: no tile fits, or the key refuses the contract.
+    """
+    tile = select(
+        contract.hidden, contract.intermediate, contract.num_experts,
+        mma_tiler_mn=contract.mma_tiler_mn, **select_kw,
+    )
+    return key_cls(**contract_key_fields(contract), tile=tile)
+
+
 def fake_wgrad_operands(key):
     """Fake (shape-only) ``a, b, offsets, out`` of a grouped wgrad key (SM90 or SM100: the same
     field names), with a symbolic ``tokens_sum`` so one compile serves every split."""
@@ -490,6 +544,31 @@ def ragged_to_2d(x_XS, offsets_E, k_major_rows: int):
     row = torch.arange(rows, device=x_XS.device)
     idx = base[None, :] + row[:, None] * counts[col_expert][None, :]
     return flat[idx]  # (rows, S) contiguous, K-major
+
+
+def host_offset_ends(
+    offsets, tokens_sum: int, *, arg: str, err: Callable[[str], Exception],
+    even: bool = False,
+) -> list[int]:
+    """Read cumulative expert ends on the host (one device sync on CUDA) and check them:
+    non-decreasing from >= 0, even where FP4 packs token pairs (``even``), the last equal to
+    ``tokens_sum``. Shared by the quantizer entries, the block-scaled twin and the SM90 MXFP8
+    entry; ``err(message)`` makes the caller's exception.
+
+    Returns:
+        The ends as Python ints.
+    """
+    ends = [int(v) for v in offsets.tolist()]
+    prev = 0
+    for e, end in enumerate(ends):
+        if end < prev:
+            raise err(f"{arg} must be non-decreasing and >= 0; {arg}[{e}] = {end} after {prev}")
+        if even and end % 2:
+            raise err(f"FP4 packs token pairs, so every offset must be even; {arg}[{e}] = {end}")
+        prev = end
+    if ends and ends[-1] != tokens_sum:
+        raise err(f"{arg}[-1] = {ends[-1]} must equal tokens_sum = {tokens_sum}")
+    return ends
 
 
 @functools.lru_cache(maxsize=16)

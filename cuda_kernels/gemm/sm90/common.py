@@ -1,6 +1,6 @@
 """What the SM90 (Hopper) wgmma kernel families share: the BF16 grouped wgrad (``sm90_bf16``),
 the MXFP8 grouped wgrad (``sm90_mxfp8``, whose kernel class derives from the BF16 one) and the
-varlen-M grouped GEMM (``cuda_kernels/grouped_mm/sm90.py``).
+varlen-M grouped GEMM (``cuda_kernels/gemm/sm90/grouped_mm.py``).
 
 All three are CTA-persistent and warp-specialized the same way: warp group 0 produces the
 stages of a shared-memory ring of (A, B) tiles, and consumer warp groups issue wgmma with fp32
@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from .tiles import SM90_TILES
+from ..tiles import SM90_TILES
 
 __all__ = ["Sm90Tiling", "kernel_base"]
 

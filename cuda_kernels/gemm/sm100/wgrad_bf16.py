@@ -92,10 +92,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import KernelKey
-from .launch import KernelFamily, contract_key_fields
-from .tile_sched import scheduler_base
-from .tiles import SM100_TILES, rules_loader, select_tile
+from ..keys import KernelKey
+from ..launch import KernelFamily, key_of_contract
+from ..tile_sched import scheduler_base
+from ..tiles import SM100_TILES, rules_loader, select_tile
 
 __all__ = [
     "COMPILE_COUNT",  # noqa: F822 - served by the module __getattr__ (FAMILY.compile_count)
@@ -207,7 +207,7 @@ class Sm100TileConfig:
 @dataclasses.dataclass(frozen=True)
 class Sm100WgradKey(KernelKey):
     """Static contract of one compiled SM100 kernel (the compile-cache key): the fields of
-    ``_contract.KernelKey`` (``accumulate``: TMA reduce-add) and the :class:`Sm100TileConfig`
+    ``keys.KernelKey`` (``accumulate``: TMA reduce-add) and the :class:`Sm100TileConfig`
     ``tile``. Dense outputs may end in partial tiles (TMA zero-fills loads and clips stores per
     expert); discrete outputs keep the rule that the tile divides hidden and intermediate: the
     JAX adapter (no descriptor workspace) still stores them from registers without predication.
@@ -235,11 +235,10 @@ def select_sm100_tile_config(
     mma_tiler_mn: tuple[int, int] | None = None,
     cluster_shape_mn: tuple[int, int] | None = None,
 ) -> Sm100TileConfig:
-    """Pick the tile config for an ``(E, M, N)`` problem from ``configs/cuda/sm100_tiles.yaml``.
+    """The SM100 tile config of an ``(E, M, N)`` problem, from ``configs/cuda/sm100_tiles.yaml``
+    (the arguments of every family's selector: :func:`tiles.select_tile`).
 
     Args:
-        hidden: M (rows of Wgrad). intermediate: N (columns). num_experts: E.
-        tokens_hint: expected tokens_sum (unused by the current rules; kept for the contract).
         mma_tiler_mn: a caller's ``(tile_m, tile_n)`` instead of the rules, with ``tile_k = 64``
             and as many stages (up to 8) as shared memory holds; it need not divide hidden and
             intermediate (dense outputs end in partial tiles; :class:`Sm100WgradKey` refuses
@@ -326,14 +325,10 @@ def sm100_key_from_contract(contract: Any) -> Sm100WgradKey:
         ValueError: the contract is outside what :class:`Sm100WgradKey` accepts (tiles that do
             not divide the shape, unsupported clusters).
     """
-    tile = select_sm100_tile_config(
-        contract.hidden,
-        contract.intermediate,
-        contract.num_experts,
-        mma_tiler_mn=contract.mma_tiler_mn,
+    return key_of_contract(
+        Sm100WgradKey, select_sm100_tile_config, contract,
         cluster_shape_mn=contract.cluster_shape_mn,
     )
-    return Sm100WgradKey(**contract_key_fields(contract), tile=tile)
 
 
 # --------------------------------------------------------------------------------------------

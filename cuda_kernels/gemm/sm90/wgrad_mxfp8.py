@@ -13,7 +13,7 @@ product of two powers of two: exact in fp32 away from its under/overflow). Two f
 alternate, so group ``g``'s promotion overlaps group ``g+1``'s wgmma.
 
 Structure (shared with ``sm90_bf16``: the kernel class inherits the BF16 kernel's, whose methods
-(and ``sm90_common.kernel_base()``'s) give the pipelines, the expert sort, the tile order, the
+(and ``sm90.common.kernel_base()``'s) give the pipelines, the expert sort, the tile order, the
 scheduler, the A / B loads, the launch and the epilogues; the scale loads, the promotion mainloop
 and the packed stores are this module's):
 
@@ -51,7 +51,7 @@ diagnostic variants of the 2026-12-01 sweeps (cross-stage and deep-issue mainloo
 epilogue, the producer-decoded table, promotions that are wrong on purpose) were removed; their
 numbers are in ``benchmarks/RESULTS.md``.
 
-Host side: :class:`Sm90MxWgradKey` (``_contract.KMajorKernelKey`` + ``elem`` + ``token_layout`` +
+Host side: :class:`Sm90MxWgradKey` (``keys.KMajorKernelKey`` + ``elem`` + ``token_layout`` +
 :class:`Sm90MxTileConfig`), ``FAMILY`` (a :class:`launch.KernelFamily` whose compile / launch
 hooks take the scale operands), :func:`compile_sm90_mxfp8_wgrad`,
 :func:`compile_sm90_mxfp8_wgrad_offline` (PTX for ``sm_90a`` without a GPU) and the python entry
@@ -68,9 +68,9 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from ._contract import KMajorKernelKey
-from .launch import KernelFamily, fake_offsets_and_out
-from .tiles import SM90_TILES, TileRules
+from ..keys import KMajorKernelKey
+from ..launch import KernelFamily, fake_offsets_and_out
+from ..tiles import SM90_TILES, TileRules
 
 __all__ = [
     "COMPILE_COUNT",  # noqa: F822 - served by the module __getattr__ (FAMILY.compile_count)
@@ -213,7 +213,7 @@ class Sm90MxTileConfig:
 class Sm90MxWgradKey(KMajorKernelKey):
     """Static contract of one compiled SM90 MXFP8 kernel (its compile-cache key).
 
-    The ``_contract.KMajorKernelKey`` fields (FP8 wgmma's rules: ``a_major = b_major = "k"``,
+    The ``keys.KMajorKernelKey`` fields (FP8 wgmma's rules: ``a_major = b_major = "k"``,
     both operands K-major along tokens; ``input_order="tensor2d"``), plus:
 
     Attributes:
@@ -233,14 +233,15 @@ class Sm90MxWgradKey(KMajorKernelKey):
     token_layout: str = "direct"
     tile: Sm90MxTileConfig = Sm90MxTileConfig()
 
+    def elems(self) -> tuple[str, ...]:
+        return ELEMS
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        cls = type(self).__name__
-        if self.elem not in ELEMS:
-            raise ValueError(f"{cls}.elem must be one of {ELEMS}, got {self.elem!r}")
         if self.token_layout not in TOKEN_LAYOUTS:
             raise ValueError(
-                f"{cls}.token_layout must be one of {TOKEN_LAYOUTS}, got {self.token_layout!r}"
+                f"{type(self).__name__}.token_layout must be one of {TOKEN_LAYOUTS}, got "
+                f"{self.token_layout!r}"
             )
 
 
@@ -297,7 +298,7 @@ def _build_kernel_class():
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
-    from .sm90_bf16 import kernel_class as _bf16_kernel_class
+    from .wgrad_bf16 import kernel_class as _bf16_kernel_class
 
     base = _bf16_kernel_class()
     fence_accumulators = base.fence_accumulators
@@ -318,7 +319,7 @@ def _build_kernel_class():
         scale loads and an FP8 + MX-promotion mainloop."""
 
         def __init__(self, key: Sm90MxWgradKey):
-            self.init_tiling(key)  # (sm90_common.kernel_base: one consumer group)
+            self.init_tiling(key)  # (sm90.common.kernel_base: one consumer group)
             t = key.tile
             self.m_tiles = key.hidden // self.tile_m
             self.n_tiles = key.intermediate // self.tile_n
@@ -803,7 +804,7 @@ class _MxFamily(KernelFamily):
     def _launch(self, key, fn, a, b, sfa, sfb, offsets, out, stream=None) -> None:  # noqa: PLR0913
         import torch
 
-        from .launch import num_sms
+        from ..launch import num_sms
 
         sms = num_sms(a.device.index or 0) * key.tile.ctas_per_sm
         grid = max(1, min(key.num_tiles, sms))
@@ -897,9 +898,9 @@ def contract_launcher(contract: Any) -> Callable[..., None]:
     """The kernel behind the block-scaled launcher signature (``blockscaled.Launcher``): the API
     has checked every rule and reads nothing on the host here, so the operands go through the
     padded token layout (:func:`pad_tokens_to_scale_layout`)."""
-    from ._types import NAME_TO_DTYPE
+    import torch
 
-    out_dtype = NAME_TO_DTYPE[contract.out_dtype]
+    out_dtype = getattr(torch, contract.out_dtype)  # "bfloat16" / "float16" / "float32"
 
     def launcher(a, b, sfa, sfb, offsets, out, *, global_scale_a=None, global_scale_b=None,
                  descriptor_workspace=None, stream=None):
@@ -1092,7 +1093,7 @@ def grouped_wgrad_mxfp8_sm90(
         raise _err(str(exc)) from exc
     aligned = identity = False
     if validate:
-        from .validate import host_offset_ends
+        from ..launch import host_offset_ends
 
         ends = host_offset_ends(offsets, s, arg="offsets", err=_err)
         need = grouped_scale_cols(ends, SF_VEC)[2]

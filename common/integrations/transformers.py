@@ -1,0 +1,265 @@
+"""Hugging Face transformers' experts modules on our layer: the ``ExpertsInterface`` backend
+``"moe_bwd"``.
+
+transformers >= 5 dispatches every ``@use_experts_implementation`` experts module (Qwen3-MoE,
+Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2/V3, gpt-oss, ...) to the function registered under
+``config._experts_implementation``. :func:`register` adds ours::
+
+    from common.integrations.transformers import register
+    register()                                   # once per process, imports transformers
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moe_bwd")
+    # or model.set_experts_implementation("moe_bwd")
+
+Each call runs :func:`common.layer.moe_experts` (forward and backward by
+:mod:`common.dispatch`, backend "auto": the fused SM90/SM100 path on a Hopper/Blackwell GPU, the
+portable torch path on the CPU) on the module's own parameters, as strided VIEWS (never a
+copy made here; gradients flow back through the views into the parameters' own layout):
+
+==============================  ==============================  =================================
+HF layout                       ``w_gate_up_EH2I`` [E, H, 2, I]  ``w_down_EIH`` [E, I, H]
+==============================  ==============================  =================================
+[E, 2I, H] gate|up halves       ``.view(E, 2, I, H)``            ``down_proj [E, H, I]``
+(Qwen, Mixtral, DeepSeek, ...)  ``.permute(0, 3, 1, 2)``         ``.transpose(1, 2)``
+[E, H, 2I] halves, transposed   ``.view(E, H, 2, I)``            ``down_proj`` [E, I, H] as is
+[E, H, 2I] interleaved (gpt-oss)  ``.view(E, H, I, 2)``          ``down_proj`` as is
+                                ``.transpose(2, 3)``
+==============================  ==============================  =================================
+
+Biases ``gate_up_proj_bias`` [E, 2I] / ``down_proj_bias`` [E, H] the same way. Which of these
+views reach the GPU kernels without a copy: ``docs/huggingface.md``.
+
+Routing: ``top_k_index`` [T, K] (ids >= E are expert-parallel sentinels: they become dropped
+slots, -1, and contribute nothing), ``top_k_weights`` [T, K] or dense [T, E] (DeepSeek-V2
+style; gathered at the ids). The activation comes from the module (:func:`experts_spec`):
+``act_fn(gate) * up`` with a SiLU ``act_fn`` is SwiGLU; the ``_apply_gate`` overrides of
+:data:`GATES` map to our clamped SwiGLU / gpt-oss activation. Anything else (non-gated experts,
+another activation, an unknown ``_apply_gate``) raises ValueError naming the module class, the
+model family and what is unsupported, before any work. There is no silent fallback to
+transformers' own implementation: choose ``"grouped_mm"`` for such models.
+
+Importing this module does not import transformers; :func:`register` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import torch
+
+from common.layer import MoEExpertsOptions, moe_experts
+from common.problem import SWIGLU, Activation, ClampLimits
+
+__all__ = ["EXPERTS_IMPLEMENTATION", "GATES", "ExpertsSpec", "experts_forward", "experts_spec",
+           "register"]
+
+EXPERTS_IMPLEMENTATION = "moe_bwd"
+"""The name :func:`register` registers by default (``experts_implementation="moe_bwd"``)."""
+
+GATES = {
+    # defining class's ``_apply_gate`` -> (form, alpha attribute, clamp-limit attribute)
+    "GptOssExperts": ("gpt_oss", "alpha", "limit"),
+    "OpenAIPrivacyFilterExperts": ("gpt_oss", "alpha", "limit"),
+    "MiniMaxM3VLExperts": ("gpt_oss", "swiglu_alpha", "swiglu_limit"),
+    "DeepseekV4Experts": ("silu_clamped", None, "limit"),
+    "HYV4Experts": ("silu_clamped", None, "swiglu_limit"),
+    "Glm5NextTextExperts": ("silu_clamped", None, "swiglu_limit"),
+}
+"""transformers' ``_apply_gate`` overrides we compute, by the name of the class defining it:
+``"gpt_oss"`` = ``(clamp(up, -L, L) + 1) * g * sigmoid(alpha g)`` with ``g = clamp(gate,
+max=L)`` (our ``Activation("gpt_oss", alpha, 1)``); ``"silu_clamped"`` = ``act_fn(clamp(gate,
+max=L)) * clamp(up, -L, L)`` with a SiLU ``act_fn``. Overrides not listed (e.g. Step-3.7's,
+which clamps after the activation) raise ValueError."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsSpec:
+    """What :func:`experts_spec` reads off one experts module: the weights' layout flags and
+    the activation the layer computes for it."""
+
+    transposed: bool
+    interleaved: bool
+    bias: bool
+    activation: Activation
+    clamp_limits: ClampLimits | None
+
+
+def _silu_classes() -> tuple[type, ...]:
+    from transformers.activations import SiLUActivation
+
+    return (torch.nn.SiLU, SiLUActivation)
+
+
+def _unsupported(module, what: str) -> ValueError:
+    family = getattr(getattr(module, "config", None), "model_type", "unknown")
+    return ValueError(
+        f"experts_implementation={EXPERTS_IMPLEMENTATION!r} cannot run {type(module).__name__} "
+        f"(model family {family!r}): {what}. Use experts_implementation='grouped_mm' (or "
+        "'eager') for this model."
+    )
+
+
+def _is_silu(act_fn) -> bool:
+    return isinstance(act_fn, _silu_classes())
+
+
+def _gate_owner(module) -> str | None:
+    """Name of the class whose ``_apply_gate`` the module runs; None for transformers'
+    default ``act_fn(gate) * up`` (``integrations.moe._default_apply_gate``)."""
+    fn = getattr(type(module), "_apply_gate", None)
+    if fn is None or getattr(fn, "__name__", "") == "_default_apply_gate":
+        return None
+    return fn.__qualname__.rsplit(".", 1)[0]
+
+
+def experts_spec(module) -> ExpertsSpec:
+    """The layout and activation of a transformers experts module, or ValueError.
+
+    Raises:
+        ValueError: naming the module class, the model family (``config.model_type``) and the
+            reason: non-gated experts (``has_gate=False``), an ``act_fn`` that is not SiLU, an
+            ``_apply_gate`` we do not compute (not in :data:`GATES`), a default gate on an
+            interleaved layout, or missing weights.
+    """
+    if not getattr(module, "has_gate", True):
+        raise _unsupported(module, "non-gated experts (has_gate=False, up_proj only) are not "
+                                   "computed by this layer, which is a gated (GLU) expert MLP")
+    for name in ("gate_up_proj", "down_proj"):
+        w = getattr(module, name, None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            raise _unsupported(module, f"it has no 3-D {name} tensor")
+    interleaved = not getattr(module, "is_concatenated", True)
+    owner = _gate_owner(module)
+    clamp = None
+    if owner is None:
+        if not _is_silu(getattr(module, "act_fn", None)):
+            raise _unsupported(module, f"activation {type(getattr(module, 'act_fn', None)).__name__}"
+                                       " (config.hidden_act "
+                                       f"{getattr(module.config, 'hidden_act', None)!r}): only "
+                                       "SiLU-gated experts (SwiGLU) are computed")
+        if interleaved:
+            raise _unsupported(module, "an interleaved gate/up layout with the default "
+                                       "(halves-splitting) _apply_gate")
+        activation = SWIGLU
+    elif owner in GATES:
+        form, alpha_attr, limit_attr = GATES[owner]
+        limit = getattr(module, limit_attr, None)
+        if limit is not None:
+            limit = float(limit)
+            clamp = ClampLimits(linear_clamp_upper_limit=limit, linear_clamp_lower_limit=-limit,
+                                non_linear_clamp_upper_limit=limit)
+        if form == "gpt_oss":
+            activation = Activation("gpt_oss", alpha=float(getattr(module, alpha_attr)),
+                                    up_offset=1.0)
+        else:
+            act_fn = getattr(module, "act_fn", torch.nn.SiLU())  # HYV4 / GLM-5-Next: F.silu
+            if not _is_silu(act_fn):
+                raise _unsupported(module, f"activation {type(act_fn).__name__}: only SiLU")
+            activation = SWIGLU
+    else:
+        raise _unsupported(module, f"its gate {owner}._apply_gate is not one this layer "
+                                   f"computes (computed: the default SiLU gate and {sorted(GATES)})")
+    return ExpertsSpec(bool(getattr(module, "is_transposed", False)), interleaved,
+                       bool(getattr(module, "has_bias", False)), activation, clamp)
+
+
+def _weights(module, spec: ExpertsSpec):
+    """``(w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH)`` as views of the module's
+    parameters (no copy)."""
+    gu, down = module.gate_up_proj, module.down_proj
+    E = gu.shape[0]
+    if spec.transposed:  # [E, H, 2I], [E, I, H]
+        H, I = gu.shape[1], gu.shape[2] // 2
+        w_gu = gu.view(E, H, I, 2).transpose(2, 3) if spec.interleaved else gu.view(E, H, 2, I)
+        w_down = down
+    else:  # [E, 2I, H], [E, H, I]
+        H, I = gu.shape[2], gu.shape[1] // 2
+        w_gu = (gu.view(E, I, 2, H).permute(0, 3, 2, 1) if spec.interleaved
+                else gu.view(E, 2, I, H).permute(0, 3, 1, 2))
+        w_down = down.transpose(1, 2)
+    b_gu = b_down = None
+    if spec.bias:
+        b = module.gate_up_proj_bias
+        b_gu = b.view(E, I, 2).transpose(1, 2) if spec.interleaved else b.view(E, 2, I)
+        b_down = module.down_proj_bias
+    return w_gu, w_down, b_gu, b_down
+
+
+@functools.lru_cache(maxsize=None)
+def _options(base: MoEExpertsOptions, activation: Activation, clamp: ClampLimits | None):
+    return dataclasses.replace(base, activation=activation, clamp_limits=clamp)
+
+
+def experts_forward(
+    module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    base_options: MoEExpertsOptions | None = None,
+) -> torch.Tensor:
+    """One experts module's forward on our layer (what ``"moe_bwd"`` runs).
+
+    Dimensions: T tokens, H hidden, E experts (``module.num_experts`` or the weights'), K top_k.
+
+    Args:
+        module: a transformers ``@use_experts_implementation`` experts module.
+        hidden_states: [..., H] float (flattened to [T, H]).
+        top_k_index: [T, K] int, expert id per slot; ids >= E (expert-parallel sentinels) and
+            -1 are dropped slots.
+        top_k_weights: [T, K] float routing weights, or [T, E] dense ones (gathered at the ids).
+        base_options: the layer's settings (backend, grouped_mm, validate_routing); the
+            activation and clamp limits come from the module. Default ``MoEExpertsOptions()``.
+    Returns:
+        [..., H] in ``hidden_states.dtype``.
+    Raises:
+        ValueError: a module we cannot compute (:func:`experts_spec`) or a bad argument of the
+            layer (named), before any work.
+    """
+    spec = experts_spec(module)
+    w_gu, w_down, b_gu, b_down = _weights(module, spec)
+    E = w_gu.shape[0]
+    x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
+    idx_TK = top_k_index.reshape(x_TH.shape[0], -1)
+    weights = top_k_weights.reshape(x_TH.shape[0], -1)
+    if weights.shape[1] != idx_TK.shape[1] and weights.shape[1] == E:  # dense [T, E]
+        weights = weights.gather(1, idx_TK.clamp(0, E - 1))
+    idx_TK = torch.where(idx_TK >= E, -1, idx_TK)  # expert-parallel sentinels: dropped
+    opts = _options(base_options or _BASE, spec.activation, spec.clamp_limits)
+    y_TH = moe_experts(x_TH, idx_TK, weights, w_gu, w_down, b_gu, b_down, options=opts)
+    return y_TH.view(hidden_states.shape)
+
+
+_BASE = MoEExpertsOptions()
+
+
+def register(
+    name: str = EXPERTS_IMPLEMENTATION,
+    *,
+    backend: str = "auto",
+    grouped_mm: str = "auto",
+    validate_routing: str | bool = "device",
+) -> None:
+    """Register our layer in transformers' ``ExpertsInterface`` under ``name``.
+
+    After it, ``from_pretrained(..., experts_implementation=name)``, ``from_config(...,
+    experts_implementation=name)`` and ``model.set_experts_implementation(name)`` run every
+    experts module of the model on :func:`experts_forward`. Calling it again replaces the
+    settings. Imports transformers (>= 5).
+
+    Args:
+        name: the implementation name (default ``"moe_bwd"``).
+        backend, grouped_mm, validate_routing: as :class:`common.layer.MoEExpertsOptions`.
+    Raises:
+        ValueError: a bad setting.  ImportError: transformers (with ``ExpertsInterface``)
+            is not installed.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+    base = MoEExpertsOptions(backend=backend, grouped_mm=grouped_mm,
+                             validate_routing=validate_routing)
+    from transformers.integrations.moe import ExpertsInterface
+
+    _silu_classes()  # imported now, not while torch.compile traces a forward
+    fn = experts_forward if base == _BASE else functools.partial(experts_forward,
+                                                                 base_options=base)
+    ExpertsInterface.register(name, fn)

@@ -184,9 +184,17 @@ def _weights(module, spec: ExpertsSpec):
     return w_gu, w_down, b_gu, b_down
 
 
-@functools.lru_cache(maxsize=None)
+_OPTIONS: dict = {}
+"""(base options, activation, clamp) -> the layer's options: built once, outside any trace after
+the first call (a plain dict: torch.compile reads it without a guard on a cache wrapper)."""
+
+
 def _options(base: MoEExpertsOptions, activation: Activation, clamp: ClampLimits | None):
-    return dataclasses.replace(base, activation=activation, clamp_limits=clamp)
+    key = (base, activation, clamp)
+    opts = _OPTIONS.get(key)
+    if opts is None:
+        opts = _OPTIONS[key] = dataclasses.replace(base, activation=activation, clamp_limits=clamp)
+    return opts
 
 
 def experts_forward(

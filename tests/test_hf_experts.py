@@ -1,0 +1,271 @@
+"""transformers' experts modules on our layer (``experts_implementation="moe_bwd"``,
+:mod:`common.integrations.transformers`) against transformers' own ``"eager"`` and
+``"grouped_mm"``: per model family (tiny configs, random init, no hub access) the loss and every
+parameter gradient, a float64 run, 20 optimizer steps, expert-parallel sentinel ids, dense
+[T, E] routing weights, the errors for what we cannot compute, no weight copy, and
+``torch.compile(fullgraph=True)`` of a decoder layer without a recompile per token count."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers")
+
+from common.integrations import transformers as hf  # noqa: E402
+from common.layer import MoEExpertsOptions  # noqa: E402
+
+hf.register()
+
+TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+MLA = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+           v_head_dim=16, n_shared_experts=1, first_k_dense_replace=0)
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, intermediate_size=128,
+                                         moe_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=128, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, num_experts=8,
+                                         num_experts_per_tok=2)),
+    "mixtral": ("MixtralConfig", dict(head_dim=16, intermediate_size=32, num_local_experts=4,
+                                      num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                  eos_token_id=None, pad_token_id=None)),
+    "deepseek_v2": ("DeepseekV2Config", dict(intermediate_size=128, moe_intermediate_size=32,
+                                             n_routed_experts=8, num_experts_per_tok=2, **MLA)),
+    "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=128, moe_intermediate_size=32,
+                                             n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+                                             topk_group=1, **MLA)),
+    # interleaved [E, H, 2I] gate/up, biases, alpha 1.702, up + 1, clamp 7
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, intermediate_size=32, num_local_experts=4,
+                                     num_experts_per_tok=2)),
+}
+# Relative L2 error of the loss / a gradient (fp32 model, BF16 GEMM operands in our layer) to
+# transformers' fp32 result: BF16 has 8 mantissa bits (rel. rounding 2^-9 = 0.2 %); measured
+# <= 0.8 % over these families; 3 % leaves room for other seeds and machines.
+BF16_REL = 3e-2
+# Against a float64 run, our error stays within this factor of transformers' own BF16 model's.
+F64_FACTOR = 3.0
+
+
+def _model(family, dtype=torch.float32, seed=0, **over):
+    cls_name, kw = FAMILIES[family]
+    cfg = getattr(tf, cls_name)(**{**TINY, **kw, **over})
+    torch.manual_seed(seed)
+    return tf.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").to(dtype)
+
+
+def _ids(T=12, seed=0):
+    return torch.randint(0, TINY["vocab_size"], (2, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss_and_grads(model, impl, ids):
+    model.set_experts_implementation(impl)
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()
+                                    if p.grad is not None}
+
+
+def _rel(a, b):
+    return float((a - b).detach().norm() / b.detach().norm().clamp_min(1e-30))
+
+
+def _experts(model):
+    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "has_gate")]
+
+
+# --------------------------------------------------------------------------- every family
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_loss_and_every_gradient_match_transformers(family):
+    """Loss and every parameter gradient of ``"moe_bwd"`` against ``"eager"`` and
+    ``"grouped_mm"`` (fp32 model), and against a float64 ``"eager"`` run no worse than
+    transformers' own BF16 model (each within :data:`F64_FACTOR`)."""
+    model = _model(family)
+    assert _experts(model), "the family has no experts module"
+    ids = _ids()
+    ours = _loss_and_grads(model, "moe_bwd", ids)
+    for impl in ("eager", "grouped_mm"):
+        ref = _loss_and_grads(model, impl, ids)
+        assert _rel(ours[0], ref[0]) < BF16_REL, impl
+        assert ours[1].keys() == ref[1].keys()
+        for name, g in ref[1].items():
+            assert _rel(ours[1][name], g) < BF16_REL, (impl, name)
+    # float64 truth; transformers' BF16 model as the yardstick of BF16 error
+    exact = _loss_and_grads(copy.deepcopy(model).double(), "eager", ids)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    theirs, ours16 = (_loss_and_grads(bf16, impl, ids) for impl in ("eager", "moe_bwd"))
+    for name in ("loss", *exact[1]):
+        e, t, o = ((r[0] if name == "loss" else r[1][name]) for r in (exact, theirs, ours16))
+        assert _rel(o, e) <= F64_FACTOR * _rel(t, e) + 1e-3, name
+
+
+def test_twenty_adamw_steps_follow_grouped_mm():
+    """20 AdamW steps from the same weights and batches: the same loss curve (BF16 tolerance),
+    and the loss goes down."""
+    curves = {}
+    for impl in ("grouped_mm", "moe_bwd"):
+        model = _model("qwen3_moe")
+        model.set_experts_implementation(impl)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        curve = []
+        for step in range(20):
+            ids = _ids(seed=step % 4)
+            loss = model(ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            curve.append(loss.item())
+        curves[impl] = torch.tensor(curve)
+    assert torch.allclose(curves["moe_bwd"], curves["grouped_mm"], rtol=BF16_REL, atol=0)
+    assert curves["moe_bwd"][-4:].mean() < curves["moe_bwd"][:4].mean() - 0.5
+
+
+# --------------------------------------------------------------------------- routing inputs
+def _module_inputs(module, T=10, K=2, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    E = module.num_experts
+    x = torch.randn(T, TINY["hidden_size"], generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    return x, idx, w
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_sentinel_ids_contribute_nothing(family):
+    """Ids >= E (transformers' expert-parallel sentinels) are dropped slots: the same output
+    and gradients as -1 there, whatever their weight, and transformers' grouped_mm agrees
+    (with the zero weight its router gives them)."""
+    module = _experts(_model(family))[0]
+    E = module.num_experts
+    x, idx, w = _module_inputs(module)
+    sent = idx.clone()
+    sent[::3, 0] = E
+    dropped = torch.where(sent >= E, -1, sent)
+    outs = []
+    for ids in (sent, dropped):
+        xr = x.clone().requires_grad_()
+        y = hf.experts_forward(module, xr, ids, w)
+        gx, gw = torch.autograd.grad(y.square().sum(), [xr, module.gate_up_proj])
+        outs.append((y, gx, gw))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    theirs = grouped_mm_experts_forward(module, x, sent, torch.where(sent >= E, 0.0, w))
+    assert _rel(outs[0][0].double(), theirs.double()) < BF16_REL
+
+
+def test_dense_routing_weights_are_gathered_at_the_ids():
+    """[T, E] routing weights (DeepSeek-V2 style) give the result of the [T, K] ones."""
+    module = _experts(_model("qwen3_moe"))[0]
+    x, idx, w = _module_inputs(module)
+    dense = torch.zeros(x.shape[0], module.num_experts).scatter(1, idx, w)
+    assert torch.equal(hf.experts_forward(module, x, idx, dense),
+                       hf.experts_forward(module, x, idx, w))
+
+
+# --------------------------------------------------------------------------- what raises
+def _forbid_the_layer(monkeypatch):
+    def layer(*_a, **_k):
+        raise AssertionError("the layer ran before the module was refused")
+
+    monkeypatch.setattr(hf, "moe_experts", layer)
+
+
+def test_non_gated_experts_raise_before_any_work(monkeypatch):
+    module = _experts(_model("qwen3_moe"))[0]
+    module.has_gate = False
+    _forbid_the_layer(monkeypatch)
+    with pytest.raises(ValueError, match=r"Qwen3MoeExperts.*'qwen3_moe'.*non-gated"):
+        hf.experts_forward(module, *_module_inputs(module))
+
+
+def test_unknown_activation_raises_naming_module_family_and_activation(monkeypatch):
+    model = _model("mixtral", hidden_act="gelu")
+    _forbid_the_layer(monkeypatch)
+    model.set_experts_implementation("moe_bwd")
+    with pytest.raises(ValueError, match=r"MixtralExperts.*'mixtral'.*'gelu'"):
+        model(_ids())
+
+
+def test_unknown_gate_override_raises(monkeypatch):
+    module = _experts(_model("qwen3_moe"))[0]
+
+    class CustomExperts(type(module)):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch.relu(gate) * up
+
+    module.__class__ = CustomExperts
+    _forbid_the_layer(monkeypatch)
+    with pytest.raises(ValueError, match=r"CustomExperts.*_apply_gate is not one"):
+        hf.experts_forward(module, *_module_inputs(module))
+
+
+def test_register_does_not_import_transformers_at_package_import():
+    code = ("import sys, common, common.integrations, common.integrations.transformers, "
+            "common.layer; assert 'transformers' not in sys.modules, 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- no weight copy
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_gemms_read_the_parameters_own_storage(family, monkeypatch):
+    """On the portable path every grouped GEMM of the forward and the backward reads the
+    experts' weights from the parameters' own storage (views, no copy), and the gradients land
+    in the parameters in their own layout. (gpt-oss's interleaved gate/up is de-interleaved by
+    a copy on every path today: docs/huggingface.md.)"""
+    import common.torch_backward as tb
+
+    model = _model(family, dtype=torch.bfloat16)
+    module = _experts(model)[0]
+    owned = {module.gate_up_proj.untyped_storage().data_ptr(),
+             module.down_proj.untyped_storage().data_ptr()}
+    seen = []
+    inner = tb.grouped_mm_rows
+
+    def spy(x, w, offs, *a, **k):
+        seen.append(w.untyped_storage().data_ptr())
+        return inner(x, w, offs, *a, **k)
+
+    monkeypatch.setattr(tb, "grouped_mm_rows", spy)
+    x, idx, w = _module_inputs(module)
+    y = hf.experts_forward(module, x.bfloat16().requires_grad_(), idx, w,
+                           base_options=MoEExpertsOptions(backend="torch"))
+    y.float().square().sum().backward()
+    assert len(seen) == 4 and set(seen) == owned  # gate/up, down; down^T, gate/up^T
+    for p in (module.gate_up_proj, module.down_proj):
+        assert p.grad.shape == p.shape and p.grad.stride() == p.stride()
+
+
+# --------------------------------------------------------------------------- torch.compile
+def test_decoder_layer_compiles_fullgraph_without_recompiling_per_token_count():
+    """A whole decoder layer (attention + the MoE block on ``"moe_bwd"``) under
+    ``torch.compile(fullgraph=True, dynamic=True)``: no graph break, one compile over three
+    token counts and fresh routings, the eager result."""
+    import torch._dynamo.testing
+
+    model = _model("qwen3_moe")
+    model.set_experts_implementation("moe_bwd")
+    layer, rope = model.model.layers[0], model.model.rotary_emb
+
+    def block(h, pe):
+        return layer(h, position_embeddings=pe, attention_mask=None)
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    compiled = torch.compile(block, fullgraph=True, backend=counter, dynamic=True)
+    for T in (8, 12, 20):
+        h = torch.randn(1, T, TINY["hidden_size"], generator=torch.Generator().manual_seed(T))
+        pe = rope(h, torch.arange(T)[None])
+        got, want = compiled(h, pe), block(h, pe)
+        got, want = (o[0] if isinstance(o, tuple) else o for o in (got, want))
+        assert torch.equal(got, want)
+    assert counter.frame_count == 1

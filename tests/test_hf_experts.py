@@ -269,3 +269,33 @@ def test_decoder_layer_compiles_fullgraph_without_recompiling_per_token_count():
         got, want = (o[0] if isinstance(o, tuple) else o for o in (got, want))
         assert torch.equal(got, want)
     assert counter.frame_count == 1
+
+
+# --------------------------------------------------------------------------- the benchmark
+def test_bench_hf_experts_cpu_smoke(tmp_path):
+    """``benchmarks/bench_hf_experts.py`` on a tiny shape on the CPU: every selected row times
+    (SonicMoE says why it is skipped), the ratios are filled, the JSON is written."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_hf_experts.py"
+    spec = importlib.util.spec_from_file_location("bench_hf_experts", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "hf.json"
+    impls = ["moe_bwd", "grouped_mm", "layer", "sonicmoe", "decoder-moe_bwd", "decoder-grouped_mm"]
+    rc = bench.main(["--device", "cpu", "--shrink", "16", "--tokens", "32", "--seq", "16",
+                     "--reps", "1", "--shapes", "qwen3-30b-a3b:32:e8", "--impls", ",".join(impls),
+                     "--json", str(out)])
+    assert rc == 0
+    rows = {r["key"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == set(impls)
+    assert rows["sonicmoe"]["status"].startswith("skipped: ")
+    for key in set(impls) - {"sonicmoe"}:
+        assert "status" not in rows[key], rows[key]
+        assert all(rows[key][f"{c}_ms"] > 0 for c in ("fwd", "bwd", "step"))
+    assert rows["grouped_mm"]["vs_grouped_mm"] == pytest.approx(1.0)
+    assert rows["moe_bwd"]["vs_moe_experts"] > 0
+    assert rows["decoder-moe_bwd"]["vs_grouped_mm"] > 0
+    assert rows["decoder-moe_bwd"]["vs_moe_experts"] is None

@@ -50,7 +50,7 @@ from common.layer import MoEExpertsOptions, moe_experts
 from common.problem import SWIGLU, Activation, ClampLimits
 
 __all__ = ["EXPERTS_IMPLEMENTATION", "GATES", "ExpertsSpec", "experts_forward", "experts_spec",
-           "register"]
+           "layer_weights", "register"]
 
 EXPERTS_IMPLEMENTATION = "moe_bwd"
 """The name :func:`register` registers by default (``experts_implementation="moe_bwd"``)."""
@@ -162,9 +162,12 @@ def experts_spec(module) -> ExpertsSpec:
                        bool(getattr(module, "has_bias", False)), activation, clamp)
 
 
-def _weights(module, spec: ExpertsSpec):
-    """``(w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH)`` as views of the module's
-    parameters (no copy)."""
+def layer_weights(module, spec: ExpertsSpec | None = None):
+    """``(w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH)``: the module's parameters as
+    the layer's [E, H, 2, I], [E, I, H], [E, 2, I], [E, H] VIEWS (no copy; writing into them
+    writes the parameters; biases None without ``has_bias``). ``spec`` default
+    :func:`experts_spec` (ValueError for a module we cannot compute)."""
+    spec = experts_spec(module) if spec is None else spec
     gu, down = module.gate_up_proj, module.down_proj
     E = gu.shape[0]
     if spec.transposed:  # [E, H, 2I], [E, I, H]
@@ -224,7 +227,7 @@ def experts_forward(
             layer (named), before any work.
     """
     spec = experts_spec(module)
-    w_gu, w_down, b_gu, b_down = _weights(module, spec)
+    w_gu, w_down, b_gu, b_down = layer_weights(module, spec)
     E = w_gu.shape[0]
     x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
     idx_TK = top_k_index.reshape(x_TH.shape[0], -1)

@@ -17,7 +17,7 @@ import torch
 tf = pytest.importorskip("transformers")
 
 from common.integrations import transformers as hf  # noqa: E402
-from common.layer import MoEExpertsOptions  # noqa: E402
+from common.layer import MoEExpertsOptions, moe_experts  # noqa: E402
 
 hf.register()
 
@@ -299,3 +299,34 @@ def test_bench_hf_experts_cpu_smoke(tmp_path):
     assert rows["moe_bwd"]["vs_moe_experts"] > 0
     assert rows["decoder-moe_bwd"]["vs_grouped_mm"] > 0
     assert rows["decoder-moe_bwd"]["vs_moe_experts"] is None
+
+
+def _llama4(seed=0):
+    cfg = tf.Llama4TextConfig(**TINY, head_dim=16, intermediate_size=32, intermediate_size_mlp=64,
+                              num_local_experts=4, num_experts_per_tok=1,
+                              interleave_moe_layer_step=1)
+    torch.manual_seed(seed)
+    return tf.AutoModelForCausalLM.from_config(cfg)
+
+
+def test_llama4_experts_on_our_layer_match_transformers(monkeypatch):
+    """Llama 4's experts are outside transformers' interface: ``experts_implementation`` does
+    not reach them (our function is never called), ``use_for_llama4`` does: the loss and every
+    gradient against transformers' own block (router and shared expert untouched)."""
+    model = _llama4()
+    ids = _ids()
+    calls = []
+    monkeypatch.setattr(hf, "moe_experts", lambda *a, **k: calls.append(1) or moe_experts(*a, **k))
+    model.zero_grad()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    ref = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert not calls
+    assert hf.use_for_llama4(model) == TINY["num_hidden_layers"]
+    model.zero_grad()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert len(calls) == TINY["num_hidden_layers"]
+    assert _rel(loss.double(), ref[0].double()) < BF16_REL
+    for name, p in model.named_parameters():
+        assert _rel(p.grad.double(), ref[1][name].double()) < BF16_REL, name

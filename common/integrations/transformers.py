@@ -50,7 +50,7 @@ from common.layer import MoEExpertsOptions, moe_experts
 from common.problem import SWIGLU, Activation, ClampLimits
 
 __all__ = ["EXPERTS_IMPLEMENTATION", "GATES", "ExpertsSpec", "experts_forward", "experts_spec",
-           "layer_weights", "register"]
+           "layer_weights", "register", "use_for_llama4"]
 
 EXPERTS_IMPLEMENTATION = "moe_bwd"
 """The name :func:`register` registers by default (``experts_implementation="moe_bwd"``)."""
@@ -241,6 +241,54 @@ def experts_forward(
 
 
 _BASE = MoEExpertsOptions()
+
+
+# ------------------------------------------------------------------------------------ Llama 4
+def use_for_llama4(model, *, base_options: MoEExpertsOptions | None = None) -> int:
+    """Run the routed experts of every ``Llama4TextMoe`` block of ``model`` on our layer.
+
+    transformers' Llama 4 experts are not an ``@use_experts_implementation`` module (5.17): the
+    ``experts_implementation`` setting does not reach them. This replaces each block's forward
+    (on the instance; the router and the shared expert run unchanged). Llama 4 scales the
+    expert INPUT by its sigmoid router score, ``sum_k MLP_e(a_k x)``; the layer takes those K
+    scaled rows as [T*K, H] tokens routed to one expert each with affinity 1 (top_k is 1 in the
+    published models, so no row is added), which is exact: the experts have no bias.
+
+    Returns:
+        the number of blocks switched.
+    Raises:
+        ValueError: an experts ``act_fn`` that is not SiLU (named), before any block changes.
+    """
+    import types
+
+    blocks = [m for m in model.modules() if type(m).__name__ == "Llama4TextMoe"]
+    for block in blocks:
+        if not _is_silu(block.experts.act_fn):
+            raise _unsupported(block.experts, f"activation {type(block.experts.act_fn).__name__}"
+                                              ": only SiLU-gated experts (SwiGLU) are computed")
+    for block in blocks:
+        block._moe_bwd_options = _options(base_options or _BASE, SWIGLU, None)
+        block.forward = types.MethodType(_llama4_moe_forward, block)
+    return len(blocks)
+
+
+_LLAMA4_SPEC = ExpertsSpec(transposed=True, interleaved=False, bias=False, activation=SWIGLU,
+                           clamp_limits=None)
+
+
+def _llama4_moe_forward(self, hidden_states):
+    x_TH = hidden_states.reshape(-1, self.hidden_dim)
+    scores_TE, logits_TE = self.router(x_TH)
+    idx_TK = torch.topk(logits_TE, self.top_k, dim=1).indices  # the router's own choice
+    a_TK = scores_TE.gather(1, idx_TK).to(x_TH.dtype)
+    T, K = idx_TK.shape
+    x_RH = (x_TH[:, None, :] * a_TK[..., None]).reshape(T * K, -1)
+    w_gu, w_down, _, _ = layer_weights(self.experts, _LLAMA4_SPEC)
+    ones_R1 = x_RH.new_ones(T * K, 1)
+    y_RH = moe_experts(x_RH, idx_TK.reshape(T * K, 1), ones_R1, w_gu, w_down,
+                       options=self._moe_bwd_options)
+    out = self.shared_expert(x_TH) + y_RH.view(T, K, -1).sum(1)
+    return out, logits_TE
 
 
 def register(

@@ -45,6 +45,20 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", dict(head_dim=16, intermediate_size=32, num_local_experts=4,
                                      num_experts_per_tok=2)),
 }
+# Families whose model-level gradients include noise-level ones (1e-11: DeepSeek-V4's router)
+# or whose model is not a causal LM: their experts module alone against grouped_mm.
+MODULE_FAMILIES = {
+    # SwiGLU with the gate and up clamped (their _apply_gate overrides)
+    "deepseek_v4": ("DeepseekV4Config", dict(head_dim=16, intermediate_size=32,
+                                             num_local_experts=4, num_experts_per_tok=2)),
+    "hy_v4": ("HYV4Config", dict(head_dim=16, intermediate_size=64, moe_intermediate_size=32,
+                                 num_local_experts=4, num_experts_per_tok=2, pad_token_id=None,
+                                 bos_token_id=None, eos_token_id=None)),
+    # [E, H, 2I] halves (is_transposed), biases, gpt-oss's activation; a token classifier
+    "openai_privacy_filter": ("OpenAIPrivacyFilterConfig", dict(
+        head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        pad_token_id=None, eos_token_id=None)),
+}
 # Relative L2 error of the loss / a gradient (fp32 model, BF16 GEMM operands in our layer) to
 # transformers' fp32 result: BF16 has 8 mantissa bits (rel. rounding 2^-9 = 0.2 %); measured
 # <= 0.8 % over these families; 3 % leaves room for other seeds and machines.
@@ -61,7 +75,8 @@ def _model(family, dtype=torch.float32, seed=0, **over):
 
 
 def _ids(T=12, seed=0):
-    return torch.randint(0, TINY["vocab_size"], (2, T), generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, TINY["vocab_size"], (2, T), generator=g)
 
 
 def _loss_and_grads(model, impl, ids):
@@ -125,6 +140,33 @@ def test_twenty_adamw_steps_follow_grouped_mm():
         curves[impl] = torch.tensor(curve)
     assert torch.allclose(curves["moe_bwd"], curves["grouped_mm"], rtol=BF16_REL, atol=0)
     assert curves["moe_bwd"][-4:].mean() < curves["moe_bwd"][:4].mean() - 0.5
+
+
+@pytest.mark.parametrize("family", sorted(MODULE_FAMILIES))
+def test_experts_module_matches_grouped_mm(family):
+    """The experts module of :data:`MODULE_FAMILIES`: output and every parameter gradient of
+    ``"moe_bwd"`` against transformers' grouped_mm (their clamp limits and layouts)."""
+    cls_name, kw = MODULE_FAMILIES[family]
+    torch.manual_seed(0)
+    module = _experts(tf.AutoModel.from_config(getattr(tf, cls_name)(**{**TINY, **kw})))[0]
+    limit = hf.experts_spec(module).clamp_limits.linear_clamp_upper_limit
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    x, idx, w = _module_inputs(module)
+    # pre-activations past the clamp limit on 4-66 % of the elements (3.6 % for HY-V4). Larger
+    # scales put many elements within a BF16 step of the limit, where our strict mask on the
+    # stored value and torch.clamp's inclusive one differ (ClampLimits): BF16 noise of both
+    x = x * 100
+    gate_up = torch.einsum("th,ehci->etci", x, hf.layer_weights(module)[0].detach())
+    assert float((gate_up.abs() > limit).float().mean()) > 0.03
+    outs = []
+    for fn in (hf.experts_forward, grouped_mm_experts_forward):
+        module.zero_grad()
+        y = fn(module, x, idx, w)
+        y.square().sum().backward()
+        outs.append([y.detach()] + [p.grad.clone() for p in module.parameters()])
+    for a, b in zip(*outs):
+        assert _rel(a.double(), b.double()) < BF16_REL
 
 
 # --------------------------------------------------------------------------- routing inputs

@@ -15,15 +15,10 @@ Each call runs :func:`common.layer.moe_experts` (forward and backward by
 portable torch path on the CPU) on the module's own parameters, as strided VIEWS (never a
 copy made here; gradients flow back through the views into the parameters' own layout):
 
-==============================  ==============================  =================================
-HF layout                       ``w_gate_up_EH2I`` [E, H, 2, I]  ``w_down_EIH`` [E, I, H]
-==============================  ==============================  =================================
-[E, 2I, H] gate|up halves       ``.view(E, 2, I, H)``            ``down_proj [E, H, I]``
-(Qwen, Mixtral, DeepSeek, ...)  ``.permute(0, 3, 1, 2)``         ``.transpose(1, 2)``
-[E, H, 2I] halves, transposed   ``.view(E, H, 2, I)``            ``down_proj`` [E, I, H] as is
-[E, H, 2I] interleaved (gpt-oss)  ``.view(E, H, I, 2)``          ``down_proj`` as is
-                                ``.transpose(2, 3)``
-==============================  ==============================  =================================
+* ``gate_up_proj`` [E, 2I, H] gate/up halves (Qwen, Mixtral, OLMoE, DeepSeek, ...):
+  ``.view(E, 2, I, H).permute(0, 3, 1, 2)``; ``down_proj`` [E, H, I]: ``.transpose(1, 2)``;
+* ``is_transposed`` [E, H, 2I] halves: ``.view(E, H, 2, I)``; ``down_proj`` [E, I, H] as is;
+* ``is_transposed`` [E, H, 2I] interleaved (gpt-oss): ``.view(E, H, I, 2).transpose(2, 3)``.
 
 Biases ``gate_up_proj_bias`` [E, 2I] / ``down_proj_bias`` [E, H] the same way. Which of these
 views reach the GPU kernels without a copy: ``docs/huggingface.md``.
@@ -37,6 +32,8 @@ another activation, an unknown ``_apply_gate``) raises ValueError naming the mod
 model family and what is unsupported, before any work. There is no silent fallback to
 transformers' own implementation: choose ``"grouped_mm"`` for such models.
 
+Llama 4's experts are outside transformers' interface: :func:`use_for_llama4`.
+
 Importing this module does not import transformers; :func:`register` does.
 """
 
@@ -44,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+
 import torch
 
 from common.layer import MoEExpertsOptions, moe_experts
@@ -131,11 +129,12 @@ def experts_spec(module) -> ExpertsSpec:
     owner = _gate_owner(module)
     clamp = None
     if owner is None:
-        if not _is_silu(getattr(module, "act_fn", None)):
-            raise _unsupported(module, f"activation {type(getattr(module, 'act_fn', None)).__name__}"
-                                       " (config.hidden_act "
-                                       f"{getattr(module.config, 'hidden_act', None)!r}): only "
-                                       "SiLU-gated experts (SwiGLU) are computed")
+        act_fn = getattr(module, "act_fn", None)
+        if not _is_silu(act_fn):
+            hidden_act = getattr(getattr(module, "config", None), "hidden_act", None)
+            raise _unsupported(module, f"activation {type(act_fn).__name__} (config.hidden_act "
+                                       f"{hidden_act!r}): only SiLU-gated experts (SwiGLU) are "
+                                       "computed")
         if interleaved:
             raise _unsupported(module, "an interleaved gate/up layout with the default "
                                        "(halves-splitting) _apply_gate")
@@ -151,13 +150,13 @@ def experts_spec(module) -> ExpertsSpec:
             activation = Activation("gpt_oss", alpha=float(getattr(module, alpha_attr)),
                                     up_offset=1.0)
         else:
-            act_fn = getattr(module, "act_fn", torch.nn.SiLU())  # HYV4 / GLM-5-Next: F.silu
-            if not _is_silu(act_fn):
+            act_fn = getattr(module, "act_fn", None)  # None: F.silu in the gate (HY-V4, GLM-5)
+            if act_fn is not None and not _is_silu(act_fn):
                 raise _unsupported(module, f"activation {type(act_fn).__name__}: only SiLU")
             activation = SWIGLU
     else:
-        raise _unsupported(module, f"its gate {owner}._apply_gate is not one this layer "
-                                   f"computes (computed: the default SiLU gate and {sorted(GATES)})")
+        raise _unsupported(module, f"its gate {owner}._apply_gate is not one this layer computes "
+                                   f"(computed: the default SiLU gate and {sorted(GATES)})")
     return ExpertsSpec(bool(getattr(module, "is_transposed", False)), interleaved,
                        bool(getattr(module, "has_bias", False)), activation, clamp)
 
@@ -230,8 +229,8 @@ def experts_forward(
     w_gu, w_down, b_gu, b_down = layer_weights(module, spec)
     E = w_gu.shape[0]
     x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
-    idx_TK = top_k_index.reshape(x_TH.shape[0], -1)
-    weights = top_k_weights.reshape(x_TH.shape[0], -1)
+    idx_TK = top_k_index.reshape(-1, top_k_index.shape[-1])
+    weights = top_k_weights.reshape(-1, top_k_weights.shape[-1])
     if weights.shape[1] != idx_TK.shape[1] and weights.shape[1] == E:  # dense [T, E]
         weights = weights.gather(1, idx_TK.clamp(0, E - 1))
     idx_TK = torch.where(idx_TK >= E, -1, idx_TK)  # expert-parallel sentinels: dropped

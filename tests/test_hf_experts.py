@@ -96,6 +96,15 @@ def _experts(model):
     return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "has_gate")]
 
 
+def _module_inputs(module, T=10, K=2, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    E, H = module.num_experts, hf.layer_weights(module)[0].shape[1]
+    x = torch.randn(T, H, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    return x, idx, w
+
+
 # --------------------------------------------------------------------------- every family
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_loss_and_every_gradient_match_transformers(family):
@@ -170,15 +179,6 @@ def test_experts_module_matches_grouped_mm(family):
 
 
 # --------------------------------------------------------------------------- routing inputs
-def _module_inputs(module, T=10, K=2, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    E, H = module.num_experts, hf.layer_weights(module)[0].shape[1]
-    x = torch.randn(T, H, generator=g)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.rand(T, K, generator=g)
-    return x, idx, w
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_sentinel_ids_contribute_nothing(family):
     """Ids >= E (transformers' expert-parallel sentinels) are dropped slots: the same output

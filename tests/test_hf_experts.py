@@ -288,17 +288,22 @@ def test_the_gemms_read_the_parameters_own_storage(family, monkeypatch):
 
 
 # --------------------------------------------------------------------------- torch.compile
-def test_decoder_layer_compiles_fullgraph_without_recompiling_per_token_count():
-    """A whole decoder layer (attention + the MoE block on ``"moe_bwd"``) under
-    ``torch.compile(fullgraph=True, dynamic=True)``: no graph break, one compile over three
-    token counts and fresh routings, the eager result."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_compiles_fullgraph_without_recompiling_per_token_count(family):
+    """``torch.compile(fullgraph=True, dynamic=True)`` over three token counts and fresh
+    routings: no graph break, one compile, the eager result. Qwen3-MoE: a whole decoder layer
+    (attention + the MoE block on ``"moe_bwd"``). gpt-oss: its MoE block (router + experts;
+    interleaved views, biases, clamp): its whole decoder layer recompiles once at the second
+    length under transformers 5.17 with ``"grouped_mm"`` as well (its attention, not ours)."""
     import torch._dynamo.testing
 
-    model = _model("qwen3_moe")
+    model = _model(family)
     model.set_experts_implementation("moe_bwd")
     layer, rope = model.model.layers[0], model.model.rotary_emb
 
     def block(h, pe):
+        if family == "gpt_oss":
+            return layer.mlp(h)
         return layer(h, position_embeddings=pe, attention_mask=None)
 
     torch._dynamo.reset()

@@ -100,13 +100,24 @@ def _is_silu(act_fn) -> bool:
     return isinstance(act_fn, _silu_classes())
 
 
-def _gate_owner(module) -> str | None:
-    """Name of the class whose ``_apply_gate`` the module runs; None for transformers'
+def _gate_owner(cls: type) -> str | None:
+    """Name of the class whose ``_apply_gate`` the experts class runs; None for transformers'
     default ``act_fn(gate) * up`` (``integrations.moe._default_apply_gate``)."""
-    fn = getattr(type(module), "_apply_gate", None)
-    if fn is None or getattr(fn, "__name__", "") == "_default_apply_gate":
-        return None
-    return fn.__qualname__.rsplit(".", 1)[0]
+    for klass in cls.__mro__:
+        if "_apply_gate" in vars(klass):
+            fn = vars(klass)["_apply_gate"]
+            return None if getattr(fn, "__name__", "") == "_default_apply_gate" else klass.__name__
+    return None
+
+
+def _clamped_activation(alpha: float | None, limit: float | None):
+    """``(Activation, ClampLimits | None)`` of a :data:`GATES` form: gpt-oss's with ``alpha``,
+    else SwiGLU; the gate clamped above and up to [-limit, limit]."""
+    act = SWIGLU if alpha is None else Activation("gpt_oss", alpha=alpha, up_offset=1.0)
+    if limit is None:
+        return act, None
+    return act, ClampLimits(linear_clamp_upper_limit=limit, linear_clamp_lower_limit=-limit,
+                            non_linear_clamp_upper_limit=limit)
 
 
 def experts_spec(module) -> ExpertsSpec:
@@ -126,7 +137,7 @@ def experts_spec(module) -> ExpertsSpec:
         if not isinstance(w, torch.Tensor) or w.dim() != 3:
             raise _unsupported(module, f"it has no 3-D {name} tensor")
     interleaved = not getattr(module, "is_concatenated", True)
-    owner = _gate_owner(module)
+    owner = _gate_owner(type(module))
     clamp = None
     if owner is None:
         act_fn = getattr(module, "act_fn", None)
@@ -141,19 +152,13 @@ def experts_spec(module) -> ExpertsSpec:
         activation = SWIGLU
     elif owner in GATES:
         form, alpha_attr, limit_attr = GATES[owner]
-        limit = getattr(module, limit_attr, None)
-        if limit is not None:
-            limit = float(limit)
-            clamp = ClampLimits(linear_clamp_upper_limit=limit, linear_clamp_lower_limit=-limit,
-                                non_linear_clamp_upper_limit=limit)
-        if form == "gpt_oss":
-            activation = Activation("gpt_oss", alpha=float(getattr(module, alpha_attr)),
-                                    up_offset=1.0)
-        else:
+        if form != "gpt_oss":
             act_fn = getattr(module, "act_fn", None)  # None: F.silu in the gate (HY-V4, GLM-5)
             if act_fn is not None and not _is_silu(act_fn):
                 raise _unsupported(module, f"activation {type(act_fn).__name__}: only SiLU")
-            activation = SWIGLU
+        alpha = float(getattr(module, alpha_attr)) if form == "gpt_oss" else None
+        limit = getattr(module, limit_attr, None)
+        activation, clamp = _clamped_activation(alpha, None if limit is None else float(limit))
     else:
         raise _unsupported(module, f"its gate {owner}._apply_gate is not one this layer computes "
                                    f"(computed: the default SiLU gate and {sorted(GATES)})")
@@ -186,17 +191,35 @@ def layer_weights(module, spec: ExpertsSpec | None = None):
     return w_gu, w_down, b_gu, b_down
 
 
-_OPTIONS: dict = {}
-"""(base options, activation, clamp) -> the layer's options: built once, outside any trace after
-the first call (a plain dict: torch.compile reads it without a guard on a cache wrapper)."""
+_BASES: list = [MoEExpertsOptions()]
+"""The layer settings :func:`register` was given (index 0: the defaults)."""
+_SETUPS: list = []
+"""``(ExpertsSpec, MoEExpertsOptions)`` per (module spec, settings), built once."""
+_SETUP_INDEX: dict = {}
 
 
-def _options(base: MoEExpertsOptions, activation: Activation, clamp: ClampLimits | None):
-    key = (base, activation, clamp)
-    opts = _OPTIONS.get(key)
-    if opts is None:
-        opts = _OPTIONS[key] = dataclasses.replace(base, activation=activation, clamp_limits=clamp)
-    return opts
+@torch.compiler.assume_constant_result
+def _setup_index(module, base_index: int) -> int:
+    """Index into :data:`_SETUPS` of the module's spec and the layer's options. Evaluated
+    eagerly while torch.compile traces (its result a constant): the spec reads module
+    attributes (floats a dynamic-shape trace would make symbolic) and the options register
+    their op key, neither traceable. The module's flags are not guarded: set them before
+    compiling."""
+    spec = experts_spec(module)
+    key = (spec, base_index)
+    index = _SETUP_INDEX.get(key)
+    if index is None:
+        opts = dataclasses.replace(_BASES[base_index], activation=spec.activation,
+                                   clamp_limits=spec.clamp_limits)
+        index = _SETUP_INDEX[key] = len(_SETUPS)
+        _SETUPS.append((spec, opts))
+    return index
+
+
+def _base_index(base: MoEExpertsOptions) -> int:
+    if base not in _BASES:
+        _BASES.append(base)
+    return _BASES.index(base)
 
 
 def experts_forward(
@@ -225,7 +248,8 @@ def experts_forward(
         ValueError: a module we cannot compute (:func:`experts_spec`) or a bad argument of the
             layer (named), before any work.
     """
-    spec = experts_spec(module)
+    base = 0 if base_options is None else _base_index(base_options)
+    spec, opts = _SETUPS[_setup_index(module, base)]
     w_gu, w_down, b_gu, b_down = layer_weights(module, spec)
     E = w_gu.shape[0]
     x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -234,12 +258,8 @@ def experts_forward(
     if weights.shape[1] != idx_TK.shape[1] and weights.shape[1] == E:  # dense [T, E]
         weights = weights.gather(1, idx_TK.clamp(0, E - 1))
     idx_TK = torch.where(idx_TK >= E, -1, idx_TK)  # expert-parallel sentinels: dropped
-    opts = _options(base_options or _BASE, spec.activation, spec.clamp_limits)
     y_TH = moe_experts(x_TH, idx_TK, weights, w_gu, w_down, b_gu, b_down, options=opts)
     return y_TH.view(hidden_states.shape)
-
-
-_BASE = MoEExpertsOptions()
 
 
 # ------------------------------------------------------------------------------------ Llama 4
@@ -266,7 +286,8 @@ def use_for_llama4(model, *, base_options: MoEExpertsOptions | None = None) -> i
             raise _unsupported(block.experts, f"activation {type(block.experts.act_fn).__name__}"
                                               ": only SiLU-gated experts (SwiGLU) are computed")
     for block in blocks:
-        block._moe_bwd_options = _options(base_options or _BASE, SWIGLU, None)
+        base = _BASES[0] if base_options is None else base_options
+        block._moe_bwd_options = dataclasses.replace(base, activation=SWIGLU, clamp_limits=None)
         block.forward = types.MethodType(_llama4_moe_forward, block)
     return len(blocks)
 
@@ -318,6 +339,6 @@ def register(
     from transformers.integrations.moe import ExpertsInterface
 
     _silu_classes()  # imported now, not while torch.compile traces a forward
-    fn = experts_forward if base == _BASE else functools.partial(experts_forward,
-                                                                 base_options=base)
+    fn = (experts_forward if base == _BASES[0]
+          else functools.partial(experts_forward, base_options=base))
     ExpertsInterface.register(name, fn)

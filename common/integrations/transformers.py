@@ -249,7 +249,11 @@ def experts_forward(
             layer (named), before any work.
     """
     base = 0 if base_options is None else _base_index(base_options)
-    spec, opts = _SETUPS[_setup_index(module, base)]
+    return _experts_forward(module, hidden_states, top_k_index, top_k_weights, base_index=base)
+
+
+def _experts_forward(module, hidden_states, top_k_index, top_k_weights, *, base_index: int = 0):
+    spec, opts = _SETUPS[_setup_index(module, base_index)]
     w_gu, w_down, b_gu, b_down = layer_weights(module, spec)
     E = w_gu.shape[0]
     x_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -339,6 +343,6 @@ def register(
     from transformers.integrations.moe import ExpertsInterface
 
     _silu_classes()  # imported now, not while torch.compile traces a forward
-    fn = (experts_forward if base == _BASES[0]
-          else functools.partial(experts_forward, base_options=base))
+    # the settings as an int bound now: nothing to look up while torch.compile traces
+    fn = functools.partial(_experts_forward, base_index=_base_index(base))
     ExpertsInterface.register(name, fn)

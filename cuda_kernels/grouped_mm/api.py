@@ -2,9 +2,10 @@
 
 The layer reaches :func:`gate_up_forward` and :func:`down_dgrad_backward` (``"ours"``) and
 :func:`grouped_mm_gather` with the gathered rows side-written (``"ours-gemm"``) through its
-``grouped_mm`` option (``cuda_kernels.grouped_mm_choice``; ``"auto"``: the per-shape table, which
-picks ``"ours-gemm"`` on qwen3-30b-a3b and the 32-expert deepseek-v3 shape and cuBLAS's grouped
-GEMM on gathered rows elsewhere: ``cuda_kernels.moe_forward`` / ``moe_backward``).
+``grouped_mm`` option (``cuda_kernels.moe.grouped_mm_choice``; ``"auto"``: the per-shape
+table, which picks ``"ours-gemm"`` on qwen3-30b-a3b and the 32-expert deepseek-v3 shape and
+cuBLAS's grouped GEMM on gathered rows elsewhere: ``cuda_kernels.moe.forward`` /
+``moe.backward``).
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ def grouped_mm_gather(
             it as a side output, EVERY row s of it: ``a[row_index[s]]`` where
             ``row_index[s] >= 0`` and exactly +0.0 where it is < 0, rows past
             ``offsets_E[-1]`` included -- bitwise what
-            ``moe_backward.kernels.gather_rows(a, row_index, torch.bfloat16)`` returns (a
+            ``triton.rows.gather_rows(a, row_index, torch.bfloat16)`` returns (a
             copy), so a caller that needs the gathered rows again (the backward's weight
             gradients) skips its own gather pass. The kernel writes them from its producer
             warp group, each row once (a ``write_a_rows`` key: a compile of its own; a
@@ -352,7 +353,7 @@ def grouped_mm_gated(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward gate/up GEMM with its epilogue fused: ``acc = a[row_index] @ w_gate_up[e]``
     (fp32), then bias, clamp and the gated activation from the fp32 accumulator, writing the
-    BF16 checkpoint and ``a * h`` -- the outputs of ``moe_forward.kernels.activation_forward``
+    BF16 checkpoint and ``a * h`` -- the outputs of ``triton.activation.activation_forward``
     on the GEMM's output, without the ``[S, 2I]`` pre-activation going through HBM.
 
     Per row s of pair p (expert e, affinity alpha_p)::
@@ -479,7 +480,7 @@ def gate_up_forward(
     tile=None,
     x_rows_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's gate/up half of the forward in one kernel: what ``moe_forward.fused`` does
+    """The layer's gate/up half of the forward in one kernel: what ``moe.forward`` does
     with ``gather_rows`` + grouped GEMM + ``activation_forward``, from a
     :class:`~common.routing.GroupedLayout` and its :class:`~common.routing.RoutingPlan`
     (:func:`grouped_mm_gated` with ``row_to_token_S``, ``row_to_pair_S``,
@@ -528,7 +529,7 @@ def grouped_mm_dgated(
     """The backward down-dgrad GEMM with the activation backward fused into its epilogue:
     ``dh_raw = a[row_index] @ w_down_t[e]`` (fp32 accumulators, never stored), then per row s
     of pair p (affinity alpha_p) with the checkpoint's g, u (``act_R2I[p]``), as
-    ``moe_backward.kernels.activation_backward`` computes them from a BF16 ``dh_raw``::
+    ``triton.activation.activation_backward`` computes them from a BF16 ``dh_raw``::
 
         dA_row[s]    = sum_j dh_raw[s, j] * h[j]        h = g sigmoid(act.alpha g) (u + c)
         d_gate_up[s] = [dg, du]  (strict clamp masks)    a_h[s] = alpha_p * h
@@ -617,7 +618,7 @@ def down_dgrad_backward(
     dy_rows_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer backward's first GEMM and its activation backward in one kernel: what
-    ``moe_backward.fused`` does with ``gather_rows(dY)`` + grouped GEMM + ``activation_backward``,
+    ``moe.backward`` does with ``gather_rows(dY)`` + grouped GEMM + ``activation_backward``,
     from a :class:`~common.routing.GroupedLayout` and its :class:`~common.routing.RoutingPlan`
     (:func:`grouped_mm_dgated` on ``dy_TH`` through ``row_to_token_S`` and
     ``w_down_EIH.transpose(1, 2)``). Returns ``(d_gate_up_S2I, a_h_SI, dA_TE [T, E] fp32)``:

@@ -67,8 +67,8 @@ the persistent launch):
   clamp, ``h = g * sigmoid(alpha g) * (u + up_offset)``, then ``a_h[s] = a * h`` (0 for padding
   rows: a select) and the checkpoint ``act[p] = [g, u]`` (clamped, in the plan's pair order),
   each rounded once to BF16; checkpoint rows ``[num_pairs, R)`` are zeroed by the tile whose
-  output row has that index (as ``cuda_kernels.triton.activation.activation_forward`` does). The numerics
-  differ from GEMM-then-pass in one place: the pass reads the pre-activation after the GEMM
+  output row has that index (as ``cuda_kernels.triton.activation.activation_forward`` does).
+  The numerics differ from GEMM-then-pass in one place: the pass reads the pre-activation after the GEMM
   rounded it to BF16, the fused epilogue uses the fp32 accumulator (one rounding less);
 - epilogue ``"dgated"`` (the backward down-dgrad GEMM, A = dY gathered, W = ``w_down``
   transposed [E, H, I]): the accumulator is ``dh_raw``; per row s of pair p with affinity a and

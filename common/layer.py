@@ -58,7 +58,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from common import layer_ops
-from common.dispatch import BACKEND_NAMES, registered_backends
+from common.dispatch import BACKEND_NAMES, registered_backends, resolve_backend
 from common.problem import SWIGLU, Activation, ClampLimits
 from common.routing import _INT_DTYPES  # the one list of accepted id dtypes
 
@@ -107,8 +107,12 @@ class MoEExpertsOptions:
             affinities are finite and >= 0 without a host read; on a GPU a bad routing surfaces
             at the next synchronisation as a device-side assert, on the CPU as ValueError at
             once), ``"host"`` (read them on the host first: ValueError naming the rule, one
-            synchronisation per call) or ``"off"``; ``True`` = ``"host"``, ``False`` =
-            ``"off"`` (:mod:`common.layer_ops`).
+            synchronisation per call) or ``"off"`` (no check: every id outside [0, E), e.g.
+            100 or -7 with E = 8, is silently a dropped slot -- it adds nothing to y and gets
+            a zero affinity gradient -- on every backend, and a NaN, inf or negative routed
+            affinity is used as it is; only for routers known to be correct: ``"device"`` is
+            the safe default); ``True`` = ``"host"``, ``False`` = ``"off"``
+            (:mod:`common.layer_ops`).
         accumulate_main_grad: add the weight gradients into the weights' ``main_grad`` buffers
             and return None for the weights (module docstring, "Megatron main_grad").
         backend_options: ``(name, value)`` pairs passed to the backend's run in backward (e.g.
@@ -438,7 +442,11 @@ def _apply(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, opti
     """The layer through the compilable custom op (:mod:`common.layer_ops`) when the options
     allow it, else through :class:`MoEExpertsFunction`; the inputs are checked first either way."""
     if isinstance(options, MoEExpertsOptions) and options.uses_custom_op:
-        _check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options)
+        # Under torch.compile the op's own implementation runs these checks when the compiled
+        # graph runs: an exception raised while Dynamo traces becomes its `Unsupported` error
+        # with fullgraph=True, so the caller would not see this ValueError.
+        if not torch.compiler.is_compiling():
+            _check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options)
         return layer_ops.moe_experts_op(
             x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options
         )
@@ -448,6 +456,18 @@ def _apply(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, opti
 
 
 # ------------------------------------------------------------------------------------- module
+def _check_runnable(device, backend: str) -> None:
+    """RuntimeError naming ``device`` when torch cannot allocate there (e.g. ``"cuda"`` on a
+    CPU-only torch), or naming ``backend`` when an explicitly requested backend cannot run here
+    (:func:`common.dispatch.resolve_backend`'s reason: no SM90 GPU, no Neuron runtime, ...)."""
+    try:
+        device = torch.empty(0, device=device).device
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        raise RuntimeError(f"device {str(device)!r} cannot be used here: {exc}") from None
+    if device.type != "meta":  # (a meta module is placed with .to_empty(), checked then)
+        resolve_backend(backend, device)
+
+
 class MoEExperts(nn.Module):
     """The routed experts of one MoE layer: ``y = sum_k a[t,k] * MLP_{e[t,k]}(x[t])``.
 
@@ -459,8 +479,9 @@ class MoEExperts(nn.Module):
         backend: the backward's backend (:mod:`common.dispatch` name or ``"auto"``).
         dtype: parameter dtype (default BF16).  device: parameter device.
         accumulate_main_grad: Megatron ``main_grad`` accumulation (module docstring).
-        validate_routing: ``"device"`` (default, no host read), ``"host"`` or ``"off"``
-            (:class:`MoEExpertsOptions`).
+        validate_routing: ``"device"`` (default, no host read: the safe choice), ``"host"``
+            or ``"off"`` (no check: ids outside [0, E) silently act as dropped slots;
+            :class:`MoEExpertsOptions`).
         grouped_mm: one of :data:`GROUPED_MM`, default ``"auto"``
             (:attr:`MoEExpertsOptions.grouped_mm`).
 
@@ -470,6 +491,11 @@ class MoEExperts(nn.Module):
 
     Raises:
         ValueError: a non-positive size or a bad option, named.
+        RuntimeError: ``device`` cannot be used here (e.g. ``"cuda"`` on a CPU-only torch), or
+            an explicitly named ``backend`` cannot run here (e.g. ``"cuda-sm90"`` without an
+            SM90 GPU, ``"nki"`` without a Neuron device), naming it and the reason; again when
+            :meth:`to` (or ``.cuda()``, ``.to_empty()``) moves the module to such a device, and
+            at the first forward on inputs of another device.
     """
 
     def __init__(
@@ -505,6 +531,7 @@ class MoEExperts(nn.Module):
             accumulate_main_grad=accumulate_main_grad,
             grouped_mm=grouped_mm,
         )
+        _check_runnable(device, backend)
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         E, H, I = num_experts, hidden, intermediate
         kw = {"dtype": dtype, "device": device}
@@ -521,6 +548,15 @@ class MoEExperts(nn.Module):
     @property
     def bias(self) -> bool:
         return self.b_gate_up is not None
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .to_empty() / ...: the new device is checked as the constructor's.
+        try:
+            out = super()._apply(fn, recurse)
+        except AssertionError as exc:  # torch's "Torch not compiled with CUDA enabled"
+            raise RuntimeError(f"MoEExperts cannot move to that device: {exc}") from None
+        _check_runnable(self.w_gate_up.device, self.options.backend)
+        return out
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -558,8 +594,13 @@ class MoEExperts(nn.Module):
             f"activation={o.activation.name}(alpha={o.activation.alpha}, "
             f"up_offset={o.activation.up_offset})",
         ]
-        if o.clamp_limits is not None and o.clamp_limits.is_active:
-            parts.append(f"clamp_limits={o.clamp_limits!r}")
+        c = o.clamp_limits
+        if c is not None and c.is_active:  # e.g. clamp_limits=(gate<=7.0, -7.0<=up<=7.0)
+            sides = (("gate", c.non_linear_clamp_lower_limit, c.non_linear_clamp_upper_limit),
+                     ("up", c.linear_clamp_lower_limit, c.linear_clamp_upper_limit))
+            spans = [("" if lo is None else f"{lo}<=") + v + ("" if hi is None else f"<={hi}")
+                     for v, lo, hi in sides if (lo, hi) != (None, None)]
+            parts.append(f"clamp_limits=({', '.join(spans)})")
         parts.append(f"backend={o.backend!r}")
         if o.grouped_mm != "auto":
             parts.append(f"grouped_mm={o.grouped_mm!r}")

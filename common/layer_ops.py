@@ -28,7 +28,11 @@ Routing validation (``MoEExpertsOptions.validate_routing``):
   ``torch.cuda.set_sync_debug_mode("error")`` and CUDA-graph capture.
 * ``"host"``: reads ids and affinities on the host before any work (one synchronisation) and
   raises ValueError naming the argument and the rule.
-* ``"off"``: no check (bad ids then give undefined layouts; memory-safe kernels only).
+* ``"off"``: no check. An id outside [0, E) (after widening to int64; e.g. 100 or -7 with
+  E = 8) is then a dropped slot on every backend -- the portable routing plan
+  (:func:`common.routing.plan_routing`) and the fused GPU routing both mask it, never index with
+  it -- so it adds nothing to y and its affinity gradient is 0, silently; a NaN, inf or negative
+  routed affinity is used as it is. ``"device"`` is the safe default.
 """
 
 from __future__ import annotations
@@ -205,7 +209,8 @@ def _experts_forward(
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """``(y, act, x_rows, *plan, *layout)``: :func:`layer_forward` with flat outputs (x_rows is
-    [0, H] when the backend does not keep it)."""
+    [0, H] when the backend does not keep it). Checks the inputs first (ValueError)."""
+    _check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options)
     out, _ = layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index,
                            _OPTIONS[options])
     S = static_tokens_sum(expert_index.numel(), w_gate_up.shape[0], ALIGN)
@@ -220,8 +225,24 @@ def _keeps_rows(options, device) -> bool:
     return resolve_backend(options.backend, device).name in CUDA_BACKENDS
 
 
+def _check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
+    """:func:`common.layer._check_inputs` of one op call (``options`` is the op's key). Here,
+    in the op, is where a ``torch.compile``-d caller sees its ValueError: raised while Dynamo
+    traces, it would become Dynamo's own error; raised when the compiled graph runs, it is the
+    eager ValueError, text and all."""
+    from common.layer import _check_inputs as check  # (common.layer imports this module)
+
+    check(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, _OPTIONS[options])
+
+
 @_experts_forward.register_fake
 def _(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
+    try:
+        _check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options)
+    except ValueError:
+        # The real implementation raises this ValueError when the compiled graph runs: only the
+        # tracing continues on these placeholders (y keeps x's shape for the caller's code).
+        return (x.new_empty(x.shape), *(x.new_empty(0) for _ in range(12)))
     T, H = x.shape
     K = expert_index.shape[1]
     E, I = w_gate_up.shape[0], w_gate_up.shape[3]
@@ -308,7 +329,8 @@ def _setup_context(ctx, inputs, output):
     x, _aff, w_gate_up, w_down, b_gate_up, b_down, expert_index, options = inputs
     _y, act, rows, *routing = output
     ctx.has_bias = (b_gate_up is not None, b_down is not None)
-    ctx.top_k, ctx.options = expert_index.shape[1], options
+    ctx.top_k = expert_index.shape[1] if expert_index.dim() == 2 else 1  # (bad input: above)
+    ctx.options = options
     ctx.save_for_backward(x, w_gate_up, w_down, b_gate_up, b_down, act, rows, *routing)
     ctx.mark_non_differentiable(act, rows, *routing)
     # autograd would otherwise hand the backward a zero-filled gradient for every other output:

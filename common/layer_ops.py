@@ -45,7 +45,7 @@ from common.dispatch import resolve_backend
 from common.problem import MoEBackwardProblem
 from common.routing import GroupedLayout, RoutingPlan
 from common.shapes import static_tokens_sum
-from common.torch_backward import ALIGN, LayerForward, moe_layer_forward_torch
+from common.torch_backward import ALIGN, LayerForward, cpu_threads, moe_layer_forward_torch
 
 __all__ = [
     "CUDA_BACKENDS",
@@ -114,7 +114,15 @@ def _check_backend_shape(backend, T: int, H: int, I: int, E: int, K: int, activa
 # -------------------------------------------------------------------------- forward, backward
 def layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
     """One forward of the layer: ``(LayerForward, backend)``; ``x_rows_S`` is kept only for
-    the fused CUDA backward (else None). Raises as :class:`common.layer.MoEExpertsFunction`."""
+    the fused CUDA backward (else None). Raises as :class:`common.layer.MoEExpertsFunction`.
+    Small CPU problems run on one thread (:func:`common.torch_backward.cpu_threads`)."""
+    with cpu_threads(x.device, expert_index.numel(), w_gate_up.shape[0], x.shape[1],
+                     w_down.shape[1]):
+        return _layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index,
+                              options)
+
+
+def _layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
     E, H = w_gate_up.shape[0], x.shape[1]
     backend = resolve_backend(options.backend, x.device)
     T, K = expert_index.shape
@@ -159,6 +167,8 @@ def layer_backward(
     )
     run_opts: dict[str, Any] = dict(options.backend_options)
     accumulated = False
+    threads = cpu_threads(x.device, plan.pair_token_R.shape[0], w_gate_up.shape[0], x.shape[1],
+                          w_down.shape[1])
     if backend.name in CUDA_BACKENDS:
         same = w_gate_up.dtype == w_down.dtype and w_gate_up.dtype in _GRAD_DTYPES
         run_opts.setdefault("grad_dtype", w_gate_up.dtype if same else torch.float32)
@@ -168,7 +178,8 @@ def layer_backward(
         ):
             run_opts["accumulate_into"] = main_grad
             accumulated = True
-    return backend.run(problem, **run_opts), accumulated
+    with threads:
+        return backend.run(problem, **run_opts), accumulated
 
 
 def refuse_grad_mode(name: str) -> None:

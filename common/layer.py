@@ -59,6 +59,7 @@ from torch.autograd.function import once_differentiable
 
 from common import layer_ops
 from common.dispatch import BACKEND_NAMES, registered_backends, resolve_backend
+from common.layer_ops import shape_text as _shape
 from common.problem import SWIGLU, Activation, ClampLimits
 from common.routing import _INT_DTYPES  # the one list of accepted id dtypes
 
@@ -201,10 +202,6 @@ def _known_backend(name: str) -> bool:
     return bool(name) and name in registered_backends()
 
 
-def _shape(t: Any) -> str:
-    return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
-
-
 def _check_inputs(
     hidden_states_TH, affinity_TK, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH,
     expert_index_TK, options,
@@ -212,50 +209,10 @@ def _check_inputs(
     """Shapes, dtypes and devices of one call; ValueError naming the first bad argument."""
     if not isinstance(options, MoEExpertsOptions):
         raise ValueError(f"options must be a MoEExpertsOptions, got {type(options).__name__}")
-    x = hidden_states_TH
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"hidden_states_TH must be a 2-D [T, H] tensor, got {_shape(x)}")
-    T, H = x.shape
-    w = w_gate_up_EH2I
-    if not isinstance(w, torch.Tensor) or w.dim() != 4 or w.shape[2] != 2:
-        raise ValueError(f"w_gate_up_EH2I must be [E, H, 2, I], got {_shape(w)}")
-    if w.shape[1] != H:
-        raise ValueError(
-            f"hidden_states_TH has hidden size H={H} but the weights have H={w.shape[1]} "
-            f"(w_gate_up_EH2I {_shape(w)})"
-        )
-    E, _, _, I = w.shape
-    if E < 1 or I < 1:
-        raise ValueError(f"w_gate_up_EH2I must have E >= 1 and I >= 1, got {_shape(w)}")
-    idx = expert_index_TK
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != T:
-        raise ValueError(f"expert_index_TK must be a 2-D [T={T}, K] tensor, got {_shape(idx)}")
-    if idx.dtype not in _INT_DTYPES:
-        raise ValueError(f"expert_index_TK must have an integer dtype, got {idx.dtype}")
-    if idx.shape[1] < 1:
-        raise ValueError("expert_index_TK must have top_k >= 1 columns")
-    K = idx.shape[1]
-    want = {
-        "affinity_TK": (affinity_TK, (T, K)),
-        "w_down_EIH": (w_down_EIH, (E, I, H)),
-        "b_gate_up_E2I": (b_gate_up_E2I, (E, 2, I)),
-        "b_down_EH": (b_down_EH, (E, H)),
-    }
-    for name, (t, shape) in want.items():
-        if t is None and name.startswith("b_"):
-            continue
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {list(shape)}, got {_shape(t)}")
-    floats = {"hidden_states_TH": x, "w_gate_up_EH2I": w}
-    floats.update({k: v for k, (v, _) in want.items() if v is not None})
-    for name, t in floats.items():
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
-    for name, t in {**floats, "expert_index_TK": idx}.items():
-        if t.device != x.device:
-            raise ValueError(
-                f"{name} is on device {t.device} but hidden_states_TH is on {x.device}"
-            )
+    layer_ops.check_inputs(
+        hidden_states_TH, affinity_TK, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH,
+        expert_index_TK,
+    )
 
 
 def _main_grad_buffers(

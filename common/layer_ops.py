@@ -49,11 +49,13 @@ from common.torch_backward import ALIGN, LayerForward, cpu_threads, moe_layer_fo
 
 __all__ = [
     "CUDA_BACKENDS",
+    "check_inputs",
     "check_routing_on_host",
     "layer_backward",
     "layer_forward",
     "moe_experts_op",
     "options_key",
+    "shape_text",
 ]
 
 CUDA_BACKENDS = ("cuda-sm90", "cuda-sm100")
@@ -95,6 +97,67 @@ def check_routing_on_host(expert_index_TK: torch.Tensor, affinity_TK: torch.Tens
         raise ValueError("affinity_TK must be finite on routed slots (found NaN or inf)")
     if bool((routed < 0).any()):
         raise ValueError("affinity_TK must be >= 0 on routed slots (found a negative affinity)")
+
+
+def shape_text(t: Any) -> str:
+    """``[d0, d1, ...]`` of a tensor, else its type's name (for error messages)."""
+    return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def check_inputs(
+    hidden_states_TH, affinity_TK, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH,
+    expert_index_TK,
+) -> None:
+    """Shapes, dtypes and devices of one layer call; ValueError naming the first bad argument.
+
+    Run before eager calls (:func:`common.layer._apply`) and again inside
+    ``torch.ops.moe_bwd.experts_forward``: there, in the op, is where a ``torch.compile``-d
+    caller sees the ValueError -- raised while Dynamo traces it would become Dynamo's own
+    error; raised when the compiled graph runs it is the eager ValueError, text and all."""
+    x = hidden_states_TH
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"hidden_states_TH must be a 2-D [T, H] tensor, got {shape_text(x)}")
+    T, H = x.shape
+    w = w_gate_up_EH2I
+    if not isinstance(w, torch.Tensor) or w.dim() != 4 or w.shape[2] != 2:
+        raise ValueError(f"w_gate_up_EH2I must be [E, H, 2, I], got {shape_text(w)}")
+    if w.shape[1] != H:
+        raise ValueError(
+            f"hidden_states_TH has hidden size H={H} but the weights have H={w.shape[1]} "
+            f"(w_gate_up_EH2I {shape_text(w)})"
+        )
+    E, _, _, I = w.shape
+    if E < 1 or I < 1:
+        raise ValueError(f"w_gate_up_EH2I must have E >= 1 and I >= 1, got {shape_text(w)}")
+    idx = expert_index_TK
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != T:
+        raise ValueError(f"expert_index_TK must be a 2-D [T={T}, K] tensor, got {shape_text(idx)}")
+    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        raise ValueError(f"expert_index_TK must have an integer dtype, got {idx.dtype}")
+    if idx.shape[1] < 1:
+        raise ValueError("expert_index_TK must have top_k >= 1 columns")
+    K = idx.shape[1]
+    want = {
+        "affinity_TK": (affinity_TK, (T, K)),
+        "w_down_EIH": (w_down_EIH, (E, I, H)),
+        "b_gate_up_E2I": (b_gate_up_E2I, (E, 2, I)),
+        "b_down_EH": (b_down_EH, (E, H)),
+    }
+    for name, (t, shape) in want.items():
+        if t is None and name.startswith("b_"):
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {shape_text(t)}")
+    floats = {"hidden_states_TH": x, "w_gate_up_EH2I": w}
+    floats.update({k: v for k, (v, _) in want.items() if v is not None})
+    for name, t in floats.items():
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+    for name, t in {**floats, "expert_index_TK": idx}.items():
+        if t.device != x.device:
+            raise ValueError(
+                f"{name} is on device {t.device} but hidden_states_TH is on {x.device}"
+            )
 
 
 def _check_backend_shape(backend, T: int, H: int, I: int, E: int, K: int, activation) -> None:
@@ -221,7 +284,7 @@ def _experts_forward(
            torch.Tensor]:
     """``(y, act, x_rows, *plan, *layout)``: :func:`layer_forward` with flat outputs (x_rows is
     [0, H] when the backend does not keep it). Checks the inputs first (ValueError)."""
-    _check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options)
+    check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index)
     out, _ = layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index,
                            _OPTIONS[options])
     S = static_tokens_sum(expert_index.numel(), w_gate_up.shape[0], ALIGN)
@@ -236,20 +299,10 @@ def _keeps_rows(options, device) -> bool:
     return resolve_backend(options.backend, device).name in CUDA_BACKENDS
 
 
-def _check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
-    """:func:`common.layer._check_inputs` of one op call (``options`` is the op's key). Here,
-    in the op, is where a ``torch.compile``-d caller sees its ValueError: raised while Dynamo
-    traces, it would become Dynamo's own error; raised when the compiled graph runs, it is the
-    eager ValueError, text and all."""
-    from common.layer import _check_inputs as check  # (common.layer imports this module)
-
-    check(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, _OPTIONS[options])
-
-
 @_experts_forward.register_fake
 def _(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
     try:
-        _check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options)
+        check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index)
     except ValueError:
         # The real implementation raises this ValueError when the compiled graph runs: only the
         # tracing continues on these placeholders (y keeps x's shape for the caller's code).

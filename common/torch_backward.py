@@ -141,10 +141,10 @@ def grouped_mm_rows(
         return torch._grouped_mm(x_SK.to(dt), w_EKN.to(dt), offs=offsets_E).float()
     out = torch.empty(S, N, dtype=dt, device=x_SK.device)  # each product rounded to dt
     segments = _segments(offsets_E)
-    x_SK, w_EKN = _operands(x_SK, dt), _operands(w_EKN, dt)
+    x_SK = _operands(x_SK, dt)
     for e, (s, t) in enumerate(segments):
-        if t > s:
-            out[s:t] = x_SK[s:t] @ w_EKN[e]
+        if t > s:  # (weights widened per expert: no fp32 copy of all of them at once)
+            out[s:t] = x_SK[s:t] @ _operands(w_EKN[e], dt)
     out[segments[-1][1] if segments else 0 :].zero_()  # rows past the last offset
     return out.float()
 

@@ -5,7 +5,10 @@ Both steps: BF16 router logits -> fp32 softmax -> top-k; the experts' gated MLP 
 BF16 GEMM operands; loss = mean(y^2) in fp32; backward to x, the router and every weight. The
 plain loop is what a user would write without this package: per expert, gather its tokens,
 ``x_e @ W_gate_up[e]``, ``silu(g) * u``, ``@ W_down[e]``, scale by the affinity and
-``index_add_`` into y; autograd does the backward.
+``index_add_`` into y; autograd does the backward. ``plain-f32gemm`` is that loop with its GEMMs
+on the same BF16 values widened to fp32, as the layer runs them on a CPU without native BF16
+matmul (AVX2): there torch's BF16 GEMM is an emulation ~35x slower, which would hide the
+layer's own overhead; on an AVX512-BF16 / AMX CPU compare with ``plain``.
 
 Each configuration alternates layer and plain steps in one process (shared machines drift), and
 reports the median step time of each over ``--repeats`` rounds of ``--steps`` steps, then the
@@ -39,18 +42,26 @@ _NOISE = (
 )
 
 
-def _plain_experts(x_TH, idx_TK, aff_TK, w_gate_up_EH2I, w_down_EIH):
-    """The same math as the layer, written the plain way (BF16 operands, fp32 activation)."""
+def _plain_experts(x_TH, idx_TK, aff_TK, w_gate_up_EH2I, w_down_EIH, gemm_dtype=None):
+    """The same math as the layer, written the plain way (BF16 operands, fp32 activation);
+    ``gemm_dtype=torch.float32`` runs the GEMMs on the same BF16 values widened to fp32 (what
+    the layer does on a CPU without native BF16 matmul), the products rounded to BF16."""
     T, H = x_TH.shape
     E, _, _, I = w_gate_up_EH2I.shape
+    bf16 = torch.bfloat16
     y = torch.zeros(T, H, dtype=torch.float32)
     for e in range(E):
         tok, slot = torch.nonzero(idx_TK == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        gu = (x_TH[tok] @ w_gate_up_EH2I[e].reshape(H, 2 * I)).float().reshape(-1, 2, I)
-        h = (torch.nn.functional.silu(gu[:, 0]) * gu[:, 1]).to(torch.bfloat16)
-        y_e = (h @ w_down_EIH[e]).float() * aff_TK[tok, slot, None].float()
+        xe, wgu, wd = x_TH[tok], w_gate_up_EH2I[e].reshape(H, 2 * I), w_down_EIH[e]
+        if gemm_dtype is not None:
+            xe, wgu, wd = xe.to(gemm_dtype), wgu.to(gemm_dtype), wd.to(gemm_dtype)
+        gu = (xe @ wgu).to(bf16).float().reshape(-1, 2, I)
+        h = (torch.nn.functional.silu(gu[:, 0]) * gu[:, 1]).to(bf16)
+        if gemm_dtype is not None:
+            h = h.to(gemm_dtype)
+        y_e = (h @ wd).to(bf16).float() * aff_TK[tok, slot, None].float()
         y = y.index_add(0, tok, y_e)
     return y.to(x_TH.dtype)
 
@@ -74,23 +85,26 @@ def _make(T, H, I, E, K, seed=0):
         y = layer(xs, idx, aff)
         y.float().square().mean().backward()
 
-    def plain_step():
-        xs = x.clone().requires_grad_()
-        idx, aff = route(xs)
-        y = _plain_experts(xs, idx, aff, w_gu, w_d)
-        y.float().square().mean().backward()
+    def plain(gemm_dtype=None):
+        def step():
+            xs = x.clone().requires_grad_()
+            idx, aff = route(xs)
+            y = _plain_experts(xs, idx, aff, w_gu, w_d, gemm_dtype)
+            y.float().square().mean().backward()
 
-    return layer_step, plain_step
+        return step
+
+    return {"layer": layer_step, "plain": plain(), "plain-f32gemm": plain(torch.float32)}
 
 
-def _time(layer_step, plain_step, steps: int, repeats: int) -> dict[str, list[float]]:
+def _time(fns: dict, steps: int, repeats: int) -> dict[str, list[float]]:
     """Per round, ``steps`` steps of each (alternating), seconds per step; warm-up first."""
     for _ in range(2):
-        layer_step()
-        plain_step()
-    out = {"layer": [], "plain": []}
+        for fn in fns.values():
+            fn()
+    out = {name: [] for name in fns}
     for _ in range(repeats):
-        for name, fn in (("layer", layer_step), ("plain", plain_step)):
+        for name, fn in fns.items():
             t0 = time.perf_counter()
             for _ in range(steps):
                 fn()
@@ -111,26 +125,24 @@ def main(argv=None) -> int:
                     help="threads of the competing matmul process")
     ap.add_argument("--json", help="write the times here")
     args = ap.parse_args(argv)
-    layer_step, plain_step = _make(args.tokens, args.hidden, args.intermediate, args.experts,
-                                   args.top_k)
+    fns = _make(args.tokens, args.hidden, args.intermediate, args.experts, args.top_k)
     print(f"T={args.tokens} H={args.hidden} I={args.intermediate} E={args.experts} "
           f"K={args.top_k} BF16, torch threads {torch.get_num_threads()}")
-    results = {"quiet": _time(layer_step, plain_step, args.steps, args.repeats)}
+    results = {"quiet": _time(fns, args.steps, args.repeats)}
     noise = subprocess.Popen([sys.executable, "-c", _NOISE, str(args.noise_threads)])
     try:
         time.sleep(1.0)
-        results["contended"] = _time(layer_step, plain_step, args.steps, args.repeats)
+        results["contended"] = _time(fns, args.steps, args.repeats)
     finally:
         noise.kill()
         noise.wait()
     med = {c: {k: statistics.median(v) for k, v in r.items()} for c, r in results.items()}
     for c, r in results.items():
-        print(f"{c:9s} layer {med[c]['layer'] * 1e3:7.2f} ms  plain {med[c]['plain'] * 1e3:7.2f} "
-              f"ms  layer/plain {med[c]['layer'] / med[c]['plain']:.2f}   rounds (ms): layer "
-              f"{[round(v * 1e3, 1) for v in r['layer']]} plain "
-              f"{[round(v * 1e3, 1) for v in r['plain']]}")
-    slow = {k: med["contended"][k] / med["quiet"][k] for k in ("layer", "plain")}
-    print(f"contended / quiet: layer {slow['layer']:.2f}x, plain {slow['plain']:.2f}x")
+        print(f"{c}: " + ", ".join(f"{k} {med[c][k] * 1e3:.1f} ms" for k in r) + "; layer / "
+              + ", ".join(f"{k} {med[c]['layer'] / med[c][k]:.2f}" for k in r if k != "layer"))
+        print("  rounds (ms): " + "; ".join(f"{k} {[round(v * 1e3, 1) for v in r[k]]}" for k in r))
+    slow = {k: med["contended"][k] / med["quiet"][k] for k in fns}
+    print("contended / quiet: " + ", ".join(f"{k} {v:.2f}x" for k, v in slow.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "seconds": results, "median": med,

@@ -333,7 +333,7 @@ def collect_metadata(
         name = torch.cuda.get_device_name(dev)
         cap = ".".join(map(str, torch.cuda.get_device_capability(dev)))
     else:
-        name, cap = platform.processor() or platform.machine() or dev.type, None
+        name, cap = _host_device_name(dev), None
     return {
         "backend": backend,
         "device": str(dev),
@@ -351,6 +351,21 @@ def collect_metadata(
         "wall_s": dict(wall_s or {}),
         "info": _jsonable(info or {}),
     }
+
+
+def _host_device_name(dev: torch.device) -> str:
+    """``"cpu (<CPU model>)"`` for a CPU (Linux: /proc/cpuinfo's model name, else what
+    ``platform`` says), the device type otherwise: what a label like ``torch@...`` needs."""
+    model = ""
+    if dev.type == "cpu":
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                model = next((ln.split(":", 1)[1] for ln in f if ln.startswith("model name")), "")
+        except OSError:
+            pass
+        model = " ".join(model.replace("(R)", "").replace("(TM)", "").split())
+        model = model or platform.processor() or platform.machine()
+    return f"{dev.type} ({model})" if model else dev.type
 
 
 def _jsonable(obj: Any) -> Any:

@@ -58,7 +58,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from common import layer_ops
-from common.dispatch import BACKEND_NAMES, layer_option, registered_backends
+from common.dispatch import BACKEND_NAMES, layer_option, registered_backends, resolve_backend
+from common.layer_ops import shape_text as _shape
 from common.problem import SWIGLU, Activation, ClampLimits
 from common.routing import _INT_DTYPES  # the one list of accepted id dtypes
 
@@ -90,8 +91,12 @@ class MoEExpertsOptions:
             affinities are finite and >= 0 without a host read; on a GPU a bad routing surfaces
             at the next synchronisation as a device-side assert, on the CPU as ValueError at
             once), ``"host"`` (read them on the host first: ValueError naming the rule, one
-            synchronisation per call) or ``"off"``; ``True`` = ``"host"``, ``False`` =
-            ``"off"`` (:mod:`common.layer_ops`).
+            synchronisation per call) or ``"off"`` (no check: every id outside [0, E), e.g.
+            100 or -7 with E = 8, is silently a dropped slot -- it adds nothing to y and gets
+            a zero affinity gradient -- on every backend, and a NaN, inf or negative routed
+            affinity is used as it is; only for routers known to be correct: ``"device"`` is
+            the safe default); ``True`` = ``"host"``, ``False`` = ``"off"``
+            (:mod:`common.layer_ops`).
         accumulate_main_grad: add the weight gradients into the weights' ``main_grad`` buffers
             and return None for the weights (module docstring, "Megatron main_grad").
         backend_options: ``(name, value)`` pairs passed to the backend's run in backward (e.g.
@@ -187,10 +192,6 @@ def _known_backend(name: str) -> bool:
     return bool(name) and name in registered_backends()
 
 
-def _shape(t: Any) -> str:
-    return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
-
-
 def _check_inputs(
     hidden_states_TH, affinity_TK, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH,
     expert_index_TK, options,
@@ -198,50 +199,10 @@ def _check_inputs(
     """Shapes, dtypes and devices of one call; ValueError naming the first bad argument."""
     if not isinstance(options, MoEExpertsOptions):
         raise ValueError(f"options must be a MoEExpertsOptions, got {type(options).__name__}")
-    x = hidden_states_TH
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"hidden_states_TH must be a 2-D [T, H] tensor, got {_shape(x)}")
-    T, H = x.shape
-    w = w_gate_up_EH2I
-    if not isinstance(w, torch.Tensor) or w.dim() != 4 or w.shape[2] != 2:
-        raise ValueError(f"w_gate_up_EH2I must be [E, H, 2, I], got {_shape(w)}")
-    if w.shape[1] != H:
-        raise ValueError(
-            f"hidden_states_TH has hidden size H={H} but the weights have H={w.shape[1]} "
-            f"(w_gate_up_EH2I {_shape(w)})"
-        )
-    E, _, _, I = w.shape
-    if E < 1 or I < 1:
-        raise ValueError(f"w_gate_up_EH2I must have E >= 1 and I >= 1, got {_shape(w)}")
-    idx = expert_index_TK
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != T:
-        raise ValueError(f"expert_index_TK must be a 2-D [T={T}, K] tensor, got {_shape(idx)}")
-    if idx.dtype not in _INT_DTYPES:
-        raise ValueError(f"expert_index_TK must have an integer dtype, got {idx.dtype}")
-    if idx.shape[1] < 1:
-        raise ValueError("expert_index_TK must have top_k >= 1 columns")
-    K = idx.shape[1]
-    want = {
-        "affinity_TK": (affinity_TK, (T, K)),
-        "w_down_EIH": (w_down_EIH, (E, I, H)),
-        "b_gate_up_E2I": (b_gate_up_E2I, (E, 2, I)),
-        "b_down_EH": (b_down_EH, (E, H)),
-    }
-    for name, (t, shape) in want.items():
-        if t is None and name.startswith("b_"):
-            continue
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {list(shape)}, got {_shape(t)}")
-    floats = {"hidden_states_TH": x, "w_gate_up_EH2I": w}
-    floats.update({k: v for k, (v, _) in want.items() if v is not None})
-    for name, t in floats.items():
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
-    for name, t in {**floats, "expert_index_TK": idx}.items():
-        if t.device != x.device:
-            raise ValueError(
-                f"{name} is on device {t.device} but hidden_states_TH is on {x.device}"
-            )
+    layer_ops.check_inputs(
+        hidden_states_TH, affinity_TK, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH,
+        expert_index_TK,
+    )
 
 
 def _main_grad_buffers(
@@ -428,7 +389,11 @@ def _apply(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, opti
     """The layer through the compilable custom op (:mod:`common.layer_ops`) when the options
     allow it, else through :class:`MoEExpertsFunction`; the inputs are checked first either way."""
     if isinstance(options, MoEExpertsOptions) and options.uses_custom_op:
-        _check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options)
+        # Under torch.compile the op's own implementation runs these checks when the compiled
+        # graph runs: an exception raised while Dynamo traces becomes its `Unsupported` error
+        # with fullgraph=True, so the caller would not see this ValueError.
+        if not torch.compiler.is_compiling():
+            _check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options)
         return layer_ops.moe_experts_op(
             x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options
         )
@@ -438,6 +403,18 @@ def _apply(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, opti
 
 
 # ------------------------------------------------------------------------------------- module
+def _check_runnable(device, backend: str) -> None:
+    """RuntimeError naming ``device`` when torch cannot allocate there (e.g. ``"cuda"`` on a
+    CPU-only torch), or naming ``backend`` when an explicitly requested backend cannot run here
+    (:func:`common.dispatch.resolve_backend`'s reason: no SM90 GPU, no Neuron runtime, ...)."""
+    try:
+        device = torch.empty(0, device=device).device
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        raise RuntimeError(f"device {str(device)!r} cannot be used here: {exc}") from None
+    if device.type != "meta":  # (a meta module is placed with .to_empty(), checked then)
+        resolve_backend(backend, device)
+
+
 class MoEExperts(nn.Module):
     """The routed experts of one MoE layer: ``y = sum_k a[t,k] * MLP_{e[t,k]}(x[t])``.
 
@@ -449,8 +426,9 @@ class MoEExperts(nn.Module):
         backend: the backward's backend (:mod:`common.dispatch` name or ``"auto"``).
         dtype: parameter dtype (default BF16).  device: parameter device.
         accumulate_main_grad: Megatron ``main_grad`` accumulation (module docstring).
-        validate_routing: ``"device"`` (default, no host read), ``"host"`` or ``"off"``
-            (:class:`MoEExpertsOptions`).
+        validate_routing: ``"device"`` (default, no host read: the safe choice), ``"host"``
+            or ``"off"`` (no check: ids outside [0, E) silently act as dropped slots;
+            :class:`MoEExpertsOptions`).
         grouped_mm: default ``"auto"`` (:attr:`MoEExpertsOptions.grouped_mm`).
 
     Parameters:
@@ -459,6 +437,11 @@ class MoEExperts(nn.Module):
 
     Raises:
         ValueError: a non-positive size or a bad option, named.
+        RuntimeError: ``device`` cannot be used here (e.g. ``"cuda"`` on a CPU-only torch), or
+            an explicitly named ``backend`` cannot run here (e.g. ``"cuda-sm90"`` without an
+            SM90 GPU, ``"nki"`` without a Neuron device), naming it and the reason; again when
+            :meth:`to` (or ``.cuda()``, ``.to_empty()``) moves the module to such a device, and
+            at the first forward on inputs of another device.
     """
 
     def __init__(
@@ -494,6 +477,7 @@ class MoEExperts(nn.Module):
             accumulate_main_grad=accumulate_main_grad,
             grouped_mm=grouped_mm,
         )
+        _check_runnable(device, backend)
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         E, H, I = num_experts, hidden, intermediate
         kw = {"dtype": dtype, "device": device}
@@ -510,6 +494,15 @@ class MoEExperts(nn.Module):
     @property
     def bias(self) -> bool:
         return self.b_gate_up is not None
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .to_empty() / ...: the new device is checked as the constructor's.
+        try:
+            out = super()._apply(fn, recurse)
+        except AssertionError as exc:  # torch's "Torch not compiled with CUDA enabled"
+            raise RuntimeError(f"MoEExperts cannot move to that device: {exc}") from None
+        _check_runnable(self.w_gate_up.device, self.options.backend)
+        return out
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -547,8 +540,13 @@ class MoEExperts(nn.Module):
             f"activation={o.activation.name}(alpha={o.activation.alpha}, "
             f"up_offset={o.activation.up_offset})",
         ]
-        if o.clamp_limits is not None and o.clamp_limits.is_active:
-            parts.append(f"clamp_limits={o.clamp_limits!r}")
+        c = o.clamp_limits
+        if c is not None and c.is_active:  # e.g. clamp_limits=(gate<=7.0, -7.0<=up<=7.0)
+            sides = (("gate", c.non_linear_clamp_lower_limit, c.non_linear_clamp_upper_limit),
+                     ("up", c.linear_clamp_lower_limit, c.linear_clamp_upper_limit))
+            spans = [("" if lo is None else f"{lo}<=") + v + ("" if hi is None else f"<={hi}")
+                     for v, lo, hi in sides if (lo, hi) != (None, None)]
+            parts.append(f"clamp_limits=({', '.join(spans)})")
         parts.append(f"backend={o.backend!r}")
         if o.grouped_mm != "auto":
             parts.append(f"grouped_mm={o.grouped_mm!r}")

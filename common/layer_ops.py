@@ -31,7 +31,11 @@ Routing validation (``MoEExpertsOptions.validate_routing``):
   ``torch.cuda.set_sync_debug_mode("error")`` and CUDA-graph capture.
 * ``"host"``: reads ids and affinities on the host before any work (one synchronisation) and
   raises ValueError naming the argument and the rule.
-* ``"off"``: no check (bad ids then give undefined layouts; memory-safe kernels only).
+* ``"off"``: no check. An id outside [0, E) (after widening to int64; e.g. 100 or -7 with
+  E = 8) is then a dropped slot on every backend -- the portable routing plan
+  (:func:`common.routing.plan_routing`) and the fused GPU routing both mask it, never index with
+  it -- so it adds nothing to y and its affinity gradient is 0, silently; a NaN, inf or negative
+  routed affinity is used as it is. ``"device"`` is the safe default.
 """
 
 from __future__ import annotations
@@ -44,14 +48,16 @@ from common.dispatch import resolve_backend
 from common.problem import MoEBackwardProblem
 from common.routing import GroupedLayout, RoutingPlan
 from common.shapes import static_tokens_sum
-from common.torch_backward import ALIGN, LayerForward, moe_layer_forward_torch
+from common.torch_backward import ALIGN, LayerForward, cpu_threads, moe_layer_forward_torch
 
 __all__ = [
+    "check_inputs",
     "check_routing_on_host",
     "layer_backward",
     "layer_forward",
     "moe_experts_op",
     "options_key",
+    "shape_text",
 ]
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16)
@@ -92,6 +98,67 @@ def check_routing_on_host(expert_index_TK: torch.Tensor, affinity_TK: torch.Tens
         raise ValueError("affinity_TK must be >= 0 on routed slots (found a negative affinity)")
 
 
+def shape_text(t: Any) -> str:
+    """``[d0, d1, ...]`` of a tensor, else its type's name (for error messages)."""
+    return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def check_inputs(
+    hidden_states_TH, affinity_TK, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH,
+    expert_index_TK,
+) -> None:
+    """Shapes, dtypes and devices of one layer call; ValueError naming the first bad argument.
+
+    Run before eager calls (:func:`common.layer._apply`) and again inside
+    ``torch.ops.moe_bwd.experts_forward``: there, in the op, is where a ``torch.compile``-d
+    caller sees the ValueError -- raised while Dynamo traces it would become Dynamo's own
+    error; raised when the compiled graph runs it is the eager ValueError, text and all."""
+    x = hidden_states_TH
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"hidden_states_TH must be a 2-D [T, H] tensor, got {shape_text(x)}")
+    T, H = x.shape
+    w = w_gate_up_EH2I
+    if not isinstance(w, torch.Tensor) or w.dim() != 4 or w.shape[2] != 2:
+        raise ValueError(f"w_gate_up_EH2I must be [E, H, 2, I], got {shape_text(w)}")
+    if w.shape[1] != H:
+        raise ValueError(
+            f"hidden_states_TH has hidden size H={H} but the weights have H={w.shape[1]} "
+            f"(w_gate_up_EH2I {shape_text(w)})"
+        )
+    E, _, _, I = w.shape
+    if E < 1 or I < 1:
+        raise ValueError(f"w_gate_up_EH2I must have E >= 1 and I >= 1, got {shape_text(w)}")
+    idx = expert_index_TK
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != T:
+        raise ValueError(f"expert_index_TK must be a 2-D [T={T}, K] tensor, got {shape_text(idx)}")
+    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        raise ValueError(f"expert_index_TK must have an integer dtype, got {idx.dtype}")
+    if idx.shape[1] < 1:
+        raise ValueError("expert_index_TK must have top_k >= 1 columns")
+    K = idx.shape[1]
+    want = {
+        "affinity_TK": (affinity_TK, (T, K)),
+        "w_down_EIH": (w_down_EIH, (E, I, H)),
+        "b_gate_up_E2I": (b_gate_up_E2I, (E, 2, I)),
+        "b_down_EH": (b_down_EH, (E, H)),
+    }
+    for name, (t, shape) in want.items():
+        if t is None and name.startswith("b_"):
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {shape_text(t)}")
+    floats = {"hidden_states_TH": x, "w_gate_up_EH2I": w}
+    floats.update({k: v for k, (v, _) in want.items() if v is not None})
+    for name, t in floats.items():
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+    for name, t in {**floats, "expert_index_TK": idx}.items():
+        if t.device != x.device:
+            raise ValueError(
+                f"{name} is on device {t.device} but hidden_states_TH is on {x.device}"
+            )
+
+
 def _check_backend_shape(backend, T: int, H: int, I: int, E: int, K: int, activation) -> None:
     """The backend's ``check_shape`` on this problem, before any work (ValueError naming the
     backend, the dimensions and the rule)."""
@@ -116,7 +183,15 @@ def _declared_options(backend, options) -> dict[str, Any]:
 def layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
     """One forward of the layer: ``(LayerForward, backend)``; ``x_rows_S`` is kept only for
     a ``layer_state`` backend's backward (else None). Raises as
-    :class:`common.layer.MoEExpertsFunction`."""
+    :class:`common.layer.MoEExpertsFunction`. Small CPU problems run on one thread
+    (:func:`common.torch_backward.cpu_threads`)."""
+    with cpu_threads(x.device, expert_index.numel(), w_gate_up.shape[0], x.shape[1],
+                     w_down.shape[1]):
+        return _layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index,
+                              options)
+
+
+def _layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
     E, H = w_gate_up.shape[0], x.shape[1]
     backend = resolve_backend(options.backend, x.device)
     T, K = expert_index.shape
@@ -158,6 +233,8 @@ def layer_backward(
     run_opts: dict[str, Any] = dict(options.backend_options)
     run_opts.update(_declared_options(backend, options))
     accumulated = False
+    threads = cpu_threads(x.device, plan.pair_token_R.shape[0], w_gate_up.shape[0], x.shape[1],
+                          w_down.shape[1])
     if backend.layer_state:
         same = w_gate_up.dtype == w_down.dtype and w_gate_up.dtype in _GRAD_DTYPES
         run_opts.setdefault("grad_dtype", w_gate_up.dtype if same else torch.float32)
@@ -167,7 +244,8 @@ def layer_backward(
         ):
             run_opts["accumulate_into"] = main_grad
             accumulated = True
-    return backend.run(problem, **run_opts), accumulated
+    with threads:
+        return backend.run(problem, **run_opts), accumulated
 
 
 def refuse_grad_mode(name: str) -> None:
@@ -208,7 +286,8 @@ def _experts_forward(
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """``(y, act, x_rows, *plan, *layout)``: :func:`layer_forward` with flat outputs (x_rows is
-    [0, H] when the backend does not keep it)."""
+    [0, H] when the backend does not keep it). Checks the inputs first (ValueError)."""
+    check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index)
     out, _ = layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index,
                            _OPTIONS[options])
     S = static_tokens_sum(expert_index.numel(), w_gate_up.shape[0], ALIGN)
@@ -225,6 +304,12 @@ def _keeps_rows(options, device) -> bool:
 
 @_experts_forward.register_fake
 def _(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
+    try:
+        check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index)
+    except ValueError:
+        # The real implementation raises this ValueError when the compiled graph runs: only the
+        # tracing continues on these placeholders (y keeps x's shape for the caller's code).
+        return (x.new_empty(x.shape), *(x.new_empty(0) for _ in range(12)))
     T, H = x.shape
     K = expert_index.shape[1]
     E, I = w_gate_up.shape[0], w_gate_up.shape[3]
@@ -311,7 +396,8 @@ def _setup_context(ctx, inputs, output):
     x, _aff, w_gate_up, w_down, b_gate_up, b_down, expert_index, options = inputs
     _y, act, rows, *routing = output
     ctx.has_bias = (b_gate_up is not None, b_down is not None)
-    ctx.top_k, ctx.options = expert_index.shape[1], options
+    ctx.top_k = expert_index.shape[1] if expert_index.dim() == 2 else 1  # (bad input: above)
+    ctx.options = options
     ctx.save_for_backward(x, w_gate_up, w_down, b_gate_up, b_down, act, rows, *routing)
     ctx.mark_non_differentiable(act, rows, *routing)
     # autograd would otherwise hand the backward a zero-filled gradient for every other output:

@@ -135,26 +135,22 @@ def error_sums(
         raise ValueError(f"shape mismatch: out {tuple(out.shape)} vs ref {tuple(ref.shape)}")
     o_flat = out.detach().reshape(-1)
     r_flat = ref.detach().reshape(-1)
-    noise2 = signal2 = dmax = rmax = 0.0
-    finite = True
+    # On out's device, sums kept there and read once at the end: a GPU gradient is neither
+    # copied to the host chunk by chunk nor synchronised per chunk (the GPU main job's
+    # comparison copied every gradient and its float64 reference through the host).
+    dev = o_flat.device
+    acc = torch.zeros(4, dtype=torch.float64, device=dev)  # noise2, signal2, dmax, rmax
     for start in range(0, o_flat.numel(), CHUNK):
-        o = o_flat[start : start + CHUNK]
-        r = r_flat[start : start + CHUNK].to(torch.float64).cpu()
-        d = o.to("cpu", torch.float64, copy=True)
+        r = r_flat[start : start + CHUNK].to(dev, torch.float64)
+        d = o_flat[start : start + CHUNK].to(torch.float64, copy=True)
         d.sub_(r)
-        n2 = float(torch.dot(d, d))
-        if not math.isfinite(n2) and not all_finite(o):
-            finite = False
-            break
-        noise2 += n2
-        signal2 += float(torch.dot(r, r))
-        if not need_max:
-            continue
-        lo, hi = torch.aminmax(d)
-        dmax = max(dmax, float(hi), -float(lo))
-        lo, hi = torch.aminmax(r)
-        rmax = max(rmax, float(hi), -float(lo))
-    return noise2, signal2, dmax, rmax, finite
+        acc[0] += torch.dot(d, d)
+        acc[1] += torch.dot(r, r)
+        if need_max:
+            acc[2] = torch.maximum(acc[2], d.abs_().max())
+            acc[3] = torch.maximum(acc[3], r.abs().max())
+    noise2, signal2, dmax, rmax = acc.tolist()
+    return noise2, signal2, dmax, rmax, math.isfinite(noise2) or all_finite(out)
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:

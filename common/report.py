@@ -56,7 +56,7 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
 
 
 def _grid(n: int):
-    cols = min(3, max(1, n))
+    cols = 2 if n == 4 else min(3, max(1, n))  # four gradients: 2 x 2
     rows = max(1, math.ceil(n / cols))
     return rows, cols
 
@@ -76,7 +76,8 @@ def _figure(n: int):
 
 
 def _save(plt, fig, path: Path) -> None:
-    fig.tight_layout()
+    bottom = 0.035 * getattr(fig, "_legend_rows", 0) + 0.01  # the figure legend's rows
+    fig.tight_layout(rect=(0.0, bottom, 1.0, 1.0))
     fig.savefig(path, dpi=DPI)  # no bbox_inches: the pixel size stays FIGSIZE * DPI
     plt.close(fig)
 
@@ -86,20 +87,19 @@ def _finite_or(v: float, fallback: float) -> float:
 
 
 def _legends_below(fig, axes, n: int) -> None:
-    """Each panel's legend just under its x tick labels and x label, outside the data
-    (``tight_layout`` in :func:`_save` makes room for it); ``n`` operands, two per row."""
-    from matplotlib.transforms import offset_copy
-
-    renderer = fig.canvas.get_renderer()
+    """One legend for the whole figure, under the panels (every panel draws the same operands
+    in the same styles; per-panel legends overlapped the panels below them), two operands per
+    row; :func:`_save` leaves room for it."""
+    entries: dict[str, Any] = {}
     for ax in axes:
-        if not ax.get_legend_handles_labels()[0]:
-            continue
-        below_px = ax.get_window_extent(renderer).y0 - ax.xaxis.get_tightbbox(renderer).y0
-        anchor = offset_copy(ax.transAxes, fig=fig, y=-(below_px * 72.0 / fig.dpi + 2.0),
-                             units="points")
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0.0),
-                  bbox_transform=anchor, ncol=min(2, max(1, n)), frameon=False,
-                  markerscale=1.5, borderaxespad=0.0)
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if not entries:
+        return
+    ncol = min(2, max(1, n))
+    fig.legend(list(entries.values()), list(entries), loc="lower center", ncol=ncol, fontsize=8,
+               frameon=False, markerscale=1.5)
+    fig._legend_rows = math.ceil(len(entries) / ncol)
 
 
 # Per operand: marker, line style, marker size. Later operands get smaller, hollow markers and
@@ -218,13 +218,13 @@ def _scatter_figure(comparison: dict, grads: dict, baseline):
             err = (o - ref[idx]).abs()
             keep = (r > 0) & (err > 0) & torch.isfinite(err)
             twin = next((k for k, e in shown.items() if torch.equal(e, err)), None)
-            shown[label] = err
+            shown.setdefault(label, err)
             n = int(keep.sum())
             plotted += n
-            if not n:
-                continue
-            text = label if twin is None else f"{label} (identical to {twin})"
-            ax.scatter(r[keep].numpy(), err[keep].numpy(), label=text, **scatter_style(i))
+            if twin is not None:  # its points would only cover the twin's: named, not drawn
+                ax.scatter([], [], label=f"{label}: identical to {twin}", **scatter_style(i))
+            elif n:
+                ax.scatter(r[keep].numpy(), err[keep].numpy(), label=label, **scatter_style(i))
         if plotted:
             ax.set_xscale("log")
             ax.set_yscale("log")

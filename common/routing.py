@@ -522,7 +522,7 @@ def plan_routing(
             values of dropped slots are ignored (they may be NaN or -inf, as masked routers give).
         num_experts: E >= 1.
         validate: check id range and finite affinities (a host read on CUDA; pass False inside
-            CUDA-graph capture, then out-of-range ids give undefined layouts).
+            CUDA-graph capture: then ids outside [0, E) are dropped slots, as -1).
     Returns:
         :class:`RoutingPlan`.
     Raises:
@@ -556,7 +556,7 @@ def plan_routing(
     flat_e = ids_TK.reshape(-1)
     flat_a = affinity.reshape(-1)
     token = torch.arange(R, device=dev) // K
-    valid = flat_e >= 0
+    valid = (flat_e >= 0) & (flat_e < E)  # unvalidated ids outside [0, E): dropped slots
     sentinel = E * T
     key = torch.where(valid, flat_e * T + token, torch.full_like(flat_e, sentinel))
     sorted_key, order = torch.sort(key, stable=True)

@@ -24,6 +24,8 @@ kernel with fp32 output is given (the CUDA backends). The activation backward ru
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +37,8 @@ from common.shapes import static_tokens_sum
 
 __all__ = [
     "ALIGN",
+    "SMALL_GEMM_MACS",
+    "cpu_threads",
     "LayerForward",
     "fits_grouped_mm",
     "grouped_layout",
@@ -69,6 +73,53 @@ def fits_grouped_mm(dtype: torch.dtype, device: torch.device, *dims: int) -> boo
     return all(d % 8 == 0 and d > 0 for d in dims)
 
 
+@functools.cache
+def _cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies BF16 matrices natively (oneDNN's BF16 support: AVX512-BF16,
+    AMX, ...). Without it torch's BF16 matmul is an emulation: measured 2026-12-03 on a 2-core
+    AVX2 EPYC, a [128, 256] x [256, 256] BF16 product took 27 ms, the same in fp32 0.76 ms."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True  # unknown: keep torch's BF16 matmul
+
+
+def _operands(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` rounded to the GEMM operand ``dtype``; on a CPU without native BF16 GEMMs, those
+    BF16 values widened to fp32: every product of two BF16 values is exact in fp32 and the
+    GEMM accumulates in fp32 either way, so the result is the same math, 35x faster there."""
+    t = t.to(dtype)
+    if dtype == torch.bfloat16 and t.device.type == "cpu" and not _cpu_has_fast_bf16():
+        return t.float()
+    return t
+
+
+SMALL_GEMM_MACS = 1 << 26
+"""Below this many multiply-adds in an expert's average GEMM (``R / E * H * 2I``), the
+layer's CPU path runs on one intra-op thread (:func:`cpu_threads`)."""
+
+
+@contextlib.contextmanager
+def cpu_threads(device: torch.device, rows: int, experts: int, hidden: int, intermediate: int):
+    """One intra-op thread for the body when ``device`` is the CPU and the expert GEMMs are
+    small (:data:`SMALL_GEMM_MACS`); torch's setting otherwise, and restored afterwards.
+
+    Why: a small layer step is ~150 ops that each enter a parallel region of every intra-op
+    thread, and on a shared machine each region waits for its slowest, descheduled thread.
+    Measured 2026-12-03 on 2 loaded cores (T 512, H 256, I 128, E 8, top-2): 58-138 ms per
+    training step on one thread, 236-1500 ms on two. Large problems keep every thread."""
+    n = torch.get_num_threads()
+    small = rows * hidden * 2 * intermediate < SMALL_GEMM_MACS * max(experts, 1)
+    if device.type != "cpu" or n == 1 or not small:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def grouped_mm_rows(
     x_SK: torch.Tensor,
     w_EKN: torch.Tensor,
@@ -90,13 +141,14 @@ def grouped_mm_rows(
     dt = dtype
     if fits_grouped_mm(dt, x_SK.device, K, N) and S % ALIGN == 0:
         return torch._grouped_mm(x_SK.to(dt), w_EKN.to(dt), offs=offsets_E).float()
-    out = torch.empty(S, N, dtype=torch.float32, device=x_SK.device)
+    out = torch.empty(S, N, dtype=dt, device=x_SK.device)  # each product rounded to dt
     segments = _segments(offsets_E)
+    x_SK = _operands(x_SK, dt)
     for e, (s, t) in enumerate(segments):
-        if t > s:
-            out[s:t] = x_SK[s:t].to(dt) @ w_EKN[e].to(dt)
+        if t > s:  # (weights widened per expert: no fp32 copy of all of them at once)
+            out[s:t] = x_SK[s:t] @ _operands(w_EKN[e], dt)
     out[segments[-1][1] if segments else 0 :].zero_()  # rows past the last offset
-    return out
+    return out.float()
 
 
 def grouped_wgrad_default(
@@ -119,13 +171,14 @@ def grouped_wgrad_default(
         if a_HS.device.type != "cpu" or bool(empty.any()):  # CPU: skip the pass when none is
             out.masked_fill_(empty[:, None, None], 0)
         return out.float()
-    out = torch.empty(E, H, I, dtype=torch.float32, device=a_HS.device)
+    out = torch.empty(E, H, I, dtype=dt, device=a_HS.device)  # each product rounded to BF16
+    a_HS, b_SI = _operands(a_HS, dt), _operands(b_SI, dt)
     for e, (s, t) in enumerate(_segments(offsets_E)):
         if t > s:
-            out[e] = a_HS[:, s:t].to(dt) @ b_SI[s:t].to(dt)
+            out[e] = a_HS[:, s:t] @ b_SI[s:t]
         else:
             out[e].zero_()  # an empty expert's gradient is exactly 0 (REFERENCE §7)
-    return out
+    return out.float()
 
 
 def grouped_layout(plan, num_experts: int):

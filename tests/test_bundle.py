@@ -380,10 +380,11 @@ def test_per_expert_plot_keeps_identical_series_visible(problem, torch_grads):
     assert len({(s["marker"], str(s["linestyle"])) for s in styles}) == 6
 
 
-def test_scatter_plot_keeps_identical_series_visible(problem, torch_grads):
-    """nki-twin identical to nki-sim hid under it in the scatter plot, and the legends covered
-    data: each operand has its own hollow marker (later ones smaller, drawn above), the twin's
-    legend entry says whom it is identical to, and every legend lies below its panel's data."""
+def test_scatter_plot_names_identical_series_and_legend_clears_panels(problem, torch_grads):
+    """nki-twin identical to nki-sim hid under it in the scatter plot, and the panels' legends
+    covered their neighbours: each drawn operand has its own hollow marker; an operand identical
+    to an earlier one is not drawn but named "identical to" it; one figure legend lies below
+    every panel."""
     from common import report
 
     ref = run_backward(problem, "reference")
@@ -392,23 +393,24 @@ def test_scatter_plot_keeps_identical_series_visible(problem, torch_grads):
     grads = {"nki-sim": torch_grads, "nki-twin": torch_grads, "torch": other}
     plt, fig = report._scatter_figure({"baseline": "reference"}, grads, ref)
     try:
-        fig.tight_layout()
+        fig.tight_layout(rect=(0.0, 0.035 * fig._legend_rows + 0.01, 1.0, 1.0))
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()
         axes = [ax for ax in fig.axes if ax.get_visible()]
         assert len(axes) == 4
+        twin = "nki-twin: identical to nki-sim"
         for ax in axes:
             cols = {c.get_label(): c for c in ax.collections}
-            assert list(cols) == ["nki-sim", "nki-twin (identical to nki-sim)", "torch"]
-            a, b = cols["nki-sim"], cols["nki-twin (identical to nki-sim)"]
-            assert (a.get_offsets() == b.get_offsets()).all()  # the same points...
-            va, vb = (c.get_paths()[0].vertices for c in (a, b))
-            assert va.shape != vb.shape or not (va == vb).all()  # ...other markers
-            assert a.get_sizes()[0] > b.get_sizes()[0] and b.get_zorder() > a.get_zorder()
-            assert len(a.get_facecolors()) == 0 and len(b.get_facecolors()) == 0  # hollow
-            legend = ax.get_legend()
-            assert [t.get_text() for t in legend.get_texts()] == list(cols)
-            assert legend.get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0
+            assert list(cols) == ["nki-sim", twin, "torch"]
+            assert len(cols[twin].get_offsets()) == 0 and len(cols["nki-sim"].get_offsets())
+            va, vb = (cols[k].get_paths()[0].vertices for k in ("nki-sim", "torch"))
+            assert va.shape != vb.shape or not (va == vb).all()  # other markers
+            assert len(cols["nki-sim"].get_facecolors()) == 0  # hollow
+            assert ax.get_legend() is None
+        (legend,) = fig.legends
+        assert [t.get_text() for t in legend.get_texts()] == ["nki-sim", twin, "torch"]
+        top = legend.get_window_extent(renderer).y1
+        assert all(top <= ax.xaxis.get_tightbbox(renderer).y0 for ax in axes)
     finally:
         plt.close(fig)
     styles = [report.scatter_style(i) for i in range(6)]

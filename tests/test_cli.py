@@ -306,8 +306,8 @@ def test_backends_show_summary_and_sm100_opt_in(capsys, monkeypatch):
         why = b.check()
         if why is not None:
             assert "not here: " + " ".join(why.split()) in flat, name
-    sm100 = " ".join(backends["cuda-sm100"].summary.split())
-    assert "compiled but unverified" in sm100 and "MOE_BWD_ENABLE_UNVERIFIED_SM100=1" in sm100
+    assert flat.count("MOE_BWD_ENABLE_UNVERIFIED_SM100=1") == 1  # said once, in the reason
+    assert flat.count("compiled but unverified") == 1
 
 
 def test_input_affinity_model_is_refused_with_the_reason(capsys):

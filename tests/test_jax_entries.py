@@ -325,11 +325,11 @@ def test_reference_twin_matches_torch_twin(split):
     off = jnp.asarray(off_t.numpy())
     got = jax.jit(wgrad_jax.grouped_wgrad_jax_reference)(a, b, off)
     assert got.shape == (e_count, H, I) and got.dtype == jnp.float32
-    torch.testing.assert_close(torch.from_numpy(np.asarray(got)), ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(np.array(got)), ref, rtol=1e-5, atol=1e-4)
     tw = grouped_wgrad_torch(a_t, b_t, off_t, out_dtype=torch.float32)
-    torch.testing.assert_close(torch.from_numpy(np.asarray(got)), tw, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(torch.from_numpy(np.array(got)), tw, rtol=1e-5, atol=1e-3)
     eager = wgrad_jax.grouped_wgrad_jax_reference(a, b, off)
-    torch.testing.assert_close(torch.from_numpy(np.asarray(eager)), tw, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(torch.from_numpy(np.array(eager)), tw, rtol=1e-5, atol=1e-3)
 
 
 def test_grouped_wgrad_jax_backends_on_cpu():
@@ -419,7 +419,7 @@ def test_reference_torch_tensor_is_a_clear_error(entry, arg):
     ``'Tensor' object has no attribute 'astype'``)."""
     a, b = _ref_ops()
     args = {"a": a, "b": b, "offsets": jnp.asarray([16, 32, 48, 64], jnp.int32)}
-    args[arg] = torch.from_numpy(np.asarray(args[arg]).astype(np.float32 if arg != "offsets"
+    args[arg] = torch.from_numpy(np.array(args[arg]).astype(np.float32 if arg != "offsets"
                                                               else np.int32))
     with pytest.raises(ValueError, match=f"{arg} must be a JAX array .* got Tensor"):
         _ENTRIES[entry](args["a"], args["b"], args["offsets"])
@@ -436,11 +436,11 @@ def test_reference_under_jit_values_are_data():
         return wgrad_jax.grouped_wgrad_jax_reference(a, b, o)
 
     fn = jax.jit(f)
-    a_t = torch.from_numpy(np.asarray(a.astype(jnp.float32)))
-    b_t = torch.from_numpy(np.asarray(b.astype(jnp.float32)))
+    a_t = torch.from_numpy(np.array(a.astype(jnp.float32)))
+    b_t = torch.from_numpy(np.array(b.astype(jnp.float32)))
     for counts in ([96, 0, 0], [1, 94, 1], [0, 0, 96], [40, 17, 39]):
         off = jnp.asarray(np.cumsum(counts), jnp.int32)
-        got = torch.from_numpy(np.asarray(fn(a, b, off)))
+        got = torch.from_numpy(np.array(fn(a, b, off)))
         want = grouped_wgrad_torch(a_t.to(torch.bfloat16), b_t.to(torch.bfloat16),
                                    torch.tensor(np.cumsum(counts), dtype=torch.int32),
                                    out_dtype=torch.float32)

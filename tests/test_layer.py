@@ -337,7 +337,7 @@ def test_module_init_repr_reset_and_from_model():
         linear_clamp_upper_limit=7.0, linear_clamp_lower_limit=-7.0,
         non_linear_clamp_upper_limit=7.0,
     )
-    assert "gpt_oss" in repr(oss) and "linear_-7.0_7.0" in repr(oss)
+    assert "gpt_oss" in repr(oss) and "clamp_limits=(gate<=7.0, -7.0<=up<=7.0)" in repr(oss)
     qwen = MoEExperts.from_model(load_model("qwen3-30b-a3b").shrink(8), backend="torch")
     assert qwen.options.activation == SWIGLU and qwen.options.clamp_limits is None
     assert not qwen.bias and qwen.w_down.dtype == torch.bfloat16

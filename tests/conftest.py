@@ -17,3 +17,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # tensors (the same kernel source). The variable must be set before Triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# No persistent kernel cache (cuda_kernels/gemm/kernel_cache.py) unless the run asks for one: a
+# kernel another process stored would stand in for the compile that tests count or replace with
+# a stand-in (tests/test_kernel_cache.py sets its own directory).
+os.environ.setdefault("MOE_BWD_KERNEL_CACHE", "off")

@@ -1,4 +1,4 @@
-"""The persistent CuTe DSL kernel cache (:mod:`cuda_kernels.kernel_cache`): where it lives, and
+"""The persistent CuTe DSL kernel cache (:mod:`cuda_kernels.gemm.kernel_cache`): where it lives, and
 an offline-compiled kernel stored in one process and loaded back instead of compiled."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from cuda_kernels import kernel_cache
+from cuda_kernels.gemm import kernel_cache
 
 
 def test_location_rules(monkeypatch, tmp_path):
@@ -29,7 +29,7 @@ def test_location_rules(monkeypatch, tmp_path):
 
 def test_offline_kernel_stored_then_loaded(monkeypatch, tmp_path, capsys):
     pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl (the cuda extra)")
-    from cuda_kernels.grouped_wgrad import sm90_bf16 as sm90
+    from cuda_kernels.gemm.sm90 import wgrad_bf16 as sm90
 
     monkeypatch.setenv(kernel_cache.ENV_VAR, str(tmp_path))
     key = sm90.FAMILY.as_key(sm90.Sm90WgradKey(256, 256, 4))

@@ -141,8 +141,10 @@ GW_LAYERS = [
 #: The layers of the GEMM engine ``cuda_kernels/gemm`` (varlen-K and varlen-M kernel families,
 #: per-arch folders), lowest first, the same rule. A new family gets a row next to its kind.
 ENGINE_LAYERS = [
-    # tile rules, environment, key fields; the SM90 varlen-M epilogue mixins
-    ("tiles", "env", "keys", "__init__", "sm90", "sm100", "sm90.grouped_mm_epilogues"),
+    # tile rules, environment, key fields, the persistent kernel cache; the SM90 varlen-M
+    # epilogue mixins
+    ("tiles", "env", "keys", "kernel_cache", "__init__", "sm90", "sm100",
+     "sm90.grouped_mm_epilogues"),
     # compile cache + launcher, the families' plug-in, what the SM90 kernels share, the BF16
     # kernels' tile scheduler
     ("launch", "registry", "sm90.common", "tile_sched"),

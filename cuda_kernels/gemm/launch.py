@@ -29,6 +29,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from . import kernel_cache
+
 __all__ = [
     "KernelFamily",
     "contract_key_fields",
@@ -208,11 +210,16 @@ class KernelFamily:
             )
 
     def compiled(self, key: Any):
-        """The compiled kernel of ``key``: compiled once per process (``compile_count``)."""
+        """The compiled kernel of ``key``: built once per process (``compile_count``), loaded
+        from the persistent kernel cache (:mod:`.kernel_cache`) when an earlier process
+        compiled it."""
         with self._lock:
             fn = self._compiled.get(key)
             if fn is None:
-                fn = self._compile(key, self.runtime_arch())
+                arch = self.runtime_arch()
+                fn = kernel_cache.load_or_compile(
+                    self.name, key, arch, lambda: self._compile(key, arch)
+                )
                 self.compile_count += 1
                 self._compiled[key] = fn
             return fn

@@ -11,8 +11,8 @@ taking the same runtime arguments. :func:`load_or_compile` keeps those object fi
 
 Where: ``$MOE_BWD_KERNEL_CACHE`` if set (``off`` disables the cache), else
 ``$XDG_CACHE_HOME/moe-bwd/cute-dsl``, else ``~/.cache/moe-bwd/cute-dsl``. Clear it with ``python -m
-cuda_kernels.gemm.kernel_cache --clear`` (or delete the directory); ``python -m
-cuda_kernels.gemm.kernel_cache`` prints where it is and what it holds.
+cuda_kernels.gemm --clear`` (or delete the directory); ``python -m
+cuda_kernels.gemm`` prints where it is and what it holds.
 
 Stale entries are never loaded: an entry's name is a sha256 of the family name, the kernel key's
 ``repr``, the target arch, the CuTe DSL version and the text of every ``.py`` file of
@@ -135,7 +135,7 @@ def _store(fn: Any, path: pathlib.Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m cuda_kernels.gemm.kernel_cache [--clear]``: where the cache is, what it holds."""
+    """``python -m cuda_kernels.gemm [--clear]``: where the cache is, what it holds."""
     args = sys.argv[1:] if argv is None else argv
     root = cache_dir()
     if root is None:

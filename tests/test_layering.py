@@ -150,6 +150,7 @@ ENGINE_LAYERS = [
     ("launch", "registry", "sm90.common", "tile_sched"),
     ("sm90.wgrad_bf16", "sm100.wgrad_bf16", "sm90.grouped_mm"),  # families on the bases
     ("sm90.wgrad_mxfp8", "sm100.wgrad_blockscaled"),  # families on the BF16 families
+    ("__main__",),  # python -m cuda_kernels.gemm: the kernel cache's command
 ]
 
 #: The API packages above the engine: the engine imports none of them.

@@ -168,10 +168,9 @@ def _check_layers(pkg: str, rows: list[tuple[str, ...]], default=None) -> None:
         for name in row:
             layer[pkg if name == "__init__" else f"{pkg}.{name}"] = i
     files = sorted((ROOT / pkg.replace(".", "/")).rglob("*.py"))
-    for p in files:
-        row = None if default is None or _module_name(p) in layer else default(_module_name(p))
-        if row is not None:
-            layer[_module_name(p)] = row
+    for mod in (_module_name(p) for p in files if default is not None):
+        if mod not in layer and default(mod) is not None:
+            layer[mod] = default(mod)
     unplaced = [str(p.relative_to(ROOT)) for p in files if _module_name(p) not in layer]
     assert not unplaced, f"give these modules a row of the layers of {pkg}: {unplaced}"
     bad = [

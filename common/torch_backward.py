@@ -303,17 +303,26 @@ def moe_layer_forward_torch(
     clamp_limits: ClampLimits | None = None,
     activation: Activation | None = None,
     check_routing: bool = False,
+    routing=None,
 ) -> LayerForward:
     """The portable layer forward: the routing plan and grouped layout in torch ops (no host
     read on CUDA), then :func:`moe_forward_torch` with BF16 operands. ``check_routing`` queues
-    the device-side routing check (:func:`common.routing.assert_routing_async`)."""
+    the device-side routing check (:func:`common.routing.assert_routing_async`). ``routing``:
+    an already built ``(plan, layout)`` instead of ``affinity_TK`` / ``expert_index_TK`` (both
+    may be None then); an identity layout (:func:`common.routing.presorted_routing`) is
+    replaced by the plan's aligned one (:func:`grouped_layout`), whose GEMMs this path runs."""
     from common.routing import assert_routing_async, plan_routing, routing_error_code
 
     E = w_gate_up_EH2I.shape[0]
-    if check_routing:
-        assert_routing_async(routing_error_code(expert_index_TK, affinity_TK, E))
-    plan = plan_routing(expert_index_TK, affinity_TK.detach(), E, validate=False)
-    layout = grouped_layout(plan, E)
+    if routing is not None:
+        plan, layout = routing
+        if layout.identity:
+            layout = grouped_layout(plan, E)
+    else:
+        if check_routing:
+            assert_routing_async(routing_error_code(expert_index_TK, affinity_TK, E))
+        plan = plan_routing(expert_index_TK, affinity_TK.detach(), E, validate=False)
+        layout = grouped_layout(plan, E)
     x_rows_S = layout.gather_rows(hidden_states_TH.to(torch.bfloat16))
     y_TH, act_R2I = moe_forward_torch(
         hidden_states_TH, w_gate_up_EH2I, w_down_EIH, plan,

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
-from common.torch_backward import ALIGN, grouped_layout
+from common.torch_backward import ALIGN, gate_up_from_matrix, gate_up_matrix, grouped_layout
 
 from .. import grouped_mm as gmm
 from ..grouped_wgrad import api
@@ -253,8 +253,13 @@ def moe_backward_fused(
     else:
         x_S = x_rows_S
     w_down_EHI = p.w_down_EIH.to(bf16).transpose(1, 2)
+    # the gate/up matrix: a view (gpt-oss's interleaved memory included) unless the gradient
+    # is accumulated into a main_grad buffer, whose memory is the concatenated [E, H, 2, I]
+    w_gu, interleaved = gate_up_matrix(p.w_gate_up_EH2I.to(bf16))
+    if interleaved and acc is not None:
+        w_gu, interleaved = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I), False
     impl = pick("backward_down_dgrad", grouped_mm, dy_TH, w_down_EHI, layout.row_to_token_S,
-                act_R2I=p.act_checkpoint_R2I)
+                act_R2I=p.act_checkpoint_R2I, gate_up_interleaved=interleaved)
     stats["grouped_mm"] = impl
     if impl == "ours":
         # (an identity layout's rows are dY itself: the kernel reads them, no side output)
@@ -271,7 +276,7 @@ def moe_backward_fused(
         dgu_S, ah_S, dA_TE = activation_backward(
             dh_raw, p.act_checkpoint_R2I, r2p, plan,
             activation=p.activation, clamp_limits=p.clamp_limits or ClampLimits(),
-            dy_SH=dy_S, b_down_EH=p.b_down_EH,
+            dy_SH=dy_S, b_down_EH=p.b_down_EH, gate_up_interleaved=interleaved,
         )
         del dh_raw
     # Operands are freed as soon as their last GEMM is queued: dY rows and a*h after dW_down,
@@ -289,21 +294,22 @@ def moe_backward_fused(
             ah_S.t(), dy_S, offs, acc_d, acc is not None, grad_dtype, wgrad_backend, align, stats
         )
     del ah_S, dy_S
-    w_gu_E2IH = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I).transpose(1, 2)
+    w_gu_E2IH = w_gu.transpose(1, 2)
     if layout.identity:  # each row is its own token (d_gate_up is 0 on padding rows)
         dX = rows_times_experts(dgu_S, w_gu_E2IH, covering_offsets(layout)).to(grad_dtype)
     else:
         dX_S = rows_times_experts(dgu_S, w_gu_E2IH, offs)
         dX = token_sum(dX_S, layout.slot_to_row_TK, grad_dtype)
         del dX_S
-    if acc is None and _memory_is(p.w_gate_up_EH2I, (0, 2, 3, 1)):  # [w1; w3] [E, 2I, H]
+    if acc is None and _memory_is(w_gu, (0, 2, 1)):  # [E, 2I, H]: [w1; w3], gpt-oss [E, 2I, H]
         dWgu = _wgrad(dgu_S.t(), x_S, offs, None, False, grad_dtype, wgrad_backend, align,
-                      stats).view(E, 2, I, H).permute(0, 3, 1, 2)
+                      stats).transpose(1, 2)
     else:
         dWgu = _wgrad(
             x_S.t(), dgu_S, offs, None if acc_gu is None else acc_gu.view(E, H, 2 * I),
             acc is not None, grad_dtype, wgrad_backend, align, stats,
-        ).view(E, H, 2, I)
+        )
+    dWgu = gate_up_from_matrix(dWgu, interleaved)  # in the weight's own memory layout
     grads = MoEGrads(
         hidden_states_grad_TH=dX,
         affinity_grad_TE=dA_TE,
@@ -312,6 +318,7 @@ def moe_backward_fused(
         info=stats,
     )
     if p.has_bias:
-        grads.b_gate_up_grad_E2I = dBgu.reshape(E, 2, I).to(grad_dtype)
+        grads.b_gate_up_grad_E2I = gate_up_from_matrix(dBgu[:, None], interleaved)[:, 0].to(
+            grad_dtype)
         grads.b_down_grad_EH = dBd.to(grad_dtype)
     return grads

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from common.problem import Activation, ClampLimits
-from common.torch_backward import ALIGN, LayerForward
+from common.torch_backward import ALIGN, LayerForward, gate_up_matrix
 
 from .. import grouped_mm as gmm
 from ..triton.activation import activation_forward
@@ -105,9 +105,10 @@ def moe_forward_fused(
     else:
         plan, layout = routing
     offs = layout.offsets_E
-    w_gu = w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I)
+    w_gu, interleaved = gate_up_matrix(w_gate_up_EH2I.to(bf16))  # a view, also for gpt-oss
     x_TH = hidden_states_TH
-    impl = pick("forward_gate_up", grouped_mm, x_TH, w_gu, layout.row_to_token_S)
+    impl = pick("forward_gate_up", grouped_mm, x_TH, w_gu, layout.row_to_token_S,
+                gate_up_interleaved=interleaved)
     if impl == "ours":
         # (an identity layout's rows are x itself: the kernel reads them, no side output)
         x_S = None if layout.identity else torch.empty(layout.tokens_sum, H, dtype=bf16,
@@ -124,6 +125,7 @@ def moe_forward_fused(
         act_R2I, ah_S = activation_forward(
             gu_S, layout.row_to_pair_S, plan, activation=act_fn,
             clamp_limits=clamp_limits or ClampLimits(), b_gate_up_E2I=b_gate_up_E2I,
+            gate_up_interleaved=interleaved,
         )
         del gu_S
     if layout.identity and b_down_EH is None:  # each row is its own token: y is out_S

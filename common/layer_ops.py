@@ -441,6 +441,8 @@ def _experts_forward_presorted(
     num_rows_per_expert: torch.Tensor, options: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, act)`` of rows already in expert order (:func:`presorted_op`)."""
+    if x.shape[0] == 0:  # nothing to compute (and no empty grouped GEMM to launch)
+        return x.new_zeros(x.shape), x.new_zeros(0, 2, w_gate_up.shape[3], dtype=torch.bfloat16)
     plan, layout = presorted_routing(num_rows_per_expert, x.shape[0])
     out, _ = layer_forward(x, None, w_gate_up, w_down, None, None, None, _OPTIONS[options],
                            routing=(plan, layout))
@@ -460,6 +462,9 @@ def _experts_backward_presorted(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dW_gate_up, dW_down)`` in the inputs' dtypes and memory layouts; the routing is
     rebuilt from the counts (a few small launches, cheaper to redo than to keep)."""
+    if x.shape[0] == 0:
+        return tuple(_like(torch.zeros_like(t, memory_format=torch.contiguous_format), t)
+                     for t in (x, w_gate_up, w_down))
     opts = _OPTIONS[options]
     plan, layout = presorted_routing(num_rows_per_expert, x.shape[0])
     backend = resolve_backend(opts.backend, x.device)

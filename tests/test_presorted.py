@@ -212,3 +212,14 @@ def test_compiled_seam_no_recompile_on_new_counts():
         assert torch.equal(y, run_experts_grouped_mm(w1, w2, w3, x, n))
         assert not bool(y[sum(counts):].any())
     assert counter.frame_count == 1
+
+
+def test_seam_with_zero_rows():
+    from common.layer import run_experts_grouped_mm
+
+    w1, w2, w3, x = _seam_args(rows=0)
+    y = run_experts_grouped_mm(w1, w2, w3, x, torch.zeros(E, dtype=torch.int64))
+    assert y.shape == (0, H)
+    y.sum().backward()
+    for t in (x, w1, w2, w3):
+        assert t.grad.shape == t.shape and not bool(t.grad.any())

@@ -28,7 +28,7 @@ steps = pytest.importorskip("cuda_kernels.moe.steps")
 from cuda_kernels.triton.activation import activation_backward, activation_forward  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-T, H, I, E, K = 24, 32, 16, 4, 2
+T, H, I, E, K = 24, 64, 32, 4, 2  # multiples of 8 (the CuTe kernels run them on a GPU)
 CLAMP = ClampLimits(linear_clamp_upper_limit=1.0, linear_clamp_lower_limit=-1.0,
                     non_linear_clamp_upper_limit=1.0)
 

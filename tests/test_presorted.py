@@ -22,7 +22,7 @@ steps = pytest.importorskip("cuda_kernels.moe.steps")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-E, H, I = 4, 32, 16
+E, H, I = 4, 64, 32  # multiples of 8 (the CuTe kernels run them on a GPU)
 COUNTS = [3, 0, 5, 2]  # an empty expert
 ROWS = 13  # three trailing padding rows
 

@@ -58,19 +58,19 @@ def test_gate_up_matrix_is_a_view_of_the_interleaved_memories():
 
 def test_activation_kernels_read_and_write_interleaved_columns():
     ei, af = routing(T, K, E, 3)
-    plan = plan_routing(ei, af, E)
+    plan = plan_routing(ei.to(DEV), af.to(DEV), E)
     layout = grouped_layout(plan, E)
     S = layout.tokens_sum
     g = torch.Generator().manual_seed(1)
-    gu = torch.randn(S, 2, I, generator=g).bfloat16()
+    gu = torch.randn(S, 2, I, generator=g).bfloat16().to(DEV)
     kw = {"activation": GPT_OSS, "clamp_limits": CLAMP,
-          "b_gate_up_E2I": torch.randn(E, 2, I, generator=g)}
+          "b_gate_up_E2I": torch.randn(E, 2, I, generator=g).to(DEV)}
     want = activation_forward(gu.reshape(S, 2 * I), layout.row_to_pair_S, plan, **kw)
     got = activation_forward(gu.transpose(1, 2).reshape(S, 2 * I), layout.row_to_pair_S, plan,
                              gate_up_interleaved=True, **kw)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    dh = torch.randn(S, I, generator=g).bfloat16()
+    dh = torch.randn(S, I, generator=g).bfloat16().to(DEV)
     kw.pop("b_gate_up_E2I")
     want = activation_backward(dh, want[0], layout.row_to_pair_S, plan, **kw)
     got = activation_backward(dh, got[0], layout.row_to_pair_S, plan, gate_up_interleaved=True,

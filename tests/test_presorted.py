@@ -155,7 +155,10 @@ def test_seam_on_cuda_matches_torchtitan_formula_without_sync():
     x = torch.randn(rows, H_, generator=g, device="cuda").bfloat16()
     dy = torch.randn(rows, H_, generator=g, device="cuda").bfloat16()
     leaves = [t.clone().requires_grad_() for t in (x, w1, w2, w3)]
-    run_experts_grouped_mm(leaves[1], leaves[2], leaves[3], leaves[0], counts)  # warm up
+    warm = run_experts_grouped_mm(leaves[1], leaves[2], leaves[3], leaves[0], counts)
+    torch.autograd.backward(warm, dy)  # compiles and caches every choice first
+    for t in leaves:
+        t.grad = None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -723,11 +723,14 @@ def run_experts_grouped_mm(
     ``num_tokens_per_expert[0]`` rows of ``x`` belong to expert 0, the next to expert 1, ...;
     rows past the total are padding. Per row of expert e it computes
     ``(silu(x W1[e]^T) * (x W3[e]^T)) W2[e]^T`` with BF16 GEMM operands and returns
-    ``[rows, H]`` in ``x.dtype``. Here every row is routed to its expert with top_k = 1 and
-    affinity 1 and run through :class:`MoEExpertsFunction` (backward by ``common.dispatch``
-    "auto"); padding rows give 0 (as torchtitan's for-loop path). No host synchronisation on a
-    device: the row -> expert map is ``repeat_interleave`` with a static ``output_size`` (CPU
-    counts are read once, to check them).
+    ``[rows, H]`` in ``x.dtype``. Here the rows keep their order: the layer runs on the
+    identity routing of the counts (:func:`common.routing.presorted_routing`: each row its own
+    token, top_k 1, affinity 1; no routing build, no sort) through
+    ``torch.ops.moe_bwd.experts_forward_presorted`` (backward by ``common.dispatch`` "auto";
+    compiles with ``torch.compile(fullgraph=True)``). On the CUDA backends the GEMMs read ``x``
+    and ``dY`` in place and ``y`` / ``dx`` are the GEMMs' outputs: no gather, no per-token
+    combine. Padding rows give 0 (as torchtitan's for-loop path). No host synchronisation on a
+    device (CPU counts are read once, to check them).
 
     Args:
         w1: [E, I, H] float.  w2: [E, H, I] float.  w3: [E, I, H] float.
@@ -771,19 +774,9 @@ def run_experts_grouped_mm(
         # a host read costs nothing here: refuse bad counts by name (not while tracing: the
         # counts are data then, clamped below like device counts)
         _check_counts_on_host(n, rows)
-    # Memory-safe for any counts (the device path reads nothing back): each count clamped to
-    # [0, rows], the groups' ends to rows, and one extra group E of padding rows (rows - end)
-    # >= 0, so the E + 1 repeats always sum to exactly ``output_size=rows``.
-    counts = n.to(torch.int64).clamp(0, rows)
-    ends = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0).clamp(max=rows)])
-    counts = torch.cat([torch.diff(ends), (rows - ends[-1]).reshape(1)])
-    expert_R = torch.repeat_interleave(
-        torch.arange(E + 1, device=x.device), counts, output_size=rows
-    )
-    expert_index_R1 = torch.where(expert_R < E, expert_R, -1).reshape(rows, 1)
-    affinity_R1 = torch.ones(rows, 1, dtype=x.dtype, device=x.device)
-    return _apply(
-        x, affinity_R1, gate_up_from_torchtitan(w1, w3), down_from_torchtitan(w2), None, None,
-        expert_index_R1, _TORCHTITAN_OPTIONS,
+    # The routing is the identity (common.routing.presorted_routing, inside the op: counts
+    # clamped memory-safely on the device, nothing read back); no routing build, no gather.
+    return layer_ops.presorted_op(
+        x, gate_up_from_torchtitan(w1, w3), down_from_torchtitan(w2), n, _TORCHTITAN_OPTIONS
     )
 

@@ -46,7 +46,7 @@ import torch
 
 from common.dispatch import resolve_backend
 from common.problem import MoEBackwardProblem
-from common.routing import GroupedLayout, RoutingPlan
+from common.routing import GroupedLayout, RoutingPlan, presorted_routing
 from common.shapes import static_tokens_sum
 from common.torch_backward import ALIGN, LayerForward, cpu_threads, moe_layer_forward_torch
 
@@ -57,6 +57,7 @@ __all__ = [
     "layer_forward",
     "moe_experts_op",
     "options_key",
+    "presorted_op",
     "shape_text",
 ]
 
@@ -180,31 +181,40 @@ def _declared_options(backend, options) -> dict[str, Any]:
     return {o.name: getattr(options, o.name) for o in backend.options}
 
 
-def layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
+def layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options,
+                  routing=None):
     """One forward of the layer: ``(LayerForward, backend)``; ``x_rows_S`` is kept only for
-    a ``layer_state`` backend's backward (else None). Raises as
+    a ``layer_state`` backend's backward (else None). ``routing``: an already built
+    ``(plan, layout)`` (:func:`common.routing.presorted_routing`), which replaces
+    ``affinity`` and ``expert_index`` (both None then; no routing check). Raises as
     :class:`common.layer.MoEExpertsFunction`. Small CPU problems run on one thread
     (:func:`common.torch_backward.cpu_threads`)."""
-    with cpu_threads(x.device, expert_index.numel(), w_gate_up.shape[0], x.shape[1],
-                     w_down.shape[1]):
+    slots = routing[0].pair_token_R.numel() if routing is not None else expert_index.numel()
+    with cpu_threads(x.device, slots, w_gate_up.shape[0], x.shape[1], w_down.shape[1]):
         return _layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index,
-                              options)
+                              options, routing)
 
 
-def _layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
+def _layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options,
+                   routing):
     E, H = w_gate_up.shape[0], x.shape[1]
     backend = resolve_backend(options.backend, x.device)
-    T, K = expert_index.shape
+    if routing is not None:
+        T, K = routing[0].num_tokens, routing[0].top_k
+    else:
+        T, K = expert_index.shape
     _check_backend_shape(backend, T, H, w_down.shape[1], E, K, options.activation)
-    mode = options.validate_routing
+    mode = options.validate_routing if routing is None else "off"
     on_host = mode == "host" or (mode == "device" and x.device.type == "cpu")
     if on_host:
         check_routing_on_host(expert_index, affinity, E)
     forward = getattr(backend, "forward", None)
     extra = {} if forward is None else _declared_options(backend, options)
+    if routing is not None:
+        extra["routing"] = routing
     out = (forward or moe_layer_forward_torch)(
-        x, affinity.detach(), expert_index, w_gate_up, w_down, b_gate_up, b_down,
-        clamp_limits=options.clamp_limits, activation=options.activation,
+        x, None if affinity is None else affinity.detach(), expert_index, w_gate_up, w_down,
+        b_gate_up, b_down, clamp_limits=options.clamp_limits, activation=options.activation,
         check_routing=mode == "device" and not on_host, **extra,
     )
     if not backend.layer_state and out.x_rows_S is not None:
@@ -378,18 +388,21 @@ def _like(g: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=g.device).copy_(g)
 
 
+def _fake_like(t, x):
+    """What :func:`_like` returns for ``t``, as a fake tensor (``x``: any input, for its device)."""
+    if t is None:
+        return x.new_empty(0)
+    if _dense(t):
+        return x.new_empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    return x.new_empty(t.shape, dtype=t.dtype)
+
+
 @_experts_backward.register_fake
 def _(grad_y, x, w_gate_up, w_down, b_gate_up, b_down, act, x_rows, routing, top_k, options):
-    def like(t):
-        if t is None:
-            return x.new_empty(0)
-        if _dense(t):
-            return x.new_empty_strided(t.shape, t.stride(), dtype=t.dtype)
-        return x.new_empty(t.shape, dtype=t.dtype)
-
     T = x.shape[0]
-    return (like(x), x.new_empty(T, top_k, dtype=routing[2].dtype), like(w_gate_up),
-            like(w_down), like(b_gate_up), like(b_down))
+    return (_fake_like(x, x), x.new_empty(T, top_k, dtype=routing[2].dtype),
+            _fake_like(w_gate_up, x), _fake_like(w_down, x), _fake_like(b_gate_up, x),
+            _fake_like(b_down, x))
 
 
 def _setup_context(ctx, inputs, output):
@@ -419,6 +432,87 @@ def _backward(ctx, grad_y, *_unused):
 
 
 _experts_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------- rows already in expert order
+@torch.library.custom_op("moe_bwd::experts_forward_presorted", mutates_args=())
+def _experts_forward_presorted(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+    num_rows_per_expert: torch.Tensor, options: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, act)`` of rows already in expert order (:func:`presorted_op`)."""
+    if x.shape[0] == 0:  # nothing to compute (and no empty grouped GEMM to launch)
+        return x.new_zeros(x.shape), x.new_zeros(0, 2, w_gate_up.shape[3], dtype=torch.bfloat16)
+    plan, layout = presorted_routing(num_rows_per_expert, x.shape[0])
+    out, _ = layer_forward(x, None, w_gate_up, w_down, None, None, None, _OPTIONS[options],
+                           routing=(plan, layout))
+    return out.y_TH, out.act_R2I
+
+
+@_experts_forward_presorted.register_fake
+def _(x, w_gate_up, w_down, num_rows_per_expert, options):
+    rows, I = x.shape[0], w_gate_up.shape[3]
+    return x.new_empty(x.shape), x.new_empty(rows, 2, I, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("moe_bwd::experts_backward_presorted", mutates_args=())
+def _experts_backward_presorted(
+    grad_y: torch.Tensor, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+    act: torch.Tensor, num_rows_per_expert: torch.Tensor, options: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dW_gate_up, dW_down)`` in the inputs' dtypes and memory layouts; the routing is
+    rebuilt from the counts (a few small launches, cheaper to redo than to keep)."""
+    if x.shape[0] == 0:
+        return tuple(_like(torch.zeros_like(t, memory_format=torch.contiguous_format), t)
+                     for t in (x, w_gate_up, w_down))
+    opts = _OPTIONS[options]
+    plan, layout = presorted_routing(num_rows_per_expert, x.shape[0])
+    backend = resolve_backend(opts.backend, x.device)
+    grads, _ = layer_backward(grad_y, x, w_gate_up, w_down, None, None, act, None, plan, layout,
+                              opts, backend)
+    return (_like(grads.hidden_states_grad_TH, x), _like(grads.w_gate_up_grad_EH2I, w_gate_up),
+            _like(grads.w_down_grad_EIH, w_down))
+
+
+@_experts_backward_presorted.register_fake
+def _(grad_y, x, w_gate_up, w_down, act, num_rows_per_expert, options):
+    return _fake_like(x, x), _fake_like(w_gate_up, x), _fake_like(w_down, x)
+
+
+def _setup_context_presorted(ctx, inputs, output):
+    x, w_gate_up, w_down, counts, options = inputs
+    _y, act = output
+    ctx.options = options
+    ctx.save_for_backward(x, w_gate_up, w_down, act, counts)
+    ctx.mark_non_differentiable(act)
+    ctx.set_materialize_grads(False)
+
+
+def _backward_presorted(ctx, grad_y, _unused):
+    refuse_grad_mode("MoEExperts")
+    if grad_y is None:
+        return (None,) * 5
+    x, wgu, wd, act, counts = ctx.saved_tensors
+    dx, dwgu, dwd = _experts_backward_presorted(grad_y, x, wgu, wd, act, counts, ctx.options)
+    return dx, dwgu, dwd, None, None
+
+
+_experts_forward_presorted.register_autograd(
+    _backward_presorted, setup_context=_setup_context_presorted
+)
+
+
+def presorted_op(x_SH, w_gate_up_EH2I, w_down_EIH, num_rows_per_expert_E, options):
+    """y [S, H]: the layer on rows already in expert order (torchtitan's grouped experts seam,
+    :func:`common.layer.run_experts_grouped_mm`) through ``torch.ops.moe_bwd.
+    experts_forward_presorted``: row s of expert e computes ``h(x[s] W_gate_up[e]) W_down[e]``
+    (affinity 1, no bias), rows past the counts' total give 0. The routing is
+    :func:`common.routing.presorted_routing` of the counts (no sort, no gather index, no host
+    read); on the CUDA backends the GEMMs read ``x`` and ``dY`` in place and ``y`` / ``dX`` are
+    the GEMM outputs (no gather, no per-token combine). Inputs already checked by the caller;
+    ``options`` hashable."""
+    return _experts_forward_presorted(x_SH, w_gate_up_EH2I, w_down_EIH, num_rows_per_expert_E,
+                                      options_key(options))[0]
 
 
 def moe_experts_op(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):

@@ -48,6 +48,7 @@ __all__ = [
     "assert_routing_async",
     "check_router_output",
     "plan_routing",
+    "presorted_routing",
     "routing_error_code",
 ]
 
@@ -154,6 +155,10 @@ class GroupedLayout:
             token's rows through it counts each pair once (dX without a scatter or atomics).
         tokens_sum: S.  align: the group alignment.  num_tokens: T.
         num_pair_rows: R, the row count of per-pair tensors (``T * top_k``).
+        identity: the rows ARE the tokens (:func:`presorted_routing`: S = T = R, top_k 1, row s
+            holds token s or is padding): nothing to gather or combine. Its groups are not
+            padded (``align`` 1) and ``offsets_E[-1]`` may lie below S: the rows past it belong
+            to no expert.
     """
 
     offsets_E: torch.Tensor
@@ -164,6 +169,7 @@ class GroupedLayout:
     align: int
     num_tokens: int
     num_pair_rows: int
+    identity: bool = False
 
     def gather_rows(self, x_TH: torch.Tensor) -> torch.Tensor:
         """Rows of ``x_TH`` [T, ...] in grouped order: [S, ...], padding rows exactly 0."""
@@ -593,6 +599,73 @@ def plan_routing(
         tokens_per_expert_E=counts[:E],
         num_pairs=is_first.sum(),
     )
+
+
+def presorted_routing(
+    num_rows_per_expert_E: torch.Tensor, rows: int
+) -> tuple[RoutingPlan, GroupedLayout]:
+    """The plan and the identity layout of ``rows`` rows already in expert order (torchtitan's
+    grouped-experts input): the first ``num_rows_per_expert_E[0]`` rows belong to expert 0, the
+    next to expert 1, ...; rows past the total are padding. Each row is its own token, routed to
+    its expert with top_k 1 and affinity 1: what :func:`plan_routing` gives for those ids, built
+    without a sort or a gather index (a cumsum and a ``searchsorted``; no host read, CUDA-graph
+    capturable, shapes depend on ``rows`` and E only).
+
+    Dimensions: E experts, T = R = S = ``rows``.
+
+    Args:
+        num_rows_per_expert_E: [E] integer tensor, rows of each expert. Not read on the host:
+            bad counts are clamped, memory-safely -- a negative count counts as 0 and rows past
+            ``rows`` are cut off.
+        rows: the row count (an int >= 0).
+    Returns:
+        ``(plan, layout)``: :class:`RoutingPlan` (T = ``rows``, K = 1, fp32 affinities 1 on real
+        rows) and its :class:`GroupedLayout` with ``identity=True`` (``offsets_E`` the clamped
+        cumulative counts, int32; row/pair/token maps the row itself, -1 on padding rows).
+    Raises:
+        ValueError: ``num_rows_per_expert_E`` not a non-empty 1-D integer tensor, or a bad
+            ``rows``.
+    """
+    n = num_rows_per_expert_E
+    if (not isinstance(n, torch.Tensor) or n.dim() != 1 or n.numel() < 1
+            or n.dtype not in _INT_DTYPES):
+        raise ValueError(
+            f"num_rows_per_expert_E must be a 1-D integer [E >= 1] tensor, got "
+            f"{list(n.shape) if isinstance(n, torch.Tensor) else type(n).__name__}"
+        )
+    rows = as_int("rows", rows, 0)
+    E, dev = n.shape[0], n.device
+    ends = torch.cumsum(n.to(torch.int64).clamp(0, rows), 0).clamp(max=rows)
+    r = torch.arange(rows, device=dev)
+    num_pairs = ends[-1]
+    valid = r < num_pairs
+
+    def row():  # each map its own tensor (custom ops return no aliases)
+        return torch.where(valid, r, -1)
+
+    plan = RoutingPlan(
+        num_tokens=rows,
+        num_experts=E,
+        top_k=1,
+        pair_token_R=row(),
+        pair_expert_R=torch.searchsorted(ends, r, right=True),  # E past the last expert
+        pair_affinity_R=valid.to(torch.float32),
+        slot_to_pair_TK=row().reshape(rows, 1),
+        tokens_per_expert_E=torch.diff(ends, prepend=ends.new_zeros(1)),
+        num_pairs=num_pairs,
+    )
+    layout = GroupedLayout(
+        offsets_E=ends.to(torch.int32),
+        row_to_token_S=row(),
+        row_to_pair_S=row(),
+        slot_to_row_TK=row().reshape(rows, 1),
+        tokens_sum=rows,
+        align=1,
+        num_tokens=rows,
+        num_pair_rows=rows,
+        identity=True,
+    )
+    return plan, layout
 
 
 ROUTING_ERRORS = (

@@ -41,6 +41,8 @@ __all__ = [
     "cpu_threads",
     "LayerForward",
     "fits_grouped_mm",
+    "gate_up_from_matrix",
+    "gate_up_matrix",
     "grouped_layout",
     "grouped_mm_rows",
     "grouped_wgrad_default",
@@ -118,6 +120,31 @@ def cpu_threads(device: torch.device, rows: int, experts: int, hidden: int, inte
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def gate_up_matrix(w_gate_up_EH2I: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(w_EHN [E, H, 2I], interleaved)``: the gate/up weight as the GEMM's [E, H, 2I] matrix,
+    a VIEW wherever the memory allows one, and whether its columns are interleaved.
+
+    Concatenated halves (the layer's own [E, H, 2, I], torchtitan's ``[w1; w3]``): gate i at
+    column i, up i at column I + i. gpt-oss's interleaved ``gate_up_proj`` ([E, H, 2I] or
+    [E, 2I, H] with gate at even, up at odd positions, seen through the [E, H, 2, I] view whose
+    "2" stride is half its I stride) has no concatenated view: its own memory is the matrix,
+    gate i at column 2i and up i at 2i + 1 (``interleaved`` True); the GEMM's output and the
+    ``d_gate_up`` rows then use that order. Any other strides: a copy, concatenated."""
+    E, H, _, I = w_gate_up_EH2I.shape
+    if I > 1 and w_gate_up_EH2I.stride(3) == 2 * w_gate_up_EH2I.stride(2):
+        return w_gate_up_EH2I.transpose(2, 3).reshape(E, H, 2 * I), True
+    return w_gate_up_EH2I.reshape(E, H, 2 * I), False
+
+
+def gate_up_from_matrix(m_EHN: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The inverse of :func:`gate_up_matrix`: an [E, H, 2I] matrix (e.g. its weight gradient)
+    as [E, H, 2, I], a view."""
+    N = m_EHN.shape[2]
+    if interleaved:
+        return m_EHN.unflatten(2, (N // 2, 2)).transpose(2, 3)
+    return m_EHN.unflatten(2, (2, N // 2))
 
 
 def grouped_mm_rows(
@@ -241,7 +268,6 @@ def moe_forward_torch(
         ValueError: an ``activation`` that is not an Activation.
     """
     act_fn = Activation.resolve(activation)
-    H = hidden_states_TH.shape[1]
     E, _, _, I = w_gate_up_EH2I.shape
     R = plan.pair_token_R.shape[0]
     cd = compute_dtype
@@ -252,8 +278,8 @@ def moe_forward_torch(
     row_valid = layout.row_to_pair_S >= 0
     row_expert = _row_expert_S(layout, plan, E)
     x_S = layout.gather_rows(hidden_states_TH.to(cd)) if x_rows_S is None else x_rows_S
-    gu_S = grouped_mm_rows(x_S, w_gate_up_EH2I.to(cd).reshape(E, H, 2 * I), offs, cd)
-    gu_S = gu_S.reshape(-1, 2, I)
+    w_gu, interleaved = gate_up_matrix(w_gate_up_EH2I.to(cd))
+    gu_S = gate_up_from_matrix(grouped_mm_rows(x_S, w_gu, offs, cd)[None], interleaved)[0]
     if b_gate_up_E2I is not None:
         gu_S = gu_S + b_gate_up_E2I.float()[row_expert]
     g = cl.clamp_gate(gu_S[:, 0])
@@ -303,17 +329,26 @@ def moe_layer_forward_torch(
     clamp_limits: ClampLimits | None = None,
     activation: Activation | None = None,
     check_routing: bool = False,
+    routing=None,
 ) -> LayerForward:
     """The portable layer forward: the routing plan and grouped layout in torch ops (no host
     read on CUDA), then :func:`moe_forward_torch` with BF16 operands. ``check_routing`` queues
-    the device-side routing check (:func:`common.routing.assert_routing_async`)."""
+    the device-side routing check (:func:`common.routing.assert_routing_async`). ``routing``:
+    an already built ``(plan, layout)`` instead of ``affinity_TK`` / ``expert_index_TK`` (both
+    may be None then); an identity layout (:func:`common.routing.presorted_routing`) is
+    replaced by the plan's aligned one (:func:`grouped_layout`), whose GEMMs this path runs."""
     from common.routing import assert_routing_async, plan_routing, routing_error_code
 
     E = w_gate_up_EH2I.shape[0]
-    if check_routing:
-        assert_routing_async(routing_error_code(expert_index_TK, affinity_TK, E))
-    plan = plan_routing(expert_index_TK, affinity_TK.detach(), E, validate=False)
-    layout = grouped_layout(plan, E)
+    if routing is not None:
+        plan, layout = routing
+        if layout.identity:
+            layout = grouped_layout(plan, E)
+    else:
+        if check_routing:
+            assert_routing_async(routing_error_code(expert_index_TK, affinity_TK, E))
+        plan = plan_routing(expert_index_TK, affinity_TK.detach(), E, validate=False)
+        layout = grouped_layout(plan, E)
     x_rows_S = layout.gather_rows(hidden_states_TH.to(torch.bfloat16))
     y_TH, act_R2I = moe_forward_torch(
         hidden_states_TH, w_gate_up_EH2I, w_down_EIH, plan,
@@ -399,15 +434,17 @@ def moe_backward_torch(
     dA_S = (dh_raw * h).sum(-1)
     if p.b_down_EH is not None:
         dA_S = dA_S + (dy_S.float() * p.b_down_EH.float()[row_expert]).sum(-1)
-    dgu_S = torch.cat([dg, du], 1).to(cd)  # [S, 2I]
+    # [S, 2I] in the weight matrix's column order (gate_up_matrix)
+    w_gu, interleaved = gate_up_matrix(p.w_gate_up_EH2I.to(cd))
+    dgu_S = (torch.stack([dg, du], 2) if interleaved else torch.stack([dg, du], 1)).to(cd)
+    dgu_S = dgu_S.reshape(-1, 2 * I)
 
     # 4. dX = [dg, du] [Wg, Wu]^T, scattered back to tokens
-    w_gu_E2IH = p.w_gate_up_EH2I.to(cd).reshape(E, H, 2 * I).transpose(1, 2)
-    dX_S = grouped_mm_rows(dgu_S, w_gu_E2IH, offs)
+    dX_S = grouped_mm_rows(dgu_S, w_gu.transpose(1, 2), offs)
     dX = layout.scatter_add_rows(dX_S)
 
     # 5. weight gradients
-    dWgu = wgrad(x_S.t(), dgu_S, offs).reshape(E, H, 2, I)
+    dWgu = gate_up_from_matrix(wgrad(x_S.t(), dgu_S, offs), interleaved)
     ah_S = (alpha_S * h).to(cd)
     dWd = wgrad(ah_S.t(), dy_S, offs)
 

@@ -258,12 +258,11 @@ def test_register_does_not_import_transformers_at_package_import():
 
 
 # --------------------------------------------------------------------------- no weight copy
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_the_gemms_read_the_parameters_own_storage(family, monkeypatch):
     """On the portable path every grouped GEMM of the forward and the backward reads the
-    experts' weights from the parameters' own storage (views, no copy), and the gradients land
-    in the parameters in their own layout. (gpt-oss's interleaved gate/up is de-interleaved by
-    a copy on every path today: docs/huggingface.md.)"""
+    experts' weights from the parameters' own storage (views, no copy; gpt-oss's interleaved
+    gate/up included), and the gradients land in the parameters in their own layout."""
     import common.torch_backward as tb
 
     model = _model(family, dtype=torch.bfloat16)
@@ -426,12 +425,7 @@ def _weight_sized_copies(module, step) -> list[str]:
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("family", [
-    "qwen3_moe", "mixtral",
-    pytest.param("gpt_oss", marks=pytest.mark.xfail(
-        strict=True, reason="interleaved gate/up: the layer de-interleaves it by a copy per "
-                            "forward and backward (docs/huggingface.md)")),
-])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_gpu_step_copies_no_weight(family):
     """One training step of the experts module on the fused GPU path: no copy, clone, cast or
     concatenation of a weight-sized tensor (neither the weights nor their gradients'

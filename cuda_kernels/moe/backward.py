@@ -33,14 +33,14 @@ from __future__ import annotations
 import torch
 
 from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
-from common.torch_backward import ALIGN, grouped_layout
+from common.torch_backward import ALIGN, gate_up_from_matrix, gate_up_matrix, grouped_layout
 
 from .. import grouped_mm as gmm
 from ..grouped_wgrad import api
 from ..triton.activation import activation_backward
 from ..triton.rows import gather_rows, segment_colsum, token_sum, zero_empty_groups
 from .grouped_mm_choice import kernel_rows, pick
-from .steps import gathered_times_experts, rows_times_experts
+from .steps import covering_offsets, gathered_times_experts, identity_rows, rows_times_experts
 
 __all__ = ["GRAD_DTYPES", "moe_backward_fused"]
 
@@ -194,7 +194,9 @@ def moe_backward_fused(
             which ran and why.
         layout: optional :class:`~common.routing.GroupedLayout` of the plan with ``align`` a
             multiple of 16 (the forward's, to skip rebuilding it: ~20 small kernels and their
-            host time); default ``plan.grouped`` with a static row count.
+            host time), or its identity layout (:func:`common.routing.presorted_routing`: X and
+            dY are read in place, dX is the dgrad's output, no gather or per-token sum);
+            default ``plan.grouped`` with a static row count.
         x_rows_S: optional [S, H] BF16 X already in ``layout``'s row order, as the forward
             gathered it for its first GEMM (padding rows must be finite: the gather writes 0);
             skips this backward's X gather. Needs ``layout``.
@@ -225,10 +227,10 @@ def moe_backward_fused(
     passed_layout = layout
     if layout is None:
         layout = grouped_layout(plan, E)
-    elif layout.align % ALIGN or layout.num_tokens != plan.num_tokens:
+    elif (layout.align % ALIGN and not layout.identity) or layout.num_tokens != plan.num_tokens:
         raise ValueError(
-            f"layout must be a grouped layout of this plan with align a multiple of {ALIGN}, "
-            f"got align={layout.align}, T={layout.num_tokens}"
+            f"layout must be a grouped layout of this plan with align a multiple of {ALIGN} "
+            f"(or an identity layout), got align={layout.align}, T={layout.num_tokens}"
         )
     S = layout.tokens_sum
     if x_rows_S is not None:
@@ -246,26 +248,35 @@ def moe_backward_fused(
     stats: dict = {}
 
     if x_rows_S is None:
-        x_S = gather_rows(x_TH, layout.row_to_token_S, bf16)
+        x_S = (identity_rows(x_TH) if layout.identity
+               else gather_rows(x_TH, layout.row_to_token_S, bf16))
     else:
         x_S = x_rows_S
     w_down_EHI = p.w_down_EIH.to(bf16).transpose(1, 2)
+    # the gate/up matrix: a view (gpt-oss's interleaved memory included) unless the gradient
+    # is accumulated into a main_grad buffer, whose memory is the concatenated [E, H, 2, I]
+    w_gu, interleaved = gate_up_matrix(p.w_gate_up_EH2I.to(bf16))
+    if interleaved and acc is not None:
+        w_gu, interleaved = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I), False
     impl = pick("backward_down_dgrad", grouped_mm, dy_TH, w_down_EHI, layout.row_to_token_S,
-                act_R2I=p.act_checkpoint_R2I)
+                act_R2I=p.act_checkpoint_R2I, gate_up_interleaved=interleaved)
     stats["grouped_mm"] = impl
     if impl == "ours":
-        dy_S = torch.empty(S, H, dtype=bf16, device=dev)
+        # (an identity layout's rows are dY itself: the kernel reads them, no side output)
+        dy_S = None if layout.identity else torch.empty(S, H, dtype=bf16, device=dev)
         dgu_S, ah_S, dA_TE = gmm.down_dgrad_backward(
             kernel_rows(dy_TH), w_down_EHI.transpose(1, 2), layout, plan, p.act_checkpoint_R2I,
             activation=p.activation, clamp_limits=p.clamp_limits, b_down_EH=p.b_down_EH,
             backend="auto", dy_rows_out=dy_S,
         )
+        if dy_S is None:
+            dy_S = identity_rows(dy_TH)
     else:
         dy_S, dh_raw = gathered_times_experts(impl, dy_TH, w_down_EHI, layout)
         dgu_S, ah_S, dA_TE = activation_backward(
             dh_raw, p.act_checkpoint_R2I, r2p, plan,
             activation=p.activation, clamp_limits=p.clamp_limits or ClampLimits(),
-            dy_SH=dy_S, b_down_EH=p.b_down_EH,
+            dy_SH=dy_S, b_down_EH=p.b_down_EH, gate_up_interleaved=interleaved,
         )
         del dh_raw
     # Operands are freed as soon as their last GEMM is queued: dY rows and a*h after dW_down,
@@ -283,18 +294,22 @@ def moe_backward_fused(
             ah_S.t(), dy_S, offs, acc_d, acc is not None, grad_dtype, wgrad_backend, align, stats
         )
     del ah_S, dy_S
-    w_gu_E2IH = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I).transpose(1, 2)
-    dX_S = rows_times_experts(dgu_S, w_gu_E2IH, offs)
-    dX = token_sum(dX_S, layout.slot_to_row_TK, grad_dtype)
-    del dX_S
-    if acc is None and _memory_is(p.w_gate_up_EH2I, (0, 2, 3, 1)):  # [w1; w3] [E, 2I, H]
+    w_gu_E2IH = w_gu.transpose(1, 2)
+    if layout.identity:  # each row is its own token (d_gate_up is 0 on padding rows)
+        dX = rows_times_experts(dgu_S, w_gu_E2IH, covering_offsets(layout)).to(grad_dtype)
+    else:
+        dX_S = rows_times_experts(dgu_S, w_gu_E2IH, offs)
+        dX = token_sum(dX_S, layout.slot_to_row_TK, grad_dtype)
+        del dX_S
+    if acc is None and _memory_is(w_gu, (0, 2, 1)):  # [E, 2I, H]: [w1; w3], gpt-oss [E, 2I, H]
         dWgu = _wgrad(dgu_S.t(), x_S, offs, None, False, grad_dtype, wgrad_backend, align,
-                      stats).view(E, 2, I, H).permute(0, 3, 1, 2)
+                      stats).transpose(1, 2)
     else:
         dWgu = _wgrad(
             x_S.t(), dgu_S, offs, None if acc_gu is None else acc_gu.view(E, H, 2 * I),
             acc is not None, grad_dtype, wgrad_backend, align, stats,
-        ).view(E, H, 2, I)
+        )
+    dWgu = gate_up_from_matrix(dWgu, interleaved)  # in the weight's own memory layout
     grads = MoEGrads(
         hidden_states_grad_TH=dX,
         affinity_grad_TE=dA_TE,
@@ -303,6 +318,7 @@ def moe_backward_fused(
         info=stats,
     )
     if p.has_bias:
-        grads.b_gate_up_grad_E2I = dBgu.reshape(E, 2, I).to(grad_dtype)
+        grads.b_gate_up_grad_E2I = gate_up_from_matrix(dBgu[:, None], interleaved)[:, 0].to(
+            grad_dtype)
         grads.b_down_grad_EH = dBd.to(grad_dtype)
     return grads

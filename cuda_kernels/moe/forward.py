@@ -33,14 +33,14 @@ from __future__ import annotations
 import torch
 
 from common.problem import Activation, ClampLimits
-from common.torch_backward import ALIGN, LayerForward
+from common.torch_backward import ALIGN, LayerForward, gate_up_matrix
 
 from .. import grouped_mm as gmm
 from ..triton.activation import activation_forward
 from ..triton.routing import build_routing, check_routing_async
 from ..triton.rows import token_sum
 from .grouped_mm_choice import kernel_rows, pick
-from .steps import gathered_times_experts, rows_times_experts
+from .steps import covering_offsets, gathered_times_experts, identity_rows, rows_times_experts
 
 __all__ = ["moe_forward_fused"]
 
@@ -58,6 +58,7 @@ def moe_forward_fused(
     activation: Activation | None = None,
     check_routing: bool = False,
     grouped_mm: str = "auto",
+    routing=None,
 ) -> LayerForward:
     """The layer's forward, fused: BF16 GEMM operands, fp32 accumulation, BF16 in HBM.
 
@@ -80,6 +81,11 @@ def moe_forward_fused(
             per-shape table, cuBLAS where our kernel cannot run;
             :mod:`cuda_kernels.moe.grouped_mm_choice`). Same outputs either way (within one BF16
             rounding of the pre-activation).
+        routing: optional ``(plan, layout)`` already built (then ``affinity_TK`` and
+            ``expert_index_TK`` may be None and no routing build runs). With an identity layout
+            (:func:`common.routing.presorted_routing`: rows already in expert order) nothing is
+            gathered (the GEMM reads ``hidden_states_TH`` in place; ``x_rows_S`` is those rows)
+            and, without a down bias, y is the down GEMM's output (no per-token combine).
     Returns:
         :class:`~common.torch_backward.LayerForward`: y [T, H] in the input's dtype, the BF16
         checkpoint [R, 2, I], the BF16 X rows [S, H], the plan and the layout.
@@ -91,27 +97,40 @@ def moe_forward_fused(
     act_fn = Activation.resolve(activation)
     E, H, _, I = w_gate_up_EH2I.shape
     bf16 = torch.bfloat16
-    plan, layout, error_code = build_routing(expert_index_TK, affinity_TK.detach(), E, align=ALIGN)
-    if check_routing:
-        check_routing_async(error_code)
+    if routing is None:
+        plan, layout, error_code = build_routing(expert_index_TK, affinity_TK.detach(), E,
+                                                 align=ALIGN)
+        if check_routing:
+            check_routing_async(error_code)
+    else:
+        plan, layout = routing
     offs = layout.offsets_E
-    w_gu = w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I)
+    w_gu, interleaved = gate_up_matrix(w_gate_up_EH2I.to(bf16))  # a view, also for gpt-oss
     x_TH = hidden_states_TH
-    impl = pick("forward_gate_up", grouped_mm, x_TH, w_gu, layout.row_to_token_S)
+    impl = pick("forward_gate_up", grouped_mm, x_TH, w_gu, layout.row_to_token_S,
+                gate_up_interleaved=interleaved)
     if impl == "ours":
-        x_S = torch.empty(layout.tokens_sum, H, dtype=bf16, device=x_TH.device)
+        # (an identity layout's rows are x itself: the kernel reads them, no side output)
+        x_S = None if layout.identity else torch.empty(layout.tokens_sum, H, dtype=bf16,
+                                                       device=x_TH.device)
         act_R2I, ah_S = gmm.gate_up_forward(
             kernel_rows(x_TH), w_gu, layout, plan, activation=act_fn, clamp_limits=clamp_limits,
             b_gate_up_E2I=b_gate_up_E2I, backend="auto",
             x_rows_out=x_S,
         )
+        if x_S is None:
+            x_S = identity_rows(x_TH)
     else:
         x_S, gu_S = gathered_times_experts(impl, x_TH, w_gu, layout)
         act_R2I, ah_S = activation_forward(
             gu_S, layout.row_to_pair_S, plan, activation=act_fn,
             clamp_limits=clamp_limits or ClampLimits(), b_gate_up_E2I=b_gate_up_E2I,
+            gate_up_interleaved=interleaved,
         )
         del gu_S
+    if layout.identity and b_down_EH is None:  # each row is its own token: y is out_S
+        y_TH = rows_times_experts(ah_S, w_down_EIH.to(bf16), covering_offsets(layout))
+        return LayerForward(y_TH.to(hidden_states_TH.dtype), act_R2I, x_S, plan, layout)
     out_S = rows_times_experts(ah_S, w_down_EIH.to(bf16), offs)
     del ah_S
     y_TH = token_sum(

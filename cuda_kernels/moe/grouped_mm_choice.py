@@ -154,7 +154,7 @@ def _kernel_view(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(2, t.shape[-1], dtype=torch.bfloat16, device=t.device)
 
 
-def _reason(step, impl, a, w, row_index, act_R2I) -> str | None:
+def _reason(step, impl, a, w, row_index, act_R2I, interleaved=False) -> str | None:
     """Why the kernel of ``impl`` ("ours": the fused one, "ours-gemm": the plain gathering GEMM)
     cannot run ``step`` on these operands (``a`` [T, K] activation rows, ``w`` [E, K, N] BF16 as
     the entry reads it), or None. On CPU tensors only the rules of the torch twin (which then
@@ -162,7 +162,10 @@ def _reason(step, impl, a, w, row_index, act_R2I) -> str | None:
     from .. import grouped_mm
 
     why = None
-    if grouped_mm.weight_major(w) is None:
+    if impl == "ours" and interleaved:
+        why = ("the fused epilogue takes gate/up as the two halves of the GEMM's columns; this "
+               "weight interleaves them (gpt-oss's gate_up_proj)")
+    elif grouped_mm.weight_major(w) is None:
         name = "w_gate_up [E, H, 2I]" if step == "forward_gate_up" else "w_down^T [E, H, I]"
         why = (f"{name} has strides {w.stride()}: our kernel needs [E, K, N] or [E, N, K] "
                "contiguous memory")
@@ -189,6 +192,7 @@ def pick(
     row_index: torch.Tensor,
     *,
     act_R2I: torch.Tensor | None = None,
+    gate_up_interleaved: bool = False,
 ) -> str:
     """``"cublas"``, ``"ours"`` or ``"ours-gemm"`` for one call of ``step`` (module docstring),
     decided once per operand metadata (shapes, strides, dtypes, 16-byte alignment, device) and
@@ -201,6 +205,8 @@ def pick(
         w: [E, H, N] BF16 weight as the fused entry reads it (N = 2I forward, I backward).
         row_index: [S] the layout's row -> token index.
         act_R2I: the backward's checkpoint (its dtype and layout are a rule of the kernel).
+        gate_up_interleaved: the gate/up columns are interleaved
+            (:func:`common.torch_backward.gate_up_matrix`): ``"ours"`` cannot run then.
 
     Raises:
         ValueError: ``requested`` is not one of :data:`GROUPED_MM`.
@@ -214,22 +220,25 @@ def pick(
     key = (step, requested, a.device, a.dtype, a.shape[1:], min(a.shape[0], 2), a.stride(),
            a.data_ptr() % 16,
            w.shape, w.stride(), w.data_ptr() % 16, row_index.dtype,
-           None if act_R2I is None else (act_R2I.dtype, act_R2I.stride()))
+           None if act_R2I is None else (act_R2I.dtype, act_R2I.stride()),
+           bool(gate_up_interleaved))
     got = _CHOICE.get(key)
     if got is None:
-        got = _CHOICE[key] = _decide(step, requested, a, w, row_index, act_R2I, E, H, I)
+        got = _CHOICE[key] = _decide(step, requested, a, w, row_index, act_R2I, E, H, I,
+                                     bool(gate_up_interleaved))
     impl, why = got
     if impl == "error":
         raise RuntimeError(f"grouped_mm={requested!r} cannot run the {step} step: {why}")
     return impl
 
 
-def _decide(step, requested, a, w, row_index, act_R2I, E, H, I) -> tuple[str, str | None]:
+def _decide(step, requested, a, w, row_index, act_R2I, E, H, I, interleaved
+            ) -> tuple[str, str | None]:
     check_grouped_mm(requested)
     impl = table_choice(step, E, H, I) if requested == "auto" else requested
     if impl == "cublas":
         return "cublas", None
-    why = _reason(step, impl, a, w, row_index, act_R2I)
+    why = _reason(step, impl, a, w, row_index, act_R2I, interleaved)
     if why is None:
         return impl, None
     return ("cublas", why) if requested == "auto" else ("error", why)

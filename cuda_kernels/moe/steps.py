@@ -19,7 +19,26 @@ from .. import grouped_mm as gmm
 from ..triton.rows import gather_rows
 from .grouped_mm_choice import kernel_rows
 
-__all__ = ["gathered_times_experts", "rows_times_experts"]
+__all__ = ["covering_offsets", "gathered_times_experts", "identity_rows", "rows_times_experts"]
+
+
+def identity_rows(t: torch.Tensor) -> torch.Tensor:
+    """An [S, K] operand of an identity layout (``GroupedLayout.identity``: the rows are
+    already in expert order) as the GEMMs read it in place: ``t`` itself when it is contiguous
+    BF16, else a contiguous BF16 copy."""
+    if t.dtype == torch.bfloat16 and t.is_contiguous():
+        return t
+    return t.to(torch.bfloat16).contiguous()
+
+
+def covering_offsets(layout) -> torch.Tensor:
+    """``layout.offsets_E`` with the last expert's end moved to S: a GEMM whose input rows are
+    exactly 0 past the real rows (the activation passes write padding rows as 0) then writes
+    every output row, 0 on padding rows, so an identity layout's output needs no combine pass
+    (the layout's own offsets, which end at the real rows, leave the rows past them unwritten
+    on cuBLAS)."""
+    offs = layout.offsets_E
+    return torch.cat([offs[:-1], offs.new_full((1,), layout.tokens_sum)])
 
 
 def rows_times_experts(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor):
@@ -36,8 +55,14 @@ def gathered_times_experts(impl: str, a_TK: torch.Tensor, w_EKN: torch.Tensor, l
     ``impl`` (:func:`.grouped_mm_choice.pick`): ``"cublas"`` = the Triton gather
     pass then :func:`rows_times_experts`; ``"ours-gemm"`` = our gathering GEMM
     (:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, its torch twin on CPU tensors), which
-    side-writes the same rows bit for bit."""
+    side-writes the same rows bit for bit. An identity layout (rows already in expert order)
+    gathers nothing: ``a_S`` is :func:`identity_rows` of ``a_TK``."""
     idx = layout.row_to_token_S
+    if layout.identity:  # rows already in expert order: no gather, the GEMM reads a_TK itself
+        a_S = identity_rows(a_TK)
+        if impl == "cublas":
+            return a_S, rows_times_experts(a_S, w_EKN, layout.offsets_E)
+        return a_S, gmm.grouped_mm_gather(a_S, w_EKN, layout.offsets_E, None, backend="auto")
     if impl == "cublas":
         a_S = gather_rows(a_TK, idx, torch.bfloat16)
         return a_S, rows_times_experts(a_S, w_EKN, layout.offsets_E)

@@ -27,6 +27,19 @@ from .launch import TritonKernel, cast, rne_bf16
 __all__ = ["activation_args", "activation_backward", "activation_forward"]
 
 
+@triton.jit
+def _gate_up_columns(cols, I, GU_INTERLEAVED: tl.constexpr):
+    """The [S, 2I] gate/up row's columns of gate i and up i: ``(i, I + i)`` (concatenated
+    halves) or ``(2i, 2i + 1)`` (interleaved, gpt-oss's own weight layout)."""
+    if GU_INTERLEAVED:
+        g_col = 2 * cols
+        u_col = g_col + 1
+    else:
+        g_col = cols
+        u_col = cols + I
+    return g_col, u_col
+
+
 def _activation_forward_kernel(
     gu_ptr, stride_gu, bgu_ptr, stride_bgu,
     r2p_ptr, pair_expert_ptr, pair_alpha_ptr, num_pairs_ptr,
@@ -36,7 +49,7 @@ def _activation_forward_kernel(
     ACT_ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
     G_HAS_LO: tl.constexpr, G_HAS_HI: tl.constexpr,
     U_HAS_LO: tl.constexpr, U_HAS_HI: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GU_INTERLEAVED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -59,9 +72,10 @@ def _activation_forward_kernel(
         cols = i0 + tl.arange(0, BLOCK_I)
         in_i = (cols < I)[None, :]
         m = valid[:, None] & in_i
-        src = gu_ptr + rows64[:, None] * stride_gu + cols[None, :]
-        g = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(src + I, mask=m, other=0.0).to(tl.float32)
+        g_col, u_col = _gate_up_columns(cols, I, GU_INTERLEAVED)
+        src = gu_ptr + rows64[:, None] * stride_gu
+        g = tl.load(src + g_col[None, :], mask=m, other=0.0).to(tl.float32)
+        u = tl.load(src + u_col[None, :], mask=m, other=0.0).to(tl.float32)
         if HAS_BIAS:
             b = bgu_ptr + expert[:, None] * stride_bgu + cols[None, :]
             g += tl.load(b, mask=m, other=0.0).to(tl.float32)
@@ -99,6 +113,7 @@ def activation_forward(
     clamp_limits,
     b_gate_up_E2I: torch.Tensor | None = None,
     operand_dtype: torch.dtype = torch.bfloat16,
+    gate_up_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bias, clamp and gated activation of every grouped row (REFERENCE §2).
 
@@ -112,14 +127,16 @@ def activation_forward(
     the stored value).
 
     Args:
-        gu_S2I: [S, 2I] float, the gate/up GEMM's output rows (gate columns first), unit stride
-            along columns.
+        gu_S2I: [S, 2I] float, the gate/up GEMM's output rows (gate columns first; with
+            ``gate_up_interleaved`` gate i at column 2i and up i at 2i + 1, the GEMM's output on
+            gpt-oss's interleaved weight), unit stride along columns.
         row_to_pair_S: [S] int64, the plan pair of each grouped row, -1 for padding rows.
         plan: the :class:`~common.routing.RoutingPlan` (pair experts, merged affinities,
             ``num_pairs``); R = ``plan.pair_token_R.shape[0]`` <= S.
         activation: :class:`~common.problem.Activation`.  clamp_limits: ClampLimits.
         b_gate_up_E2I: optional [E, 2, I] gate/up bias.
         operand_dtype: dtype of both outputs (BF16).
+        gate_up_interleaved: ``gu_S2I``'s columns interleaved (above).
     Returns:
         ``(act_R2I [R, 2, I], a_h_SI [S, I])``: the checkpoint in the plan's pair order
         (entries past ``num_pairs`` exactly 0) and the down GEMM's rows (padding rows 0).
@@ -149,7 +166,7 @@ def activation_forward(
         row_to_pair_S, plan.pair_expert_R, plan.pair_affinity_R, plan.num_pairs,
         act, act.stride(0), act.stride(1), ah, ah.stride(0),
         S, R, I, *limits, **act_meta,
-        HAS_BIAS=has_bias,
+        HAS_BIAS=has_bias, GU_INTERLEAVED=bool(gate_up_interleaved),
         BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, RNE_BF16=rne_bf16(operand_dtype),
         num_warps=4,
     )
@@ -183,7 +200,7 @@ def _activation_backward_kernel(
     ACT_ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
     G_HAS_LO: tl.constexpr, G_HAS_HI: tl.constexpr,
     U_HAS_LO: tl.constexpr, U_HAS_HI: tl.constexpr,
-    HAS_BD: tl.constexpr,
+    HAS_BD: tl.constexpr, GU_INTERLEAVED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -224,10 +241,11 @@ def _activation_backward_kernel(
         du = tl.where(mu, du, 0.0)
         ah = tl.where(m, alpha[:, None] * h, 0.0)
         out_m = in_rows[:, None] & (cols < I)[None, :]
-        dgu_row = dgu_ptr + rows64[:, None] * stride_dgu + cols[None, :]
+        g_col, u_col = _gate_up_columns(cols, I, GU_INTERLEAVED)
+        dgu_row = dgu_ptr + rows64[:, None] * stride_dgu
         out_ty = dgu_ptr.dtype.element_ty
-        tl.store(dgu_row, cast(dg, out_ty, RNE_BF16), mask=out_m)
-        tl.store(dgu_row + I, cast(du, out_ty, RNE_BF16), mask=out_m)
+        tl.store(dgu_row + g_col[None, :], cast(dg, out_ty, RNE_BF16), mask=out_m)
+        tl.store(dgu_row + u_col[None, :], cast(du, out_ty, RNE_BF16), mask=out_m)
         ah_row = ah_ptr + rows64[:, None] * stride_ah + cols[None, :]
         tl.store(ah_row, cast(ah, out_ty, RNE_BF16), mask=out_m)
     expert = tl.load(pair_expert_ptr + p, mask=valid, other=0).to(tl.int64)
@@ -256,6 +274,7 @@ def activation_backward(
     dy_SH: torch.Tensor | None = None,
     b_down_EH: torch.Tensor | None = None,
     operand_dtype: torch.dtype = torch.bfloat16,
+    gate_up_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gated-activation backward of every grouped row, with the affinity gradient.
 
@@ -277,6 +296,8 @@ def activation_backward(
         activation: :class:`~common.problem.Activation`.  clamp_limits: ClampLimits.
         dy_SH, b_down_EH: grouped dY rows [S, H] and the down bias [E, H], only with a bias.
         operand_dtype: dtype of the two outputs that feed GEMMs (BF16).
+        gate_up_interleaved: write ``d_gate_up`` with dg i at column 2i and du i at 2i + 1 (the
+            layout of gpt-oss's interleaved weight) instead of the two halves.
     Returns:
         ``(d_gate_up_S2I [S, 2I], a_h_SI [S, I], dA_TE [T, E] fp32)``; padding rows of the first
         two are exactly 0, and dA is 0 where a token is not routed.
@@ -312,7 +333,7 @@ def activation_backward(
         dy_SH, dy_SH.stride(0), b_down_EH, b_down_EH.stride(0),
         dgu, dgu.stride(0), ah, ah.stride(0), da,
         S, I, H, E, *limits, **act_meta,
-        HAS_BD=has_bd,
+        HAS_BD=has_bd, GU_INTERLEAVED=bool(gate_up_interleaved),
         BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_H=BLOCK_H, RNE_BF16=rne_bf16(operand_dtype),
         num_warps=4,
     )

@@ -109,6 +109,20 @@ class _Failed(Exception):
     """A user error: printed to stderr as ``error: ...``, exit code 2."""
 
 
+def _usable_device(name: str | None) -> str:
+    """``--device`` (default: cuda if present, else cpu), checked: _Failed naming it when torch
+    cannot allocate there or when it holds no data (``meta``: every value the job reads back
+    would be missing)."""
+    device = name or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        kind = torch.empty(0, device=device).device.type
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        raise _Failed(f"--device {device!r} cannot be used here: {exc}") from None
+    if kind == "meta":
+        raise _Failed(f"--device {device!r} holds no data (shapes only): use cpu or cuda")
+    return device
+
+
 def _error(msg: str) -> int:
     from rich.markup import escape  # a message's own brackets ('[report]', '[T, K]') stay text
 
@@ -217,11 +231,7 @@ def _run(args, console: Console) -> int:
         raise _Failed(str(exc)) from None
     if routing is not None and args.tokens is None:
         args.tokens = int(routing[0].shape[0])
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError, ValueError) as exc:
-        raise _Failed(f"--device {device!r} cannot be used here: {exc}") from None
+    device = _usable_device(args.device)
     if not (args.skew >= 0 and args.skew != float("inf")):
         raise _Failed(f"--skew must be a finite number >= 0, got {args.skew}")
     try:
@@ -600,7 +610,10 @@ def _cmd_compare(args, console: Console) -> int:
                 f"{op!r} is neither a bundle directory (with bundle.json) nor "
                 f"a backend ({', '.join(sorted(names))})"
             )
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = _usable_device(args.device)
+    except _Failed as exc:
+        return _error(str(exc))
     times: dict[str, float] = {}
     unique = list(dict.fromkeys(operands + [baseline]))
     steps = _Steps(console, 2 + len(unique) + (args.report is not None))

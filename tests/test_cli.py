@@ -110,6 +110,15 @@ def test_run_bad_tokens_exits_2(capsys, small_models):
     assert "--tokens" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [
+    ["run", "--model", "olmoe-1b-7b", "--tokens", "8"],
+    ["compare", "torch", "reference", "--model", "olmoe-1b-7b", "--tokens", "8"],
+])
+def test_meta_device_exits_2_before_any_work(command, capsys, small_models):
+    assert cli.main([*command, "--device", "meta"]) == 2
+    assert "--device 'meta' holds no data" in capsys.readouterr().err
+
+
 def test_run_bad_backend_exits_2(capsys, small_models):
     assert cli.main(["run", "--model", "olmoe-1b-7b", "--tokens", "8", "--backend", "bogus"]) == 2
     assert "bogus" in capsys.readouterr().err

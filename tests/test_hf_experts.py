@@ -251,6 +251,17 @@ def test_unknown_gate_override_raises(monkeypatch):
         hf.experts_forward(module, *_module_inputs(module))
 
 
+@pytest.mark.parametrize("name", ["eager", "grouped_mm", "batched_mm"])
+def test_register_refuses_transformers_own_names(name):
+    from transformers.integrations.moe import ExpertsInterface
+
+    before = dict(ExpertsInterface._global_mapping)
+    with pytest.raises(ValueError, match=rf"name='{name}' is already an experts implementation"):
+        hf.register(name)
+    assert ExpertsInterface._global_mapping == before  # nothing replaced
+    hf.register()  # ours, again: allowed (replaces our settings)
+
+
 def test_register_does_not_import_transformers_at_package_import():
     code = ("import sys, common, common.integrations, common.integrations.transformers, "
             "common.layer; assert 'transformers' not in sys.modules, 'imported'")

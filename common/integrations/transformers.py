@@ -333,7 +333,9 @@ def register(
         name: the implementation name (default ``"moe_bwd"``).
         backend, grouped_mm, validate_routing: as :class:`common.layer.MoEExpertsOptions`.
     Raises:
-        ValueError: a bad setting.  ImportError: transformers (with ``ExpertsInterface``)
+        ValueError: a bad setting, or ``name`` is one of transformers' own implementations
+            (``"eager"``, ``"grouped_mm"``, ...: replacing one would make a comparison against
+            it compare ours with ours).  ImportError: transformers (with ``ExpertsInterface``)
             is not installed.
     """
     if not isinstance(name, str) or not name:
@@ -341,6 +343,15 @@ def register(
     base = MoEExpertsOptions(backend=backend, grouped_mm=grouped_mm,
                              validate_routing=validate_routing)
     from transformers.integrations.moe import ExpertsInterface
+
+    mapping = getattr(ExpertsInterface, "_global_mapping", {})
+    theirs = sorted({"eager"} | {k for k, f in mapping.items()
+                                 if getattr(f, "func", None) is not _experts_forward})
+    if name in theirs:
+        raise ValueError(
+            f"name={name!r} is already an experts implementation of transformers ({theirs}); "
+            f"register ours under another name (default {EXPERTS_IMPLEMENTATION!r})"
+        )
 
     _silu_classes()  # imported now, not while torch.compile traces a forward
     # the settings as an int bound now: nothing to look up while torch.compile traces

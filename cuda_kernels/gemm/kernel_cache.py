@@ -29,7 +29,6 @@ import hashlib
 import importlib.metadata
 import os
 import pathlib
-import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -136,7 +135,13 @@ def _store(fn: Any, path: pathlib.Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m cuda_kernels.gemm [--clear]``: where the cache is, what it holds."""
-    args = sys.argv[1:] if argv is None else argv
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m cuda_kernels.gemm",
+        description="Where the persistent CuTe DSL kernel cache is and what it holds.")
+    parser.add_argument("--clear", action="store_true", help="delete every cached kernel")
+    clear = parser.parse_args(argv).clear  # an unknown argument: usage error, exit 2
     root = cache_dir()
     if root is None:
         print(f"kernel cache off ({ENV_VAR}=off)")
@@ -144,12 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     files = sorted(root.glob("*.o")) if root.is_dir() else []
     size = sum(f.stat().st_size for f in files)
     print(f"kernel cache: {root} ({len(files)} kernels, {size / 2**20:.1f} MiB)")
-    if "--clear" in args:
+    if clear:
         for f in files:  # only the entries: the directory may be the user's own
             f.unlink(missing_ok=True)
         print(f"cleared {len(files)} kernels")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

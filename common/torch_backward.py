@@ -133,7 +133,8 @@ def gate_up_matrix(w_gate_up_EH2I: torch.Tensor) -> tuple[torch.Tensor, bool]:
     gate i at column 2i and up i at 2i + 1 (``interleaved`` True); the GEMM's output and the
     ``d_gate_up`` rows then use that order. Any other strides: a copy, concatenated."""
     E, H, _, I = w_gate_up_EH2I.shape
-    if I > 1 and w_gate_up_EH2I.stride(3) == 2 * w_gate_up_EH2I.stride(2):
+    s2, s3 = w_gate_up_EH2I.stride(2), w_gate_up_EH2I.stride(3)
+    if I > 1 and s2 != 0 and s3 == 2 * s2:  # (an expanded weight, strides 0, is no layout)
         return w_gate_up_EH2I.transpose(2, 3).reshape(E, H, 2 * I), True
     return w_gate_up_EH2I.reshape(E, H, 2 * I), False
 

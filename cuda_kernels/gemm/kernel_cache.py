@@ -14,12 +14,15 @@ Where: ``$MOE_BWD_KERNEL_CACHE`` if set (``off`` disables the cache), else
 cuda_kernels.gemm --clear`` (or delete the directory); ``python -m
 cuda_kernels.gemm`` prints where it is and what it holds.
 
-Stale entries are never loaded: an entry's name is a sha256 of the family name, the kernel key's
-``repr``, the target arch, the CuTe DSL version and the text of every ``.py`` file of
-the engine (``cuda_kernels/gemm/``, where every CuTe DSL kernel lives: an edited kernel or an
-upgraded DSL compiles anew). Entries are written to a
-temporary file and renamed, so concurrent processes never read a partial one; an entry that
-fails to load is compiled again and replaced.
+What an entry's name covers: a sha256 of the family name, the kernel key's ``repr`` (its
+tile included, so an edited ``configs/cuda/*_tiles.yaml`` row names another entry), the target
+arch, the CuTe DSL and apache-tvm-ffi versions, torch's CUDA version, the ``CUTE_DSL_*``
+environment settings and the text of every ``.py`` file of the engine (``cuda_kernels/gemm/``,
+where every CuTe DSL kernel lives: an edited kernel or an upgraded DSL compiles anew). Entries
+are written to a temporary file and renamed, so concurrent processes never read a partial one;
+an entry that fails to load is compiled again and replaced. An entry is native code that the
+process runs: keep the cache directory private to its user (the default under ``~/.cache``
+is).
 """
 
 from __future__ import annotations
@@ -51,13 +54,20 @@ def cache_dir() -> pathlib.Path | None:
 
 @functools.cache
 def _build_fingerprint() -> str:
-    """sha256 of the CuTe DSL version and of every ``.py`` source of the engine
-    (``cuda_kernels/gemm/``)."""
+    """sha256 of what builds and loads an entry besides its key: the CuTe DSL and apache-tvm-ffi
+    versions (the compiler and the loader's ABI), torch's CUDA version, the ``CUTE_DSL_*``
+    settings of the environment, and every ``.py`` source of the engine (``cuda_kernels/gemm/``)."""
+    import torch
+
     h = hashlib.sha256()
-    try:
-        h.update(importlib.metadata.version("nvidia-cutlass-dsl").encode())
-    except importlib.metadata.PackageNotFoundError:
-        h.update(b"no nvidia-cutlass-dsl")
+    for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
+        try:
+            h.update(f"{dist} {importlib.metadata.version(dist)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            h.update(f"no {dist}".encode())
+    h.update(f"cuda {torch.version.cuda}".encode())
+    for name in sorted(k for k in os.environ if k.startswith("CUTE_DSL_")):
+        h.update(f"{name}={os.environ[name]}".encode())
     root = pathlib.Path(__file__).resolve().parent
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode())

@@ -210,18 +210,22 @@ class KernelFamily:
             )
 
     def compiled(self, key: Any):
-        """The compiled kernel of ``key``: built once per process (``compile_count``), loaded
-        from the persistent kernel cache (:mod:`.kernel_cache`) when an earlier process
-        compiled it."""
+        """The compiled kernel of ``key``: built once per process, loaded from the persistent
+        kernel cache (:mod:`.kernel_cache`) when an earlier process compiled it
+        (``compile_count`` counts the real compiles)."""
         with self._lock:
             fn = self._compiled.get(key)
             if fn is None:
                 arch = self.runtime_arch()
-                fn = kernel_cache.load_or_compile(
-                    self.name, key, arch, lambda: self._compile(key, arch)
+
+                def compile_now():
+                    built = self._compile(key, arch)
+                    self.compile_count += 1  # a real compile (a cache load is not one)
+                    return built
+
+                fn = self._compiled[key] = kernel_cache.load_or_compile(
+                    self.name, key, arch, compile_now
                 )
-                self.compile_count += 1
-                self._compiled[key] = fn
             return fn
 
     def module_getattr(self, module_name: str) -> Callable[[str], Any]:

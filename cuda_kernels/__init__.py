@@ -11,6 +11,7 @@ does not query the GPU; kernels compile on first use.
 """
 
 from common._version import __version__ as __version__  # re-exported
+from common.lazy import lazy_exports
 
 from . import grouped_wgrad
 from .grouped_wgrad import *  # noqa: F403 - the package re-exports the grouped wgrad API
@@ -24,16 +25,4 @@ _LAZY = {
 
 __all__ = list(grouped_wgrad.__all__) + list(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # resolved once
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -24,7 +24,7 @@ import torch
 from common.dispatch import Backend, register_backend
 from common.problem import MoEBackwardProblem, MoEGrads
 
-from .gemm import registry
+from .gemm import env, registry
 from .grouped_wgrad import api
 from .moe.grouped_mm_choice import GROUPED_MM_OPTION
 
@@ -42,15 +42,6 @@ def _device_reason(min_cc: int, max_cc: int | None, name: str) -> str | None:
     return None
 
 
-def _cutlass_reason() -> str | None:
-    if importlib.util.find_spec("cutlass") is None:
-        return (
-            "nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1 "
-            "apache-tvm-ffi==0.1.15.post2)"
-        )
-    return None
-
-
 def _triton_reason() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (pip install triton==3.6.0)"
@@ -59,7 +50,7 @@ def _triton_reason() -> str | None:
 
 def check_cuda_sm90() -> str | None:
     """None when the Hopper kernels can run here, else why not."""
-    return _device_reason(90, 99, "cuda-sm90") or _triton_reason() or _cutlass_reason()
+    return _device_reason(90, 99, "cuda-sm90") or _triton_reason() or env.cutlass_dsl_missing()
 
 
 _SM100_OPT_IN = "MOE_BWD_ENABLE_UNVERIFIED_SM100"
@@ -82,7 +73,7 @@ def check_cuda_sm100() -> str | None:
     family = registry.provider("sm100", "bf16")
     if family is None or family.load() is None:
         return "the SM100 grouped wgrad kernel module (gemm/sm100/wgrad_bf16.py) is missing"
-    return family.gate() or _triton_reason() or _cutlass_reason()
+    return family.gate() or _triton_reason() or env.cutlass_dsl_missing()
 
 
 def make_grouped_wgrad(arch: str, stats: dict | None = None, group_align: int = 1):

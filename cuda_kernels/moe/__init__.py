@@ -17,6 +17,8 @@ Importing this package imports neither triton nor CuTe DSL (the backend's option
 reads :mod:`.grouped_mm_choice`): the two pipelines load on first access.
 """
 
+from common.lazy import lazy_exports
+
 _LAZY = {
     "GRAD_DTYPES": "cuda_kernels.moe.backward",
     "moe_backward_fused": "cuda_kernels.moe.backward",
@@ -25,16 +27,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # resolved once
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -56,26 +56,32 @@ def test_gate_up_matrix_is_a_view_of_the_interleaved_memories():
         assert gate_up_from_matrix(m.contiguous(), interleaved).shape == (E, H, 2, I)
 
 
-def test_activation_kernels_read_and_write_interleaved_columns():
+# I: one full column tile (BLOCK_I = 32); I = 24 under a 32-wide tile and I = 160 over two
+# 128-wide tiles, where the interleaved load / store masks a tile's tail.
+@pytest.mark.parametrize("i_dim", [I, 24, 160])
+def test_activation_kernels_read_and_write_interleaved_columns(i_dim):
+    """The interleaved passes (one contiguous [BLOCK_M, 2 BLOCK_I] load / store per tile, split
+    and joined in registers) give the concatenated passes' values bit for bit."""
     ei, af = routing(T, K, E, 3)
     plan = plan_routing(ei.to(DEV), af.to(DEV), E)
     layout = grouped_layout(plan, E)
     S = layout.tokens_sum
     g = torch.Generator().manual_seed(1)
-    gu = torch.randn(S, 2, I, generator=g).bfloat16().to(DEV)
+    gu = torch.randn(S, 2, i_dim, generator=g).bfloat16().to(DEV)
     kw = {"activation": GPT_OSS, "clamp_limits": CLAMP,
-          "b_gate_up_E2I": torch.randn(E, 2, I, generator=g).to(DEV)}
-    want = activation_forward(gu.reshape(S, 2 * I), layout.row_to_pair_S, plan, **kw)
-    got = activation_forward(gu.transpose(1, 2).reshape(S, 2 * I), layout.row_to_pair_S, plan,
-                             gate_up_interleaved=True, **kw)
+          "b_gate_up_E2I": torch.randn(E, 2, i_dim, generator=g).to(DEV)}
+    want = activation_forward(gu.reshape(S, 2 * i_dim), layout.row_to_pair_S, plan, **kw)
+    got = activation_forward(gu.transpose(1, 2).reshape(S, 2 * i_dim), layout.row_to_pair_S,
+                             plan, gate_up_interleaved=True, **kw)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    dh = torch.randn(S, I, generator=g).bfloat16().to(DEV)
+    dh = torch.randn(S, i_dim, generator=g).bfloat16().to(DEV)
     kw.pop("b_gate_up_E2I")
     want = activation_backward(dh, want[0], layout.row_to_pair_S, plan, **kw)
     got = activation_backward(dh, got[0], layout.row_to_pair_S, plan, gate_up_interleaved=True,
                               **kw)
-    assert torch.equal(got[0].view(S, I, 2).transpose(1, 2).reshape(S, 2 * I), want[0])
+    inter = got[0].view(S, i_dim, 2).transpose(1, 2).reshape(S, 2 * i_dim)
+    assert torch.equal(inter, want[0])
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
 
 

@@ -28,16 +28,46 @@ __all__ = ["activation_args", "activation_backward", "activation_forward"]
 
 
 @triton.jit
-def _gate_up_columns(cols, I, GU_INTERLEAVED: tl.constexpr):
-    """The [S, 2I] gate/up row's columns of gate i and up i: ``(i, I + i)`` (concatenated
-    halves) or ``(2i, 2i + 1)`` (interleaved, gpt-oss's own weight layout)."""
+def _load_gate_up(row_ptrs, i0, I, valid, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+                  GU_INTERLEAVED: tl.constexpr):
+    """Gate and up columns ``i0 .. i0 + BLOCK_I`` of the [*, 2I] gate/up rows at ``row_ptrs``
+    ([BLOCK_M] pointers to column 0), as two fp32 [BLOCK_M, BLOCK_I] tiles, 0 where ``valid`` is
+    False or the column is past I.
+
+    Concatenated halves: gate i at column i, up i at I + i (two contiguous loads). Interleaved
+    (gpt-oss's own weight layout): gate i at 2i, up i at 2i + 1 -- one contiguous
+    [BLOCK_M, 2 * BLOCK_I] load split in registers (two loads at column stride 2 would use half
+    of every memory transaction)."""
     if GU_INTERLEAVED:
-        g_col = 2 * cols
-        u_col = g_col + 1
+        c2 = 2 * i0 + tl.arange(0, 2 * BLOCK_I)
+        m2 = valid[:, None] & (c2 < 2 * I)[None, :]
+        gu = tl.load(row_ptrs[:, None] + c2[None, :], mask=m2, other=0.0)
+        g, u = tl.split(tl.reshape(gu, [BLOCK_M, BLOCK_I, 2]))
     else:
-        g_col = cols
-        u_col = cols + I
-    return g_col, u_col
+        cols = i0 + tl.arange(0, BLOCK_I)
+        m = valid[:, None] & (cols < I)[None, :]
+        g = tl.load(row_ptrs[:, None] + cols[None, :], mask=m, other=0.0)
+        u = tl.load(row_ptrs[:, None] + I + cols[None, :], mask=m, other=0.0)
+    return g.to(tl.float32), u.to(tl.float32)
+
+
+@triton.jit
+def _store_gate_up(row_ptrs, i0, I, g, u, valid, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+                   GU_INTERLEAVED: tl.constexpr):
+    """Store the [BLOCK_M, BLOCK_I] tiles ``g`` and ``u`` (already in the row's dtype) at the gate
+    and up columns ``i0 .. i0 + BLOCK_I`` of the [*, 2I] rows at ``row_ptrs``, where ``valid``
+    and the column is inside I; the column order of :func:`_load_gate_up` (interleaved: joined
+    in registers, one contiguous [BLOCK_M, 2 * BLOCK_I] store)."""
+    if GU_INTERLEAVED:
+        c2 = 2 * i0 + tl.arange(0, 2 * BLOCK_I)
+        m2 = valid[:, None] & (c2 < 2 * I)[None, :]
+        gu = tl.reshape(tl.join(g, u), [BLOCK_M, 2 * BLOCK_I])
+        tl.store(row_ptrs[:, None] + c2[None, :], gu, mask=m2)
+    else:
+        cols = i0 + tl.arange(0, BLOCK_I)
+        m = valid[:, None] & (cols < I)[None, :]
+        tl.store(row_ptrs[:, None] + cols[None, :], g, mask=m)
+        tl.store(row_ptrs[:, None] + I + cols[None, :], u, mask=m)
 
 
 def _activation_forward_kernel(
@@ -72,10 +102,8 @@ def _activation_forward_kernel(
         cols = i0 + tl.arange(0, BLOCK_I)
         in_i = (cols < I)[None, :]
         m = valid[:, None] & in_i
-        g_col, u_col = _gate_up_columns(cols, I, GU_INTERLEAVED)
-        src = gu_ptr + rows64[:, None] * stride_gu
-        g = tl.load(src + g_col[None, :], mask=m, other=0.0).to(tl.float32)
-        u = tl.load(src + u_col[None, :], mask=m, other=0.0).to(tl.float32)
+        g, u = _load_gate_up(gu_ptr + rows64 * stride_gu, i0, I, valid,
+                             BLOCK_M, BLOCK_I, GU_INTERLEAVED)
         if HAS_BIAS:
             b = bgu_ptr + expert[:, None] * stride_bgu + cols[None, :]
             g += tl.load(b, mask=m, other=0.0).to(tl.float32)
@@ -241,11 +269,9 @@ def _activation_backward_kernel(
         du = tl.where(mu, du, 0.0)
         ah = tl.where(m, alpha[:, None] * h, 0.0)
         out_m = in_rows[:, None] & (cols < I)[None, :]
-        g_col, u_col = _gate_up_columns(cols, I, GU_INTERLEAVED)
-        dgu_row = dgu_ptr + rows64[:, None] * stride_dgu
         out_ty = dgu_ptr.dtype.element_ty
-        tl.store(dgu_row + g_col[None, :], cast(dg, out_ty, RNE_BF16), mask=out_m)
-        tl.store(dgu_row + u_col[None, :], cast(du, out_ty, RNE_BF16), mask=out_m)
+        _store_gate_up(dgu_ptr + rows64 * stride_dgu, i0, I, cast(dg, out_ty, RNE_BF16),
+                       cast(du, out_ty, RNE_BF16), in_rows, BLOCK_M, BLOCK_I, GU_INTERLEAVED)
         ah_row = ah_ptr + rows64[:, None] * stride_ah + cols[None, :]
         tl.store(ah_row, cast(ah, out_ty, RNE_BF16), mask=out_m)
     expert = tl.load(pair_expert_ptr + p, mask=valid, other=0).to(tl.int64)

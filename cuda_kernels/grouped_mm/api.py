@@ -205,10 +205,10 @@ def grouped_mm_key(w: torch.Tensor, row_index, tile=None, gated=None, epilogue=N
     gathered rows (an ``a_rows_out`` was given)."""
     family = _provider(w.device).load()
     E, K, N = w.shape
-    if tile is None:
-        tile = family.select_grouped_mm_tile(N, K, E)
     if epilogue is None:
         epilogue = "store" if gated is None else "gated"
+    if tile is None:
+        tile = family.select_grouped_mm_tile(N, K, E, epilogue, write_a_rows)
     return family.FAMILY.key_type(
         N, K, E,
         gather_a=row_index is not None,
@@ -451,7 +451,7 @@ def grouped_mm_gated(
         return act, ah
     family = _provider(dev).load()
     if tile is None:
-        tile = family.select_grouped_mm_tile(N, a.shape[1], E)
+        tile = family.select_grouped_mm_tile(N, a.shape[1], E, "gated", a_rows_out is not None)
     key = grouped_mm_key(
         w_gate_up, row_index, tile, family.GatedEpilogue.of(act_fn, clamp_limits, bias is not None),
         write_a_rows=a_rows_out is not None,
@@ -587,7 +587,7 @@ def grouped_mm_dgated(
         return res
     family = _provider(dev).load()
     if tile is None:
-        tile = family.select_grouped_mm_tile(I, K, E)
+        tile = family.select_grouped_mm_tile(I, K, E, "dgated", a_rows_out is not None)
     gated = family.GatedEpilogue.of(act_fn, clamp_limits, False)
     key = grouped_mm_key(w_down_t, row_index, tile, gated,
                          epilogue="dgated", write_a_rows=a_rows_out is not None)

@@ -420,6 +420,42 @@ def test_tile_rules_per_shape_and_per_epilogue(tmp_path, monkeypatch):
     assert select_grouped_mm_tile(3072, 4096, 128) == T(128, 256, 64, 4)  # the shipped file
 
 
+def test_bench_tiles_parse_and_summary():
+    """benchmarks/bench_grouped_mm.py ``--tiles``: both spellings, the named set, stages by
+    default as many as fit, the row names parse back; the summary table's ratios."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_grouped_mm.py"
+    spec = importlib.util.spec_from_file_location("bench_grouped_mm", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_grouped_mm", bench)
+    spec.loader.exec_module(bench)
+    T = Sm90GroupedMmTile
+    assert bench.parse_tile("128x192:pingpong:c2") == T(128, 192, 64, 5, True, cluster_m=2)
+    assert bench.parse_tile("128x256:cooperative") == T(128, 256, 64, 4)
+    assert bench.parse_tile("128x128s6:pp") == T(128, 128, 64, 6, True)
+    assert bench.parse_tile("default") is None
+    for t in (T(128, 192, 64, 5, True, cluster_m=2), T(128, 256, 64, 4), T(64, 256, 64, 5, True)):
+        assert bench.parse_tile(t.variant_name) == t
+    for bad in ("128x192:fast", "128by192", "128x192:c3", "96x128"):
+        with pytest.raises(ValueError):
+            bench.parse_tile(bad)
+    tiles = bench.parse_tiles("mainloop,128x192:pingpong:c2")
+    assert tiles[0] is None and len(tiles) == len(bench.TILE_SETS["mainloop"])
+    assert T(128, 192, 64, 5, True, cluster_m=2) in tiles and bench.parse_tiles("") == [None]
+    rows = [
+        {"shape": "s", "gemm": "gate_up", "impl": "grouped_mm", "ms": 2.0},
+        {"shape": "s", "gemm": "gate_up", "impl": "ours", "ms": 2.2, "tile": "128x256s4"},
+        {"shape": "s", "gemm": "gate_up", "impl": "ours 128x192s5pp-c2", "ms": 1.9},
+    ]
+    lines = bench.summary_table(rows, [None, T(128, 192, 64, 5, True, cluster_m=2)])
+    assert "128x192s5pp-c2" in lines[0] and len(lines) == 3
+    assert "2.200 (1.100) 128x256s4" in lines[2] and "**1.900 (0.950)**" in lines[2]
+    assert lines[2].endswith("| 0.950 |")
+
+
 @pytest.mark.parametrize(
     "counts,extra_rows",
     [

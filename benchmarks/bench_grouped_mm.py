@@ -24,7 +24,7 @@ kernel; ``grouped_mm`` = ``torch._grouped_mm`` on pre-gathered rows then
 
 - ``ours`` [ours]: ``grouped_mm_gather`` (the gathered GEMMs read X / dY through the index
   inside the kernel; the row GEMMs read A by TMA), once per ``--tiles`` variant (default: the
-  kernel's own choice, ``select_grouped_mm_tile``);
+  kernel's own choice, ``select_grouped_mm_tile``; see "Tiles" below);
 - ``grouped_mm`` [grouped_mm]: ``torch._grouped_mm`` on rows gathered before timing (the GEMM
   alone, what the layer's cuBLAS call costs);
 - ``gather+grouped_mm`` [gather]: ``index_select`` of the rows then ``torch._grouped_mm`` (gathered
@@ -38,10 +38,19 @@ the useful ``2 R K N`` (R = routed rows, padding rows not counted, the same for 
 compares ``ours`` with the torch twin (fp32 accumulation, one BF16 rounding; max |diff| in BF16
 ulps of the reference's magnitude). ``--json PATH`` writes every number.
 
+Tiles (``--tiles``, comma-separated; each a compile per GEMM and shape): ``MxN`` with optional
+``sS`` (pipeline stages; default: as many as shared memory holds), then ``:pingpong`` /
+``:cooperative`` (default cooperative; ``pp`` / ``coop`` too) and ``:c2`` for (2, 1) clusters with
+W multicast (``:2x1`` too), e.g. ``128x192:pingpong:c2``; the row names
+(``Sm90GroupedMmTile.variant_name``, e.g. ``128x192s5pp-c2``) parse back. ``default`` is the
+kernel's own choice; :data:`TILE_SETS` names sets (``mainloop``: the long-K / wide-N sweep of
+issue 33). With more than one tile, a summary table follows: per shape and GEMM, cuBLAS and each
+tile in ms (their time / cuBLAS's in brackets: > 1 is slower), the fastest marked.
+
 Usage: ``python benchmarks/bench_grouped_mm.py [--shapes qwen3-30b-a3b:16384,...] [--tokens T]
 [--shrink N] [--gemms gate_up,down,...] [--impls ours,grouped_mm,gather,dense]
-[--tiles 128x256s4,128x128s6pp] [--side-output] [--check] [--json PATH]``. On the H200:
-``bash benchmarks/grouped_mm_device_run.sh``.
+[--tiles default,128x192:pingpong,128x192:pingpong:c2 | mainloop] [--side-output] [--check]
+[--json PATH]``. On the H200: ``bash benchmarks/grouped_mm_device_run.sh [args]``.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ import argparse
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -74,19 +84,74 @@ from common.router_sim import simulate_model_routing
 from common.routing import plan_routing
 from common.torch_backward import grouped_layout
 from cuda_kernels.grouped_mm import grouped_mm_gather, grouped_mm_gather_torch
+from cuda_kernels.gemm.sm90 import grouped_mm as sm90_grouped_mm
 from cuda_kernels.gemm.sm90.grouped_mm import Sm90GroupedMmTile
+from cuda_kernels.gemm.tiles import SM90_TILES
 
 GEMMS = ("gate_up", "down", "down_dgrad", "gate_up_dgrad", "gate_up_act", "down_dgrad_act")
 IMPLS = ("ours", "grouped_mm", "gather", "dense")
 BF16 = torch.bfloat16
 
 
-def parse_tile(spec: str) -> Sm90GroupedMmTile:
-    """``MxNsS[pp]`` (e.g. ``128x256s4``, ``128x128s6pp``) -> a tile."""
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)(pp)?", spec.strip())
+#: Named tile sets of ``--tiles``. ``mainloop`` (issue 33: mainloop parity with cuBLAS on long K
+#: / wide N): the shipped default (128x256 cooperative), 128x192 cooperative and pingpong (quack's
+#: Hopper default tile), each of those on (2, 1) clusters with W multicast (quack's default
+#: cluster), and 128x256 on clusters.
+TILE_SETS = {
+    "mainloop": ("default", "128x192:cooperative", "128x192:pingpong", "128x192:pingpong:c2",
+                 "128x192:cooperative:c2", "128x256:cooperative:c2"),
+}
+_MODES = {"pingpong": True, "pp": True, "cooperative": False, "coop": False}
+_CLUSTERS = {"c1": 1, "1x1": 1, "c2": 2, "2x1": 2}
+
+
+def parse_tile(spec: str) -> Sm90GroupedMmTile | None:
+    """One ``--tiles`` item -> a tile (None for ``default``: the kernel's own choice).
+
+    ``MxN[sS][pp][-cC]`` (``Sm90GroupedMmTile.variant_name``: ``128x256s4``, ``128x192s5pp-c2``)
+    or ``MxN[sS]:pingpong|cooperative[:c2]`` (``128x192:pingpong:c2``); stages default to as
+    many as shared memory holds (``SM90_TILES.stages_for``; the kernel lowers them further if
+    its schedule tables need the room).
+
+    Raises:
+        ValueError: a spec of neither form, or a tile the kernel does not accept.
+    """
+    spec = spec.strip()
+    if spec == "default":
+        return None
+    head, *opts = spec.split(":")
+    m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?(pp)?(?:-c(\d+))?", head)
     if not m:
-        raise ValueError(f"bad tile {spec!r} (want MxNsS[pp], e.g. 128x256s4)")
-    return Sm90GroupedMmTile(int(m[1]), int(m[2]), 64, int(m[3]), pingpong=bool(m[4]))
+        raise ValueError(
+            f"bad tile {spec!r} (want MxN[sS][pp][-cC] or MxN[sS]:pingpong|cooperative[:c2], "
+            "e.g. 128x192:pingpong:c2, or default)"
+        )
+    tile_m, tile_n = int(m[1]), int(m[2])
+    pingpong, cluster_m = bool(m[4]), int(m[5] or 1)
+    for opt in opts:
+        if opt in _MODES:
+            pingpong = _MODES[opt]
+        elif opt in _CLUSTERS:
+            cluster_m = _CLUSTERS[opt]
+        else:
+            raise ValueError(
+                f"bad tile option {opt!r} in {spec!r} (want one of {sorted(_MODES)} or "
+                f"{sorted(_CLUSTERS)})"
+            )
+    tile_k = SM90_TILES.tile_k[0]
+    stages = int(m[3]) if m[3] else SM90_TILES.stages_for(tile_m, tile_n, tile_k)
+    return Sm90GroupedMmTile(tile_m, tile_n, tile_k, stages, pingpong=pingpong,
+                             cluster_m=cluster_m)
+
+
+def parse_tiles(text: str) -> list:
+    """``--tiles`` -> tiles (None = the kernel's own choice), duplicates dropped, in order; an
+    empty text is ``[None]``; a :data:`TILE_SETS` name expands to its tiles."""
+    specs = []
+    for item in (t.strip() for t in text.split(",")):
+        if item:
+            specs.extend(TILE_SETS.get(item, (item,)))
+    return list(dict.fromkeys(parse_tile(t) for t in specs)) or [None]
 
 
 def build_shape(model, T: int, device: torch.device, seed: int = 0) -> dict:
@@ -244,20 +309,128 @@ def run_gemm(label, gemm, d, args, bench, record, tiles) -> None:
         del xa, xb
     if "ours" in args.impls:
         out = torch.empty(S, N, dtype=BF16, device=a.device)
+        ref = None  # the torch twin's result (--check), computed once for every tile
         for tile in tiles:
             name = _ours_name(tile)
             try:
-                grouped_mm_gather(a, w, offs, idx, out, backend="sm90", tile=tile)  # compile
+                extra = {"tile": (tile or sm90_grouped_mm.select_grouped_mm_tile(
+                    N, K, d["E"])).variant_name}
+                out.fill_(float("nan"))  # --check: rows a tile leaves unwritten show as NaN
+                extra.update(timed_compile(
+                    lambda t=tile: grouped_mm_gather(a, w, offs, idx, out, backend="sm90", tile=t)
+                ))
                 ms = bench(lambda t=tile: grouped_mm_gather(
                     a, w, offs, idx, out, backend="sm90", tile=t)) * 1e3
-                extra = {}
                 if args.check:
-                    extra["ulps"] = ulp_check(out, grouped_mm_gather_torch(a, w, offs, idx))
+                    if ref is None:
+                        ref = grouped_mm_gather_torch(a, w, offs, idx)
+                    extra["ulps"] = ulp_check(out, ref)
                 emit(name, ms, extra)
             except Exception as exc:  # noqa: BLE001 - a variant that fails prints why
                 rows[name] = {"shape": label, "gemm": gemm, "impl": name, "status": _err(exc)}
     finish_rows(rows, record)
     return None
+
+
+def plain_keys(d: dict, gemms, tiles) -> list:
+    """The compile keys of ``ours`` on the plain GEMMs of one shape (``grouped_mm_gather``'s key
+    of each GEMM and tile; a tile the key refuses is left to the timed loop, which reports it)."""
+    from cuda_kernels.grouped_mm.api import grouped_mm_key
+
+    keys = []
+    for gemm in gemms:
+        if gemm in ("gate_up_act", "down_dgrad_act"):
+            continue
+        a, w, idx = gemm_operands(d, gemm)
+        for tile in tiles:
+            try:
+                keys.append(grouped_mm_key(w, idx, tile))
+            except ValueError:
+                pass
+    return list(dict.fromkeys(keys))
+
+
+def _compile_worker(key) -> tuple[int, str | None]:
+    """A ``--compile-jobs`` process: compile ``key`` for the present GPU into the persistent
+    kernel cache (``FAMILY.compiled``); ``(real compiles, error or None)``."""
+    before = sm90_grouped_mm.FAMILY.compile_count  # (a worker takes several keys)
+    try:
+        sm90_grouped_mm.FAMILY.compiled(key)
+        return sm90_grouped_mm.FAMILY.compile_count - before, None
+    except Exception as exc:  # noqa: BLE001 - the timed loop compiles it again and reports
+        return 0, _err(exc)
+
+
+def precompile(keys: list, jobs: int) -> dict:
+    """Compile the ``keys`` not yet in the persistent kernel cache (``cuda_kernels.gemm
+    .kernel_cache``) in ``jobs`` spawned processes, so that the timed loop loads them instead of
+    compiling one after another (a compile is single-threaded CPU work). Nothing happens with
+    fewer than two keys to compile, ``jobs`` < 2 or the cache off; a failure only leaves the
+    compile to the timed loop. Returns ``{"keys", "compiled", "seconds", "errors"}``."""
+    import multiprocessing
+
+    from cuda_kernels.gemm import kernel_cache
+
+    name = sm90_grouped_mm.FAMILY.name
+    todo = [k for k in keys if (p := kernel_cache.entry_path(name, k, None)) is not None
+            and not p.is_file()]
+    info = {"keys": len(todo), "compiled": 0, "seconds": 0.0, "errors": []}
+    if jobs < 2 or len(todo) < 2:
+        return info
+    t0 = time.perf_counter()
+    try:
+        ctx = multiprocessing.get_context("spawn")  # CUDA in the children: no fork
+        with ctx.Pool(min(jobs, len(todo))) as pool:
+            for count, err in pool.imap_unordered(_compile_worker, todo):
+                info["compiled"] += count
+                if err:
+                    info["errors"].append(err)
+    except Exception as exc:  # noqa: BLE001 - fall back to the timed loop's compiles
+        info["errors"].append(_err(exc))
+    info["seconds"] = time.perf_counter() - t0
+    return info
+
+
+def timed_compile(first_call) -> dict:
+    """Run ``first_call`` (the first launch of a tile: its compile, or a load from the kernel
+    cache) to completion; ``{"compiled": real compiles, "first_s": seconds}``."""
+    before = sm90_grouped_mm.FAMILY.compile_count
+    t0 = time.perf_counter()
+    first_call()
+    torch.cuda.synchronize()
+    return {"compiled": sm90_grouped_mm.FAMILY.compile_count - before,
+            "first_s": time.perf_counter() - t0}
+
+
+def summary_table(rows: list[dict], tiles: list) -> list[str]:
+    """The pivot of the ``ours`` tiles against cuBLAS: one line per (shape, GEMM), ms of
+    ``grouped_mm`` and of each tile with its time over cuBLAS's in brackets (> 1: slower than
+    cuBLAS), the fastest of ours in bold."""
+    names = [_ours_name(t) for t in tiles]
+    heads = ["default" if t is None else t.variant_name for t in tiles]
+    by_key: dict[tuple, dict] = {}
+    for r in rows:
+        if "gemm" in r and "impl" in r:
+            by_key.setdefault((r["shape"], r["gemm"]), {})[r["impl"]] = r
+    lines = ["| shape | GEMM | cuBLAS grouped_mm | " + " | ".join(heads) + " | best / cuBLAS |",
+             "|" + "---|" * (len(heads) + 4)]
+    for (shape, gemm), got in by_key.items():
+        base = got.get("grouped_mm", {}).get("ms")
+        ms = [got.get(n, {}).get("ms") for n in names]
+        best = min((v for v in ms if v is not None), default=None)
+        cells = []
+        for n, v in zip(names, ms):
+            if v is None:
+                cells.append(got.get(n, {}).get("status", "–")[:40])
+                continue
+            cell = f"{v:.3f}" + (f" ({v / base:.3f})" if base else "")
+            if n == "ours" and got[n].get("tile"):
+                cell += f" {got[n]['tile']}"
+            cells.append(f"**{cell}**" if v == best and len(ms) > 1 else cell)
+        ratio = f"{best / base:.3f}" if best and base else "–"
+        lines.append(f"| {shape} | {gemm} | {_f(base, '.3f')} | " + " | ".join(cells)
+                     + f" | {ratio} |")
+    return lines
 
 
 def run_gated(label, gemm, d, args, bench, record, tiles) -> None:
@@ -321,10 +494,19 @@ def main(argv=None) -> int:
     ap.add_argument("--shrink", type=int, default=1, help="divide H, I (and E) by this")
     ap.add_argument("--gemms", default=",".join(GEMMS))
     ap.add_argument("--impls", default=",".join(IMPLS))
-    ap.add_argument("--tiles", default="", help="tile variants of ours (default: its choice)")
+    ap.add_argument(
+        "--tiles", default="",
+        help="tiles of ours: default (its choice), MxN[sS]:pingpong|cooperative[:c2], or a set "
+             f"of {sorted(TILE_SETS)} (see the module docstring; default: its choice)",
+    )
     ap.add_argument(
         "--side-output", action="store_true",
         help="gate_up_act / down_dgrad_act: also time ours writing the gathered rows (+rows)",
+    )
+    ap.add_argument(
+        "--compile-jobs", type=int, default=8,
+        help="compile the plain GEMMs' kernels of a shape in this many processes first (into "
+             "the persistent kernel cache; < 2: one after another in the timed loop)",
     )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=10, help="timed runs without triton")
@@ -337,12 +519,16 @@ def main(argv=None) -> int:
         bad = [g for g in got if g not in allowed]
         if bad:
             ap.error(f"unknown {name} {bad}; choose from {list(allowed)}")
-    tiles = [parse_tile(t) for t in args.tiles.split(",") if t.strip()] or [None]
+    try:
+        tiles = parse_tiles(args.tiles)
+    except ValueError as exc:
+        ap.error(str(exc))
     device = torch.device(args.device)
     if device.type != "cuda":
         ap.error("this benchmark needs a CUDA device (the kernel and torch._grouped_mm)")
     bench = make_timer(device, args.reps)
-    record = {"header": header(device), "argv": sys.argv[1:], "rows": []}
+    t_start = time.perf_counter()
+    record = {"header": header(device), "argv": sys.argv[1:], "rows": [], "precompile": []}
     print(record["header"])
     print("\nTFLOP/s = 2 R K N / time (R routed rows); vs = their time / this time (> 1: faster)")
     cols = ("shape", "gemm", "impl", "ms", "TFLOP/s", "vs grouped_mm", "vs dense", "ulps")
@@ -356,6 +542,9 @@ def main(argv=None) -> int:
             record["rows"].append({"shape": label, "status": _err(exc)})
             continue
         label = f"{label} S={d['S']} R={d['R']}"
+        if "ours" in args.impls and args.compile_jobs > 1:
+            info = precompile(plain_keys(d, gemms, tiles), args.compile_jobs)
+            record["precompile"].append({"shape": label, **info})
         for gemm in gemms:
             try:
                 run_gemm(label, gemm, d, args, bench, record, tiles)
@@ -367,6 +556,19 @@ def main(argv=None) -> int:
         _free(device)
         if args.json:  # after every shape: a run cut short by a timeout keeps what it measured
             Path(args.json).write_text(json.dumps(record, indent=1, default=str))
+    record["compiles"] = sm90_grouped_mm.FAMILY.compile_count + sum(
+        p["compiled"] for p in record["precompile"])
+    record["seconds"] = time.perf_counter() - t_start
+    if len(tiles) > 1 and "ours" in args.impls:
+        print("\nSummary: ms (time / cuBLAS's: > 1 is slower); fastest of ours in bold")
+        print("\n".join(summary_table(record["rows"], tiles)))
+    for p in record["precompile"]:
+        if p["keys"] > 1:
+            print(f"\n{p['shape']}: {p['compiled']} of {p['keys']} plain GEMM kernels compiled "
+                  f"in {args.compile_jobs} processes in {p['seconds']:.0f} s"
+                  + (f"; errors: {p['errors'][:3]}" if p["errors"] else ""))
+    print(f"\n{record['compiles']} kernel compiles in all (the rest loaded from the kernel "
+          f"cache); {record['seconds']:.0f} s in all", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1, default=str))
     return 0

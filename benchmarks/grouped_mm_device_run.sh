@@ -7,11 +7,13 @@
 # shape: --shapes qwen3-30b-a3b:16384 --tiles 128x256s4,128x128s6pp,128x128s6
 # Needs .device/cute-dsl.tar.xz (CuTe DSL, unpacked under /tmp/site-packages as
 # moe_layer_device_run.sh does). Steps, each under `timeout` (about 8 minutes at most in all):
-#   1. smoke: one small gather case (a hang or a crash of the kernel shows here, in <= 75 s,
-#      and the later steps are skipped);
+#   1. smoke: one small gather case and one on (2, 1) clusters (a hang or a crash of the
+#      kernel shows here, in <= 90 s, and the later steps are skipped);
 #   2. the tests of tests/test_grouped_mm_sm90.py and tests/test_grouped_mm.py but the offline
 #      compiles (CI runs those), `-x -q`, in 4 processes of a quarter of the tests each (the
-#      compiles are single-threaded CPU work), <= 180 s;
+#      compiles are single-threaded CPU work), <= 180 s (TESTS=0 skips them: a benchmark-only
+#      call, e.g. the tile sweep `--shapes qwen3-235b-a22b:16384,mixtral-8x7b:8192
+#      --gemms gate_up,down_dgrad --impls ours,grouped_mm --tiles mainloop`);
 #   (optional, SANITIZE=1: compute-sanitizer memcheck of a small gather case and a small gated
 #      case, <= 150 s, $OUT/sanitizer.log; off by default to stay within 8 minutes)
 #   3. the benchmark with --check (ours vs the torch twin in BF16 ulps; the fused epilogues: vs
@@ -29,25 +31,28 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu -
   >> "$OUT/env.log" 2>&1
 
 T=tests/test_grouped_mm_sm90.py
-timeout "${SMOKE_TIMEOUT:-75}" python3 -m pytest -x -q -p no:cacheprovider \
-  "$T::test_grid_matches_twin[uneven-128x256-gather]" > "$OUT/smoke.log" 2>&1
+timeout "${SMOKE_TIMEOUT:-90}" python3 -m pytest -x -q -p no:cacheprovider \
+  "$T::test_grid_matches_twin[uneven-128x256-gather]" \
+  "$T::test_grid_matches_twin[cluster-128x192pp-gather]" > "$OUT/smoke.log" 2>&1
 rc=$?
 echo "smoke rc=$rc"; tail -15 "$OUT/smoke.log"
 if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
   echo "smoke timed out (a hang?): skipping the tests and the benchmark"; exit 1
 fi
 
-ids=$(python3 -m pytest --collect-only -q -p no:cacheprovider "$T" tests/test_grouped_mm.py \
-  -k "not offline" | grep '::')
-echo "$(echo "$ids" | wc -l) tests in 4 processes"
-for k in 0 1 2 3; do
-  shard=$(echo "$ids" | awk -v k="$k" 'NR % 4 == k')
-  # shellcheck disable=SC2086 # one argument per test id
-  (timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -x -q -p no:cacheprovider -rs $shard \
-    > "$OUT/tests_$k.log" 2>&1; echo "tests shard $k rc=$?") &
-done
-wait
-for k in 0 1 2 3; do echo "--- shard $k"; tail -6 "$OUT/tests_$k.log"; done
+if [ "${TESTS:-1}" != 0 ]; then
+  ids=$(python3 -m pytest --collect-only -q -p no:cacheprovider "$T" tests/test_grouped_mm.py \
+    -k "not offline" | grep '::')
+  echo "$(echo "$ids" | wc -l) tests in 4 processes"
+  for k in 0 1 2 3; do
+    shard=$(echo "$ids" | awk -v k="$k" 'NR % 4 == k')
+    # shellcheck disable=SC2086 # one argument per test id
+    (timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -x -q -p no:cacheprovider -rs $shard \
+      > "$OUT/tests_$k.log" 2>&1; echo "tests shard $k rc=$?") &
+  done
+  wait
+  for k in 0 1 2 3; do echo "--- shard $k"; tail -6 "$OUT/tests_$k.log"; done
+fi
 
 if [ "${SANITIZE:-0}" = 1 ]; then
   timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \

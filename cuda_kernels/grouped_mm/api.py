@@ -205,10 +205,10 @@ def grouped_mm_key(w: torch.Tensor, row_index, tile=None, gated=None, epilogue=N
     gathered rows (an ``a_rows_out`` was given)."""
     family = _provider(w.device).load()
     E, K, N = w.shape
-    if tile is None:
-        tile = family.select_grouped_mm_tile(N, K, E)
     if epilogue is None:
         epilogue = "store" if gated is None else "gated"
+    if tile is None:
+        tile = family.select_grouped_mm_tile(N, K, E, epilogue, write_a_rows)
     return family.FAMILY.key_type(
         N, K, E,
         gather_a=row_index is not None,
@@ -382,7 +382,8 @@ def grouped_mm_gated(
         bias: optional [E, 2, I] or [E, 2I] float gate/up bias (used in fp32).
         act_out, ah_out: optional contiguous torch.bfloat16 outputs [R, 2, I] and [S, I]
             (else allocated); every element of both is written.
-        backend, tile: as :func:`grouped_mm_gather` (tile_n 128 or 256: gate + up columns).
+        backend, tile: as :func:`grouped_mm_gather` (tile_n 128 or 256: gate + up columns;
+            cluster_m 1).
         a_rows_out: optional [S, H] torch.bfloat16 side output of the gathered rows, as
             :func:`grouped_mm_gather`'s (every row: ``gather_rows(a, row_index)`` bitwise; only
             with a ``row_index``): the layer's ``x_S`` for the backward's weight gradients.
@@ -451,7 +452,7 @@ def grouped_mm_gated(
         return act, ah
     family = _provider(dev).load()
     if tile is None:
-        tile = family.select_grouped_mm_tile(N, a.shape[1], E)
+        tile = family.select_grouped_mm_tile(N, a.shape[1], E, "gated", a_rows_out is not None)
     key = grouped_mm_key(
         w_gate_up, row_index, tile, family.GatedEpilogue.of(act_fn, clamp_limits, bias is not None),
         write_a_rows=a_rows_out is not None,
@@ -547,7 +548,7 @@ def grouped_mm_dgated(
         pair_affinity_R: [R] float pair affinities (used in fp32).
         act_R2I: [R, 2, I] torch.bfloat16 checkpoint (contiguous), the forward's clamped g, u.
         activation, clamp_limits: the forward's (``common.problem.Activation``, ``ClampLimits``).
-        backend, tile: as :func:`grouped_mm_gather`.
+        backend, tile: as :func:`grouped_mm_gather` (cluster_m 1).
         a_rows_out: optional [S, H] torch.bfloat16 side output of the gathered dY rows, as
             :func:`grouped_mm_gather`'s (every row: ``gather_rows(a, row_index)`` bitwise; only
             with a ``row_index``): the layer's ``dy_S`` for the backward's weight gradients.
@@ -587,7 +588,7 @@ def grouped_mm_dgated(
         return res
     family = _provider(dev).load()
     if tile is None:
-        tile = family.select_grouped_mm_tile(I, K, E)
+        tile = family.select_grouped_mm_tile(I, K, E, "dgated", a_rows_out is not None)
     gated = family.GatedEpilogue.of(act_fn, clamp_limits, False)
     key = grouped_mm_key(w_down_t, row_index, tile, gated,
                          epilogue="dgated", write_a_rows=a_rows_out is not None)

@@ -110,6 +110,19 @@ class Backend:
         layer_state: True when ``forward`` returns the BF16 X rows (``LayerForward.x_rows_S``)
             and ``run`` takes the layer's saved state and gradient targets: ``layout``,
             ``x_rows_S``, ``grad_dtype`` and ``accumulate_into`` (the ``main_grad`` pair).
+        forward_split_gate_up: optional ``fn(x_SH, w_gate_EIH, w_up_EIH, w_down_EIH, routing,
+            *, clamp_limits, activation, **options) -> LayerForward``: the layer on rows already
+            in expert order (``routing`` = ``(plan, identity layout)`` of
+            :func:`common.routing.presorted_routing`) with separate gate and up weights
+            [E, I, H] (torchtitan's ``w1`` / ``w3``) read in place; ``options`` are the
+            declared layer options. None: the layer concatenates the two into one [E, H, 2, I]
+            weight per call and runs ``forward`` (a copy; fine on the CPU).
+        run_split_gate_up: optional ``fn(grad_y_SH, x_SH, w_gate_EIH, w_up_EIH, w_down_EIH,
+            act_R2I, routing, *, clamp_limits, activation, grad_dtype, **options) ->
+            (dX, dW_gate, dW_up, dW_down, info)``: its backward, each weight gradient in its
+            weight's layout; ``options`` are the declared layer options and
+            ``MoEExpertsOptions.backend_options``. Given together with
+            ``forward_split_gate_up``.
     """
 
     name: str
@@ -122,6 +135,8 @@ class Backend:
     forward: Callable | None = None
     options: tuple[BackendOption, ...] = ()
     layer_state: bool = False
+    forward_split_gate_up: Callable | None = None
+    run_split_gate_up: Callable | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}

@@ -633,6 +633,29 @@ def _check_pair(w1_EIH: Any, w3_EIH: Any) -> None:
         )
 
 
+def _gate_up_view(w1_EIH: torch.Tensor, w3_EIH: torch.Tensor) -> torch.Tensor | None:
+    """The [E, H, 2, I] VIEW of :func:`gate_up_from_torchtitan` where one exists (shared
+    storage, gradients reaching w1 and w3 when tracked), else None. Arguments already checked."""
+    geo = _pair_geometry(w1_EIH, w3_EIH)
+    if geo is None:
+        return None
+    tracked = torch.is_grad_enabled() and (w1_EIH.requires_grad or w3_EIH.requires_grad)
+    if not tracked:
+        return w1_EIH.as_strided(*geo)
+    base = w1_EIH._base
+    if (
+        base is not None
+        and base is w3_EIH._base
+        and base.requires_grad
+        and w1_EIH.requires_grad
+        and w3_EIH.requires_grad
+        and w1_EIH.grad_fn is not None
+        and w3_EIH.grad_fn is not None
+    ):
+        return base.as_strided(*geo)
+    return None
+
+
 def gate_up_from_torchtitan(w1_EIH: torch.Tensor, w3_EIH: torch.Tensor) -> torch.Tensor:
     """torchtitan's gate ``w1`` and up ``w3`` ([E, I, H] each) as ``w_gate_up_EH2I`` [E, H, 2, I].
 
@@ -647,27 +670,16 @@ def gate_up_from_torchtitan(w1_EIH: torch.Tensor, w3_EIH: torch.Tensor) -> torch
     no transposition: torchtitan's own memory layout) returned as the [E, H, 2, I] view of it.
     Either way the result is differentiable: gradients flow back to w1 and w3; the fused CUDA
     backward writes the weight gradient in that same memory layout, so none is transposed.
+    (:func:`run_experts_grouped_mm` takes this view where it exists and otherwise passes w1 and
+    w3 to the layer as two operands: it never makes the copy.)
 
     Raises:
         ValueError: w1/w3 not floating 3-D tensors of one shape, dtype and device.
     """
     _check_pair(w1_EIH, w3_EIH)
-    geo = _pair_geometry(w1_EIH, w3_EIH)
-    if geo is not None:
-        tracked = torch.is_grad_enabled() and (w1_EIH.requires_grad or w3_EIH.requires_grad)
-        if not tracked:
-            return w1_EIH.as_strided(*geo)
-        base = w1_EIH._base
-        if (
-            base is not None
-            and base is w3_EIH._base
-            and base.requires_grad
-            and w1_EIH.requires_grad
-            and w3_EIH.requires_grad
-            and w1_EIH.grad_fn is not None
-            and w3_EIH.grad_fn is not None
-        ):
-            return base.as_strided(*geo)
+    view = _gate_up_view(w1_EIH, w3_EIH)
+    if view is not None:
+        return view
     E, I, H = w1_EIH.shape
     return torch.cat([w1_EIH, w3_EIH], dim=1).view(E, 2, I, H).permute(0, 3, 1, 2)
 
@@ -725,12 +737,23 @@ def run_experts_grouped_mm(
     ``(silu(x W1[e]^T) * (x W3[e]^T)) W2[e]^T`` with BF16 GEMM operands and returns
     ``[rows, H]`` in ``x.dtype``. Here the rows keep their order: the layer runs on the
     identity routing of the counts (:func:`common.routing.presorted_routing`: each row its own
-    token, top_k 1, affinity 1; no routing build, no sort) through
-    ``torch.ops.moe_bwd.experts_forward_presorted`` (backward by ``common.dispatch`` "auto";
-    compiles with ``torch.compile(fullgraph=True)``). On the CUDA backends the GEMMs read ``x``
-    and ``dY`` in place and ``y`` / ``dx`` are the GEMMs' outputs: no gather, no per-token
-    combine. Padding rows give 0 (as torchtitan's for-loop path). No host synchronisation on a
-    device (CPU counts are read once, to check them).
+    token, top_k 1, affinity 1; no routing build, no sort) and compiles with
+    ``torch.compile(fullgraph=True)`` (backend by ``common.dispatch`` "auto"). On the CUDA
+    backends the GEMMs read ``x`` and ``dY`` in place and ``y`` / ``dx`` are the GEMMs'
+    outputs: no gather, no per-token combine. Padding rows give 0 (as torchtitan's for-loop
+    path). No host synchronisation on a device (CPU counts are read once, to check them).
+
+    The weights are read as they are, never copied per call: where w1 and w3 are the halves (or
+    interleaved rows) of one fused [E, 2I, H] storage, the layer reads that storage as its
+    [E, H, 2, I] gate/up weight (:func:`gate_up_from_torchtitan`'s view; one gate/up GEMM,
+    ``torch.ops.moe_bwd.experts_forward_presorted``); otherwise -- torchtitan's separate
+    parameters, and always while ``torch.compile`` traces (storage identity is not traceable)
+    -- w1 and w3 go to the layer as two operands (``torch.ops.moe_bwd.
+    experts_forward_presorted_split``): on the CUDA backends two gate/up GEMMs and a
+    two-pointer activation pass read them in place, and their gradients are written straight
+    into [E, I, H] tensors (:func:`cuda_kernels.moe.forward.moe_forward_split_gate_up`); the
+    portable CPU path concatenates them per call there (a copy, CPU only). ``w2`` is always
+    read through its transposed view.
 
     Args:
         w1: [E, I, H] float.  w2: [E, H, I] float.  w3: [E, I, H] float.
@@ -741,8 +764,8 @@ def run_experts_grouped_mm(
             clamped instead, memory-safely -- a negative count counts as 0 and rows past
             ``rows`` are cut off -- so the result is then that of the clamped counts.
     Returns:
-        [rows, H] in ``x.dtype``. Gradients flow to x, w1, w2 and w3 (through the differentiable
-        views/copies of :func:`gate_up_from_torchtitan` and :func:`down_from_torchtitan`).
+        [rows, H] in ``x.dtype``. Gradients flow to x, w1, w2 and w3, each in its tensor's
+        dtype and memory layout.
     Raises:
         ValueError: a bad argument, named (on CPU tensors also a negative count or counts
             summing to more than ``rows``).
@@ -776,7 +799,9 @@ def run_experts_grouped_mm(
         _check_counts_on_host(n, rows)
     # The routing is the identity (common.routing.presorted_routing, inside the op: counts
     # clamped memory-safely on the device, nothing read back); no routing build, no gather.
-    return layer_ops.presorted_op(
-        x, gate_up_from_torchtitan(w1, w3), down_from_torchtitan(w2), n, _TORCHTITAN_OPTIONS
-    )
+    w_down = down_from_torchtitan(w2)
+    w_gate_up = _gate_up_view(w1, w3)
+    if w_gate_up is not None:  # one storage: one gate/up GEMM on it
+        return layer_ops.presorted_op(x, w_gate_up, w_down, n, _TORCHTITAN_OPTIONS)
+    return layer_ops.presorted_split_op(x, w1, w3, w_down, n, _TORCHTITAN_OPTIONS)
 

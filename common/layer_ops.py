@@ -15,6 +15,11 @@
   (same T, K, E) does not recompile: every output shape is static given T, K, E.
   :class:`common.layer.MoEExpertsFunction` (``torch.autograd.Function``) remains for what an
   opaque op cannot carry (Megatron ``main_grad`` accumulation).
+* ``torch.ops.moe_bwd.experts_forward_presorted`` (:func:`presorted_op`) and
+  ``experts_forward_presorted_split`` (:func:`presorted_split_op`) -- rows already in expert
+  order (torchtitan's grouped-experts seam, :func:`common.layer.run_experts_grouped_mm`), the
+  gate/up weight as one [E, H, 2, I] tensor or as two [E, I, H] operands (torchtitan's separate
+  ``w1`` / ``w3``, read in place where the backend has ``forward_split_gate_up``).
 
 Options reach the ops as an interned integer key (:func:`options_key`); the options object itself
 is frozen and hashable, so equal options share a key and a compiled graph holds a constant.
@@ -58,6 +63,7 @@ __all__ = [
     "moe_experts_op",
     "options_key",
     "presorted_op",
+    "presorted_split_op",
     "shape_text",
 ]
 
@@ -500,6 +506,122 @@ def _backward_presorted(ctx, grad_y, _unused):
 _experts_forward_presorted.register_autograd(
     _backward_presorted, setup_context=_setup_context_presorted
 )
+
+
+# ------------------------------------- rows already in expert order, gate and up weights apart
+def _concat_gate_up(w_gate_EIH: torch.Tensor, w_up_EIH: torch.Tensor) -> torch.Tensor:
+    """``[w_gate; w_up]`` [E, 2I, H] as the layer's [E, H, 2, I] (a COPY: the path of backends
+    without ``forward_split_gate_up``, e.g. the portable one on the CPU)."""
+    E, I, H = w_gate_EIH.shape
+    return torch.cat([w_gate_EIH, w_up_EIH], dim=1).view(E, 2, I, H).permute(0, 3, 1, 2)
+
+
+def _split_grad_dtype(*ws: torch.Tensor) -> torch.dtype:
+    """The weights' common dtype where the fused backward writes it (fp32 / BF16), else fp32
+    (as :func:`layer_backward` picks it)."""
+    same = all(w.dtype == ws[0].dtype for w in ws) and ws[0].dtype in _GRAD_DTYPES
+    return ws[0].dtype if same else torch.float32
+
+
+@torch.library.custom_op("moe_bwd::experts_forward_presorted_split", mutates_args=())
+def _experts_forward_presorted_split(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+    num_rows_per_expert: torch.Tensor, options: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, act)`` of rows already in expert order with separate gate and up weights
+    (:func:`presorted_split_op`)."""
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape), x.new_zeros(0, 2, w_gate.shape[1], dtype=torch.bfloat16)
+    opts = _OPTIONS[options]
+    routing = presorted_routing(num_rows_per_expert, x.shape[0])
+    backend = resolve_backend(opts.backend, x.device)
+    if backend.forward_split_gate_up is None:
+        out, _ = layer_forward(x, None, _concat_gate_up(w_gate, w_up), w_down, None, None, None,
+                               opts, routing=routing)
+    else:
+        out = backend.forward_split_gate_up(
+            x, w_gate, w_up, w_down, routing, clamp_limits=opts.clamp_limits,
+            activation=opts.activation, **_declared_options(backend, opts),
+        )
+    return out.y_TH, out.act_R2I
+
+
+@_experts_forward_presorted_split.register_fake
+def _(x, w_gate, w_up, w_down, num_rows_per_expert, options):
+    rows, I = x.shape[0], w_gate.shape[1]
+    return x.new_empty(x.shape), x.new_empty(rows, 2, I, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("moe_bwd::experts_backward_presorted_split", mutates_args=())
+def _experts_backward_presorted_split(
+    grad_y: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+    w_down: torch.Tensor, act: torch.Tensor, num_rows_per_expert: torch.Tensor, options: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dW_gate, dW_up, dW_down)`` in the inputs' dtypes and memory layouts."""
+    ins = (x, w_gate, w_up, w_down)
+    if x.shape[0] == 0:
+        return tuple(_like(torch.zeros_like(t, memory_format=torch.contiguous_format), t)
+                     for t in ins)
+    opts = _OPTIONS[options]
+    plan, layout = presorted_routing(num_rows_per_expert, x.shape[0])
+    backend = resolve_backend(opts.backend, x.device)
+    if backend.run_split_gate_up is None:
+        grads, _ = layer_backward(grad_y, x, _concat_gate_up(w_gate, w_up), w_down, None, None,
+                                  act, None, plan, layout, opts, backend)
+        dwgu = grads.w_gate_up_grad_EH2I  # [E, H, 2, I]
+        got = (grads.hidden_states_grad_TH, dwgu[:, :, 0].transpose(1, 2),
+               dwgu[:, :, 1].transpose(1, 2), grads.w_down_grad_EIH)
+    else:
+        run_opts: dict[str, Any] = dict(opts.backend_options)
+        run_opts.update(_declared_options(backend, opts))
+        run_opts.setdefault("grad_dtype", _split_grad_dtype(w_gate, w_up, w_down))
+        *got, _info = backend.run_split_gate_up(
+            grad_y.contiguous(), x, w_gate, w_up, w_down, act, (plan, layout),
+            clamp_limits=opts.clamp_limits, activation=opts.activation, **run_opts,
+        )
+    return tuple(_like(g, t) for g, t in zip(got, ins))
+
+
+@_experts_backward_presorted_split.register_fake
+def _(grad_y, x, w_gate, w_up, w_down, act, num_rows_per_expert, options):
+    return tuple(_fake_like(t, x) for t in (x, w_gate, w_up, w_down))
+
+
+def _setup_context_presorted_split(ctx, inputs, output):
+    x, w_gate, w_up, w_down, counts, options = inputs
+    _y, act = output
+    ctx.options = options
+    ctx.save_for_backward(x, w_gate, w_up, w_down, act, counts)
+    ctx.mark_non_differentiable(act)
+    ctx.set_materialize_grads(False)
+
+
+def _backward_presorted_split(ctx, grad_y, _unused):
+    refuse_grad_mode("MoEExperts")
+    if grad_y is None:
+        return (None,) * 6
+    x, wg, wu, wd, act, counts = ctx.saved_tensors
+    dx, dwg, dwu, dwd = _experts_backward_presorted_split(grad_y, x, wg, wu, wd, act, counts,
+                                                          ctx.options)
+    return dx, dwg, dwu, dwd, None, None
+
+
+_experts_forward_presorted_split.register_autograd(
+    _backward_presorted_split, setup_context=_setup_context_presorted_split
+)
+
+
+def presorted_split_op(x_SH, w_gate_EIH, w_up_EIH, w_down_EIH, num_rows_per_expert_E, options):
+    """y [S, H]: :func:`presorted_op` with the gate and up weights as two [E, I, H] operands
+    (torchtitan's separate ``w1`` / ``w3``) through ``torch.ops.moe_bwd.
+    experts_forward_presorted_split``. A backend with ``forward_split_gate_up`` (the CUDA ones:
+    :func:`cuda_kernels.moe.forward.moe_forward_split_gate_up`) reads both in place and writes
+    their gradients in their own layouts: no weight copy, concatenation or transposition per
+    call. Any other backend (the portable CPU path) runs on ``cat([w_gate, w_up])``, a copy per
+    call, and splits the gradient back. ``w_down_EIH``: [E, I, H] (torchtitan's ``w2``
+    transposed, a view). Inputs already checked by the caller; ``options`` hashable."""
+    return _experts_forward_presorted_split(x_SH, w_gate_EIH, w_up_EIH, w_down_EIH,
+                                            num_rows_per_expert_E, options_key(options))[0]
 
 
 def presorted_op(x_SH, w_gate_up_EH2I, w_down_EIH, num_rows_per_expert_E, options):

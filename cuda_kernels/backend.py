@@ -4,7 +4,9 @@
 Each backend runs the fused GPU forward of the layer (``cuda_kernels.moe.moe_forward_fused``) and
 the fused GPU backward (``cuda_kernels.moe.moe_backward_fused``: grouped GEMMs, Triton kernels for
 everything between them, and this package's grouped wgrad kernel through the public API
-``cuda_kernels.grouped_wgrad.api``), and declares its layer option ``grouped_mm``
+``cuda_kernels.grouped_wgrad.api``), the same on rows in expert order with separate gate and up
+weights (``moe_forward_split_gate_up`` / ``moe_backward_split_gate_up``: torchtitan's seam), and
+declares its layer option ``grouped_mm``
 (``cuda_kernels.moe.grouped_mm_choice.GROUPED_MM_OPTION``) and its layer state (saved X rows,
 layout, gradient targets). ``check()`` says what is missing: CUDA, the right compute capability,
 Triton, the CuTe DSL package, or (SM100) the kernel itself.
@@ -109,6 +111,21 @@ def _run_fused(problem: MoEBackwardProblem, **options) -> MoEGrads:
     return moe_backward_fused(problem, **options)
 
 
+def _forward_split(*args, **kwargs):
+    """The forward on separate gate and up weights (``cuda_kernels.moe.forward.
+    moe_forward_split_gate_up``)."""
+    from .moe.forward import moe_forward_split_gate_up
+
+    return moe_forward_split_gate_up(*args, **kwargs)
+
+
+def _run_split(*args, **kwargs):
+    """Its backward (``cuda_kernels.moe.backward.moe_backward_split_gate_up``)."""
+    from .moe.backward import moe_backward_split_gate_up
+
+    return moe_backward_split_gate_up(*args, **kwargs)
+
+
 register_backend(
     Backend(
         name="cuda-sm90",
@@ -120,6 +137,8 @@ register_backend(
         forward=_forward_fused,
         options=(GROUPED_MM_OPTION,),
         layer_state=True,
+        forward_split_gate_up=_forward_split,
+        run_split_gate_up=_run_split,
     )
 )
 register_backend(
@@ -133,5 +152,7 @@ register_backend(
         forward=_forward_fused,
         options=(GROUPED_MM_OPTION,),
         layer_state=True,
+        forward_split_gate_up=_forward_split,
+        run_split_gate_up=_run_split,
     )
 )

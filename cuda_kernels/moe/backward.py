@@ -20,6 +20,16 @@ are one kernel, :func:`cuda_kernels.grouped_mm.down_dgrad_backward` (``dy_rows_o
 (:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, ``dY_S`` side-written) and the activation
 backward stays a pass.
 
+:func:`moe_backward_split_gate_up` is the same backward on rows already in expert order (an
+identity layout) with the gate and up weights as two operands (torchtitan's ``w1`` / ``w3``
+[E, I, H], read in place; their gradients written straight in that layout)::
+
+    dh_raw_S    = dY @ W_down[e]^T                      # as above (no gather)
+    dg, du, ah  = activation_backward(..., gate_up_apart=True)   # dg, du: two dense [S, I]
+    dW_down     = (ah)^T dY
+    dX          = dg @ W_gate[e] + du @ W_up[e]         # two grouped GEMMs and one add
+    dW_gate     = dg^T x;   dW_up = du^T x              # two wgrads, [E, I, H] each
+
 No fp32 intermediate goes through HBM; every step is deterministic (no atomics), reads no
 device value on the host (CUDA-graph capturable) and allocates only its outputs and the BF16
 operands, each freed after its last GEMM. Sizes off the 128 grid with BF16 outputs (gpt-oss) run
@@ -32,17 +42,23 @@ from __future__ import annotations
 
 import torch
 
-from common.problem import ClampLimits, MoEBackwardProblem, MoEGrads
+from common.problem import Activation, ClampLimits, MoEBackwardProblem, MoEGrads
 from common.torch_backward import ALIGN, gate_up_from_matrix, gate_up_matrix, grouped_layout
 
 from .. import grouped_mm as gmm
 from ..grouped_wgrad import api
 from ..triton.activation import activation_backward
 from ..triton.rows import gather_rows, segment_colsum, token_sum, zero_empty_groups
-from .grouped_mm_choice import kernel_rows, pick
-from .steps import covering_offsets, gathered_times_experts, identity_rows, rows_times_experts
+from .grouped_mm_choice import check_grouped_mm, kernel_rows, pick
+from .steps import (
+    check_split_gate_up,
+    covering_offsets,
+    gathered_times_experts,
+    identity_rows,
+    rows_times_experts,
+)
 
-__all__ = ["GRAD_DTYPES", "moe_backward_fused"]
+__all__ = ["GRAD_DTYPES", "moe_backward_fused", "moe_backward_split_gate_up"]
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
 """Dtypes the fused backward writes its gradients in (dA is always fp32)."""
@@ -322,3 +338,109 @@ def moe_backward_fused(
             grad_dtype)
         grads.b_down_grad_EH = dBd.to(grad_dtype)
     return grads
+
+
+def _wgrad_like(w_EIH, a_SI, x_SH, offsets_E, grad_dtype, wgrad_backend, group_align, stats):
+    """``dW[e] = a_SI[rows of e]^T x_SH[rows of e]`` [E, I, H] written in ``w_EIH``'s memory
+    layout: [E, I, H] itself, or [E, H, I] seen transposed (the wgrad's operands swapped), so
+    that no gradient is transposed afterwards."""
+    if _memory_is(w_EIH, (0, 2, 1)):
+        return _wgrad(x_SH.t(), a_SI, offsets_E, None, False, grad_dtype, wgrad_backend,
+                      group_align, stats).transpose(1, 2)
+    return _wgrad(a_SI.t(), x_SH, offsets_E, None, False, grad_dtype, wgrad_backend, group_align,
+                  stats)
+
+
+def moe_backward_split_gate_up(
+    grad_y_SH: torch.Tensor,
+    x_SH: torch.Tensor,
+    w_gate_EIH: torch.Tensor,
+    w_up_EIH: torch.Tensor,
+    w_down_EIH: torch.Tensor,
+    act_R2I: torch.Tensor,
+    routing,
+    *,
+    clamp_limits: ClampLimits | None = None,
+    activation=None,
+    grad_dtype: torch.dtype = torch.float32,
+    wgrad_backend: str = "auto",
+    grouped_mm: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """The backward of :func:`cuda_kernels.moe.forward.moe_forward_split_gate_up`: rows already
+    in expert order, separate gate and up weights (torchtitan's ``w1`` / ``w3``) read in place.
+
+    Dimensions: S rows (= T = R), H hidden, I intermediate, E experts.
+
+    ``dh_raw = dY W_down[e]^T`` (grouped GEMM), the activation backward in one Triton pass
+    writing dg and du as two dense [S, I] operands (padding rows 0), then
+    ``dW_down[e] = h^T dY``, ``dX = dg W_gate[e] + du W_up[e]`` (two grouped GEMMs, BF16 out,
+    and one add), ``dW_gate[e] = dg^T x`` and ``dW_up[e] = du^T x`` (two grouped wgrads, each
+    written in its weight's memory layout: torchtitan's [E, I, H] as it is). No weight or
+    weight gradient is copied, concatenated or transposed. Same math as
+    :func:`moe_backward_fused` on ``[w_gate; w_up]``; dX differs by the BF16 rounding of the two
+    GEMM outputs before their sum (one GEMM over K = 2I rounds once).
+
+    Args:
+        grad_y_SH: [S, H] float, dL/dy (read in place when BF16 and contiguous).
+        x_SH: [S, H] float, the forward's rows.
+        w_gate_EIH, w_up_EIH, w_down_EIH: [E, I, H] float, as the forward took them.
+        act_R2I: [S, 2, I] the forward's BF16 checkpoint.
+        routing: ``(plan, layout)`` of :func:`common.routing.presorted_routing`.
+        clamp_limits, activation: the forward's.
+        grad_dtype: torch.float32 (default) or torch.bfloat16: dtype of every gradient.
+        wgrad_backend: as :func:`moe_backward_fused` (``info["wgrad_backend"]`` says which ran).
+        grouped_mm: the down dgrad's implementation as in :func:`moe_backward_fused`
+            (``info["grouped_mm"]``) except that the fused ``"ours"`` (which writes gate/up
+            concatenated) is refused, and the ``"auto"`` table's ``"ours"`` runs ``"cublas"``.
+    Returns:
+        ``(dX [S, H], dW_gate [E, I, H], dW_up [E, I, H], dW_down [E, I, H], info)`` in
+        ``grad_dtype``; each weight gradient has its weight's memory layout where that is
+        [E, I, H] or [E, H, I] (a transposed view then), and dX is 0 on padding rows.
+    Raises:
+        ValueError: bad shapes or devices (named), not an identity layout, a bad
+            ``grad_dtype`` / ``wgrad_backend`` / ``grouped_mm``.
+        RuntimeError: ``grouped_mm="ours"``; an explicit ``wgrad_backend`` that cannot run
+            here; CPU tensors without the Triton interpreter.
+    """
+    plan, layout = routing
+    check_split_gate_up(x_SH, w_gate_EIH, w_up_EIH, w_down_EIH, layout, grad_y_SH=grad_y_SH,
+                        act_R2I=act_R2I)
+    if grad_dtype not in GRAD_DTYPES:
+        raise ValueError(f"grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype!r}")
+    if wgrad_backend not in ("auto", "sm90", "sm100", "torch"):
+        raise ValueError(
+            f"wgrad_backend must be 'auto', 'sm90', 'sm100' or 'torch', got {wgrad_backend!r}"
+        )
+    check_grouped_mm(grouped_mm)
+    if grouped_mm == "ours":
+        raise RuntimeError(
+            "grouped_mm='ours' cannot run with separate gate and up weights: the fused "
+            "epilogue writes d_gate_up as one [S, 2I] row; use 'auto', 'cublas' or 'ours-gemm'"
+        )
+    bf16 = torch.bfloat16
+    act_fn = Activation.resolve(activation)
+    offs, align = layout.offsets_E, layout.align
+    stats: dict = {}
+    w_down_EHI = w_down_EIH.to(bf16).transpose(1, 2)
+    impl = pick("backward_down_dgrad", grouped_mm, grad_y_SH, w_down_EHI, layout.row_to_token_S,
+                act_R2I=act_R2I)
+    if impl == "ours":  # (only from the "auto" table: the fused epilogue writes [S, 2I])
+        impl = "cublas"
+    stats["grouped_mm"] = impl
+    dy_S, dh_raw = gathered_times_experts(impl, grad_y_SH, w_down_EHI, layout)
+    dgu_2SI, ah_S, _ = activation_backward(
+        dh_raw, act_R2I, layout.row_to_pair_S, plan, activation=act_fn,
+        clamp_limits=clamp_limits or ClampLimits(), gate_up_apart=True,
+    )
+    del dh_raw
+    dg_S, du_S = dgu_2SI[0], dgu_2SI[1]
+    dWd = _wgrad_like(w_down_EIH, ah_S, dy_S, offs, grad_dtype, wgrad_backend, align, stats)
+    del ah_S, dy_S
+    # dX = dg W_gate + du W_up: every row written (covering offsets; dg, du are 0 on padding)
+    cover = covering_offsets(layout)
+    dX = rows_times_experts(dg_S, w_gate_EIH.to(bf16), cover)
+    dX = dX.add_(rows_times_experts(du_S, w_up_EIH.to(bf16), cover)).to(grad_dtype)
+    x_S = identity_rows(x_SH)  # (x itself when BF16 and contiguous, as the forward read it)
+    dWg = _wgrad_like(w_gate_EIH, dg_S, x_S, offs, grad_dtype, wgrad_backend, align, stats)
+    dWu = _wgrad_like(w_up_EIH, du_S, x_S, offs, grad_dtype, wgrad_backend, align, stats)
+    return dX, dWg, dWu, dWd, stats

@@ -21,6 +21,14 @@ pass: a checkpoint value can differ by one BF16 ulp). With ``"ours-gemm"`` the g
 GEMM are one kernel (:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, x_S side-written) and
 the activation stays a pass.
 
+:func:`moe_forward_split_gate_up` is the same forward on rows already in expert order (an identity
+layout: nothing gathered, nothing combined) with the gate and up weights as two operands
+(torchtitan's ``w1`` / ``w3`` [E, I, H], read in place: no per-call concatenation)::
+
+    g_S, u_S = x @ W_gate[e]^T, x @ W_up[e]^T                   # two grouped GEMMs, N = I
+    act, ah  = activation_forward(g_S, up_SI=u_S, ...)          # one pass, two row pointers
+    y        = ah @ W_down[e]                                   # grouped GEMM, y itself
+
 No fp32 intermediate goes through HBM, no atomics (bitwise deterministic), no host read of device
 values (CUDA-graph capturable). The backward (:mod:`cuda_kernels.moe.backward`) reuses the plan,
 the layout, the checkpoint and ``x_S``. On CPU tensors under ``TRITON_INTERPRET=1`` the Triton
@@ -39,10 +47,16 @@ from .. import grouped_mm as gmm
 from ..triton.activation import activation_forward
 from ..triton.routing import build_routing, check_routing_async
 from ..triton.rows import token_sum
-from .grouped_mm_choice import kernel_rows, pick
-from .steps import covering_offsets, gathered_times_experts, identity_rows, rows_times_experts
+from .grouped_mm_choice import check_grouped_mm, kernel_rows, pick
+from .steps import (
+    check_split_gate_up,
+    covering_offsets,
+    gathered_times_experts,
+    identity_rows,
+    rows_times_experts,
+)
 
-__all__ = ["moe_forward_fused"]
+__all__ = ["moe_forward_fused", "moe_forward_split_gate_up"]
 
 
 def moe_forward_fused(
@@ -138,3 +152,70 @@ def moe_forward_fused(
         bias_EH=b_down_EH, row_to_pair_S=layout.row_to_pair_S, plan=plan,
     )
     return LayerForward(y_TH, act_R2I, x_S, plan, layout)
+
+
+def moe_forward_split_gate_up(
+    x_SH: torch.Tensor,
+    w_gate_EIH: torch.Tensor,
+    w_up_EIH: torch.Tensor,
+    w_down_EIH: torch.Tensor,
+    routing,
+    *,
+    clamp_limits: ClampLimits | None = None,
+    activation: Activation | None = None,
+    grouped_mm: str = "auto",
+) -> LayerForward:
+    """The layer's forward on rows already in expert order with separate gate and up weights
+    (torchtitan's ``GroupedExperts``: ``w1`` gate, ``w3`` up), each read in place by its GEMM.
+
+    Dimensions: S rows (= T = R), H hidden, I intermediate, E experts.
+
+    Per row s of expert e: ``g = x[s] W_gate[e]^T``, ``u = x[s] W_up[e]^T`` (two grouped GEMMs,
+    BF16 out), then the clamps and ``h = g sigmoid(alpha g) (u + up_offset)`` in one Triton pass
+    that reads g and u through two row pointers and writes the checkpoint ``[g, u]`` and the down
+    GEMM's operand ``h`` (affinity 1), then ``y[s] = h W_down[e]`` (rows past the counts: 0). No
+    weight is copied, concatenated or transposed (``.to(bfloat16)`` is a no-op on BF16 weights).
+    The same math as :func:`moe_forward_fused` on ``[w_gate; w_up]`` and the identity layout.
+
+    Args:
+        x_SH: [S, H] float rows in expert order (read in place when BF16 and contiguous).
+        w_gate_EIH, w_up_EIH: [E, I, H] float, any strides (torchtitan's ``w1`` / ``w3``).
+        w_down_EIH: [E, I, H] float (torchtitan's ``w2`` [E, H, I] seen transposed).
+        routing: ``(plan, layout)`` of :func:`common.routing.presorted_routing` (an identity
+            layout of S rows).
+        clamp_limits, activation: as :func:`moe_forward_fused`.
+        grouped_mm: ``"auto"`` / ``"cublas"``: the two gate/up GEMMs on cuBLAS
+            (``torch._grouped_mm``; the per-shape table was measured for the concatenated
+            N = 2I GEMM on gathered rows, so it is not read here); ``"ours-gemm"``: our grouped
+            GEMM (:func:`cuda_kernels.grouped_mm.grouped_mm_gather` without a gather; its torch
+            twin on CPU tensors). ``"ours"`` is refused: its fused epilogue reads one
+            [E, H, 2I] weight.
+    Returns:
+        :class:`~common.torch_backward.LayerForward`: y [S, H] in ``x_SH``'s dtype, the BF16
+        checkpoint [S, 2, I], the BF16 X rows (``x_SH`` itself when BF16 and contiguous), the
+        plan and the layout.
+    Raises:
+        ValueError: bad shapes, dtypes or devices (named), a layout that is not an identity
+            layout, a ``grouped_mm`` value not in :data:`.grouped_mm_choice.GROUPED_MM`.
+        RuntimeError: ``grouped_mm="ours"``; CPU tensors without the Triton interpreter.
+    """
+    plan, layout = routing
+    check_split_gate_up(x_SH, w_gate_EIH, w_up_EIH, w_down_EIH, layout)
+    check_grouped_mm(grouped_mm)
+    if grouped_mm == "ours":
+        raise RuntimeError(
+            "grouped_mm='ours' cannot run with separate gate and up weights: the fused "
+            "epilogue reads one [E, H, 2I] gate/up weight; use 'auto', 'cublas' or 'ours-gemm'"
+        )
+    impl = "ours-gemm" if grouped_mm == "ours-gemm" else "cublas"
+    bf16 = torch.bfloat16
+    x_S = identity_rows(x_SH)
+    _, g_S = gathered_times_experts(impl, x_S, w_gate_EIH.to(bf16).transpose(1, 2), layout)
+    _, u_S = gathered_times_experts(impl, x_S, w_up_EIH.to(bf16).transpose(1, 2), layout)
+    act_R2I, ah_S = activation_forward(
+        g_S, layout.row_to_pair_S, plan, activation=Activation.resolve(activation),
+        clamp_limits=clamp_limits or ClampLimits(), up_SI=u_S,
+    )
+    del g_S, u_S
+    y_SH = rows_times_experts(ah_S, w_down_EIH.to(bf16), covering_offsets(layout))
+    return LayerForward(y_SH.to(x_SH.dtype), act_R2I, x_S, plan, layout)

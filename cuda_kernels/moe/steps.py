@@ -4,6 +4,8 @@
 * :func:`gathered_times_experts` -- the same on rows gathered from ``[T, K]`` through the
   layout's row -> token index (the forward's X, the backward's dY), by the implementation
   :func:`cuda_kernels.moe.grouped_mm_choice.pick` chose.
+* :func:`check_split_gate_up` -- the argument check of the pipelines on separate gate and up
+  weights (``moe_forward_split_gate_up`` / ``moe_backward_split_gate_up``).
 
 The row gathers, the per-token sums and the activation passes around them are Triton kernels
 (:mod:`cuda_kernels.triton`).
@@ -19,7 +21,59 @@ from .. import grouped_mm as gmm
 from ..triton.rows import gather_rows
 from .grouped_mm_choice import kernel_rows
 
-__all__ = ["covering_offsets", "gathered_times_experts", "identity_rows", "rows_times_experts"]
+__all__ = [
+    "check_split_gate_up",
+    "covering_offsets",
+    "gathered_times_experts",
+    "identity_rows",
+    "rows_times_experts",
+]
+
+
+def _shape(t) -> str:
+    return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def check_split_gate_up(x_SH, w_gate_EIH, w_up_EIH, w_down_EIH, layout, *, grad_y_SH=None,
+                        act_R2I=None) -> None:
+    """ValueError naming the first bad argument of a pipeline on separate gate and up weights:
+    ``x_SH`` [S, H] float; ``w_gate_EIH``, ``w_up_EIH``, ``w_down_EIH`` [E, I, H] float; the
+    same device; ``layout`` an identity layout (rows in expert order) of S rows and E experts;
+    optionally ``grad_y_SH`` [S, H] float and ``act_R2I`` [S, 2, I] float."""
+    if not isinstance(x_SH, torch.Tensor) or x_SH.dim() != 2 or not x_SH.is_floating_point():
+        raise ValueError(f"x_SH must be a floating 2-D [S, H] tensor, got {_shape(x_SH)}")
+    S, H = x_SH.shape
+    w = w_gate_EIH
+    if not isinstance(w, torch.Tensor) or w.dim() != 3 or not w.is_floating_point() or (
+            w.shape[2] != H):
+        raise ValueError(f"w_gate_EIH must be a floating [E, I, H={H}] tensor, got {_shape(w)}")
+    E, I, _ = w.shape
+    for name, t in (("w_up_EIH", w_up_EIH), ("w_down_EIH", w_down_EIH)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (E, I, H) or (
+                not t.is_floating_point()):
+            raise ValueError(f"{name} must be a floating [E={E}, I={I}, H={H}] tensor, got "
+                             f"{_shape(t)}")
+    extra = []
+    if grad_y_SH is not None:
+        extra.append(("grad_y_SH", grad_y_SH, (S, H)))
+    if act_R2I is not None:
+        extra.append(("act_R2I", act_R2I, (S, 2, I)))
+    for name, t, shape in extra:
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or (
+                not t.is_floating_point()):
+            raise ValueError(f"{name} must be a floating {list(shape)} tensor, got {_shape(t)}")
+    for name, t in (("w_gate_EIH", w), ("w_up_EIH", w_up_EIH), ("w_down_EIH", w_down_EIH),
+                    *((n, t) for n, t, _ in extra)):
+        if t.device != x_SH.device:
+            raise ValueError(f"{name} is on {t.device} but x_SH is on {x_SH.device}")
+    if not getattr(layout, "identity", False) or layout.tokens_sum != S or (
+            layout.offsets_E.shape[0] != E):
+        raise ValueError(
+            f"routing must be the identity layout of S={S} rows in expert order and E={E} "
+            "experts (common.routing.presorted_routing), got "
+            f"{'identity' if getattr(layout, 'identity', False) else 'a gathered'} layout of "
+            f"{getattr(layout, 'tokens_sum', '?')} rows"
+        )
 
 
 def identity_rows(t: torch.Tensor) -> torch.Tensor:

@@ -28,50 +28,51 @@ __all__ = ["activation_args", "activation_backward", "activation_forward"]
 
 
 @triton.jit
-def _load_gate_up(row_ptrs, i0, I, valid, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+def _load_gate_up(g_rows, u_rows, i0, I, valid, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                   GU_INTERLEAVED: tl.constexpr):
-    """Gate and up columns ``i0 .. i0 + BLOCK_I`` of the [*, 2I] gate/up rows at ``row_ptrs``
-    ([BLOCK_M] pointers to column 0), as two fp32 [BLOCK_M, BLOCK_I] tiles, 0 where ``valid`` is
-    False or the column is past I.
+    """Gate and up columns ``i0 .. i0 + BLOCK_I`` as two fp32 [BLOCK_M, BLOCK_I] tiles, 0 where
+    ``valid`` is False or the column is past I. ``g_rows`` / ``u_rows``: [BLOCK_M] pointers to
+    column 0 of the gate and the up operand's rows.
 
-    Concatenated halves: gate i at column i, up i at I + i (two contiguous loads). Interleaved
-    (gpt-oss's own weight layout): gate i at 2i, up i at 2i + 1 -- one contiguous
-    [BLOCK_M, 2 * BLOCK_I] load split in registers (two loads at column stride 2 would use half
-    of every memory transaction)."""
+    Two operands (the halves ``gu[:, :I]`` / ``gu[:, I:]`` of one [S, 2I] row, or two [S, I]
+    rows): gate i at column i of one, up i at column i of the other (two contiguous loads).
+    Interleaved (gpt-oss's own weight layout; both pointers are the one [S, 2I] row): gate i at
+    2i, up i at 2i + 1 -- one contiguous [BLOCK_M, 2 * BLOCK_I] load split in registers (two
+    loads at column stride 2 would use half of every memory transaction)."""
     if GU_INTERLEAVED:
         c2 = 2 * i0 + tl.arange(0, 2 * BLOCK_I)
         m2 = valid[:, None] & (c2 < 2 * I)[None, :]
-        gu = tl.load(row_ptrs[:, None] + c2[None, :], mask=m2, other=0.0)
+        gu = tl.load(g_rows[:, None] + c2[None, :], mask=m2, other=0.0)
         g, u = tl.split(tl.reshape(gu, [BLOCK_M, BLOCK_I, 2]))
     else:
         cols = i0 + tl.arange(0, BLOCK_I)
         m = valid[:, None] & (cols < I)[None, :]
-        g = tl.load(row_ptrs[:, None] + cols[None, :], mask=m, other=0.0)
-        u = tl.load(row_ptrs[:, None] + I + cols[None, :], mask=m, other=0.0)
+        g = tl.load(g_rows[:, None] + cols[None, :], mask=m, other=0.0)
+        u = tl.load(u_rows[:, None] + cols[None, :], mask=m, other=0.0)
     return g.to(tl.float32), u.to(tl.float32)
 
 
 @triton.jit
-def _store_gate_up(row_ptrs, i0, I, g, u, valid, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
-                   GU_INTERLEAVED: tl.constexpr):
-    """Store the [BLOCK_M, BLOCK_I] tiles ``g`` and ``u`` (already in the row's dtype) at the gate
-    and up columns ``i0 .. i0 + BLOCK_I`` of the [*, 2I] rows at ``row_ptrs``, where ``valid``
-    and the column is inside I; the column order of :func:`_load_gate_up` (interleaved: joined
-    in registers, one contiguous [BLOCK_M, 2 * BLOCK_I] store)."""
+def _store_gate_up(g_rows, u_rows, i0, I, g, u, valid, BLOCK_M: tl.constexpr,
+                   BLOCK_I: tl.constexpr, GU_INTERLEAVED: tl.constexpr):
+    """Store the [BLOCK_M, BLOCK_I] tiles ``g`` and ``u`` (already in the rows' dtype) at the
+    gate and up columns ``i0 .. i0 + BLOCK_I`` where ``valid`` and the column is inside I; the
+    column order of :func:`_load_gate_up` (interleaved: joined in registers, one contiguous
+    [BLOCK_M, 2 * BLOCK_I] store at ``g_rows``)."""
     if GU_INTERLEAVED:
         c2 = 2 * i0 + tl.arange(0, 2 * BLOCK_I)
         m2 = valid[:, None] & (c2 < 2 * I)[None, :]
         gu = tl.reshape(tl.join(g, u), [BLOCK_M, 2 * BLOCK_I])
-        tl.store(row_ptrs[:, None] + c2[None, :], gu, mask=m2)
+        tl.store(g_rows[:, None] + c2[None, :], gu, mask=m2)
     else:
         cols = i0 + tl.arange(0, BLOCK_I)
         m = valid[:, None] & (cols < I)[None, :]
-        tl.store(row_ptrs[:, None] + cols[None, :], g, mask=m)
-        tl.store(row_ptrs[:, None] + I + cols[None, :], u, mask=m)
+        tl.store(g_rows[:, None] + cols[None, :], g, mask=m)
+        tl.store(u_rows[:, None] + cols[None, :], u, mask=m)
 
 
 def _activation_forward_kernel(
-    gu_ptr, stride_gu, bgu_ptr, stride_bgu,
+    gu_ptr, stride_gu, up_ptr, stride_up, bgu_ptr, stride_bgu,
     r2p_ptr, pair_expert_ptr, pair_alpha_ptr, num_pairs_ptr,
     act_ptr, stride_act_r, stride_act_c, ah_ptr, stride_ah,
     S, R, I,
@@ -102,8 +103,8 @@ def _activation_forward_kernel(
         cols = i0 + tl.arange(0, BLOCK_I)
         in_i = (cols < I)[None, :]
         m = valid[:, None] & in_i
-        g, u = _load_gate_up(gu_ptr + rows64 * stride_gu, i0, I, valid,
-                             BLOCK_M, BLOCK_I, GU_INTERLEAVED)
+        g, u = _load_gate_up(gu_ptr + rows64 * stride_gu, up_ptr + rows64 * stride_up, i0, I,
+                             valid, BLOCK_M, BLOCK_I, GU_INTERLEAVED)
         if HAS_BIAS:
             b = bgu_ptr + expert[:, None] * stride_bgu + cols[None, :]
             g += tl.load(b, mask=m, other=0.0).to(tl.float32)
@@ -142,10 +143,12 @@ def activation_forward(
     b_gate_up_E2I: torch.Tensor | None = None,
     operand_dtype: torch.dtype = torch.bfloat16,
     gate_up_interleaved: bool = False,
+    up_SI: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bias, clamp and gated activation of every grouped row (REFERENCE §2).
 
-    Per row s of pair p (expert e, affinity a), with ``[g_raw, u_raw] = gu_S2I[s]``::
+    Per row s of pair p (expert e, affinity a), with ``[g_raw, u_raw] = gu_S2I[s]`` (or
+    ``g_raw = gu_S2I[s]``, ``u_raw = up_SI[s]`` with two operands)::
 
         g = clamp_gate(g_raw + b_gate_up[e, 0])      u = clamp_up(u_raw + b_gate_up[e, 1])
         h = g * sigmoid(alpha * g) * (u + up_offset)  # SwiGLU: alpha 1, up_offset 0
@@ -157,7 +160,8 @@ def activation_forward(
     Args:
         gu_S2I: [S, 2I] float, the gate/up GEMM's output rows (gate columns first; with
             ``gate_up_interleaved`` gate i at column 2i and up i at 2i + 1, the GEMM's output on
-            gpt-oss's interleaved weight), unit stride along columns.
+            gpt-oss's interleaved weight), unit stride along columns. With ``up_SI``: the gate
+            GEMM's output rows [S, I] (separate gate and up weights, torchtitan's w1 / w3).
         row_to_pair_S: [S] int64, the plan pair of each grouped row, -1 for padding rows.
         plan: the :class:`~common.routing.RoutingPlan` (pair experts, merged affinities,
             ``num_pairs``); R = ``plan.pair_token_R.shape[0]`` <= S.
@@ -165,14 +169,28 @@ def activation_forward(
         b_gate_up_E2I: optional [E, 2, I] gate/up bias.
         operand_dtype: dtype of both outputs (BF16).
         gate_up_interleaved: ``gu_S2I``'s columns interleaved (above).
+        up_SI: optional [S, I] float, the up GEMM's output rows; ``gu_S2I`` is then the gate's
+            [S, I] (not with ``gate_up_interleaved``). Both are read in place (unit stride
+            along columns, any row stride).
     Returns:
         ``(act_R2I [R, 2, I], a_h_SI [S, I])``: the checkpoint in the plan's pair order
         (entries past ``num_pairs`` exactly 0) and the down GEMM's rows (padding rows 0).
     Raises:
-        ValueError: S < R (not a grouped layout of this plan).
+        ValueError: S < R (not a grouped layout of this plan); ``up_SI`` not of the gate rows'
+            shape and device, or given with ``gate_up_interleaved``.
     """
-    S, I2 = gu_S2I.shape
-    I = I2 // 2
+    if up_SI is None:
+        S, I2 = gu_S2I.shape
+        I = I2 // 2
+    else:
+        S, I = gu_S2I.shape
+        if gate_up_interleaved:
+            raise ValueError("up_SI (separate gate and up rows) cannot be interleaved")
+        if tuple(up_SI.shape) != (S, I) or up_SI.device != gu_S2I.device:
+            raise ValueError(
+                f"up_SI must be [S={S}, I={I}] on {gu_S2I.device} like the gate rows, got "
+                f"{list(up_SI.shape)} on {up_SI.device}"
+            )
     R = plan.pair_token_R.shape[0]
     if S < R:
         raise ValueError(f"gu_S2I has {S} rows, fewer than the plan's R={R} pair slots")
@@ -183,6 +201,14 @@ def activation_forward(
         return act.zero_(), ah
     if gu_S2I.stride(1) != 1:
         gu_S2I = gu_S2I.contiguous()
+    # the gate and up operands: one code path for the concatenated halves of one [S, 2I] row
+    # and two separate [S, I] rows; the interleaved row is both (columns 2i / 2i + 1)
+    if up_SI is not None:
+        gate, up = gu_S2I, up_SI if up_SI.stride(1) == 1 else up_SI.contiguous()
+    elif gate_up_interleaved:
+        gate, up = gu_S2I, gu_S2I
+    else:
+        gate, up = gu_S2I[:, :I], gu_S2I[:, I:]
     has_bias = b_gate_up_E2I is not None
     bgu = b_gate_up_E2I.reshape(-1, 2 * I).contiguous() if has_bias else gu_S2I
     limits, act_meta = activation_args(activation, clamp_limits)
@@ -190,7 +216,7 @@ def activation_forward(
     BLOCK_I = min(128, triton.next_power_of_2(I))
     _ACTIVATION_FORWARD.launch(
         dev, (triton.cdiv(S, BLOCK_M),),
-        gu_S2I, gu_S2I.stride(0), bgu, bgu.stride(0),
+        gate, gate.stride(0), up, up.stride(0), bgu, bgu.stride(0),
         row_to_pair_S, plan.pair_expert_R, plan.pair_affinity_R, plan.num_pairs,
         act, act.stride(0), act.stride(1), ah, ah.stride(0),
         S, R, I, *limits, **act_meta,
@@ -222,7 +248,7 @@ def _activation_backward_kernel(
     act_ptr, stride_act_r, stride_act_c,
     r2p_ptr, pair_token_ptr, pair_expert_ptr, pair_alpha_ptr,
     dy_ptr, stride_dy, bd_ptr, stride_bd,
-    dgu_ptr, stride_dgu, ah_ptr, stride_ah, da_ptr,
+    dgu_ptr, stride_dgu, du_ptr, stride_du, ah_ptr, stride_ah, da_ptr,
     S, I, H, E,
     g_lo, g_hi, u_lo, u_hi,
     ACT_ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
@@ -270,8 +296,9 @@ def _activation_backward_kernel(
         ah = tl.where(m, alpha[:, None] * h, 0.0)
         out_m = in_rows[:, None] & (cols < I)[None, :]
         out_ty = dgu_ptr.dtype.element_ty
-        _store_gate_up(dgu_ptr + rows64 * stride_dgu, i0, I, cast(dg, out_ty, RNE_BF16),
-                       cast(du, out_ty, RNE_BF16), in_rows, BLOCK_M, BLOCK_I, GU_INTERLEAVED)
+        _store_gate_up(dgu_ptr + rows64 * stride_dgu, du_ptr + rows64 * stride_du, i0, I,
+                       cast(dg, out_ty, RNE_BF16), cast(du, out_ty, RNE_BF16), in_rows,
+                       BLOCK_M, BLOCK_I, GU_INTERLEAVED)
         ah_row = ah_ptr + rows64[:, None] * stride_ah + cols[None, :]
         tl.store(ah_row, cast(ah, out_ty, RNE_BF16), mask=out_m)
     expert = tl.load(pair_expert_ptr + p, mask=valid, other=0).to(tl.int64)
@@ -301,6 +328,7 @@ def activation_backward(
     b_down_EH: torch.Tensor | None = None,
     operand_dtype: torch.dtype = torch.bfloat16,
     gate_up_interleaved: bool = False,
+    gate_up_apart: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gated-activation backward of every grouped row, with the affinity gradient.
 
@@ -324,14 +352,23 @@ def activation_backward(
         operand_dtype: dtype of the two outputs that feed GEMMs (BF16).
         gate_up_interleaved: write ``d_gate_up`` with dg i at column 2i and du i at 2i + 1 (the
             layout of gpt-oss's interleaved weight) instead of the two halves.
+        gate_up_apart: write ``d_gate_up`` as [2, S, I]: dg rows then du rows, each a dense
+            [S, I] operand of its own weight's GEMMs (separate gate and up weights, torchtitan's
+            w1 / w3). Not with ``gate_up_interleaved``.
     Returns:
-        ``(d_gate_up_S2I [S, 2I], a_h_SI [S, I], dA_TE [T, E] fp32)``; padding rows of the first
-        two are exactly 0, and dA is 0 where a token is not routed.
+        ``(d_gate_up_S2I [S, 2I] ([2, S, I] with gate_up_apart), a_h_SI [S, I], dA_TE [T, E]
+        fp32)``; padding rows of the first two are exactly 0, and dA is 0 where a token is not
+        routed.
+    Raises:
+        ValueError: ``gate_up_apart`` with ``gate_up_interleaved``.
     """
+    if gate_up_apart and gate_up_interleaved:
+        raise ValueError("gate_up_apart and gate_up_interleaved exclude each other")
     S, I = dh_raw_SI.shape
     T, E = plan.num_tokens, plan.num_experts
     dev = dh_raw_SI.device
-    dgu = torch.empty(S, 2 * I, dtype=operand_dtype, device=dev)
+    dgu = torch.empty(*((2, S, I) if gate_up_apart else (S, 2 * I)), dtype=operand_dtype,
+                      device=dev)
     ah = torch.empty(S, I, dtype=operand_dtype, device=dev)
     da = torch.zeros(T, E, dtype=torch.float32, device=dev)
     if S == 0 or I == 0:
@@ -347,6 +384,14 @@ def activation_backward(
         H = dy_SH.shape[1]
     else:
         dy_SH, b_down_EH, H = dh_raw_SI, dh_raw_SI, 1  # unused stand-ins
+    # where dg and du go: one code path for the halves of one [S, 2I] row and two [S, I] rows;
+    # the interleaved row takes both (columns 2i / 2i + 1)
+    if gate_up_apart:
+        dg_out, du_out = dgu[0], dgu[1]
+    elif gate_up_interleaved:
+        dg_out, du_out = dgu, dgu
+    else:
+        dg_out, du_out = dgu[:, :I], dgu[:, I:]
     limits, act_meta = activation_args(activation, clamp_limits)
     BLOCK_M = 16
     BLOCK_I = min(128, triton.next_power_of_2(I))
@@ -357,7 +402,7 @@ def activation_backward(
         act_R2I, act_R2I.stride(0), act_R2I.stride(1),
         row_to_pair_S, plan.pair_token_R, plan.pair_expert_R, plan.pair_affinity_R,
         dy_SH, dy_SH.stride(0), b_down_EH, b_down_EH.stride(0),
-        dgu, dgu.stride(0), ah, ah.stride(0), da,
+        dg_out, dg_out.stride(0), du_out, du_out.stride(0), ah, ah.stride(0), da,
         S, I, H, E, *limits, **act_meta,
         HAS_BD=has_bd, GU_INTERLEAVED=bool(gate_up_interleaved),
         BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_H=BLOCK_H, RNE_BF16=rne_bf16(operand_dtype),

@@ -110,6 +110,14 @@ class Backend:
         layer_state: True when ``forward`` returns the BF16 X rows (``LayerForward.x_rows_S``)
             and ``run`` takes the layer's saved state and gradient targets: ``layout``,
             ``x_rows_S``, ``grad_dtype`` and ``accumulate_into`` (the ``main_grad`` pair).
+        checkpoint_rows: optional ``fn(call) -> bool``, read only with ``layer_state`` and a
+            ``forward`` (the portable forward keeps [R, 2, I]): True when
+            ``forward`` keeps the checkpoint in the grouped row order [S, 2I]
+            (``LayerForward.checkpoint``; ``run`` then reads it so) for a call described by
+            ``call``: the ints ``E, H, I``, ``gate_up_bias`` (bool), ``clamp_limits`` (a
+            ClampLimits or None) and the backend's declared options by name. It must depend on
+            nothing else -- the layer's fake implementation gives the checkpoint's shape from
+            it, so one layer keeps one form for every token count. None = always [R, 2, I].
     """
 
     name: str
@@ -122,6 +130,7 @@ class Backend:
     forward: Callable | None = None
     options: tuple[BackendOption, ...] = ()
     layer_state: bool = False
+    checkpoint_rows: Callable[[dict], bool] | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}

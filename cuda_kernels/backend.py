@@ -6,7 +6,8 @@ the fused GPU backward (``cuda_kernels.moe.moe_backward_fused``: grouped GEMMs, 
 everything between them, and this package's grouped wgrad kernel through the public API
 ``cuda_kernels.grouped_wgrad.api``), and declares its layer option ``grouped_mm``
 (``cuda_kernels.moe.grouped_mm_choice.GROUPED_MM_OPTION``) and its layer state (saved X rows,
-layout, gradient targets). ``check()`` says what is missing: CUDA, the right compute capability,
+layout, gradient targets; the checkpoint in grouped row order where ``checkpoint_in_rows``
+says so). ``check()`` says what is missing: CUDA, the right compute capability,
 Triton, the CuTe DSL package, or (SM100) the kernel itself.
 
 Imported lazily by ``common.dispatch`` by module name; importing it imports neither triton nor
@@ -26,7 +27,7 @@ from common.problem import MoEBackwardProblem, MoEGrads
 
 from .gemm import env, registry
 from .grouped_wgrad import api
-from .moe.grouped_mm_choice import GROUPED_MM_OPTION
+from .moe.grouped_mm_choice import GROUPED_MM_OPTION, checkpoint_in_rows
 
 __all__ = ["check_cuda_sm90", "check_cuda_sm100", "make_grouped_wgrad"]
 
@@ -101,6 +102,13 @@ def _forward_fused(*args, **kwargs):
     return moe_forward_fused(*args, **kwargs)
 
 
+def _checkpoint_rows(call: dict) -> bool:
+    """``Backend.checkpoint_rows``: the fused forward keeps the gate/up GEMM's output rows as
+    the checkpoint (:func:`cuda_kernels.moe.grouped_mm_choice.checkpoint_in_rows`)."""
+    return checkpoint_in_rows(call["E"], call["H"], call["I"], gate_up_bias=call["gate_up_bias"],
+                              clamp_limits=call["clamp_limits"], grouped_mm=call["grouped_mm"])
+
+
 def _run_fused(problem: MoEBackwardProblem, **options) -> MoEGrads:
     """The fused backward; ``options`` are :func:`moe_backward_fused`'s keywords (``grouped_mm``
     from ``MoEExpertsOptions`` among them)."""
@@ -120,6 +128,7 @@ register_backend(
         forward=_forward_fused,
         options=(GROUPED_MM_OPTION,),
         layer_state=True,
+        checkpoint_rows=_checkpoint_rows,
     )
 )
 register_backend(
@@ -133,5 +142,6 @@ register_backend(
         forward=_forward_fused,
         options=(GROUPED_MM_OPTION,),
         layer_state=True,
+        checkpoint_rows=_checkpoint_rows,
     )
 )

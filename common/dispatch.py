@@ -123,6 +123,14 @@ class Backend:
             weight's layout; ``options`` are the declared layer options and
             ``MoEExpertsOptions.backend_options``. Given together with
             ``forward_split_gate_up``.
+        checkpoint_rows: optional ``fn(call) -> bool``, read only with ``layer_state`` and a
+            ``forward`` (the portable forward keeps [R, 2, I]): True when
+            ``forward`` keeps the checkpoint in the grouped row order [S, 2I]
+            (``LayerForward.checkpoint``; ``run`` then reads it so) for a call described by
+            ``call``: the ints ``E, H, I``, ``gate_up_bias`` (bool), ``clamp_limits`` (a
+            ClampLimits or None) and the backend's declared options by name. It must depend on
+            nothing else -- the layer's fake implementation gives the checkpoint's shape from
+            it, so one layer keeps one form for every token count. None = always [R, 2, I].
     """
 
     name: str
@@ -137,6 +145,7 @@ class Backend:
     layer_state: bool = False
     forward_split_gate_up: Callable | None = None
     run_split_gate_up: Callable | None = None
+    checkpoint_rows: Callable[[dict], bool] | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}

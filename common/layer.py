@@ -21,8 +21,10 @@ Public names:
   fused GPU forward (:mod:`cuda_kernels.moe`: routing, X gather, gate/up GEMM, one
   activation pass, down GEMM, deterministic per-token combine; BF16 in HBM), elsewhere
   :func:`common.torch_backward.moe_forward_torch` (grouped GEMMs, BF16 operands, fp32
-  accumulation). It saves only x, the weights, the BF16 checkpoint ``act [R, 2, I]``, the
-  routing plan and (CUDA) the BF16 X rows; the backward runs the backend's ``run``.
+  accumulation). It saves only x, the weights, the BF16 checkpoint ``act [R, 2, I]`` (on CUDA
+  without a gate/up bias and a clamp: the gate/up GEMM's own output rows ``[S, 2I]``, no
+  second copy), the routing plan and (CUDA) the BF16 X rows; the backward runs the backend's
+  ``run``.
   First-order only: any backward with ``create_graph=True`` (double backward, Hessians)
   raises RuntimeError.
 * :class:`MoEExpertsFunction` -- the same as a ``torch.autograd.Function``: what the layer uses
@@ -302,7 +304,7 @@ class MoEExpertsFunction(torch.autograd.Function):
             expert_index_TK, options,
         )
         ctx.save_for_backward(
-            hidden_states_TH, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH, out.act_R2I,
+            hidden_states_TH, w_gate_up_EH2I, w_down_EIH, b_gate_up_E2I, b_down_EH, out.checkpoint,
             out.x_rows_S,
         )
         layout, plan = out.layout, out.plan

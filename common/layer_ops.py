@@ -57,6 +57,7 @@ from common.torch_backward import ALIGN, LayerForward, cpu_threads, moe_layer_fo
 
 __all__ = [
     "check_inputs",
+    "checkpoint_shape",
     "check_routing_on_host",
     "layer_backward",
     "layer_forward",
@@ -224,8 +225,36 @@ def _layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_ind
         check_routing=mode == "device" and not on_host, **extra,
     )
     if not backend.layer_state and out.x_rows_S is not None:
-        out = LayerForward(out.y_TH, out.act_R2I, None, out.plan, out.layout)
+        out = LayerForward(out.y_TH, out.checkpoint, None, out.plan, out.layout)
     return out, backend
+
+
+def checkpoint_shape(options, device, *, E: int, H: int, I: int, R: int, S: int,
+                     gate_up_bias: bool) -> tuple[int, ...]:
+    """The shape of the checkpoint the layer's forward keeps (``LayerForward.checkpoint``):
+    ``(S, 2I)`` (grouped row order) where the backend's ``Backend.checkpoint_rows`` says so for
+    these dimensions (E, H, I the weights') and options, else ``(R, 2, I)`` (pair order). What
+    the fake implementations give, and what the real op checks the backend's forward
+    against."""
+    backend = resolve_backend(options.backend, device)
+    hook = backend.checkpoint_rows if backend.layer_state and backend.forward else None
+    if hook is None:
+        return (R, 2, I)
+    # (the weights' sizes, ints: a symbolic size, as opcheck traces, is specialised here)
+    call = {"E": int(E), "H": int(H), "I": int(I), "gate_up_bias": gate_up_bias,
+            "clamp_limits": options.clamp_limits, **_declared_options(backend, options)}
+    return (S, 2 * I) if hook(call) else (R, 2, I)
+
+
+def _check_checkpoint(out, want: tuple[int, ...]) -> None:
+    """RuntimeError unless the forward's checkpoint has the shape :func:`checkpoint_shape`
+    promised (a backend whose forward and ``checkpoint_rows`` disagree)."""
+    got = tuple(out.checkpoint.shape)
+    if got != want:
+        raise RuntimeError(
+            f"the backend's forward kept a checkpoint of shape {list(got)}, not {list(want)} "
+            "(Backend.checkpoint_rows disagrees with its forward)"
+        )
 
 
 def layer_backward(
@@ -301,17 +330,22 @@ def _experts_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
-    """``(y, act, x_rows, *plan, *layout)``: :func:`layer_forward` with flat outputs (x_rows is
-    [0, H] when the backend does not keep it). Checks the inputs first (ValueError)."""
+    """``(y, act, x_rows, *plan, *layout)``: :func:`layer_forward` with flat outputs (act is
+    the checkpoint in the form of :func:`checkpoint_shape`; x_rows is [0, H] when the backend
+    does not keep it). Checks the inputs first (ValueError)."""
     check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index)
-    out, _ = layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index,
-                           _OPTIONS[options])
-    S = static_tokens_sum(expert_index.numel(), w_gate_up.shape[0], ALIGN)
+    opts = _OPTIONS[options]
+    out, _ = layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, opts)
+    R, E = expert_index.numel(), w_gate_up.shape[0]
+    S = static_tokens_sum(R, E, ALIGN)
     if out.layout.tokens_sum != S:
         raise RuntimeError(f"the backend's forward built {out.layout.tokens_sum} rows, not {S}")
+    _check_checkpoint(out, checkpoint_shape(
+        opts, x.device, E=E, H=w_gate_up.shape[1], I=w_gate_up.shape[3], R=R, S=S,
+        gate_up_bias=b_gate_up is not None))
     rows = out.x_rows_S if out.x_rows_S is not None else x.new_empty(0, x.shape[1],
                                                                       dtype=torch.bfloat16)
-    return (out.y_TH, out.act_R2I, rows, *_flat_routing(out.plan, out.layout))
+    return (out.y_TH, out.checkpoint, rows, *_flat_routing(out.plan, out.layout))
 
 
 def _keeps_rows(options, device) -> bool:
@@ -332,9 +366,12 @@ def _(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
     R = T * K
     S = static_tokens_sum(R, E, ALIGN)
     i64, bf16 = torch.int64, torch.bfloat16
-    rows = S if _keeps_rows(_OPTIONS[options], x.device) else 0
+    opts = _OPTIONS[options]
+    rows = S if _keeps_rows(opts, x.device) else 0
+    ck = checkpoint_shape(opts, x.device, E=E, H=w_gate_up.shape[1], I=I, R=R, S=S,
+                          gate_up_bias=b_gate_up is not None)
     return (
-        x.new_empty(T, H), x.new_empty(R, 2, I, dtype=bf16), x.new_empty(rows, H, dtype=bf16),
+        x.new_empty(T, H), x.new_empty(ck, dtype=bf16), x.new_empty(rows, H, dtype=bf16),
         x.new_empty(R, dtype=i64), x.new_empty(R, dtype=i64),
         x.new_empty(R, dtype=affinity.dtype), x.new_empty(T, K, dtype=i64),
         x.new_empty(E, dtype=i64), x.new_empty((), dtype=i64),
@@ -446,19 +483,30 @@ def _experts_forward_presorted(
     x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     num_rows_per_expert: torch.Tensor, options: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, act)`` of rows already in expert order (:func:`presorted_op`)."""
+    """``(y, act)`` of rows already in expert order (:func:`presorted_op`); act is the
+    checkpoint in the form of :func:`_presorted_checkpoint_shape`."""
+    opts = _OPTIONS[options]
+    ck = _presorted_checkpoint_shape(opts, x, w_gate_up)
     if x.shape[0] == 0:  # nothing to compute (and no empty grouped GEMM to launch)
-        return x.new_zeros(x.shape), x.new_zeros(0, 2, w_gate_up.shape[3], dtype=torch.bfloat16)
+        return x.new_zeros(x.shape), x.new_zeros(ck, dtype=torch.bfloat16)
     plan, layout = presorted_routing(num_rows_per_expert, x.shape[0])
-    out, _ = layer_forward(x, None, w_gate_up, w_down, None, None, None, _OPTIONS[options],
+    out, _ = layer_forward(x, None, w_gate_up, w_down, None, None, None, opts,
                            routing=(plan, layout))
-    return out.y_TH, out.act_R2I
+    _check_checkpoint(out, ck)
+    return out.y_TH, out.checkpoint
+
+
+def _presorted_checkpoint_shape(options, x, w_gate_up) -> tuple[int, ...]:
+    """:func:`checkpoint_shape` of the presorted layer (R = S = the row count, no bias)."""
+    rows = x.shape[0]
+    return checkpoint_shape(options, x.device, E=w_gate_up.shape[0], H=w_gate_up.shape[1],
+                            I=w_gate_up.shape[3], R=rows, S=rows, gate_up_bias=False)
 
 
 @_experts_forward_presorted.register_fake
 def _(x, w_gate_up, w_down, num_rows_per_expert, options):
-    rows, I = x.shape[0], w_gate_up.shape[3]
-    return x.new_empty(x.shape), x.new_empty(rows, 2, I, dtype=torch.bfloat16)
+    ck = _presorted_checkpoint_shape(_OPTIONS[options], x, w_gate_up)
+    return x.new_empty(x.shape), x.new_empty(ck, dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("moe_bwd::experts_backward_presorted", mutates_args=())
@@ -543,7 +591,7 @@ def _experts_forward_presorted_split(
             x, w_gate, w_up, w_down, routing, clamp_limits=opts.clamp_limits,
             activation=opts.activation, **_declared_options(backend, opts),
         )
-    return out.y_TH, out.act_R2I
+    return out.y_TH, out.checkpoint
 
 
 @_experts_forward_presorted_split.register_fake

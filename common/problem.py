@@ -172,7 +172,13 @@ class MoEBackwardProblem:
             of padding pairs (index >= ``plan.num_pairs``) are arbitrary and may hold NaN.
             :func:`common.torch_backward.moe_forward_checkpoint_torch` and
             :func:`common.reference.reference_forward` produce it; to convert a slot-order
-            ``act_TK2I`` use ``plan.pairs_from_slots(act_TK2I)``.
+            ``act_TK2I`` use ``plan.pairs_from_slots(act_TK2I)``. The fused CUDA backward
+            (:func:`cuda_kernels.moe.moe_backward_fused`, given the forward's grouped layout)
+            also takes the checkpoint in that layout's grouped ROW order, ``[S, 2I]``: row s
+            holds g, u of its own pair in the gate/up weight matrix's column order -- the gate/up
+            GEMM's output, which the layer's CUDA forward keeps as the checkpoint where there is
+            no gate/up bias and no clamp (:func:`common.torch_backward.checkpoint_pairs`
+            converts it); every other backend raises ValueError on that form.
         b_gate_up_E2I: optional [E, 2, I] gate/up biases.
         b_down_EH: optional [E, H] down bias.
         clamp_limits: optional :class:`ClampLimits`.
@@ -194,8 +200,10 @@ class MoEBackwardProblem:
     def has_bias(self) -> bool:
         return self.b_gate_up_E2I is not None or self.b_down_EH is not None
 
-    def validate(self) -> None:
-        """Check shapes, dtypes, devices and the plan against each other.
+    def validate(self, *, checkpoint_rows: bool = False) -> None:
+        """Check shapes, dtypes, devices and the plan against each other. ``checkpoint_rows``:
+        the caller also reads a grouped-row checkpoint ``[S, 2I]`` (S >= R; the caller checks S
+        against its layout), else only ``[R, 2, I]`` passes.
 
         Raises:
             ValueError: naming the first argument that breaks a rule (rank, shape, dtype,
@@ -232,10 +240,21 @@ class MoEBackwardProblem:
         if self.plan.num_experts != E:
             raise ValueError(f"plan has E={self.plan.num_experts} experts, the weights have {E}")
         R = T * self.plan.top_k
+        ck = self.act_checkpoint_R2I
+        ck_shape = (R, 2, I)
+        if isinstance(ck, torch.Tensor) and ck.dim() == 2:
+            if not checkpoint_rows:
+                raise ValueError(
+                    f"act_checkpoint_R2I must have shape {[R, 2, I]} (pair order), got "
+                    f"{_shape(ck)}: a grouped-row checkpoint [S, 2I], which only the fused "
+                    "CUDA backward reads (with the forward's layout)"
+                )
+            if ck.shape[0] >= R:
+                ck_shape = (ck.shape[0], 2 * I)
         want = {
             "output_grad_TH": (self.output_grad_TH, (T, H)),
             "w_down_EIH": (self.w_down_EIH, (E, I, H)),
-            "act_checkpoint_R2I": (self.act_checkpoint_R2I, (R, 2, I)),
+            "act_checkpoint_R2I": (ck, ck_shape),
             "b_gate_up_E2I": (self.b_gate_up_E2I, (E, 2, I)),
             "b_down_EH": (self.b_down_EH, (E, H)),
         }

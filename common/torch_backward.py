@@ -39,6 +39,7 @@ __all__ = [
     "ALIGN",
     "SMALL_GEMM_MACS",
     "cpu_threads",
+    "checkpoint_pairs",
     "LayerForward",
     "fits_grouped_mm",
     "gate_up_from_matrix",
@@ -298,6 +299,34 @@ def moe_forward_torch(
     return layout.scatter_add_rows(out_S), act[:R]
 
 
+def checkpoint_pairs(
+    checkpoint: torch.Tensor, layout, *, gate_up_interleaved: bool = False
+) -> torch.Tensor:
+    """The activation checkpoint in the plan's pair order, [R, 2, I], from either form the
+    layer's forward keeps (:class:`LayerForward`): ``checkpoint`` itself when it is already
+    [R, 2, I]; for the grouped-row form [S, 2I] (row s: its pair's g, u in the gate/up weight
+    matrix's column order, interleaved with ``gate_up_interleaved``) each row moved to its
+    pair, pairs no row holds (past ``num_pairs``) 0. For comparisons and tools, not the
+    training step (it allocates [R, 2, I]).
+
+    Raises:
+        ValueError: ``checkpoint`` is neither [R, 2, I] nor [S, 2I] of ``layout``.
+    """
+    R, S = layout.num_pair_rows, layout.tokens_sum
+    if checkpoint.dim() == 3 and checkpoint.shape[:2] == (R, 2):
+        return checkpoint
+    if checkpoint.dim() != 2 or checkpoint.shape[0] != S or checkpoint.shape[1] % 2:
+        raise ValueError(
+            f"checkpoint must be [R={R}, 2, I] or [S={S}, 2I], got {list(checkpoint.shape)}"
+        )
+    I = checkpoint.shape[1] // 2
+    rows = gate_up_from_matrix(checkpoint[None], gate_up_interleaved)[0]  # [S, 2, I]
+    valid = layout.row_to_pair_S >= 0
+    out = checkpoint.new_zeros(R + 1, 2, I)  # row R: where the padding rows go
+    out.index_copy_(0, torch.where(valid, layout.row_to_pair_S, R), rows)
+    return out[:R]
+
+
 @dataclass(frozen=True)
 class LayerForward:
     """What the layer's forward returns and its backward needs (a backend's ``forward`` hook,
@@ -305,17 +334,28 @@ class LayerForward:
 
     Attributes:
         y_TH: [T, H] in the input's dtype.
-        act_R2I: [R, 2, I] BF16 checkpoint of the clamped pre-activations, plan pair order.
+        checkpoint: the BF16 activation checkpoint (the clamped gate/up pre-activations g, u of
+            every pair), in one of two forms that its rank tells apart: [R, 2, I] in the plan's
+            pair order, or [S, 2I] in the layout's grouped row order (the gate/up GEMM's output
+            rows, gate/up columns in the weight matrix's order: :func:`gate_up_matrix`), which
+            a backend with ``Backend.checkpoint_rows`` keeps where there is no gate/up bias and
+            no clamp. :meth:`checkpoint_pairs` gives the pair order either way.
         x_rows_S: [S, H] BF16 X in the layout's row order (padding rows 0), or None.
         plan: the :class:`~common.routing.RoutingPlan`.
         layout: its grouped layout (:func:`grouped_layout`).
     """
 
     y_TH: torch.Tensor
-    act_R2I: torch.Tensor
+    checkpoint: torch.Tensor
     x_rows_S: torch.Tensor | None
     plan: object
     layout: object
+
+    def checkpoint_pairs(self, gate_up_interleaved: bool = False) -> torch.Tensor:
+        """The checkpoint as [R, 2, I] in the plan's pair order (:func:`checkpoint_pairs`;
+        ``gate_up_interleaved``: the weight's columns interleave gate and up)."""
+        return checkpoint_pairs(self.checkpoint, self.layout,
+                                gate_up_interleaved=gate_up_interleaved)
 
 
 def moe_layer_forward_torch(

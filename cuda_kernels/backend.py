@@ -8,7 +8,8 @@ everything between them, and this package's grouped wgrad kernel through the pub
 weights (``moe_forward_split_gate_up`` / ``moe_backward_split_gate_up``: torchtitan's seam), and
 declares its layer option ``grouped_mm``
 (``cuda_kernels.moe.grouped_mm_choice.GROUPED_MM_OPTION``) and its layer state (saved X rows,
-layout, gradient targets). ``check()`` says what is missing: CUDA, the right compute capability,
+layout, gradient targets; the checkpoint in grouped row order where ``checkpoint_in_rows``
+says so). ``check()`` says what is missing: CUDA, the right compute capability,
 Triton, the CuTe DSL package, or (SM100) the kernel itself.
 
 Imported lazily by ``common.dispatch`` by module name; importing it imports neither triton nor
@@ -28,7 +29,7 @@ from common.problem import MoEBackwardProblem, MoEGrads
 
 from .gemm import env, registry
 from .grouped_wgrad import api
-from .moe.grouped_mm_choice import GROUPED_MM_OPTION
+from .moe.grouped_mm_choice import GROUPED_MM_OPTION, checkpoint_in_rows
 
 __all__ = ["check_cuda_sm90", "check_cuda_sm100", "make_grouped_wgrad"]
 
@@ -103,6 +104,13 @@ def _forward_fused(*args, **kwargs):
     return moe_forward_fused(*args, **kwargs)
 
 
+def _checkpoint_rows(call: dict) -> bool:
+    """``Backend.checkpoint_rows``: the fused forward keeps the gate/up GEMM's output rows as
+    the checkpoint (:func:`cuda_kernels.moe.grouped_mm_choice.checkpoint_in_rows`)."""
+    return checkpoint_in_rows(call["E"], call["H"], call["I"], gate_up_bias=call["gate_up_bias"],
+                              clamp_limits=call["clamp_limits"], grouped_mm=call["grouped_mm"])
+
+
 def _run_fused(problem: MoEBackwardProblem, **options) -> MoEGrads:
     """The fused backward; ``options`` are :func:`moe_backward_fused`'s keywords (``grouped_mm``
     from ``MoEExpertsOptions`` among them)."""
@@ -139,6 +147,7 @@ register_backend(
         layer_state=True,
         forward_split_gate_up=_forward_split,
         run_split_gate_up=_run_split,
+        checkpoint_rows=_checkpoint_rows,
     )
 )
 register_backend(
@@ -154,5 +163,6 @@ register_backend(
         layer_state=True,
         forward_split_gate_up=_forward_split,
         run_split_gate_up=_run_split,
+        checkpoint_rows=_checkpoint_rows,
     )
 )

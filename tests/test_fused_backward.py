@@ -354,3 +354,64 @@ def test_sm100_kernel_never_gets_rows_off_its_256_row_contract(monkeypatch):
     assert fused._choose_wgrad(a, b, offs, torch.float32, False, "auto", 256)[0] == "sm100"
     with pytest.raises(RuntimeError, match="256"):
         fused._choose_wgrad(a, b, offs, torch.float32, False, "sm100", 16)
+
+
+@pytest.mark.parametrize("weights, accumulate, impl", [
+    ("contiguous", False, "cublas"), ("contiguous", False, "ours-gemm"),
+    ("interleaved", False, "cublas"), ("interleaved", True, "cublas"),
+])
+def test_grouped_row_checkpoint_gives_the_pair_order_gradients_bitwise(weights, accumulate, impl):
+    """Without a gate/up bias and a clamp the fused forward keeps the gate/up GEMM's own output
+    rows [S, 2I] as the checkpoint (grouped row order, the weight's column order: interleaved
+    for gpt-oss's memory layout, also where a main_grad accumulation writes d_gate_up
+    concatenated). The backward reading it by row gives the gradients of the same values in
+    pair order [R, 2, I] bit for bit; NaN in the rows no pair owns is never read."""
+    from cuda_kernels.moe import moe_forward_fused
+
+    name = "duplicates_dropped"
+    T, H, I, E, K, rkw, *_ = CASES[name]
+    ei, af = routing(T, K, E, 11, **rkw)
+    p = _problem(name)
+    w = p.w_gate_up_EH2I.bfloat16()
+    interleaved = weights == "interleaved"
+    if interleaved:  # memory [E, H, I, 2]: gate i, up i side by side (gpt-oss's gate_up_proj)
+        w = w.transpose(2, 3).contiguous().transpose(2, 3)
+    out = moe_forward_fused(p.hidden_states_TH, af.to(DEV), ei.to(DEV), w, p.w_down_EIH,
+                            grouped_mm=impl)
+    S = out.layout.tokens_sum
+    assert tuple(out.checkpoint.shape) == (S, 2 * I) and out.checkpoint.dtype == torch.bfloat16
+    ck = out.checkpoint.clone()
+    ck[out.layout.row_to_pair_S < 0] = float("nan")
+    pairs = out.checkpoint_pairs(gate_up_interleaved=interleaved)
+    assert tuple(pairs.shape) == (T * K, 2, I)
+    q = dataclasses.replace(p, w_gate_up_EH2I=w, plan=out.plan, act_checkpoint_R2I=ck)
+    kw = {"layout": out.layout, "x_rows_S": out.x_rows_S, "grouped_mm": impl}
+
+    def acc():
+        if not accumulate:
+            return None
+        return (torch.zeros(E, H, 2, I, device=DEV), torch.zeros(E, I, H, device=DEV))
+
+    got = moe_backward_fused(q, accumulate_into=acc(), **kw)
+    want = moe_backward_fused(dataclasses.replace(q, act_checkpoint_R2I=pairs),
+                              accumulate_into=acc(), **kw)
+    for key, g in got.named().items():
+        assert bool(torch.isfinite(g).all()), key
+        assert torch.equal(g, want.named()[key]), key
+    # the row form needs the layout it was written in, with its S rows; only this backward
+    # reads it, and not through the fused dgated kernel (which reads pairs)
+    with pytest.raises(ValueError, match="needs the layout"):
+        moe_backward_fused(q)
+    with pytest.raises(ValueError, match=f"S={S} rows"):
+        moe_backward_fused(dataclasses.replace(q, act_checkpoint_R2I=torch.cat([ck, ck[:16]])),
+                           layout=out.layout)
+    with pytest.raises(ValueError, match=r"act_checkpoint_R2I must have shape .*grouped-row"):
+        moe_backward_torch(_on_cpu(q))
+    from cuda_kernels.triton.activation import activation_backward
+
+    with pytest.raises(ValueError, match=r"checkpoint must be \[R=\d+, 2, I=\d+\]"):
+        activation_backward(torch.zeros(S, I, device=DEV), ck[:, :I], out.layout.row_to_pair_S,
+                            out.plan, activation=q.activation, clamp_limits=ClampLimits())
+    if not interleaved:
+        with pytest.raises(RuntimeError, match="ours.*grouped row order"):
+            moe_backward_fused(q, layout=out.layout, grouped_mm="ours")

@@ -71,12 +71,18 @@ def _positional(d):
 def test_fused_forward_matches_the_portable_forward(name):
     """Same BF16 GEMM operands and fp32 epilogue math: on the CPU (interpreter; the GEMMs are
     torch's there) the checkpoint and X rows are bit-identical and y agrees to fp32 summation
-    order (observed: identical)."""
+    order (observed: identical). Without a gate/up bias and a clamp the fused forward keeps the
+    GEMM's output rows [S, 2I] as the checkpoint (no pair-order copy): the same values."""
     d, kw = _inputs(name)
     want = moe_layer_forward_torch(*_positional(d), **kw)
     got = fwd.moe_forward_fused(*_positional(d), **kw)
     assert got.y_TH.dtype == d["hidden_states_TH"].dtype
-    assert torch.equal(got.act_R2I, want.act_R2I)
+    T, K = d["expert_index_TK"].shape
+    I = d["w_down_EIH"].shape[1]
+    rows = d["b_gate_up_E2I"] is None and kw["clamp_limits"] is None
+    shape = (got.layout.tokens_sum, 2 * I) if rows else (T * K, 2, I)
+    assert tuple(got.checkpoint.shape) == shape and got.checkpoint.dtype == torch.bfloat16
+    assert torch.equal(got.checkpoint_pairs(), want.checkpoint)
     assert torch.equal(got.x_rows_S, want.x_rows_S)
     assert sqnr_db(got.y_TH.double(), want.y_TH.double()) >= 60
     for f in ("offsets_E", "row_to_token_S", "row_to_pair_S", "slot_to_row_TK"):
@@ -100,6 +106,27 @@ def test_activation_forward_writes_padding_zero_whatever_the_inputs():
         assert bool(torch.isfinite(act).all()) and bool(torch.isfinite(ah).all())
         assert not bool(ah[pad].any())
         assert not bool(act[int(plan.num_pairs):].any())
+
+
+def test_activation_forward_without_the_pair_checkpoint():
+    """``pair_checkpoint=False`` (the caller keeps the GEMM's rows as the checkpoint) writes
+    the same a*h and no act; refused with a gate/up bias or a clamp, before any output."""
+    d, _ = _inputs("duplicates_dropped_empty")
+    E = d["w_gate_up_EH2I"].shape[0]
+    plan = plan_routing(d["expert_index_TK"], d["affinity_TK"], E)
+    layout = grouped_layout(plan, E)
+    S, I = layout.tokens_sum, d["w_down_EIH"].shape[1]
+    gu = torch.randn(S, 2 * I, device=DEV).bfloat16()
+    kw = {"activation": GPT_OSS, "clamp_limits": ClampLimits()}
+    act, want = activation_forward(gu, layout.row_to_pair_S, plan, **kw)
+    none, got = activation_forward(gu, layout.row_to_pair_S, plan, pair_checkpoint=False, **kw)
+    assert none is None and torch.equal(got, want)
+    with pytest.raises(ValueError, match="pair_checkpoint=False.*clamp limits"):
+        activation_forward(gu, layout.row_to_pair_S, plan, activation=GPT_OSS,
+                           clamp_limits=CLAMP, pair_checkpoint=False)
+    with pytest.raises(ValueError, match="pair_checkpoint=False.*gate/up bias"):
+        activation_forward(gu, layout.row_to_pair_S, plan, pair_checkpoint=False,
+                           b_gate_up_E2I=torch.zeros(E, 2, I, device=DEV), **kw)
 
 
 # ------------------------------------------------------------------------------- custom ops
@@ -282,7 +309,8 @@ def test_gpu_fused_forward_matches_the_portable_forward():
         want = moe_layer_forward_torch(*_positional(d), **kw)
         got = fwd.moe_forward_fused(*_positional(d), **kw)
         assert sqnr_db(got.y_TH.double().cpu(), want.y_TH.double().cpu()) >= 40, name
-        assert sqnr_db(got.act_R2I.double().cpu(), want.act_R2I.double().cpu()) >= 40, name
+        assert sqnr_db(got.checkpoint_pairs().double().cpu(), want.checkpoint.double().cpu()
+                       ) >= 40, name
 
 
 @gpu
@@ -434,4 +462,4 @@ def test_fused_forward_against_float64(name):
         b_gate_up_E2I=f64(d["b_gate_up_E2I"]), b_down_EH=f64(d["b_down_EH"]), **kw,
     )
     assert sqnr_db(got.y_TH.double().cpu(), y) >= sqnr_floor("fused", "y")
-    assert sqnr_db(got.act_R2I.double().cpu(), act) >= sqnr_floor("fused", "act")
+    assert sqnr_db(got.checkpoint_pairs().double().cpu(), act) >= sqnr_floor("fused", "act")

@@ -110,9 +110,10 @@ def test_forward_ours_matches_cublas(name, impl):
     assert not bool(got.x_rows_S[lay.row_to_pair_S < 0].any())  # padding rows exactly 0
     assert got.y_TH.dtype == want.y_TH.dtype
     assert sqnr_db(got.y_TH.double().cpu(), want.y_TH.double().cpu()) >= TWIN_MIN_DB
-    assert sqnr_db(got.act_R2I.double().cpu(), want.act_R2I.double().cpu()) >= TWIN_MIN_DB
+    got_ck, want_ck = (o.checkpoint_pairs().double().cpu() for o in (got, want))
+    assert sqnr_db(got_ck, want_ck) >= TWIN_MIN_DB
     n = int(p.plan.num_pairs)
-    assert not bool(got.act_R2I[n:].any())
+    assert not bool(got.checkpoint_pairs()[n:].any())
     f64 = {k: (v.double().cpu() if v is not None else None) for k, v in (
         ("x", p.hidden_states_TH), ("wgu", p.w_gate_up_EH2I), ("wd", p.w_down_EIH),
         ("bgu", p.b_gate_up_E2I), ("bd", p.b_down_EH))}
@@ -253,10 +254,12 @@ def test_ours_where_the_kernel_cannot_run_is_a_runtime_error_and_auto_falls_back
             moe_forward_fused(*args, grouped_mm=impl)
     want = moe_forward_fused(*_forward_args(p, rt), grouped_mm="cublas")
     got = moe_forward_fused(*args, grouped_mm="auto")  # the table says ours: cuBLAS instead
-    assert torch.equal(got.y_TH, want.y_TH) and torch.equal(got.act_R2I, want.act_R2I)
+    assert torch.equal(got.y_TH, want.y_TH)
+    assert torch.equal(got.checkpoint_pairs(), want.checkpoint_pairs())
     table({(E, H, I): dict.fromkeys(choice.STEPS, "ours-gemm")})
     got = moe_forward_fused(*args, grouped_mm="auto")  # likewise for the gathering GEMM
-    assert torch.equal(got.y_TH, want.y_TH) and torch.equal(got.act_R2I, want.act_R2I)
+    assert torch.equal(got.y_TH, want.y_TH)
+    assert torch.equal(got.checkpoint_pairs(), want.checkpoint_pairs())
     table({(E, H, I): dict.fromkeys(choice.STEPS, "ours")})
     # the backward's kernel reads a contiguous BF16 checkpoint
     q = dataclasses.replace(p, act_checkpoint_R2I=p.act_checkpoint_R2I.float())
@@ -479,3 +482,114 @@ def test_opcheck_experts_forward_with_grouped_mm_ours(cuda_backend):
     torch.library.opcheck(torch.ops.moe_bwd.experts_forward,
                           (*[a.to(DEV) for a in args], key))
     assert "ours" in cuda_backend["forward"]
+
+
+# ------------------------------------------- the checkpoint in grouped row order (no bias, clamp)
+def test_checkpoint_in_rows_only_without_bias_clamp_and_the_fused_kernel(table):
+    """The GEMM's rows are the checkpoint only without a gate/up bias and a clamp, and not
+    where either step runs "ours" (its epilogues write / read pair order), asked for or the
+    table's choice under "auto"; the token count is no argument."""
+    E, H, I = 4, 64, 32
+    rows = dict(gate_up_bias=False, clamp_limits=None)
+    table({})
+    assert choice.checkpoint_in_rows(E, H, I, **rows, grouped_mm="auto")
+    assert choice.checkpoint_in_rows(E, H, I, **rows, grouped_mm="cublas")
+    assert choice.checkpoint_in_rows(E, H, I, **rows, grouped_mm="ours-gemm")
+    assert choice.checkpoint_in_rows(E, H, I, gate_up_bias=False, clamp_limits=ClampLimits(),
+                                     grouped_mm="auto")
+    assert not choice.checkpoint_in_rows(E, H, I, **rows, grouped_mm="ours")
+    assert not choice.checkpoint_in_rows(E, H, I, gate_up_bias=True, clamp_limits=None,
+                                         grouped_mm="cublas")
+    assert not choice.checkpoint_in_rows(E, H, I, gate_up_bias=False, clamp_limits=CLAMP,
+                                         grouped_mm="cublas")
+    table({(E, H, I): {"forward_gate_up": "ours-gemm", "backward_down_dgrad": "ours"}})
+    assert not choice.checkpoint_in_rows(E, H, I, **rows, grouped_mm="auto")
+    assert choice.checkpoint_in_rows(E, H, I, **rows, grouped_mm="ours-gemm")
+    with pytest.raises(ValueError, match="grouped_mm must be one of"):
+        choice.checkpoint_in_rows(E, H, I, **rows, grouped_mm="fast")
+
+
+def _bias_free_args(T, H, I, E, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    args = [
+        torch.randn(T, H, generator=g).requires_grad_(),
+        (torch.rand(T, K, generator=g) + 0.1).requires_grad_(),
+        (torch.randn(E, H, 2, I, generator=g) * H**-0.5).requires_grad_(),
+        (torch.randn(E, I, H, generator=g) * I**-0.5).requires_grad_(),
+        None,
+        None,
+        torch.randint(-1, E, (T, K), generator=g),
+    ]
+    return [a.to(DEV) if a is not None else None for a in args]
+
+
+@pytest.mark.parametrize("impl", ["auto", "ours-gemm"])
+def test_layer_op_keeps_the_gemm_rows_as_checkpoint(impl, cuda_backend):
+    """Through the custom op on the fused path, without bias and clamp: the saved checkpoint
+    is [S, 2I] (the fake implementation says so too: opcheck), and with a gate/up bias it is
+    [R, 2, I] again."""
+    from common import layer_ops
+    from common.shapes import static_tokens_sum
+
+    T, H, I, E, K = 16, 32, 16, 4, 2
+    args = _bias_free_args(T, H, I, E, K, seed=3)
+    key = layer_ops.options_key(MoEExpertsOptions(backend="cuda-sm90", grouped_mm=impl))
+    out = torch.ops.moe_bwd.experts_forward(*args, key)
+    S = static_tokens_sum(T * K, E, 16)
+    assert tuple(out[1].shape) == (S, 2 * I) and out[1].dtype == torch.bfloat16
+    torch.library.opcheck(torch.ops.moe_bwd.experts_forward, (*args, key))
+    args[4] = torch.zeros(E, 2, I, device=DEV)
+    assert tuple(torch.ops.moe_bwd.experts_forward(*args, key)[1].shape) == (T * K, 2, I)
+    assert set(cuda_backend["forward"]) == {impl}
+
+
+def test_layer_with_row_checkpoint_compiles_once_over_token_counts(cuda_backend):
+    """``torch.compile(fullgraph=True, dynamic=True)`` of a block holding the bias-free layer
+    on the fused path: no compile after the first call over three token counts and routings
+    (the checkpoint's form is one per layer), loss and gradients bitwise eager's. (With
+    ``dynamic=True`` Dynamo restarts its first analysis of this frame once, whatever the
+    checkpoint: two backend calls at the first call, none after.)"""
+    import torch._dynamo.testing
+
+    H, I, E, K = 32, 16, 4, 2
+    torch.manual_seed(0)
+    layer = MoEExperts(E, H, I, backend="cuda-sm90", dtype=torch.float32, device=DEV)
+
+    def block(x, idx, aff):
+        return layer(x, idx, aff).square().sum()
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, fullgraph=True, backend=counter, dynamic=True)
+    compiles = []
+    for T in (16, 24, 40):
+        x, aff, *_, idx = _bias_free_args(T, H, I, E, K, seed=T)
+        outs = []
+        for fn in (compiled, block):
+            xl, al = x.detach().clone().requires_grad_(), aff.detach().clone().requires_grad_()
+            loss = fn(xl, idx, al)
+            outs.append((loss.detach(), *torch.autograd.grad(
+                loss, [xl, al, layer.w_gate_up, layer.w_down])))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+        compiles.append(counter.frame_count)
+    assert compiles[0] >= 1 and compiles[1:] == compiles[:1] * 2
+    assert set(cuda_backend["run"]) == {"auto", "cublas"}
+
+
+def test_presorted_op_keeps_the_gemm_rows_as_checkpoint(cuda_backend):
+    """The torchtitan seam's op on the fused path (identity layout, no bias): the checkpoint
+    is the GEMM's [rows, 2I] output, fake and real alike (opcheck), zero rows included."""
+    from common import layer_ops
+
+    H, I, E = 32, 16, 4
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(13, H, generator=g).to(DEV).requires_grad_()
+    wgu = (torch.randn(E, H, 2, I, generator=g) * H**-0.5).to(DEV).requires_grad_()
+    wd = (torch.randn(E, I, H, generator=g) * I**-0.5).to(DEV).requires_grad_()
+    counts = torch.tensor([3, 0, 5, 2], device=DEV)
+    key = layer_ops.options_key(MoEExpertsOptions(backend="cuda-sm90", validate_routing="off"))
+    op = torch.ops.moe_bwd.experts_forward_presorted
+    assert tuple(op(x, wgu, wd, counts, key)[1].shape) == (13, 2 * I)
+    assert tuple(op(x[:0], wgu, wd, counts, key)[1].shape) == (0, 2 * I)
+    torch.library.opcheck(op, (x, wgu, wd, counts, key))

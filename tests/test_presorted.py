@@ -90,7 +90,7 @@ def _run(x, dy, wgu, wd, impl, routing):
     else:
         out = fwd.moe_forward_fused(x, None, None, wgu, wd, grouped_mm=impl, routing=routing)
     p = MoEBackwardProblem(hidden_states_TH=x, output_grad_TH=dy, w_gate_up_EH2I=wgu,
-                           w_down_EIH=wd, plan=out.plan, act_checkpoint_R2I=out.act_R2I)
+                           w_down_EIH=wd, plan=out.plan, act_checkpoint_R2I=out.checkpoint)
     grads = bwd.moe_backward_fused(p, grad_dtype=torch.bfloat16, layout=out.layout,
                                    x_rows_S=None if routing is not None else out.x_rows_S,
                                    grouped_mm=impl)
@@ -107,7 +107,7 @@ def test_fused_pipelines_on_the_identity_layout_match_the_routing_build(impl):
     got_out, got = _run(x, dy, wgu, wd, impl, presorted_routing(torch.tensor(COUNTS, device=DEV),
                                                                 ROWS))
     n = sum(COUNTS)
-    assert torch.equal(got_out.act_R2I, want_out.act_R2I)
+    assert torch.equal(got_out.checkpoint_pairs(), want_out.checkpoint_pairs())
     assert got_out.y_TH.dtype == x.dtype and not bool(got_out.y_TH[n:].any())
     assert sqnr_db(got_out.y_TH[:n].double(), want_out.y_TH[:n].double()) >= 45
     assert not bool(got.hidden_states_grad_TH[n:].any())
@@ -325,11 +325,11 @@ def test_split_gate_up_pipelines_match_the_concatenated_weight(impl):
     rt = presorted_routing(torch.tensor(COUNTS, device=DEV), ROWS)
     got_out = fwd.moe_forward_split_gate_up(x, w1, w3, wd, rt, grouped_mm=impl)
     dx, dw1, dw3, dw2, info = bwd.moe_backward_split_gate_up(
-        dy, x, w1, w3, wd, got_out.act_R2I, rt, grad_dtype=torch.bfloat16, grouped_mm=impl)
+        dy, x, w1, w3, wd, got_out.checkpoint, rt, grad_dtype=torch.bfloat16, grouped_mm=impl)
     wgu = _cat_EH2I(w1, w3)
     want_out, want = _run(x, dy, wgu, wd, "cublas" if impl == "auto" else impl, rt)
     n = sum(COUNTS)
-    assert torch.equal(got_out.act_R2I, want_out.act_R2I)
+    assert torch.equal(got_out.checkpoint, want_out.checkpoint_pairs())
     assert got_out.x_rows_S is x  # read in place
     assert got_out.y_TH.dtype == x.dtype and not bool(got_out.y_TH[n:].any())
     assert sqnr_db(got_out.y_TH[:n].double(), want_out.y_TH[:n].double()) >= SPLIT_MIN_DB
@@ -508,7 +508,7 @@ def test_split_gate_up_bad_input():
     x, dy, w1, w3, w2 = _split_inputs()
     wd = w2.transpose(1, 2)
     rt = presorted_routing(torch.tensor(COUNTS, device=DEV), ROWS)
-    act = fwd.moe_forward_split_gate_up(x, w1, w3, wd, rt).act_R2I
+    act = fwd.moe_forward_split_gate_up(x, w1, w3, wd, rt).checkpoint
     f = fwd.moe_forward_split_gate_up
     b = bwd.moe_backward_split_gate_up
     cases = [

@@ -5,7 +5,9 @@ Per call (rows in the grouped layout of the plan, REFERENCE §1.2; math REFERENC
     x_S, dY_S   = gather_rows(X, dY)                    # one pass each, BF16 (Triton); x_S may
                                                         # come from the forward instead
     dh_raw_S    = dY_S @ W_down[e]^T                    # grouped GEMM, BF16 out (cuBLAS)
-    dgu_S, ah_S, dA = activation_backward(dh_raw_S, checkpoint, ...)   # one pass (Triton)
+    dgu_S, ah_S, dA = activation_backward(dh_raw_S, checkpoint, ...)   # one pass (Triton): the
+                                                        # checkpoint by pair [R, 2, I] or, as
+                                                        # the forward kept it, by row [S, 2I]
     dB_*        = segment_colsum(...)                   # only with biases (Triton)
     dW_down     = ah_S^T dY_S                           # our grouped wgrad kernel (SM90)
     dX_S        = dgu_S @ W_gate_up[e]^T                # grouped GEMM (cuBLAS)
@@ -195,7 +197,8 @@ def moe_backward_fused(
         problem: :class:`~common.problem.MoEBackwardProblem` on a CUDA device (or the CPU with
             ``TRITON_INTERPRET=1`` set before Triton is imported, where the Triton kernels run
             interpreted: for tests; RuntimeError otherwise). Any float input dtype; GEMM operands
-            are BF16.
+            are BF16. Its checkpoint may be [R, 2, I] (pair order) or the fused forward's
+            grouped rows [S, 2I] (``LayerForward.checkpoint``; needs ``layout``).
         grad_dtype: torch.float32 (default) or torch.bfloat16: dtype of dX, the weight and the
             bias gradients. dA is fp32.
         accumulate_into: optional ``(dW_gate_up [E, H, 2, I], dW_down [E, I, H])`` fp32 buffers
@@ -218,9 +221,10 @@ def moe_backward_fused(
             skips this backward's X gather. Needs ``layout``.
         grouped_mm: ``"cublas"`` (dY gather, cuBLAS dgrad, activation-backward pass),
             ``"ours"`` (the fused :func:`cuda_kernels.grouped_mm.down_dgrad_backward`; needs
-            a contiguous BF16 checkpoint), ``"ours-gemm"`` (our gathering down dgrad, then the
-            activation-backward pass) or ``"auto"`` (default: the per-shape table, cuBLAS
-            where our kernel cannot run; :mod:`cuda_kernels.moe.grouped_mm_choice`).
+            a contiguous BF16 checkpoint in pair order), ``"ours-gemm"`` (our gathering down
+            dgrad, then the activation-backward pass) or ``"auto"`` (default: the per-shape
+            table, cuBLAS where our kernel cannot run, or for a grouped-row checkpoint;
+            :mod:`cuda_kernels.moe.grouped_mm_choice`).
             ``info["grouped_mm"]`` says which ran.
     Returns:
         :class:`~common.problem.MoEGrads`; ``info["wgrad_backend"]`` names the wgrad used,
@@ -233,7 +237,7 @@ def moe_backward_fused(
             Triton interpreter.
     """
     p = problem
-    p.validate()
+    p.validate(checkpoint_rows=True)
     acc = _check_options(p, grad_dtype, accumulate_into, wgrad_backend)
     plan = p.plan
     x_TH, dy_TH = p.hidden_states_TH, p.output_grad_TH
@@ -259,6 +263,18 @@ def moe_backward_fused(
             )
         if passed_layout is None:
             raise ValueError("x_rows_S needs the layout it was gathered with (layout=...)")
+    ck = p.act_checkpoint_R2I
+    if ck.dim() == 2:  # the forward's gate/up GEMM output rows (validate: [S' >= R, 2I])
+        if passed_layout is None:
+            raise ValueError(
+                "act_checkpoint_R2I in grouped row order [S, 2I] needs the layout it was "
+                "written in (layout=...)"
+            )
+        if ck.shape[0] != S:
+            raise ValueError(
+                f"act_checkpoint_R2I in grouped row order must have the layout's S={S} rows, "
+                f"got {list(ck.shape)}"
+            )
     offs = layout.offsets_E
     r2p = layout.row_to_pair_S
     stats: dict = {}
@@ -272,16 +288,17 @@ def moe_backward_fused(
     # the gate/up matrix: a view (gpt-oss's interleaved memory included) unless the gradient
     # is accumulated into a main_grad buffer, whose memory is the concatenated [E, H, 2, I]
     w_gu, interleaved = gate_up_matrix(p.w_gate_up_EH2I.to(bf16))
+    ck_interleaved = interleaved  # a row checkpoint's columns: the forward GEMM's, this order
     if interleaved and acc is not None:
         w_gu, interleaved = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I), False
     impl = pick("backward_down_dgrad", grouped_mm, dy_TH, w_down_EHI, layout.row_to_token_S,
-                act_R2I=p.act_checkpoint_R2I, gate_up_interleaved=interleaved)
+                act_R2I=ck, gate_up_interleaved=interleaved)
     stats["grouped_mm"] = impl
     if impl == "ours":
         # (an identity layout's rows are dY itself: the kernel reads them, no side output)
         dy_S = None if layout.identity else torch.empty(S, H, dtype=bf16, device=dev)
         dgu_S, ah_S, dA_TE = gmm.down_dgrad_backward(
-            kernel_rows(dy_TH), w_down_EHI.transpose(1, 2), layout, plan, p.act_checkpoint_R2I,
+            kernel_rows(dy_TH), w_down_EHI.transpose(1, 2), layout, plan, ck,
             activation=p.activation, clamp_limits=p.clamp_limits, b_down_EH=p.b_down_EH,
             backend="auto", dy_rows_out=dy_S,
         )
@@ -290,9 +307,10 @@ def moe_backward_fused(
     else:
         dy_S, dh_raw = gathered_times_experts(impl, dy_TH, w_down_EHI, layout)
         dgu_S, ah_S, dA_TE = activation_backward(
-            dh_raw, p.act_checkpoint_R2I, r2p, plan,
+            dh_raw, ck, r2p, plan,
             activation=p.activation, clamp_limits=p.clamp_limits or ClampLimits(),
             dy_SH=dy_S, b_down_EH=p.b_down_EH, gate_up_interleaved=interleaved,
+            checkpoint_interleaved=ck_interleaved,
         )
         del dh_raw
     # Operands are freed as soon as their last GEMM is queued: dY rows and a*h after dW_down,

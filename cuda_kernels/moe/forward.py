@@ -10,6 +10,12 @@ Per call (rows in the grouped layout of the plan, REFERENCE §1.2; math REFERENC
     out_S    = ah @ W_down[e]                                   # grouped GEMM, BF16 out (cuBLAS)
     y        = token_sum(out_S (+ a * b_down[e]))               # each token sums its rows (Triton)
 
+Where there is no gate/up bias and no clamp, ``gu_S`` already is the checkpoint (the
+pre-activations, rounded to BF16 once): the pass then writes no ``act`` and the forward keeps
+``gu_S`` itself as the checkpoint, in grouped row order [S, 2I], which the backward's activation
+pass reads at its own row (:func:`.grouped_mm_choice.checkpoint_in_rows` decides, from the
+layer's shape and options only, so one layer's checkpoint keeps one form).
+
 With ``grouped_mm="ours"`` (or ``"auto"`` where ``configs/cuda/grouped_mm_choice.yaml`` says so:
 :mod:`cuda_kernels.moe.grouped_mm_choice`) the first three steps are one kernel::
 
@@ -47,7 +53,7 @@ from .. import grouped_mm as gmm
 from ..triton.activation import activation_forward
 from ..triton.routing import build_routing, check_routing_async
 from ..triton.rows import token_sum
-from .grouped_mm_choice import check_grouped_mm, kernel_rows, pick
+from .grouped_mm_choice import check_grouped_mm, checkpoint_in_rows, kernel_rows, pick
 from .steps import (
     check_split_gate_up,
     covering_offsets,
@@ -102,7 +108,9 @@ def moe_forward_fused(
             and, without a down bias, y is the down GEMM's output (no per-token combine).
     Returns:
         :class:`~common.torch_backward.LayerForward`: y [T, H] in the input's dtype, the BF16
-        checkpoint [R, 2, I], the BF16 X rows [S, H], the plan and the layout.
+        checkpoint ([S, 2I] in the layout's row order where
+        :func:`.grouped_mm_choice.checkpoint_in_rows` says so, else [R, 2, I] in the plan's
+        pair order), the BF16 X rows [S, H], the plan and the layout.
     Raises:
         ValueError: ``grouped_mm`` not one of :data:`.grouped_mm_choice.GROUPED_MM`.
         RuntimeError: CPU tensors without the Triton interpreter; ``grouped_mm="ours"`` /
@@ -121,13 +129,15 @@ def moe_forward_fused(
     offs = layout.offsets_E
     w_gu, interleaved = gate_up_matrix(w_gate_up_EH2I.to(bf16))  # a view, also for gpt-oss
     x_TH = hidden_states_TH
+    rows_ck = checkpoint_in_rows(E, H, I, gate_up_bias=b_gate_up_E2I is not None,
+                                 clamp_limits=clamp_limits, grouped_mm=grouped_mm)
     impl = pick("forward_gate_up", grouped_mm, x_TH, w_gu, layout.row_to_token_S,
                 gate_up_interleaved=interleaved)
     if impl == "ours":
         # (an identity layout's rows are x itself: the kernel reads them, no side output)
         x_S = None if layout.identity else torch.empty(layout.tokens_sum, H, dtype=bf16,
                                                        device=x_TH.device)
-        act_R2I, ah_S = gmm.gate_up_forward(
+        ck, ah_S = gmm.gate_up_forward(
             kernel_rows(x_TH), w_gu, layout, plan, activation=act_fn, clamp_limits=clamp_limits,
             b_gate_up_E2I=b_gate_up_E2I, backend="auto",
             x_rows_out=x_S,
@@ -136,22 +146,24 @@ def moe_forward_fused(
             x_S = identity_rows(x_TH)
     else:
         x_S, gu_S = gathered_times_experts(impl, x_TH, w_gu, layout)
-        act_R2I, ah_S = activation_forward(
+        ck, ah_S = activation_forward(
             gu_S, layout.row_to_pair_S, plan, activation=act_fn,
             clamp_limits=clamp_limits or ClampLimits(), b_gate_up_E2I=b_gate_up_E2I,
-            gate_up_interleaved=interleaved,
+            gate_up_interleaved=interleaved, pair_checkpoint=not rows_ck,
         )
+        if rows_ck:  # (BF16 already on the GPU; the CPU twins' GEMMs give BF16 values in fp32)
+            ck = gu_S.to(bf16)
         del gu_S
     if layout.identity and b_down_EH is None:  # each row is its own token: y is out_S
         y_TH = rows_times_experts(ah_S, w_down_EIH.to(bf16), covering_offsets(layout))
-        return LayerForward(y_TH.to(hidden_states_TH.dtype), act_R2I, x_S, plan, layout)
+        return LayerForward(y_TH.to(hidden_states_TH.dtype), ck, x_S, plan, layout)
     out_S = rows_times_experts(ah_S, w_down_EIH.to(bf16), offs)
     del ah_S
     y_TH = token_sum(
         out_S, layout.slot_to_row_TK, hidden_states_TH.dtype,
         bias_EH=b_down_EH, row_to_pair_S=layout.row_to_pair_S, plan=plan,
     )
-    return LayerForward(y_TH, act_R2I, x_S, plan, layout)
+    return LayerForward(y_TH, ck, x_S, plan, layout)
 
 
 def moe_forward_split_gate_up(

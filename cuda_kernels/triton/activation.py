@@ -4,11 +4,19 @@ derivative, the epilogue of the down-projection dgrad, in one file (their formul
 
 * :func:`activation_forward` -- bias, clamp and the gated activation of every grouped row in one
   pass, writing the BF16 checkpoint the backward reads (clamped pre-activations ``[R, 2, I]`` in
-  the plan's pair order) and the down GEMM's operand ``a * h`` (BF16, grouped rows). No fp32
-  intermediate goes through HBM.
-* :func:`activation_backward` -- from ``dh_raw`` and the forward checkpoint, the gated-activation
-  backward with the strict clamp masks, ``a * h`` and the affinity gradient ``dA`` written
-  straight into its dense ``[T, E]`` cell (REFERENCE §2).
+  the plan's pair order; not written where the caller keeps the GEMM's output rows as the
+  checkpoint: no bias, no clamp) and the down GEMM's operand ``a * h`` (BF16, grouped rows). No
+  fp32 intermediate goes through HBM.
+* :func:`activation_backward` -- from ``dh_raw`` and the forward checkpoint (by pair, or by row
+  in the grouped row order), the gated-activation backward with the strict clamp masks,
+  ``a * h`` and the affinity gradient ``dA`` written straight into its dense ``[T, E]`` cell
+  (REFERENCE §2).
+
+Easy to get wrong: gpt-oss's interleaved gate/up columns (gate i at 2i, up i at 2i + 1) are
+read and written as contiguous [BLOCK_M, 2 BLOCK_I] tiles split / joined in registers, never as
+two column-stride-2 accesses; a grouped-row checkpoint's column order is the forward GEMM's
+(the weight's), which can differ from the order ``d_gate_up`` is written in (a main_grad
+accumulation writes the concatenated order for an interleaved weight).
 * :func:`activation_args` -- the launch arguments both take (an Activation and ClampLimits as
   scalars and constexpr flags).
 
@@ -80,7 +88,7 @@ def _activation_forward_kernel(
     ACT_ALPHA: tl.constexpr, UP_OFFSET: tl.constexpr,
     G_HAS_LO: tl.constexpr, G_HAS_HI: tl.constexpr,
     U_HAS_LO: tl.constexpr, U_HAS_HI: tl.constexpr,
-    HAS_BIAS: tl.constexpr, GU_INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GU_INTERLEAVED: tl.constexpr, WRITE_ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -95,8 +103,10 @@ def _activation_forward_kernel(
         expert = tl.load(pair_expert_ptr + p, mask=valid, other=0).to(tl.int64)
     # Pair slots past the real pairs are checkpoint padding: this program zeroes the ones whose
     # index equals one of its row numbers (S >= R, so the grid covers every pair slot).
-    num_pairs = tl.load(num_pairs_ptr).to(tl.int64)
-    tail = (rows64 >= num_pairs) & (rows64 < R)
+    tail = rows64 < 0
+    if WRITE_ACT:
+        num_pairs = tl.load(num_pairs_ptr).to(tl.int64)
+        tail = (rows64 >= num_pairs) & (rows64 < R)
     out_ty = ah_ptr.dtype.element_ty
     act_ty = act_ptr.dtype.element_ty
     for i0 in range(0, I, BLOCK_I):
@@ -121,13 +131,14 @@ def _activation_forward_kernel(
         ah = tl.where(m, alpha[:, None] * h, 0.0)
         tl.store(ah_ptr + rows64[:, None] * stride_ah + cols[None, :],
                  cast(ah, out_ty, RNE_BF16), mask=in_rows[:, None] & in_i)
-        dst = act_ptr + p[:, None] * stride_act_r + cols[None, :]
-        tl.store(dst, cast(g, act_ty, RNE_BF16), mask=m)
-        tl.store(dst + stride_act_c, cast(u, act_ty, RNE_BF16), mask=m)
-        zero = tl.zeros([BLOCK_M, BLOCK_I], dtype=act_ty)
-        pad = act_ptr + rows64[:, None] * stride_act_r + cols[None, :]
-        tl.store(pad, zero, mask=tail[:, None] & in_i)
-        tl.store(pad + stride_act_c, zero, mask=tail[:, None] & in_i)
+        if WRITE_ACT:
+            dst = act_ptr + p[:, None] * stride_act_r + cols[None, :]
+            tl.store(dst, cast(g, act_ty, RNE_BF16), mask=m)
+            tl.store(dst + stride_act_c, cast(u, act_ty, RNE_BF16), mask=m)
+            zero = tl.zeros([BLOCK_M, BLOCK_I], dtype=act_ty)
+            pad = act_ptr + rows64[:, None] * stride_act_r + cols[None, :]
+            tl.store(pad, zero, mask=tail[:, None] & in_i)
+            tl.store(pad + stride_act_c, zero, mask=tail[:, None] & in_i)
 
 
 _ACTIVATION_FORWARD = TritonKernel(_activation_forward_kernel)
@@ -144,7 +155,8 @@ def activation_forward(
     operand_dtype: torch.dtype = torch.bfloat16,
     gate_up_interleaved: bool = False,
     up_SI: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    pair_checkpoint: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Bias, clamp and gated activation of every grouped row (REFERENCE §2).
 
     Per row s of pair p (expert e, affinity a), with ``[g_raw, u_raw] = gu_S2I[s]`` (or
@@ -155,7 +167,9 @@ def activation_forward(
         act[p] = [g, u]  (rounded to operand_dtype)   a_h[s] = a * h  (rounded once)
 
     in fp32 registers (the clamp keeps the value at the limit; the backward's strict masks read
-    the stored value).
+    the stored value). Without a bias and a clamp, ``[g, u]`` is ``gu_S2I[s]`` itself: the
+    caller may then keep the GEMM's BF16 output rows as the checkpoint, in grouped row order
+    (``pair_checkpoint=False``: no ``act`` is written; :func:`activation_backward` reads either).
 
     Args:
         gu_S2I: [S, 2I] float, the gate/up GEMM's output rows (gate columns first; with
@@ -172,12 +186,16 @@ def activation_forward(
         up_SI: optional [S, I] float, the up GEMM's output rows; ``gu_S2I`` is then the gate's
             [S, I] (not with ``gate_up_interleaved``). Both are read in place (unit stride
             along columns, any row stride).
+        pair_checkpoint: write the checkpoint ``act`` (default); False only without a bias and
+            a clamp (above).
     Returns:
         ``(act_R2I [R, 2, I], a_h_SI [S, I])``: the checkpoint in the plan's pair order
-        (entries past ``num_pairs`` exactly 0) and the down GEMM's rows (padding rows 0).
+        (entries past ``num_pairs`` exactly 0; None without ``pair_checkpoint``) and the down
+        GEMM's rows (padding rows 0).
     Raises:
         ValueError: S < R (not a grouped layout of this plan); ``up_SI`` not of the gate rows'
-            shape and device, or given with ``gate_up_interleaved``.
+            shape and device, or given with ``gate_up_interleaved``; ``pair_checkpoint=False``
+            with a gate/up bias or an active clamp.
     """
     if up_SI is None:
         S, I2 = gu_S2I.shape
@@ -194,11 +212,18 @@ def activation_forward(
     R = plan.pair_token_R.shape[0]
     if S < R:
         raise ValueError(f"gu_S2I has {S} rows, fewer than the plan's R={R} pair slots")
+    has_bias = b_gate_up_E2I is not None
+    if not pair_checkpoint and (has_bias or clamp_limits.is_active):
+        raise ValueError(
+            "pair_checkpoint=False keeps the GEMM's output rows as the checkpoint, which they "
+            "are only without a gate/up bias and a clamp; this call has "
+            + ("a gate/up bias" if has_bias else f"clamp limits {clamp_limits!r}")
+        )
     dev = gu_S2I.device
-    act = torch.empty(R, 2, I, dtype=operand_dtype, device=dev)
+    act = torch.empty(R, 2, I, dtype=operand_dtype, device=dev) if pair_checkpoint else None
     ah = torch.empty(S, I, dtype=operand_dtype, device=dev)
     if S == 0 or I == 0:
-        return act.zero_(), ah
+        return (act.zero_() if pair_checkpoint else None), ah
     if gu_S2I.stride(1) != 1:
         gu_S2I = gu_S2I.contiguous()
     # the gate and up operands: one code path for the concatenated halves of one [S, 2I] row
@@ -209,7 +234,7 @@ def activation_forward(
         gate, up = gu_S2I, gu_S2I
     else:
         gate, up = gu_S2I[:, :I], gu_S2I[:, I:]
-    has_bias = b_gate_up_E2I is not None
+    act_arg = act if pair_checkpoint else ah  # (a stand-in the kernel does not touch)
     bgu = b_gate_up_E2I.reshape(-1, 2 * I).contiguous() if has_bias else gu_S2I
     limits, act_meta = activation_args(activation, clamp_limits)
     BLOCK_M = 16
@@ -218,10 +243,11 @@ def activation_forward(
         dev, (triton.cdiv(S, BLOCK_M),),
         gate, gate.stride(0), up, up.stride(0), bgu, bgu.stride(0),
         row_to_pair_S, plan.pair_expert_R, plan.pair_affinity_R, plan.num_pairs,
-        act, act.stride(0), act.stride(1), ah, ah.stride(0),
+        act_arg, act_arg.stride(0), act_arg.stride(1), ah, ah.stride(0),
         S, R, I, *limits, **act_meta,
         HAS_BIAS=has_bias, GU_INTERLEAVED=bool(gate_up_interleaved),
-        BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, RNE_BF16=rne_bf16(operand_dtype),
+        WRITE_ACT=bool(pair_checkpoint), BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I,
+        RNE_BF16=rne_bf16(operand_dtype),
         num_warps=4,
     )
     return act, ah
@@ -255,6 +281,7 @@ def _activation_backward_kernel(
     G_HAS_LO: tl.constexpr, G_HAS_HI: tl.constexpr,
     U_HAS_LO: tl.constexpr, U_HAS_HI: tl.constexpr,
     HAS_BD: tl.constexpr, GU_INTERLEAVED: tl.constexpr,
+    CK_ROWS: tl.constexpr, CK_INTERLEAVED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -270,9 +297,17 @@ def _activation_backward_kernel(
         m = valid[:, None] & (cols < I)[None, :]
         dh_raw = tl.load(dh_ptr + rows64[:, None] * stride_dh + cols[None, :], mask=m, other=0.0)
         dh_raw = dh_raw.to(tl.float32)
-        a_row = act_ptr + p[:, None] * stride_act_r + cols[None, :]
-        g = tl.load(a_row, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(a_row + stride_act_c, mask=m, other=0.0).to(tl.float32)
+        if CK_ROWS:  # the checkpoint in grouped row order: this row's own [S, 2I] row
+            ck_rows = act_ptr + rows64 * stride_act_r  # [S, 2I]: halves or interleaved
+            if CK_INTERLEAVED:
+                ck_up = ck_rows
+            else:
+                ck_up = ck_rows + I
+            g, u = _load_gate_up(ck_rows, ck_up, i0, I, valid, BLOCK_M, BLOCK_I, CK_INTERLEAVED)
+        else:  # [R, 2, I] in the plan's pair order
+            a_row = act_ptr + p[:, None] * stride_act_r + cols[None, :]
+            g = tl.load(a_row, mask=m, other=0.0).to(tl.float32)
+            u = tl.load(a_row + stride_act_c, mask=m, other=0.0).to(tl.float32)
         s = tl.sigmoid(ACT_ALPHA * g)
         gs = g * s
         up = u + UP_OFFSET
@@ -318,7 +353,7 @@ _ACTIVATION_BACKWARD = TritonKernel(_activation_backward_kernel)
 
 def activation_backward(
     dh_raw_SI: torch.Tensor,
-    act_R2I: torch.Tensor,
+    checkpoint: torch.Tensor,
     row_to_pair_S: torch.Tensor,
     plan,
     *,
@@ -329,6 +364,7 @@ def activation_backward(
     operand_dtype: torch.dtype = torch.bfloat16,
     gate_up_interleaved: bool = False,
     gate_up_apart: bool = False,
+    checkpoint_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gated-activation backward of every grouped row, with the affinity gradient.
 
@@ -343,8 +379,11 @@ def activation_backward(
 
     Args:
         dh_raw_SI: [S, I] float, ``dY_rows @ W_down[e]^T`` (BF16 from the grouped GEMM).
-        act_R2I: [R, 2, I] float, the forward checkpoint in the plan's pair order (unit stride
-            along I).
+        checkpoint: the forward checkpoint (g, u of every pair), either ``[R, 2, I]`` float in
+            the plan's pair order (unit stride along I), read through ``row_to_pair_S``, or
+            ``[S, 2I]`` float in the grouped row order (row s holds its own pair's g, u: the
+            gate/up GEMM's output rows where there is no bias and no clamp; unit stride along
+            columns), read at row s.
         row_to_pair_S: [S] int64, pair of each grouped row, -1 for padding rows.
         plan: the :class:`~common.routing.RoutingPlan` (pair tokens, experts, affinities).
         activation: :class:`~common.problem.Activation`.  clamp_limits: ClampLimits.
@@ -355,17 +394,27 @@ def activation_backward(
         gate_up_apart: write ``d_gate_up`` as [2, S, I]: dg rows then du rows, each a dense
             [S, I] operand of its own weight's GEMMs (separate gate and up weights, torchtitan's
             w1 / w3). Not with ``gate_up_interleaved``.
+        checkpoint_interleaved: an [S, 2I] checkpoint's columns are interleaved (g i at 2i,
+            u i at 2i + 1: the forward GEMM's output on an interleaved weight), else halves.
     Returns:
         ``(d_gate_up_S2I [S, 2I] ([2, S, I] with gate_up_apart), a_h_SI [S, I], dA_TE [T, E]
         fp32)``; padding rows of the first two are exactly 0, and dA is 0 where a token is not
         routed.
     Raises:
-        ValueError: ``gate_up_apart`` with ``gate_up_interleaved``.
+        ValueError: ``gate_up_apart`` with ``gate_up_interleaved``; ``checkpoint`` is neither
+            [R, 2, I] nor [S, 2I].
     """
     if gate_up_apart and gate_up_interleaved:
         raise ValueError("gate_up_apart and gate_up_interleaved exclude each other")
     S, I = dh_raw_SI.shape
     T, E = plan.num_tokens, plan.num_experts
+    R = plan.pair_token_R.shape[0]
+    rows_ck = checkpoint.dim() == 2
+    if tuple(checkpoint.shape) not in ((R, 2, I), (S, 2 * I)):
+        raise ValueError(
+            f"checkpoint must be [R={R}, 2, I={I}] (pair order) or [S={S}, {2 * I}] (grouped "
+            f"row order), got {list(checkpoint.shape)}"
+        )
     dev = dh_raw_SI.device
     dgu = torch.empty(*((2, S, I) if gate_up_apart else (S, 2 * I)), dtype=operand_dtype,
                       device=dev)
@@ -373,8 +422,9 @@ def activation_backward(
     da = torch.zeros(T, E, dtype=torch.float32, device=dev)
     if S == 0 or I == 0:
         return dgu, ah, da
-    if act_R2I.stride(2) != 1:
-        act_R2I = act_R2I.contiguous()
+    if checkpoint.stride(-1) != 1:
+        checkpoint = checkpoint.contiguous()
+    ck_col = 0 if rows_ck else checkpoint.stride(1)
     if dh_raw_SI.stride(1) != 1:
         dh_raw_SI = dh_raw_SI.contiguous()
     has_bd = b_down_EH is not None
@@ -399,12 +449,13 @@ def activation_backward(
     _ACTIVATION_BACKWARD.launch(
         dev, (triton.cdiv(S, BLOCK_M),),
         dh_raw_SI, dh_raw_SI.stride(0),
-        act_R2I, act_R2I.stride(0), act_R2I.stride(1),
+        checkpoint, checkpoint.stride(0), ck_col,
         row_to_pair_S, plan.pair_token_R, plan.pair_expert_R, plan.pair_affinity_R,
         dy_SH, dy_SH.stride(0), b_down_EH, b_down_EH.stride(0),
         dg_out, dg_out.stride(0), du_out, du_out.stride(0), ah, ah.stride(0), da,
         S, I, H, E, *limits, **act_meta,
         HAS_BD=has_bd, GU_INTERLEAVED=bool(gate_up_interleaved),
+        CK_ROWS=rows_ck, CK_INTERLEAVED=rows_ck and bool(checkpoint_interleaved),
         BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_H=BLOCK_H, RNE_BF16=rne_bf16(operand_dtype),
         num_warps=4,
     )

@@ -2,8 +2,9 @@
 
 Each element is a pure function of ``(seed, stream, element index)``: a hash of the index
 (integer ops only) picks one of 65536 normal quantiles, scaled by ``std`` and rounded to the
-dtype. A tensor is generated where it will live, in chunks, with no generator state, so the
-600M weights of a large layer are drawn on its GPU in milliseconds, and a CPU gets the same bits.
+dtype. A tensor is generated where it will live, in chunks, with no generator state: the 600M
+weights of a large layer are a few hundred elementwise kernels on its GPU (not 600M CPU draws
+copied over), and a CPU computes the same bits.
 
 Three things about it that are easy to get wrong:
 

@@ -5,13 +5,12 @@ the same problem. Scales keep every activation O(1): X ~ N(0, 1), gate/up weight
 down weights ~ N(0, 1/I), dY ~ N(0, 1), biases ~ N(0, 0.1^2). Every tensor is drawn by the
 counter-based generator :func:`common.counter_rng.normal` (65536 normal quantiles picked by a
 hash of the seed, the tensor's field name and the element index; rounded to the compute dtype,
-BF16, once) directly on the target device: the same bits on every device, and a large model's
-600M weights take milliseconds on a GPU. The router is simulated on the CPU
-(:mod:`common.router_sim`, seed + 1). The checkpoint is the clamped gate/up pre-activations of a
-BF16 forward with fp32 accumulation (:func:`common.torch_backward.moe_forward_checkpoint_torch`),
-computed on the target device and stored in BF16 as a training forward stores it. The problem
-carries its :class:`~common.problem.Activation` (SwiGLU, or gpt-oss for ``swiglu_clamped``
-models).
+BF16, once) directly on the target device: the same bits on every device, and no CPU draws to
+copy to a GPU. The router is simulated on the CPU (:mod:`common.router_sim`, seed + 1). The
+checkpoint is the clamped gate/up pre-activations of a BF16 forward with fp32 accumulation
+(:func:`common.torch_backward.moe_forward_checkpoint_torch`), computed on the target device and
+stored in BF16 as a training forward stores it. The problem carries its
+:class:`~common.problem.Activation` (SwiGLU, or gpt-oss for ``swiglu_clamped`` models).
 """
 
 from __future__ import annotations

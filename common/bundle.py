@@ -2,7 +2,7 @@
 
 A bundle is a directory holding two files and nothing that executes:
 
-* ``bundle.json`` -- ``{"format": "moe-bwd-bundle", "version": 1, "spec": {...},
+* ``bundle.json`` -- ``{"format": "moe-bwd-bundle", "version": 2, "spec": {...},
   "inputs_sha256": {tensor name: hex}, "gradients": {"file", "sha256", "tensors"},
   "metadata": {...}}``: the :class:`ProblemSpec` the inputs are re-created from, a sha256 digest
   of every input tensor, the digest of the gradient file, and metadata (backend, device name and
@@ -60,7 +60,14 @@ __all__ = [
 ]
 
 BUNDLE_FORMAT = "moe-bwd-bundle"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2
+# 2: the seeded inputs come from common.counter_rng (the same bits on every device); version 1
+# bundles were drawn by torch's CPU generator, which this package no longer re-creates.
+_VERSION_NOTES = {
+    1: "its seeded inputs were drawn by torch's CPU generator, which this package no longer "
+       "uses (inputs now come from the counter-based common.counter_rng): save it again with "
+       "this package's `moe-bwd run ... --save`",
+}
 MANIFEST = "bundle.json"
 GRADIENTS = "gradients.safetensors"
 GRAD_FIELDS = (
@@ -575,9 +582,11 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != BUNDLE_FORMAT:
         raise ValueError(f"{mpath}: not a {BUNDLE_FORMAT} manifest")
     if data.get("version") != BUNDLE_VERSION:
+        version = data.get("version")
+        note = _VERSION_NOTES.get(version) if type(version) is int else None
         raise ValueError(
-            f"{mpath}: bundle version {data.get('version')!r}, this package reads version "
-            f"{BUNDLE_VERSION}"
+            f"{mpath}: bundle version {version!r}, this package reads version "
+            f"{BUNDLE_VERSION}" + (f" ({note})" if note else "")
         )
     for key, kind in (("spec", dict), ("inputs_sha256", dict), ("gradients", dict),
                       ("metadata", dict)):

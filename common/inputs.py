@@ -2,8 +2,11 @@
 
 Used by the ``moe-bwd`` command line, the tests and the benchmarks so that every backend sees
 the same problem. Scales keep every activation O(1): X ~ N(0, 1), gate/up weights ~ N(0, 1/H),
-down weights ~ N(0, 1/I), dY ~ N(0, 1), biases ~ N(0, 0.1^2). All tensors are drawn on the CPU
-generator (the same values on every device) and rounded to the compute dtype (BF16) once; the
+down weights ~ N(0, 1/I), dY ~ N(0, 1), biases ~ N(0, 0.1^2). Every tensor is drawn by the
+counter-based generator :func:`common.counter_rng.normal` (65536 normal quantiles picked by a
+hash of the seed, the tensor's field name and the element index; rounded to the compute dtype,
+BF16, once) directly on the target device: the same bits on every device, and no CPU draws to
+copy to a GPU. The router is simulated on the CPU (:mod:`common.router_sim`, seed + 1). The
 checkpoint is the clamped gate/up pre-activations of a BF16 forward with fp32 accumulation
 (:func:`common.torch_backward.moe_forward_checkpoint_torch`), computed on the target device and
 stored in BF16 as a training forward stores it. The problem carries its
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from common.counter_rng import normal
 from common.models import MoEModelShape
 from common.problem import SWIGLU, Activation, ClampLimits, MoEBackwardProblem
 from common.router_sim import simulate_model_routing, simulate_router
@@ -45,8 +49,10 @@ def make_problem(
 
     Args:
         num_tokens, hidden, intermediate, num_experts, top_k: T, H, I, E, K.
-        seed: seeds every draw (CPU generator; tensors are then moved to ``device``, where the
-            checkpoint forward runs).
+        seed: seeds every draw (:func:`common.counter_rng.normal`, one stream per tensor, named
+            by its field: ``hidden_states_TH``, ``output_grad_TH``, ``w_gate_up_EH2I``,
+            ``w_down_EIH``, ``b_gate_up_E2I``, ``b_down_EH``; drawn on ``device``, where the
+            checkpoint forward runs; the simulated router uses ``seed + 1``).
         bias: draw gate/up and down biases.
         clamp_limits: optional clamp of the pre-activations (forward and masks).
         dtype: compute dtype of inputs, weights and checkpoint (BF16).
@@ -57,7 +63,8 @@ def make_problem(
             checkpoint (pre-activations) does not depend on it.
         weights: optional :class:`~common.loaders.ExpertWeights` (real expert weights) used
             instead of the seeded draws; ``x`` and ``dy`` are the same seeded draws either way
-            (they are drawn first). Its biases are used when ``bias`` (and must then be there).
+            (each tensor has its own stream). Its biases are used when ``bias`` (and must then be
+            there).
     Raises:
         ValueError: bad sizes (from the router simulation / routing validation), or an
             ``activation`` that is not an Activation.
@@ -68,21 +75,21 @@ def make_problem(
         raise ValueError(
             f"activation must be an Activation or None, got {type(activation).__name__}"
         )
-    g = torch.Generator().manual_seed(seed)
     T, H, I, E = num_tokens, hidden, intermediate, num_experts
+    dev = torch.device(device)
 
-    def randn(*shape, std=1.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float32) * std).to(dtype)
+    def randn(name, *shape, std=1.0):
+        return normal(shape, seed=seed, stream=name, std=std, dtype=dtype, device=dev)
 
     if expert_index is None:
         expert_index, affinity = simulate_router(T, E, top_k, seed=seed + 1, skew=skew)
-    x = randn(T, H)
-    dy = randn(T, H)
+    x = randn("hidden_states_TH", T, H)
+    dy = randn("output_grad_TH", T, H)
     if weights is None:
-        w_gate_up = randn(E, H, 2, I, std=H**-0.5)
-        w_down = randn(E, I, H, std=I**-0.5)
-        b_gate_up = randn(E, 2, I, std=0.1) if bias else None
-        b_down = randn(E, H, std=0.1) if bias else None
+        w_gate_up = randn("w_gate_up_EH2I", E, H, 2, I, std=H**-0.5)
+        w_down = randn("w_down_EIH", E, I, H, std=I**-0.5)
+        b_gate_up = randn("b_gate_up_E2I", E, 2, I, std=0.1) if bias else None
+        b_down = randn("b_down_EH", E, H, std=0.1) if bias else None
     else:
         w_gate_up, w_down = weights.w_gate_up_EH2I.to(dtype), weights.w_down_EIH.to(dtype)
         if tuple(w_gate_up.shape) != (E, H, 2, I) or tuple(w_down.shape) != (E, I, H):
@@ -95,14 +102,13 @@ def make_problem(
             if weights.b_gate_up_E2I is None or weights.b_down_EH is None:
                 raise ValueError("weights: the problem has biases but the weights carry none")
             b_gate_up, b_down = weights.b_gate_up_E2I.to(dtype), weights.b_down_EH.to(dtype)
-    dev = torch.device(device)
 
-    def mv(t):  # a no-op (the same tensor) for CPU tensors on a CPU device
+    def mv(t):  # a no-op (the same tensor) for tensors already on the device
         return None if t is None else t.to(dev)
 
-    # Move first, then run the checkpoint forward where the problem lives: a large model's
-    # forward (6 R H I FLOPs) must not run on the CPU of a GPU box.
-    x, dy, w_gate_up, w_down = mv(x), mv(dy), mv(w_gate_up), mv(w_down)
+    # Loaded weights and the router output move; the checkpoint forward runs where the problem
+    # lives: a large model's forward (6 R H I FLOPs) must not run on the CPU of a GPU box.
+    w_gate_up, w_down = mv(w_gate_up), mv(w_down)
     b_gate_up, b_down = mv(b_gate_up), mv(b_down)
     plan = plan_routing(mv(expert_index), mv(affinity.float()), E)
     act = moe_forward_checkpoint_torch(

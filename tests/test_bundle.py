@@ -109,6 +109,25 @@ def test_bundle_of_another_problem_refused(tmp_path, problem, torch_grads):
         load_bundle(d)
 
 
+@pytest.mark.parametrize("version,reason", [
+    (1, r"version 1, this package reads version 2 \(its seeded inputs were drawn by torch's CPU "
+        r"generator.*--save`\)"),
+    (3, r"version 3, this package reads version 2$"),
+    ([2], r"version \[2\], this package reads version 2$"),
+])
+def test_other_bundle_versions_refused_with_the_reason(tmp_path, problem, torch_grads, version,
+                                                       reason):
+    """A version-1 bundle's inputs came from torch's CPU generator: refused, saying so (not as
+    a digest mismatch after re-creating the problem)."""
+    d = _save(tmp_path / "b", problem, torch_grads)
+    m = json.loads((d / MANIFEST).read_text())
+    assert m["version"] == 2
+    m["version"] = version
+    (d / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=r"bundle\.json: bundle " + reason):
+        load_bundle(d)
+
+
 def test_truncated_and_corrupt_files_refused(tmp_path, problem, torch_grads):
     d = _save(tmp_path / "b", problem, torch_grads)
     g = d / GRADIENTS

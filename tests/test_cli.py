@@ -97,6 +97,40 @@ def test_run_reference_backend_is_exact(capsys, small_models):
         assert sqnr == "inf" and float(rel) == 0.0
 
 
+@pytest.mark.parametrize("json_out", [False, True])
+def test_run_nan_gradient_exits_1(capsys, small_models, monkeypatch, json_out):
+    """A backend whose gradient holds NaN: exit 1 and the gradient marked, with the float64
+    comparison (its SQNR is NaN) as without it."""
+    import dataclasses
+
+    from common import dispatch
+
+    torch_backend = dispatch.resolve_backend("torch")
+
+    def run_nan(problem, **options):
+        grads = torch_backend.run(problem, **options)
+        grads.w_down_grad_EIH.view(-1)[7] = float("nan")
+        return grads
+
+    nan_backend = dataclasses.replace(torch_backend, run=run_nan)
+    monkeypatch.setattr(cli.dispatch, "resolve_backend", lambda *a, **k: nan_backend)
+    for extra in ([], ["--no-reference"]):
+        args = ["run", "--model", "olmoe-1b-7b", "--tokens", "16", *extra]
+        rc = cli.main(args + (["--json"] if json_out else []))
+        cap = capsys.readouterr()
+        assert rc == 1, (extra, cap.out)
+        if json_out:
+            import json
+
+            rows = {r["gradient"]: r for r in json.loads(cap.out)["gradients"]}
+            assert not rows["dW_down [E,I,H]"]["finite"]
+            assert all(r["finite"] for n, r in rows.items() if n != "dW_down [E,I,H]")
+        else:
+            assert "a gradient holds NaN or inf" in cap.err
+            row = _table_rows(cap.out)["dW_down [E,I,H]"]
+            assert row[1] == "nan" if not extra else row[2] == "NO", row
+
+
 def test_run_bad_model_exits_2(capsys):
     rc = cli.main(["run", "--model", "no-such-model", "--tokens", "64"])
     cap = capsys.readouterr()

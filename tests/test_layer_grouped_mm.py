@@ -417,15 +417,42 @@ def _layer_step(m, x, idx, aff, dy):
     return {"y": y, "dX": dx, "dA": da, **dict(zip(dict(m.named_parameters()), grads))}
 
 
+def _clamp_flips(p, rt, impl):
+    """Where the two paths' forward checkpoints lie on different sides of a clamp limit (the
+    values differ by one BF16 ulp at most, but there the derivative mask flips 0 <-> 1): the
+    dX rows (tokens) and the (expert, column) pairs of dW_gate_up / dB_gate_up such a flip
+    reaches. ``(token mask [T], expert-column mask [E, I], flips, checked elements)``."""
+    x, aff, idx, wgu, wd, bgu, bd = _forward_args(p, rt)
+    fwd = {gm: moe_forward_fused(x, aff, idx, wgu, wd, bgu, bd, grouped_mm=gm, **_kw(p))
+           for gm in ("cublas", impl)}
+    a, b = fwd["cublas"].act_R2I, fwd[impl].act_R2I
+    cl = p.clamp_limits
+    flip_RI = (cl.gate_mask(a[:, 0]) != cl.gate_mask(b[:, 0])) | (
+        cl.up_mask(a[:, 1]) != cl.up_mask(b[:, 1]))
+    plan = fwd["cublas"].plan
+    flip_RI &= plan.pair_valid_R[:, None]
+    T, E, I = x.shape[0], wgu.shape[0], wgu.shape[-1]
+    tokens_T = torch.zeros(T, dtype=torch.bool, device=x.device)
+    cols_EI = torch.zeros(E, I, dtype=torch.bool, device=x.device)
+    r, i = flip_RI.nonzero(as_tuple=True)
+    tokens_T[plan.pair_token_R[r]] = True
+    cols_EI[plan.pair_expert_R[r], i] = True
+    return tokens_T, cols_EI, int(flip_RI.sum()), int(plan.pair_valid_R.sum()) * I
+
+
 @pytest.mark.parametrize("impl", OURS)
 @pytest.mark.parametrize("name", list(CASES))
 def test_layer_grouped_mm_ours_matches_cublas(name, impl, cuda_backend):
     """The whole step through MoEExperts (BF16 parameters, so BF16 gradients): the option
     reaches both fused entries. Forward and backward chained, the checkpoint's BF16 differences
-    (incl. the strict clamp mask flipping where one path's value rounds onto a limit: 3 of 6144
-    elements in gpt_oss) reach the gradients, so the bar is the layer's single one
-    (``sqnr_floor("fused", "default")``; measured on CPU: swiglu >= 47.7 dB, gpt_oss 42.0 dB
-    dB_gate_up, 42.7 dW_gate_up, 42.9 dX, >= 49.8 the rest)."""
+    reach the gradients, so the bar is the layer's single one (``sqnr_floor("fused",
+    "default")``). Where one path's checkpoint value rounds onto a clamp limit and the other's
+    does not, the strict clamp mask flips and that element's derivative is 0 on one path only:
+    one such flip costs ~33 dB of dX, dW_gate_up and dB_gate_up at this size (seeds 0-5 of the
+    gpt_oss case: 20-43 dB with every element, on either input generator). So the bar holds
+    there on what no flip reaches (the other tokens' dX rows, the other (expert, column) pairs:
+    46-49 dB on those seeds), and the flips must be few (1-7 of ~2500 checkpoint (row, column)
+    pairs there)."""
     p, rt = _problem(name)
     x, aff, idx, wgu, wd, bgu, bd = _forward_args(p, rt)
     E, H, _, I = wgu.shape
@@ -438,10 +465,18 @@ def test_layer_grouped_mm_ours_matches_cublas(name, impl, cuda_backend):
                 prm.copy_(src)
         out[gm] = _layer_step(m, x, idx, aff, p.output_grad_TH)
         assert cuda_backend["forward"][-1] == gm and cuda_backend["run"][-2:] == [gm, gm]
+    keep = {}
+    if p.clamp_limits is not None:
+        tokens_T, cols_EI, flips, checked = _clamp_flips(p, rt, impl)
+        assert flips <= 0.01 * checked, (flips, checked)
+        keep = {"dX": ~tokens_T, "w_gate_up": ~cols_EI[:, None, None, :].expand(E, H, 2, I),
+                "b_gate_up": ~cols_EI[:, None, :].expand(E, 2, I)}
+    floor = sqnr_floor("fused", "default")
     for key, got in out[impl].items():
         want = out["cublas"][key]
         assert got.dtype == want.dtype and got.shape == want.shape, key
-        floor = sqnr_floor("fused", "default")
+        if key in keep:
+            got, want = got[keep[key]], want[keep[key]]
         assert sqnr_db(got.double().cpu(), want.double().cpu()) >= floor, key
 
 

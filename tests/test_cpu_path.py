@@ -166,3 +166,31 @@ def test_bench_cpu_layer_counts(tmp_path, capsys):
     assert "layer:" in capsys.readouterr().out
     assert counts["layer"]["gemm_macs"] == counts["plain"]["gemm_macs"] > 0
     assert counts["layer"]["ops"] > 0 and counts["layer"]["other_mb"] > 0
+
+
+def test_layer_casts_its_gradients_on_the_guards_thread(monkeypatch):
+    """The backward's casts into the inputs' dtypes and layouts (``layer_ops._like``) run inside
+    the one-thread guard too: outside it each is a parallel region of every thread."""
+    from common import layer_ops
+    from common.layer import MoEExperts
+
+    seen = []
+    inner = layer_ops._like
+
+    def spy(g, t):
+        seen.append(torch.get_num_threads())
+        return inner(g, t)
+
+    monkeypatch.setattr(layer_ops, "_like", spy)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        layer = MoEExperts(4, 32, 16)
+        x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+        ids = torch.randint(0, 4, (16, 2), generator=torch.Generator().manual_seed(6))
+        layer(x, ids, torch.rand(16, 2)).float().sum().backward()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(n)
+    assert seen == [1, 1, 1]  # dX, dW_gate_up, dW_down
+    assert x.grad is not None and layer.w_gate_up.grad is not None

@@ -11,9 +11,9 @@ matmul (AVX2): there torch's BF16 GEMM is an emulation ~35x slower, which would 
 layer's own overhead; on an AVX512-BF16 / AMX CPU compare with ``plain``.
 
 Timing: each configuration (quiet, then beside a subprocess doing ``--noise-threads``-thread
-fp32 matmuls: the contention a shared CI box or a data loader gives) runs ``--repeats`` rounds;
-a round times ``--steps`` steps of each step function in turn (shared machines drift, so the
-functions alternate). Reported per function: the median step time over the rounds and its
+fp32 matmuls: the contention a shared CI box or a data loader gives) runs ``--repeats`` rounds
+(fewer, but at least 3, once it has used half of ``--max-seconds``); a round times ``--steps``
+steps of each step function in turn (shared machines drift, so the functions alternate). Reported per function: the median step time over the rounds and its
 spread [min - max]; per round the ratio layer / other of that round (paired), its median and
 spread. Targets: layer / plain <= 2 quiet, and the layer's contended / quiet slowdown no worse
 than plain's.
@@ -117,18 +117,22 @@ def _make(T, H, I, E, K, seed=0):
     return {"layer": layer_step, "plain": plain(), "plain-f32gemm": plain(torch.float32)}
 
 
-def _time(fns: dict, steps: int, repeats: int) -> dict[str, list[float]]:
-    """Per round, ``steps`` steps of each (alternating), seconds per step; warm-up first."""
+def _time(fns: dict, steps: int, repeats: int, budget_s: float) -> dict[str, list[float]]:
+    """Per round, ``steps`` steps of each (alternating), seconds per step; warm-up first.
+    Stops after the round that passes ``budget_s`` seconds, once 3 rounds are in."""
+    t_start = time.perf_counter()
     for _ in range(2):
         for fn in fns.values():
             fn()
     out = {name: [] for name in fns}
-    for _ in range(repeats):
+    for r in range(repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             for _ in range(steps):
                 fn()
             out[name].append((time.perf_counter() - t0) / steps)
+        if r >= 2 and time.perf_counter() - t_start > budget_s:
+            break
     return out
 
 
@@ -232,6 +236,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10, help="steps per round")
     ap.add_argument("--repeats", type=int, default=7, help="rounds per configuration")
+    ap.add_argument("--max-seconds", type=float, default=90.0,
+                    help="time budget of the two configurations together: fewer rounds (at "
+                         "least 3 each) where the steps are slow")
     ap.add_argument("--noise-threads", type=int, default=2,
                     help="threads of the competing matmul process")
     ap.add_argument("--cpus", help="pin to these CPUs, e.g. 0,1 (as taskset -c 0,1)")
@@ -264,11 +271,12 @@ def main(argv=None) -> int:
         return 0
 
     t_start = time.perf_counter()
-    results = {"quiet": _time(fns, args.steps, args.repeats)}
+    budget = args.max_seconds / 2
+    results = {"quiet": _time(fns, args.steps, args.repeats, budget)}
     noise = subprocess.Popen([sys.executable, "-c", _NOISE, str(args.noise_threads)])
     try:
         time.sleep(1.0)
-        results["contended"] = _time(fns, args.steps, args.repeats)
+        results["contended"] = _time(fns, args.steps, args.repeats, budget)
     finally:
         noise.kill()
         noise.wait()
@@ -276,7 +284,7 @@ def main(argv=None) -> int:
     ratio = {c: {k: [a / b for a, b in zip(r["layer"], r[k])] for k in r if k != "layer"}
              for c, r in results.items()}
     for c, r in results.items():
-        print(f"{c} (median [min-max] of {args.repeats} rounds of {args.steps} steps, ms): "
+        print(f"{c} (median [min-max] of {len(r['layer'])} rounds of {args.steps} steps, ms): "
               + ", ".join(f"{k} {med[c][k] * 1e3:.2f} "
                           f"{_spread([v * 1e3 for v in r[k]])}" for k in r))
         print("  layer / other, per round: " + ", ".join(

@@ -107,10 +107,11 @@ def cpu_threads(device: torch.device, rows: int, experts: int, hidden: int, inte
     """One intra-op thread for the body when ``device`` is the CPU and the expert GEMMs are
     small (:data:`SMALL_GEMM_MACS`); torch's setting otherwise, and restored afterwards.
 
-    Why: a small layer step is ~150 ops that each enter a parallel region of every intra-op
-    thread, and on a shared machine each region waits for its slowest, descheduled thread.
-    Measured 2026-12-03 on 2 loaded cores (T 512, H 256, I 128, E 8, top-2): 58-138 ms per
-    training step on one thread, 236-1500 ms on two. Large problems keep every thread."""
+    Why: without it a small layer step enters ~125 OpenMP parallel regions of every intra-op
+    thread (counted: GOMP_parallel calls, T 512, H 256, I 128, E 8, top-2, 2 threads; with it
+    none of two threads), and on a shared machine each region waits for its slowest,
+    descheduled thread. Measured 2026-12-03 on 2 loaded cores: 58-138 ms per training step on
+    one thread, 236-1500 ms on two. Large problems keep every thread."""
     n = torch.get_num_threads()
     small = rows * hidden * 2 * intermediate < SMALL_GEMM_MACS * max(experts, 1)
     if device.type != "cpu" or n == 1 or not small:

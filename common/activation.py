@@ -115,12 +115,14 @@ def activation_backward(
     t = gated_terms(activation, g, u)
     dg = dh * t.up * t.s * (1 + t.ag * (1 - t.s))
     du = dh * t.gs
-    mask_g = clamp_limits.gate_mask(g) if clamp_limits is not None else None
-    mask_u = clamp_limits.up_mask(u) if clamp_limits is not None else None
+    cl = clamp_limits  # a side without limits needs no mask (no all-True select pass)
+    mask_g = cl.gate_mask(g) if cl is not None and cl.clamps_gate else None
+    mask_u = cl.up_mask(u) if cl is not None and cl.clamps_up else None
     if valid is not None:
         mask_g = valid if mask_g is None else mask_g & valid
         mask_u = valid if mask_u is None else mask_u & valid
     if mask_g is not None:
         dg = torch.where(mask_g, dg, 0.0)
+    if mask_u is not None:
         du = torch.where(mask_u, du, 0.0)
     return dg, du, t.h

@@ -330,32 +330,33 @@ class MoEExpertsFunction(torch.autograd.Function):
         main = None
         if ctx.main_grad_owners is not None and need[2] and need[3]:
             main = _main_grad_buffers(*ctx.main_grad_owners)
-        grads, accumulated = layer_ops.layer_backward(
-            grad_y_TH, x, wgu, wd, bgu, bd, act, x_rows_S, ctx.plan, ctx.layout, opts,
-            ctx.backend, main_grad=main,
-        )
-        if main is not None and not accumulated:
-            main[0].add_(grads.w_gate_up_grad_EH2I.to(main[0].dtype))
-            main[1].add_(grads.w_down_grad_EIH.to(main[1].dtype))
-        if main is not None:
-            for w in ctx.main_grad_owners:
-                if hasattr(w, "grad_added_to_main_grad"):
-                    w.grad_added_to_main_grad = True
+        with layer_ops.layer_threads(x, wgu, wd, ctx.plan):  # the casts below too
+            grads, accumulated = layer_ops.layer_backward(
+                grad_y_TH, x, wgu, wd, bgu, bd, act, x_rows_S, ctx.plan, ctx.layout, opts,
+                ctx.backend, main_grad=main,
+            )
+            if main is not None and not accumulated:
+                main[0].add_(grads.w_gate_up_grad_EH2I.to(main[0].dtype))
+                main[1].add_(grads.w_down_grad_EIH.to(main[1].dtype))
+            if main is not None:
+                for w in ctx.main_grad_owners:
+                    if hasattr(w, "grad_added_to_main_grad"):
+                        w.grad_added_to_main_grad = True
 
-        dx = grads.hidden_states_grad_TH.to(x.dtype) if need[0] else None
-        d_aff = (
-            ctx.plan.slot_affinity_grad(grads.affinity_grad_TE).to(ctx.affinity_dtype)
-            if need[1]
-            else None
-        )
-        if main is None:
-            dwgu = grads.w_gate_up_grad_EH2I.to(wgu.dtype) if need[2] else None
-            dwd = grads.w_down_grad_EIH.to(wd.dtype) if need[3] else None
-        else:
-            dwgu = dwd = None
-        dbgu = grads.b_gate_up_grad_E2I.to(bgu.dtype) if need[4] and bgu is not None else None
-        dbd = grads.b_down_grad_EH.to(bd.dtype) if need[5] and bd is not None else None
-        return dx, d_aff, dwgu, dwd, dbgu, dbd, None, None
+            dx = grads.hidden_states_grad_TH.to(x.dtype) if need[0] else None
+            d_aff = (
+                ctx.plan.slot_affinity_grad(grads.affinity_grad_TE).to(ctx.affinity_dtype)
+                if need[1]
+                else None
+            )
+            if main is None:
+                dwgu = grads.w_gate_up_grad_EH2I.to(wgu.dtype) if need[2] else None
+                dwd = grads.w_down_grad_EIH.to(wd.dtype) if need[3] else None
+            else:
+                dwgu = dwd = None
+            dbgu = grads.b_gate_up_grad_E2I.to(bgu.dtype) if need[4] and bgu is not None else None
+            dbd = grads.b_down_grad_EH.to(bd.dtype) if need[5] and bd is not None else None
+            return dx, d_aff, dwgu, dwd, dbgu, dbd, None, None
 
 
 def moe_experts(

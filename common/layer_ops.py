@@ -61,6 +61,7 @@ __all__ = [
     "check_routing_on_host",
     "layer_backward",
     "layer_forward",
+    "layer_threads",
     "moe_experts_op",
     "options_key",
     "presorted_op",
@@ -278,8 +279,7 @@ def layer_backward(
     run_opts: dict[str, Any] = dict(options.backend_options)
     run_opts.update(_declared_options(backend, options))
     accumulated = False
-    threads = cpu_threads(x.device, plan.pair_token_R.shape[0], w_gate_up.shape[0], x.shape[1],
-                          w_down.shape[1])
+    threads = layer_threads(x, w_gate_up, w_down, plan)
     if backend.layer_state:
         same = w_gate_up.dtype == w_down.dtype and w_gate_up.dtype in _GRAD_DTYPES
         run_opts.setdefault("grad_dtype", w_gate_up.dtype if same else torch.float32)
@@ -291,6 +291,15 @@ def layer_backward(
             accumulated = True
     with threads:
         return backend.run(problem, **run_opts), accumulated
+
+
+def layer_threads(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, plan):
+    """The layer's intra-op thread guard (:func:`common.torch_backward.cpu_threads`) for a
+    call on ``x`` [T, H] with these weights and routing plan: one thread while a CPU problem's
+    expert GEMMs are small, torch's setting otherwise (restored on exit; nested guards keep the
+    outer one's setting)."""
+    return cpu_threads(x.device, plan.pair_token_R.shape[0], w_gate_up.shape[0], x.shape[1],
+                       w_down.shape[1])
 
 
 def refuse_grad_mode(name: str) -> None:
@@ -393,23 +402,24 @@ def _experts_backward(
     T, E = x.shape[0], w_gate_up.shape[0]
     plan, layout = _routing_from_flat(routing, T, E, top_k)
     backend = resolve_backend(opts.backend, x.device)
-    grads, _ = layer_backward(
-        grad_y, x, w_gate_up, w_down, b_gate_up, b_down, act,
-        x_rows if x_rows.shape[0] else None, plan, layout, opts, backend,
-    )
-    aff_dtype = plan.pair_affinity_R.dtype
+    with layer_threads(x, w_gate_up, w_down, plan):  # the casts below too
+        grads, _ = layer_backward(
+            grad_y, x, w_gate_up, w_down, b_gate_up, b_down, act,
+            x_rows if x_rows.shape[0] else None, plan, layout, opts, backend,
+        )
+        aff_dtype = plan.pair_affinity_R.dtype
 
-    def bias(g, b):
-        return _like(g, b) if b is not None else x.new_empty(0)
+        def bias(g, b):
+            return _like(g, b) if b is not None else x.new_empty(0)
 
-    return (
-        _like(grads.hidden_states_grad_TH, x),
-        plan.slot_affinity_grad(grads.affinity_grad_TE).to(aff_dtype).contiguous(),
-        _like(grads.w_gate_up_grad_EH2I, w_gate_up),
-        _like(grads.w_down_grad_EIH, w_down),
-        bias(grads.b_gate_up_grad_E2I, b_gate_up),
-        bias(grads.b_down_grad_EH, b_down),
-    )
+        return (
+            _like(grads.hidden_states_grad_TH, x),
+            plan.slot_affinity_grad(grads.affinity_grad_TE).to(aff_dtype).contiguous(),
+            _like(grads.w_gate_up_grad_EH2I, w_gate_up),
+            _like(grads.w_down_grad_EIH, w_down),
+            bias(grads.b_gate_up_grad_E2I, b_gate_up),
+            bias(grads.b_down_grad_EH, b_down),
+        )
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -522,10 +532,11 @@ def _experts_backward_presorted(
     opts = _OPTIONS[options]
     plan, layout = presorted_routing(num_rows_per_expert, x.shape[0])
     backend = resolve_backend(opts.backend, x.device)
-    grads, _ = layer_backward(grad_y, x, w_gate_up, w_down, None, None, act, None, plan, layout,
-                              opts, backend)
-    return (_like(grads.hidden_states_grad_TH, x), _like(grads.w_gate_up_grad_EH2I, w_gate_up),
-            _like(grads.w_down_grad_EIH, w_down))
+    with layer_threads(x, w_gate_up, w_down, plan):  # the casts below too
+        grads, _ = layer_backward(grad_y, x, w_gate_up, w_down, None, None, act, None, plan,
+                                  layout, opts, backend)
+        return (_like(grads.hidden_states_grad_TH, x),
+                _like(grads.w_gate_up_grad_EH2I, w_gate_up), _like(grads.w_down_grad_EIH, w_down))
 
 
 @_experts_backward_presorted.register_fake

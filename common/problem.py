@@ -82,6 +82,18 @@ class ClampLimits:
         return _strict_mask(u, self.linear_clamp_lower_limit, self.linear_clamp_upper_limit)
 
     @property
+    def clamps_gate(self) -> bool:
+        """Whether the gate has a limit (``non_linear_*``)."""
+        return (self.non_linear_clamp_lower_limit, self.non_linear_clamp_upper_limit) != (
+            None, None
+        )
+
+    @property
+    def clamps_up(self) -> bool:
+        """Whether the up value has a limit (``linear_*``)."""
+        return (self.linear_clamp_lower_limit, self.linear_clamp_upper_limit) != (None, None)
+
+    @property
     def is_active(self) -> bool:
         return any(
             v is not None

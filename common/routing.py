@@ -47,6 +47,7 @@ __all__ = [
     "as_int",
     "assert_routing_async",
     "check_router_output",
+    "host_reads_free",
     "plan_routing",
     "presorted_routing",
     "routing_error_code",
@@ -192,7 +193,8 @@ class GroupedLayout:
         """Sum grouped rows [S, ...] back onto their tokens: [T, ...] (``num_tokens``, if given,
         must equal the layout's T).
 
-        Padding rows are dropped by a select, so NaN or garbage in them never reaches the result.
+        Padding rows are added into a dump row past the tokens, so NaN or garbage in them never
+        reaches the result.
         """
         T = self.num_tokens
         if num_tokens is not None and num_tokens != T:
@@ -205,18 +207,32 @@ class GroupedLayout:
                 f"layout has S={self.tokens_sum}"
             )
         valid = self.row_to_token_S >= 0
-        shape_tail = (1,) * (rows_S.dim() - 1)
-        clean = torch.where(valid.view(-1, *shape_tail), rows_S, rows_S.new_zeros(()))
         dest = torch.where(valid, self.row_to_token_S, torch.full_like(self.row_to_token_S, T))
         out = rows_S.new_zeros((T + 1,) + tuple(rows_S.shape[1:]))
-        out.index_add_(0, dest, clean)
+        out.index_add_(0, dest, rows_S)  # padding rows into the dump row T (no select pass)
         return out[:T]
 
 
+def host_reads_free(t: torch.Tensor) -> bool:
+    """True for a CPU tensor outside ``torch.compile`` tracing: reading its values on the host
+    costs no device synchronisation and a data-dependent shape is fine there."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _gather_masked(src: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """``out[s] = src[index[s]]``, rows where ``index[s] < 0`` exactly 0 (never read)."""
     tail = tuple(src.shape[1:])
     if src.shape[0] == 0 or n == 0:
         return src.new_zeros((n,) + tail)
+    if host_reads_free(index):
+        # A row gather (index_select copies whole rows), then only the padding rows zeroed:
+        # advanced indexing plus a select over every element took ~15x as long on the CPU
+        # (530 us against 36 us for [1152, 256] BF16 rows, one thread).
+        rows = src.index_select(0, index.clamp(min=0))
+        pad = torch.nonzero(index < 0).squeeze(1)
+        if pad.numel():
+            rows.index_fill_(0, pad, 0)
+        return rows
     valid = index >= 0
     rows = src[index.clamp(min=0)]
     return torch.where(valid.view(-1, *((1,) * len(tail))), rows, rows.new_zeros(()))

@@ -33,6 +33,7 @@ import torch
 
 from common.activation import activation_backward, activation_forward
 from common.problem import Activation, ClampLimits, MoEBackwardProblem, MoEGrads
+from common.routing import host_reads_free
 from common.shapes import static_tokens_sum
 
 __all__ = [
@@ -107,10 +108,11 @@ def cpu_threads(device: torch.device, rows: int, experts: int, hidden: int, inte
     """One intra-op thread for the body when ``device`` is the CPU and the expert GEMMs are
     small (:data:`SMALL_GEMM_MACS`); torch's setting otherwise, and restored afterwards.
 
-    Why: a small layer step is ~150 ops that each enter a parallel region of every intra-op
-    thread, and on a shared machine each region waits for its slowest, descheduled thread.
-    Measured 2026-12-03 on 2 loaded cores (T 512, H 256, I 128, E 8, top-2): 58-138 ms per
-    training step on one thread, 236-1500 ms on two. Large problems keep every thread."""
+    Why: without it a small layer step enters ~125 OpenMP parallel regions of every intra-op
+    thread (counted: GOMP_parallel calls, T 512, H 256, I 128, E 8, top-2, 2 threads; with it
+    none of two threads), and on a shared machine each region waits for its slowest,
+    descheduled thread. Measured 2026-12-03 on 2 loaded cores: 58-138 ms per training step on
+    one thread, 236-1500 ms on two. Large problems keep every thread."""
     n = torch.get_num_threads()
     small = rows * hidden * 2 * intermediate < SMALL_GEMM_MACS * max(experts, 1)
     if device.type != "cpu" or n == 1 or not small:
@@ -149,11 +151,19 @@ def gate_up_from_matrix(m_EHN: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return m_EHN.unflatten(2, (2, N // 2))
 
 
+def _real_rows(segments: list[tuple[int, int]], rows_E: torch.Tensor | None) -> list[int]:
+    """The rows of each group that hold data: the first ``rows_E[e]`` (all of it for None)."""
+    if rows_E is None:
+        return [t - s for s, t in segments]
+    return [max(0, min(n, t - s)) for n, (s, t) in zip(rows_E.tolist(), segments)]
+
+
 def grouped_mm_rows(
     x_SK: torch.Tensor,
     w_EKN: torch.Tensor,
     offsets_E: torch.Tensor,
     dtype: torch.dtype = torch.bfloat16,
+    rows_E: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows of expert e times that expert's matrix: ``out[s] = x_SK[s] @ w_EKN[e(s)]``.
 
@@ -162,6 +172,10 @@ def grouped_mm_rows(
         offsets_E: [E] int32 cumulative ends.
         dtype: operand dtype of the GEMM (BF16: fp32 accumulation, product rounded to BF16;
             fp32: fp32 throughout).
+        rows_E: optional [E] int, the rows at the start of each group that hold data (the
+            plan's ``tokens_per_expert_E``); the rest of each group is zero padding. The CPU
+            loop then multiplies only those rows and writes 0 to the padding rows (the same
+            values for zero padding rows, without their GEMM work); elsewhere it is not read.
     Returns:
         [S, N] fp32.
     """
@@ -170,23 +184,34 @@ def grouped_mm_rows(
     dt = dtype
     if fits_grouped_mm(dt, x_SK.device, K, N) and S % ALIGN == 0:
         return torch._grouped_mm(x_SK.to(dt), w_EKN.to(dt), offs=offsets_E).float()
-    out = torch.empty(S, N, dtype=dt, device=x_SK.device)  # each product rounded to dt
+    # each product rounded to dt; with rows_E the padding rows stay 0 (one fill, no GEMM)
+    out = (torch.empty if rows_E is None else torch.zeros)(S, N, dtype=dt, device=x_SK.device)
     segments = _segments(offsets_E)
     x_SK = _operands(x_SK, dt)
-    for e, (s, t) in enumerate(segments):
-        if t > s:  # (weights widened per expert: no fp32 copy of all of them at once)
-            out[s:t] = x_SK[s:t] @ _operands(w_EKN[e], dt)
-    out[segments[-1][1] if segments else 0 :].zero_()  # rows past the last offset
+    for e, ((s, _), m) in enumerate(zip(segments, _real_rows(segments, rows_E))):
+        if m:  # (weights widened per expert: no fp32 copy of all of them at once)
+            w = _operands(w_EKN[e], dt)
+            if w.dtype == dt:  # the product straight into its rows (no temporary)
+                torch.mm(x_SK[s : s + m], w, out=out[s : s + m])
+            else:
+                out[s : s + m] = x_SK[s : s + m] @ w
+    if rows_E is None:
+        out[segments[-1][1] if segments else 0 :].zero_()  # rows past the last offset
     return out.float()
 
 
 def grouped_wgrad_default(
-    a_HS: torch.Tensor, b_SI: torch.Tensor, offsets_E: torch.Tensor
+    a_HS: torch.Tensor,
+    b_SI: torch.Tensor,
+    offsets_E: torch.Tensor,
+    rows_E: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``Wgrad[e] = a_HS[:, begin:end] @ b_SI[begin:end]`` with fp32 accumulation, [E, H, I] fp32.
 
     ``torch._grouped_mm`` where shapes allow, else a per-expert loop; BF16 operands, output
-    rounded to BF16 then widened. Empty experts give zeros.
+    rounded to BF16 then widened. Empty experts give zeros. ``rows_E``: optional [E] int, the
+    rows at the start of each group that hold data, the rest zero padding rows of ``b_SI``
+    (:func:`grouped_mm_rows`): the loop leaves those zero terms out of the sums.
     """
     H, S = a_HS.shape
     I = b_SI.shape[1]
@@ -202,11 +227,14 @@ def grouped_wgrad_default(
         return out.float()
     out = torch.empty(E, H, I, dtype=dt, device=a_HS.device)  # each product rounded to BF16
     a_HS, b_SI = _operands(a_HS, dt), _operands(b_SI, dt)
-    for e, (s, t) in enumerate(_segments(offsets_E)):
-        if t > s:
-            out[e] = a_HS[:, s:t] @ b_SI[s:t]
-        else:
+    segments = _segments(offsets_E)
+    for e, ((s, _), m) in enumerate(zip(segments, _real_rows(segments, rows_E))):
+        if not m:
             out[e].zero_()  # an empty expert's gradient is exactly 0 (REFERENCE §7)
+        elif a_HS.dtype == dt:  # the product straight into its slice (no temporary)
+            torch.mm(a_HS[:, s : s + m], b_SI[s : s + m], out=out[e])
+        else:
+            out[e] = a_HS[:, s : s + m] @ b_SI[s : s + m]
     return out.float()
 
 
@@ -281,7 +309,8 @@ def moe_forward_torch(
     row_expert = _row_expert_S(layout, plan, E)
     x_S = layout.gather_rows(hidden_states_TH.to(cd)) if x_rows_S is None else x_rows_S
     w_gu, interleaved = gate_up_matrix(w_gate_up_EH2I.to(cd))
-    gu_S = gate_up_from_matrix(grouped_mm_rows(x_S, w_gu, offs, cd)[None], interleaved)[0]
+    rows_E = plan.tokens_per_expert_E  # the data rows of each group (the rest: zero padding)
+    gu_S = gate_up_from_matrix(grouped_mm_rows(x_S, w_gu, offs, cd, rows_E)[None], interleaved)[0]
     if b_gate_up_E2I is not None:
         gu_S = gu_S + b_gate_up_E2I.float()[row_expert]
     g = cl.clamp_gate(gu_S[:, 0])
@@ -293,7 +322,7 @@ def moe_forward_torch(
         return None, act[:R]
     alpha_S = layout.gather_pairs(plan.pair_affinity_R).float()[:, None]
     ah_S = (alpha_S * activation_forward(act_fn, g, u)).to(cd)
-    out_S = grouped_mm_rows(ah_S, w_down_EIH.to(cd), offs, cd)
+    out_S = grouped_mm_rows(ah_S, w_down_EIH.to(cd), offs, cd, rows_E)
     if b_down_EH is not None:
         out_S = out_S + alpha_S * b_down_EH.float()[row_expert]
     return layout.scatter_add_rows(out_S), act[:R]
@@ -451,7 +480,8 @@ def moe_backward_torch(
     x_TH, dy_TH = p.hidden_states_TH, p.output_grad_TH
     T, H = x_TH.shape
     E, _, _, I = p.w_gate_up_EH2I.shape
-    wgrad = grouped_wgrad or grouped_wgrad_default
+    rows_E = plan.tokens_per_expert_E  # the data rows of each group (the rest: zero padding)
+    wgrad = grouped_wgrad or functools.partial(grouped_wgrad_default, rows_E=rows_E)
     cd = compute_dtype
     dev = x_TH.device
     cl = p.clamp_limits or ClampLimits()
@@ -469,9 +499,16 @@ def moe_backward_torch(
     g, u = act_S[:, 0], act_S[:, 1]
 
     # 2. dh_raw = dY Wd^T
-    dh_raw = grouped_mm_rows(dy_S, p.w_down_EIH.to(cd).transpose(1, 2), offs)
-    # 3. activation backward (fp32; common.activation)
-    dg, du, h = activation_backward(act_fn, g, u, alpha_S * dh_raw, cl, valid=row_valid[:, None])
+    dh_raw = grouped_mm_rows(dy_S, p.w_down_EIH.to(cd).transpose(1, 2), offs, rows_E=rows_E)
+    # 3. activation backward (fp32; common.activation), padding rows 0: on the CPU by filling
+    # those rows alone (a select over every element cost as much as the activation there)
+    pad_S = torch.nonzero(~row_valid).squeeze(1) if host_reads_free(row_valid) else None
+    dg, du, h = activation_backward(
+        act_fn, g, u, alpha_S * dh_raw, cl, valid=row_valid[:, None] if pad_S is None else None
+    )
+    if pad_S is not None and pad_S.numel():
+        dg.index_fill_(0, pad_S, 0.0)
+        du.index_fill_(0, pad_S, 0.0)
     dA_S = (dh_raw * h).sum(-1)
     if p.b_down_EH is not None:
         dA_S = dA_S + (dy_S.float() * p.b_down_EH.float()[row_expert]).sum(-1)
@@ -481,7 +518,7 @@ def moe_backward_torch(
     dgu_S = dgu_S.reshape(-1, 2 * I)
 
     # 4. dX = [dg, du] [Wg, Wu]^T, scattered back to tokens
-    dX_S = grouped_mm_rows(dgu_S, w_gu.transpose(1, 2), offs)
+    dX_S = grouped_mm_rows(dgu_S, w_gu.transpose(1, 2), offs, rows_E=rows_E)
     dX = layout.scatter_add_rows(dX_S)
 
     # 5. weight gradients

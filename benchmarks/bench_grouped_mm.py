@@ -40,16 +40,15 @@ ulps of the reference's magnitude). ``--json PATH`` writes every number.
 
 Tiles (``--tiles``, comma-separated; each a compile per GEMM and shape): ``MxN`` with optional
 ``sS`` (pipeline stages; default: as many as shared memory holds), then ``:pingpong`` /
-``:cooperative`` (default cooperative; ``pp`` / ``coop`` too) and ``:c2`` for (2, 1) clusters with
-W multicast (``:2x1`` too), e.g. ``128x192:pingpong:c2``; the row names
-(``Sm90GroupedMmTile.variant_name``, e.g. ``128x192s5pp-c2``) parse back. ``default`` is the
+``:cooperative`` (default cooperative; ``pp`` / ``coop`` too), e.g. ``128x192:pingpong``; the row
+names (``Sm90GroupedMmTile.variant_name``, e.g. ``128x192s5pp``) parse back. ``default`` is the
 kernel's own choice; :data:`TILE_SETS` names sets (``mainloop``: the long-K / wide-N sweep of
 issue 33). With more than one tile, a summary table follows: per shape and GEMM, cuBLAS and each
 tile in ms (their time / cuBLAS's in brackets: > 1 is slower), the fastest marked.
 
 Usage: ``python benchmarks/bench_grouped_mm.py [--shapes qwen3-30b-a3b:16384,...] [--tokens T]
 [--shrink N] [--gemms gate_up,down,...] [--impls ours,grouped_mm,gather,dense]
-[--tiles default,128x192:pingpong,128x192:pingpong:c2 | mainloop] [--side-output] [--check]
+[--tiles default,128x192:pingpong | mainloop] [--side-output] [--check]
 [--json PATH]``. On the H200: ``bash benchmarks/grouped_mm_device_run.sh [args]``.
 """
 
@@ -95,21 +94,18 @@ BF16 = torch.bfloat16
 
 #: Named tile sets of ``--tiles``. ``mainloop`` (issue 33: mainloop parity with cuBLAS on long K
 #: / wide N): the shipped default (128x256 cooperative), 128x192 cooperative and pingpong (quack's
-#: Hopper default tile), each of those on (2, 1) clusters with W multicast (quack's default
-#: cluster), and 128x256 on clusters.
+#: Hopper default tile).
 TILE_SETS = {
-    "mainloop": ("default", "128x192:cooperative", "128x192:pingpong", "128x192:pingpong:c2",
-                 "128x192:cooperative:c2", "128x256:cooperative:c2"),
+    "mainloop": ("default", "128x192:cooperative", "128x192:pingpong"),
 }
 _MODES = {"pingpong": True, "pp": True, "cooperative": False, "coop": False}
-_CLUSTERS = {"c1": 1, "1x1": 1, "c2": 2, "2x1": 2}
 
 
 def parse_tile(spec: str) -> Sm90GroupedMmTile | None:
     """One ``--tiles`` item -> a tile (None for ``default``: the kernel's own choice).
 
-    ``MxN[sS][pp][-cC]`` (``Sm90GroupedMmTile.variant_name``: ``128x256s4``, ``128x192s5pp-c2``)
-    or ``MxN[sS]:pingpong|cooperative[:c2]`` (``128x192:pingpong:c2``); stages default to as
+    ``MxN[sS][pp]`` (``Sm90GroupedMmTile.variant_name``: ``128x256s4``, ``128x192s5pp``) or
+    ``MxN[sS]:pingpong|cooperative`` (``128x192:pingpong``); stages default to as
     many as shared memory holds (``SM90_TILES.stages_for``; the kernel lowers them further if
     its schedule tables need the room).
 
@@ -120,28 +116,23 @@ def parse_tile(spec: str) -> Sm90GroupedMmTile | None:
     if spec == "default":
         return None
     head, *opts = spec.split(":")
-    m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?(pp)?(?:-c(\d+))?", head)
+    m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?(pp)?", head)
     if not m:
         raise ValueError(
-            f"bad tile {spec!r} (want MxN[sS][pp][-cC] or MxN[sS]:pingpong|cooperative[:c2], "
-            "e.g. 128x192:pingpong:c2, or default)"
+            f"bad tile {spec!r} (want MxN[sS][pp] or MxN[sS]:pingpong|cooperative, "
+            "e.g. 128x192:pingpong, or default)"
         )
     tile_m, tile_n = int(m[1]), int(m[2])
-    pingpong, cluster_m = bool(m[4]), int(m[5] or 1)
+    pingpong = bool(m[4])
     for opt in opts:
-        if opt in _MODES:
-            pingpong = _MODES[opt]
-        elif opt in _CLUSTERS:
-            cluster_m = _CLUSTERS[opt]
-        else:
+        if opt not in _MODES:
             raise ValueError(
-                f"bad tile option {opt!r} in {spec!r} (want one of {sorted(_MODES)} or "
-                f"{sorted(_CLUSTERS)})"
+                f"bad tile option {opt!r} in {spec!r} (want one of {sorted(_MODES)})"
             )
+        pingpong = _MODES[opt]
     tile_k = SM90_TILES.tile_k[0]
     stages = int(m[3]) if m[3] else SM90_TILES.stages_for(tile_m, tile_n, tile_k)
-    return Sm90GroupedMmTile(tile_m, tile_n, tile_k, stages, pingpong=pingpong,
-                             cluster_m=cluster_m)
+    return Sm90GroupedMmTile(tile_m, tile_n, tile_k, stages, pingpong=pingpong)
 
 
 def parse_tiles(text: str) -> list:
@@ -496,7 +487,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument(
         "--tiles", default="",
-        help="tiles of ours: default (its choice), MxN[sS]:pingpong|cooperative[:c2], or a set "
+        help="tiles of ours: default (its choice), MxN[sS]:pingpong|cooperative, or a set "
              f"of {sorted(TILE_SETS)} (see the module docstring; default: its choice)",
     )
     ap.add_argument(

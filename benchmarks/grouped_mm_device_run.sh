@@ -7,8 +7,8 @@
 # shape: --shapes qwen3-30b-a3b:16384 --tiles 128x256s4,128x128s6pp,128x128s6
 # Needs .device/cute-dsl.tar.xz (CuTe DSL, unpacked under /tmp/site-packages as
 # moe_layer_device_run.sh does). Steps, each under `timeout` (about 8 minutes at most in all):
-#   1. smoke: one small gather case and one on (2, 1) clusters (a hang or a crash of the
-#      kernel shows here, in <= 90 s, and the later steps are skipped);
+#   1. smoke: one small gather case (a hang or a crash of the kernel shows here, in <= 75 s,
+#      and the later steps are skipped);
 #   2. the tests of tests/test_grouped_mm_sm90.py and tests/test_grouped_mm.py but the offline
 #      compiles (CI runs those), `-x -q`, in 4 processes of a quarter of the tests each (the
 #      compiles are single-threaded CPU work), <= 180 s (TESTS=0 skips them: a benchmark-only
@@ -31,9 +31,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu -
   >> "$OUT/env.log" 2>&1
 
 T=tests/test_grouped_mm_sm90.py
-timeout "${SMOKE_TIMEOUT:-90}" python3 -m pytest -x -q -p no:cacheprovider \
-  "$T::test_grid_matches_twin[uneven-128x256-gather]" \
-  "$T::test_grid_matches_twin[cluster-128x192pp-gather]" > "$OUT/smoke.log" 2>&1
+timeout "${SMOKE_TIMEOUT:-75}" python3 -m pytest -x -q -p no:cacheprovider \
+  "$T::test_grid_matches_twin[uneven-128x256-gather]" > "$OUT/smoke.log" 2>&1
 rc=$?
 echo "smoke rc=$rc"; tail -15 "$OUT/smoke.log"
 if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then

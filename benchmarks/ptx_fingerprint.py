@@ -16,7 +16,7 @@ epilogue / output mode x major x arch:
 - ``sm100_blockscaled``: mxfp8 / mxfp4 / nvfp4 x dtype x accumulate x mode;
 - varlen-M (grouped_mm) ``sm90``: store / gated / dgated x tiles (cooperative, pingpong, 64-row)
   x gather / TMA A x W major x index dtype x side output x gpt-oss activation / bias; the store
-  epilogue also with tile_n 192 and (2, 1) clusters (where the family has ``cluster_m``).
+  epilogue also with tile_n 192.
 
 CuTe DSL names a kernel's ``.entry`` symbol after the kernel object: its class's module path
 and qualname with the dots left out, then its arguments, cut at a fixed length
@@ -36,7 +36,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import importlib
 import itertools
@@ -163,19 +162,17 @@ def grouped_mm_sm90_keys():
         for gated, w_major, rows in [(G(), "k", False), (gpt_oss, "k", True), (G(), "n", False)]:
             yield m.Sm90GroupedMmKey(2880, 2880, 32, w_major=w_major, epilogue="dgated",
                                      gated=gated, write_a_rows=rows, tile=tile)
-    # tile_n 192 and (2, 1) clusters (the store epilogue; a pingpong 192 tile has no registers
-    # for the side output: skipped)
-    if "cluster_m" in {f.name for f in dataclasses.fields(T)}:
-        for tile in [T(128, 192, 64, 5), T(128, 192, 64, 5, True),
-                     T(128, 192, 64, 5, True, cluster_m=2), T(128, 256, 64, 4, cluster_m=2)]:
-            for gather, w_major, index, rows in [
-                (True, "n", "int64", False), (True, "k", "int32", True),
-                (False, "k", "int64", False), (True, "n", "int64", True),
-            ]:
-                if rows and tile.pingpong and tile.tile_n > 176:
-                    continue
-                yield m.Sm90GroupedMmKey(2880, 2048, 16, gather_a=gather, w_major=w_major,
-                                         index_dtype=index, write_a_rows=rows, tile=tile)
+    # tile_n 192 (the store epilogue; a pingpong 192 tile has no registers for the side
+    # output: skipped)
+    for tile in [T(128, 192, 64, 5), T(128, 192, 64, 5, True)]:
+        for gather, w_major, index, rows in [
+            (True, "n", "int64", False), (True, "k", "int32", True),
+            (False, "k", "int64", False), (True, "n", "int64", True),
+        ]:
+            if rows and tile.pingpong and tile.tile_n > 176:
+                continue
+            yield m.Sm90GroupedMmKey(2880, 2048, 16, gather_a=gather, w_major=w_major,
+                                     index_dtype=index, write_a_rows=rows, tile=tile)
     # partial K / N
     yield m.Sm90GroupedMmKey(2048, 1000, 16, index_dtype="int32", w_major="k", write_a_rows=True,
                              tile=T(128, 128, 64, 6, pingpong=True))

@@ -23,13 +23,11 @@ from cuda_kernels.grouped_mm import (
     grouped_mm_gather_torch,
 )
 from cuda_kernels.grouped_mm.api import grouped_mm_key
-from cuda_kernels.gemm.sm90 import grouped_mm as sm90_grouped_mm
 from cuda_kernels.gemm.sm90.grouped_mm import (
     GatedEpilogue,
     Sm90GroupedMmKey,
     Sm90GroupedMmTile,
     epilogue_tile_reason,
-    grid_ctas,
     load_grouped_mm_tile_rules,
     select_grouped_mm_tile,
     tile_schedule,
@@ -271,90 +269,30 @@ def test_tile_rules_file_as_shipped_and_its_errors(tmp_path, monkeypatch):
     assert select_grouped_mm_tile(1536, 2048, 128).tile_n == 256  # the shipped file again
 
 
-def test_tile_n_192_and_clusters_in_the_key():
-    """tile_n 192 (cooperative and pingpong: 96 / 192 fp32 accumulators per consumer thread) and
-    (2, 1) clusters for the store epilogue; the fused epilogues refuse what they cannot run."""
+def test_tile_n_192_in_the_key():
+    """tile_n 192 (cooperative and pingpong: 96 / 192 fp32 accumulators per consumer thread) for
+    the store and dgated epilogues; the gated epilogue and the side output refuse what they
+    cannot run."""
     T = Sm90GroupedMmTile
-    pp192 = T(128, 192, 64, 5, pingpong=True, cluster_m=2)
-    assert pp192.variant_name == "128x192s5pp-c2" and pp192.cluster_shape_mn == (2, 1)
-    assert pp192.unit_m == 256 and T(64, 128, 64, 8, cluster_m=2).unit_m == 128
-    assert T(128, 192, 64, 5).variant_name == "128x192s5" and T().cluster_m == 1
-    for bad in (0, 3, 4, True, 2.0):
-        with pytest.raises(ValueError, match="cluster_m must be one of"):
-            T(cluster_m=bad)
+    pp192 = T(128, 192, 64, 5, pingpong=True)
+    assert pp192.variant_name == "128x192s5pp" and T(128, 192, 64, 5).variant_name == "128x192s5"
     key = Sm90GroupedMmKey(3072, 4096, 128, tile=pp192)
-    assert (key.n_tiles, key.max_units(1000), key.max_tiles(1000)) == (16, 132 * 16, 264 * 16)
-    assert Sm90GroupedMmKey(3072, 4096, 128, tile=T(128, 192, 64, 5)).max_tiles(1000) == 136 * 16
-    assert key != Sm90GroupedMmKey(3072, 4096, 128, tile=T(128, 192, 64, 5, pingpong=True))
-    # the side output: clusters fine; a pingpong consumer keeps 216 registers, <= 176 accumulators
-    Sm90GroupedMmKey(3072, 4096, 128, tile=T(128, 192, 64, 5, cluster_m=2), write_a_rows=True)
+    assert (key.n_tiles, key.max_tiles(1000)) == (16, 136 * 16)
+    assert key != Sm90GroupedMmKey(3072, 4096, 128, tile=T(128, 192, 64, 5))
+    # the side output: a pingpong consumer keeps 216 registers, <= 176 accumulators
+    Sm90GroupedMmKey(3072, 4096, 128, tile=T(128, 192, 64, 5), write_a_rows=True)
     Sm90GroupedMmKey(3072, 4096, 128, tile=T(128, 176, 64, 5, True), write_a_rows=True)
     with pytest.raises(ValueError, match="at most 176 fp32 accumulators a thread, the tile "
-                                         "128x192s5pp-c2 has 192"):
+                                         "128x192s5pp has 192"):
         Sm90GroupedMmKey(3072, 4096, 128, tile=pp192, write_a_rows=True)
     Sm90GroupedMmKey(1536, 4096, 128, epilogue="dgated", gated=GatedEpilogue(),
                      tile=T(128, 192, 64, 5))
-    for epi in ("gated", "dgated"):
-        with pytest.raises(ValueError, match=f"the {epi} epilogue is built for cluster_m=1"):
-            Sm90GroupedMmKey(3072, 4096, 8, epilogue=epi, gated=GatedEpilogue(),
-                             tile=T(128, 256, 64, 4, cluster_m=2))
     with pytest.raises(ValueError, match="gated epilogue needs tile_n 128 or 256"):
         Sm90GroupedMmKey(3072, 4096, 8, epilogue="gated", gated=GatedEpilogue(),
                          tile=T(128, 192, 64, 5))
     assert epilogue_tile_reason("store", pp192) is None
+    assert epilogue_tile_reason("store", pp192, write_a_rows=True) is not None
     assert epilogue_tile_reason("dgated", T(128, 192, 64, 5)) is None
-
-
-def test_grid_is_whole_clusters_no_more_than_units(monkeypatch):
-    """One CTA per SM without clusters; with (2, 1) clusters twice the resident clusters (the
-    driver's count: an odd GPC leaves an SM idle), never more units than the rows have."""
-    monkeypatch.setattr(sm90_grouped_mm, "num_sms", lambda index: 132)
-    monkeypatch.setattr(sm90_grouped_mm, "resident_clusters", lambda index, ctas: 64)
-    T = Sm90GroupedMmTile
-    plain = Sm90GroupedMmKey(3072, 4096, 128, tile=T(128, 192, 64, 5, pingpong=True))
-    pair = Sm90GroupedMmKey(3072, 4096, 128, tile=T(128, 192, 64, 5, pingpong=True, cluster_m=2))
-    assert grid_ctas(plain, 100_000, 0) == 132
-    assert grid_ctas(pair, 100_000, 0) == 128
-    small = Sm90GroupedMmKey(192, 64, 1, tile=T(128, 192, 64, 5, cluster_m=2))
-    assert small.max_units(100) == 2 and grid_ctas(small, 100, 0) == 4
-    assert grid_ctas(Sm90GroupedMmKey(192, 64, 1, tile=T(128, 192, 64, 5)), 100, 0) == 2
-
-
-@pytest.mark.parametrize("tile", [Sm90GroupedMmTile(128, 192, 64, 5, True, cluster_m=2),
-                                  Sm90GroupedMmTile(64, 128, 64, 8, cluster_m=2)],
-                         ids=["128x192pp-c2", "64x128-c2"])
-@pytest.mark.parametrize("counts,extra_rows",
-                         [([130, 0, 16, 0, 0, 257, 300], 7), ([0, 0, 0], 48), ([1] * 5, 0)])
-def test_cluster_schedule_pairs_m_tiles_of_one_unit(tile, counts, extra_rows):
-    """(2, 1) clusters: ids 2u and 2u + 1 are M tiles 2m and 2m + 1 of one expert and N tile
-    (so the pair shares every W box), each output tile exactly once; the second tile of an
-    expert's last unit may hold no rows; static dealing over an even grid gives a cluster's
-    two CTAs the two tiles of the same units, in step."""
-    key = Sm90GroupedMmKey(400, 64, len(counts), tile=tile)  # partial N (400 = 2 x 192 + 16)
-    offsets = torch.tensor(counts).cumsum(0).tolist()
-    S = offsets[-1] + extra_rows
-    sched = tile_schedule(offsets, S, key)
-    assert len(sched) % 2 == 0 and len(sched) <= key.max_tiles(S)
-    covered = torch.zeros(S, key.n_tiles, dtype=torch.int64)
-    groups = expert_segments(torch.tensor(offsets), S)
-    groups.append((groups[-1][1], S))
-    for u in range(len(sched) // 2):
-        (g0, n0, r0, rows0), (g1, n1, r1, rows1) = sched[2 * u], sched[2 * u + 1]
-        assert (g0, n0) == (g1, n1) and r1 == r0 + tile.tile_m and rows0 > 0
-        assert rows1 == 0 or rows0 == tile.tile_m  # only a unit's second tile is ever empty
-        for g, n_idx, row0, rows in ((g0, n0, r0, rows0), (g1, n1, r1, rows1)):
-            assert 0 <= rows <= tile.tile_m and 0 <= n_idx < key.n_tiles
-            if rows:
-                begin, end = groups[g]
-                assert begin <= row0 and row0 + rows <= end
-                covered[row0 : row0 + rows, n_idx] += 1
-    assert (covered == 1).all()
-    for clusters in (1, 3, 66):  # CTA b = 2 c + rank takes ids b, b + grid, ...
-        grid = 2 * clusters
-        for c in range(clusters):
-            ids0 = list(range(2 * c, len(sched), grid))
-            ids1 = list(range(2 * c + 1, len(sched), grid))
-            assert [i // 2 for i in ids0] == [i // 2 for i in ids1]
 
 
 def test_tile_rules_per_shape_and_per_epilogue(tmp_path, monkeypatch):
@@ -374,7 +312,7 @@ def test_tile_rules_per_shape_and_per_epilogue(tmp_path, monkeypatch):
         use(
             "rules:\n"
             "  - {name: q235-gate-up, n: 3072, k: 4096, experts: 128, epilogue: store,\n"
-            "     config: {tile_m: 128, tile_n: 192, stages: 5, pingpong: true, cluster_m: 2}}\n"
+            "     config: {tile_m: 128, tile_n: 192, stages: 5, pingpong: true}}\n"
             "  - {name: mixtral, n: 28672, k: 4096, epilogue: [store, dgated],\n"
             "     config: {tile_m: 128, tile_n: 192, stages: 5}}\n"
             "  - {name: wide, min_n: 256, config: {tile_m: 128, tile_n: 256, stages: 4}}\n"
@@ -382,7 +320,7 @@ def test_tile_rules_per_shape_and_per_epilogue(tmp_path, monkeypatch):
             "  - {name: narrow, config: {tile_m: 128, tile_n: 128, stages: 6}}\n"
         )
         assert load_grouped_mm_tile_rules()[0][1]["epilogue"] == ("store",)
-        assert select_grouped_mm_tile(3072, 4096, 128) == T(128, 192, 64, 5, True, cluster_m=2)
+        assert select_grouped_mm_tile(3072, 4096, 128) == T(128, 192, 64, 5, True)
         assert select_grouped_mm_tile(3072, 4096, 128, "gated") == T(128, 256, 64, 4)
         # the side output cannot take the 128x192 pingpong tile: the next rule that holds
         assert select_grouped_mm_tile(3072, 4096, 128, write_a_rows=True) == T(128, 256, 64, 4)
@@ -398,14 +336,11 @@ def test_tile_rules_per_shape_and_per_epilogue(tmp_path, monkeypatch):
         for text, word in [
             ("{name: a, epilogue: gated, config: {tile_m: 128, tile_n: 192}}",
              "rule 'a': the gated epilogue needs tile_n 128 or 256"),
-            ("{name: b, epilogue: dgated, config: {tile_m: 128, tile_n: 128, cluster_m: 2}}",
-             "rule 'b': the dgated epilogue is built for cluster_m=1"),
             ("{name: c, epilogue: relu, config: {tile_m: 128, tile_n: 128}}",
              "rule 'c' has epilogue 'relu'"),
             ("{name: d, n: 0, config: {tile_m: 128, tile_n: 128}}", "rule 'd' has n: 0"),
             ("{name: e, experts: '8', config: {tile_m: 128, tile_n: 128}}",
              "rule 'e' has experts: '8'"),
-            ("{name: f, config: {tile_m: 128, tile_n: 128, cluster_m: 4}}", "cluster_m"),
         ]:
             use(f"rules:\n  - {text}\n")
             with pytest.raises(RuntimeError, match=word):
@@ -433,25 +368,25 @@ def test_bench_tiles_parse_and_summary():
     sys.modules.setdefault("bench_grouped_mm", bench)
     spec.loader.exec_module(bench)
     T = Sm90GroupedMmTile
-    assert bench.parse_tile("128x192:pingpong:c2") == T(128, 192, 64, 5, True, cluster_m=2)
+    assert bench.parse_tile("128x192:pingpong") == T(128, 192, 64, 5, True)
     assert bench.parse_tile("128x256:cooperative") == T(128, 256, 64, 4)
     assert bench.parse_tile("128x128s6:pp") == T(128, 128, 64, 6, True)
     assert bench.parse_tile("default") is None
-    for t in (T(128, 192, 64, 5, True, cluster_m=2), T(128, 256, 64, 4), T(64, 256, 64, 5, True)):
+    for t in (T(128, 192, 64, 5, True), T(128, 256, 64, 4), T(64, 256, 64, 5, True)):
         assert bench.parse_tile(t.variant_name) == t
-    for bad in ("128x192:fast", "128by192", "128x192:c3", "96x128"):
+    for bad in ("128x192:fast", "128by192", "128x192:c2", "128x192s5pp-c2", "96x128"):
         with pytest.raises(ValueError):
             bench.parse_tile(bad)
-    tiles = bench.parse_tiles("mainloop,128x192:pingpong:c2")
-    assert tiles[0] is None and len(tiles) == len(bench.TILE_SETS["mainloop"])
-    assert T(128, 192, 64, 5, True, cluster_m=2) in tiles and bench.parse_tiles("") == [None]
+    tiles = bench.parse_tiles("mainloop,128x192:pingpong")
+    assert tiles == [None, T(128, 192, 64, 5), T(128, 192, 64, 5, True)]
+    assert bench.parse_tiles("") == [None]
     rows = [
         {"shape": "s", "gemm": "gate_up", "impl": "grouped_mm", "ms": 2.0},
         {"shape": "s", "gemm": "gate_up", "impl": "ours", "ms": 2.2, "tile": "128x256s4"},
-        {"shape": "s", "gemm": "gate_up", "impl": "ours 128x192s5pp-c2", "ms": 1.9},
+        {"shape": "s", "gemm": "gate_up", "impl": "ours 128x192s5pp", "ms": 1.9},
     ]
-    lines = bench.summary_table(rows, [None, T(128, 192, 64, 5, True, cluster_m=2)])
-    assert "128x192s5pp-c2" in lines[0] and len(lines) == 3
+    lines = bench.summary_table(rows, [None, T(128, 192, 64, 5, True)])
+    assert "128x192s5pp" in lines[0] and len(lines) == 3
     assert "2.200 (1.100) 128x256s4" in lines[2] and "**1.900 (0.950)**" in lines[2]
     assert lines[2].endswith("| 0.950 |")
 

@@ -5,19 +5,17 @@ an N-major W; A by TMA with a K-major W on the pingpong schedule; gather-A with 
 64-row tiles and partial N tiles), their PTX checked for the instructions the design rests on,
 and assembled by ptxas when one that knows the PTX ISA is installed (no spills); the same for
 ``write_a_rows`` keys (the gathered-rows side output) of the three epilogues, cooperative and
-pingpong, whose barrier instructions must be those of the key without it; tile_n 192 and (2, 1)
-clusters (W by multicast TMA, remote empty-barrier arrivals, the cluster barriers).
+pingpong, whose barrier instructions must be those of the key without it; tile_n 192.
 
 GPU part (``gpu`` + ``sm90`` markers, skipped without an SM90 device and CuTe DSL): the kernel
 against the torch twin (fp32 accumulation, one BF16 rounding) over a grid of splits (uneven with
 empty experts, one hot expert, every expert empty, rows past the last offset, T not a tile
 multiple), the model shapes' N / K (qwen3-30b-a3b and mixtral-8x7b gate/up and down), both W
-majors, both index dtypes, the three tile schedules, tile_n 192 and (2, 1) clusters with W
-multicast (odd M-tile counts: empty second tiles); outputs poisoned with NaN before each launch;
-NaN planted in the gathered source's rows that no index refers to (a padding row that were read
-would show: the kernel has no select); bitwise determinism over two launches; A in row order by
-TMA; a row-strided A; CUDA-graph replay with new offsets; no recompile for a new split; the
-gathered-rows side output (``a_rows_out``, store / gated / dgated, cooperative / pingpong /
+majors, both index dtypes, the three tile schedules, tile_n 192; outputs poisoned with NaN before
+each launch; NaN planted in the gathered source's rows that no index refers to (a padding row that
+were read would show: the kernel has no select); bitwise determinism over two launches; A in row
+order by TMA; a row-strided A; CUDA-graph replay with new offsets; no recompile for a new split;
+the gathered-rows side output (``a_rows_out``, store / gated / dgated, cooperative / pingpong /
 64-row tiles) bitwise equal to ``gather_rows`` on every row (NaN-poisoned before) and the main
 outputs bitwise those of the call without it.
 """
@@ -75,9 +73,6 @@ _T = Sm90GroupedMmTile
 _ROWS_PTX = ["cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
              r"cp.async.wait_group\s+[1-9]\d*;", "ld.shared.v4.b32", "st.global.v4.b32",
              "ld.global.v4.b32"]
-_CLUSTER_PTX = ["cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                ".multicast::cluster", "mapa.shared::cluster", "mbarrier.arrive.shared::cluster",
-                "barrier.cluster.arrive.relaxed", "barrier.cluster.wait", "%cluster_ctarank"]
 _OFFLINE = [
     # (id, key, PTX that must appear, PTX that must not)
     ("gather-n-major-128x256",
@@ -85,7 +80,7 @@ _OFFLINE = [
      ["cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "fence.proxy.async",
       "cp.async.bulk.tensor.3d", "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
       r"setmaxnreg.dec.sync.aligned.u32\s+56;"],
-     ["cp.async.bulk.tensor.2d", "multicast::cluster", "barrier.cluster", "mapa"]),
+     ["cp.async.bulk.tensor.2d"]),
     ("tma-a-k-major-pingpong",
      Sm90GroupedMmKey(2048, 768, 128, gather_a=False, w_major="k",
                       tile=_T(128, 128, 64, 6, pingpong=True)),
@@ -147,30 +142,14 @@ _OFFLINE = [
     ("gather-coop-128x192",
      Sm90GroupedMmKey(1536, 4096, 128, tile=_T(128, 192, 64, 5)),
      ["wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16", "cp.async.mbarrier.arrive.noinc"],
-     ["multicast::cluster"]),
+     []),
     ("gather-pingpong-128x192",
      Sm90GroupedMmKey(3072, 4096, 128, tile=_T(128, 192, 64, 5, True)),
      ["wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16", "bar.sync"],
-     ["multicast::cluster"]),
-    # (2, 1) clusters: W by multicast TMA, consumer releases arriving on both CTAs' empty
-    # barriers (mapa + remote arrive), the cluster barrier at the start and before exit
-    ("gather-pingpong-128x192-cluster",
-     Sm90GroupedMmKey(3072, 4096, 128, tile=_T(128, 192, 64, 5, True, cluster_m=2)),
-     _CLUSTER_PTX + ["wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16",
-                     "cp.async.mbarrier.arrive.noinc", "bar.sync"], []),
-    ("gather-coop-128x256-cluster",
-     Sm90GroupedMmKey(3072, 4096, 128, tile=_T(128, 256, 64, 4, cluster_m=2)),
-     _CLUSTER_PTX + [r"setmaxnreg.dec.sync.aligned.u32\s+64;"], []),
-    ("tma-a-k-major-coop-cluster",
-     Sm90GroupedMmKey(4096, 1536, 128, gather_a=False, w_major="k",
-                      tile=_T(128, 256, 64, 4, cluster_m=2)),
-     _CLUSTER_PTX + ["cp.async.bulk.tensor.2d"], ["cp.async.cg.shared.global"]),
-    ("gather-int32-64row-partial-n-cluster",
-     Sm90GroupedMmKey(2880, 2880, 16, index_dtype="int32", tile=_T(64, 192, 64, 6, cluster_m=2)),
-     _CLUSTER_PTX, []),
-    ("rows-gather-coop-128x192-cluster",
-     Sm90GroupedMmKey(3072, 4096, 128, tile=_T(128, 192, 64, 5, cluster_m=2), write_a_rows=True),
-     _CLUSTER_PTX + _ROWS_PTX, []),
+     []),
+    ("rows-gather-coop-128x192",
+     Sm90GroupedMmKey(3072, 4096, 128, tile=_T(128, 192, 64, 5), write_a_rows=True),
+     _ROWS_PTX, []),
     ("rows-dgated-gpt-oss-pingpong",
      Sm90GroupedMmKey(2880, 2880, 32, w_major="k", epilogue="dgated",
                       gated=GatedEpilogue(1.702, 1.0, None, 7.0, -7.0, 7.0),
@@ -301,26 +280,12 @@ _GRID = [
     ("mixtral-gate-up", 96, 4096, 28672, 8, 2, None, "n", torch.int64, None),
     ("mixtral-down", 96, 14336, 4096, 8, 2, None, "n", torch.int64, None),
     ("gpt-oss-gate-up", 128, 2880, 5760, 32, 4, None, "n", torch.int64, None),
-    # tile_n 192 and (2, 1) clusters (W multicast; experts with odd M-tile counts leave the
-    # second CTA of their last unit an empty tile; one-hot: one long expert, many short ones)
+    # tile_n 192 (quack's Hopper tile)
     ("uneven-128x192pp", 300, 256, 384, 8, 2, _T(128, 192, 64, 5, True), "n", torch.int64, None),
-    ("cluster-128x192pp", 300, 256, 384, 8, 2, _T(128, 192, 64, 5, True, cluster_m=2), "n",
-     torch.int64, None),
-    ("cluster-128x256-k-major", 300, 192, 512, 6, 2, _T(128, 256, 64, 4, cluster_m=2), "k",
-     torch.int32, None),
-    ("cluster-64-row-tiles", 77, 128, 128, 5, 3, _T(64, 128, 64, 8, cluster_m=2), "n",
-     torch.int64, None),
-    ("cluster-partial-n-and-k", 130, 200, 200, 4, 2, _T(128, 192, 64, 5, cluster_m=2), "n",
-     torch.int64, None),
-    ("cluster-one-hot-expert", 1000, 128, 384, 16, 2, _T(128, 192, 64, 5, True, cluster_m=2),
-     "n", torch.int64, 5),
-    ("cluster-qwen3-235b-gate-up", 256, 4096, 3072, 128, 8,
-     _T(128, 192, 64, 5, True, cluster_m=2), "n", torch.int64, None),
 ]
 
 
-_ROWS_CASES = ("uneven-128x256", "pingpong-k-major", "partial-n-and-k", "qwen3-down",
-               "cluster-128x192pp", "cluster-128x256-k-major")
+_ROWS_CASES = ("uneven-128x256", "pingpong-k-major", "partial-n-and-k", "qwen3-down")
 _GRID_RUNS = [(c, True) for c in _GRID] + [(c, False) for c in _GRID if c[0] in _ROWS_CASES]
 
 
@@ -379,10 +344,6 @@ def _splits_case(counts, extra, K=128, N=256):
     return a, w, offsets.cuda(), idx
 
 
-_CLUSTER_TILE = _T(128, 192, 64, 5, True, cluster_m=2)
-
-
-@pytest.mark.parametrize("tile", [None, _CLUSTER_TILE], ids=["default", "cluster"])
 @pytest.mark.parametrize(
     "counts,extra",
     [([0] * 8, 64), ([0] * 8, 0), ([3, 0, 1, 200, 0, 0, 0, 0], 0), ([0] * 5 + [0, 0, 129], 33),
@@ -390,17 +351,16 @@ _CLUSTER_TILE = _T(128, 192, 64, 5, True, cluster_m=2)
     ids=["all-empty", "nothing", "tiny-and-empty", "past-last-offset", "one-row-experts"],
 )
 @gpu
-def test_splits_off_the_16_row_grid(counts, extra, tile):
+def test_splits_off_the_16_row_grid(counts, extra):
     """Any row count per expert (the kernel does not need the layout's 16-row alignment), empty
-    experts, rows past the last offset (zeros); with (2, 1) clusters too (one-row experts: every
-    unit's second tile empty)."""
+    experts, rows past the last offset (zeros)."""
     a, w, offsets, idx = _splits_case(counts, extra)
     S = idx.shape[0]
     if S == 0:
         out = torch.empty(0, w.shape[2], dtype=BF16, device="cuda")
-        assert grouped_mm_gather(a, w, offsets, idx, out, backend="sm90", tile=tile) is out
+        assert grouped_mm_gather(a, w, offsets, idx, out, backend="sm90") is out
         return
-    out = _run(a, w, offsets, idx, tile)
+    out = _run(a, w, offsets, idx)
     ref = grouped_mm_gather_torch(a, w, offsets, idx)
     _check_close(out, ref)
     last = int(offsets[-1])
@@ -408,20 +368,19 @@ def test_splits_off_the_16_row_grid(counts, extra, tile):
 
 
 @gpu
-@pytest.mark.parametrize("tile", [None, _CLUSTER_TILE], ids=["default", "cluster"])
-def test_bitwise_deterministic_and_no_recompile_for_new_splits(tile):
+def test_bitwise_deterministic_and_no_recompile_for_new_splits():
     gen = torch.Generator().manual_seed(5)
     T, K, N, E = 400, 512, 768, 16
     layout = _routing(T, E, 4, gen)
     a, w = _operands(T, K, N, E, gen)
     idx, offsets = layout.row_to_token_S.cuda(), layout.offsets_E.cuda()
-    out1 = _run(a, w, offsets, idx, tile)
+    out1 = _run(a, w, offsets, idx)
     before = sm90.FAMILY.compile_count
-    out2 = _run(a, w, offsets, idx, tile)
+    out2 = _run(a, w, offsets, idx)
     assert torch.equal(out1, out2)
     layout2 = _routing(T + 37, E, 4, gen, hot=3)
     a2, _ = _operands(T + 37, K, N, E, gen)
-    out3 = _run(a2, w, layout2.offsets_E.cuda(), layout2.row_to_token_S.cuda(), tile)
+    out3 = _run(a2, w, layout2.offsets_E.cuda(), layout2.row_to_token_S.cuda())
     _check_close(out3, grouped_mm_gather_torch(a2, w, layout2.offsets_E.cuda(),
                                                layout2.row_to_token_S.cuda()))
     assert sm90.FAMILY.compile_count == before, "a new split / token count recompiled"
@@ -442,8 +401,7 @@ def test_row_strided_source_and_rows_mode():
 
 
 @gpu
-@pytest.mark.parametrize("tile", [None, _CLUSTER_TILE], ids=["default", "cluster"])
-def test_cuda_graph_replay_with_new_offsets(tile):
+def test_cuda_graph_replay_with_new_offsets():
     gen = torch.Generator().manual_seed(7)
     T, K, N, E = 300, 256, 512, 8
     l1 = _routing(T, E, 2, gen)
@@ -458,13 +416,12 @@ def test_cuda_graph_replay_with_new_offsets(tile):
 
     idx, offsets = padded(l1)
     out = torch.full((S, N), float("nan"), dtype=BF16, device="cuda")
-    # compile outside the capture
-    grouped_mm_gather(a, w, offsets, idx, out, backend="sm90", tile=tile)
+    grouped_mm_gather(a, w, offsets, idx, out, backend="sm90")  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        grouped_mm_gather(a, w, offsets, idx, out, backend="sm90", tile=tile)
+        grouped_mm_gather(a, w, offsets, idx, out, backend="sm90")
     torch.cuda.synchronize()
     for layout in (l1, l2):
         i2, o2 = padded(layout)
@@ -756,8 +713,8 @@ _ROWS_GRID = [
      _T(128, 128, 64, 6, True), "k", torch.int32, None),
     ("store-64row-one-k-tile", "store", 77, 64, 128, 5, 3, None, 3,
      _T(64, 128, 64, 8), "n", torch.int64, None),
-    ("store-cluster-coop-192-hot-past-last", "store", 400, 256, 384, 8, 2, 3, 40,
-     _T(128, 192, 64, 5, cluster_m=2), "n", torch.int64, None),
+    ("store-coop-192-hot-past-last", "store", 400, 256, 384, 8, 2, 3, 40,
+     _T(128, 192, 64, 5), "n", torch.int64, None),
     ("gated-swiglu-coop-wrapper", "gated", 300, 256, 384, 8, 2, None, 20,
      _T(128, 256, 64, 4), "n", torch.int64, "swiglu"),
     # (top_k 1: a hot expert merges no duplicate pairs, so R = T <= S)

@@ -382,8 +382,7 @@ def grouped_mm_gated(
         bias: optional [E, 2, I] or [E, 2I] float gate/up bias (used in fp32).
         act_out, ah_out: optional contiguous torch.bfloat16 outputs [R, 2, I] and [S, I]
             (else allocated); every element of both is written.
-        backend, tile: as :func:`grouped_mm_gather` (tile_n 128 or 256: gate + up columns;
-            cluster_m 1).
+        backend, tile: as :func:`grouped_mm_gather` (tile_n 128 or 256: gate + up columns).
         a_rows_out: optional [S, H] torch.bfloat16 side output of the gathered rows, as
             :func:`grouped_mm_gather`'s (every row: ``gather_rows(a, row_index)`` bitwise; only
             with a ``row_index``): the layer's ``x_S`` for the backward's weight gradients.
@@ -548,7 +547,7 @@ def grouped_mm_dgated(
         pair_affinity_R: [R] float pair affinities (used in fp32).
         act_R2I: [R, 2, I] torch.bfloat16 checkpoint (contiguous), the forward's clamped g, u.
         activation, clamp_limits: the forward's (``common.problem.Activation``, ``ClampLimits``).
-        backend, tile: as :func:`grouped_mm_gather` (cluster_m 1).
+        backend, tile: as :func:`grouped_mm_gather`.
         a_rows_out: optional [S, H] torch.bfloat16 side output of the gathered dY rows, as
             :func:`grouped_mm_gather`'s (every row: ``gather_rows(a, row_index)`` bitwise; only
             with a ``row_index``): the layer's ``dy_S`` for the backward's weight gradients.

@@ -145,14 +145,13 @@ def kernel_base() -> type:
             self.group_threads = 128 * self.wgs_per_group
 
         @staticmethod
-        def stage_tma_partition(tma_atom, sX, gX, cta_rank=0, mcast_ctas: int = 1):
-            """(smem, gmem) TMA partitions of staged tiles ``sX`` and global tiles ``gX``: one
-            CTA's whole box, or (``mcast_ctas`` > 1, a multicast atom) the slice CTA
-            ``cta_rank`` of the ``mcast_ctas`` sharing the box loads for all of them."""
+        def stage_tma_partition(tma_atom, sX, gX):
+            """(smem, gmem) TMA partitions of staged tiles ``sX`` and global tiles ``gX`` (one
+            CTA, no multicast)."""
             return cute.nvgpu.cpasync.tma_partition(
                 tma_atom,
-                cta_rank,
-                cute.make_layout(mcast_ctas),
+                0,
+                cute.make_layout(1),
                 cute.group_modes(sX, 0, 2),
                 cute.group_modes(gX, 0, 2),
             )
@@ -181,19 +180,9 @@ def kernel_base() -> type:
             )
             return tiled_mma, a_smem_staged, b_smem_staged
 
-        def make_tma_load(self, mX, smem_staged, rows: int, mcast_ctas: int = 1):
+        def make_tma_load(self, mX, smem_staged, rows: int):
             """Host side: the TMA load atom and tensor of ``mX`` into one stage of
-            ``smem_staged``, ``(rows, tile_k)`` boxes; ``mcast_ctas`` > 1: a multicast atom,
-            each of that many CTAs loading a slice of the box into all of them. Returns
-            (tma_atom, tma_tensor)."""
-            if mcast_ctas > 1:
-                return cute.nvgpu.cpasync.make_tiled_tma_atom(
-                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(),
-                    mX,
-                    cute.slice_(smem_staged, (None, None, 0)),
-                    (rows, self.tile_k),
-                    num_multicast=mcast_ctas,
-                )
+            ``smem_staged``, ``(rows, tile_k)`` boxes. Returns (tma_atom, tma_tensor)."""
             return cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
                 mX,
@@ -236,19 +225,17 @@ def kernel_base() -> type:
                     ).arrive()
 
         def launch_persistent(
-            self, kernel, num_ctas, stream, ctas_per_sm: int = 1, smem_carveout=None,
-            cluster_m: int = 1,
+            self, kernel, num_ctas, stream, ctas_per_sm: int = 1, smem_carveout=None
         ) -> None:
             """Launch ``kernel`` (a ``@cute.kernel`` called on its arguments) as the persistent
-            grid: ``num_ctas`` CTAs of ``threads`` threads, in (``cluster_m``, 1) clusters
-            (``num_ctas`` a multiple of it; 1: no cluster), the dynamic shared memory of
-            ``shared_storage``, at least ``ctas_per_sm`` CTAs resident per SM
+            grid: ``num_ctas`` CTAs of ``threads`` threads, no cluster, the dynamic shared
+            memory of ``shared_storage``, at least ``ctas_per_sm`` CTAs resident per SM
             (``smem_carveout``: the preferred shared-memory carveout in percent, None: the
             driver's choice), on ``stream``."""
             kernel.launch(
                 grid=[num_ctas, 1, 1],
                 block=[self.threads, 1, 1],
-                cluster=[cluster_m, 1, 1] if cluster_m > 1 else None,
+                cluster=None,
                 smem=self.shared_storage.size_in_bytes(),
                 min_blocks_per_mp=ctas_per_sm,
                 preferred_smem_carveout=smem_carveout,

@@ -19,18 +19,6 @@ the persistent launch):
   tiles ``b, b + grid, b + 2 grid, ...`` (no tile counter, no memset before the launch). A tile id
   is mapped to (expert, M tile, N tile) by a binary search over the first tile ids; inside an
   expert M tiles run fastest (the consecutive tiles in flight share one column block of W[e]);
-- (2, 1) clusters (``tile.cluster_m = 2``, the ``"store"`` epilogue): the schedule counts units
-  of two M tiles (``unit_m = 2 tile_m`` rows); tile id ``2 u + r`` is M tile ``r`` of unit
-  ``u`` and CTA ``b`` (cluster rank ``b % 2``) still takes ids ``b, b + grid, ...``, so the two
-  CTAs of a cluster walk the same units in step, same expert, same N tile, same K tiles: each
-  loads half of every W box and multicasts it into both CTAs' stage (the full barrier of each
-  counts the whole box), and every consumer warp frees a stage in both CTAs (a CTA refills a
-  stage of its partner). Easy to get wrong: an expert with an odd number of M tiles gives the
-  second CTA of its last unit a tile with no rows (``rows <= 0``): it must still take every
-  stage, load its W half, run the mainloop on zero-filled A rows and store nothing, or its
-  partner waits forever; and neither CTA may exit while the other can still write into its
-  shared memory or arrive on its barriers (a cluster barrier at the end). The grid is whole
-  clusters, as many as can be resident at once (``launch.resident_clusters``);
 - warp group 0 produces the (A, W) stages of a ``stages``-deep shared-memory ring:
   * ``gather_a``: its 128 threads copy A's rows through the index with ``cp.async`` (16-byte
     chunks, 8 threads per 128-byte row of a 64-wide K tile, into the 128-byte-swizzled layout
@@ -101,16 +89,15 @@ the persistent launch):
 
 Run on the H200 (``tests/test_grouped_mm_sm90.py``: the correctness grid against the torch twin
 and graph replay; compute-sanitizer through ``benchmarks/grouped_mm_device_run.sh``; speed:
-``benchmarks/bench_grouped_mm.py``, ``--tiles mainloop`` for the tile / cluster sweep). The tile
-comes from ``configs/cuda/sm90_grouped_mm_tiles.yaml`` (:func:`select_grouped_mm_tile`: general
-rules and per-shape ones, by epilogue; one measured rule for every shape so far).
+``benchmarks/bench_grouped_mm.py``, ``--tiles mainloop`` for the tile sweep). The tile comes
+from ``configs/cuda/sm90_grouped_mm_tiles.yaml`` (:func:`select_grouped_mm_tile`: general rules
+and per-shape ones, by epilogue; one measured rule for every shape so far).
 
-Public names: :class:`Sm90GroupedMmTile`, :data:`CLUSTER_M`, :class:`GatedEpilogue`,
-:class:`Sm90GroupedMmKey`, :func:`epilogue_tile_reason`, :func:`select_grouped_mm_tile`
-(:func:`load_grouped_mm_tile_rules`), :func:`tile_schedule` (the schedule in Python),
-:func:`grid_ctas`, :func:`fake_operands`, :func:`compile_grouped_mm` (cached;
-``FAMILY.compile_count`` counts real compiles) and :func:`compile_grouped_mm_offline` (PTX text
-for ``sm_90a`` without a GPU). CuTe DSL is imported only inside the compile functions.
+Public names: :class:`Sm90GroupedMmTile`, :class:`GatedEpilogue`, :class:`Sm90GroupedMmKey`,
+:func:`epilogue_tile_reason`, :func:`select_grouped_mm_tile` (:func:`load_grouped_mm_tile_rules`),
+:func:`tile_schedule` (the schedule in Python), :func:`fake_operands`, :func:`compile_grouped_mm`
+(cached; ``FAMILY.compile_count`` counts real compiles) and :func:`compile_grouped_mm_offline`
+(PTX text for ``sm_90a`` without a GPU). CuTe DSL is imported only inside the compile functions.
 """
 
 
@@ -119,13 +106,12 @@ import functools
 import math
 from typing import Any
 
-from ..launch import KernelFamily, num_sms, resident_clusters
+from ..launch import KernelFamily, num_sms
 from ..tiles import SM90_TILES
 from .common import Sm90Tiling, kernel_base
 from .grouped_mm_epilogues import epilogue_mixins
 
 __all__ = [
-    "CLUSTER_M",
     "EPILOGUES",
     "FAMILY",
     "GatedEpilogue",
@@ -135,7 +121,6 @@ __all__ = [
     "compile_grouped_mm_offline",
     "epilogue_tile_reason",
     "fake_operands",
-    "grid_ctas",
     "load_grouped_mm_tile_rules",
     "select_grouped_mm_tile",
     "tile_schedule",
@@ -151,57 +136,24 @@ _SMEM_BYTES = SM90_TILES.smem_bytes  # usable dynamic shared memory per CTA on H
 _INDEX_DTYPES = ("int64", "int32")
 
 
-#: CTAs along M of a cluster the kernel runs: 1 (no cluster) or 2 ((2, 1) clusters, W multicast).
-CLUSTER_M = (1, 2)
-
-
 @dataclasses.dataclass(frozen=True)
 class Sm90GroupedMmTile(Sm90Tiling):
     """One CTA tile of the SM90 varlen-M grouped GEMM: the fields of the wgrad kernel's tiles
     (``gemm.sm90.common.Sm90Tiling``: ``tile_m``, ``tile_n``, ``tile_k`` = K per stage,
     ``stages`` of the (A, W) ring, lowered to what fits, and ``pingpong``), its name
-    (``variant_name``), stage bytes and consumer structure, and its cluster.
-
-    Attributes:
-        cluster_m: 1, or 2 for (2, 1) clusters: the two CTAs of a cluster take the same expert
-            and N tile and two consecutive M tiles of it, and each loads half of every W box by
-            TMA multicast into both (W is read once per pair of M tiles). An expert with an
-            odd number of M tiles leaves the second CTA of its last pair a tile with no rows
-            (it runs the mainloop in step with its partner and stores nothing). The ``"store"``
-            epilogue only (the fused ones are not built for it).
+    (``variant_name``), stage bytes and consumer structure.
 
     Raises:
         ValueError: a field outside the ranges of ``Sm90Tiling``, stages that overflow shared
-            memory, a ``pingpong`` that is not a bool, or a ``cluster_m`` outside
-            :data:`CLUSTER_M`.
+            memory, or a ``pingpong`` that is not a bool.
     """
-
-    cluster_m: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the tile fields (gemm.tiles.SM90_TILES)
-        cls = type(self).__name__
         if not isinstance(self.pingpong, bool):
-            raise ValueError(f"{cls}.pingpong must be a bool, got {self.pingpong!r}")
-        cm = self.cluster_m
-        if not isinstance(cm, int) or isinstance(cm, bool) or cm not in CLUSTER_M:
-            raise ValueError(f"{cls}.cluster_m must be one of {CLUSTER_M}, got {self.cluster_m!r}")
-
-    @property
-    def variant_name(self) -> str:
-        """Short name (benchmark rows): ``<tile_m>x<tile_n>s<stages>[pp][-c2]``."""
-        name = super().variant_name
-        return name + (f"-c{self.cluster_m}" if self.cluster_m > 1 else "")
-
-    @property
-    def cluster_shape_mn(self) -> tuple[int, int]:
-        """The CTA cluster: (1, 1), or (2, 1) with ``cluster_m=2``."""
-        return (self.cluster_m, 1)
-
-    @property
-    def unit_m(self) -> int:
-        """Output rows of one schedule unit: the M tiles of one cluster, ``tile_m * cluster_m``."""
-        return self.tile_m * self.cluster_m
+            raise ValueError(
+                f"{type(self).__name__}.pingpong must be a bool, got {self.pingpong!r}"
+            )
 
 
 #: Most fp32 accumulators per consumer thread of a pingpong tile with the gathered-rows side
@@ -215,17 +167,14 @@ def epilogue_tile_reason(
 ) -> str | None:
     """Why ``epilogue`` (one of :data:`EPILOGUES`), with the gathered-rows side output when
     ``write_a_rows``, cannot run with ``tile``, or None: the ``"gated"`` epilogue needs tile_n
-    128 or 256 (two accumulators of 64 or 128 columns); the fused ones (``"gated"``,
-    ``"dgated"``) are built without clusters; the side output leaves a pingpong tile's
-    consumers room for at most 176 accumulators a thread (tile_n <= 176 with tile_m 128)."""
+    128 or 256 (two accumulators of 64 or 128 columns); the side output leaves a pingpong
+    tile's consumers room for at most 176 accumulators a thread (tile_n <= 176 with tile_m
+    128)."""
     acc = tile.tile_m * tile.tile_n // (128 * tile.wgs_per_group)
     if write_a_rows and tile.pingpong and acc > _ROWS_PINGPONG_MAX_ACC:
         return (f"the gathered-rows side output (write_a_rows) leaves a pingpong consumer 216 "
                 f"registers: at most {_ROWS_PINGPONG_MAX_ACC} fp32 accumulators a thread, the "
                 f"tile {tile.variant_name} has {acc}")
-    if epilogue in ("gated", "dgated") and tile.cluster_m > 1:
-        return (f"the {epilogue} epilogue is built for cluster_m=1 only (the tile has "
-                f"cluster_m={tile.cluster_m})")
     if epilogue == "gated" and tile.tile_n not in (128, 256):
         return (f"the gated epilogue needs tile_n 128 or 256 (two accumulators of 64 or 128 "
                 f"columns), got {tile.tile_n}")
@@ -403,18 +352,11 @@ class Sm90GroupedMmKey:
         """Pipeline stages per output tile: ``ceil(K / tile_k)``."""
         return -(-self.k // self.tile.tile_k)
 
-    def max_units(self, rows: int) -> int:
-        """An upper bound of the schedule units (clusters' tiles: ``tile.unit_m`` rows by
-        ``tile_n`` columns) of a launch over ``rows`` output rows, whatever the split:
-        ``(ceil(rows / unit_m) + E) * n_tiles`` (each expert's last unit may be partial; the
-        rows past the last expert count as one more group)."""
-        return (-(-rows // self.tile.unit_m) + self.num_experts) * self.n_tiles
-
     def max_tiles(self, rows: int) -> int:
-        """An upper bound of the CTA tiles of a launch over ``rows`` output rows:
-        :meth:`max_units` times ``cluster_m`` (a cluster's CTAs each take one tile of a
-        unit)."""
-        return self.max_units(rows) * self.tile.cluster_m
+        """An upper bound of the tiles of a launch over ``rows`` output rows, whatever the
+        split: ``(ceil(rows / tile_m) + E) * n_tiles`` (each expert's last M tile may be
+        partial; the rows past the last expert count as one more group)."""
+        return (-(-rows // self.tile.tile_m) + self.num_experts) * self.n_tiles
 
 
 #: Conditions of a rule of ``configs/cuda/sm90_grouped_mm_tiles.yaml``: lower bounds, exact
@@ -534,22 +476,16 @@ def tile_schedule(offsets: list[int], num_rows: int, key: Sm90GroupedMmKey) -> l
     """The kernel's tile schedule written in Python (for tests and the benchmark's tile counts):
     ``[(group, n_idx, row0, rows)]`` in tile-id order, as the prologue's prefix sums and
     ``tile_coords`` compute them on the device (group E: the rows past the last expert). CTA
-    ``b`` of a ``grid``-CTA launch takes ids ``b, b + grid, ...``. With (2, 1) clusters
-    (``tile.cluster_m == 2``) the ids run over units of ``unit_m`` rows: ids ``2 u`` and
-    ``2 u + 1`` are the two M tiles of unit ``u``, taken by the two CTAs of a cluster (the grid is
-    a multiple of 2); the second M tile of an expert's last unit may hold no rows (``rows``
-    0: its CTA runs the mainloop beside its partner and stores nothing)."""
-    tm, um, cm, n_tiles = key.tile.tile_m, key.tile.unit_m, key.tile.cluster_m, key.n_tiles
+    ``b`` of a ``grid``-CTA launch takes ids ``b, b + grid, ...``."""
+    tm, n_tiles = key.tile.tile_m, key.n_tiles
     out, begin = [], 0
     for g, raw in enumerate([*offsets, num_rows]):
         end = max(begin, min(max(int(raw), 0), num_rows))  # running max of the clamped ends
         count = end - begin
-        m_units = -(-count // um)
-        for rem in range(m_units * n_tiles):
-            n_idx, m_unit = divmod(rem, m_units)
-            for rank in range(cm):
-                m_off = m_unit * um + rank * tm
-                out.append((g, n_idx, begin + m_off, max(0, min(count - m_off, tm))))
+        m_tiles = -(-count // tm)
+        for rem in range(m_tiles * n_tiles):
+            n_idx, m_idx = divmod(rem, m_tiles)
+            out.append((g, n_idx, begin + m_idx * tm, min(count - m_idx * tm, tm)))
         begin = end
     return out
 
@@ -589,9 +525,6 @@ def _build_kernel_class():
             self.k_tiles = key.k_tiles
             self.gather = key.gather_a
             self.write_rows = key.write_a_rows  # (only with gather_a: the key checks)
-            # (2, 1) clusters: schedule units of two M tiles, W multicast (store epilogue only)
-            self.cluster_m = t.cluster_m
-            self.unit_m = t.unit_m
             self.ab_dtype = cutlass.BFloat16
             self.acc_dtype = cutlass.Float32
             self.out_dtype = cutlass.BFloat16
@@ -611,14 +544,10 @@ def _build_kernel_class():
             # cp.async producers keep 8 row offsets and predicates per thread: more registers
             # than a TMA-only producer warp needs (and the side output's copy-out more still);
             # the consumers take what the producers give up of the CTA's 168 per thread, in
-            # setmaxnreg's steps of 8 (with the side output 8 x 128 registers stay unused). A
-            # (2, 1) cluster's tile loop bound and multicast coordinates need one producer
-            # register more too (56: 4 bytes spilled with cooperative tiles, ptxas 13.0);
-            # pingpong tiles keep 56 / 224 (their 128 x tile_n accumulators need the room)
-            wide_producer = self.write_rows or (self.cluster_m > 1 and not t.pingpong)
-            self.producer_regs = (64 if wide_producer else 56) if self.gather else 40
+            # setmaxnreg's steps of 8 (with the side output 8 x 128 registers stay unused)
+            self.producer_regs = (64 if self.write_rows else 56) if self.gather else 40
             self.consumer_regs = (
-                ((216 if wide_producer else 224) if self.gather else 232)
+                ((216 if self.write_rows else 224) if self.gather else 232)
                 if self.num_consumer_wgs == 2 else 160
             )
             # gather: 8 threads per 128-byte row, the 128 producer threads cover 16 rows a pass
@@ -647,9 +576,8 @@ def _build_kernel_class():
         @cute.jit
         def build_schedule(self, mOffsets, num_rows, storage, warp_idx):
             """Warp 0: for each group g (the E experts, then the rows past the last expert)
-            its first row, its row count and its first unit id (exclusive prefix sum of
-            ``ceil(rows / unit_m) * n_tiles``; a unit is one M tile, or the two M tiles of a
-            (2, 1) cluster); entry E + 1 of the unit ids is the total.
+            its first row, its row count and its first tile id (exclusive prefix sum of
+            ``ceil(rows / tile_m) * n_tiles``); entry E + 1 of the tile ids is the total.
             Group g's rows are ``[max(end[<g]), max(end[<=g]))`` with ``end`` the offsets
             clamped into [0, S] (S for the last group): the layout's ranges for valid offsets,
             and for offsets that break the contract (decreasing, past S) still disjoint ranges
@@ -683,7 +611,7 @@ def _build_kernel_class():
                     if lane == 0:
                         begin = carry_end
                     count = top - begin
-                    tiles = (count + self.unit_m - 1) // self.unit_m * self.n_tiles
+                    tiles = (count + self.tile_m - 1) // self.tile_m * self.n_tiles
                     incl = tiles
                     for d in cutlass.range_constexpr(5):
                         up = cute.arch.shuffle_sync_up(incl, 1 << d)
@@ -701,28 +629,20 @@ def _build_kernel_class():
 
         @cute.jit
         def tile_coords(self, tile, sStart, sBegin, sCount):
-            """(group, n_idx, row0, rows) of tile id ``tile``: its unit (the tile id, or with
-            (2, 1) clusters ``tile // 2``, the tile being M tile ``tile % 2`` of the unit: the
-            CTA's rank in its cluster), the unit's group g (the last with ``first unit id <=
-            unit``: a binary search), its N tile, the tile's first output row and its valid
-            row count (<= tile_m; <= 0 for the empty second tile of an expert's last unit).
-            Units run M fastest inside a group."""
-            unit = tile
-            if cutlass.const_expr(self.cluster_m > 1):
-                unit = tile // self.cluster_m
+            """(group, n_idx, row0, rows) of tile id ``tile``: its group g (the last with
+            ``first tile id <= tile``: a binary search), its N tile, its first output row and
+            its valid row count (<= tile_m). M tiles run fastest inside a group."""
             g = cutlass.Int32(0)
             for step in cutlass.range_constexpr(self.num_e.bit_length()):
                 cand = g + (self.search_top >> step)
                 if cand <= self.num_e:  # noqa: SIM102
-                    if sStart[cand] <= unit:
+                    if sStart[cand] <= tile:
                         g = cand
-            rem = unit - sStart[g]
+            rem = tile - sStart[g]
             count = sCount[g]
-            m_units = (count + self.unit_m - 1) // self.unit_m
-            n_idx = rem // m_units
-            m_off = (rem - n_idx * m_units) * self.unit_m
-            if cutlass.const_expr(self.cluster_m > 1):
-                m_off = m_off + (tile - unit * self.cluster_m) * self.tile_m
+            m_tiles = (count + self.tile_m - 1) // self.tile_m
+            n_idx = rem // m_tiles
+            m_off = (rem - n_idx * m_tiles) * self.tile_m
             rows = cutlass.min(count - m_off, cutlass.Int32(self.tile_m))
             return g, n_idx, sBegin[g] + m_off, rows
 
@@ -737,7 +657,7 @@ def _build_kernel_class():
                 LayoutEnum.from_tensor(mW),  # W viewed (N, K, E)
                 self.mma_n,
             )
-            tma_atom_b, tma_b = self.make_tma_load(mW, b_smem_staged, self.mma_n, self.cluster_m)
+            tma_atom_b, tma_b = self.make_tma_load(mW, b_smem_staged, self.mma_n)
             tma_atom_a, tma_a = tma_atom_b, tma_b  # placeholders for the gather path
             if cutlass.const_expr(not self.gather):
                 tma_atom_a, tma_a = self.make_tma_load(mA, a_smem_staged, self.tile_m)
@@ -787,7 +707,7 @@ def _build_kernel_class():
                 tma_atom_a, tma_a, tma_atom_b, tma_b, mA, mIdx, mOffsets, mOut, mAux0, mR2P,
                 mAlpha, mAux1, mAct, mRows, tiled_mma, a_smem_staged, b_smem_staged,
             )
-            self.launch_persistent(kernel, num_ctas, stream, cluster_m=self.cluster_m)
+            self.launch_persistent(kernel, num_ctas, stream)
 
         @cute.kernel
         def kernel(
@@ -816,9 +736,6 @@ def _build_kernel_class():
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             wg_idx = cute.arch.make_warp_uniform(tidx // 128)
             num_rows = mOut.shape[0]  # S
-            cta_rank = cutlass.Int32(0)  # rank in the (cluster_m, 1) cluster (= bidx % cluster_m)
-            if cutlass.const_expr(self.cluster_m > 1):
-                cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
 
             if warp_idx == 0:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
@@ -826,10 +743,7 @@ def _build_kernel_class():
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
 
             # ---- pipelines: the (A, W) ring; full = W's TMA bytes (+ A's), and with gather
-            # the 128 producer threads' cp.async arrivals; (2, 1) cluster: the partner's
-            # multicast half of W lands in this CTA's stage too (the full barrier counts the
-            # whole box), so every consumer warp frees the stage in both CTAs (the empty
-            # barriers count the warps of both) ----
+            # the 128 producer threads' cp.async arrivals ----
             b_one = cute.slice_(b_smem_staged, (None, None, 0))
             a_one = cute.slice_(a_smem_staged, (None, None, 0))
             tx_bytes = cute.size_in_bytes(self.ab_dtype, b_one) * self.n_acc
@@ -844,13 +758,13 @@ def _build_kernel_class():
                     pipeline.Agent.Thread, 1 + (128 if self.gather else 0)
                 ),
                 consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.wgs_per_group * 4 * self.cluster_m
+                    pipeline.Agent.Thread, self.wgs_per_group * 4
                 ),
                 tx_count=tx_bytes,
-                cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
                 defer_sync=True,
             )
-            pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
+            pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
             sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
             sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
@@ -861,11 +775,9 @@ def _build_kernel_class():
                 )
 
             sStart, sBegin, sCount = self.build_schedule(mOffsets, num_rows, storage, warp_idx)
-            pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))  # syncs the CTA
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))  # syncs the CTA
             cute.arch.sync_threads()  # the schedule tables are visible to every warp
-            total = sStart[self.num_e + 1]  # units; CTA tiles: cluster_m per unit
-            if cutlass.const_expr(self.cluster_m > 1):
-                total = total * self.cluster_m
+            total = sStart[self.num_e + 1]
 
             if wg_idx == 0:
                 # ---------------- producer warp group ----------------
@@ -876,12 +788,12 @@ def _build_kernel_class():
                 if cutlass.const_expr(self.gather):
                     self.produce_gather(
                         tma_atom_b, tma_b, mA, mIdx, sA, sBs, ab_pipe, prod_state, sStart,
-                        sBegin, sCount, total, bidx, gdim, warp_idx, tidx, mRows, cta_rank,
+                        sBegin, sCount, total, bidx, gdim, warp_idx, tidx, mRows,
                     )
                 elif warp_idx == 0:
                     self.produce_tma(
                         tma_atom_a, tma_a, tma_atom_b, tma_b, sA, sBs, ab_pipe, prod_state,
-                        sStart, sBegin, sCount, total, bidx, gdim, cta_rank,
+                        sStart, sBegin, sCount, total, bidx, gdim,
                     )
             else:
                 # ---------------- consumer warp groups: wgmma + epilogue ----------------
@@ -890,50 +802,31 @@ def _build_kernel_class():
                     tiled_mma, sA, sBs, ab_pipe, mOut, (mAux0, mR2P, mAlpha, mAux1, mAct),
                     sStart, sBegin, sCount, total, bidx, gdim, wg_idx, tidx,
                 )
-            if cutlass.const_expr(self.cluster_m > 1):
-                # neither CTA exits while its partner may still multicast into its shared
-                # memory or arrive on its empty barriers
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
 
         # ---- producers ----
 
-        def w_partitions(self, tma_atom_b, tma_b, sBs, g, n_idx, cta_rank):
+        def w_partitions(self, tma_atom_b, tma_b, sBs, g, n_idx):
             """(smem, gmem) TMA partitions of the W boxes of N tile ``n_idx`` of expert ``g``:
             one box, or (gated) the gate box at column ``n_idx * mma_n`` and the up box ``I``
-            columns further; with (2, 1) clusters the slice of each box that CTA ``cta_rank``
-            loads for both CTAs (multicast)."""
+            columns further."""
             parts = []
             for i in range(self.n_acc):
                 mW = tma_b[(None, None, g)]
                 if i == 1:
                     mW = cute.domain_offset((self.out_cols, 0), mW)
                 gB = cute.local_tile(mW, (self.mma_n, self.tile_k), (n_idx, None))
-                if cutlass.const_expr(self.cluster_m > 1):
-                    parts.append(
-                        self.stage_tma_partition(tma_atom_b, sBs[i], gB, cta_rank, self.cluster_m)
-                    )
-                else:
-                    parts.append(self.stage_tma_partition(tma_atom_b, sBs[i], gB))
+                parts.append(self.stage_tma_partition(tma_atom_b, sBs[i], gB))
             return parts
 
         def copy_w(self, tma_atom_b, w_parts, kt, stage, bar):
-            """TMA of the W box(es) of K tile ``kt`` into ``stage``, completing on ``bar``
-            (with (2, 1) clusters: this CTA's slice, multicast to both CTAs' ``stage``, each
-            completing on its own barrier at ``bar``'s offset)."""
+            """TMA of the W box(es) of K tile ``kt`` into ``stage``, completing on ``bar``."""
             for tBsB, tBgB in w_parts:
-                if cutlass.const_expr(self.cluster_m > 1):
-                    cute.copy(
-                        tma_atom_b, tBgB[(None, kt)], tBsB[(None, stage)], tma_bar_ptr=bar,
-                        mcast_mask=cutlass.Int16((1 << self.cluster_m) - 1),
-                    )
-                else:
-                    cute.copy(tma_atom_b, tBgB[(None, kt)], tBsB[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(tma_atom_b, tBgB[(None, kt)], tBsB[(None, stage)], tma_bar_ptr=bar)
 
         @cute.jit
         def produce_tma(
             self, tma_atom_a, tma_a, tma_atom_b, tma_b, sA, sBs, ab_pipe, prod_state, sStart,
-            sBegin, sCount, total, bidx, gdim, cta_rank,
+            sBegin, sCount, total, bidx, gdim,
         ):
             """One warp: TMA loads of A's (tile_m, tile_k) boxes from the tile's first row and
             of W[e]'s (tile_n, tile_k) boxes, for every tile of this CTA."""
@@ -947,7 +840,7 @@ def _build_kernel_class():
                         (0, None),
                     )
                     tAsA, tAgA = self.stage_tma_partition(tma_atom_a, sA, gA)
-                    w_parts = self.w_partitions(tma_atom_b, tma_b, sBs, g, n_idx, cta_rank)
+                    w_parts = self.w_partitions(tma_atom_b, tma_b, sBs, g, n_idx)
                     for kt in cutlass.range(self.k_tiles, unroll=1):
                         ab_pipe.producer_acquire(prod_state)
                         bar = ab_pipe.producer_get_barrier(prod_state)
@@ -964,7 +857,7 @@ def _build_kernel_class():
         @cute.jit
         def produce_gather(
             self, tma_atom_b, tma_b, mA, mIdx, sA, sBs, ab_pipe, prod_state, sStart, sBegin,
-            sCount, total, bidx, gdim, warp_idx, ptid, mRows, cta_rank,
+            sCount, total, bidx, gdim, warp_idx, ptid, mRows,
         ):
             """The 128 producer threads: per tile, each thread reads the index of its
             ``rows_per_thread`` rows (rows ``ptid // 8 + 16 j`` of the tile), then per K tile
@@ -1006,7 +899,7 @@ def _build_kernel_class():
                             src = cutlass.Int64(mIdx[row0 + r])
                         ok[j] = src >= 0
                         src_off[j] = cutlass.max(src, cutlass.Int64(0)) * lda_bytes
-                    w_parts = self.w_partitions(tma_atom_b, tma_b, sBs, g, n_idx, cta_rank)
+                    w_parts = self.w_partitions(tma_atom_b, tma_b, sBs, g, n_idx)
                     next_copy = n_idx  # write_a_rows: the next K tile this N tile copies out
                     for kt in cutlass.range(self.k_tiles, unroll=1):
                         ab_pipe.sync_object_empty.wait(prod_state.index, prod_state.phase)
@@ -1325,23 +1218,13 @@ def fake_operands(key: Sm90GroupedMmKey) -> tuple:
     return a, idx, w, offsets, out, bias, r2p, alpha, num_pairs, act, rows
 
 
-def grid_ctas(key: Sm90GroupedMmKey, rows: int, device_index: int) -> int:
-    """The persistent grid of a launch over ``rows`` output rows, in CTAs: one CTA per SM
-    (without clusters) or as many (2, 1) clusters as can be resident at once
-    (``launch.resident_clusters``: a cluster's CTAs share a GPC), times 2; never more than the
-    tiles (units) ``rows`` rows can have."""
-    cm = key.tile.cluster_m
-    if cm == 1:
-        return max(1, min(key.max_tiles(rows), num_sms(device_index)))
-    return cm * max(1, min(key.max_units(rows), resident_clusters(device_index, cm)))
-
-
 def _launch(key: Sm90GroupedMmKey, fn: Any, *operands) -> None:
     """One launch of a compiled kernel on the current stream: ``operands`` are those of
     :func:`fake_operands` (real tensors; ``out`` the fifth, its rows S); the persistent grid is
-    :func:`grid_ctas`."""
+    one CTA per SM, no more than the tiles S rows can have."""
     out = operands[4]
-    fn(*operands, grid_ctas(key, out.shape[0], out.device.index or 0))
+    grid = max(1, min(key.max_tiles(out.shape[0]), num_sms(out.device.index or 0)))
+    fn(*operands, grid)
 
 
 def _no_contract(contract: Any) -> Sm90GroupedMmKey:

@@ -425,7 +425,7 @@ def _clamp_flips(p, rt, impl):
     x, aff, idx, wgu, wd, bgu, bd = _forward_args(p, rt)
     fwd = {gm: moe_forward_fused(x, aff, idx, wgu, wd, bgu, bd, grouped_mm=gm, **_kw(p))
            for gm in ("cublas", impl)}
-    a, b = fwd["cublas"].act_R2I, fwd[impl].act_R2I
+    a, b = fwd["cublas"].checkpoint_pairs(), fwd[impl].checkpoint_pairs()
     cl = p.clamp_limits
     flip_RI = (cl.gate_mask(a[:, 0]) != cl.gate_mask(b[:, 0])) | (
         cl.up_mask(a[:, 1]) != cl.up_mask(b[:, 1]))

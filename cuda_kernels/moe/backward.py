@@ -423,12 +423,7 @@ def moe_backward_split_gate_up(
     plan, layout = routing
     check_split_gate_up(x_SH, w_gate_EIH, w_up_EIH, w_down_EIH, layout, grad_y_SH=grad_y_SH,
                         act_R2I=act_R2I)
-    if grad_dtype not in GRAD_DTYPES:
-        raise ValueError(f"grad_dtype must be torch.float32 or torch.bfloat16, got {grad_dtype!r}")
-    if wgrad_backend not in ("auto", "sm90", "sm100", "torch"):
-        raise ValueError(
-            f"wgrad_backend must be 'auto', 'sm90', 'sm100' or 'torch', got {wgrad_backend!r}"
-        )
+    _check_options(None, grad_dtype, None, wgrad_backend)  # (no main_grad pair here)
     check_grouped_mm(grouped_mm)
     if grouped_mm == "ours":
         raise RuntimeError(

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from common.dispatch import resolve_backend
-from common.problem import MoEBackwardProblem
+from common.problem import MoEBackwardProblem, shape_text
 from common.routing import GroupedLayout, RoutingPlan, presorted_routing
 from common.shapes import static_tokens_sum
 from common.torch_backward import ALIGN, LayerForward, cpu_threads, moe_layer_forward_torch
@@ -105,11 +105,6 @@ def check_routing_on_host(expert_index_TK: torch.Tensor, affinity_TK: torch.Tens
         raise ValueError("affinity_TK must be finite on routed slots (found NaN or inf)")
     if bool((routed < 0).any()):
         raise ValueError("affinity_TK must be >= 0 on routed slots (found a negative affinity)")
-
-
-def shape_text(t: Any) -> str:
-    """``[d0, d1, ...]`` of a tensor, else its type's name (for error messages)."""
-    return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def check_inputs(
@@ -545,10 +540,12 @@ def _(grad_y, x, w_gate_up, w_down, act, num_rows_per_expert, options):
 
 
 def _setup_context_presorted(ctx, inputs, output):
-    x, w_gate_up, w_down, counts, options = inputs
+    """Both presorted ops' (one gate/up weight or two): inputs ``(x, *weights, counts,
+    options)``; saves ``(x, *weights, act, counts)``."""
+    *tensors, counts, options = inputs
     _y, act = output
     ctx.options = options
-    ctx.save_for_backward(x, w_gate_up, w_down, act, counts)
+    ctx.save_for_backward(*tensors, act, counts)
     ctx.mark_non_differentiable(act)
     ctx.set_materialize_grads(False)
 
@@ -646,15 +643,6 @@ def _(grad_y, x, w_gate, w_up, w_down, act, num_rows_per_expert, options):
     return tuple(_fake_like(t, x) for t in (x, w_gate, w_up, w_down))
 
 
-def _setup_context_presorted_split(ctx, inputs, output):
-    x, w_gate, w_up, w_down, counts, options = inputs
-    _y, act = output
-    ctx.options = options
-    ctx.save_for_backward(x, w_gate, w_up, w_down, act, counts)
-    ctx.mark_non_differentiable(act)
-    ctx.set_materialize_grads(False)
-
-
 def _backward_presorted_split(ctx, grad_y, _unused):
     refuse_grad_mode("MoEExperts")
     if grad_y is None:
@@ -666,7 +654,7 @@ def _backward_presorted_split(ctx, grad_y, _unused):
 
 
 _experts_forward_presorted_split.register_autograd(
-    _backward_presorted_split, setup_context=_setup_context_presorted_split
+    _backward_presorted_split, setup_context=_setup_context_presorted
 )
 
 

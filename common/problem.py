@@ -16,7 +16,9 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from common.routing import RoutingPlan
 
-__all__ = ["GPT_OSS", "SWIGLU", "Activation", "ClampLimits", "MoEBackwardProblem", "MoEGrads"]
+__all__ = [
+    "GPT_OSS", "SWIGLU", "Activation", "ClampLimits", "MoEBackwardProblem", "MoEGrads", "shape_text",
+]
 
 
 def _clamp(v: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
@@ -239,11 +241,11 @@ class MoEBackwardProblem:
             )
         x = self.hidden_states_TH
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            raise ValueError(f"hidden_states_TH must be a 2-D [T, H] tensor, got {_shape(x)}")
+            raise ValueError(f"hidden_states_TH must be a 2-D [T, H] tensor, got {shape_text(x)}")
         T, H = x.shape
         w = self.w_gate_up_EH2I
         if not isinstance(w, torch.Tensor) or w.dim() != 4 or w.shape[1] != H or w.shape[2] != 2:
-            raise ValueError(f"w_gate_up_EH2I must be [E, H={H}, 2, I], got {_shape(w)}")
+            raise ValueError(f"w_gate_up_EH2I must be [E, H={H}, 2, I], got {shape_text(w)}")
         E, _, _, I = w.shape
         if self.plan.num_tokens != T:
             raise ValueError(
@@ -258,7 +260,7 @@ class MoEBackwardProblem:
             if not checkpoint_rows:
                 raise ValueError(
                     f"act_checkpoint_R2I must have shape {[R, 2, I]} (pair order), got "
-                    f"{_shape(ck)}: a grouped-row checkpoint [S, 2I], which only the fused "
+                    f"{shape_text(ck)}: a grouped-row checkpoint [S, 2I], which only the fused "
                     "CUDA backward reads (with the forward's layout)"
                 )
             if ck.shape[0] >= R:
@@ -274,7 +276,7 @@ class MoEBackwardProblem:
             if t is None and name.startswith("b_"):
                 continue
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-                raise ValueError(f"{name} must have shape {list(shape)}, got {_shape(t)}")
+                raise ValueError(f"{name} must have shape {list(shape)}, got {shape_text(t)}")
         named = {"hidden_states_TH": x, "w_gate_up_EH2I": w}
         named.update({k: v for k, (v, _) in want.items() if v is not None})
         for name, t in named.items():
@@ -297,7 +299,8 @@ class MoEBackwardProblem:
         return {"T": T, "H": H, "I": I, "E": E, "K": self.plan.top_k}
 
 
-def _shape(t) -> str:
+def shape_text(t) -> str:
+    """``[d0, d1, ...]`` of a tensor, else its type's name (for error messages)."""
     return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 

@@ -89,15 +89,21 @@ def test_fused_forward_matches_the_portable_forward(name):
         assert torch.equal(getattr(got.layout, f), getattr(want.layout, f)), f
 
 
-def test_activation_forward_writes_padding_zero_whatever_the_inputs():
-    """NaN in the GEMM's padding rows never reaches a_h (padding rows exactly 0) and the
-    checkpoint's slots past the real pairs are 0 (the kernel allocates with torch.empty)."""
+def _gate_up_rows():
+    """``(E, plan, layout, gu [S, 2I] BF16 random)``: the gate/up GEMM's output rows of the
+    duplicates / dropped / empty-expert case, for the activation pass alone."""
     d, _ = _inputs("duplicates_dropped_empty")
     E = d["w_gate_up_EH2I"].shape[0]
     plan = plan_routing(d["expert_index_TK"], d["affinity_TK"], E)
     layout = grouped_layout(plan, E)
     S, I = layout.tokens_sum, d["w_down_EIH"].shape[1]
-    gu = torch.randn(S, 2 * I, device=DEV).bfloat16()
+    return E, plan, layout, torch.randn(S, 2 * I, device=DEV).bfloat16()
+
+
+def test_activation_forward_writes_padding_zero_whatever_the_inputs():
+    """NaN in the GEMM's padding rows never reaches a_h (padding rows exactly 0) and the
+    checkpoint's slots past the real pairs are 0 (the kernel allocates with torch.empty)."""
+    _, plan, layout, gu = _gate_up_rows()
     pad = layout.row_to_pair_S < 0
     gu[pad] = float("nan")
     for _ in range(2):  # the second run reuses freed (now non-zero) memory
@@ -111,12 +117,8 @@ def test_activation_forward_writes_padding_zero_whatever_the_inputs():
 def test_activation_forward_without_the_pair_checkpoint():
     """``pair_checkpoint=False`` (the caller keeps the GEMM's rows as the checkpoint) writes
     the same a*h and no act; refused with a gate/up bias or a clamp, before any output."""
-    d, _ = _inputs("duplicates_dropped_empty")
-    E = d["w_gate_up_EH2I"].shape[0]
-    plan = plan_routing(d["expert_index_TK"], d["affinity_TK"], E)
-    layout = grouped_layout(plan, E)
-    S, I = layout.tokens_sum, d["w_down_EIH"].shape[1]
-    gu = torch.randn(S, 2 * I, device=DEV).bfloat16()
+    E, plan, layout, gu = _gate_up_rows()
+    I = gu.shape[1] // 2
     kw = {"activation": GPT_OSS, "clamp_limits": ClampLimits()}
     act, want = activation_forward(gu, layout.row_to_pair_S, plan, **kw)
     none, got = activation_forward(gu, layout.row_to_pair_S, plan, pair_checkpoint=False, **kw)

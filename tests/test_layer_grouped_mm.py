@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_layer_forward import _layer_args  # the layer op's seeded arguments
 from test_torch_backward import routing  # the same seeded router as the twin's tests
 
 from common import dispatch
@@ -544,20 +545,6 @@ def test_checkpoint_in_rows_only_without_bias_clamp_and_the_fused_kernel(table):
         choice.checkpoint_in_rows(E, H, I, **rows, grouped_mm="fast")
 
 
-def _bias_free_args(T, H, I, E, K, seed):
-    g = torch.Generator().manual_seed(seed)
-    args = [
-        torch.randn(T, H, generator=g).requires_grad_(),
-        (torch.rand(T, K, generator=g) + 0.1).requires_grad_(),
-        (torch.randn(E, H, 2, I, generator=g) * H**-0.5).requires_grad_(),
-        (torch.randn(E, I, H, generator=g) * I**-0.5).requires_grad_(),
-        None,
-        None,
-        torch.randint(-1, E, (T, K), generator=g),
-    ]
-    return [a.to(DEV) if a is not None else None for a in args]
-
-
 @pytest.mark.parametrize("impl", ["auto", "ours-gemm"])
 def test_layer_op_keeps_the_gemm_rows_as_checkpoint(impl, cuda_backend):
     """Through the custom op on the fused path, without bias and clamp: the saved checkpoint
@@ -567,7 +554,7 @@ def test_layer_op_keeps_the_gemm_rows_as_checkpoint(impl, cuda_backend):
     from common.shapes import static_tokens_sum
 
     T, H, I, E, K = 16, 32, 16, 4, 2
-    args = _bias_free_args(T, H, I, E, K, seed=3)
+    args = _layer_args(False, 3, DEV, T=T, H=H, I=I, E=E, K=K)
     key = layer_ops.options_key(MoEExpertsOptions(backend="cuda-sm90", grouped_mm=impl))
     out = torch.ops.moe_bwd.experts_forward(*args, key)
     S = static_tokens_sum(T * K, E, 16)
@@ -598,7 +585,7 @@ def test_layer_with_row_checkpoint_compiles_once_over_token_counts(cuda_backend)
     compiled = torch.compile(block, fullgraph=True, backend=counter, dynamic=True)
     compiles = []
     for T in (16, 24, 40):
-        x, aff, *_, idx = _bias_free_args(T, H, I, E, K, seed=T)
+        x, aff, *_, idx = _layer_args(False, T, DEV, T=T, H=H, I=I, E=E, K=K)
         outs = []
         for fn in (compiled, block):
             xl, al = x.detach().clone().requires_grad_(), aff.detach().clone().requires_grad_()

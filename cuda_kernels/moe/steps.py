@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from common.problem import shape_text
 from common.torch_backward import fits_grouped_mm, grouped_mm_rows
 
 from .. import grouped_mm as gmm
@@ -30,10 +31,6 @@ __all__ = [
 ]
 
 
-def _shape(t) -> str:
-    return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
-
-
 def check_split_gate_up(x_SH, w_gate_EIH, w_up_EIH, w_down_EIH, layout, *, grad_y_SH=None,
                         act_R2I=None) -> None:
     """ValueError naming the first bad argument of a pipeline on separate gate and up weights:
@@ -41,18 +38,18 @@ def check_split_gate_up(x_SH, w_gate_EIH, w_up_EIH, w_down_EIH, layout, *, grad_
     same device; ``layout`` an identity layout (rows in expert order) of S rows and E experts;
     optionally ``grad_y_SH`` [S, H] float and ``act_R2I`` [S, 2, I] float."""
     if not isinstance(x_SH, torch.Tensor) or x_SH.dim() != 2 or not x_SH.is_floating_point():
-        raise ValueError(f"x_SH must be a floating 2-D [S, H] tensor, got {_shape(x_SH)}")
+        raise ValueError(f"x_SH must be a floating 2-D [S, H] tensor, got {shape_text(x_SH)}")
     S, H = x_SH.shape
     w = w_gate_EIH
     if not isinstance(w, torch.Tensor) or w.dim() != 3 or not w.is_floating_point() or (
             w.shape[2] != H):
-        raise ValueError(f"w_gate_EIH must be a floating [E, I, H={H}] tensor, got {_shape(w)}")
+        raise ValueError(f"w_gate_EIH must be a floating [E, I, H={H}] tensor, got {shape_text(w)}")
     E, I, _ = w.shape
     for name, t in (("w_up_EIH", w_up_EIH), ("w_down_EIH", w_down_EIH)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (E, I, H) or (
                 not t.is_floating_point()):
             raise ValueError(f"{name} must be a floating [E={E}, I={I}, H={H}] tensor, got "
-                             f"{_shape(t)}")
+                             f"{shape_text(t)}")
     extra = []
     if grad_y_SH is not None:
         extra.append(("grad_y_SH", grad_y_SH, (S, H)))
@@ -61,7 +58,7 @@ def check_split_gate_up(x_SH, w_gate_EIH, w_up_EIH, w_down_EIH, layout, *, grad_
     for name, t, shape in extra:
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or (
                 not t.is_floating_point()):
-            raise ValueError(f"{name} must be a floating {list(shape)} tensor, got {_shape(t)}")
+            raise ValueError(f"{name} must be a floating {list(shape)} tensor, got {shape_text(t)}")
     for name, t in (("w_gate_EIH", w), ("w_up_EIH", w_up_EIH), ("w_down_EIH", w_down_EIH),
                     *((n, t) for n, t, _ in extra)):
         if t.device != x_SH.device:

@@ -1319,7 +1319,8 @@ __getattr__ = FAMILY.module_getattr(__name__)  # COMPILE_COUNT: the family's cou
 def compile_sm90_wgrad(key: Sm90WgradKey) -> Callable[..., None]:
     """Compile (once per key, cached) the SM90 grouped wgrad kernel and return its launcher.
 
-    ``launcher(a, b, offsets, out, stream=None)`` runs on already-validated torch CUDA tensors:
+    ``launcher(a, b, offsets, out, stream=None, a_rows=None, b_rows=None)`` runs on
+    already-validated torch CUDA tensors:
 
     - ``a``: ``(hidden, tokens_sum)`` bf16, K-major (stride ``(S, 1)``) or M-major (``(1, M)``);
       ``tokens_sum`` a multiple of 8 when any operand is K-major (TMA 16-byte strides);
@@ -1328,7 +1329,13 @@ def compile_sm90_wgrad(key: Sm90WgradKey) -> Callable[..., None]:
     - ``out``: dense ``(E, M, N)`` contiguous tensor of ``key.out_dtype``, or for
       ``output_mode="discrete"`` an ``(E,)`` int64 tensor of 16-byte aligned ``(M, N)`` row-major
       output addresses;
-    - ``stream``: a ``torch.cuda.Stream`` (default: the current stream; capturable in a CUDA graph).
+    - ``stream``: a ``torch.cuda.Stream`` (default: the current stream; capturable in a CUDA graph);
+    - ``a_rows`` / ``b_rows`` (keys with ``gather_a`` / ``gather_b``, required there and None
+      otherwise): ``(tokens_sum,)`` contiguous index of ``key.index_dtype``; then ``a`` is the
+      ``(hidden, T)`` M-major source (strides ``(1, ld)``, ``ld`` a multiple of 8) whose column
+      ``a_rows[s]`` is A's column ``s``, ``b`` the ``(T, intermediate)`` row-major source
+      (strides ``(ld, 1)``) whose row ``b_rows[s]`` is B's row ``s``; a negative index reads
+      zeros; only the rows of ``[0, offsets[-1])`` read their index (never on the host).
 
     ``input_order="tensor_ragged"``: an operand whose unit-stride axis is M / N has the same memory
     as tensor2d; a K-major ragged operand (per-expert ``(rows, K_e)`` blocks) is first repacked on

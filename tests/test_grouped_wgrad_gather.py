@@ -437,3 +437,34 @@ def test_gather_kernel_cuda_graph_replay_with_new_rows():
         api.grouped_wgrad_into(_dense(x, rows).t(), _dense(dy, rows), offsets, want)
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+def test_sm90_launcher_passes_the_indexes(monkeypatch):
+    """The launcher of a gathered key hands the indexes to the kernel after the tile counter
+    (None for a key without gather), and refuses a missing / unexpected index."""
+    from cuda_kernels.gemm import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)
+    sm90.FAMILY.cache_clear()
+    monkeypatch.setattr(sm90.FAMILY, "_compile",
+                        lambda key, arch, dump_dir=None: lambda *args: calls.append(args))
+    try:
+        x, dy, rows, offsets = _problem([3, 0, 5], 128, 64)
+        dense = Sm90WgradKey(128, 64, 3, a_major="m", b_major="n", tile=_T(128, 64, 64, 4))
+        key = dataclasses.replace(dense, gather_a=True)
+        out = torch.full((3, 128, 64), float("nan"))
+        sm90.compile_sm90_wgrad(key)(x.t(), _dense(dy, rows), offsets, out, a_rows=rows)
+        ((a, b_t, _off, _out, counter, a_rows, b_rows, grid),) = calls
+        assert a_rows is rows and b_rows is None and a.data_ptr() == x.data_ptr()
+        assert counter.tolist() == [0] and grid == 3
+        with pytest.raises(ValueError, match="a_rows: required"):
+            sm90.compile_sm90_wgrad(key)(x.t(), _dense(dy, rows), offsets, out)
+        with pytest.raises(ValueError, match="b_rows: must be None"):
+            sm90.compile_sm90_wgrad(key)(x.t(), dy, offsets, out, a_rows=rows, b_rows=rows)
+        with pytest.raises(ValueError, match="a_rows: must be None"):
+            sm90.compile_sm90_wgrad(dense)(_dense(x, rows).t(), _dense(dy, rows), offsets, out,
+                                           a_rows=rows)
+        assert len(calls) == 1 and out.isnan().all()
+    finally:
+        sm90.FAMILY.cache_clear()

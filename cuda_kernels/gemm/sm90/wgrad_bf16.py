@@ -56,14 +56,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..keys import KernelKey
-from ..launch import (
-    KernelFamily,
-    fake_offsets_and_out,
-    fake_wgrad_operands,
-    key_of_contract,
-    on_stream,
-    ragged_to_2d,
-)
+from ..launch import KernelFamily, fake_offsets_and_out, fake_wgrad_operands, key_of_contract
 from ..tile_sched import scheduler_base
 from ..tiles import SM90_TILES, rules_loader, select_tile
 from .common import Sm90Tiling, kernel_base
@@ -1286,7 +1279,6 @@ class _Sm90Family(KernelFamily):
         Raises:
             ValueError: a gathered key without its index, or an index without gather.
         """
-        del descriptor_workspace  # the SM90 kernel builds no descriptors
         for name, gathered, rows in (("a_rows", key.gather_a, a_rows),
                                      ("b_rows", key.gather_b, b_rows)):
             if gathered != (rows is not None):
@@ -1294,14 +1286,12 @@ class _Sm90Family(KernelFamily):
                     f"{name}: {'required' if gathered else 'must be None'} for a key with "
                     f"gather_{name[0]}={gathered}"
                 )
-        with on_stream(stream):
-            if key.input_order == "tensor_ragged":
-                if key.a_major == "k":
-                    a = ragged_to_2d(a, offsets, a.shape[0])
-                if key.b_major == "k":
-                    b = ragged_to_2d(b.t(), offsets, b.shape[1]).t()
-            grid = self.grid_size(key, a.device)
-            fn(a, b.t(), offsets, out, self.counter_for(key, a.device), a_rows, b_rows, grid)
+
+        def with_rows(a, b_t, offsets, out, counter, grid, *tail):
+            fn(a, b_t, offsets, out, counter, a_rows, b_rows, grid, *tail)
+
+        # the shared launch (stream, ragged repack, counter, grid), the indexes inserted
+        super()._launch(key, with_rows, a, b, offsets, out, stream, descriptor_workspace)
 
 
 #: The SM90 family in the shared compile-cache / launch layer: a dynamic persistent scheduler

@@ -428,27 +428,22 @@ def _build_kernel_class():
             atom: cute.CopyAtom,
             pred: cute.Tensor,
             mG: cute.Tensor,
-            mIdx: cute.Tensor,
             sX: cute.Tensor,
             extent: cutlass.Constexpr,
             total: cutlass.Constexpr,
             col0: cutlass.Int32,
-            s: cutlass.Int32,
-            in_expert: cutlass.Boolean,
+            src: cutlass.Int64,
             kk: cutlass.Int32,
             half: cutlass.Int32,
             stage: cutlass.Int32,
         ):
             """This thread's share of one gathered MN-major ``(extent, tile_k)`` stage: K row
-            ``kk`` (token ``s``) is source row ``mIdx[s]`` of ``mG`` (``(total, T)``, stride
-            ``(1, ld)``), columns ``[col0, col0 + extent)``; the row's ``extent / 8`` 16-byte
-            chunks are split over two threads (``half``: chunks ``half, half + 2, ...``; the
-            128-byte swizzle keeps each chunk contiguous). cp.async zero-fills a chunk whose
-            predicate is false: a token outside the expert (``in_expert``: never reads the
-            index), a negative index (a padding row) or columns past ``total``."""
-            src = cutlass.Int64(-1)
-            if in_expert:
-                src = cutlass.Int64(mIdx[s])
+            ``kk`` is source row ``src`` of ``mG`` (``(total, T)``, stride ``(1, ld)``; its
+            index entry, :meth:`row_index`), columns ``[col0, col0 + extent)``; the row's
+            ``extent / 8`` 16-byte chunks are split over two threads (``half``: chunks
+            ``half, half + 2, ...``; the 128-byte swizzle keeps each chunk contiguous).
+            cp.async zero-fills a chunk whose predicate is false: ``src < 0`` (a padding row,
+            or a token outside the expert) or columns past ``total``."""
             ok = src >= 0
             ld_bytes = cutlass.Int64(mG.stride[1]) * 2
             row_addr = (
@@ -476,13 +471,23 @@ def _build_kernel_class():
                 cute.copy(atom, src_t, dst_t, pred=pred)
 
         @cute.jit
+        def row_index(self, mIdx, s, k_begin, k_end):
+            """The source row of token ``s`` (``mIdx[s]``), or -1 outside the expert's tokens
+            ``[k_begin, k_end)`` (the index is not read there: it may end at ``k_end``)."""
+            src = cutlass.Int64(-1)
+            if s >= k_begin and s < k_end:
+                src = cutlass.Int64(mIdx[s])
+            return src
+
+        @cute.jit
         def produce_gather(  # noqa: PLR0913
             self, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_cl, tma_cl, sA, sB, sC,
             mGA, mGB, mIdxA, mIdxB, sPerm, mOffsets, mCounter, ab_pipe, sched_pipe, sSched,
             warp_idx, ptid,
         ):
             """The producer warp group with a gathered operand: per tile (ids from the ring:
-            :meth:`producer_tile`) and K stage, every thread waits for the stage to be free;
+            :meth:`producer_tile`) and K stage, every thread waits for the stage to be free
+            (its index entry for the stage already loaded, one stage ahead);
             warp 0 arms the full barrier with the TMA bytes of the operand that stays on TMA
             (none when both are gathered) and issues its box; every thread issues its cp.async
             chunks of the gathered operand(s) (:meth:`gather_stage`; K row ``ptid // 2``) and
@@ -540,6 +545,14 @@ def _build_kernel_class():
                         )
                         with cute.arch.elect_one():
                             cute.prefetch(tma_atom_cl, gC_part)
+                # the index entries of this thread's K row, loaded one stage ahead (their
+                # latency hides behind the wait for a free stage)
+                src_a = cutlass.Int64(-1)
+                src_b = cutlass.Int64(-1)
+                if cutlass.const_expr(self.gather_a):
+                    src_a = self.row_index(mIdxA, k_base + kk, k_begin, k_end)
+                if cutlass.const_expr(self.gather_b):
+                    src_b = self.row_index(mIdxB, k_base + kk, k_begin, k_end)
                 for kt in cutlass.range(n_k, unroll=1):
                     ab_pipe.sync_object_empty.wait(prod_state.index, prod_state.phase)
                     bar = ab_pipe.producer_get_barrier(prod_state)
@@ -556,18 +569,19 @@ def _build_kernel_class():
                                 tma_atom_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)],
                                 tma_bar_ptr=bar,
                             )
-                    s = k_base + kt * tk + kk
-                    in_expert = s >= k_begin and s < k_end
+                    s_next = k_base + (kt + 1) * tk + kk
                     if cutlass.const_expr(self.gather_a):
                         self.gather_stage(
-                            atom, pred, mGA, mIdxA, sA, self.tile_m, self.key.hidden,
-                            m_idx * self.tile_m, s, in_expert, kk, half, prod_state.index,
+                            atom, pred, mGA, sA, self.tile_m, self.key.hidden,
+                            m_idx * self.tile_m, src_a, kk, half, prod_state.index,
                         )
+                        src_a = self.row_index(mIdxA, s_next, k_begin, k_end)
                     if cutlass.const_expr(self.gather_b):
                         self.gather_stage(
-                            atom, pred, mGB, mIdxB, sB, self.tile_n, self.key.intermediate,
-                            n_idx * self.tile_n, s, in_expert, kk, half, prod_state.index,
+                            atom, pred, mGB, sB, self.tile_n, self.key.intermediate,
+                            n_idx * self.tile_n, src_b, kk, half, prod_state.index,
                         )
+                        src_b = self.row_index(mIdxB, s_next, k_begin, k_end)
                     cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                     prod_state.advance()
                 tile = self.producer_tile(

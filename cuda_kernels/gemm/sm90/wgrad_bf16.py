@@ -30,6 +30,16 @@ Structure (one CTA per SM, persistent, warp-specialized):
   the expert's begin rounded down to 8 tokens (TMA needs a 16-byte aligned innermost coordinate).
   The consumers zero the rows outside the expert in shared memory (both operands: ``0 * NaN`` is
   NaN), fence the async proxy and sync before the wgmma reads them;
+- gathered operands (key fields ``gather_a`` / ``gather_b``: A's token columns / B's token rows
+  read through a row index, the MoE routing index, instead of from a gathered copy): the whole
+  producer warp group loads them. Warp 0 still takes the tile ids (all 128 producer threads read
+  them back from the tile-id ring) and issues the TMA box of the other operand; every producer
+  thread copies one K row of each stage (two threads per row, 16-byte ``cp.async`` chunks into
+  the 128-byte-swizzled MN-major stage), its index entry loaded one stage ahead, zero-filled by
+  the copy's predicate for a padding row (index < 0), a token outside the expert or columns
+  past hidden / intermediate, and arrives on the stage's full barrier
+  (``cp.async.mbarrier.arrive.noinc``: 1 + 128 arrivals, TMA bytes of the other operand only).
+  The consumers fence the async proxy before wgmma and zero only a TMA operand's rows;
 - empty experts issue no loads and write zeros, or leave the output untouched when accumulating;
 - speed variants, fields of :class:`Sm90TileConfig` (defaults: the kernel above): epilogue
   sub-tile width (``epi_n``), the old output tile prefetched into L2 for the reduce-add

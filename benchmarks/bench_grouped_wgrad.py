@@ -17,6 +17,13 @@ MoE backward holds), out bf16 unless the row says fp32.
 
 Usage: ``python benchmarks/bench_grouped_wgrad.py [--quick] [--json out.json]``.
 
+``--gather``: the gathered operands of a MoE backward (issue 33 item 5) through
+``grouped_wgrad_into``: per shape (a routed top-k split of T tokens, each expert padded to
+``--gather-align`` rows with -1 rows), the dense kernel on gathered copies, the gather pass that
+builds those copies (``index_select`` + zero select), and the kernel reading the rows through the
+index (``a_rows_S`` / ``b_rows_S``), checked bit-exact against the dense kernel first. Rows:
+gate/up wgrad (A = X^T gathered), down wgrad (B = dY gathered), both gathered.
+
 ``--variants``: the speed variants of the SM90 kernel (``Sm90TileConfig`` fields: the L2-prefetch
 reduce-add epilogue for accumulating rows, epilogue sub-tile width, the swizzled tile order; and
 the tile shapes 128x192 pingpong, 128x256, 128x128 pingpong) on
@@ -445,6 +452,102 @@ def run_variants(args, bench, dev, copy_bw):
     return rows
 
 
+#: --gather shapes: (name, E, top_k, H, I, T tokens)
+_GATHER_SHAPES = [
+    ("qwen3-30b-a3b 16k", 128, 8, 2048, 768, 16384),
+    ("qwen3-235b-a22b 16k", 128, 8, 4096, 1536, 16384),
+    ("mixtral-8x7b 8k", 8, 2, 4096, 14336, 8192),
+]
+
+
+def _routed_rows(e, top_k, tokens, align, gen, dev):
+    """A routed split: each token to ``top_k`` distinct random experts, rows grouped by expert,
+    each expert's rows padded to a multiple of ``align`` with -1 rows. Returns (rows_S int64,
+    offsets_E int32, counts)."""
+    choice = torch.rand(tokens, e, generator=gen).argsort(dim=1)[:, :top_k]
+    token = torch.arange(tokens).repeat_interleave(top_k)
+    expert = choice.reshape(-1)
+    order = torch.argsort(expert, stable=True)
+    token, expert = token[order], expert[order]
+    counts = torch.bincount(expert, minlength=e)
+    padded = (counts + align - 1) // align * align
+    rows = torch.full((int(padded.sum()),), -1, dtype=torch.int64)
+    starts = torch.cumsum(padded, 0) - padded
+    pos = starts[expert] + (torch.arange(expert.numel()) - (torch.cumsum(counts, 0) - counts)[expert])
+    rows[pos] = token
+    offsets = torch.cumsum(padded, 0).to(torch.int32)
+    return rows.to(dev), offsets.to(dev), padded.tolist()
+
+
+def run_gather(args, bench, dev):
+    """``--gather``: dense kernel on gathered copies vs the gather kernel (module docstring)."""
+    from cuda_kernels.grouped_wgrad.api import grouped_wgrad_into
+    from cuda_kernels.grouped_wgrad.torch_ref import gather_operands
+
+    rows_out = []
+    gen = torch.Generator().manual_seed(0)
+    for name, e, top_k, h, i, t in _GATHER_SHAPES:
+        if args.gather_only and not any(w in name for w in args.gather_only.split(",")):
+            continue
+        rows, offsets, counts = _routed_rows(e, top_k, t, args.gather_align, gen, dev)
+        s = rows.numel()
+        x_TH = torch.randn(t, h, device=dev).to(torch.bfloat16)
+        dy_TH = torch.randn(t, h, device=dev).to(torch.bfloat16)
+        dgu_S2I = torch.randn(s, 2 * i, device=dev).to(torch.bfloat16)
+        ah_SI = torch.randn(s, i, device=dev).to(torch.bfloat16)
+        x_src = torch.randn(t, 2 * i, device=dev).to(torch.bfloat16)  # "both": a [2I, T] source
+        cases = [
+            # (case, a source, b source, a_rows?, b_rows?, M, N)
+            ("gate_up (A=X gathered)", x_TH.t(), dgu_S2I, True, False, h, 2 * i),
+            ("down (B=dY gathered)", ah_SI.t(), dy_TH, False, True, i, h),
+            ("both gathered", x_src.t(), dy_TH, True, True, 2 * i, h),
+        ]
+        for case, a_src, b_src, ga, gb, m, n in cases:
+            a_rows = rows if ga else None
+            b_rows = rows if gb else None
+            flops = 2.0 * m * n * s
+            out_d = torch.full((e, m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+            out_g = out_d.clone()
+
+            def copies(a_src=a_src, b_src=b_src, a_rows=a_rows, b_rows=b_rows):
+                return gather_operands(a_src, b_src, a_rows, b_rows)
+
+            a_d, b_d = copies()
+            grouped_wgrad_into(a_d, b_d, offsets, out_d)
+            grouped_wgrad_into(a_src, b_src, offsets, out_g, a_rows_S=a_rows, b_rows_S=b_rows)
+            torch.cuda.synchronize()
+            exact = bool(torch.equal(out_d, out_g))
+            t_dense = bench(lambda a_d=a_d, b_d=b_d, o=out_d: grouped_wgrad_into(a_d, b_d,
+                                                                                   offsets, o))
+            t_copy = bench(copies)
+            t_gather = bench(lambda a=a_src, b=b_src, o=out_g, ar=a_rows, br=b_rows:
+                             grouped_wgrad_into(a, b, offsets, o, a_rows_S=ar, b_rows_S=br))
+            gathered_bytes = 2 * s * ((m if ga else 0) + (n if gb else 0))
+            row = {
+                "shape": name, "case": case, "E": e, "M": m, "N": n, "T": t, "S": s,
+                "bitexact": exact, "dense_us": t_dense, "gather_pass_us": t_copy,
+                "gather_kernel_us": t_gather,
+                "dense_TFLOPs": flops / (t_dense * 1e-6) / 1e12,
+                "gather_TFLOPs": flops / (t_gather * 1e-6) / 1e12,
+                "gather_over_dense": t_gather / t_dense,
+                "gather_over_pass_plus_dense": t_gather / (t_copy + t_dense),
+                "copy_MiB_saved": gathered_bytes / 2**20,
+            }
+            rows_out.append(row)
+            print(json.dumps(row), flush=True)
+            del a_d, b_d, out_d, out_g
+            torch.cuda.empty_cache()
+    print()
+    print(f"{'shape':22s} {'case':24s} {'exact':>5s} {'dense':>7s} {'pass':>7s} {'gather':>7s} "
+          f"{'g/d':>5s} {'g/(p+d)':>7s} {'MiB':>6s}")
+    for r in rows_out:
+        print(f"{r['shape']:22s} {r['case']:24s} {str(r['bitexact']):>5s} {r['dense_us']:7.0f} "
+              f"{r['gather_pass_us']:7.0f} {r['gather_kernel_us']:7.0f} "
+              f"{r['gather_over_dense']:5.2f} {r['gather_over_pass_plus_dense']:7.2f} "
+              f"{r['copy_MiB_saved']:6.0f}")
+    return rows_out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="two shapes only")
@@ -468,6 +571,12 @@ def main(argv=None):
         help="with --variants: comma-separated name substrings to keep; '-x' drops names "
         "containing x (the default tile always runs)",
     )
+    p.add_argument("--gather", action="store_true",
+                   help="gathered operands: dense kernel on copies vs the gather kernel")
+    p.add_argument("--gather-only", default=None,
+                   help="with --gather: comma-separated substrings of the shape names to run")
+    p.add_argument("--gather-align", type=int, default=16,
+                   help="with --gather: rows of each expert padded to this multiple (-1 rows)")
     args = p.parse_args(argv)
 
     import triton.testing
@@ -490,6 +599,13 @@ def main(argv=None):
         "mm8192_TFLOPs": mm_rate / 1e12,
     }
     print(json.dumps(header), flush=True)
+
+    if args.gather:
+        grows = run_gather(args, bench, dev)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"header": header, "gather": grows}, f, indent=1)
+        return 0
 
     if args.variants:
         vrows = run_variants(args, bench, dev, copy_bw)

@@ -118,7 +118,9 @@ def test_sm90_ragged_repack_counter_and_kernel_run_on_the_launch_stream(monkeypa
         ("enter", want), ("repack", want), ("repack", want), ("counter", want), ("kernel", want),
         ("exit", _DEFAULT),
     ]
-    ((fa, fb_nk, _off, _out, counter, _grid),) = fake.calls
+    # the SM90 kernel's call: the tile counter, then the two row indexes (None: no gather)
+    ((fa, fb_nk, _off, _out, counter, a_rows, b_rows, _grid),) = fake.calls
+    assert a_rows is None and b_rows is None
     assert torch.equal(fa, a2d) and torch.equal(fb_nk, b2d_t)
     assert counter.dtype == torch.int32 and counter.tolist() == [0]  # a fresh zeroed counter
 

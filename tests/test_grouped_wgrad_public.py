@@ -24,8 +24,8 @@ PUBLIC = [
     "grouped_wgrad_into", "grouped_wgrad_torch", "kernel_unsupported_reason",
     "select_grouped_wgrad_backend",
 ]
-#: Public names added since (issue 23 item 7's cuDNN parity).
-ADDED = ["wgrad_expert_ptrs"]
+#: Public names added since (issue 23 item 7's cuDNN parity; issue 33 item 5's gather backends).
+ADDED = ["wgrad_expert_ptrs", "WGRAD_GATHER_BACKENDS"]
 #: cuDNN exposes its jit entry at the top level (``cudnn.grouped_gemm_wgrad_jax_sm100``):
 #: ``cuda_kernels`` too, resolved lazily from ``grouped_wgrad.jax_ffi`` (issue 23 item 7).
 TOP_LEVEL_JAX = ["grouped_gemm_wgrad_jax_sm100", "grouped_gemm_wgrad_jax_sm90"]
@@ -74,7 +74,8 @@ SIGNATURES = {
         "a_HS b_SI offsets_E *backend='auto' *stats=None *group_align=1"
     ),
     "grouped_wgrad_into": (
-        "a_HS b_SI offsets_E out_EHI *accumulate=False *backend='sm90'"
+        "a_HS b_SI offsets_E out_EHI *accumulate=False *backend='sm90' *a_rows_S=None "
+        "*b_rows_S=None"
     ),
     "kernel_unsupported_reason": (
         "arch a_HS b_SI offsets_E *sfa_tensor=None *sfb_tensor=None *global_scale_a=None "
@@ -90,7 +91,7 @@ SIGNATURES = {
     ),
     "grouped_wgrad_torch": (
         "a_HS b_SI offsets_E *out=None *accumulate=False *out_dtype=None *input_order='tensor2d' "
-        "*use_grouped_mm=None"
+        "*use_grouped_mm=None *a_rows_S=None *b_rows_S=None"
     ),
     "GroupedGemmWgradSm100": (
         "sample_a sample_b sample_sfa sample_sfb sample_offsets sample_wgrad=None "

@@ -19,6 +19,10 @@ Public names:
         be any value >= 0. Refuse devices that are not SM 9.x (sm_90a code does not run elsewhere).
     ``grouped_gemm_wgrad`` — picks the SM100 or SM90 kernel by device and falls back to the torch
         implementation (``torch_ref.grouped_wgrad_torch``) elsewhere, CPU included.
+    ``grouped_wgrad_into`` — the backward's hot path (cached operator per metadata key); with
+        ``a_rows_S`` / ``b_rows_S`` it reads A's columns / B's rows through a row index (the
+        routing index: no gathered copy of X or dY). ``WGRAD_GATHER_BACKENDS``: the backends
+        whose kernel gathers in its operand load ("sm90"); the others gather first.
 
 Block-scaled (MXFP8 / MXFP4 / NVFP4, the seed's legacy surface) in the same classes, wrappers and
 ``grouped_gemm_wgrad`` (which takes any MXFP8 token count per expert): the operand dtypes pick
@@ -71,6 +75,7 @@ from .dispatch import (
 from .pipeline import wgrad_expert_ptrs
 from .validate import get_grouped_gemm_wgrad_workspace_size_sm100
 from .wrappers import (
+    WGRAD_GATHER_BACKENDS,
     clear_grouped_wgrad_caches,
     grouped_gemm_wgrad_wrapper_sm90,
     grouped_gemm_wgrad_wrapper_sm100,
@@ -80,6 +85,7 @@ from .wrappers import (
 __all__ = [
     "OUTPUT_DTYPES",
     "SM100_GROUP_ALIGN",
+    "WGRAD_GATHER_BACKENDS",
     "GroupedGemmWgradSm90",
     "GroupedGemmWgradSm100",
     "TupleDict",

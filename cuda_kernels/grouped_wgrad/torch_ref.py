@@ -16,7 +16,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["INPUT_ORDERS", "grouped_wgrad_torch", "ragged_expert_views"]
+__all__ = [
+    "INPUT_ORDERS",
+    "check_row_indexes",
+    "gather_operands",
+    "grouped_wgrad_torch",
+    "ragged_expert_views",
+]
 
 INPUT_ORDERS = ("tensor2d", "tensor_ragged")
 
@@ -60,6 +66,87 @@ def _grouped_mm_eligible(a_HS, b_SI, offsets_E, out_dtype, accumulate, input_ord
     return not bool((torch.diff(offs, prepend=offs.new_zeros(1)) % 8).any())
 
 
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_row_indexes(a_HS, b_SI, a_rows_S, b_rows_S, who: str):
+    """Check the row indexes of a gathered grouped wgrad (host metadata only: shapes, dtypes,
+    devices; the index VALUES are never read on the host) and return ``S``, the grouped row
+    count.
+
+    With ``a_rows_S`` given, ``a_HS`` is an ``[H, T_a]`` source read as ``A[:, s] =
+    a_HS[:, a_rows_S[s]]``; with ``b_rows_S`` given, ``b_SI`` is a ``[T_b, I]`` source read as
+    ``B[s] = b_SI[b_rows_S[s]]``. ``S`` is the index length (both indexes: the same), and the
+    operand that is not gathered must have ``S`` token rows.
+
+    Raises:
+        ValueError: an operand that is not a rank-2 tensor, an index that is not a rank-1
+            int32 / int64 tensor of ``S`` entries on the operands' device (named ``a_rows_S`` /
+            ``b_rows_S``), or a token count of the other operand that differs from ``S``.
+    """
+    for t, arg in ((a_HS, "a_HS"), (b_SI, "b_SI")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(
+                f"{who}: {arg} must be a rank-2 torch.Tensor, got "
+                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+            )
+    sizes = {}
+    for rows, arg, src in ((a_rows_S, "a_rows_S", a_HS), (b_rows_S, "b_rows_S", b_SI)):
+        if rows is None:
+            continue
+        if not isinstance(rows, torch.Tensor):
+            raise ValueError(  # noqa: TRY004 - ValueError is the API contract
+                f"{who}: {arg} must be a torch.Tensor or None, got {type(rows).__name__}"
+            )
+        if rows.dtype not in _INDEX_DTYPES or rows.dim() != 1:
+            raise ValueError(
+                f"{who}: {arg} must be a rank-1 torch.int32 / torch.int64 tensor [S], got "
+                f"shape {tuple(rows.shape)} dtype {rows.dtype}"
+            )
+        if rows.device != src.device:
+            raise ValueError(
+                f"{who}: {arg} is on {rows.device}, its source operand on {src.device}"
+            )
+        sizes[arg] = rows.shape[0]
+    if a_rows_S is None:
+        sizes["a_HS.shape[1]"] = a_HS.shape[1]
+    if b_rows_S is None:
+        sizes["b_SI.shape[0]"] = b_SI.shape[0]
+    if len(set(sizes.values())) > 1:
+        got = ", ".join(f"{k} = {v}" for k, v in sizes.items())
+        raise ValueError(f"{who}: the grouped row counts S differ: {got}")
+    return next(iter(sizes.values()))
+
+
+def _gather_rows(x_TC: torch.Tensor, rows_S: torch.Tensor) -> torch.Tensor:
+    """``[S, C]`` rows ``x_TC[rows_S[s]]``, zeros where ``rows_S[s] < 0`` (a select: a NaN of
+    the row read in place of a padding row never leaks). Device ops only (no host read)."""
+    rows = rows_S.to(torch.int64)
+    if x_TC.shape[0] == 0:  # no source rows: every index must be padding
+        return x_TC.new_zeros((rows.shape[0], x_TC.shape[1]))
+    out = x_TC.index_select(0, rows.clamp(min=0))
+    return out.masked_fill_((rows < 0)[:, None], 0)
+
+
+def gather_operands(a_HS, b_SI, a_rows_S=None, b_rows_S=None):
+    """The dense operands of a gathered grouped wgrad (the fallback where no kernel gathers in
+    its operand load, and the twin): ``(A [H, S], B [S, I])`` with ``A[:, s] =
+    a_HS[:, a_rows_S[s]]`` (an M-major copy) and ``B[s] = b_SI[b_rows_S[s]]`` (row-major),
+    zeros for a negative index; an operand without index is returned as is. Source rows that
+    no index names are never read (they may hold NaN).
+
+    Args:
+        a_HS: [H, T_a] source (or [H, S] without ``a_rows_S``). b_SI: [T_b, I] (or [S, I]).
+        a_rows_S, b_rows_S: [S] int32 / int64 or None; every value < the source's T (a
+            negative value is a padding row). Checked by :func:`check_row_indexes` first.
+    """
+    if a_rows_S is not None:
+        a_HS = _gather_rows(a_HS.t(), a_rows_S).t()
+    if b_rows_S is not None:
+        b_SI = _gather_rows(b_SI, b_rows_S)
+    return a_HS, b_SI
+
+
 def ragged_expert_views(a_HS, b_SI, begin: int, end: int):
     """Views of one expert's operands under ``input_order="tensor_ragged"``.
 
@@ -98,6 +185,8 @@ def grouped_wgrad_torch(
     out_dtype: torch.dtype | None = None,
     input_order: str = "tensor2d",
     use_grouped_mm: bool | None = None,
+    a_rows_S: torch.Tensor | None = None,
+    b_rows_S: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped weight gradient in torch: ``out[e] = A[:, begin:end] @ B[begin:end, :]``.
 
@@ -122,6 +211,12 @@ def grouped_wgrad_torch(
             and every group is a multiple of 8 rows (read on the host; while a CUDA graph is
             being captured the groups are not read and must be multiples of 8 rows, as
             ``torch._grouped_mm`` asserts on the device otherwise).
+        a_rows_S, b_rows_S: optional [S] int32 / int64 row indexes (``tensor2d`` only): with
+            ``a_rows_S``, ``a_HS`` is an ``[H, T]`` source and ``A[:, s] = a_HS[:, a_rows_S[s]]``
+            (zeros where ``a_rows_S[s] < 0``); with ``b_rows_S``, ``b_SI`` is a ``[T, I]`` source
+            and ``B[s] = b_SI[b_rows_S[s]]``. The rows are gathered first
+            (:func:`gather_operands`: index_select and a zero select, no host read of the
+            index), then the dense path runs; source rows no index names are never read.
 
     Returns:
         [E, H, I] tensor (``out`` when given). Accumulation is in fp32 (float64 for float64
@@ -140,6 +235,14 @@ def grouped_wgrad_torch(
         with a select (never a multiply, so NaN never leaks). The loop path reads ``offsets_E`` on
         the host once (one device sync on CUDA).
     """
+    if a_rows_S is not None or b_rows_S is not None:
+        check_row_indexes(a_HS, b_SI, a_rows_S, b_rows_S, "grouped_wgrad_torch")
+        if input_order != "tensor2d":
+            raise ValueError(
+                f"grouped_wgrad_torch: a_rows_S / b_rows_S need input_order='tensor2d', got "
+                f"{input_order!r}"
+            )
+        a_HS, b_SI = gather_operands(a_HS, b_SI, a_rows_S, b_rows_S)
     if a_HS.dim() != 2 or b_SI.dim() != 2:
         raise ValueError(
             f"grouped_wgrad_torch: a_HS and b_SI must be rank-2, got {tuple(a_HS.shape)} and "

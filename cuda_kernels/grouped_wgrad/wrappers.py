@@ -10,18 +10,22 @@ before any of that.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import bf16, jax_arrays
-from ._types import TupleDict, WgradCall
+from ._types import OFFSETS_ALIGN_BYTES, TMA_ALIGN_BYTES, ArgNames, TupleDict, WgradCall
 from .classes import ARCH_CLASSES, GroupedGemmWgradSm90, GroupedGemmWgradSm100, require_device
 from .pipeline import CompiledWgrad, allocate_outputs, compile_contract, validate_call
-from .validate import clear_validated
+from .torch_ref import check_row_indexes, gather_operands
+from .validate import check_ptr, check_same_device, clear_validated
 
 __all__ = [
+    "WGRAD_GATHER_BACKENDS",
     "WRAPPERS",
     "clear_grouped_wgrad_caches",
     "grouped_gemm_wgrad_wrapper_sm90",
@@ -33,8 +37,9 @@ __all__ = [
 _CACHE_LOCK = threading.RLock()
 #: (static contract, device) -> its compiled operator (every wrapper call of the contract).
 _OP_CACHE: dict[tuple, CompiledWgrad] = {}
-#: grouped_wgrad_into's metadata key -> the compiled operator (no validation on a hit).
-_INTO_CACHE: dict[tuple, CompiledWgrad] = {}
+#: grouped_wgrad_into's metadata key -> the compiled operator (no validation on a hit); a
+#: gathered call's key -> its launch function.
+_INTO_CACHE: dict[tuple, Any] = {}
 
 
 def clear_grouped_wgrad_caches() -> None:
@@ -254,6 +259,12 @@ def _into_key(arch, a, b, offsets, out, accumulate) -> tuple:
     )
 
 
+#: The backends whose kernel reads a gathered operand through its row index in the operand
+#: load (``grouped_wgrad_into``'s ``a_rows_S`` / ``b_rows_S``: no gathered copy); the others
+#: gather first (``torch_ref.gather_operands``), then run their dense kernel.
+WGRAD_GATHER_BACKENDS = ("sm90",)
+
+
 def grouped_wgrad_into(
     a_HS: torch.Tensor,
     b_SI: torch.Tensor,
@@ -262,25 +273,52 @@ def grouped_wgrad_into(
     *,
     accumulate: bool = False,
     backend: str = "sm90",
+    a_rows_S: torch.Tensor | None = None,
+    b_rows_S: torch.Tensor | None = None,
 ) -> None:
     """Hot path of a backward pass: ``out_EHI[e] (+)= a_HS[:, rows of e] @ b_SI[rows of e]``.
 
     The first call with a given metadata key (shapes, strides, dtypes, device, address alignment,
-    ``accumulate``) goes through ``grouped_gemm_wgrad_wrapper_<backend>`` with every contract
-    check; later calls with the same key launch the cached operator directly (validation costs
-    ~100 us of host time per call otherwise). Offsets values are never host-read (no sync,
-    CUDA-graph capturable), as ``validate_offsets=False``.
+    ``accumulate``, the indexes' metadata) goes through every contract check (the rules of
+    ``grouped_gemm_wgrad_wrapper_<backend>``); later calls with the same key launch the cached
+    operator directly (validation costs ~100 us of host time per call otherwise). Offsets and
+    index values are never host-read (no sync, CUDA-graph capturable), as
+    ``validate_offsets=False``.
+
+    Gathered operands (the routing index of a MoE layer: no gathered copy of X or dY):
+    with ``a_rows_S``, column ``s`` of A is ``a_HS[:, a_rows_S[s]]`` (zeros where
+    ``a_rows_S[s] < 0``, a padding row); with ``b_rows_S``, row ``s`` of B is
+    ``b_SI[b_rows_S[s]]``. On a backend of :data:`WGRAD_GATHER_BACKENDS` ("sm90") the kernel
+    reads the rows through the index in its operand load when the source is MN-major (A: an
+    ``[H, T]`` view with strides ``(1, ld)``, e.g. ``X.t()`` of a row-major ``[T, H]`` X; B: a
+    ``[T, I]`` tensor with strides ``(ld, 1)``; ``ld`` a multiple of 8, 16-byte aligned
+    addresses); other backends ("sm100") and other source layouts gather first
+    (``torch_ref.gather_operands``: an ``[S, H]`` / ``[S, I]`` copy), then run the dense path.
+    Source rows that no index names are never read.
 
     Args:
-        a_HS: [H, S] bf16.  b_SI: [S, I] bf16.  offsets_E: [E] int32 cumulative row ends.
+        a_HS: [H, S] bf16, or with ``a_rows_S`` the [H, T] source (T may differ from S).
+        b_SI: [S, I] bf16, or with ``b_rows_S`` the [T, I] source.
+        offsets_E: [E] int32 cumulative row ends (``offsets_E[-1] <= S``).
         out_EHI: [E, H, I] contiguous bf16/fp16/fp32 output, written in place.
         accumulate: add into ``out_EHI`` instead of overwriting it.
         backend: "sm90" or "sm100".
+        a_rows_S, b_rows_S: None, or [S] int32 / int64 row indexes on the operands' device,
+            every value < T (negative: a padding row, read as zeros). S is the index length;
+            with both, the same S (their dtypes may differ: b_rows_S is then converted on the
+            device).
     Raises:
-        ValueError / RuntimeError: as the wrappers (first call of a key).
+        ValueError: an index that is not a rank-1 int32 / int64 [S] tensor on the operands'
+            device, S that differs between the indexes and the other operand, a source that is
+            not bf16, or (first call of a key) any rule of the wrappers; before any output is
+            written.
+        RuntimeError: as the wrappers (no CUDA, wrong device, CuTe DSL missing).
     """
     if backend not in ARCH_CLASSES:
         raise ValueError(f"backend must be 'sm90' or 'sm100', got {backend!r}")
+    if a_rows_S is not None or b_rows_S is not None:
+        _gathered_into(a_HS, b_SI, offsets_E, out_EHI, accumulate, backend, a_rows_S, b_rows_S)
+        return
     key = _into_key(backend, a_HS, b_SI, offsets_E, out_EHI, accumulate)
     op = _INTO_CACHE.get(key)
     if op is not None:
@@ -293,3 +331,119 @@ def grouped_wgrad_into(
     _, op = run_wrapper(ARCH_CLASSES[backend], call)
     with _CACHE_LOCK:
         _INTO_CACHE[key] = op
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped_wgrad_into with row indexes
+# ---------------------------------------------------------------------------------------------
+
+
+def _kernel_gathers(a_src: torch.Tensor, b_src: torch.Tensor, gather_a: bool,
+                    gather_b: bool) -> bool:
+    """Whether the SM90 kernel can read the gathered source(s) in place: MN-major (A ``[H, T]``
+    strides ``(1, ld)``; B ``[T, I]`` strides ``(ld, 1)``), ``ld`` and the row length multiples
+    of 8 elements, 16-byte aligned address (its 16-byte cp.async chunks)."""
+    for gathered, t, unit, pitch in ((gather_a, a_src, 0, 1), (gather_b, b_src, 1, 0)):
+        if not gathered:
+            continue
+        rows, tokens = t.shape[unit], t.shape[pitch]
+        if rows % 8 or (rows > 1 and t.stride(unit) != 1):
+            return False
+        if tokens > 1 and (t.stride(pitch) % 8 or t.stride(pitch) < rows):
+            return False
+        if t.numel() and t.data_ptr() % TMA_ALIGN_BYTES:
+            return False
+    return True
+
+
+def _meta_like(t: torch.Tensor, shape=None, stride=None) -> torch.Tensor:
+    """A storage-less stand-in of ``t`` (``shape`` / ``stride`` or its own) on the meta device."""
+    return torch.empty_strided(
+        tuple(t.shape) if shape is None else shape,
+        tuple(t.stride()) if stride is None else stride,
+        dtype=t.dtype, device="meta",
+    )
+
+
+def _gather_key(backend, a, b, offsets, out, accumulate, a_rows, b_rows) -> tuple:
+    """The ``_INTO_CACHE`` key of a gathered call: the dense key's metadata and the indexes'."""
+    rows_meta = tuple(
+        None if r is None else (r.shape, r.stride(), r.dtype, r.device) for r in (a_rows, b_rows)
+    )
+    return ("gather", *_into_key(backend, a, b, offsets, out, accumulate), rows_meta)
+
+
+#: The argument names of ``grouped_wgrad_into`` in the messages of its gathered calls.
+_INTO_NAMES = ArgNames("a_HS", "b_SI", "offsets_E", wgrad="out_EHI")
+
+
+def _compile_gathered(backend, a, b, offsets, out, accumulate, a_rows, b_rows,
+                      tokens_sum) -> Callable[..., None]:
+    """First call of a gathered key on a kernel backend: every rule of the dense call, checked on
+    storage-less stand-ins of the operands the kernel sees (the gathered one as its ``[H, S]``
+    M-major / ``[S, I]`` row-major image), the real devices and addresses, the tile fit; then
+    the kernel of the contract's key with the gather fields. Returns the launch."""
+    cls = ARCH_CLASSES[backend]
+    require_device(cls, a.device, "a_HS")
+    ga, gb = a_rows is not None, b_rows is not None
+    hidden, inter = a.shape[0], b.shape[1]
+    a_std = _meta_like(a, (hidden, tokens_sum), (1, hidden)) if ga else _meta_like(a)
+    b_std = _meta_like(b, (tokens_sum, inter), (inter, 1)) if gb else _meta_like(b)
+    call = WgradCall(
+        a=a_std, b=b_std, offsets=_meta_like(offsets), wgrad_tensor=_meta_like(out),
+        wgrad_dtype=out.dtype, accumulate_on_output=accumulate, validate_offsets=False,
+        names=_INTO_NAMES,
+    )
+    v = validate_call(call, backend)  # shapes, dtypes, majors, output, tiling (meta: no values)
+    check_same_device({"a_HS": a, "b_SI": b, "offsets_E": offsets, "out_EHI": out,
+                       "a_rows_S": a_rows, "b_rows_S": b_rows})
+    for t, arg, align in ((a, "a_HS", TMA_ALIGN_BYTES), (b, "b_SI", TMA_ALIGN_BYTES),
+                          (offsets, "offsets_E", OFFSETS_ALIGN_BYTES),
+                          (out, "out_EHI", TMA_ALIGN_BYTES)):
+        check_ptr(t, arg, align)
+    contract = next(
+        c for c in v.contracts
+        if (not ga or c.a_major == "m") and (not gb or c.b_major == "n")
+    )
+    bf16.check_fits(contract)
+    _, module = bf16._family(contract)  # noqa: SLF001 - the format's family lookup
+    if module is None:
+        bf16.compile_launcher(contract, "grouped_wgrad_into")  # raises: not built
+    index_dtype = "int64" if (a_rows if ga else b_rows).dtype == torch.int64 else "int32"
+    key = dataclasses.replace(
+        module.FAMILY.key_from_contract(contract), gather_a=ga, gather_b=gb,
+        index_dtype=index_dtype,
+    )
+    launcher = module.FAMILY.launcher(key)
+
+    def launch(a, b, offsets, out, a_rows, b_rows):
+        launcher(a, b, offsets, out, a_rows=a_rows, b_rows=b_rows)
+
+    return launch
+
+
+def _gathered_into(a_HS, b_SI, offsets_E, out_EHI, accumulate, backend, a_rows_S, b_rows_S):
+    """``grouped_wgrad_into`` with ``a_rows_S`` / ``b_rows_S`` (see there)."""
+    tokens_sum = check_row_indexes(a_HS, b_SI, a_rows_S, b_rows_S, "grouped_wgrad_into")
+    for t, arg in ((a_HS, "a_HS"), (b_SI, "b_SI")):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"grouped_wgrad_into: {arg} must be torch.bfloat16, got {t.dtype}")
+    rows = [r if r is None else r.contiguous() for r in (a_rows_S, b_rows_S)]
+    if rows[0] is not None and rows[1] is not None and rows[1].dtype != rows[0].dtype:
+        rows[1] = rows[1].to(rows[0].dtype)  # one index dtype per kernel key
+    a_rows, b_rows = rows
+    if backend in WGRAD_GATHER_BACKENDS and _kernel_gathers(
+        a_HS, b_SI, a_rows is not None, b_rows is not None
+    ):
+        key = _gather_key(backend, a_HS, b_SI, offsets_E, out_EHI, accumulate, a_rows, b_rows)
+        op = _INTO_CACHE.get(key)
+        if op is None:
+            op = _compile_gathered(backend, a_HS, b_SI, offsets_E, out_EHI, bool(accumulate),
+                                   a_rows, b_rows, tokens_sum)
+            with _CACHE_LOCK:
+                _INTO_CACHE[key] = op
+        op(a_HS, b_SI, offsets_E, out_EHI, a_rows, b_rows)
+        return
+    # no in-kernel gather here: gather first (device ops, no host read), then the dense path
+    a, b = gather_operands(a_HS, b_SI, a_rows, b_rows)
+    grouped_wgrad_into(a, b, offsets_E, out_EHI, accumulate=accumulate, backend=backend)

@@ -30,6 +30,16 @@ Structure (one CTA per SM, persistent, warp-specialized):
   the expert's begin rounded down to 8 tokens (TMA needs a 16-byte aligned innermost coordinate).
   The consumers zero the rows outside the expert in shared memory (both operands: ``0 * NaN`` is
   NaN), fence the async proxy and sync before the wgmma reads them;
+- gathered operands (key fields ``gather_a`` / ``gather_b``: A's token columns / B's token rows
+  read through a row index, the MoE routing index, instead of from a gathered copy): the whole
+  producer warp group loads them. Warp 0 still takes the tile ids (all 128 producer threads read
+  them back from the tile-id ring) and issues the TMA box of the other operand; every producer
+  thread copies one K row of each stage (two threads per row, 16-byte ``cp.async`` chunks into
+  the 128-byte-swizzled MN-major stage), its index entry loaded one stage ahead, zero-filled by
+  the copy's predicate for a padding row (index < 0), a token outside the expert or columns
+  past hidden / intermediate, and arrives on the stage's full barrier
+  (``cp.async.mbarrier.arrive.noinc``: 1 + 128 arrivals, TMA bytes of the other operand only).
+  The consumers fence the async proxy before wgmma and zero only a TMA operand's rows;
 - empty experts issue no loads and write zeros, or leave the output untouched when accumulating;
 - speed variants, fields of :class:`Sm90TileConfig` (defaults: the kernel above): epilogue
   sub-tile width (``epi_n``), the old output tile prefetched into L2 for the reduce-add
@@ -56,7 +66,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..keys import KernelKey
-from ..launch import KernelFamily, key_of_contract
+from ..launch import KernelFamily, fake_offsets_and_out, fake_wgrad_operands, key_of_contract
 from ..tile_sched import scheduler_base
 from ..tiles import SM90_TILES, rules_loader, select_tile
 from .common import Sm90Tiling, kernel_base
@@ -149,14 +159,58 @@ class Sm90WgradKey(KernelKey):
     that divides hidden and intermediate. ``input_order``: see
     :func:`compile_sm90_wgrad`.
 
+    Gathered operands (compile-time fields; the defaults compile the kernel without gather):
+        gather_a: A's token columns are read through an index: A column ``s`` is
+            ``A_src[:, a_rows[s]]`` (zeros where ``a_rows[s] < 0``), ``A_src`` an M-major
+            ``(hidden, T)`` view (``a_major="m"``: e.g. ``X.t()`` of a row-major ``[T, H]``
+            ``X``). The producer warp group copies its rows with ``cp.async`` instead of TMA.
+        gather_b: likewise B row ``s`` is ``B_src[b_rows[s], :]``, ``B_src`` a row-major
+            ``(T, intermediate)`` tensor (``b_major="n"``).
+        index_dtype: ``"int64"`` or ``"int32"``: the dtype of the index (of both, when both
+            operands are gathered; ignored without gather).
+
     Raises:
-        ValueError: a field outside its values, or hidden / intermediate that the tile does not
-            divide.
+        ValueError: a field outside its values, hidden / intermediate that the tile does not
+            divide, or a gathered operand that is not MN-major / not ``tensor2d``.
     """
 
     _TILES = SM90_TILES
 
     tile: Sm90TileConfig = Sm90TileConfig()
+    gather_a: bool = False
+    gather_b: bool = False
+    index_dtype: str = "int64"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        cls = type(self).__name__
+        for name in ("gather_a", "gather_b"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{cls}.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.index_dtype not in ("int64", "int32"):
+            raise ValueError(
+                f"{cls}.index_dtype must be 'int64' or 'int32', got {self.index_dtype!r}"
+            )
+        if self.gather_a and self.a_major != "m":
+            raise ValueError(
+                f"{cls}: gather_a reads A's token columns as M-major rows (a_major='m'), got "
+                f"a_major={self.a_major!r}"
+            )
+        if self.gather_b and self.b_major != "n":
+            raise ValueError(
+                f"{cls}: gather_b reads B's token rows as N-major rows (b_major='n'), got "
+                f"b_major={self.b_major!r}"
+            )
+        if (self.gather_a or self.gather_b) and self.input_order != "tensor2d":
+            raise ValueError(
+                f"{cls}: a gathered operand needs input_order='tensor2d', got "
+                f"{self.input_order!r}"
+            )
+
+    @property
+    def gather(self) -> bool:
+        """Whether any operand is read through an index."""
+        return self.gather_a or self.gather_b
 
 
 #: The rows of ``configs/cuda/sm90_tiles.yaml``, read once: ``load_sm90_tile_rules()``.
@@ -265,8 +319,17 @@ def _build_kernel_class():
             self.stages = min(t.stages, (_SMEM_BYTES - header - epi_bytes) // t.stage_bytes)
             if self.stages < 2:
                 raise ValueError(f"{t} leaves no room for 2 pipeline stages with its epilogue")
-            self.producer_regs = 40
-            self.consumer_regs = 232 if self.num_consumer_wgs == 2 else 160
+            # gathered operands: the producer warp group's 128 threads copy their K rows with
+            # cp.async (2 threads per K row of a stage; tile_m / 16 or tile_n / 16 16-byte
+            # chunks each), which keeps more registers than a TMA-only producer warp; the
+            # consumers take what the producers give up (setmaxnreg steps of 8)
+            self.gather_a, self.gather_b = key.gather_a, key.gather_b
+            self.gather = key.gather
+            self.idx_dtype = {"int64": cutlass.Int64, "int32": cutlass.Int32}[key.index_dtype]
+            self.producer_regs = 56 if self.gather else 40
+            self.consumer_regs = (
+                (224 if self.gather else 232) if self.num_consumer_wgs == 2 else 160
+            )
 
         def make_storage(self, a_cosize: int, b_cosize: int, epi_cosize: int):
             """The kernel's shared-memory struct (built in a plain method, outside the code the
@@ -355,6 +418,195 @@ def _build_kernel_class():
                         kk = hi + r - lo
                     sX[(mm, kk, stage)] = self.ab_dtype(0.0)
 
+        # ---- gathered operands (gather_a / gather_b): the producer warp group's cp.async ----
+
+        @cute.jit
+        def producer_tile(self, mCounter, lane, warp_idx, sched_pipe, sched_state, sched_cstate,
+                          sSched):
+            """Gather producers (the whole producer warp group): warp 0 takes the next tile id
+            from the global counter and publishes it into the tile-id ring (as the TMA
+            producer warp does); then every producer thread reads it back from the ring, as
+            the consumers do (the ring counts the 128 producer threads among its readers). The
+            caller advances both states."""
+            if warp_idx == 0:
+                self.next_tile(mCounter, lane, sched_pipe, sched_state, sSched)
+            return self.take_tile(sched_pipe, sched_cstate, sSched)
+
+        @cute.jit
+        def gather_stage(  # noqa: PLR0913
+            self,
+            atom: cute.CopyAtom,
+            pred: cute.Tensor,
+            mG: cute.Tensor,
+            sX: cute.Tensor,
+            extent: cutlass.Constexpr,
+            total: cutlass.Constexpr,
+            col0: cutlass.Int32,
+            src: cutlass.Int64,
+            kk: cutlass.Int32,
+            half: cutlass.Int32,
+            stage: cutlass.Int32,
+        ):
+            """This thread's share of one gathered MN-major ``(extent, tile_k)`` stage: K row
+            ``kk`` is source row ``src`` of ``mG`` (``(total, T)``, stride ``(1, ld)``; its
+            index entry, :meth:`row_index`), columns ``[col0, col0 + extent)``; the row's
+            ``extent / 8`` 16-byte chunks are split over two threads (``half``: chunks
+            ``half, half + 2, ...``; the 128-byte swizzle keeps each chunk contiguous).
+            cp.async zero-fills a chunk whose predicate is false: ``src < 0`` (a padding row,
+            or a token outside the expert) or columns past ``total``."""
+            ok = src >= 0
+            ld_bytes = cutlass.Int64(mG.stride[1]) * 2
+            row_addr = (
+                mG.iterator.toint()
+                + cutlass.max(src, cutlass.Int64(0)) * ld_bytes
+                + cutlass.Int64(col0) * 2
+            )
+            row = sX[(None, kk, stage)]
+            for j in cutlass.range_constexpr(extent // 16):
+                c = half + 2 * j
+                pred[0] = ok
+                if cutlass.const_expr(total % extent != 0):  # a partial last tile: columns
+                    pred[0] = ok and col0 + c * 8 < total
+                src_t = cute.make_tensor(
+                    cute.make_ptr(
+                        self.ab_dtype,
+                        row_addr + cutlass.Int64(c) * 16,
+                        cute.AddressSpace.gmem,
+                        assumed_align=16,
+                    ),
+                    cute.make_layout(((8, 1),)),
+                )
+                dst = cute.local_tile(row, (8,), (c,))
+                dst_t = cute.make_tensor(dst.iterator, cute.make_layout(((8, 1),)))
+                cute.copy(atom, src_t, dst_t, pred=pred)
+
+        @cute.jit
+        def row_index(self, mIdx, s, k_begin, k_end):
+            """The source row of token ``s`` (``mIdx[s]``), or -1 outside the expert's tokens
+            ``[k_begin, k_end)`` (the index is not read there: it may end at ``k_end``)."""
+            src = cutlass.Int64(-1)
+            if s >= k_begin and s < k_end:
+                src = cutlass.Int64(mIdx[s])
+            return src
+
+        @cute.jit
+        def produce_gather(  # noqa: PLR0913
+            self, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_cl, tma_cl, sA, sB, sC,
+            mGA, mGB, mIdxA, mIdxB, sPerm, mOffsets, mCounter, ab_pipe, sched_pipe, sSched,
+            warp_idx, ptid,
+        ):
+            """The producer warp group with a gathered operand: per tile (ids from the ring:
+            :meth:`producer_tile`) and K stage, every thread waits for the stage to be free
+            (its index entry for the stage already loaded, one stage ahead);
+            warp 0 arms the full barrier with the TMA bytes of the operand that stays on TMA
+            (none when both are gathered) and issues its box; every thread issues its cp.async
+            chunks of the gathered operand(s) (:meth:`gather_stage`; K row ``ptid // 2``) and
+            arrives on the full barrier when they land (``noinc``: the barrier counts 1 + 128
+            arrivals). Rows outside the expert are zero-filled here, so the consumers zero
+            only a TMA operand's."""
+            tk = self.tile_k
+            prod_state, sched_state = self.producer_states()
+            sched_cstate = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, _SCHED_STAGES
+            )
+            lane = cute.arch.lane_idx()
+            atom = cute.make_copy_atom(
+                cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                self.ab_dtype,
+                num_bits_per_copy=128,
+            )
+            pred = cute.make_rmem_tensor((1,), cutlass.Boolean)
+            kk = ptid // 2  # this thread's K row of every stage (tile_k = 64 rows, 128 threads)
+            half = ptid % 2
+            gCl_all = None
+            if cutlass.const_expr(self.l2_prefetch_c):
+                gCl_all = cute.local_tile(tma_cl, (self.tile_m, self.tile_n), (None, None, None))
+            tile = self.producer_tile(
+                mCounter, lane, warp_idx, sched_pipe, sched_state, sched_cstate, sSched
+            )
+            sched_state.advance()
+            sched_cstate.advance()
+            while tile < self.num_tiles:
+                e, m_idx, n_idx = self.tile_coords(tile, sPerm)
+                k_base, head, k_len, n_k = self.k_range(mOffsets, e)
+                k_begin = k_base + head
+                k_end = k_base + k_len
+                tAsA, tAgA, tBsB, tBgB = None, None, None, None
+                if cutlass.const_expr(not self.gather_a):
+                    gA = cute.local_tile(
+                        cute.domain_offset((0, k_base), tma_a), (self.tile_m, tk), (m_idx, None)
+                    )
+                    tAsA, tAgA = self.stage_tma_partition(tma_atom_a, sA, gA)
+                if cutlass.const_expr(not self.gather_b):
+                    gB = cute.local_tile(
+                        cute.domain_offset((0, k_base), tma_b), (self.tile_n, tk), (n_idx, None)
+                    )
+                    tBsB, tBgB = self.stage_tma_partition(tma_atom_b, sB, gB)
+                if cutlass.const_expr(self.l2_prefetch_c):
+                    if warp_idx == 0 and n_k > 0:
+                        _sC_part, gC_part = cute.nvgpu.cpasync.tma_partition(
+                            tma_atom_cl,
+                            0,
+                            cute.make_layout(1),
+                            cute.group_modes(sC, 0, 2),
+                            cute.zipped_divide(
+                                gCl_all[(None, None, m_idx, n_idx, e)], self.epi_tile
+                            ),
+                        )
+                        with cute.arch.elect_one():
+                            cute.prefetch(tma_atom_cl, gC_part)
+                # the index entries of this thread's K row, loaded one stage ahead (their
+                # latency hides behind the wait for a free stage)
+                src_a = cutlass.Int64(-1)
+                src_b = cutlass.Int64(-1)
+                if cutlass.const_expr(self.gather_a):
+                    src_a = self.row_index(mIdxA, k_base + kk, k_begin, k_end)
+                if cutlass.const_expr(self.gather_b):
+                    src_b = self.row_index(mIdxB, k_base + kk, k_begin, k_end)
+                for kt in cutlass.range(n_k, unroll=1):
+                    ab_pipe.sync_object_empty.wait(prod_state.index, prod_state.phase)
+                    bar = ab_pipe.producer_get_barrier(prod_state)
+                    if warp_idx == 0:
+                        # one arrival, arming the TMA bytes (0 when both are gathered)
+                        ab_pipe.sync_object_full.arrive(prod_state.index, None)
+                        if cutlass.const_expr(not self.gather_a):
+                            cute.copy(
+                                tma_atom_a, tAgA[(None, kt)], tAsA[(None, prod_state.index)],
+                                tma_bar_ptr=bar,
+                            )
+                        if cutlass.const_expr(not self.gather_b):
+                            cute.copy(
+                                tma_atom_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)],
+                                tma_bar_ptr=bar,
+                            )
+                    s_next = k_base + (kt + 1) * tk + kk
+                    if cutlass.const_expr(self.gather_a):
+                        self.gather_stage(
+                            atom, pred, mGA, sA, self.tile_m, self.key.hidden,
+                            m_idx * self.tile_m, src_a, kk, half, prod_state.index,
+                        )
+                        src_a = self.row_index(mIdxA, s_next, k_begin, k_end)
+                    if cutlass.const_expr(self.gather_b):
+                        self.gather_stage(
+                            atom, pred, mGB, sB, self.tile_n, self.key.intermediate,
+                            n_idx * self.tile_n, src_b, kk, half, prod_state.index,
+                        )
+                        src_b = self.row_index(mIdxB, s_next, k_begin, k_end)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+                    prod_state.advance()
+                tile = self.producer_tile(
+                    mCounter, lane, warp_idx, sched_pipe, sched_state, sched_cstate, sSched
+                )
+                sched_state.advance()
+                sched_cstate.advance()
+            # the tail: every stage released by the consumers before the producers exit (the
+            # waits of PipelineTmaAsync.producer_tail, without its arrivals)
+            for _i in cutlass.range_constexpr(self.stages):
+                ab_pipe.sync_object_empty.wait(prod_state.index, prod_state.phase)
+                prod_state.advance()
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+
         # ---- the kernel prologue and loads, shared with the MXFP8 kernel (sm90_mxfp8) ----
 
         def ab_load_partitions(  # noqa: PLR0913
@@ -398,25 +650,34 @@ def _build_kernel_class():
                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, _SCHED_STAGES),
             )
 
-        def setup_pipelines(self, a_smem_staged, b_smem_staged, extra_tx_bytes: int = 0):
+        def setup_pipelines(
+            self, a_smem_staged, b_smem_staged, extra_tx_bytes: int = 0,
+            gather_a: bool = False, gather_b: bool = False,
+        ):
             """Allocate the shared-memory struct and create (deferred init) the (A, B) stage
             ring and the tile-id ring. Every stage's loads complete ``extra_tx_bytes`` beyond
-            its A and B tiles (the MXFP8 scale atoms). Returns (storage, ab_pipe, sched_pipe,
-            sSched)."""
+            its A and B tiles (the MXFP8 scale atoms). A gathered operand (``gather_a`` /
+            ``gather_b``) brings no TMA bytes: its stage is complete when the producer warp
+            group's 128 threads have arrived (``cp.async.mbarrier.arrive.noinc``) besides
+            the one arrival that arms the TMA bytes, and those 128 threads read the tile-id
+            ring too. Returns (storage, ab_pipe, sched_pipe, sSched)."""
             a_smem_one = cute.slice_(a_smem_staged, (None, None, 0))
             b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
-            tx_bytes = (
-                cute.size_in_bytes(self.ab_dtype, a_smem_one)
-                + cute.size_in_bytes(self.ab_dtype, b_smem_one)
-                + extra_tx_bytes
-            )
+            tx_bytes = extra_tx_bytes
+            if not gather_a:
+                tx_bytes += cute.size_in_bytes(self.ab_dtype, a_smem_one)
+            if not gather_b:
+                tx_bytes += cute.size_in_bytes(self.ab_dtype, b_smem_one)
+            gather_threads = 128 if (gather_a or gather_b) else 0
 
             smem = memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
             ab_pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(),
                 num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                producer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, 1 + gather_threads
+                ),
                 consumer_group=pipeline.CooperativeGroup(
                     pipeline.Agent.Thread, self.wgs_per_group * 4
                 ),
@@ -431,7 +692,7 @@ def _build_kernel_class():
                 num_stages=_SCHED_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
                 consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, 128 * self.num_consumer_wgs
+                    pipeline.Agent.Thread, 128 * self.num_consumer_wgs + gather_threads
                 ),
                 defer_sync=True,
             )
@@ -657,17 +918,21 @@ def _build_kernel_class():
                 m_idx = band * self.swizzle + inner - n_idx * rows
             return e, m_idx, n_idx
 
-        def make_mma_and_ab_loads(self, mA, mB):
+        def make_mma_and_ab_loads(self, mA, mB, load_a: bool = True, load_b: bool = True):
             """Host side (shared with the MXFP8 kernel): the tiled wgmma (``wgs_per_group``
             64-row slabs of a tile, ``tile_n`` wide), the ``stages``-deep shared-memory layouts
-            of A and B and their TMA load atoms ((tile_m, tile_k) / (tile_n, tile_k) boxes).
-            Returns (tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b,
-            tma_b)."""
+            of A and B and their TMA load atoms ((tile_m, tile_k) / (tile_n, tile_k) boxes;
+            None for an operand that is not loaded by TMA: ``load_a`` / ``load_b`` False, a
+            gathered operand). Returns (tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a,
+            tma_a, tma_atom_b, tma_b)."""
             tiled_mma, a_smem_staged, b_smem_staged = self.make_wgmma_and_smem(
                 LayoutEnum.from_tensor(mA), LayoutEnum.from_tensor(mB), self.tile_n
             )
-            tma_atom_a, tma_a = self.make_tma_load(mA, a_smem_staged, self.tile_m)
-            tma_atom_b, tma_b = self.make_tma_load(mB, b_smem_staged, self.tile_n)
+            tma_atom_a, tma_a, tma_atom_b, tma_b = None, None, None, None
+            if load_a:
+                tma_atom_a, tma_a = self.make_tma_load(mA, a_smem_staged, self.tile_m)
+            if load_b:
+                tma_atom_b, tma_b = self.make_tma_load(mB, b_smem_staged, self.tile_n)
             return tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b, tma_b
 
         @cute.jit
@@ -678,12 +943,21 @@ def _build_kernel_class():
             mOffsets: cute.Tensor,  # (E,) int32
             mOut: cute.Tensor,  # (E, M, N) dense or (E,) int64 pointers
             mCounter: cute.Tensor,  # (1,) int32, zero at launch: the dynamic tile counter
+            mIdxA: cute.Tensor,  # gather_a: (S,) int64 / int32 token -> A column; else None
+            mIdxB: cute.Tensor,  # gather_b: (S,) token -> B row; else None
             num_ctas: cutlass.Int32,
             stream,
         ):
+            # gather_a: mA is the (M, T) M-major source; gather_b: mB the (N, T) N-major view
+            # of the (T, N) source; both are read by cp.async, not TMA
             tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b, tma_b = (
-                self.make_mma_and_ab_loads(mA, mB)
+                self.make_mma_and_ab_loads(mA, mB, not self.gather_a, not self.gather_b)
             )
+            mGA, mGB = None, None  # the gathered sources (None: loaded by TMA)
+            if cutlass.const_expr(self.gather_a):
+                mGA = mA
+            if cutlass.const_expr(self.gather_b):
+                mGB = mB
             epi_smem_staged = a_smem_staged  # placeholder when the epilogue stores from registers
             epi_cosize = 64
             if cutlass.const_expr(self.tma_epi):
@@ -707,7 +981,7 @@ def _build_kernel_class():
             kernel = self.kernel(
                 tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, tma_atom_cl, tma_cl,
                 mOffsets, mOut, mCounter, num_ctas, tiled_mma, a_smem_staged, b_smem_staged,
-                epi_smem_staged,
+                epi_smem_staged, mGA, mGB, mIdxA, mIdxB,
             )
             self.launch_persistent(kernel, num_ctas, stream)
 
@@ -730,19 +1004,25 @@ def _build_kernel_class():
             a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout,
             epi_smem_staged: cute.ComposedLayout,
+            mGA: cute.Tensor,  # gather_a: (M, T) source; else None
+            mGB: cute.Tensor,  # gather_b: (N, T) source view; else None
+            mIdxA: cute.Tensor,
+            mIdxB: cute.Tensor,
         ):
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             wg_idx = cute.arch.make_warp_uniform(tidx // 128)
 
             if warp_idx == 0:
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+                if cutlass.const_expr(not self.gather_a):
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+                if cutlass.const_expr(not self.gather_b):
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
                 if cutlass.const_expr(self.tma_epi):
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
 
             storage, ab_pipe, sched_pipe, sSched = self.setup_pipelines(
-                a_smem_staged, b_smem_staged
+                a_smem_staged, b_smem_staged, 0, self.gather_a, self.gather_b
             )
             pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
@@ -753,6 +1033,7 @@ def _build_kernel_class():
 
             tk = self.tile_k
             gC_all = None
+            sC = None  # (discrete outputs: no epilogue buffers)
             if cutlass.const_expr(self.tma_epi):
                 sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
                 gC_all = cute.local_tile(tma_c, (self.tile_m, self.tile_n), (None, None, None))
@@ -760,7 +1041,14 @@ def _build_kernel_class():
             if wg_idx == 0:
                 # ---------------- producer warp group: TMA loads ----------------
                 cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp_idx == 0:
+                if cutlass.const_expr(self.gather):
+                    # the whole warp group: TMA of the other operand and cp.async gathers
+                    self.produce_gather(
+                        tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_cl, tma_cl, sA, sB, sC,
+                        mGA, mGB, mIdxA, mIdxB, sPerm, mOffsets, mCounter, ab_pipe, sched_pipe,
+                        sSched, warp_idx, tidx,
+                    )
+                elif warp_idx == 0:
                     prod_state, sched_state = self.producer_states()
                     lane = cute.arch.lane_idx()
                     gCl_all = None
@@ -852,6 +1140,10 @@ def _build_kernel_class():
                         cute.nvgpu.warpgroup.fence()
                         for kt in cutlass.range(n_k, unroll=1):
                             ab_pipe.consumer_wait(read_state)
+                            if cutlass.const_expr(self.gather):
+                                # cp.async (generic proxy) wrote the gathered stage: make it
+                                # visible to wgmma (async proxy)
+                                cute.arch.fence_proxy("async.shared", space="cta")
                             stage = read_state.index
                             lo = cutlass.Int32(0)  # rows [0, lo) belong to the previous expert
                             if kt == 0:
@@ -859,16 +1151,22 @@ def _build_kernel_class():
                             hi = k_len - kt * tk  # rows [hi, tk) belong to the next expert
                             if hi > tk:
                                 hi = cutlass.Int32(tk)
-                            if lo > 0 or hi < tk:
-                                # Zero the rows outside the expert in both operands.
-                                self.zero_rows(
-                                    sA, self.tile_m, self.key.a_major == "m", lo, hi, stage, ctid
-                                )
-                                self.zero_rows(
-                                    sB, self.tile_n, self.key.b_major == "n", lo, hi, stage, ctid
-                                )
-                                cute.arch.fence_proxy("async.shared", space="cta")
-                                mask_barrier.arrive_and_wait()
+                            if cutlass.const_expr(not (self.gather_a and self.gather_b)):  # noqa: SIM102
+                                if lo > 0 or hi < tk:
+                                    # Zero the rows outside the expert in the operands loaded
+                                    # by TMA (a gathered operand's cp.async zero-filled them).
+                                    if cutlass.const_expr(not self.gather_a):
+                                        self.zero_rows(
+                                            sA, self.tile_m, self.key.a_major == "m", lo, hi,
+                                            stage, ctid,
+                                        )
+                                    if cutlass.const_expr(not self.gather_b):
+                                        self.zero_rows(
+                                            sB, self.tile_n, self.key.b_major == "n", lo, hi,
+                                            stage, ctid,
+                                        )
+                                    cute.arch.fence_proxy("async.shared", space="cta")
+                                    mask_barrier.arrive_and_wait()
                             for kb in cutlass.range_constexpr(num_k_blocks):
                                 cute.gemm(
                                     tiled_mma,
@@ -948,11 +1246,84 @@ def sm90_key_from_contract(contract: Any) -> Sm90WgradKey:
     )
 
 
+def fake_operands(key: Sm90WgradKey) -> tuple:
+    """Fake (shape-only) operands of a compile: ``a, b_NS, offsets, out, tile_counter, a_rows,
+    b_rows``. Without gather, ``launch.fake_wgrad_operands`` (a symbolic ``tokens_sum``) and
+    None for both indexes (compile-time constants: no kernel parameter, the code of a key
+    without gather fields). A gathered operand is its ``(hidden | intermediate, T)`` MN-major
+    source with a symbolic row count ``T`` and token stride, its index ``(S,)``."""
+    import cutlass
+    from cutlass import cute
+
+    counter = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
+    if not key.gather:
+        return (*fake_wgrad_operands(key), counter, None, None)
+    m, n = key.hidden, key.intermediate
+    any_k_major = key.a_major == "k" or key.b_major == "k"
+    s = cute.sym_int32(divisibility=8 if any_k_major else 1, symbol="tokens_sum")
+
+    def operand(rows, gathered, k_major, name):
+        if gathered:  # (rows, T) with stride (1, ld): the MN-major source
+            t = cute.sym_int32(symbol=f"src_rows_{name}")
+            ld = cute.sym_int64(divisibility=8, symbol=f"ld_{name}")
+            return cute.runtime.make_fake_tensor(
+                cutlass.BFloat16, (rows, t), (1, ld), assumed_align=16
+            )
+        return cute.runtime.make_fake_compact_tensor(
+            cutlass.BFloat16, (rows, s), stride_order=(1, 0) if k_major else (0, 1),
+            assumed_align=16,
+        )
+
+    idx_t, align = {"int64": (cutlass.Int64, 8), "int32": (cutlass.Int32, 4)}[key.index_dtype]
+
+    def index(gathered):
+        if not gathered:
+            return None
+        return cute.runtime.make_fake_tensor(idx_t, (s,), (1,), assumed_align=align)
+
+    a = operand(m, key.gather_a, key.a_major == "k", "a")
+    b = operand(n, key.gather_b, key.b_major == "k", "b")
+    return (a, b, *fake_offsets_and_out(key), counter, index(key.gather_a),
+            index(key.gather_b))
+
+
+class _Sm90Family(KernelFamily):
+    """``launch.KernelFamily`` with the SM90 launch call: the tile counter, then the two
+    indexes (None without gather: :func:`fake_operands`); the cache, compile, offline PTX and
+    grid are the shared layer's."""
+
+    def _launch(  # noqa: PLR0913
+        self, key, fn, a, b, offsets, out, stream=None, descriptor_workspace=None,
+        a_rows=None, b_rows=None,
+    ) -> None:
+        """One launch on the launch stream (see ``KernelFamily._launch``): ``a_rows`` /
+        ``b_rows`` ([S] int64 / int32, the key's ``index_dtype``) with a gathered key, then
+        ``a`` / ``b`` are the ``[H, T]`` M-major / ``[T, I]`` row-major sources.
+
+        Raises:
+            ValueError: a gathered key without its index, or an index without gather.
+        """
+        for name, gathered, rows in (("a_rows", key.gather_a, a_rows),
+                                     ("b_rows", key.gather_b, b_rows)):
+            if gathered != (rows is not None):
+                raise ValueError(
+                    f"{name}: {'required' if gathered else 'must be None'} for a key with "
+                    f"gather_{name[0]}={gathered}"
+                )
+
+        def with_rows(a, b_t, offsets, out, counter, grid, *tail):
+            fn(a, b_t, offsets, out, counter, a_rows, b_rows, grid, *tail)
+
+        # the shared launch (stream, ragged repack, counter, grid), the indexes inserted
+        super()._launch(key, with_rows, a, b, offsets, out, stream, descriptor_workspace)
+
+
 #: The SM90 family in the shared compile-cache / launch layer: a dynamic persistent scheduler
 #: (a zeroed tile counter per launch), compiled for the present GPU (the path verified on the
 #: H200, 2026-12-01; only offline compiles pin an arch).
-FAMILY = KernelFamily(
-    "sm90", lambda key: kernel_class()(key), sm90_key_from_contract, tile_counter=True
+FAMILY = _Sm90Family(
+    "sm90", lambda key: kernel_class()(key), sm90_key_from_contract, tile_counter=True,
+    fake_operands=fake_operands,
 )
 
 
@@ -962,7 +1333,8 @@ __getattr__ = FAMILY.module_getattr(__name__)  # COMPILE_COUNT: the family's cou
 def compile_sm90_wgrad(key: Sm90WgradKey) -> Callable[..., None]:
     """Compile (once per key, cached) the SM90 grouped wgrad kernel and return its launcher.
 
-    ``launcher(a, b, offsets, out, stream=None)`` runs on already-validated torch CUDA tensors:
+    ``launcher(a, b, offsets, out, stream=None, a_rows=None, b_rows=None)`` runs on
+    already-validated torch CUDA tensors:
 
     - ``a``: ``(hidden, tokens_sum)`` bf16, K-major (stride ``(S, 1)``) or M-major (``(1, M)``);
       ``tokens_sum`` a multiple of 8 when any operand is K-major (TMA 16-byte strides);
@@ -971,7 +1343,13 @@ def compile_sm90_wgrad(key: Sm90WgradKey) -> Callable[..., None]:
     - ``out``: dense ``(E, M, N)`` contiguous tensor of ``key.out_dtype``, or for
       ``output_mode="discrete"`` an ``(E,)`` int64 tensor of 16-byte aligned ``(M, N)`` row-major
       output addresses;
-    - ``stream``: a ``torch.cuda.Stream`` (default: the current stream; capturable in a CUDA graph).
+    - ``stream``: a ``torch.cuda.Stream`` (default: the current stream; capturable in a CUDA graph);
+    - ``a_rows`` / ``b_rows`` (keys with ``gather_a`` / ``gather_b``, required there and None
+      otherwise): ``(tokens_sum,)`` contiguous index of ``key.index_dtype``; then ``a`` is the
+      ``(hidden, T)`` M-major source (strides ``(1, ld)``, ``ld`` a multiple of 8) whose column
+      ``a_rows[s]`` is A's column ``s``, ``b`` the ``(T, intermediate)`` row-major source
+      (strides ``(ld, 1)``) whose row ``b_rows[s]`` is B's row ``s``; a negative index reads
+      zeros; only the rows of ``[0, offsets[-1])`` read their index (never on the host).
 
     ``input_order="tensor_ragged"``: an operand whose unit-stride axis is M / N has the same memory
     as tensor2d; a K-major ragged operand (per-expert ``(rows, K_e)`` blocks) is first repacked on

@@ -188,9 +188,9 @@ def _declared_options(backend, options) -> dict[str, Any]:
 def layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options,
                   routing=None):
     """One forward of the layer: ``(LayerForward, backend)``; ``x_rows_S`` is kept only for
-    a ``layer_state`` backend's backward where :func:`keeps_x_rows` says so (else None). ``routing``: an already built
-    ``(plan, layout)`` (:func:`common.routing.presorted_routing`), which replaces
-    ``affinity`` and ``expert_index`` (both None then; no routing check). Raises as
+    a ``layer_state`` backend's backward where :func:`keeps_x_rows` says so (else None).
+    ``routing``: an already built ``(plan, layout)`` (:func:`common.routing.presorted_routing`),
+    which replaces ``affinity`` and ``expert_index`` (both None then; no routing check). Raises as
     :class:`common.layer.MoEExpertsFunction`. Small CPU problems run on one thread
     (:func:`common.torch_backward.cpu_threads`)."""
     slots = routing[0].pair_token_R.numel() if routing is not None else expert_index.numel()

@@ -9,8 +9,8 @@ weights (``moe_forward_split_gate_up`` / ``moe_backward_split_gate_up``: torchti
 declares its layer option ``grouped_mm``
 (``cuda_kernels.moe.grouped_mm_choice.GROUPED_MM_OPTION``) and its layer state (saved X rows
 where ``keeps_x_rows`` says so, layout, gradient targets; the checkpoint in grouped row order
-where ``checkpoint_in_rows`` says so). ``check()`` says what is missing: CUDA, the right compute capability,
-Triton, the CuTe DSL package, or (SM100) the kernel itself.
+where ``checkpoint_in_rows`` says so). ``check()`` says what is missing: CUDA, the right
+compute capability, Triton, the CuTe DSL package, or (SM100) the kernel itself.
 
 Imported lazily by ``common.dispatch`` by module name; importing it imports neither triton nor
 CuTe DSL and does not query the GPU (``check()`` does, when called), so the option declaration

@@ -131,6 +131,15 @@ class Backend:
             ClampLimits or None) and the backend's declared options by name. It must depend on
             nothing else -- the layer's fake implementation gives the checkpoint's shape from
             it, so one layer keeps one form for every token count. None = always [R, 2, I].
+        keeps_x_rows: optional ``fn(call) -> bool``, read only with ``layer_state`` and a
+            ``forward``: whether ``forward`` keeps the gathered X rows for ``run``
+            (``LayerForward.x_rows_S``); False where ``run`` reads X through the layout's
+            row -> token index itself. The layer passes the answer to ``forward`` as
+            ``keep_x_rows=``. ``call``: ``device`` (torch.device), the ints ``E, H, I``,
+            ``grad_dtype`` (what ``run`` will be given), ``accumulate`` (the layer's
+            ``accumulate_main_grad``), ``backend_options`` (a dict) and the declared options by
+            name; like ``checkpoint_rows`` it must depend on nothing else (the fake
+            implementation gives the saved rows' shape from it). None = always kept.
     """
 
     name: str
@@ -146,6 +155,7 @@ class Backend:
     forward_split_gate_up: Callable | None = None
     run_split_gate_up: Callable | None = None
     checkpoint_rows: Callable[[dict], bool] | None = None
+    keeps_x_rows: Callable[[dict], bool] | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}

@@ -59,6 +59,7 @@ __all__ = [
     "check_inputs",
     "checkpoint_shape",
     "check_routing_on_host",
+    "keeps_x_rows",
     "layer_backward",
     "layer_forward",
     "layer_threads",
@@ -187,9 +188,9 @@ def _declared_options(backend, options) -> dict[str, Any]:
 def layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options,
                   routing=None):
     """One forward of the layer: ``(LayerForward, backend)``; ``x_rows_S`` is kept only for
-    a ``layer_state`` backend's backward (else None). ``routing``: an already built
-    ``(plan, layout)`` (:func:`common.routing.presorted_routing`), which replaces
-    ``affinity`` and ``expert_index`` (both None then; no routing check). Raises as
+    a ``layer_state`` backend's backward where :func:`keeps_x_rows` says so (else None).
+    ``routing``: an already built ``(plan, layout)`` (:func:`common.routing.presorted_routing`),
+    which replaces ``affinity`` and ``expert_index`` (both None then; no routing check). Raises as
     :class:`common.layer.MoEExpertsFunction`. Small CPU problems run on one thread
     (:func:`common.torch_backward.cpu_threads`)."""
     slots = routing[0].pair_token_R.numel() if routing is not None else expert_index.numel()
@@ -213,6 +214,8 @@ def _layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_ind
         check_routing_on_host(expert_index, affinity, E)
     forward = getattr(backend, "forward", None)
     extra = {} if forward is None else _declared_options(backend, options)
+    if forward is not None and backend.layer_state and backend.keeps_x_rows is not None:
+        extra["keep_x_rows"] = keeps_x_rows(options, x.device, w_gate_up, w_down)
     if routing is not None:
         extra["routing"] = routing
     out = (forward or moe_layer_forward_torch)(
@@ -223,6 +226,41 @@ def _layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_ind
     if not backend.layer_state and out.x_rows_S is not None:
         out = LayerForward(out.y_TH, out.checkpoint, None, out.plan, out.layout)
     return out, backend
+
+
+def _run_grad_dtype(options, w_gate_up, w_down) -> torch.dtype:
+    """The ``grad_dtype`` a ``layer_state`` backend's run is given: ``backend_options``' own,
+    else the weights' common dtype where the run writes it directly, else fp32."""
+    given = dict(options.backend_options).get("grad_dtype")
+    if given is not None:
+        return given
+    same = w_gate_up.dtype == w_down.dtype and w_gate_up.dtype in _GRAD_DTYPES
+    return w_gate_up.dtype if same else torch.float32
+
+
+def keeps_x_rows(options, device, w_gate_up, w_down) -> bool:
+    """Whether the layer's forward keeps the gathered X rows [S, H] for the backward
+    (``LayerForward.x_rows_S``; ``experts_forward``'s third output, else [0, H]): a
+    ``layer_state`` backend's forward does, unless its ``Backend.keeps_x_rows`` says that its
+    run reads X through the routing index (for these weights' sizes and dtypes and these
+    options: never the token count). What the fake implementation gives, what the real op
+    checks the forward against, and what the layer passes to the forward as
+    ``keep_x_rows``."""
+    backend = resolve_backend(options.backend, device)
+    if not backend.layer_state:
+        return False
+    hook = backend.keeps_x_rows if backend.forward else None
+    if hook is None:
+        return True
+    call = {
+        "device": torch.device(device), "E": int(w_gate_up.shape[0]),
+        "H": int(w_gate_up.shape[1]), "I": int(w_gate_up.shape[3]),
+        "grad_dtype": _run_grad_dtype(options, w_gate_up, w_down),
+        "accumulate": bool(options.accumulate_main_grad),
+        "backend_options": dict(options.backend_options),
+        **_declared_options(backend, options),
+    }
+    return bool(hook(call))
 
 
 def checkpoint_shape(options, device, *, E: int, H: int, I: int, R: int, S: int,
@@ -276,8 +314,7 @@ def layer_backward(
     accumulated = False
     threads = layer_threads(x, w_gate_up, w_down, plan)
     if backend.layer_state:
-        same = w_gate_up.dtype == w_down.dtype and w_gate_up.dtype in _GRAD_DTYPES
-        run_opts.setdefault("grad_dtype", w_gate_up.dtype if same else torch.float32)
+        run_opts["grad_dtype"] = _run_grad_dtype(options, w_gate_up, w_down)
         run_opts.update(layout=layout, x_rows_S=x_rows)
         if main_grad is not None and all(
             m.dtype == torch.float32 and m.is_contiguous() for m in main_grad
@@ -335,8 +372,9 @@ def _experts_forward(
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """``(y, act, x_rows, *plan, *layout)``: :func:`layer_forward` with flat outputs (act is
-    the checkpoint in the form of :func:`checkpoint_shape`; x_rows is [0, H] when the backend
-    does not keep it). Checks the inputs first (ValueError)."""
+    the checkpoint in the form of :func:`checkpoint_shape`; x_rows is [0, H] where
+    :func:`keeps_x_rows` is False: the backend does not keep them, or its backward reads X
+    through the routing index). Checks the inputs first (ValueError)."""
     check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index)
     opts = _OPTIONS[options]
     out, _ = layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, opts)
@@ -349,11 +387,13 @@ def _experts_forward(
         gate_up_bias=b_gate_up is not None))
     rows = out.x_rows_S if out.x_rows_S is not None else x.new_empty(0, x.shape[1],
                                                                       dtype=torch.bfloat16)
+    want = S if keeps_x_rows(opts, x.device, w_gate_up, w_down) else 0
+    if rows.shape[0] != want:
+        raise RuntimeError(
+            f"the backend's forward kept {rows.shape[0]} X rows, not {want} "
+            "(Backend.keeps_x_rows disagrees with its forward)"
+        )
     return (out.y_TH, out.checkpoint, rows, *_flat_routing(out.plan, out.layout))
-
-
-def _keeps_rows(options, device) -> bool:
-    return resolve_backend(options.backend, device).layer_state
 
 
 @_experts_forward.register_fake
@@ -371,7 +411,7 @@ def _(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options):
     S = static_tokens_sum(R, E, ALIGN)
     i64, bf16 = torch.int64, torch.bfloat16
     opts = _OPTIONS[options]
-    rows = S if _keeps_rows(opts, x.device) else 0
+    rows = S if keeps_x_rows(opts, x.device, w_gate_up, w_down) else 0
     ck = checkpoint_shape(opts, x.device, E=E, H=w_gate_up.shape[1], I=I, R=R, S=S,
                           gate_up_bias=b_gate_up is not None)
     return (

@@ -369,7 +369,9 @@ class LayerForward:
             rows, gate/up columns in the weight matrix's order: :func:`gate_up_matrix`), which
             a backend with ``Backend.checkpoint_rows`` keeps where there is no gate/up bias and
             no clamp. :meth:`checkpoint_pairs` gives the pair order either way.
-        x_rows_S: [S, H] BF16 X in the layout's row order (padding rows 0), or None.
+        x_rows_S: [S, H] BF16 X in the layout's row order (padding rows 0), or None: the
+            backend keeps none (``Backend.keeps_x_rows``: its backward's gate/up weight
+            gradient reads X through ``layout.row_to_token_S`` itself).
         plan: the :class:`~common.routing.RoutingPlan`.
         layout: its grouped layout (:func:`grouped_layout`).
     """

@@ -7,10 +7,10 @@ everything between them, and this package's grouped wgrad kernel through the pub
 ``cuda_kernels.grouped_wgrad.api``), the same on rows in expert order with separate gate and up
 weights (``moe_forward_split_gate_up`` / ``moe_backward_split_gate_up``: torchtitan's seam), and
 declares its layer option ``grouped_mm``
-(``cuda_kernels.moe.grouped_mm_choice.GROUPED_MM_OPTION``) and its layer state (saved X rows,
-layout, gradient targets; the checkpoint in grouped row order where ``checkpoint_in_rows``
-says so). ``check()`` says what is missing: CUDA, the right compute capability,
-Triton, the CuTe DSL package, or (SM100) the kernel itself.
+(``cuda_kernels.moe.grouped_mm_choice.GROUPED_MM_OPTION``) and its layer state (saved X rows
+where ``keeps_x_rows`` says so, layout, gradient targets; the checkpoint in grouped row order
+where ``checkpoint_in_rows`` says so). ``check()`` says what is missing: CUDA, the right
+compute capability, Triton, the CuTe DSL package, or (SM100) the kernel itself.
 
 Imported lazily by ``common.dispatch`` by module name; importing it imports neither triton nor
 CuTe DSL and does not query the GPU (``check()`` does, when called), so the option declaration
@@ -29,7 +29,7 @@ from common.problem import MoEBackwardProblem, MoEGrads
 
 from .gemm import env, registry
 from .grouped_wgrad import api
-from .moe.grouped_mm_choice import GROUPED_MM_OPTION, checkpoint_in_rows
+from .moe.grouped_mm_choice import GROUPED_MM_OPTION, checkpoint_in_rows, keeps_x_rows
 
 __all__ = ["check_cuda_sm90", "check_cuda_sm100", "make_grouped_wgrad"]
 
@@ -111,6 +111,17 @@ def _checkpoint_rows(call: dict) -> bool:
                               clamp_limits=call["clamp_limits"], grouped_mm=call["grouped_mm"])
 
 
+def _keeps_x_rows(call: dict) -> bool:
+    """``Backend.keeps_x_rows``: the fused forward keeps the gathered X rows unless the fused
+    backward's gate/up wgrad reads X through the routing index
+    (:func:`cuda_kernels.moe.grouped_mm_choice.keeps_x_rows`)."""
+    return keeps_x_rows(
+        call["device"], call["E"], call["H"], call["I"], grad_dtype=call["grad_dtype"],
+        accumulate=call["accumulate"],
+        wgrad_backend=call["backend_options"].get("wgrad_backend", "auto"),
+    )
+
+
 def _run_fused(problem: MoEBackwardProblem, **options) -> MoEGrads:
     """The fused backward; ``options`` are :func:`moe_backward_fused`'s keywords (``grouped_mm``
     from ``MoEExpertsOptions`` among them)."""
@@ -148,6 +159,7 @@ register_backend(
         forward_split_gate_up=_forward_split,
         run_split_gate_up=_run_split,
         checkpoint_rows=_checkpoint_rows,
+        keeps_x_rows=_keeps_x_rows,
     )
 )
 register_backend(
@@ -164,5 +176,6 @@ register_backend(
         forward_split_gate_up=_forward_split,
         run_split_gate_up=_run_split,
         checkpoint_rows=_checkpoint_rows,
+        keeps_x_rows=_keeps_x_rows,
     )
 )

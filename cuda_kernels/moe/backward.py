@@ -2,25 +2,34 @@
 
 Per call (rows in the grouped layout of the plan, REFERENCE §1.2; math REFERENCE §2)::
 
-    x_S, dY_S   = gather_rows(X, dY)                    # one pass each, BF16 (Triton); x_S may
-                                                        # come from the forward instead
+    dY_S        = gather_rows(dY)                       # one pass, BF16 (Triton)
     dh_raw_S    = dY_S @ W_down[e]^T                    # grouped GEMM, BF16 out (cuBLAS)
     dgu_S, ah_S, dA = activation_backward(dh_raw_S, checkpoint, ...)   # one pass (Triton): the
                                                         # checkpoint by pair [R, 2, I] or, as
                                                         # the forward kept it, by row [S, 2I]
     dB_*        = segment_colsum(...)                   # only with biases (Triton)
-    dW_down     = ah_S^T dY_S                           # our grouped wgrad kernel (SM90)
+    dW_down     = ah_S^T dY[row_to_token_S]             # our grouped wgrad kernel (SM90),
+                                                        # dY's rows read through the index
     dX_S        = dgu_S @ W_gate_up[e]^T                # grouped GEMM (cuBLAS)
     dX          = token_sum(dX_S)                       # each token sums its rows (Triton)
-    dW_gate_up  = x_S^T dgu_S                           # our grouped wgrad kernel (SM90)
+    dW_gate_up  = X[row_to_token_S]^T dgu_S             # our grouped wgrad kernel (SM90),
+                                                        # X's rows read through the index
+
+The two weight gradients read X and dY through the layout's row -> token index in the
+kernel's operand load where the wgrad's implementation gathers
+(:func:`.grouped_mm_choice.wgrad_gathers`, ``api.WGRAD_GATHER_BACKENDS``): no gathered [S, H]
+copy of X is kept from the forward, and dY's gathered rows are freed after the down dgrad
+(kept only where the bias gradients read them). Elsewhere (cuBLAS's wgrad off the 128 grid,
+the torch twin on the CPU, SM100) the operand is gathered right before its wgrad (or taken from
+the forward's ``x_rows_S`` where it kept them), as before.
 
 With ``grouped_mm="ours"`` (or ``"auto"`` where ``configs/cuda/grouped_mm_choice.yaml`` says so:
 :mod:`cuda_kernels.moe.grouped_mm_choice`) the dY gather, the down dgrad and the activation backward
 are one kernel, :func:`cuda_kernels.grouped_mm.down_dgrad_backward` (``dy_rows_out`` side-writes
-``dY_S``), which reads ``dh_raw`` from its fp32 accumulator (one BF16 rounding fewer); with
-``"ours-gemm"`` the dY gather and the down dgrad are one kernel
-(:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, ``dY_S`` side-written) and the activation
-backward stays a pass.
+``dY_S`` where something reads it), which reads ``dh_raw`` from its fp32 accumulator (one BF16
+rounding fewer); with ``"ours-gemm"`` the dY gather and the down dgrad are one kernel
+(:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, ``dY_S`` side-written where read) and the
+activation backward stays a pass.
 
 :func:`moe_backward_split_gate_up` is the same backward on rows already in expert order (an
 identity layout) with the gate and up weights as two operands (torchtitan's ``w1`` / ``w3``
@@ -51,7 +60,14 @@ from .. import grouped_mm as gmm
 from ..grouped_wgrad import api
 from ..triton.activation import activation_backward
 from ..triton.rows import gather_rows, segment_colsum, token_sum, zero_empty_groups
-from .grouped_mm_choice import check_grouped_mm, kernel_rows, pick
+from .grouped_mm_choice import (
+    check_grouped_mm,
+    gathered_wgrad_choice,
+    kernel_rows,
+    pick,
+    wgrad_choice,
+    wgrad_gathers,
+)
 from .steps import (
     check_split_gate_up,
     covering_offsets,
@@ -113,46 +129,69 @@ _WGRAD_CHOICE: dict[tuple, tuple[str, str | None]] = {}
 def _choose_wgrad(
     a_HS, b_SI, offsets_E, out_dtype, accumulate, backend, group_align
 ) -> tuple[str, str | None]:
-    """(implementation, why not our kernel): "sm90" / "sm100" (our CuTe DSL kernel), "cublas"
-    (``torch._grouped_mm``) or "torch" (the portable twin). ``group_align``: the layout's row
-    alignment of every expert (the SM100 kernel poisons experts whose rows break its 256-row
-    contract, so it is chosen only for layouts aligned to that)."""
-    name = backend
-    if name == "auto":
-        name, _ = api.select_grouped_wgrad_backend(a_HS.device)
-    reason = None
-    if name != "torch":
-        reason = api.kernel_unsupported_reason(name, a_HS, b_SI, offsets_E)
-    if reason is None and name == "sm100" and group_align % api.SM100_GROUP_ALIGN:
-        reason = (
-            f"the SM100 kernel needs every expert's rows in multiples of "
-            f"{api.SM100_GROUP_ALIGN}; this layout aligns them to {group_align}"
-        )
-    if reason is not None:
-        if backend != "auto":
-            raise RuntimeError(f"wgrad_backend={backend!r} cannot run this call: {reason}")
-        bf16_out = out_dtype == torch.bfloat16 and not accumulate
-        if a_HS.is_cuda and bf16_out and hasattr(torch, "_grouped_mm"):
-            return "cublas", reason
-        return "torch", reason
-    H, I = a_HS.shape[0], b_SI.shape[1]
-    if (
-        backend == "auto" and name == "sm90" and (H % 128 or I % 128)
-        and out_dtype == torch.bfloat16 and not accumulate and hasattr(torch, "_grouped_mm")
-    ):
-        # Sizes off the 128 grid (gpt-oss: 2880) put our SM90 kernel on its 64x64 tile, which
-        # ran 2.2x slower than cuBLAS's grouped GEMM on gpt-oss-120b (H200, 2026-12-01). cuBLAS
-        # writes BF16 only, so fp32 outputs and accumulation stay on our kernel.
-        return "cublas", f"SM90 kernel uses its 64x64 tile for H={H}, I={I}"
-    return name, None
+    """(implementation, why not our kernel) of a wgrad on these operands
+    (:func:`.grouped_mm_choice.wgrad_choice`): "sm90" / "sm100" (our CuTe DSL kernel),
+    "cublas" (``torch._grouped_mm``) or "torch" (the portable twin). RuntimeError where an
+    explicit ``backend`` cannot run the call."""
+    name, reason = wgrad_choice(a_HS.device, a_HS, b_SI, offsets_E, out_dtype, accumulate,
+                                backend, group_align)
+    if name == "error":
+        raise RuntimeError(f"wgrad_backend={backend!r} cannot run this call: {reason}")
+    return name, reason
+
+
+def _gather_source(t_TK: torch.Tensor) -> torch.Tensor:
+    """A [T, K] operand as a gathering kernel reads its rows: ``t_TK`` itself when it is BF16
+    with unit stride along K and 16-byte aligned rows, else a contiguous BF16 copy."""
+    if (t_TK.dtype == torch.bfloat16 and t_TK.stride(1) == 1 and t_TK.stride(0) % 8 == 0
+            and t_TK.data_ptr() % 16 == 0):
+        return t_TK
+    return t_TK.to(torch.bfloat16).contiguous()
 
 
 def _wgrad(
-    a_HS, b_SI, offsets_E, out, accumulate, out_dtype, backend, group_align, stats
+    a_HS, b_SI, offsets_E, out, accumulate, out_dtype, backend, group_align, stats, *,
+    a_rows=None, b_rows=None,
 ) -> torch.Tensor:
-    """``[E, H, I]``: ``out[e] (+)= a_HS[:, rows of e] @ b_SI[rows of e]`` (``out`` None: a new
-    tensor of ``out_dtype``). The implementation is chosen once per operand metadata (host time
-    matters: this runs twice per backward)."""
+    """``[E, H, I]``: ``out[e] (+)= A[:, rows of e] @ B[rows of e]`` (``out`` None: a new
+    tensor of ``out_dtype``), A = ``a_HS`` and B = ``b_SI``, or read through a row index:
+
+    * ``a_rows`` [S] (the layout's row -> token index): ``a_HS`` is an [H, T] source (any float
+      dtype) and A's column s is ``a_HS[:, a_rows[s]]``, 0 where ``a_rows[s] < 0``;
+    * ``b_rows`` [S]: ``b_SI`` is a [T, I] source and B's row s is ``b_SI[b_rows[s]]``.
+
+    Where the implementation (:func:`.grouped_mm_choice.gathered_wgrad_choice`, the same answer
+    the forward read) gathers in its operand load (``api.WGRAD_GATHER_BACKENDS``) the index
+    goes to :func:`~cuda_kernels.grouped_wgrad.api.grouped_wgrad_into`; elsewhere (cuBLAS, the
+    torch twin, SM100, or an API without it) the operand is gathered first (one Triton pass,
+    BF16) and the call runs as without an index. The implementation is chosen once per
+    operand metadata (host time matters: this runs twice per backward)."""
+    if a_rows is not None or b_rows is not None:
+        E = offsets_E.shape[0]
+        name, reason = gathered_wgrad_choice(
+            a_HS.device, E, a_HS.shape[0], b_SI.shape[1], out_dtype=out_dtype,
+            accumulate=accumulate, backend=backend, group_align=group_align,
+        )
+        if name in getattr(api, "WGRAD_GATHER_BACKENDS", ()):
+            stats.setdefault("wgrad_backend", name)
+            stats["wgrad_gather"] = stats.get("wgrad_gather", 0) + 1
+            if a_rows is not None:
+                a_HS = _gather_source(a_HS.t()).t()
+            if b_rows is not None:
+                b_SI = _gather_source(b_SI)
+            if out is None:
+                out = torch.empty(E, a_HS.shape[0], b_SI.shape[1], dtype=out_dtype,
+                                  device=a_HS.device)
+            api.grouped_wgrad_into(a_HS, b_SI, offsets_E, out, accumulate=accumulate,
+                                   backend=name, a_rows_S=a_rows, b_rows_S=b_rows)
+            return out
+        if name == "error":
+            raise RuntimeError(f"wgrad_backend={backend!r} cannot run this call: {reason}")
+        # no gathering kernel here: the gathered operand first, then the call as it was
+        if a_rows is not None:
+            a_HS = gather_rows(a_HS.t(), a_rows, torch.bfloat16).t()
+        if b_rows is not None:
+            b_SI = gather_rows(b_SI, b_rows, torch.bfloat16)
     key = (backend, str(a_HS.device), a_HS.shape, a_HS.stride(), b_SI.shape, b_SI.stride(),
            a_HS.dtype, b_SI.dtype, out_dtype, bool(accumulate), group_align)
     choice = _WGRAD_CHOICE.get(key)
@@ -218,7 +257,9 @@ def moe_backward_fused(
             default ``plan.grouped`` with a static row count.
         x_rows_S: optional [S, H] BF16 X already in ``layout``'s row order, as the forward
             gathered it for its first GEMM (padding rows must be finite: the gather writes 0);
-            skips this backward's X gather. Needs ``layout``.
+            the gate/up wgrad reads it instead of X through the index. Needs ``layout``.
+            The layer's forward keeps it only where that wgrad cannot gather
+            (:func:`.grouped_mm_choice.keeps_x_rows`).
         grouped_mm: ``"cublas"`` (dY gather, cuBLAS dgrad, activation-backward pass),
             ``"ours"`` (the fused :func:`cuda_kernels.grouped_mm.down_dgrad_backward`; needs
             a contiguous BF16 checkpoint in pair order), ``"ours-gemm"`` (our gathering down
@@ -228,7 +269,8 @@ def moe_backward_fused(
             ``info["grouped_mm"]`` says which ran.
     Returns:
         :class:`~common.problem.MoEGrads`; ``info["wgrad_backend"]`` names the wgrad used,
-        ``info["grouped_mm"]`` the down-dgrad implementation.
+        ``info["grouped_mm"]`` the down-dgrad implementation, ``info["wgrad_gather"]`` (where
+        present) how many of the two wgrads read their X / dY operand through the index.
     Raises:
         ValueError: the problem (:meth:`MoEBackwardProblem.validate`) or an option breaks a
             rule; raised before any output is written.
@@ -279,11 +321,13 @@ def moe_backward_fused(
     r2p = layout.row_to_pair_S
     stats: dict = {}
 
-    if x_rows_S is None:
-        x_S = (identity_rows(x_TH) if layout.identity
-               else gather_rows(x_TH, layout.row_to_token_S, bf16))
-    else:
-        x_S = x_rows_S
+    # X: the identity layout's rows are X itself; elsewhere the forward's rows where it kept
+    # them, else read through the row -> token index by the gate/up wgrad (x_S None: no
+    # gathered copy, or one gathered right before that wgrad where its kernel cannot gather)
+    x_S = x_rows_S
+    if x_S is None and layout.identity:
+        x_S = identity_rows(x_TH)
+    r2t = layout.row_to_token_S
     w_down_EHI = p.w_down_EIH.to(bf16).transpose(1, 2)
     # the gate/up matrix: a view (gpt-oss's interleaved memory included) unless the gradient
     # is accumulated into a main_grad buffer, whose memory is the concatenated [E, H, 2, I]
@@ -291,21 +335,34 @@ def moe_backward_fused(
     ck_interleaved = interleaved  # a row checkpoint's columns: the forward GEMM's, this order
     if interleaved and acc is not None:
         w_gu, interleaved = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I), False
-    impl = pick("backward_down_dgrad", grouped_mm, dy_TH, w_down_EHI, layout.row_to_token_S,
+    impl = pick("backward_down_dgrad", grouped_mm, dy_TH, w_down_EHI, r2t,
                 act_R2I=ck, gate_up_interleaved=interleaved)
     stats["grouped_mm"] = impl
+    # dY rows [S, H] are written only where something reads them: the bias gradients (and the
+    # activation backward's dA term of the down bias), or a dW_down that cannot read dY
+    # through the index (wgrad_gathers: the same choice _wgrad makes)
+    dy_in_wgrad = not layout.identity and wgrad_gathers(
+        dev, E, I, H, out_dtype=grad_dtype, accumulate=acc is not None, backend=wgrad_backend,
+        group_align=layout.align,
+    )
+    keep_dy = not dy_in_wgrad or p.has_bias
+    dy_src = dy_TH  # the wgrad's source rows where dY is read through the index
     if impl == "ours":
+        dy_src = kernel_rows(dy_TH)
         # (an identity layout's rows are dY itself: the kernel reads them, no side output)
-        dy_S = None if layout.identity else torch.empty(S, H, dtype=bf16, device=dev)
+        dy_S = (torch.empty(S, H, dtype=bf16, device=dev)
+                if keep_dy and not layout.identity else None)
         dgu_S, ah_S, dA_TE = gmm.down_dgrad_backward(
-            kernel_rows(dy_TH), w_down_EHI.transpose(1, 2), layout, plan, ck,
+            dy_src, w_down_EHI.transpose(1, 2), layout, plan, ck,
             activation=p.activation, clamp_limits=p.clamp_limits, b_down_EH=p.b_down_EH,
             backend="auto", dy_rows_out=dy_S,
         )
-        if dy_S is None:
+        if layout.identity:
             dy_S = identity_rows(dy_TH)
     else:
-        dy_S, dh_raw = gathered_times_experts(impl, dy_TH, w_down_EHI, layout)
+        # (the cuBLAS path's gathered dY is freed after its GEMM unless kept)
+        dy_S, dh_raw = gathered_times_experts(impl, dy_TH, w_down_EHI, layout,
+                                              keep_rows=keep_dy)
         dgu_S, ah_S, dA_TE = activation_backward(
             dh_raw, ck, r2p, plan,
             activation=p.activation, clamp_limits=p.clamp_limits or ClampLimits(),
@@ -320,14 +377,18 @@ def moe_backward_fused(
         dBgu = segment_colsum(dgu_S, offs, r2p)
         dBd = segment_colsum(dy_S, offs, r2p, plan.pair_affinity_R)
     align = layout.align
+    dy_rows = None
+    if dy_S is None:  # dY read through the index (dy_S is dY's [T, H] source)
+        dy_S, dy_rows = dy_src, r2t
     if acc is None and _memory_is(p.w_down_EIH, (0, 2, 1)):  # w2 [E, H, I] (torchtitan)
         dWd = _wgrad(dy_S.t(), ah_S, offs, None, False, grad_dtype, wgrad_backend, align,
-                     stats).transpose(1, 2)
+                     stats, a_rows=dy_rows).transpose(1, 2)
     else:
         dWd = _wgrad(
-            ah_S.t(), dy_S, offs, acc_d, acc is not None, grad_dtype, wgrad_backend, align, stats
+            ah_S.t(), dy_S, offs, acc_d, acc is not None, grad_dtype, wgrad_backend, align, stats,
+            b_rows=dy_rows,
         )
-    del ah_S, dy_S
+    del ah_S, dy_S, dy_src
     w_gu_E2IH = w_gu.transpose(1, 2)
     if layout.identity:  # each row is its own token (d_gate_up is 0 on padding rows)
         dX = rows_times_experts(dgu_S, w_gu_E2IH, covering_offsets(layout)).to(grad_dtype)
@@ -335,13 +396,16 @@ def moe_backward_fused(
         dX_S = rows_times_experts(dgu_S, w_gu_E2IH, offs)
         dX = token_sum(dX_S, layout.slot_to_row_TK, grad_dtype)
         del dX_S
+    x_rows = None
+    if x_S is None:  # X read through the index
+        x_S, x_rows = x_TH, r2t
     if acc is None and _memory_is(w_gu, (0, 2, 1)):  # [E, 2I, H]: [w1; w3], gpt-oss [E, 2I, H]
         dWgu = _wgrad(dgu_S.t(), x_S, offs, None, False, grad_dtype, wgrad_backend, align,
-                      stats).transpose(1, 2)
+                      stats, b_rows=x_rows).transpose(1, 2)
     else:
         dWgu = _wgrad(
             x_S.t(), dgu_S, offs, None if acc_gu is None else acc_gu.view(E, H, 2 * I),
-            acc is not None, grad_dtype, wgrad_backend, align, stats,
+            acc is not None, grad_dtype, wgrad_backend, align, stats, a_rows=x_rows,
         )
     dWgu = gate_up_from_matrix(dWgu, interleaved)  # in the weight's own memory layout
     grads = MoEGrads(

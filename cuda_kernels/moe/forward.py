@@ -21,6 +21,7 @@ With ``grouped_mm="ours"`` (or ``"auto"`` where ``configs/cuda/grouped_mm_choice
 
     act, ah  = gate_up_forward(X, W_gate_up, ..., x_rows_out=x_S)   # gather + GEMM + activation
                                                                     # (CuTe DSL), x_S side-written
+                                                                    # where kept (below)
 
 which reads the pre-activation from its fp32 accumulator (one BF16 rounding fewer than the
 pass: a checkpoint value can differ by one BF16 ulp). With ``"ours-gemm"`` the gather and the
@@ -35,11 +36,16 @@ layout: nothing gathered, nothing combined) with the gate and up weights as two 
     act, ah  = activation_forward(g_S, up_SI=u_S, ...)          # one pass, two row pointers
     y        = ah @ W_down[e]                                   # grouped GEMM, y itself
 
+Where the backward's gate/up weight gradient reads X through the routing index itself
+(:func:`.grouped_mm_choice.keeps_x_rows`: our SM90 wgrad kernel gathers in its operand load) the
+forward keeps no ``x_S``: no side output, and the cuBLAS path's gathered rows are freed after
+the gate/up GEMM. Elsewhere (cuBLAS's wgrad off the 128 grid, the CPU) it keeps them as before.
+
 No fp32 intermediate goes through HBM, no atomics (bitwise deterministic), no host read of device
 values (CUDA-graph capturable). The backward (:mod:`cuda_kernels.moe.backward`) reuses the plan,
-the layout, the checkpoint and ``x_S``. On CPU tensors under ``TRITON_INTERPRET=1`` the Triton
-kernels run interpreted and the GEMMs in torch: how CPU CI tests this path against its twin,
-:func:`common.torch_backward.moe_layer_forward_torch`.
+the layout, the checkpoint and ``x_S`` where kept. On CPU tensors under ``TRITON_INTERPRET=1``
+the Triton kernels run interpreted and the GEMMs in torch: how CPU CI tests this path against
+its twin, :func:`common.torch_backward.moe_layer_forward_torch`.
 """
 
 from __future__ import annotations
@@ -53,7 +59,13 @@ from .. import grouped_mm as gmm
 from ..triton.activation import activation_forward
 from ..triton.routing import build_routing, check_routing_async
 from ..triton.rows import token_sum
-from .grouped_mm_choice import check_grouped_mm, checkpoint_in_rows, kernel_rows, pick
+from .grouped_mm_choice import (
+    check_grouped_mm,
+    checkpoint_in_rows,
+    keeps_x_rows,
+    kernel_rows,
+    pick,
+)
 from .steps import (
     check_split_gate_up,
     covering_offsets,
@@ -79,6 +91,7 @@ def moe_forward_fused(
     check_routing: bool = False,
     grouped_mm: str = "auto",
     routing=None,
+    keep_x_rows: bool | None = None,
 ) -> LayerForward:
     """The layer's forward, fused: BF16 GEMM operands, fp32 accumulation, BF16 in HBM.
 
@@ -106,11 +119,19 @@ def moe_forward_fused(
             (:func:`common.routing.presorted_routing`: rows already in expert order) nothing is
             gathered (the GEMM reads ``hidden_states_TH`` in place; ``x_rows_S`` is those rows)
             and, without a down bias, y is the down GEMM's output (no per-token combine).
+        keep_x_rows: keep the gathered X rows [S, H] for the backward (``x_rows_S``). False:
+            none is kept -- the gathering GEMMs write no side output and the cuBLAS path's
+            gathered rows are freed after the gate/up GEMM -- because the backward's gate/up
+            wgrad reads X through the routing index. None (default):
+            :func:`.grouped_mm_choice.keeps_x_rows` with the fused backward's defaults (the
+            layer passes its own answer, from its options). An identity layout's rows are X
+            itself: kept either way.
     Returns:
         :class:`~common.torch_backward.LayerForward`: y [T, H] in the input's dtype, the BF16
         checkpoint ([S, 2I] in the layout's row order where
         :func:`.grouped_mm_choice.checkpoint_in_rows` says so, else [R, 2, I] in the plan's
-        pair order), the BF16 X rows [S, H], the plan and the layout.
+        pair order), the BF16 X rows [S, H] (None where ``keep_x_rows`` is False), the plan
+        and the layout.
     Raises:
         ValueError: ``grouped_mm`` not one of :data:`.grouped_mm_choice.GROUPED_MM`.
         RuntimeError: CPU tensors without the Triton interpreter; ``grouped_mm="ours"`` /
@@ -133,19 +154,23 @@ def moe_forward_fused(
                                  clamp_limits=clamp_limits, grouped_mm=grouped_mm)
     impl = pick("forward_gate_up", grouped_mm, x_TH, w_gu, layout.row_to_token_S,
                 gate_up_interleaved=interleaved)
+    if keep_x_rows is None:
+        keep_x_rows = keeps_x_rows(x_TH.device, E, H, I)
+    keep_x_rows = bool(keep_x_rows) or layout.identity
     if impl == "ours":
         # (an identity layout's rows are x itself: the kernel reads them, no side output)
-        x_S = None if layout.identity else torch.empty(layout.tokens_sum, H, dtype=bf16,
-                                                       device=x_TH.device)
+        # (none either where the backward's wgrad reads X through the index: keep_x_rows)
+        x_S = None if layout.identity or not keep_x_rows else torch.empty(
+            layout.tokens_sum, H, dtype=bf16, device=x_TH.device)
         ck, ah_S = gmm.gate_up_forward(
             kernel_rows(x_TH), w_gu, layout, plan, activation=act_fn, clamp_limits=clamp_limits,
             b_gate_up_E2I=b_gate_up_E2I, backend="auto",
             x_rows_out=x_S,
         )
-        if x_S is None:
+        if layout.identity:
             x_S = identity_rows(x_TH)
     else:
-        x_S, gu_S = gathered_times_experts(impl, x_TH, w_gu, layout)
+        x_S, gu_S = gathered_times_experts(impl, x_TH, w_gu, layout, keep_rows=keep_x_rows)
         ck, ah_S = activation_forward(
             gu_S, layout.row_to_pair_S, plan, activation=act_fn,
             clamp_limits=clamp_limits or ClampLimits(), b_gate_up_E2I=b_gate_up_E2I,

@@ -28,8 +28,13 @@ lookup (no device read, no host synchronisation); the request is checked on the 
 (:func:`check_grouped_mm`, the option's one check, which the layer also runs when it builds its
 options).
 
+The grouped weight gradients (:func:`wgrad_choice`) are chosen here too, because the forward
+needs one answer of that choice: whether the backward's gate/up wgrad reads X through the
+layout's row -> token index inside the kernel (:func:`wgrad_gathers`, :func:`keeps_x_rows`).
+Where it does, the forward keeps no gathered copy of X for the backward.
+
 Importing this module imports neither triton nor CuTe DSL (the backend's option declaration reads
-it): the kernels' API is imported on the first :func:`pick` that needs it.
+it): the kernels' APIs are imported on the first call that needs them.
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ from common.config_files import config_path, load_yaml_file
 from common.dispatch import BackendOption
 
 __all__ = [
-    "GROUPED_MM", "GROUPED_MM_OPTION", "IMPLS", "STEPS", "check_grouped_mm",
-    "checkpoint_in_rows", "grouped_mm_table", "kernel_rows", "pick",
+    "GROUPED_MM", "GROUPED_MM_OPTION", "IMPLS", "STEPS", "WGRAD_BACKENDS", "check_grouped_mm",
+    "checkpoint_in_rows", "grouped_mm_table", "keeps_x_rows", "kernel_rows", "pick",
+    "wgrad_choice", "wgrad_gathers",
 ]
 
 STEPS = ("forward_gate_up", "backward_down_dgrad")
@@ -271,3 +277,124 @@ def _decide(step, requested, a, w, row_index, act_R2I, E, H, I, interleaved
     if why is None:
         return impl, None
     return ("cublas", why) if requested == "auto" else ("error", why)
+
+
+# ------------------------------------------------------------------------ weight gradients
+WGRAD_BACKENDS = ("auto", "sm90", "sm100", "torch")
+"""The ``wgrad_backend`` values of the fused backward."""
+
+_WGRAD_ROW_ALIGN = 16
+"""The fused layout's row alignment (``common.torch_backward.ALIGN``; not imported: that module
+imports the activation twins, and this one stays light)."""
+
+
+def wgrad_choice(
+    device: torch.device, a_HS, b_SI, offsets_E, out_dtype, accumulate: bool, backend: str,
+    group_align: int,
+) -> tuple[str, str | None]:
+    """``(implementation, why not our kernel)`` of one grouped wgrad ``out[e] (+)= a_HS[:, rows
+    of e] @ b_SI[rows of e]`` on ``device``: ``"sm90"`` / ``"sm100"`` (our CuTe DSL kernel),
+    ``"cublas"`` (``torch._grouped_mm``), ``"torch"`` (the portable twin), or ``"error"`` (an
+    explicit ``backend`` that cannot run the call; the reason says why).
+
+    Args:
+        device: where the call runs (the operands may be meta stand-ins of the real ones:
+            :func:`wgrad_gathers`).
+        a_HS: [M, S], b_SI: [S, N]; offsets_E: [E] int32 (only their metadata is read).
+        out_dtype: the gradient's dtype.  accumulate: added into an fp32 buffer.
+        backend: one of :data:`WGRAD_BACKENDS`.
+        group_align: the layout's row alignment of every expert (the SM100 kernel poisons
+            experts whose rows break its 256-row contract, so it is chosen only for layouts
+            aligned to that).
+    """
+    from ..grouped_wgrad import api
+
+    name = backend
+    if name == "auto":
+        name, _ = api.select_grouped_wgrad_backend(device)
+    reason = None
+    if name != "torch":
+        reason = api.kernel_unsupported_reason(name, a_HS, b_SI, offsets_E)
+    if reason is None and name == "sm100" and group_align % api.SM100_GROUP_ALIGN:
+        reason = (
+            f"the SM100 kernel needs every expert's rows in multiples of "
+            f"{api.SM100_GROUP_ALIGN}; this layout aligns them to {group_align}"
+        )
+    cublas = out_dtype == torch.bfloat16 and not accumulate and hasattr(torch, "_grouped_mm")
+    if reason is not None:
+        if backend != "auto":
+            return "error", reason
+        return ("cublas", reason) if cublas and device.type == "cuda" else ("torch", reason)
+    M, N = a_HS.shape[0], b_SI.shape[1]
+    if backend == "auto" and name == "sm90" and (M % 128 or N % 128) and cublas:
+        # Sizes off the 128 grid (gpt-oss: 2880) put our SM90 kernel on its 64x64 tile, which
+        # ran 2.2x slower than cuBLAS's grouped GEMM on gpt-oss-120b (H200, 2026-12-01). cuBLAS
+        # writes BF16 only, so fp32 outputs and accumulation stay on our kernel.
+        return "cublas", f"SM90 kernel uses its 64x64 tile for H={M}, I={N}"
+    return name, None
+
+
+_GATHERED_CHOICE: dict[tuple, tuple[str, str | None]] = {}
+
+
+def gathered_wgrad_choice(
+    device: torch.device, E: int, M: int, N: int, *, out_dtype, accumulate: bool, backend: str,
+    group_align: int = _WGRAD_ROW_ALIGN,
+) -> tuple[str, str | None]:
+    """:func:`wgrad_choice` of an [E, M, N] wgrad one of whose operands is read through the
+    layout's row -> token index: decided on the dense operands' metadata stand-ins (A [M, S]
+    with unit stride along M, B [S, N] row-major: the gathered rows' own form, whichever
+    operand is gathered), from the sizes, dtypes and options only -- never the token count, the
+    data or a data pointer -- so the forward (:func:`keeps_x_rows`) and the backward give the
+    same answer. Cached per argument tuple."""
+    key = (str(device), E, M, N, out_dtype, bool(accumulate), backend, group_align)
+    got = _GATHERED_CHOICE.get(key)
+    if got is None:
+        S = 256  # any row count: the static contract reads none (a multiple of every alignment)
+        meta = torch.device("meta")
+        a = torch.empty(S, M, dtype=torch.bfloat16, device=meta).t()
+        b = torch.empty(S, N, dtype=torch.bfloat16, device=meta)
+        offs = torch.empty(E, dtype=torch.int32, device=meta)
+        got = _GATHERED_CHOICE[key] = wgrad_choice(
+            torch.device(device), a, b, offs, out_dtype, accumulate, backend, group_align
+        )
+    return got
+
+
+def wgrad_gathers(
+    device: torch.device, E: int, M: int, N: int, *, out_dtype, accumulate: bool, backend: str,
+    group_align: int = _WGRAD_ROW_ALIGN,
+) -> bool:
+    """Whether an [E, M, N] grouped wgrad with an operand read through the row -> token index
+    runs on a kernel that gathers in its operand load (``api.WGRAD_GATHER_BACKENDS``; none while
+    the API does not name any): then no gathered [S, K] copy of that operand is needed.
+    Elsewhere the backward gathers the operand first (one Triton pass) and runs as before.
+    Arguments as :func:`gathered_wgrad_choice`; the choice is symmetric in M and N (the
+    kernel's tile rules and the cuBLAS rule are), so one answer holds for both operand
+    orientations of the fused backward."""
+    from ..grouped_wgrad import api
+
+    name, _ = gathered_wgrad_choice(device, E, M, N, out_dtype=out_dtype,
+                                    accumulate=accumulate, backend=backend,
+                                    group_align=group_align)
+    return name in getattr(api, "WGRAD_GATHER_BACKENDS", ())
+
+
+def keeps_x_rows(
+    device: torch.device, E: int, H: int, I: int, *, grad_dtype=torch.float32,
+    accumulate: bool = False, wgrad_backend: str = "auto",
+) -> bool:
+    """Whether the layer's forward keeps the gathered X rows [S, H] (``LayerForward.x_rows_S``)
+    for the backward: False where the backward's gate/up wgrad (``[E, H, 2I]``, ``grad_dtype``,
+    ``accumulate`` into ``main_grad``, ``wgrad_backend``) reads X through the routing index
+    itself (:func:`wgrad_gathers`). A function of the device, the layer's shape and options
+    only (never the token count), so one layer's saved tensors have one form across calls: the
+    layer's fake implementation gives the X rows' shape from it (``Backend.keeps_x_rows``).
+    Off CUDA (the portable twin) it is True, as before.
+
+    An unknown ``wgrad_backend`` keeps them (the backward refuses it, naming the argument).
+    """
+    if wgrad_backend not in WGRAD_BACKENDS:
+        return True
+    return not wgrad_gathers(torch.device(device), E, H, 2 * I, out_dtype=grad_dtype,
+                             accumulate=accumulate, backend=wgrad_backend)

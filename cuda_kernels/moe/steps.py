@@ -100,14 +100,18 @@ def rows_times_experts(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch
     return grouped_mm_rows(x_SK, w_EKN, offsets_E)
 
 
-def gathered_times_experts(impl: str, a_TK: torch.Tensor, w_EKN: torch.Tensor, layout):
+def gathered_times_experts(impl: str, a_TK: torch.Tensor, w_EKN: torch.Tensor, layout, *,
+                           keep_rows: bool = True):
     """``(a_S, out_S)``: the [S, K] BF16 rows ``a_TK[row_to_token_S]`` (padding rows 0) and
     ``a_S[s] @ w_EKN[e(s)]`` [S, N] BF16, the operand and output of a gathered grouped GEMM.
     ``impl`` (:func:`.grouped_mm_choice.pick`): ``"cublas"`` = the Triton gather
     pass then :func:`rows_times_experts`; ``"ours-gemm"`` = our gathering GEMM
     (:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, its torch twin on CPU tensors), which
     side-writes the same rows bit for bit. An identity layout (rows already in expert order)
-    gathers nothing: ``a_S`` is :func:`identity_rows` of ``a_TK``."""
+    gathers nothing: ``a_S`` is :func:`identity_rows` of ``a_TK``. ``keep_rows`` False (a
+    gathered layout whose rows nothing reads after the GEMM: the wgrads read ``a_TK`` through
+    the index): ``a_S`` is None -- the gathering GEMM writes no side output, the cuBLAS path's
+    gathered rows are freed when the GEMM is queued."""
     idx = layout.row_to_token_S
     if layout.identity:  # rows already in expert order: no gather, the GEMM reads a_TK itself
         a_S = identity_rows(a_TK)
@@ -116,8 +120,10 @@ def gathered_times_experts(impl: str, a_TK: torch.Tensor, w_EKN: torch.Tensor, l
         return a_S, gmm.grouped_mm_gather(a_S, w_EKN, layout.offsets_E, None, backend="auto")
     if impl == "cublas":
         a_S = gather_rows(a_TK, idx, torch.bfloat16)
-        return a_S, rows_times_experts(a_S, w_EKN, layout.offsets_E)
-    a_S = torch.empty(layout.tokens_sum, a_TK.shape[1], dtype=torch.bfloat16, device=a_TK.device)
+        out = rows_times_experts(a_S, w_EKN, layout.offsets_E)
+        return (a_S if keep_rows else None), out
+    a_S = (torch.empty(layout.tokens_sum, a_TK.shape[1], dtype=torch.bfloat16,
+                       device=a_TK.device) if keep_rows else None)
     # "auto": the device's registered kernel (pick() found it can run), the twin on CPU tensors
     out = gmm.grouped_mm_gather(kernel_rows(a_TK), w_EKN, layout.offsets_E, idx,
                                 backend="auto", a_rows_out=a_S)

@@ -283,6 +283,62 @@ def test_gather_key_rules():
             Sm90WgradKey(256, 256, 4, tile=tile, **kwargs)
 
 
+def _mn_major_stage_byte(extent, m, k, tile_k=64):
+    """Byte offset of element (m, k) of an SM90 MN-major bf16 ``(extent, tile_k)`` stage: the
+    swizzle atoms ``make_smem_layout_a/b`` build (widest of 128 / 64 / 32 bytes dividing a row
+    of ``extent``, 8 K rows each, K atoms first: ``S<3,4,3> o ((64,2),(8,8)):((1,4096),(64,512))``
+    for extent 128), the swizzle applied to byte addresses (16-byte unit ^= K row % atom rows)."""
+    atom_bytes = max(b for b in (128, 64, 32) if (2 * extent) % b == 0)
+    atom = atom_bytes // 2  # elements along MN
+    e = m % atom + (m // atom) * atom * tile_k + (k % 8) * atom + (k // 8) * atom * 8
+    byte = 2 * e
+    bits = {128: 3, 64: 2, 32: 1}[atom_bytes]
+    return byte ^ (((byte >> 7) & ((1 << bits) - 1)) << 4)
+
+
+@pytest.mark.parametrize("extent", [64, 128, 192, 256, 80, 96, 144, 240])
+def test_gather_thread_layout_is_coalesced_and_free_of_bank_conflicts(extent):
+    """The gather producers' split of a stage (sm90.gather_thread_layout): every (K row, 16-byte
+    chunk) of the stage is copied by exactly one of the 128 threads; each warp-wide cp.async
+    reads whole row segments (8 x 16 contiguous bytes per row where extent % 64 == 0) and its
+    shared-memory writes take the minimum 4 wavefronts (512 bytes; each 8-thread phase hits 32
+    distinct banks)."""
+    per_row, rows, passes = sm90.gather_thread_layout(extent)
+    chunks = extent // 8
+    assert per_row * passes == chunks and rows * 128 == 64 * per_row
+    if extent % 64 == 0:
+        assert (per_row, rows, passes) == (8, 4, extent // 64)
+    seen = {}
+    for warp in range(4):
+        for j in range(rows):
+            for p in range(passes):
+                segments = {}  # K row -> its chunks read by this instruction
+                wavefronts = 0
+                for phase in range(4):
+                    words = {}
+                    for lane in range(8 * phase, 8 * phase + 8):
+                        t = 32 * warp + lane
+                        k = t // per_row + (128 // per_row) * j
+                        c = t % per_row + per_row * p
+                        seen[(k, c)] = seen.get((k, c), 0) + 1
+                        segments.setdefault(k, []).append(c)
+                        byte = _mn_major_stage_byte(extent, 8 * c, k)
+                        for w in range(byte // 4, byte // 4 + 4):
+                            words.setdefault(w % 32, set()).add(w)
+                    wavefronts += max(len(v) for v in words.values())
+                assert wavefronts == 4, (extent, warp, j, p)
+                for cs in segments.values():  # consecutive chunks of one row
+                    assert sorted(cs) == list(range(min(cs), min(cs) + per_row))
+                assert len(segments) == 32 // per_row
+    assert len(seen) == 64 * chunks and set(seen.values()) == {1}
+
+
+def test_gather_thread_layout_rejects_extents_it_cannot_split():
+    for extent, tile_k in [(72, 64), (0, 64), (128, 32)]:
+        with pytest.raises(ValueError, match="gather_thread_layout"):
+            sm90.gather_thread_layout(extent, tile_k)
+
+
 _T = Sm90TileConfig
 _OFFLINE = [
     # (id, key kwargs, tile, cp.async chunks per thread and stage, TMA boxes per stage)
@@ -298,6 +354,9 @@ _OFFLINE = [
                                accumulate=True, hidden=320, intermediate=200),
      _T(128, 128, 64, 6, True, acc_epilogue="l2prefetch"), 16, 0),
     ("a-64row", dict(gather_a=True, hidden=320, intermediate=208), _T(64, 128, 64, 8), 4, 2),
+    # tile_n not a multiple of 64: 2 and 4 threads per row (gather_thread_layout)
+    ("b-80-partial", dict(gather_b=True, intermediate=208), _T(128, 80, 64, 4), 5, 2),
+    ("both-96", dict(gather_a=True, gather_b=True, intermediate=192), _T(128, 96, 64, 6), 14, 0),
 ]
 
 
@@ -389,13 +448,15 @@ def test_gather_kernel_matches_dense_kernel_bitwise(case, which, out_dtype, accu
 @pytest.mark.sm90
 @needs_sm90
 @pytest.mark.parametrize("tile", [_T(128, 128, 64, 6, True), _T(128, 256, 64, 4),
-                                  _T(64, 128, 64, 8), _T(128, 192, 64, 5, True, swizzle=8)],
+                                  _T(64, 128, 64, 8), _T(128, 192, 64, 5, True, swizzle=8),
+                                  _T(128, 80, 64, 4), _T(128, 96, 64, 6, True)],
                          ids=lambda t: t.variant_name)
 @pytest.mark.parametrize("gather", [(True, False), (False, True), (True, True)],
                          ids=["a", "b", "both"])
 def test_gather_kernel_tiles_bitwise(tile, gather):
-    """The launcher directly, per tile (pingpong, cooperative, 64-row, 192-wide; hidden 320 and
-    intermediate 192 + 16 leave partial M / N tiles), int32 index, fp32 output."""
+    """The launcher directly, per tile (pingpong, cooperative, 64-row, 192-wide, 80- and
+    96-wide: 2 and 4 gather threads per row; hidden 320 and intermediate 208 / 400 leave
+    partial M / N tiles), int32 index, fp32 output."""
     counts = [0, 1, 7, 129, 0, 64, 3]
     hidden, inter = 320, 208 if tile.tile_n != 192 else 400
     x, dy, rows, offsets = _problem(counts, hidden, inter, tokens=250, device="cuda",

@@ -33,11 +33,15 @@ Structure (one CTA per SM, persistent, warp-specialized):
 - gathered operands (key fields ``gather_a`` / ``gather_b``: A's token columns / B's token rows
   read through a row index, the MoE routing index, instead of from a gathered copy): the whole
   producer warp group loads them. Warp 0 still takes the tile ids (all 128 producer threads read
-  them back from the tile-id ring) and issues the TMA box of the other operand; every producer
-  thread copies one K row of each stage (two threads per row, 16-byte ``cp.async`` chunks into
-  the 128-byte-swizzled MN-major stage), its index entry loaded one stage ahead, zero-filled by
-  the copy's predicate for a padding row (index < 0), a token outside the expert or columns
-  past hidden / intermediate, and arrives on the stage's full barrier
+  them back from the tile-id ring) and issues the TMA box of the other operand; the producer
+  threads copy the K rows of each stage in 16-byte ``cp.async`` chunks into the swizzled
+  MN-major stage, consecutive threads along one row (:func:`gather_thread_layout`: with tiles
+  of a multiple of 64 columns, 8 threads a row, 4 rows 16 apart and ``extent / 64`` chunks of
+  each a thread; a warp instruction reads 4 whole 128-byte row segments, coalesced, and writes
+  4 whole 128-byte lines of shared memory, free of bank conflicts), the rows' index entries
+  loaded one stage ahead into registers; a chunk is zero-filled by the copy's predicate for a
+  padding row (index < 0), a token outside the expert or columns past hidden / intermediate.
+  Every producer thread arrives on the stage's full barrier
   (``cp.async.mbarrier.arrive.noinc``: 1 + 128 arrivals, TMA bytes of the other operand only).
   The consumers fence the async proxy before wgmma and zero only a TMA operand's rows;
 - empty experts issue no loads and write zeros, or leave the output untouched when accumulating;
@@ -61,6 +65,7 @@ caches and launches. CuTe DSL is imported only inside the compile functions.
 
 import dataclasses
 import functools
+import math
 import types
 from collections.abc import Callable
 from typing import Any
@@ -84,6 +89,31 @@ __all__ = [
 
 _SMEM_BYTES = SM90_TILES.smem_bytes  # usable dynamic shared memory per CTA on H100/H200
 _SCHED_STAGES = 4  # depth of the tile-id ring between the producer warp and the consumers
+
+
+def gather_thread_layout(extent: int, tile_k: int = 64) -> tuple[int, int, int]:
+    """The gather producers' split of one gathered MN-major ``(extent, tile_k)`` stage (128
+    threads, 16-byte chunks): ``(threads_per_row, rows_per_thread, chunks_per_thread_row)``.
+    Consecutive threads take consecutive chunks of one K row, 8 per row where they divide the
+    row's ``extent / 8`` chunks (every extent that is a multiple of 64: a warp instruction
+    reads 4 whole 128-byte row segments and writes 4 whole 128-byte lines of the 128-byte
+    swizzled stage, one chunk per 4 banks); else 4 or 2 (extent a multiple of 32 or 16).
+    Thread ``t`` copies K rows ``t // threads_per_row + (128 // threads_per_row) * j``
+    (``j < rows_per_thread``), chunks ``t % threads_per_row + threads_per_row * p``
+    (``p < chunks_per_thread_row``) of each.
+
+    Raises:
+        ValueError: ``extent`` not a multiple of 16 or ``tile_k`` not a multiple of 64 (a
+            thread would own no whole row).
+    """
+    if extent <= 0 or extent % 16 or tile_k <= 0 or tile_k % 64:
+        raise ValueError(
+            f"gather_thread_layout: extent must be a positive multiple of 16 and tile_k of 64, "
+            f"got extent={extent}, tile_k={tile_k}"
+        )
+    chunks = extent // 8
+    per_row = math.gcd(chunks, 8)
+    return per_row, tile_k * per_row // 128, chunks // per_row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,10 +349,12 @@ def _build_kernel_class():
             self.stages = min(t.stages, (_SMEM_BYTES - header - epi_bytes) // t.stage_bytes)
             if self.stages < 2:
                 raise ValueError(f"{t} leaves no room for 2 pipeline stages with its epilogue")
-            # gathered operands: the producer warp group's 128 threads copy their K rows with
-            # cp.async (2 threads per K row of a stage; tile_m / 16 or tile_n / 16 16-byte
-            # chunks each), which keeps more registers than a TMA-only producer warp; the
-            # consumers take what the producers give up (setmaxnreg steps of 8)
+            # gathered operands: the producer warp group's 128 threads copy the K rows of a
+            # stage with cp.async, consecutive threads along one row (gather_thread_layout: 8
+            # per row, 4 rows and extent / 64 chunks per thread for the YAML's tiles), the
+            # rows' index entries kept in registers, loaded one stage ahead. That keeps more
+            # registers than a TMA-only producer warp; the consumers take what the producers
+            # give up (setmaxnreg steps of 8)
             self.gather_a, self.gather_b = key.gather_a, key.gather_b
             self.gather = key.gather
             self.idx_dtype = {"int64": cutlass.Int64, "int32": cutlass.Int32}[key.index_dtype]
@@ -436,49 +468,61 @@ def _build_kernel_class():
         def gather_stage(  # noqa: PLR0913
             self,
             atom: cute.CopyAtom,
-            pred: cute.Tensor,
             mG: cute.Tensor,
             sX: cute.Tensor,
             extent: cutlass.Constexpr,
             total: cutlass.Constexpr,
             col0: cutlass.Int32,
-            src: cutlass.Int64,
-            kk: cutlass.Int32,
-            half: cutlass.Int32,
+            src: cute.Tensor,
+            ptid: cutlass.Int32,
             stage: cutlass.Int32,
         ):
-            """This thread's share of one gathered MN-major ``(extent, tile_k)`` stage: K row
-            ``kk`` is source row ``src`` of ``mG`` (``(total, T)``, stride ``(1, ld)``; its
-            index entry, :meth:`row_index`), columns ``[col0, col0 + extent)``; the row's
-            ``extent / 8`` 16-byte chunks are split over two threads (``half``: chunks
-            ``half, half + 2, ...``; the 128-byte swizzle keeps each chunk contiguous).
-            cp.async zero-fills a chunk whose predicate is false: ``src < 0`` (a padding row,
-            or a token outside the expert) or columns past ``total``."""
-            ok = src >= 0
+            """Producer thread ``ptid``'s share of one gathered MN-major ``(extent, tile_k)``
+            stage, columns ``[col0, col0 + extent)`` of ``mG`` (``(total, T)``, stride
+            ``(1, ld)``): its K rows and 16-byte chunks of :func:`gather_thread_layout` (K row
+            ``j`` of this thread is source row ``src[j]``, its index entry: :meth:`row_index`).
+            Consecutive threads take consecutive chunks of one row, so one cp.async
+            instruction reads whole row segments (4 x 128 bytes with 8 threads per row); the
+            swizzle keeps each chunk contiguous in shared memory, and with the 128-byte
+            swizzle the 8 chunks of a row segment fill one 128-byte line (one chunk per 4
+            banks: no bank conflict). cp.async zero-fills a chunk whose predicate is false:
+            ``src < 0`` (a padding row, or a token outside the expert) or columns past
+            ``total``."""
+            per_row, rows_per_thread, passes = gather_thread_layout(extent, self.tile_k)
+            row_in = ptid // per_row
+            chunk_in = ptid % per_row
             ld_bytes = cutlass.Int64(mG.stride[1]) * 2
-            row_addr = (
-                mG.iterator.toint()
-                + cutlass.max(src, cutlass.Int64(0)) * ld_bytes
-                + cutlass.Int64(col0) * 2
+            base = mG.iterator.toint() + cutlass.Int64(col0) * 2
+            for j in cutlass.range_constexpr(rows_per_thread):
+                ok = src[j] >= 0
+                row_addr = base + cutlass.max(src[j], cutlass.Int64(0)) * ld_bytes
+                row = sX[(None, row_in + j * (128 // per_row), stage)]
+                for p in cutlass.range_constexpr(passes):
+                    c = chunk_in + per_row * p
+                    ok_c = ok
+                    if cutlass.const_expr(total % extent != 0):  # a partial last tile: columns
+                        ok_c = ok and col0 + c * 8 < total
+                    self.gather_chunk(atom, ok_c, row_addr, row, c)
+
+        @cute.jit
+        def gather_chunk(self, atom, ok, row_addr, row, c):
+            """One 16-byte cp.async: chunk ``c`` of the source row at byte address
+            ``row_addr`` into chunk ``c`` of the stage's K row ``row`` (zero-filled where
+            ``ok`` is false)."""
+            pred = cute.make_rmem_tensor((1,), cutlass.Boolean)
+            pred[0] = ok
+            src_t = cute.make_tensor(
+                cute.make_ptr(
+                    self.ab_dtype,
+                    row_addr + cutlass.Int64(c) * 16,
+                    cute.AddressSpace.gmem,
+                    assumed_align=16,
+                ),
+                cute.make_layout(((8, 1),)),
             )
-            row = sX[(None, kk, stage)]
-            for j in cutlass.range_constexpr(extent // 16):
-                c = half + 2 * j
-                pred[0] = ok
-                if cutlass.const_expr(total % extent != 0):  # a partial last tile: columns
-                    pred[0] = ok and col0 + c * 8 < total
-                src_t = cute.make_tensor(
-                    cute.make_ptr(
-                        self.ab_dtype,
-                        row_addr + cutlass.Int64(c) * 16,
-                        cute.AddressSpace.gmem,
-                        assumed_align=16,
-                    ),
-                    cute.make_layout(((8, 1),)),
-                )
-                dst = cute.local_tile(row, (8,), (c,))
-                dst_t = cute.make_tensor(dst.iterator, cute.make_layout(((8, 1),)))
-                cute.copy(atom, src_t, dst_t, pred=pred)
+            dst = cute.local_tile(row, (8,), (c,))
+            dst_t = cute.make_tensor(dst.iterator, cute.make_layout(((8, 1),)))
+            cute.copy(atom, src_t, dst_t, pred=pred)
 
         @cute.jit
         def row_index(self, mIdx, s, k_begin, k_end):
@@ -490,6 +534,17 @@ def _build_kernel_class():
             return src
 
         @cute.jit
+        def stage_rows(self, src, mIdx, s0, extent: cutlass.Constexpr, ptid, k_begin, k_end):
+            """``src[j]`` = the source row of producer thread ``ptid``'s K row ``j`` of an
+            ``extent``-wide gathered stage (:func:`gather_thread_layout`) whose first token is
+            ``s0`` (:meth:`row_index`)."""
+            per_row, rows_per_thread, _ = gather_thread_layout(extent, self.tile_k)
+            for j in cutlass.range_constexpr(rows_per_thread):
+                src[j] = self.row_index(
+                    mIdx, s0 + ptid // per_row + j * (128 // per_row), k_begin, k_end
+                )
+
+        @cute.jit
         def produce_gather(  # noqa: PLR0913
             self, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_cl, tma_cl, sA, sB, sC,
             mGA, mGB, mIdxA, mIdxB, sPerm, mOffsets, mCounter, ab_pipe, sched_pipe, sSched,
@@ -497,10 +552,11 @@ def _build_kernel_class():
         ):
             """The producer warp group with a gathered operand: per tile (ids from the ring:
             :meth:`producer_tile`) and K stage, every thread waits for the stage to be free
-            (its index entry for the stage already loaded, one stage ahead);
-            warp 0 arms the full barrier with the TMA bytes of the operand that stays on TMA
-            (none when both are gathered) and issues its box; every thread issues its cp.async
-            chunks of the gathered operand(s) (:meth:`gather_stage`; K row ``ptid // 2``) and
+            (the index entries of its K rows of the stage already in registers, loaded one
+            stage ahead: :meth:`stage_rows`); warp 0 arms the full barrier with the TMA bytes
+            of the operand that stays on TMA (none when both are gathered) and issues its box;
+            every thread issues its cp.async chunks of the gathered operand(s)
+            (:meth:`gather_stage`, :func:`gather_thread_layout`) and
             arrives on the full barrier when they land (``noinc``: the barrier counts 1 + 128
             arrivals). Rows outside the expert are zero-filled here, so the consumers zero
             only a TMA operand's."""
@@ -515,9 +571,16 @@ def _build_kernel_class():
                 self.ab_dtype,
                 num_bits_per_copy=128,
             )
-            pred = cute.make_rmem_tensor((1,), cutlass.Boolean)
-            kk = ptid // 2  # this thread's K row of every stage (tile_k = 64 rows, 128 threads)
-            half = ptid % 2
+            # the index entries of this thread's K rows of a gathered stage, a stage ahead
+            src_a, src_b = None, None
+            if cutlass.const_expr(self.gather_a):
+                src_a = cute.make_rmem_tensor(
+                    (gather_thread_layout(self.tile_m, tk)[1],), cutlass.Int64
+                )
+            if cutlass.const_expr(self.gather_b):
+                src_b = cute.make_rmem_tensor(
+                    (gather_thread_layout(self.tile_n, tk)[1],), cutlass.Int64
+                )
             gCl_all = None
             if cutlass.const_expr(self.l2_prefetch_c):
                 gCl_all = cute.local_tile(tma_cl, (self.tile_m, self.tile_n), (None, None, None))
@@ -555,14 +618,12 @@ def _build_kernel_class():
                         )
                         with cute.arch.elect_one():
                             cute.prefetch(tma_atom_cl, gC_part)
-                # the index entries of this thread's K row, loaded one stage ahead (their
+                # the index entries of this thread's K rows, loaded one stage ahead (their
                 # latency hides behind the wait for a free stage)
-                src_a = cutlass.Int64(-1)
-                src_b = cutlass.Int64(-1)
                 if cutlass.const_expr(self.gather_a):
-                    src_a = self.row_index(mIdxA, k_base + kk, k_begin, k_end)
+                    self.stage_rows(src_a, mIdxA, k_base, self.tile_m, ptid, k_begin, k_end)
                 if cutlass.const_expr(self.gather_b):
-                    src_b = self.row_index(mIdxB, k_base + kk, k_begin, k_end)
+                    self.stage_rows(src_b, mIdxB, k_base, self.tile_n, ptid, k_begin, k_end)
                 for kt in cutlass.range(n_k, unroll=1):
                     ab_pipe.sync_object_empty.wait(prod_state.index, prod_state.phase)
                     bar = ab_pipe.producer_get_barrier(prod_state)
@@ -579,19 +640,19 @@ def _build_kernel_class():
                                 tma_atom_b, tBgB[(None, kt)], tBsB[(None, prod_state.index)],
                                 tma_bar_ptr=bar,
                             )
-                    s_next = k_base + (kt + 1) * tk + kk
+                    s_next = k_base + (kt + 1) * tk
                     if cutlass.const_expr(self.gather_a):
                         self.gather_stage(
-                            atom, pred, mGA, sA, self.tile_m, self.key.hidden,
-                            m_idx * self.tile_m, src_a, kk, half, prod_state.index,
+                            atom, mGA, sA, self.tile_m, self.key.hidden,
+                            m_idx * self.tile_m, src_a, ptid, prod_state.index,
                         )
-                        src_a = self.row_index(mIdxA, s_next, k_begin, k_end)
+                        self.stage_rows(src_a, mIdxA, s_next, self.tile_m, ptid, k_begin, k_end)
                     if cutlass.const_expr(self.gather_b):
                         self.gather_stage(
-                            atom, pred, mGB, sB, self.tile_n, self.key.intermediate,
-                            n_idx * self.tile_n, src_b, kk, half, prod_state.index,
+                            atom, mGB, sB, self.tile_n, self.key.intermediate,
+                            n_idx * self.tile_n, src_b, ptid, prod_state.index,
                         )
-                        src_b = self.row_index(mIdxB, s_next, k_begin, k_end)
+                        self.stage_rows(src_b, mIdxB, s_next, self.tile_n, ptid, k_begin, k_end)
                     cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                     prod_state.advance()
                 tile = self.producer_tile(

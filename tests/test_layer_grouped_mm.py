@@ -304,11 +304,30 @@ def test_shipped_table_parses_and_lists_every_shipped_model():
     from common.models import list_models
 
     t = choice.grouped_mm_table()
-    assert set(t["default"]) == set(choice.STEPS)
+    fields = {*choice.STEPS, choice.WGRAD_GATHER}
+    assert set(t["default"]) == fields
     for key, row in t.items():
-        assert set(row) == set(choice.STEPS) and set(row.values()) <= set(choice.IMPLS), key
+        assert set(row) == fields, key
+        assert {row[s] for s in choice.STEPS} <= set(choice.IMPLS), key
+        assert isinstance(row[choice.WGRAD_GATHER], bool), key
+    assert t["default"][choice.WGRAD_GATHER] is False  # a shape gathers where it measured a win
     for m in list_models():
         assert (m.experts, m.hidden, m.intermediate) in t, m.name
+
+
+def test_table_wgrad_gather_is_parsed_and_checked():
+    rows = {"default": {"forward_gate_up": "cublas", "backward_down_dgrad": "cublas",
+                        "wgrad_gather": True},
+            "shapes": [{"experts": 4, "hidden": 64, "intermediate": 32,
+                        "forward_gate_up": "cublas", "backward_down_dgrad": "cublas"},
+                       {"experts": 8, "hidden": 64, "intermediate": 32, "wgrad_gather": False,
+                        "forward_gate_up": "cublas", "backward_down_dgrad": "cublas"}]}
+    t = choice._parse_table(rows, "t.yaml")
+    assert t[(4, 64, 32)][choice.WGRAD_GATHER] is True  # the default's
+    assert t[(8, 64, 32)][choice.WGRAD_GATHER] is False
+    bad = {**rows, "default": {**rows["default"], "wgrad_gather": "yes"}}
+    with pytest.raises(ValueError, match="t.yaml: default: wgrad_gather must be true or false"):
+        choice._parse_table(bad, "t.yaml")
 
 
 def test_auto_reads_the_table(table, monkeypatch):

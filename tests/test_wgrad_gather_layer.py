@@ -52,6 +52,13 @@ def _rows(src_TK: torch.Tensor, idx_S: torch.Tensor) -> torch.Tensor:
     return torch.where((idx_S >= 0)[:, None], got, torch.zeros((), dtype=got.dtype))
 
 
+def _table_gathers(m) -> None:
+    """On a monkeypatch ``m``: the per-shape table says ``wgrad_gather: true`` for every shape
+    (configs/cuda/grouped_mm_choice.yaml's default is false: a measured memory / time trade)."""
+    table = {k: {**row, choice.WGRAD_GATHER: True} for k, row in choice.grouped_mm_table().items()}
+    m.setattr(choice, "grouped_mm_table", lambda: table)
+
+
 def _install_twin(m) -> list:
     """On a monkeypatch ``m``: ``"torch"`` a gathering wgrad backend and a
     ``grouped_wgrad_into`` honouring ``a_rows_S`` / ``b_rows_S``. Returns the list that
@@ -76,6 +83,7 @@ def _install_twin(m) -> list:
 
     m.setattr(api, "WGRAD_GATHER_BACKENDS", ("torch",), raising=False)
     m.setattr(api, "grouped_wgrad_into", into)
+    _table_gathers(m)
     return calls
 
 
@@ -374,6 +382,13 @@ def test_keeps_x_rows_is_one_decision_of_shape_dtype_and_options(monkeypatch):
     monkeypatch.setattr(api, "WGRAD_GATHER_BACKENDS", ("sm90",), raising=False)
     cuda = torch.device("cuda")
     keeps = choice.keeps_x_rows
+    assert keeps(cuda, 128, 2048, 768) is (not choice.table_wgrad_gather(128, 2048, 768))
+    with monkeypatch.context() as m:  # the table's per-shape trade decides first
+        table = {k: {**row, choice.WGRAD_GATHER: False}
+                 for k, row in choice.grouped_mm_table().items()}
+        m.setattr(choice, "grouped_mm_table", lambda: table)
+        assert keeps(cuda, 128, 2048, 768)
+    _table_gathers(monkeypatch)
     assert not keeps(cuda, 128, 2048, 768)  # qwen3-30b-a3b: fp32 grads by default
     assert not keeps(cuda, 128, 2048, 768, grad_dtype=bf16)
     assert keeps(cuda, 32, 2880, 2880, grad_dtype=bf16)  # gpt-oss: cuBLAS's wgrad
@@ -416,6 +431,7 @@ def test_gpu_layer_step_with_the_gather_wgrad_equals_the_gathered_copies(grouped
     BF16 bytes less until the backward (no X rows saved); and the step agrees with the
     portable backend."""
     _gpu_gather_backend()
+    _table_gathers(monkeypatch)
     Tg, Hg, Ig, Eg, Kg = 1024, 512, 256, 8, 2
     torch.manual_seed(0)
     layer = MoEExperts(Eg, Hg, Ig, device="cuda", bias=bias, grouped_mm=grouped_mm)

@@ -65,6 +65,7 @@ from .grouped_mm_choice import (
     gathered_wgrad_choice,
     kernel_rows,
     pick,
+    table_wgrad_gather,
     wgrad_choice,
     wgrad_gathers,
 )
@@ -325,9 +326,12 @@ def moe_backward_fused(
     # them, else read through the row -> token index by the gate/up wgrad (x_S None: no
     # gathered copy, or one gathered right before that wgrad where its kernel cannot gather)
     x_S = x_rows_S
+    r2t = layout.row_to_token_S
+    table_gathers = table_wgrad_gather(E, H, I)  # the per-shape trade (grouped_mm_choice.yaml)
     if x_S is None and layout.identity:
         x_S = identity_rows(x_TH)
-    r2t = layout.row_to_token_S
+    elif x_S is None and not table_gathers:
+        x_S = gather_rows(x_TH, r2t, bf16)
     w_down_EHI = p.w_down_EIH.to(bf16).transpose(1, 2)
     # the gate/up matrix: a view (gpt-oss's interleaved memory included) unless the gradient
     # is accumulated into a main_grad buffer, whose memory is the concatenated [E, H, 2, I]
@@ -340,8 +344,8 @@ def moe_backward_fused(
     stats["grouped_mm"] = impl
     # dY rows [S, H] are written only where something reads them: the bias gradients (and the
     # activation backward's dA term of the down bias), or a dW_down that cannot read dY
-    # through the index (wgrad_gathers: the same choice _wgrad makes)
-    dy_in_wgrad = not layout.identity and wgrad_gathers(
+    # through the index (the table's wgrad_gather and wgrad_gathers: the choice _wgrad makes)
+    dy_in_wgrad = not layout.identity and table_gathers and wgrad_gathers(
         dev, E, I, H, out_dtype=grad_dtype, accumulate=acc is not None, backend=wgrad_backend,
         group_align=layout.align,
     )

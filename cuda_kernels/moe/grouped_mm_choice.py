@@ -49,10 +49,11 @@ from common.dispatch import BackendOption
 __all__ = [
     "GROUPED_MM", "GROUPED_MM_OPTION", "IMPLS", "STEPS", "WGRAD_BACKENDS", "check_grouped_mm",
     "checkpoint_in_rows", "grouped_mm_table", "keeps_x_rows", "kernel_rows", "pick",
-    "wgrad_choice", "wgrad_gathers",
+    "table_wgrad_gather", "wgrad_choice", "wgrad_gathers",
 ]
 
 STEPS = ("forward_gate_up", "backward_down_dgrad")
+WGRAD_GATHER = "wgrad_gather"  # the table's optional per-shape bool (table_wgrad_gather)
 IMPLS = ("cublas", "ours", "ours-gemm")
 
 GROUPED_MM_OPTION = BackendOption(
@@ -83,21 +84,27 @@ def _parse_table(doc, where: str) -> dict:
     def fail(msg):
         raise ValueError(f"{where}: {msg}")
 
-    def steps(entry, label):
+    def steps(entry, label, gather_default=False):
         out = {}
         for step in STEPS:
             v = entry.get(step)
             if v not in IMPLS:
                 fail(f"{label}: {step} must be one of {IMPLS}, got {v!r}")
             out[step] = v
+        gather = entry.get(WGRAD_GATHER, gather_default)
+        if not isinstance(gather, bool):
+            fail(f"{label}: {WGRAD_GATHER} must be true or false, got {gather!r}")
+        out[WGRAD_GATHER] = gather
         return out
 
     if not isinstance(doc, dict) or set(doc) - {"default", "shapes"}:
         fail("the file must be a mapping with the keys 'default' and 'shapes'")
     default = doc.get("default")
-    if not isinstance(default, dict) or set(default) != set(STEPS):
-        fail(f"default must map exactly {STEPS} to one of {IMPLS}, got {default!r}")
+    if not isinstance(default, dict) or set(default) - {WGRAD_GATHER} != set(STEPS):
+        fail(f"default must map exactly {STEPS} to one of {IMPLS} (and optionally "
+             f"{WGRAD_GATHER} to a bool), got {default!r}")
     table = {"default": steps(default, "default")}
+    gather_default = table["default"][WGRAD_GATHER]
     shapes = doc.get("shapes") or []
     if not isinstance(shapes, list):
         fail("shapes must be a list of entries")
@@ -105,7 +112,8 @@ def _parse_table(doc, where: str) -> dict:
         label = f"shapes[{n}]"
         if not isinstance(entry, dict):
             fail(f"{label} must be a mapping, got {entry!r}")
-        unknown = set(entry) - {"model", "experts", "hidden", "intermediate", *STEPS}
+        unknown = set(entry) - {"model", "experts", "hidden", "intermediate", WGRAD_GATHER,
+                                *STEPS}
         if unknown:
             fail(f"{label} has unknown keys {sorted(unknown)}")
         dims = []
@@ -120,7 +128,7 @@ def _parse_table(doc, where: str) -> dict:
         key = tuple(dims)
         if key in table:
             fail(f"{label}: (experts, hidden, intermediate) = {key} is listed twice")
-        table[key] = steps(entry, f"{label} ({entry.get('model', key)})")
+        table[key] = steps(entry, f"{label} ({entry.get('model', key)})", gather_default)
     return table
 
 
@@ -136,11 +144,23 @@ def grouped_mm_table() -> dict:
     return _parse_table(load_yaml_file(path), str(path))
 
 
+def _table_row(E: int, H: int, I: int) -> dict:
+    table = grouped_mm_table()
+    return table.get((E, H, I)) or table.get((None, H, I)) or table["default"]
+
+
 def table_choice(step: str, E: int, H: int, I: int) -> str:
     """The table's implementation of ``step`` for experts E, hidden H, intermediate I."""
-    table = grouped_mm_table()
-    row = table.get((E, H, I)) or table.get((None, H, I)) or table["default"]
-    return row[step]
+    return _table_row(E, H, I)[step]
+
+
+def table_wgrad_gather(E: int, H: int, I: int) -> bool:
+    """The table's ``wgrad_gather`` for experts E, hidden H, intermediate I: whether the
+    layer's weight gradients read X and dY through the routing index (where the wgrad kernel
+    can: :func:`wgrad_gathers`) instead of from gathered [S, H] copies. A memory / time trade:
+    the copies cost ``2 S H`` bytes each, the gathering kernel its slower operand load
+    (``benchmarks/RESULTS.md``)."""
+    return _table_row(E, H, I).get(WGRAD_GATHER, False)
 
 
 def checkpoint_in_rows(E: int, H: int, I: int, *, gate_up_bias: bool, clamp_limits,
@@ -392,9 +412,11 @@ def keeps_x_rows(
     layer's fake implementation gives the X rows' shape from it (``Backend.keeps_x_rows``).
     Off CUDA (the portable twin) it is True, as before.
 
-    An unknown ``wgrad_backend`` keeps them (the backward refuses it, naming the argument).
+    Where the table says ``wgrad_gather: false`` (:func:`table_wgrad_gather`) the rows are
+    kept whatever the kernel can do. An unknown ``wgrad_backend`` keeps them (the backward
+    refuses it, naming the argument).
     """
-    if wgrad_backend not in WGRAD_BACKENDS:
+    if wgrad_backend not in WGRAD_BACKENDS or not table_wgrad_gather(E, H, I):
         return True
     return not wgrad_gathers(torch.device(device), E, H, 2 * I, out_dtype=grad_dtype,
                              accumulate=accumulate, backend=wgrad_backend)

@@ -158,10 +158,13 @@ def _adapter():
         # both kernels take the zeroed tile counter of their dynamic scheduler
         m_cnt = cute.make_tensor(counter.iterator, cute.make_layout((1,)))
         if cutlass.const_expr(arch == "sm90"):
-            kernel = sm90_kernel_class(key)
+            # the SM90 kernel takes the gather indexes (a_rows, b_rows) after the counter: None,
+            # as the non-gather launch passes (the JAX keys never gather)
+            sm90_kernel_class(key)(
+                m_a, m_b, m_off, m_out, m_cnt, None, None, cutlass.Int32(num_ctas), stream
+            )
         else:
-            kernel = sm100_kernel_class(key)
-        kernel(m_a, m_b, m_off, m_out, m_cnt, cutlass.Int32(num_ctas), stream)
+            sm100_kernel_class(key)(m_a, m_b, m_off, m_out, m_cnt, cutlass.Int32(num_ctas), stream)
 
     return grouped_wgrad_xla_adapter
 

@@ -35,6 +35,38 @@ needs_sm90 = pytest.mark.skipif(not (HAS_SM90 and HAS_CUTE), reason="needs an SM
                                 "CuTe DSL")
 
 
+@pytest.fixture(autouse=True)
+def _gather_gate_open(monkeypatch):
+    """This file tests the gather keys themselves: their gate open (until
+    ``wgrad_bf16.GATHER_VERIFIED_ON_GPU``); ``test_closed_gate_gathers_first`` closes it."""
+    monkeypatch.setenv(sm90.GATHER_ENABLE_ENV, "1")
+
+
+def test_closed_gate_gathers_first(monkeypatch):
+    """With the gate closed (unverified source, no opt-in) ``grouped_wgrad_into`` on SM90 does
+    not build a gather key: it gathers the operand first and runs the dense path."""
+    monkeypatch.delenv(sm90.GATHER_ENABLE_ENV)
+    monkeypatch.setattr(sm90, "GATHER_VERIFIED_ON_GPU", False)
+    assert not sm90.gather_enabled()
+    seen = []
+    monkeypatch.setattr(wrappers, "_compile_gathered", lambda *a, **k: seen.append(a))
+    dense = []
+
+    def into(a, b, offsets, out, *, accumulate=False, backend="sm90", a_rows_S=None,
+             b_rows_S=None):
+        assert a_rows_S is None and b_rows_S is None
+        dense.append((tuple(a.shape), tuple(b.shape)))
+
+    real = wrappers.grouped_wgrad_into
+    monkeypatch.setattr(wrappers, "grouped_wgrad_into", into)
+    x, dy, rows, offs = _problem([3, 0, 9], 16, 8)
+    out = torch.full((3, 16, 8), float("nan"))
+    wrappers._gathered_into(x.t(), dy, offs, out, False, "sm90", rows, rows)
+    assert seen == [] and dense == [((16, rows.shape[0]), (rows.shape[0], 8))]
+    monkeypatch.setenv(sm90.GATHER_ENABLE_ENV, "1")
+    assert sm90.gather_enabled() and real is not into
+
+
 def _problem(counts, hidden, inter, *, tokens=None, pad_every=5, seed=0, index_dtype=torch.int64,
              device="cpu"):
     """Sources X [T, H], dY [T, I] (bf16; the rows no index names are NaN) and a row index [S]

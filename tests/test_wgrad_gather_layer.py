@@ -432,6 +432,9 @@ def test_gpu_layer_step_with_the_gather_wgrad_equals_the_gathered_copies(grouped
     portable backend."""
     _gpu_gather_backend()
     _table_gathers(monkeypatch)
+    from cuda_kernels.gemm.sm90 import wgrad_bf16
+
+    monkeypatch.setenv(wgrad_bf16.GATHER_ENABLE_ENV, "1")  # the gather keys themselves
     Tg, Hg, Ig, Eg, Kg = 1024, 512, 256, 8, 2
     torch.manual_seed(0)
     layer = MoEExperts(Eg, Hg, Ig, device="cuda", bias=bias, grouped_mm=grouped_mm)

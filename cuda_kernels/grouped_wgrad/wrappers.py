@@ -289,7 +289,9 @@ def grouped_wgrad_into(
     with ``a_rows_S``, column ``s`` of A is ``a_HS[:, a_rows_S[s]]`` (zeros where
     ``a_rows_S[s] < 0``, a padding row); with ``b_rows_S``, row ``s`` of B is
     ``b_SI[b_rows_S[s]]``. On a backend of :data:`WGRAD_GATHER_BACKENDS` ("sm90") the kernel
-    reads the rows through the index in its operand load when the source is MN-major (A: an
+    reads the rows through the index in its operand load (while its gate is open:
+    ``MOE_BWD_ENABLE_UNVERIFIED_SM90_WGRAD_GATHER=1`` until its GPU tests pass with this
+    source, ``cuda_kernels.gemm.sm90.wgrad_bf16.gather_enabled``) when the source is MN-major (A: an
     ``[H, T]`` view with strides ``(1, ld)``, e.g. ``X.t()`` of a row-major ``[T, H]`` X; B: a
     ``[T, I]`` tensor with strides ``(ld, 1)``; ``ld`` a multiple of 8, 16-byte aligned
     addresses); other backends ("sm100") and other source layouts gather first
@@ -354,6 +356,14 @@ def _kernel_gathers(a_src: torch.Tensor, b_src: torch.Tensor, gather_a: bool,
         if t.numel() and t.data_ptr() % TMA_ALIGN_BYTES:
             return False
     return True
+
+
+def _gather_kernel_enabled(backend: str) -> bool:
+    """The SM90 gather keys' gate (``wgrad_bf16.gather_enabled``: verified on a GPU, or
+    ``MOE_BWD_ENABLE_UNVERIFIED_SM90_WGRAD_GATHER=1``); closed, the call gathers first."""
+    from ..gemm.sm90 import wgrad_bf16
+
+    return backend == "sm90" and wgrad_bf16.gather_enabled()
 
 
 def _meta_like(t: torch.Tensor, shape=None, stride=None) -> torch.Tensor:
@@ -432,7 +442,7 @@ def _gathered_into(a_HS, b_SI, offsets_E, out_EHI, accumulate, backend, a_rows_S
     if rows[0] is not None and rows[1] is not None and rows[1].dtype != rows[0].dtype:
         rows[1] = rows[1].to(rows[0].dtype)  # one index dtype per kernel key
     a_rows, b_rows = rows
-    if backend in WGRAD_GATHER_BACKENDS and _kernel_gathers(
+    if backend in WGRAD_GATHER_BACKENDS and _gather_kernel_enabled(backend) and _kernel_gathers(
         a_HS, b_SI, a_rows is not None, b_rows is not None
     ):
         key = _gather_key(backend, a_HS, b_SI, offsets_E, out_EHI, accumulate, a_rows, b_rows)

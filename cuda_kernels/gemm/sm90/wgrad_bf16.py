@@ -66,6 +66,7 @@ caches and launches. CuTe DSL is imported only inside the compile functions.
 import dataclasses
 import functools
 import math
+import os
 import types
 from collections.abc import Callable
 from typing import Any
@@ -89,6 +90,21 @@ __all__ = [
 
 _SMEM_BYTES = SM90_TILES.smem_bytes  # usable dynamic shared memory per CTA on H100/H200
 _SCHED_STAGES = 4  # depth of the tile-id ring between the producer warp and the consumers
+
+
+#: True once the gathering producer's GPU tests (``tests/test_grouped_wgrad_gather.py -m gpu``:
+#: bit-exact against the dense kernel on gathered copies) have passed with this source. The first
+#: producer (two threads per K row) passed them on an H100 on 2026-12-06; the coalesced one (8
+#: threads per row) has only compiled offline so far.
+GATHER_VERIFIED_ON_GPU = False
+GATHER_ENABLE_ENV = "MOE_BWD_ENABLE_UNVERIFIED_SM90_WGRAD_GATHER"
+
+
+def gather_enabled() -> bool:
+    """Whether ``grouped_wgrad_into`` may run the gather keys (``gather_a`` / ``gather_b``):
+    verified on a GPU, or opted in with ``MOE_BWD_ENABLE_UNVERIFIED_SM90_WGRAD_GATHER=1``.
+    Otherwise it gathers the operand first and runs the dense kernel (same bits, a copy)."""
+    return GATHER_VERIFIED_ON_GPU or os.environ.get(GATHER_ENABLE_ENV) == "1"
 
 
 def gather_thread_layout(extent: int, tile_k: int = 64) -> tuple[int, int, int]:

@@ -2,26 +2,26 @@
 
 Per call (rows in the grouped layout of the plan, REFERENCE §1.2; math REFERENCE §2)::
 
-    dY_S        = gather_rows(dY)                       # one pass, BF16 (Triton)
+    x_S, dY_S   = gather_rows(X, dY)                    # one pass each, BF16 (Triton); x_S may
+                                                        # come from the forward instead
     dh_raw_S    = dY_S @ W_down[e]^T                    # grouped GEMM, BF16 out (cuBLAS)
     dgu_S, ah_S, dA = activation_backward(dh_raw_S, checkpoint, ...)   # one pass (Triton): the
                                                         # checkpoint by pair [R, 2, I] or, as
                                                         # the forward kept it, by row [S, 2I]
     dB_*        = segment_colsum(...)                   # only with biases (Triton)
-    dW_down     = ah_S^T dY[row_to_token_S]             # our grouped wgrad kernel (SM90),
-                                                        # dY's rows read through the index
+    dW_down     = ah_S^T dY_S                           # our grouped wgrad kernel (SM90)
     dX_S        = dgu_S @ W_gate_up[e]^T                # grouped GEMM (cuBLAS)
     dX          = token_sum(dX_S)                       # each token sums its rows (Triton)
-    dW_gate_up  = X[row_to_token_S]^T dgu_S             # our grouped wgrad kernel (SM90),
-                                                        # X's rows read through the index
+    dW_gate_up  = x_S^T dgu_S                           # our grouped wgrad kernel (SM90)
 
-The two weight gradients read X and dY through the layout's row -> token index in the
-kernel's operand load where the wgrad's implementation gathers
-(:func:`.grouped_mm_choice.wgrad_gathers`, ``api.WGRAD_GATHER_BACKENDS``): no gathered [S, H]
-copy of X is kept from the forward, and dY's gathered rows are freed after the down dgrad
-(kept only where the bias gradients read them). Elsewhere (cuBLAS's wgrad off the 128 grid,
-the torch twin on the CPU, SM100) the operand is gathered right before its wgrad (or taken from
-the forward's ``x_rows_S`` where it kept them), as before.
+Where the per-shape table says ``wgrad_gather: true``
+(:func:`.grouped_mm_choice.table_wgrad_gather`; false on every shipped shape until the gathering
+wgrad is measured to win) and the wgrad's implementation gathers in its operand load
+(:func:`.grouped_mm_choice.wgrad_gathers`, ``api.WGRAD_GATHER_BACKENDS``), the two weight
+gradients read X and dY through the layout's row -> token index instead (``dW_gate_up =
+X[row_to_token_S]^T dgu_S``, ``dW_down = ah_S^T dY[row_to_token_S]``): no gathered [S, H] copy
+of X is kept from the forward, and dY's gathered rows are freed after the down dgrad (kept only
+where the bias gradients read them).
 
 With ``grouped_mm="ours"`` (or ``"auto"`` where ``configs/cuda/grouped_mm_choice.yaml`` says so:
 :mod:`cuda_kernels.moe.grouped_mm_choice`) the dY gather, the down dgrad and the activation backward

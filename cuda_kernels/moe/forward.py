@@ -37,9 +37,11 @@ layout: nothing gathered, nothing combined) with the gate and up weights as two 
     y        = ah @ W_down[e]                                   # grouped GEMM, y itself
 
 Where the backward's gate/up weight gradient reads X through the routing index itself
-(:func:`.grouped_mm_choice.keeps_x_rows`: our SM90 wgrad kernel gathers in its operand load) the
-forward keeps no ``x_S``: no side output, and the cuBLAS path's gathered rows are freed after
-the gate/up GEMM. Elsewhere (cuBLAS's wgrad off the 128 grid, the CPU) it keeps them as before.
+(:func:`.grouped_mm_choice.keeps_x_rows`: the shape's ``wgrad_gather`` in
+``configs/cuda/grouped_mm_choice.yaml``, and our SM90 wgrad kernel gathers in its operand
+load) the forward keeps no ``x_S``: no side output, and the cuBLAS path's gathered rows are
+freed after the gate/up GEMM. Elsewhere (the table's default, cuBLAS's wgrad off the 128 grid,
+the CPU) it keeps them as before.
 
 No fp32 intermediate goes through HBM, no atomics (bitwise deterministic), no host read of device
 values (CUDA-graph capturable). The backward (:mod:`cuda_kernels.moe.backward`) reuses the plan,

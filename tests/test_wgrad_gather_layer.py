@@ -154,7 +154,7 @@ def test_backward_through_the_index_equals_the_gathered_operands_bitwise(case, i
         return bwd.moe_backward_fused(p, **kw)
 
     with monkeypatch.context() as m:
-        m.delattr(api, "WGRAD_GATHER_BACKENDS", raising=False)
+        m.setattr(api, "WGRAD_GATHER_BACKENDS", ())
         want = run()
         assert "wgrad_gather" not in want.info
         x_rows = layout.gather_rows(p.hidden_states_TH.to(bf16))
@@ -197,7 +197,7 @@ def test_dy_rows_are_written_only_where_something_reads_them(impl, bias, monkeyp
     monkeypatch.setattr(bwd.gmm, "down_dgrad_backward", dgated)
     monkeypatch.setattr(bwd, "gathered_times_experts", gathered)
     with monkeypatch.context() as m:
-        m.delattr(api, "WGRAD_GATHER_BACKENDS", raising=False)
+        m.setattr(api, "WGRAD_GATHER_BACKENDS", ())
         want = bwd.moe_backward_fused(p, layout=layout, grouped_mm=impl)
     with monkeypatch.context() as m:
         _install_twin(m)
@@ -234,7 +234,7 @@ def test_forward_keeps_no_x_rows_where_the_wgrad_gathers(impl, monkeypatch):
 
     monkeypatch.setattr(fwd.gmm, "gate_up_forward", gated)
     with monkeypatch.context() as m:
-        m.delattr(api, "WGRAD_GATHER_BACKENDS", raising=False)
+        m.setattr(api, "WGRAD_GATHER_BACKENDS", ())
         kept = fwd.moe_forward_fused(x, af, ei, wgu, wd, grouped_mm=impl)
         assert kept.x_rows_S is not None and tuple(kept.x_rows_S.shape) == (
             kept.layout.tokens_sum, H)
@@ -301,7 +301,7 @@ def test_layer_saves_no_x_rows_where_the_wgrad_gathers(bias, cuda_backend_on_cpu
     x, ei, af, dy = _layer_inputs()
     S = static_tokens_sum(T * K, E, ALIGN)
     with monkeypatch.context() as m:
-        m.delattr(api, "WGRAD_GATHER_BACKENDS", raising=False)
+        m.setattr(api, "WGRAD_GATHER_BACKENDS", ())
         saved, want = _layer_step(layer, x, ei, af, dy)
         # (x, w_gate_up, w_down, b_gate_up, b_down, checkpoint, X rows, *routing)
         assert saved[6].dtype == bf16 and tuple(saved[6].shape) == (S, H)
@@ -327,7 +327,7 @@ def test_main_grad_layer_through_the_index(cuda_backend_on_cpu, monkeypatch):
             if gather:
                 calls = _install_twin(m)
             else:
-                m.delattr(api, "WGRAD_GATHER_BACKENDS", raising=False)
+                m.setattr(api, "WGRAD_GATHER_BACKENDS", ())
             torch.manual_seed(0)
             layer = MoEExperts(E, H, I, backend="cuda-sm90", dtype=torch.float32,
                                accumulate_main_grad=True)
@@ -380,8 +380,16 @@ def test_keeps_x_rows_is_one_decision_of_shape_dtype_and_options(monkeypatch):
     monkeypatch.setattr(api, "select_grouped_wgrad_backend", lambda dev: (
         ("sm90", "") if torch.device(dev).type == "cuda" else ("torch", "cpu")))
     monkeypatch.setattr(api, "WGRAD_GATHER_BACKENDS", ("sm90",), raising=False)
+    from cuda_kernels.gemm.sm90 import wgrad_bf16
+
+    monkeypatch.setattr(wgrad_bf16, "GATHER_VERIFIED_ON_GPU", False)
+    monkeypatch.delenv(wgrad_bf16.GATHER_ENABLE_ENV, raising=False)
     cuda = torch.device("cuda")
     keeps = choice.keeps_x_rows
+    with monkeypatch.context() as m:  # the gather keys' gate closed: the copies are kept
+        _table_gathers(m)
+        assert keeps(cuda, 128, 2048, 768)
+    monkeypatch.setenv(wgrad_bf16.GATHER_ENABLE_ENV, "1")
     assert keeps(cuda, 128, 2048, 768) is (not choice.table_wgrad_gather(128, 2048, 768))
     with monkeypatch.context() as m:  # the table's per-shape trade decides first
         table = {k: {**row, choice.WGRAD_GATHER: False}
@@ -405,7 +413,7 @@ def test_keeps_x_rows_is_one_decision_of_shape_dtype_and_options(monkeypatch):
             "accumulate": False, "backend_options": {}, "grouped_mm": "auto"}
     assert hook(call) is False
     assert hook({**call, "backend_options": {"wgrad_backend": "torch"}}) is True
-    monkeypatch.delattr(api, "WGRAD_GATHER_BACKENDS")
+    monkeypatch.setattr(api, "WGRAD_GATHER_BACKENDS", ())
     assert keeps(cuda, 128, 2048, 768)
 
 

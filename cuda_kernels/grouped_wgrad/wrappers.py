@@ -412,9 +412,16 @@ def _compile_gathered(backend, a, b, offsets, out, accumulate, a_rows, b_rows,
                           (out, "out_EHI", TMA_ALIGN_BYTES)):
         check_ptr(t, arg, align)
     contract = next(
-        c for c in v.contracts
-        if (not ga or c.a_major == "m") and (not gb or c.b_major == "n")
+        (c for c in v.contracts
+         if (not ga or c.a_major == "m") and (not gb or c.b_major == "n")),
+        None,
     )
+    if contract is None:
+        raise ValueError(
+            "grouped_wgrad_into: a gathered operand must be MN-major (a_rows_S: a_HS with unit "
+            "stride along H; b_rows_S: b_SI with unit stride along I); no contract of this "
+            "call has that layout"
+        )
     bf16.check_fits(contract)
     _, module = bf16._family(contract)  # noqa: SLF001 - the format's family lookup
     if module is None:

@@ -63,6 +63,7 @@ from ..triton.rows import gather_rows, segment_colsum, token_sum, zero_empty_gro
 from .grouped_mm_choice import (
     check_grouped_mm,
     gathered_wgrad_choice,
+    kernel_gathers,
     kernel_rows,
     pick,
     table_wgrad_gather,
@@ -173,7 +174,7 @@ def _wgrad(
             a_HS.device, E, a_HS.shape[0], b_SI.shape[1], out_dtype=out_dtype,
             accumulate=accumulate, backend=backend, group_align=group_align,
         )
-        if name in getattr(api, "WGRAD_GATHER_BACKENDS", ()):
+        if kernel_gathers(name):
             stats.setdefault("wgrad_backend", name)
             stats["wgrad_gather"] = stats.get("wgrad_gather", 0) + 1
             if a_rows is not None:
@@ -259,8 +260,9 @@ def moe_backward_fused(
         x_rows_S: optional [S, H] BF16 X already in ``layout``'s row order, as the forward
             gathered it for its first GEMM (padding rows must be finite: the gather writes 0);
             the gate/up wgrad reads it instead of X through the index. Needs ``layout``.
-            The layer's forward keeps it only where that wgrad cannot gather
-            (:func:`.grouped_mm_choice.keeps_x_rows`).
+            The layer's forward keeps it unless the shape's ``wgrad_gather`` is true and that
+            wgrad gathers (:func:`.grouped_mm_choice.keeps_x_rows`; kept on every shipped
+            shape).
         grouped_mm: ``"cublas"`` (dY gather, cuBLAS dgrad, activation-backward pass),
             ``"ours"`` (the fused :func:`cuda_kernels.grouped_mm.down_dgrad_backward`; needs
             a contiguous BF16 checkpoint in pair order), ``"ours-gemm"`` (our gathering down
@@ -327,10 +329,16 @@ def moe_backward_fused(
     # gathered copy, or one gathered right before that wgrad where its kernel cannot gather)
     x_S = x_rows_S
     r2t = layout.row_to_token_S
-    table_gathers = table_wgrad_gather(E, H, I)  # the per-shape trade (grouped_mm_choice.yaml)
+    # the per-shape trade (grouped_mm_choice.yaml) and whether the wgrad kernel can gather:
+    # the forward's keeps_x_rows asked the same two questions
+    table_gathers = table_wgrad_gather(E, H, I) and not layout.identity
+    x_in_wgrad = table_gathers and wgrad_gathers(
+        dev, E, H, 2 * I, out_dtype=grad_dtype, accumulate=acc is not None,
+        backend=wgrad_backend, group_align=layout.align,
+    )
     if x_S is None and layout.identity:
         x_S = identity_rows(x_TH)
-    elif x_S is None and not table_gathers:
+    elif x_S is None and not x_in_wgrad:
         x_S = gather_rows(x_TH, r2t, bf16)
     w_down_EHI = p.w_down_EIH.to(bf16).transpose(1, 2)
     # the gate/up matrix: a view (gpt-oss's interleaved memory included) unless the gradient
@@ -345,7 +353,7 @@ def moe_backward_fused(
     # dY rows [S, H] are written only where something reads them: the bias gradients (and the
     # activation backward's dA term of the down bias), or a dW_down that cannot read dY
     # through the index (the table's wgrad_gather and wgrad_gathers: the choice _wgrad makes)
-    dy_in_wgrad = not layout.identity and table_gathers and wgrad_gathers(
+    dy_in_wgrad = table_gathers and wgrad_gathers(
         dev, E, I, H, out_dtype=grad_dtype, accumulate=acc is not None, backend=wgrad_backend,
         group_align=layout.align,
     )

@@ -31,7 +31,8 @@ options).
 The grouped weight gradients (:func:`wgrad_choice`) are chosen here too, because the forward
 needs one answer of that choice: whether the backward's gate/up wgrad reads X through the
 layout's row -> token index inside the kernel (:func:`wgrad_gathers`, :func:`keeps_x_rows`).
-Where it does, the forward keeps no gathered copy of X for the backward.
+Where it does and the shape's ``wgrad_gather`` in the table is true (:func:`table_wgrad_gather`;
+false on every shipped shape), the forward keeps no gathered copy of X for the backward.
 
 Importing this module imports neither triton nor CuTe DSL (the backend's option declaration reads
 it): the kernels' APIs are imported on the first call that needs them.
@@ -48,7 +49,7 @@ from common.dispatch import BackendOption
 
 __all__ = [
     "GROUPED_MM", "GROUPED_MM_OPTION", "IMPLS", "STEPS", "WGRAD_BACKENDS", "check_grouped_mm",
-    "checkpoint_in_rows", "grouped_mm_table", "keeps_x_rows", "kernel_rows", "pick",
+    "checkpoint_in_rows", "grouped_mm_table", "keeps_x_rows", "kernel_gathers", "kernel_rows", "pick",
     "table_wgrad_gather", "wgrad_choice", "wgrad_gathers",
 ]
 
@@ -386,8 +387,9 @@ def wgrad_gathers(
     group_align: int = _WGRAD_ROW_ALIGN,
 ) -> bool:
     """Whether an [E, M, N] grouped wgrad with an operand read through the row -> token index
-    runs on a kernel that gathers in its operand load (``api.WGRAD_GATHER_BACKENDS``; none while
-    the API does not name any): then no gathered [S, K] copy of that operand is needed.
+    runs on a kernel that gathers in its operand load (:func:`kernel_gathers`: a backend of
+    ``api.WGRAD_GATHER_BACKENDS`` with its gather keys enabled): then no gathered [S, K] copy
+    of that operand is needed.
     Elsewhere the backward gathers the operand first (one Triton pass) and runs as before.
     Arguments as :func:`gathered_wgrad_choice`; the choice is symmetric in M and N (the
     kernel's tile rules and the cuBLAS rule are), so one answer holds for both operand
@@ -397,7 +399,24 @@ def wgrad_gathers(
     name, _ = gathered_wgrad_choice(device, E, M, N, out_dtype=out_dtype,
                                     accumulate=accumulate, backend=backend,
                                     group_align=group_align)
-    return name in getattr(api, "WGRAD_GATHER_BACKENDS", ())
+    return kernel_gathers(name)
+
+
+def kernel_gathers(name: str) -> bool:
+    """Whether wgrad implementation ``name`` reads a gathered operand through its index in the
+    kernel's operand load: a backend of ``api.WGRAD_GATHER_BACKENDS`` whose gather keys are
+    enabled (SM90: verified on a GPU or opted in,
+    ``cuda_kernels.gemm.sm90.wgrad_bf16.gather_enabled``). Not cached: the gate is read each
+    call (an environment variable)."""
+    from ..grouped_wgrad import api
+
+    if name not in api.WGRAD_GATHER_BACKENDS:
+        return False
+    if name == "sm90":
+        from ..gemm.sm90 import wgrad_bf16
+
+        return wgrad_bf16.gather_enabled()
+    return True
 
 
 def keeps_x_rows(

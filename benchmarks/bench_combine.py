@@ -42,6 +42,24 @@ from cuda_kernels.grouped_mm import grouped_mm_gather  # noqa: E402
 from cuda_kernels.triton.rows import token_sum  # noqa: E402
 
 
+def _time_shape(model, T: int, dev: torch.device, bench) -> dict:
+    """ms of the four parts (module docstring) on one shape's routing and operands."""
+    d = build_shape(model, T, dev)
+    slots = d["layout"].slot_to_row_TK
+    k = slots.shape[1]
+    ah, w_d, offs = d["ah"], d["w_d"], d["offsets"]
+    out_S = torch._grouped_mm(ah, w_d, offs=offs)
+    pair_rows = torch.randn(T * k, d["H"], device=dev).to(torch.bfloat16)
+    ident = torch.arange(T * k, device=dev, dtype=torch.int64).view(T, k)
+    t = {
+        "cublas": bench(lambda: torch._grouped_mm(ah, w_d, offs=offs)),
+        "ours": bench(lambda: grouped_mm_gather(ah, w_d, offs, backend="sm90")),
+        "grouped": bench(lambda: token_sum(out_S, slots, torch.bfloat16)),
+        "contig": bench(lambda: token_sum(pair_rows, ident, torch.bfloat16)),
+    }
+    return {key: v * 1e3 for key, v in t.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
@@ -57,25 +75,10 @@ def main(argv=None) -> int:
           "fold costs >= |")
     print("|---|---|---|---|---|---|---|")
     for label, model, T in parse_shapes(args.shapes, None, 1):
-        d = build_shape(model, T, dev)
-        layout = d["layout"]
-        slots = layout.slot_to_row_TK
-        k = slots.shape[1]
-        out_S = torch._grouped_mm(d["ah"], d["w_d"], offs=d["offsets"])
-        pair_rows = torch.randn(T * k, d["H"], device=dev).to(torch.bfloat16)
-        ident = torch.arange(T * k, device=dev, dtype=torch.int64).view(T, k)
-        t = {
-            "cublas": bench(lambda: torch._grouped_mm(d["ah"], d["w_d"], offs=d["offsets"])),
-            "ours": bench(lambda: grouped_mm_gather(d["ah"], d["w_d"], d["offsets"],
-                                                        backend="sm90")),
-            "grouped": bench(lambda: token_sum(out_S, slots, torch.bfloat16)),
-            "contig": bench(lambda: token_sum(pair_rows, ident, torch.bfloat16)),
-        }
-        ms = {key: v * 1e3 for key, v in t.items()}
+        ms = _time_shape(model, T, dev, bench)
         print(f"| {label} | {ms['cublas']:.3f} | {ms['ours']:.3f} | {ms['grouped']:.3f} | "
               f"{ms['contig']:.3f} | {ms['grouped'] - ms['contig']:.3f} | "
               f"{ms['ours'] - ms['cublas']:.3f} |")
-        del d, out_S, pair_rows
         torch.cuda.empty_cache()
     return 0
 

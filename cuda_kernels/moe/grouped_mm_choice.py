@@ -49,8 +49,8 @@ from common.dispatch import BackendOption
 
 __all__ = [
     "GROUPED_MM", "GROUPED_MM_OPTION", "IMPLS", "STEPS", "WGRAD_BACKENDS", "check_grouped_mm",
-    "checkpoint_in_rows", "grouped_mm_table", "keeps_x_rows", "kernel_gathers", "kernel_rows", "pick",
-    "table_wgrad_gather", "wgrad_choice", "wgrad_gathers",
+    "checkpoint_in_rows", "grouped_mm_table", "keeps_x_rows", "kernel_gathers", "kernel_rows",
+    "pick", "table_wgrad_gather", "wgrad_choice", "wgrad_gathers",
 ]
 
 STEPS = ("forward_gate_up", "backward_down_dgrad")
@@ -394,8 +394,6 @@ def wgrad_gathers(
     Arguments as :func:`gathered_wgrad_choice`; the choice is symmetric in M and N (the
     kernel's tile rules and the cuBLAS rule are), so one answer holds for both operand
     orientations of the fused backward."""
-    from ..grouped_wgrad import api
-
     name, _ = gathered_wgrad_choice(device, E, M, N, out_dtype=out_dtype,
                                     accumulate=accumulate, backend=backend,
                                     group_align=group_align)

@@ -25,7 +25,7 @@ PUBLIC = [
     "select_grouped_wgrad_backend",
 ]
 #: Public names added since (issue 23 item 7's cuDNN parity; issue 33 item 5's gather backends).
-ADDED = ["wgrad_expert_ptrs", "WGRAD_GATHER_BACKENDS"]
+ADDED = ["wgrad_expert_ptrs", "WGRAD_GATHER_BACKENDS", "wgrad_gather_enabled"]
 #: cuDNN exposes its jit entry at the top level (``cudnn.grouped_gemm_wgrad_jax_sm100``):
 #: ``cuda_kernels`` too, resolved lazily from ``grouped_wgrad.jax_ffi`` (issue 23 item 7).
 TOP_LEVEL_JAX = ["grouped_gemm_wgrad_jax_sm100", "grouped_gemm_wgrad_jax_sm90"]

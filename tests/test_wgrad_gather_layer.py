@@ -82,6 +82,7 @@ def _install_twin(m) -> list:
                                validate_offsets=False)
 
     m.setattr(api, "WGRAD_GATHER_BACKENDS", ("torch",), raising=False)
+    m.setattr(api, "wgrad_gather_enabled", lambda name: name == "torch")
     m.setattr(api, "grouped_wgrad_into", into)
     _table_gathers(m)
     return calls
@@ -154,7 +155,7 @@ def test_backward_through_the_index_equals_the_gathered_operands_bitwise(case, i
         return bwd.moe_backward_fused(p, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(api, "WGRAD_GATHER_BACKENDS", ())
+        m.setattr(api, "wgrad_gather_enabled", lambda name: False)
         want = run()
         assert "wgrad_gather" not in want.info
         x_rows = layout.gather_rows(p.hidden_states_TH.to(bf16))
@@ -197,7 +198,7 @@ def test_dy_rows_are_written_only_where_something_reads_them(impl, bias, monkeyp
     monkeypatch.setattr(bwd.gmm, "down_dgrad_backward", dgated)
     monkeypatch.setattr(bwd, "gathered_times_experts", gathered)
     with monkeypatch.context() as m:
-        m.setattr(api, "WGRAD_GATHER_BACKENDS", ())
+        m.setattr(api, "wgrad_gather_enabled", lambda name: False)
         want = bwd.moe_backward_fused(p, layout=layout, grouped_mm=impl)
     with monkeypatch.context() as m:
         _install_twin(m)
@@ -234,7 +235,7 @@ def test_forward_keeps_no_x_rows_where_the_wgrad_gathers(impl, monkeypatch):
 
     monkeypatch.setattr(fwd.gmm, "gate_up_forward", gated)
     with monkeypatch.context() as m:
-        m.setattr(api, "WGRAD_GATHER_BACKENDS", ())
+        m.setattr(api, "wgrad_gather_enabled", lambda name: False)
         kept = fwd.moe_forward_fused(x, af, ei, wgu, wd, grouped_mm=impl)
         assert kept.x_rows_S is not None and tuple(kept.x_rows_S.shape) == (
             kept.layout.tokens_sum, H)
@@ -301,7 +302,7 @@ def test_layer_saves_no_x_rows_where_the_wgrad_gathers(bias, cuda_backend_on_cpu
     x, ei, af, dy = _layer_inputs()
     S = static_tokens_sum(T * K, E, ALIGN)
     with monkeypatch.context() as m:
-        m.setattr(api, "WGRAD_GATHER_BACKENDS", ())
+        m.setattr(api, "wgrad_gather_enabled", lambda name: False)
         saved, want = _layer_step(layer, x, ei, af, dy)
         # (x, w_gate_up, w_down, b_gate_up, b_down, checkpoint, X rows, *routing)
         assert saved[6].dtype == bf16 and tuple(saved[6].shape) == (S, H)
@@ -327,7 +328,7 @@ def test_main_grad_layer_through_the_index(cuda_backend_on_cpu, monkeypatch):
             if gather:
                 calls = _install_twin(m)
             else:
-                m.setattr(api, "WGRAD_GATHER_BACKENDS", ())
+                m.setattr(api, "wgrad_gather_enabled", lambda name: False)
             torch.manual_seed(0)
             layer = MoEExperts(E, H, I, backend="cuda-sm90", dtype=torch.float32,
                                accumulate_main_grad=True)
@@ -413,7 +414,7 @@ def test_keeps_x_rows_is_one_decision_of_shape_dtype_and_options(monkeypatch):
             "accumulate": False, "backend_options": {}, "grouped_mm": "auto"}
     assert hook(call) is False
     assert hook({**call, "backend_options": {"wgrad_backend": "torch"}}) is True
-    monkeypatch.setattr(api, "WGRAD_GATHER_BACKENDS", ())
+    monkeypatch.setattr(api, "wgrad_gather_enabled", lambda name: False)
     assert keeps(cuda, 128, 2048, 768)
 
 
@@ -474,7 +475,7 @@ def test_gpu_layer_step_with_the_gather_wgrad_equals_the_gathered_copies(grouped
     held, rows, got = step()
     assert rows == [(0, Hg)]
     with monkeypatch.context() as m:
-        m.setattr(api, "WGRAD_GATHER_BACKENDS", (), raising=False)
+        m.setattr(api, "wgrad_gather_enabled", lambda name: False)
         step()
         held_off, rows_off, want = step()
     assert rows_off == [(S, Hg)]

@@ -22,7 +22,9 @@ Public names:
     ``grouped_wgrad_into`` — the backward's hot path (cached operator per metadata key); with
         ``a_rows_S`` / ``b_rows_S`` it reads A's columns / B's rows through a row index (the
         routing index: no gathered copy of X or dY). ``WGRAD_GATHER_BACKENDS``: the backends
-        whose kernel gathers in its operand load ("sm90"); the others gather first.
+        whose kernel gathers in its operand load ("sm90"); the others gather first;
+        ``wgrad_gather_enabled(backend)``: whether it does now (the SM90 gather keys are gated
+        until verified on a GPU).
 
 Block-scaled (MXFP8 / MXFP4 / NVFP4, the seed's legacy surface) in the same classes, wrappers and
 ``grouped_gemm_wgrad`` (which takes any MXFP8 token count per expert): the operand dtypes pick
@@ -80,12 +82,14 @@ from .wrappers import (
     grouped_gemm_wgrad_wrapper_sm90,
     grouped_gemm_wgrad_wrapper_sm100,
     grouped_wgrad_into,
+    wgrad_gather_enabled,
 )
 
 __all__ = [
     "OUTPUT_DTYPES",
     "SM100_GROUP_ALIGN",
     "WGRAD_GATHER_BACKENDS",
+    "wgrad_gather_enabled",
     "GroupedGemmWgradSm90",
     "GroupedGemmWgradSm100",
     "TupleDict",

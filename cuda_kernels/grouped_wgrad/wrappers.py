@@ -26,6 +26,7 @@ from .validate import check_ptr, check_same_device, clear_validated
 
 __all__ = [
     "WGRAD_GATHER_BACKENDS",
+    "wgrad_gather_enabled",
     "WRAPPERS",
     "clear_grouped_wgrad_caches",
     "grouped_gemm_wgrad_wrapper_sm90",
@@ -358,12 +359,17 @@ def _kernel_gathers(a_src: torch.Tensor, b_src: torch.Tensor, gather_a: bool,
     return True
 
 
-def _gather_kernel_enabled(backend: str) -> bool:
-    """The SM90 gather keys' gate (``wgrad_bf16.gather_enabled``: verified on a GPU, or
-    ``MOE_BWD_ENABLE_UNVERIFIED_SM90_WGRAD_GATHER=1``); closed, the call gathers first."""
+def wgrad_gather_enabled(backend: str) -> bool:
+    """Whether ``grouped_wgrad_into`` on ``backend`` reads a gathered operand through its index
+    in the kernel's operand load: a backend of :data:`WGRAD_GATHER_BACKENDS` whose gather keys
+    are enabled (SM90: verified on a GPU, or ``MOE_BWD_ENABLE_UNVERIFIED_SM90_WGRAD_GATHER=1``:
+    ``cuda_kernels.gemm.sm90.wgrad_bf16.gather_enabled``). Elsewhere the call gathers first.
+    Reads the environment on each call."""
+    if backend not in WGRAD_GATHER_BACKENDS:
+        return False
     from ..gemm.sm90 import wgrad_bf16
 
-    return backend == "sm90" and wgrad_bf16.gather_enabled()
+    return backend != "sm90" or wgrad_bf16.gather_enabled()
 
 
 def _meta_like(t: torch.Tensor, shape=None, stride=None) -> torch.Tensor:
@@ -449,7 +455,7 @@ def _gathered_into(a_HS, b_SI, offsets_E, out_EHI, accumulate, backend, a_rows_S
     if rows[0] is not None and rows[1] is not None and rows[1].dtype != rows[0].dtype:
         rows[1] = rows[1].to(rows[0].dtype)  # one index dtype per kernel key
     a_rows, b_rows = rows
-    if backend in WGRAD_GATHER_BACKENDS and _gather_kernel_enabled(backend) and _kernel_gathers(
+    if wgrad_gather_enabled(backend) and _kernel_gathers(
         a_HS, b_SI, a_rows is not None, b_rows is not None
     ):
         key = _gather_key(backend, a_HS, b_SI, offsets_E, out_EHI, accumulate, a_rows, b_rows)

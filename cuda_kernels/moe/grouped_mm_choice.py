@@ -404,17 +404,11 @@ def kernel_gathers(name: str) -> bool:
     """Whether wgrad implementation ``name`` reads a gathered operand through its index in the
     kernel's operand load: a backend of ``api.WGRAD_GATHER_BACKENDS`` whose gather keys are
     enabled (SM90: verified on a GPU or opted in,
-    ``cuda_kernels.gemm.sm90.wgrad_bf16.gather_enabled``). Not cached: the gate is read each
-    call (an environment variable)."""
+    ``api.wgrad_gather_enabled``). Not cached: the gate is read each call (an environment
+    variable)."""
     from ..grouped_wgrad import api
 
-    if name not in api.WGRAD_GATHER_BACKENDS:
-        return False
-    if name == "sm90":
-        from ..gemm.sm90 import wgrad_bf16
-
-        return wgrad_bf16.gather_enabled()
-    return True
+    return api.wgrad_gather_enabled(name)
 
 
 def keeps_x_rows(

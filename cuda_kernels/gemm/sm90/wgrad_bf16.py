@@ -612,28 +612,16 @@ def _build_kernel_class():
                 k_end = k_base + k_len
                 tAsA, tAgA, tBsB, tBgB = None, None, None, None
                 if cutlass.const_expr(not self.gather_a):
-                    gA = cute.local_tile(
-                        cute.domain_offset((0, k_base), tma_a), (self.tile_m, tk), (m_idx, None)
+                    tAsA, tAgA = self.operand_load_partition(
+                        tma_atom_a, tma_a, sA, self.tile_m, k_base, m_idx
                     )
-                    tAsA, tAgA = self.stage_tma_partition(tma_atom_a, sA, gA)
                 if cutlass.const_expr(not self.gather_b):
-                    gB = cute.local_tile(
-                        cute.domain_offset((0, k_base), tma_b), (self.tile_n, tk), (n_idx, None)
+                    tBsB, tBgB = self.operand_load_partition(
+                        tma_atom_b, tma_b, sB, self.tile_n, k_base, n_idx
                     )
-                    tBsB, tBgB = self.stage_tma_partition(tma_atom_b, sB, gB)
                 if cutlass.const_expr(self.l2_prefetch_c):
                     if warp_idx == 0 and n_k > 0:
-                        _sC_part, gC_part = cute.nvgpu.cpasync.tma_partition(
-                            tma_atom_cl,
-                            0,
-                            cute.make_layout(1),
-                            cute.group_modes(sC, 0, 2),
-                            cute.zipped_divide(
-                                gCl_all[(None, None, m_idx, n_idx, e)], self.epi_tile
-                            ),
-                        )
-                        with cute.arch.elect_one():
-                            cute.prefetch(tma_atom_cl, gC_part)
+                        self.prefetch_old_tile(tma_atom_cl, sC, gCl_all, m_idx, n_idx, e)
                 # the index entries of this thread's K rows, loaded one stage ahead (their
                 # latency hides behind the wait for a free stage)
                 if cutlass.const_expr(self.gather_a):
@@ -686,21 +674,38 @@ def _build_kernel_class():
 
         # ---- the kernel prologue and loads, shared with the MXFP8 kernel (sm90_mxfp8) ----
 
+        def operand_load_partition(self, tma_atom, tma, sX, extent, k0, idx):
+            """Producer: the TMA partition (smem stages, gmem K tiles from token ``k0``) of one
+            operand's ``(extent, tile_k)`` tiles of block ``idx``. Returns (smem, gmem)."""
+            gX = cute.local_tile(
+                cute.domain_offset((0, k0), tma), (extent, self.tile_k), (idx, None)
+            )
+            return self.stage_tma_partition(tma_atom, sX, gX)
+
         def ab_load_partitions(  # noqa: PLR0913
             self, tma_atom_a, tma_a, tma_atom_b, tma_b, sA, sB, k0, m_idx, n_idx
         ):
-            """Producer: the TMA partitions (smem stages, gmem K tiles from token ``k0``) of
-            the A tiles of output row block ``m_idx`` and the B tiles of column block
-            ``n_idx``. Returns (tAsA, tAgA, tBsB, tBgB)."""
-            gA = cute.local_tile(
-                cute.domain_offset((0, k0), tma_a), (self.tile_m, self.tile_k), (m_idx, None)
-            )
-            gB = cute.local_tile(
-                cute.domain_offset((0, k0), tma_b), (self.tile_n, self.tile_k), (n_idx, None)
-            )
-            tAsA, tAgA = self.stage_tma_partition(tma_atom_a, sA, gA)
-            tBsB, tBgB = self.stage_tma_partition(tma_atom_b, sB, gB)
+            """Producer: the TMA partitions (:meth:`operand_load_partition`) of the A tiles of
+            output row block ``m_idx`` and the B tiles of column block ``n_idx``. Returns
+            (tAsA, tAgA, tBsB, tBgB)."""
+            tAsA, tAgA = self.operand_load_partition(tma_atom_a, tma_a, sA, self.tile_m, k0, m_idx)
+            tBsB, tBgB = self.operand_load_partition(tma_atom_b, tma_b, sB, self.tile_n, k0, n_idx)
             return tAsA, tAgA, tBsB, tBgB
+
+        @cute.jit
+        def prefetch_old_tile(self, tma_atom_cl, sC, gCl_all, m_idx, n_idx, e):
+            """``acc_epilogue="l2prefetch"``: the old output tile ``(m_idx, n_idx)`` of expert
+            ``e`` into L2 (sub-tile TMA boxes, one elected thread), for the epilogue's
+            reduce-add."""
+            _sC_part, gC_part = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_cl,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sC, 0, 2),
+                cute.zipped_divide(gCl_all[(None, None, m_idx, n_idx, e)], self.epi_tile),
+            )
+            with cute.arch.elect_one():
+                cute.prefetch(tma_atom_cl, gC_part)
 
         def mma_fragments(self, tiled_mma, sA, sB, slab_thread):
             """Consumer warp group: the wgmma operand fragments of its slab (``slab_thread``:
@@ -1143,19 +1148,7 @@ def _build_kernel_class():
                         )
                         if cutlass.const_expr(self.l2_prefetch_c):
                             if n_k > 0:
-                                # the old output tile into L2 (sub-tile boxes), for the
-                                # epilogue's reduce-add
-                                _sC_part, gC_part = cute.nvgpu.cpasync.tma_partition(
-                                    tma_atom_cl,
-                                    0,
-                                    cute.make_layout(1),
-                                    cute.group_modes(sC, 0, 2),
-                                    cute.zipped_divide(
-                                        gCl_all[(None, None, m_idx, n_idx, e)], self.epi_tile
-                                    ),
-                                )
-                                with cute.arch.elect_one():
-                                    cute.prefetch(tma_atom_cl, gC_part)
+                                self.prefetch_old_tile(tma_atom_cl, sC, gCl_all, m_idx, n_idx, e)
                         for kt in cutlass.range(n_k, unroll=1):
                             ab_pipe.producer_acquire(prod_state)
                             bar = ab_pipe.producer_get_barrier(prod_state)

@@ -4,6 +4,8 @@
 # the dense kernel on gathered copies, and the layer's step and peak memory with every shipped
 # shape's `wgrad_gather` set true (a copy of the tree) against this tree as it is.
 #   bash benchmarks/wgrad_gather_device_run.sh [shapes, default qwen3-30b-a3b:16384,mixtral-8x7b:8192]
+# (SKIP_TESTS=1 / SKIP_WGRAD=1 / SKIP_COMBINE=1 leave out the tests / the kernel bench / the
+# combine bound)
 # Needs CuTe DSL in .device/cute-dsl.tar.xz (../shared/tools/stage-cute-dsl). Logs under $OUT.
 # If the tests pass: set GATHER_VERIFIED_ON_GPU = True in cuda_kernels/gemm/sm90/wgrad_bf16.py;
 # set `wgrad_gather: true` in configs/cuda/grouped_mm_choice.yaml where the layer's step wins
@@ -20,10 +22,10 @@ rm -rf /tmp/gather-tree && mkdir -p /tmp/gather-tree
 cp -r common cuda_kernels configs benchmarks nki_kernels tests pyproject.toml /tmp/gather-tree/
 sed -i 's/backward_down_dgrad: \([a-z-]*\)}/backward_down_dgrad: \1, wgrad_gather: true}/' \
   /tmp/gather-tree/configs/cuda/grouped_mm_choice.yaml
-timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu \
+[ -n "${SKIP_TESTS:-}" ] || timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu \
   tests/test_grouped_wgrad_gather.py tests/test_wgrad_gather_layer.py > "$OUT/gather_tests.log" 2>&1
 echo "gather tests rc=$?"; tail -2 "$OUT/gather_tests.log"
-timeout 120 python3 benchmarks/bench_grouped_wgrad.py --gather --json "$OUT/wgrad_gather.json" \
+[ -n "${SKIP_WGRAD:-}" ] || timeout 120 python3 benchmarks/bench_grouped_wgrad.py --gather --json "$OUT/wgrad_gather.json" \
   > "$OUT/wgrad_gather.log" 2>&1
 echo "wgrad bench rc=$?"; grep -A12 "^shape " "$OUT/wgrad_gather.log"
 for tree in "$PWD" /tmp/gather-tree; do
@@ -32,4 +34,4 @@ for tree in "$PWD" /tmp/gather-tree; do
      --impls ours,ours-fused --shapes "$SHAPES" --profile off --json "$OUT/layer_$name.json" \
      2> "$OUT/layer_$name.err" | grep "^| [a-z]" | sed "s/^/$name /" | cut -d'|' -f1-6,12)
 done
-timeout 60 python3 benchmarks/bench_combine.py --shapes "$SHAPES" 2>&1 | tail -4
+[ -n "${SKIP_COMBINE:-}" ] || timeout 60 python3 benchmarks/bench_combine.py --shapes "$SHAPES" 2>&1 | tail -4

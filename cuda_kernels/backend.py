@@ -107,8 +107,7 @@ def _forward_fused(*args, **kwargs):
 def _checkpoint_rows(call: dict) -> bool:
     """``Backend.checkpoint_rows``: the fused forward keeps the gate/up GEMM's output rows as
     the checkpoint (:func:`cuda_kernels.moe.grouped_mm_choice.checkpoint_in_rows`)."""
-    return checkpoint_in_rows(call["E"], call["H"], call["I"], gate_up_bias=call["gate_up_bias"],
-                              clamp_limits=call["clamp_limits"], grouped_mm=call["grouped_mm"])
+    return checkpoint_in_rows(gate_up_bias=call["gate_up_bias"], clamp_limits=call["clamp_limits"])
 
 
 def _keeps_x_rows(call: dict) -> bool:

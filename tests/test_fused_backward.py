@@ -399,7 +399,7 @@ def test_grouped_row_checkpoint_gives_the_pair_order_gradients_bitwise(weights, 
         assert bool(torch.isfinite(g).all()), key
         assert torch.equal(g, want.named()[key]), key
     # the row form needs the layout it was written in, with its S rows; only this backward
-    # reads it, and not through the fused dgated kernel (which reads pairs)
+    # reads it (the fused dgated kernel included: below)
     with pytest.raises(ValueError, match="needs the layout"):
         moe_backward_fused(q)
     with pytest.raises(ValueError, match=f"S={S} rows"):
@@ -412,6 +412,13 @@ def test_grouped_row_checkpoint_gives_the_pair_order_gradients_bitwise(weights, 
     with pytest.raises(ValueError, match=r"checkpoint must be \[R=\d+, 2, I=\d+\]"):
         activation_backward(torch.zeros(S, I, device=DEV), ck[:, :I], out.layout.row_to_pair_S,
                             out.plan, activation=q.activation, clamp_limits=ClampLimits())
-    if not interleaved:
-        with pytest.raises(RuntimeError, match="ours.*grouped row order"):
-            moe_backward_fused(q, layout=out.layout, grouped_mm="ours")
+    if not interleaved:  # "ours": the dgated epilogue loads row s's g, u at row s
+        ours = {**kw, "grouped_mm": "ours"}
+        got = moe_backward_fused(q, **ours)
+        want = moe_backward_fused(dataclasses.replace(q, act_checkpoint_R2I=pairs), **ours)
+        for key, g in got.named().items():
+            assert bool(torch.isfinite(g).all()), key
+            assert torch.equal(g, want.named()[key]), key
+    else:  # its interleaved columns are not the two halves the fused epilogue reads
+        with pytest.raises(RuntimeError, match="interleaves them"):
+            moe_backward_fused(q, accumulate_into=acc(), **{**kw, "grouped_mm": "ours"})

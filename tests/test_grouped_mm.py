@@ -551,6 +551,7 @@ _GATED_BAD = [
     ("num_pairs", lambda g: g["num_pairs"].int(), "num_pairs must be one torch.int64"),
     ("bias", lambda g: torch.zeros(3, 2, 15), "bias must be"),
     ("act_out", lambda g: torch.zeros(1, 2, 16, dtype=BF16), "act_out must be a tensor"),
+    ("checkpoint_rows", lambda g: 1, "checkpoint_rows must be a bool"),
     ("ah_out", lambda g: torch.zeros(len(g["row_to_pair_S"]), 16), "ah_out must be a contig"),
     ("a", lambda g: g["a"].float(), "must be torch.bfloat16"),
 ]
@@ -576,6 +577,21 @@ def test_gated_entry_on_cpu_writes_every_element_of_given_outputs():
     assert (act[int(args["num_pairs"]):] == 0).all()
 
 
+def test_gated_checkpoint_rows_on_cpu_is_the_pair_checkpoint_in_row_order():
+    """``checkpoint_rows``: an [S, 2I] checkpoint whose row s is its pair's [g, u] (padding
+    rows 0), ``a_h`` unchanged; a pair-shaped ``act_out`` is refused then."""
+    args = _gated_good()
+    S, r2p = args["row_to_pair_S"].shape[0], args["row_to_pair_S"]
+    act_p, ah_p = grouped_mm_gated(**args)
+    act_r = torch.full((S, 32), float("nan"), dtype=BF16)
+    got = grouped_mm_gated(**args, act_out=act_r, checkpoint_rows=True)
+    assert got[0] is act_r and torch.equal(got[1], ah_p)
+    want = torch.where((r2p >= 0)[:, None], act_p[r2p.clamp(min=0)].reshape(S, -1), 0)
+    assert torch.equal(act_r, want.to(BF16))
+    with pytest.raises(ValueError, match=r"act_out must be a tensor of shape \[%d, 32\]" % S):
+        grouped_mm_gated(**args, act_out=act_p, checkpoint_rows=True)
+
+
 def test_gated_key_validation():
     ge = GatedEpilogue.of(Activation("gpt_oss", 1.702, 1.0), _ACTS["gpt-oss"][1], True)
     assert (ge.alpha, ge.up_offset, ge.gate_lo, ge.gate_hi, ge.up_lo, ge.up_hi, ge.has_bias) == (
@@ -583,7 +599,8 @@ def test_gated_key_validation():
     assert GatedEpilogue.of(Activation("swiglu"), None, False) == GatedEpilogue()
     for kwargs, word in [({"alpha": 0.0}, "alpha"), ({"up_offset": float("inf")}, "up_offset"),
                          ({"gate_lo": 2.0, "gate_hi": 1.0}, "must be <"),
-                         ({"has_bias": 1}, "has_bias")]:
+                         ({"has_bias": 1}, "has_bias"),
+                         ({"checkpoint_rows": "yes"}, "checkpoint_rows")]:
         with pytest.raises(ValueError, match=word):
             GatedEpilogue(**kwargs)
     key = Sm90GroupedMmKey(1536, 2048, 128, epilogue="gated", gated=GatedEpilogue())
@@ -680,6 +697,7 @@ def test_dgated_bias_term_and_dense_cells():
 
 _DGATED_BAD = [
     ("act_R2I", lambda g: g["act_R2I"][:, :, :8].contiguous(), r"act_R2I must be \[R, 2, I\]"),
+    ("act_R2I", lambda g: g["act_R2I"].reshape(-1, 32)[1:], r"or \[S, 2I\]"),
     ("act_R2I", lambda g: g["act_R2I"].float(), "contiguous torch.bfloat16"),
     ("row_to_pair_S", lambda g: g["row_to_pair_S"][1:], "row_to_pair_S must be"),
     ("pair_affinity_R", lambda g: g["pair_affinity_R"][None], "1-D float"),
@@ -698,6 +716,18 @@ def test_dgated_bad_arguments(case):
     args[name] = bad(args)
     with pytest.raises(ValueError, match=message):
         grouped_mm_dgated(**args)
+
+
+def test_dgated_reads_a_row_order_checkpoint_on_cpu():
+    """The twin behind the entry reads an [S, 2I] checkpoint at each row's own index: the same
+    outputs as the pair-order checkpoint it was laid out from."""
+    dy, w_d, act, plan, layout = _dgated_problem(40, 32, 16, 5, 2, 15, "swiglu")
+    r2p = layout.row_to_pair_S
+    rows = torch.where((r2p >= 0)[:, None], act[r2p.clamp(min=0)].reshape(r2p.shape[0], -1), 0)
+    args = (dy, w_d.transpose(1, 2), layout.offsets_E, layout.row_to_token_S, r2p,
+            plan.pair_affinity_R)
+    for p, r in zip(grouped_mm_dgated(*args, act), grouped_mm_dgated(*args, rows.to(BF16))):
+        assert torch.equal(p, r)
 
 
 def test_dgated_key_validation():

@@ -542,6 +542,44 @@ def test_gated_matches_twin_and_writes_everything(case):
     assert torch.equal(act2, act) and torch.equal(ah2, ah), "not bitwise deterministic"
 
 
+def _pairs_in_rows(act_R2I, layout):
+    """A pair-order checkpoint [R, 2, I] in grouped row order [S, 2I] (padding rows 0)."""
+    r2p = layout.row_to_pair_S
+    rows = act_R2I[r2p.clamp(min=0)].reshape(r2p.shape[0], -1)
+    return torch.where((r2p >= 0)[:, None], rows, torch.zeros_like(rows))
+
+
+@gpu
+@pytest.mark.parametrize("case", _GATED_GRID, ids=[c[0] for c in _GATED_GRID])
+def test_gated_checkpoint_rows_is_the_pair_checkpoint_in_row_order(case):
+    """``checkpoint_rows``: every row of the [S, 2I] checkpoint (NaN-poisoned) is its pair's
+    row of the pair-order checkpoint, bit for bit, padding rows +0, and ``a_h`` is unchanged:
+    the two forms differ only in where the epilogue stores."""
+    _id, T, H, I, E, top_k, name, tile = case
+    act_fn, clamp, with_bias = _GATED_ACTS[name]
+    gen = torch.Generator().manual_seed(60 + _GATED_GRID.index(case))
+    plan, layout = _routing_plan(T, E, top_k, gen)
+    x = torch.randn(T, H, generator=gen).to(BF16).cuda()
+    w = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16).cuda()
+    bias = torch.randn(E, 2, I, generator=gen).cuda() if with_bias else None
+    S = layout.tokens_sum
+    args = (x, w, layout.offsets_E, layout.row_to_token_S, layout.row_to_pair_S,
+            plan.pair_affinity_R, plan.num_pairs)
+    kw = dict(activation=act_fn, clamp_limits=clamp, bias=bias, backend="sm90", tile=tile)
+    act_p, ah_p = grouped_mm_gated(*args, **kw)
+    act_r = torch.full((S, 2 * I), float("nan"), dtype=BF16, device="cuda")
+    ah_r = torch.full((S, I), float("nan"), dtype=BF16, device="cuda")
+    grouped_mm_gated(*args, **kw, act_out=act_r, ah_out=ah_r, checkpoint_rows=True)
+    torch.cuda.synchronize()
+    assert torch.equal(ah_r, ah_p)
+    assert torch.equal(act_r, _pairs_in_rows(act_p, layout))
+    twin_r, _ = gate_up_activation_torch(*args[:-1], activation=act_fn, clamp_limits=clamp,
+                                        bias_E2I=bias, checkpoint_rows=True)
+    twin_p, _ = gate_up_activation_torch(*args[:-1], activation=act_fn, clamp_limits=clamp,
+                                        bias_E2I=bias)
+    assert torch.equal(twin_r, _pairs_in_rows(twin_p, layout))
+
+
 @gpu
 @pytest.mark.parametrize("name", list(_GATED_ACTS))
 def test_gated_matches_the_layers_gemm_then_pass(name):
@@ -627,6 +665,24 @@ def test_dgated_matches_twin(case):
                               tile=tile)
     for x, y in zip((dgu, ah, da), again):
         assert torch.equal(x, y), "not bitwise deterministic"
+
+
+@gpu
+@pytest.mark.parametrize("case", _DGATED_GRID, ids=[c[0] for c in _DGATED_GRID])
+def test_dgated_reads_the_row_order_checkpoint(case):
+    """A checkpoint in grouped row order [S, 2I] gives the pair-order outputs bit for bit
+    (the epilogue loads row s's g, u at row s instead of at its pair's row)."""
+    _id, T, H, I, E, top_k, name, tile = case
+    gen = torch.Generator().manual_seed(70 + _DGATED_GRID.index(case))
+    dy, w_d, act, plan, layout, act_fn, clamp = _dgated_case(T, H, I, E, top_k, name, gen)
+    args = (dy, w_d.transpose(1, 2), layout.offsets_E, layout.row_to_token_S,
+            layout.row_to_pair_S, plan.pair_affinity_R)
+    kw = dict(activation=act_fn, clamp_limits=clamp, backend="sm90", tile=tile)
+    by_pair = grouped_mm_dgated(*args, act, **kw)
+    by_row = grouped_mm_dgated(*args, _pairs_in_rows(act, layout), **kw)
+    torch.cuda.synchronize()
+    for p, r in zip(by_pair, by_row):
+        assert torch.equal(p, r)
 
 
 @gpu

@@ -465,23 +465,25 @@ def test_gpu_layer_step_with_the_gather_wgrad_equals_the_gathered_copies(grouped
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - base
         # (x, w_gate_up, w_down, b_gate_up, b_down, checkpoint, X rows, *routing)
-        rows = [tuple(y.grad_fn.saved_tensors[6].shape)]
+        saved = y.grad_fn.saved_tensors
+        rows = [tuple(saved[6].shape)]
+        sizes = sorted((tuple(t.shape), t.dtype) for t in saved if t.numel())
         y.backward(dy)
         torch.cuda.synchronize()
         return held, rows, [y.detach(), xl.grad, al.grad] + [
-            q.grad.clone() for q in layer.parameters()]
+            q.grad.clone() for q in layer.parameters()], sizes
 
     step()  # warm-up: compiles the kernels
-    held, rows, got = step()
+    held, rows, got, sizes = step()
     assert rows == [(0, Hg)]
     with monkeypatch.context() as m:
         m.setattr(api, "wgrad_gather_enabled", lambda name: False)
         step()
-        held_off, rows_off, want = step()
+        held_off, rows_off, want, sizes_off = step()
     assert rows_off == [(S, Hg)]
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    assert held_off - held >= S * Hg * 2, (held_off, held)
+    assert held_off - held >= S * Hg * 2, (held_off, held, sizes_off, sizes)
     ref = MoEExperts(Eg, Hg, Ig, device="cuda", bias=bias, backend="torch")
     ref.load_state_dict(layer.state_dict())
     xl, al = x.detach().requires_grad_(), aff.detach().requires_grad_()

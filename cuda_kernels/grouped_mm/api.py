@@ -350,6 +350,7 @@ def grouped_mm_gated(
     backend: str = "auto",
     tile=None,
     a_rows_out: torch.Tensor | None = None,
+    checkpoint_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward gate/up GEMM with its epilogue fused: ``acc = a[row_index] @ w_gate_up[e]``
     (fp32), then bias, clamp and the gated activation from the fp32 accumulator, writing the
@@ -380,15 +381,20 @@ def grouped_mm_gated(
         activation: ``common.problem.Activation`` (None: SwiGLU). clamp_limits: ``ClampLimits``
             or None.
         bias: optional [E, 2, I] or [E, 2I] float gate/up bias (used in fp32).
-        act_out, ah_out: optional contiguous torch.bfloat16 outputs [R, 2, I] and [S, I]
-            (else allocated); every element of both is written.
+        act_out, ah_out: optional contiguous torch.bfloat16 outputs [R, 2, I] (or [S, 2I]
+            with ``checkpoint_rows``) and [S, I] (else allocated); every element of both is
+            written.
         backend, tile: as :func:`grouped_mm_gather` (tile_n 128 or 256: gate + up columns).
         a_rows_out: optional [S, H] torch.bfloat16 side output of the gathered rows, as
             :func:`grouped_mm_gather`'s (every row: ``gather_rows(a, row_index)`` bitwise; only
             with a ``row_index``): the layer's ``x_S`` for the backward's weight gradients.
+        checkpoint_rows: write the checkpoint in grouped row order, ``act[s] = [g, u]`` [S, 2I]
+            (0 for padding rows), not by pair: the layer's checkpoint form without bias or
+            clamp (``cuda_kernels.moe.grouped_mm_choice.checkpoint_in_rows``), which
+            :func:`grouped_mm_dgated` reads as well.
 
     Returns:
-        ``(act_R2I [R, 2, I], a_h_SI [S, I])`` torch.bfloat16.
+        ``(act [R, 2, I] or [S, 2I], a_h_SI [S, I])`` torch.bfloat16.
 
     Raises:
         ValueError: a bad shape, dtype, device or stride (named, ``a_rows_out`` included),
@@ -425,7 +431,10 @@ def grouped_mm_gated(
             _fail_gated(f"bias must be [E, 2, I] = [{E}, 2, {I}], got {list(bias.shape)}")
         if bias.device != dev:
             _fail_gated(f"bias is on {bias.device} but a is on {dev}")
-    for name, t, shape in (("act_out", act_out, (R, 2, I)), ("ah_out", ah_out, (S, I))):
+    if not isinstance(checkpoint_rows, bool):
+        _fail_gated(f"checkpoint_rows must be a bool, got {checkpoint_rows!r}")
+    act_shape = (S, N) if checkpoint_rows else (R, 2, I)
+    for name, t, shape in (("act_out", act_out, act_shape), ("ah_out", ah_out, (S, I))):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
@@ -439,11 +448,12 @@ def grouped_mm_gated(
     if backend in _KERNEL_ARCHS and reason is not None:
         _fail_gated(f"backend={backend!r} cannot run here: {reason}")
     ah = torch.empty(S, I, dtype=torch.bfloat16, device=dev) if ah_out is None else ah_out
-    act = torch.empty(R, 2, I, dtype=torch.bfloat16, device=dev) if act_out is None else act_out
+    act = torch.empty(act_shape, dtype=torch.bfloat16, device=dev) if act_out is None else act_out
     if backend == "torch" or reason is not None:
         act_t, ah_t = torch_ref.gate_up_activation_torch(
             a, w_gate_up, offsets_E, row_index, row_to_pair_S, pair_affinity_R,
             activation=act_fn, clamp_limits=clamp_limits, bias_E2I=bias,
+            checkpoint_rows=checkpoint_rows,
         )
         act.copy_(act_t)
         ah.copy_(ah_t)
@@ -452,10 +462,8 @@ def grouped_mm_gated(
     family = _provider(dev).load()
     if tile is None:
         tile = family.select_grouped_mm_tile(N, a.shape[1], E, "gated", a_rows_out is not None)
-    key = grouped_mm_key(
-        w_gate_up, row_index, tile, family.GatedEpilogue.of(act_fn, clamp_limits, bias is not None),
-        write_a_rows=a_rows_out is not None,
-    )
+    gated = family.GatedEpilogue.of(act_fn, clamp_limits, bias is not None, checkpoint_rows)
+    key = grouped_mm_key(w_gate_up, row_index, tile, gated, write_a_rows=a_rows_out is not None)
     if S == 0:
         return act.zero_(), ah
     launch = _family(dev).launcher(key)
@@ -463,7 +471,7 @@ def grouped_mm_gated(
     b = bias.reshape(E, N).float().contiguous() if bias is not None else offsets_E
     alpha = pair_affinity_R.float().contiguous()
     launch(a, idx, w_gate_up.permute(2, 1, 0), offsets_E, ah, b, row_to_pair_S.contiguous(),
-           alpha, num_pairs.reshape(1), act.view(R, N), a_rows_out)
+           alpha, num_pairs.reshape(1), act.view(-1, N), a_rows_out)
     return act, ah
 
 
@@ -479,13 +487,15 @@ def gate_up_forward(
     backend: str = "auto",
     tile=None,
     x_rows_out: torch.Tensor | None = None,
+    checkpoint_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's gate/up half of the forward in one kernel: what ``moe.forward`` does
     with ``gather_rows`` + grouped GEMM + ``activation_forward``, from a
     :class:`~common.routing.GroupedLayout` and its :class:`~common.routing.RoutingPlan`
     (:func:`grouped_mm_gated` with ``row_to_token_S``, ``row_to_pair_S``,
     ``pair_affinity_R`` and ``num_pairs``). ``w_gate_up_EH2I`` [E, H, 2, I] in any float dtype
-    (converted to BF16 when it is not). Returns ``(act_R2I [R, 2, I], a_h_SI [S, I])`` BF16.
+    (converted to BF16 when it is not). Returns ``(act_R2I [R, 2, I], a_h_SI [S, I])`` BF16
+    (the checkpoint ``[S, 2I]`` in row order with ``checkpoint_rows``).
     ``x_rows_out``: optional [S, H] torch.bfloat16 contiguous tensor that receives the gathered
     rows ``x_S`` (``gather_rows(x_TH, row_to_token_S, torch.bfloat16)`` bitwise, every row; the
     ``a_rows_out`` of :func:`grouped_mm_gated`), for the backward's weight gradients.
@@ -503,7 +513,7 @@ def gate_up_forward(
         x, w, layout.offsets_E, layout.row_to_token_S, layout.row_to_pair_S,
         plan.pair_affinity_R, plan.num_pairs, activation=activation,
         clamp_limits=clamp_limits, bias=b_gate_up_E2I, backend=backend, tile=tile,
-        a_rows_out=x_rows_out,
+        a_rows_out=x_rows_out, checkpoint_rows=checkpoint_rows,
     )
 
 
@@ -545,7 +555,9 @@ def grouped_mm_dgated(
         offsets_E, row_index: as :func:`grouped_mm_gather`.
         row_to_pair_S: [S] torch.int64 plan pair of each row (-1 = padding).
         pair_affinity_R: [R] float pair affinities (used in fp32).
-        act_R2I: [R, 2, I] torch.bfloat16 checkpoint (contiguous), the forward's clamped g, u.
+        act_R2I: [R, 2, I] torch.bfloat16 checkpoint (contiguous), the forward's clamped g, u
+            in the plan's pair order; or [S, 2I], row s's own g, u in grouped row order
+            (:func:`grouped_mm_gated` with ``checkpoint_rows``).
         activation, clamp_limits: the forward's (``common.problem.Activation``, ``ClampLimits``).
         backend, tile: as :func:`grouped_mm_gather`.
         a_rows_out: optional [S, H] torch.bfloat16 side output of the gathered dY rows, as
@@ -571,8 +583,10 @@ def grouped_mm_dgated(
     _check_rows_out(_fail_dgated, a, row_index, S, K, a_rows_out)
     dev = a.device
     R = _check_pair_tables(_fail_dgated, dev, S, row_to_pair_S, pair_affinity_R, act_R2I=act_R2I)
-    if tuple(act_R2I.shape) != (R, 2, I):
-        _fail_dgated(f"act_R2I must be [R, 2, I] = [{R}, 2, {I}], got {list(act_R2I.shape)}")
+    ck_rows = act_R2I.dim() == 2
+    if tuple(act_R2I.shape) not in ((R, 2, I), (S, 2 * I)):
+        _fail_dgated(f"act_R2I must be [R, 2, I] = [{R}, 2, {I}] (pair order) or [S, 2I] = "
+                     f"[{S}, {2 * I}] (row order), got {list(act_R2I.shape)}")
     if act_R2I.dtype != torch.bfloat16 or not act_R2I.is_contiguous():
         _fail_dgated(f"act_R2I must be a contiguous torch.bfloat16 tensor, got {act_R2I.dtype}")
     reason = _rows_out_unsupported(kernel_unsupported_reason(a, w_down_t, row_index), a_rows_out)
@@ -588,7 +602,7 @@ def grouped_mm_dgated(
     family = _provider(dev).load()
     if tile is None:
         tile = family.select_grouped_mm_tile(I, K, E, "dgated", a_rows_out is not None)
-    gated = family.GatedEpilogue.of(act_fn, clamp_limits, False)
+    gated = family.GatedEpilogue.of(act_fn, clamp_limits, False, ck_rows)
     key = grouped_mm_key(w_down_t, row_index, tile, gated,
                          epilogue="dgated", write_a_rows=a_rows_out is not None)
     dgu = torch.empty(S, 2 * I, dtype=torch.bfloat16, device=dev)
@@ -599,7 +613,7 @@ def grouped_mm_dgated(
     launch = _family(dev).launcher(key)
     idx = row_index if row_index is not None else offsets_E
     launch(a, idx, w_down_t.permute(2, 1, 0), offsets_E, ah, dgu, row_to_pair_S.contiguous(),
-           pair_affinity_R.float().contiguous(), part, act_R2I.view(R, 2 * I), a_rows_out)
+           pair_affinity_R.float().contiguous(), part, act_R2I.view(-1, 2 * I), a_rows_out)
     return dgu, ah, part.sum(1)
 
 

@@ -90,6 +90,7 @@ def gate_up_activation_torch(
     activation,
     clamp_limits,
     bias_E2I: torch.Tensor | None = None,
+    checkpoint_rows: bool = False,
     acc_dtype: torch.dtype = torch.float32,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +101,9 @@ def gate_up_activation_torch(
         h = g * sigmoid(alpha * g) * (u + up_offset)
         a_h[s] = a * h (0 for padding rows)          act[p] = [g, u]
 
-    each rounded once to ``out_dtype``; checkpoint rows no real pair refers to are 0.
+    each rounded once to ``out_dtype``; checkpoint rows no real pair refers to are 0. With
+    ``checkpoint_rows`` the checkpoint is ``act[s] = [g, u]`` at the row itself ([S, 2I], 0 for
+    padding rows).
 
     Args:
         x, w, offsets_E, row_index: as :func:`grouped_mm_gather_torch` (w [E, H, 2I]: gate
@@ -108,8 +111,9 @@ def gate_up_activation_torch(
         row_to_pair_S: [S] int64 pair of each row. pair_affinity_R: [R] float.
         activation: ``common.problem.Activation``. clamp_limits: ``ClampLimits`` or None.
         bias_E2I: optional [E, 2I] (or [E, 2, I]) gate/up bias.
+        checkpoint_rows: the checkpoint in grouped row order [S, 2I] (else pair order).
     Returns:
-        ``(act [R, 2, I], a_h [S, I])`` in ``out_dtype``.
+        ``(act [R, 2, I] or [S, 2I], a_h [S, I])`` in ``out_dtype``.
     """
     S = row_to_pair_S.shape[0]
     R = pair_affinity_R.shape[0]
@@ -132,6 +136,9 @@ def gate_up_activation_torch(
     p = row_to_pair_S.clamp(min=0)
     a = torch.where(valid, pair_affinity_R.to(acc_dtype)[p] if R else p.to(acc_dtype), 0)
     ah = torch.where(valid[:, None], a[:, None] * h, torch.zeros((), dtype=acc_dtype))
+    if checkpoint_rows:
+        act = torch.where(valid[:, None], torch.cat([g, u], 1), torch.zeros((), dtype=acc_dtype))
+        return act.to(out_dtype), ah.to(out_dtype)
     act = torch.zeros(R + 1, 2, I, dtype=out_dtype, device=x.device)
     dest = torch.where(valid, row_to_pair_S, torch.full_like(row_to_pair_S, R))
     act.index_put_((dest,), torch.stack([g, u], 1).to(out_dtype))
@@ -154,7 +161,8 @@ def down_dgrad_activation_torch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused down-dgrad epilogue's twin: ``dh_raw = a[row_index] @ w[e]`` in ``acc_dtype``
     (NOT rounded; ``w`` [E, H, I] = ``w_down`` transposed), then per row s of pair p (affinity
-    alpha) with the checkpoint's stored g, u (``act_R2I[p]``), ``s = sigmoid(act.alpha * g)``::
+    alpha) with the checkpoint's stored g, u (``act_R2I[p]``, or ``act_R2I[s]`` of a [S, 2I]
+    checkpoint in grouped row order), ``s = sigmoid(act.alpha * g)``::
 
         dA_row[s]      = sum_j dh_raw * h                 h = g * s * (u + up_offset)
         d_gate_up[s]   = [alpha dh_raw (u + c) s (1 + act.alpha g (1 - s)) mask_g,
@@ -171,8 +179,11 @@ def down_dgrad_activation_torch(
                                  out_dtype=acc_dtype)
     valid = row_to_pair_S >= 0
     p = row_to_pair_S.clamp(min=0)
-    R = act_R2I.shape[0]
-    if R:
+    R = pair_affinity_R.shape[0]
+    if act_R2I.dim() == 2:  # [S, 2I]: row s's own g, u
+        gu = act_R2I.to(acc_dtype).reshape(-1, 2, I)
+        al = pair_affinity_R.to(acc_dtype)[p] if R else torch.zeros_like(gu[:, 0, 0])
+    elif R:
         gu = act_R2I.to(acc_dtype)[p]
         al = pair_affinity_R.to(acc_dtype)[p]
     else:

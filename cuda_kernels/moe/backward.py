@@ -265,9 +265,9 @@ def moe_backward_fused(
             shape).
         grouped_mm: ``"cublas"`` (dY gather, cuBLAS dgrad, activation-backward pass),
             ``"ours"`` (the fused :func:`cuda_kernels.grouped_mm.down_dgrad_backward`; needs
-            a contiguous BF16 checkpoint in pair order), ``"ours-gemm"`` (our gathering down
-            dgrad, then the activation-backward pass) or ``"auto"`` (default: the per-shape
-            table, cuBLAS where our kernel cannot run, or for a grouped-row checkpoint;
+            a contiguous BF16 checkpoint, either form, with gate and up as column halves),
+            ``"ours-gemm"`` (our gathering down dgrad, then the activation-backward pass) or
+            ``"auto"`` (default: the per-shape table, cuBLAS where our kernel cannot run;
             :mod:`cuda_kernels.moe.grouped_mm_choice`).
             ``info["grouped_mm"]`` says which ran.
     Returns:
@@ -347,8 +347,10 @@ def moe_backward_fused(
     ck_interleaved = interleaved  # a row checkpoint's columns: the forward GEMM's, this order
     if interleaved and acc is not None:
         w_gu, interleaved = p.w_gate_up_EH2I.to(bf16).reshape(E, H, 2 * I), False
-    impl = pick("backward_down_dgrad", grouped_mm, dy_TH, w_down_EHI, r2t,
-                act_R2I=ck, gate_up_interleaved=interleaved)
+    # (the fused dgated epilogue reads a row checkpoint's g, u as its two column halves: not
+    # one with gpt-oss's interleaved columns, even where main_grad makes d_gate_up concatenated)
+    impl = pick("backward_down_dgrad", grouped_mm, dy_TH, w_down_EHI, r2t, act_R2I=ck,
+                gate_up_interleaved=interleaved or (ck.dim() == 2 and ck_interleaved))
     stats["grouped_mm"] = impl
     # dY rows [S, H] are written only where something reads them: the bias gradients (and the
     # activation backward's dA term of the down bias), or a dW_down that cannot read dY

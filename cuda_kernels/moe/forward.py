@@ -14,7 +14,7 @@ Where there is no gate/up bias and no clamp, ``gu_S`` already is the checkpoint 
 pre-activations, rounded to BF16 once): the pass then writes no ``act`` and the forward keeps
 ``gu_S`` itself as the checkpoint, in grouped row order [S, 2I], which the backward's activation
 pass reads at its own row (:func:`.grouped_mm_choice.checkpoint_in_rows` decides, from the
-layer's shape and options only, so one layer's checkpoint keeps one form).
+layer's options only, so one layer's checkpoint keeps one form).
 
 With ``grouped_mm="ours"`` (or ``"auto"`` where ``configs/cuda/grouped_mm_choice.yaml`` says so:
 :mod:`cuda_kernels.moe.grouped_mm_choice`) the first three steps are one kernel::
@@ -24,7 +24,8 @@ With ``grouped_mm="ours"`` (or ``"auto"`` where ``configs/cuda/grouped_mm_choice
                                                                     # where kept (below)
 
 which reads the pre-activation from its fp32 accumulator (one BF16 rounding fewer than the
-pass: a checkpoint value can differ by one BF16 ulp). With ``"ours-gemm"`` the gather and the
+pass: a checkpoint value can differ by one BF16 ulp) and writes the checkpoint in the same
+form (row order where ``checkpoint_in_rows``, which the fused backward reads as well). With ``"ours-gemm"`` the gather and the
 GEMM are one kernel (:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, x_S side-written) and
 the activation stays a pass.
 
@@ -139,6 +140,7 @@ def moe_forward_fused(
         RuntimeError: CPU tensors without the Triton interpreter; ``grouped_mm="ours"`` /
             ``"ours-gemm"`` where its kernel cannot run this call (the message says why).
     """
+    check_grouped_mm(grouped_mm)
     act_fn = Activation.resolve(activation)
     E, H, _, I = w_gate_up_EH2I.shape
     bf16 = torch.bfloat16
@@ -152,8 +154,8 @@ def moe_forward_fused(
     offs = layout.offsets_E
     w_gu, interleaved = gate_up_matrix(w_gate_up_EH2I.to(bf16))  # a view, also for gpt-oss
     x_TH = hidden_states_TH
-    rows_ck = checkpoint_in_rows(E, H, I, gate_up_bias=b_gate_up_E2I is not None,
-                                 clamp_limits=clamp_limits, grouped_mm=grouped_mm)
+    rows_ck = checkpoint_in_rows(gate_up_bias=b_gate_up_E2I is not None,
+                                 clamp_limits=clamp_limits)
     impl = pick("forward_gate_up", grouped_mm, x_TH, w_gu, layout.row_to_token_S,
                 gate_up_interleaved=interleaved)
     if keep_x_rows is None:
@@ -167,7 +169,7 @@ def moe_forward_fused(
         ck, ah_S = gmm.gate_up_forward(
             kernel_rows(x_TH), w_gu, layout, plan, activation=act_fn, clamp_limits=clamp_limits,
             b_gate_up_E2I=b_gate_up_E2I, backend="auto",
-            x_rows_out=x_S,
+            x_rows_out=x_S, checkpoint_rows=rows_ck,
         )
         if layout.identity:
             x_S = identity_rows(x_TH)

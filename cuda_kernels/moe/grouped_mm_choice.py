@@ -164,28 +164,18 @@ def table_wgrad_gather(E: int, H: int, I: int) -> bool:
     return _table_row(E, H, I).get(WGRAD_GATHER, False)
 
 
-def checkpoint_in_rows(E: int, H: int, I: int, *, gate_up_bias: bool, clamp_limits,
-                       grouped_mm: str) -> bool:
+def checkpoint_in_rows(*, gate_up_bias: bool, clamp_limits) -> bool:
     """Whether the layer's forward keeps the gate/up GEMM's output rows ``gu_S`` [S, 2I] (BF16,
     grouped row order, the weight matrix's column order) as the activation checkpoint instead
     of writing a second copy ``act`` [R, 2, I] in the plan's pair order.
 
-    True where the GEMM's output IS the checkpoint -- no gate/up bias, no active clamp -- and
-    neither step runs the fused ``"ours"`` kernel (requested, or the table's choice under
-    ``"auto"``): its gated epilogue writes ``act`` from the fp32 accumulator and its dgated
-    epilogue reads ``act`` by pair. A function of the layer's shape and options only (never of
-    the token count or the routing), so one layer's checkpoint has one form across calls: the
-    layer's fake implementation gives its shape from this (``Backend.checkpoint_rows``).
-
-    Raises:
-        ValueError: ``grouped_mm`` is not one of :data:`GROUPED_MM`.
-    """
-    check_grouped_mm(grouped_mm)
-    if gate_up_bias or (clamp_limits is not None and clamp_limits.is_active):
-        return False
-    if grouped_mm == "auto":
-        return all(table_choice(step, E, H, I) != "ours" for step in STEPS)
-    return grouped_mm != "ours"
+    True where the GEMM's output IS the checkpoint: no gate/up bias, no active clamp. The fused
+    ``"ours"`` kernels keep the same form (the gated epilogue writes row s's ``[g, u]`` at row
+    s, the dgated one reads it there: ``GatedEpilogue.checkpoint_rows``), so every
+    ``grouped_mm`` agrees. A function of the layer's options only (never of the token count or
+    the routing), so one layer's checkpoint has one form across calls: the layer's fake
+    implementation gives its shape from this (``Backend.checkpoint_rows``)."""
+    return not (gate_up_bias or (clamp_limits is not None and clamp_limits.is_active))
 
 
 # ----------------------------------------------------------------------------------- reasons
@@ -215,16 +205,13 @@ def _reason(step, impl, a, w, row_index, act_R2I, interleaved=False) -> str | No
     why = None
     if impl == "ours" and interleaved:
         why = ("the fused epilogue takes gate/up as the two halves of the GEMM's columns; this "
-               "weight interleaves them (gpt-oss's gate_up_proj)")
+               "weight (or the row checkpoint it wrote) interleaves them (gpt-oss's "
+               "gate_up_proj)")
     elif grouped_mm.weight_major(w) is None:
         name = "w_gate_up [E, H, 2I]" if step == "forward_gate_up" else "w_down^T [E, H, I]"
         why = (f"{name} has strides {w.stride()}: our kernel needs [E, K, N] or [E, N, K] "
                "contiguous memory")
-    if why is None and impl == "ours" and act_R2I is not None and act_R2I.dim() == 2:
-        why = ("the checkpoint is the gate/up GEMM's output in grouped row order [S, 2I] (no "
-               "bias, no clamp: checkpoint_in_rows); the fused dgated epilogue reads it in the "
-               "plan's pair order [R, 2, I]")
-    elif why is None and impl == "ours" and act_R2I is not None and (
+    if why is None and impl == "ours" and act_R2I is not None and (
         act_R2I.dtype != torch.bfloat16 or not act_R2I.is_contiguous()
     ):
         why = (f"the checkpoint act_R2I must be contiguous torch.bfloat16 (the kernel reads it "
@@ -259,10 +246,11 @@ def pick(
         a: [T, H] the rows the step gathers (X or dY) as passed to the layer.
         w: [E, H, N] BF16 weight as the fused entry reads it (N = 2I forward, I backward).
         row_index: [S] the layout's row -> token index.
-        act_R2I: the backward's checkpoint (its dtype and layout are a rule of the kernel:
-            ``"ours"`` reads [R, 2, I] pair order, not the grouped-row [S, 2I] form).
-        gate_up_interleaved: the gate/up columns are interleaved
-            (:func:`common.torch_backward.gate_up_matrix`): ``"ours"`` cannot run then.
+        act_R2I: the backward's checkpoint, [R, 2, I] or [S, 2I] (``"ours"`` reads it
+            contiguous BF16).
+        gate_up_interleaved: the gate/up columns (of the weight, or of a row checkpoint) are
+            interleaved (:func:`common.torch_backward.gate_up_matrix`): ``"ours"`` cannot run
+            then.
 
     Raises:
         ValueError: ``requested`` is not one of :data:`GROUPED_MM`.

@@ -195,9 +195,15 @@ class GatedEpilogue:
         gate_lo, gate_hi, up_lo, up_hi: clamp limits of g and u (None: no limit;
             ``common.problem.ClampLimits``' ``non_linear_*`` and ``linear_*``).
         has_bias: a per-expert fp32 bias ``[E, 2I]`` is added before the clamp.
+        checkpoint_rows: the checkpoint ``act`` is ``[S, 2I]`` in grouped row order (row s holds
+            its own ``[g, u]``; padding rows and rows past the last expert +0) instead of
+            ``[R, 2, I]`` in the plan's pair order: the ``"gated"`` epilogue writes it so and
+            the ``"dgated"`` one reads it so (the layer's form without bias or clamp,
+            ``cuda_kernels.moe.grouped_mm_choice.checkpoint_in_rows``).
 
     Raises:
-        ValueError: a non-finite value, alpha <= 0, or a lower limit not below its upper one.
+        ValueError: a non-finite value, alpha <= 0, a lower limit not below its upper one, or
+            a ``has_bias`` / ``checkpoint_rows`` that is not a bool.
     """
 
     alpha: float = 1.0
@@ -207,6 +213,7 @@ class GatedEpilogue:
     up_lo: float | None = None
     up_hi: float | None = None
     has_bias: bool = False
+    checkpoint_rows: bool = False
 
     def __post_init__(self) -> None:
         cls = type(self).__name__
@@ -221,11 +228,13 @@ class GatedEpilogue:
                     raise ValueError(f"{cls}.{name} must be a finite number or None, got {v!r}")
             if lo is not None and hi is not None and not lo < hi:
                 raise ValueError(f"{cls}: {side}_lo ({lo}) must be < {side}_hi ({hi})")
-        if not isinstance(self.has_bias, bool):
-            raise ValueError(f"{cls}.has_bias must be a bool, got {self.has_bias!r}")
+        for name in ("has_bias", "checkpoint_rows"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{cls}.{name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
-    def of(cls, activation, clamp_limits, has_bias: bool) -> "GatedEpilogue":
+    def of(cls, activation, clamp_limits, has_bias: bool,
+           checkpoint_rows: bool = False) -> "GatedEpilogue":
         """From a ``common.problem.Activation`` and ``ClampLimits`` (None: none)."""
         cl = clamp_limits
         return cls(
@@ -236,6 +245,7 @@ class GatedEpilogue:
             up_lo=None if cl is None else cl.linear_clamp_lower_limit,
             up_hi=None if cl is None else cl.linear_clamp_upper_limit,
             has_bias=bool(has_bias),
+            checkpoint_rows=bool(checkpoint_rows),
         )
 
 
@@ -1085,10 +1095,11 @@ def _build_kernel_class():
                 if self.owns_tile(j, group):
                     if cutlass.const_expr(self.gated or self.dgated):
                         self.row_slots(tCcC, n_mm, row0, rows, mR2P, mAlpha, pair_s, alpha_s,
-                                       in_s, tail_s, num_pairs, num_r, self.gated)
+                                       in_s, tail_s, num_pairs, num_r,
+                                       self.gated and not self.key.gated.checkpoint_rows)
                     if cutlass.const_expr(self.dgated):
-                        self.checkpoint_loads(bufs[0], 0, tCcC, n_idx * self.mma_n, pair_s,
-                                              mAct.iterator.toint())
+                        self.checkpoint_loads(bufs[0], 0, tCcC, n_idx * self.mma_n, row0,
+                                              pair_s, mAct.iterator.toint())
                     if cutlass.const_expr(self.gated and self.key.gated.has_bias):
                         self.bias_loads(bufs[0], 0, tCcC, n_idx * self.mma_n, mAux0,
                                         self.bias_row(g))
@@ -1161,7 +1172,8 @@ def _kernel_class():
 def fake_operands(key: Sm90GroupedMmKey) -> tuple:
     """Fake (shape-only) operands of a compile: ``a, idx, w (N, K, E view), offsets, out`` and
     the gated epilogue's ``bias, row_to_pair, pair_affinity, num_pairs, act`` (placeholders for
-    ``"store"``) and, last, the ``[S, K]`` gathered-rows output of a ``write_a_rows`` key (None
+    ``"store"``; ``act`` has the S rows with ``checkpoint_rows``, else R) and, last, the
+    ``[S, K]`` gathered-rows output of a ``write_a_rows`` key (None
     otherwise: a compile-time constant, no kernel parameter), with symbolic row counts (``S``;
     ``T`` of a gathered source; ``R``) and A's row stride, so one compile serves every split and
     token count."""
@@ -1196,6 +1208,7 @@ def fake_operands(key: Sm90GroupedMmKey) -> tuple:
     if key.epilogue == "store":
         return a, idx, w, offsets, out, *(placeholder() for _ in range(5)), rows
     r = cute.sym_int32(symbol="pairs_R")
+    ck_rows = s if key.gated.checkpoint_rows else r  # the checkpoint's rows: S or the R pairs
     if key.epilogue == "dgated":
         i2 = 2 * key.n
         dgu = cute.runtime.make_fake_tensor(cutlass.BFloat16, (s, i2), (i2, 1), assumed_align=16)
@@ -1204,7 +1217,8 @@ def fake_operands(key: Sm90GroupedMmKey) -> tuple:
         part = cute.runtime.make_fake_tensor(
             cutlass.Float32, (s, key.n_tiles), (key.n_tiles, 1), assumed_align=4
         )
-        act = cute.runtime.make_fake_tensor(cutlass.BFloat16, (r, i2), (i2, 1), assumed_align=16)
+        act = cute.runtime.make_fake_tensor(cutlass.BFloat16, (ck_rows, i2), (i2, 1),
+                                            assumed_align=16)
         return a, idx, w, offsets, out, dgu, r2p, alpha, part, act, rows
     bias = placeholder()
     if key.gated.has_bias:
@@ -1214,7 +1228,7 @@ def fake_operands(key: Sm90GroupedMmKey) -> tuple:
     r2p = cute.runtime.make_fake_tensor(cutlass.Int64, (s,), (1,), assumed_align=8)
     alpha = cute.runtime.make_fake_tensor(cutlass.Float32, (r,), (1,), assumed_align=4)
     num_pairs = cute.runtime.make_fake_compact_tensor(cutlass.Int64, (1,), assumed_align=8)
-    act = cute.runtime.make_fake_tensor(cutlass.BFloat16, (r, n), (n, 1), assumed_align=16)
+    act = cute.runtime.make_fake_tensor(cutlass.BFloat16, (ck_rows, n), (n, 1), assumed_align=16)
     return a, idx, w, offsets, out, bias, r2p, alpha, num_pairs, act, rows
 
 

@@ -213,7 +213,9 @@ def epilogue_mixins() -> types.SimpleNamespace:
             BF16 stores of
             ``a_h[s] = a * h`` (0 for a padding row: a select), of the checkpoint
             ``act[p] = [g, u]`` (real pairs only) and, for ``num_pairs <= s < R``, of zeros
-            into checkpoint row s (so the rows past the pairs are 0, as the pass writes them).
+            into checkpoint row s (so the rows past the pairs are 0, as the pass writes them);
+            with ``checkpoint_rows`` the checkpoint is ``act[s] = [g, u]`` at the row itself
+            (every row of the tile; 0 for a padding row: a select), no tail.
             Column pairs as 4-byte stores. The row tables (``row_slots``, with the tail flag)
             and the bias's first chunk (``bufs[0]``) were loaded before the mainloop; chunk
             k + 1 is issued before chunk k's math."""
@@ -226,9 +228,11 @@ def epilogue_mixins() -> types.SimpleNamespace:
             n_q = cute.size(acc_g, mode=[0]) // 4
             ch = cute.size(bufs[0], mode=[2])  # column groups per load chunk
             has_bias = self.key.gated.has_bias
+            ck_rows = self.key.gated.checkpoint_rows
             pair = cute.make_rmem_tensor((2,), self.out_dtype)
             # per row slot: byte addresses of its first column in a_h, in its pair's checkpoint
-            # row and in its own checkpoint row (the tail); column group q is 16 q bytes on
+            # row and in its own checkpoint row (the tail; every row's checkpoint with
+            # checkpoint_rows); column group q is 16 q bytes on
             c0 = self.first_col(tCcC, col0)
             ah_row = cute.make_rmem_tensor((2 * n_mm,), cutlass.Int64)
             act_pair = cute.make_rmem_tensor((2 * n_mm,), cutlass.Int64)
@@ -274,14 +278,22 @@ def epilogue_mixins() -> types.SimpleNamespace:
                                         self.pick(real, alpha_s[i] * h1),
                                         ah_row[i] + 16 * q, pair,
                                     )
-                                if real:
-                                    dst = act_pair[i] + 16 * q
-                                    self.store_pair(g0, g1, dst, pair)
-                                    self.store_pair(u0, u1, dst + i_cols * 2, pair)
-                                if tail_s[i]:
-                                    dst = act_tail[i] + 16 * q
-                                    self.store_pair(zero, zero, dst, pair)
-                                    self.store_pair(zero, zero, dst + i_cols * 2, pair)
+                                    if cutlass.const_expr(ck_rows):
+                                        dst = act_tail[i] + 16 * q  # row s's own checkpoint row
+                                        self.store_pair(self.pick(real, g0),
+                                                        self.pick(real, g1), dst, pair)
+                                        self.store_pair(self.pick(real, u0),
+                                                        self.pick(real, u1),
+                                                        dst + i_cols * 2, pair)
+                                if cutlass.const_expr(not ck_rows):
+                                    if real:
+                                        dst = act_pair[i] + 16 * q
+                                        self.store_pair(g0, g1, dst, pair)
+                                        self.store_pair(u0, u1, dst + i_cols * 2, pair)
+                                    if tail_s[i]:
+                                        dst = act_tail[i] + 16 * q
+                                        self.store_pair(zero, zero, dst, pair)
+                                        self.store_pair(zero, zero, dst + i_cols * 2, pair)
 
     class DgatedEpilogueSm90(RegisterEpilogueSm90):
         """``"dgated"``: the activation backward, ``d_gate_up``, ``a * h`` and the per-N-tile
@@ -317,11 +329,12 @@ def epilogue_mixins() -> types.SimpleNamespace:
 
         @cute.jit
         def checkpoint_loads(
-            self, buf, q0: cutlass.Constexpr, tCcC, col0, pair_s, act_base,
+            self, buf, q0: cutlass.Constexpr, tCcC, col0, row0, pair_s, act_base,
         ):
             """Issue the dgated epilogue's checkpoint loads of column groups ``[q0, q0 + ch)``
             into ``buf`` ((2 cols, gate/up, slot, q) BF16 registers): ``g, u`` of this
-            thread's rows' pairs, 4-byte loads; zeros for a padding row and a column past I.
+            thread's rows -- at their pair's checkpoint row, or at the row itself with
+            ``checkpoint_rows`` -- as 4-byte loads; zeros for a padding row and a column past I.
             Issued a chunk ahead of their use, so their latency overlaps the previous chunk's
             math and stores (a load after a store to memory that may alias it cannot be
             hoisted by the compiler; written one per use, every load waited for its own
@@ -331,7 +344,10 @@ def epilogue_mixins() -> types.SimpleNamespace:
             buf.fill(0.0)
             for i in cutlass.range_constexpr(cute.size(buf, mode=[2])):
                 p = pair_s[i]
-                src = self.bf16_addr(act_base, cutlass.Int64(p), 2 * i_cols, c0)
+                ck_row = cutlass.Int64(p)
+                if cutlass.const_expr(self.key.gated.checkpoint_rows):  # slot i = 2 mm + h
+                    ck_row = cutlass.Int64(row0 + tCcC[((0, i % 2, 0), i // 2, 0)][0])
+                src = self.bf16_addr(act_base, ck_row, 2 * i_cols, c0)
                 for qq in cutlass.range_constexpr(cute.size(buf, mode=[3])):
                     in_n = self.group_in_cols(c0, q0 + qq)
                     if in_n and p >= 0:
@@ -381,8 +397,8 @@ def epilogue_mixins() -> types.SimpleNamespace:
                     ah_row[mm * 2 + h] = self.bf16_addr(ah_base, row, i_cols, c0)
             for k in cutlass.range_constexpr(n_q // ch):
                 if cutlass.const_expr(k + 1 < n_q // ch):
-                    self.checkpoint_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, pair_s,
-                                          act_base)
+                    self.checkpoint_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, row0,
+                                          pair_s, act_base)
                 gu = cute.make_rmem_tensor((2, 2, slots, ch), self.acc_dtype)
                 gu.store(bufs[k].load().to(self.acc_dtype))
                 for qq in cutlass.range_constexpr(ch):

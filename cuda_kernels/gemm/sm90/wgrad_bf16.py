@@ -93,10 +93,12 @@ _SCHED_STAGES = 4  # depth of the tile-id ring between the producer warp and the
 
 
 #: True once the gathering producer's GPU tests (``tests/test_grouped_wgrad_gather.py -m gpu``:
-#: bit-exact against the dense kernel on gathered copies) have passed with this source. The first
-#: producer (two threads per K row) passed them on an H100 on 2026-12-06; the coalesced one (8
-#: threads per row) has only compiled offline so far.
-GATHER_VERIFIED_ON_GPU = False
+#: bit-exact against the dense kernel on gathered copies) have passed with this source: the
+#: coalesced producer (8 threads per 128-byte K row) passed them on an H100 on 2026-12-06T13:57Z,
+#: and ``bench_grouped_wgrad.py --gather`` found every case bitwise equal (``benchmarks/
+#: RESULTS.md``). Set it back to False (the env opt-in then opens the gate) if the producer
+#: changes before it runs on a GPU again.
+GATHER_VERIFIED_ON_GPU = True
 GATHER_ENABLE_ENV = "MOE_BWD_ENABLE_UNVERIFIED_SM90_WGRAD_GATHER"
 
 

@@ -436,8 +436,10 @@ def test_gpu_layer_step_with_the_gather_wgrad_equals_the_gathered_copies(grouped
                                                                         monkeypatch):
     """The layer's step (default options) with the SM90 wgrad reading X and dY through the
     routing index: output and every gradient bitwise those of the same step with the
-    gathering switched off (the gathered copies, as before item 5); the forward holds S*H
-    BF16 bytes less until the backward (no X rows saved); and the step agrees with the
+    gathering switched off (the gathered copies, as before item 5); the forward saves S*H
+    BF16 bytes less for the backward (no X rows; memory_allocated agrees within the caching
+    allocator's block rounding, up to 1 MiB: 128 KiB off with biases, H100 2026-12-06); and the
+    step agrees with the
     portable backend."""
     _gpu_gather_backend()
     _table_gathers(monkeypatch)
@@ -467,7 +469,11 @@ def test_gpu_layer_step_with_the_gather_wgrad_equals_the_gathered_copies(grouped
         # (x, w_gate_up, w_down, b_gate_up, b_down, checkpoint, X rows, *routing)
         saved = y.grad_fn.saved_tensors
         rows = [tuple(saved[6].shape)]
-        sizes = sorted((tuple(t.shape), t.dtype) for t in saved if t.numel())
+        # the bytes the backward holds on to (each storage once); memory_allocated would
+        # also see the caching allocator's unsplit blocks (up to 1 MiB over a request)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in saved if t is not None and t.numel()}
+        sizes = sum(storages.values())
         y.backward(dy)
         torch.cuda.synchronize()
         return held, rows, [y.detach(), xl.grad, al.grad] + [
@@ -483,7 +489,8 @@ def test_gpu_layer_step_with_the_gather_wgrad_equals_the_gathered_copies(grouped
     assert rows_off == [(S, Hg)]
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    assert held_off - held >= S * Hg * 2, (held_off, held, sizes_off, sizes)
+    assert sizes_off - sizes == S * Hg * 2, (sizes_off, sizes)
+    assert held_off - held >= S * Hg * 2 - (1 << 20), (held_off, held)
     ref = MoEExperts(Eg, Hg, Ig, device="cuda", bias=bias, backend="torch")
     ref.load_state_dict(layer.state_dict())
     xl, al = x.detach().requires_grad_(), aff.detach().requires_grad_()

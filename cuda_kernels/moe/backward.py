@@ -15,8 +15,8 @@ Per call (rows in the grouped layout of the plan, REFERENCE §1.2; math REFERENC
     dW_gate_up  = x_S^T dgu_S                           # our grouped wgrad kernel (SM90)
 
 Where the per-shape table says ``wgrad_gather: true``
-(:func:`.grouped_mm_choice.table_wgrad_gather`; false on every shipped shape until the gathering
-wgrad is measured to win) and the wgrad's implementation gathers in its operand load
+(:func:`.grouped_mm_choice.table_wgrad_gather`; true for qwen3-30b-a3b: peak -0.50 GiB for +2 %
+step time, ``benchmarks/RESULTS.md``) and the wgrad's implementation gathers in its operand load
 (:func:`.grouped_mm_choice.wgrad_gathers`, ``api.WGRAD_GATHER_BACKENDS``), the two weight
 gradients read X and dY through the layout's row -> token index instead (``dW_gate_up =
 X[row_to_token_S]^T dgu_S``, ``dW_down = ah_S^T dY[row_to_token_S]``): no gathered [S, H] copy
@@ -261,8 +261,8 @@ def moe_backward_fused(
             gathered it for its first GEMM (padding rows must be finite: the gather writes 0);
             the gate/up wgrad reads it instead of X through the index. Needs ``layout``.
             The layer's forward keeps it unless the shape's ``wgrad_gather`` is true and that
-            wgrad gathers (:func:`.grouped_mm_choice.keeps_x_rows`; kept on every shipped
-            shape).
+            wgrad gathers (:func:`.grouped_mm_choice.keeps_x_rows`; not kept for
+            qwen3-30b-a3b's shape).
         grouped_mm: ``"cublas"`` (dY gather, cuBLAS dgrad, activation-backward pass),
             ``"ours"`` (the fused :func:`cuda_kernels.grouped_mm.down_dgrad_backward`; needs
             a contiguous BF16 checkpoint, either form, with gate and up as column halves),

@@ -7,9 +7,12 @@
 # (SKIP_TESTS=1 / SKIP_WGRAD=1 / SKIP_COMBINE=1 leave out the tests / the kernel bench / the
 # combine bound)
 # Needs CuTe DSL in .device/cute-dsl.tar.xz (../shared/tools/stage-cute-dsl). Logs under $OUT.
-# If the tests pass: set GATHER_VERIFIED_ON_GPU = True in cuda_kernels/gemm/sm90/wgrad_bf16.py;
-# set `wgrad_gather: true` in configs/cuda/grouped_mm_choice.yaml where the layer's step wins
-# (or the memory is worth its time: say so in RESULTS.md).
+# After a change to the gather producer: its tests here before GATHER_VERIFIED_ON_GPU stays True
+# (cuda_kernels/gemm/sm90/wgrad_bf16.py); `wgrad_gather: true` in
+# configs/cuda/grouped_mm_choice.yaml where the layer's step wins or the memory is worth its time
+# (qwen3-30b-a3b today: benchmarks/RESULTS.md, 2026-12-06T13:56Z-14:26Z). The "copies" rows are
+# this tree's table, so a shape already true there measures gather against gather: compare
+# against a copy with it set false.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

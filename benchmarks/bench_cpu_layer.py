@@ -14,8 +14,8 @@ which the CPU has, and the targets line uses that baseline.
 Timing: each configuration (quiet, then beside a subprocess doing ``--noise-threads``-thread
 fp32 matmuls: the contention a shared CI box or a data loader gives) runs ``--repeats`` rounds
 (fewer, but at least 3, once it has used half of ``--max-seconds``); a round times ``--steps``
-steps of each step function in turn (shared machines drift, so the functions alternate). Reported per function: the median step time over the rounds and its
-spread [min - max]; per round the ratio layer / other of that round (paired), its median and
+steps of each step function in turn (shared machines drift, so the functions alternate).
+Reported per function: the median step time over the rounds and its spread [min - max]; per round the ratio layer / other of that round (paired), its median and
 spread. Targets: layer / plain <= 2 quiet, and the layer's contended / quiet slowdown no worse
 than plain's.
 

@@ -473,7 +473,8 @@ def _routed_rows(e, top_k, tokens, align, gen, dev):
     padded = (counts + align - 1) // align * align
     rows = torch.full((int(padded.sum()),), -1, dtype=torch.int64)
     starts = torch.cumsum(padded, 0) - padded
-    pos = starts[expert] + (torch.arange(expert.numel()) - (torch.cumsum(counts, 0) - counts)[expert])
+    first_slot = torch.cumsum(counts, 0) - counts  # each expert's first slot in sorted order
+    pos = starts[expert] + (torch.arange(expert.numel()) - first_slot[expert])
     rows[pos] = token
     offsets = torch.cumsum(padded, 0).to(torch.int32)
     return rows.to(dev), offsets.to(dev), padded.tolist()

@@ -17,7 +17,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from common.routing import RoutingPlan
 
 __all__ = [
-    "GPT_OSS", "SWIGLU", "Activation", "ClampLimits", "MoEBackwardProblem", "MoEGrads", "shape_text",
+    "GPT_OSS", "SWIGLU", "Activation", "ClampLimits", "MoEBackwardProblem", "MoEGrads",
+    "shape_text",
 ]
 
 

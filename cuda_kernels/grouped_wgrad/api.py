@@ -23,8 +23,8 @@ Public names:
         ``a_rows_S`` / ``b_rows_S`` it reads A's columns / B's rows through a row index (the
         routing index: no gathered copy of X or dY). ``WGRAD_GATHER_BACKENDS``: the backends
         whose kernel gathers in its operand load ("sm90"); the others gather first;
-        ``wgrad_gather_enabled(backend)``: whether it does now (the SM90 gather keys are gated
-        until verified on a GPU).
+        ``wgrad_gather_enabled(backend)``: whether it does now (the SM90 gather keys' gate:
+        open since they passed their GPU tests, 2026-12-06).
 
 Block-scaled (MXFP8 / MXFP4 / NVFP4, the seed's legacy surface) in the same classes, wrappers and
 ``grouped_gemm_wgrad`` (which takes any MXFP8 token count per expert): the operand dtypes pick

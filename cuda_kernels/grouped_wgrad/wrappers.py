@@ -291,11 +291,11 @@ def grouped_wgrad_into(
     ``a_rows_S[s] < 0``, a padding row); with ``b_rows_S``, row ``s`` of B is
     ``b_SI[b_rows_S[s]]``. On a backend of :data:`WGRAD_GATHER_BACKENDS` ("sm90") the kernel
     reads the rows through the index in its operand load (while its gate is open:
-    ``MOE_BWD_ENABLE_UNVERIFIED_SM90_WGRAD_GATHER=1`` until its GPU tests pass with this
-    source, ``cuda_kernels.gemm.sm90.wgrad_bf16.gather_enabled``) when the source is MN-major (A: an
-    ``[H, T]`` view with strides ``(1, ld)``, e.g. ``X.t()`` of a row-major ``[T, H]`` X; B: a
-    ``[T, I]`` tensor with strides ``(ld, 1)``; ``ld`` a multiple of 8, 16-byte aligned
-    addresses); other backends ("sm100") and other source layouts gather first
+    ``cuda_kernels.gemm.sm90.wgrad_bf16.gather_enabled``, open since the GPU tests passed with
+    this source, else ``MOE_BWD_ENABLE_UNVERIFIED_SM90_WGRAD_GATHER=1``) when the source is
+    MN-major (A: an ``[H, T]`` view with strides ``(1, ld)``, e.g. ``X.t()`` of a row-major
+    ``[T, H]`` X; B: a ``[T, I]`` tensor with strides ``(ld, 1)``; ``ld`` a multiple of 8,
+    16-byte aligned addresses); other backends ("sm100") and other source layouts gather first
     (``torch_ref.gather_operands``: an ``[S, H]`` / ``[S, I]`` copy), then run the dense path.
     Source rows that no index names are never read.
 

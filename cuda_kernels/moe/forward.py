@@ -25,9 +25,10 @@ With ``grouped_mm="ours"`` (or ``"auto"`` where ``configs/cuda/grouped_mm_choice
 
 which reads the pre-activation from its fp32 accumulator (one BF16 rounding fewer than the
 pass: a checkpoint value can differ by one BF16 ulp) and writes the checkpoint in the same
-form (row order where ``checkpoint_in_rows``, which the fused backward reads as well). With ``"ours-gemm"`` the gather and the
-GEMM are one kernel (:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, x_S side-written) and
-the activation stays a pass.
+form (row order where ``checkpoint_in_rows``, which the fused backward reads as well). With
+``"ours-gemm"`` the gather and the GEMM are one kernel
+(:func:`cuda_kernels.grouped_mm.grouped_mm_gather`, x_S side-written) and the activation stays
+a pass.
 
 :func:`moe_forward_split_gate_up` is the same forward on rows already in expert order (an identity
 layout: nothing gathered, nothing combined) with the gate and up weights as two operands

@@ -32,7 +32,8 @@ The grouped weight gradients (:func:`wgrad_choice`) are chosen here too, because
 needs one answer of that choice: whether the backward's gate/up wgrad reads X through the
 layout's row -> token index inside the kernel (:func:`wgrad_gathers`, :func:`keeps_x_rows`).
 Where it does and the shape's ``wgrad_gather`` in the table is true (:func:`table_wgrad_gather`;
-true for qwen3-30b-a3b, the memory / time trade measured in ``benchmarks/RESULTS.md``), the forward keeps no gathered copy of X for the backward.
+true for qwen3-30b-a3b, the memory / time trade measured in ``benchmarks/RESULTS.md``), the
+forward keeps no gathered copy of X for the backward.
 
 Importing this module imports neither triton nor CuTe DSL (the backend's option declaration reads
 it): the kernels' APIs are imported on the first call that needs them.

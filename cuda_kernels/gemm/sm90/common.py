@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 from ..tiles import SM90_TILES
 
@@ -97,6 +98,7 @@ def kernel_base() -> type:
     import cutlass
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass import cute, pipeline
+    from cutlass.tensor_utils import LayoutEnum
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
@@ -189,6 +191,106 @@ def kernel_base() -> type:
                 cute.slice_(smem_staged, (None, None, 0)),
                 (rows, self.tile_k),
             )
+
+        # ---- the TMA-store epilogue: registers -> shared memory (stmatrix) -> TMA, in
+        # epi_tile sub-tiles. They use out_dtype / acc_dtype / epi_tile / epi_stages /
+        # num_groups / group_threads (the kernel's __init__ sets the epi_* fields).
+
+        def epi_smem_layout(self):
+            """Staged shared-memory layout of the epilogue sub-tiles: ``epi_stages`` buffers of
+            ``epi_tile`` per consumer group (row-major output)."""
+            return sm90_utils.make_smem_layout_epi(
+                self.out_dtype,
+                LayoutEnum.ROW_MAJOR,
+                self.epi_tile,
+                self.epi_stages * self.num_groups,
+            )
+
+        def epi_setup(self, tiled_mma, sC, ctid):
+            """A consumer thread's register -> shared copy (stmatrix) of an accumulator's
+            sub-tiles and the TMA store pipeline (``epi_stages`` buffers per group). An
+            accumulator of ``tiled_mma``'s fragment goes through it as
+            ``epi.tiled_r2s.retile(acc)``."""
+            r2s_atom = sm90_utils.get_smem_store_op(
+                LayoutEnum.ROW_MAJOR, self.out_dtype, self.acc_dtype
+            )
+            c_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype
+            )
+            tiled_r2s = cute.make_tiled_copy_S(
+                r2s_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma)
+            )
+            thr_r2s = tiled_r2s.get_slice(ctid)
+            tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, buffer)
+            rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
+            tRS_rC = cute.make_rmem_tensor(rC_shape, self.acc_dtype)
+            tRS_rC_out = cute.make_rmem_tensor(rC_shape, self.out_dtype)
+            sub_size = cute.size(tRS_rC)
+            store_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stages,
+                producer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.group_threads
+                ),
+            )
+            return types.SimpleNamespace(
+                tiled_r2s=tiled_r2s, tRS_sC=tRS_sC, tRS_rC=tRS_rC,
+                tRS_rC_out=tRS_rC_out, sub_size=sub_size,
+                store_pipe=store_pipe,
+            )
+
+        def epi_partition(self, tma_atom_c, sC, gC_t):
+            """(smem, gmem) TMA partitions of one ``(tile_m, tile_n)`` output tile ``gC_t`` in
+            ``epi_tile`` sub-tiles, their count and their (row-major) coordinate layout."""
+            gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
+            bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_c,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sC, 0, 2),
+                gC_epi,
+            )
+            n_sub = cute.size(gC_epi, mode=[1])
+            sub_shape = gC_epi.shape[1]
+            sub_layout = cute.make_layout(sub_shape, stride=(sub_shape[1], 1))
+            return bSG_sC, bSG_gC, n_sub, sub_layout
+
+        @cute.jit
+        def epi_store_subtiles(  # noqa: PLR0913
+            self, epi, tRS_acc, tma_atom_c, bSG_sC, bSG_gC, n_sub: cutlass.Constexpr, sub_layout,
+            group, epi_count, warp_idx, store_warp, mask_barrier,
+        ):
+            """Store an accumulator (``tRS_acc``: retiled by ``epi.tiled_r2s``) sub-tile by
+            sub-tile: convert, stmatrix
+            into the group's next epilogue buffer, fence + group barrier, one warp issues the
+            TMA store (or reduce-add) and waits until a buffer is free again (``epi_stages``
+            stores in flight), group barrier. Returns the advanced buffer counter."""
+            sub_size, store_pipe = epi.sub_size, epi.store_pipe
+            for si in cutlass.range_constexpr(n_sub):
+                for v in cutlass.range_constexpr(sub_size):
+                    epi.tRS_rC[v] = tRS_acc[si * sub_size + v]
+                epi.tRS_rC_out.store(epi.tRS_rC.load().to(self.out_dtype))
+                buf = (
+                    group * self.epi_stages
+                    + epi_count % self.epi_stages
+                )
+                cute.copy(
+                    epi.tiled_r2s,
+                    epi.tRS_rC_out,
+                    epi.tRS_sC[(None, None, None, buf)],
+                )
+                cute.arch.fence_proxy("async.shared", space="cta")
+                mask_barrier.arrive_and_wait()
+                if warp_idx == store_warp:
+                    cute.copy(
+                        tma_atom_c,
+                        bSG_sC[(None, buf)],
+                        bSG_gC[(None, sub_layout.get_hier_coord(si))],
+                    )
+                    store_pipe.producer_commit()
+                    store_pipe.producer_acquire()
+                mask_barrier.arrive_and_wait()
+                epi_count += 1
+            return epi_count
 
         # ---- pingpong: two consumer groups take turns on the pipeline (one group: no-ops) ----
 

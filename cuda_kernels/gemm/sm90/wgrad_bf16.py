@@ -67,7 +67,6 @@ import dataclasses
 import functools
 import math
 import os
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -318,7 +317,6 @@ def select_sm90_tile_config(
 
 def _build_kernel_class():
     import cutlass
-    import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass import cute, memory, pipeline
     from cutlass.tensor_utils import LayoutEnum
 
@@ -824,19 +822,8 @@ def _build_kernel_class():
             cute.arch.sync_threads()
             return sPerm, sStart
 
-        # ---- the TMA epilogue (dense outputs) ----
-        # They use self.key / out_dtype / acc_dtype / epi_tile / epi_stages / num_groups /
-        # group_threads.
-
-        def epi_smem_layout(self):
-            """Staged shared-memory layout of the epilogue sub-tiles: ``epi_stages`` buffers of
-            ``epi_tile`` per consumer group (row-major output)."""
-            return sm90_utils.make_smem_layout_epi(
-                self.out_dtype,
-                LayoutEnum.ROW_MAJOR,
-                self.epi_tile,
-                self.epi_stages * self.num_groups,
-            )
+        # ---- the TMA epilogue (dense outputs; the sub-tile machinery is the base's:
+        # gemm/sm90/common.py) ----
 
         def epi_store_op(self):
             """TMA store, or TMA reduce-add when accumulating."""
@@ -858,104 +845,20 @@ def _build_kernel_class():
                 self.epi_tile,
             )
 
-        def epi_setup(self, tiled_mma, sC, acc, ctid):
-            """A consumer thread's register -> shared copy (stmatrix) of the accumulator's
-            sub-tiles and the TMA store pipeline (``epi_stages`` buffers per group)."""
-            r2s_atom = sm90_utils.get_smem_store_op(
-                LayoutEnum.ROW_MAJOR, self.out_dtype, self.acc_dtype
-            )
-            c_atom = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.out_dtype
-            )
-            tiled_r2s = cute.make_tiled_copy_S(
-                r2s_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma)
-            )
-            thr_r2s = tiled_r2s.get_slice(ctid)
-            tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, buffer)
-            tRS_acc = tiled_r2s.retile(acc)
-            rC_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
-            tRS_rC = cute.make_rmem_tensor(rC_shape, self.acc_dtype)
-            tRS_rC_out = cute.make_rmem_tensor(rC_shape, self.out_dtype)
-            sub_size = cute.size(tRS_rC)
-            store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stages,
-                producer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.group_threads
-                ),
-            )
-            return types.SimpleNamespace(
-                tiled_r2s=tiled_r2s, tRS_sC=tRS_sC, tRS_acc=tRS_acc, tRS_rC=tRS_rC,
-                tRS_rC_out=tRS_rC_out, sub_size=sub_size,
-                store_pipe=store_pipe,
-            )
-
-        def epi_partition(self, tma_atom_c, sC, gC_t):
-            """(smem, gmem) TMA partitions of one ``(tile_m, tile_n)`` output tile ``gC_t`` in
-            ``epi_tile`` sub-tiles, their count and their (row-major) coordinate layout."""
-            gC_epi = cute.zipped_divide(gC_t, self.epi_tile)
-            bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_c,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sC, 0, 2),
-                gC_epi,
-            )
-            n_sub = cute.size(gC_epi, mode=[1])
-            sub_shape = gC_epi.shape[1]
-            sub_layout = cute.make_layout(sub_shape, stride=(sub_shape[1], 1))
-            return bSG_sC, bSG_gC, n_sub, sub_layout
-
-        @cute.jit
-        def epi_store_subtiles(  # noqa: PLR0913
-            self, epi, tma_atom_c, bSG_sC, bSG_gC, n_sub: cutlass.Constexpr, sub_layout, group,
-            epi_count, warp_idx, store_warp, mask_barrier,
-        ):
-            """Store the accumulator (``epi.tRS_acc``) sub-tile by sub-tile: convert, stmatrix
-            into the group's next epilogue buffer, fence + group barrier, one warp issues the
-            TMA store (or reduce-add) and waits until a buffer is free again (``epi_stages``
-            stores in flight), group barrier. Returns the advanced buffer counter."""
-            sub_size, store_pipe = epi.sub_size, epi.store_pipe
-            for si in cutlass.range_constexpr(n_sub):
-                for v in cutlass.range_constexpr(sub_size):
-                    epi.tRS_rC[v] = epi.tRS_acc[si * sub_size + v]
-                epi.tRS_rC_out.store(epi.tRS_rC.load().to(self.out_dtype))
-                buf = (
-                    group * self.epi_stages
-                    + epi_count % self.epi_stages
-                )
-                cute.copy(
-                    epi.tiled_r2s,
-                    epi.tRS_rC_out,
-                    epi.tRS_sC[(None, None, None, buf)],
-                )
-                cute.arch.fence_proxy("async.shared", space="cta")
-                mask_barrier.arrive_and_wait()
-                if warp_idx == store_warp:
-                    cute.copy(
-                        tma_atom_c,
-                        bSG_sC[(None, buf)],
-                        bSG_gC[(None, sub_layout.get_hier_coord(si))],
-                    )
-                    store_pipe.producer_commit()
-                    store_pipe.producer_acquire()
-                mask_barrier.arrive_and_wait()
-                epi_count += 1
-            return epi_count
-
         @cute.jit
         def epi_store_tile(  # noqa: PLR0913
-            self, epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, group, epi_count, warp_idx,
-            store_warp, mask_barrier,
+            self, epi, tRS_acc, tma_atom_c, sC, gC_all, e, m_idx, n_idx, group, epi_count,
+            warp_idx, store_warp, mask_barrier,
         ):
-            """Store the accumulator as output tile (m_idx, n_idx) of expert e (``gC_all``:
+            """Store the accumulator (``tRS_acc``, retiled) as output tile (m_idx, n_idx) of expert e (``gC_all``:
             the output's tiles) through ``group``'s sub-tile TMA stores (``epi_partition``,
             ``epi_store_subtiles``). Returns the advanced buffer counter."""
             bSG_sC, bSG_gC, n_sub, sub_layout = self.epi_partition(
                 tma_atom_c, sC, gC_all[(None, None, m_idx, n_idx, e)]
             )
             return self.epi_store_subtiles(
-                epi, tma_atom_c, bSG_sC, bSG_gC, n_sub, sub_layout, group, epi_count, warp_idx,
-                store_warp, mask_barrier,
+                epi, tRS_acc, tma_atom_c, bSG_sC, bSG_gC, n_sub, sub_layout, group, epi_count,
+                warp_idx, store_warp, mask_barrier,
             )
 
         @cute.jit
@@ -1190,7 +1093,8 @@ def _build_kernel_class():
                 acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
                 r_out = cute.make_rmem_tensor(acc_shape, self.out_dtype)
                 if cutlass.const_expr(self.tma_epi):
-                    epi = self.epi_setup(tiled_mma, sC, acc, ctid)
+                    epi = self.epi_setup(tiled_mma, sC, ctid)
+                    tRS_acc = epi.tiled_r2s.retile(acc)
                     store_pipe = epi.store_pipe
                     store_warp = 4 + group * 4 * self.wgs_per_group
                     epi_count = cutlass.Int32(0)
@@ -1270,7 +1174,7 @@ def _build_kernel_class():
                                 skip = n_k == 0  # empty expert: output untouched
                             if not skip:
                                 epi_count = self.epi_store_tile(
-                                    epi, tma_atom_c, sC, gC_all, e, m_idx, n_idx, group,
+                                    epi, tRS_acc, tma_atom_c, sC, gC_all, e, m_idx, n_idx, group,
                                     epi_count, warp_idx, store_warp, mask_barrier,
                                 )
                         else:

@@ -104,8 +104,9 @@ _MODES = {"pingpong": True, "pp": True, "cooperative": False, "coop": False}
 def parse_tile(spec: str) -> Sm90GroupedMmTile | None:
     """One ``--tiles`` item -> a tile (None for ``default``: the kernel's own choice).
 
-    ``MxN[sS][pp]`` (``Sm90GroupedMmTile.variant_name``: ``128x256s4``, ``128x192s5pp``) or
-    ``MxN[sS]:pingpong|cooperative`` (``128x192:pingpong``); stages default to as
+    ``MxN[sS][pp][-reg]`` (``Sm90GroupedMmTile.variant_name``: ``128x256s4``,
+    ``128x192s5pp``; ``-reg``: register stores only, no TMA-store epilogue) or
+    ``MxN[sS][-reg]:pingpong|cooperative`` (``128x192:pingpong``); stages default to as
     many as shared memory holds (``SM90_TILES.stages_for``; the kernel lowers them further if
     its schedule tables need the room).
 
@@ -116,10 +117,10 @@ def parse_tile(spec: str) -> Sm90GroupedMmTile | None:
     if spec == "default":
         return None
     head, *opts = spec.split(":")
-    m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?(pp)?", head)
+    m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?(pp)?(-reg)?", head)
     if not m:
         raise ValueError(
-            f"bad tile {spec!r} (want MxN[sS][pp] or MxN[sS]:pingpong|cooperative, "
+            f"bad tile {spec!r} (want MxN[sS][pp][-reg] or MxN[sS][-reg]:pingpong|cooperative, "
             "e.g. 128x192:pingpong, or default)"
         )
     tile_m, tile_n = int(m[1]), int(m[2])
@@ -132,7 +133,8 @@ def parse_tile(spec: str) -> Sm90GroupedMmTile | None:
         pingpong = _MODES[opt]
     tile_k = SM90_TILES.tile_k[0]
     stages = int(m[3]) if m[3] else SM90_TILES.stages_for(tile_m, tile_n, tile_k)
-    return Sm90GroupedMmTile(tile_m, tile_n, tile_k, stages, pingpong=pingpong)
+    return Sm90GroupedMmTile(tile_m, tile_n, tile_k, stages, pingpong=pingpong,
+                             epi_tma=not m[5])
 
 
 def parse_tiles(text: str) -> list:
@@ -230,20 +232,34 @@ def gated_impls(d: dict, args, tiles) -> dict:
     plan, layout, offs = d["plan"], d["layout"], d["offsets"]
     kw = {"activation": d["activation"], "clamp_limits": d["clamp"]}
     w4 = d["w_gu"].reshape(E, H, 2, I)
+    ck_rows = args.checkpoint_rows
+    if ck_rows and (d["b_gu"] is not None or d["clamp"] is not None):
+        raise ValueError("--checkpoint-rows: the row-order checkpoint is the layer's form "
+                         "without a bias and a clamp only")
+
+    def then_pass(gu):  # the checkpoint: the GEMM's rows themselves with --checkpoint-rows
+        act, ah = activation_forward(gu, layout.row_to_pair_S, plan, b_gate_up_E2I=d["b_gu"],
+                                     activation=kw["activation"],
+                                     clamp_limits=kw["clamp_limits"] or ClampLimits(),
+                                     pair_checkpoint=not ck_rows)
+        return (gu if ck_rows else act), ah
 
     def cublas_then_pass(rows):
-        gu = torch._grouped_mm(rows, d["w_gu"], offs=offs)
-        return activation_forward(gu, layout.row_to_pair_S, plan, b_gate_up_E2I=d["b_gu"],
-                                  activation=kw["activation"],
-                                  clamp_limits=kw["clamp_limits"] or ClampLimits())
+        return then_pass(torch._grouped_mm(rows, d["w_gu"], offs=offs))
 
-    return _fused_impls(
+    fns = _fused_impls(
         args, tiles, cublas_then_pass, d["x"], d["idx"],
         lambda t, rows_out: gate_up_forward(
             d["x"], w4, layout, plan, b_gate_up_E2I=d["b_gu"], backend="sm90", tile=t,
-            x_rows_out=rows_out, **kw
+            x_rows_out=rows_out, checkpoint_rows=ck_rows, **kw
         ),
     )
+    if "ours" in args.impls:  # our gathering GEMM (plain store) then the pass: the layer's
+        gu = torch.empty(d["S"], 2 * I, dtype=BF16, device=d["x"].device)  # ours-gemm path
+        for tile in tiles:
+            fns[_ours_name(tile) + " gemm+pass"] = lambda t=tile: then_pass(grouped_mm_gather(
+                d["x"], d["w_gu"], offs, d["idx"], gu, backend="sm90", tile=t))
+    return fns
 
 
 def dgated_impls(d: dict, args, tiles) -> dict:
@@ -493,6 +509,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--side-output", action="store_true",
         help="gate_up_act / down_dgrad_act: also time ours writing the gathered rows (+rows)",
+    )
+    ap.add_argument(
+        "--checkpoint-rows", action="store_true",
+        help="gate_up_act: the checkpoint in row order (ours: checkpoint_rows; the pass: the "
+             "GEMM's rows kept, pair_checkpoint=False), the layer's form without bias / clamp",
     )
     ap.add_argument(
         "--compile-jobs", type=int, default=8,

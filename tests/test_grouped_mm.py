@@ -201,9 +201,12 @@ def test_tile_and_key_validation():
         ({"tile_k": 32}, "tile_k"),
         ({"stages": 5}, "overflow"),
         ({"pingpong": 1}, "must be a bool"),
+        ({"epi_tma": 1}, "epi_tma must be a bool"),
     ]:
         with pytest.raises(ValueError, match=word):
             Sm90GroupedMmTile(**kwargs)
+    assert Sm90GroupedMmTile().epi_tma and Sm90GroupedMmTile().variant_name == "128x256s4"
+    assert Sm90GroupedMmTile(epi_tma=False).variant_name == "128x256s4-reg"
     key = Sm90GroupedMmKey(1536, 2048, 128)
     assert key == Sm90GroupedMmKey(1536, 2048, 128, tile=Sm90GroupedMmTile())
     assert hash(key) == hash(Sm90GroupedMmKey(1536, 2048, 128))
@@ -372,7 +375,10 @@ def test_bench_tiles_parse_and_summary():
     assert bench.parse_tile("128x256:cooperative") == T(128, 256, 64, 4)
     assert bench.parse_tile("128x128s6:pp") == T(128, 128, 64, 6, True)
     assert bench.parse_tile("default") is None
-    for t in (T(128, 192, 64, 5, True), T(128, 256, 64, 4), T(64, 256, 64, 5, True)):
+    assert bench.parse_tile("128x256-reg") == T(128, 256, 64, 4, epi_tma=False)
+    assert bench.parse_tile("128x128s6-reg:pp") == T(128, 128, 64, 6, True, epi_tma=False)
+    for t in (T(128, 192, 64, 5, True), T(128, 256, 64, 4), T(64, 256, 64, 5, True),
+              T(128, 256, 64, 4, epi_tma=False), T(128, 192, 64, 5, True, epi_tma=False)):
         assert bench.parse_tile(t.variant_name) == t
     for bad in ("128x192:fast", "128by192", "128x192:c2", "128x192s5pp-c2", "96x128"):
         with pytest.raises(ValueError):

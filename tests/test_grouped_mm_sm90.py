@@ -73,17 +73,22 @@ _T = Sm90GroupedMmTile
 _ROWS_PTX = ["cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc",
              r"cp.async.wait_group\s+[1-9]\d*;", "ld.shared.v4.b32", "st.global.v4.b32",
              "ld.global.v4.b32"]
+_TMA_PTX = ["stmatrix.sync.aligned.m8n8.x4.shared.b16",
+            "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group",
+            "cp.async.bulk.wait_group.read", "st.global.b32"]
 _OFFLINE = [
     # (id, key, PTX that must appear, PTX that must not)
+    # (the first two with register stores only: their mainloop's instructions are checked,
+    # which the TMA-store epilogue's 2-D TMA stores and proxy fences would hide)
     ("gather-n-major-128x256",
-     Sm90GroupedMmKey(1536, 2048, 128, tile=_T(128, 256, 64, 4)),
+     Sm90GroupedMmKey(1536, 2048, 128, tile=_T(128, 256, 64, 4, epi_tma=False)),
      ["cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "fence.proxy.async",
       "cp.async.bulk.tensor.3d", "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
       r"setmaxnreg.dec.sync.aligned.u32\s+56;"],
      ["cp.async.bulk.tensor.2d"]),
     ("tma-a-k-major-pingpong",
      Sm90GroupedMmKey(2048, 768, 128, gather_a=False, w_major="k",
-                      tile=_T(128, 128, 64, 6, pingpong=True)),
+                      tile=_T(128, 128, 64, 6, pingpong=True, epi_tma=False)),
      ["cp.async.bulk.tensor.2d", "cp.async.bulk.tensor.3d", "bar.sync",
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"],
      ["cp.async.cg.shared.global", "fence.proxy.async"]),
@@ -150,6 +155,25 @@ _OFFLINE = [
     ("rows-gather-coop-128x192",
      Sm90GroupedMmKey(3072, 4096, 128, tile=_T(128, 192, 64, 5), write_a_rows=True),
      _ROWS_PTX, []),
+    # the TMA-store epilogue (epi_tma): stmatrix into the sub-tiles, 2-D TMA stores, the
+    # register stores kept for the experts' partial tiles
+    ("epi-tma-gather-128x256",
+     Sm90GroupedMmKey(1536, 2048, 128, tile=_T(128, 256, 64, 4, epi_tma=True)),
+     _TMA_PTX + ["cvt.rn.bf16x2.f32"], []),
+    ("epi-tma-rows-pingpong",
+     Sm90GroupedMmKey(2048, 768, 128, gather_a=False, w_major="k",
+                      tile=_T(128, 128, 64, 6, pingpong=True, epi_tma=True)),
+     _TMA_PTX, []),
+    ("epi-tma-gated-swiglu-128x256",
+     Sm90GroupedMmKey(1536, 2048, 128, epilogue="gated",
+                      gated=GatedEpilogue(checkpoint_rows=True),
+                      tile=_T(128, 256, 64, 4, epi_tma=True)),
+     _TMA_PTX + ["ex2.approx"], []),
+    ("epi-tma-gated-rows-gpt-oss-bias",
+     Sm90GroupedMmKey(3072, 2880, 32, epilogue="gated",
+                      gated=GatedEpilogue(1.702, 1.0, None, 7.0, -7.0, 7.0, True, True),
+                      tile=_T(128, 256, 64, 4, epi_tma=True), write_a_rows=True),
+     _TMA_PTX + _ROWS_PTX + ["ex2.approx"], []),
     ("rows-dgated-gpt-oss-pingpong",
      Sm90GroupedMmKey(2880, 2880, 32, w_major="k", epilogue="dgated",
                       gated=GatedEpilogue(1.702, 1.0, None, 7.0, -7.0, 7.0),
@@ -435,6 +459,97 @@ def test_cuda_graph_replay_with_new_offsets():
 
 
 # ------------------------------------------------------------------------------------------------
+# GPU: the TMA-store epilogue (Sm90GroupedMmTile.epi_tma) against the register stores
+# ------------------------------------------------------------------------------------------------
+
+_TMA_GRID = [
+    # (id, T, K, N, E, top_k, tile, hot expert); every case has whole tiles (TMA stores) and
+    # experts' last partial tiles (register stores) side by side
+    ("coop-128x256", 700, 256, 512, 8, 2, _T(128, 256, 64, 4, epi_tma=True), None),
+    ("pingpong-128x128", 700, 192, 256, 6, 2, _T(128, 128, 64, 6, True, epi_tma=True), None),
+    ("64-row-tiles", 300, 128, 128, 5, 3, _T(64, 128, 64, 8, epi_tma=True), None),
+    ("hot-expert-partial-n", 1000, 200, 200, 4, 2, _T(128, 128, 64, 6, epi_tma=True), 1),
+    ("128x192pp", 700, 256, 384, 8, 2, _T(128, 192, 64, 5, True, epi_tma=True), None),
+]
+
+
+def _register_tile(tile):
+    return dataclasses.replace(tile, epi_tma=False)
+
+
+@gpu
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "rows"])
+@pytest.mark.parametrize("case", _TMA_GRID, ids=[c[0] for c in _TMA_GRID])
+def test_epi_tma_store_is_the_register_store_bitwise(case, gather):
+    """The TMA-store epilogue writes what the register stores write, bit for bit, on every row
+    (NaN-poisoned before): whole tiles through shared memory, partial ones from registers,
+    padding rows +0; and it matches the twin."""
+    _id, T, K, N, E, top_k, tile, hot = case
+    gen = torch.Generator().manual_seed(90 + _TMA_GRID.index(case))
+    layout = _routing(T, E, top_k, gen, hot=hot)
+    a, w = _operands(T, K, N, E, gen)
+    idx, offsets = layout.row_to_token_S.cuda(), layout.offsets_E.cuda()
+    if not gather:
+        a = torch.where((idx >= 0)[:, None], a[idx.clamp(min=0)], 0)
+        idx = None
+    out_tma = _run(a, w, offsets, idx, tile)
+    out_reg = _run(a, w, offsets, idx, _register_tile(tile))
+    assert torch.equal(out_tma, out_reg)
+    ref = grouped_mm_gather_torch(a, w, offsets, idx)
+    _check_close(out_tma, ref)
+
+
+@gpu
+def test_epi_tma_rows_past_the_last_expert_and_empty_experts():
+    """Whole tiles of the rows past the last offset (zeros) and one-tile experts next to empty
+    ones, with the gathered-rows side output on: bitwise the register epilogue's."""
+    counts, extra = [256, 0, 129, 0, 128, 3, 0, 384], 300
+    a, w, offsets, idx = _splits_case(counts, extra, K=192, N=256)
+    tile = _T(128, 256, 64, 4, epi_tma=True)
+    outs = []
+    for t in (tile, _register_tile(tile)):
+        out = torch.full((idx.shape[0], 256), float("nan"), dtype=BF16, device="cuda")
+        rows = torch.full((idx.shape[0], 192), float("nan"), dtype=BF16, device="cuda")
+        grouped_mm_gather(a, w, offsets, idx, out, backend="sm90", tile=t, a_rows_out=rows)
+        torch.cuda.synchronize()
+        outs.append((out, rows))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert (outs[0][0][int(offsets[-1]):] == 0).all()
+    _check_close(outs[0][0], grouped_mm_gather_torch(a, w, offsets, idx))
+
+
+@gpu
+def test_epi_tma_cuda_graph_replay_with_new_offsets():
+    """TMA descriptors are built per launch from the tensors: a captured launch replays with
+    new offsets and indices (more or fewer whole tiles) and stays bitwise the register path."""
+    gen = torch.Generator().manual_seed(8)
+    T, K, N, E = 600, 256, 512, 8
+    l1 = _routing(T, E, 2, gen)
+    l2 = _routing(T, E, 2, gen, hot=2)
+    S = max(l1.tokens_sum, l2.tokens_sum)
+    a, w = _operands(T, K, N, E, gen)
+    tile = _T(128, 256, 64, 4, epi_tma=True)
+    idx = torch.full((S,), -1, dtype=torch.int64, device="cuda")
+    offsets = torch.zeros(E, dtype=torch.int32, device="cuda")
+    out = torch.full((S, N), float("nan"), dtype=BF16, device="cuda")
+    grouped_mm_gather(a, w, offsets, idx, out, backend="sm90", tile=tile)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        grouped_mm_gather(a, w, offsets, idx, out, backend="sm90", tile=tile)
+    torch.cuda.synchronize()
+    for layout in (l1, l2):
+        idx.fill_(-1)
+        idx[: layout.tokens_sum] = layout.row_to_token_S.cuda()
+        offsets.copy_(layout.offsets_E.cuda())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, _run(a, w, offsets, idx, _register_tile(tile)))
+
+
+# ------------------------------------------------------------------------------------------------
 # GPU: the gated (forward gate/up) epilogue
 # ------------------------------------------------------------------------------------------------
 
@@ -578,6 +693,43 @@ def test_gated_checkpoint_rows_is_the_pair_checkpoint_in_row_order(case):
     twin_p, _ = gate_up_activation_torch(*args[:-1], activation=act_fn, clamp_limits=clamp,
                                         bias_E2I=bias)
     assert torch.equal(twin_r, _pairs_in_rows(twin_p, layout))
+
+
+_GATED_TMA_TILES = {
+    "coop-128x256": _T(128, 256, 64, 4, epi_tma=True),
+    "pingpong-128x128": _T(128, 128, 64, 6, True, epi_tma=True),
+}
+
+
+@gpu
+@pytest.mark.parametrize("tile_id", list(_GATED_TMA_TILES))
+@pytest.mark.parametrize("name", list(_GATED_ACTS))
+def test_gated_epi_tma_is_the_register_epilogue_bitwise(name, tile_id):
+    """The gated epilogue with the row-order checkpoint through TMA stores (whole tiles; the
+    experts' last tiles from registers): ``a_h`` and the checkpoint (NaN-poisoned) bit for bit
+    those of the register epilogue, with bias and clamp (gpt-oss) and without (SwiGLU)."""
+    act_fn, clamp, with_bias = _GATED_ACTS[name]
+    tile = _GATED_TMA_TILES[tile_id]
+    gen = torch.Generator().manual_seed(70)
+    T, H, I, E = 700, 256, 384, 8
+    plan, layout = _routing_plan(T, E, 2, gen, hot=3)
+    x = torch.randn(T, H, generator=gen).to(BF16).cuda()
+    w = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16).cuda()
+    bias = torch.randn(E, 2, I, generator=gen).cuda() if with_bias else None
+    S = layout.tokens_sum
+    args = (x, w, layout.offsets_E, layout.row_to_token_S, layout.row_to_pair_S,
+            plan.pair_affinity_R, plan.num_pairs)
+    outs = []
+    for t in (tile, _register_tile(tile)):
+        act = torch.full((S, 2 * I), float("nan"), dtype=BF16, device="cuda")
+        ah = torch.full((S, I), float("nan"), dtype=BF16, device="cuda")
+        grouped_mm_gated(*args, activation=act_fn, clamp_limits=clamp, bias=bias, act_out=act,
+                         ah_out=ah, backend="sm90", tile=t, checkpoint_rows=True)
+        torch.cuda.synchronize()
+        outs.append((act, ah))
+    assert torch.equal(outs[0][0], outs[1][0]), "checkpoint differs"
+    assert torch.equal(outs[0][1], outs[1][1]), "a_h differs"
+    assert (outs[0][1][layout.row_to_pair_S < 0] == 0).all()
 
 
 @gpu

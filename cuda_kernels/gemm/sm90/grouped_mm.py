@@ -141,19 +141,40 @@ class Sm90GroupedMmTile(Sm90Tiling):
     """One CTA tile of the SM90 varlen-M grouped GEMM: the fields of the wgrad kernel's tiles
     (``gemm.sm90.common.Sm90Tiling``: ``tile_m``, ``tile_n``, ``tile_k`` = K per stage,
     ``stages`` of the (A, W) ring, lowered to what fits, and ``pingpong``), its name
-    (``variant_name``), stage bytes and consumer structure.
+    (``variant_name``), stage bytes and consumer structure, and how the epilogue stores:
+
+    Attributes:
+        epi_tma: the TMA-store epilogue (default, measured: ``benchmarks/RESULTS.md``,
+            2026-12-06; False: every tile stores from registers, the kernel before it, kept
+            for the bitwise tests and A/B runs). A tile whose rows all lie inside its expert stores
+            through shared memory: the accumulator (the ``"store"`` epilogue's output; the
+            ``"gated"`` one's ``a_h`` and its checkpoint in row order) is rounded to BF16,
+            written to a (rows, 32) sub-tile by ``stmatrix`` and stored by TMA, two sub-tile
+            buffers per consumer group in flight, so the stores drain under the next tile's
+            mainloop. An expert's last (partial) tile keeps the register stores (a TMA box
+            cannot stop at the expert's last row). No effect on the ``"dgated"`` epilogue, on
+            the pair-order checkpoint or on a partial last N tile of the ``"gated"`` one.
 
     Raises:
         ValueError: a field outside the ranges of ``Sm90Tiling``, stages that overflow shared
-            memory, or a ``pingpong`` that is not a bool.
+            memory, or a ``pingpong`` / ``epi_tma`` that is not a bool.
     """
+
+    epi_tma: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the tile fields (gemm.tiles.SM90_TILES)
-        if not isinstance(self.pingpong, bool):
-            raise ValueError(
-                f"{type(self).__name__}.pingpong must be a bool, got {self.pingpong!r}"
-            )
+        for name in ("pingpong", "epi_tma"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"{type(self).__name__}.{name} must be a bool, got {getattr(self, name)!r}"
+                )
+
+    @property
+    def variant_name(self) -> str:
+        """``Sm90Tiling``'s name, ``-reg`` appended for register stores only (no
+        ``epi_tma``)."""
+        return super().variant_name + ("" if self.epi_tma else "-reg")
 
 
 #: Most fp32 accumulators per consumer thread of a pingpong tile with the gathered-rows side
@@ -543,8 +564,23 @@ def _build_kernel_class():
             # rows past the last one) and first tile id (E + 2 entries: the last is the total)
             self.sched_chunks = -(-(self.num_e + 1) // 32)
             self.search_top = 1 << (self.num_e.bit_length() - 1)  # largest power of 2 <= E
+            # the TMA-store epilogue (tile.epi_tma): where the key's epilogue can take it,
+            # (epi_tile) sub-tiles of BF16 staged in epi_stages buffers per consumer group; a
+            # pingpong group's fragment is ordered by 64-row wgmma slab, so its sub-tiles are
+            # (64, 32) (as the wgrad kernel's)
+            self.epi_tma = t.epi_tma and self.mma_n % 32 == 0 and (
+                key.epilogue == "store"
+                or (key.epilogue == "gated" and key.gated.checkpoint_rows
+                    and not self.partial_n)  # a TMA box would cross from g into u
+            )
+            self.epi_tile = (self.tile_m if self.wgs_per_group > 1 else 64, 32)
+            self.epi_stages = 2
+            epi_bytes = (
+                self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stages * self.num_groups
+                if self.epi_tma else 0
+            )
             header = 1024 + 12 * (self.num_e + 2) + 16 * t.stages
-            self.stages = min(t.stages, (_SMEM_BYTES - header) // t.stage_bytes)
+            self.stages = min(t.stages, (_SMEM_BYTES - header - epi_bytes) // t.stage_bytes)
             if self.stages < 2:
                 raise ValueError(f"{t} leaves no room for 2 pipeline stages")
             # write_a_rows: a K tile is copied back out of its stage this many K tiles after its
@@ -564,9 +600,10 @@ def _build_kernel_class():
             self.rows_per_pass = 128 // (self.tile_k // 8)
             self.rows_per_thread = self.tile_m // self.rows_per_pass
 
-        def make_storage(self, a_cosize: int, b_cosize: int):
+        def make_storage(self, a_cosize: int, b_cosize: int, epi_cosize: int):
             """The kernel's shared-memory struct (built in a plain method, outside the code the
-            DSL's preprocessor rewrites)."""
+            DSL's preprocessor rewrites); ``sC``, the TMA-store epilogue's sub-tiles, only with
+            ``epi_tma``."""
             mem, align = cute.struct.MemRange, cute.struct.Align
             ne = self.num_e
             fields = {
@@ -579,6 +616,8 @@ def _build_kernel_class():
             }
             if self.gated:
                 fields["sB2"] = align[mem[self.ab_dtype, b_cosize], 1024]
+            if self.epi_tma:
+                fields["sC"] = align[mem[self.out_dtype, epi_cosize], 1024]
             return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         # ---- the schedule: per-expert tables in shared memory, static tile dealing ----
@@ -673,6 +712,16 @@ def _build_kernel_class():
                 tma_atom_a, tma_a = self.make_tma_load(mA, a_smem_staged, self.tile_m)
             return tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b, tma_b
 
+        def epi_tma_store(self, mX, epi_smem_staged):
+            """Host side: the TMA store atom and tensor of a row-major BF16 output ``mX`` (S
+            rows) from one ``epi_tile`` sub-tile of ``epi_smem_staged``."""
+            return cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+                mX,
+                cute.slice_(epi_smem_staged, (None, None, 0)),
+                self.epi_tile,
+            )
+
         def gather_copy(self):
             """The cp.async tiled copy of the gather producers: 128 threads, 8 per 128-byte row
             (16-byte chunks, L2 only: ``cp.async.cg``)."""
@@ -710,12 +759,25 @@ def _build_kernel_class():
             tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b, tma_b = (
                 self.make_mma_and_loads(mA, mW)
             )
+            # the TMA-store epilogue's atoms: the main output (out, or a_h) and the gated
+            # epilogue's row-order checkpoint (None where unused: compile-time constants, no
+            # kernel parameters)
+            epi_smem_staged = None
+            tma_atom_c, tma_c, tma_atom_ck, tma_ck = None, None, None, None
+            epi_cosize = 0
+            if cutlass.const_expr(self.epi_tma):
+                epi_smem_staged = self.epi_smem_layout()
+                epi_cosize = cute.cosize(epi_smem_staged)
+                tma_atom_c, tma_c = self.epi_tma_store(mOut, epi_smem_staged)
+                if cutlass.const_expr(self.gated):
+                    tma_atom_ck, tma_ck = self.epi_tma_store(mAct, epi_smem_staged)
             self.shared_storage = self.make_storage(
-                cute.cosize(a_smem_staged), cute.cosize(b_smem_staged)
+                cute.cosize(a_smem_staged), cute.cosize(b_smem_staged), epi_cosize
             )
             kernel = self.kernel(
                 tma_atom_a, tma_a, tma_atom_b, tma_b, mA, mIdx, mOffsets, mOut, mAux0, mR2P,
                 mAlpha, mAux1, mAct, mRows, tiled_mma, a_smem_staged, b_smem_staged,
+                tma_atom_c, tma_c, tma_atom_ck, tma_ck, epi_smem_staged,
             )
             self.launch_persistent(kernel, num_ctas, stream)
 
@@ -739,6 +801,11 @@ def _build_kernel_class():
             tiled_mma: cute.TiledMma,
             a_smem_staged: cute.ComposedLayout,
             b_smem_staged: cute.ComposedLayout,
+            tma_atom_c,  # cute.CopyAtom | None (None: the annotation would refuse it)
+            tma_c,
+            tma_atom_ck,
+            tma_ck,
+            epi_smem_staged,  # cute.ComposedLayout | None
         ):
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
@@ -751,6 +818,10 @@ def _build_kernel_class():
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
                 if cutlass.const_expr(not self.gather):
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+                if cutlass.const_expr(self.epi_tma):
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
+                    if cutlass.const_expr(self.gated):
+                        cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_ck)
 
             # ---- pipelines: the (A, W) ring; full = W's TMA bytes (+ A's), and with gather
             # the 128 producer threads' cp.async arrivals ----
@@ -783,6 +854,9 @@ def _build_kernel_class():
                 sBs.append(
                     storage.sB2.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
                 )
+            sC = None
+            if cutlass.const_expr(self.epi_tma):
+                sC = storage.sC.get_tensor(epi_smem_staged.outer, swizzle=epi_smem_staged.inner)
 
             sStart, sBegin, sCount = self.build_schedule(mOffsets, num_rows, storage, warp_idx)
             pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))  # syncs the CTA
@@ -808,9 +882,14 @@ def _build_kernel_class():
             else:
                 # ---------------- consumer warp groups: wgmma + epilogue ----------------
                 cute.arch.setmaxregister_increase(self.consumer_regs)
+                if cutlass.const_expr(self.epi_tma):
+                    # read again here: with the TMA-store epilogue's registers, a total kept
+                    # live across setmaxnreg was spilled to local memory (ptxas 13.0)
+                    total = sStart[self.num_e + 1]
                 self.consume(
                     tiled_mma, sA, sBs, ab_pipe, mOut, (mAux0, mR2P, mAlpha, mAux1, mAct),
                     sStart, sBegin, sCount, total, bidx, gdim, wg_idx, tidx,
+                    (sC, tma_atom_c, tma_c, tma_atom_ck, tma_ck, warp_idx),
                 )
 
         # ---- producers ----
@@ -1036,11 +1115,15 @@ def _build_kernel_class():
         @cute.jit
         def consume(
             self, tiled_mma, sA, sBs, ab_pipe, mOut, epi_tensors, sStart, sBegin, sCount, total,
-            bidx, gdim, wg_idx, tidx,
+            bidx, gdim, wg_idx, tidx, epi_tma_args,
         ):
             """Consumer warp groups: per owned tile, the mainloop (wgmma over the K stages,
             one wgmma batch in flight) and the epilogue; tiles of the other group (pingpong)
-            are stepped over in the pipeline."""
+            are stepped over in the pipeline. With ``epi_tma`` a tile whose rows all lie inside
+            its expert (``rows == tile_m``) stores through shared memory and TMA
+            (``epi_tma_args``: the sub-tile buffers, the atoms of the main output and the
+            checkpoint, the warp index), the others from registers; the group's first warp
+            waits for its last TMA stores before the kernel ends."""
             group = (wg_idx - 1) // self.wgs_per_group
             ctid = tidx - 128 - group * self.group_threads  # thread index in its group
             slab_thread = ((wg_idx - 1) % self.wgs_per_group) * 128
@@ -1079,6 +1162,19 @@ def _build_kernel_class():
                 ch = self.load_chunk(n_q, 2)
                 bufs = [cute.make_rmem_tensor((2, 2, ch), self.acc_dtype)
                         for _ in range(n_q // ch)]
+            # the TMA-store epilogue: stmatrix copies of the accumulators, the store pipeline,
+            # the group's first warp issuing the stores, named barrier 3 + group (1 and 2 are
+            # the pingpong turns)
+            sC, tma_atom_c, tma_c, tma_atom_ck, tma_ck, warp_idx = epi_tma_args
+            if cutlass.const_expr(self.epi_tma):
+                epi = self.epi_setup(tiled_mma, sC, ctid)
+                store_pipe = epi.store_pipe
+                tRS_accs = [epi.tiled_r2s.retile(acc) for acc in accs]
+                store_warp = 4 + group * 4 * self.wgs_per_group
+                epi_barrier = pipeline.NamedBarrier(
+                    barrier_id=3 + group, num_threads=self.group_threads
+                )
+                epi_count = cutlass.Int32(0)
             read_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.stages
             )
@@ -1135,18 +1231,26 @@ def _build_kernel_class():
                     if n_k > 0:
                         ab_pipe.consumer_release(release_state)
                         release_state.advance()
-                    if cutlass.const_expr(self.gated):
-                        self.epilogue_gated(
-                            accs[0], accs[1], tCcC, g, n_idx, row0, mOut, mAux0, mAct,
-                            pair_s, alpha_s, in_s, tail_s, bufs,
-                        )
-                    elif cutlass.const_expr(self.dgated):
-                        self.epilogue_dgated(
-                            accs[0], tCcC, n_idx, row0, mOut, mAux0, mAux1, mAct,
-                            pair_s, alpha_s, in_s, bufs,
-                        )
+                    regs = (accs, tCcC, g, n_idx, row0, rows, mOut, epi_tensors, pair_s,
+                            alpha_s, in_s, tail_s, bufs)
+                    if cutlass.const_expr(self.epi_tma):
+                        if rows == self.tile_m:  # every row inside the expert: TMA stores
+                            tma_store = (epi, sC, group, warp_idx, store_warp, epi_barrier)
+                            if cutlass.const_expr(self.gated):
+                                epi_count = self.epilogue_gated_tma(
+                                    accs[0], accs[1], tRS_accs, tCcC, g, n_idx, row0, mAux0,
+                                    pair_s, alpha_s, bufs, tma_store, (tma_atom_c, tma_c),
+                                    (tma_atom_ck, tma_ck), epi_count,
+                                )
+                            else:
+                                epi_count = self.store_tile_tma(
+                                    tRS_accs[0], tma_store, (tma_atom_c, tma_c),
+                                    n_idx * self.mma_n, row0, epi_count,
+                                )
+                        else:
+                            self.register_epilogue(*regs)
                     else:
-                        self.epilogue_store(accs[0], tCcC, mOut, n_idx, row0, rows)
+                        self.register_epilogue(*regs)
                 else:
                     # another consumer group's tile: step over its pipeline stages
                     for _kt in cutlass.range(n_k, unroll=1):
@@ -1154,6 +1258,30 @@ def _build_kernel_class():
                         release_state.advance()
                 j += 1
                 tile += gdim
+            if cutlass.const_expr(self.epi_tma):  # noqa: SIM102
+                if warp_idx == store_warp:
+                    store_pipe.producer_tail()  # the last TMA stores land before exit
+
+        @cute.jit
+        def register_epilogue(
+            self, accs, tCcC, g, n_idx, row0, rows, mOut, epi_tensors, pair_s, alpha_s, in_s,
+            tail_s, bufs,
+        ):
+            """The key's epilogue from registers (every tile without ``epi_tma``; with it, the
+            tiles that end past their expert's last row)."""
+            mAux0, _mR2P, _mAlpha, mAux1, mAct = epi_tensors
+            if cutlass.const_expr(self.gated):
+                self.epilogue_gated(
+                    accs[0], accs[1], tCcC, g, n_idx, row0, mOut, mAux0, mAct,
+                    pair_s, alpha_s, in_s, tail_s, bufs,
+                )
+            elif cutlass.const_expr(self.dgated):
+                self.epilogue_dgated(
+                    accs[0], tCcC, n_idx, row0, mOut, mAux0, mAux1, mAct,
+                    pair_s, alpha_s, in_s, bufs,
+                )
+            else:
+                self.epilogue_store(accs[0], tCcC, mOut, n_idx, row0, rows)
 
     epi = epilogue_mixins()
 

@@ -45,6 +45,26 @@ def epilogue_mixins() -> types.SimpleNamespace:
             cute.autovec_copy(pair, dst)
 
         @cute.jit
+        def store_tile_tma(self, tRS_acc, tma_store, tma, col, row0, epi_count):
+            """The TMA-store epilogue of one accumulator (``tRS_acc``: retiled by
+            ``epi.tiled_r2s``) into the ``(tile_m, mma_n)`` box of a row-major BF16 output at
+            ``(row0, col)`` (``tma``: its store atom and tensor; ``tma_store``: the group's
+            sub-tile buffers and store pipeline, ``(epi, sC, group, warp_idx, store_warp,
+            barrier)``), sub-tile by sub-tile (``gemm.sm90.common``'s ``epi_store_subtiles``);
+            every row of the box lies inside the tile's expert. Returns the advanced buffer
+            counter."""
+            epi, sC, group, warp_idx, store_warp, barrier = tma_store
+            tma_atom, tma_t = tma
+            gT = cute.local_tile(
+                cute.domain_offset((row0, col), tma_t), (self.tile_m, self.mma_n), (0, 0)
+            )
+            bSG_sC, bSG_gC, n_sub, sub_layout = self.epi_partition(tma_atom, sC, gT)
+            return self.epi_store_subtiles(
+                epi, tRS_acc, tma_atom, bSG_sC, bSG_gC, n_sub, sub_layout, group, epi_count,
+                warp_idx, store_warp, barrier,
+            )
+
+        @cute.jit
         def pick(self, cond, v):
             """``v`` where ``cond``, else +0.0 (a select, not a branch)."""
             return cutlass.Float32(cutlass.select_(cond, v, cutlass.Float32(0.0)))
@@ -164,9 +184,8 @@ def epilogue_mixins() -> types.SimpleNamespace:
         """``"gated"``: bias, clamp, activation, checkpoint and ``a * h`` (the forward gate/up)."""
 
         @cute.jit
-        def activate(self, g, u):
-            """Clamp (the key's limits) and ``h = g * sigmoid(alpha g) * (u + up_offset)`` of
-            one fp32 (g, u); returns (g, u, h) with g, u clamped (what the checkpoint holds)."""
+        def clamp(self, g, u):
+            """One fp32 (g, u) clamped to the key's limits (what the checkpoint holds)."""
             ge = self.key.gated
             if cutlass.const_expr(ge.gate_lo is not None):
                 g = cutlass.max(g, cutlass.Float32(ge.gate_lo))
@@ -176,6 +195,13 @@ def epilogue_mixins() -> types.SimpleNamespace:
                 u = cutlass.max(u, cutlass.Float32(ge.up_lo))
             if cutlass.const_expr(ge.up_hi is not None):
                 u = cutlass.min(u, cutlass.Float32(ge.up_hi))
+            return g, u
+
+        @cute.jit
+        def activate(self, g, u):
+            """Clamp (the key's limits) and ``h = g * sigmoid(alpha g) * (u + up_offset)`` of
+            one fp32 (g, u); returns (g, u, h) with g, u clamped (what the checkpoint holds)."""
+            g, u = self.clamp(g, u)
             _, sig, up = self.gate_terms(g, u)
             return g, u, g * sig * up
 
@@ -294,6 +320,68 @@ def epilogue_mixins() -> types.SimpleNamespace:
                                         dst = act_tail[i] + 16 * q
                                         self.store_pair(zero, zero, dst, pair)
                                         self.store_pair(zero, zero, dst + i_cols * 2, pair)
+
+        @cute.jit
+        def epilogue_gated_tma(
+            self, acc_g, acc_u, tRS_accs, tCcC, g, n_idx, row0, mBias, pair_s, alpha_s, bufs,
+            tma_store, tma_ah, tma_ck, epi_count,
+        ):
+            """The forward gate/up epilogue of a tile whose rows all lie inside its expert,
+            with the checkpoint in row order, through TMA stores (``epi_tma``; the values of
+            :meth:`epilogue_gated`, bit for bit, for a finite W): the bias and clamp applied in
+            place where the key has them (a padding row's values +0; without them the
+            accumulators are the checkpoint as they are, a padding row's +0 since its A row was
+            zero-filled), the checkpoint's g and u stored from ``acc_g`` / ``acc_u`` to
+            columns ``j`` and ``I + j`` of row s, then ``a * h`` from the same fp32 values in
+            place in ``acc_g`` (+0 for a padding row) stored to ``a_h`` (:meth:`store_tile_tma`;
+            ``tRS_accs``: the two accumulators retiled for it; ``tma_ah`` / ``tma_ck``: the
+            atoms and tensors of ``a_h`` and the checkpoint). Returns the advanced buffer
+            counter."""
+            col0 = n_idx * self.mma_n
+            e_b = self.bias_row(g)
+            n_mm = cute.size(acc_g, mode=[1])
+            n_q = cute.size(acc_g, mode=[0]) // 4
+            ch = cute.size(bufs[0], mode=[2])  # column groups per load chunk
+            ge = self.key.gated
+            has_bias = ge.has_bias
+            # without a bias or a clamp the checkpoint is the accumulator itself (a padding
+            # row's is +0: its A row was zero-filled, as the store epilogue relies on)
+            in_place = has_bias or any(
+                v is not None for v in (ge.gate_lo, ge.gate_hi, ge.up_lo, ge.up_hi)
+            )
+            zero = cutlass.Float32(0.0)
+            for k in cutlass.range_constexpr(n_q // ch if in_place else 0):
+                if cutlass.const_expr(has_bias and k + 1 < n_q // ch):
+                    self.bias_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, mBias, e_b)
+                for qq in cutlass.range_constexpr(ch):
+                    q = k * ch + qq
+                    for mm in cutlass.range_constexpr(n_mm):
+                        for h in cutlass.range_constexpr(2):
+                            real = pair_s[mm * 2 + h] >= 0
+                            for c in cutlass.range_constexpr(2):
+                                bg = zero
+                                bu = zero
+                                if cutlass.const_expr(has_bias):
+                                    bg = bufs[k][(c, 0, qq)]
+                                    bu = bufs[k][(c, 1, qq)]
+                                gv, uv = self.clamp(acc_g[((c, h, q), mm, 0)] + bg,
+                                                    acc_u[((c, h, q), mm, 0)] + bu)
+                                acc_g[((c, h, q), mm, 0)] = self.pick(real, gv)
+                                acc_u[((c, h, q), mm, 0)] = self.pick(real, uv)
+            epi_count = self.store_tile_tma(tRS_accs[0], tma_store, tma_ck, col0, row0, epi_count)
+            epi_count = self.store_tile_tma(
+                tRS_accs[1], tma_store, tma_ck, self.out_cols + col0, row0, epi_count
+            )
+            for q in cutlass.range_constexpr(n_q):
+                for mm in cutlass.range_constexpr(n_mm):
+                    for h in cutlass.range_constexpr(2):
+                        i = mm * 2 + h
+                        real = pair_s[i] >= 0
+                        for c in cutlass.range_constexpr(2):
+                            gv = acc_g[((c, h, q), mm, 0)]
+                            _, sig, up = self.gate_terms(gv, acc_u[((c, h, q), mm, 0)])
+                            acc_g[((c, h, q), mm, 0)] = self.pick(real, alpha_s[i] * (gv * sig * up))
+            return self.store_tile_tma(tRS_accs[0], tma_store, tma_ah, col0, row0, epi_count)
 
     class DgatedEpilogueSm90(RegisterEpilogueSm90):
         """``"dgated"``: the activation backward, ``d_gate_up``, ``a * h`` and the per-N-tile

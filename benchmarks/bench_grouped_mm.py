@@ -32,6 +32,12 @@ kernel; ``grouped_mm`` = ``torch._grouped_mm`` on pre-gathered rows then
 - ``dense mm`` [dense]: one ``[R, K] @ [K, N]`` BF16 ``torch.mm`` of the same useful FLOPs, no
   routing: the ceiling.
 
+For ``gate_up_act`` / ``down_dgrad_act``, ``ours`` also times ``ours <tile> gemm+pass``: our
+gathering GEMM with the plain store epilogue, then the Triton pass (the layer's ``"ours-gemm"``).
+``--checkpoint-rows``: the checkpoint in grouped row order ``[S, 2I]``, the layer's form without
+bias or clamp (``gate_up_act``: ours with ``checkpoint_rows``, the pass keeping the GEMM's rows;
+``down_dgrad_act``: every row reads the row-order checkpoint).
+
 Columns: ms = median (``triton.testing.do_bench(return_mode="median")`` on CUDA); TFLOP/s counts
 the useful ``2 R K N`` (R = routed rows, padding rows not counted, the same for every row);
 ``vs grouped_mm`` / ``vs dense`` = their time / this time (> 1: this row is faster). ``--check``
@@ -104,9 +110,9 @@ _MODES = {"pingpong": True, "pp": True, "cooperative": False, "coop": False}
 def parse_tile(spec: str) -> Sm90GroupedMmTile | None:
     """One ``--tiles`` item -> a tile (None for ``default``: the kernel's own choice).
 
-    ``MxN[sS][pp][-reg]`` (``Sm90GroupedMmTile.variant_name``: ``128x256s4``,
-    ``128x192s5pp``; ``-reg``: register stores only, no TMA-store epilogue) or
-    ``MxN[sS][-reg]:pingpong|cooperative`` (``128x192:pingpong``); stages default to as
+    ``MxN[sS][pp][-tma]`` (``Sm90GroupedMmTile.variant_name``: ``128x256s4``,
+    ``128x192s5pp``; ``-tma``: the TMA-store epilogue, ``epi_tma``) or
+    ``MxN[sS][-tma]:pingpong|cooperative`` (``128x192:pingpong``); stages default to as
     many as shared memory holds (``SM90_TILES.stages_for``; the kernel lowers them further if
     its schedule tables need the room).
 
@@ -117,10 +123,10 @@ def parse_tile(spec: str) -> Sm90GroupedMmTile | None:
     if spec == "default":
         return None
     head, *opts = spec.split(":")
-    m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?(pp)?(-reg)?", head)
+    m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?(pp)?(-tma)?", head)
     if not m:
         raise ValueError(
-            f"bad tile {spec!r} (want MxN[sS][pp][-reg] or MxN[sS][-reg]:pingpong|cooperative, "
+            f"bad tile {spec!r} (want MxN[sS][pp][-tma] or MxN[sS][-tma]:pingpong|cooperative, "
             "e.g. 128x192:pingpong, or default)"
         )
     tile_m, tile_n = int(m[1]), int(m[2])
@@ -134,7 +140,7 @@ def parse_tile(spec: str) -> Sm90GroupedMmTile | None:
     tile_k = SM90_TILES.tile_k[0]
     stages = int(m[3]) if m[3] else SM90_TILES.stages_for(tile_m, tile_n, tile_k)
     return Sm90GroupedMmTile(tile_m, tile_n, tile_k, stages, pingpong=pingpong,
-                             epi_tma=not m[5])
+                             epi_tma=bool(m[5]))
 
 
 def parse_tiles(text: str) -> list:
@@ -270,20 +276,33 @@ def dgated_impls(d: dict, args, tiles) -> dict:
     plan, layout, offs = d["plan"], d["layout"], d["offsets"]
     kw = {"activation": d["activation"], "clamp_limits": d["clamp"]}
     w_t = d["w_d"].transpose(1, 2)
+    act = d["act"]
+    if args.checkpoint_rows:  # the same checkpoint in grouped row order [S, 2I]
+        r2p = layout.row_to_pair_S
+        act = act[r2p.clamp(min=0)].reshape(r2p.shape[0], -1)
+        act = torch.where((r2p >= 0)[:, None], act, torch.zeros_like(act))
 
-    def cublas_then_pass(rows):
-        dh = torch._grouped_mm(rows, w_t, offs=offs)
-        return activation_backward(dh, d["act"], layout.row_to_pair_S, plan,
+    def then_pass(dh):
+        return activation_backward(dh, act, layout.row_to_pair_S, plan,
                                    activation=kw["activation"],
                                    clamp_limits=kw["clamp_limits"] or ClampLimits())
 
-    return _fused_impls(
+    def cublas_then_pass(rows):
+        return then_pass(torch._grouped_mm(rows, w_t, offs=offs))
+
+    fns = _fused_impls(
         args, tiles, cublas_then_pass, d["dy"], d["idx"],
         lambda t, rows_out: down_dgrad_backward(
-            d["dy"], d["w_d"], layout, plan, d["act"], backend="sm90", tile=t,
+            d["dy"], d["w_d"], layout, plan, act, backend="sm90", tile=t,
             dy_rows_out=rows_out, **kw
         ),
     )
+    if "ours" in args.impls:  # our gathering GEMM (plain store) then the pass: the layer's
+        dh = torch.empty(d["S"], d["I"], dtype=BF16, device=d["dy"].device)  # ours-gemm
+        for tile in tiles:
+            fns[_ours_name(tile) + " gemm+pass"] = lambda t=tile: then_pass(grouped_mm_gather(
+                d["dy"], w_t, offs, d["idx"], dh, backend="sm90", tile=t))
+    return fns
 
 
 def run_gemm(label, gemm, d, args, bench, record, tiles) -> None:
@@ -512,8 +531,10 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--checkpoint-rows", action="store_true",
-        help="gate_up_act: the checkpoint in row order (ours: checkpoint_rows; the pass: the "
-             "GEMM's rows kept, pair_checkpoint=False), the layer's form without bias / clamp",
+        help="gate_up_act / down_dgrad_act: the checkpoint in row order (gate_up_act: ours "
+             "with checkpoint_rows, the pass keeping the GEMM's rows, pair_checkpoint=False; "
+             "down_dgrad_act: both read an [S, 2I] checkpoint), the layer's form without bias "
+             "or clamp",
     )
     ap.add_argument(
         "--compile-jobs", type=int, default=8,

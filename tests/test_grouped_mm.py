@@ -205,8 +205,8 @@ def test_tile_and_key_validation():
     ]:
         with pytest.raises(ValueError, match=word):
             Sm90GroupedMmTile(**kwargs)
-    assert Sm90GroupedMmTile().epi_tma and Sm90GroupedMmTile().variant_name == "128x256s4"
-    assert Sm90GroupedMmTile(epi_tma=False).variant_name == "128x256s4-reg"
+    assert not Sm90GroupedMmTile().epi_tma
+    assert Sm90GroupedMmTile(epi_tma=True).variant_name == "128x256s4-tma"
     key = Sm90GroupedMmKey(1536, 2048, 128)
     assert key == Sm90GroupedMmKey(1536, 2048, 128, tile=Sm90GroupedMmTile())
     assert hash(key) == hash(Sm90GroupedMmKey(1536, 2048, 128))
@@ -375,10 +375,10 @@ def test_bench_tiles_parse_and_summary():
     assert bench.parse_tile("128x256:cooperative") == T(128, 256, 64, 4)
     assert bench.parse_tile("128x128s6:pp") == T(128, 128, 64, 6, True)
     assert bench.parse_tile("default") is None
-    assert bench.parse_tile("128x256-reg") == T(128, 256, 64, 4, epi_tma=False)
-    assert bench.parse_tile("128x128s6-reg:pp") == T(128, 128, 64, 6, True, epi_tma=False)
+    assert bench.parse_tile("128x256-tma") == T(128, 256, 64, 4, epi_tma=True)
+    assert bench.parse_tile("128x128s6-tma:pp") == T(128, 128, 64, 6, True, epi_tma=True)
     for t in (T(128, 192, 64, 5, True), T(128, 256, 64, 4), T(64, 256, 64, 5, True),
-              T(128, 256, 64, 4, epi_tma=False), T(128, 192, 64, 5, True, epi_tma=False)):
+              T(128, 256, 64, 4, epi_tma=True), T(128, 192, 64, 5, True, epi_tma=True)):
         assert bench.parse_tile(t.variant_name) == t
     for bad in ("128x192:fast", "128by192", "128x192:c2", "128x192s5pp-c2", "96x128"):
         with pytest.raises(ValueError):

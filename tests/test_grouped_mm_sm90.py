@@ -78,17 +78,15 @@ _TMA_PTX = ["stmatrix.sync.aligned.m8n8.x4.shared.b16",
             "cp.async.bulk.wait_group.read", "st.global.b32"]
 _OFFLINE = [
     # (id, key, PTX that must appear, PTX that must not)
-    # (the first two with register stores only: their mainloop's instructions are checked,
-    # which the TMA-store epilogue's 2-D TMA stores and proxy fences would hide)
     ("gather-n-major-128x256",
-     Sm90GroupedMmKey(1536, 2048, 128, tile=_T(128, 256, 64, 4, epi_tma=False)),
+     Sm90GroupedMmKey(1536, 2048, 128, tile=_T(128, 256, 64, 4)),
      ["cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc", "fence.proxy.async",
       "cp.async.bulk.tensor.3d", "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
       r"setmaxnreg.dec.sync.aligned.u32\s+56;"],
      ["cp.async.bulk.tensor.2d"]),
     ("tma-a-k-major-pingpong",
      Sm90GroupedMmKey(2048, 768, 128, gather_a=False, w_major="k",
-                      tile=_T(128, 128, 64, 6, pingpong=True, epi_tma=False)),
+                      tile=_T(128, 128, 64, 6, pingpong=True)),
      ["cp.async.bulk.tensor.2d", "cp.async.bulk.tensor.3d", "bar.sync",
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"],
      ["cp.async.cg.shared.global", "fence.proxy.async"]),
@@ -225,6 +223,42 @@ def test_offline_write_a_rows_leaves_the_barriers_alone(epilogue):
     assert barrier_ops(ptx0) == barrier_ops(ptx1)
     assert "st.global.v4.b32" in ptx1 and "ld.shared.v4.b32" in ptx1
     assert ptx1.count("fence.proxy.async") == ptx0.count("fence.proxy.async")
+
+
+def test_dgated_tma_keys_wait_for_the_gpu_gate(monkeypatch):
+    """A dgated key asking for the TMA-store epilogue with the row-order checkpoint is refused
+    while that path has not run on a GPU, naming the opt-in; with it, or with the pair-order
+    checkpoint (no TMA path), the key is built."""
+    monkeypatch.setattr(sm90, "DGATED_TMA_VERIFIED_ON_GPU", False)
+    monkeypatch.delenv(sm90.DGATED_TMA_ENABLE_ENV, raising=False)
+    kw = dict(w_major="k", epilogue="dgated", tile=_T(128, 256, 64, 4, epi_tma=True))
+    with pytest.raises(ValueError, match=sm90.DGATED_TMA_ENABLE_ENV):
+        Sm90GroupedMmKey(768, 2048, 128, gated=GatedEpilogue(checkpoint_rows=True), **kw)
+    Sm90GroupedMmKey(768, 2048, 128, gated=GatedEpilogue(), **kw)
+    monkeypatch.setenv(sm90.DGATED_TMA_ENABLE_ENV, "1")
+    Sm90GroupedMmKey(768, 2048, 128, gated=GatedEpilogue(checkpoint_rows=True), **kw)
+
+
+@needs_cute
+def test_offline_dgated_epi_tma(monkeypatch, tmp_path):
+    """The dgated epilogue's TMA-store path (opted in): stmatrix and 2-D TMA stores of its
+    sub-tiles beside the register path of the experts' last tiles, no spills."""
+    monkeypatch.setenv(sm90.DGATED_TMA_ENABLE_ENV, "1")
+    key = Sm90GroupedMmKey(768, 2048, 128, w_major="k", epilogue="dgated",
+                           gated=GatedEpilogue(checkpoint_rows=True),
+                           tile=_T(128, 256, 64, 4, epi_tma=True))
+    ptx = sm90.compile_grouped_mm_offline(key, "sm_90a")
+    for text in _TMA_PTX + ["shfl.sync.bfly.b32", "rcp.approx.ftz.f32"]:
+        assert text in ptx, f"{text!r} missing from the PTX"
+    exe = ptxas_for(ptx, tmp_path, arch="sm_90a")
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    import subprocess
+
+    res = subprocess.run([exe, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr[-2000:]
 
 
 @needs_cute
@@ -835,6 +869,40 @@ def test_dgated_reads_the_row_order_checkpoint(case):
     torch.cuda.synchronize()
     for p, r in zip(by_pair, by_row):
         assert torch.equal(p, r)
+
+
+_DGATED_TMA_TILES = {
+    "coop-128x256": _T(128, 256, 64, 4, epi_tma=True),
+    "coop-128x128": _T(128, 128, 64, 6, epi_tma=True),
+    "64-row": _T(64, 256, 64, 4, epi_tma=True),
+}
+
+
+@gpu
+@pytest.mark.parametrize("tile_id", list(_DGATED_TMA_TILES))
+@pytest.mark.parametrize("name", list(_GATED_ACTS))
+def test_dgated_epi_tma_is_the_register_epilogue_bitwise(name, tile_id, monkeypatch):
+    """The dgated epilogue with the row-order checkpoint through TMA stores (whole tiles; the
+    experts' last tiles from registers): d_gate_up, a_h and the affinity gradient bit for bit
+    those of the register epilogue, with the clamp masks (gpt-oss) and without (SwiGLU). (The
+    path is opt-in until this test has passed: ``sm90.DGATED_TMA_VERIFIED_ON_GPU``.)"""
+    monkeypatch.setenv(sm90.DGATED_TMA_ENABLE_ENV, "1")
+    tile = _DGATED_TMA_TILES[tile_id]
+    gen = torch.Generator().manual_seed(80)
+    T, H, I, E = 700, 256, 512, 8
+    dy, w_d, act, plan, layout, act_fn, clamp = _dgated_case(T, H, I, E, 2, name, gen)
+    S = layout.tokens_sum
+    args = (dy, w_d.transpose(1, 2), layout.offsets_E, layout.row_to_token_S,
+            layout.row_to_pair_S, plan.pair_affinity_R, _pairs_in_rows(act, layout))
+    outs = []
+    for t in (tile, _register_tile(tile)):
+        outs.append(grouped_mm_dgated(*args, activation=act_fn, clamp_limits=clamp,
+                                      backend="sm90", tile=t))
+        torch.cuda.synchronize()
+    for x, y, what in zip(*outs, ("d_gate_up", "a_h", "dA")):
+        assert torch.equal(x, y), f"{what} differs"
+    assert all(torch.isfinite(x).all() for x in outs[0])
+    assert outs[0][0].shape == (S, 2 * I)
 
 
 @gpu

@@ -260,37 +260,49 @@ def kernel_base() -> type:
             group, epi_count, warp_idx, store_warp, mask_barrier,
         ):
             """Store an accumulator (``tRS_acc``: retiled by ``epi.tiled_r2s``) sub-tile by
-            sub-tile: convert, stmatrix
-            into the group's next epilogue buffer, fence + group barrier, one warp issues the
-            TMA store (or reduce-add) and waits until a buffer is free again (``epi_stages``
-            stores in flight), group barrier. Returns the advanced buffer counter."""
-            sub_size, store_pipe = epi.sub_size, epi.store_pipe
+            sub-tile (:meth:`epi_store_subtile`). Returns the advanced buffer counter."""
             for si in cutlass.range_constexpr(n_sub):
-                for v in cutlass.range_constexpr(sub_size):
-                    epi.tRS_rC[v] = tRS_acc[si * sub_size + v]
-                epi.tRS_rC_out.store(epi.tRS_rC.load().to(self.out_dtype))
-                buf = (
-                    group * self.epi_stages
-                    + epi_count % self.epi_stages
+                epi_count = self.epi_store_subtile(
+                    epi, tRS_acc, tma_atom_c, bSG_sC, bSG_gC, si, sub_layout, group, epi_count,
+                    warp_idx, store_warp, mask_barrier,
                 )
-                cute.copy(
-                    epi.tiled_r2s,
-                    epi.tRS_rC_out,
-                    epi.tRS_sC[(None, None, None, buf)],
-                )
-                cute.arch.fence_proxy("async.shared", space="cta")
-                mask_barrier.arrive_and_wait()
-                if warp_idx == store_warp:
-                    cute.copy(
-                        tma_atom_c,
-                        bSG_sC[(None, buf)],
-                        bSG_gC[(None, sub_layout.get_hier_coord(si))],
-                    )
-                    store_pipe.producer_commit()
-                    store_pipe.producer_acquire()
-                mask_barrier.arrive_and_wait()
-                epi_count += 1
             return epi_count
+
+        @cute.jit
+        def epi_store_subtile(  # noqa: PLR0913
+            self, epi, tRS_acc, tma_atom_c, bSG_sC, bSG_gC, si: cutlass.Constexpr, sub_layout,
+            group, epi_count, warp_idx, store_warp, mask_barrier,
+        ):
+            """Store sub-tile ``si`` of an accumulator (``tRS_acc``, retiled): convert,
+            stmatrix into the group's next epilogue buffer, fence + group barrier, one warp
+            issues the TMA store (or reduce-add) and waits until a buffer is free again
+            (``epi_stages`` stores in flight), group barrier. Returns the advanced buffer
+            counter."""
+            sub_size, store_pipe = epi.sub_size, epi.store_pipe
+            for v in cutlass.range_constexpr(sub_size):
+                epi.tRS_rC[v] = tRS_acc[si * sub_size + v]
+            epi.tRS_rC_out.store(epi.tRS_rC.load().to(self.out_dtype))
+            buf = (
+                group * self.epi_stages
+                + epi_count % self.epi_stages
+            )
+            cute.copy(
+                epi.tiled_r2s,
+                epi.tRS_rC_out,
+                epi.tRS_sC[(None, None, None, buf)],
+            )
+            cute.arch.fence_proxy("async.shared", space="cta")
+            mask_barrier.arrive_and_wait()
+            if warp_idx == store_warp:
+                cute.copy(
+                    tma_atom_c,
+                    bSG_sC[(None, buf)],
+                    bSG_gC[(None, sub_layout.get_hier_coord(si))],
+                )
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            mask_barrier.arrive_and_wait()
+            return epi_count + 1
 
         # ---- pingpong: two consumer groups take turns on the pipeline (one group: no-ops) ----
 

@@ -84,8 +84,21 @@ the persistent launch):
   registers (4-byte stores) with row predicates (the tile's rows inside the expert and below S)
   and column predicates (below N, only when N is not a multiple of tile_n). A padding row's A
   row is zero-filled, so its output is exactly +0 for a finite W (no select: a NaN planted in
-  the source would show if a padding row were read). TMA cannot store here: an expert's last
-  tile ends at an arbitrary row and the next expert's rows must not be overwritten.
+  the source would show if a padding row were read);
+- the TMA-store epilogue (``Sm90GroupedMmTile.epi_tma``, opt-in for now): a tile whose rows all
+  lie inside its expert (every tile but each expert's last, when partial) leaves through shared
+  memory instead: per (tile rows, 32)-column sub-tile, the values rounded to BF16, ``stmatrix``
+  into one of two staging buffers per consumer group, a proxy fence and a group barrier, one
+  warp's 2-D TMA store (``gemm/sm90/common.py``, shared with the wgrad kernel), so the stores
+  drain while the next tile's mainloop runs; the partial tiles keep the register stores (a TMA
+  box cannot stop at an expert's last row; the next expert's rows belong to another tile).
+  For ``"store"``; for ``"gated"`` with the row-order checkpoint (bias and clamp applied in place,
+  then g and u stored, then ``a * h`` computed in place and stored); for ``"dgated"`` with the
+  row-order checkpoint and one 64-row wgmma slab a thread (per sub-tile, which is one
+  checkpoint load chunk: dg in place, du and ``a * h`` in two fragment-shaped temporaries of
+  which one sub-tile is live, three TMA stores; the row partials from registers). Not for a
+  partial last N tile of the fused epilogues (a box would cross from g into u), nor for the
+  pair-order checkpoint. Bit for bit the register epilogue's values (GPU tests).
 
 Run on the H200 (``tests/test_grouped_mm_sm90.py``: the correctness grid against the torch twin
 and graph replay; compute-sanitizer through ``benchmarks/grouped_mm_device_run.sh``; speed:
@@ -104,6 +117,7 @@ Public names: :class:`Sm90GroupedMmTile`, :class:`GatedEpilogue`, :class:`Sm90Gr
 import dataclasses
 import functools
 import math
+import os
 from typing import Any
 
 from ..launch import KernelFamily, num_sms
@@ -112,6 +126,8 @@ from .common import Sm90Tiling, kernel_base
 from .grouped_mm_epilogues import epilogue_mixins
 
 __all__ = [
+    "DGATED_TMA_ENABLE_ENV",
+    "DGATED_TMA_VERIFIED_ON_GPU",
     "EPILOGUES",
     "FAMILY",
     "GatedEpilogue",
@@ -119,6 +135,7 @@ __all__ = [
     "Sm90GroupedMmTile",
     "compile_grouped_mm",
     "compile_grouped_mm_offline",
+    "dgated_tma_enabled",
     "epilogue_tile_reason",
     "fake_operands",
     "load_grouped_mm_tile_rules",
@@ -133,6 +150,20 @@ backward down-dgrad epilogue: BF16 ``d_gate_up[S, 2I]`` and ``a_h[S, I]`` and fp
 sums of ``dh_raw * h`` per N tile, N = I)."""
 
 _SMEM_BYTES = SM90_TILES.smem_bytes  # usable dynamic shared memory per CTA on H100/H200
+
+#: The ``"dgated"`` epilogue's TMA-store path (``epi_tma`` with the row-order checkpoint) has
+#: not run on a GPU yet (written and compiled offline on 2026-12-06; its GPU test is
+#: ``test_dgated_epi_tma_is_the_register_epilogue_bitwise``). Until it has, a key asking for
+#: it is refused unless ``MOE_BWD_ENABLE_UNVERIFIED_SM90_DGATED_TMA=1`` (the device runs set
+#: it); set this True once the GPU test passed.
+DGATED_TMA_VERIFIED_ON_GPU = False
+DGATED_TMA_ENABLE_ENV = "MOE_BWD_ENABLE_UNVERIFIED_SM90_DGATED_TMA"
+
+
+def dgated_tma_enabled() -> bool:
+    """Whether a ``"dgated"`` key may take the TMA-store epilogue: verified on a GPU, or opted
+    in with ``MOE_BWD_ENABLE_UNVERIFIED_SM90_DGATED_TMA=1``."""
+    return DGATED_TMA_VERIFIED_ON_GPU or os.environ.get(DGATED_TMA_ENABLE_ENV) == "1"
 _INDEX_DTYPES = ("int64", "int32")
 
 
@@ -144,23 +175,28 @@ class Sm90GroupedMmTile(Sm90Tiling):
     (``variant_name``), stage bytes and consumer structure, and how the epilogue stores:
 
     Attributes:
-        epi_tma: the TMA-store epilogue (default, measured: ``benchmarks/RESULTS.md``,
-            2026-12-06; False: every tile stores from registers, the kernel before it, kept
-            for the bitwise tests and A/B runs). A tile whose rows all lie inside its expert stores
-            through shared memory: the accumulator (the ``"store"`` epilogue's output; the
-            ``"gated"`` one's ``a_h`` and its checkpoint in row order) is rounded to BF16,
+        epi_tma: the TMA-store epilogue (measured faster on every GEMM timed:
+            ``benchmarks/RESULTS.md``, 2026-12-06; off by default until the whole GPU suite
+            and the layer have run with it on: no device time was left that session; the
+            ``"dgated"`` one also behind :data:`DGATED_TMA_VERIFIED_ON_GPU`). A tile whose rows
+            all lie inside its expert
+            stores through shared memory: each output (the ``"store"`` epilogue's; the
+            ``"gated"`` one's ``a_h`` and row-order checkpoint; the ``"dgated"`` one's
+            ``d_gate_up`` and ``a_h``) is rounded to BF16,
             written to a (rows, 32) sub-tile by ``stmatrix`` and stored by TMA, two sub-tile
             buffers per consumer group in flight, so the stores drain under the next tile's
             mainloop. An expert's last (partial) tile keeps the register stores (a TMA box
-            cannot stop at the expert's last row). No effect on the ``"dgated"`` epilogue, on
-            the pair-order checkpoint or on a partial last N tile of the ``"gated"`` one.
+            cannot stop at the expert's last row). The fused epilogues take it with the
+            row-order checkpoint only and not on a partial last N tile (``"dgated"``: also one
+            64-row wgmma slab per thread, i.e. cooperative or 64-row tiles); elsewhere the flag
+            has no effect (the module docstring).
 
     Raises:
         ValueError: a field outside the ranges of ``Sm90Tiling``, stages that overflow shared
             memory, or a ``pingpong`` / ``epi_tma`` that is not a bool.
     """
 
-    epi_tma: bool = True
+    epi_tma: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the tile fields (gemm.tiles.SM90_TILES)
@@ -172,9 +208,8 @@ class Sm90GroupedMmTile(Sm90Tiling):
 
     @property
     def variant_name(self) -> str:
-        """``Sm90Tiling``'s name, ``-reg`` appended for register stores only (no
-        ``epi_tma``)."""
-        return super().variant_name + ("" if self.epi_tma else "-reg")
+        """``Sm90Tiling``'s name, ``-tma`` appended for the TMA-store epilogue."""
+        return super().variant_name + ("-tma" if self.epi_tma else "")
 
 
 #: Most fp32 accumulators per consumer thread of a pingpong tile with the gathered-rows side
@@ -359,6 +394,13 @@ class Sm90GroupedMmKey:
             raise ValueError(f"{cls}.gated must be a GatedEpilogue, got {self.gated!r}")
         if self.epilogue == "dgated" and self.gated.has_bias:
             raise ValueError(f"{cls}: the dgated epilogue takes no bias (has_bias must be False)")
+        if (self.epilogue == "dgated" and t.epi_tma and self.gated.checkpoint_rows
+                and not dgated_tma_enabled()):
+            raise ValueError(
+                f"{cls}: the dgated epilogue's TMA stores (tile.epi_tma with the row-order "
+                f"checkpoint) have not run on a GPU yet; use a tile without epi_tma, or set "
+                f"{DGATED_TMA_ENABLE_ENV}=1 to run them anyway"
+            )
         if self.epilogue == "gated" and self.n % 16:
             raise ValueError(
                 f"{cls}: the gated epilogue needs N = 2I with I a multiple of 8, got N={self.n}"
@@ -568,10 +610,15 @@ def _build_kernel_class():
             # (epi_tile) sub-tiles of BF16 staged in epi_stages buffers per consumer group; a
             # pingpong group's fragment is ordered by 64-row wgmma slab, so its sub-tiles are
             # (64, 32) (as the wgrad kernel's)
+            # (the fused epilogues: with the row-order checkpoint only, no partial last N tile:
+            # a TMA box would cross from g into u; dgated: one wgmma slab a thread, whose
+            # checkpoint load chunks are the 32-column sub-tiles)
             self.epi_tma = t.epi_tma and self.mma_n % 32 == 0 and (
                 key.epilogue == "store"
                 or (key.epilogue == "gated" and key.gated.checkpoint_rows
-                    and not self.partial_n)  # a TMA box would cross from g into u
+                    and not self.partial_n)
+                or (key.epilogue == "dgated" and key.gated.checkpoint_rows
+                    and not self.partial_n and t.tile_m == 64 * t.wgs_per_group)
             )
             self.epi_tile = (self.tile_m if self.wgs_per_group > 1 else 64, 32)
             self.epi_stages = 2
@@ -759,25 +806,27 @@ def _build_kernel_class():
             tiled_mma, a_smem_staged, b_smem_staged, tma_atom_a, tma_a, tma_atom_b, tma_b = (
                 self.make_mma_and_loads(mA, mW)
             )
-            # the TMA-store epilogue's atoms: the main output (out, or a_h) and the gated
-            # epilogue's row-order checkpoint (None where unused: compile-time constants, no
-            # kernel parameters)
+            # the TMA-store epilogue's atoms: the main output (out, or a_h) and the fused
+            # epilogues' second one, the gated one's row-order checkpoint or the dgated one's
+            # d_gate_up (None where unused: compile-time constants, no kernel parameters)
             epi_smem_staged = None
-            tma_atom_c, tma_c, tma_atom_ck, tma_ck = None, None, None, None
+            tma_atom_c, tma_c, tma_atom_aux, tma_aux = None, None, None, None
             epi_cosize = 0
             if cutlass.const_expr(self.epi_tma):
                 epi_smem_staged = self.epi_smem_layout()
                 epi_cosize = cute.cosize(epi_smem_staged)
                 tma_atom_c, tma_c = self.epi_tma_store(mOut, epi_smem_staged)
                 if cutlass.const_expr(self.gated):
-                    tma_atom_ck, tma_ck = self.epi_tma_store(mAct, epi_smem_staged)
+                    tma_atom_aux, tma_aux = self.epi_tma_store(mAct, epi_smem_staged)
+                if cutlass.const_expr(self.dgated):
+                    tma_atom_aux, tma_aux = self.epi_tma_store(mAux0, epi_smem_staged)
             self.shared_storage = self.make_storage(
                 cute.cosize(a_smem_staged), cute.cosize(b_smem_staged), epi_cosize
             )
             kernel = self.kernel(
                 tma_atom_a, tma_a, tma_atom_b, tma_b, mA, mIdx, mOffsets, mOut, mAux0, mR2P,
                 mAlpha, mAux1, mAct, mRows, tiled_mma, a_smem_staged, b_smem_staged,
-                tma_atom_c, tma_c, tma_atom_ck, tma_ck, epi_smem_staged,
+                tma_atom_c, tma_c, tma_atom_aux, tma_aux, epi_smem_staged,
             )
             self.launch_persistent(kernel, num_ctas, stream)
 
@@ -803,8 +852,8 @@ def _build_kernel_class():
             b_smem_staged: cute.ComposedLayout,
             tma_atom_c,  # cute.CopyAtom | None (None: the annotation would refuse it)
             tma_c,
-            tma_atom_ck,
-            tma_ck,
+            tma_atom_aux,
+            tma_aux,
             epi_smem_staged,  # cute.ComposedLayout | None
         ):
             tidx, _, _ = cute.arch.thread_idx()
@@ -820,8 +869,8 @@ def _build_kernel_class():
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
                 if cutlass.const_expr(self.epi_tma):
                     cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
-                    if cutlass.const_expr(self.gated):
-                        cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_ck)
+                    if cutlass.const_expr(self.gated or self.dgated):
+                        cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_aux)
 
             # ---- pipelines: the (A, W) ring; full = W's TMA bytes (+ A's), and with gather
             # the 128 producer threads' cp.async arrivals ----
@@ -889,7 +938,7 @@ def _build_kernel_class():
                 self.consume(
                     tiled_mma, sA, sBs, ab_pipe, mOut, (mAux0, mR2P, mAlpha, mAux1, mAct),
                     sStart, sBegin, sCount, total, bidx, gdim, wg_idx, tidx,
-                    (sC, tma_atom_c, tma_c, tma_atom_ck, tma_ck, warp_idx),
+                    (sC, tma_atom_c, tma_c, tma_atom_aux, tma_aux, warp_idx),
                 )
 
         # ---- producers ----
@@ -1165,11 +1214,16 @@ def _build_kernel_class():
             # the TMA-store epilogue: stmatrix copies of the accumulators, the store pipeline,
             # the group's first warp issuing the stores, named barrier 3 + group (1 and 2 are
             # the pingpong turns)
-            sC, tma_atom_c, tma_c, tma_atom_ck, tma_ck, warp_idx = epi_tma_args
+            sC, tma_atom_c, tma_c, tma_atom_aux, tma_aux, warp_idx = epi_tma_args
             if cutlass.const_expr(self.epi_tma):
                 epi = self.epi_setup(tiled_mma, sC, ctid)
                 store_pipe = epi.store_pipe
-                tRS_accs = [epi.tiled_r2s.retile(acc) for acc in accs]
+                # dgated: du and a * h beside dg (in the accumulator), one sub-tile's worth of
+                # them live at a time
+                tmps = []
+                if cutlass.const_expr(self.dgated):
+                    tmps = [cute.make_rmem_tensor(tCcC.shape, self.acc_dtype) for _ in range(2)]
+                tRS_accs = [epi.tiled_r2s.retile(acc) for acc in (*accs, *tmps)]
                 store_warp = 4 + group * 4 * self.wgs_per_group
                 epi_barrier = pipeline.NamedBarrier(
                     barrier_id=3 + group, num_threads=self.group_threads
@@ -1240,7 +1294,14 @@ def _build_kernel_class():
                                 epi_count = self.epilogue_gated_tma(
                                     accs[0], accs[1], tRS_accs, tCcC, g, n_idx, row0, mAux0,
                                     pair_s, alpha_s, bufs, tma_store, (tma_atom_c, tma_c),
-                                    (tma_atom_ck, tma_ck), epi_count,
+                                    (tma_atom_aux, tma_aux), epi_count,
+                                )
+                            elif cutlass.const_expr(self.dgated):
+                                epi_count = self.epilogue_dgated_tma(
+                                    accs[0], tmps, tRS_accs, tCcC, n_idx, row0,
+                                    mAux1, mAct, pair_s, alpha_s, in_s, bufs,
+                                    tma_store, (tma_atom_c, tma_c), (tma_atom_aux, tma_aux),
+                                    epi_count,
                                 )
                             else:
                                 epi_count = self.store_tile_tma(

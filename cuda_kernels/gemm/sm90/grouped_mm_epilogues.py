@@ -380,7 +380,8 @@ def epilogue_mixins() -> types.SimpleNamespace:
                         for c in cutlass.range_constexpr(2):
                             gv = acc_g[((c, h, q), mm, 0)]
                             _, sig, up = self.gate_terms(gv, acc_u[((c, h, q), mm, 0)])
-                            acc_g[((c, h, q), mm, 0)] = self.pick(real, alpha_s[i] * (gv * sig * up))
+                            h_v = gv * sig * up  # (activate's expression)
+                            acc_g[((c, h, q), mm, 0)] = self.pick(real, alpha_s[i] * h_v)
             return self.store_tile_tma(tRS_accs[0], tma_store, tma_ah, col0, row0, epi_count)
 
     class DgatedEpilogueSm90(RegisterEpilogueSm90):
@@ -522,9 +523,16 @@ def epilogue_mixins() -> types.SimpleNamespace:
                                         self.pick(real, a * h0), self.pick(real, a * h1),
                                         ah_row[i] + 16 * q, pair,
                                     )
-            # the 4 threads of a quad hold the same rows: add their partials (fixed order)
+            self.store_row_partials(part_s, tCcC, n_mm, row0, n_idx, mPart, in_s)
+
+        @cute.jit
+        def store_row_partials(self, part_s, tCcC, n_mm: cutlass.Constexpr, row0, n_idx, mPart,
+                               in_s):
+            """The 4 threads of a quad hold the same rows: add their partial row sums
+            (``part_s``, per row slot; two butterfly shuffles, a fixed order) and the quad's
+            first thread stores each row's inside the tile to ``mPart[row, n_idx]``."""
             lane = cute.arch.lane_idx()
-            for i in cutlass.range_constexpr(slots):
+            for i in cutlass.range_constexpr(2 * n_mm):
                 v = part_s[i]
                 v = v + cute.arch.shuffle_sync_bfly(v, 1)
                 v = v + cute.arch.shuffle_sync_bfly(v, 2)
@@ -536,6 +544,74 @@ def epilogue_mixins() -> types.SimpleNamespace:
                         if in_s[i]:
                             r = tCcC[((0, h, 0), mm, 0)][0]
                             mPart[(row0 + r, n_idx)] = part_s[i]
+
+        @cute.jit
+        def epilogue_dgated_tma(
+            self, acc, tmps, tRS_accs, tCcC, n_idx, row0, mPart, mAct, pair_s, alpha_s, in_s,
+            bufs, tma_store, tma_ah, tma_dgu, epi_count,
+        ):
+            """The down-dgrad epilogue of a tile whose rows all lie inside its expert, with the
+            checkpoint in row order, through TMA stores (``epi_tma``; the values of
+            :meth:`epilogue_dgated`, bit for bit): per (tile rows, 32)-column sub-tile -- one
+            checkpoint load chunk -- the activation backward of its columns into ``acc`` (dg, in
+            place), ``tmps`` (du, a * h) and the row partials, then the sub-tile's three TMA
+            stores (dg and du to columns ``j`` and ``I + j`` of ``d_gate_up``, a * h to ``a_h``;
+            ``tRS_accs``: ``acc`` and ``tmps`` retiled; ``tma_ah`` / ``tma_dgu``: the atoms and
+            tensors). The partial row sums are stored from registers. Returns the advanced
+            buffer counter."""
+            i_cols = self.out_cols
+            col0 = n_idx * self.mma_n
+            act_base = mAct.iterator.toint()
+            n_mm = cute.size(acc, mode=[1])
+            slots = 2 * n_mm
+            n_q = cute.size(acc, mode=[0]) // 4
+            ch = cute.size(bufs[0], mode=[3])  # column groups per load chunk: 4, one sub-tile
+            part_s = cute.make_rmem_tensor((slots,), cutlass.Float32)
+            part_s.fill(0.0)
+            epi, sC, group, warp_idx, store_warp, barrier = tma_store
+            boxes = []
+            for tma, col in ((tma_dgu, col0), (tma_dgu, i_cols + col0), (tma_ah, col0)):
+                gT = cute.local_tile(cute.domain_offset((row0, col), tma[1]),
+                                     (self.tile_m, self.mma_n), (0, 0))
+                boxes.append((tma[0], *self.epi_partition(tma[0], sC, gT)))
+            tmp_du, tmp_ah = tmps
+            for k in cutlass.range_constexpr(n_q // ch):
+                if cutlass.const_expr(k + 1 < n_q // ch):
+                    self.checkpoint_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, row0,
+                                          pair_s, act_base)
+                gu = cute.make_rmem_tensor((2, 2, slots, ch), self.acc_dtype)
+                gu.store(bufs[k].load().to(self.acc_dtype))
+                for qq in cutlass.range_constexpr(ch):
+                    q = k * ch + qq
+                    for mm in cutlass.range_constexpr(n_mm):
+                        for h in cutlass.range_constexpr(2):
+                            i = mm * 2 + h
+                            # (the register epilogue's expressions, in its order)
+                            real = pair_s[i] >= 0
+                            d0 = acc[((0, h, q), mm, 0)]
+                            d1 = acc[((1, h, q), mm, 0)]
+                            a = alpha_s[i]
+                            dg0, du0, h0 = self.activate_backward(
+                                d0, gu[(0, 0, i, qq)], gu[(0, 1, i, qq)], a
+                            )
+                            dg1, du1, h1 = self.activate_backward(
+                                d1, gu[(1, 0, i, qq)], gu[(1, 1, i, qq)], a
+                            )
+                            part_s[i] = part_s[i] + self.pick(real, d0 * h0 + d1 * h1)
+                            acc[((0, h, q), mm, 0)] = self.pick(real, dg0)
+                            acc[((1, h, q), mm, 0)] = self.pick(real, dg1)
+                            tmp_du[((0, h, q), mm, 0)] = self.pick(real, du0)
+                            tmp_du[((1, h, q), mm, 0)] = self.pick(real, du1)
+                            tmp_ah[((0, h, q), mm, 0)] = self.pick(real, a * h0)
+                            tmp_ah[((1, h, q), mm, 0)] = self.pick(real, a * h1)
+                for b, tRS in enumerate(tRS_accs):
+                    atom, bSG_sC, bSG_gC, _n_sub, sub_layout = boxes[b]
+                    epi_count = self.epi_store_subtile(
+                        epi, tRS, atom, bSG_sC, bSG_gC, k, sub_layout, group, epi_count,
+                        warp_idx, store_warp, barrier,
+                    )
+            self.store_row_partials(part_s, tCcC, n_mm, row0, n_idx, mPart, in_s)
+            return epi_count
 
     return types.SimpleNamespace(
         store=StoreEpilogueSm90, gated=GatedEpilogueSm90, dgated=DgatedEpilogueSm90

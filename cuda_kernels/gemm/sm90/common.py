@@ -13,8 +13,10 @@ each) or, with ``pingpong``, two consumer groups of one warp group owning altern
 - :func:`kernel_base`: the kernels' base class, built once on first use (CuTe DSL is imported
   inside that cached builder only, as the kernel modules do): the kernel fields taken from the
   tile, the accumulator fence, the staged TMA partition, the tiled wgmma with its staged
-  shared-memory layouts, the TMA load atoms, the pingpong groups' turns on the pipeline and the
-  persistent launch.
+  shared-memory layouts, the TMA load atoms, the TMA-store epilogue's sub-tiles (registers ->
+  ``stmatrix`` -> shared memory -> TMA store: the wgrad kernel's dense outputs and the varlen-M
+  kernel's ``epi_tma`` tiles), the pingpong groups' turns on the pipeline and the persistent
+  launch.
 
 No CuTe DSL, torch or GPU query at import time.
 """

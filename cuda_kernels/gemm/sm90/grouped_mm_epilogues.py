@@ -5,11 +5,13 @@ calls the key's epilogue on the fp32 accumulators of a tile, and before its main
 fused epilogues' prologue hooks (``row_slots``, ``load_chunk``, ``checkpoint_loads``,
 ``bias_loads``, ``bias_row``). What each epilogue computes: ``grouped_mm.py``'s docstring.
 
-- :class:`RegisterEpilogueSm90`: what the register epilogues share (wgmma accumulator fragment
+- :class:`RegisterEpilogueSm90`: what the epilogues share (wgmma accumulator fragment
   -> rows / columns, BF16 pair stores, the per-row tables of the fused ones, the activation's
-  gate terms);
+  gate terms, and ``store_tile_tma``: one accumulator through the TMA-store sub-tiles);
 - :class:`StoreEpilogueSm90` (``"store"``), :class:`GatedEpilogueSm90` (``"gated"``, the forward
-  gate/up) and :class:`DgatedEpilogueSm90` (``"dgated"``, the backward down-dgrad).
+  gate/up) and :class:`DgatedEpilogueSm90` (``"dgated"``, the backward down-dgrad); the fused
+  ones also have a TMA-store form (``epilogue_gated_tma``, ``epilogue_dgated_tma``) for the
+  tiles of an ``epi_tma`` key that lie wholly inside their expert.
 
 Built once by :func:`epilogue_mixins` with CuTe DSL imported inside; nothing at import time.
 """

@@ -334,6 +334,18 @@ def test_tile_rules_per_shape_and_per_epilogue(tmp_path, monkeypatch):
         assert select_grouped_mm_tile(28672, 4096, 8, "gated") == T(128, 256, 64, 4)
         assert select_grouped_mm_tile(128, 64, 1) == T(128, 192, 64, 5)
         assert select_grouped_mm_tile(128, 64, 1, "gated") == T(128, 128, 64, 6)  # skips 192
+        # a rule's epi_tma reaches the dgated epilogue only once its TMA path is verified
+        from cuda_kernels.gemm.sm90 import grouped_mm as sm90_gmm
+
+        use("rules:\n  - {name: all, config: {tile_m: 128, tile_n: 256, stages: 4, "
+            "epi_tma: true}}\n")
+        monkeypatch.setattr(sm90_gmm, "DGATED_TMA_VERIFIED_ON_GPU", False)
+        monkeypatch.delenv(sm90_gmm.DGATED_TMA_ENABLE_ENV, raising=False)
+        assert select_grouped_mm_tile(768, 2048, 128).epi_tma
+        assert select_grouped_mm_tile(768, 2048, 128, "gated").epi_tma
+        assert not select_grouped_mm_tile(768, 2048, 128, "dgated").epi_tma
+        monkeypatch.setenv(sm90_gmm.DGATED_TMA_ENABLE_ENV, "1")
+        assert select_grouped_mm_tile(768, 2048, 128, "dgated").epi_tma
         with pytest.raises(ValueError, match="epilogue must be one of"):
             select_grouped_mm_tile(128, 64, 1, "gelu")
         for text, word in [

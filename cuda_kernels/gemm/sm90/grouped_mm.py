@@ -516,7 +516,8 @@ def select_grouped_mm_tile(
     whose conditions hold (lower bounds ``min_n``, ``min_k``, ``min_experts``; exact ``n``,
     ``k``, ``experts``; ``epilogue``: the epilogues the rule is for, all without it) and whose
     tile the call can run (:func:`epilogue_tile_reason`: a rule whose tile the fused epilogues
-    or the side output cannot take is skipped for them). As shipped: 128 x 256 cooperative
+    or the side output cannot take is skipped for them); a rule's ``epi_tma`` is dropped for
+    ``"dgated"`` while :func:`dgated_tma_enabled` is False. As shipped: 128 x 256 cooperative
     (4 stages) when N >= 256, else 128 x 128 (6 stages), the measured best (the file's
     comment).
 
@@ -537,6 +538,10 @@ def select_grouped_mm_tile(
         if _rule_holds(cond, n, k, num_experts, epilogue) and (
             epilogue_tile_reason(epilogue, tile, write_a_rows) is None
         ):
+            if epilogue == "dgated" and tile.epi_tma and not dgated_tma_enabled():
+                # a rule's epi_tma does not reach the dgated epilogue until its TMA path has
+                # run on a GPU (DGATED_TMA_VERIFIED_ON_GPU): its register stores instead
+                tile = dataclasses.replace(tile, epi_tma=False)
             return tile
     raise RuntimeError(
         f"configs/cuda/sm90_grouped_mm_tiles.yaml has no rule for n={n}, k={k}, "

@@ -17,7 +17,10 @@ were read would show: the kernel has no select); bitwise determinism over two la
 order by TMA; a row-strided A; CUDA-graph replay with new offsets; no recompile for a new split;
 the gathered-rows side output (``a_rows_out``, store / gated / dgated, cooperative / pingpong /
 64-row tiles) bitwise equal to ``gather_rows`` on every row (NaN-poisoned before) and the main
-outputs bitwise those of the call without it.
+outputs bitwise those of the call without it; the TMA-store epilogue (``epi_tma``: store, gated
+and dgated with the row-order checkpoint) bitwise equal to the register epilogue, whole and
+partial tiles side by side, and its offline PTX (stmatrix, 2-D TMA stores, no spills); the
+dgated TMA path's gate (refused until verified on a GPU, unless opted in).
 """
 
 import dataclasses

@@ -179,13 +179,11 @@ class Sm90GroupedMmTile(Sm90Tiling):
             ``benchmarks/RESULTS.md``, 2026-12-06; off by default until the whole GPU suite
             and the layer have run with it on: no device time was left that session; the
             ``"dgated"`` one also behind :data:`DGATED_TMA_VERIFIED_ON_GPU`). A tile whose rows
-            all lie inside its expert
-            stores through shared memory: each output (the ``"store"`` epilogue's; the
-            ``"gated"`` one's ``a_h`` and row-order checkpoint; the ``"dgated"`` one's
-            ``d_gate_up`` and ``a_h``) is rounded to BF16,
-            written to a (rows, 32) sub-tile by ``stmatrix`` and stored by TMA, two sub-tile
-            buffers per consumer group in flight, so the stores drain under the next tile's
-            mainloop. An expert's last (partial) tile keeps the register stores (a TMA box
+            all lie inside its expert stores through shared memory: each output (the
+            ``"store"`` epilogue's; the ``"gated"`` one's ``a_h`` and row-order checkpoint; the
+            ``"dgated"`` one's ``d_gate_up`` and ``a_h``) is rounded to BF16, written to a
+            (rows, 32) sub-tile by ``stmatrix`` and stored by TMA, two sub-tile buffers per
+            consumer group in flight, so the stores drain under the next tile's mainloop. An expert's last (partial) tile keeps the register stores (a TMA box
             cannot stop at the expert's last row). The fused epilogues take it with the
             row-order checkpoint only and not on a partial last N tile (``"dgated"``: also one
             64-row wgmma slab per thread, i.e. cooperative or 64-row tiles); elsewhere the flag
@@ -611,13 +609,12 @@ def _build_kernel_class():
             # rows past the last one) and first tile id (E + 2 entries: the last is the total)
             self.sched_chunks = -(-(self.num_e + 1) // 32)
             self.search_top = 1 << (self.num_e.bit_length() - 1)  # largest power of 2 <= E
-            # the TMA-store epilogue (tile.epi_tma): where the key's epilogue can take it,
-            # (epi_tile) sub-tiles of BF16 staged in epi_stages buffers per consumer group; a
-            # pingpong group's fragment is ordered by 64-row wgmma slab, so its sub-tiles are
-            # (64, 32) (as the wgrad kernel's)
-            # (the fused epilogues: with the row-order checkpoint only, no partial last N tile:
-            # a TMA box would cross from g into u; dgated: one wgmma slab a thread, whose
-            # checkpoint load chunks are the 32-column sub-tiles)
+            # the TMA-store epilogue (tile.epi_tma): where the key's epilogue can take it (the
+            # fused ones: with the row-order checkpoint only and no partial last N tile, where a
+            # TMA box would cross from g into u; dgated: one wgmma slab a thread, whose
+            # checkpoint load chunks are the 32-column sub-tiles), (epi_tile) sub-tiles of BF16
+            # staged in epi_stages buffers per consumer group; a pingpong group's fragment is
+            # ordered by 64-row wgmma slab, so its sub-tiles are (64, 32) (as the wgrad kernel's)
             self.epi_tma = t.epi_tma and self.mma_n % 32 == 0 and (
                 key.epilogue == "store"
                 or (key.epilogue == "gated" and key.gated.checkpoint_rows
@@ -1175,8 +1172,8 @@ def _build_kernel_class():
             one wgmma batch in flight) and the epilogue; tiles of the other group (pingpong)
             are stepped over in the pipeline. With ``epi_tma`` a tile whose rows all lie inside
             its expert (``rows == tile_m``) stores through shared memory and TMA
-            (``epi_tma_args``: the sub-tile buffers, the atoms of the main output and the
-            checkpoint, the warp index), the others from registers; the group's first warp
+            (``epi_tma_args``: the sub-tile buffers, the atoms of the main output and of the
+            fused epilogues' second one, the warp index), the others from registers; the group's first warp
             waits for its last TMA stores before the kernel ends."""
             group = (wg_idx - 1) // self.wgs_per_group
             ctid = tidx - 128 - group * self.group_threads  # thread index in its group

@@ -137,9 +137,15 @@ def _choose_wgrad(
     explicit ``backend`` cannot run the call."""
     name, reason = wgrad_choice(a_HS.device, a_HS, b_SI, offsets_E, out_dtype, accumulate,
                                 backend, group_align)
+    _refuse_error(name, reason, backend)
+    return name, reason
+
+
+def _refuse_error(name: str, reason: str | None, backend) -> None:
+    """RuntimeError when a wgrad choice is ``"error"`` (an explicit ``backend`` that cannot
+    run the call), naming the backend and the reason."""
     if name == "error":
         raise RuntimeError(f"wgrad_backend={backend!r} cannot run this call: {reason}")
-    return name, reason
 
 
 def _gather_source(t_TK: torch.Tensor) -> torch.Tensor:
@@ -187,8 +193,7 @@ def _wgrad(
             api.grouped_wgrad_into(a_HS, b_SI, offsets_E, out, accumulate=accumulate,
                                    backend=name, a_rows_S=a_rows, b_rows_S=b_rows)
             return out
-        if name == "error":
-            raise RuntimeError(f"wgrad_backend={backend!r} cannot run this call: {reason}")
+        _refuse_error(name, reason, backend)
         # no gathering kernel here: the gathered operand first, then the call as it was
         if a_rows is not None:
             a_HS = gather_rows(a_HS.t(), a_rows, torch.bfloat16).t()

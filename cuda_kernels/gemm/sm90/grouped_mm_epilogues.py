@@ -453,6 +453,37 @@ def epilogue_mixins() -> types.SimpleNamespace:
                             cute.autovec_copy(v, buf[(None, gu, i, qq)])
 
         @cute.jit
+        def checkpoint_chunk(self, bufs, k: cutlass.Constexpr, tCcC, col0, row0, pair_s,
+                             act_base):
+            """Both dgated epilogues' checkpoint chunk ``k`` as fp32 ``(2 cols, gate/up, slot,
+            q)``, after issuing chunk k + 1's loads (:meth:`checkpoint_loads`) so they land
+            under chunk k's math and stores."""
+            ch = cute.size(bufs[0], mode=[3])
+            if cutlass.const_expr(k + 1 < len(bufs)):
+                self.checkpoint_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, row0, pair_s,
+                                      act_base)
+            gu = cute.make_rmem_tensor((2, 2, cute.size(bufs[0], mode=[2]), ch),
+                                       self.acc_dtype)
+            gu.store(bufs[k].load().to(self.acc_dtype))
+            return gu
+
+        @cute.jit
+        def dgated_slot(self, acc, gu, q: cutlass.Constexpr, qq: cutlass.Constexpr,
+                        mm: cutlass.Constexpr, h: cutlass.Constexpr, pair_s, alpha_s):
+            """Both dgated epilogues' math of one row slot's column pair (group ``q``, ``qq``
+            in its checkpoint chunk ``gu``): ``(real, a, dg0, dg1, du0, du1, h0, h1, dh_h)``
+            with ``real`` the row's pair >= 0, ``a`` its affinity and ``dh_h = d0 h0 + d1 h1``
+            its share of the row's partial sum (one expression for both epilogues: their
+            outputs agree bit for bit)."""
+            i = mm * 2 + h
+            d0 = acc[((0, h, q), mm, 0)]
+            d1 = acc[((1, h, q), mm, 0)]
+            a = alpha_s[i]
+            dg0, du0, h0 = self.activate_backward(d0, gu[(0, 0, i, qq)], gu[(0, 1, i, qq)], a)
+            dg1, du1, h1 = self.activate_backward(d1, gu[(1, 0, i, qq)], gu[(1, 1, i, qq)], a)
+            return pair_s[i] >= 0, a, dg0, dg1, du0, du1, h0, h1, d0 * h0 + d1 * h1
+
+        @cute.jit
         def epilogue_dgated(
             self, acc, tCcC, n_idx, row0, mAh, mDgu, mPart, mAct, pair_s, alpha_s, in_s, bufs,
         ):
@@ -487,11 +518,7 @@ def epilogue_mixins() -> types.SimpleNamespace:
                     dgu_row[mm * 2 + h] = self.bf16_addr(dgu_base, row, 2 * i_cols, c0)
                     ah_row[mm * 2 + h] = self.bf16_addr(ah_base, row, i_cols, c0)
             for k in cutlass.range_constexpr(n_q // ch):
-                if cutlass.const_expr(k + 1 < n_q // ch):
-                    self.checkpoint_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, row0,
-                                          pair_s, act_base)
-                gu = cute.make_rmem_tensor((2, 2, slots, ch), self.acc_dtype)
-                gu.store(bufs[k].load().to(self.acc_dtype))
+                gu = self.checkpoint_chunk(bufs, k, tCcC, col0, row0, pair_s, act_base)
                 for qq in cutlass.range_constexpr(ch):
                     q = k * ch + qq
                     if self.group_in_cols(c0, q):
@@ -501,17 +528,10 @@ def epilogue_mixins() -> types.SimpleNamespace:
                                 # the math runs on every row (a padding row's zeros), its
                                 # results selected (no branch around it); only the stores
                                 # of rows inside the tile are predicated
-                                real = pair_s[i] >= 0
-                                d0 = acc[((0, h, q), mm, 0)]
-                                d1 = acc[((1, h, q), mm, 0)]
-                                a = alpha_s[i]
-                                dg0, du0, h0 = self.activate_backward(
-                                    d0, gu[(0, 0, i, qq)], gu[(0, 1, i, qq)], a
+                                real, a, dg0, dg1, du0, du1, h0, h1, dh_h = self.dgated_slot(
+                                    acc, gu, q, qq, mm, h, pair_s, alpha_s
                                 )
-                                dg1, du1, h1 = self.activate_backward(
-                                    d1, gu[(1, 0, i, qq)], gu[(1, 1, i, qq)], a
-                                )
-                                part_s[i] = part_s[i] + self.pick(real, d0 * h0 + d1 * h1)
+                                part_s[i] = part_s[i] + self.pick(real, dh_h)
                                 if in_s[i]:
                                     dst = dgu_row[i] + 16 * q
                                     self.store_pair(
@@ -578,28 +598,16 @@ def epilogue_mixins() -> types.SimpleNamespace:
                 boxes.append((tma[0], *self.epi_partition(tma[0], sC, gT)))
             tmp_du, tmp_ah = tmps
             for k in cutlass.range_constexpr(n_q // ch):
-                if cutlass.const_expr(k + 1 < n_q // ch):
-                    self.checkpoint_loads(bufs[k + 1], (k + 1) * ch, tCcC, col0, row0,
-                                          pair_s, act_base)
-                gu = cute.make_rmem_tensor((2, 2, slots, ch), self.acc_dtype)
-                gu.store(bufs[k].load().to(self.acc_dtype))
+                gu = self.checkpoint_chunk(bufs, k, tCcC, col0, row0, pair_s, act_base)
                 for qq in cutlass.range_constexpr(ch):
                     q = k * ch + qq
                     for mm in cutlass.range_constexpr(n_mm):
                         for h in cutlass.range_constexpr(2):
                             i = mm * 2 + h
-                            # (the register epilogue's expressions, in its order)
-                            real = pair_s[i] >= 0
-                            d0 = acc[((0, h, q), mm, 0)]
-                            d1 = acc[((1, h, q), mm, 0)]
-                            a = alpha_s[i]
-                            dg0, du0, h0 = self.activate_backward(
-                                d0, gu[(0, 0, i, qq)], gu[(0, 1, i, qq)], a
+                            real, a, dg0, dg1, du0, du1, h0, h1, dh_h = self.dgated_slot(
+                                acc, gu, q, qq, mm, h, pair_s, alpha_s
                             )
-                            dg1, du1, h1 = self.activate_backward(
-                                d1, gu[(1, 0, i, qq)], gu[(1, 1, i, qq)], a
-                            )
-                            part_s[i] = part_s[i] + self.pick(real, d0 * h0 + d1 * h1)
+                            part_s[i] = part_s[i] + self.pick(real, dh_h)
                             acc[((0, h, q), mm, 0)] = self.pick(real, dg0)
                             acc[((1, h, q), mm, 0)] = self.pick(real, dg1)
                             tmp_du[((0, h, q), mm, 0)] = self.pick(real, du0)

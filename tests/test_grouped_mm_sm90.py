@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _ptxas import ptxas_for
+from _ptxas import assemble_without_spills
 
 from common.problem import Activation, ClampLimits
 from common.routing import plan_routing
@@ -195,17 +195,7 @@ def test_offline_compile_sm90a(case, tmp_path):
         )
     for text in must_not:
         assert text not in ptx, f"{_id}: unexpected {text!r} in the PTX"
-    exe = ptxas_for(ptx, tmp_path, arch="sm_90a")  # skips if no ptxas knows this PTX ISA
-    src = tmp_path / "k.ptx"
-    src.write_text(ptx)
-    import subprocess
-
-    res = subprocess.run(
-        [exe, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
-        capture_output=True, text=True, timeout=300, check=False,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr[-2000:]
+    assemble_without_spills(ptx, tmp_path, "sm_90a")  # skips if no ptxas knows this PTX ISA
 
 
 @needs_cute
@@ -253,15 +243,7 @@ def test_offline_dgated_epi_tma(monkeypatch, tmp_path):
     ptx = sm90.compile_grouped_mm_offline(key, "sm_90a")
     for text in _TMA_PTX + ["shfl.sync.bfly.b32", "rcp.approx.ftz.f32"]:
         assert text in ptx, f"{text!r} missing from the PTX"
-    exe = ptxas_for(ptx, tmp_path, arch="sm_90a")
-    src = tmp_path / "k.ptx"
-    src.write_text(ptx)
-    import subprocess
-
-    res = subprocess.run([exe, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
-                         capture_output=True, text=True, timeout=300, check=False)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr[-2000:]
+    assemble_without_spills(ptx, tmp_path, "sm_90a")
 
 
 @needs_cute
@@ -462,9 +444,16 @@ def test_row_strided_source_and_rows_mode():
 
 
 @gpu
-def test_cuda_graph_replay_with_new_offsets():
-    gen = torch.Generator().manual_seed(7)
-    T, K, N, E = 300, 256, 512, 8
+@pytest.mark.parametrize(
+    "seed,T,tile", [(7, 300, None), (8, 600, _T(128, 256, 64, 4, epi_tma=True))],
+    ids=["default", "epi-tma"],
+)
+def test_cuda_graph_replay_with_new_offsets(seed, T, tile):
+    """A captured launch replays with new offsets and indices; with ``epi_tma`` (TMA descriptors
+    built per launch from the tensors; more or fewer whole tiles per split) it also stays
+    bitwise the register path."""
+    gen = torch.Generator().manual_seed(seed)
+    K, N, E = 256, 512, 8
     l1 = _routing(T, E, 2, gen)
     l2 = _routing(T, E, 2, gen, hot=2)
     S = max(l1.tokens_sum, l2.tokens_sum)
@@ -477,12 +466,12 @@ def test_cuda_graph_replay_with_new_offsets():
 
     idx, offsets = padded(l1)
     out = torch.full((S, N), float("nan"), dtype=BF16, device="cuda")
-    grouped_mm_gather(a, w, offsets, idx, out, backend="sm90")  # compile outside the capture
+    grouped_mm_gather(a, w, offsets, idx, out, backend="sm90", tile=tile)  # compile first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        grouped_mm_gather(a, w, offsets, idx, out, backend="sm90")
+        grouped_mm_gather(a, w, offsets, idx, out, backend="sm90", tile=tile)
     torch.cuda.synchronize()
     for layout in (l1, l2):
         i2, o2 = padded(layout)
@@ -492,7 +481,8 @@ def test_cuda_graph_replay_with_new_offsets():
         graph.replay()
         torch.cuda.synchronize()
         _check_close(out, grouped_mm_gather_torch(a, w, offsets, idx))
-
+        if tile is not None:
+            assert torch.equal(out, _run(a, w, offsets, idx, _register_tile(tile)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -553,37 +543,6 @@ def test_epi_tma_rows_past_the_last_expert_and_empty_experts():
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert (outs[0][0][int(offsets[-1]):] == 0).all()
     _check_close(outs[0][0], grouped_mm_gather_torch(a, w, offsets, idx))
-
-
-@gpu
-def test_epi_tma_cuda_graph_replay_with_new_offsets():
-    """TMA descriptors are built per launch from the tensors: a captured launch replays with
-    new offsets and indices (more or fewer whole tiles) and stays bitwise the register path."""
-    gen = torch.Generator().manual_seed(8)
-    T, K, N, E = 600, 256, 512, 8
-    l1 = _routing(T, E, 2, gen)
-    l2 = _routing(T, E, 2, gen, hot=2)
-    S = max(l1.tokens_sum, l2.tokens_sum)
-    a, w = _operands(T, K, N, E, gen)
-    tile = _T(128, 256, 64, 4, epi_tma=True)
-    idx = torch.full((S,), -1, dtype=torch.int64, device="cuda")
-    offsets = torch.zeros(E, dtype=torch.int32, device="cuda")
-    out = torch.full((S, N), float("nan"), dtype=BF16, device="cuda")
-    grouped_mm_gather(a, w, offsets, idx, out, backend="sm90", tile=tile)  # compile first
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        grouped_mm_gather(a, w, offsets, idx, out, backend="sm90", tile=tile)
-    torch.cuda.synchronize()
-    for layout in (l1, l2):
-        idx.fill_(-1)
-        idx[: layout.tokens_sum] = layout.row_to_token_S.cuda()
-        offsets.copy_(layout.offsets_E.cuda())
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, _run(a, w, offsets, idx, _register_tile(tile)))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -240,11 +240,13 @@ def test_tile_and_key_validation():
 
 def test_tile_rules_file_as_shipped_and_its_errors(tmp_path, monkeypatch):
     """configs/cuda/sm90_grouped_mm_tiles.yaml: the measured rule (128x256 cooperative for
-    N >= 256, else 128x128), conditions read as lower bounds, and a malformed file named."""
+    N >= 256, else 128x128, both with the TMA-store epilogue), conditions read as lower bounds,
+    and a malformed file named."""
     names = [name for name, _c, _t in load_grouped_mm_tile_rules()]
     assert names == ["wide", "narrow"]
-    assert select_grouped_mm_tile(256, 64, 1) == Sm90GroupedMmTile(128, 256, 64, 4)
-    assert select_grouped_mm_tile(255, 8192, 384) == Sm90GroupedMmTile(128, 128, 64, 6)
+    T = Sm90GroupedMmTile
+    assert select_grouped_mm_tile(256, 64, 1) == T(128, 256, 64, 4, epi_tma=True)
+    assert select_grouped_mm_tile(255, 8192, 384) == T(128, 128, 64, 6, epi_tma=True)
     with pytest.raises(ValueError, match="sizes must be positive"):
         select_grouped_mm_tile(0, 64, 1)
     import common.config_files as cf
@@ -334,18 +336,11 @@ def test_tile_rules_per_shape_and_per_epilogue(tmp_path, monkeypatch):
         assert select_grouped_mm_tile(28672, 4096, 8, "gated") == T(128, 256, 64, 4)
         assert select_grouped_mm_tile(128, 64, 1) == T(128, 192, 64, 5)
         assert select_grouped_mm_tile(128, 64, 1, "gated") == T(128, 128, 64, 6)  # skips 192
-        # a rule's epi_tma reaches the dgated epilogue only once its TMA path is verified
-        from cuda_kernels.gemm.sm90 import grouped_mm as sm90_gmm
-
+        # a rule's epi_tma reaches every epilogue
         use("rules:\n  - {name: all, config: {tile_m: 128, tile_n: 256, stages: 4, "
             "epi_tma: true}}\n")
-        monkeypatch.setattr(sm90_gmm, "DGATED_TMA_VERIFIED_ON_GPU", False)
-        monkeypatch.delenv(sm90_gmm.DGATED_TMA_ENABLE_ENV, raising=False)
-        assert select_grouped_mm_tile(768, 2048, 128).epi_tma
-        assert select_grouped_mm_tile(768, 2048, 128, "gated").epi_tma
-        assert not select_grouped_mm_tile(768, 2048, 128, "dgated").epi_tma
-        monkeypatch.setenv(sm90_gmm.DGATED_TMA_ENABLE_ENV, "1")
-        assert select_grouped_mm_tile(768, 2048, 128, "dgated").epi_tma
+        for epilogue in ("store", "gated", "dgated"):
+            assert select_grouped_mm_tile(768, 2048, 128, epilogue).epi_tma
         with pytest.raises(ValueError, match="epilogue must be one of"):
             select_grouped_mm_tile(128, 64, 1, "gelu")
         for text, word in [
@@ -367,7 +362,7 @@ def test_tile_rules_per_shape_and_per_epilogue(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         load_grouped_mm_tile_rules.cache_clear()
-    assert select_grouped_mm_tile(3072, 4096, 128) == T(128, 256, 64, 4)  # the shipped file
+    assert select_grouped_mm_tile(3072, 4096, 128) == T(128, 256, 64, 4, epi_tma=True)  # shipped
 
 
 def test_bench_tiles_parse_and_summary():

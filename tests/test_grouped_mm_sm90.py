@@ -218,25 +218,10 @@ def test_offline_write_a_rows_leaves_the_barriers_alone(epilogue):
     assert ptx1.count("fence.proxy.async") == ptx0.count("fence.proxy.async")
 
 
-def test_dgated_tma_keys_wait_for_the_gpu_gate(monkeypatch):
-    """A dgated key asking for the TMA-store epilogue with the row-order checkpoint is refused
-    while that path has not run on a GPU, naming the opt-in; with it, or with the pair-order
-    checkpoint (no TMA path), the key is built."""
-    monkeypatch.setattr(sm90, "DGATED_TMA_VERIFIED_ON_GPU", False)
-    monkeypatch.delenv(sm90.DGATED_TMA_ENABLE_ENV, raising=False)
-    kw = dict(w_major="k", epilogue="dgated", tile=_T(128, 256, 64, 4, epi_tma=True))
-    with pytest.raises(ValueError, match=sm90.DGATED_TMA_ENABLE_ENV):
-        Sm90GroupedMmKey(768, 2048, 128, gated=GatedEpilogue(checkpoint_rows=True), **kw)
-    Sm90GroupedMmKey(768, 2048, 128, gated=GatedEpilogue(), **kw)
-    monkeypatch.setenv(sm90.DGATED_TMA_ENABLE_ENV, "1")
-    Sm90GroupedMmKey(768, 2048, 128, gated=GatedEpilogue(checkpoint_rows=True), **kw)
-
-
 @needs_cute
-def test_offline_dgated_epi_tma(monkeypatch, tmp_path):
-    """The dgated epilogue's TMA-store path (opted in): stmatrix and 2-D TMA stores of its
+def test_offline_dgated_epi_tma(tmp_path):
+    """The dgated epilogue's TMA-store path: stmatrix and 2-D TMA stores of its
     sub-tiles beside the register path of the experts' last tiles, no spills."""
-    monkeypatch.setenv(sm90.DGATED_TMA_ENABLE_ENV, "1")
     key = Sm90GroupedMmKey(768, 2048, 128, w_major="k", epilogue="dgated",
                            gated=GatedEpilogue(checkpoint_rows=True),
                            tile=_T(128, 256, 64, 4, epi_tma=True))
@@ -843,12 +828,10 @@ _DGATED_TMA_TILES = {
 @gpu
 @pytest.mark.parametrize("tile_id", list(_DGATED_TMA_TILES))
 @pytest.mark.parametrize("name", list(_GATED_ACTS))
-def test_dgated_epi_tma_is_the_register_epilogue_bitwise(name, tile_id, monkeypatch):
+def test_dgated_epi_tma_is_the_register_epilogue_bitwise(name, tile_id):
     """The dgated epilogue with the row-order checkpoint through TMA stores (whole tiles; the
     experts' last tiles from registers): d_gate_up, a_h and the affinity gradient bit for bit
-    those of the register epilogue, with the clamp masks (gpt-oss) and without (SwiGLU). (The
-    path is opt-in until this test has passed: ``sm90.DGATED_TMA_VERIFIED_ON_GPU``.)"""
-    monkeypatch.setenv(sm90.DGATED_TMA_ENABLE_ENV, "1")
+    those of the register epilogue, with the clamp masks (gpt-oss) and without (SwiGLU)."""
     tile = _DGATED_TMA_TILES[tile_id]
     gen = torch.Generator().manual_seed(80)
     T, H, I, E = 700, 256, 512, 8

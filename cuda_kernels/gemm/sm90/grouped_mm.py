@@ -85,7 +85,7 @@ the persistent launch):
   and column predicates (below N, only when N is not a multiple of tile_n). A padding row's A
   row is zero-filled, so its output is exactly +0 for a finite W (no select: a NaN planted in
   the source would show if a padding row were read);
-- the TMA-store epilogue (``Sm90GroupedMmTile.epi_tma``, opt-in for now): a tile whose rows all
+- the TMA-store epilogue (``Sm90GroupedMmTile.epi_tma``; the shipped tile rules set it): a tile whose rows all
   lie inside its expert (every tile but each expert's last, when partial) leaves through shared
   memory instead: per (tile rows, 32)-column sub-tile, the values rounded to BF16, ``stmatrix``
   into one of two staging buffers per consumer group, a proxy fence and a group barrier, one
@@ -117,7 +117,6 @@ Public names: :class:`Sm90GroupedMmTile`, :class:`GatedEpilogue`, :class:`Sm90Gr
 import dataclasses
 import functools
 import math
-import os
 from typing import Any
 
 from ..launch import KernelFamily, num_sms
@@ -126,8 +125,6 @@ from .common import Sm90Tiling, kernel_base
 from .grouped_mm_epilogues import epilogue_mixins
 
 __all__ = [
-    "DGATED_TMA_ENABLE_ENV",
-    "DGATED_TMA_VERIFIED_ON_GPU",
     "EPILOGUES",
     "FAMILY",
     "GatedEpilogue",
@@ -135,7 +132,6 @@ __all__ = [
     "Sm90GroupedMmTile",
     "compile_grouped_mm",
     "compile_grouped_mm_offline",
-    "dgated_tma_enabled",
     "epilogue_tile_reason",
     "fake_operands",
     "load_grouped_mm_tile_rules",
@@ -151,19 +147,6 @@ sums of ``dh_raw * h`` per N tile, N = I)."""
 
 _SMEM_BYTES = SM90_TILES.smem_bytes  # usable dynamic shared memory per CTA on H100/H200
 
-#: The ``"dgated"`` epilogue's TMA-store path (``epi_tma`` with the row-order checkpoint) has
-#: not run on a GPU yet (written and compiled offline on 2026-12-06; its GPU test is
-#: ``test_dgated_epi_tma_is_the_register_epilogue_bitwise``). Until it has, a key asking for
-#: it is refused unless ``MOE_BWD_ENABLE_UNVERIFIED_SM90_DGATED_TMA=1`` (the device runs set
-#: it); set this True once the GPU test passed.
-DGATED_TMA_VERIFIED_ON_GPU = False
-DGATED_TMA_ENABLE_ENV = "MOE_BWD_ENABLE_UNVERIFIED_SM90_DGATED_TMA"
-
-
-def dgated_tma_enabled() -> bool:
-    """Whether a ``"dgated"`` key may take the TMA-store epilogue: verified on a GPU, or opted
-    in with ``MOE_BWD_ENABLE_UNVERIFIED_SM90_DGATED_TMA=1``."""
-    return DGATED_TMA_VERIFIED_ON_GPU or os.environ.get(DGATED_TMA_ENABLE_ENV) == "1"
 _INDEX_DTYPES = ("int64", "int32")
 
 
@@ -175,15 +158,15 @@ class Sm90GroupedMmTile(Sm90Tiling):
     (``variant_name``), stage bytes and consumer structure, and how the epilogue stores:
 
     Attributes:
-        epi_tma: the TMA-store epilogue (measured faster on every GEMM timed:
-            ``benchmarks/RESULTS.md``, 2026-12-06; off by default until the whole GPU suite
-            and the layer have run with it on: no device time was left that session; the
-            ``"dgated"`` one also behind :data:`DGATED_TMA_VERIFIED_ON_GPU`). A tile whose rows
-            all lie inside its expert stores through shared memory: each output (the
-            ``"store"`` epilogue's; the ``"gated"`` one's ``a_h`` and row-order checkpoint; the
-            ``"dgated"`` one's ``d_gate_up`` and ``a_h``) is rounded to BF16, written to a
-            (rows, 32) sub-tile by ``stmatrix`` and stored by TMA, two sub-tile buffers per
-            consumer group in flight, so the stores drain under the next tile's mainloop. An expert's last (partial) tile keeps the register stores (a TMA box
+        epi_tma: the TMA-store epilogue (measured faster on every GEMM timed and in the
+            layer: ``benchmarks/RESULTS.md``, 2026-12-06; the field defaults to False, the
+            register stores, and both rules of ``configs/cuda/sm90_grouped_mm_tiles.yaml`` set
+            it). A tile whose rows all lie inside its expert stores through shared memory: each
+            output (the ``"store"`` epilogue's; the ``"gated"`` one's ``a_h`` and row-order
+            checkpoint; the ``"dgated"`` one's ``d_gate_up`` and ``a_h``) is rounded to BF16,
+            written to a (rows, 32) sub-tile by ``stmatrix`` and stored by TMA, two sub-tile
+            buffers per consumer group in flight, so the stores drain under the next tile's
+            mainloop. An expert's last (partial) tile keeps the register stores (a TMA box
             cannot stop at the expert's last row). The fused epilogues take it with the
             row-order checkpoint only and not on a partial last N tile (``"dgated"``: also one
             64-row wgmma slab per thread, i.e. cooperative or 64-row tiles); elsewhere the flag
@@ -392,13 +375,6 @@ class Sm90GroupedMmKey:
             raise ValueError(f"{cls}.gated must be a GatedEpilogue, got {self.gated!r}")
         if self.epilogue == "dgated" and self.gated.has_bias:
             raise ValueError(f"{cls}: the dgated epilogue takes no bias (has_bias must be False)")
-        if (self.epilogue == "dgated" and t.epi_tma and self.gated.checkpoint_rows
-                and not dgated_tma_enabled()):
-            raise ValueError(
-                f"{cls}: the dgated epilogue's TMA stores (tile.epi_tma with the row-order "
-                f"checkpoint) have not run on a GPU yet; use a tile without epi_tma, or set "
-                f"{DGATED_TMA_ENABLE_ENV}=1 to run them anyway"
-            )
         if self.epilogue == "gated" and self.n % 16:
             raise ValueError(
                 f"{cls}: the gated epilogue needs N = 2I with I a multiple of 8, got N={self.n}"
@@ -514,10 +490,9 @@ def select_grouped_mm_tile(
     whose conditions hold (lower bounds ``min_n``, ``min_k``, ``min_experts``; exact ``n``,
     ``k``, ``experts``; ``epilogue``: the epilogues the rule is for, all without it) and whose
     tile the call can run (:func:`epilogue_tile_reason`: a rule whose tile the fused epilogues
-    or the side output cannot take is skipped for them); a rule's ``epi_tma`` is dropped for
-    ``"dgated"`` while :func:`dgated_tma_enabled` is False. As shipped: 128 x 256 cooperative
-    (4 stages) when N >= 256, else 128 x 128 (6 stages), the measured best (the file's
-    comment).
+    or the side output cannot take is skipped for them). As shipped: 128 x 256 cooperative
+    (4 stages) when N >= 256, else 128 x 128 (6 stages), both with the TMA-store epilogue, the
+    measured best (the file's comment).
 
     Raises:
         ValueError: non-positive sizes or an unknown epilogue.
@@ -536,10 +511,6 @@ def select_grouped_mm_tile(
         if _rule_holds(cond, n, k, num_experts, epilogue) and (
             epilogue_tile_reason(epilogue, tile, write_a_rows) is None
         ):
-            if epilogue == "dgated" and tile.epi_tma and not dgated_tma_enabled():
-                # a rule's epi_tma does not reach the dgated epilogue until its TMA path has
-                # run on a GPU (DGATED_TMA_VERIFIED_ON_GPU): its register stores instead
-                tile = dataclasses.replace(tile, epi_tma=False)
             return tile
     raise RuntimeError(
         f"configs/cuda/sm90_grouped_mm_tiles.yaml has no rule for n={n}, k={k}, "

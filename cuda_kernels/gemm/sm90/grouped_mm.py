@@ -85,20 +85,20 @@ the persistent launch):
   and column predicates (below N, only when N is not a multiple of tile_n). A padding row's A
   row is zero-filled, so its output is exactly +0 for a finite W (no select: a NaN planted in
   the source would show if a padding row were read);
-- the TMA-store epilogue (``Sm90GroupedMmTile.epi_tma``; the shipped tile rules set it): a tile whose rows all
-  lie inside its expert (every tile but each expert's last, when partial) leaves through shared
-  memory instead: per (tile rows, 32)-column sub-tile, the values rounded to BF16, ``stmatrix``
-  into one of two staging buffers per consumer group, a proxy fence and a group barrier, one
-  warp's 2-D TMA store (``gemm/sm90/common.py``, shared with the wgrad kernel), so the stores
-  drain while the next tile's mainloop runs; the partial tiles keep the register stores (a TMA
-  box cannot stop at an expert's last row; the next expert's rows belong to another tile).
-  For ``"store"``; for ``"gated"`` with the row-order checkpoint (bias and clamp applied in place,
-  then g and u stored, then ``a * h`` computed in place and stored); for ``"dgated"`` with the
-  row-order checkpoint and one 64-row wgmma slab a thread (per sub-tile, which is one
-  checkpoint load chunk: dg in place, du and ``a * h`` in two fragment-shaped temporaries of
-  which one sub-tile is live, three TMA stores; the row partials from registers). Not for a
-  partial last N tile of the fused epilogues (a box would cross from g into u), nor for the
-  pair-order checkpoint. Bit for bit the register epilogue's values (GPU tests).
+- the TMA-store epilogue (``Sm90GroupedMmTile.epi_tma``; the shipped tile rules set it): a tile
+  whose rows all lie inside its expert (every tile but each expert's last, when partial) leaves
+  through shared memory instead: per (tile rows, 32)-column sub-tile, the values rounded to
+  BF16, ``stmatrix`` into one of two staging buffers per consumer group, a proxy fence and a
+  group barrier, one warp's 2-D TMA store (``gemm/sm90/common.py``, shared with the wgrad
+  kernel), so the stores drain while the next tile's mainloop runs; the partial tiles keep the
+  register stores (a TMA box cannot stop at an expert's last row; the next expert's rows belong
+  to another tile). For ``"store"``; for ``"gated"`` with the row-order checkpoint (bias and
+  clamp applied in place, then g and u stored, then ``a * h`` computed in place and stored); for
+  ``"dgated"`` with the row-order checkpoint and one 64-row wgmma slab a thread (per sub-tile,
+  which is one checkpoint load chunk: dg in place, du and ``a * h`` in two fragment-shaped
+  temporaries of which one sub-tile is live, three TMA stores; the row partials from registers).
+  Not for a partial last N tile of the fused epilogues (a box would cross from g into u), nor
+  for the pair-order checkpoint. Bit for bit the register epilogue's values (GPU tests).
 
 Run on the H200 (``tests/test_grouped_mm_sm90.py``: the correctness grid against the torch twin
 and graph replay; compute-sanitizer through ``benchmarks/grouped_mm_device_run.sh``; speed:

@@ -14,8 +14,9 @@
 #      compiles are single-threaded CPU work), <= 180 s (TESTS=0 skips them: a benchmark-only
 #      call, e.g. the tile sweep `--shapes qwen3-235b-a22b:16384,mixtral-8x7b:8192
 #      --gemms gate_up,down_dgrad --impls ours,grouped_mm --tiles mainloop`);
-#   (optional, SANITIZE=1: compute-sanitizer memcheck of a small gather case and a small gated
-#      case, <= 150 s, $OUT/sanitizer.log; off by default to stay within 8 minutes)
+#   (optional, SANITIZE=1: compute-sanitizer memcheck of a small gather case, a small gated
+#      case and one case of each TMA-store epilogue (store, gated, dgated), <= 240 s,
+#      $OUT/sanitizer.log; off by default to stay within 8 minutes)
 #   3. the benchmark with --check (ours vs the torch twin in BF16 ulps; the fused epilogues: vs
 #      the layer's GEMM-then-pass), <= 200 s; its JSON is rewritten after every shape.
 # Logs: $OUT/{env,smoke}.log, $OUT/tests_{0..3}.log, $OUT/grouped_mm_bench.{md,json,err}.
@@ -54,10 +55,13 @@ if [ "${TESTS:-1}" != 0 ]; then
 fi
 
 if [ "${SANITIZE:-0}" = 1 ]; then
-  timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+  timeout 240 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider \
     "$T::test_grid_matches_twin[64-row-tiles-gather]" \
     "$T::test_gated_matches_twin_and_writes_everything[gpt-oss-pingpong-partial]" \
+    "$T::test_epi_tma_store_is_the_register_store_bitwise[hot-expert-partial-n-gather]" \
+    "$T::test_gated_epi_tma_is_the_register_epilogue_bitwise[gpt-oss-pingpong-128x128]" \
+    "$T::test_dgated_epi_tma_is_the_register_epilogue_bitwise[gpt-oss-64-row]" \
     > "$OUT/sanitizer.log" 2>&1
   echo "sanitizer rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -3
 fi

@@ -148,15 +148,6 @@ def _refuse_error(name: str, reason: str | None, backend) -> None:
         raise RuntimeError(f"wgrad_backend={backend!r} cannot run this call: {reason}")
 
 
-def _gather_source(t_TK: torch.Tensor) -> torch.Tensor:
-    """A [T, K] operand as a gathering kernel reads its rows: ``t_TK`` itself when it is BF16
-    with unit stride along K and 16-byte aligned rows, else a contiguous BF16 copy."""
-    if (t_TK.dtype == torch.bfloat16 and t_TK.stride(1) == 1 and t_TK.stride(0) % 8 == 0
-            and t_TK.data_ptr() % 16 == 0):
-        return t_TK
-    return t_TK.to(torch.bfloat16).contiguous()
-
-
 def _wgrad(
     a_HS, b_SI, offsets_E, out, accumulate, out_dtype, backend, group_align, stats, *,
     a_rows=None, b_rows=None,
@@ -184,9 +175,9 @@ def _wgrad(
             stats.setdefault("wgrad_backend", name)
             stats["wgrad_gather"] = stats.get("wgrad_gather", 0) + 1
             if a_rows is not None:
-                a_HS = _gather_source(a_HS.t()).t()
+                a_HS = kernel_rows(a_HS.t()).t()
             if b_rows is not None:
-                b_SI = _gather_source(b_SI)
+                b_SI = kernel_rows(b_SI)
             if out is None:
                 out = torch.empty(E, a_HS.shape[0], b_SI.shape[1], dtype=out_dtype,
                                   device=a_HS.device)

@@ -181,8 +181,11 @@ def checkpoint_in_rows(*, gate_up_bias: bool, clamp_limits) -> bool:
 
 # ----------------------------------------------------------------------------------- reasons
 def kernel_rows(t: torch.Tensor) -> torch.Tensor:
-    """An activation operand (X or dY, [T, H]) as the fused entries read it: ``t`` itself when
-    it is BF16 with unit stride along its last dimension, else a contiguous BF16 copy."""
+    """A token-row operand ([T, K]: X, dY) as the kernels that read it through the routing
+    index take it (the fused entries, the gathering GEMM, the wgrad's in-kernel gather): ``t``
+    itself when it is BF16 with unit stride along its last dimension, else a contiguous BF16
+    copy (a source those kernels still cannot read, e.g. a misaligned view, is gathered first
+    by the API that receives it)."""
     if t.dtype == torch.bfloat16 and t.stride(-1) == 1:
         return t
     return t.to(torch.bfloat16).contiguous()

@@ -599,22 +599,31 @@ _GATED_GRID = [
 ]
 
 
+def _gated_case(T, H, I, E, top_k, name, gen, hot=None):
+    """A gate/up problem on the GPU: ``(args, bias, plan, layout, act_fn, clamp)``, ``args`` the
+    positional operands of ``grouped_mm_gated`` (x [T, H] and w [E, H, 2I] BF16, offsets, the
+    row -> token and row -> pair indexes, the pair affinities, num_pairs), ``bias`` [E, 2, I]
+    fp32 for the activations that take one (else None)."""
+    act_fn, clamp, with_bias = _GATED_ACTS[name]
+    plan, layout = _routing_plan(T, E, top_k, gen, hot=hot)
+    x = torch.randn(T, H, generator=gen).to(BF16).cuda()
+    w = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16).cuda()
+    bias = torch.randn(E, 2, I, generator=gen).cuda() if with_bias else None
+    args = (x, w, layout.offsets_E, layout.row_to_token_S, layout.row_to_pair_S,
+            plan.pair_affinity_R, plan.num_pairs)
+    return args, bias, plan, layout, act_fn, clamp
+
+
 @gpu
 @pytest.mark.parametrize("case", _GATED_GRID, ids=[c[0] for c in _GATED_GRID])
 def test_gated_matches_twin_and_writes_everything(case):
     _id, T, H, I, E, top_k, name, tile = case
-    act_fn, clamp, with_bias = _GATED_ACTS[name]
     gen = torch.Generator().manual_seed(_GATED_GRID.index(case))
-    routing = _routing_plan(T, E, top_k, gen)
-    plan, layout = routing
-    x = torch.randn(T, H, generator=gen).to(BF16).cuda()
-    w = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16).cuda()
-    bias = torch.randn(E, 2, I, generator=gen).cuda() if with_bias else None
+    args, bias, plan, layout, act_fn, clamp = _gated_case(T, H, I, E, top_k, name, gen)
+    x, w = args[:2]
     R, S = plan.pair_token_R.shape[0], layout.tokens_sum
     act = torch.full((R, 2, I), float("nan"), dtype=BF16, device="cuda")
     ah = torch.full((S, I), float("nan"), dtype=BF16, device="cuda")
-    args = (x, w, layout.offsets_E, layout.row_to_token_S, layout.row_to_pair_S,
-            plan.pair_affinity_R, plan.num_pairs)
     grouped_mm_gated(*args, activation=act_fn, clamp_limits=clamp, bias=bias, act_out=act,
                      ah_out=ah, backend="sm90", tile=tile)
     torch.cuda.synchronize()
@@ -652,15 +661,9 @@ def test_gated_checkpoint_rows_is_the_pair_checkpoint_in_row_order(case):
     row of the pair-order checkpoint, bit for bit, padding rows +0, and ``a_h`` is unchanged:
     the two forms differ only in where the epilogue stores."""
     _id, T, H, I, E, top_k, name, tile = case
-    act_fn, clamp, with_bias = _GATED_ACTS[name]
     gen = torch.Generator().manual_seed(60 + _GATED_GRID.index(case))
-    plan, layout = _routing_plan(T, E, top_k, gen)
-    x = torch.randn(T, H, generator=gen).to(BF16).cuda()
-    w = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16).cuda()
-    bias = torch.randn(E, 2, I, generator=gen).cuda() if with_bias else None
+    args, bias, plan, layout, act_fn, clamp = _gated_case(T, H, I, E, top_k, name, gen)
     S = layout.tokens_sum
-    args = (x, w, layout.offsets_E, layout.row_to_token_S, layout.row_to_pair_S,
-            plan.pair_affinity_R, plan.num_pairs)
     kw = dict(activation=act_fn, clamp_limits=clamp, bias=bias, backend="sm90", tile=tile)
     act_p, ah_p = grouped_mm_gated(*args, **kw)
     act_r = torch.full((S, 2 * I), float("nan"), dtype=BF16, device="cuda")
@@ -689,17 +692,11 @@ def test_gated_epi_tma_is_the_register_epilogue_bitwise(name, tile_id):
     """The gated epilogue with the row-order checkpoint through TMA stores (whole tiles; the
     experts' last tiles from registers): ``a_h`` and the checkpoint (NaN-poisoned) bit for bit
     those of the register epilogue, with bias and clamp (gpt-oss) and without (SwiGLU)."""
-    act_fn, clamp, with_bias = _GATED_ACTS[name]
     tile = _GATED_TMA_TILES[tile_id]
     gen = torch.Generator().manual_seed(70)
     T, H, I, E = 700, 256, 384, 8
-    plan, layout = _routing_plan(T, E, 2, gen, hot=3)
-    x = torch.randn(T, H, generator=gen).to(BF16).cuda()
-    w = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16).cuda()
-    bias = torch.randn(E, 2, I, generator=gen).cuda() if with_bias else None
+    args, bias, plan, layout, act_fn, clamp = _gated_case(T, H, I, E, 2, name, gen, hot=3)
     S = layout.tokens_sum
-    args = (x, w, layout.offsets_E, layout.row_to_token_S, layout.row_to_pair_S,
-            plan.pair_affinity_R, plan.num_pairs)
     outs = []
     for t in (tile, _register_tile(tile)):
         act = torch.full((S, 2 * I), float("nan"), dtype=BF16, device="cuda")
@@ -723,13 +720,9 @@ def test_gated_matches_the_layers_gemm_then_pass(name):
     from cuda_kernels.triton.rows import gather_rows
     from cuda_kernels.triton.activation import activation_forward
 
-    act_fn, clamp, with_bias = _GATED_ACTS[name]
     gen = torch.Generator().manual_seed(21)
     T, H, I, E = 512, 1024, 512, 16
-    plan, layout = _routing_plan(T, E, 4, gen)
-    x = torch.randn(T, H, generator=gen).to(BF16).cuda()
-    w = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16).cuda()
-    bias = torch.randn(E, 2, I, generator=gen).cuda() if with_bias else None
+    (x, w, *_), bias, plan, layout, act_fn, clamp = _gated_case(T, H, I, E, 4, name, gen)
     gu = torch._grouped_mm(gather_rows(x, layout.row_to_token_S), w, offs=layout.offsets_E)
     act_p, ah_p = activation_forward(gu, layout.row_to_pair_S, plan, activation=act_fn,
                                      clamp_limits=clamp or ClampLimits(), b_gate_up_E2I=bias)
@@ -754,11 +747,7 @@ def test_gated_matches_the_layers_gemm_then_pass(name):
 
 
 def _dgated_case(T, H, I, E, top_k, name, gen):
-    act_fn, clamp, with_bias = _GATED_ACTS[name]
-    plan, layout = _routing_plan(T, E, top_k, gen)
-    x = torch.randn(T, H, generator=gen).to(BF16).cuda()
-    w_gu = (torch.randn(E, H, 2 * I, generator=gen) * 2 / H**0.5).to(BF16).cuda()
-    bias = torch.randn(E, 2, I, generator=gen).cuda() if with_bias else None
+    (x, w_gu, *_), bias, plan, layout, act_fn, clamp = _gated_case(T, H, I, E, top_k, name, gen)
     act, _ = gate_up_forward(x, w_gu.reshape(E, H, 2, I), layout, plan, activation=act_fn,
                              clamp_limits=clamp, b_gate_up_E2I=bias, backend="torch")
     dy = torch.randn(T, H, generator=gen).to(BF16).cuda()

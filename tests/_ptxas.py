@@ -55,15 +55,15 @@ def ptxas_for(ptx: str, tmp_path, arch: str = "sm_100a") -> str:
     )
 
 
-def assemble_without_spills(ptx: str, tmp_path, arch: str) -> str:
-    """Assemble ``ptx`` for ``arch`` with ``ptxas -v`` (:func:`ptxas_for`: skips without one
-    that knows its PTX ISA) and assert it assembles with no register spills; returns ptxas's
-    report (stderr)."""
+def assemble_without_spills(ptx: str, tmp_path, arch: str, timeout: float = 300) -> str:
+    """Assemble ``ptx`` for ``arch`` with ``ptxas -v`` into ``tmp_path / "k.cubin"``
+    (:func:`ptxas_for`: skips without one that knows its PTX ISA; ``timeout`` in seconds) and
+    assert it assembles with no register spills; returns ptxas's report (stderr)."""
     exe = ptxas_for(ptx, tmp_path, arch=arch)
     src = tmp_path / "k.ptx"
     src.write_text(ptx)
     res = subprocess.run([exe, f"-arch={arch}", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
-                         capture_output=True, text=True, timeout=300, check=False)
+                         capture_output=True, text=True, timeout=timeout, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr[-2000:]
     return res.stderr

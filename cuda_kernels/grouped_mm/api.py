@@ -4,8 +4,8 @@ The layer reaches :func:`gate_up_forward` and :func:`down_dgrad_backward` (``"ou
 :func:`grouped_mm_gather` with the gathered rows side-written (``"ours-gemm"``) through its
 ``grouped_mm`` option (``cuda_kernels.moe.grouped_mm_choice``; ``"auto"``: the per-shape
 table, which picks ``"ours-gemm"`` on qwen3-30b-a3b, qwen3-235b-a22b, gpt-oss-120b and the
-32-expert deepseek-v3 shape and cuBLAS's grouped GEMM on gathered rows elsewhere: ``cuda_kernels.moe.forward`` /
-``moe.backward``).
+32-expert deepseek-v3 shape and cuBLAS's grouped GEMM on gathered rows elsewhere:
+``cuda_kernels.moe.forward`` / ``moe.backward``).
 """
 
 from __future__ import annotations

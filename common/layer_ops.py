@@ -186,23 +186,26 @@ def _declared_options(backend, options) -> dict[str, Any]:
 
 
 def layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options,
-                  routing=None):
+                  routing=None, *, backend=None, keep_x_rows=None):
     """One forward of the layer: ``(LayerForward, backend)``; ``x_rows_S`` is kept only for
     a ``layer_state`` backend's backward where :func:`keeps_x_rows` says so (else None).
     ``routing``: an already built ``(plan, layout)`` (:func:`common.routing.presorted_routing`),
-    which replaces ``affinity`` and ``expert_index`` (both None then; no routing check). Raises as
-    :class:`common.layer.MoEExpertsFunction`. Small CPU problems run on one thread
-    (:func:`common.torch_backward.cpu_threads`)."""
+    which replaces ``affinity`` and ``expert_index`` (both None then; no routing check).
+    ``backend`` / ``keep_x_rows``: :func:`resolve_backend`'s and :func:`keeps_x_rows`' answers
+    where the caller already has them (None: asked here; each asks the device and the backend's
+    hooks, host time on every forward). Raises as :class:`common.layer.MoEExpertsFunction`.
+    Small CPU problems run on one thread (:func:`common.torch_backward.cpu_threads`)."""
     slots = routing[0].pair_token_R.numel() if routing is not None else expert_index.numel()
     with cpu_threads(x.device, slots, w_gate_up.shape[0], x.shape[1], w_down.shape[1]):
         return _layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index,
-                              options, routing)
+                              options, routing, backend, keep_x_rows)
 
 
 def _layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, options,
-                   routing):
+                   routing, backend, keep_x_rows):
     E, H = w_gate_up.shape[0], x.shape[1]
-    backend = resolve_backend(options.backend, x.device)
+    if backend is None:
+        backend = resolve_backend(options.backend, x.device)
     if routing is not None:
         T, K = routing[0].num_tokens, routing[0].top_k
     else:
@@ -215,7 +218,8 @@ def _layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_ind
     forward = getattr(backend, "forward", None)
     extra = {} if forward is None else _declared_options(backend, options)
     if forward is not None and backend.layer_state and backend.keeps_x_rows is not None:
-        extra["keep_x_rows"] = keeps_x_rows(options, x.device, w_gate_up, w_down)
+        extra["keep_x_rows"] = (keeps_x_rows(options, x.device, w_gate_up, w_down, backend)
+                                if keep_x_rows is None else keep_x_rows)
     if routing is not None:
         extra["routing"] = routing
     out = (forward or moe_layer_forward_torch)(
@@ -238,15 +242,17 @@ def _run_grad_dtype(options, w_gate_up, w_down) -> torch.dtype:
     return w_gate_up.dtype if same else torch.float32
 
 
-def keeps_x_rows(options, device, w_gate_up, w_down) -> bool:
+def keeps_x_rows(options, device, w_gate_up, w_down, backend=None) -> bool:
     """Whether the layer's forward keeps the gathered X rows [S, H] for the backward
     (``LayerForward.x_rows_S``; ``experts_forward``'s third output, else [0, H]): a
     ``layer_state`` backend's forward does, unless its ``Backend.keeps_x_rows`` says that its
     run reads X through the routing index (for these weights' sizes and dtypes and these
     options: never the token count). What the fake implementation gives, what the real op
     checks the forward against, and what the layer passes to the forward as
-    ``keep_x_rows``."""
-    backend = resolve_backend(options.backend, device)
+    ``keep_x_rows``. ``backend``: :func:`resolve_backend`'s answer for ``options.backend`` on
+    ``device`` where the caller has it (None: resolved here)."""
+    if backend is None:
+        backend = resolve_backend(options.backend, device)
     if not backend.layer_state:
         return False
     hook = backend.keeps_x_rows if backend.forward else None
@@ -264,13 +270,14 @@ def keeps_x_rows(options, device, w_gate_up, w_down) -> bool:
 
 
 def checkpoint_shape(options, device, *, E: int, H: int, I: int, R: int, S: int,
-                     gate_up_bias: bool) -> tuple[int, ...]:
+                     gate_up_bias: bool, backend=None) -> tuple[int, ...]:
     """The shape of the checkpoint the layer's forward keeps (``LayerForward.checkpoint``):
     ``(S, 2I)`` (grouped row order) where the backend's ``Backend.checkpoint_rows`` says so for
     these dimensions (E, H, I the weights') and options, else ``(R, 2, I)`` (pair order). What
     the fake implementations give, and what the real op checks the backend's forward
-    against."""
-    backend = resolve_backend(options.backend, device)
+    against. ``backend``: as :func:`keeps_x_rows`'."""
+    if backend is None:
+        backend = resolve_backend(options.backend, device)
     hook = backend.checkpoint_rows if backend.layer_state and backend.forward else None
     if hook is None:
         return (R, 2, I)
@@ -377,17 +384,21 @@ def _experts_forward(
     through the routing index). Checks the inputs first (ValueError)."""
     check_inputs(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index)
     opts = _OPTIONS[options]
-    out, _ = layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, opts)
+    # (the backend and its answers asked once a forward: each asks the device, host time)
+    backend = resolve_backend(opts.backend, x.device)
+    keep = keeps_x_rows(opts, x.device, w_gate_up, w_down, backend)
+    out, _ = layer_forward(x, affinity, w_gate_up, w_down, b_gate_up, b_down, expert_index, opts,
+                           backend=backend, keep_x_rows=keep)
     R, E = expert_index.numel(), w_gate_up.shape[0]
     S = static_tokens_sum(R, E, ALIGN)
     if out.layout.tokens_sum != S:
         raise RuntimeError(f"the backend's forward built {out.layout.tokens_sum} rows, not {S}")
     _check_checkpoint(out, checkpoint_shape(
         opts, x.device, E=E, H=w_gate_up.shape[1], I=w_gate_up.shape[3], R=R, S=S,
-        gate_up_bias=b_gate_up is not None))
+        gate_up_bias=b_gate_up is not None, backend=backend))
     rows = out.x_rows_S if out.x_rows_S is not None else x.new_empty(0, x.shape[1],
                                                                       dtype=torch.bfloat16)
-    want = S if keeps_x_rows(opts, x.device, w_gate_up, w_down) else 0
+    want = S if keep else 0
     if rows.shape[0] != want:
         raise RuntimeError(
             f"the backend's forward kept {rows.shape[0]} X rows, not {want} "
@@ -531,21 +542,23 @@ def _experts_forward_presorted(
     """``(y, act)`` of rows already in expert order (:func:`presorted_op`); act is the
     checkpoint in the form of :func:`_presorted_checkpoint_shape`."""
     opts = _OPTIONS[options]
-    ck = _presorted_checkpoint_shape(opts, x, w_gate_up)
+    backend = resolve_backend(opts.backend, x.device)
+    ck = _presorted_checkpoint_shape(opts, x, w_gate_up, backend)
     if x.shape[0] == 0:  # nothing to compute (and no empty grouped GEMM to launch)
         return x.new_zeros(x.shape), x.new_zeros(ck, dtype=torch.bfloat16)
     plan, layout = presorted_routing(num_rows_per_expert, x.shape[0])
     out, _ = layer_forward(x, None, w_gate_up, w_down, None, None, None, opts,
-                           routing=(plan, layout))
+                           routing=(plan, layout), backend=backend)
     _check_checkpoint(out, ck)
     return out.y_TH, out.checkpoint
 
 
-def _presorted_checkpoint_shape(options, x, w_gate_up) -> tuple[int, ...]:
+def _presorted_checkpoint_shape(options, x, w_gate_up, backend=None) -> tuple[int, ...]:
     """:func:`checkpoint_shape` of the presorted layer (R = S = the row count, no bias)."""
     rows = x.shape[0]
     return checkpoint_shape(options, x.device, E=w_gate_up.shape[0], H=w_gate_up.shape[1],
-                            I=w_gate_up.shape[3], R=rows, S=rows, gate_up_bias=False)
+                            I=w_gate_up.shape[3], R=rows, S=rows, gate_up_bias=False,
+                            backend=backend)
 
 
 @_experts_forward_presorted.register_fake
@@ -633,7 +646,7 @@ def _experts_forward_presorted_split(
     backend = resolve_backend(opts.backend, x.device)
     if backend.forward_split_gate_up is None:
         out, _ = layer_forward(x, None, _concat_gate_up(w_gate, w_up), w_down, None, None, None,
-                               opts, routing=routing)
+                               opts, routing=routing, backend=backend)
     else:
         out = backend.forward_split_gate_up(
             x, w_gate, w_up, w_down, routing, clamp_limits=opts.clamp_limits,

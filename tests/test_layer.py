@@ -438,6 +438,30 @@ def test_backend_options_reach_the_backend(monkeypatch):
     assert seen == [{"block_size": 256}] and x.grad is not None
 
 
+
+def test_the_forward_resolves_the_backend_once(monkeypatch):
+    """One forward asks :func:`common.dispatch.resolve_backend` once (each call asks the device
+    and the backend's checks: host time on every step), however many of its answers it uses
+    (the forward, ``keeps_x_rows``, the checkpoint-shape check); the backward once more."""
+    import common.layer_ops as layer_mod
+
+    d = _leaves(13, bias=False)
+    calls = []
+    real = layer_mod.resolve_backend
+
+    def counting(name, device):
+        calls.append(name)
+        return real(name, device)
+
+    monkeypatch.setattr(layer_mod, "resolve_backend", counting)
+    x = d["x"].clone().requires_grad_()
+    y = moe_experts(x, EXPERT_INDEX_TK, d["aff"], d["wgu"], d["wd"],
+                    options=MoEExpertsOptions(backend="torch"))
+    assert calls == ["torch"]
+    y.sum().backward()
+    assert calls == ["torch", "torch"] and x.grad is not None
+
+
 # --------------------------------------------------------------------------------- torchtitan
 def _torchtitan_formula(w1, w2, w3, x, counts):
     """torchtitan's GroupedExperts math, per expert in plain torch (rows in expert order,

@@ -682,6 +682,7 @@ def test_gated_checkpoint_rows_is_the_pair_checkpoint_in_row_order(case):
 _GATED_TMA_TILES = {
     "coop-128x256": _T(128, 256, 64, 4, epi_tma=True),
     "pingpong-128x128": _T(128, 128, 64, 6, True, epi_tma=True),
+    "pingpong-64x256": _T(64, 256, 64, 5, True, epi_tma=True),
 }
 
 
@@ -811,6 +812,7 @@ _DGATED_TMA_TILES = {
     "coop-128x256": _T(128, 256, 64, 4, epi_tma=True),
     "coop-128x128": _T(128, 128, 64, 6, epi_tma=True),
     "64-row": _T(64, 256, 64, 4, epi_tma=True),
+    "pingpong-64x256": _T(64, 256, 64, 5, True, epi_tma=True),
 }
 
 

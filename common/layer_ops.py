@@ -275,7 +275,7 @@ def checkpoint_shape(options, device, *, E: int, H: int, I: int, R: int, S: int,
     ``(S, 2I)`` (grouped row order) where the backend's ``Backend.checkpoint_rows`` says so for
     these dimensions (E, H, I the weights') and options, else ``(R, 2, I)`` (pair order). What
     the fake implementations give, and what the real op checks the backend's forward
-    against. ``backend``: as :func:`keeps_x_rows`'."""
+    against. ``backend``: as in :func:`keeps_x_rows`."""
     if backend is None:
         backend = resolve_backend(options.backend, device)
     hook = backend.checkpoint_rows if backend.layer_state and backend.forward else None

@@ -438,7 +438,6 @@ def test_backend_options_reach_the_backend(monkeypatch):
     assert seen == [{"block_size": 256}] and x.grad is not None
 
 
-
 def test_the_forward_resolves_the_backend_once(monkeypatch):
     """One forward asks :func:`common.dispatch.resolve_backend` once (each call asks the device
     and the backend's checks: host time on every step), however many of its answers it uses

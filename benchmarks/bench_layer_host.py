@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_moe_layer as layer_bench  # noqa: E402
-from bench_moe_backward import parse_shapes  # noqa: E402
+from bench_moe_backward import header, parse_shapes  # noqa: E402
 
 
 def host_ms(fn, n: int = 20) -> float:
@@ -56,8 +56,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     (label, model, T), = parse_shapes(argv[0], None, 1)
     p = layer_bench.make_problem_for_model(model, T, seed=0, device=dev)
-    print(f"# {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} · "
-          f"{torch.cuda.get_device_name()} · torch {torch.__version__}")
+    print(header(dev))
     for impl in argv[1].split(","):
         fwd = layer_bench.build_ours(p, model, dev, layer_bench.GROUPED_MM.get(impl, impl)).fwd
         for _ in range(3):

@@ -15,7 +15,8 @@ keep ahead of the GPU.
 
 Usage (CUDA only): ``python benchmarks/bench_layer_host.py qwen3-30b-a3b:16384
 ours-gemm,ours-fused,cublas`` (shape as ``bench_moe_layer.py --shapes``; implementations:
-``ours``, ``ours-gemm``, ``ours-fused`` or a ``grouped_mm`` value such as ``cublas``).
+``ours``, ``ours-gemm``, ``ours-fused``, a ``grouped_mm`` value such as ``cublas``, or the peer
+``sonicmoe``, built and tuned as in ``bench_moe_layer.py``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,14 @@ def main(argv=None) -> int:
     p = layer_bench.make_problem_for_model(model, T, seed=0, device=dev)
     print(header(dev))
     for impl in argv[1].split(","):
-        fwd = layer_bench.build_ours(p, model, dev, layer_bench.GROUPED_MM.get(impl, impl)).fwd
+        if impl == "sonicmoe":  # the peer, tuned as in bench_moe_layer.py (its cached choices)
+            try:
+                fwd = layer_bench.build_sonic(p, tuned=None).fwd
+            except layer_bench._Skip as why:
+                print(f"{label} {impl}: {why}", flush=True)
+                continue
+        else:
+            fwd = layer_bench.build_ours(p, model, dev, layer_bench.GROUPED_MM.get(impl, impl)).fwd
         for _ in range(3):
             fwd()
         host_grad, eager_grad = host_ms(fwd), do_bench(fwd, return_mode="median")
@@ -71,11 +79,14 @@ def main(argv=None) -> int:
                     fwd()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fwd()
-            replay = do_bench(graph.replay, return_mode="median")
+            try:
+                with torch.cuda.graph(graph):
+                    fwd()
+                replay = f"{do_bench(graph.replay, return_mode='median'):.3f}"
+            except RuntimeError as exc:  # e.g. a host sync inside the forward
+                replay = f"n/a ({str(exc).splitlines()[0][:80]})"
         print(f"{label} {impl}: grad on: host {host_grad:.3f} ms, eager {eager_grad:.3f} ms | "
-              f"no_grad: host {host:.3f}, eager {eager:.3f}, graph replay {replay:.3f}", flush=True)
+              f"no_grad: host {host:.3f}, eager {eager:.3f}, graph replay {replay}", flush=True)
         del graph
     return 0
 
